@@ -1,0 +1,104 @@
+"""The backend contract.
+
+A backend is a class with capabilities (data), a reason function, a KV-cache layout, a
+metadata builder and a ``torch.ops.attn.*`` op. The class is the static description; an instance
+is one layer's implementation (scale, window, soft-cap bound at construction).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from attn_ops.capabilities import BackendCapabilities, PackageRequirement, Reason
+from attn_ops.kv_cache import KVCacheLayout
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.spec import AttentionSpec
+
+__all__ = ["AttentionBackend", "planned_backend"]
+
+
+class AttentionBackend:
+    """Base class of every backend.
+
+    Subclasses set ``name``, ``capabilities`` and ``op`` (a ``torch.ops.attn`` overload taking
+    :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA`), and may override :meth:`build_metadata` to
+    turn the common metadata into their own (host-side planning happens there, outside graphs).
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[BackendCapabilities]
+    op: ClassVar[torch._ops.OpOverload | None] = None
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        """Every reason this backend cannot serve ``spec`` on ``platform`` (empty: it can)."""
+        return cls.capabilities.check(cls.name, spec, platform)
+
+    @classmethod
+    def kv_cache_layout(cls, spec: AttentionSpec) -> KVCacheLayout:
+        return KVCacheLayout.for_spec(spec)
+
+    @classmethod
+    def preferred_block_size(cls, spec: AttentionSpec) -> int:
+        return spec.block_size or cls.capabilities.preferred_block_size
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self.scale = spec.softmax_scale
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """This backend's metadata for one step (default: the common metadata itself)."""
+        return common
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CommonAttentionMetadata,
+        out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Attention of ``query`` over the paged cache, written into ``out`` (and ``lse``)."""
+        spec = self.spec
+        self.op(query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
+                metadata.block_table, out, lse, sinks, alibi_slopes, k_scale, v_scale,
+                self.scale, spec.sliding_window, spec.logits_soft_cap,
+                spec.causal and metadata.causal)
+
+
+def planned_backend(name: str, platforms: frozenset[PlatformKind], *,
+                    packages: tuple[PackageRequirement, ...] = (),
+                    planned_in: str = "") -> type[AttentionBackend]:
+    """A backend that is announced but not implemented yet.
+
+    It is listed by the selector and the CLI and always rejected: with the missing packages
+    (found without importing them) and a ``not_implemented`` reason.
+    """
+    from attn_ops.capabilities import HeadDims
+
+    caps = BackendCapabilities(platforms=platforms, dtypes=frozenset(), head_dims=HeadDims(),
+                               packages=packages)
+
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = []
+        if platform.kind not in platforms:
+            reasons.append(Reason(name, "platform", f"platform {platform.kind.value} not in "
+                                  f"{{{', '.join(sorted(p.value for p in platforms))}}}"))
+        reasons += [r for p in packages if (r := p.reason(name)) is not None]
+        where = f" (planned: {planned_in})" if planned_in else ""
+        reasons.append(Reason(name, "not_implemented", f"{name} is not implemented yet{where}"))
+        return reasons
+
+    return type(name, (AttentionBackend,), {
+        "name": name, "capabilities": caps, "planned": True,
+        "not_supported_reasons": classmethod(not_supported_reasons),
+        "__doc__": f"Planned backend {name}{': ' + planned_in if planned_in else ''}.",
+    })

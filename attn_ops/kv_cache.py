@@ -1,0 +1,213 @@
+"""The paged KV cache: layouts, allocation, the block allocator and the KV-write op.
+
+Layouts (chosen per backend, allocated by attn_ops):
+
+* ``NHD``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at ``[:, 0]``, V at
+  ``[:, 1]``); FlashInfer "NHD" and FlashAttention compatible. Needs equal K and V head dims.
+* ``NHD_PACKED``: ``[num_blocks, block_size, num_kv_heads, head_dim + head_dim_v]``; K and V of
+  one token side by side, for models whose V head dim differs from the QK head dim.
+
+Slot ``s`` is token ``s % block_size`` of block ``s // block_size``; slot ``-1`` is padding.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+
+import torch
+
+from attn_ops.ops import debug_checks_enabled, define_op
+from attn_ops.spec import AttentionSpec
+
+__all__ = [
+    "BlockAllocator", "KVCacheLayout", "allocate_kv_cache", "kv_cache_shape", "split_kv_cache",
+    "kv_cache_update", "FP8_MAX",
+]
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+class KVCacheLayout(enum.Enum):
+    NHD = "nhd"
+    NHD_PACKED = "nhd_packed"
+
+    @staticmethod
+    def for_spec(spec: AttentionSpec) -> KVCacheLayout:
+        return KVCacheLayout.NHD if spec.v_head_dim == spec.head_dim else KVCacheLayout.NHD_PACKED
+
+
+def kv_cache_shape(spec: AttentionSpec, num_blocks: int, block_size: int,
+                   layout: KVCacheLayout | None = None) -> tuple[int, ...]:
+    layout = layout or KVCacheLayout.for_spec(spec)
+    if layout is KVCacheLayout.NHD:
+        if spec.v_head_dim != spec.head_dim:
+            raise ValueError(f"layout NHD needs head_dim == head_dim_v, got {spec.head_dim} and "
+                             f"{spec.v_head_dim}; use KVCacheLayout.NHD_PACKED")
+        return (num_blocks, 2, block_size, spec.kv_heads, spec.head_dim)
+    return (num_blocks, block_size, spec.kv_heads, spec.head_dim + spec.v_head_dim)
+
+
+def allocate_kv_cache(spec: AttentionSpec, num_blocks: int, block_size: int,
+                      device: torch.device | str = "cpu",
+                      layout: KVCacheLayout | None = None) -> torch.Tensor:
+    """A zeroed cache for one layer, in ``spec.cache_dtype`` (fp8 for fp8 KV specs)."""
+    shape = kv_cache_shape(spec, num_blocks, block_size, layout)
+    return torch.zeros(shape, dtype=spec.cache_dtype, device=device)
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_dim: int,
+                   head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, dim]``."""
+    if kv_cache.dim() == 5:
+        if kv_cache.shape[1] != 2:
+            raise ValueError(f"a 5-d KV cache must be [num_blocks, 2, block_size, num_kv_heads, "
+                             f"head_dim], got shape {tuple(kv_cache.shape)}")
+        return kv_cache[:, 0], kv_cache[:, 1]
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[3] != head_dim + head_dim_v:
+            raise ValueError(f"a packed KV cache must be [num_blocks, block_size, num_kv_heads, "
+                             f"head_dim + head_dim_v = {head_dim + head_dim_v}], got shape "
+                             f"{tuple(kv_cache.shape)}")
+        return kv_cache[..., :head_dim], kv_cache[..., head_dim:]
+    raise ValueError(f"kv_cache must be 5-d (NHD) or 4-d (NHD_PACKED), got shape "
+                     f"{tuple(kv_cache.shape)}; allocate it with attn_ops.allocate_kv_cache")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.ops.attn.kv_cache_update
+
+
+def _check_update_inputs(key, value, kv_cache, slot_mapping, k_scale, v_scale):
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
+        raise ValueError(f"key and value must be [num_tokens, num_kv_heads, dim] with equal "
+                         f"first two dims, got {tuple(key.shape)} and {tuple(value.shape)}")
+    k_cache, v_cache = split_kv_cache(kv_cache, key.shape[2], value.shape[2])
+    if k_cache.shape[2:] != key.shape[1:] or v_cache.shape[2:] != value.shape[1:]:
+        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the "
+                         f"cache's [num_kv_heads, dim] = {tuple(k_cache.shape[2:])} / "
+                         f"{tuple(v_cache.shape[2:])}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}], got "
+                         f"{tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping.dtype={slot_mapping.dtype} must be int64 (or int32)")
+    for name, t in (("value", value), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        if t.device.type != key.device.type:
+            raise ValueError(f"{name} is on {t.device} but key is on {key.device}")
+    if kv_cache.dtype in FP8_MAX:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"kv_cache.dtype={kv_cache.dtype} needs k_scale and v_scale to "
+                             "quantize")
+    elif kv_cache.dtype != key.dtype or value.dtype != key.dtype:
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal key/value dtype "
+                         f"{key.dtype}/{value.dtype} (or be fp8 with scales)")
+    return k_cache, v_cache
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` saturated to the fp8 range and rounded to ``dtype``."""
+    limit = FP8_MAX[dtype]
+    return (x.float() / scale.float()).clamp_(-limit, limit).to(dtype)
+
+
+def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
+    k_cache, v_cache = _check_update_inputs(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if debug_checks_enabled():
+        capacity = k_cache.shape[0] * block_size
+        bad = valid & (slots >= capacity)
+        if bool(bad.any()):
+            raise ValueError(f"slot_mapping holds slot {int(slots[bad][0])} but the cache has "
+                             f"{capacity} slots ({k_cache.shape[0]} blocks x {block_size})")
+    slots, key, value = slots[valid], key[valid], value[valid]
+    if kv_cache.dtype in FP8_MAX:
+        key = quantize_fp8(key, k_scale, kv_cache.dtype)
+        value = quantize_fp8(value, v_scale, kv_cache.dtype)
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
+
+
+def _kv_cache_update_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale):
+    _check_update_inputs(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+kv_cache_update = define_op(
+    "kv_cache_update",
+    "(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? k_scale, "
+    "Tensor? v_scale) -> ()",
+    _kv_cache_update_impl,
+    _kv_cache_update_fake,
+)
+kv_cache_update.__doc__ = """Write key/value [T, Hkv, D] into the paged cache at slot_mapping [T].
+
+Slots of -1 are skipped. An fp8 cache stores ``key / k_scale`` (and ``value / v_scale``)
+saturated to the fp8 range.
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Block allocator
+
+
+class BlockAllocator:
+    """A small paged allocator: hands out cache blocks to requests and builds block tables.
+
+    ``shuffle=True`` hands blocks out in random order so tests exercise non-contiguous pages.
+    Block 0..num_blocks-1 are all usable; freed blocks return to the pool.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, shuffle: bool = False,
+                 seed: int = 0) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+        if shuffle:
+            random.Random(seed).shuffle(self._free)
+        self._blocks: dict[object, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks(self, request_id: object) -> list[int]:
+        return self._blocks.get(request_id, [])
+
+    def reserve(self, request_id: object, num_tokens: int) -> list[int]:
+        """Make sure ``request_id`` owns enough blocks for ``num_tokens`` tokens in total."""
+        owned = self._blocks.setdefault(request_id, [])
+        needed = -(-num_tokens // self.block_size) - len(owned)
+        if needed > len(self._free):
+            raise RuntimeError(f"out of KV-cache blocks: request {request_id!r} needs {needed} "
+                               f"more, {len(self._free)} free of {self.num_blocks}; allocate a "
+                               "bigger cache")
+        for _ in range(max(needed, 0)):
+            owned.append(self._free.pop())
+        return owned
+
+    def free(self, request_id: object) -> None:
+        self._free.extend(reversed(self._blocks.pop(request_id, [])))
+
+    def slots(self, request_id: object, start: int, end: int) -> list[int]:
+        """Cache slots of token positions ``start..end-1`` of a request."""
+        owned, bs = self._blocks[request_id], self.block_size
+        return [owned[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+def gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, end: int,
+                  start: int = 0) -> torch.Tensor:
+    """Tokens ``start..end-1`` stored in ``blocks`` of one cache view
+    (``[num_blocks, block_size, H, D]``) as a ``[end - start, H, D]`` tensor.
+
+    Only the blocks that hold those tokens are read, so unused pages are never touched.
+    """
+    block_size = cache.shape[1]
+    first = start // block_size
+    used = blocks[first: -(-end // block_size)].long()
+    offset = start - first * block_size
+    return cache.index_select(0, used).flatten(0, 1)[offset: offset + end - start]

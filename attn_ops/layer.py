@@ -1,0 +1,103 @@
+"""The ``Attention`` module: one attention layer over the paged KV cache.
+
+It resolves its backend once (logging the choice and why every other backend was rejected),
+then ``forward`` writes the new K/V into the cache with ``torch.ops.attn.kv_cache_update`` and
+runs the backend's ``torch.ops.attn.*`` op into a fresh output. Both ops are opaque custom ops
+with fake kernels, so ``torch.compile(fullgraph=True)`` traces the layer with no graph break and
+the compiled graph names the selected backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.platforms import Platform
+from attn_ops.selector import AttentionConfig, select_backend
+from attn_ops.spec import AttentionSpec
+
+__all__ = ["Attention", "alibi_slopes"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's per-head slopes (geometric, interleaved for non-powers of two)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class Attention(nn.Module):
+    """One attention layer described by an :class:`AttentionSpec`.
+
+    ``forward(query, key, value, kv_cache, metadata)`` takes
+    ``query [T, Hq, D]`` (or ``[T, Hq*D]``), ``key [T, Hkv, D]``, ``value [T, Hkv, Dv]`` (key and
+    value may be None when the cache already holds them), a cache from
+    :meth:`allocate_kv_cache` and the step's :class:`CommonAttentionMetadata`, and returns
+    ``out [T, Hq, Dv]`` in the model dtype (plus ``lse [T, Hq]`` float32 with
+    ``return_lse=True``). Sinks (``spec.has_sinks``) are a learnable ``[Hq]`` float32
+    parameter; fp8 caches carry ``k_scale``/``v_scale`` buffers (default 1.0).
+
+    Example::
+
+        spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+        attn = Attention(spec)
+        cache = attn.allocate_kv_cache(num_blocks=64)
+        out = attn(q, k, v, cache, metadata)
+    """
+
+    def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
+                 platform: Platform | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.selection = select_backend(spec, platform, config)
+        options = dict(config.backend_options) if config is not None else {}
+        self.impl = self.selection.backend_cls(spec, **options)
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.has_sinks else None
+        self.register_buffer("alibi_slopes",
+                             alibi_slopes(spec.num_heads) if spec.use_alibi else None)
+        fp8 = spec.kv_cache_dtype.is_fp8
+        self.register_buffer("k_scale", torch.ones(1) if fp8 else None)
+        self.register_buffer("v_scale", torch.ones(1) if fp8 else None)
+
+    @property
+    def backend(self) -> str:
+        return self.selection.backend
+
+    @property
+    def block_size(self) -> int:
+        return self.selection.block_size
+
+    def allocate_kv_cache(self, num_blocks: int,
+                          device: torch.device | str | None = None) -> torch.Tensor:
+        """A zeroed cache in the selected backend's layout, page size and dtype."""
+        device = device if device is not None else self.selection.platform.device_type
+        return allocate_kv_cache(self.spec, num_blocks, self.block_size, device,
+                                 self.selection.backend_cls.kv_cache_layout(self.spec))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                kv_cache: torch.Tensor, metadata: CommonAttentionMetadata, *,
+                return_lse: bool = False):
+        spec = self.spec
+        query = query.view(-1, spec.num_heads, spec.head_dim)
+        if key is not None and value is not None:
+            kv_cache_update(key.view(-1, spec.kv_heads, spec.head_dim),
+                            value.view(-1, spec.kv_heads, spec.v_head_dim), kv_cache,
+                            metadata.slot_mapping, self.k_scale, self.v_scale)
+        out = query.new_empty(query.shape[0], spec.num_heads, spec.v_head_dim)
+        lse = query.new_empty(query.shape[0], spec.num_heads, dtype=torch.float32) \
+            if return_lse else None
+        self.impl.forward(query, kv_cache, self.impl.build_metadata(metadata), out, lse=lse,
+                          sinks=self.sinks, alibi_slopes=self.alibi_slopes,
+                          k_scale=self.k_scale, v_scale=self.v_scale)
+        return (out, lse) if return_lse else out
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"

@@ -1,0 +1,188 @@
+"""Batch metadata shared by all layers of one step.
+
+A batch is a list of requests, decodes first (query length <= ``decode_threshold``), then
+prefills and chunked prefills. Request ``i`` has ``seq_lens[i]`` tokens in the cache after this
+step, of which the last ``query_lens[i]`` are new: its queries sit at positions
+``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+
+Everything that needs tensor *values* (range checks, the decode/prefill split) is done here, on
+host data, when the batch is built -- never inside the per-layer ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from attn_ops.kv_cache import BlockAllocator
+
+__all__ = [
+    "CommonAttentionMetadata", "build_common_metadata", "build_batch", "decode_first_order",
+    "split_decodes_and_prefills",
+]
+
+
+@dataclass(frozen=True)
+class CommonAttentionMetadata:
+    """One step's batch, as every backend receives it.
+
+    Tensors (B requests, T tokens including padding):
+
+    * ``query_start_loc`` ``[B+1]`` int32 on the device, ``query_start_loc_cpu`` its host copy;
+    * ``seq_lens`` ``[B]`` int32 (context + new tokens), ``seq_lens_cpu`` its host copy;
+    * ``block_table`` ``[B, max_blocks]`` int32, unused entries 0;
+    * ``slot_mapping`` ``[T]`` int64, -1 for padding tokens.
+
+    Host ints: ``num_actual_tokens`` (``query_start_loc[-1]``), ``max_query_len``,
+    ``max_seq_len``, ``num_decodes`` / ``num_decode_tokens`` (the decode prefix).
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_decode_tokens: int
+    causal: bool = True
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens_cpu.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[T]`` int64 position of every token in its request (padding: 0), on the device."""
+        qsl, seq = self.query_start_loc_cpu.tolist(), self.seq_lens_cpu.tolist()
+        pos = torch.zeros(self.slot_mapping.shape[0], dtype=torch.int64)
+        for i in range(self.num_reqs):
+            n = qsl[i + 1] - qsl[i]
+            pos[qsl[i]:qsl[i + 1]] = torch.arange(seq[i] - n, seq[i])
+        return pos.to(self.slot_mapping.device)
+
+
+def decode_first_order(query_lens: Sequence[int], decode_threshold: int = 1) -> list[int]:
+    """A stable permutation putting requests with ``query_len <= decode_threshold`` first."""
+    decodes = [i for i, q in enumerate(query_lens) if q <= decode_threshold]
+    return decodes + [i for i, q in enumerate(query_lens) if q > decode_threshold]
+
+
+def split_decodes_and_prefills(query_lens: Sequence[int],
+                               decode_threshold: int = 1) -> tuple[int, int]:
+    """``(num_decodes, num_decode_tokens)`` of a decode-first batch, from host lengths."""
+    num_decodes = 0
+    for q in query_lens:
+        if q > decode_threshold:
+            break
+        num_decodes += 1
+    return num_decodes, sum(query_lens[:num_decodes])
+
+
+def build_common_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    num_blocks: int,
+    *,
+    device: torch.device | str = "cpu",
+    num_tokens_padded: int | None = None,
+    max_blocks_per_req: int | None = None,
+    causal: bool = True,
+    decode_threshold: int = 1,
+) -> CommonAttentionMetadata:
+    """Check a batch on the host and build its metadata.
+
+    ``block_tables[i]`` lists the cache blocks of request ``i`` in order. Raises ``ValueError``
+    naming the request and value when a length, block id or ordering is wrong.
+    """
+    n = len(query_lens)
+    if len(seq_lens) != n or len(block_tables) != n:
+        raise ValueError(f"query_lens, seq_lens and block_tables must have one entry per request; "
+                         f"got {n}, {len(seq_lens)} and {len(block_tables)}")
+    for i, (q, s, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        if q < 0:
+            raise ValueError(f"query_lens[{i}]={q} must be >= 0")
+        if s < q:
+            raise ValueError(f"seq_lens[{i}]={s} is shorter than query_lens[{i}]={q}; seq_lens "
+                             "counts the cached context plus the new tokens")
+        if len(blocks) * block_size < s:
+            raise ValueError(f"request {i} has seq_len={s} but only {len(blocks)} blocks of "
+                             f"{block_size} tokens; reserve ceil({s}/{block_size}) blocks")
+        for b in blocks:
+            if not 0 <= b < num_blocks:
+                raise ValueError(f"block_tables[{i}] holds block {b}, outside the cache's "
+                                 f"[0, {num_blocks}) blocks")
+    num_decodes, num_decode_tokens = split_decodes_and_prefills(query_lens, decode_threshold)
+    if any(q <= decode_threshold for q in query_lens[num_decodes:]):
+        raise ValueError(f"batch is not decode-first: query_lens={list(query_lens)}; reorder the "
+                         "requests with attn_ops.decode_first_order(query_lens)")
+    num_tokens = sum(query_lens)
+    padded = num_tokens if num_tokens_padded is None else num_tokens_padded
+    if padded < num_tokens:
+        raise ValueError(f"num_tokens_padded={padded} is smaller than the {num_tokens} tokens")
+    width = max([len(b) for b in block_tables] + [1])
+    if max_blocks_per_req is not None:
+        if max_blocks_per_req < width:
+            raise ValueError(f"max_blocks_per_req={max_blocks_per_req} < {width} blocks needed")
+        width = max_blocks_per_req
+
+    table = torch.zeros(n, width, dtype=torch.int32)
+    slots = torch.full((padded,), -1, dtype=torch.int64)
+    qsl = [0]
+    for i, (q, s, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        if blocks:
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        pos = torch.arange(s - q, s)
+        slots[qsl[-1]:qsl[-1] + q] = table[i, pos // block_size].long() * block_size \
+            + pos % block_size
+        qsl.append(qsl[-1] + q)
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    seq_cpu = torch.tensor(list(seq_lens), dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_cpu.to(device),
+        seq_lens_cpu=seq_cpu,
+        block_table=table.to(device),
+        slot_mapping=slots.to(device),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        causal=causal,
+    )
+
+
+def build_batch(
+    allocator: BlockAllocator,
+    request_ids: Sequence[object],
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    *,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> CommonAttentionMetadata:
+    """Reserve blocks for each request's context + new tokens and build the step's metadata.
+
+    Requests must already be decode-first (see :func:`decode_first_order`).
+    """
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    tables = [allocator.reserve(r, s) for r, s in zip(request_ids, seq_lens)]
+    return build_common_metadata(query_lens, seq_lens, tables, allocator.block_size,
+                                 allocator.num_blocks, device=device, **kwargs)

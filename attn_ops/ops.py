@@ -1,0 +1,161 @@
+"""Op registration for the ``torch.ops.attn`` namespace, and the shared schemas.
+
+Ops are defined with ``torch.library.Library.define`` + ``impl`` + a fake kernel rather than
+``torch.library.custom_op``: the latter costs about 10x more per eager call
+(``benchmarks/bench_op_overhead.py`` measures both side by side), which matters for eager and
+piecewise-graph decode. Registration happens when a backend module is imported, is idempotent,
+and changes no torch or Inductor setting.
+
+Every attention backend's op takes the same semantic schema (:data:`PAGED_ATTENTION_SCHEMA`):
+metadata arrives as tensors, the result is written into a preallocated ``out`` (and ``lse``),
+and there are no per-layer strings, so Inductor can reuse one compiled layer for all layers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "PAGED_ATTENTION_SCHEMA", "check_paged_attention_inputs", "debug_checks_enabled",
+    "define_op", "library", "set_debug_checks",
+]
+
+_LIB: torch.library.Library | None = None
+_DEFINED: dict[str, torch._ops.OpOverload] = {}
+_DEBUG = os.environ.get("ATTN_OPS_DEBUG", "0") not in ("", "0")
+
+DISPATCH_KEYS = ("CPU", "CUDA", "XPU")
+
+PAGED_ATTENTION_SCHEMA = (
+    "(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_table, Tensor(a!) out, Tensor(b!)? lse, Tensor? sinks, Tensor? alibi_slopes, "
+    "Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, float? soft_cap, "
+    "bool causal) -> ()"
+)
+"""Paged attention over a mixed batch (decodes first, then prefills).
+
+query [T, Hq, Dqk]; kv_cache in one of the layouts of :mod:`attn_ops.kv_cache`;
+query_start_loc [B+1] int32; seq_lens [B] int32 (context + new tokens); block_table
+[B, max_blocks] int32; out [T, Hq, Dv] written for the first query_start_loc[-1] rows (padding
+rows are zeroed); lse [T, Hq] float32, natural log, over the visible keys (sinks excluded);
+sinks [Hq] float32 logits; alibi_slopes [Hq] float32; k_scale/v_scale one-element float32
+tensors dequantizing an fp8 cache.
+"""
+
+
+def library() -> torch.library.Library:
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library("attn", "FRAGMENT")
+    return _LIB
+
+
+def define_op(
+    name: str,
+    schema: str,
+    impl: Callable,
+    fake: Callable,
+    *,
+    dispatch_keys: Sequence[str] = DISPATCH_KEYS,
+    tags: Sequence[torch.Tag] = (),
+) -> torch._ops.OpOverload:
+    """Define ``torch.ops.attn.<name>`` once; later calls return the existing overload."""
+    if name in _DEFINED:
+        return _DEFINED[name]
+    lib = library()
+    lib.define(name + schema, tags=tuple(tags))
+    for key in dispatch_keys:
+        lib.impl(name, impl, key)
+    torch.library.register_fake(f"attn::{name}", fake, lib=lib)
+    _DEFINED[name] = getattr(torch.ops.attn, name).default
+    return _DEFINED[name]
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn on value checks that read tensor data (slot and block-table ranges) inside ops.
+
+    Off by default because on a GPU they would synchronize the device in every layer; the
+    metadata builder already checks the same values where they live on the host. Also set by
+    ``ATTN_OPS_DEBUG=1``.
+    """
+    global _DEBUG
+    _DEBUG = enabled
+
+
+def debug_checks_enabled() -> bool:
+    return _DEBUG
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def check_paged_attention_inputs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Shape, dtype and device checks that need no tensor data (safe in the hot path and in
+    fake kernels). Raises ``ValueError`` naming the offending value and the fix."""
+    from attn_ops.kv_cache import split_kv_cache
+
+    if query.dim() != 3:
+        _fail(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    if out.dim() != 3 or out.shape[0] != num_tokens or out.shape[1] != num_heads:
+        _fail(f"out must be [{num_tokens}, {num_heads}, head_dim_v] to match query, got shape "
+              f"{tuple(out.shape)}")
+    if out.dtype != query.dtype:
+        _fail(f"out.dtype={out.dtype} differs from query.dtype={query.dtype}; allocate out with "
+              "torch.empty_like(query) (or the query dtype)")
+    k_cache, v_cache = split_kv_cache(kv_cache, head_dim, out.shape[2])
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        _fail(f"query head_dim={head_dim} differs from the KV cache's head_dim="
+              f"{k_cache.shape[3]}")
+    if v_cache.shape[3] != out.shape[2]:
+        _fail(f"out head_dim_v={out.shape[2]} differs from the KV cache's head_dim_v="
+              f"{v_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        _fail(f"num_heads={num_heads} is not a multiple of the cache's num_kv_heads="
+              f"{num_kv_heads}")
+    for name, t in (("kv_cache", kv_cache), ("out", out), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens), ("block_table", block_table), ("lse", lse),
+                    ("sinks", sinks), ("alibi_slopes", alibi_slopes), ("k_scale", k_scale),
+                    ("v_scale", v_scale)):
+        if t is not None and t.device.type != query.device.type:
+            _fail(f"{name} is on {t.device} but query is on {query.device}; move both to one "
+                  "device")
+    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if k_scale is None or v_scale is None:
+            _fail(f"kv_cache.dtype={kv_cache.dtype} needs k_scale and v_scale to dequantize")
+    elif kv_cache.dtype != query.dtype:
+        _fail(f"kv_cache.dtype={kv_cache.dtype} differs from query.dtype={query.dtype}; store "
+              "the cache in the model dtype or in fp8 with scales")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                    ("block_table", block_table)):
+        if t.dtype not in (torch.int32, torch.int64):
+            _fail(f"{name}.dtype={t.dtype} must be int32 (or int64)")
+    num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_reqs + 1,):
+        _fail(f"seq_lens must be [B] and query_start_loc [B+1]; got {tuple(seq_lens.shape)} and "
+              f"{tuple(query_start_loc.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
+        _fail(f"block_table must be [B={num_reqs}, max_blocks], got {tuple(block_table.shape)}")
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.dtype != torch.float32):
+        _fail(f"lse must be float32 [{num_tokens}, {num_heads}], got {lse.dtype} "
+              f"{tuple(lse.shape)}")
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if t is not None and t.shape != (num_heads,):
+            _fail(f"{name} must be [num_heads={num_heads}], got {tuple(t.shape)}")

@@ -1,0 +1,119 @@
+"""Platform detection (CUDA, ROCm, XPU, CPU) and simulated platforms for tests and the CLI.
+
+``current_platform()`` inspects torch once and caches the answer. ``Platform.parse("cuda:9.0")``
+builds a simulated platform so the CUDA/ROCm priority lists can be exercised on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Platform", "PlatformKind", "current_platform"]
+
+
+class PlatformKind(enum.Enum):
+    CUDA = "cuda"
+    ROCM = "rocm"
+    XPU = "xpu"
+    CPU = "cpu"
+
+    @property
+    def torch_device_type(self) -> str:
+        # ROCm builds of torch expose HIP devices as "cuda".
+        return "cuda" if self in (PlatformKind.CUDA, PlatformKind.ROCM) else self.value
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where attention runs.
+
+    ``capability`` is the CUDA compute capability as ``(major, minor)`` (None off NVIDIA);
+    ``arch`` is the ROCm gfx name (``"gfx942"``) where known. ``simulated`` marks platforms made
+    by :meth:`parse` rather than detected.
+    """
+
+    kind: PlatformKind
+    device_name: str = ""
+    capability: tuple[int, int] | None = None
+    arch: str | None = None
+    simulated: bool = False
+
+    @property
+    def device_type(self) -> str:
+        return self.kind.torch_device_type
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind is not PlatformKind.CPU
+
+    def __str__(self) -> str:
+        text = self.kind.value
+        if self.capability is not None:
+            text += f":{self.capability[0]}.{self.capability[1]}"
+        elif self.arch:
+            text += f":{self.arch}"
+        if self.device_name:
+            text += f" ({self.device_name})"
+        if self.simulated:
+            text += " [simulated]"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> Platform:
+        """``"cpu"``, ``"cuda"``, ``"cuda:9.0"`` / ``"cuda:sm90"``, ``"rocm"``, ``"rocm:gfx942"``,
+        ``"xpu"``."""
+        m = re.fullmatch(r"\s*(cuda|rocm|xpu|cpu)(?::(\S+))?\s*", text.lower())
+        if m is None:
+            raise ValueError(f"platform {text!r} is not understood; use cpu, cuda:9.0, cuda:sm100, "
+                             "rocm, rocm:gfx942 or xpu")
+        kind, detail = PlatformKind(m.group(1)), m.group(2)
+        capability, arch = None, None
+        if kind is PlatformKind.CUDA:
+            capability = _parse_capability(detail or "9.0", text)
+        elif detail is not None:
+            if kind is not PlatformKind.ROCM:
+                raise ValueError(f"platform {text!r}: only cuda takes a capability and only rocm "
+                                 "an arch")
+            arch = detail
+        return cls(kind, device_name="", capability=capability, arch=arch, simulated=True)
+
+
+def _parse_capability(detail: str, text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)\.(\d+)", detail) or re.fullmatch(r"sm_?(\d+?)(\d)", detail)
+    if m is None:
+        raise ValueError(f"platform {text!r}: compute capability {detail!r} is not understood; "
+                         "write it as 9.0 or sm90")
+    return int(m.group(1)), int(m.group(2))
+
+
+@functools.cache
+def current_platform() -> Platform:
+    """The platform of the default device, detected once."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if torch.version.hip is not None:
+            arch = getattr(props, "gcnArchName", "").split(":")[0] or None
+            return Platform(PlatformKind.ROCM, props.name, None, arch)
+        return Platform(PlatformKind.CUDA, props.name, (props.major, props.minor))
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return Platform(PlatformKind.XPU, xpu.get_device_name())
+    return Platform(PlatformKind.CPU, _cpu_name())
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()

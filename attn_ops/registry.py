@@ -1,0 +1,192 @@
+"""Backend registry: built-in backends by enum name, imported lazily from "module:Class" paths.
+
+``register_backend(name, "module:Class" | cls)`` adds or overrides a backend and returns a
+handle whose ``remove()`` restores what was there. Plugins declare entry points in the group
+``attn_ops.backends`` (``NAME = "package.module:Class"``); they are discovered on demand, the
+first time a name is looked up or the backends are listed. Nothing is imported at import time.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+import importlib.metadata
+import threading
+from dataclasses import dataclass
+
+from attn_ops.capabilities import PackageRequirement
+from attn_ops.platforms import PlatformKind
+
+__all__ = [
+    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "get_backend_class", "list_backends",
+    "register_backend", "resolve_name",
+]
+
+ENTRY_POINT_GROUP = "attn_ops.backends"
+
+
+class Backend(str, enum.Enum):
+    """Built-in backends. Values equal names so ``Backend("FLASHINFER")`` works."""
+
+    FLASH_ATTN = "FLASH_ATTN"
+    FLASHINFER = "FLASHINFER"
+    FLASH_ATTN_DIFFKV = "FLASH_ATTN_DIFFKV"
+    TRITON_ATTN = "TRITON_ATTN"
+    FLEX_ATTENTION = "FLEX_ATTENTION"
+    TREE_ATTN = "TREE_ATTN"
+    ROCM_AITER_FA = "ROCM_AITER_FA"
+    ROCM_ATTN = "ROCM_ATTN"
+    XPU_ATTN = "XPU_ATTN"
+    CPU_ATTN = "CPU_ATTN"
+    REFERENCE = "REFERENCE"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
+_CUDA = frozenset({PlatformKind.CUDA})
+_TRITON = PackageRequirement("triton", "triton", "3.6")
+_FLASHINFER = PackageRequirement("flashinfer-python", "flashinfer", "0.7")
+_FLASH_ATTN = PackageRequirement("flash-attn-4", "flash_attn", "4.0.0b1")
+
+
+@dataclass(frozen=True)
+class _Planned:
+    platforms: frozenset[PlatformKind]
+    packages: tuple[PackageRequirement, ...]
+    planned_in: str
+
+
+_BUILTIN_PATHS: dict[str, str] = {
+    Backend.REFERENCE: "attn_ops.backends.reference:ReferenceBackend",
+    Backend.CPU_ATTN: "attn_ops.backends.cpu_attn:CPUAttnBackend",
+}
+
+_PLANNED: dict[str, _Planned] = {
+    Backend.FLASH_ATTN: _Planned(_CUDA, (_FLASH_ATTN,), "issue 3"),
+    Backend.FLASHINFER: _Planned(_CUDA, (_FLASHINFER,), "issue 3"),
+    Backend.FLASH_ATTN_DIFFKV: _Planned(_CUDA, (), "issue 3"),
+    Backend.TRITON_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),
+    Backend.FLEX_ATTENTION: _Planned(_GPU | {PlatformKind.CPU}, (), "issue 4"),
+    Backend.TREE_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),
+    Backend.ROCM_AITER_FA: _Planned(frozenset({PlatformKind.ROCM}),
+                                    (PackageRequirement("aiter", "aiter"),), "ROCm support"),
+    Backend.ROCM_ATTN: _Planned(frozenset({PlatformKind.ROCM}), (_TRITON,), "ROCm support"),
+    Backend.XPU_ATTN: _Planned(frozenset({PlatformKind.XPU}), (), "XPU support"),
+}
+
+_lock = threading.Lock()
+_overrides: dict[str, list[tuple[int, object]]] = {}  # name -> stack of (token, target)
+_token = 0
+
+
+class BackendHandle:
+    """Returned by :func:`register_backend`; ``remove()`` undoes exactly that registration."""
+
+    def __init__(self, name: str, token: int) -> None:
+        self.name, self._token = name, token
+
+    def remove(self) -> None:
+        with _lock:
+            stack = _overrides.get(self.name, [])
+            stack[:] = [(t, target) for t, target in stack if t != self._token]
+            if not stack:
+                _overrides.pop(self.name, None)
+
+    def __enter__(self) -> BackendHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def register_backend(name: Backend | str, target: str | type) -> BackendHandle:
+    """Add a backend, or override a built-in one, under ``name``.
+
+    ``target`` is a class or a lazy ``"module:Class"`` path. The latest registration of a name
+    wins until its handle is removed.
+    """
+    if not isinstance(target, (str, type)):
+        raise ValueError(f"target={target!r} must be a backend class or a 'module:Class' path")
+    if isinstance(target, str) and ":" not in target:
+        raise ValueError(f"target={target!r} must be written 'module:Class'")
+    global _token
+    key = _normalize(name)
+    with _lock:
+        _token += 1
+        _overrides.setdefault(key, []).append((_token, target))
+        return BackendHandle(key, _token)
+
+
+def _normalize(name: Backend | str) -> str:
+    if isinstance(name, Backend):
+        return name.value
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"backend name {name!r} must be a non-empty string or a Backend")
+    return name.strip().upper()
+
+
+@functools.cache
+def _entry_points() -> dict[str, str]:
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    return {ep.name.upper(): ep.value for ep in eps}
+
+
+def refresh_plugins() -> None:
+    """Forget discovered entry points (after installing a plugin in a running process)."""
+    _entry_points.cache_clear()
+
+
+def list_backends() -> list[str]:
+    """Every known backend name: built-ins in enum order, then plugins and registrations."""
+    names = [b.value for b in Backend]
+    for extra in (*_entry_points(), *_overrides):
+        if extra not in names:
+            names.append(extra)
+    return names
+
+
+def resolve_name(name: Backend | str) -> str:
+    """The canonical name, or ``ValueError`` listing the valid ones."""
+    key = _normalize(name)
+    if key not in list_backends():
+        raise ValueError(f"unknown attention backend {name!r}; valid names: "
+                         f"{', '.join(list_backends())}")
+    return key
+
+
+def _load(target: str | type) -> type:
+    if isinstance(target, type):
+        return target
+    module, _, qualname = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def get_backend_class(name: Backend | str) -> type:
+    """The backend class for ``name``; imports its module on first use.
+
+    Raises ``ImportError`` when a registered path cannot be imported (the selector turns this
+    into a reason) and ``ValueError`` for unknown names.
+    """
+    key = resolve_name(name)
+    with _lock:
+        stack = _overrides.get(key)
+        target = stack[-1][1] if stack else None
+    if target is None:
+        target = _BUILTIN_PATHS.get(key) or _entry_points().get(key)
+    if target is not None:
+        return _load(target)
+    return _planned_class(key)
+
+
+@functools.cache
+def _planned_class(key: str) -> type:
+    from attn_ops.backend import planned_backend
+
+    p = _PLANNED[key]
+    return planned_backend(key, p.platforms, packages=p.packages, planned_in=p.planned_in)

@@ -1,0 +1,192 @@
+"""Backend selection: capability (reasons) is separate from policy (priority lists).
+
+``select_backend(spec)`` walks the priority list of the platform, asks each backend for its
+reasons, and picks the first with none. A backend forced by config, per-layer-kind config or the
+``ATTN_OPS_BACKEND`` environment variable is validated the same way and raises
+:class:`BackendNotSupportedError` listing every reason -- never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from attn_ops.capabilities import Reason
+from attn_ops.platforms import Platform, PlatformKind, current_platform
+from attn_ops.registry import Backend, get_backend_class, list_backends, resolve_name
+from attn_ops.spec import AttentionSpec, Feature, LayerKind
+
+__all__ = [
+    "AttentionConfig", "BackendNotSupportedError", "Candidate", "NoBackendError", "Selection",
+    "priority_list", "select_backend", "ENV_BACKEND",
+]
+
+logger = logging.getLogger("attn_ops")
+ENV_BACKEND = "ATTN_OPS_BACKEND"
+B = Backend
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """User choices. ``backend`` forces one backend for every layer; ``backend_per_kind``
+    forces one per layer kind (e.g. sliding-window layers) and wins over ``backend``;
+    ``backend_options`` is handed to the chosen backend's constructor as keyword arguments."""
+
+    backend: Backend | str | None = None
+    backend_per_kind: Mapping[LayerKind, Backend | str] = field(default_factory=dict)
+    backend_options: Mapping[str, object] = field(default_factory=dict)
+
+
+def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
+    """The policy: backends to try, best first, for this spec on this platform."""
+    if platform.kind is PlatformKind.CUDA:
+        major = platform.capability[0] if platform.capability else 0
+        vendor = [B.FLASHINFER, B.FLASH_ATTN] if major >= 10 else [B.FLASH_ATTN, B.FLASHINFER]
+        if Feature.DIFF_HEAD_DIM_V in spec.features:
+            vendor = [B.FLASH_ATTN_DIFFKV, *vendor]
+        order = [*vendor, B.TRITON_ATTN, B.FLEX_ATTENTION, B.TREE_ATTN]
+    elif platform.kind is PlatformKind.ROCM:
+        order = [B.ROCM_AITER_FA, B.ROCM_ATTN, B.TRITON_ATTN, B.FLEX_ATTENTION]
+    elif platform.kind is PlatformKind.XPU:
+        order = [B.XPU_ATTN, B.TRITON_ATTN, B.FLEX_ATTENTION]
+    else:
+        # REFERENCE is the CPU fallback only: on a GPU it would be a silent 100x slowdown.
+        order = [B.CPU_ATTN, B.FLEX_ATTENTION, B.REFERENCE]
+    return [b.value for b in order]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    reasons: tuple[Reason, ...]
+    priority: int | None  # position in the priority list; None if not in it
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen backend, how it was chosen, and every other backend with its reasons."""
+
+    backend: str
+    backend_cls: type
+    block_size: int
+    spec: AttentionSpec
+    platform: Platform
+    candidates: tuple[Candidate, ...]
+    forced_by: str | None  # "config", "config.backend_per_kind", "ATTN_OPS_BACKEND" or None
+
+    @property
+    def rejected(self) -> tuple[Candidate, ...]:
+        return tuple(c for c in self.candidates if c.name != self.backend and c.reasons)
+
+    def table(self) -> str:
+        """A ranked, human-readable table: chosen backend first, then every other one."""
+        how = f"forced by {self.forced_by}" if self.forced_by else "auto"
+        lines = [f"spec:     {self.spec.describe()}", f"platform: {self.platform}",
+                 f"selected: {self.backend} ({how}), block_size={self.block_size}", "",
+                 f"{'rank':<5} {'backend':<18} status"]
+        for c in self.candidates:
+            rank = "-" if c.priority is None else str(c.priority + 1)
+            if c.name == self.backend:
+                status = "SELECTED"
+            elif c.ok:
+                status = "available (lower priority)" if c.priority is not None else \
+                    "available (not in this platform's priority list)"
+            else:
+                status = "rejected: " + str(c.reasons[0])
+            lines.append(f"{rank:<5} {c.name:<18} {status}")
+            lines += [f"{'':<24}          {r}" for r in c.reasons[1:]]
+        return "\n".join(lines)
+
+
+class BackendNotSupportedError(ValueError):
+    """A forced backend cannot serve the spec; the message lists every reason."""
+
+
+class NoBackendError(ValueError):
+    """No backend in the priority list can serve the spec; the message lists every reason."""
+
+
+def _reasons_of(name: str, spec: AttentionSpec, platform: Platform) -> tuple[Reason, ...]:
+    try:
+        cls = get_backend_class(name)
+    except (ImportError, OSError, AttributeError) as e:
+        return (Reason(name, "import_error", f"cannot import {name}: {type(e).__name__}: {e}"),)
+    return tuple(cls.not_supported_reasons(spec, platform))
+
+
+def _with_alternatives(candidates: list[Candidate]) -> list[Candidate]:
+    """Add to each hint-less reason the implemented backends that do not share it."""
+    implemented = [c for c in candidates
+                   if not any(r.code in ("not_implemented", "import_error") for r in c.reasons)]
+    out = []
+    for c in candidates:
+        reasons = []
+        for r in c.reasons:
+            if not r.hint and r.code not in ("not_implemented", "import_error", "platform"):
+                alts = [o.name for o in implemented if o.name != c.name
+                        and not any(x.code == r.code for x in o.reasons)]
+                if alts:
+                    r = Reason(r.backend, r.code, r.message, f"{', '.join(alts)} supports it")
+            reasons.append(r)
+        out.append(Candidate(c.name, tuple(reasons), c.priority))
+    return out
+
+
+def _format_reasons(candidates) -> str:
+    return "\n".join(f"  {c.name}: " + "; ".join(str(r) for r in c.reasons)
+                     for c in candidates if c.reasons)
+
+
+def _forced_name(spec: AttentionSpec, config: AttentionConfig | None) -> tuple[str | None, str]:
+    if config is not None and spec.layer_kind in config.backend_per_kind:
+        return resolve_name(config.backend_per_kind[spec.layer_kind]), "config.backend_per_kind"
+    if config is not None and config.backend is not None and str(config.backend).lower() != "auto":
+        return resolve_name(config.backend), "config"
+    env = os.environ.get(ENV_BACKEND, "").strip()
+    if env and env.lower() != "auto":
+        return resolve_name(env), ENV_BACKEND
+    return None, ""
+
+
+def select_backend(spec: AttentionSpec, platform: Platform | None = None,
+                   config: AttentionConfig | None = None) -> Selection:
+    """Choose the backend for one layer. Deterministic for a given spec, platform and config."""
+    platform = platform or current_platform()
+    order = priority_list(spec, platform)
+    forced, forced_by = _forced_name(spec, config)
+    names = order + [n for n in list_backends() if n not in order]
+    candidates = _with_alternatives([
+        Candidate(n, _reasons_of(n, spec, platform), order.index(n) if n in order else None)
+        for n in names])
+    by_name = {c.name: c for c in candidates}
+    described = f"{spec.describe()} on {platform}"
+
+    if forced is not None:
+        chosen = by_name[forced]
+        if not chosen.ok:
+            raise BackendNotSupportedError(
+                f"attention backend {forced} (forced by {forced_by}) cannot run {described}:\n"
+                + _format_reasons([chosen])
+                + "\nOther backends:\n" + _format_reasons(c for c in candidates if c is not chosen)
+                + f"\nUnset {forced_by} or pick a backend without reasons "
+                  "(python -m attn_ops select ...).")
+    else:
+        valid = [c for c in candidates if c.ok and c.priority is not None]
+        if not valid:
+            raise NoBackendError(f"no attention backend can run {described}:\n"
+                                 + _format_reasons(candidates))
+        chosen = valid[0]
+    cls = get_backend_class(chosen.name)
+    selection = Selection(chosen.name, cls, cls.preferred_block_size(spec), spec, platform,
+                          tuple(candidates), forced_by or None)
+    logger.info("attn_ops: %s for %s (%s)", chosen.name, described,
+                f"forced by {forced_by}" if forced_by else "auto")
+    for c in selection.rejected:
+        logger.debug("attn_ops:   rejected %s: %s", c.name, "; ".join(map(str, c.reasons)))
+    return selection

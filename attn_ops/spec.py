@@ -1,0 +1,214 @@
+"""The problem description every selector, backend, test and benchmark takes.
+
+One frozen, typed :class:`AttentionSpec` describes one attention layer: its heads, head dims,
+dtypes, KV-cache quantization and features. Adding a feature means one field here and the
+backends that declare it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["AttentionSpec", "AttentionType", "KVCacheDType", "LayerKind", "Feature"]
+
+
+class AttentionType(enum.Enum):
+    DECODER = "decoder"  # causal self-attention over the paged cache
+    ENCODER_ONLY = "encoder_only"  # bidirectional self-attention (embedding models)
+    ENCODER_DECODER = "encoder_decoder"  # cross-attention
+
+
+class KVCacheDType(enum.Enum):
+    """How K and V are stored in the paged cache. AUTO stores them in the model dtype."""
+
+    AUTO = "auto"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not KVCacheDType.AUTO
+
+    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return {
+            KVCacheDType.AUTO: model_dtype,
+            KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
+            KVCacheDType.FP8_E5M2: torch.float8_e5m2,
+        }[self]
+
+
+class LayerKind(enum.Enum):
+    """The kind of a layer for per-kind backend overrides (full vs sliding-window layers)."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    ENCODER_ONLY = "encoder_only"
+    CROSS_ATTENTION = "cross_attention"
+    MLA = "mla"
+
+
+class Feature(enum.Enum):
+    """Optional features a spec may ask for and a backend may declare."""
+
+    SLIDING_WINDOW = "sliding_window"
+    SOFT_CAP = "logits_soft_cap"
+    SINKS = "attention_sinks"
+    ALIBI = "alibi"
+    NON_CAUSAL = "non_causal"
+    DIFF_HEAD_DIM_V = "different_v_head_dim"
+    FP8_KV = "fp8_kv_cache"
+    MLA = "mla"
+    CROSS_ATTENTION = "cross_attention"
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer, as the selector and the backends see it.
+
+    Shapes the layer will be called with (T = tokens in the batch)::
+
+        query  [T, num_heads, head_dim]         key [T, num_kv_heads, head_dim]
+        value  [T, num_kv_heads, head_dim_v]    out [T, num_heads, head_dim_v]
+
+    ``None`` means "off" or "same as": ``num_kv_heads=None`` is MHA, ``head_dim_v=None`` equals
+    ``head_dim``, ``sliding_window=None`` attends to the whole context, ``block_size=None`` lets
+    the selected backend choose the page size it is fastest at.
+
+    Example::
+
+        spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    head_dim_v: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
+    block_size: int | None = None
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    has_sinks: bool = False
+    use_alibi: bool = False
+    attn_type: AttentionType = AttentionType.DECODER
+    scale: float | None = None
+    # MLA latent dims; used by the MLA family only.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_dtype, str):
+            object.__setattr__(self, "kv_cache_dtype", KVCacheDType(self.kv_cache_dtype))
+        if isinstance(self.attn_type, str):
+            object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
+        for name in ("num_heads", "head_dim"):
+            _check_positive(name, getattr(self, name))
+        for name in ("num_kv_heads", "head_dim_v", "block_size", "sliding_window",
+                     "kv_lora_rank", "qk_rope_head_dim"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.kv_heads}; "
+                "grouped-query attention needs each KV head shared by the same number of query "
+                "heads")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype} is not a floating model dtype; use one of "
+                             f"{', '.join(str(d) for d in _DTYPES)}")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap={self.logits_soft_cap} must be > 0; "
+                             "use None to turn soft-capping off")
+        if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
+            raise ValueError(f"scale={self.scale} must be a finite positive number; use None "
+                             "for 1/sqrt(head_dim)")
+
+    # Resolved views of the "None means default" fields.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
+    @property
+    def causal(self) -> bool:
+        return self.attn_type is AttentionType.DECODER
+
+    @property
+    def use_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def layer_kind(self) -> LayerKind:
+        if self.use_mla:
+            return LayerKind.MLA
+        if self.attn_type is AttentionType.ENCODER_DECODER:
+            return LayerKind.CROSS_ATTENTION
+        if self.attn_type is AttentionType.ENCODER_ONLY:
+            return LayerKind.ENCODER_ONLY
+        if self.sliding_window is not None:
+            return LayerKind.SLIDING_WINDOW
+        return LayerKind.FULL_ATTENTION
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """The optional features this spec asks for."""
+        wanted = {
+            Feature.SLIDING_WINDOW: self.sliding_window is not None,
+            Feature.SOFT_CAP: self.logits_soft_cap is not None,
+            Feature.SINKS: self.has_sinks,
+            Feature.ALIBI: self.use_alibi,
+            Feature.NON_CAUSAL: self.attn_type is AttentionType.ENCODER_ONLY,
+            Feature.DIFF_HEAD_DIM_V: self.v_head_dim != self.head_dim,
+            Feature.FP8_KV: self.kv_cache_dtype.is_fp8,
+            Feature.MLA: self.use_mla,
+            Feature.CROSS_ATTENTION: self.attn_type is AttentionType.ENCODER_DECODER,
+        }
+        return frozenset(f for f, on in wanted.items() if on)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the paged KV cache is stored in."""
+        return self.kv_cache_dtype.storage_dtype(self.dtype)
+
+    def with_(self, **changes) -> AttentionSpec:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """A one-line summary used in errors and logs."""
+        parts = [f"heads={self.num_heads}/{self.kv_heads}", f"head_dim={self.head_dim}"]
+        if self.v_head_dim != self.head_dim:
+            parts.append(f"head_dim_v={self.v_head_dim}")
+        parts.append(f"dtype={str(self.dtype).removeprefix('torch.')}")
+        if self.kv_cache_dtype.is_fp8:
+            parts.append(f"kv_cache_dtype={self.kv_cache_dtype.value}")
+        if self.block_size is not None:
+            parts.append(f"block_size={self.block_size}")
+        if self.sliding_window is not None:
+            parts.append(f"sliding_window={self.sliding_window}")
+        if self.logits_soft_cap is not None:
+            parts.append(f"logits_soft_cap={self.logits_soft_cap}")
+        if self.has_sinks:
+            parts.append("sinks")
+        if self.use_alibi:
+            parts.append("alibi")
+        if self.attn_type is not AttentionType.DECODER:
+            parts.append(f"attn_type={self.attn_type.value}")
+        return "AttentionSpec(" + ", ".join(parts) + ")"
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive int")

@@ -1,0 +1,153 @@
+"""CPU_ATTN: the fast CPU path -- per-request gather of the paged cache + PyTorch's CPU flash
+kernel.
+
+Design. For each request we gather only the pages that hold its visible keys (a sliding window
+skips whole pages before the window) into one contiguous ``[L, Hkv, D]`` block with a single
+``index_select``, then call ``aten._scaled_dot_product_flash_attention_for_cpu`` on strided
+views (no further copies), which also returns the natural-log LSE. Decodes pack the query heads
+of each KV head into the query dimension (``[1, Hkv, group, D]``), so GQA/MQA decode reads K/V
+once and needs no mask. Prefills use ``is_causal`` when the query block is the whole sequence,
+and an explicit mask for chunked prefill and sliding windows. Sinks are applied to the kernel's
+output from its LSE: ``out *= sigmoid(lse - sink)``. Features the flash kernel cannot express
+(logits soft-cap, ALiBi) run through a float32 matmul path. Different QK and V head dims are
+zero-padded to the larger one (zeros change neither scores nor values).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
+from attn_ops.kv_cache import gather_tokens, split_kv_cache
+from attn_ops.ops import PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs, define_op
+from attn_ops.platforms import PlatformKind
+from attn_ops.spec import AttentionType, Feature, KVCacheDType
+
+from attn_ops.backends.reference import dequantize
+
+__all__ = ["CPUAttnBackend", "cpu_paged_attention"]
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _visible_mask(n: int, s: int, lo: int, causal: bool, window: int | None) -> torch.Tensor:
+    """``[n, s - lo]`` bool: which keys ``lo..s-1`` each of the last ``n`` queries sees."""
+    p = torch.arange(s - n, s)[:, None]
+    j = torch.arange(lo, s)[None, :]
+    visible = (j <= p) if causal else torch.ones(n, s - lo, dtype=torch.bool)
+    if window is not None:
+        visible &= (p - j) < window
+        if not causal:
+            visible &= (j - p) < window
+    return visible
+
+
+def _math_attention(q, k, v, visible, scale, soft_cap, alibi_slopes, p0):
+    """float32 attention for soft-cap / ALiBi: q [n, Hq, D], k/v [L, Hq, D] -> (out, lse)."""
+    score = torch.einsum("thd,jhd->htj", q.float(), k.float()) * scale
+    if soft_cap is not None:
+        score = soft_cap * torch.tanh(score / soft_cap)
+    if alibi_slopes is not None:
+        n, length = q.shape[0], k.shape[0]
+        dist = torch.arange(length)[None, :] - torch.arange(p0, p0 + n)[:, None]
+        score = score + alibi_slopes.float()[:, None, None] * dist
+    if visible is not None:
+        score = score.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(score, dim=-1)
+    out = torch.einsum("htj,jhd->thd", torch.exp(score - lse[..., None]), v.float())
+    return out, lse.transpose(0, 1)
+
+
+def cpu_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
+                        alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
+                        causal) -> None:
+    """The CPU_ATTN kernel (schema: :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA`)."""
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+    num_heads, head_dim, head_dim_v = query.shape[1], query.shape[2], out.shape[2]
+    k_cache, v_cache = split_kv_cache(kv_cache, head_dim, head_dim_v)
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    pad = max(head_dim, head_dim_v)
+    dtype = query.dtype
+    math_path = soft_cap is not None or alibi_slopes is not None
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    out[starts[-1]:].zero_()
+    if lse is not None:
+        lse[starts[-1]:].zero_()
+    for i, s in enumerate(lens):
+        q0, q1 = starts[i], starts[i + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        # Keys before the first query's window are never visible: skip their pages.
+        lo = max(0, s - n - sliding_window + 1) if (causal and sliding_window) else 0
+        k = dequantize(gather_tokens(k_cache, block_table[i], s, lo), k_scale, dtype)
+        v = dequantize(gather_tokens(v_cache, block_table[i], s, lo), v_scale, dtype)
+        q = query[q0:q1]
+        length = s - lo
+        decode_like = n == 1 and (causal or sliding_window is None)
+        if math_path:
+            kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            visible = None if decode_like and causal else \
+                _visible_mask(n, s, lo, causal, sliding_window)
+            o, row_lse = _math_attention(q, kk, vv, visible, scale, soft_cap, alibi_slopes,
+                                         s - n - lo)
+        else:
+            if pad != head_dim:
+                q, k = F.pad(q, (0, pad - head_dim)), F.pad(k, (0, pad - head_dim))
+            if pad != head_dim_v:
+                v = F.pad(v, (0, pad - head_dim_v))
+            if decode_like:
+                # GQA packing: [1, Hkv, group, D] queries against [1, Hkv, L, D] keys, no mask.
+                qh = q.reshape(1, num_kv_heads, group, pad)
+                o, row_lse = _flash_cpu(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                        0.0, False, scale=scale)
+                o, row_lse = o.reshape(1, num_heads, pad), row_lse.reshape(1, num_heads)
+            else:
+                if group > 1:
+                    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                square_causal = causal and n == length and sliding_window is None
+                mask = None
+                if not square_causal and (causal or sliding_window is not None):
+                    mask = torch.zeros(n, length, dtype=dtype).masked_fill_(
+                        ~_visible_mask(n, s, lo, causal, sliding_window), float("-inf"))
+                o, row_lse = _flash_cpu(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                        v.transpose(0, 1)[None], 0.0, square_causal,
+                                        attn_mask=mask, scale=scale)
+                o, row_lse = o[0].transpose(0, 1), row_lse[0].transpose(0, 1)
+            o = o[..., :head_dim_v]
+        if sinks is not None:
+            o = o * torch.sigmoid(row_lse - sinks.float()).unsqueeze(-1).to(o.dtype)
+        out[q0:q1] = o
+        if lse is not None:
+            lse[q0:q1] = row_lse
+
+
+def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
+          alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal) -> None:
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+
+
+cpu_attention = define_op("cpu_attention", PAGED_ATTENTION_SCHEMA, cpu_paged_attention, _fake,
+                          dispatch_keys=("CPU",))
+
+
+class CPUAttnBackend(AttentionBackend):
+    """Per-request gather + CPU flash kernel; every REFERENCE feature."""
+
+    name = "CPU_ATTN"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CPU}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        head_dims=HeadDims(multiple_of=1, min=1, max=1024),
+        kv_cache_dtypes=frozenset(KVCacheDType),
+        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION},
+        attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
+        preferred_block_size=16,
+        cudagraph_support=CUDAGraphSupport.NEVER,  # CPU: no CUDA graphs
+    )
+    op = cpu_attention
