@@ -1,0 +1,166 @@
+"""``python -m attn_ops {info, select, demo}``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from attn_ops.capabilities import package_version
+from attn_ops.platforms import Platform, current_platform
+from attn_ops.selector import AttentionConfig, select_backend
+from attn_ops.spec import AttentionSpec, AttentionType, KVCacheDType
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+           "float64": torch.float64}
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("spec")
+    g.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads)")
+    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--head-dim-v", type=int, default=None)
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    g.add_argument("--kv-cache-dtype", choices=[k.value for k in KVCacheDType], default="auto")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--sliding-window", type=int, default=None)
+    g.add_argument("--soft-cap", type=float, default=None)
+    g.add_argument("--sinks", action="store_true")
+    g.add_argument("--alibi", action="store_true")
+    g.add_argument("--attn-type", choices=[t.value for t in AttentionType], default="decoder")
+
+
+def _add_selection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", default=None,
+                   help="simulate a platform: cpu, cuda:9.0, cuda:sm100, rocm, rocm:gfx942, xpu")
+    p.add_argument("--backend", default=None, help="force a backend (wins over ATTN_OPS_BACKEND)")
+
+
+def _spec_from(args) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        head_dim_v=args.head_dim_v, dtype=_DTYPES[args.dtype],
+        kv_cache_dtype=KVCacheDType(args.kv_cache_dtype), block_size=args.block_size,
+        sliding_window=args.sliding_window, logits_soft_cap=args.soft_cap,
+        has_sinks=args.sinks, use_alibi=args.alibi, attn_type=AttentionType(args.attn_type))
+
+
+def _platform_from(args) -> Platform:
+    return Platform.parse(args.platform) if args.platform else current_platform()
+
+
+def cmd_info(args) -> int:
+    platform = _platform_from(args)
+    print(f"attn_ops {__import__('attn_ops').__version__}")
+    print(f"platform: {platform}")
+    for dist in ("torch", "triton", "flashinfer-python", "flash-attn-4", "flash-attn",
+                 "transformers"):
+        version = torch.__version__ if dist == "torch" else package_version(dist)
+        print(f"  {dist:<18} {version or 'not installed'}")
+    spec = _spec_from(args)
+    sel = select_backend(spec, platform, AttentionConfig(backend=args.backend))
+    print(f"\nbackends for {spec.describe()}:")
+    for c in sel.candidates:
+        state = "available" if c.ok else "unavailable: " + "; ".join(map(str, c.reasons))
+        print(f"  {c.name:<18} {state}")
+    print(f"\nselected: {sel.backend}")
+    return 0
+
+
+def cmd_select(args) -> int:
+    sel = select_backend(_spec_from(args), _platform_from(args),
+                         AttentionConfig(backend=args.backend))
+    print(sel.table())
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from attn_ops.model import Generator, ModelConfig, TinyLlama
+
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(num_layers=args.layers, dtype=_DTYPES[args.dtype])
+    model = TinyLlama(cfg, AttentionConfig(backend=args.backend)).eval()
+    reference = TinyLlama(cfg, AttentionConfig(backend="REFERENCE")).eval()
+    reference.load_state_dict(model.state_dict())
+    forward = model if args.no_compile else torch.compile(model, fullgraph=True, dynamic=True)
+    print(f"platform: {current_platform()}")
+    print(f"model:    {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+          f"{cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, "
+          f"{str(cfg.dtype).removeprefix('torch.')}")
+    print(f"backend:  {model.backends[0]} (block_size {model.block_size}), "
+          f"{'eager' if args.no_compile else 'torch.compile(fullgraph=True)'}")
+
+    gen = Generator(model, num_blocks=256, forward=forward)
+    ref = Generator(reference, num_blocks=256)
+    g = torch.Generator().manual_seed(args.seed)
+    for rid, n in enumerate(args.prompt_lens):
+        prompt = torch.randint(cfg.vocab_size, (n,), generator=g).tolist()
+        gen.add(rid, prompt)
+        ref.add(rid, prompt)
+
+    tol = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}[cfg.dtype]
+    worst, decode_time, decode_tokens = 0.0, 0.0, 0
+    t0 = time.perf_counter()
+    for step in range(args.steps + 1):
+        start = time.perf_counter()
+        logits, meta = gen.step()
+        elapsed = time.perf_counter() - start
+        ref_logits, _ = ref.step()
+        worst = max(worst, (logits - ref_logits).abs().max().item())
+        if step >= 2:  # step 0 prefills (and compiles), step 1 compiles the decode shape
+            decode_time += elapsed
+            decode_tokens += meta.num_actual_tokens
+    total = time.perf_counter() - t0
+    same = all(gen.requests[r].generated == ref.requests[r].generated for r in gen.requests)
+    ok = worst <= tol and same
+    print(f"check:    max |logits - REFERENCE| = {worst:.2e} (tolerance {tol:g}); generated "
+          f"tokens {'identical' if same else 'DIFFERENT'} -> {'PASS' if ok else 'FAIL'}")
+    if decode_tokens:
+        print(f"speed:    {decode_tokens / decode_time:.1f} tokens/s decode "
+              f"({len(args.prompt_lens)} requests, {decode_tokens} tokens timed, "
+              f"{total:.1f} s total incl. compile)")
+    for rid, r in sorted(gen.requests.items()):
+        print(f"  request {rid}: prompt {len(r.tokens) - len(r.generated)} tokens -> "
+              f"{r.generated[:12]}{' ...' if len(r.generated) > 12 else ''}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attn_ops",
+                                     description="attn_ops: attention backends as torch ops")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the selection")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="platform, package versions, every backend's state")
+    _add_spec_args(p)
+    _add_selection_args(p)
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("select", help="ranked backend table for a spec")
+    _add_spec_args(p)
+    _add_selection_args(p)
+    p.set_defaults(func=cmd_select)
+    p = sub.add_parser("demo", help="generate tokens with a small Llama-style decoder")
+    p.add_argument("--backend", default=None)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[24, 17, 40, 9])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="run eagerly")
+    p.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

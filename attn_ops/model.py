@@ -1,0 +1,186 @@
+"""A small Llama-style decoder built on :class:`attn_ops.Attention`, and a greedy generator.
+
+Used by the demo, the tests and the benchmarks. The model takes the flattened tokens of a mixed
+batch (decodes first, then prefills) with their positions, one paged KV cache per layer and the
+step's :class:`CommonAttentionMetadata`; it returns logits for every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from attn_ops.kv_cache import BlockAllocator
+from attn_ops.layer import Attention
+from attn_ops.metadata import CommonAttentionMetadata, build_batch
+from attn_ops.selector import AttentionConfig
+from attn_ops.spec import AttentionSpec
+
+__all__ = ["ModelConfig", "TinyLlama", "Generator"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of the model. ``sliding_window`` with ``sliding_window_every=k`` makes every k-th
+    layer (0, k, 2k, ...) a sliding-window layer, like Gemma/Mistral-style hybrids."""
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position: int = 4096
+    sliding_window: int | None = None
+    sliding_window_every: int = 1
+    dtype: torch.dtype = torch.float32
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        window = self.sliding_window if layer % self.sliding_window_every == 0 else None
+        return AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                             head_dim=self.head_dim, dtype=self.dtype, sliding_window=window)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
+    """``[max_position, head_dim]``: cos in the first half, sin in the second (float32)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (NeoX/Llama) RoPE: x ``[T, H, D]``, cos_sin ``[T, D]``."""
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, attn_config: AttentionConfig | None) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.attn = Attention(cfg.attention_spec(layer), attn_config)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, cos_sin, kv_cache, metadata):
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(self.input_norm(x)).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+             cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos_sin)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos_sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = self.attn(q, k, v, kv_cache, metadata)
+        x = x + self.o_proj(attn.flatten(1))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class TinyLlama(nn.Module):
+    """``forward(input_ids [T], positions [T], kv_caches, metadata) -> logits [T, vocab]``."""
+
+    def __init__(self, cfg: ModelConfig, attn_config: AttentionConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_config)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_position, cfg.rope_theta),
+                             persistent=False)
+
+    @property
+    def backends(self) -> list[str]:
+        return [layer.attn.backend for layer in self.layers]
+
+    @property
+    def block_size(self) -> int:
+        sizes = {layer.attn.block_size for layer in self.layers}
+        if len(sizes) != 1:
+            raise ValueError(f"layers chose different block sizes {sorted(sizes)}; set "
+                             "AttentionSpec.block_size so they share one allocator")
+        return sizes.pop()
+
+    def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
+        return [layer.attn.allocate_kv_cache(num_blocks, device) for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: CommonAttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)
+        cos_sin = self.rope[positions]
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos_sin, cache, metadata)
+        return self.lm_head(self.norm(x)).float()
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    num_computed: int = 0
+    generated: list[int] = field(default_factory=list)
+
+
+class Generator:
+    """Greedy generation over the paged cache: one mixed batch per step, decodes first.
+
+    ``forward`` is the model or a compiled version of it (same signature).
+    """
+
+    def __init__(self, model: TinyLlama, num_blocks: int, forward=None, *,
+                 max_model_len: int = 1024, shuffle_blocks: bool = True, device="cpu") -> None:
+        self.model = model
+        self.forward = model if forward is None else forward
+        self.device = device
+        # A fixed block-table width keeps tensor shapes stable from step to step.
+        self.max_blocks_per_req = -(-max_model_len // model.block_size)
+        self.allocator = BlockAllocator(num_blocks, model.block_size, shuffle=shuffle_blocks)
+        self.kv_caches = model.allocate_kv_caches(num_blocks, device)
+        self.requests: dict[int, _Request] = {}
+
+    def add(self, request_id: int, prompt: list[int]) -> None:
+        self.requests[request_id] = _Request(list(prompt))
+
+    @torch.inference_mode()
+    def step(self) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+        """Run one step over every request; returns the last-token logits ``[B, vocab]``."""
+        ids = sorted(self.requests, key=lambda r: len(self.requests[r].tokens)
+                     - self.requests[r].num_computed > 1)  # decodes first, stable
+        reqs = [self.requests[r] for r in ids]
+        context = [r.num_computed for r in reqs]
+        new = [len(r.tokens) - r.num_computed for r in reqs]
+        meta = build_batch(self.allocator, ids, context, new, device=self.device,
+                           max_blocks_per_req=self.max_blocks_per_req)
+        input_ids = torch.tensor([t for r in reqs for t in r.tokens[r.num_computed:]],
+                                 device=self.device)
+        logits = self.forward(input_ids, meta.positions, self.kv_caches, meta)
+        last = logits[meta.query_start_loc_cpu[1:].long() - 1]
+        for r, row in zip(reqs, last.argmax(-1).tolist()):
+            r.num_computed = len(r.tokens)
+            r.tokens.append(row)
+            r.generated.append(row)
+        return last, meta
