@@ -9,7 +9,7 @@ of each KV head into the query dimension (``[1, Hkv, group, D]``), so GQA/MQA de
 once and needs no mask. Prefills use ``is_causal`` when the query block is the whole sequence,
 and an explicit mask for chunked prefill and sliding windows. Sinks are applied to the kernel's
 output from its LSE: ``out *= sigmoid(lse - sink)``. Features the flash kernel cannot express
-(logits soft-cap, ALiBi) run through a float32 matmul path. Different QK and V head dims are
+(logits soft-cap, ALiBi) run through a float32 (fp64 for fp64) matmul path. Different QK and V head dims are
 zero-padded to the larger one (zeros change neither scores nor values).
 """
 
@@ -45,18 +45,20 @@ def _visible_mask(n: int, s: int, lo: int, causal: bool, window: int | None) -> 
 
 
 def _math_attention(q, k, v, visible, scale, soft_cap, alibi_slopes, p0):
-    """float32 attention for soft-cap / ALiBi: q [n, Hq, D], k/v [L, Hq, D] -> (out, lse)."""
-    score = torch.einsum("thd,jhd->htj", q.float(), k.float()) * scale
+    """float32 (fp64 for fp64) attention for soft-cap / ALiBi: q [n, Hq, D], k/v [L, Hq, D]
+    -> (out [n, Hq, D], lse [n, Hq])."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    score = torch.einsum("thd,jhd->htj", q.to(compute), k.to(compute)) * scale
     if soft_cap is not None:
         score = soft_cap * torch.tanh(score / soft_cap)
     if alibi_slopes is not None:
         n, length = q.shape[0], k.shape[0]
         dist = torch.arange(length)[None, :] - torch.arange(p0, p0 + n)[:, None]
-        score = score + alibi_slopes.float()[:, None, None] * dist
+        score = score + alibi_slopes.to(compute)[:, None, None] * dist
     if visible is not None:
         score = score.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(score, dim=-1)
-    out = torch.einsum("htj,jhd->thd", torch.exp(score - lse[..., None]), v.float())
+    out = torch.einsum("htj,jhd->thd", torch.exp(score - lse[..., None]), v.to(compute))
     return out, lse.transpose(0, 1)
 
 

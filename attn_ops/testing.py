@@ -1,0 +1,149 @@
+"""Test and benchmark helpers: named serving scenarios, random paged batches, the tolerance
+policy. Used by the registry-generated test matrix, the GPU scripts and the benchmarks.
+
+Tolerance policy (written once, declared per dtype, not tuned per test): a backend's max abs
+error against REFERENCE run in fp64 must be at most ``2 x`` the error of REFERENCE run at the
+test's own precision (inputs identical, compute fp32, output rounded to the dtype), plus a small
+``EPSILON[dtype]``. An fp8 KV cache is additionally judged by SQNR against the unquantized
+result (:data:`FP8_MIN_SQNR_DB`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attn_ops.kv_cache import BlockAllocator, allocate_kv_cache, kv_cache_update
+from attn_ops.metadata import CommonAttentionMetadata, build_batch
+from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+
+__all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_op", "tolerance",
+           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB"]
+
+EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A batch shape: ``(context_len, query_len)`` per request, decode-first."""
+
+    requests: tuple[tuple[int, int], ...]
+    shuffle_pages: bool = True
+    poison_unused: bool = True  # fill every slot not written by the batch with NaN
+
+
+SCENARIOS = {
+    "decode_only": Scenario(((17, 1), (5, 1), (33, 1), (1, 1))),
+    "prefill_only": Scenario(((0, 13), (0, 7), (0, 21))),
+    "mixed": Scenario(((9, 1), (30, 1), (0, 11), (6, 9))),  # decodes, prefill, chunked prefill
+    "long_context": Scenario(((300, 1), (257, 1), (200, 6))),
+    "single_token": Scenario(((0, 1),)),
+    "contiguous_pages": Scenario(((12, 1), (0, 9), (5, 4)), shuffle_pages=False,
+                                 poison_unused=False),
+    "permuted_pages_nan_poisoned": Scenario(((23, 1), (14, 3), (0, 18)), shuffle_pages=True,
+                                            poison_unused=True),
+}
+
+
+def _on(**changes):
+    return lambda s: s.with_(**changes)
+
+
+FEATURE_SPECS = {
+    # Feature -> how to turn it on in a base spec (small values so windows really cut).
+    Feature.SLIDING_WINDOW: _on(sliding_window=7),
+    Feature.SOFT_CAP: _on(logits_soft_cap=5.0),
+    Feature.SINKS: _on(has_sinks=True),
+    Feature.ALIBI: _on(use_alibi=True),
+    Feature.NON_CAUSAL: _on(attn_type=AttentionType.ENCODER_ONLY),
+    Feature.DIFF_HEAD_DIM_V: lambda s: s.with_(head_dim_v=s.head_dim // 2 + 8),
+    Feature.FP8_KV: _on(kv_cache_dtype=KVCacheDType.FP8_E4M3),
+}
+
+
+@dataclass
+class PagedCase:
+    """One batch with its cache filled, ready for any backend's op."""
+
+    spec: AttentionSpec
+    metadata: CommonAttentionMetadata
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    sinks: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    # Unquantized K/V of every token per request, for fp8 SQNR checks.
+    dense_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def to(self, dtype: torch.dtype) -> PagedCase:
+        """The same case with query (and an unquantized cache) in ``dtype``."""
+        cache = self.kv_cache if self.kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
+            else self.kv_cache.to(dtype)
+        return PagedCase(self.spec.with_(dtype=dtype), self.metadata, self.query.to(dtype), cache,
+                         self.sinks, self.alibi_slopes, self.k_scale, self.v_scale, self.dense_kv)
+
+
+def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
+              num_blocks: int | None = None, device: str = "cpu", seed: int = 0) -> PagedCase:
+    """A random batch for ``spec``: contexts and new tokens written through
+    ``torch.ops.attn.kv_cache_update``, unused slots NaN-poisoned if the scenario says so."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [c for c, _ in scenario.requests]
+    qlens = [q for _, q in scenario.requests]
+    needed = sum(-(-(c + q) // block_size) for c, q in scenario.requests)
+    num_blocks = num_blocks or needed + 8
+    alloc = BlockAllocator(num_blocks, block_size, shuffle=scenario.shuffle_pages, seed=seed)
+    meta = build_batch(alloc, list(range(len(ctx))), ctx, qlens, device=device)
+    fp8 = spec.kv_cache_dtype.is_fp8
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(spec.dtype).to(device)
+
+    cache = allocate_kv_cache(spec, num_blocks, block_size, device)
+    if scenario.poison_unused:
+        cache.fill_(float("nan"))
+    scales = (torch.tensor([0.05], device=device), torch.tensor([0.04], device=device)) \
+        if fp8 else (None, None)
+    dense, starts = [], meta.query_start_loc_cpu.tolist()
+    for i, (c, q) in enumerate(scenario.requests):
+        k, v = randn(c + q, spec.kv_heads, spec.head_dim), randn(c + q, spec.kv_heads,
+                                                                 spec.v_head_dim)
+        dense.append((k, v))
+        slots = torch.tensor(alloc.slots(i, 0, c + q), device=device)
+        kv_cache_update(k, v, cache, slots, *scales)
+    query = randn(starts[-1], spec.num_heads, spec.head_dim)
+    sinks = torch.randn(spec.num_heads, generator=g).to(device) if spec.has_sinks else None
+    slopes = None
+    if spec.use_alibi:
+        from attn_ops.layer import alibi_slopes
+        slopes = alibi_slopes(spec.num_heads).to(device)
+    return PagedCase(spec, meta, query, cache, sinks, slopes, *scales, dense_kv=dense)
+
+
+def run_op(op, case: PagedCase, *, with_lse: bool = True,
+           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Call an attention op of :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA` on a case."""
+    spec, meta = case.spec, case.metadata
+    q = case.query
+    out = torch.full((q.shape[0], spec.num_heads, spec.v_head_dim), float("nan"),
+                     dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device) \
+        if with_lse else None
+    op(q, case.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, out, lse,
+       case.sinks, case.alibi_slopes, case.k_scale, case.v_scale, spec.softmax_scale,
+       spec.sliding_window, spec.logits_soft_cap, spec.causal)
+    return out, lse
+
+
+def tolerance(baseline_error: float, dtype: torch.dtype) -> float:
+    """The policy: ``2 x`` plain-torch error at the same precision, plus epsilon."""
+    return 2.0 * baseline_error + EPSILON[dtype]
+
+
+def sqnr_db(result: torch.Tensor, truth: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB of ``result`` against ``truth``."""
+    noise = (result.double() - truth.double()).pow(2).mean()
+    return float(10 * torch.log10(truth.double().pow(2).mean() / noise))

@@ -1,0 +1,89 @@
+"""The registry-generated correctness matrix: every backend available here x every feature it
+declares x named serving scenarios, against REFERENCE in fp64 under the tolerance policy
+(attn_ops.testing). A new backend enrolls itself by being in the registry."""
+
+import pytest
+import torch
+
+from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
+from attn_ops.registry import list_backends
+from attn_ops.spec import Feature
+from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, SCENARIOS, make_case, run_op,
+                              sqnr_db, tolerance)
+
+PLATFORM = current_platform()
+BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+def _available():
+    names = []
+    for name in list_backends():
+        try:
+            cls = get_backend_class(name)
+        except ImportError:
+            continue
+        if not cls.not_supported_reasons(BASE, PLATFORM):
+            names.append(name)
+    return names
+
+
+BACKENDS = _available()
+REFERENCE = get_backend_class("REFERENCE").op
+
+
+def _variants(cls):
+    """(id, spec) for the base spec, every head layout and every declared feature."""
+    out = [(f"{h}", BASE.with_(num_heads=q, num_kv_heads=kv)) for h, (q, kv) in HEADS.items()]
+    for feature, turn_on in FEATURE_SPECS.items():
+        if feature in cls.capabilities.features:
+            spec = turn_on(BASE)
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                out.append((feature.value, spec))
+    if Feature.FP8_KV in cls.capabilities.features:
+        spec = BASE.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2)
+        if not cls.not_supported_reasons(spec, PLATFORM):
+            out.append(("fp8_e5m2", spec))
+    return out
+
+
+def _params():
+    for name in BACKENDS:
+        cls = get_backend_class(name)
+        for vid, spec in _variants(cls):
+            for scenario in SCENARIOS:
+                yield pytest.param(name, spec, scenario, id=f"{name}-{vid}-{scenario}")
+        for dtype in (torch.float16, torch.bfloat16):
+            spec = BASE.with_(dtype=dtype)
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                for scenario in ("mixed", "long_context"):
+                    yield pytest.param(name, spec, scenario,
+                                       id=f"{name}-{str(dtype)[6:]}-{scenario}")
+
+
+def _max_err(a, b, num_tokens):
+    return (a[:num_tokens].double() - b[:num_tokens].double()).abs().max().item()
+
+
+@pytest.mark.parametrize("backend,spec,scenario", list(_params()))
+def test_matches_reference(backend, spec, scenario):
+    op = get_backend_class(backend).op
+    case = make_case(spec, SCENARIOS[scenario], seed=len(scenario))
+    n = case.metadata.num_actual_tokens
+    out, lse = run_op(op, case)
+    truth, truth_lse = run_op(REFERENCE, case.to(torch.float64))
+    base, base_lse = run_op(REFERENCE, case)  # plain torch at the test's precision
+    assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"
+    err, allowed = _max_err(out, truth, n), tolerance(_max_err(base, truth, n), spec.dtype)
+    assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
+    lse_err = _max_err(lse, truth_lse, n)
+    assert lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), lse_err
+    if spec.kv_cache_dtype.is_fp8:
+        exact = make_case(spec.with_(kv_cache_dtype=KVCacheDType.AUTO, dtype=torch.float64),
+                          SCENARIOS[scenario], seed=len(scenario))
+        ideal, _ = run_op(REFERENCE, exact)
+        assert sqnr_db(out[:n], ideal[:n]) >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
+
+
+def test_matrix_is_not_empty():
+    assert {"REFERENCE", "CPU_ATTN"} <= set(BACKENDS)
