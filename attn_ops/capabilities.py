@@ -185,7 +185,8 @@ class BackendCapabilities:
             add("attn_type", f"attn_type={spec.attn_type.value} not in "
                 f"{_names(t.value for t in self.attn_types)}")
         for feature in sorted(spec.features - self.features, key=lambda f: f.value):
-            if feature is Feature.NON_CAUSAL and spec.attn_type not in self.attn_types:
+            if feature in (Feature.NON_CAUSAL, Feature.CROSS_ATTENTION) \
+                    and spec.attn_type not in self.attn_types:
                 continue  # already reported as attn_type
             add(f"feature:{feature.value}", f"{feature.value} is not supported")
         for package in self.packages:

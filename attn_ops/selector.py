@@ -132,7 +132,7 @@ def _with_alternatives(candidates: list[Candidate]) -> list[Candidate]:
                 alts = [o.name for o in implemented if o.name != c.name
                         and not any(x.code == r.code for x in o.reasons)]
                 if alts:
-                    r = Reason(r.backend, r.code, r.message, f"{', '.join(alts)} supports it")
+                    r = Reason(r.backend, r.code, r.message, f"supported by {', '.join(alts)}")
             reasons.append(r)
         out.append(Candidate(c.name, tuple(reasons), c.priority))
     return out

@@ -1,0 +1,84 @@
+"""torch.library.opcheck on every torch.ops.attn op (backends enrolled from the registry)."""
+
+import pytest
+import torch
+
+from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
+from attn_ops.kv_cache import kv_cache_update
+from attn_ops.testing import SCENARIOS, make_case
+from test_backends_matrix import BACKENDS
+
+SPECS = {
+    "gqa": AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32),
+    "sinks_window": AttentionSpec(num_heads=4, num_kv_heads=1, head_dim=16,
+                                  dtype=torch.float32, has_sinks=True, sliding_window=5),
+    "alibi_softcap": AttentionSpec(num_heads=4, head_dim=16, dtype=torch.float32,
+                                   use_alibi=True, logits_soft_cap=3.0),
+    "fp8_diffv": AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
+                               dtype=torch.float32, kv_cache_dtype=KVCacheDType.FP8_E4M3),
+}
+
+
+def _test_utils(cache_dtype):
+    # opcheck's test_schema compares tensors before/after the call with float ops that torch
+    # does not implement for fp8 dtypes ("mul_cpu_reduced_float" not implemented for
+    # 'Float8_e4m3fn'); the fp8 ops run every other check, and test_schema runs on the same ops
+    # with non-fp8 caches.
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    return utils[1:] if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else utils
+
+
+def _attention_args(case, with_lse):
+    spec, meta, q = case.spec, case.metadata, case.query
+    out = torch.empty(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype)
+    lse = torch.empty(q.shape[0], spec.num_heads) if with_lse else None
+    return (q, case.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, out, lse,
+            case.sinks, case.alibi_slopes, case.k_scale, case.v_scale, spec.softmax_scale,
+            spec.sliding_window, spec.logits_soft_cap, spec.causal)
+
+
+@pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "no_lse"])
+@pytest.mark.parametrize("spec_id", list(SPECS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_op_opcheck(backend, spec_id, with_lse):
+    cls = get_backend_class(backend)
+    spec = SPECS[spec_id]
+    if cls.not_supported_reasons(spec, current_platform()):
+        pytest.skip(f"{backend} declares it cannot run {spec_id}")
+    case = make_case(spec, SCENARIOS["contiguous_pages"])
+    torch.library.opcheck(cls.op, _attention_args(case, with_lse),
+                          test_utils=_test_utils(spec.cache_dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", [KVCacheDType.AUTO, KVCacheDType.FP8_E4M3,
+                                         KVCacheDType.FP8_E5M2])
+def test_kv_cache_update_opcheck(cache_dtype):
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                         kv_cache_dtype=cache_dtype)
+    cache = torch.zeros(6, 2, 4, 2, 8, dtype=spec.cache_dtype)
+    scale = torch.tensor([0.5]) if cache_dtype.is_fp8 else None
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([3, -1, 9, 17, 0])
+    torch.library.opcheck(kv_cache_update, (key, value, cache, slots, scale, scale),
+                          test_utils=_test_utils(spec.cache_dtype))
+
+
+def test_kv_cache_update_writes_slots_and_skips_padding():
+    cache = torch.zeros(3, 2, 4, 1, 2)
+    key = torch.arange(6.0).view(3, 1, 2)
+    kv_cache_update(key, -key, cache, torch.tensor([5, -1, 0]), None, None)
+    assert cache[1, 0, 1, 0].tolist() == [0.0, 1.0] and cache[1, 1, 1, 0].tolist() == [0.0, -1.0]
+    assert cache[0, 0, 0, 0].tolist() == [4.0, 5.0]
+    assert int((cache != 0).sum()) == 6  # the -1 token was not written anywhere
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kv_cache_update_fp8_quantizes_with_scale_and_saturates(cache_dtype):
+    cache = torch.zeros(2, 2, 4, 1, 2, dtype=cache_dtype)
+    key = torch.tensor([[[1.0, 1e9]]])
+    kv_cache_update(key, key, cache, torch.tensor([2]), torch.tensor([0.25]), torch.tensor([2.0]))
+    k = cache[0, 0, 2, 0].float()
+    assert k[0].item() == 4.0  # 1.0 / 0.25
+    assert k[1].item() == {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[cache_dtype]
+    assert cache[0, 1, 2, 0, 0].float().item() == 0.5  # value / v_scale
