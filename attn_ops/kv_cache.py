@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from attn_ops.ops import debug_checks_enabled, define_op
+from attn_ops.ops import define_op, should_check_values
 from attn_ops.spec import AttentionSpec
 
 __all__ = [
@@ -116,12 +116,13 @@ def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     valid = slots >= 0
-    if debug_checks_enabled():
+    if should_check_values(slot_mapping):
         capacity = k_cache.shape[0] * block_size
-        bad = valid & (slots >= capacity)
+        bad = (slots < -1) | (slots >= capacity)
         if bool(bad.any()):
             raise ValueError(f"slot_mapping holds slot {int(slots[bad][0])} but the cache has "
-                             f"{capacity} slots ({k_cache.shape[0]} blocks x {block_size})")
+                             f"slots 0..{capacity - 1} ({k_cache.shape[0]} blocks x {block_size}) "
+                             "and -1 marks padding")
     slots, key, value = slots[valid], key[valid], value[valid]
     if kv_cache.dtype in FP8_MAX:
         key = quantize_fp8(key, k_scale, kv_cache.dtype)

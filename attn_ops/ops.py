@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
-    "PAGED_ATTENTION_SCHEMA", "check_paged_attention_inputs", "debug_checks_enabled",
+    "PAGED_ATTENTION_SCHEMA", "check_paged_attention_inputs", "check_paged_attention_values",
+    "debug_checks_enabled", "should_check_values",
     "define_op", "library", "set_debug_checks",
 ]
 
@@ -87,6 +88,11 @@ def set_debug_checks(enabled: bool) -> None:
 
 def debug_checks_enabled() -> bool:
     return _DEBUG
+
+
+def should_check_values(t: torch.Tensor) -> bool:
+    """Value checks run on host tensors always, on device tensors only in debug mode."""
+    return t.device.type == "cpu" or _DEBUG
 
 
 def _fail(message: str) -> None:
@@ -159,3 +165,36 @@ def check_paged_attention_inputs(
     for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
         if t is not None and t.shape != (num_heads,):
             _fail(f"{name} must be [num_heads={num_heads}], got {tuple(t.shape)}")
+
+
+def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: int,
+                                 starts: list[int], lens: list[int],
+                                 block_table: torch.Tensor) -> None:
+    """Checks that need metadata *values*: monotone query_start_loc within the tokens, seq_lens
+    covering the query lengths and the block table, used block ids inside the cache.
+
+    Kernels call it when the metadata already lives on the host (CPU backends) or when debug
+    checks are on (:func:`set_debug_checks`); it never runs as a hidden device sync.
+    """
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
+            or starts[-1] > num_tokens:
+        _fail(f"query_start_loc={starts} must start at 0, never decrease and end at most at "
+              f"num_tokens={num_tokens}")
+    width = block_table.shape[1]
+    for i, s in enumerate(lens):
+        n = starts[i + 1] - starts[i]
+        if s < n:
+            _fail(f"seq_lens[{i}]={s} is shorter than the request's query length {n}; seq_lens "
+                  "counts the cached context plus the new tokens")
+        if s > width * block_size:
+            _fail(f"seq_lens[{i}]={s} needs {-(-s // block_size)} blocks but block_table has "
+                  f"{width} columns of {block_size} tokens")
+    used = [block_table[i, : -(-s // block_size)] for i, s in enumerate(lens) if s > 0]
+    if used:
+        ids = torch.cat(used)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            row = next(i for i, u in enumerate(used) if bool((u == bad).any()))
+            _fail(f"block_table row {row} holds block {bad}, outside the cache's "
+                  f"[0, {num_blocks}) blocks")

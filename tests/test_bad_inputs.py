@@ -1,0 +1,141 @@
+"""Bad input gets a clear ValueError naming the value; nothing crashes or writes out of bounds."""
+
+import pytest
+import torch
+
+from attn_ops import (AttentionSpec, BlockAllocator, build_common_metadata, get_backend_class,
+                      set_debug_checks)
+from attn_ops.kv_cache import kv_cache_update
+from attn_ops.ops import should_check_values
+from attn_ops.testing import SCENARIOS, make_case
+from test_backends_matrix import BACKENDS
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+
+
+@pytest.fixture
+def case():
+    return make_case(SPEC, SCENARIOS["contiguous_pages"])
+
+
+def _args(case, **changes):
+    spec, meta, q = case.spec, case.metadata, case.query
+    args = dict(query=q, kv_cache=case.kv_cache, query_start_loc=meta.query_start_loc,
+                seq_lens=meta.seq_lens, block_table=meta.block_table,
+                out=torch.empty(q.shape[0], 4, 16), lse=None, sinks=None, alibi_slopes=None,
+                k_scale=None, v_scale=None, scale=0.25, sliding_window=None, soft_cap=None,
+                causal=True)
+    args.update(changes)
+    return args
+
+
+BAD = {
+    "query_dtype": (lambda c: dict(query=c.query.half(), out=torch.empty(c.query.shape[0], 4, 16,
+                                                                         dtype=torch.half)),
+                    r"kv_cache.dtype=torch.float32 differs from query.dtype=torch.float16"),
+    "out_dtype": (lambda c: dict(out=torch.empty(c.query.shape[0], 4, 16, dtype=torch.float64)),
+                  r"out.dtype=torch.float64 differs from query.dtype=torch.float32"),
+    "query_rank": (lambda c: dict(query=c.query.flatten(1)),
+                   r"query must be \[num_tokens, num_heads, head_dim\], got shape \(\d+, 64\)"),
+    "head_dim": (lambda c: dict(query=torch.randn(c.query.shape[0], 4, 8)),
+                 r"query head_dim=8 differs from the KV cache's head_dim=16"),
+    "heads_vs_out": (lambda c: dict(out=torch.empty(c.query.shape[0], 2, 16)),
+                     r"out must be \[\d+, 4, head_dim_v\] to match query, got shape"),
+    "device": (lambda c: dict(seq_lens=c.metadata.seq_lens.to("meta")),
+               r"seq_lens is on meta but query is on cpu"),
+    "block_table_range": (lambda c: dict(block_table=c.metadata.block_table + 1000),
+                          r"block_table row \d holds block 10\d\d, outside the cache's \[0, \d+\)"),
+    "seq_lens_short": (lambda c: dict(seq_lens=torch.ones_like(c.metadata.seq_lens)),
+                       r"seq_lens\[1\]=1 is shorter than the request's query length 9"),
+    "seq_lens_beyond_table": (lambda c: dict(seq_lens=c.metadata.seq_lens * 100),
+                              r"seq_lens\[0\]=\d+ needs \d+ blocks but block_table has"),
+    "lse_shape": (lambda c: dict(lse=torch.empty(3)), r"lse must be float32 \[\d+, 4\]"),
+    "sinks_shape": (lambda c: dict(sinks=torch.zeros(2)), r"sinks must be \[num_heads=4\]"),
+    "fp8_without_scales": (lambda c: dict(kv_cache=c.kv_cache.to(torch.float8_e4m3fn)),
+                           r"needs k_scale and v_scale to dequantize"),
+    "cache_rank": (lambda c: dict(kv_cache=c.kv_cache[:, 0]),
+                   r"packed KV cache must be \[num_blocks, block_size, num_kv_heads, head_dim \+ "
+                   r"head_dim_v = 32\]"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_op_rejects_bad_input(backend, what, case):
+    change, message = BAD[what]
+    before = case.kv_cache.clone()
+    with pytest.raises(ValueError, match=message):
+        get_backend_class(backend).op(**_args(case, **change(case)))
+    assert torch.equal(case.kv_cache, before)
+
+
+def test_fake_kernel_rejects_bad_shapes_at_trace_time(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        args = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in _args(case, query=torch.randn(case.query.shape[0], 4, 8)).items()}
+        with pytest.raises(ValueError, match="query head_dim=8 differs"):
+            torch.ops.attn.reference_attention(**args)
+
+
+def test_kv_cache_update_rejects_out_of_range_slots():
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    k = torch.randn(2, 1, 8)
+    for slots, bad in (([0, 8], 8), ([0, -3], -3)):
+        with pytest.raises(ValueError, match=rf"slot_mapping holds slot {bad} but the cache has "
+                                             r"slots 0..7 \(2 blocks x 4\)"):
+            kv_cache_update(k, k, cache, torch.tensor(slots), None, None)
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("key_shape,value_shape,message", [
+    ((3, 2, 8), (3, 2, 8), r"do not match the cache's \[num_kv_heads, dim\]"),
+    ((3, 1, 8), (2, 1, 8), r"equal first two dims"),
+])
+def test_kv_cache_update_rejects_bad_shapes(key_shape, value_shape, message):
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    with pytest.raises(ValueError, match=message):
+        kv_cache_update(torch.randn(key_shape), torch.randn(value_shape), cache,
+                        torch.zeros(key_shape[0], dtype=torch.long), None, None)
+
+
+def test_kv_cache_update_rejects_dtype_mismatch():
+    with pytest.raises(ValueError, match=r"kv_cache.dtype=torch.float16 must equal key/value"):
+        kv_cache_update(torch.randn(1, 1, 8), torch.randn(1, 1, 8),
+                        torch.zeros(2, 2, 4, 1, 8, dtype=torch.half), torch.tensor([0]), None, None)
+
+
+def test_value_checks_of_device_metadata_run_only_behind_the_debug_switch():
+    """Reading metadata values off the host would sync the device in every layer, so kernels
+    check values of device tensors only with set_debug_checks(True); host tensors always."""
+    on_device = torch.empty(3, device="meta")
+    assert should_check_values(torch.empty(3)) and not should_check_values(on_device)
+    set_debug_checks(True)
+    try:
+        assert should_check_values(on_device)
+    finally:
+        set_debug_checks(False)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(query_lens=[2], seq_lens=[1], block_tables=[[0]]),
+     r"seq_lens\[0\]=1 is shorter than query_lens\[0\]=2"),
+    (dict(query_lens=[1], seq_lens=[9], block_tables=[[0, 1]]),
+     r"request 0 has seq_len=9 but only 2 blocks of 4 tokens"),
+    (dict(query_lens=[1], seq_lens=[3], block_tables=[[7]]),
+     r"block_tables\[0\] holds block 7, outside the cache's \[0, 4\) blocks"),
+    (dict(query_lens=[5, 1], seq_lens=[5, 3], block_tables=[[0, 1], [2]]),
+     r"batch is not decode-first: query_lens=\[5, 1\]; reorder"),
+    (dict(query_lens=[1, 1], seq_lens=[3], block_tables=[[0]]),
+     r"one entry per request; got 2, 1 and 1"),
+])
+def test_metadata_builder_checks_host_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_common_metadata(block_size=4, num_blocks=4, **kwargs)
+
+
+def test_allocator_out_of_blocks_is_explicit():
+    alloc = BlockAllocator(2, 4)
+    with pytest.raises(RuntimeError, match="out of KV-cache blocks: request 'a' needs 3 more"):
+        alloc.reserve("a", 12)
