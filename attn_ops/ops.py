@@ -20,7 +20,7 @@ import torch
 
 __all__ = [
     "PAGED_ATTENTION_SCHEMA", "check_paged_attention_inputs", "check_paged_attention_values",
-    "debug_checks_enabled", "should_check_values",
+    "debug_checks_enabled",
     "define_op", "library", "set_debug_checks",
 ]
 
@@ -90,11 +90,6 @@ def debug_checks_enabled() -> bool:
     return _DEBUG
 
 
-def should_check_values(t: torch.Tensor) -> bool:
-    """Value checks run on host tensors always, on device tensors only in debug mode."""
-    return t.device.type == "cpu" or _DEBUG
-
-
 def _fail(message: str) -> None:
     raise ValueError(message)
 
@@ -114,8 +109,6 @@ def check_paged_attention_inputs(
 ) -> None:
     """Shape, dtype and device checks that need no tensor data (safe in the hot path and in
     fake kernels). Raises ``ValueError`` naming the offending value and the fix."""
-    from attn_ops.kv_cache import split_kv_cache
-
     if query.dim() != 3:
         _fail(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
     num_tokens, num_heads, head_dim = query.shape
@@ -125,24 +118,36 @@ def check_paged_attention_inputs(
     if out.dtype != query.dtype:
         _fail(f"out.dtype={out.dtype} differs from query.dtype={query.dtype}; allocate out with "
               "torch.empty_like(query) (or the query dtype)")
-    k_cache, v_cache = split_kv_cache(kv_cache, head_dim, out.shape[2])
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        _fail(f"query head_dim={head_dim} differs from the KV cache's head_dim="
-              f"{k_cache.shape[3]}")
-    if v_cache.shape[3] != out.shape[2]:
-        _fail(f"out head_dim_v={out.shape[2]} differs from the KV cache's head_dim_v="
-              f"{v_cache.shape[3]}")
+    head_dim_v = out.shape[2]
+    # Read the cache's dims from its shape (no views: this runs in every layer).
+    if kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
+        num_kv_heads, cache_dim, cache_dim_v = kv_cache.shape[3], kv_cache.shape[4], \
+            kv_cache.shape[4]
+    elif kv_cache.dim() == 4:
+        num_kv_heads, cache_dim = kv_cache.shape[2], head_dim
+        cache_dim_v = kv_cache.shape[3] - head_dim
+    else:
+        from attn_ops.kv_cache import split_kv_cache
+
+        split_kv_cache(kv_cache, head_dim, head_dim_v)  # raises, describing the layouts
+    if cache_dim != head_dim:
+        _fail(f"query head_dim={head_dim} differs from the KV cache's head_dim={cache_dim}")
+    if cache_dim_v != head_dim_v:
+        if kv_cache.dim() == 4:
+            _fail(f"a packed KV cache must be [num_blocks, block_size, num_kv_heads, head_dim + "
+                  f"head_dim_v = {head_dim + head_dim_v}], got shape {tuple(kv_cache.shape)}")
+        _fail(f"out head_dim_v={head_dim_v} differs from the KV cache's head_dim_v="
+              f"{cache_dim_v}")
     if num_heads % num_kv_heads:
         _fail(f"num_heads={num_heads} is not a multiple of the cache's num_kv_heads="
               f"{num_kv_heads}")
+    device = query.device
     for name, t in (("kv_cache", kv_cache), ("out", out), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens), ("block_table", block_table), ("lse", lse),
                     ("sinks", sinks), ("alibi_slopes", alibi_slopes), ("k_scale", k_scale),
                     ("v_scale", v_scale)):
-        if t is not None and t.device.type != query.device.type:
-            _fail(f"{name} is on {t.device} but query is on {query.device}; move both to one "
-                  "device")
+        if t is not None and t.device != device:
+            _fail(f"{name} is on {t.device} but query is on {device}; move both to one device")
     if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         if k_scale is None or v_scale is None:
             _fail(f"kv_cache.dtype={kv_cache.dtype} needs k_scale and v_scale to dequantize")
@@ -168,13 +173,16 @@ def check_paged_attention_inputs(
 
 
 def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: int,
-                                 starts: list[int], lens: list[int],
-                                 block_table: torch.Tensor) -> None:
+                                 starts: list[int], lens: list[int], block_table: torch.Tensor,
+                                 check_block_ids: bool) -> None:
     """Checks that need metadata *values*: monotone query_start_loc within the tokens, seq_lens
-    covering the query lengths and the block table, used block ids inside the cache.
+    covering the query lengths and the block table's width, and (``check_block_ids``) the used
+    block ids inside the cache.
 
-    Kernels call it when the metadata already lives on the host (CPU backends) or when debug
-    checks are on (:func:`set_debug_checks`); it never runs as a hidden device sync.
+    Kernels that already hold ``starts``/``lens`` as host lists run the list checks always
+    (they cost about a microsecond); the block-id scan costs tensor ops in every layer, so it
+    runs only with debug checks on (:func:`set_debug_checks`) -- the metadata builder checks
+    the same ids on the host once per step. Nothing here is ever a hidden device sync.
     """
     if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
             or starts[-1] > num_tokens:
@@ -189,6 +197,8 @@ def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: i
         if s > width * block_size:
             _fail(f"seq_lens[{i}]={s} needs {-(-s // block_size)} blocks but block_table has "
                   f"{width} columns of {block_size} tokens")
+    if not check_block_ids:
+        return
     used = [block_table[i, : -(-s // block_size)] for i, s in enumerate(lens) if s > 0]
     if used:
         ids = torch.cat(used)

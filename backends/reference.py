@@ -26,7 +26,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.kv_cache import gather_tokens, split_kv_cache
 from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs,
-                          check_paged_attention_values, define_op, should_check_values)
+                          check_paged_attention_values, debug_checks_enabled, define_op)
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
@@ -51,9 +51,8 @@ def reference_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_
     k_cache, v_cache = split_kv_cache(kv_cache, head_dim, head_dim_v)
     group = num_heads // k_cache.shape[2]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    if should_check_values(block_table):
-        check_paged_attention_values(query.shape[0], k_cache.shape[0], k_cache.shape[1], starts,
-                                     lens, block_table)
+    check_paged_attention_values(query.shape[0], k_cache.shape[0], k_cache.shape[1], starts,
+                                 lens, block_table, debug_checks_enabled())
     out[starts[-1]:].zero_()
     if lse is not None:
         lse[starts[-1]:].zero_()

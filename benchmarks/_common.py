@@ -1,0 +1,170 @@
+"""Shared helpers for the benchmark scripts: interleaved timing, statistics, result JSON.
+
+Timing method: every variant is run ``number[variant]`` times back to back (calibrated so one
+batch lasts about the same time for every variant) and the mean per-call time of
+that batch is one sample; one *round* takes one sample of every variant (in a rotating order, so
+no variant always runs first or last); the reported figure is the median over ``rounds`` rounds,
+after ``warmup`` untimed rounds. Interleaving means slow drift or a noisy neighbour on the
+machine hits all variants alike, and ratios taken per round (``paired_ratio``) cancel most of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+NOISY = 0.1  # other processes' CPU share above which a measurement is flagged and retried
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, number: dict[str, int],
+                     rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Per-call seconds of each function: ``rounds`` samples, each the mean of ``number[name]``
+    back-to-back calls."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    clock = time.perf_counter
+    for r in range(warmup + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, k = fns[name], number[name]
+            t0 = clock()
+            for _ in range(k):
+                fn()
+            dt = (clock() - t0) / k
+            if r >= warmup:
+                samples[name].append(dt)
+    return samples
+
+
+def calibrate_number(fn: Callable[[], object], target_s: float, cap: int = 100_000) -> int:
+    """How many calls make one sample last about ``target_s`` seconds."""
+    fn()
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= target_s / 4 or n >= cap:
+            return max(1, min(cap, int(n * target_s / max(dt, 1e-9))))
+        n *= 4
+
+
+def calibrate_all(fns: dict[str, Callable[[], object]], target_s: float,
+                  cap: int = 100_000) -> dict[str, int]:
+    """``calibrate_number`` for every function, so each sample of each lasts ~``target_s``."""
+    return {name: calibrate_number(fn, target_s, cap) for name, fn in fns.items()}
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    """median / 25th / 75th percentile / min of a sample list (same unit as the input)."""
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "min": xs[0],
+            "n": len(xs)}
+
+
+def paired(a: list[float], b: list[float], op: str) -> dict[str, float]:
+    """Stats of ``a[i] - b[i]`` or ``a[i] / b[i]`` over rounds (both sampled in the same round)."""
+    vals = [x - y for x, y in zip(a, b)] if op == "-" else [x / y for x, y in zip(a, b)]
+    return stats(vals)
+
+
+def run_info(name: str) -> dict[str, object]:
+    from attn_ops import current_platform
+
+    plat = current_platform()
+    return {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv]),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": str(plat),
+        "cpu": plat.device_name,
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "os_cpu_count": os.cpu_count(),
+    }
+
+
+def default_out(name: str, quick: bool = False) -> str:
+    """``results/<name>_cpu.json``; ``--quick`` runs go to ``<name>_cpu_quick.json`` so a CI smoke
+    test never overwrites the full results."""
+    return os.path.join(RESULTS_DIR, f"{name}_cpu{'_quick' if quick else ''}.json")
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    print(f"\nwrote {os.path.relpath(path)}")
+
+
+class CpuMonitor:
+    """How busy the machine was with *other* processes while we measured.
+
+    On a small machine a neighbour process costs far more than its share: torch's intra-op
+    thread pool (OpenMP, one thread per core by default) waits at the end of every parallel
+    region for its slowest thread, so when another process holds one core each parallel kernel
+    can stall for a scheduler tick (~4 ms). ``others_cpu_fraction`` (0..1 of all cores) is
+    recorded with the results so such runs can be recognised; above ~0.1 the numbers are not
+    trustworthy.
+    """
+
+    def __init__(self) -> None:
+        self.start()
+
+    @staticmethod
+    def _busy_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal
+        return busy / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def start(self) -> None:
+        self._t0, self._busy0, self._own0 = time.perf_counter(), self._busy_s(), self._own_s()
+
+    def others_cpu_fraction(self) -> float | None:
+        busy = self._busy_s()
+        if busy is None or self._busy0 is None:
+            return None
+        wall = time.perf_counter() - self._t0
+        others = (busy - self._busy0) - (self._own_s() - self._own0)
+        return max(0.0, others / (wall * (os.cpu_count() or 1)))
+
+
+def wait_idle(max_wait_s: float, threshold: float = 0.1, window_s: float = 1.0) -> float | None:
+    """Block (up to ``max_wait_s``) until other processes use <= ``threshold`` of the CPUs over
+    a ``window_s`` window; returns the last measured fraction."""
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        mon = CpuMonitor()
+        time.sleep(window_s)
+        frac = mon.others_cpu_fraction()
+        if frac is None or frac <= threshold or time.perf_counter() >= deadline:
+            return frac
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:9.2f}"
