@@ -1,0 +1,368 @@
+/* CPU_ATTN kernel: paged attention read straight from the KV cache, no gather.
+ *
+ * Compiled on first use by backends/cpu_attn.py (plain C, no torch headers, ~1 s) and called
+ * through ctypes. One call serves a whole mixed batch. For every (request, KV head, chunk of
+ * query tokens) it keeps the chunk's query rows of all query heads sharing that KV head
+ * (GQA/MQA packing), walks the request's visible keys page by page, converts each K/V row to
+ * float once (fp32, fp16, bf16 or fp8 through a 256-entry table with the per-tensor scale
+ * folded in) and runs an online softmax over tiles of keys. Work items are spread over
+ * `num_threads` pthreads.
+ *
+ * Semantics are REFERENCE's (backends/reference.py): score = scale * q.k, then soft-cap, then
+ * ALiBi slope * (j - p); causal / sliding-window visibility; sinks add probability mass only;
+ * lse = natural log over the visible keys (sinks excluded).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2, CACHE_U8_LUT = 3 };
+enum { Q_ROWS = 32, KEY_TILE = 32, MAX_THREADS = 64 };
+
+/* 8 floats in one register (GCC/Clang vector extension; AVX2 with -march=native). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+typedef struct {
+    const float *q;            /* [T, Hq, D] float32, strides below (elements) */
+    int64_t q_st, q_sh;
+    const void *k_cache, *v_cache; /* [blocks, block_size, Hkv, D or Dv], shared strides */
+    int64_t c_sb, c_st, c_sh;
+    int cache_kind;
+    const float *lut;          /* 256 floats for CACHE_U8_LUT */
+    float k_scale, v_scale;
+    const int32_t *block_table; /* [B, width] */
+    int64_t bt_stride;
+    const int32_t *qsl, *seq_lens; /* [B+1], [B] */
+    int num_reqs;
+    float *out;                /* [T, Hq, Dv] float32 */
+    int64_t o_st, o_sh;
+    float *lse;                /* [T, Hq] or NULL */
+    const float *sinks, *alibi; /* [Hq] or NULL */
+    int hq, hkv, d, dv, block_size;
+    float scale, soft_cap;     /* soft_cap <= 0: off */
+    int window;                /* <= 0: off */
+    int causal;
+    int64_t num_blocks;        /* block ids outside [0, num_blocks) are reported, not read */
+    int64_t *bad_block;        /* out: {request, block id} of an invalid block-table entry */
+} Args;
+
+typedef struct { int32_t req, head, t0, tokens; } Item;
+
+/* exp(x) to ~2 ulp for x in [-87, 88] (0 below), written so that loops over it vectorize
+ * (libm's expf does not): 2^n * poly(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes). */
+static inline float fast_expf(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.f ? 0.f : p * scale;
+}
+
+static inline float fast_tanhf(float y) {
+    const float e = fast_expf(-2.f * fabsf(y));
+    const float t = (1.f - e) / (1.f + e);
+    return y < 0.f ? -t : t;
+}
+
+static inline float load_elem(const void *base, int64_t idx, int kind, const float *lut) {
+    switch (kind) {
+    case CACHE_F32: return ((const float *)base)[idx];
+    case CACHE_F16: return (float)((const _Float16 *)base)[idx];
+    case CACHE_BF16: {
+        uint32_t bits = (uint32_t)((const uint16_t *)base)[idx] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    default: return lut[((const uint8_t *)base)[idx]];
+    }
+}
+
+static inline __attribute__((always_inline)) void load_row(float *dst, const void *base, int64_t off, int n, int kind,
+                     const float *lut, float scale) {
+    switch (kind) {
+    case CACHE_F32: {
+        const float *src = (const float *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = src[i];
+        break;
+    }
+    case CACHE_F16: {
+        const _Float16 *src = (const _Float16 *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = (float)src[i];
+        break;
+    }
+    case CACHE_BF16:
+        for (int i = 0; i < n; i++) dst[i] = load_elem(base, off + i, kind, lut);
+        break;
+    default: {
+        const uint8_t *src = (const uint8_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = lut[src[i]] * scale;
+    }
+    }
+}
+
+static int tokens_per_item(const Args *a) {
+    const int group = a->hq / a->hkv;
+    return Q_ROWS / group > 0 ? Q_ROWS / group : 1;
+}
+
+static size_t scratch_floats(const Args *a) {
+    const size_t rows = (size_t)tokens_per_item(a) * (a->hq / a->hkv);
+    /* two int64 bounds (= 4 floats) + q, acc, m, l, slope per row; one K/V tile; one K row */
+    return rows * (4 + a->d + a->dv + 3) + (size_t)KEY_TILE * (a->d + a->dv) + a->d;
+}
+
+/* One work item: `it->tokens` query tokens from `it->t0` of request `it->req`, all query
+ * heads of KV head `it->head`. Returns nonzero (and records it) on an invalid block id. */
+static int run_item(const Args *a, const Item *it, float *buf) {
+    const int group = a->hq / a->hkv, d = a->d, dv = a->dv, r = it->req, h = it->head;
+    const int64_t t0_rel = it->t0;
+    const int64_t q0 = a->qsl[r], n = a->qsl[r + 1] - q0, s = a->seq_lens[r];
+    const int rows = it->tokens * group;
+    int64_t *lo_row = (int64_t *)buf;      /* [rows] */
+    int64_t *hi_row = lo_row + rows;       /* [rows] */
+    float *qf = (float *)(hi_row + rows);  /* [rows, d] */
+    float *acc = qf + (size_t)rows * d;    /* [rows, dv] */
+    float *m = acc + (size_t)rows * dv;    /* [rows] */
+    float *l = m + rows;                   /* [rows] */
+    float *slope = l + rows;               /* [rows] */
+    float *kt = slope + rows;              /* [KEY_TILE, d] */
+    float *vt = kt + KEY_TILE * d;         /* [KEY_TILE, dv] */
+    float *krow = vt + KEY_TILE * dv;      /* [d] */
+
+    for (int i = 0; i < rows; i++) {
+        const int64_t t = q0 + t0_rel + i / group;
+        const int head = h * group + i % group;
+        const float *src = a->q + t * a->q_st + head * a->q_sh;
+        for (int c = 0; c < d; c++) qf[i * d + c] = src[c] * a->scale;
+        for (int c = 0; c < dv; c++) acc[i * dv + c] = 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+        const int64_t p = s - n + t0_rel + i / group;
+        int64_t lo = 0, hi = a->causal ? p : s - 1;
+        if (a->window > 0) {
+            lo = p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+            if (!a->causal && p + a->window - 1 < hi) hi = p + a->window - 1;
+        }
+        lo_row[i] = lo;
+        hi_row[i] = hi;
+        slope[i] = a->alibi ? a->alibi[head] : 0.f;
+    }
+    int64_t lo = lo_row[0], hi = hi_row[0];
+    for (int i = 1; i < rows; i++) {
+        if (lo_row[i] < lo) lo = lo_row[i];
+        if (hi_row[i] > hi) hi = hi_row[i];
+    }
+    const int32_t *table = a->block_table + (int64_t)r * a->bt_stride;
+    int64_t page = lo / a->block_size, slot = lo % a->block_size;
+    for (int64_t j0 = lo; j0 <= hi; j0 += KEY_TILE) {
+        const int nk = (int)(hi - j0 + 1 < KEY_TILE ? hi - j0 + 1 : KEY_TILE);
+        /* K tile transposed to [d, KEY_TILE] so scores vectorize over keys (no horizontal
+         * sums); columns past nk stay zero and are masked below. */
+        if (nk < KEY_TILE) memset(kt, 0, sizeof(float) * KEY_TILE * d);
+        const float *vrow[KEY_TILE];  /* fp32 caches are read in place, others converted */
+        for (int jj = 0; jj < nk; jj++) {
+            const int64_t block = table[page];
+            if (block < 0 || block >= a->num_blocks) {
+                a->bad_block[0] = r;
+                a->bad_block[1] = block;
+                return 1;
+            }
+            const int64_t off = block * a->c_sb + slot * a->c_st + (int64_t)h * a->c_sh;
+            if (++slot == a->block_size) {
+                slot = 0;
+                page++;
+            }
+            const float *kj = (const float *)a->k_cache + off;
+            if (a->cache_kind != CACHE_F32) {
+                load_row(krow, a->k_cache, off, d, a->cache_kind, a->lut, a->k_scale);
+                kj = krow;
+                load_row(vt + jj * dv, a->v_cache, off, dv, a->cache_kind, a->lut, a->v_scale);
+                vrow[jj] = vt + jj * dv;
+            } else {
+                vrow[jj] = (const float *)a->v_cache + off;
+            }
+            for (int c = 0; c < d; c++) kt[c * KEY_TILE + jj] = kj[c];
+        }
+        for (int i = 0; i < rows; i++) {
+            const float *restrict qi = qf + i * d;
+            const int64_t p = s - n + t0_rel + i / group;
+            float srow[KEY_TILE];
+            v8f s0 = splat8(0.f), s1 = s0, s2 = s0, s3 = s0;  /* KEY_TILE = 4 x 8 */
+            for (int c = 0; c < d; c++) {
+                const v8f qc = splat8(qi[c]);
+                const float *restrict kc = kt + c * KEY_TILE;
+                s0 += qc * ld8(kc);
+                s1 += qc * ld8(kc + 8);
+                s2 += qc * ld8(kc + 16);
+                s3 += qc * ld8(kc + 24);
+            }
+            st8(srow, s0);
+            st8(srow + 8, s1);
+            st8(srow + 16, s2);
+            st8(srow + 24, s3);
+            if (a->soft_cap > 0.f) {
+                const float cap = a->soft_cap, inv_cap = 1.f / a->soft_cap;
+                for (int jj = 0; jj < KEY_TILE; jj++) srow[jj] = cap * fast_tanhf(srow[jj] * inv_cap);
+            }
+            const int64_t vis_lo = lo_row[i] - j0, vis_hi = hi_row[i] - j0;
+            const float base = slope[i] * (float)(j0 - p), sl = slope[i];
+            float tile_max = -INFINITY;
+            for (int jj = 0; jj < KEY_TILE; jj++) {
+                float x = srow[jj] + base + sl * (float)jj;
+                x = (jj >= vis_lo && jj <= vis_hi && jj < nk) ? x : -INFINITY;
+                srow[jj] = x;
+                tile_max = x > tile_max ? x : tile_max;
+            }
+            if (tile_max == -INFINITY) continue;
+            const float m_new = tile_max > m[i] ? tile_max : m[i];
+            const float correction = m[i] == -INFINITY ? 0.f : fast_expf(m[i] - m_new);
+            float sum = 0.f;
+            for (int jj = 0; jj < KEY_TILE; jj++) {
+                const float x = srow[jj];
+                const float pj = x == -INFINITY ? 0.f : fast_expf(x - m_new);
+                srow[jj] = pj;
+                sum += pj;
+            }
+            float *restrict ai = acc + i * dv;
+            int c0 = 0;
+            for (; c0 + 16 <= dv; c0 += 16) {  /* accumulators stay in registers */
+                v8f r0 = ld8(ai + c0) * splat8(correction), r1 = ld8(ai + c0 + 8) * splat8(correction);
+                for (int jj = 0; jj < nk; jj++) {
+                    const v8f pj = splat8(srow[jj]);
+                    const float *restrict vj = vrow[jj] + c0;
+                    r0 += pj * ld8(vj);
+                    r1 += pj * ld8(vj + 8);
+                }
+                st8(ai + c0, r0);
+                st8(ai + c0 + 8, r1);
+            }
+            for (; c0 < dv; c0++) {
+                float r1 = ai[c0] * correction;
+                for (int jj = 0; jj < nk; jj++) r1 += srow[jj] * vrow[jj][c0];
+                ai[c0] = r1;
+            }
+            l[i] = l[i] * correction + sum;
+            m[i] = m_new;
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const int64_t t = q0 + t0_rel + i / group;
+        const int head = h * group + i % group;
+        float denom = l[i];
+        if (a->sinks) denom += expf(a->sinks[head] - m[i]);
+        const float inv = 1.f / denom;
+        float *dst = a->out + t * a->o_st + head * a->o_sh;
+        for (int c = 0; c < dv; c++) dst[c] = acc[i * dv + c] * inv;
+        if (a->lse) a->lse[t * a->hq + head] = m[i] + logf(l[i]);
+    }
+    return 0;
+}
+
+typedef struct {
+    const Args *args;
+    const Item *items;
+    int64_t begin, end;
+} Slice;
+
+static void *run_slice(void *arg) {
+    const Slice *sl = (const Slice *)arg;
+    float *buf = (float *)malloc(scratch_floats(sl->args) * sizeof(float));
+    if (!buf) return (void *)1;
+    void *rc = NULL;
+    for (int64_t w = sl->begin; w < sl->end && rc == NULL; w++)
+        if (run_item(sl->args, &sl->items[w], buf)) rc = (void *)3;
+    free(buf);
+    return rc;
+}
+
+/* Runs the whole batch. Work items are (request, KV head, chunk of query tokens); contiguous
+ * runs of them go to up to `num_threads` threads, balanced by rows x visible keys.
+ * Returns 0 on success, 1 when out of memory, 2 on bad arguments, 3 on an invalid block id
+ * (written to a->bad_block). */
+int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
+    if (a->hkv <= 0 || a->hq % a->hkv) return 2;
+    const int tpi = tokens_per_item(a), group = a->hq / a->hkv;
+    int64_t num_items = 0;
+    for (int r = 0; r < a->num_reqs; r++) {
+        const int64_t n = a->qsl[r + 1] - a->qsl[r];
+        num_items += a->hkv * ((n + tpi - 1) / tpi);
+    }
+    if (num_items == 0) return 0;
+    Item *items = (Item *)malloc(num_items * sizeof(Item));
+    int64_t *cost = (int64_t *)malloc(num_items * sizeof(int64_t));
+    if (!items || !cost) {
+        free(items);
+        free(cost);
+        return 1;
+    }
+    int64_t w = 0, total = 0;
+    for (int r = 0; r < a->num_reqs; r++) {
+        const int64_t n = a->qsl[r + 1] - a->qsl[r], s = a->seq_lens[r];
+        for (int64_t t0 = 0; t0 < n; t0 += tpi) {
+            const int tokens = (int)(n - t0 < tpi ? n - t0 : tpi);
+            int64_t keys = a->causal ? s - n + t0 + tokens : s;
+            if (a->window > 0 && keys > a->window + tokens) keys = a->window + tokens;
+            for (int h = 0; h < a->hkv; h++) {
+                items[w] = (Item){r, h, (int32_t)t0, tokens};
+                /* staging a K/V row costs about as much as 8 query rows using it */
+                cost[w] = keys * ((int64_t)tokens * group + 8);
+                total += cost[w++];
+            }
+        }
+    }
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > num_items) num_threads = (int)num_items;
+    /* a thread costs ~20-50 us to start and join: give each at least ~150 us of work */
+    if ((int64_t)num_threads * 50000 > total) num_threads = (int)(total / 50000) + 1;
+    Slice slices[MAX_THREADS];
+    int used = 0;
+    int64_t begin = 0, acc = 0;
+    for (int t = 0; t < num_threads && begin < num_items; t++) {
+        const int64_t target = total * (t + 1) / num_threads;
+        int64_t end = begin;
+        while (end < num_items && (acc < target || end == begin)) acc += cost[end++];
+        if (t == num_threads - 1) end = num_items;
+        slices[used++] = (Slice){a, items, begin, end};
+        begin = end;
+    }
+    int rc = 0;
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 1; t < used; t++)
+        started[t] = pthread_create(&threads[t], NULL, run_slice, &slices[t]) == 0;
+    void *ret = run_slice(&slices[0]);
+    if (ret) rc = (int)(intptr_t)ret;
+    for (int t = 1; t < used; t++) {
+        ret = NULL;
+        if (started[t])
+            pthread_join(threads[t], &ret);
+        else
+            ret = run_slice(&slices[t]);
+        if (ret) rc = (int)(intptr_t)ret;
+    }
+    free(items);
+    free(cost);
+    return rc;
+}
