@@ -1,7 +1,8 @@
 """Op registration for the ``torch.ops.attn`` namespace, and the shared schemas.
 
 Ops are defined with ``torch.library.Library.define`` + ``impl`` + a fake kernel rather than
-``torch.library.custom_op``: the latter costs about 10x more per eager call
+``torch.library.custom_op``: on torch 2.13 (2-core CPU) the latter costs 20 us against 1.8 us
+per eager call for a trivial op and 92 us against 4.3 us with the 15-argument attention schema
 (``benchmarks/bench_op_overhead.py`` measures both side by side), which matters for eager and
 piecewise-graph decode. Registration happens when a backend module is imported, is idempotent,
 and changes no torch or Inductor setting.

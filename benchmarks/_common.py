@@ -95,7 +95,20 @@ def run_info(name: str) -> dict[str, object]:
         "num_threads": torch.get_num_threads(),
         "num_interop_threads": torch.get_num_interop_threads(),
         "os_cpu_count": os.cpu_count(),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str:
+    """``git describe`` of the checkout (``-dirty`` when it has uncommitted changes)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def default_out(name: str, quick: bool = False) -> str:
