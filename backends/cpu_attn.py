@@ -32,7 +32,6 @@ import torch
 
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, Reason
-from attn_ops.kv_cache import split_kv_cache
 from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs,
                           check_paged_attention_values, debug_checks_enabled, define_op)
 from attn_ops.platforms import Platform, PlatformKind
@@ -122,16 +121,25 @@ def cpu_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     head_dim_v = out.shape[2]
-    k_cache, v_cache = split_kv_cache(kv_cache, head_dim, head_dim_v)
+    # K and V as (address, strides) without building views (this runs in every layer):
+    # NHD [blocks, 2, block_size, Hkv, D] or NHD_PACKED [blocks, block_size, Hkv, D + Dv].
+    packed = kv_cache.dim() == 4
+    st = kv_cache.stride()
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1 if packed else 2]
+    num_kv_heads = kv_cache.shape[2 if packed else 3]
+    block_stride, token_stride, head_stride = (st[0], st[1], st[2]) if packed else \
+        (st[0], st[2], st[3])
+    k_addr = kv_cache.data_ptr()
+    v_addr = k_addr + kv_cache.element_size() * (head_dim if packed else st[1])
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    check_paged_attention_values(num_tokens, k_cache.shape[0], k_cache.shape[1], starts, lens,
+    check_paged_attention_values(num_tokens, num_blocks, block_size, starts, lens,
                                  block_table, debug_checks_enabled())
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"CPU_ATTN computes fp32/fp16/bf16, got query.dtype={query.dtype}; "
                          "use REFERENCE for float64")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("CPU_ATTN needs K and V cache views with equal strides and contiguous "
-                         "head dims; allocate the cache with attn_ops.allocate_kv_cache")
+    if st[-1] != 1:
+        raise ValueError(f"CPU_ATTN needs a KV cache with contiguous head dims, got strides {st}; "
+                         "allocate the cache with attn_ops.allocate_kv_cache")
     q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float()
     direct = out.dtype == torch.float32 and out.stride(2) == 1
     o = out if direct else torch.empty(out.shape, dtype=torch.float32)
@@ -148,17 +156,17 @@ def cpu_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table,
 
     bad_block = (ctypes.c_int64 * 2)()
     args = _Args(
-        ptr(q), q.stride(0), q.stride(1), ptr(k_cache), ptr(v_cache), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), _CACHE_KIND[kv_cache.dtype], ptr(lut),
+        ptr(q), q.stride(0), q.stride(1), k_addr, v_addr, block_stride, token_stride,
+        head_stride, _CACHE_KIND[kv_cache.dtype], ptr(lut),
         float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, ptr(table),
         table.stride(0), ptr(qsl), ptr(seq), len(lens), ptr(o), o.stride(0), o.stride(1),
-        ptr(lse_buf), ptr(sinks_f), ptr(slopes_f), num_heads, k_cache.shape[2], head_dim,
-        head_dim_v, k_cache.shape[1], scale, soft_cap or 0.0, sliding_window or 0, int(causal),
-        k_cache.shape[0], ctypes.addressof(bad_block))
+        ptr(lse_buf), ptr(sinks_f), ptr(slopes_f), num_heads, num_kv_heads, head_dim,
+        head_dim_v, block_size, scale, soft_cap or 0.0, sliding_window or 0, int(causal),
+        num_blocks, ctypes.addressof(bad_block))
     rc = _kernel()(ctypes.byref(args), torch.get_num_threads())
     if rc == 3:  # the kernel checks every block id it follows: no out-of-bounds read
         raise ValueError(f"block_table row {bad_block[0]} holds block {bad_block[1]}, outside "
-                         f"the cache's [0, {k_cache.shape[0]}) blocks")
+                         f"the cache's [0, {num_blocks}) blocks")
     if rc:
         raise RuntimeError(f"CPU_ATTN kernel failed (code {rc}: "
                            f"{'out of memory' if rc == 1 else 'bad arguments'})")

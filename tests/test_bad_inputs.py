@@ -18,7 +18,7 @@ def case():
 
 
 def _args(case, **changes):
-    spec, meta, q = case.spec, case.metadata, case.query
+    meta, q = case.metadata, case.query
     args = dict(query=q, kv_cache=case.kv_cache, query_start_loc=meta.query_start_loc,
                 seq_lens=meta.seq_lens, block_table=meta.block_table,
                 out=torch.empty(q.shape[0], 4, 16), lse=None, sinks=None, alibi_slopes=None,

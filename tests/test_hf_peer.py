@@ -214,7 +214,8 @@ def test_decode_matches_hf(case, backend, dtype):
         new = torch.cat([h[c:c + 1] for h, c in zip(full, ctx)])
         got = peer.ours(layer, cache, allocator, new, ids, ctx, [1, 1])
         expected = torch.stack([peer.hf_forward(h[:c + 1])[-1] for h, c in zip(full, ctx)])
-        torch.testing.assert_close(got, expected, **TOL[dtype], msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(got, expected, **TOL[dtype],
+                                   msg=lambda m, step=step: f"step {step}: {m}")
     assert_non_contiguous(allocator, "a")
     assert_non_contiguous(allocator, "b")
 

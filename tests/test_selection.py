@@ -7,7 +7,6 @@ import expecttest
 import pytest
 import torch
 
-import attn_ops
 from attn_ops import (AttentionConfig, AttentionSpec, Backend, BackendNotSupportedError,
                       KVCacheDType, LayerKind, NoBackendError, Platform, get_backend_class,
                       priority_list, register_backend, select_backend)
