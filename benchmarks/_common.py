@@ -181,3 +181,24 @@ def wait_idle(max_wait_s: float, threshold: float = 0.1, window_s: float = 1.0) 
 
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:9.2f}"
+
+
+def time_quietly(fns: dict[str, Callable[[], object]], *, rounds: int, target_s: float,
+                 wait_s: float, label: str) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """:func:`time_interleaved` after waiting for a quiet machine; a run during which other
+    processes used more than ``NOISY`` of the CPUs is retried (up to 3 attempts), since a busy
+    neighbour only inflates times. Returns the samples and how they were taken
+    (``calls_per_sample``, ``others_cpu_fraction``, ``attempts``)."""
+    attempts = 0
+    while True:
+        attempts += 1
+        if wait_s:
+            wait_idle(wait_s)
+        number = calibrate_all(fns, target_s)
+        mon = CpuMonitor()
+        samples = time_interleaved(fns, number=number, rounds=rounds)
+        others = mon.others_cpu_fraction()
+        if not wait_s or others is None or others <= NOISY or attempts >= 3:
+            return samples, {"calls_per_sample": number, "others_cpu_fraction": others,
+                             "attempts": attempts}
+        print(f"  {label}: other processes used {others:.0%} of the CPUs, retrying")

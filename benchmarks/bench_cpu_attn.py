@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (NOISY, CpuMonitor, calibrate_all, default_out, paired,  # noqa: E402
-                     run_info, stats, time_interleaved, wait_idle, write_json)
+from _common import (NOISY, CpuMonitor, default_out, paired, run_info, stats,  # noqa: E402
+                     time_quietly, write_json)
 
 NAME = "bench_cpu_attn"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 32, 16
@@ -198,18 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             sc = Scenario(name, cfg["context"], cfg["query"])
             diffs = sc.check()
             fns = sc.fns()
-            attempts = 0
-            while True:  # a busy neighbour only inflates times: retry rather than report it
-                attempts += 1
-                if wait_s:
-                    wait_idle(wait_s)
-                number = calibrate_all(fns, target_s)
-                mon = CpuMonitor()
-                samples = time_interleaved(fns, number=number, rounds=rounds)
-                others = mon.others_cpu_fraction()
-                if not wait_s or others is None or others <= NOISY or attempts >= 3:
-                    break
-                print(f"  {name}: other processes used {others:.0%} of the CPUs, retrying")
+            samples, how = time_quietly(fns, rounds=rounds, target_s=target_s, wait_s=wait_s,
+                                        label=name)
             work = sc.work()
             timings = {}
             for k, xs in samples.items():
@@ -222,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {
                 "context_lens": cfg["context"], "query_lens": cfg["query"],
                 "seq_lens": sc.seq_lens, "num_tokens": sc.meta.num_actual_tokens,
-                "work": work, "max_abs_diff": diffs, "calls_per_sample": number,
-                "rounds": rounds, "others_cpu_fraction": others, "attempts": attempts,
+                "work": work, "max_abs_diff": diffs, "rounds": rounds, **how,
                 "timings": timings,
                 "cpu_attn_over_sdpa_dense": ratio_cpu_sdpa,
                 "reference_over_cpu_attn": ratio_ref_cpu,

@@ -38,8 +38,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (NOISY, CpuMonitor, calibrate_all, default_out, paired,  # noqa: E402
-                     run_info, stats, time_interleaved, wait_idle, write_json)
+from _common import (NOISY, default_out, paired, run_info, stats,  # noqa: E402
+                     time_quietly, write_json)
 
 NAME = "bench_op_overhead"
 NS = "attn_bench"
@@ -164,19 +164,9 @@ def real_variants(a_op: tuple, a_py: tuple) -> dict[str, object]:
 def measure(variants: dict, bare: str, *, rounds: int, target_s: float, mode: str,
             wait_s: float) -> dict:
     ctx = torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
-    attempts = 0
     with ctx:
-        while True:  # a busy neighbour only inflates times: retry rather than report it
-            attempts += 1
-            if wait_s:
-                wait_idle(wait_s)
-            number = calibrate_all(variants, target_s)
-            mon = CpuMonitor()
-            samples = time_interleaved(variants, number=number, rounds=rounds)
-            others = mon.others_cpu_fraction()
-            if not wait_s or others is None or others <= NOISY or attempts >= 3:
-                break
-            print(f"  ({mode}: other processes used {others:.0%} of the CPUs, retrying)")
+        samples, how = time_quietly(variants, rounds=rounds, target_s=target_s, wait_s=wait_s,
+                                    label=mode)
     rows = {}
     for name, xs in samples.items():
         row = {"us_per_call": {k: (v * 1e6 if k != "n" else v) for k, v in stats(xs).items()}}
@@ -185,8 +175,7 @@ def measure(variants: dict, bare: str, *, rounds: int, target_s: float, mode: st
             row["overhead_us"] = {k: (v * 1e6 if k != "n" else v) for k, v in d.items()}
             row["ratio_to_bare"] = paired(xs, samples[bare], "/")["median"]
         rows[name] = row
-    return {"mode": mode, "calls_per_sample": number, "rounds": rounds,
-            "others_cpu_fraction": others, "attempts": attempts, "rows": rows}
+    return {"mode": mode, "rounds": rounds, **how, "rows": rows}
 
 
 def print_table(title: str, result: dict, bare: str) -> None:

@@ -1,0 +1,21 @@
+"""The benchmark scripts keep running (tiny --quick runs; no performance is asserted here:
+performance claims come from full runs recorded in benchmarks/results/)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.parametrize("script", ["bench_cpu_attn.py", "bench_op_overhead.py"])
+def test_benchmark_quick_run_writes_json(script, tmp_path):
+    out = tmp_path / "result.json"
+    res = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["torch"] and result["commit"]
