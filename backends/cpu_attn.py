@@ -40,7 +40,7 @@ from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 __all__ = ["CPUAttnBackend", "cpu_paged_attention"]
 
 _SOURCE = Path(__file__).with_name("cpu_attn_kernels.c")
-_CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-math-errno",
+_CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
            "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 _CACHE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
                torch.float8_e5m2: 3}

@@ -6,7 +6,7 @@
  * (GQA/MQA packing), walks the request's visible keys page by page, converts each K/V row to
  * float once (fp32, fp16, bf16 or fp8 through a 256-entry table with the per-tensor scale
  * folded in) and runs an online softmax over tiles of keys. Work items are spread over
- * `num_threads` pthreads.
+ * torch's OpenMP threads.
  *
  * Semantics are REFERENCE's (backends/reference.py): score = scale * q.k, then soft-cap, then
  * ALiBi slope * (j - p); causal / sliding-window visibility; sinks add probability mass only;
@@ -19,13 +19,12 @@
  * 32 keys), which a GEMM-blocked kernel amortizes better: prefill is ~1.9x the dense anchor.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2, CACHE_U8_LUT = 3 };
-enum { Q_ROWS = 32, KEY_TILE = 32, MAX_THREADS = 64 };
+enum { Q_ROWS = 32, KEY_TILE = 32 };
 
 /* 8 floats in one register (GCC/Clang vector extension; AVX2 with -march=native). */
 typedef float v8f __attribute__((vector_size(32)));
@@ -289,27 +288,25 @@ static int run_item(const Args *a, const Item *it, float *buf) {
     return 0;
 }
 
-typedef struct {
-    const Args *args;
-    const Item *items;
-    int64_t begin, end;
-} Slice;
+/* Per-thread scratch, grown on demand and kept across calls (no malloc in the hot path). */
+static __thread float *scratch;
+static __thread size_t scratch_size;
 
-static void *run_slice(void *arg) {
-    const Slice *sl = (const Slice *)arg;
-    float *buf = (float *)malloc(scratch_floats(sl->args) * sizeof(float));
-    if (!buf) return (void *)1;
-    void *rc = NULL;
-    for (int64_t w = sl->begin; w < sl->end && rc == NULL; w++)
-        if (run_item(sl->args, &sl->items[w], buf)) rc = (void *)3;
-    free(buf);
-    return rc;
+static float *get_scratch(size_t floats) {
+    if (floats > scratch_size) {
+        free(scratch);
+        scratch = (float *)malloc(floats * sizeof(float));
+        scratch_size = scratch ? floats : 0;
+    }
+    return scratch;
 }
 
-/* Runs the whole batch. Work items are (request, KV head, chunk of query tokens); contiguous
- * runs of them go to up to `num_threads` threads, balanced by rows x visible keys.
- * Returns 0 on success, 1 when out of memory, 2 on bad arguments, 3 on an invalid block id
- * (written to a->bad_block). */
+/* Runs the whole batch. Work items are (request, KV head, chunk of query tokens), handed out
+ * dynamically to the OpenMP threads. Linked against libgomp.so.1, the kernel joins the thread
+ * pool torch already runs (the loader resolves that soname to torch's copy), so it neither
+ * creates threads nor competes with torch's spinning workers. Small batches run on the calling
+ * thread. Returns 0 on success, 1 when out of memory, 2 on bad arguments, 3 on an invalid
+ * block id (written to a->bad_block). */
 int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
     if (a->hkv <= 0 || a->hq % a->hkv) return 2;
     const int tpi = tokens_per_item(a), group = a->hq / a->hkv;
@@ -320,12 +317,7 @@ int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
     }
     if (num_items == 0) return 0;
     Item *items = (Item *)malloc(num_items * sizeof(Item));
-    int64_t *cost = (int64_t *)malloc(num_items * sizeof(int64_t));
-    if (!items || !cost) {
-        free(items);
-        free(cost);
-        return 1;
-    }
+    if (!items) return 1;
     int64_t w = 0, total = 0;
     for (int r = 0; r < a->num_reqs; r++) {
         const int64_t n = a->qsl[r + 1] - a->qsl[r], s = a->seq_lens[r];
@@ -333,45 +325,26 @@ int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
             const int tokens = (int)(n - t0 < tpi ? n - t0 : tpi);
             int64_t keys = a->causal ? s - n + t0 + tokens : s;
             if (a->window > 0 && keys > a->window + tokens) keys = a->window + tokens;
-            for (int h = 0; h < a->hkv; h++) {
-                items[w] = (Item){r, h, (int32_t)t0, tokens};
-                /* staging a K/V row costs about as much as 8 query rows using it */
-                cost[w] = keys * ((int64_t)tokens * group + 8);
-                total += cost[w++];
-            }
+            /* staging a K/V row costs about as much as 8 query rows using it */
+            total += keys * ((int64_t)tokens * group + 8);
+            for (int h = 0; h < a->hkv; h++) items[w++] = (Item){r, h, (int32_t)t0, tokens};
         }
     }
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    total *= a->hkv;
+    /* below ~20 us of work, waking other threads costs more than it saves */
+    if (total < 4000) num_threads = 1;
     if (num_threads > num_items) num_threads = (int)num_items;
-    /* a thread costs ~20-50 us to start and join: give each at least ~150 us of work */
-    if ((int64_t)num_threads * 50000 > total) num_threads = (int)(total / 50000) + 1;
-    Slice slices[MAX_THREADS];
-    int used = 0;
-    int64_t begin = 0, acc = 0;
-    for (int t = 0; t < num_threads && begin < num_items; t++) {
-        const int64_t target = total * (t + 1) / num_threads;
-        int64_t end = begin;
-        while (end < num_items && (acc < target || end == begin)) acc += cost[end++];
-        if (t == num_threads - 1) end = num_items;
-        slices[used++] = (Slice){a, items, begin, end};
-        begin = end;
-    }
+    const size_t floats = scratch_floats(a);
     int rc = 0;
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 1; t < used; t++)
-        started[t] = pthread_create(&threads[t], NULL, run_slice, &slices[t]) == 0;
-    void *ret = run_slice(&slices[0]);
-    if (ret) rc = (int)(intptr_t)ret;
-    for (int t = 1; t < used; t++) {
-        ret = NULL;
-        if (started[t])
-            pthread_join(threads[t], &ret);
-        else
-            ret = run_slice(&slices[t]);
-        if (ret) rc = (int)(intptr_t)ret;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t i = 0; i < num_items; i++) {
+        if (rc) continue;
+        float *buf = get_scratch(floats);
+        if (!buf)
+            rc = 1;
+        else if (run_item(a, &items[i], buf))
+            rc = 3;
     }
     free(items);
-    free(cost);
     return rc;
 }
