@@ -53,11 +53,11 @@ class AttentionBackend:
         """This backend's metadata for one step (default: the common metadata itself)."""
         return common
 
-    def forward(
+    def op_arguments(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: CommonAttentionMetadata,
+        metadata: Any,
         out: torch.Tensor,
         *,
         lse: torch.Tensor | None = None,
@@ -65,13 +65,28 @@ class AttentionBackend:
         alibi_slopes: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
-    ) -> None:
-        """Attention of ``query`` over the paged cache, written into ``out`` (and ``lse``)."""
+    ) -> tuple:
+        """The positional arguments of ``self.op`` for one call (the default: the common
+        :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA`). ``metadata`` is what
+        :meth:`build_metadata` returned."""
         spec = self.spec
-        self.op(query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
+        return (query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
                 metadata.block_table, out, lse, sinks, alibi_slopes, k_scale, v_scale,
                 self.scale, spec.sliding_window, spec.logits_soft_cap,
                 spec.causal and metadata.causal)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+                out: torch.Tensor, **optional) -> None:
+        """Attention of ``query`` over the paged cache, written into ``out`` (and ``lse``).
+
+        ``metadata`` is the step's :class:`CommonAttentionMetadata` (built into this backend's
+        own metadata here, eagerly) or what :meth:`build_metadata` already returned (the way
+        to call a compiled model: plan outside the graph). ``optional``: ``lse``, ``sinks``,
+        ``alibi_slopes``, ``k_scale``, ``v_scale``.
+        """
+        if isinstance(metadata, CommonAttentionMetadata):
+            metadata = self.build_metadata(metadata)
+        self.op(*self.op_arguments(query, kv_cache, metadata, out, **optional))
 
 
 def planned_backend(name: str, platforms: frozenset[PlatformKind], *,

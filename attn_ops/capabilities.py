@@ -78,23 +78,31 @@ class HeadDims:
 
 @dataclass(frozen=True)
 class PackageRequirement:
-    """An optional package a backend needs: its distribution and import names, oldest version."""
+    """An optional package a backend needs: its distribution and import names, and the
+    supported version range ``[min_version, max_version)``."""
 
     distribution: str
     module: str
     min_version: str | None = None
+    max_version: str | None = None
 
     def reason(self, backend: str) -> Reason | None:
         if importlib.util.find_spec(self.module) is None:
             return Reason(backend, "package_missing",
                           f"package {self.distribution} is not installed",
                           f"pip install '{self.distribution}"
-                          + (f">={self.min_version}'" if self.min_version else "'"))
+                          + (f">={self.min_version}" if self.min_version else "")
+                          + (f",<{self.max_version}" if self.max_version else "") + "'")
         found = package_version(self.distribution)
         if self.min_version and found and _version_tuple(found) < _version_tuple(self.min_version):
             return Reason(backend, "package_too_old",
                           f"{self.distribution}=={found} is older than {self.min_version}",
                           f"pip install -U '{self.distribution}>={self.min_version}'")
+        if self.max_version and found and _version_tuple(found) >= _version_tuple(self.max_version):
+            return Reason(backend, "package_too_new",
+                          f"{self.distribution}=={found} is newer than the supported "
+                          f"<{self.max_version}",
+                          f"pip install '{self.distribution}<{self.max_version}'")
         return None
 
 

@@ -10,6 +10,7 @@ the compiled graph names the selected backend.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,8 +84,10 @@ class Attention(nn.Module):
                                  self.selection.backend_cls.kv_cache_layout(self.spec))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: CommonAttentionMetadata, *,
+                kv_cache: torch.Tensor, metadata: CommonAttentionMetadata | Any, *,
                 return_lse: bool = False):
+        """``metadata``: the step's common metadata, or what ``self.impl.build_metadata``
+        made of it -- the way to call a compiled model whose backend plans on the host."""
         spec = self.spec
         query = query.view(-1, spec.num_heads, spec.head_dim)
         if key is not None and value is not None:
@@ -94,9 +97,9 @@ class Attention(nn.Module):
         out = query.new_empty(query.shape[0], spec.num_heads, spec.v_head_dim)
         lse = query.new_empty(query.shape[0], spec.num_heads, dtype=torch.float32) \
             if return_lse else None
-        self.impl.forward(query, kv_cache, self.impl.build_metadata(metadata), out, lse=lse,
-                          sinks=self.sinks, alibi_slopes=self.alibi_slopes,
-                          k_scale=self.k_scale, v_scale=self.v_scale)
+        self.impl.forward(query, kv_cache, metadata, out, lse=lse, sinks=self.sinks,
+                          alibi_slopes=self.alibi_slopes, k_scale=self.k_scale,
+                          v_scale=self.v_scale)
         return (out, lse) if return_lse else out
 
     def extra_repr(self) -> str:

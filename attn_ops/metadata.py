@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity semantics: one object per step
 class CommonAttentionMetadata:
     """One step's batch, as every backend receives it.
 
@@ -32,11 +32,13 @@ class CommonAttentionMetadata:
 
     * ``query_start_loc`` ``[B+1]`` int32 on the device, ``query_start_loc_cpu`` its host copy;
     * ``seq_lens`` ``[B]`` int32 (context + new tokens), ``seq_lens_cpu`` its host copy;
-    * ``block_table`` ``[B, max_blocks]`` int32, unused entries 0;
+    * ``block_table`` ``[B, max_blocks]`` int32, unused entries 0 (``block_table_cpu`` its host
+      copy, which backends that plan on the host read);
     * ``slot_mapping`` ``[T]`` int64, -1 for padding tokens.
 
-    Host ints: ``num_actual_tokens`` (``query_start_loc[-1]``), ``max_query_len``,
-    ``max_seq_len``, ``num_decodes`` / ``num_decode_tokens`` (the decode prefix).
+    Host ints: ``block_size`` (tokens per cache page), ``num_actual_tokens``
+    (``query_start_loc[-1]``), ``max_query_len``, ``max_seq_len``, ``num_decodes`` /
+    ``num_decode_tokens`` (the decode prefix).
     """
 
     query_start_loc: torch.Tensor
@@ -50,7 +52,9 @@ class CommonAttentionMetadata:
     max_seq_len: int
     num_decodes: int
     num_decode_tokens: int
+    block_size: int
     causal: bool = True
+    block_table_cpu: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -165,7 +169,9 @@ def build_common_metadata(
         max_seq_len=max(seq_lens, default=0),
         num_decodes=num_decodes,
         num_decode_tokens=num_decode_tokens,
+        block_size=block_size,
         causal=causal,
+        block_table_cpu=table,
     )
 
 

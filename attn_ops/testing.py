@@ -18,7 +18,7 @@ from attn_ops.kv_cache import BlockAllocator, allocate_kv_cache, kv_cache_update
 from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
-__all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_op", "tolerance",
+__all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
            "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -123,18 +123,18 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
     return PagedCase(spec, meta, query, cache, sinks, slopes, *scales, dense_kv=dense)
 
 
-def run_op(op, case: PagedCase, *, with_lse: bool = True,
-           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Call an attention op of :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA` on a case."""
-    spec, meta = case.spec, case.metadata
-    q = case.query
-    out = torch.full((q.shape[0], spec.num_heads, spec.v_head_dim), float("nan"),
-                     dtype=out_dtype or q.dtype, device=q.device)
+def run_backend(backend_cls, case: PagedCase, *,
+                with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run one backend on a case the way a model does (build its metadata, call its op);
+    returns ``(out, lse)``, NaN-initialized so unwritten rows show."""
+    spec, q = case.spec, case.query
+    out = torch.full((q.shape[0], spec.num_heads, spec.v_head_dim), float("nan"), dtype=q.dtype,
+                     device=q.device)
     lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device) \
         if with_lse else None
-    op(q, case.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, out, lse,
-       case.sinks, case.alibi_slopes, case.k_scale, case.v_scale, spec.softmax_scale,
-       spec.sliding_window, spec.logits_soft_cap, spec.causal)
+    backend_cls(spec).forward(q, case.kv_cache, case.metadata, out, lse=lse, sinks=case.sinks,
+                              alibi_slopes=case.alibi_slopes, k_scale=case.k_scale,
+                              v_scale=case.v_scale)
     return out, lse
 
 

@@ -3,19 +3,17 @@
 import pytest
 import torch
 
-from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
+from attn_ops import AttentionSpec, KVCacheDType, get_backend_class
 from attn_ops.kv_cache import kv_cache_update
 from attn_ops.testing import SCENARIOS, make_case
-from test_backends_matrix import BACKENDS
+from test_backends_matrix import BACKENDS, BASE, BLOCK_SIZE, DEVICE, PLATFORM
 
 SPECS = {
-    "gqa": AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32),
-    "sinks_window": AttentionSpec(num_heads=4, num_kv_heads=1, head_dim=16,
-                                  dtype=torch.float32, has_sinks=True, sliding_window=5),
-    "alibi_softcap": AttentionSpec(num_heads=4, head_dim=16, dtype=torch.float32,
-                                   use_alibi=True, logits_soft_cap=3.0),
-    "fp8_diffv": AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
-                               dtype=torch.float32, kv_cache_dtype=KVCacheDType.FP8_E4M3),
+    "gqa": BASE,
+    "sinks_window": BASE.with_(num_kv_heads=1, has_sinks=True, sliding_window=5),
+    "alibi_softcap": BASE.with_(num_kv_heads=None, use_alibi=True, logits_soft_cap=3.0),
+    "fp8_diffv": BASE.with_(head_dim_v=BASE.head_dim // 2, kv_cache_dtype=KVCacheDType.FP8_E4M3),
+    "fp8": BASE.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2),
 }
 
 
@@ -29,13 +27,14 @@ def _test_utils(cache_dtype):
     return utils[1:] if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else utils
 
 
-def _attention_args(case, with_lse):
-    spec, meta, q = case.spec, case.metadata, case.query
-    out = torch.empty(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype)
-    lse = torch.empty(q.shape[0], spec.num_heads) if with_lse else None
-    return (q, case.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, out, lse,
-            case.sinks, case.alibi_slopes, case.k_scale, case.v_scale, spec.softmax_scale,
-            spec.sliding_window, spec.logits_soft_cap, spec.causal)
+def _attention_args(cls, case, with_lse):
+    spec, q = case.spec, case.query
+    impl = cls(spec)
+    out = torch.empty(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype, device=DEVICE)
+    lse = torch.empty(q.shape[0], spec.num_heads, device=DEVICE) if with_lse else None
+    return impl.op_arguments(q, case.kv_cache, impl.build_metadata(case.metadata), out, lse=lse,
+                             sinks=case.sinks, alibi_slopes=case.alibi_slopes,
+                             k_scale=case.k_scale, v_scale=case.v_scale)
 
 
 @pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "no_lse"])
@@ -44,10 +43,10 @@ def _attention_args(case, with_lse):
 def test_attention_op_opcheck(backend, spec_id, with_lse):
     cls = get_backend_class(backend)
     spec = SPECS[spec_id]
-    if cls.not_supported_reasons(spec, current_platform()):
+    if cls.not_supported_reasons(spec, PLATFORM):
         pytest.skip(f"{backend} declares it cannot run {spec_id}")
-    case = make_case(spec, SCENARIOS["contiguous_pages"])
-    torch.library.opcheck(cls.op, _attention_args(case, with_lse),
+    case = make_case(spec, SCENARIOS["contiguous_pages"], block_size=BLOCK_SIZE, device=DEVICE)
+    torch.library.opcheck(cls.op, _attention_args(cls, case, with_lse),
                           test_utils=_test_utils(spec.cache_dtype))
 
 

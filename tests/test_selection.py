@@ -36,8 +36,8 @@ head_dim: head_dim=2048 not in multiples of 1 in [1, 1024]""")
 platform: platform cuda not in {cpu}""")
 
     def test_planned_backends_say_not_implemented_and_missing_packages(self):
-        text = reasons_text("FLASHINFER", SPEC, Platform.parse("cuda:9.0"))
-        self.assertIn("not_implemented: FLASHINFER is not implemented yet (planned: issue 3)", text)
+        text = reasons_text("FLASH_ATTN", SPEC, Platform.parse("cuda:9.0"))
+        self.assertIn("not_implemented: FLASH_ATTN is not implemented yet (planned: issue 3)", text)
         self.assertExpectedInline(reasons_text("XPU_ATTN", SPEC), """\
 platform: platform cpu not in {xpu}
 not_implemented: XPU_ATTN is not implemented yet (planned: XPU support)""")
@@ -50,6 +50,9 @@ package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
         self.assertEqual(old.reason("X").code, "package_too_old")
         self.assertIn(f"torch=={torch.__version__} is older than 99.0", old.reason("X").message)
         self.assertIsNone(PackageRequirement("torch", "torch", "2.0").reason("X"))
+        new = PackageRequirement("torch", "torch", "2.0", max_version="2.1")
+        self.assertEqual(new.reason("X").code, "package_too_new")
+        self.assertIn("is newer than the supported <2.1", new.reason("X").message)
 
     def test_hint_names_a_backend_that_supports_it(self):
         class NoWindow(ReferenceBackend):

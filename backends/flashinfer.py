@@ -1,0 +1,312 @@
+"""FLASHINFER: FlashInfer's paged decode and prefill kernels as one traceable custom op.
+
+FlashInfer registers no torch ops of its own, and ``torch.compile(fullgraph=True)`` breaks
+inside its JIT loader. Here planning happens in the metadata builder, on the host, once per
+step: the batch (decodes first) is split into a decode part, served by FlashInfer's CUDA-core
+decode kernel, and a prefill part, served by its FA3 (sm90) or FA2 prefill kernel; each part
+gets its page table in CSR form (``indptr`` / ``indices`` / ``last_page_len``) and a plan.
+``torch.ops.attn.flashinfer_attention`` then only *runs*: every argument is a tensor or a
+scalar (the plan vector travels as a small CPU int64 tensor whose first entry names the prefill
+kernel), so the op can sit inside compiled graphs and CUDA graphs.
+
+Semantics are REFERENCE's: ``sliding_window=W`` is FlashInfer's ``window_left=W-1``; the
+kernels' base-2 LSE is converted to natural log; attention sinks (which FlashInfer's sm90
+paths ignore) are applied exactly from the LSE, ``out *= sigmoid(lse - sink)``; an fp8 cache's
+``k_scale`` multiplies the query and ``v_scale`` the output on the device, so no scale is ever
+read back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
+                                   PackageRequirement, Reason)
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.ops import define_op
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+
+__all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr"]
+
+LN2 = math.log(2.0)
+# FlashInfer's CUDA-core decode kernel is compiled for these query/KV head ratios only; other
+# ratios run their decodes through the prefill kernel (query length 1).
+DECODE_KERNEL_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
+PREFILL_KERNELS = ("fa2", "fa3")
+FLOAT_WORKSPACE_BYTES = 128 << 20
+INT_WORKSPACE_BYTES = 8 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Page-table conversion (host, pure torch: testable without FlashInfer or a GPU)
+
+
+def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table from per-request lengths and a dense block table.
+
+    ``seq_lens [B]`` and ``block_table [B, max_blocks]`` on the host -> ``indptr [B+1]``,
+    ``indices [indptr[-1]]`` (each request's used blocks, in order) and ``last_page_len [B]``
+    (tokens in each request's last page, 1..block_size; 0 for an empty request), all int32.
+    """
+    seq = seq_lens.to(torch.int64)
+    pages = (seq + block_size - 1) // block_size
+    indptr = torch.zeros(seq.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    used = torch.arange(block_table.shape[1]) < pages[:, None]
+    indices = block_table[used].to(torch.int32)  # row-major: request 0's pages, then 1's, ...
+    last = torch.where(pages > 0, seq - (pages - 1) * block_size, 0).to(torch.int32)
+    return indptr, indices, last
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata (host planning)
+
+
+@dataclass(frozen=True, eq=False)
+class FlashInferMetadata:
+    """One step's plans. Device tensors are int32; ``*_plan`` are CPU int64 vectors
+    (``prefill_plan[0]`` is the prefill kernel's index in :data:`PREFILL_KERNELS`).
+    ``slot_mapping`` is the common metadata's, for the KV-cache write."""
+
+    slot_mapping: torch.Tensor
+    float_workspace: torch.Tensor
+    decode_workspace: torch.Tensor
+    decode_plan: torch.Tensor
+    decode_indptr: torch.Tensor
+    decode_indices: torch.Tensor
+    decode_last_page_len: torch.Tensor
+    prefill_workspace: torch.Tensor
+    prefill_plan: torch.Tensor
+    prefill_qo_indptr: torch.Tensor
+    prefill_indptr: torch.Tensor
+    prefill_indices: torch.Tensor
+    prefill_last_page_len: torch.Tensor
+    causal: bool = True
+
+
+@functools.cache
+def _workspaces(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(float scratch, decode int workspace + pinned host copy, prefill int workspace + pinned
+    host copy) for one device; decode and prefill plans must not share an int workspace."""
+    def pinned():
+        return torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+
+    return (torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device),
+            torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device), pinned(),
+            torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device), pinned())
+
+
+def _decode_module(q_dtype, kv_dtype, head_dim, windowed, capped):
+    from flashinfer.decode import get_batch_decode_module
+
+    return get_batch_decode_module(q_dtype, kv_dtype, q_dtype, torch.int32, head_dim,
+                                   head_dim, 0, windowed, capped)
+
+
+def _prefill_module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
+    from flashinfer.prefill import get_batch_prefill_module
+
+    return get_batch_prefill_module(kernel, q_dtype, kv_dtype, q_dtype, torch.int32,
+                                    head_dim, head_dim_v, 0, windowed, capped, False)
+
+
+def _prefill_kernel(spec: AttentionSpec, platform_major: int) -> str:
+    # FA3 (sm90) needs equal head dims and, for an fp8 cache, an fp8 query; FA2 runs the rest.
+    if platform_major == 9 and spec.v_head_dim == spec.head_dim and not spec.kv_cache_dtype.is_fp8 \
+            and spec.head_dim in (64, 128, 256):
+        return "fa3"
+    return "fa2"
+
+
+_EMPTY_I32 = torch.zeros(0, dtype=torch.int32)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan(spec: AttentionSpec, common: CommonAttentionMetadata) -> FlashInferMetadata:
+    device = common.seq_lens.device
+    fws, dws, dpin, pws, ppin = _workspaces(device)
+    if common.block_table_cpu is None:
+        raise ValueError("FLASHINFER plans on the host: build the metadata with "
+                         "attn_ops.build_common_metadata (it keeps block_table_cpu)")
+    seq, table, qsl = common.seq_lens_cpu, common.block_table_cpu, common.query_start_loc_cpu
+    block_size = common.block_size
+    window = -1 if spec.sliding_window is None else spec.sliding_window - 1
+    cap = spec.logits_soft_cap or 0.0
+    kv_dtype = spec.cache_dtype
+    group = spec.num_heads // spec.kv_heads
+    nd = common.num_decodes if group in DECODE_KERNEL_GROUPS else 0
+    empty_plan = torch.zeros(0, dtype=torch.int64)
+
+    def to_dev(t):
+        return t.to(device, non_blocking=True)
+
+    decode = (empty_plan, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32)
+    if nd:
+        indptr, indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
+        mod = _decode_module(spec.dtype, kv_dtype, spec.head_dim, window != -1, cap > 0)
+        plan = mod.plan(fws, dws, dpin, indptr, nd, spec.num_heads, spec.kv_heads, block_size,
+                        False, window, cap, spec.head_dim, spec.head_dim,
+                        torch.empty(0, dtype=spec.dtype), torch.empty(0, dtype=kv_dtype))
+        decode = (torch.tensor(list(plan), dtype=torch.int64), to_dev(indptr), to_dev(indices),
+                  to_dev(last))
+    prefill = (empty_plan, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32)
+    num_prefills = common.num_reqs - nd
+    if num_prefills:
+        indptr, indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
+        qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
+        kernel = _prefill_kernel(spec, torch.cuda.get_device_capability(device)[0])
+        mod = _prefill_module(kernel, spec.dtype, kv_dtype, spec.head_dim, spec.v_head_dim,
+                              window >= 0, cap > 0)
+        args = [fws, pws, ppin, qo, indptr, seq[nd:].to(torch.int32), int(qo[-1]),
+                num_prefills, spec.num_heads, spec.kv_heads, block_size, False, spec.head_dim,
+                spec.v_head_dim, spec.causal and common.causal, window]
+        if kernel == "fa2":
+            args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
+        plan = [PREFILL_KERNELS.index(kernel), *list(mod.plan(*args))]
+        prefill = (torch.tensor(plan, dtype=torch.int64), to_dev(qo), to_dev(indptr),
+                   to_dev(indices), to_dev(last))
+    return FlashInferMetadata(common.slot_mapping, fws, dws, *decode, pws, *prefill,
+                              causal=common.causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.ops.attn.flashinfer_attention
+
+
+def _check(query, kv_cache, out, lse):
+    if query.dim() != 3 or out.shape[:2] != query.shape[:2] or out.dtype != query.dtype:
+        raise ValueError(f"query [T, Hq, D] and out [T, Hq, Dv] must agree; got "
+                         f"{tuple(query.shape)} {query.dtype} and {tuple(out.shape)} {out.dtype}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"FLASHINFER needs the NHD cache [num_blocks, 2, block_size, "
+                         f"num_kv_heads, head_dim], got shape {tuple(kv_cache.shape)}")
+    if kv_cache.shape[4] != query.shape[2]:
+        raise ValueError(f"query head_dim={query.shape[2]} differs from the KV cache's "
+                         f"head_dim={kv_cache.shape[4]}")
+    if lse is not None and (lse.shape != query.shape[:2] or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be float32 {tuple(query.shape[:2])}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+
+
+def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_workspace,
+                          decode_plan, decode_indptr, decode_indices, decode_last_page_len,
+                          prefill_workspace, prefill_plan, prefill_qo_indptr, prefill_indptr,
+                          prefill_indices, prefill_last_page_len, sinks, k_scale, v_scale,
+                          scale, sliding_window, soft_cap, causal) -> None:
+    _check(query, kv_cache, out, lse)
+    k_cache, v_cache = kv_cache.unbind(1)
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    q = query * k_scale.to(query.dtype) if fp8 else query  # dequantizes K inside q.k
+    window = -1 if sliding_window is None else sliding_window - 1
+    cap = soft_cap or 0.0
+    head_dim, head_dim_v = query.shape[2], out.shape[2]
+    need_lse = lse is not None or sinks is not None
+    lse_buf = lse if lse is not None else (
+        torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if need_lse
+        else None)
+    nd = decode_last_page_len.shape[0] if decode_plan.numel() else 0
+    if nd:
+        mod = _decode_module(query.dtype, kv_cache.dtype, head_dim, window != -1, cap > 0)
+        mod.run(float_workspace, decode_workspace, decode_plan.tolist(), q[:nd], k_cache,
+                v_cache, decode_indptr, decode_indices, decode_last_page_len, out[:nd],
+                lse_buf[:nd] if need_lse else None, 0, window, True, None, cap, scale, 1.0,
+                1e4)
+    if prefill_plan.numel():
+        plan = prefill_plan.tolist()
+        mod = _prefill_module(PREFILL_KERNELS[plan[0]], query.dtype, kv_cache.dtype, head_dim,
+                              head_dim_v, window >= 0, cap > 0)
+        rest = out[nd:]
+        rest.zero_()  # rows past the last prefill token (padding) stay zero
+        mod.paged_run(float_workspace, prefill_workspace, plan[1:], q[nd:], k_cache, v_cache,
+                      prefill_qo_indptr, prefill_indptr, prefill_indices, prefill_last_page_len,
+                      rest, lse_buf[nd:] if need_lse else None, int(causal), 0, window, True,
+                      None, None, None, None, None, None, cap, scale, None, None, None, 1.0, 1e4,
+                      0, float_workspace.numel())
+    if need_lse:
+        lse_buf.mul_(LN2)  # FlashInfer's LSE is base 2
+    if sinks is not None:
+        out.mul_(torch.sigmoid(lse_buf - sinks.float()).unsqueeze(-1).to(out.dtype))
+    if fp8:
+        out.mul_(v_scale.to(out.dtype))
+
+
+def _fake(query, kv_cache, out, lse, *args) -> None:
+    _check(query, kv_cache, out, lse)
+
+
+flashinfer_attention = define_op(
+    "flashinfer_attention",
+    "(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) float_workspace, "
+    "Tensor decode_workspace, Tensor decode_plan, Tensor decode_indptr, Tensor decode_indices, "
+    "Tensor decode_last_page_len, Tensor prefill_workspace, Tensor prefill_plan, "
+    "Tensor prefill_qo_indptr, Tensor prefill_indptr, Tensor prefill_indices, "
+    "Tensor prefill_last_page_len, Tensor? sinks, Tensor? k_scale, Tensor? v_scale, float scale, "
+    "int? sliding_window, float? soft_cap, bool causal) -> ()",
+    _flashinfer_attention, _fake, dispatch_keys=("CUDA",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+
+
+_FLASHINFER = PackageRequirement("flashinfer-python", "flashinfer", "0.7.2", max_version="0.8")
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer decode (CUDA cores) + prefill (FA3 on sm90, else FA2) over the NHD cache."""
+
+    name = "FLASHINFER"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CUDA}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dims=frozenset({64, 128, 256}),
+        kv_cache_dtypes=frozenset(KVCacheDType),
+        block_sizes=(MultipleOf(1),),
+        preferred_block_size=16,  # FlashInfer is indifferent to the page size (GPU README)
+        features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,
+                            Feature.NON_CAUSAL, Feature.FP8_KV}),
+        attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
+        min_capability=(8, 0),
+        cudagraph_support=CUDAGraphSupport.NEVER,  # plans are not yet kept in fixed buffers
+        packages=(_FLASHINFER,),
+    )
+    op = flashinfer_attention
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        if spec.sliding_window is not None and not spec.causal:
+            reasons.append(Reason(cls.name, "feature:bidirectional_window",
+                                  "a sliding window with non-causal attention is not supported "
+                                  "(FlashInfer windows only to the left)"))
+        return reasons
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        """Plan once per step and per distinct planning key; layers sharing one reuse it."""
+        if isinstance(common, FlashInferMetadata):
+            return common
+        key = (self.spec.num_heads, self.spec.kv_heads, self.spec.head_dim,
+               self.spec.v_head_dim, self.spec.dtype, self.spec.cache_dtype,
+               self.spec.sliding_window, self.spec.logits_soft_cap, self.spec.causal)
+        per_step = _PLANS.setdefault(common, {})
+        if key not in per_step:
+            per_step[key] = _plan(self.spec, common)
+        return per_step[key]
+
+    def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
+                     alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
+        m = metadata
+        return (query, kv_cache, out, lse, m.float_workspace, m.decode_workspace, m.decode_plan,
+                m.decode_indptr, m.decode_indices, m.decode_last_page_len, m.prefill_workspace,
+                m.prefill_plan, m.prefill_qo_indptr, m.prefill_indptr, m.prefill_indices,
+                m.prefill_last_page_len, sinks, k_scale, v_scale, self.scale,
+                self.spec.sliding_window, self.spec.logits_soft_cap,
+                self.spec.causal and m.causal)

@@ -1,0 +1,93 @@
+"""FLASHINFER: host page-table conversion and reasons on the CPU; compile on the GPU (its
+correctness matrix is the registry-generated one in test_backends_matrix.py)."""
+
+import random
+
+import pytest
+import torch
+
+from attn_ops import (Attention, AttentionConfig, AttentionSpec, Platform, build_batch,
+                      get_backend_class)
+from attn_ops.backends.flashinfer import FlashInferMetadata, paged_kv_csr
+from attn_ops.kv_cache import BlockAllocator
+
+FLASHINFER = get_backend_class("FLASHINFER")
+SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_kv_csr_matches_a_direct_computation(block_size):
+    rng = random.Random(block_size)
+    seq_lens = [rng.randint(0, 70) for _ in range(9)]
+    width = max(-(-s // block_size) for s in seq_lens) + 2
+    table = torch.randint(0, 1000, (len(seq_lens), width), dtype=torch.int32)
+    indptr, indices, last = paged_kv_csr(torch.tensor(seq_lens), table, block_size)
+    want_indptr, want_indices, want_last = [0], [], []
+    for row, s in zip(table.tolist(), seq_lens):
+        pages = -(-s // block_size)
+        want_indices += row[:pages]
+        want_indptr.append(want_indptr[-1] + pages)
+        want_last.append(s - (pages - 1) * block_size if pages else 0)
+    assert indptr.tolist() == want_indptr and indices.tolist() == want_indices
+    assert last.tolist() == want_last
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+
+
+def _codes(spec, platform):
+    return sorted(r.code for r in FLASHINFER.not_supported_reasons(spec, platform))
+
+
+def test_reasons_on_simulated_platforms():
+    sm90 = Platform.parse("cuda:9.0")
+    base = [c for c in _codes(SPEC, sm90) if c.startswith("package")]  # installed or not
+    assert _codes(SPEC, Platform.parse("cuda:7.5")) == \
+        sorted(["compute_capability", *base])
+    assert _codes(SPEC.with_(head_dim=72), sm90) == sorted(["head_dim", *base])
+    assert _codes(SPEC.with_(dtype=torch.float32), sm90) == sorted(["dtype", *base])
+    assert _codes(SPEC.with_(sliding_window=64, attn_type="encoder_only"), sm90) == \
+        sorted(["feature:bidirectional_window", *base])
+    assert _codes(SPEC.with_(use_alibi=True), sm90) == sorted(["feature:alibi", *base])
+    assert "platform" in _codes(SPEC, Platform.parse("cpu"))
+
+
+def test_missing_flashinfer_is_a_reason_with_the_supported_range(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    (reason,) = [r for r in FLASHINFER.not_supported_reasons(SPEC, Platform.parse("cuda:9.0"))
+                 if r.code.startswith("package")]
+    assert str(reason) == ("package flashinfer-python is not installed; "
+                           "pip install 'flashinfer-python>=0.7.2,<0.8'")
+
+
+@pytest.mark.parametrize("version,code", [("0.6.9", "package_too_old"),
+                                          ("0.8.0", "package_too_new")])
+def test_wrong_flashinfer_version_is_a_reason(monkeypatch, version, code):
+    import importlib.util
+
+    from attn_ops import capabilities
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(capabilities, "package_version", lambda dist: version)
+    codes = _codes(SPEC, Platform.parse("cuda:9.0"))
+    assert codes == [code]
+
+
+@pytest.mark.gpu
+def test_compiled_layer_with_plans_made_outside_the_graph_matches_eager():
+    spec = SPEC.with_(sliding_window=100, has_sinks=True)
+    attn = Attention(spec, AttentionConfig(backend="FLASHINFER")).cuda()
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(32))
+    cache = attn.allocate_kv_cache(256)
+    alloc = BlockAllocator(256, attn.block_size, shuffle=True)
+    meta = build_batch(alloc, [0, 1, 2], [300, 17, 0], [1, 1, 45], device="cuda")
+    t = meta.num_actual_tokens
+    q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    plans = attn.impl.build_metadata(meta)
+    assert isinstance(plans, FlashInferMetadata)
+    eager = attn(q, k, v, cache, plans)
+    compiled = torch.compile(attn, fullgraph=True)(q, k, v, cache, plans)
+    torch.testing.assert_close(compiled, eager)
