@@ -33,7 +33,7 @@ from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
-__all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr"]
+__all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
 
 LN2 = math.log(2.0)
 # FlashInfer's CUDA-core decode kernel is compiled for these query/KV head ratios only; other
@@ -124,6 +124,16 @@ def _prefill_kernel(spec: AttentionSpec, platform_major: int) -> str:
             and spec.head_dim in (64, 128, 256):
         return "fa3"
     return "fa2"
+
+
+def warmup(spec: AttentionSpec, platform_major: int = 9) -> None:
+    """Build (JIT-compile with nvcc, minutes the first time) the decode and prefill kernels
+    ``spec`` needs, so that no compilation happens inside a step, a compile or a capture."""
+    window, cap = spec.sliding_window is not None, spec.logits_soft_cap is not None
+    if spec.num_heads // spec.kv_heads in DECODE_KERNEL_GROUPS:
+        _decode_module(spec.dtype, spec.cache_dtype, spec.head_dim, window, cap)
+    _prefill_module(_prefill_kernel(spec, platform_major), spec.dtype, spec.cache_dtype,
+                    spec.head_dim, spec.v_head_dim, window, cap)
 
 
 _EMPTY_I32 = torch.zeros(0, dtype=torch.int32)
