@@ -12,7 +12,7 @@ import enum
 import importlib.metadata
 import importlib.util
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -148,7 +148,9 @@ class BackendCapabilities:
     cudagraph_support: CUDAGraphSupport = CUDAGraphSupport.NEVER
     packages: tuple[PackageRequirement, ...] = ()
     supports_lse: bool = True
-    notes: tuple[str, ...] = field(default=())
+    # True when the kernel loads whole pages, so the unused tail of a request's last page must
+    # hold finite values (P = 0 times NaN is NaN). Unused pages may hold anything either way.
+    reads_page_tails: bool = False
 
     def supports_block_size(self, block_size: int) -> bool:
         return any(block_size % b.base == 0 if isinstance(b, MultipleOf) else block_size == b

@@ -48,7 +48,6 @@ class Backend(str, enum.Enum):
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 _CUDA = frozenset({PlatformKind.CUDA})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
-_FLASH_ATTN = PackageRequirement("flash-attn-4", "flash_attn", "4.0.0b1")
 
 
 @dataclass(frozen=True)
@@ -62,10 +61,10 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.REFERENCE: "attn_ops.backends.reference:ReferenceBackend",
     Backend.CPU_ATTN: "attn_ops.backends.cpu_attn:CPUAttnBackend",
     Backend.FLASHINFER: "attn_ops.backends.flashinfer:FlashInferBackend",
+    Backend.FLASH_ATTN: "attn_ops.backends.flash_attn:FlashAttnBackend",
 }
 
 _PLANNED: dict[str, _Planned] = {
-    Backend.FLASH_ATTN: _Planned(_CUDA, (_FLASH_ATTN,), "issue 3"),
     Backend.FLASH_ATTN_DIFFKV: _Planned(_CUDA, (), "issue 3"),
     Backend.TRITON_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),
     Backend.FLEX_ATTENTION: _Planned(_GPU | {PlatformKind.CPU}, (), "issue 4"),

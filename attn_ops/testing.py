@@ -87,9 +87,12 @@ class PagedCase:
 
 
 def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
-              num_blocks: int | None = None, device: str = "cpu", seed: int = 0) -> PagedCase:
+              num_blocks: int | None = None, device: str = "cpu", seed: int = 0,
+              finite_page_tails: bool = False) -> PagedCase:
     """A random batch for ``spec``: contexts and new tokens written through
-    ``torch.ops.attn.kv_cache_update``, unused slots NaN-poisoned if the scenario says so."""
+    ``torch.ops.attn.kv_cache_update``, unused slots NaN-poisoned if the scenario says so --
+    except, with ``finite_page_tails``, the unused tail of each request's last page, which is
+    zeroed (for kernels that load whole pages: ``BackendCapabilities.reads_page_tails``)."""
     g = torch.Generator().manual_seed(seed)
     ctx = [c for c, _ in scenario.requests]
     qlens = [q for _, q in scenario.requests]
@@ -114,6 +117,13 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
         dense.append((k, v))
         slots = torch.tensor(alloc.slots(i, 0, c + q), device=device)
         kv_cache_update(k, v, cache, slots, *scales)
+        tail = -(c + q) % block_size
+        if finite_page_tails and tail:
+            zeros = torch.zeros(tail, spec.kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
+            zeros_v = zeros.new_zeros(tail, spec.kv_heads, spec.v_head_dim)
+            tail_slots = torch.tensor([alloc.blocks(i)[-1] * block_size + block_size - tail + t
+                                       for t in range(tail)], device=device)
+            kv_cache_update(zeros, zeros_v, cache, tail_slots, *scales)
     query = randn(starts[-1], spec.num_heads, spec.head_dim)
     sinks = torch.randn(spec.num_heads, generator=g).to(device) if spec.has_sinks else None
     slopes = None
