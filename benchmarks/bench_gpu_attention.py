@@ -1,6 +1,9 @@
-"""FLASHINFER through ``torch.ops.attn.flashinfer_attention`` vs FlashInfer called directly.
+"""Our GPU backends through ``torch.ops.attn.*`` vs the kernel libraries called directly.
 
-Same paged cache (bf16, NHD, page 16, pages in random order), same batch, same GPU, one run.
+FLASHINFER (``torch.ops.attn.flashinfer_attention``) against FlashInfer's own wrappers, and
+FLASH_ATTN (``torch.ops.attn.flash_attn_attention``) against FlashAttention 4's
+``flash_attn_varlen_func`` with its default ``num_splits=1``. Same paged cache (bf16, NHD, page
+16 unless ``--page``, pages in random order), same batch, same GPU, one run.
 Both sides are planned before timing and timed as CUDA-graph replays of one call
 (``triton.testing.do_bench_cudagraph``), so the comparison is kernel against kernel plus
 whatever our op adds inside the graph; eager per-call times (host overhead included) are
@@ -10,7 +13,7 @@ conversion + FlashInfer's plan) per step.
 Formulas: decode bytes = B * ctx * Hkv * D * 2 (K and V) * 2 bytes -> TB/s;
 causal prefill FLOPs = 4 * B * S^2 * Hq * D / 2 -> TFLOP/s.
 
-    python benchmarks/bench_flashinfer.py [--quick] [--out PATH]
+    python benchmarks/bench_gpu_attention.py [--quick] [--page N] [--out PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import sys
 import time
 
 import torch
+
+from attn_ops import AttentionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_info  # noqa: E402
@@ -73,12 +78,22 @@ def direct(meta, cache, q, out, prefill):
     return lambda: w.run(q, cache, out=out)
 
 
-def ours(meta, cache, q, out):
-    from attn_ops import AttentionSpec
-    from attn_ops.backends.flashinfer import FlashInferBackend
+def fa4_direct(meta, cache, q, out):
+    """FlashAttention 4 as a user calls it (default num_splits=1)."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
 
-    impl = FlashInferBackend(AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                                           dtype=DTYPE))
+    k, v = cache.unbind(1)
+    return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=meta.query_start_loc,
+                                          seqused_k=meta.seq_lens, max_seqlen_q=meta.max_query_len,
+                                          max_seqlen_k=meta.max_seq_len,
+                                          page_table=meta.block_table, causal=True)
+
+
+def ours(meta, cache, q, out, backend="FLASHINFER"):
+    from attn_ops import AttentionSpec, get_backend_class
+
+    impl = get_backend_class(backend)(AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                                                    dtype=DTYPE))
     planned = impl.build_metadata(meta)
     args = impl.op_arguments(q, cache, planned, out)
     return lambda: impl.op(*args), impl
@@ -95,7 +110,7 @@ def eager_us(fn, n=200):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def measure(meta, cache, q, out, prefill):
+def measure(meta, cache, q, out, prefill, with_fa4):
     from triton.testing import do_bench_cudagraph
 
     mine, _ = ours(meta, cache, q, out)
@@ -103,12 +118,19 @@ def measure(meta, cache, q, out, prefill):
     got = out.clone()
     anchor = direct(meta, cache, q, out, prefill)
     anchor()
-    err = (got.float() - out.float()).abs().max().item()
-    return {
+    r = {
         "ours_ms": do_bench_cudagraph(mine), "flashinfer_ms": do_bench_cudagraph(anchor),
         "ours_eager_us": eager_us(mine), "flashinfer_eager_us": eager_us(anchor),
-        "max_abs_diff_vs_flashinfer": err,
+        "max_abs_diff_vs_flashinfer": (got.float() - out.float()).abs().max().item(),
     }
+    if with_fa4:
+        fa, _ = ours(meta, cache, q, out, "FLASH_ATTN")
+        fa()
+        r["max_abs_diff_fa4_vs_flashinfer"] = (got.float() - out.float()).abs().max().item()
+        fa4 = fa4_direct(meta, cache, q, out)
+        r.update(ours_fa4_ms=do_bench_cudagraph(fa), fa4_ms=do_bench_cudagraph(fa4),
+                 ours_fa4_eager_us=eager_us(fa), fa4_eager_us=eager_us(fa4))
+    return r
 
 
 def plan_host_us(batch, ctx, gen, n=50):
@@ -135,10 +157,17 @@ def plan_host_us(batch, ctx, gen, n=50):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--page", type=int, default=16)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "bench_flashinfer_h200.json"))
+                                                      "bench_gpu_attention_h200.json"))
     args = parser.parse_args()
-    from attn_ops import AttentionSpec
+    global PAGE
+    PAGE = args.page
+    from attn_ops import current_platform, get_backend_class
+
+    fa4 = not get_backend_class("FLASH_ATTN").not_supported_reasons(
+        AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE),
+        current_platform())
     from attn_ops.backends.flashinfer import warmup
 
     warmup(AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE),
@@ -149,33 +178,32 @@ def main() -> None:
     for b in batches:
         for ctx in ctxs:
             meta, cache, q, out = make_batch(b, ctx, 1, gen)
-            r = measure(meta, cache, q, out, prefill=False)
+            r = measure(meta, cache, q, out, prefill=False, with_fa4=fa4)
             nbytes = b * ctx * HKV * D * 2 * 2
             r.update(kind="decode", batch=b, ctx=ctx, bytes=nbytes,
-                     ours_tbs=nbytes / r["ours_ms"] / 1e9,
-                     flashinfer_tbs=nbytes / r["flashinfer_ms"] / 1e9)
+                     **{k.replace("_ms", "_tbs"): nbytes / v / 1e9 for k, v in list(r.items())
+                        if k.endswith("_ms")})
             rows.append(r)
-            print(f"decode  B={b:<4} ctx={ctx:<6} ours {r['ours_tbs']:.2f} TB/s  flashinfer "
-                  f"{r['flashinfer_tbs']:.2f} TB/s  eager {r['ours_eager_us']:.1f} vs "
-                  f"{r['flashinfer_eager_us']:.1f} us  diff {r['max_abs_diff_vs_flashinfer']:.1e}",
-                  flush=True)
+            print(f"decode  B={b:<4} ctx={ctx:<6} " + "  ".join(
+                f"{k[:-4]} {v:.2f}" for k, v in r.items() if k.endswith("_tbs")) + " TB/s",
+                flush=True)
             del cache
     for b, s in (PREFILL[:1] if args.quick else PREFILL):
         meta, cache, q, out = make_batch(b, s, s, gen)
-        r = measure(meta, cache, q, out, prefill=True)
+        r = measure(meta, cache, q, out, prefill=True, with_fa4=fa4)
         flops = 4 * b * s * s * HQ * D / 2
         r.update(kind="prefill", batch=b, seq=s, flops=flops,
-                 ours_tflops=flops / r["ours_ms"] / 1e9,
-                 flashinfer_tflops=flops / r["flashinfer_ms"] / 1e9)
+                 **{k.replace("_ms", "_tflops"): flops / v / 1e9 for k, v in list(r.items())
+                    if k.endswith("_ms")})
         rows.append(r)
-        print(f"prefill {b}x{s:<6} ours {r['ours_tflops']:.0f} TFLOP/s  flashinfer "
-              f"{r['flashinfer_tflops']:.0f} TFLOP/s  diff {r['max_abs_diff_vs_flashinfer']:.1e}",
-              flush=True)
+        print(f"prefill {b}x{s:<6} " + "  ".join(
+            f"{k[:-7]} {v:.0f}" for k, v in r.items() if k.endswith("_tflops")) + " TFLOP/s",
+            flush=True)
         del cache
     host = {f"B={b} ctx={c}": plan_host_us(b, c, gen) for b, c in ((256, 4096), (64, 4096))}
     print("metadata builder host time per step (us):", {k: round(v, 1) for k, v in host.items()})
-    info = run_info("bench_flashinfer")
-    info.update(device=torch.cuda.get_device_name(), quick=args.quick, rows=rows,
+    info = run_info("bench_gpu_attention")
+    info.update(device=torch.cuda.get_device_name(), quick=args.quick, page=PAGE, rows=rows,
                 builder_host_us=host, method="triton.testing.do_bench_cudagraph medians")
     with open(args.out, "w") as f:
         json.dump(info, f, indent=1)
