@@ -2,10 +2,12 @@
 
 One varlen call serves a whole mixed batch: ``cu_seqlens_q`` from the batch, ``seqused_k`` the
 cached lengths, ``page_table`` the block table. The builder only packs host bounds
-(``max_seqlen_q``, ``max_seqlen_k``) into a small CPU tensor; the op passes ``num_splits=0`` so
-FA4 picks split-KV from those host bounds -- the default ``num_splits=1`` collapses to 0.31 TB/s
-at batch 1, context 32k on the H200, where splitting recovers it -- and the choice is the same
-on every CUDA-graph replay with the same bounds.
+(``max_seqlen_q``, ``max_seqlen_k``) into a small CPU tensor. On sm100+ the op passes
+``num_splits=0`` so FA4 picks split-KV from those host bounds (the same choice on every
+CUDA-graph replay with the same bounds). FA4 has no split-KV on sm90 ("SplitKV not supported on
+SM 9.0"), so there it runs one split and collapses at small batch and long context (0.31 TB/s at
+batch 1, context 32k on the H200): the sm90 priority list puts FLASHINFER first for that reason
+(see ``attn_ops.selector.priority_list``).
 
 Semantics are REFERENCE's: ``sliding_window=W`` is ``window_size=(W-1, 0)`` causal and
 ``(W-1, W-1)`` otherwise; FA4's LSE ([heads, tokens], natural log) is transposed to
@@ -62,6 +64,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, seqused_k, pa
     from flash_attn.cute.interface import _flash_attn_fwd
 
     max_q, max_k = bounds.tolist()
+    splits = 0 if torch.cuda.get_device_capability(query.device)[0] >= 10 else 1
     k_cache, v_cache = kv_cache.unbind(1)
     need_lse = lse is not None or sinks is not None
     lse_hm = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32,
@@ -71,7 +74,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, seqused_k, pa
     _flash_attn_fwd(query, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                     max_seqlen_q=max_q, max_seqlen_k=max_k, page_table=page_table,
                     softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
-                    window_size_left=left, window_size_right=right, num_splits=0,
+                    window_size_left=left, window_size_right=right, num_splits=splits,
                     return_lse=need_lse, out=out, lse=lse_hm)
     if need_lse:
         row_lse = lse_hm.t()

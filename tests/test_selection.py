@@ -94,12 +94,12 @@ class TestPriorities(expecttest.TestCase):
             priority_list(SPEC.with_(head_dim_v=32), Platform.parse("cuda:9.0"))))
         self.assertExpectedInline("\n".join(lines), """\
 cpu: CPU_ATTN, FLEX_ATTENTION, REFERENCE
-cuda:8.0: FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
-cuda:9.0: FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
+cuda:8.0: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
+cuda:9.0: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
 cuda:10.0: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
 rocm:gfx942: ROCM_AITER_FA, ROCM_ATTN, TRITON_ATTN, FLEX_ATTENTION
 xpu: XPU_ATTN, TRITON_ATTN, FLEX_ATTENTION
-cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN""")
+cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN""")
 
     def test_auto_selection_on_cpu_is_deterministic(self):
         picks = {select_backend(SPEC, CPU).backend for _ in range(3)}
