@@ -45,7 +45,10 @@ class AttentionBackend:
     def preferred_block_size(cls, spec: AttentionSpec) -> int:
         return spec.block_size or cls.capabilities.preferred_block_size
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, **options) -> None:
+        """``options`` come from ``AttentionConfig.backend_options``; the base takes none."""
+        if options:
+            raise ValueError(f"{self.name} takes no backend options, got {sorted(options)}")
         self.spec = spec
         self.scale = spec.softmax_scale
 

@@ -8,6 +8,7 @@ reasons, and picks the first with none. A backend forced by config, per-layer-ki
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Mapping
@@ -42,10 +43,13 @@ class AttentionConfig:
 def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform."""
     if platform.kind is PlatformKind.CUDA:
-        # FlashAttention 4 is the fastest kernel at batch >= 64 on the H200, but it has no
-        # split-KV on sm90 and collapses at small batch x long context (0.31 TB/s against
-        # FlashInfer's 2.26 at batch 1, 32k): FlashInfer first until a per-step choice exists.
-        vendor = [B.FLASHINFER, B.FLASH_ATTN]
+        major = platform.capability[0] if platform.capability else 0
+        # FlashAttention 4 is the fastest kernel on the H200 except for small decode batches,
+        # where (no split-KV on sm90) it collapses: FLASH_ATTN first only where it can hand those
+        # batches to FlashInfer (installed); otherwise FlashInfer first, so auto never walks
+        # into the cliff.
+        fa4_first = major == 9 and importlib.util.find_spec("flashinfer") is not None
+        vendor = [B.FLASH_ATTN, B.FLASHINFER] if fa4_first else [B.FLASHINFER, B.FLASH_ATTN]
         if Feature.DIFF_HEAD_DIM_V in spec.features:
             vendor = [B.FLASH_ATTN_DIFFKV, *vendor]
         order = [*vendor, B.TRITON_ATTN, B.FLEX_ATTENTION, B.TREE_ATTN]

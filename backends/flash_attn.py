@@ -5,9 +5,13 @@ cached lengths, ``page_table`` the block table. The builder only packs host boun
 (``max_seqlen_q``, ``max_seqlen_k``) into a small CPU tensor. On sm100+ the op passes
 ``num_splits=0`` so FA4 picks split-KV from those host bounds (the same choice on every
 CUDA-graph replay with the same bounds). FA4 has no split-KV on sm90 ("SplitKV not supported on
-SM 9.0"), so there it runs one split and collapses at small batch and long context (0.31 TB/s at
-batch 1, context 32k on the H200): the sm90 priority list puts FLASHINFER first for that reason
-(see ``attn_ops.selector.priority_list``).
+SM 9.0"), so there it runs one split and collapses when there are fewer (request, KV head)
+pairs than the GPU has SMs to spare (0.31 TB/s at batch 1, context 32k on the H200, where
+FlashInfer's split-KV decode gives 2.4). The builder therefore hands such small decode batches to
+FlashInfer's decode kernel when FlashInfer is installed -- same cache, same page table -- and
+keeps FA4 for everything else (3.2-4.1 TB/s decode at batch >= 8 and 544-638 TFLOP/s prefill
+at page 128, against FlashInfer's 2.5-2.9 and 453-509): the choice is made per step on the host,
+and a compiled model sees it as the metadata's type.
 
 Semantics are REFERENCE's: ``sliding_window=W`` is ``window_size=(W-1, 0)`` causal and
 ``(W-1, W-1)`` otherwise; FA4's LSE ([heads, tokens], natural log) is transposed to
@@ -26,12 +30,17 @@ import torch
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement)
+from attn_ops.platforms import current_platform
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
 __all__ = ["FlashAttnBackend", "FlashAttnMetadata"]
+
+# Below this many (request, KV head) pairs a single-split FA4 decode leaves most of the H200's
+# 132 SMs idle; measured: FlashInfer wins at batch 1 x 8 KV heads, FA4 at batch 8 x 8.
+SMALL_DECODE_PAIRS = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,12 +127,32 @@ class FlashAttnBackend(AttentionBackend):
     )
     op = flash_attn_attention
 
-    def build_metadata(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
-        if isinstance(common, FlashAttnMetadata):
-            return common
+    def __init__(self, spec, **options) -> None:
+        super().__init__(spec, **options)
+        self._small_decode = None  # FlashInfer for small decode batches on sm90, if installed
+        platform = current_platform()
+        if platform.capability is not None and platform.capability[0] == 9:
+            from attn_ops.registry import get_backend_class
+
+            flashinfer = get_backend_class("FLASHINFER")
+            if not flashinfer.not_supported_reasons(spec, platform):
+                self._small_decode = flashinfer(spec)
+
+    def build_metadata(self, common: CommonAttentionMetadata):
+        if not isinstance(common, CommonAttentionMetadata):
+            return common  # already built (FA4's or, for a small decode batch, FlashInfer's)
+        if (self._small_decode is not None and common.max_query_len == 1
+                and common.num_reqs * self.spec.kv_heads < SMALL_DECODE_PAIRS):
+            return self._small_decode.build_metadata(common)
         bounds = torch.tensor([common.max_query_len, common.max_seq_len], dtype=torch.int64)
         return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
                                  common.block_table, bounds, common.causal)
+
+    def forward(self, query, kv_cache, metadata, out, **optional) -> None:
+        metadata = self.build_metadata(metadata)
+        if not isinstance(metadata, FlashAttnMetadata):
+            return self._small_decode.forward(query, kv_cache, metadata, out, **optional)
+        self.op(*self.op_arguments(query, kv_cache, metadata, out, **optional))
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:

@@ -101,6 +101,18 @@ rocm:gfx942: ROCM_AITER_FA, ROCM_ATTN, TRITON_ATTN, FLEX_ATTENTION
 xpu: XPU_ATTN, TRITON_ATTN, FLEX_ATTENTION
 cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN""")
 
+    def test_fa4_goes_first_on_sm90_only_where_flashinfer_can_take_small_decodes(self):
+        import importlib.util
+        from unittest import mock
+
+        real = importlib.util.find_spec
+        with mock.patch.object(importlib.util, "find_spec",
+                               lambda name, *a: object() if name == "flashinfer" else real(name)):
+            self.assertEqual(priority_list(SPEC, Platform.parse("cuda:9.0"))[:2],
+                             ["FLASH_ATTN", "FLASHINFER"])
+            self.assertEqual(priority_list(SPEC, Platform.parse("cuda:10.0"))[:2],
+                             ["FLASHINFER", "FLASH_ATTN"])
+
     def test_auto_selection_on_cpu_is_deterministic(self):
         picks = {select_backend(SPEC, CPU).backend for _ in range(3)}
         self.assertEqual(picks, {"CPU_ATTN"})
