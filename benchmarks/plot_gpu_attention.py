@@ -1,0 +1,61 @@
+"""Plot a ``bench_gpu_attention.py`` result: the selected backend against each anchor.
+
+    python benchmarks/plot_gpu_attention.py benchmarks/results/bench_gpu_attention_h200_page128.json
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SERIES = {  # key in the JSON -> label
+    "ours_fa4": "FLASH_ATTN via torch.ops.attn (selected on the H200)",
+    "ours": "FLASHINFER via torch.ops.attn",
+    "flashinfer": "FlashInfer called directly",
+    "fa4": "FlashAttention 4 called directly",
+}
+
+
+def main(path: str) -> None:
+    result = json.loads(Path(path).read_text())
+    rows = result["rows"]
+    decode = [r for r in rows if r["kind"] == "decode"]
+    prefill = [r for r in rows if r["kind"] == "prefill"]
+    ctxs = sorted({r["ctx"] for r in decode})
+    fig, axes = plt.subplots(1, len(ctxs) + 1, figsize=(4.2 * (len(ctxs) + 1), 4))
+    for ax, ctx in zip(axes, ctxs):
+        points = sorted((r for r in decode if r["ctx"] == ctx), key=lambda r: r["batch"])
+        for key, label in SERIES.items():
+            if f"{key}_tbs" in points[0]:
+                ax.plot([r["batch"] for r in points], [r[f"{key}_tbs"] for r in points],
+                        marker="o", label=label)
+        ax.axhline(4.27, color="gray", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"paged decode, ctx {ctx // 1024}k")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("TB/s (copy bandwidth 4.27 dotted)")
+    ax = axes[-1]
+    names = [f"{r['batch']}x{r['seq'] // 1024}k" for r in prefill]
+    width = 0.2
+    for i, (key, label) in enumerate(SERIES.items()):
+        if f"{key}_tflops" in prefill[0]:
+            ax.bar([x + i * width for x in range(len(names))],
+                   [r[f"{key}_tflops"] for r in prefill], width, label=label)
+    ax.set_xticks([x + 1.5 * width for x in range(len(names))], names)
+    ax.set_title("paged causal prefill")
+    ax.set_ylabel("TFLOP/s")
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{result['device']}, bf16, 32/8 heads, head dim 128, page {result['page']} "
+                 f"({result['date'][:10]})")
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
