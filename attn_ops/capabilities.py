@@ -87,7 +87,9 @@ class PackageRequirement:
     max_version: str | None = None
 
     def reason(self, backend: str) -> Reason | None:
-        if importlib.util.find_spec(self.module) is None:
+        # Both the module and the distribution: flash-attn 2 and flash-attn-4 share a module.
+        if importlib.util.find_spec(self.module) is None or \
+                package_version(self.distribution) is None:
             return Reason(backend, "package_missing",
                           f"package {self.distribution} is not installed",
                           f"pip install '{self.distribution}"

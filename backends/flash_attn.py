@@ -18,7 +18,13 @@ Semantics are REFERENCE's: ``sliding_window=W`` is ``window_size=(W-1, 0)`` caus
 ``[tokens, heads]``; sinks are applied from the LSE (FA4's in-kernel sink would fold the sink
 into the LSE, which REFERENCE excludes).
 
-FlashAttention 2/3 (``flash_attn_varlen_func`` with ``block_table``) are not wired yet.
+FlashAttention 3 (``flash_attn_interface.flash_attn_with_kvcache`` with ``page_table``) and
+FlashAttention 2 (``flash_attn.flash_attn_varlen_func`` with ``block_table``, pages a multiple
+of 256 tokens, ALiBi) run through the same op when they are what is installed (newest first;
+``AttentionConfig(backend_options={"version": 2})`` forces one). Neither can be installed on the
+H200 (FA2 is source-only on PyPI, FA3 not on PyPI), so their glue is tested on the CPU against
+stand-in modules with the same call signatures that implement FlashAttention's documented
+semantics (``tests/test_flash_attn_glue.py``), and their GPU execution is untested.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ import torch
 
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
-                                   PackageRequirement)
-from attn_ops.platforms import current_platform
+                                   PackageRequirement, Reason)
+from attn_ops.platforms import Platform, current_platform
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.platforms import PlatformKind
-from attn_ops.spec import AttentionType, Feature, KVCacheDType
+from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["FlashAttnBackend", "FlashAttnMetadata"]
 
@@ -45,10 +51,12 @@ SMALL_DECODE_PAIRS = 32
 
 @dataclass(frozen=True, eq=False)
 class FlashAttnMetadata:
-    """``bounds`` is a CPU int64 ``[max_seqlen_q, max_seqlen_k]``; the rest live on the device."""
+    """``bounds`` is a CPU int64 ``[max_seqlen_q, max_seqlen_k, FlashAttention version]``; the
+    rest live on the device."""
 
     slot_mapping: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
     seqused_k: torch.Tensor
     page_table: torch.Tensor
     bounds: torch.Tensor
@@ -67,26 +75,76 @@ def _check(query, kv_cache, out, lse):
                          f"{tuple(lse.shape)}")
 
 
-def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, seqused_k, page_table,
-                          bounds, sinks, scale, sliding_window, soft_cap, causal) -> None:
-    _check(query, kv_cache, out, lse)
+def _window(sliding_window, causal):
+    """REFERENCE's window as FlashAttention's (left, right); None = unbounded."""
+    if sliding_window is None:
+        return None, None
+    return sliding_window - 1, (None if causal else sliding_window - 1)
+
+
+def _run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
+             scale, left, right, soft_cap, causal, need_lse):
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    max_q, max_k = bounds.tolist()
     splits = 0 if torch.cuda.get_device_capability(query.device)[0] >= 10 else 1
-    k_cache, v_cache = kv_cache.unbind(1)
-    need_lse = lse is not None or sinks is not None
     lse_hm = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32,
                          device=query.device) if need_lse else None
-    left = None if sliding_window is None else sliding_window - 1
-    right = None if sliding_window is None or causal else sliding_window - 1
     _flash_attn_fwd(query, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                     max_seqlen_q=max_q, max_seqlen_k=max_k, page_table=page_table,
                     softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
                     window_size_left=left, window_size_right=right, num_splits=splits,
                     return_lse=need_lse, out=out, lse=lse_hm)
+    return lse_hm
+
+
+def _run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, scale,
+             left, right, soft_cap, causal, need_lse):
+    from flash_attn_interface import flash_attn_with_kvcache
+
+    result = flash_attn_with_kvcache(
+        query, k_cache, v_cache, cache_seqlens=seqused_k, page_table=page_table,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, softmax_scale=scale, causal=causal,
+        window_size=(-1 if left is None else left, -1 if right is None else right),
+        softcap=soft_cap or 0.0, num_splits=0, return_softmax_lse=need_lse)
+    o, lse_hm = result if need_lse else (result, None)
+    out.copy_(o)
+    return lse_hm
+
+
+def _run_fa2(query, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, page_table, max_q,
+             max_k, scale, left, right, soft_cap, alibi_slopes, causal, need_lse):
+    from flash_attn import flash_attn_varlen_func
+
+    result = flash_attn_varlen_func(
+        query, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale,
+        causal=causal, window_size=(-1 if left is None else left, -1 if right is None else right),
+        softcap=soft_cap or 0.0, alibi_slopes=alibi_slopes, return_attn_probs=need_lse,
+        block_table=page_table)
+    o, lse_hm = (result[0], result[1]) if need_lse else (result, None)
+    out.copy_(o)
+    return lse_hm
+
+
+def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                          page_table, bounds, sinks, alibi_slopes, scale, sliding_window,
+                          soft_cap, causal) -> None:
+    _check(query, kv_cache, out, lse)
+    max_q, max_k, version = bounds.tolist()
+    k_cache, v_cache = kv_cache.unbind(1)
+    need_lse = lse is not None or sinks is not None
+    left, right = _window(sliding_window, causal)
+    if version == 4:
+        lse_hm = _run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
+                          max_q, max_k, scale, left, right, soft_cap, causal, need_lse)
+    elif version == 3:
+        lse_hm = _run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
+                          max_q, scale, left, right, soft_cap, causal, need_lse)
+    else:
+        lse_hm = _run_fa2(query, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, page_table,
+                          max_q, max_k, scale, left, right, soft_cap, alibi_slopes, causal,
+                          need_lse)
     if need_lse:
-        row_lse = lse_hm.t()
+        row_lse = lse_hm.t()  # FlashAttention's LSE is [heads, tokens], natural log
         if lse is not None:
             lse.copy_(row_lse)
         if sinks is not None:
@@ -100,13 +158,43 @@ def _fake(query, kv_cache, out, lse, *args) -> None:
 flash_attn_attention = define_op(
     "flash_attn_attention",
     "(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor cu_seqlens_q, "
-    "Tensor seqused_k, Tensor page_table, Tensor bounds, Tensor? sinks, float scale, "
-    "int? sliding_window, float? soft_cap, bool causal) -> ()",
-    _flash_attn_attention, _fake, dispatch_keys=("CUDA",))
+    "Tensor cu_seqlens_k, Tensor seqused_k, Tensor page_table, Tensor bounds, Tensor? sinks, "
+    "Tensor? alibi_slopes, float scale, int? sliding_window, float? soft_cap, bool causal) -> ()",
+    # CPU too, so that the FA2/FA3 glue can be tested against stand-in modules on the CPU.
+    _flash_attn_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+
+
+# FlashAttention generations, newest first: distribution, module, oldest version, compute
+# capabilities it runs on, page-size rule, whether it takes ALiBi slopes.
+@dataclass(frozen=True)
+class _Generation:
+    package: PackageRequirement
+    min_capability: tuple[int, int]
+    max_capability: tuple[int, int]
+    block_multiple: int
+    preferred_block_size: int
+    alibi: bool
+
+
+GENERATIONS = {
+    4: _Generation(PackageRequirement("flash-attn-4", "flash_attn", "4.0.0b1"), (8, 0), (12, 9),
+                   1, 128, False),  # FA4 is fastest at page 128 (4.04 vs 3.61 TB/s at 16)
+    3: _Generation(PackageRequirement("flash-attn-3", "flash_attn_interface", "3.0.0b1"),
+                   (9, 0), (9, 0), 1, 16, False),
+    2: _Generation(PackageRequirement("flash-attn", "flash_attn", "2.6", max_version="3"),
+                   (8, 0), (12, 9), 256, 256, True),  # paged KV needs pages of k x 256
+}
+
+
+def installed_generations(platform: Platform) -> list[int]:
+    """FlashAttention generations installed and able to run on ``platform``, newest first."""
+    cap = platform.capability
+    return [v for v, g in GENERATIONS.items() if g.package.reason("") is None
+            and (cap is None or g.min_capability <= cap <= g.max_capability)]
 
 
 class FlashAttnBackend(AttentionBackend):
-    """FlashAttention 4 varlen over the paged NHD cache; split-KV chosen from host bounds."""
+    """FlashAttention (4, else 3, else 2) varlen over the paged NHD cache."""
 
     name = "FLASH_ATTN"
     capabilities = BackendCapabilities(
@@ -114,24 +202,67 @@ class FlashAttnBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_dims=HeadDims(multiple_of=8, min=8, max=256),
         kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),  # FA4's fp8 path is sm100-only
-        block_sizes=(MultipleOf(1),),
-        preferred_block_size=128,  # 4.04 TB/s decode at page 128 vs 3.61 at 16 (GPU README)
+        block_sizes=(MultipleOf(1),),  # narrowed per generation in not_supported_reasons
+        preferred_block_size=128,
         features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,
-                            Feature.NON_CAUSAL}),
+                            Feature.NON_CAUSAL, Feature.ALIBI}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
-        min_capability=(9, 0),
-        max_capability=(11, 9),
+        min_capability=(8, 0),
         cudagraph_support=CUDAGraphSupport.NEVER,  # not yet captured and replayed in tests
-        packages=(PackageRequirement("flash-attn-4", "flash_attn", "4.0.0b1"),),
         reads_page_tails=True,
     )
     op = flash_attn_attention
 
-    def __init__(self, spec, **options) -> None:
-        super().__init__(spec, **options)
-        self._small_decode = None  # FlashInfer for small decode batches on sm90, if installed
+    @classmethod
+    def generation(cls, platform: Platform) -> int | None:
+        found = installed_generations(platform)
+        return found[0] if found else None
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform,
+                              version: int | None = None) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        version = version or cls.generation(platform)
+        if version is None:
+            reasons.append(Reason(cls.name, "package_missing",
+                                  "no FlashAttention is installed that runs here (flash-attn-4 "
+                                  "for sm80-sm12x, flash-attn-3 for sm90, flash-attn 2.x for "
+                                  "sm80+)", "pip install flash-attn-4"))
+            return reasons
+        gen = GENERATIONS[version]
+        if spec.use_alibi and not gen.alibi:
+            reasons.append(Reason(cls.name, "feature:alibi",
+                                  f"alibi is not supported by FlashAttention {version}",
+                                  "FlashAttention 2 takes ALiBi slopes"))
+        if spec.use_alibi and not spec.causal:
+            reasons.append(Reason(cls.name, "feature:alibi_non_causal",
+                                  "non-causal ALiBi is not supported (FlashAttention biases by "
+                                  "-slope*|i-j|, REFERENCE by slope*(j-i))"))
+        if spec.block_size is not None and spec.block_size % gen.block_multiple:
+            reasons.append(Reason(cls.name, "block_size",
+                                  f"block_size={spec.block_size} is not a multiple of "
+                                  f"{gen.block_multiple} (FlashAttention {version} paged KV)",
+                                  f"leave block_size=None to use {gen.preferred_block_size}"))
+        return reasons
+
+    @classmethod
+    def preferred_block_size(cls, spec: AttentionSpec) -> int:
+        from attn_ops.platforms import current_platform as platform
+
+        version = cls.generation(platform())
+        return spec.block_size or GENERATIONS[version or 4].preferred_block_size
+
+    def __init__(self, spec: AttentionSpec, version: int | None = None) -> None:
+        """``version`` forces a FlashAttention generation (``backend_options``)."""
+        super().__init__(spec)
         platform = current_platform()
-        if platform.capability is not None and platform.capability[0] == 9:
+        self.version = version or self.generation(platform) or 4
+        if self.version not in GENERATIONS:
+            raise ValueError(f"version={version} is not a FlashAttention generation; use 2, 3 "
+                             "or 4")
+        self._small_decode = None  # FlashInfer for small decode batches (FA4 on sm90)
+        if self.version == 4 and platform.capability is not None \
+                and platform.capability[0] == 9:
             from attn_ops.registry import get_backend_class
 
             flashinfer = get_backend_class("FLASHINFER")
@@ -140,13 +271,16 @@ class FlashAttnBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata):
         if not isinstance(common, CommonAttentionMetadata):
-            return common  # already built (FA4's or, for a small decode batch, FlashInfer's)
+            return common  # already built (FA's or, for a small decode batch, FlashInfer's)
         if (self._small_decode is not None and common.max_query_len == 1
                 and common.num_reqs * self.spec.kv_heads < SMALL_DECODE_PAIRS):
             return self._small_decode.build_metadata(common)
-        bounds = torch.tensor([common.max_query_len, common.max_seq_len], dtype=torch.int64)
-        return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
-                                 common.block_table, bounds, common.causal)
+        bounds = torch.tensor([common.max_query_len, common.max_seq_len, self.version],
+                              dtype=torch.int64)
+        cu_seqlens_k = torch.nn.functional.pad(
+            torch.cumsum(common.seq_lens, 0, dtype=torch.int32), (1, 0))  # device, no sync
+        return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, cu_seqlens_k,
+                                 common.seq_lens, common.block_table, bounds, common.causal)
 
     def forward(self, query, kv_cache, metadata, out, **optional) -> None:
         metadata = self.build_metadata(metadata)
@@ -157,6 +291,6 @@ class FlashAttnBackend(AttentionBackend):
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
         m = metadata
-        return (query, kv_cache, out, lse, m.cu_seqlens_q, m.seqused_k, m.page_table, m.bounds,
-                sinks, self.scale, self.spec.sliding_window, self.spec.logits_soft_cap,
-                self.spec.causal and m.causal)
+        return (query, kv_cache, out, lse, m.cu_seqlens_q, m.cu_seqlens_k, m.seqused_k,
+                m.page_table, m.bounds, sinks, alibi_slopes, self.scale,
+                self.spec.sliding_window, self.spec.logits_soft_cap, self.spec.causal and m.causal)

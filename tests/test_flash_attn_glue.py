@@ -1,0 +1,172 @@
+"""FLASH_ATTN's FlashAttention 2 and 3 glue, on the CPU, against stand-in modules.
+
+FA2 and FA3 cannot be installed on the H200 (FA2 is source-only on PyPI, FA3 is not on PyPI),
+so ``flash_attn.flash_attn_varlen_func`` and ``flash_attn_interface.flash_attn_with_kvcache``
+are replaced by stand-ins with the same call signatures that implement FlashAttention's
+documented semantics -- written independently of REFERENCE (bottom-right aligned windows as
+``(left, right)``, ``-1`` unbounded, LSE ``[heads, tokens]``, ALiBi ``-slope * |i - j|``) -- so
+the argument mapping, layouts and metadata of our glue are really checked. Their GPU execution
+is untested (README).
+"""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from attn_ops import AttentionSpec, Platform, get_backend_class
+from attn_ops.testing import SCENARIOS, make_case, run_backend, tolerance
+
+FLASH_ATTN = get_backend_class("FLASH_ATTN")
+REFERENCE = get_backend_class("REFERENCE")
+BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+
+
+def _fa_semantics(q, k_pages, v_pages, q_starts, kv_lens, tables, scale, causal, window,
+                  softcap, alibi):
+    """FlashAttention's documented math: query i of a request with sq queries and sk keys sits
+    at column c = i + sk - sq; key j is visible iff j >= c - left (left >= 0) and
+    j <= c + right (right >= 0; causal forces right = 0)."""
+    left, right = window
+    right = 0 if causal else right
+    num_tokens, heads, _ = q.shape
+    kv_heads, page = k_pages.shape[2], k_pages.shape[1]
+    out = torch.zeros(num_tokens, heads, v_pages.shape[-1], dtype=q.dtype)
+    lse = torch.zeros(heads, num_tokens)
+    for b, sk in enumerate(kv_lens):
+        q0, q1 = q_starts[b], q_starts[b + 1]
+        sq = q1 - q0
+        if sq == 0:
+            continue
+        pages = tables[b][: math.ceil(sk / page)]
+        k = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:sk].float()
+        v = v_pages[pages].reshape(-1, kv_heads, v_pages.shape[-1])[:sk].float()
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        s = torch.einsum("ihd,jhd->hij", q[q0:q1].float(), k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        col = torch.arange(sq)[:, None] + sk - sq
+        j = torch.arange(sk)[None, :]
+        if alibi is not None:
+            s = s - alibi.float()[:, None, None] * (col - j).abs()
+        visible = torch.ones(sq, sk, dtype=torch.bool)
+        if left >= 0:
+            visible &= j >= col - left
+        if right >= 0:
+            visible &= j <= col + right
+        s = s.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(s, -1)
+        out[q0:q1] = torch.einsum("hij,jhd->ihd", torch.exp(s - row_lse[..., None]), v).to(q.dtype)
+        lse[:, q0:q1] = row_lse
+    return out, lse
+
+
+def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+               alibi_slopes=None, deterministic=False, return_attn_probs=False,
+               block_table=None):
+    assert block_table is not None and k.shape[1] % 256 == 0, "FA2 paged KV: pages of k x 256"
+    q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    kv_lens = [b - a for a, b in zip(k_starts, k_starts[1:])]
+    assert max_seqlen_q >= max(b - a for a, b in zip(q_starts, q_starts[1:]))
+    assert max_seqlen_k >= max(kv_lens)
+    out, lse = _fa_semantics(q, k, v, q_starts, kv_lens, block_table.tolist(), softmax_scale,
+                             causal, window_size, softcap, alibi_slopes)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def fa3_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
+                     rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                     cache_leftpad=None, page_table=None, cu_seqlens_q=None,
+                     cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                     q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                     causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                     rotary_interleaved=True, scheduler_metadata=None, num_splits=0,
+                     pack_gqa=None, sm_margin=0, return_softmax_lse=False):
+    assert page_table is not None and cu_seqlens_q is not None and k is None
+    q_starts = cu_seqlens_q.tolist()
+    assert max_seqlen_q >= max(b - a for a, b in zip(q_starts, q_starts[1:]))
+    out, lse = _fa_semantics(q, k_cache, v_cache, q_starts, cache_seqlens.tolist(),
+                             page_table.tolist(), softmax_scale, causal, window_size, softcap,
+                             None)
+    return (out, lse) if return_softmax_lse else out
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    fa2 = types.ModuleType("flash_attn")
+    fa2.flash_attn_varlen_func = fa2_varlen
+    fa3 = types.ModuleType("flash_attn_interface")
+    fa3.flash_attn_with_kvcache = fa3_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+
+
+VARIANTS = {
+    "gqa": BASE,
+    "window": BASE.with_(sliding_window=7),
+    "softcap": BASE.with_(logits_soft_cap=5.0),
+    "sinks": BASE.with_(has_sinks=True),
+    "non_causal": BASE.with_(attn_type="encoder_only"),
+    "non_causal_window": BASE.with_(attn_type="encoder_only", sliding_window=6),
+    "alibi": BASE.with_(use_alibi=True),
+}
+
+
+def _params():
+    for version, block_size in ((2, 256), (3, 16)):
+        for vid, spec in VARIANTS.items():
+            if vid == "alibi" and version != 2:
+                continue
+            for scenario in ("decode_only", "mixed", "long_context", "prefill_only"):
+                yield pytest.param(version, block_size, spec, scenario,
+                                   id=f"fa{version}-{vid}-{scenario}")
+
+
+@pytest.mark.parametrize("version,block_size,spec,scenario", list(_params()))
+def test_glue_matches_reference(stand_ins, version, block_size, spec, scenario):
+    case = make_case(spec, SCENARIOS[scenario], block_size=block_size, seed=3,
+                     finite_page_tails=True)
+    n = case.metadata.num_actual_tokens
+    out, lse = run_backend(lambda s: FLASH_ATTN(s, version=version), case)
+    truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
+    base, base_lse = run_backend(REFERENCE, case)
+
+    def err(a, b):
+        return (a[:n].double() - b[:n].double()).abs().max().item()
+
+    assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
+    assert err(lse, truth_lse) <= tolerance(err(base_lse, truth_lse), spec.dtype)
+
+
+def test_generation_reasons_on_simulated_platforms(monkeypatch):
+    from attn_ops import capabilities
+    import importlib.util
+
+    installed = {"flash-attn": "2.8.3"}
+    monkeypatch.setattr(capabilities, "package_version", lambda d: installed.get(d))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: object() if name == "flash_attn" else None)
+    sm80 = Platform.parse("cuda:8.0")
+    assert FLASH_ATTN.generation(sm80) == 2
+    codes = [r.code for r in FLASH_ATTN.not_supported_reasons(BASE.with_(block_size=16), sm80)]
+    assert codes == ["block_size"]
+    assert not FLASH_ATTN.not_supported_reasons(BASE.with_(use_alibi=True), sm80)
+    installed = {"flash-attn-3": "3.0.0b1"}
+    monkeypatch.setattr(capabilities, "package_version", lambda d: installed.get(d))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: object() if name == "flash_attn_interface" else None)
+    assert FLASH_ATTN.generation(Platform.parse("cuda:9.0")) == 3
+    assert FLASH_ATTN.generation(sm80) is None  # FA3 is sm90-only
+    (alibi,) = FLASH_ATTN.not_supported_reasons(BASE.with_(use_alibi=True),
+                                                Platform.parse("cuda:9.0"))
+    assert str(alibi) == ("alibi is not supported by FlashAttention 3; FlashAttention 2 takes "
+                          "ALiBi slopes")
+    assert [r.code for r in FLASH_ATTN.not_supported_reasons(BASE, sm80)] == ["package_missing"]
+
+
+def test_unknown_version_is_an_error():
+    with pytest.raises(ValueError, match="version=5 is not a FlashAttention generation"):
+        FLASH_ATTN(BASE, version=5)
