@@ -1,5 +1,6 @@
 """Selector, registry and reasons: simulated platforms, overrides, plugins, pinned reason text."""
 
+import os
 import subprocess
 import sys
 
@@ -47,9 +48,12 @@ not_implemented: XPU_ATTN is not implemented yet (planned: XPU support)""")
         missing = PackageRequirement("no-such-dist", "no_such_module_xyz", "1.0")
         self.assertExpectedInline(str(missing.reason("X")), """\
 package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
+        from attn_ops.capabilities import package_version
+
         old = PackageRequirement("torch", "torch", "99.0")
         self.assertEqual(old.reason("X").code, "package_too_old")
-        self.assertIn(f"torch=={torch.__version__} is older than 99.0", old.reason("X").message)
+        self.assertIn(f"torch=={package_version('torch')} is older than 99.0",
+                      old.reason("X").message)
         self.assertIsNone(PackageRequirement("torch", "torch", "2.0").reason("X"))
         new = PackageRequirement("torch", "torch", "2.0", max_version="2.1")
         self.assertEqual(new.reason("X").code, "package_too_new")
@@ -186,6 +190,9 @@ def test_broken_plugin_path_is_a_reason_not_a_crash():
 def test_entry_point_plugin_is_discovered_and_selectable():
     # attn_ops_toy_plugin is a real package installed by `make test` (tests/plugins/): its
     # pyproject declares [project.entry-points."attn_ops.backends"] TOY_ATTN = ...
+    # CI must have it; elsewhere (the GPU machine runs selected test files) it may be absent.
+    if "TOY_ATTN" not in list_backends() and not os.environ.get("CI"):
+        pytest.skip("tests/plugins/attn_ops_toy_plugin is not installed (make test installs it)")
     assert "TOY_ATTN" in list_backends(), "install tests/plugins/attn_ops_toy_plugin"
     sel = select_backend(SPEC, CPU, AttentionConfig(backend="toy_attn"))
     assert sel.backend == "TOY_ATTN" and sel.backend_cls.__module__ == "attn_ops_toy_plugin"
