@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
-    "PAGED_ATTENTION_SCHEMA", "check_paged_attention_inputs", "check_paged_attention_values",
+    "PAGED_ATTENTION_SCHEMA", "apply_sinks", "check_nhd_attention_inputs",
+    "check_paged_attention_inputs", "check_paged_attention_values",
     "debug_checks_enabled",
     "define_op", "library", "set_debug_checks",
 ]
@@ -209,3 +210,24 @@ def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: i
             row = next(i for i, u in enumerate(used) if bool((u == bad).any()))
             _fail(f"block_table row {row} holds block {bad}, outside the cache's "
                   f"[0, {num_blocks}) blocks")
+
+
+def check_nhd_attention_inputs(backend: str, query: torch.Tensor, kv_cache: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Shape checks shared by the backends whose ops take the NHD cache
+    ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` and their own metadata."""
+    if query.dim() != 3 or out.shape[:2] != query.shape[:2] or out.dtype != query.dtype:
+        _fail(f"query [T, Hq, D] and out [T, Hq, Dv] must agree; got {tuple(query.shape)} "
+              f"{query.dtype} and {tuple(out.shape)} {out.dtype}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2]:
+        _fail(f"{backend} needs the NHD cache [num_blocks, 2, block_size, num_kv_heads, "
+              f"head_dim={query.shape[2]}], got shape {tuple(kv_cache.shape)}")
+    if lse is not None and (lse.shape != query.shape[:2] or lse.dtype != torch.float32):
+        _fail(f"lse must be float32 {tuple(query.shape[:2])}, got {lse.dtype} "
+              f"{tuple(lse.shape)}")
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Attention sinks from the LSE (natural log, ``[T, H]``): a sink logit adds probability
+    mass ``exp(sink)`` and no value, so ``out *= exp(lse) / (exp(lse) + exp(sink))``."""
+    out.mul_(torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype))

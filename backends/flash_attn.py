@@ -38,7 +38,7 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
                                    PackageRequirement, Reason)
 from attn_ops.platforms import Platform, current_platform
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import define_op
+from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
@@ -64,15 +64,7 @@ class FlashAttnMetadata:
 
 
 def _check(query, kv_cache, out, lse):
-    if query.dim() != 3 or out.shape[:2] != query.shape[:2] or out.dtype != query.dtype:
-        raise ValueError(f"query [T, Hq, D] and out [T, Hq, Dv] must agree; got "
-                         f"{tuple(query.shape)} {query.dtype} and {tuple(out.shape)} {out.dtype}")
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2]:
-        raise ValueError(f"FLASH_ATTN needs the NHD cache [num_blocks, 2, block_size, "
-                         f"num_kv_heads, head_dim={query.shape[2]}], got {tuple(kv_cache.shape)}")
-    if lse is not None and (lse.shape != query.shape[:2] or lse.dtype != torch.float32):
-        raise ValueError(f"lse must be float32 {tuple(query.shape[:2])}, got {lse.dtype} "
-                         f"{tuple(lse.shape)}")
+    check_nhd_attention_inputs("FLASH_ATTN", query, kv_cache, out, lse)
 
 
 def _window(sliding_window, causal):
@@ -148,7 +140,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
         if lse is not None:
             lse.copy_(row_lse)
         if sinks is not None:
-            out.mul_(torch.sigmoid(row_lse - sinks.float()).unsqueeze(-1).to(out.dtype))
+            apply_sinks(out, row_lse, sinks)
 
 
 def _fake(query, kv_cache, out, lse, *args) -> None:

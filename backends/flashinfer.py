@@ -30,7 +30,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import define_op
+from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
@@ -236,18 +236,7 @@ def _plan(spec: AttentionSpec, common: CommonAttentionMetadata) -> FlashInferMet
 
 
 def _check(query, kv_cache, out, lse):
-    if query.dim() != 3 or out.shape[:2] != query.shape[:2] or out.dtype != query.dtype:
-        raise ValueError(f"query [T, Hq, D] and out [T, Hq, Dv] must agree; got "
-                         f"{tuple(query.shape)} {query.dtype} and {tuple(out.shape)} {out.dtype}")
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(f"FLASHINFER needs the NHD cache [num_blocks, 2, block_size, "
-                         f"num_kv_heads, head_dim], got shape {tuple(kv_cache.shape)}")
-    if kv_cache.shape[4] != query.shape[2]:
-        raise ValueError(f"query head_dim={query.shape[2]} differs from the KV cache's "
-                         f"head_dim={kv_cache.shape[4]}")
-    if lse is not None and (lse.shape != query.shape[:2] or lse.dtype != torch.float32):
-        raise ValueError(f"lse must be float32 {tuple(query.shape[:2])}, got {lse.dtype} "
-                         f"{tuple(lse.shape)}")
+    check_nhd_attention_inputs("FLASHINFER", query, kv_cache, out, lse)
 
 
 def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_workspace,
@@ -287,7 +276,7 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
     if need_lse:
         lse_buf.mul_(LN2)  # FlashInfer's LSE is base 2
     if sinks is not None:
-        out.mul_(torch.sigmoid(lse_buf - sinks.float()).unsqueeze(-1).to(out.dtype))
+        apply_sinks(out, lse_buf, sinks)
     if fp8:
         out.mul_(v_scale.to(out.dtype))
 
