@@ -149,7 +149,6 @@ class BackendCapabilities:
     max_capability: tuple[int, int] | None = None
     cudagraph_support: CUDAGraphSupport = CUDAGraphSupport.NEVER
     packages: tuple[PackageRequirement, ...] = ()
-    supports_lse: bool = True
     # True when the kernel loads whole pages, so the unused tail of a request's last page must
     # hold finite values (P = 0 times NaN is NaN). Unused pages may hold anything either way.
     reads_page_tails: bool = False
