@@ -34,7 +34,7 @@ _EXPORTS = {
     "split_decodes_and_prefills": "metadata",
     "BlockAllocator": "kv_cache", "KVCacheLayout": "kv_cache", "allocate_kv_cache": "kv_cache",
     "AttentionBackend": "backend",
-    "Attention": "layer", "alibi_slopes": "layer",
+    "Attention": "layer", "alibi_slopes": "layer", "build_step_metadata": "layer",
     "set_debug_checks": "ops",
 }
 

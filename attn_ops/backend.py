@@ -56,6 +56,11 @@ class AttentionBackend:
         """This backend's metadata for one step (default: the common metadata itself)."""
         return common
 
+    def metadata_key(self) -> tuple:
+        """Layers whose implementations share this key share one built metadata per step
+        (see :func:`attn_ops.layer.build_step_metadata`)."""
+        return (self.name,)
+
     def op_arguments(
         self,
         query: torch.Tensor,

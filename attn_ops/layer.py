@@ -21,7 +21,7 @@ from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec
 
-__all__ = ["Attention", "alibi_slopes"]
+__all__ = ["Attention", "alibi_slopes", "build_step_metadata"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -68,6 +68,8 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1) if fp8 else None)
         self.register_buffer("v_scale", torch.ones(1) if fp8 else None)
 
+        self._metadata_key = self.impl.metadata_key()
+
     @property
     def backend(self) -> str:
         return self.selection.backend
@@ -86,8 +88,11 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: CommonAttentionMetadata | Any, *,
                 return_lse: bool = False):
-        """``metadata``: the step's common metadata, or what ``self.impl.build_metadata``
-        made of it -- the way to call a compiled model whose backend plans on the host."""
+        """``metadata``: the step's common metadata; what ``self.impl.build_metadata`` made of
+        it; or the dict of :func:`build_step_metadata` -- the way to call a compiled model whose
+        backends plan on the host (planning then happens once per step, outside the graph)."""
+        if isinstance(metadata, dict):
+            metadata = metadata[self._metadata_key]
         spec = self.spec
         query = query.view(-1, spec.num_heads, spec.head_dim)
         if key is not None and value is not None:
@@ -104,3 +109,19 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
+
+
+def build_step_metadata(model: nn.Module, common: CommonAttentionMetadata) -> dict:
+    """Every backend metadata the :class:`Attention` layers of ``model`` need for one step,
+    built once per distinct :meth:`AttentionBackend.metadata_key` (host planning included).
+
+    Pass the result as the layers' ``metadata``; do this outside ``torch.compile``::
+
+        step = build_step_metadata(model, common)
+        logits = compiled_model(input_ids, positions, kv_caches, step)
+    """
+    built: dict = {}
+    for layer in model.modules():
+        if isinstance(layer, Attention) and layer._metadata_key not in built:
+            built[layer._metadata_key] = layer.impl.build_metadata(common)
+    return built

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attn_ops.kv_cache import BlockAllocator
-from attn_ops.layer import Attention
+from attn_ops.layer import Attention, build_step_metadata
 from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
@@ -130,7 +130,8 @@ class TinyLlama(nn.Module):
         return [layer.attn.allocate_kv_cache(num_blocks, device) for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: CommonAttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor],
+                metadata: CommonAttentionMetadata | dict) -> torch.Tensor:
         x = self.embed(input_ids)
         cos_sin = self.rope[positions]
         for layer, cache in zip(self.layers, kv_caches):
@@ -177,7 +178,9 @@ class Generator:
                            max_blocks_per_req=self.max_blocks_per_req)
         input_ids = torch.tensor([t for r in reqs for t in r.tokens[r.num_computed:]],
                                  device=self.device)
-        logits = self.forward(input_ids, meta.positions, self.kv_caches, meta)
+        # Backends plan on the host here, once per step, outside any compiled graph.
+        step = build_step_metadata(self.model, meta)
+        logits = self.forward(input_ids, meta.positions, self.kv_caches, step)
         last = logits[meta.query_start_loc_cpu[1:].long() - 1]
         for r, row in zip(reqs, last.argmax(-1).tolist()):
             r.num_computed = len(r.tokens)

@@ -274,6 +274,10 @@ class FlashAttnBackend(AttentionBackend):
         return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, cu_seqlens_k,
                                  common.seq_lens, common.block_table, bounds, common.causal)
 
+    def metadata_key(self) -> tuple:
+        small = self._small_decode.metadata_key() if self._small_decode is not None else ()
+        return (self.name, self.version, *small)
+
     def forward(self, query, kv_cache, metadata, out, **optional) -> None:
         metadata = self.build_metadata(metadata)
         if not isinstance(metadata, FlashAttnMetadata):

@@ -336,13 +336,18 @@ class FlashInferBackend(AttentionBackend):
         """Plan once per step and per distinct planning key; layers sharing one reuse it."""
         if isinstance(common, FlashInferMetadata):
             return common
-        key = (self.spec.num_heads, self.spec.kv_heads, self.spec.head_dim,
-               self.spec.v_head_dim, self.spec.dtype, self.spec.cache_dtype,
-               self.spec.sliding_window, self.spec.logits_soft_cap, self.spec.causal)
+        key = self.metadata_key()
         per_step = _PLANS.setdefault(common, {})
         if key not in per_step:
             per_step[key] = _plan(self.spec, common)
         return per_step[key]
+
+    def metadata_key(self) -> tuple:
+        """Everything a plan depends on besides the batch."""
+        spec = self.spec
+        return (self.name, spec.num_heads, spec.kv_heads, spec.head_dim, spec.v_head_dim,
+                spec.dtype, spec.cache_dtype, spec.sliding_window, spec.logits_soft_cap,
+                spec.causal)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:

@@ -91,3 +91,23 @@ def test_compiled_layer_with_plans_made_outside_the_graph_matches_eager():
     eager = attn(q, k, v, cache, plans)
     compiled = torch.compile(attn, fullgraph=True)(q, k, v, cache, plans)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_layers_that_need_different_plans_get_different_step_metadata_keys():
+    full, windowed = FLASHINFER(SPEC), FLASHINFER(SPEC.with_(sliding_window=128))
+    assert full.metadata_key() == FLASHINFER(SPEC).metadata_key()
+    assert full.metadata_key() != windowed.metadata_key()
+
+
+def test_build_step_metadata_builds_once_per_key():
+    from attn_ops import build_step_metadata
+    from attn_ops.model import ModelConfig, TinyLlama
+
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=64, vocab_size=32, sliding_window=8,
+                      sliding_window_every=2)
+    model = TinyLlama(cfg, AttentionConfig(backend="REFERENCE"))
+    alloc = BlockAllocator(16, model.block_size)
+    meta = build_batch(alloc, [0], [0], [5])
+    step = build_step_metadata(model, meta)
+    assert list(step) == [("REFERENCE",)] and step[("REFERENCE",)] is meta
