@@ -46,7 +46,6 @@ class Backend(str, enum.Enum):
 
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
-_CUDA = frozenset({PlatformKind.CUDA})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
 
 
@@ -62,10 +61,10 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.CPU_ATTN: "attn_ops.backends.cpu_attn:CPUAttnBackend",
     Backend.FLASHINFER: "attn_ops.backends.flashinfer:FlashInferBackend",
     Backend.FLASH_ATTN: "attn_ops.backends.flash_attn:FlashAttnBackend",
+    Backend.FLASH_ATTN_DIFFKV: "attn_ops.backends.flash_attn_diffkv:FlashAttnDiffKVBackend",
 }
 
 _PLANNED: dict[str, _Planned] = {
-    Backend.FLASH_ATTN_DIFFKV: _Planned(_CUDA, (), "issue 3"),
     Backend.TRITON_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),
     Backend.FLEX_ATTENTION: _Planned(_GPU | {PlatformKind.CPU}, (), "issue 4"),
     Backend.TREE_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),

@@ -37,8 +37,8 @@ head_dim: head_dim=2048 not in multiples of 1 in [1, 1024]""")
 platform: platform cuda not in {cpu}""")
 
     def test_planned_backends_say_not_implemented_and_missing_packages(self):
-        text = reasons_text("FLASH_ATTN_DIFFKV", SPEC, Platform.parse("cuda:9.0"))
-        self.assertIn("not_implemented: FLASH_ATTN_DIFFKV is not implemented yet (planned: issue 3)",
+        text = reasons_text("TRITON_ATTN", SPEC, Platform.parse("cuda:9.0"))
+        self.assertIn("not_implemented: TRITON_ATTN is not implemented yet (planned: issue 4)",
                       text)
         self.assertExpectedInline(reasons_text("XPU_ATTN", SPEC), """\
 platform: platform cpu not in {xpu}

@@ -1,0 +1,112 @@
+"""FLASH_ATTN_DIFFKV: models whose V head dim differs from the QK head dim (e.g. 192 / 128).
+
+The cache stores both in one packed layout, ``[num_blocks, block_size, num_kv_heads,
+head_dim + head_dim_v]`` (K then V per token; ``attn_ops.kv_cache.KVCacheLayout.NHD_PACKED``),
+written by the common ``torch.ops.attn.kv_cache_update``. On the CPU the attention runs through
+CPU_ATTN's kernel (which reads the packed layout in place); on CUDA through FlashAttention 4,
+which takes K and V of different head dims as two strided views of the packed cache.
+
+Status: the CPU path is tested against REFERENCE in the registry-generated matrix; the CUDA
+path has not yet run on the H200 (README feature table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims,
+                                   PackageRequirement, Reason)
+from attn_ops.kv_cache import KVCacheLayout, split_kv_cache
+from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, apply_sinks, check_paged_attention_inputs,
+                          define_op)
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+
+__all__ = ["FlashAttnDiffKVBackend"]
+
+_FA4 = PackageRequirement("flash-attn-4", "flash_attn", "4.0.0b1")
+
+
+def _diffkv_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
+                      alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
+                      causal) -> None:
+    if query.device.type == "cpu":
+        from attn_ops.backends.cpu_attn import cpu_paged_attention
+
+        return cpu_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                   lse, sinks, alibi_slopes, k_scale, v_scale, scale,
+                                   sliding_window, soft_cap, causal)
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
+    need_lse = lse is not None or sinks is not None
+    lse_hm = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32,
+                         device=query.device) if need_lse else None
+    left = None if sliding_window is None else sliding_window - 1
+    right = None if sliding_window is None or causal else sliding_window - 1
+    # Host bounds: the longest query is at most all tokens; the longest context at most the
+    # block table's reach (FA4 bounds its grid with them; exact values are read on the device).
+    _flash_attn_fwd(query, k_cache, v_cache, cu_seqlens_q=query_start_loc, seqused_k=seq_lens,
+                    max_seqlen_q=query.shape[0],
+                    max_seqlen_k=block_table.shape[1] * k_cache.shape[1], page_table=block_table,
+                    softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
+                    window_size_left=left, window_size_right=right, return_lse=need_lse,
+                    out=out, lse=lse_hm)
+    if need_lse:
+        if lse is not None:
+            lse.copy_(lse_hm.t())
+        if sinks is not None:
+            apply_sinks(out, lse_hm.t(), sinks)
+
+
+def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
+          alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal) -> None:
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+
+
+flash_attn_diffkv_attention = define_op("flash_attn_diffkv_attention", PAGED_ATTENTION_SCHEMA,
+                                        _diffkv_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+
+
+class FlashAttnDiffKVBackend(AttentionBackend):
+    """Different QK / V head dims over the packed cache: CPU_ATTN's kernel or FA4."""
+
+    name = "FLASH_ATTN_DIFFKV"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CPU, PlatformKind.CUDA}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dims=HeadDims(multiple_of=8, min=8, max=256),
+        kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),
+        features=frozenset({Feature.DIFF_HEAD_DIM_V, Feature.SLIDING_WINDOW, Feature.SOFT_CAP,
+                            Feature.SINKS, Feature.NON_CAUSAL}),
+        attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
+        min_capability=(9, 0),
+        cudagraph_support=CUDAGraphSupport.NEVER,
+        reads_page_tails=True,
+    )
+    op = flash_attn_diffkv_attention
+
+    @classmethod
+    def kv_cache_layout(cls, spec: AttentionSpec) -> KVCacheLayout:
+        return KVCacheLayout.NHD_PACKED
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        if platform.kind is PlatformKind.CUDA:
+            if spec.dtype == torch.float32:
+                reasons.append(Reason(cls.name, "dtype", "dtype=float32 is CPU-only here; "
+                                      "FlashAttention 4 takes float16/bfloat16"))
+            if (r := _FA4.reason(cls.name)) is not None:
+                reasons.append(r)
+        elif platform.kind is PlatformKind.CPU:
+            from attn_ops.registry import get_backend_class
+
+            reasons += [Reason(cls.name, r.code, r.message, r.hint)
+                        for r in get_backend_class("CPU_ATTN").not_supported_reasons(spec,
+                                                                                   platform)]
+        return reasons
