@@ -67,14 +67,14 @@ def _check(query, kv_cache, out, lse):
     check_nhd_attention_inputs("FLASH_ATTN", query, kv_cache, out, lse)
 
 
-def _window(sliding_window, causal):
+def fa_window(sliding_window, causal):
     """REFERENCE's window as FlashAttention's (left, right); None = unbounded."""
     if sliding_window is None:
         return None, None
     return sliding_window - 1, (None if causal else sliding_window - 1)
 
 
-def _run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
+def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
              scale, left, right, soft_cap, causal, need_lse):
     from flash_attn.cute.interface import _flash_attn_fwd
 
@@ -124,9 +124,9 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
     max_q, max_k, version = bounds.tolist()
     k_cache, v_cache = kv_cache.unbind(1)
     need_lse = lse is not None or sinks is not None
-    left, right = _window(sliding_window, causal)
+    left, right = fa_window(sliding_window, causal)
     if version == 4:
-        lse_hm = _run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
+        lse_hm = run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
                           max_q, max_k, scale, left, right, soft_cap, causal, need_lse)
     elif version == 3:
         lse_hm = _run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
@@ -135,12 +135,19 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
         lse_hm = _run_fa2(query, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, page_table,
                           max_q, max_k, scale, left, right, soft_cap, alibi_slopes, causal,
                           need_lse)
-    if need_lse:
-        row_lse = lse_hm.t()  # FlashAttention's LSE is [heads, tokens], natural log
-        if lse is not None:
-            lse.copy_(row_lse)
-        if sinks is not None:
-            apply_sinks(out, row_lse, sinks)
+    finish_lse(out, lse, sinks, lse_hm)
+
+
+def finish_lse(out, lse, sinks, lse_hm) -> None:
+    """FlashAttention's LSE ``[heads, tokens]`` (natural log) into ``lse [tokens, heads]``, and
+    the sinks applied from it."""
+    if lse_hm is None:
+        return
+    row_lse = lse_hm.t()
+    if lse is not None:
+        lse.copy_(row_lse)
+    if sinks is not None:
+        apply_sinks(out, row_lse, sinks)
 
 
 def _fake(query, kv_cache, out, lse, *args) -> None:

@@ -18,10 +18,11 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import KVCacheLayout, split_kv_cache
-from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, apply_sinks, check_paged_attention_inputs,
-                          define_op)
+from attn_ops.ops import PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+
+from attn_ops.backends.flash_attn import fa_window, finish_lse, run_fa4
 
 __all__ = ["FlashAttnDiffKVBackend"]
 
@@ -39,27 +40,14 @@ def _diffkv_attention(query, kv_cache, query_start_loc, seq_lens, block_table, o
                                    sliding_window, soft_cap, causal)
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
-    from flash_attn.cute.interface import _flash_attn_fwd
-
     k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
-    need_lse = lse is not None or sinks is not None
-    lse_hm = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32,
-                         device=query.device) if need_lse else None
-    left = None if sliding_window is None else sliding_window - 1
-    right = None if sliding_window is None or causal else sliding_window - 1
-    # Host bounds: the longest query is at most all tokens; the longest context at most the
-    # block table's reach (FA4 bounds its grid with them; exact values are read on the device).
-    _flash_attn_fwd(query, k_cache, v_cache, cu_seqlens_q=query_start_loc, seqused_k=seq_lens,
-                    max_seqlen_q=query.shape[0],
-                    max_seqlen_k=block_table.shape[1] * k_cache.shape[1], page_table=block_table,
-                    softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
-                    window_size_left=left, window_size_right=right, return_lse=need_lse,
-                    out=out, lse=lse_hm)
-    if need_lse:
-        if lse is not None:
-            lse.copy_(lse_hm.t())
-        if sinks is not None:
-            apply_sinks(out, lse_hm.t(), sinks)
+    left, right = fa_window(sliding_window, causal)
+    # Host bounds without a sync: the longest query is at most every token, the longest context
+    # at most the block table's reach (FA4 sizes its grid with them; lengths are read on device).
+    lse_hm = run_fa4(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                      query.shape[0], block_table.shape[1] * k_cache.shape[1], scale, left,
+                      right, soft_cap, causal, lse is not None or sinks is not None)
+    finish_lse(out, lse, sinks, lse_hm)
 
 
 def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
