@@ -32,6 +32,7 @@ class Scenario:
     requests: tuple[tuple[int, int], ...]
     shuffle_pages: bool = True
     poison_unused: bool = True  # fill every slot not written by the batch with NaN
+    pad_tokens: int = 0  # extra query rows past the batch (a CUDA-graph-padded batch)
 
 
 SCENARIOS = {
@@ -44,6 +45,7 @@ SCENARIOS = {
                                  poison_unused=False),
     "permuted_pages_nan_poisoned": Scenario(((23, 1), (14, 3), (0, 18)), shuffle_pages=True,
                                             poison_unused=True),
+    "padded_batch": Scenario(((19, 1), (7, 1), (0, 5)), pad_tokens=3),
 }
 
 
@@ -99,7 +101,8 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
     needed = sum(-(-(c + q) // block_size) for c, q in scenario.requests)
     num_blocks = num_blocks or needed + 8
     alloc = BlockAllocator(num_blocks, block_size, shuffle=scenario.shuffle_pages, seed=seed)
-    meta = build_batch(alloc, list(range(len(ctx))), ctx, qlens, device=device)
+    meta = build_batch(alloc, list(range(len(ctx))), ctx, qlens, device=device,
+                       num_tokens_padded=sum(qlens) + scenario.pad_tokens)
     fp8 = spec.kv_cache_dtype.is_fp8
 
     def randn(*shape):
@@ -124,7 +127,7 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
             tail_slots = torch.tensor([alloc.blocks(i)[-1] * block_size + block_size - tail + t
                                        for t in range(tail)], device=device)
             kv_cache_update(zeros, zeros_v, cache, tail_slots, *scales)
-    query = randn(starts[-1], spec.num_heads, spec.head_dim)
+    query = randn(starts[-1] + scenario.pad_tokens, spec.num_heads, spec.head_dim)
     sinks = torch.randn(spec.num_heads, generator=g).to(device) if spec.has_sinks else None
     slopes = None
     if spec.use_alibi:

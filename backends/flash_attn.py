@@ -51,8 +51,8 @@ SMALL_DECODE_PAIRS = 32
 
 @dataclass(frozen=True, eq=False)
 class FlashAttnMetadata:
-    """``bounds`` is a CPU int64 ``[max_seqlen_q, max_seqlen_k, FlashAttention version]``; the
-    rest live on the device."""
+    """``bounds`` is a CPU int64 ``[max_seqlen_q, max_seqlen_k, FlashAttention version,
+    num_actual_tokens]``; the rest live on the device."""
 
     slot_mapping: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -121,7 +121,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                           page_table, bounds, sinks, alibi_slopes, scale, sliding_window,
                           soft_cap, causal) -> None:
     _check(query, kv_cache, out, lse)
-    max_q, max_k, version = bounds.tolist()
+    max_q, max_k, version, num_tokens = bounds.tolist()
     k_cache, v_cache = kv_cache.unbind(1)
     need_lse = lse is not None or sinks is not None
     left, right = fa_window(sliding_window, causal)
@@ -136,6 +136,9 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                           max_q, max_k, scale, left, right, soft_cap, alibi_slopes, causal,
                           need_lse)
     finish_lse(out, lse, sinks, lse_hm)
+    out[num_tokens:].zero_()  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
+    if lse is not None:
+        lse[num_tokens:].zero_()
 
 
 def finish_lse(out, lse, sinks, lse_hm) -> None:
@@ -274,8 +277,8 @@ class FlashAttnBackend(AttentionBackend):
         if (self._small_decode is not None and common.max_query_len == 1
                 and common.num_reqs * self.spec.kv_heads < SMALL_DECODE_PAIRS):
             return self._small_decode.build_metadata(common)
-        bounds = torch.tensor([common.max_query_len, common.max_seq_len, self.version],
-                              dtype=torch.int64)
+        bounds = torch.tensor([common.max_query_len, common.max_seq_len, self.version,
+                               common.num_actual_tokens], dtype=torch.int64)
         cu_seqlens_k = torch.nn.functional.pad(
             torch.cumsum(common.seq_lens, 0, dtype=torch.int32), (1, 0))  # device, no sync
         return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, cu_seqlens_k,

@@ -42,12 +42,16 @@ def _diffkv_attention(query, kv_cache, query_start_loc, seq_lens, block_table, o
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
     left, right = fa_window(sliding_window, causal)
+    out.zero_()  # padding rows stay zero (their count is on the device: no sync to find it)
     # Host bounds without a sync: the longest query is at most every token, the longest context
     # at most the block table's reach (FA4 sizes its grid with them; lengths are read on device).
     lse_hm = run_fa4(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                       query.shape[0], block_table.shape[1] * k_cache.shape[1], scale, left,
                       right, soft_cap, causal, lse is not None or sinks is not None)
     finish_lse(out, lse, sinks, lse_hm)
+    if lse is not None:  # padding rows: FA4 leaves them unwritten
+        lse.masked_fill_(torch.arange(lse.shape[0], device=lse.device)[:, None]
+                         >= query_start_loc[-1], 0.0)
 
 
 def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,

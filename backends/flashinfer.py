@@ -262,12 +262,15 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
                 v_cache, decode_indptr, decode_indices, decode_last_page_len, out[:nd],
                 lse_buf[:nd] if need_lse else None, 0, window, True, None, cap, scale, 1.0,
                 1e4)
-    if prefill_plan.numel():
-        plan = prefill_plan.tolist()
+    plan = prefill_plan.tolist()
+    real_rows = nd + (plan[1] if plan else 0)
+    out[real_rows:].zero_()  # padding rows (CUDA-graph batches) stay zero, like REFERENCE's
+    if need_lse:
+        lse_buf[real_rows:].zero_()
+    if plan:
         mod = _prefill_module(PREFILL_KERNELS[plan[0]], query.dtype, kv_cache.dtype, head_dim,
                               head_dim_v, window >= 0, cap > 0)
         rest = out[nd:]
-        rest[plan[1]:].zero_()  # padding rows past the last prefill token
         mod.paged_run(float_workspace, prefill_workspace, plan[2:], q[nd:], k_cache, v_cache,
                       prefill_qo_indptr, prefill_indptr, prefill_indices, prefill_last_page_len,
                       rest, lse_buf[nd:] if need_lse else None, int(causal), 0, window, True,

@@ -85,6 +85,7 @@ def test_matches_reference(backend, spec, scenario):
     truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
     base, base_lse = run_backend(REFERENCE, case)  # plain torch at the test's precision
     assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"
+    assert (out[n:] == 0).all() and (lse[n:] == 0).all(), "padding rows must be zeroed"
     err, allowed = _max_err(out, truth, n), tolerance(_max_err(base, truth, n), spec.dtype)
     assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
     lse_err = _max_err(lse, truth_lse, n)
