@@ -136,9 +136,10 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                           max_q, max_k, scale, left, right, soft_cap, alibi_slopes, causal,
                           need_lse)
     finish_lse(out, lse, sinks, lse_hm)
-    out[num_tokens:].zero_()  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
-    if lse is not None:
-        lse[num_tokens:].zero_()
+    if num_tokens < out.shape[0]:  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
+        out[num_tokens:].zero_()
+        if lse is not None:
+            lse[num_tokens:].zero_()
 
 
 def finish_lse(out, lse, sinks, lse_hm) -> None:

@@ -264,9 +264,10 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
                 1e4)
     plan = prefill_plan.tolist()
     real_rows = nd + (plan[1] if plan else 0)
-    out[real_rows:].zero_()  # padding rows (CUDA-graph batches) stay zero, like REFERENCE's
-    if need_lse:
-        lse_buf[real_rows:].zero_()
+    if real_rows < out.shape[0]:  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
+        out[real_rows:].zero_()
+        if need_lse:
+            lse_buf[real_rows:].zero_()
     if plan:
         mod = _prefill_module(PREFILL_KERNELS[plan[0]], query.dtype, kv_cache.dtype, head_dim,
                               head_dim_v, window >= 0, cap > 0)
