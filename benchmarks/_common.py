@@ -111,6 +111,26 @@ def _commit() -> str:
         return "unknown"
 
 
+def cpu_bench_parser(name: str, doc: str):
+    """The options every CPU benchmark takes: ``--out``, ``--quick``, ``--wait-idle``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=None,
+                        help="result JSON path (default: benchmarks/results/%s_cpu.json, "
+                             "or ..._cpu_quick.json with --quick)" % name)
+    parser.add_argument("--quick", action="store_true", help="tiny run (a few seconds), for CI")
+    parser.add_argument("--wait-idle", type=float, default=None, metavar="S",
+                        help="wait up to S seconds for other processes to go quiet before each "
+                             "measurement, and retry one taken while they were busy "
+                             "(default: 60, 0 with --quick)")
+    return parser
+
+
+def wait_seconds(args) -> float:
+    return args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 60.0)
+
+
 def default_out(name: str, quick: bool = False) -> str:
     """``results/<name>_cpu.json``; ``--quick`` runs go to ``<name>_cpu_quick.json`` so a CI smoke
     test never overwrites the full results."""

@@ -37,7 +37,6 @@ GFLOP/s and GB/s are these useful-work counts divided by the median time.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -45,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (NOISY, CpuMonitor, default_out, paired, run_info, stats,  # noqa: E402
-                     time_quietly, write_json)
+from _common import (NOISY, CpuMonitor, cpu_bench_parser, default_out, paired,  # noqa: E402
+                     run_info, stats, time_quietly, wait_seconds, write_json)
 
 NAME = "bench_cpu_attn"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 32, 16
@@ -168,15 +167,7 @@ def profile_cpu_attn(sc: Scenario, calls: int = 50) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None,
-                        help="result JSON path (default: benchmarks/results/%s_cpu.json, "
-                             "or ..._cpu_quick.json with --quick)" % NAME)
-    parser.add_argument("--quick", action="store_true", help="tiny run (a few seconds), for CI")
-    parser.add_argument("--wait-idle", type=float, default=None, metavar="S",
-                        help="wait up to S seconds for other processes to go quiet before each "
-                             "scenario, and retry a scenario measured while they were busy "
-                             "(default: 60, 0 with --quick)")
+    parser = cpu_bench_parser(NAME, __doc__)
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of CPU_ATTN per scenario")
     args = parser.parse_args(argv)
@@ -189,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{NAME}: torch {info['torch']}, {info['platform']}, {info['num_threads']} threads, "
           f"Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} {str(DTYPE)[6:]} block {BLOCK_SIZE}, "
           f"shuffled pages{' (quick)' if args.quick else ''}")
-    wait_s = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 60.0)
+    wait_s = wait_seconds(args)
     monitor = CpuMonitor()
 
     results = {}

@@ -30,7 +30,6 @@ the same round.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -38,8 +37,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (NOISY, default_out, paired, run_info, stats,  # noqa: E402
-                     time_quietly, write_json)
+from _common import (NOISY, cpu_bench_parser, default_out, paired,  # noqa: E402
+                     run_info, stats, time_quietly, wait_seconds, write_json)
 
 NAME = "bench_op_overhead"
 NS = "attn_bench"
@@ -200,17 +199,8 @@ def print_table(title: str, result: dict, bare: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None,
-                        help="result JSON path (default: benchmarks/results/%s_cpu.json, "
-                             "or ..._cpu_quick.json with --quick)" % NAME)
-    parser.add_argument("--quick", action="store_true", help="tiny run (a few seconds), for CI")
-    parser.add_argument("--wait-idle", type=float, default=None, metavar="S",
-                        help="wait up to S seconds for other processes to go quiet before each "
-                             "measurement, and retry one taken while they were busy "
-                             "(default: 60, 0 with --quick)")
-    args = parser.parse_args(argv)
-    wait_s = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 60.0)
+    args = cpu_bench_parser(NAME, __doc__).parse_args(argv)
+    wait_s = wait_seconds(args)
 
     rounds_trivial, rounds_real = (5, 5) if args.quick else (41, 41)
     target_trivial, target_real = (0.002, 0.004) if args.quick else (0.02, 0.04)
