@@ -11,7 +11,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from attn_ops.capabilities import BackendCapabilities, PackageRequirement, Reason
+from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, PackageRequirement,
+                                   Reason)
 from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform, PlatformKind
@@ -60,6 +61,33 @@ class AttentionBackend:
         """Layers whose implementations share this key share one built metadata per step
         (see :func:`attn_ops.layer.build_step_metadata`)."""
         return (self.name,)
+
+    @classmethod
+    def cudagraph_support(cls, spec: AttentionSpec, platform: Platform) -> CUDAGraphSupport:
+        """How much of a batch this backend serves from a captured CUDA graph for ``spec`` on
+        ``platform`` (the declared level on CUDA; CUDA graphs exist nowhere else)."""
+        if platform.kind is not PlatformKind.CUDA:
+            return CUDAGraphSupport.NEVER
+        return cls.capabilities.cudagraph_support
+
+    def graph_metadata(self, padded: CommonAttentionMetadata, graphs: Any) -> Any:
+        """This backend's metadata for a batch padded by ``graphs``
+        (:class:`attn_ops.cudagraph.CUDAGraphBatch`), every device tensor at an address that
+        stays the same for each capture size, and every host value the op reads the same on
+        every replay of that size. Call it before capture and before every replay.
+
+        The default serves backends whose op reads only the common metadata's device tensors:
+        the padded common metadata itself.
+        """
+        from attn_ops.platforms import current_platform
+
+        support = self.cudagraph_support(self.spec, current_platform())
+        if support < graphs.required_support:
+            raise ValueError(
+                f"{self.name} supports CUDA graphs at level {support.name}, these graphs need "
+                f"{graphs.required_support.name}; run this backend eagerly or pick one with "
+                "AttentionConfig(backend=...) that supports it")
+        return padded
 
     def op_arguments(
         self,

@@ -123,13 +123,29 @@ def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
             raise ValueError(f"slot_mapping holds slot {int(slots[bad][0])} but the cache has "
                              f"slots 0..{capacity - 1} ({k_cache.shape[0]} blocks x {block_size}) "
                              "and -1 marks padding")
-    slots, key, value = slots[valid], key[valid], value[valid]
+    if slots.numel() == 0:
+        return
     if kv_cache.dtype in FP8_MAX:
         key = quantize_fp8(key, k_scale, kv_cache.dtype)
         value = quantize_fp8(value, v_scale, kv_cache.dtype)
+    # No host sync (a boolean index would need one), so the write can be captured in a CUDA
+    # graph: padding tokens are sent to the slot of the first real token with that token's
+    # values -- every write to a slot then agrees. With no real token at all, they write back
+    # what slot 0 already holds.
+    # (Indexing by a 0-d tensor would read it on the host: index_select keeps it on device.)
+    first = valid.to(torch.int32).argmax().view(1)
+    target = slots.index_select(0, first).clamp_(min=0)
+    t_block, t_off = target // block_size, target % block_size
+    slots = torch.where(valid, slots, target)
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key
-    v_cache[blocks, offsets] = value
+    row = valid[:, None, None]
+    first_is_real = valid.index_select(0, first).view(1, 1, 1)
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        raw, raw_cache = new, cache
+        if cache.dtype in FP8_MAX:  # where() has no fp8 kernels: move the bytes
+            raw, raw_cache = new.view(torch.uint8), cache.view(torch.uint8)
+        filler = torch.where(first_is_real, raw.index_select(0, first), raw_cache[t_block, t_off])
+        raw_cache[blocks, offsets] = torch.where(row, raw, filler)
 
 
 def _kv_cache_update_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale):

@@ -111,7 +111,8 @@ class Attention(nn.Module):
         return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
 
 
-def build_step_metadata(model: nn.Module, common: CommonAttentionMetadata) -> dict:
+def build_step_metadata(model: nn.Module, common: CommonAttentionMetadata,
+                        graphs: Any = None) -> dict:
     """Every backend metadata the :class:`Attention` layers of ``model`` need for one step,
     built once per distinct :meth:`AttentionBackend.metadata_key` (host planning included).
 
@@ -119,9 +120,17 @@ def build_step_metadata(model: nn.Module, common: CommonAttentionMetadata) -> di
 
         step = build_step_metadata(model, common)
         logits = compiled_model(input_ids, positions, kv_caches, step)
+
+    With ``graphs`` (an :class:`attn_ops.cudagraph.CUDAGraphBatch`) the batch is first padded
+    into the graphs' persistent buffers and every backend builds its CUDA-graph metadata: call
+    it before capturing a size and before every replay (each built metadata carries the padded
+    ``slot_mapping`` the cache writes use).
     """
+    if graphs is not None:
+        common = graphs.pad(common)
     built: dict = {}
     for layer in model.modules():
         if isinstance(layer, Attention) and layer._metadata_key not in built:
-            built[layer._metadata_key] = layer.impl.build_metadata(common)
+            built[layer._metadata_key] = (layer.impl.build_metadata(common) if graphs is None
+                                          else layer.impl.graph_metadata(common, graphs))
     return built

@@ -60,7 +60,7 @@ FEATURE_SPECS = {
     Feature.SINKS: _on(has_sinks=True),
     Feature.ALIBI: _on(use_alibi=True),
     Feature.NON_CAUSAL: _on(attn_type=AttentionType.ENCODER_ONLY),
-    Feature.DIFF_HEAD_DIM_V: lambda s: s.with_(head_dim_v=s.head_dim + 8),
+    Feature.DIFF_HEAD_DIM_V: lambda s: s.with_(head_dim_v=s.head_dim + 16),
     Feature.FP8_KV: _on(kv_cache_dtype=KVCacheDType.FP8_E4M3),
 }
 

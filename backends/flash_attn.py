@@ -63,6 +63,24 @@ class FlashAttnMetadata:
     causal: bool = True
 
 
+def fa4_head_dim_reasons(name: str, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    """FA4's head-dim rules over a paged cache (flash_attn.cute.interface / flash_fwd_sm90):
+    pages not equal to its KV tile take a non-TMA path that needs head dims filling its
+    16-wide tiles; sm100/sm110 take dims up to 128, (192, 128) or (256, 256)."""
+    reasons = []
+    dims = (spec.head_dim, spec.v_head_dim)
+    if any(d % 16 for d in dims):
+        reasons.append(Reason(name, "head_dim", f"(head_dim, head_dim_v)={dims}: FlashAttention 4 "
+                              "over a paged cache needs multiples of 16"))
+    cap = platform.capability
+    if cap is not None and cap[0] in (10, 11) and not (
+            max(dims) <= 128 or dims in ((192, 128), (256, 256))):
+        reasons.append(Reason(name, "head_dim", f"(head_dim, head_dim_v)={dims} is not supported "
+                              "by FlashAttention 4 on sm100/sm110 (<= 128, (192, 128) or "
+                              "(256, 256))"))
+    return reasons
+
+
 def _check(query, kv_cache, out, lse):
     check_nhd_attention_inputs("FLASH_ATTN", query, kv_cache, out, lse)
 
@@ -75,12 +93,17 @@ def fa_window(sliding_window, causal):
 
 
 def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
-             scale, left, right, soft_cap, causal, need_lse):
+            scale, left, right, soft_cap, causal, need_lse, padded=False):
+    """FA4's varlen forward into ``out``; returns its LSE ``[heads, tokens]`` if asked. With
+    ``padded`` (rows past the real tokens, counted on the device only) the LSE starts zeroed,
+    as FA4 leaves those rows unwritten."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     splits = 0 if torch.cuda.get_device_capability(query.device)[0] >= 10 else 1
-    lse_hm = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32,
-                         device=query.device) if need_lse else None
+    lse_hm = None
+    if need_lse:
+        lse_hm = (torch.zeros if padded else torch.empty)(
+            query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
     _flash_attn_fwd(query, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                     max_seqlen_q=max_q, max_seqlen_k=max_k, page_table=page_table,
                     softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
@@ -122,12 +145,17 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                           soft_cap, causal) -> None:
     _check(query, kv_cache, out, lse)
     max_q, max_k, version, num_tokens = bounds.tolist()
+    if num_tokens < 0:  # a CUDA-graph batch: its real token count is known on the device only
+        out.zero_()  # FlashAttention leaves the rows of requests without queries unwritten
+        if lse is not None:
+            lse.zero_()
     k_cache, v_cache = kv_cache.unbind(1)
     need_lse = lse is not None or sinks is not None
     left, right = fa_window(sliding_window, causal)
     if version == 4:
         lse_hm = run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
-                          max_q, max_k, scale, left, right, soft_cap, causal, need_lse)
+                         max_q, max_k, scale, left, right, soft_cap, causal, need_lse,
+                         padded=num_tokens < 0)
     elif version == 3:
         lse_hm = _run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
                           max_q, scale, left, right, soft_cap, causal, need_lse)
@@ -136,7 +164,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                           max_q, max_k, scale, left, right, soft_cap, alibi_slopes, causal,
                           need_lse)
     finish_lse(out, lse, sinks, lse_hm)
-    if num_tokens < out.shape[0]:  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
+    if 0 <= num_tokens < out.shape[0]:  # padding rows are zero, like REFERENCE's
         out[num_tokens:].zero_()
         if lse is not None:
             lse[num_tokens:].zero_()
@@ -211,7 +239,7 @@ class FlashAttnBackend(AttentionBackend):
                             Feature.NON_CAUSAL, Feature.ALIBI}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         min_capability=(8, 0),
-        cudagraph_support=CUDAGraphSupport.NEVER,  # not yet captured and replayed in tests
+        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
         reads_page_tails=True,
     )
     op = flash_attn_attention
@@ -233,6 +261,8 @@ class FlashAttnBackend(AttentionBackend):
                                   "sm80+)", "pip install flash-attn-4"))
             return reasons
         gen = GENERATIONS[version]
+        if version == 4:
+            reasons += fa4_head_dim_reasons(cls.name, spec, platform)
         if spec.use_alibi and not gen.alibi:
             reasons.append(Reason(cls.name, "feature:alibi",
                                   f"alibi is not supported by FlashAttention {version}",
@@ -284,6 +314,36 @@ class FlashAttnBackend(AttentionBackend):
             torch.cumsum(common.seq_lens, 0, dtype=torch.int32), (1, 0))  # device, no sync
         return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, cu_seqlens_k,
                                  common.seq_lens, common.block_table, bounds, common.causal)
+
+    def graph_metadata(self, padded: CommonAttentionMetadata, graphs):
+        """A padded batch's metadata for capture/replay: the padded common tensors themselves
+        (persistent), a persistent ``cu_seqlens_k``, and host bounds fixed per capture size
+        (``max_seqlen_k`` = the graphs' longest request, token count "on the device"). Small
+        decode sizes go to FlashInfer's CUDA-graph decode, as they do eagerly."""
+        from attn_ops.backends.flashinfer import DECODE_KERNEL_GROUPS
+
+        super().graph_metadata(padded, graphs)
+        size = padded.num_reqs
+        if (self._small_decode is not None and graphs.query_len == 1
+                and size * self.spec.kv_heads < SMALL_DECODE_PAIRS
+                and self.spec.num_heads // self.spec.kv_heads in DECODE_KERNEL_GROUPS):
+            return self._small_decode.graph_metadata(padded, graphs)
+        key = self.metadata_key()
+        state = graphs.backend_state.get(key)
+        if state is None:
+            largest = graphs.capture_sizes[-1]
+            state = graphs.backend_state[key] = {
+                "cu_seqlens_k": torch.zeros(largest + 1, dtype=torch.int32,
+                                            device=graphs.device)}
+        bounds = state.get(size)
+        if bounds is None:
+            bounds = state[size] = torch.tensor([graphs.query_len, graphs.max_seq_len,
+                                                 self.version, -1], dtype=torch.int64)
+        cu_seqlens_k = state["cu_seqlens_k"][:size + 1]
+        if self.version == 2:  # FA2 reads cumulative lengths; FA3/FA4 read seqused_k
+            torch.cumsum(padded.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
+        return FlashAttnMetadata(padded.slot_mapping, padded.query_start_loc, cu_seqlens_k,
+                                 padded.seq_lens, padded.block_table, bounds, padded.causal)
 
     def metadata_key(self) -> tuple:
         small = self._small_decode.metadata_key() if self._small_decode is not None else ()

@@ -22,7 +22,7 @@ from attn_ops.ops import PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs, d
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
-from attn_ops.backends.flash_attn import fa_window, finish_lse, run_fa4
+from attn_ops.backends.flash_attn import fa4_head_dim_reasons, fa_window, finish_lse, run_fa4
 
 __all__ = ["FlashAttnDiffKVBackend"]
 
@@ -46,12 +46,9 @@ def _diffkv_attention(query, kv_cache, query_start_loc, seq_lens, block_table, o
     # Host bounds without a sync: the longest query is at most every token, the longest context
     # at most the block table's reach (FA4 sizes its grid with them; lengths are read on device).
     lse_hm = run_fa4(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-                      query.shape[0], block_table.shape[1] * k_cache.shape[1], scale, left,
-                      right, soft_cap, causal, lse is not None or sinks is not None)
+                     query.shape[0], block_table.shape[1] * k_cache.shape[1], scale, left,
+                     right, soft_cap, causal, lse is not None or sinks is not None, padded=True)
     finish_lse(out, lse, sinks, lse_hm)
-    if lse is not None:  # padding rows: FA4 leaves them unwritten
-        lse.masked_fill_(torch.arange(lse.shape[0], device=lse.device)[:, None]
-                         >= query_start_loc[-1], 0.0)
 
 
 def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
@@ -77,7 +74,7 @@ class FlashAttnDiffKVBackend(AttentionBackend):
                             Feature.SINKS, Feature.NON_CAUSAL}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         min_capability=(9, 0),
-        cudagraph_support=CUDAGraphSupport.NEVER,
+        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,  # its CUDA op reads no host values
         reads_page_tails=True,
     )
     op = flash_attn_diffkv_attention
@@ -95,6 +92,7 @@ class FlashAttnDiffKVBackend(AttentionBackend):
                                       "FlashAttention 4 takes float16/bfloat16"))
             if (r := _FA4.reason(cls.name)) is not None:
                 reasons.append(r)
+            reasons += fa4_head_dim_reasons(cls.name, spec, platform)
         elif platform.kind is PlatformKind.CPU:
             from attn_ops.registry import get_backend_class
 

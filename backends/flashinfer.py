@@ -34,12 +34,13 @@ from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
-__all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
-
-LN2 = math.log(2.0)
 # FlashInfer's CUDA-core decode kernel is compiled for these query/KV head ratios only; other
 # ratios run their decodes through the prefill kernel (query length 1).
 DECODE_KERNEL_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
+
+__all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
+
+LN2 = math.log(2.0)
 PREFILL_KERNELS = ("fa2", "fa3")
 FLOAT_WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
@@ -101,15 +102,29 @@ class FlashInferMetadata:
 
 
 @functools.cache
-def _workspaces(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(float scratch, decode int workspace + pinned host copy, prefill int workspace + pinned
-    host copy) for one device; decode and prefill plans must not share an int workspace."""
-    def pinned():
-        return torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+def _float_workspace(device: torch.device) -> torch.Tensor:
+    """Scratch for split-KV partial results; layers run one after another, so all share it."""
+    return torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
-    return (torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device),
-            torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device), pinned(),
-            torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device), pinned())
+
+class _IntWorkspace:
+    """A plan's int workspace on the device and the pinned host buffer FlashInfer's ``plan``
+    fills and copies from (asynchronously). Every planning key gets its own: a step plans all
+    its keys before its layers run, so a shared one would hold only the last plan. The event
+    keeps ``plan`` from refilling the host buffer before the previous copy out of it ran."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.host = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self._copied: torch.cuda.Event | None = None
+
+    def plan(self, mod, *args):
+        if self._copied is not None:
+            self._copied.synchronize()
+        plan = mod.plan(_float_workspace(self.device.device), self.device, self.host, *args)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return list(plan)
 
 
 def _decode_module(q_dtype, kv_dtype, head_dim, windowed, capped):
@@ -145,18 +160,20 @@ def warmup(spec: AttentionSpec, platform_major: int = 9) -> None:
 
 
 class _Uploader:
-    """Host-to-device copies of the page tables through a ring of pinned staging buffers:
+    """Host-to-device copies of page tables through a ring of pinned staging buffers:
     asynchronous (a pageable copy cost 1.4 ms per step on the H200 host), and an event per
     buffer makes sure a buffer is not refilled before its previous copy has run."""
 
     RING = 4
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.next = device, 0
+    def __init__(self) -> None:
+        self.next = 0
         self.buffers = [torch.empty(0, dtype=torch.int32) for _ in range(self.RING)]
         self.events: list[torch.cuda.Event | None] = [None] * self.RING
 
-    def upload(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+    def upload(self, host: list[torch.Tensor], dest: torch.Tensor) -> list[torch.Tensor]:
+        """``host`` int32 vectors, concatenated, into the front of the device vector ``dest``;
+        returns their views there."""
         sizes = [t.shape[0] for t in host]
         total = sum(sizes)
         i, self.next = self.next, (self.next + 1) % self.RING
@@ -167,68 +184,122 @@ class _Uploader:
                                           dtype=torch.int32, pin_memory=True)
         staged = self.buffers[i][:total]
         torch.cat(host, out=staged)
-        on_device = torch.empty(total, dtype=torch.int32, device=self.device)
+        on_device = dest[:total]
         on_device.copy_(staged, non_blocking=True)
         self.events[i] = torch.cuda.Event()
         self.events[i].record()
         return list(on_device.split(sizes))
 
 
-@functools.cache
-def _uploader(device: torch.device) -> _Uploader:
-    return _Uploader(device)
-
-
 _EMPTY_I32 = torch.zeros(0, dtype=torch.int32)
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EMPTY_PLAN = torch.zeros(0, dtype=torch.int64)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
+_EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
 
 
-def _plan(spec: AttentionSpec, common: CommonAttentionMetadata) -> FlashInferMetadata:
-    device = common.seq_lens.device
-    fws, dws, dpin, pws, ppin = _workspaces(device)
-    if common.block_table_cpu is None:
-        raise ValueError("FLASHINFER plans on the host: build the metadata with "
-                         "attn_ops.build_common_metadata (it keeps block_table_cpu)")
-    seq, table, qsl = common.seq_lens_cpu, common.block_table_cpu, common.query_start_loc_cpu
-    block_size = common.block_size
-    window = -1 if spec.sliding_window is None else spec.sliding_window - 1
-    cap = spec.logits_soft_cap or 0.0
-    kv_dtype = spec.cache_dtype
-    group = spec.num_heads // spec.kv_heads
-    nd = common.num_decodes if group in DECODE_KERNEL_GROUPS else 0
-    num_prefills = common.num_reqs - nd
-    host: list[torch.Tensor] = []  # int32 page tables, sent to the device in one copy
-    decode_plan = prefill_plan = torch.zeros(0, dtype=torch.int64)
-    if nd:
-        indptr, indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
-        mod = _decode_module(spec.dtype, kv_dtype, spec.head_dim, window != -1, cap > 0)
-        plan = mod.plan(fws, dws, dpin, indptr, nd, spec.num_heads, spec.kv_heads, block_size,
-                        False, window, cap, spec.head_dim, spec.head_dim,
-                        torch.empty(0, dtype=spec.dtype), torch.empty(0, dtype=kv_dtype))
-        decode_plan = torch.tensor(list(plan), dtype=torch.int64)
-        host += [indptr, indices, last]
-    else:
-        host += [_EMPTY_I32] * 3
-    if num_prefills:
-        indptr, indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
-        qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
-        rows = int(qo[-1])
-        kernel = _prefill_kernel(spec, torch.cuda.get_device_capability(device)[0])
-        mod = _prefill_module(kernel, spec.dtype, kv_dtype, spec.head_dim, spec.v_head_dim,
-                              window >= 0, cap > 0)
-        args = [fws, pws, ppin, qo, indptr, seq[nd:].to(torch.int32), rows, num_prefills,
-                spec.num_heads, spec.kv_heads, block_size, False, spec.head_dim,
-                spec.v_head_dim, spec.causal and common.causal, window]
-        if kernel == "fa2":
-            args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
-        prefill_plan = torch.tensor([PREFILL_KERNELS.index(kernel), rows, *list(mod.plan(*args))],
-                                    dtype=torch.int64)
-        host += [qo, indptr, indices, last]
-    else:
-        host += [_EMPTY_I32] * 4
-    device_tables = _uploader(device).upload(host)
-    return FlashInferMetadata(common.slot_mapping, fws, dws, decode_plan, *device_tables[:3], pws,
-                              prefill_plan, *device_tables[3:], causal=common.causal)
+class _Planner:
+    """Plans for one planning key (a spec, minus the batch) on one device, each step: its own
+    int workspaces (decode and prefill plans must not share one either)."""
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        self.spec, self.device = spec, device
+        self.float_workspace = _float_workspace(device)
+        self.decode_ws, self.prefill_ws = _IntWorkspace(device), _IntWorkspace(device)
+        self.uploader = _Uploader()
+        self.window = -1 if spec.sliding_window is None else spec.sliding_window - 1
+        self.cap = spec.logits_soft_cap or 0.0
+        group = spec.num_heads // spec.kv_heads
+        self.decode_kernel = group in DECODE_KERNEL_GROUPS
+
+    def plan_decode(self, indptr: torch.Tensor, batch: int, block_size: int,
+                    graph: bool) -> list[int]:
+        spec = self.spec
+        mod = _decode_module(spec.dtype, spec.cache_dtype, spec.head_dim, self.window != -1,
+                             self.cap > 0)
+        return self.decode_ws.plan(mod, indptr, batch, spec.num_heads, spec.kv_heads,
+                                   block_size, graph, self.window, self.cap, spec.head_dim,
+                                   spec.head_dim, torch.empty(0, dtype=spec.dtype),
+                                   torch.empty(0, dtype=spec.cache_dtype))
+
+    def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        spec = self.spec
+        if common.block_table_cpu is None:
+            raise ValueError("FLASHINFER plans on the host: build the metadata with "
+                             "attn_ops.build_common_metadata (it keeps block_table_cpu)")
+        seq, table, qsl = common.seq_lens_cpu, common.block_table_cpu, common.query_start_loc_cpu
+        block_size = common.block_size
+        nd = common.num_decodes if self.decode_kernel else 0
+        num_prefills = common.num_reqs - nd
+        host: list[torch.Tensor] = []  # int32 page tables, sent to the device in one copy
+        decode_plan = prefill_plan = _EMPTY_PLAN
+        if nd:
+            indptr, indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
+            plan = self.plan_decode(indptr, nd, block_size, graph=False)
+            decode_plan = torch.tensor([0, *plan], dtype=torch.int64)  # 0: no padded requests
+            host += [indptr, indices, last]
+        else:
+            host += [_EMPTY_I32] * 3
+        if num_prefills:
+            indptr, indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
+            qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
+            rows = int(qo[-1])
+            kernel = _prefill_kernel(spec, torch.cuda.get_device_capability(self.device)[0])
+            mod = _prefill_module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim,
+                                  spec.v_head_dim, self.window >= 0, self.cap > 0)
+            args = [qo, indptr, seq[nd:].to(torch.int32), rows, num_prefills, spec.num_heads,
+                    spec.kv_heads, block_size, False, spec.head_dim, spec.v_head_dim,
+                    spec.causal and common.causal, self.window]
+            if kernel == "fa2":
+                args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
+            prefill_plan = torch.tensor([PREFILL_KERNELS.index(kernel), rows,
+                                         *self.prefill_ws.plan(mod, *args)], dtype=torch.int64)
+            host += [qo, indptr, indices, last]
+        else:
+            host += [_EMPTY_I32] * 4
+        total = sum(t.shape[0] for t in host)
+        tables = self.uploader.upload(
+            host, torch.empty(total, dtype=torch.int32, device=self.device))
+        return FlashInferMetadata(common.slot_mapping, self.float_workspace,
+                                  self.decode_ws.device, decode_plan, *tables[:3],
+                                  self.prefill_ws.device, prefill_plan, *tables[3:],
+                                  causal=common.causal)
+
+
+class _GraphPlanner(_Planner):
+    """Decode plans for CUDA-graph batches (FlashInfer's CUDA-graph mode): page tables in one
+    persistent device buffer sized for the largest capture size, one plan per capture size
+    whose host vector must not change between capture and replays (checked: FlashInfer fixes
+    the grid per batch size in this mode), and the padded requests' rows zeroed on the device
+    (they have no pages: ``last_page_len`` 0)."""
+
+    def __init__(self, spec: AttentionSpec, graphs) -> None:
+        super().__init__(spec, graphs.device)
+        largest = graphs.capture_sizes[-1]
+        self.tables = torch.zeros(2 * largest + 1 + largest * graphs.max_blocks_per_req,
+                                  dtype=torch.int32, device=self.device)
+        self.plans: dict[int, torch.Tensor] = {}
+
+    def __call__(self, padded: CommonAttentionMetadata) -> FlashInferMetadata:
+        size = padded.num_reqs
+        if not self.decode_kernel or padded.max_query_len != 1:
+            raise ValueError(
+                f"FLASHINFER captures single-token decode batches through its decode kernel; "
+                f"got query length {padded.max_query_len} with {self.spec.num_heads} query / "
+                f"{self.spec.kv_heads} KV heads (decode kernel groups: "
+                f"{sorted(DECODE_KERNEL_GROUPS)})")
+        indptr, indices, last = paged_kv_csr(padded.seq_lens_cpu, padded.block_table_cpu,
+                                             padded.block_size)
+        plan = self.plan_decode(indptr, size, padded.block_size, graph=True)
+        captured = self.plans.setdefault(size, torch.tensor([1, *plan], dtype=torch.int64))
+        if captured[1:].tolist() != plan:
+            raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
+                               f"({captured[1:].tolist()} -> {plan}); a replay would run the "
+                               "captured grid on the wrong schedule")
+        d_indptr, d_last, d_indices = self.uploader.upload([indptr, last, indices], self.tables)
+        return FlashInferMetadata(padded.slot_mapping, self.float_workspace,
+                                  self.decode_ws.device, captured, d_indptr, d_indices, d_last,
+                                  self.prefill_ws.device, _EMPTY_PLAN, *[self.tables[:0]] * 4,
+                                  causal=padded.causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,12 +327,13 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
         torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if need_lse
         else None)
     nd = decode_last_page_len.shape[0] if decode_plan.numel() else 0
+    padded_requests = False
     if nd:
+        padded_requests, *plan = decode_plan.tolist()
         mod = _decode_module(query.dtype, kv_cache.dtype, head_dim, window != -1, cap > 0)
-        mod.run(float_workspace, decode_workspace, decode_plan.tolist(), q[:nd], k_cache,
-                v_cache, decode_indptr, decode_indices, decode_last_page_len, out[:nd],
-                lse_buf[:nd] if need_lse else None, 0, window, True, None, cap, scale, 1.0,
-                1e4)
+        mod.run(float_workspace, decode_workspace, plan, q[:nd], k_cache, v_cache,
+                decode_indptr, decode_indices, decode_last_page_len, out[:nd],
+                lse_buf[:nd] if need_lse else None, 0, window, True, None, cap, scale, 1.0, 1e4)
     plan = prefill_plan.tolist()
     real_rows = nd + (plan[1] if plan else 0)
     if real_rows < out.shape[0]:  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
@@ -283,6 +355,11 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
         apply_sinks(out, lse_buf, sinks)
     if fp8:
         out.mul_(v_scale.to(out.dtype))
+    if padded_requests:  # a CUDA-graph batch: requests without pages are padding, zeroed here
+        empty = (decode_last_page_len == 0)[:, None]
+        out[:nd].masked_fill_(empty[:, :, None], 0.0)
+        if lse is not None:
+            lse[:nd].masked_fill_(empty, 0.0)
 
 
 def _fake(query, kv_cache, out, lse, *args) -> None:
@@ -322,7 +399,7 @@ class FlashInferBackend(AttentionBackend):
                             Feature.NON_CAUSAL, Feature.FP8_KV}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         min_capability=(8, 0),
-        cudagraph_support=CUDAGraphSupport.NEVER,  # plans are not yet kept in fixed buffers
+        cudagraph_support=CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,  # decode kernel only
         packages=(_FLASHINFER,),
     )
     op = flashinfer_attention
@@ -343,7 +420,24 @@ class FlashInferBackend(AttentionBackend):
         key = self.metadata_key()
         per_step = _PLANS.setdefault(common, {})
         if key not in per_step:
-            per_step[key] = _plan(self.spec, common)
+            device = common.seq_lens.device
+            planner = _EAGER_PLANNERS.get((key, device))
+            if planner is None:
+                planner = _EAGER_PLANNERS[key, device] = _Planner(self.spec, device)
+            per_step[key] = planner(common)
+        return per_step[key]
+
+    def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> FlashInferMetadata:
+        """Replan a padded decode batch into ``graphs``' persistent buffers (see
+        :class:`_GraphPlanner`); the plan for each capture size is fixed at its first call."""
+        super().graph_metadata(padded, graphs)
+        key = self.metadata_key()
+        per_step = _PLANS.setdefault(padded, {})
+        if key not in per_step:
+            planner = graphs.backend_state.get(key)
+            if planner is None:
+                planner = graphs.backend_state[key] = _GraphPlanner(self.spec, graphs)
+            per_step[key] = planner(padded)
         return per_step[key]
 
     def metadata_key(self) -> tuple:

@@ -1,0 +1,145 @@
+"""CUDA-graph batches: the step's metadata padded to a capture size, in persistent buffers.
+
+A captured graph replays kernels with the device addresses and host scalars they had at capture.
+So every tensor an attention op reads must live at a fixed address, rewritten in place before
+each replay, and every host value it was captured with must stay valid. :class:`CUDAGraphBatch`
+owns those buffers for a set of capture sizes (numbers of requests, every request with the same
+query length: 1 for decode): :meth:`CUDAGraphBatch.pad` copies a batch of ``n`` requests into
+them, padded with empty requests to the smallest capture size ``S >= n``, and returns it as an
+ordinary :class:`~attn_ops.metadata.CommonAttentionMetadata` whose device tensors are views of
+the buffers. Backends then build their own metadata from it with
+:meth:`~attn_ops.backend.AttentionBackend.graph_metadata` (host planning included, into buffers
+of their own kept in :attr:`CUDAGraphBatch.backend_state`); :func:`attn_ops.layer.build_step_metadata`
+does both for a model.
+
+Padding: requests ``n..S-1`` have no query tokens, no cached tokens and an all-zero block-table
+row; tokens past the real ones have slot ``-1`` (the cache write skips them). Stale tails from
+a previous, longer batch are overwritten, never left behind.
+
+Example (one size)::
+
+    graphs = CUDAGraphBatch(capture_sizes=(1, 8, 64), max_blocks_per_req=256, block_size=16,
+                            device="cuda")
+    padded = graphs.pad(common)                 # before capture, and before every replay
+    meta = impl.graph_metadata(padded, graphs)
+    ...capture impl.forward(q[:S], cache, meta, out[:S]) once per size, then replay
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from attn_ops.capabilities import CUDAGraphSupport
+from attn_ops.metadata import CommonAttentionMetadata
+
+__all__ = ["CUDAGraphBatch"]
+
+
+class CUDAGraphBatch:
+    """Persistent common metadata for batches of uniform query length padded to capture sizes.
+
+    ``capture_sizes``: batch sizes (requests) a graph is captured for; ``max_blocks_per_req``:
+    the block-table width every padded batch gets (the longest request it can hold, in pages);
+    ``uniform_query_len``: query tokens per request (1: single-token decode).
+    """
+
+    def __init__(self, capture_sizes: Sequence[int], max_blocks_per_req: int, block_size: int,
+                 device: torch.device | str = "cuda", *, uniform_query_len: int = 1) -> None:
+        sizes = sorted(set(int(s) for s in capture_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"capture_sizes={list(capture_sizes)} must be positive batch sizes")
+        if max_blocks_per_req < 1 or block_size < 1 or uniform_query_len < 1:
+            raise ValueError(f"max_blocks_per_req={max_blocks_per_req}, block_size={block_size} "
+                             f"and uniform_query_len={uniform_query_len} must be >= 1")
+        self.capture_sizes = tuple(sizes)
+        self.max_blocks_per_req = max_blocks_per_req
+        self.block_size = block_size
+        self.query_len = uniform_query_len
+        self.device = torch.device(device)
+        largest = sizes[-1]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._starts = torch.arange(largest + 1, **i32) * uniform_query_len  # constant
+        self.query_start_loc = torch.zeros(largest + 1, **i32)
+        self.seq_lens = torch.zeros(largest, **i32)
+        self.block_table = torch.zeros(largest, max_blocks_per_req, **i32)
+        self.slot_mapping = torch.full((largest * uniform_query_len,), -1, dtype=torch.int64,
+                                       device=self.device)
+        # Backends' own persistent state (buffers, per-size plans), by metadata key.
+        self.backend_state: dict = {}
+
+    @property
+    def required_support(self) -> CUDAGraphSupport:
+        """The support level a backend needs to be captured with these batches."""
+        return (CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE if self.query_len == 1
+                else CUDAGraphSupport.UNIFORM_BATCH)
+
+    def size_for(self, num_reqs: int) -> int:
+        """The smallest capture size holding ``num_reqs`` requests."""
+        i = bisect.bisect_left(self.capture_sizes, num_reqs)
+        if i == len(self.capture_sizes):
+            raise ValueError(f"a batch of {num_reqs} requests is larger than the largest capture "
+                             f"size {self.capture_sizes[-1]}; run it eagerly or capture a "
+                             f"size >= {num_reqs}")
+        return self.capture_sizes[i]
+
+    def pad(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
+        """``common`` copied into the persistent buffers, padded to its capture size."""
+        n, q = common.num_reqs, self.query_len
+        if n == 0:
+            raise ValueError("an empty batch has nothing to replay")
+        if common.num_actual_tokens != n * q or common.max_query_len != q:
+            raise ValueError(
+                f"CUDA-graph batches have {q} query token(s) per request; this batch has "
+                f"query_lens={common.query_lens_cpu.tolist()} -- run it eagerly")
+        if common.block_size != self.block_size:
+            raise ValueError(f"block_size={common.block_size} differs from the graphs' "
+                             f"block_size={self.block_size}")
+        width = common.block_table.shape[1]
+        if width > self.max_blocks_per_req:
+            raise ValueError(f"the batch's block table is {width} blocks wide, more than "
+                             f"max_blocks_per_req={self.max_blocks_per_req}; raise it")
+        size = self.size_for(n)
+        # Device side: copies and fills in place (no host sync, no new allocations).
+        torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
+        self.seq_lens[:n].copy_(common.seq_lens, non_blocking=True)
+        self.seq_lens[n:size].zero_()
+        self.block_table[:n, :width].copy_(common.block_table, non_blocking=True)
+        if width < self.max_blocks_per_req:
+            self.block_table[:n, width:].zero_()
+        self.block_table[n:size].zero_()
+        self.slot_mapping[:n * q].copy_(common.slot_mapping[:n * q], non_blocking=True)
+        self.slot_mapping[n * q:size * q].fill_(-1)
+        # Host side: the same batch, padded.
+        seq_cpu = torch.zeros(size, dtype=torch.int32)
+        seq_cpu[:n] = common.seq_lens_cpu
+        qsl_cpu = torch.from_numpy(np.minimum(np.arange(size + 1, dtype=np.int32) * q, n * q))
+        table_cpu = None
+        if common.block_table_cpu is not None:
+            table_cpu = torch.zeros(size, width, dtype=torch.int32)
+            table_cpu[:n] = common.block_table_cpu
+        decodes = common.num_decodes == n
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[:size + 1],
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=self.seq_lens[:size],
+            seq_lens_cpu=seq_cpu,
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size * q],
+            num_actual_tokens=n * q,
+            max_query_len=q,
+            max_seq_len=common.max_seq_len,
+            num_decodes=size if decodes else 0,
+            num_decode_tokens=n * q if decodes else 0,
+            block_size=self.block_size,
+            causal=common.causal,
+            block_table_cpu=table_cpu,
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest request a padded batch can hold."""
+        return self.max_blocks_per_req * self.block_size

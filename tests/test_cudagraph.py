@@ -1,0 +1,248 @@
+"""CUDA graphs: batches padded into persistent buffers (CPU: the padding is exact, stale tails
+are overwritten, bad batches are refused), and on the GPU every backend that declares CUDA-graph
+support captured once per size -- its op called directly and inside a compiled layer -- then
+replayed with batches of changing size and lengths, checked against REFERENCE every replay."""
+
+import random
+
+import pytest
+import torch
+
+from attn_ops import (Attention, AttentionConfig, AttentionSpec, CUDAGraphSupport,
+                      build_common_metadata, build_step_metadata, current_platform,
+                      get_backend_class)
+from attn_ops.cudagraph import CUDAGraphBatch
+from attn_ops.registry import list_backends
+from attn_ops.spec import Feature
+from attn_ops.testing import FEATURE_SPECS, tolerance
+
+PLATFORM = current_platform()
+DEVICE = PLATFORM.device_type
+REFERENCE = get_backend_class("REFERENCE")
+BLOCK, WIDTH, SIZES = 16, 12, (1, 4, 16)  # page size, max pages per request, capture sizes
+
+
+def _random_batch(n, num_blocks, rng, device, max_len=WIDTH * BLOCK):
+    """``n`` single-token decodes with random lengths and random distinct pages."""
+    pages = list(range(1, num_blocks))  # page 0 stays unused: padding rows point at it
+    rng.shuffle(pages)
+    seq = [rng.randint(1, max_len) for _ in range(n)]
+    tables, at = [], 0
+    for s in seq:
+        k = -(-s // BLOCK)
+        tables.append(pages[at:at + k])
+        at += k
+    return build_common_metadata([1] * n, seq, tables, BLOCK, num_blocks, device=device)
+
+
+def _reference(spec, q, cache, common, **optional):
+    out = torch.zeros(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=torch.float64,
+                      device=q.device)
+    lse = torch.zeros(q.shape[0], spec.num_heads, device=q.device)
+    REFERENCE(spec.with_(dtype=torch.float64)).forward(
+        q.double(), cache.double(), common, out, lse=lse, **optional)
+    base = torch.zeros(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype,
+                       device=q.device)
+    REFERENCE(spec).forward(q, cache, common, base, **optional)
+    return out, lse, base
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding (CPU and GPU)
+
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+
+
+def test_padded_batch_gives_the_same_rows_and_zero_padding():
+    rng = random.Random(0)
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    cache = torch.randn(64, 2, BLOCK, 2, 16, device=DEVICE)
+    common = _random_batch(3, 64, rng, DEVICE, max_len=80)
+    padded = graphs.pad(common)
+    assert padded.num_reqs == 4 and padded.slot_mapping.shape[0] == 4
+    assert padded.slot_mapping[3].item() == -1
+    q = torch.randn(4, 4, 16, device=DEVICE)
+    out, lse, _ = _reference(SPEC, q, cache, padded)
+    want, want_lse, _ = _reference(SPEC, q[:3], cache, common)
+    torch.testing.assert_close(out[:3], want)
+    torch.testing.assert_close(lse[:3], want_lse)
+    assert (out[3:] == 0).all() and (lse[3:] == 0).all()
+
+
+def test_a_shorter_batch_leaves_no_stale_tail_behind():
+    rng = random.Random(1)
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    graphs.pad(_random_batch(16, 400, rng, DEVICE))  # every row and column in use
+    padded = graphs.pad(_random_batch(2, 400, rng, DEVICE, max_len=20))
+    assert padded.num_reqs == 4
+    assert (padded.block_table[:, 2:] == 0).all() and (padded.block_table[2:] == 0).all()
+    assert (padded.seq_lens[2:] == 0).all()
+    assert padded.query_start_loc.tolist() == [0, 1, 2, 2, 2]
+    assert padded.query_start_loc_cpu.tolist() == [0, 1, 2, 2, 2]
+
+
+def test_batches_a_graph_cannot_hold_are_refused_with_the_fix():
+    rng = random.Random(2)
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    with pytest.raises(ValueError, match="larger than the largest capture size 16"):
+        graphs.pad(_random_batch(17, 400, rng, DEVICE))
+    prefill = build_common_metadata([1, 5], [4, 5], [[1], [2]], BLOCK, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"query_lens=\[1, 5\] -- run it eagerly"):
+        graphs.pad(prefill)
+    wide = build_common_metadata([1], [13 * BLOCK], [list(range(1, 14))], BLOCK, 20,
+                                 device=DEVICE)
+    with pytest.raises(ValueError, match="13 blocks wide, more than max_blocks_per_req=12"):
+        graphs.pad(wide)
+    with pytest.raises(ValueError, match="capture_sizes"):
+        CUDAGraphBatch((), WIDTH, BLOCK, DEVICE)
+
+
+def test_a_backend_without_cuda_graph_support_says_so():
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    padded = graphs.pad(_random_batch(2, 64, random.Random(3), DEVICE, max_len=40))
+    with pytest.raises(ValueError, match="REFERENCE supports CUDA graphs at level NEVER"):
+        REFERENCE(SPEC).graph_metadata(padded, graphs)
+
+
+def test_declared_levels():
+    levels = {name: get_backend_class(name).cudagraph_support(SPEC, PLATFORM.parse("cuda:9.0"))
+              for name in ("REFERENCE", "FLASHINFER", "FLASH_ATTN", "FLASH_ATTN_DIFFKV")}
+    assert levels == {"REFERENCE": CUDAGraphSupport.NEVER,
+                      "FLASHINFER": CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+                      "FLASH_ATTN": CUDAGraphSupport.UNIFORM_BATCH,
+                      "FLASH_ATTN_DIFFKV": CUDAGraphSupport.UNIFORM_BATCH}
+    cpu = PLATFORM.parse("cpu")
+    assert get_backend_class("FLASH_ATTN_DIFFKV").cudagraph_support(SPEC, cpu) \
+        is CUDAGraphSupport.NEVER
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture and replay (GPU)
+
+
+GPU_BASE = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+
+
+def _graph_params():
+    if not PLATFORM.is_gpu:
+        return
+    for name in list_backends():
+        try:
+            cls = get_backend_class(name)
+        except ImportError:
+            continue
+        if cls.cudagraph_support(GPU_BASE, PLATFORM) < CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+            continue
+        specs = {"base": GPU_BASE, "window_sinks": GPU_BASE.with_(sliding_window=40,
+                                                                   has_sinks=True)}
+        if Feature.DIFF_HEAD_DIM_V in cls.capabilities.features:
+            specs["diff_v"] = FEATURE_SPECS[Feature.DIFF_HEAD_DIM_V](GPU_BASE)
+        for sid, spec in specs.items():
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                for mode in ("op", "compiled_layer"):
+                    yield pytest.param(name, spec, mode, id=f"{name}-{sid}-{mode}")
+
+
+def _check(spec, got, got_lse, q, cache, common, n, size, **optional):
+    truth, truth_lse, base = _reference(spec, q[:n], cache, common, **optional)
+    err = (got[:n].double() - truth).abs().max().item()
+    allowed = tolerance((base.double() - truth).abs().max().item(), spec.dtype)
+    assert err <= allowed, f"replay with {n} requests (size {size}): error {err:.3g} > {allowed:.3g}"
+    if got_lse is not None:
+        assert (got_lse[:n].double() - truth_lse).abs().max().item() < 1e-2
+        assert (got_lse[n:size] == 0).all()
+    assert (got[n:size] == 0).all(), "padding rows must be zeroed on replay"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,spec,mode", list(_graph_params()))
+def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode):
+    cls = get_backend_class(backend)
+    rng, gen = random.Random(7), torch.Generator(device="cuda").manual_seed(7)
+    num_blocks = SIZES[-1] * WIDTH + 1
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, "cuda")
+    largest, hq, hkv = SIZES[-1], spec.num_heads, spec.kv_heads
+    layer = Attention(spec.with_(block_size=BLOCK), AttentionConfig(backend=backend)).cuda()
+    if layer.sinks is not None:
+        with torch.no_grad():
+            layer.sinks.copy_(torch.randn(hq, generator=gen, device="cuda"))
+    cache = layer.allocate_kv_cache(num_blocks)
+    cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
+    q = torch.randn(largest, hq, spec.head_dim, generator=gen, device="cuda").to(spec.dtype)
+    k = torch.randn(largest, hkv, spec.head_dim, generator=gen, device="cuda").to(spec.dtype)
+    v = torch.randn(largest, hkv, spec.v_head_dim, generator=gen, device="cuda").to(spec.dtype)
+    out = torch.zeros(largest, hq, spec.v_head_dim, dtype=spec.dtype, device="cuda")
+    lse = torch.zeros(largest, hq, device="cuda")
+    optional = {"sinks": layer.sinks.detach()} if layer.sinks is not None else {}
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False) if mode == "compiled_layer" \
+        else None
+    captured, results = {}, {}
+
+    def run(size, step):
+        if compiled is None:
+            meta = step[layer._metadata_key]
+            layer.impl.forward(q[:size], cache, meta, out[:size], lse=lse[:size], **optional)
+            return out, lse
+        return compiled(q[:size], k[:size], v[:size], cache, step, return_lse=True)
+
+    for size in SIZES:  # capture: a batch of exactly that size, warmed up on a side stream
+        step = build_step_metadata(layer, _random_batch(size, num_blocks, rng, "cuda"), graphs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(size, step)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results[size] = run(size, step)
+        captured[size] = graph
+    for n in (3, 16, 1, 9, 2, 4, 16, 5):  # sizes up and down, lengths new every time
+        common = _random_batch(n, num_blocks, rng, "cuda")
+        step = build_step_metadata(layer, common, graphs)
+        size = graphs.size_for(n)
+        q[:largest].normal_(generator=gen)  # new queries, padding rows included
+        k.normal_(generator=gen)
+        v.normal_(generator=gen)
+        before = cache.clone()
+        captured[size].replay()
+        got, got_lse = results[size]
+        if compiled is not None:  # the layer wrote this step's K/V; check it landed
+            slots = common.slot_mapping
+            blocks, offs = slots // BLOCK, slots % BLOCK
+            from attn_ops.kv_cache import split_kv_cache
+
+            kc, vc = split_kv_cache(cache, spec.head_dim, spec.v_head_dim)
+            assert torch.equal(kc[blocks, offs], k[:n]) and torch.equal(vc[blocks, offs], v[:n])
+            unwritten = torch.ones(cache.shape[0], dtype=torch.bool, device="cuda")
+            unwritten[blocks] = False
+            assert torch.equal(cache[unwritten], before[unwritten]), "padding wrote the cache"
+        _check(spec, got, got_lse, q, cache, common, n, size, **optional)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("slots", [[5, -1, 0, -1], [-1, -1], [-1, 3, 3 + BLOCK, -1]])
+def test_cache_write_skips_padding_without_a_host_sync(dtype, slots):
+    from attn_ops.kv_cache import kv_cache_update
+
+    cache = torch.randn(4, 2, BLOCK, 2, 8, device=DEVICE).to(dtype)
+    key = torch.randn(len(slots), 2, 8, device=DEVICE)
+    value = torch.randn(len(slots), 2, 8, device=DEVICE)
+    scale = torch.ones(1, device=DEVICE) if dtype != torch.float32 else None
+    want = cache.clone().view(torch.uint8) if dtype != torch.float32 else cache.clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            b, o = divmod(s, BLOCK)
+            for j, x in enumerate((key[i], value[i])):
+                x = x.to(dtype)
+                want[b, j, o] = x.view(torch.uint8) if dtype != torch.float32 else x
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    if DEVICE == "cuda":  # captured: a host sync inside would fail the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kv_cache_update(key, value, cache, slot_mapping, scale, scale)
+        graph.replay()
+    else:
+        kv_cache_update(key, value, cache, slot_mapping, scale, scale)
+    got = cache.view(torch.uint8) if dtype != torch.float32 else cache
+    assert torch.equal(got, want)
