@@ -175,8 +175,10 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode)
     out = torch.zeros(largest, hq, spec.v_head_dim, dtype=spec.dtype, device="cuda")
     lse = torch.zeros(largest, hq, device="cuda")
     optional = {"sinks": layer.sinks.detach()} if layer.sinks is not None else {}
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False) if mode == "compiled_layer" \
-        else None
+    compiled = None
+    if mode == "compiled_layer":
+        torch._dynamo.reset()  # one compile per capture size; other tests' compiles don't count
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     captured, results = {}, {}
 
     def run(size, step):

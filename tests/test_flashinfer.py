@@ -88,6 +88,7 @@ def test_compiled_layer_with_plans_made_outside_the_graph_matches_eager():
     v = torch.randn_like(k)
     plans = attn.impl.build_metadata(meta)
     assert isinstance(plans, FlashInferMetadata)
+    torch._dynamo.reset()
     eager = attn(q, k, v, cache, plans)
     compiled = torch.compile(attn, fullgraph=True)(q, k, v, cache, plans)
     torch.testing.assert_close(compiled, eager)
