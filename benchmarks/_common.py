@@ -100,8 +100,12 @@ def run_info(name: str) -> dict[str, object]:
 
 
 def _commit() -> str:
-    """``git describe`` of the checkout (``-dirty`` when it has uncommitted changes)."""
+    """``git describe`` of the checkout (``-dirty`` when it has uncommitted changes); on a
+    machine whose copy has no git metadata (the GPU machine), ``$ATTN_OPS_COMMIT``."""
     import subprocess
+
+    if os.environ.get("ATTN_OPS_COMMIT"):
+        return os.environ["ATTN_OPS_COMMIT"]
 
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,

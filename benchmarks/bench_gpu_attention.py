@@ -1,19 +1,28 @@
-"""Our GPU backends through ``torch.ops.attn.*`` vs the kernel libraries called directly.
+"""The selected GPU backend through ``torch.ops.attn.*`` against the kernel libraries called
+directly, side by side in one run (H200).
 
-FLASHINFER (``torch.ops.attn.flashinfer_attention``) against FlashInfer's own wrappers, and
-FLASH_ATTN (``torch.ops.attn.flash_attn_attention``) against FlashAttention 4's
-``flash_attn_varlen_func`` with its default ``num_splits=1``. Same paged cache (bf16, NHD, page
-16 unless ``--page``, pages in random order), same batch, same GPU, one run.
-Both sides are planned before timing and timed as CUDA-graph replays of one call
-(``triton.testing.do_bench_cudagraph``), so the comparison is kernel against kernel plus
-whatever our op adds inside the graph; eager per-call times (host overhead included) are
-reported beside them. Also timed: the host cost of our metadata builder (page-table
-conversion + FlashInfer's plan) per step.
+Contenders on the same paged cache (bf16, NHD, 32 query / 8 KV heads, head dim 128, page 128
+unless ``--page``: the selector's page for FLASH_ATTN; pages in random order) and the same batch:
+
+* ``selected``       -- what ``Attention`` selects by default here (FLASH_ATTN: FA4, small decode
+  batches handed to FlashInfer), metadata from ``build_metadata``;
+* ``selected_graph`` -- the same with CUDA-graph metadata (``CUDAGraphBatch`` padding included);
+* ``flashinfer_op``  -- FLASHINFER through ``torch.ops.attn.flashinfer_attention``;
+* ``flashinfer``     -- FlashInfer's wrapper called directly (CUDA-core decode, FA3 prefill);
+* ``flashinfer_tc``  -- FlashInfer's decode wrapper with ``use_tensor_cores=True``;
+* ``fa4``            -- FlashAttention 4's ``flash_attn_varlen_func`` (default ``num_splits=1``);
+* ``fa4_chunked``    -- (batch <= 4) an experiment: FA4 over each request split into chunks
+  run as a batch, merged by LSE -- split-KV that FA4 lacks on sm90.
+
+Every contender is planned before timing and timed as CUDA-graph replays of one call
+(``triton.testing.do_bench_cudagraph``, median), the contenders of a point interleaved over
+``--rounds`` rounds (rotating order) and the median taken, so drift hits all alike. Eager
+per-call times (host overhead included) and the metadata builders' host time are reported too.
 
 Formulas: decode bytes = B * ctx * Hkv * D * 2 (K and V) * 2 bytes -> TB/s;
 causal prefill FLOPs = 4 * B * S^2 * Hq * D / 2 -> TFLOP/s.
 
-    python benchmarks/bench_gpu_attention.py [--quick] [--page N] [--out PATH]
+    python benchmarks/bench_gpu_attention.py [--quick] [--page N] [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -31,71 +41,114 @@ from attn_ops import AttentionSpec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_info  # noqa: E402
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
-DECODE_BATCH = (1, 8, 64, 256)
+SPEC = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE)
+DECODE_BATCH = (1, 2, 4, 8, 16, 64, 256)
 DECODE_CTX = (1024, 4096, 8192, 32768)
 PREFILL = ((1, 8192), (4, 4096), (16, 1024))
+CHUNKS = (8, 16, 32)
 
 
-def make_meta(batch, ctx, query_len, gen):
-    """Metadata of a batch of equal requests whose pages are in random order."""
-    from attn_ops.metadata import build_common_metadata
+class Batch:
+    """Equal requests over a random cache whose pages are in random order."""
 
-    pages = -(-ctx // PAGE)
-    num_blocks = batch * pages + 1
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
-    return build_common_metadata([query_len] * batch, [ctx] * batch, tables, PAGE, num_blocks,
-                                 device="cuda")
+    def __init__(self, batch, ctx, query_len, page, gen):
+        from attn_ops.metadata import build_common_metadata
 
-
-def make_batch(batch, ctx, query_len, gen):
-    """A decode-first batch over a random cache sized for it, plus q/out buffers."""
-    meta = make_meta(batch, ctx, query_len, gen)
-    num_blocks = batch * -(-ctx // PAGE) + 1
-    cache = torch.randn(num_blocks, 2, PAGE, HKV, D, dtype=DTYPE, device="cuda")
-    q = torch.randn(batch * query_len, HQ, D, dtype=DTYPE, device="cuda")
-    return meta, cache, q, torch.empty_like(q)
+        self.page, self.pages = page, -(-ctx // page)
+        num_blocks = batch * self.pages + 1
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        tables = [perm[i * self.pages:(i + 1) * self.pages] for i in range(batch)]
+        self.meta = build_common_metadata([query_len] * batch, [ctx] * batch, tables, page,
+                                          num_blocks, device="cuda")
+        self.cache = torch.randn(num_blocks, 2, page, HKV, D, dtype=DTYPE, device="cuda")
+        self.q = torch.randn(batch * query_len, HQ, D, dtype=DTYPE, device="cuda")
+        self.out = torch.empty_like(self.q)
 
 
-def direct(meta, cache, q, out, prefill):
-    """FlashInfer's own wrapper on the same batch (the anchor)."""
+def ours(b: Batch, backend: str, graph: bool = False):
+    from attn_ops import get_backend_class
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    impl = get_backend_class(backend)(SPEC)
+    if graph:
+        graphs = CUDAGraphBatch((b.meta.num_reqs,), b.pages, b.page, "cuda")
+        meta = impl.graph_metadata(graphs.pad(b.meta), graphs)
+    else:
+        meta = impl.build_metadata(b.meta)
+    return lambda: impl.forward(b.q, b.cache, meta, b.out)
+
+
+def flashinfer_direct(b: Batch, prefill: bool, tensor_cores: bool = False):
     import flashinfer
 
     from attn_ops.backends.flashinfer import paged_kv_csr
 
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    indptr, indices, last = (t.cuda() for t in paged_kv_csr(meta.seq_lens_cpu,
-                                                            meta.block_table_cpu, PAGE))
+    indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
+                                                            b.meta.block_table_cpu, b.page))
     if prefill:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(meta.query_start_loc, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
+        w.plan(b.meta.query_start_loc, indptr, indices, last, HQ, HKV, D, b.page, causal=True,
                q_data_type=DTYPE, kv_data_type=DTYPE)
     else:
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=DTYPE, kv_data_type=DTYPE)
-    return lambda: w.run(q, cache, out=out)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
+                                                          use_tensor_cores=tensor_cores)
+        w.plan(indptr, indices, last, HQ, HKV, D, b.page, q_data_type=DTYPE, kv_data_type=DTYPE)
+    return lambda: w.run(b.q, b.cache, out=b.out)
 
 
-def fa4_direct(meta, cache, q, out):
-    """FlashAttention 4 as a user calls it (default num_splits=1)."""
+def fa4_direct(b: Batch):
     from flash_attn.cute.interface import flash_attn_varlen_func
 
-    k, v = cache.unbind(1)
-    return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=meta.query_start_loc,
-                                          seqused_k=meta.seq_lens, max_seqlen_q=meta.max_query_len,
-                                          max_seqlen_k=meta.max_seq_len,
-                                          page_table=meta.block_table, causal=True)
+    k, v = b.cache.unbind(1)
+    m = b.meta
+    return lambda: flash_attn_varlen_func(b.q, k, v, cu_seqlens_q=m.query_start_loc,
+                                          seqused_k=m.seq_lens, max_seqlen_q=m.max_query_len,
+                                          max_seqlen_k=m.max_seq_len, page_table=m.block_table,
+                                          causal=True)
 
 
-def ours(meta, cache, q, out, backend="FLASHINFER"):
-    from attn_ops import AttentionSpec, get_backend_class
+def fa4_chunked(b: Batch, chunks: int):
+    """Split-KV built from FA4's batching: request r's pages cut into ``chunks`` pieces, each a
+    row of the page table with one copy of the query, then the partial outputs merged by
+    their LSE. Decode only, no window (a window would shift per chunk)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
 
-    impl = get_backend_class(backend)(AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                                                    dtype=DTYPE))
-    planned = impl.build_metadata(meta)  # FLASH_ATTN may hand small decodes to FlashInfer
-    return lambda: impl.forward(q, cache, planned, out), impl
+    m, B = b.meta, b.meta.num_reqs
+    if b.pages % chunks:
+        return None
+    k, v = b.cache.unbind(1)
+    table = m.block_table.reshape(B * chunks, b.pages // chunks)
+    per = b.pages // chunks * b.page
+    seqused = (m.seq_lens[:, None] - torch.arange(chunks, device="cuda") * per).clamp(0, per)
+    seqused = seqused.reshape(-1).to(torch.int32)
+    cu_q = torch.arange(B * chunks + 1, dtype=torch.int32, device="cuda")
+    q_rep = torch.empty(B * chunks, HQ, D, dtype=DTYPE, device="cuda")
+    o_part = torch.empty_like(q_rep)
+    lse = torch.empty(HQ, B * chunks, dtype=torch.float32, device="cuda")
+
+    def run():
+        q_rep.view(B, chunks, HQ, D).copy_(b.q[:, None])
+        _flash_attn_fwd(q_rep, k, v, cu_seqlens_q=cu_q, seqused_k=seqused, max_seqlen_q=1,
+                        max_seqlen_k=per, page_table=table, causal=True, num_splits=1,
+                        return_lse=True, out=o_part, lse=lse)
+        w = torch.softmax(lse.view(HQ, B, chunks), dim=-1).permute(1, 2, 0)  # [B, chunks, H]
+        b.out.copy_((o_part.view(B, chunks, HQ, D).float() * w[..., None]).sum(1))
+    return run
+
+
+def time_graph(fns: dict, rounds: int) -> dict[str, float]:
+    """Median over rounds of each contender's CUDA-graph replay time (ms), rotating order."""
+    from triton.testing import do_bench_cudagraph
+
+    names, samples = list(fns), {n: [] for n in fns}
+    for r in range(rounds):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            samples[n].append(do_bench_cudagraph(fns[n], rep=30, return_mode="median"))
+    return {n: statistics.median(v) for n, v in samples.items()}
 
 
 def eager_us(fn, n=200):
@@ -109,101 +162,119 @@ def eager_us(fn, n=200):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def measure(meta, cache, q, out, prefill, with_fa4):
-    from triton.testing import do_bench_cudagraph
-
-    mine, _ = ours(meta, cache, q, out)
-    mine()
-    got = out.clone()
-    anchor = direct(meta, cache, q, out, prefill)
-    anchor()
-    r = {
-        "ours_ms": do_bench_cudagraph(mine), "flashinfer_ms": do_bench_cudagraph(anchor),
-        "ours_eager_us": eager_us(mine), "flashinfer_eager_us": eager_us(anchor),
-        "max_abs_diff_vs_flashinfer": (got.float() - out.float()).abs().max().item(),
-    }
-    if with_fa4:
-        fa, _ = ours(meta, cache, q, out, "FLASH_ATTN")
-        fa()
-        r["max_abs_diff_fa4_vs_flashinfer"] = (got.float() - out.float()).abs().max().item()
-        fa4 = fa4_direct(meta, cache, q, out)
-        r.update(ours_fa4_ms=do_bench_cudagraph(fa), fa4_ms=do_bench_cudagraph(fa4),
-                 ours_fa4_eager_us=eager_us(fa), fa4_eager_us=eager_us(fa4))
-    return r
+def check_outputs(b: Batch, fns: dict, truth_name: str) -> dict[str, float]:
+    """Max |difference| of every contender's output from ``truth_name``'s."""
+    fns[truth_name]()
+    truth = b.out.float().clone()
+    diffs = {}
+    for name, fn in fns.items():
+        b.out.zero_()
+        res = fn()
+        got = res[0] if isinstance(res, tuple) else (res if torch.is_tensor(res) else b.out)
+        diffs[name] = (got.float() - truth).abs().max().item()
+    return diffs
 
 
-def plan_host_us(batch, ctx, gen, n=50):
-    from attn_ops import AttentionSpec
-    from attn_ops.backends.flashinfer import FlashInferBackend
+def host_us(fn, n=50) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
 
-    impl = FlashInferBackend(AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                                           dtype=DTYPE))
+
+def builder_host_times(page, gen) -> dict[str, float]:
+    """Per-step host time of each metadata builder (plans included) for decode batches."""
+    from attn_ops import get_backend_class
     from attn_ops.backends import flashinfer as fi
+    from attn_ops.cudagraph import CUDAGraphBatch
 
-    metas = [make_meta(batch, ctx, 1, gen) for _ in range(3)]
-    for m in metas:
-        impl.build_metadata(m)
-    total = 0.0
-    for i in range(n):
-        m = metas[i % 3]
-        fi._PLANS.pop(m, None)  # plan afresh, as for a new step
-        t0 = time.perf_counter()
-        impl.build_metadata(m)
-        total += time.perf_counter() - t0
-    return total / n * 1e6
+    out = {}
+    for batch, ctx in ((256, 4096), (64, 4096)):
+        b = Batch(batch, ctx, 1, page, gen)
+        graphs = CUDAGraphBatch((batch,), b.pages, page, "cuda")
+        for name in ("FLASH_ATTN", "FLASHINFER"):
+            impl = get_backend_class(name)(SPEC)
+
+            def eager():
+                fi._PLANS.pop(b.meta, None)  # plan afresh, as for a new step
+                impl.build_metadata(b.meta)
+
+            out[f"{name} B={batch} ctx={ctx}"] = host_us(eager)
+            out[f"{name} graph B={batch} ctx={ctx}"] = host_us(
+                lambda: impl.graph_metadata(graphs.pad(b.meta), graphs))
+        out[f"CUDAGraphBatch.pad B={batch} ctx={ctx}"] = host_us(lambda: graphs.pad(b.meta))
+        del b
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--page", type=int, default=16)
+    parser.add_argument("--page", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "bench_gpu_attention_h200.json"))
     args = parser.parse_args()
-    global PAGE
-    PAGE = args.page
-    from attn_ops import current_platform, get_backend_class
-
-    fa4 = not get_backend_class("FLASH_ATTN").not_supported_reasons(
-        AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE),
-        current_platform())
+    from attn_ops import current_platform, select_backend
     from attn_ops.backends.flashinfer import warmup
 
-    warmup(AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE),
-           torch.cuda.get_device_capability()[0])
+    platform = current_platform()
+    selected = select_backend(SPEC.with_(block_size=args.page), platform).backend
+    have_fa4 = selected == "FLASH_ATTN"
+    warmup(SPEC, torch.cuda.get_device_capability()[0])
     gen = torch.Generator().manual_seed(0)
     rows = []
     batches, ctxs = ((1, 64), (4096,)) if args.quick else (DECODE_BATCH, DECODE_CTX)
-    for b in batches:
+    for bsz in batches:
         for ctx in ctxs:
-            meta, cache, q, out = make_batch(b, ctx, 1, gen)
-            r = measure(meta, cache, q, out, prefill=False, with_fa4=fa4)
-            nbytes = b * ctx * HKV * D * 2 * 2
-            r.update(kind="decode", batch=b, ctx=ctx, bytes=nbytes,
-                     **{k.replace("_ms", "_tbs"): nbytes / v / 1e9 for k, v in list(r.items())
-                        if k.endswith("_ms")})
+            b = Batch(bsz, ctx, 1, args.page, gen)
+            fns = {"selected": ours(b, selected), "selected_graph": ours(b, selected, True),
+                   "flashinfer_op": ours(b, "FLASHINFER"),
+                   "flashinfer": flashinfer_direct(b, False),
+                   "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
+            if have_fa4:
+                fns["fa4"] = fa4_direct(b)
+                if bsz <= 4:
+                    for c in CHUNKS:
+                        if (fn := fa4_chunked(b, c)) is not None:
+                            fns[f"fa4_chunked{c}"] = fn
+            diffs = check_outputs(b, fns, "flashinfer")
+            ms = time_graph(fns, args.rounds)
+            nbytes = bsz * ctx * HKV * D * 2 * 2
+            r = {"kind": "decode", "batch": bsz, "ctx": ctx, "bytes": nbytes,
+                 "max_abs_diff_vs_flashinfer": diffs,
+                 **{f"{k}_ms": v for k, v in ms.items()},
+                 **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}}
+            if (bsz, ctx) in ((1, 1024), (64, 4096)) or args.quick:
+                r["eager_us"] = {k: eager_us(fns[k]) for k in fns if "chunked" not in k}
             rows.append(r)
-            print(f"decode  B={b:<4} ctx={ctx:<6} " + "  ".join(
-                f"{k[:-4]} {v:.2f}" for k, v in r.items() if k.endswith("_tbs")) + " TB/s",
-                flush=True)
-            del cache
-    for b, s in (PREFILL[:1] if args.quick else PREFILL):
-        meta, cache, q, out = make_batch(b, s, s, gen)
-        r = measure(meta, cache, q, out, prefill=True, with_fa4=fa4)
-        flops = 4 * b * s * s * HQ * D / 2
-        r.update(kind="prefill", batch=b, seq=s, flops=flops,
-                 **{k.replace("_ms", "_tflops"): flops / v / 1e9 for k, v in list(r.items())
-                    if k.endswith("_ms")})
+            print(f"decode  B={bsz:<4} ctx={ctx:<6} " + "  ".join(
+                f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + " TB/s", flush=True)
+            del b, fns
+    for bsz, s in (PREFILL[:1] if args.quick else PREFILL):
+        b = Batch(bsz, s, s, args.page, gen)
+        fns = {"selected": ours(b, selected), "flashinfer_op": ours(b, "FLASHINFER"),
+               "flashinfer": flashinfer_direct(b, True)}
+        if have_fa4:
+            fns["fa4"] = fa4_direct(b)
+        diffs = check_outputs(b, fns, "flashinfer")
+        ms = time_graph(fns, args.rounds)
+        flops = 4 * bsz * s * s * HQ * D / 2
+        r = {"kind": "prefill", "batch": bsz, "seq": s, "flops": flops,
+             "max_abs_diff_vs_flashinfer": diffs, **{f"{k}_ms": v for k, v in ms.items()},
+             **{f"{k}_tflops": flops / v / 1e9 for k, v in ms.items()}}
         rows.append(r)
-        print(f"prefill {b}x{s:<6} " + "  ".join(
-            f"{k[:-7]} {v:.0f}" for k, v in r.items() if k.endswith("_tflops")) + " TFLOP/s",
-            flush=True)
-        del cache
-    host = {f"B={b} ctx={c}": plan_host_us(b, c, gen) for b, c in ((256, 4096), (64, 4096))}
-    print("metadata builder host time per step (us):", {k: round(v, 1) for k, v in host.items()})
+        print(f"prefill {bsz}x{s:<6} " + "  ".join(
+            f"{k} {flops / v / 1e9:.0f}" for k, v in ms.items()) + " TFLOP/s", flush=True)
+        del b, fns
+    host = builder_host_times(args.page, gen)
+    print("builder host time per step (us):", {k: round(v, 1) for k, v in host.items()})
     info = run_info("bench_gpu_attention")
-    info.update(device=torch.cuda.get_device_name(), quick=args.quick, page=PAGE, rows=rows,
-                builder_host_us=host, method="triton.testing.do_bench_cudagraph medians")
+    info.update(device=torch.cuda.get_device_name(), quick=args.quick, page=args.page,
+                selected=selected, rounds=args.rounds, rows=rows, builder_host_us=host,
+                method="median over rotating rounds of triton.testing.do_bench_cudagraph "
+                       "medians (rep=30 ms)")
     with open(args.out, "w") as f:
         json.dump(info, f, indent=1)
     print(f"wrote {args.out}")
