@@ -204,7 +204,6 @@ def builder_host_times(page, gen) -> dict[str, float]:
             out[f"{name} graph B={batch} ctx={ctx}"] = host_us(
                 lambda: impl.graph_metadata(graphs.pad(b.meta), graphs))
         out[f"CUDAGraphBatch.pad B={batch} ctx={ctx}"] = host_us(lambda: graphs.pad(b.meta))
-        del b
     return out
 
 

@@ -158,7 +158,6 @@ def _check(spec, got, got_lse, q, cache, common, n, size, **optional):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,spec,mode", list(_graph_params()))
 def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode):
-    cls = get_backend_class(backend)
     rng, gen = random.Random(7), torch.Generator(device="cuda").manual_seed(7)
     num_blocks = SIZES[-1] * WIDTH + 1
     graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, "cuda")
