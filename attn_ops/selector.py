@@ -44,10 +44,10 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
-        # FlashAttention 4 is the fastest kernel on the H200 except for small decode batches,
-        # where (no split-KV on sm90) it collapses: FLASH_ATTN first only where it can hand those
-        # batches to FlashInfer (installed); otherwise FlashInfer first, so auto never walks
-        # into the cliff.
+        # On sm90 FlashAttention 4 has the fastest prefill but no split-KV decode (it collapses
+        # at small batches): FLASH_ATTN goes first there only where it can run its decode rows
+        # through FlashInfer's decode (installed); otherwise FlashInfer first, so auto never
+        # walks into the cliff.
         fa4_first = major == 9 and importlib.util.find_spec("flashinfer") is not None
         vendor = [B.FLASH_ATTN, B.FLASHINFER] if fa4_first else [B.FLASHINFER, B.FLASH_ATTN]
         if Feature.DIFF_HEAD_DIM_V in spec.features:

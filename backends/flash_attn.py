@@ -1,17 +1,17 @@
 """FLASH_ATTN: FlashAttention 4 (CuTe-DSL kernels, ``flash_attn.cute``) over the paged cache.
 
-One varlen call serves a whole mixed batch: ``cu_seqlens_q`` from the batch, ``seqused_k`` the
-cached lengths, ``page_table`` the block table. The builder only packs host bounds
-(``max_seqlen_q``, ``max_seqlen_k``) into a small CPU tensor. On sm100+ the op passes
-``num_splits=0`` so FA4 picks split-KV from those host bounds (the same choice on every
-CUDA-graph replay with the same bounds). FA4 has no split-KV on sm90 ("SplitKV not supported on
-SM 9.0"), so there it runs one split and collapses when there are fewer (request, KV head)
-pairs than the GPU has SMs to spare (0.31 TB/s at batch 1, context 32k on the H200, where
-FlashInfer's split-KV decode gives 2.4). The builder therefore hands such small decode batches to
-FlashInfer's decode kernel when FlashInfer is installed -- same cache, same page table -- and
-keeps FA4 for everything else (3.2-4.1 TB/s decode at batch >= 8 and 544-638 TFLOP/s prefill
-at page 128, against FlashInfer's 2.5-2.9 and 453-509): the choice is made per step on the host,
-and a compiled model sees it as the metadata's type.
+One varlen call serves a whole batch: ``cu_seqlens_q`` from the batch, ``seqused_k`` the cached
+lengths, ``page_table`` the block table. The builder only packs host bounds (``max_seqlen_q``,
+``max_seqlen_k``) into a small CPU tensor. On sm100+ the op passes ``num_splits=0`` so FA4 picks
+split-KV from those bounds (the same choice on every CUDA-graph replay with the same bounds).
+
+On sm90 FA4 has no split-KV ("SplitKV not supported on SM 9.0") and its decode trails
+FlashInfer's tensor-core decode at every batch size measured on the H200 (0.39 vs 3.3 TB/s at
+batch 1 ctx 32k, 3.8 vs 4.4 at batch 256), while its prefill leads (585-591 vs 493 TFLOP/s at
+1x8k). So there, when FlashInfer is installed and takes the spec, FLASH_ATTN runs each step as
+FlashInfer's op with FA4 as its prefill kernel (``FlashInferBackend(prefill_kernel="fa4")``):
+decode rows through FlashInfer, prefill rows through FA4, one op call. A compiled model sees
+the choice as the metadata's type.
 
 Semantics are REFERENCE's: ``sliding_window=W`` is ``window_size=(W-1, 0)`` causal and
 ``(W-1, W-1)`` otherwise; FA4's LSE ([heads, tokens], natural log) is transposed to
@@ -43,11 +43,6 @@ from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["FlashAttnBackend", "FlashAttnMetadata"]
-
-# Below this many (request, KV head) pairs a single-split FA4 decode leaves most of the H200's
-# 132 SMs idle; measured: FlashInfer wins at batch 1 x 8 KV heads, FA4 at batch 8 x 8.
-SMALL_DECODE_PAIRS = 32
-
 
 @dataclass(frozen=True, eq=False)
 class FlashAttnMetadata:
@@ -293,21 +288,22 @@ class FlashAttnBackend(AttentionBackend):
         if self.version not in GENERATIONS:
             raise ValueError(f"version={version} is not a FlashAttention generation; use 2, 3 "
                              "or 4")
-        self._small_decode = None  # FlashInfer for small decode batches (FA4 on sm90)
+        # sm90: decode rows through FlashInfer's tensor-core decode, prefill rows through FA4,
+        # in FlashInfer's op (module docstring).
+        self._hybrid = None
         if self.version == 4 and platform.capability is not None \
                 and platform.capability[0] == 9:
             from attn_ops.registry import get_backend_class
 
             flashinfer = get_backend_class("FLASHINFER")
             if not flashinfer.not_supported_reasons(spec, platform):
-                self._small_decode = flashinfer(spec)
+                self._hybrid = flashinfer(spec, prefill_kernel="fa4")
 
     def build_metadata(self, common: CommonAttentionMetadata):
         if not isinstance(common, CommonAttentionMetadata):
-            return common  # already built (FA's or, for a small decode batch, FlashInfer's)
-        if (self._small_decode is not None and common.max_query_len == 1
-                and common.num_reqs * self.spec.kv_heads < SMALL_DECODE_PAIRS):
-            return self._small_decode.build_metadata(common)
+            return common  # already built (FA's or, on sm90, FlashInfer's)
+        if self._hybrid is not None:
+            return self._hybrid.build_metadata(common)
         bounds = torch.tensor([common.max_query_len, common.max_seq_len, self.version,
                                common.num_actual_tokens], dtype=torch.int64)
         cu_seqlens_k = torch.nn.functional.pad(
@@ -318,16 +314,12 @@ class FlashAttnBackend(AttentionBackend):
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs):
         """A padded batch's metadata for capture/replay: the padded common tensors themselves
         (persistent), a persistent ``cu_seqlens_k``, and host bounds fixed per capture size
-        (``max_seqlen_k`` = the graphs' longest request, token count "on the device"). Small
-        decode sizes go to FlashInfer's CUDA-graph decode, as they do eagerly."""
-        from attn_ops.backends.flashinfer import DECODE_KERNEL_GROUPS
-
+        (``max_seqlen_k`` = the graphs' longest request, token count "on the device"). On sm90,
+        single-token decode graphs run FlashInfer's CUDA-graph decode, as decodes do eagerly."""
         super().graph_metadata(padded, graphs)
+        if self._hybrid is not None and graphs.query_len == 1:
+            return self._hybrid.graph_metadata(padded, graphs)
         size = padded.num_reqs
-        if (self._small_decode is not None and graphs.query_len == 1
-                and size * self.spec.kv_heads < SMALL_DECODE_PAIRS
-                and self.spec.num_heads // self.spec.kv_heads in DECODE_KERNEL_GROUPS):
-            return self._small_decode.graph_metadata(padded, graphs)
         key = self.metadata_key()
         state = graphs.backend_state.get(key)
         if state is None:
@@ -346,13 +338,13 @@ class FlashAttnBackend(AttentionBackend):
                                  padded.seq_lens, padded.block_table, bounds, padded.causal)
 
     def metadata_key(self) -> tuple:
-        small = self._small_decode.metadata_key() if self._small_decode is not None else ()
-        return (self.name, self.version, *small)
+        hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()
+        return (self.name, self.version, *hybrid)
 
     def forward(self, query, kv_cache, metadata, out, **optional) -> None:
         metadata = self.build_metadata(metadata)
         if not isinstance(metadata, FlashAttnMetadata):
-            return self._small_decode.forward(query, kv_cache, metadata, out, **optional)
+            return self._hybrid.forward(query, kv_cache, metadata, out, **optional)
         self.op(*self.op_arguments(query, kv_cache, metadata, out, **optional))
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,

@@ -1,13 +1,19 @@
-"""FLASHINFER: FlashInfer's paged decode and prefill kernels as one traceable custom op.
+"""FLASHINFER: FlashInfer's paged attention kernels as one traceable custom op.
 
 FlashInfer registers no torch ops of its own, and ``torch.compile(fullgraph=True)`` breaks
 inside its JIT loader. Here planning happens in the metadata builder, on the host, once per
-step: the batch (decodes first) is split into a decode part, served by FlashInfer's CUDA-core
-decode kernel, and a prefill part, served by its FA3 (sm90) or FA2 prefill kernel; each part
-gets its page table in CSR form (``indptr`` / ``indices`` / ``last_page_len``) and a plan.
-``torch.ops.attn.flashinfer_attention`` then only *runs*: every argument is a tensor or a
-scalar (the plan vector travels as a small CPU int64 tensor whose first entry names the prefill
-kernel), so the op can sit inside compiled graphs and CUDA graphs.
+step: the batch (decodes first) is split into a decode part and a prefill part, each with its
+page table in CSR form (``qo_indptr`` / ``kv_indptr`` / ``kv_indices`` / ``last_page_len``) and
+a plan. ``torch.ops.attn.flashinfer_attention`` then only *runs*: every argument is a tensor or
+a scalar (a plan travels as a small CPU int64 tensor whose first entry names the kernel), so
+the op can sit inside compiled graphs and CUDA graphs.
+
+Kernels: decodes run FlashInfer's tensor-core decode -- its FA2 prefill kernel with one query
+row per request, the GQA heads of a KV head packed into one tile, split-KV planned. Measured on
+the H200 it beats both FlashInfer's CUDA-core decode kernel and FlashAttention 4 at every decode
+point (3.3 TB/s at batch 1 ctx 32k, 4.1-4.45 at batch >= 64: ``benchmarks/results``). Prefills
+run FA3 (sm90) or FA2 -- or FlashAttention 4 (``prefill_kernel="fa4"``, how FLASH_ATTN runs on
+sm90), the fastest prefill there.
 
 Semantics are REFERENCE's: ``sliding_window=W`` is FlashInfer's ``window_left=W-1``; the
 kernels' base-2 LSE is converted to natural log; attention sinks (which FlashInfer's sm90
@@ -34,14 +40,10 @@ from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
-# FlashInfer's CUDA-core decode kernel is compiled for these query/KV head ratios only; other
-# ratios run their decodes through the prefill kernel (query length 1).
-DECODE_KERNEL_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})
-
 __all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
 
 LN2 = math.log(2.0)
-PREFILL_KERNELS = ("fa2", "fa3")
+KERNELS = ("fa2", "fa3", "fa4")  # a part's plan vector starts with an index into this
 FLOAT_WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 
@@ -80,23 +82,28 @@ def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
 
 @dataclass(frozen=True, eq=False)
 class FlashInferMetadata:
-    """One step's plans. Device tensors are int32; ``*_plan`` are CPU int64 vectors
-    (``prefill_plan[0]`` is the prefill kernel's index in :data:`PREFILL_KERNELS`,
-    ``prefill_plan[1]`` the number of prefill tokens, the rest FlashInfer's plan).
+    """One step's plans, in two parts run one after the other: the decode rows (first), then
+    the prefill rows. Per part: an int workspace (device); a plan, a CPU int64 vector
+    ``[kernel index in KERNELS, rows, padded, *the kernel's plan]`` (empty: the part has no
+    rows; ``padded``: a CUDA-graph batch, whose requests without pages are padding); and four
+    int32 device tensors: FlashInfer's ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and
+    ``last_page_len`` -- for FA4 (plan ``[2, rows, 0, max_seqlen_q, max_seqlen_k]``)
+    ``cu_seqlens_q``, ``seqused_k``, the page table ``[n, max_blocks]`` and an empty tensor.
     ``slot_mapping`` is the common metadata's, for the KV-cache write."""
 
     slot_mapping: torch.Tensor
     float_workspace: torch.Tensor
     decode_workspace: torch.Tensor
     decode_plan: torch.Tensor
-    decode_indptr: torch.Tensor
-    decode_indices: torch.Tensor
+    decode_qo_indptr: torch.Tensor
+    decode_kv_indptr: torch.Tensor
+    decode_kv_indices: torch.Tensor
     decode_last_page_len: torch.Tensor
     prefill_workspace: torch.Tensor
     prefill_plan: torch.Tensor
     prefill_qo_indptr: torch.Tensor
-    prefill_indptr: torch.Tensor
-    prefill_indices: torch.Tensor
+    prefill_kv_indptr: torch.Tensor
+    prefill_kv_indices: torch.Tensor
     prefill_last_page_len: torch.Tensor
     causal: bool = True
 
@@ -118,7 +125,7 @@ class _IntWorkspace:
         self.host = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
         self._copied: torch.cuda.Event | None = None
 
-    def plan(self, mod, *args):
+    def plan(self, mod, *args) -> list[int]:
         if self._copied is not None:
             self._copied.synchronize()
         plan = mod.plan(_float_workspace(self.device.device), self.device, self.host, *args)
@@ -127,14 +134,7 @@ class _IntWorkspace:
         return list(plan)
 
 
-def _decode_module(q_dtype, kv_dtype, head_dim, windowed, capped):
-    from flashinfer.decode import get_batch_decode_module
-
-    return get_batch_decode_module(q_dtype, kv_dtype, q_dtype, torch.int32, head_dim,
-                                   head_dim, 0, windowed, capped)
-
-
-def _prefill_module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
+def _module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
     from flashinfer.prefill import get_batch_prefill_module
 
     return get_batch_prefill_module(kernel, q_dtype, kv_dtype, q_dtype, torch.int32,
@@ -150,13 +150,12 @@ def _prefill_kernel(spec: AttentionSpec, platform_major: int) -> str:
 
 
 def warmup(spec: AttentionSpec, platform_major: int = 9) -> None:
-    """Build (JIT-compile with nvcc, minutes the first time) the decode and prefill kernels
-    ``spec`` needs, so that no compilation happens inside a step, a compile or a capture."""
+    """Build (JIT-compile with nvcc, minutes the first time) the kernels ``spec`` needs -- FA2
+    for decodes, FA3 or FA2 for prefills -- so no compilation happens inside a step, a compile
+    or a capture."""
     window, cap = spec.sliding_window is not None, spec.logits_soft_cap is not None
-    if spec.num_heads // spec.kv_heads in DECODE_KERNEL_GROUPS:
-        _decode_module(spec.dtype, spec.cache_dtype, spec.head_dim, window, cap)
-    _prefill_module(_prefill_kernel(spec, platform_major), spec.dtype, spec.cache_dtype,
-                    spec.head_dim, spec.v_head_dim, window, cap)
+    for kernel in sorted({"fa2", _prefill_kernel(spec, platform_major)}):
+        _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim, window, cap)
 
 
 class _Uploader:
@@ -191,115 +190,115 @@ class _Uploader:
         return list(on_device.split(sizes))
 
 
-_EMPTY_I32 = torch.zeros(0, dtype=torch.int32)
 _EMPTY_PLAN = torch.zeros(0, dtype=torch.int64)
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
 _EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
 
 
 class _Planner:
-    """Plans for one planning key (a spec, minus the batch) on one device, each step: its own
-    int workspaces (decode and prefill plans must not share one either)."""
+    """Plans for one planning key (a spec, minus the batch) on one device, step after step,
+    with int workspaces of its own (the decode and the prefill part must not share one)."""
 
-    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
-        self.spec, self.device = spec, device
+    def __init__(self, spec: AttentionSpec, device: torch.device, prefill_kernel: str) -> None:
+        self.spec, self.device, self.prefill_kernel = spec, device, prefill_kernel
         self.float_workspace = _float_workspace(device)
         self.decode_ws, self.prefill_ws = _IntWorkspace(device), _IntWorkspace(device)
         self.uploader = _Uploader()
         self.window = -1 if spec.sliding_window is None else spec.sliding_window - 1
         self.cap = spec.logits_soft_cap or 0.0
-        group = spec.num_heads // spec.kv_heads
-        self.decode_kernel = group in DECODE_KERNEL_GROUPS
+        self.empty = torch.zeros(0, dtype=torch.int32, device=device)
 
-    def plan_decode(self, indptr: torch.Tensor, batch: int, block_size: int,
-                    graph: bool) -> list[int]:
+    def plan_part(self, ws: _IntWorkspace, kernel: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
+                  seq: torch.Tensor, block_size: int, causal: bool, graph: bool) -> torch.Tensor:
+        """FlashInfer's plan for the requests of one part (host tensors) as a plan vector."""
         spec = self.spec
-        mod = _decode_module(spec.dtype, spec.cache_dtype, spec.head_dim, self.window != -1,
-                             self.cap > 0)
-        return self.decode_ws.plan(mod, indptr, batch, spec.num_heads, spec.kv_heads,
-                                   block_size, graph, self.window, self.cap, spec.head_dim,
-                                   spec.head_dim, torch.empty(0, dtype=spec.dtype),
-                                   torch.empty(0, dtype=spec.cache_dtype))
+        rows, n = int(qo[-1]), qo.shape[0] - 1
+        mod = _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim,
+                      self.window >= 0, self.cap > 0)
+        args = [qo, kv_indptr, seq.to(torch.int32), rows, n, spec.num_heads, spec.kv_heads,
+                block_size, graph, spec.head_dim, spec.v_head_dim, causal, self.window]
+        if kernel == "fa2":
+            args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
+        return torch.tensor([KERNELS.index(kernel), rows, int(graph), *ws.plan(mod, *args)],
+                            dtype=torch.int64)
 
     def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        spec = self.spec
         if common.block_table_cpu is None:
             raise ValueError("FLASHINFER plans on the host: build the metadata with "
                              "attn_ops.build_common_metadata (it keeps block_table_cpu)")
         seq, table, qsl = common.seq_lens_cpu, common.block_table_cpu, common.query_start_loc_cpu
-        block_size = common.block_size
-        nd = common.num_decodes if self.decode_kernel else 0
-        num_prefills = common.num_reqs - nd
-        host: list[torch.Tensor] = []  # int32 page tables, sent to the device in one copy
+        block_size, nd = common.block_size, common.num_decodes
+        causal = self.spec.causal and common.causal
+        host: list[torch.Tensor] = []  # int32 tables, sent to the device in one copy
         decode_plan = prefill_plan = _EMPTY_PLAN
         if nd:
-            indptr, indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
-            plan = self.plan_decode(indptr, nd, block_size, graph=False)
-            decode_plan = torch.tensor([0, *plan], dtype=torch.int64)  # 0: no padded requests
-            host += [indptr, indices, last]
-        else:
-            host += [_EMPTY_I32] * 3
-        if num_prefills:
-            indptr, indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
+            qo = qsl[:nd + 1].to(torch.int32)
+            kv_indptr, kv_indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
+            decode_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq[:nd],
+                                         block_size, causal, graph=False)
+            host += [qo, kv_indptr, kv_indices, last]
+        prefill_device: list[torch.Tensor] = []
+        if common.num_prefills:
             qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
-            rows = int(qo[-1])
-            kernel = _prefill_kernel(spec, torch.cuda.get_device_capability(self.device)[0])
-            mod = _prefill_module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim,
-                                  spec.v_head_dim, self.window >= 0, self.cap > 0)
-            args = [qo, indptr, seq[nd:].to(torch.int32), rows, num_prefills, spec.num_heads,
-                    spec.kv_heads, block_size, False, spec.head_dim, spec.v_head_dim,
-                    spec.causal and common.causal, self.window]
-            if kernel == "fa2":
-                args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
-            prefill_plan = torch.tensor([PREFILL_KERNELS.index(kernel), rows,
-                                         *self.prefill_ws.plan(mod, *args)], dtype=torch.int64)
-            host += [qo, indptr, indices, last]
-        else:
-            host += [_EMPTY_I32] * 4
+            host.append(qo)
+            if self.prefill_kernel == "fa4":  # FA4 reads the common metadata's device tables
+                prefill_plan = torch.tensor([KERNELS.index("fa4"), int(qo[-1]), 0,
+                                             common.max_query_len, common.max_seq_len],
+                                            dtype=torch.int64)
+                prefill_device = [common.seq_lens[nd:], common.block_table[nd:], self.empty]
+            else:
+                kv_indptr, kv_indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
+                prefill_plan = self.plan_part(self.prefill_ws, self.prefill_kernel, qo,
+                                              kv_indptr, seq[nd:], block_size, causal,
+                                              graph=False)
+                host += [kv_indptr, kv_indices, last]
         total = sum(t.shape[0] for t in host)
-        tables = self.uploader.upload(
-            host, torch.empty(total, dtype=torch.int32, device=self.device))
+        tables = self.uploader.upload(host, torch.empty(total, dtype=torch.int32,
+                                                        device=self.device))
+        decode = tables[:4] if nd else [self.empty] * 4
+        prefill = (tables[4 if nd else 0:] + prefill_device) if common.num_prefills \
+            else [self.empty] * 4
         return FlashInferMetadata(common.slot_mapping, self.float_workspace,
-                                  self.decode_ws.device, decode_plan, *tables[:3],
-                                  self.prefill_ws.device, prefill_plan, *tables[3:],
+                                  self.decode_ws.device, decode_plan, *decode,
+                                  self.prefill_ws.device, prefill_plan, *prefill,
                                   causal=common.causal)
 
 
 class _GraphPlanner(_Planner):
     """Decode plans for CUDA-graph batches (FlashInfer's CUDA-graph mode): page tables in one
     persistent device buffer sized for the largest capture size, one plan per capture size
-    whose host vector must not change between capture and replays (checked: FlashInfer fixes
-    the grid per batch size in this mode), and the padded requests' rows zeroed on the device
-    (they have no pages: ``last_page_len`` 0)."""
+    whose host vector must not change between capture and replays (checked: in this mode
+    FlashInfer fixes the grid per batch size), and the padded requests' rows zeroed on the
+    device (they have no pages: ``last_page_len`` 0)."""
 
     def __init__(self, spec: AttentionSpec, graphs) -> None:
-        super().__init__(spec, graphs.device)
+        super().__init__(spec, graphs.device, "fa2")
         largest = graphs.capture_sizes[-1]
-        self.tables = torch.zeros(2 * largest + 1 + largest * graphs.max_blocks_per_req,
+        self.tables = torch.zeros(3 * largest + 2 + largest * graphs.max_blocks_per_req,
                                   dtype=torch.int32, device=self.device)
         self.plans: dict[int, torch.Tensor] = {}
 
     def __call__(self, padded: CommonAttentionMetadata) -> FlashInferMetadata:
         size = padded.num_reqs
-        if not self.decode_kernel or padded.max_query_len != 1:
-            raise ValueError(
-                f"FLASHINFER captures single-token decode batches through its decode kernel; "
-                f"got query length {padded.max_query_len} with {self.spec.num_heads} query / "
-                f"{self.spec.kv_heads} KV heads (decode kernel groups: "
-                f"{sorted(DECODE_KERNEL_GROUPS)})")
-        indptr, indices, last = paged_kv_csr(padded.seq_lens_cpu, padded.block_table_cpu,
-                                             padded.block_size)
-        plan = self.plan_decode(indptr, size, padded.block_size, graph=True)
-        captured = self.plans.setdefault(size, torch.tensor([1, *plan], dtype=torch.int64))
-        if captured[1:].tolist() != plan:
+        if padded.max_query_len != 1:
+            raise ValueError(f"FLASHINFER captures single-token decode batches; got query "
+                             f"length {padded.max_query_len}")
+        qo = torch.arange(size + 1, dtype=torch.int32)  # padded requests get a (zeroed) row
+        kv_indptr, kv_indices, last = paged_kv_csr(padded.seq_lens_cpu, padded.block_table_cpu,
+                                                   padded.block_size)
+        plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, padded.seq_lens_cpu,
+                              padded.block_size, self.spec.causal and padded.causal, graph=True)
+        captured = self.plans.setdefault(size, plan)
+        if not torch.equal(captured, plan):
             raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
-                               f"({captured[1:].tolist()} -> {plan}); a replay would run the "
-                               "captured grid on the wrong schedule")
-        d_indptr, d_last, d_indices = self.uploader.upload([indptr, last, indices], self.tables)
+                               f"({captured.tolist()} -> {plan.tolist()}); a replay would run "
+                               "the captured grid on the wrong schedule")
+        qo, kv_indptr, last, kv_indices = self.uploader.upload([qo, kv_indptr, last, kv_indices],
+                                                               self.tables)
         return FlashInferMetadata(padded.slot_mapping, self.float_workspace,
-                                  self.decode_ws.device, captured, d_indptr, d_indices, d_last,
-                                  self.prefill_ws.device, _EMPTY_PLAN, *[self.tables[:0]] * 4,
-                                  causal=padded.causal)
+                                  self.decode_ws.device, captured, qo, kv_indptr, kv_indices,
+                                  last, self.prefill_ws.device, _EMPTY_PLAN,
+                                  *[self.empty] * 4, causal=padded.causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,69 +310,80 @@ def _check(query, kv_cache, out, lse):
 
 
 def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_workspace,
-                          decode_plan, decode_indptr, decode_indices, decode_last_page_len,
-                          prefill_workspace, prefill_plan, prefill_qo_indptr, prefill_indptr,
-                          prefill_indices, prefill_last_page_len, sinks, k_scale, v_scale,
-                          scale, sliding_window, soft_cap, causal) -> None:
+                          decode_plan, decode_qo_indptr, decode_kv_indptr, decode_kv_indices,
+                          decode_last_page_len, prefill_workspace, prefill_plan,
+                          prefill_qo_indptr, prefill_kv_indptr, prefill_kv_indices,
+                          prefill_last_page_len, sinks, k_scale, v_scale, scale, sliding_window,
+                          soft_cap, causal) -> None:
     _check(query, kv_cache, out, lse)
     k_cache, v_cache = kv_cache.unbind(1)
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     q = query * k_scale.to(query.dtype) if fp8 else query  # dequantizes K inside q.k
     window = -1 if sliding_window is None else sliding_window - 1
     cap = soft_cap or 0.0
-    head_dim, head_dim_v = query.shape[2], out.shape[2]
     need_lse = lse is not None or sinks is not None
     lse_buf = lse if lse is not None else (
         torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if need_lse
         else None)
-    nd = decode_last_page_len.shape[0] if decode_plan.numel() else 0
-    padded_requests = False
-    if nd:
-        padded_requests, *plan = decode_plan.tolist()
-        mod = _decode_module(query.dtype, kv_cache.dtype, head_dim, window != -1, cap > 0)
-        mod.run(float_workspace, decode_workspace, plan, q[:nd], k_cache, v_cache,
-                decode_indptr, decode_indices, decode_last_page_len, out[:nd],
-                lse_buf[:nd] if need_lse else None, 0, window, True, None, cap, scale, 1.0, 1e4)
-    plan = prefill_plan.tolist()
-    real_rows = nd + (plan[1] if plan else 0)
-    if real_rows < out.shape[0]:  # padding rows (CUDA-graph batches) are zero, like REFERENCE's
-        out[real_rows:].zero_()
+    start, padded_part = 0, None
+    for plan_vec, ws, qo, kv_indptr, kv_indices, last in (
+            (decode_plan, decode_workspace, decode_qo_indptr, decode_kv_indptr,
+             decode_kv_indices, decode_last_page_len),
+            (prefill_plan, prefill_workspace, prefill_qo_indptr, prefill_kv_indptr,
+             prefill_kv_indices, prefill_last_page_len)):
+        if not plan_vec.numel():
+            continue
+        kernel, rows, padded, *plan = plan_vec.tolist()
+        rows_of = slice(start, start + rows)
+        if KERNELS[kernel] == "fa4":
+            from attn_ops.backends.flash_attn import fa_window, run_fa4
+
+            left, right = fa_window(sliding_window, causal)
+            lse_hm = run_fa4(q[rows_of], k_cache, v_cache, out[rows_of], qo, kv_indptr,
+                             kv_indices, plan[0], plan[1], scale, left, right, soft_cap, causal,
+                             need_lse)
+            if need_lse:
+                lse_buf[rows_of].copy_(lse_hm.t())
+        else:
+            mod = _module(KERNELS[kernel], query.dtype, kv_cache.dtype, query.shape[2],
+                          out.shape[2], window >= 0, cap > 0)
+            mod.paged_run(float_workspace, ws, plan, q[rows_of], k_cache, v_cache, qo, kv_indptr,
+                          kv_indices, last, out[rows_of], lse_buf[rows_of] if need_lse else None,
+                          int(causal), 0, window, True, None, None, None, None, None, None, cap,
+                          scale, None, None, None, 1.0, 1e4, 0, float_workspace.numel())
+            if need_lse:
+                lse_buf[rows_of].mul_(LN2)  # FlashInfer's LSE is base 2
+        if padded:
+            padded_part = (rows_of, last)
+        start += rows
+    if start < out.shape[0]:  # padding rows past the batch are zero, like REFERENCE's
+        out[start:].zero_()
         if need_lse:
-            lse_buf[real_rows:].zero_()
-    if plan:
-        mod = _prefill_module(PREFILL_KERNELS[plan[0]], query.dtype, kv_cache.dtype, head_dim,
-                              head_dim_v, window >= 0, cap > 0)
-        rest = out[nd:]
-        mod.paged_run(float_workspace, prefill_workspace, plan[2:], q[nd:], k_cache, v_cache,
-                      prefill_qo_indptr, prefill_indptr, prefill_indices, prefill_last_page_len,
-                      rest, lse_buf[nd:] if need_lse else None, int(causal), 0, window, True,
-                      None, None, None, None, None, None, cap, scale, None, None, None, 1.0, 1e4,
-                      0, float_workspace.numel())
-    if need_lse:
-        lse_buf.mul_(LN2)  # FlashInfer's LSE is base 2
+            lse_buf[start:].zero_()
     if sinks is not None:
         apply_sinks(out, lse_buf, sinks)
     if fp8:
         out.mul_(v_scale.to(out.dtype))
-    if padded_requests:  # a CUDA-graph batch: requests without pages are padding, zeroed here
-        empty = (decode_last_page_len == 0)[:, None]
-        out[:nd].masked_fill_(empty[:, :, None], 0.0)
+    if padded_part is not None:  # a CUDA-graph batch: requests without pages are padding
+        rows_of, last = padded_part
+        empty = (last == 0)[:, None]
+        out[rows_of].masked_fill_(empty[:, :, None], 0.0)
         if lse is not None:
-            lse[:nd].masked_fill_(empty, 0.0)
+            lse[rows_of].masked_fill_(empty, 0.0)
 
 
 def _fake(query, kv_cache, out, lse, *args) -> None:
     _check(query, kv_cache, out, lse)
 
 
+_PART = "Tensor {0}_workspace, Tensor {0}_plan, Tensor {0}_qo_indptr, Tensor {0}_kv_indptr, " \
+        "Tensor {0}_kv_indices, Tensor {0}_last_page_len, "
 flashinfer_attention = define_op(
     "flashinfer_attention",
     "(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) float_workspace, "
-    "Tensor decode_workspace, Tensor decode_plan, Tensor decode_indptr, Tensor decode_indices, "
-    "Tensor decode_last_page_len, Tensor prefill_workspace, Tensor prefill_plan, "
-    "Tensor prefill_qo_indptr, Tensor prefill_indptr, Tensor prefill_indices, "
-    "Tensor prefill_last_page_len, Tensor? sinks, Tensor? k_scale, Tensor? v_scale, float scale, "
-    "int? sliding_window, float? soft_cap, bool causal) -> ()",
+    + _PART.format("decode") + _PART.format("prefill")
+    + "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, "
+    "float? soft_cap, bool causal) -> ()",
     _flashinfer_attention, _fake, dispatch_keys=("CUDA",))
 
 
@@ -385,7 +395,7 @@ _FLASHINFER = PackageRequirement("flashinfer-python", "flashinfer", "0.7.2", max
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer decode (CUDA cores) + prefill (FA3 on sm90, else FA2) over the NHD cache."""
+    """FlashInfer tensor-core decode + FA3 (sm90) / FA2 prefill over the NHD cache."""
 
     name = "FLASHINFER"
     capabilities = BackendCapabilities(
@@ -399,7 +409,7 @@ class FlashInferBackend(AttentionBackend):
                             Feature.NON_CAUSAL, Feature.FP8_KV}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         min_capability=(8, 0),
-        cudagraph_support=CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,  # decode kernel only
+        cudagraph_support=CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         packages=(_FLASHINFER,),
     )
     op = flashinfer_attention
@@ -413,6 +423,18 @@ class FlashInferBackend(AttentionBackend):
                                   "(FlashInfer windows only to the left)"))
         return reasons
 
+    def __init__(self, spec: AttentionSpec, prefill_kernel: str | None = None) -> None:
+        """``prefill_kernel`` (``backend_options``): ``"fa2"``, ``"fa3"`` (sm90) or ``"fa4"``
+        (FlashAttention 4, installed); default FA3 on sm90 where it applies, else FA2."""
+        super().__init__(spec)
+        if prefill_kernel is not None and prefill_kernel not in KERNELS:
+            raise ValueError(f"prefill_kernel={prefill_kernel!r} is not one of {KERNELS}")
+        self.prefill_kernel = prefill_kernel
+
+    def _kernel(self, device: torch.device) -> str:
+        return self.prefill_kernel or _prefill_kernel(
+            self.spec, torch.cuda.get_device_capability(device)[0])
+
     def build_metadata(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         """Plan once per step and per distinct planning key; layers sharing one reuse it."""
         if isinstance(common, FlashInferMetadata):
@@ -423,7 +445,8 @@ class FlashInferBackend(AttentionBackend):
             device = common.seq_lens.device
             planner = _EAGER_PLANNERS.get((key, device))
             if planner is None:
-                planner = _EAGER_PLANNERS[key, device] = _Planner(self.spec, device)
+                planner = _EAGER_PLANNERS[key, device] = _Planner(self.spec, device,
+                                                                  self._kernel(device))
             per_step[key] = planner(common)
         return per_step[key]
 
@@ -445,14 +468,15 @@ class FlashInferBackend(AttentionBackend):
         spec = self.spec
         return (self.name, spec.num_heads, spec.kv_heads, spec.head_dim, spec.v_head_dim,
                 spec.dtype, spec.cache_dtype, spec.sliding_window, spec.logits_soft_cap,
-                spec.causal)
+                spec.causal, self.prefill_kernel)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
         m = metadata
         return (query, kv_cache, out, lse, m.float_workspace, m.decode_workspace, m.decode_plan,
-                m.decode_indptr, m.decode_indices, m.decode_last_page_len, m.prefill_workspace,
-                m.prefill_plan, m.prefill_qo_indptr, m.prefill_indptr, m.prefill_indices,
+                m.decode_qo_indptr, m.decode_kv_indptr, m.decode_kv_indices,
+                m.decode_last_page_len, m.prefill_workspace, m.prefill_plan,
+                m.prefill_qo_indptr, m.prefill_kv_indptr, m.prefill_kv_indices,
                 m.prefill_last_page_len, sinks, k_scale, v_scale, self.scale,
                 self.spec.sliding_window, self.spec.logits_soft_cap,
                 self.spec.causal and m.causal)

@@ -114,7 +114,7 @@ rocm:gfx942: ROCM_AITER_FA, ROCM_ATTN, TRITON_ATTN, FLEX_ATTENTION
 xpu: XPU_ATTN, TRITON_ATTN, FLEX_ATTENTION
 cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN""")
 
-    def test_fa4_goes_first_on_sm90_only_where_flashinfer_can_take_small_decodes(self):
+    def test_fa4_goes_first_on_sm90_only_where_flashinfer_can_serve_its_decodes(self):
         import importlib.util
         from unittest import mock
 
