@@ -4,15 +4,14 @@ directly, side by side in one run (H200).
 Contenders on the same paged cache (bf16, NHD, 32 query / 8 KV heads, head dim 128, page 128
 unless ``--page``: the selector's page for FLASH_ATTN; pages in random order) and the same batch:
 
-* ``selected``       -- what ``Attention`` selects by default here (FLASH_ATTN: FA4, small decode
-  batches handed to FlashInfer), metadata from ``build_metadata``;
+* ``selected``       -- what ``Attention`` selects by default here (on the H200: FLASH_ATTN, i.e.
+  FlashInfer's tensor-core decode + FA4 prefill), metadata from ``build_metadata``;
 * ``selected_graph`` -- the same with CUDA-graph metadata (``CUDAGraphBatch`` padding included);
-* ``flashinfer_op``  -- FLASHINFER through ``torch.ops.attn.flashinfer_attention``;
+* ``flashinfer_op``  -- FLASHINFER through ``torch.ops.attn.flashinfer_attention``
+  (tensor-core decode, FA3 prefill);
 * ``flashinfer``     -- FlashInfer's wrapper called directly (CUDA-core decode, FA3 prefill);
 * ``flashinfer_tc``  -- FlashInfer's decode wrapper with ``use_tensor_cores=True``;
-* ``fa4``            -- FlashAttention 4's ``flash_attn_varlen_func`` (default ``num_splits=1``);
-* ``fa4_chunked``    -- (batch <= 4) an experiment: FA4 over each request split into chunks
-  run as a batch, merged by LSE -- split-KV that FA4 lacks on sm90.
+* ``fa4``            -- FlashAttention 4's ``flash_attn_varlen_func`` (default ``num_splits=1``).
 
 Every contender is planned before timing and timed as CUDA-graph replays of one call
 (``triton.testing.do_bench_cudagraph``, median), the contenders of a point interleaved over
@@ -47,7 +46,6 @@ SPEC = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE)
 DECODE_BATCH = (1, 2, 4, 8, 16, 64, 256)
 DECODE_CTX = (1024, 4096, 8192, 32768)
 PREFILL = ((1, 8192), (4, 4096), (16, 1024))
-CHUNKS = (8, 16, 32)
 
 
 class Batch:
@@ -108,35 +106,6 @@ def fa4_direct(b: Batch):
                                           seqused_k=m.seq_lens, max_seqlen_q=m.max_query_len,
                                           max_seqlen_k=m.max_seq_len, page_table=m.block_table,
                                           causal=True)
-
-
-def fa4_chunked(b: Batch, chunks: int):
-    """Split-KV built from FA4's batching: request r's pages cut into ``chunks`` pieces, each a
-    row of the page table with one copy of the query, then the partial outputs merged by
-    their LSE. Decode only, no window (a window would shift per chunk)."""
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    m, B = b.meta, b.meta.num_reqs
-    if b.pages % chunks:
-        return None
-    k, v = b.cache.unbind(1)
-    table = m.block_table.reshape(B * chunks, b.pages // chunks)
-    per = b.pages // chunks * b.page
-    seqused = (m.seq_lens[:, None] - torch.arange(chunks, device="cuda") * per).clamp(0, per)
-    seqused = seqused.reshape(-1).to(torch.int32)
-    cu_q = torch.arange(B * chunks + 1, dtype=torch.int32, device="cuda")
-    q_rep = torch.empty(B * chunks, HQ, D, dtype=DTYPE, device="cuda")
-    o_part = torch.empty_like(q_rep)
-    lse = torch.empty(HQ, B * chunks, dtype=torch.float32, device="cuda")
-
-    def run():
-        q_rep.view(B, chunks, HQ, D).copy_(b.q[:, None])
-        _flash_attn_fwd(q_rep, k, v, cu_seqlens_q=cu_q, seqused_k=seqused, max_seqlen_q=1,
-                        max_seqlen_k=per, page_table=table, causal=True, num_splits=1,
-                        return_lse=True, out=o_part, lse=lse)
-        w = torch.softmax(lse.view(HQ, B, chunks), dim=-1).permute(1, 2, 0)  # [B, chunks, H]
-        b.out.copy_((o_part.view(B, chunks, HQ, D).float() * w[..., None]).sum(1))
-    return run
 
 
 def time_graph(fns: dict, rounds: int) -> dict[str, float]:
@@ -234,10 +203,6 @@ def main() -> None:
                    "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
             if have_fa4:
                 fns["fa4"] = fa4_direct(b)
-                if bsz <= 4:
-                    for c in CHUNKS:
-                        if (fn := fa4_chunked(b, c)) is not None:
-                            fns[f"fa4_chunked{c}"] = fn
             diffs = check_outputs(b, fns, "flashinfer")
             ms = time_graph(fns, args.rounds)
             nbytes = bsz * ctx * HKV * D * 2 * 2
@@ -246,7 +211,7 @@ def main() -> None:
                  **{f"{k}_ms": v for k, v in ms.items()},
                  **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}}
             if (bsz, ctx) in ((1, 1024), (64, 4096)) or args.quick:
-                r["eager_us"] = {k: eager_us(fns[k]) for k in fns if "chunked" not in k}
+                r["eager_us"] = {k: eager_us(fn) for k, fn in fns.items()}
             rows.append(r)
             print(f"decode  B={bsz:<4} ctx={ctx:<6} " + "  ".join(
                 f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + " TB/s", flush=True)
