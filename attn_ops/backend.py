@@ -122,7 +122,12 @@ class AttentionBackend:
         """
         if isinstance(metadata, CommonAttentionMetadata):
             metadata = self.build_metadata(metadata)
-        self.op(*self.op_arguments(query, kv_cache, metadata, out, **optional))
+        self.op_for(metadata)(*self.op_arguments(query, kv_cache, metadata, out, **optional))
+
+    def op_for(self, metadata: Any) -> torch._ops.OpOverload:
+        """The op that runs ``metadata`` (what :meth:`build_metadata` returned): ``self.op``,
+        unless a backend hands some batches to another backend's op."""
+        return self.op
 
 
 def planned_backend(name: str, platforms: frozenset[PlatformKind], *,

@@ -19,7 +19,7 @@ from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
-           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB"]
+           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "OPTION_VARIANTS"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
@@ -136,16 +136,21 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
     return PagedCase(spec, meta, query, cache, sinks, slopes, *scales, dense_kv=dense)
 
 
-def run_backend(backend_cls, case: PagedCase, *,
-                with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run one backend on a case the way a model does (build its metadata, call its op);
-    returns ``(out, lse)``, NaN-initialized so unwritten rows show."""
+# Backend options that route batches to kernels (and ops) of their own: the matrix and the op
+# checks run each such variant besides the default.
+OPTION_VARIANTS = {"FLASH_ATTN": ({"flashinfer_decode": False},)}
+
+
+def run_backend(backend_cls, case: PagedCase, *, with_lse: bool = True,
+                **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run one backend (constructed with ``options``) on a case the way a model does (build
+    its metadata, call its op); returns ``(out, lse)``, NaN-initialized so unwritten rows show."""
     spec, q = case.spec, case.query
     out = torch.full((q.shape[0], spec.num_heads, spec.v_head_dim), float("nan"), dtype=q.dtype,
                      device=q.device)
     lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device) \
         if with_lse else None
-    backend_cls(spec).forward(q, case.kv_cache, case.metadata, out, lse=lse, sinks=case.sinks,
+    backend_cls(spec, **options).forward(q, case.kv_cache, case.metadata, out, lse=lse, sinks=case.sinks,
                               alibi_slopes=case.alibi_slopes, k_scale=case.k_scale,
                               v_scale=case.v_scale)
     return out, lse

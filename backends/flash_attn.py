@@ -280,8 +280,11 @@ class FlashAttnBackend(AttentionBackend):
         version = cls.generation(platform())
         return spec.block_size or GENERATIONS[version or 4].preferred_block_size
 
-    def __init__(self, spec: AttentionSpec, version: int | None = None) -> None:
-        """``version`` forces a FlashAttention generation (``backend_options``)."""
+    def __init__(self, spec: AttentionSpec, version: int | None = None,
+                 flashinfer_decode: bool | None = None) -> None:
+        """``backend_options``: ``version`` forces a FlashAttention generation;
+        ``flashinfer_decode=False`` keeps FA4 for decode rows on sm90 too (default: FlashInfer
+        takes them where it is installed and takes the spec)."""
         super().__init__(spec)
         platform = current_platform()
         self.version = version or self.generation(platform) or 4
@@ -292,7 +295,7 @@ class FlashAttnBackend(AttentionBackend):
         # in FlashInfer's op (module docstring).
         self._hybrid = None
         if self.version == 4 and platform.capability is not None \
-                and platform.capability[0] == 9:
+                and platform.capability[0] == 9 and flashinfer_decode is not False:
             from attn_ops.registry import get_backend_class
 
             flashinfer = get_backend_class("FLASHINFER")
@@ -341,14 +344,14 @@ class FlashAttnBackend(AttentionBackend):
         hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()
         return (self.name, self.version, *hybrid)
 
-    def forward(self, query, kv_cache, metadata, out, **optional) -> None:
-        metadata = self.build_metadata(metadata)
-        if not isinstance(metadata, FlashAttnMetadata):
-            return self._hybrid.forward(query, kv_cache, metadata, out, **optional)
-        self.op(*self.op_arguments(query, kv_cache, metadata, out, **optional))
+    def op_for(self, metadata):
+        return self.op if isinstance(metadata, FlashAttnMetadata) else self._hybrid.op
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
+        if not isinstance(metadata, FlashAttnMetadata):
+            return self._hybrid.op_arguments(query, kv_cache, metadata, out, lse=lse,
+                                             sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         m = metadata
         return (query, kv_cache, out, lse, m.cu_seqlens_q, m.cu_seqlens_k, m.seqused_k,
                 m.page_table, m.bounds, sinks, alibi_slopes, self.scale,

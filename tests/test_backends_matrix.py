@@ -8,8 +8,8 @@ import torch
 from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
 from attn_ops.registry import list_backends
 from attn_ops.spec import Feature
-from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, SCENARIOS, make_case,
-                              run_backend, sqnr_db, tolerance)
+from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, OPTION_VARIANTS, SCENARIOS,
+                              make_case, run_backend, sqnr_db, tolerance)
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -60,14 +60,18 @@ def _params():
         cls = get_backend_class(name)
         for vid, spec in _variants(cls):
             for scenario in SCENARIOS:
-                yield pytest.param(name, spec, scenario, id=f"{name}-{vid}-{scenario}")
+                yield pytest.param(name, spec, scenario, {}, id=f"{name}-{vid}-{scenario}")
+        for options in OPTION_VARIANTS.get(name, ()):  # each other kernel route, base spec
+            oid = "-".join(f"{k}={v}" for k, v in options.items())
+            for scenario in SCENARIOS:
+                yield pytest.param(name, BASE, scenario, options, id=f"{name}-{oid}-{scenario}")
         for dtype in (torch.float16, torch.bfloat16):
             spec = BASE.with_(dtype=dtype)
             if dtype == BASE.dtype:
                 continue
             if not cls.not_supported_reasons(spec, PLATFORM):
                 for scenario in ("mixed", "long_context"):
-                    yield pytest.param(name, spec, scenario,
+                    yield pytest.param(name, spec, scenario, {},
                                        id=f"{name}-{str(dtype)[6:]}-{scenario}")
 
 
@@ -75,13 +79,13 @@ def _max_err(a, b, num_tokens):
     return (a[:num_tokens].double() - b[:num_tokens].double()).abs().max().item()
 
 
-@pytest.mark.parametrize("backend,spec,scenario", list(_params()))
-def test_matches_reference(backend, spec, scenario):
+@pytest.mark.parametrize("backend,spec,scenario,options", list(_params()))
+def test_matches_reference(backend, spec, scenario, options):
     cls = get_backend_class(backend)
     case = make_case(spec, SCENARIOS[scenario], block_size=BLOCK_SIZE, device=DEVICE,
                      seed=len(scenario), finite_page_tails=cls.capabilities.reads_page_tails)
     n = case.metadata.num_actual_tokens
-    out, lse = run_backend(cls, case)
+    out, lse = run_backend(cls, case, **options)
     truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
     base, base_lse = run_backend(REFERENCE, case)  # plain torch at the test's precision
     assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"

@@ -22,17 +22,17 @@ REFERENCE = get_backend_class("REFERENCE")
 BLOCK, WIDTH, SIZES = 16, 12, (1, 4, 16)  # page size, max pages per request, capture sizes
 
 
-def _random_batch(n, num_blocks, rng, device, max_len=WIDTH * BLOCK):
-    """``n`` single-token decodes with random lengths and random distinct pages."""
+def _random_batch(n, num_blocks, rng, device, max_len=WIDTH * BLOCK, qlen=1):
+    """``n`` requests of ``qlen`` new tokens with random lengths and random distinct pages."""
     pages = list(range(1, num_blocks))  # page 0 stays unused: padding rows point at it
     rng.shuffle(pages)
-    seq = [rng.randint(1, max_len) for _ in range(n)]
+    seq = [rng.randint(qlen, max_len) for _ in range(n)]
     tables, at = [], 0
     for s in seq:
         k = -(-s // BLOCK)
         tables.append(pages[at:at + k])
         at += k
-    return build_common_metadata([1] * n, seq, tables, BLOCK, num_blocks, device=device)
+    return build_common_metadata([qlen] * n, seq, tables, BLOCK, num_blocks, device=device)
 
 
 def _reference(spec, q, cache, common, **optional):
@@ -141,10 +141,13 @@ def _graph_params():
         for sid, spec in specs.items():
             if not cls.not_supported_reasons(spec, PLATFORM):
                 for mode in ("op", "compiled_layer"):
-                    yield pytest.param(name, spec, mode, id=f"{name}-{sid}-{mode}")
+                    yield pytest.param(name, spec, mode, 1, id=f"{name}-{sid}-{mode}")
+                if cls.cudagraph_support(spec, PLATFORM) >= CUDAGraphSupport.UNIFORM_BATCH:
+                    yield pytest.param(name, spec, "op", 2, id=f"{name}-{sid}-op-2_tokens")
 
 
 def _check(spec, got, got_lse, q, cache, common, n, size, **optional):
+    """``n`` / ``size``: real / captured rows."""
     truth, truth_lse, base = _reference(spec, q[:n], cache, common, **optional)
     err = (got[:n].double() - truth).abs().max().item()
     allowed = tolerance((base.double() - truth).abs().max().item(), spec.dtype)
@@ -156,12 +159,12 @@ def _check(spec, got, got_lse, q, cache, common, n, size, **optional):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,spec,mode", list(_graph_params()))
-def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode):
+@pytest.mark.parametrize("backend,spec,mode,qlen", list(_graph_params()))
+def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode, qlen):
     rng, gen = random.Random(7), torch.Generator(device="cuda").manual_seed(7)
     num_blocks = SIZES[-1] * WIDTH + 1
-    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, "cuda")
-    largest, hq, hkv = SIZES[-1], spec.num_heads, spec.kv_heads
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, "cuda", uniform_query_len=qlen)
+    largest, hq, hkv = SIZES[-1] * qlen, spec.num_heads, spec.kv_heads
     layer = Attention(spec.with_(block_size=BLOCK), AttentionConfig(backend=backend)).cuda()
     if layer.sinks is not None:
         with torch.no_grad():
@@ -181,14 +184,16 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode)
     captured, results = {}, {}
 
     def run(size, step):
+        rows = size * qlen
         if compiled is None:
             meta = step[layer._metadata_key]
-            layer.impl.forward(q[:size], cache, meta, out[:size], lse=lse[:size], **optional)
+            layer.impl.forward(q[:rows], cache, meta, out[:rows], lse=lse[:rows], **optional)
             return out, lse
-        return compiled(q[:size], k[:size], v[:size], cache, step, return_lse=True)
+        return compiled(q[:rows], k[:rows], v[:rows], cache, step, return_lse=True)
 
     for size in SIZES:  # capture: a batch of exactly that size, warmed up on a side stream
-        step = build_step_metadata(layer, _random_batch(size, num_blocks, rng, "cuda"), graphs)
+        batch = _random_batch(size, num_blocks, rng, "cuda", qlen=qlen)
+        step = build_step_metadata(layer, batch, graphs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -199,7 +204,7 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode)
             results[size] = run(size, step)
         captured[size] = graph
     for n in (3, 16, 1, 9, 2, 4, 16, 5):  # sizes up and down, lengths new every time
-        common = _random_batch(n, num_blocks, rng, "cuda")
+        common = _random_batch(n, num_blocks, rng, "cuda", qlen=qlen)
         step = build_step_metadata(layer, common, graphs)
         size = graphs.size_for(n)
         q[:largest].normal_(generator=gen)  # new queries, padding rows included
@@ -214,11 +219,12 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode)
             from attn_ops.kv_cache import split_kv_cache
 
             kc, vc = split_kv_cache(cache, spec.head_dim, spec.v_head_dim)
-            assert torch.equal(kc[blocks, offs], k[:n]) and torch.equal(vc[blocks, offs], v[:n])
+            assert torch.equal(kc[blocks, offs], k[:n * qlen])
+            assert torch.equal(vc[blocks, offs], v[:n * qlen])
             unwritten = torch.ones(cache.shape[0], dtype=torch.bool, device="cuda")
             unwritten[blocks] = False
             assert torch.equal(cache[unwritten], before[unwritten]), "padding wrote the cache"
-        _check(spec, got, got_lse, q, cache, common, n, size, **optional)
+        _check(spec, got, got_lse, q, cache, common, n * qlen, size * qlen, **optional)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])

@@ -5,7 +5,7 @@ import torch
 
 from attn_ops import AttentionSpec, KVCacheDType, get_backend_class
 from attn_ops.kv_cache import kv_cache_update
-from attn_ops.testing import SCENARIOS, make_case
+from attn_ops.testing import OPTION_VARIANTS, SCENARIOS, make_case
 from test_backends_matrix import BACKENDS, BASE, BLOCK_SIZE, DEVICE, PLATFORM
 
 SPECS = {
@@ -27,30 +27,34 @@ def _test_utils(cache_dtype):
     return utils[1:] if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else utils
 
 
-def _attention_args(cls, case, with_lse):
+def _attention_call(impl, case, with_lse):
+    """(op, args) of one call of ``impl`` on ``case``."""
     spec, q = case.spec, case.query
-    impl = cls(spec)
     out = torch.empty(q.shape[0], spec.num_heads, spec.v_head_dim, dtype=q.dtype, device=DEVICE)
     lse = torch.empty(q.shape[0], spec.num_heads, device=DEVICE) if with_lse else None
-    return impl.op_arguments(q, case.kv_cache, impl.build_metadata(case.metadata), out, lse=lse,
-                             sinks=case.sinks, alibi_slopes=case.alibi_slopes,
-                             k_scale=case.k_scale, v_scale=case.v_scale)
+    meta = impl.build_metadata(case.metadata)
+    return impl.op_for(meta), impl.op_arguments(
+        q, case.kv_cache, meta, out, lse=lse, sinks=case.sinks, alibi_slopes=case.alibi_slopes,
+        k_scale=case.k_scale, v_scale=case.v_scale)
 
 
 def _supported():
-    """(backend, spec id) pairs the backend declares it can run here: only those are checked."""
-    return [pytest.param(b, sid, id=f"{b}-{sid}") for b in BACKENDS for sid, spec in SPECS.items()
+    """(backend, options, spec id) the backend declares it can run here: only those are
+    checked."""
+    return [pytest.param(b, opts, sid, id="-".join([b, *map(str, opts.values()), sid]))
+            for b in BACKENDS for opts in ({}, *OPTION_VARIANTS.get(b, ()))
+            for sid, spec in SPECS.items()
             if not get_backend_class(b).not_supported_reasons(spec, PLATFORM)]
 
 
 @pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "no_lse"])
-@pytest.mark.parametrize("backend,spec_id", _supported())
-def test_attention_op_opcheck(backend, spec_id, with_lse):
-    cls = get_backend_class(backend)
+@pytest.mark.parametrize("backend,options,spec_id", _supported())
+def test_attention_op_opcheck(backend, options, spec_id, with_lse):
     spec = SPECS[spec_id]
+    impl = get_backend_class(backend)(spec, **options)
     case = make_case(spec, SCENARIOS["contiguous_pages"], block_size=BLOCK_SIZE, device=DEVICE)
-    torch.library.opcheck(cls.op, _attention_args(cls, case, with_lse),
-                          test_utils=_test_utils(spec.cache_dtype))
+    op, args = _attention_call(impl, case, with_lse)
+    torch.library.opcheck(op, args, test_utils=_test_utils(spec.cache_dtype))
 
 
 @pytest.mark.parametrize("cache_dtype", [KVCacheDType.AUTO, KVCacheDType.FP8_E4M3,

@@ -1,0 +1,97 @@
+"""Where the host time of the FlashInfer metadata builder goes, stage by stage, next to
+FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor cores) on the same batch.
+
+    python benchmarks/profile_builder.py [--out PATH]
+
+Decode batches of 256 and 64 requests, ctx 4k, pages of 128 and 16; per-stage means over 200
+repetitions (microseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_info  # noqa: E402
+from bench_gpu_attention import SPEC, Batch  # noqa: E402
+
+
+def mean_us(fn, n=200) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def stages(b: Batch) -> dict[str, float]:
+    import flashinfer
+
+    from attn_ops.backends import flashinfer as fi
+
+    impl = fi.FlashInferBackend(SPEC)
+    impl.build_metadata(b.meta)
+    planner = fi._EAGER_PLANNERS[impl.metadata_key(), b.meta.seq_lens.device]
+    m = b.meta
+    seq, table, qsl = m.seq_lens_cpu, m.block_table_cpu, m.query_start_loc_cpu
+    qo = qsl.to(torch.int32)
+    indptr, indices, last = fi.paged_kv_csr(seq, table, m.block_size)
+    mod = fi._module("fa2", SPEC.dtype, SPEC.cache_dtype, SPEC.head_dim, SPEC.v_head_dim,
+                     False, False)
+    args = [qo, indptr, seq, int(qo[-1]), m.num_reqs, SPEC.num_heads, SPEC.kv_heads,
+            m.block_size, False, SPEC.head_dim, SPEC.v_head_dim, True, -1, -1, False, 0, 0]
+    ws = planner.decode_ws
+    raw = mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.host, *args)
+    dest = torch.empty(8 << 20, dtype=torch.int32, device="cuda")
+
+    def whole():
+        fi._PLANS.pop(m, None)
+        impl.build_metadata(m)
+
+    ws_f = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_f, "NHD", use_tensor_cores=True)
+    d_indptr, d_indices, d_last = indptr.cuda(), indices.cuda(), last.cuda()
+    return {
+        "build_metadata (all)": mean_us(whole),
+        "paged_kv_csr": mean_us(lambda: fi.paged_kv_csr(seq, table, m.block_size)),
+        "module lookup": mean_us(lambda: fi._module("fa2", SPEC.dtype, SPEC.cache_dtype,
+                                                    SPEC.head_dim, SPEC.v_head_dim, False,
+                                                    False)),
+        "mod.plan (FlashInfer C++)": mean_us(
+            lambda: mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.host, *args)),
+        "list(plan)": mean_us(lambda: list(raw)),
+        "event record": mean_us(lambda: torch.cuda.Event().record()),
+        "upload": mean_us(lambda: planner.uploader.upload([qo, indptr, indices, last], dest)),
+        "anchor: FlashInfer wrapper.plan (tensor cores, device CSR given)": mean_us(
+            lambda: wrapper.plan(d_indptr, d_indices, d_last, SPEC.num_heads, SPEC.kv_heads,
+                                 SPEC.head_dim, m.block_size, q_data_type=SPEC.dtype,
+                                 kv_data_type=SPEC.dtype)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "profile_builder_h200.json"))
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for page in (128, 16):
+        for batch in (256, 64):
+            key = f"B={batch} ctx=4096 page={page}"
+            results[key] = stages(Batch(batch, 4096, 1, page, gen))
+            print(key, {k: round(v, 1) for k, v in results[key].items()}, flush=True)
+    info = run_info("profile_builder")
+    info.update(device=torch.cuda.get_device_name(), results=results)
+    with open(args.out, "w") as f:
+        json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
