@@ -1,0 +1,83 @@
+"""CUDA-graph decode: our op with CUDA-graph metadata against FlashInfer's own CUDA-graph mode.
+
+FlashInfer's CUDA-graph mode plans differently from its eager mode (split-KV always on, the
+grid padded to a fixed size per batch size), so the fair anchor for our graph-mode decode is
+FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True, use_tensor_cores=True)``
+on the same batch; eager-mode planning of both is timed beside it. Decode rows run the same
+FlashInfer tensor-core kernel in FLASHINFER and in FLASH_ATTN on sm90, so FLASHINFER stands for
+both here. Same shapes and method as ``bench_gpu_attention.py``.
+
+    python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_info  # noqa: E402
+from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, flashinfer_direct, ours,  # noqa: E402
+                                 time_graph)
+
+POINTS = ((1, 32768), (8, 8192), (64, 4096), (256, 8192))
+
+
+def flashinfer_graph_mode(b: Batch):
+    """FlashInfer's own CUDA-graph decode wrapper (fixed buffers, tensor cores)."""
+    import flashinfer
+
+    from attn_ops.backends.flashinfer import paged_kv_csr
+
+    indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
+                                                            b.meta.block_table_cpu, b.page))
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+    w.plan(indptr, indices, last, HQ, HKV, D, b.page, q_data_type=DTYPE, kv_data_type=DTYPE)
+    return lambda: w.run(b.q, b.cache, out=b.out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--page", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "bench_cudagraph_decode_h200.json"))
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for bsz, ctx in POINTS:
+        b = Batch(bsz, ctx, 1, args.page, gen)
+        fns = {"ours_graph": ours(b, "FLASHINFER", graph=True),
+               "flashinfer_graph": flashinfer_graph_mode(b),
+               "ours": ours(b, "FLASHINFER"),
+               "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
+        outs = {}
+        for name, fn in fns.items():
+            b.out.zero_()
+            fn()
+            outs[name] = b.out.float().clone()
+        diff = max((o - outs["flashinfer_tc"]).abs().max().item() for o in outs.values())
+        ms = time_graph(fns, args.rounds)
+        nbytes = bsz * ctx * HKV * D * 2 * 2
+        rows.append({"batch": bsz, "ctx": ctx, "max_abs_diff": diff,
+                     **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}})
+        print(f"B={bsz:<4} ctx={ctx:<6} " + "  ".join(
+            f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + f" TB/s (max diff {diff:.2g})",
+            flush=True)
+        del b, fns
+    info = run_info("bench_cudagraph_decode")
+    info.update(device=torch.cuda.get_device_name(), page=args.page, rows=rows,
+                method="median over rotating rounds of triton.testing.do_bench_cudagraph")
+    with open(args.out, "w") as f:
+        json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
