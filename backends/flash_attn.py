@@ -344,6 +344,11 @@ class FlashAttnBackend(AttentionBackend):
         hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()
         return (self.name, self.version, *hybrid)
 
+    def forward(self, query, kv_cache, metadata, out, **optional) -> None:
+        if self._hybrid is not None and not isinstance(metadata, FlashAttnMetadata):
+            return self._hybrid.forward(query, kv_cache, metadata, out, **optional)  # sm90 route
+        super().forward(query, kv_cache, metadata, out, **optional)
+
     def op_for(self, metadata):
         return self.op if isinstance(metadata, FlashAttnMetadata) else self._hybrid.op
 
