@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (TRITON_ATTN) run in Triton's interpreter. It must be chosen
+# before any kernel is decorated, i.e. before the backends are imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,10 +37,11 @@ def test_select_on_a_simulated_platform_prints_the_ranked_table(capsys):
 
 
 def test_select_with_no_valid_backend_explains_why(capsys):
-    code, _, err = run(capsys, "select", "--platform", "cuda:9.0")
+    code, _, err = run(capsys, "select", "--platform", "cuda:9.0", "--head-dim", "512")
     assert code == 2
-    assert "no attention backend can run AttentionSpec(heads=32/32, head_dim=128" in err
-    assert "FLASHINFER: package flashinfer-python is not installed" in err
+    assert "no attention backend can run AttentionSpec(heads=32/32, head_dim=512" in err
+    assert "FLASHINFER: head_dim=512 not in {64, 128, 256}" in err
+    assert "package flashinfer-python is not installed" in err
 
 
 def test_forced_backend_flag_raises_with_reasons(capsys):

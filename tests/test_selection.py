@@ -37,8 +37,8 @@ head_dim: head_dim=2048 not in multiples of 1 in [1, 1024]""")
 platform: platform cuda not in {cpu}""")
 
     def test_planned_backends_say_not_implemented_and_missing_packages(self):
-        text = reasons_text("TRITON_ATTN", SPEC, Platform.parse("cuda:9.0"))
-        self.assertIn("not_implemented: TRITON_ATTN is not implemented yet (planned: issue 4)",
+        text = reasons_text("TREE_ATTN", SPEC, Platform.parse("cuda:9.0"))
+        self.assertIn("not_implemented: TREE_ATTN is not implemented yet (planned: issue 4)",
                       text)
         self.assertExpectedInline(reasons_text("XPU_ATTN", SPEC), """\
 platform: platform cpu not in {xpu}
@@ -83,8 +83,8 @@ package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
         self.assertIn("FLASHINFER: platform cpu not in {cuda}", msg)
 
     def test_no_valid_backend_lists_every_reason(self):
-        with self.assertRaises(NoBackendError) as ctx:
-            select_backend(SPEC, Platform.parse("cuda:9.0"))
+        with self.assertRaises(NoBackendError) as ctx:  # no GPU backend computes in fp64
+            select_backend(SPEC.with_(dtype=torch.float64), Platform.parse("cuda:9.0"))
         msg = str(ctx.exception)
         for name in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"):
             self.assertIn(f"  {name}: ", msg)

@@ -1,0 +1,272 @@
+"""TRITON_ATTN: our own Triton paged-attention kernels (``triton_attn_kernels.py``).
+
+The portable GPU backend: it needs only Triton, takes any head dim that is a multiple of 8 up
+to 256 (72, 80, 96, 112, ... included: tiles are padded to powers of two and masked), QK and V
+head dims that differ, fp16 / bf16 / fp32, fp8 KV caches (e4m3 / e5m2, per-tensor scales),
+GQA/MQA with the query heads of a KV head packed into one tile, causal and non-causal
+attention, sliding windows, soft-cap, sinks, ALiBi and the LSE.
+
+A decode-first batch is served by at most two launches of one kernel -- the decode requests
+with split-KV (``num_splits`` chosen by the builder so that enough programs fill the GPU; a
+combine kernel merges the splits), then the prefill requests with larger query tiles -- plus a
+padding-row kernel in CUDA graphs. Everything a launch needs from the host travels in a small
+CPU int64 tensor ``bounds`` (``[num_decodes, num_decode_tokens, num_splits, num_tokens]``), so
+the op reads no device value on the host and a CUDA graph captured for one batch size replays
+for any lengths (``num_tokens = -1``: padding rows are found on the device).
+
+Split rule (no cliff): ``num_splits`` is the power of two that brings ``decodes x KV heads x
+splits`` closest to two programs per SM without cutting a request's keys below 256 per split;
+as the batch grows the splits shrink step by step, never switching kernels.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CPU
+CI tests them at tiny shapes (fp16/fp32; the interpreter's bf16 ``tl.dot`` is broken).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
+                                   PackageRequirement, Reason)
+from attn_ops.kv_cache import KVCacheLayout, split_kv_cache
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.ops import check_paged_attention_inputs, define_op
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+
+__all__ = ["TritonAttnBackend", "TritonAttnMetadata", "choose_num_splits"]
+
+MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 256
+_TRITON = PackageRequirement("triton", "triton", "3.6")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: small, so CPU tests exercise split-KV
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits of each decode's keys: a power of two, ``decodes x kv_heads x splits`` near
+    ``2 x num_sms``, at least ``MIN_KEYS_PER_SPLIT`` keys per split, at most ``MAX_SPLITS``."""
+    if num_decodes == 0:
+        return 1
+    want = max(1, (2 * num_sms) // max(1, num_decodes * kv_heads))
+    cap = max(1, min(MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT))
+    splits = 1
+    while splits * 2 <= min(want, cap):
+        splits *= 2
+    return splits
+
+
+@dataclass(frozen=True, eq=False)
+class TritonAttnMetadata:
+    """The common device tensors plus ``bounds``, a CPU int64 ``[num_decodes,
+    num_decode_tokens, num_splits, num_tokens]`` (``num_tokens = -1``: known on the device
+    only, as in CUDA graphs)."""
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    bounds: torch.Tensor
+    causal: bool = True
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    p = at_least
+    while p < n:
+        p *= 2
+    return p
+
+
+def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
+            k_scale, v_scale, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
+            prefill):
+    """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
+    them) whose queries are at most ``num_tokens`` rows."""
+    from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
+                                                       paged_attention_kernel)
+
+    hq, d, dv = query.shape[1], query.shape[2], out.shape[2]
+    group = hq // k_cache.shape[2]
+    group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
+    rows = 64 if prefill and max(d_p, dv_p) <= 128 else 32 if prefill else 16
+    block_q = max(1, rows // group_p)
+    block_n = 64 if max(d_p, dv_p) <= 128 else 32
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    dummy = query
+    part_o = part_lse = dummy
+    if splits > 1:
+        part_o = torch.empty(out.shape[0], hq, splits, dv_p, dtype=torch.float32,
+                             device=query.device)
+        part_lse = torch.empty(out.shape[0], hq, splits, dtype=torch.float32,
+                               device=query.device)
+    grid = (num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
+    paged_attention_kernel[grid](
+        query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
+        qsl, seq_lens, block_table, sinks if sinks is not None else dummy,
+        alibi if alibi is not None else dummy, k_scale if fp8 else dummy,
+        v_scale if fp8 else dummy,
+        num_reqs, scale, soft_cap or 0.0, window or 0, k_cache.shape[1],
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        GROUP=group, GROUP_P=group_p, HQ=hq, BLOCK_Q=block_q, BLOCK_N=block_n,
+        D=d, D_P=d_p, DV=dv, DV_P=dv_p, CAUSAL=causal, USE_WINDOW=window is not None,
+        USE_SOFTCAP=soft_cap is not None, HAS_ALIBI=alibi is not None,
+        HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)
+    if splits > 1:
+        combine_splits_kernel[(num_tokens, hq)](
+            out, lse if lse is not None else dummy, part_o, part_lse, qsl,
+            sinks if sinks is not None else dummy, v_scale if fp8 else dummy, num_reqs,
+            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            HQ=hq, NUM_SPLITS=splits, SPLITS_P=_pow2(splits), DV=dv, DV_P=dv_p,
+            HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None,
+            num_warps=4)
+
+
+def _triton_attention(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse,
+                      sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
+                      causal) -> None:
+    _check(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse, sinks,
+           alibi_slopes, k_scale, v_scale)
+    if query.device.type == "cpu" and not interpreting():
+        raise RuntimeError("TRITON_ATTN runs on the CPU only in Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before importing attn_ops (tests)")
+    num_decodes, num_decode_tokens, splits, num_tokens = bounds.tolist()
+    k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
+    num_reqs, rows = seq_lens.shape[0], query.shape[0]
+    args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, scale=scale,
+                window=sliding_window, soft_cap=soft_cap, causal=causal)
+    if num_decodes:
+        _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
+                num_reqs=num_decodes, num_tokens=num_decode_tokens, splits=splits,
+                prefill=False, **args)
+    if num_decodes < num_reqs:
+        prefill_tokens = (num_tokens if num_tokens >= 0 else rows) - num_decode_tokens
+        _launch(query, k_cache, v_cache, out, lse, query_start_loc[num_decodes:],
+                seq_lens[num_decodes:], block_table[num_decodes:], num_reqs=num_reqs - num_decodes,
+                num_tokens=prefill_tokens, splits=1, prefill=True, **args)
+    if 0 <= num_tokens < rows:  # padding rows are zero, like REFERENCE's
+        out[num_tokens:].zero_()
+        if lse is not None:
+            lse[num_tokens:].zero_()
+    elif num_tokens < 0:  # a CUDA-graph batch: the padding starts at query_start_loc[-1]
+        from attn_ops.backends.triton_attn_kernels import zero_padding_kernel
+
+        zero_padding_kernel[(rows,)](
+            out, lse if lse is not None else out, query_start_loc, num_reqs, rows,
+            out.shape[1] * out.shape[2], out.stride(0), lse.stride(0) if lse is not None else 0,
+            HQ=out.shape[1], HQ_P=_pow2(out.shape[1]), WRITE_LSE=lse is not None, BLOCK=1024)
+
+
+def _check(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse, sinks,
+           alibi_slopes, k_scale, v_scale):
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+    if bounds.device.type != "cpu" or bounds.dtype != torch.int64 or bounds.shape != (4,):
+        raise ValueError(f"bounds must be a CPU int64 [4] tensor (TritonAttnMetadata), got "
+                         f"{bounds.dtype} {tuple(bounds.shape)} on {bounds.device}")
+
+
+def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse, sinks,
+          alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal) -> None:
+    _check(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse, sinks,
+           alibi_slopes, k_scale, v_scale)
+
+
+triton_attention = define_op(
+    "triton_attention",
+    "(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_table, Tensor bounds, Tensor(a!) out, Tensor(b!)? lse, Tensor? sinks, "
+    "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, "
+    "float? soft_cap, bool causal) -> ()",
+    _triton_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Our Triton kernels: decodes with split-KV, prefills in larger tiles, one op."""
+
+    name = "TRITON_ATTN"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.CPU}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dims=HeadDims(multiple_of=8, min=8, max=256),
+        kv_cache_dtypes=frozenset(KVCacheDType),
+        block_sizes=(MultipleOf(1),),
+        preferred_block_size=16,
+        features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,
+                            Feature.ALIBI, Feature.NON_CAUSAL, Feature.FP8_KV,
+                            Feature.DIFF_HEAD_DIM_V}),
+        attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
+        min_capability=(8, 0),
+        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,  # the op reads no device value
+        packages=(_TRITON,),
+    )
+    op = triton_attention
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        if platform.kind is PlatformKind.CPU:
+            if not interpreting():
+                reasons.append(Reason(cls.name, "platform", "platform cpu: TRITON_ATTN runs on "
+                                      "the CPU only in Triton's interpreter (TRITON_INTERPRET=1, "
+                                      "for tests)"))
+            if spec.dtype == torch.bfloat16:
+                reasons.append(Reason(cls.name, "dtype", "dtype=bfloat16: tl.dot in bf16 is "
+                                      "broken in Triton's interpreter", "use float16/float32"))
+        return reasons
+
+    @classmethod
+    def kv_cache_layout(cls, spec: AttentionSpec) -> KVCacheLayout:
+        return KVCacheLayout.for_spec(spec)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttnMetadata:
+        if not isinstance(common, CommonAttentionMetadata):
+            return common
+        splits = choose_num_splits(common.num_decodes, self.spec.kv_heads, common.max_seq_len,
+                                   _num_sms(common.seq_lens.device))
+        bounds = torch.tensor([common.num_decodes, common.num_decode_tokens, splits,
+                               common.num_actual_tokens], dtype=torch.int64)
+        return TritonAttnMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
+                                  common.block_table, bounds, common.causal)
+
+    def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> TritonAttnMetadata:
+        """The padded common tensors (persistent) and bounds fixed per capture size: splits
+        from the size and the graphs' longest request, the token count left to the device."""
+        super().graph_metadata(padded, graphs)
+        size = padded.num_reqs
+        key = ("TRITON_ATTN bounds", self.spec.kv_heads, size)
+        bounds = graphs.backend_state.get(key)
+        if bounds is None:
+            decodes = padded.num_decodes
+            splits = choose_num_splits(decodes, self.spec.kv_heads, graphs.max_seq_len,
+                                       _num_sms(graphs.device))
+            bounds = graphs.backend_state[key] = torch.tensor(
+                [decodes, decodes * graphs.query_len if decodes else 0, splits, -1],
+                dtype=torch.int64)
+        return TritonAttnMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
+                                  padded.block_table, bounds, padded.causal)
+
+    def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
+                     alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
+        m, spec = metadata, self.spec
+        return (query, kv_cache, m.query_start_loc, m.seq_lens, m.block_table, m.bounds, out,
+                lse, sinks, alibi_slopes, k_scale, v_scale, self.scale, spec.sliding_window,
+                spec.logits_soft_cap, spec.causal and m.causal)

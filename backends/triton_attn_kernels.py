@@ -1,0 +1,224 @@
+"""TRITON_ATTN's kernels: paged attention over a decode-first batch, with split-KV.
+
+``paged_attention_kernel`` computes one tile per program: ``BLOCK_Q`` query tokens of one
+request x the ``GROUP`` query heads that share a KV head (packed into the rows of one
+``tl.dot``), against that request's keys gathered page by page through the block table, with an
+online softmax in base 2. Program ids: ``(tile, kv_head, split)``. Tiles are numbered per
+request, ``tile_start[r] = (qsl[r] - qsl[0]) // BLOCK_Q + r`` -- an upper bound of the tiles
+before request ``r``, so the grid (``tokens // BLOCK_Q + requests``) is known on the host
+without reading lengths, and a program finds its request by binary search over
+``query_start_loc`` (device reads only: capturable in CUDA graphs).
+
+With ``NUM_SPLITS > 1`` (decode: few programs, long contexts) split ``s`` covers one chunk of
+each request's visible keys and writes a normalized partial output and its LSE;
+``combine_splits_kernel`` merges them (and applies sinks and the fp8 value scale, as the
+single-split path does in place).
+
+Semantics are REFERENCE's (``backends/reference.py``): scale, soft-cap ``c * tanh(s / c)``,
+ALiBi ``slope * (j - p)``, causal / sliding-window visibility, LSE in natural log without the
+sink, ``out *= sigmoid(lse - sink)``, fp8 K/V times their per-tensor scales.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x >= 0, y, -y)
+
+
+@triton.jit
+def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
+    """The largest ``r`` in ``[0, num_reqs)`` with ``(qsl[r] - qsl[0]) // BLOCK_Q + r <= tile``."""
+    base = tl.load(qsl_ptr)
+    lo = num_reqs * 0
+    hi = num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + mid
+        if start <= tile:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_reqs", "window"])
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+    num_reqs, scale, soft_cap, window, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
+    WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    r = _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q)
+    base = tl.load(qsl_ptr)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    t0 = (tile - ((q_start - base) // BLOCK_Q + r)) * BLOCK_Q  # first query of the tile
+    if t0 >= q_len:
+        return
+    seq_len = tl.load(seq_ptr + r)
+    context = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = t0 + offs_m // GROUP_P  # query index within the request
+    head = kv_head * GROUP + offs_m % GROUP_P
+    row_ok = (tok < q_len) & (offs_m % GROUP_P < GROUP)
+    pos = context + tok  # the query's position
+    offs_d = tl.arange(0, D_P)
+    offs_dv = tl.arange(0, DV_P)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+    # The keys any row of the tile can see, then this split's chunk of them.
+    last = context + tl.minimum(t0 + BLOCK_Q, q_len) - 1
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(seq_len, last + 1)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(0, context + t0 - window + 1)
+        if not CAUSAL:
+            hi = tl.minimum(seq_len, last + window)
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
+
+    logit_scale = scale
+    if FP8:
+        logit_scale = logit_scale * tl.load(k_scale_ptr)  # dequantizes K inside q.k
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_ptr + r * stride_bt + offs_n // block_size, mask=n_ok, other=0)
+        slot = offs_n % block_size
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_dv[None, :],
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * logit_scale
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = s * LOG2E  # base 2 from here on
+        if HAS_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
+        visible = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[:, None] - offs_n[None, :] < window)
+            if not CAUSAL:
+                visible = visible & (offs_n[None, :] - pos[:, None] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    rows = q_start + tok
+    if NUM_SPLITS > 1:
+        part = (rows * HQ + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], out_rows,
+                 mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    else:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            out_rows = out_rows * tl.sigmoid(lse - sink)[:, None]
+        if FP8:
+            out_rows = out_rows * tl.load(v_scale_ptr)
+        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_dv[None, :], out_rows.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        if WRITE_LSE:
+            tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def combine_splits_kernel(
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, sinks_ptr, v_scale_ptr,
+    num_reqs, stride_ot, stride_oh, stride_lt,
+    HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    DV: tl.constexpr, DV_P: tl.constexpr,
+    HAS_SINKS: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """One program per (token, head): the splits' outputs weighted by ``exp(lse_s - lse)``."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if row >= tl.load(qsl_ptr + num_reqs) - tl.load(qsl_ptr):
+        return
+    row = row + tl.load(qsl_ptr)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_dv = tl.arange(0, DV_P)
+    part = (row * HQ + head) * NUM_SPLITS + offs_s
+    s_ok = offs_s < NUM_SPLITS
+    lse_s = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    denom = tl.sum(w, 0)
+    o_s = tl.load(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], mask=s_ok[:, None],
+                  other=0.0)
+    o = tl.sum(o_s * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    lse = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+    if HAS_SINKS:
+        o = o * tl.sigmoid(lse - tl.load(sinks_ptr + head))
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_dv,
+             o.to(out_ptr.dtype.element_ty), mask=offs_dv < DV)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row * stride_lt + head, lse)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_rows"])
+def zero_padding_kernel(out_ptr, lse_ptr, qsl_ptr, num_reqs, num_rows, row_elems,
+                        stride_ot, stride_lt, HQ: tl.constexpr, HQ_P: tl.constexpr,
+                        WRITE_LSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows at and past ``qsl[num_reqs]`` (padding, counted on the device) become zero."""
+    row = tl.program_id(0)
+    if (row < tl.load(qsl_ptr + num_reqs)) | (row >= num_rows):
+        return
+    for start in range(0, row_elems, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * stride_ot + offs, tl.zeros([BLOCK], tl.float32).to(
+            out_ptr.dtype.element_ty), mask=offs < row_elems)
+    if WRITE_LSE:
+        offs_h = tl.arange(0, HQ_P)
+        tl.store(lse_ptr + row * stride_lt + offs_h, tl.zeros([HQ_P], tl.float32),
+                 mask=offs_h < HQ)
