@@ -1,0 +1,106 @@
+"""TRITON_ATTN beyond the registry matrix: split-KV (forced split counts), head dims that are
+not powers of two, odd GQA groups, the device-side padding path of CUDA graphs, and the split
+rule. CPU: Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); GPU: the same
+tests at the same small shapes on the device."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
+from attn_ops.testing import SCENARIOS, Scenario, make_case, run_backend, sqnr_db, tolerance
+
+PLATFORM = current_platform()
+DEVICE = PLATFORM.device_type
+TRITON = get_backend_class("TRITON_ATTN")
+REFERENCE = get_backend_class("REFERENCE")
+DTYPE = torch.float16 if PLATFORM.is_gpu else torch.float32
+pytestmark = pytest.mark.skipif(bool(TRITON.not_supported_reasons(
+    AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=DTYPE), PLATFORM)),
+    reason="TRITON_ATTN cannot run here (no Triton, or CPU without TRITON_INTERPRET=1)")
+
+LONG_DECODES = Scenario(((700, 1), (33, 1), (1200, 1), (5, 1)))
+
+
+class _Forced(TRITON):
+    """TRITON_ATTN with the builder's split count (and token count) overridden."""
+
+    def __init__(self, spec, splits=None, num_tokens=None):
+        super().__init__(spec)
+        self.splits, self.num_tokens = splits, num_tokens
+
+    def build_metadata(self, common):
+        m = super().build_metadata(common)
+        bounds = m.bounds.clone()
+        if self.splits is not None:
+            bounds[2] = self.splits
+        if self.num_tokens is not None:
+            bounds[3] = self.num_tokens
+        return dataclasses.replace(m, bounds=bounds)
+
+
+def _compare(spec, scenario, block_size=16, **forced):
+    """TRITON_ATTN (``forced``: splits / num_tokens) against REFERENCE in fp64."""
+    case = make_case(spec, scenario, block_size=block_size, device=DEVICE, seed=3)
+    n = case.metadata.num_actual_tokens
+    out, lse = run_backend(_Forced, case, **forced)
+    truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
+    base, _ = run_backend(REFERENCE, case)
+    if spec.kv_cache_dtype.is_fp8:
+        exact = make_case(spec.with_(kv_cache_dtype=KVCacheDType.AUTO, dtype=torch.float64),
+                          scenario, block_size=block_size, device=DEVICE, seed=3)
+        ideal, _ = run_backend(REFERENCE, exact)
+        assert sqnr_db(out[:n], ideal[:n]) >= 25.0
+    err = (out[:n].double() - truth[:n]).abs().max().item()
+    allowed = tolerance((base[:n].double() - truth[:n]).abs().max().item(), spec.dtype)
+    assert err <= allowed, f"max error {err:.3g} > {allowed:.3g}"
+    assert (lse[:n].double() - truth_lse[:n]).abs().max().item() < 1e-3
+    assert (out[n:] == 0).all() and (lse[n:] == 0).all()
+
+
+BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=DTYPE)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("variant", ["plain", "sinks_window_softcap", "fp8", "alibi"])
+def test_split_kv_matches_reference(splits, variant):
+    spec = {"plain": BASE,
+            "sinks_window_softcap": BASE.with_(has_sinks=True, sliding_window=300,
+                                               logits_soft_cap=4.0),
+            "fp8": BASE.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
+            "alibi": BASE.with_(use_alibi=True)}[variant]
+    _compare(spec, LONG_DECODES, splits=splits)
+    _compare(spec, SCENARIOS["mixed"], splits=splits)  # decodes split, prefills not
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 96, 112, 136, 256])
+def test_head_dims_that_are_not_powers_of_two(head_dim):
+    _compare(BASE.with_(head_dim=head_dim), SCENARIOS["mixed"])
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (12, 4), (8, 1), (5, 5)], ids=str)
+def test_gqa_groups_of_any_size(heads):
+    q, kv = heads
+    _compare(BASE.with_(num_heads=q, num_kv_heads=kv), SCENARIOS["mixed"], splits=2)
+
+
+def test_padding_rows_found_on_the_device_as_in_cuda_graphs():
+    scenario = dataclasses.replace(SCENARIOS["padded_batch"], pad_tokens=5)
+    _compare(BASE.with_(has_sinks=True), scenario, num_tokens=-1)
+
+
+def test_page_sizes_not_multiple_of_the_key_tile():
+    _compare(BASE, LONG_DECODES, block_size=5, splits=4)
+
+
+def test_split_rule_never_jumps_up_with_the_batch():
+    from attn_ops.backends.triton_attn import MAX_SPLITS, choose_num_splits
+
+    for ctx in (1024, 8192, 32768):
+        splits = [choose_num_splits(b, 8, ctx, 132) for b in range(1, 257)]
+        assert all(a >= b for a, b in zip(splits, splits[1:])), splits
+        assert splits[0] == min(MAX_SPLITS, 32, ctx // 256)  # batch 1: ~2 programs per SM
+        assert splits[-1] == 1
+    assert choose_num_splits(1, 8, 300, 132) == 1  # too short to split
+    assert choose_num_splits(0, 8, 32768, 132) == 1
