@@ -116,7 +116,8 @@ def paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        page = tl.load(bt_ptr + r * stride_bt + offs_n // block_size, mask=n_ok, other=0)
+        page = tl.load(bt_ptr + r * stride_bt + offs_n // block_size, mask=n_ok,
+                       other=0).to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % block_size
         k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :],
