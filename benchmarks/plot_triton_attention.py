@@ -1,0 +1,58 @@
+"""Plot a ``bench_triton_attention.py`` result: decode latency against batch at 32k (a cliff
+would show as a jump), decode bandwidth per context, prefill throughput.
+
+    python benchmarks/plot_triton_attention.py benchmarks/results/bench_triton_attention_h200.json
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SERIES = {"triton": "TRITON_ATTN via torch.ops.attn", "flashinfer": "FlashInfer direct (CUDA-core)",
+          "flashinfer_tc": "FlashInfer direct (tensor-core)"}
+
+
+def main(path: str) -> None:
+    result = json.loads(Path(path).read_text())
+    decode = [r for r in result["rows"] if r["kind"] == "decode"]
+    prefill = [r for r in result["rows"] if r["kind"] == "prefill"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    at32k = sorted((r for r in decode if r["ctx"] == 32768), key=lambda r: r["batch"])
+    for i, (key, label) in enumerate(SERIES.items()):
+        axes[0].plot([r["batch"] for r in at32k], [r[f"{key}_ms"] * 1e3 for r in at32k],
+                     marker="o", label=label, color=f"C{i}")
+    axes[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="µs per call",
+                title="decode latency, ctx 32k")
+    axes[0].legend(fontsize=7)
+    for j, ctx in enumerate(sorted({r["ctx"] for r in decode})):
+        pts = sorted((r for r in decode if r["ctx"] == ctx), key=lambda r: r["batch"])
+        for i, key in enumerate(("triton", "flashinfer")):
+            axes[1].plot([r["batch"] for r in pts], [r[f"{key}_tbs"] for r in pts],
+                         marker="o", ls="-" if key == "triton" else ":", color=f"C{j + 3}",
+                         label=f"{key} ctx {ctx // 1024}k")
+    axes[1].axhline(4.27, color="gray", ls=":", lw=1)
+    axes[1].set(xscale="log", xlabel="batch", ylabel="TB/s (copy 4.27 dotted)",
+                title="paged decode bandwidth")
+    axes[1].legend(fontsize=6)
+    names = [f"{r['batch']}x{r['seq'] // 1024}k" for r in prefill]
+    for i, key in enumerate(("triton", "flashinfer")):
+        axes[2].bar([x + i * 0.4 for x in range(len(names))], [r[f"{key}_tflops"] for r in prefill],
+                    0.4, label=SERIES[key], color=f"C{i}")
+    axes[2].set_xticks([x + 0.2 for x in range(len(names))], names)
+    axes[2].set(ylabel="TFLOP/s", title="paged causal prefill")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"{result['device']}, bf16, 32/8 heads, head dim 128, page {result['page']} "
+                 f"({result['date'][:10]}, {result['commit']})")
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
