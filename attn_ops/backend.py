@@ -63,6 +63,12 @@ class AttentionBackend:
         return (self.name,)
 
     @classmethod
+    def returns_lse(cls, platform: Platform) -> bool:
+        """Whether the op fills ``lse`` on ``platform`` (all built-in backends but
+        FLEX_ATTENTION on the CPU)."""
+        return True
+
+    @classmethod
     def cudagraph_support(cls, spec: AttentionSpec, platform: Platform) -> CUDAGraphSupport:
         """How much of a batch this backend serves from a captured CUDA graph for ``spec`` on
         ``platform`` (the declared level on CUDA; CUDA graphs exist nowhere else)."""

@@ -231,3 +231,30 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> No
     """Attention sinks from the LSE (natural log, ``[T, H]``): a sink logit adds probability
     mass ``exp(sink)`` and no value, so ``out *= exp(lse) / (exp(lse) + exp(sink))``."""
     out.mul_(torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom mask / score mods (AttentionSpec.mask_mod / score_mod): callables cannot be op
+# arguments, so each distinct pair is registered once and travels as an int id (0: none).
+
+_MODS: list[tuple] = [(None, None)]
+
+
+def register_mods(spec) -> int:
+    """The id of ``spec``'s (mask_mod, score_mod) pair, registering it on first sight."""
+    pair = (spec.mask_mod, spec.score_mod)
+    if pair == (None, None):
+        return 0
+    for i, known in enumerate(_MODS):
+        if known[0] is pair[0] and known[1] is pair[1]:
+            return i
+    _MODS.append(pair)
+    return len(_MODS) - 1
+
+
+def registered_mods(mods_id: int) -> tuple:
+    """``(mask_mod, score_mod)`` registered under ``mods_id``."""
+    if not 0 <= mods_id < len(_MODS):
+        raise ValueError(f"mods={mods_id} is not a registered mask/score mod id "
+                         "(attn_ops.ops.register_mods)")
+    return _MODS[mods_id]

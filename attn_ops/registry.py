@@ -63,10 +63,10 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.FLASH_ATTN: "attn_ops.backends.flash_attn:FlashAttnBackend",
     Backend.FLASH_ATTN_DIFFKV: "attn_ops.backends.flash_attn_diffkv:FlashAttnDiffKVBackend",
     Backend.TRITON_ATTN: "attn_ops.backends.triton_attn:TritonAttnBackend",
+    Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",
 }
 
 _PLANNED: dict[str, _Planned] = {
-    Backend.FLEX_ATTENTION: _Planned(_GPU | {PlatformKind.CPU}, (), "issue 4"),
     Backend.TREE_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),
     Backend.ROCM_AITER_FA: _Planned(frozenset({PlatformKind.ROCM}),
                                     (PackageRequirement("aiter", "aiter"),), "ROCm support"),

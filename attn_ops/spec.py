@@ -7,6 +7,8 @@ backends that declare it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import enum
 import math
 from dataclasses import dataclass, replace
@@ -63,6 +65,7 @@ class Feature(enum.Enum):
     FP8_KV = "fp8_kv_cache"
     MLA = "mla"
     CROSS_ATTENTION = "cross_attention"
+    CUSTOM_MODS = "custom_mask_or_score_mod"
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -102,6 +105,12 @@ class AttentionSpec:
     # MLA latent dims; used by the MLA family only.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    # Arbitrary patterns (prefix-LM, document masking, ...), in request coordinates, written as
+    # elementwise torch ops on index tensors (FlexAttention traces them; REFERENCE broadcasts):
+    #   mask_mod(request, head, q_pos, kv_pos) -> bool       (and-ed with causal / window)
+    #   score_mod(score, request, head, q_pos, kv_pos) -> score   (after soft-cap and ALiBi)
+    mask_mod: Callable | None = None
+    score_mod: Callable | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_dtype, str):
@@ -175,6 +184,7 @@ class AttentionSpec:
             Feature.FP8_KV: self.kv_cache_dtype.is_fp8,
             Feature.MLA: self.use_mla,
             Feature.CROSS_ATTENTION: self.attn_type is AttentionType.ENCODER_DECODER,
+            Feature.CUSTOM_MODS: self.mask_mod is not None or self.score_mod is not None,
         }
         return frozenset(f for f, on in wanted.items() if on)
 
@@ -206,6 +216,9 @@ class AttentionSpec:
             parts.append("alibi")
         if self.attn_type is not AttentionType.DECODER:
             parts.append(f"attn_type={self.attn_type.value}")
+        for name in ("mask_mod", "score_mod"):
+            if (mod := getattr(self, name)) is not None:
+                parts.append(f"{name}={getattr(mod, '__name__', type(mod).__name__)}")
         return "AttentionSpec(" + ", ".join(parts) + ")"
 
 

@@ -26,7 +26,8 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.kv_cache import gather_tokens, split_kv_cache
 from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs,
-                          check_paged_attention_values, debug_checks_enabled, define_op)
+                          check_paged_attention_values, debug_checks_enabled, define_op,
+                          register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
@@ -42,8 +43,10 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
 
 def reference_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
                               sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window,
-                              soft_cap, causal) -> None:
-    """The REFERENCE kernel (schema: :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA`)."""
+                              soft_cap, causal, mods: int = 0) -> None:
+    """The REFERENCE kernel (schema: :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA`, plus the id
+    of the spec's custom mask/score mods in :func:`attn_ops.ops.registered_mods`)."""
+    mask_mod, score_mod = registered_mods(mods)
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -72,7 +75,13 @@ def reference_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_
         j = torch.arange(s, device=q.device)[None, :]
         if alibi_slopes is not None:
             score = score + alibi_slopes.to(compute)[:, None, None] * (j - p)
+        request = torch.tensor(i, device=q.device)
+        heads = torch.arange(num_heads, device=q.device)[:, None, None]
+        if score_mod is not None:
+            score = score_mod(score, request, heads, p[None], j[None])
         visible = torch.ones(n, s, dtype=torch.bool, device=q.device)
+        if mask_mod is not None:
+            visible = visible & mask_mod(request, heads, p[None], j[None])
         if causal:
             visible &= j <= p
         if sliding_window is not None:
@@ -97,6 +106,10 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
 
 reference_attention = define_op("reference_attention", PAGED_ATTENTION_SCHEMA,
                                 reference_paged_attention, _fake)
+# The same with the spec's custom mods (AttentionSpec.mask_mod / score_mod), by registry id.
+reference_attention_mods = define_op(
+    "reference_attention_mods", PAGED_ATTENTION_SCHEMA.replace(") -> ()", ", int mods) -> ()"),
+    reference_paged_attention, lambda *args: _fake(*args[:-1]))
 
 
 class ReferenceBackend(AttentionBackend):
@@ -113,3 +126,14 @@ class ReferenceBackend(AttentionBackend):
         cudagraph_support=CUDAGraphSupport.NEVER,  # reads lengths on the host
     )
     op = reference_attention
+
+    def __init__(self, spec, **options) -> None:
+        super().__init__(spec, **options)
+        self.mods = register_mods(spec)
+
+    def op_for(self, metadata):
+        return reference_attention_mods if self.mods else reference_attention
+
+    def op_arguments(self, query, kv_cache, metadata, out, **optional) -> tuple:
+        args = super().op_arguments(query, kv_cache, metadata, out, **optional)
+        return (*args, self.mods) if self.mods else args

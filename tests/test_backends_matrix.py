@@ -22,6 +22,7 @@ else:
     BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     BLOCK_SIZE = 4
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+NUM_BLOCKS = 256  # cache blocks at page 4 (scaled for other page sizes): every scenario fits
 
 
 def _available():
@@ -79,13 +80,27 @@ def _max_err(a, b, num_tokens):
     return (a[:num_tokens].double() - b[:num_tokens].double()).abs().max().item()
 
 
+def block_size_for(cls, spec):
+    """The matrix's page size, or the backend's own where it cannot take that one."""
+    if any(r.code == "block_size" for r in
+           cls.not_supported_reasons(spec.with_(block_size=BLOCK_SIZE), PLATFORM)):
+        return cls.preferred_block_size(spec)
+    return BLOCK_SIZE
+
+
 @pytest.mark.parametrize("backend,spec,scenario,options", list(_params()))
 def test_matches_reference(backend, spec, scenario, options):
     cls = get_backend_class(backend)
-    case = make_case(spec, SCENARIOS[scenario], block_size=BLOCK_SIZE, device=DEVICE,
-                     seed=len(scenario), finite_page_tails=cls.capabilities.reads_page_tails)
+    block = block_size_for(cls, spec)
+    # One cache size for every scenario (compiling backends then compile once per spec).
+    case = make_case(spec, SCENARIOS[scenario], block_size=block, num_blocks=NUM_BLOCKS * 4 // block,
+                     device=DEVICE, seed=len(scenario),
+                     finite_page_tails=cls.capabilities.reads_page_tails)
     n = case.metadata.num_actual_tokens
-    out, lse = run_backend(cls, case, **options)
+    with_lse = cls.returns_lse(PLATFORM)
+    out, lse = run_backend(cls, case, with_lse=with_lse, **options)
+    if not with_lse:  # (the op fills no LSE here: checked against REFERENCE's below)
+        lse = run_backend(REFERENCE, case)[1]
     truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
     base, base_lse = run_backend(REFERENCE, case)  # plain torch at the test's precision
     assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"
@@ -96,8 +111,9 @@ def test_matches_reference(backend, spec, scenario, options):
     assert lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), lse_err
     if spec.kv_cache_dtype.is_fp8:
         exact = make_case(spec.with_(kv_cache_dtype=KVCacheDType.AUTO, dtype=torch.float64),
-                          SCENARIOS[scenario], block_size=BLOCK_SIZE, device=DEVICE,
-                          seed=len(scenario), finite_page_tails=cls.capabilities.reads_page_tails)
+                          SCENARIOS[scenario], block_size=block,
+                          num_blocks=NUM_BLOCKS * 4 // block, device=DEVICE, seed=len(scenario),
+                          finite_page_tails=cls.capabilities.reads_page_tails)
         ideal, _ = run_backend(REFERENCE, exact)
         assert sqnr_db(out[:n], ideal[:n]) >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
 

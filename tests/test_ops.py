@@ -6,7 +6,7 @@ import torch
 from attn_ops import AttentionSpec, KVCacheDType, get_backend_class
 from attn_ops.kv_cache import kv_cache_update
 from attn_ops.testing import OPTION_VARIANTS, SCENARIOS, make_case
-from test_backends_matrix import BACKENDS, BASE, BLOCK_SIZE, DEVICE, PLATFORM
+from test_backends_matrix import BACKENDS, BASE, DEVICE, PLATFORM, block_size_for
 
 SPECS = {
     "gqa": BASE,
@@ -39,20 +39,23 @@ def _attention_call(impl, case, with_lse):
 
 
 def _supported():
-    """(backend, options, spec id) the backend declares it can run here: only those are
-    checked."""
-    return [pytest.param(b, opts, sid, id="-".join([b, *map(str, opts.values()), sid]))
+    """(backend, options, spec id, with LSE) the backend declares it can run here: only those
+    are checked."""
+    return [pytest.param(b, opts, sid, lse,
+                         id="-".join([b, *map(str, opts.values()), sid, "lse" if lse else "no_lse"]))
             for b in BACKENDS for opts in ({}, *OPTION_VARIANTS.get(b, ()))
             for sid, spec in SPECS.items()
-            if not get_backend_class(b).not_supported_reasons(spec, PLATFORM)]
+            for lse in (True, False)
+            if not get_backend_class(b).not_supported_reasons(spec, PLATFORM)
+            and (get_backend_class(b).returns_lse(PLATFORM) or not lse)]
 
 
-@pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "no_lse"])
-@pytest.mark.parametrize("backend,options,spec_id", _supported())
+@pytest.mark.parametrize("backend,options,spec_id,with_lse", _supported())
 def test_attention_op_opcheck(backend, options, spec_id, with_lse):
     spec = SPECS[spec_id]
     impl = get_backend_class(backend)(spec, **options)
-    case = make_case(spec, SCENARIOS["contiguous_pages"], block_size=BLOCK_SIZE, device=DEVICE)
+    case = make_case(spec, SCENARIOS["contiguous_pages"],
+                     block_size=block_size_for(type(impl), spec), device=DEVICE)
     op, args = _attention_call(impl, case, with_lse)
     torch.library.opcheck(op, args, test_utils=_test_utils(spec.cache_dtype))
 

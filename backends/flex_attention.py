@@ -1,0 +1,250 @@
+"""FLEX_ATTENTION: ``torch.nn.attention.flex_attention`` compiled over the paged KV cache.
+
+No copy of the cache: the keys FlexAttention sees are the cache itself viewed as one long
+sequence of slots (``[1, kv_heads, slots, head_dim]``; for the interleaved NHD layout K and V
+views are offset by one page, and the V half of each page is masked). Each step, on the device
+and without a host sync (so it can be captured): a token -> request map, each token's position,
+each physical page's owner request and logical index (from the block table), and a
+``BlockMask`` whose KV blocks are exactly the pages of the requests in each 128-query block --
+the sparse structure comes from the block table, ``mask_mod`` only refines inside pages.
+
+``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
+soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
+(``AttentionSpec``: prefix-LM, document masking, any elementwise pattern) -- what vLLM users ask
+for and vLLM does not offer (vllm-project/vllm#17869). Sinks are applied from the LSE.
+
+Recompilation: the mods are rebuilt each call from the same code over new tensors of the same
+shapes, which Dynamo's guards accept, so only a new query-block count or cache size compiles
+again (shapes are marked dynamic after the first change).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
+                                   Reason)
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.ops import (apply_sinks, check_paged_attention_inputs, define_op, register_mods,
+                          registered_mods)
+from attn_ops.platforms import PlatformKind
+from attn_ops.spec import AttentionType, Feature, KVCacheDType
+
+__all__ = ["FlexAttentionBackend"]
+
+Q_BLOCK = 128
+
+
+def _has_compute_q_blocks() -> bool:
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+_HAS_COMPUTE_Q_BLOCKS = _has_compute_q_blocks()
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Static shapes: a new query bucket or cache size compiles again (automatic dynamic shapes
+    # hit an Inductor CPU-template bug in torch 2.13: "cur_kvSplitSize6 was not declared").
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+
+def _slot_views(kv_cache, head_dim, head_dim_v):
+    """K and V as ``[1, kv_heads, slots, dim]`` views of the cache, and the slot-index period
+    of one page (K slots of page ``p`` are ``p * period + [0, block_size)``)."""
+    if kv_cache.dim() == 5:  # [blocks, 2, block_size, heads, dim]: K page, V page, K page, ...
+        nb, _, bs, h, d = kv_cache.shape
+        flat = kv_cache.view(nb * 2 * bs, h, d)
+        k, v, period = flat[:(2 * nb - 1) * bs], flat[bs:], 2 * bs
+    else:  # packed [blocks, block_size, heads, head_dim + head_dim_v]
+        nb, bs, h, _ = kv_cache.shape
+        k = kv_cache[..., :head_dim].reshape(nb * bs, h, head_dim)
+        v = kv_cache[..., head_dim:].reshape(nb * bs, h, head_dim_v)
+        period = bs
+    return k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], period, bs
+
+
+def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block_size, period):
+    """Per token: request (``B`` for padding), position, visible-key limit; per page: owner
+    and logical index; and the BlockMask's ``kv_num_blocks`` / ``kv_indices``. Device only."""
+    dev = seq_lens.device
+    b, width = block_table.shape
+    qsl = query_start_loc.long()
+    seq = seq_lens.long()
+    t = torch.arange(rows, device=dev)
+    req = torch.searchsorted(qsl[1:].contiguous(), t, right=True)
+    valid = req < b
+    r = req.clamp(max=max(b - 1, 0))
+    q_len = qsl[1:] - qsl[:-1]
+    qpos = seq[r] - q_len[r] + (t - qsl[r])
+    kv_limit = torch.where(valid, seq[r], 0)
+    used = torch.arange(width, device=dev)[None, :] < ((seq + block_size - 1) // block_size)[:, None]
+    page_req = torch.arange(b, device=dev).repeat_interleave(width)
+    idx = torch.where(used, block_table.long(), num_pages).flatten()
+    owner = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev)
+    owner.scatter_(0, idx, page_req)
+    logical = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
+    logical.scatter_(0, idx, torch.arange(width, device=dev).repeat(b))
+    # Query block j holds requests lo[j]..hi[j]; its KV blocks are their pages, in order.
+    blocks = rows // Q_BLOCK
+    req_blocks = req.view(blocks, Q_BLOCK)
+    lo = torch.where(valid.view(blocks, Q_BLOCK), req_blocks, b).amin(1)
+    hi = torch.where(valid.view(blocks, Q_BLOCK), req_blocks, -1).amax(1)
+    include = used.flatten()[None, :] & (page_req[None, :] >= lo[:, None]) \
+        & (page_req[None, :] <= hi[:, None])
+    kv_num = include.sum(1).to(torch.int32)
+    pos = include.cumsum(1) - 1
+    # (as wide as FlexAttention's KV block count, which it expects of kv_indices)
+    kv_blocks = (num_pages - 1) * (period // block_size) + 1
+    kv_idx = torch.zeros(blocks, max(kv_blocks, num_pages) + 1, dtype=torch.int32, device=dev)
+    kv_idx.scatter_(1, torch.where(include, pos, kv_idx.shape[1] - 1),
+                    (block_table.flatten() * (period // block_size)).to(torch.int32)
+                    .expand(blocks, -1).contiguous())
+    return (req, qpos, kv_limit, owner[:num_pages], logical[:num_pages], valid,
+            kv_num[None, None], kv_idx[None, None, :, :kv_blocks])
+
+
+def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, window, soft_cap,
+          alibi, user_mask, user_score):
+    """``mask_mod`` / ``score_mod`` over FlexAttention's (query row, cache slot) indices."""
+
+    def logical_pos(kv_idx):
+        return logical[kv_idx // period] * block_size + kv_idx % period
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        r, p = req[q_idx], qpos[q_idx]
+        j = logical_pos(kv_idx)
+        vis = (kv_idx % period < block_size) & (owner[kv_idx // period] == r) & (j < kv_limit[q_idx])
+        if causal:
+            vis = vis & (j <= p)
+        if window is not None:
+            vis = vis & (p - j < window)
+            if not causal:
+                vis = vis & (j - p < window)
+        if user_mask is not None:
+            vis = vis & user_mask(r, h, p, j)
+        return vis
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if soft_cap is not None:
+            score = soft_cap * torch.tanh(score / soft_cap)
+        if alibi is not None:
+            score = score + alibi[h] * (logical_pos(kv_idx) - qpos[q_idx])
+        if user_score is not None:
+            score = user_score(score, req[q_idx], h, qpos[q_idx], logical_pos(kv_idx))
+        return score
+
+    plain = soft_cap is None and alibi is None and user_score is None
+    return mask_mod, (None if plain else score_mod)
+
+
+def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
+                    alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal,
+                    mods) -> None:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+    user_mask, user_score = registered_mods(mods)
+    t_in, hq, d = query.shape
+    k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
+    rows = -(-t_in // Q_BLOCK) * Q_BLOCK
+    req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx = _step_tensors(
+        query_start_loc, seq_lens, block_table, rows, kv_cache.shape[0], bs, period)
+    mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
+                                sliding_window, soft_cap, alibi_slopes, user_mask, user_score)
+    extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q_BLOCKS else {}  # (no backward)
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(Q_BLOCK, bs),
+                                          mask_mod=mask_mod, seq_lengths=(rows, k.shape[2]),
+                                          **extra)
+    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - t_in)).permute(1, 0, 2)[None]
+    need_lse = lse is not None or sinks is not None
+    if need_lse and query.device.type == "cpu":
+        raise ValueError("FLEX_ATTENTION on the CPU returns no LSE (compiled CPU FlexAttention "
+                         "does not support return_lse), so lse and sinks are GPU-only; pass "
+                         "lse=None or use CPU_ATTN")
+    # Compiled CPU FlexAttention is inference-only; every mod variant x shape is one entry of
+    # one code object's cache, more than Dynamo's default 8.
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
+        result = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                         enable_gqa=hq != k.shape[1], return_lse=need_lse)
+    o, row_lse = result if need_lse else (result, None)
+    keep = valid[:t_in, None]
+    out.copy_(torch.where(keep[..., None], o[0].transpose(0, 1)[:t_in], 0.0))
+    if need_lse:
+        row_lse = torch.where(keep, row_lse[0].t()[:t_in].float(), 0.0)
+        if sinks is not None:
+            apply_sinks(out, row_lse, sinks)
+        if lse is not None:
+            lse.copy_(row_lse)
+
+
+def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
+          alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal, mods) -> None:
+    check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+
+
+flex_paged_attention = define_op(
+    "flex_attention",
+    "(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_table, Tensor(a!) out, Tensor(b!)? lse, Tensor? sinks, Tensor? alibi_slopes, "
+    "Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, float? soft_cap, "
+    "bool causal, int mods) -> ()",
+    _flex_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """Compiled FlexAttention over the paged cache; the backend for custom mask/score mods."""
+
+    name = "FLEX_ATTENTION"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CUDA, PlatformKind.CPU}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dims=HeadDims(multiple_of=8, min=16, max=256),
+        kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),
+        block_sizes=(MultipleOf(16),),
+        preferred_block_size=16,
+        features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,
+                            Feature.ALIBI, Feature.NON_CAUSAL, Feature.CUSTOM_MODS}),
+        attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
+        cudagraph_support=CUDAGraphSupport.NEVER,  # capture not tested yet
+        reads_page_tails=True,  # masked slots of a visited page still meet p * v
+    )
+    op = flex_paged_attention
+
+    @classmethod
+    def returns_lse(cls, platform) -> bool:
+        return platform.kind is not PlatformKind.CPU
+
+    @classmethod
+    def not_supported_reasons(cls, spec, platform):
+        reasons = super().not_supported_reasons(spec, platform)
+        if platform.kind is PlatformKind.CPU and spec.block_size not in (None, 16):
+            reasons.append(Reason(cls.name, "block_size", f"block_size={spec.block_size}: "
+                                  "compiled CPU FlexAttention builds only for pages of 16 "
+                                  "tokens (torch 2.13)", "leave block_size=None"))
+        if spec.has_sinks and not cls.returns_lse(platform):
+            reasons.append(Reason(cls.name, "feature:attention_sinks", "attention sinks need "
+                                  "the LSE, which compiled FlexAttention does not return on the "
+                                  "CPU", "CPU_ATTN or REFERENCE take sinks"))
+        return reasons
+
+    def __init__(self, spec, **options) -> None:
+        super().__init__(spec, **options)
+        self.mods = register_mods(spec)
+
+    def build_metadata(self, common: CommonAttentionMetadata):
+        return common
+
+    def op_arguments(self, query, kv_cache, metadata, out, **optional) -> tuple:
+        return (*super().op_arguments(query, kv_cache, metadata, out, **optional), self.mods)
