@@ -9,8 +9,8 @@ them, padded with empty requests to the smallest capture size ``S >= n``, and re
 ordinary :class:`~attn_ops.metadata.CommonAttentionMetadata` whose device tensors are views of
 the buffers. Backends then build their own metadata from it with
 :meth:`~attn_ops.backend.AttentionBackend.graph_metadata` (host planning included, into buffers
-of their own kept in :attr:`CUDAGraphBatch.backend_state`); :func:`attn_ops.layer.build_step_metadata`
-does both for a model.
+of their own kept in :attr:`CUDAGraphBatch.backend_state`);
+:func:`attn_ops.layer.build_step_metadata` does both for a model.
 
 Padding: requests ``n..S-1`` have no query tokens, no cached tokens and an all-zero block-table
 row; tokens past the real ones have slot ``-1`` (the cache write skips them). Stale tails from

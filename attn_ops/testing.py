@@ -150,9 +150,9 @@ def run_backend(backend_cls, case: PagedCase, *, with_lse: bool = True,
                      device=q.device)
     lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device) \
         if with_lse else None
-    backend_cls(spec, **options).forward(q, case.kv_cache, case.metadata, out, lse=lse, sinks=case.sinks,
-                              alibi_slopes=case.alibi_slopes, k_scale=case.k_scale,
-                              v_scale=case.v_scale)
+    backend_cls(spec, **options).forward(
+        q, case.kv_cache, case.metadata, out, lse=lse, sinks=case.sinks,
+        alibi_slopes=case.alibi_slopes, k_scale=case.k_scale, v_scale=case.v_scale)
     return out, lse
 
 

@@ -87,7 +87,8 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     q_len = qsl[1:] - qsl[:-1]
     qpos = seq[r] - q_len[r] + (t - qsl[r])
     kv_limit = torch.where(valid, seq[r], 0)
-    used = torch.arange(width, device=dev)[None, :] < ((seq + block_size - 1) // block_size)[:, None]
+    pages = (seq + block_size - 1) // block_size
+    used = torch.arange(width, device=dev)[None, :] < pages[:, None]
     page_req = torch.arange(b, device=dev).repeat_interleave(width)
     idx = torch.where(used, block_table.long(), num_pages).flatten()
     owner = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev)
@@ -123,7 +124,8 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
     def mask_mod(b, h, q_idx, kv_idx):
         r, p = req[q_idx], qpos[q_idx]
         j = logical_pos(kv_idx)
-        vis = (kv_idx % period < block_size) & (owner[kv_idx // period] == r) & (j < kv_limit[q_idx])
+        vis = (kv_idx % period < block_size) & (owner[kv_idx // period] == r) \
+            & (j < kv_limit[q_idx])
         if causal:
             vis = vis & (j <= p)
         if window is not None:

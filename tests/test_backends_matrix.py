@@ -93,7 +93,8 @@ def test_matches_reference(backend, spec, scenario, options):
     cls = get_backend_class(backend)
     block = block_size_for(cls, spec)
     # One cache size for every scenario (compiling backends then compile once per spec).
-    case = make_case(spec, SCENARIOS[scenario], block_size=block, num_blocks=NUM_BLOCKS * 4 // block,
+    case = make_case(spec, SCENARIOS[scenario], block_size=block,
+                     num_blocks=NUM_BLOCKS * 4 // block,
                      device=DEVICE, seed=len(scenario),
                      finite_page_tails=cls.capabilities.reads_page_tails)
     n = case.metadata.num_actual_tokens

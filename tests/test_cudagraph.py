@@ -151,7 +151,7 @@ def _check(spec, got, got_lse, q, cache, common, n, size, **optional):
     truth, truth_lse, base = _reference(spec, q[:n], cache, common, **optional)
     err = (got[:n].double() - truth).abs().max().item()
     allowed = tolerance((base.double() - truth).abs().max().item(), spec.dtype)
-    assert err <= allowed, f"replay with {n} requests (size {size}): error {err:.3g} > {allowed:.3g}"
+    assert err <= allowed, f"replay, {n} of {size} rows: error {err:.3g} > {allowed:.3g}"
     if got_lse is not None:
         assert (got_lse[:n].double() - truth_lse).abs().max().item() < 1e-2
         assert (got_lse[n:size] == 0).all()

@@ -42,7 +42,8 @@ def _supported():
     """(backend, options, spec id, with LSE) the backend declares it can run here: only those
     are checked."""
     return [pytest.param(b, opts, sid, lse,
-                         id="-".join([b, *map(str, opts.values()), sid, "lse" if lse else "no_lse"]))
+                         id="-".join([b, *map(str, opts.values()), sid,
+                                      "lse" if lse else "no_lse"]))
             for b in BACKENDS for opts in ({}, *OPTION_VARIANTS.get(b, ()))
             for sid, spec in SPECS.items()
             for lse in (True, False)

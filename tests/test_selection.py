@@ -70,7 +70,8 @@ package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
             sel = select_backend(SPEC.with_(sliding_window=8), CPU)
             (cand,) = [c for c in sel.candidates if c.name == "NO_WINDOW"]
             self.assertTrue(str(cand.reasons[0]).startswith(
-                "sliding_window is not supported; supported by CPU_ATTN, FLEX_ATTENTION, REFERENCE"),
+                "sliding_window is not supported; supported by CPU_ATTN, FLEX_ATTENTION, "
+                "REFERENCE"),
                 cand.reasons[0])
 
     def test_forced_invalid_backend_raises_with_every_reason(self):
