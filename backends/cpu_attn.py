@@ -199,7 +199,7 @@ class CPUAttnBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         head_dims=HeadDims(multiple_of=1, min=1, max=1024),
         kv_cache_dtypes=frozenset(KVCacheDType),
-        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION},
+        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION, Feature.CUSTOM_MODS},
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         preferred_block_size=16,
         cudagraph_support=CUDAGraphSupport.NEVER,  # CPU: no CUDA graphs

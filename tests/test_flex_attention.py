@@ -1,0 +1,93 @@
+"""FLEX_ATTENTION: custom mask/score mods on the spec (prefix-LM, document masking, a score
+bias) against REFERENCE, which applies the same mods; selection of FLEX for them; and no
+recompilation when only lengths change."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attn_ops import AttentionSpec, current_platform, get_backend_class, select_backend
+from attn_ops.metadata import build_common_metadata
+from attn_ops.spec import AttentionType
+from attn_ops.testing import Scenario, make_case, run_backend, tolerance
+
+PLATFORM = current_platform()
+DEVICE = PLATFORM.device_type
+FLEX = get_backend_class("FLEX_ATTENTION")
+REFERENCE = get_backend_class("REFERENCE")
+DTYPE = torch.float16 if PLATFORM.is_gpu else torch.float32
+BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=DTYPE)
+PREFIX = 12
+
+
+def prefix_lm(request, head, q_pos, kv_pos):
+    """Bidirectional over the first PREFIX tokens, causal after them."""
+    return (kv_pos <= q_pos) | (kv_pos < PREFIX)
+
+
+def documents(request, head, q_pos, kv_pos):
+    """Requests packing documents of 10 tokens: attend within the query's document only."""
+    return q_pos // 10 == kv_pos // 10
+
+
+def distance_bias(score, request, head, q_pos, kv_pos):
+    return score - 0.05 * (head + 1) * (q_pos - kv_pos).abs()
+
+
+MODS = {
+    "prefix_lm": BASE.with_(mask_mod=prefix_lm, attn_type=AttentionType.ENCODER_ONLY),
+    "documents": BASE.with_(mask_mod=documents),
+    "distance_bias": BASE.with_(score_mod=distance_bias),
+    "documents_bias_window": BASE.with_(mask_mod=documents, score_mod=distance_bias,
+                                        sliding_window=7),
+}
+MIXED = Scenario(((30, 1), (9, 1), (0, 25), (14, 9)))
+
+
+@pytest.mark.parametrize("name", list(MODS))
+def test_custom_mods_match_reference(name):
+    spec = MODS[name]
+    assert not FLEX.not_supported_reasons(spec, PLATFORM)
+    case = make_case(spec, MIXED, block_size=16, device=DEVICE, seed=5, finite_page_tails=True)
+    n = case.metadata.num_actual_tokens
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    truth, _ = run_backend(REFERENCE, case.to(torch.float64))
+    base, _ = run_backend(REFERENCE, case)
+    err = (out[:n].double() - truth[:n]).abs().max().item()
+    assert err <= tolerance((base[:n].double() - truth[:n]).abs().max().item(), spec.dtype), err
+    exact = case.to(torch.float64)
+    plain, _ = run_backend(REFERENCE, dataclasses.replace(
+        exact, spec=exact.spec.with_(mask_mod=None, score_mod=None)))
+    assert (plain[:n] - truth[:n]).abs().max() > 1e-3, "the mods must change the result"
+
+
+def test_custom_mods_select_flex_and_say_who_else_can():
+    sel = select_backend(MODS["documents"], PLATFORM)
+    assert sel.backend == "FLEX_ATTENTION"
+    reasons = {c.name: [str(r) for r in c.reasons] for c in sel.candidates}
+    assert any(r.startswith("custom_mask_or_score_mod is not supported; supported by "
+                            "FLEX_ATTENTION, REFERENCE") for r in reasons["TRITON_ATTN"]
+               + reasons.get("CPU_ATTN", []))
+
+
+def test_lengths_changing_step_to_step_compile_once():
+    from torch._dynamo.utils import counters
+
+    spec = BASE.with_(sliding_window=9)
+    cache = torch.randn(32, 2, 16, 2, 16, device=DEVICE).to(DTYPE)
+    impl = FLEX(spec)
+    q = torch.randn(3, 4, 16, device=DEVICE).to(DTYPE)
+
+    def step(lens):
+        tables = [[1 + 8 * i + j for j in range(-(-s // 16))] for i, s in enumerate(lens)]
+        meta = build_common_metadata([1, 1, 1], lens, tables, 16, 32, device=DEVICE)
+        out = torch.empty_like(q)
+        impl.forward(q, cache, meta, out)
+        return out
+
+    step([5, 40, 17])  # compiles
+    before = counters["stats"]["unique_graphs"]
+    for lens in ([6, 41, 18], [90, 3, 120], [1, 1, 128]):
+        step(lens)
+    assert counters["stats"]["unique_graphs"] == before, "recompiled on new lengths"
