@@ -64,10 +64,10 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.FLASH_ATTN_DIFFKV: "attn_ops.backends.flash_attn_diffkv:FlashAttnDiffKVBackend",
     Backend.TRITON_ATTN: "attn_ops.backends.triton_attn:TritonAttnBackend",
     Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",
+    Backend.TREE_ATTN: "attn_ops.backends.tree_attn:TreeAttnBackend",
 }
 
 _PLANNED: dict[str, _Planned] = {
-    Backend.TREE_ATTN: _Planned(_GPU, (_TRITON,), "issue 4"),
     Backend.ROCM_AITER_FA: _Planned(frozenset({PlatformKind.ROCM}),
                                     (PackageRequirement("aiter", "aiter"),), "ROCm support"),
     Backend.ROCM_ATTN: _Planned(frozenset({PlatformKind.ROCM}), (_TRITON,), "ROCm support"),

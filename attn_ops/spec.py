@@ -66,6 +66,7 @@ class Feature(enum.Enum):
     MLA = "mla"
     CROSS_ATTENTION = "cross_attention"
     CUSTOM_MODS = "custom_mask_or_score_mod"
+    TREE = "tree_speculation"
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -111,6 +112,11 @@ class AttentionSpec:
     #   score_mod(score, request, head, q_pos, kv_pos) -> score   (after soft-cap and ALiBi)
     mask_mod: Callable | None = None
     score_mod: Callable | None = None
+    # Tree speculative decoding (EAGLE-style): the parent of each draft-tree node, in query
+    # order (-1: the root, which follows the committed prefix; parents come before children).
+    # A request with exactly len(spec_tree) query tokens is such a tree: each of its queries
+    # sees the committed prefix and its own ancestors only. Up to 64 nodes.
+    spec_tree: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_dtype, str):
@@ -134,6 +140,13 @@ class AttentionSpec:
         if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap={self.logits_soft_cap} must be > 0; "
                              "use None to turn soft-capping off")
+        if self.spec_tree is not None:
+            object.__setattr__(self, "spec_tree", tuple(int(p) for p in self.spec_tree))
+            tree = self.spec_tree
+            if not 1 <= len(tree) <= 64 or any(not -1 <= p < i for i, p in enumerate(tree)) \
+                    or tree[0] != -1:
+                raise ValueError(f"spec_tree={tree} must list 1-64 parents in query order: -1 "
+                                 "for the root (first), each other parent an earlier node")
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
             raise ValueError(f"scale={self.scale} must be a finite positive number; use None "
                              "for 1/sqrt(head_dim)")
@@ -185,6 +198,7 @@ class AttentionSpec:
             Feature.MLA: self.use_mla,
             Feature.CROSS_ATTENTION: self.attn_type is AttentionType.ENCODER_DECODER,
             Feature.CUSTOM_MODS: self.mask_mod is not None or self.score_mod is not None,
+            Feature.TREE: self.spec_tree is not None,
         }
         return frozenset(f for f, on in wanted.items() if on)
 
@@ -216,6 +230,8 @@ class AttentionSpec:
             parts.append("alibi")
         if self.attn_type is not AttentionType.DECODER:
             parts.append(f"attn_type={self.attn_type.value}")
+        if self.spec_tree is not None:
+            parts.append(f"spec_tree={len(self.spec_tree)} nodes")
         for name in ("mask_mod", "score_mod"):
             if (mod := getattr(self, name)) is not None:
                 parts.append(f"{name}={getattr(mod, '__name__', type(mod).__name__)}")

@@ -199,7 +199,8 @@ class CPUAttnBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         head_dims=HeadDims(multiple_of=1, min=1, max=1024),
         kv_cache_dtypes=frozenset(KVCacheDType),
-        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION, Feature.CUSTOM_MODS},
+        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION, Feature.CUSTOM_MODS,
+                                         Feature.TREE},
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         preferred_block_size=16,
         cudagraph_support=CUDAGraphSupport.NEVER,  # CPU: no CUDA graphs

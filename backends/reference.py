@@ -121,7 +121,7 @@ class ReferenceBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         head_dims=HeadDims(),
         kv_cache_dtypes=frozenset(KVCacheDType),
-        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION},
+        features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION, Feature.TREE},
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         cudagraph_support=CUDAGraphSupport.NEVER,  # reads lengths on the host
     )

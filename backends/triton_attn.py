@@ -92,7 +92,7 @@ def _pow2(n: int, at_least: int = 1) -> int:
 
 
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
-            k_scale, v_scale, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
+            k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
             prefill):
     """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
     them) whose queries are at most ``num_tokens`` rows."""
@@ -118,8 +118,9 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
         qsl, seq_lens, block_table, sinks if sinks is not None else dummy,
         alibi if alibi is not None else dummy, k_scale if fp8 else dummy,
-        v_scale if fp8 else dummy,
+        v_scale if fp8 else dummy, tree if tree is not None else dummy,
         num_reqs, scale, soft_cap or 0.0, window or 0, k_cache.shape[1],
+        tree.shape[0] if tree is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -129,7 +130,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         USE_SOFTCAP=soft_cap is not None, HAS_ALIBI=alibi is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2)
+        HAS_TREE=tree is not None, num_warps=4, num_stages=2)
     if splits > 1:
         combine_splits_kernel[(num_tokens, hq)](
             out, lse if lse is not None else dummy, part_o, part_lse, qsl,
@@ -142,7 +143,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
 
 def _triton_attention(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse,
                       sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
-                      causal) -> None:
+                      causal, tree=None) -> None:
     _check(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse, sinks,
            alibi_slopes, k_scale, v_scale)
     if query.device.type == "cpu" and not interpreting():
@@ -151,8 +152,8 @@ def _triton_attention(query, kv_cache, query_start_loc, seq_lens, block_table, b
     num_decodes, num_decode_tokens, splits, num_tokens = bounds.tolist()
     k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
     num_reqs, rows = seq_lens.shape[0], query.shape[0]
-    args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, scale=scale,
-                window=sliding_window, soft_cap=soft_cap, causal=causal)
+    args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, tree=tree,
+                scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal)
     if num_decodes:
         _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
                 num_reqs=num_decodes, num_tokens=num_decode_tokens, splits=splits,

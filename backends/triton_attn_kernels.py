@@ -54,8 +54,8 @@ def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_reqs", "window"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-    qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-    num_reqs, scale, soft_cap, window, block_size,
+    qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, tree_ptr,
+    num_reqs, scale, soft_cap, window, block_size, tree_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr,
@@ -64,6 +64,7 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -110,6 +111,9 @@ def paged_attention_kernel(
         logit_scale = logit_scale * tl.load(k_scale_ptr)  # dequantizes K inside q.k
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E
+    if HAS_TREE:  # a request of exactly tree_size queries is a draft tree: ancestor bitmasks
+        not_tree = (tok * 0 + q_len) != tree_size  # (as a row vector)
+        ancestors = tl.load(tree_ptr + tok, mask=row_ok & ~not_tree, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
@@ -138,6 +142,10 @@ def paged_attention_kernel(
             visible = visible & (pos[:, None] - offs_n[None, :] < window)
             if not CAUSAL:
                 visible = visible & (offs_n[None, :] - pos[:, None] < window)
+        if HAS_TREE:  # among the draft tokens only the query's ancestors (and itself)
+            node = tl.minimum(tl.maximum(offs_n - context, 0), 63).to(tl.int64)
+            is_ancestor = ((ancestors[:, None] >> node[None, :]) & 1) != 0
+            visible = visible & ((offs_n[None, :] < context) | is_ancestor | not_tree[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

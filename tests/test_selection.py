@@ -37,8 +37,8 @@ head_dim: head_dim=2048 not in multiples of 1 in [1, 1024]""")
 platform: platform cuda not in {cpu}""")
 
     def test_planned_backends_say_not_implemented_and_missing_packages(self):
-        text = reasons_text("TREE_ATTN", SPEC, Platform.parse("cuda:9.0"))
-        self.assertIn("not_implemented: TREE_ATTN is not implemented yet (planned: issue 4)",
+        text = reasons_text("ROCM_ATTN", SPEC, Platform.parse("rocm:gfx942"))
+        self.assertIn("not_implemented: ROCM_ATTN is not implemented yet (planned: ROCm support)",
                       text)
         self.assertExpectedInline(reasons_text("XPU_ATTN", SPEC), """\
 platform: platform cpu not in {xpu}
