@@ -226,7 +226,7 @@ class TritonAttnBackend(AttentionBackend):
         reasons = super().not_supported_reasons(spec, platform)
         if platform.kind is PlatformKind.CPU:
             if not interpreting():
-                reasons.append(Reason(cls.name, "platform", "platform cpu: TRITON_ATTN runs on "
+                reasons.append(Reason(cls.name, "platform", f"platform cpu: {cls.name} runs on "
                                       "the CPU only in Triton's interpreter (TRITON_INTERPRET=1, "
                                       "for tests)"))
             if spec.dtype == torch.bfloat16:
