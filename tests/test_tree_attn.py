@@ -83,3 +83,14 @@ def test_a_tree_selects_tree_attn_and_bad_trees_are_refused():
         AttentionSpec(num_heads=4, head_dim=32, spec_tree=(-1, 2, 0))
     reasons = [r.code for r in TREE.not_supported_reasons(SPEC.with_(spec_tree=None), PLATFORM)]
     assert "feature:tree" in reasons
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_tree_op_passes_opcheck(with_lse):
+    case = make_case(SPEC, Scenario(((12, 1), (20, 6))), block_size=16, device=DEVICE, seed=2)
+    impl = TREE(SPEC)
+    out = torch.empty(case.query.shape[0], 4, 32, dtype=DTYPE, device=DEVICE)
+    lse = torch.empty(case.query.shape[0], 4, device=DEVICE) if with_lse else None
+    meta = impl.build_metadata(case.metadata)
+    torch.library.opcheck(impl.op_for(meta), impl.op_arguments(case.query, case.kv_cache, meta,
+                                                               out, lse=lse))
