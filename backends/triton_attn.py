@@ -24,7 +24,6 @@ CI tests them at tiny shapes (fp16/fp32; the interpreter's bf16 ``tl.dot`` is br
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -50,11 +49,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
+_SMS: dict = {}
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: small, so CPU tests exercise split-KV
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def choose_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:

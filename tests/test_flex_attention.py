@@ -91,3 +91,20 @@ def test_lengths_changing_step_to_step_compile_once():
     for lens in ([6, 41, 18], [90, 3, 120], [1, 1, 128]):
         step(lens)
     assert counters["stats"]["unique_graphs"] == before, "recompiled on new lengths"
+
+
+def test_compiled_layer_matches_eager():
+    from attn_ops import Attention, AttentionConfig
+
+    spec = MODS["documents"]
+    attn = Attention(spec, AttentionConfig(backend="FLEX_ATTENTION")).to(DEVICE)
+    case = make_case(spec, MIXED, block_size=attn.block_size, device=DEVICE, seed=1,
+                     finite_page_tails=True)
+    t = case.query.shape[0]
+    k = torch.randn(t, 2, 16, device=DEVICE).to(DTYPE)
+    v = torch.randn(t, 2, 16, device=DEVICE).to(DTYPE)
+    eager_cache = case.kv_cache.clone()
+    expected = attn(case.query, k, v, eager_cache, case.metadata)
+    torch._dynamo.reset()
+    got = torch.compile(attn, fullgraph=True)(case.query, k, v, case.kv_cache, case.metadata)
+    torch.testing.assert_close(got, expected)

@@ -104,3 +104,20 @@ def test_split_rule_never_jumps_up_with_the_batch():
         assert splits[-1] == 1
     assert choose_num_splits(1, 8, 300, 132) == 1  # too short to split
     assert choose_num_splits(0, 8, 32768, 132) == 1
+
+
+def test_compiled_layer_matches_eager():
+    from attn_ops import Attention, AttentionConfig
+
+    spec = BASE.with_(sliding_window=50, has_sinks=True)
+    attn = Attention(spec, AttentionConfig(backend="TRITON_ATTN")).to(DEVICE)
+    case = make_case(spec, SCENARIOS["mixed"], block_size=attn.block_size, device=DEVICE,
+                     seed=1)
+    t = case.query.shape[0]
+    k = torch.randn(t, 2, 32, device=DEVICE).to(DTYPE)
+    v = torch.randn(t, 2, 32, device=DEVICE).to(DTYPE)
+    eager_cache = case.kv_cache.clone()
+    expected = attn(case.query, k, v, eager_cache, case.metadata)
+    torch._dynamo.reset()
+    got = torch.compile(attn, fullgraph=True)(case.query, k, v, case.kv_cache, case.metadata)
+    torch.testing.assert_close(got, expected)
