@@ -126,6 +126,16 @@ class TinyLlama(nn.Module):
                              "AttentionSpec.block_size so they share one allocator")
         return sizes.pop()
 
+    def compile_layers(self, **options) -> TinyLlama:
+        """Regional compilation: each decoder layer through ``torch.compile(fullgraph=True)``.
+        The layers share one code object and nothing layer-specific is baked into their
+        graphs (parameters, caches and metadata are inputs), so Dynamo compiles once per layer
+        *kind* (full / sliding window) and reuses the graph for every other layer: compile time
+        does not grow with depth (``benchmarks/bench_compile_time.py``)."""
+        for layer in self.layers:
+            layer.compile(**{"fullgraph": True, "dynamic": True, **options})
+        return self
+
     def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
         return [layer.attn.allocate_kv_cache(num_blocks, device) for layer in self.layers]
 

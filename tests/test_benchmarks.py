@@ -11,7 +11,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["bench_cpu_attn.py", "bench_op_overhead.py"])
+@pytest.mark.parametrize("script", ["bench_cpu_attn.py", "bench_op_overhead.py",
+                                    "bench_compile_time.py"])
 def test_benchmark_quick_run_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     res = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
