@@ -143,3 +143,29 @@ class CUDAGraphBatch:
     def max_seq_len(self) -> int:
         """The longest request a padded batch can hold."""
         return self.max_blocks_per_req * self.block_size
+
+
+def resolve_cudagraph_support(model: torch.nn.Module,
+                              wanted: CUDAGraphSupport = CUDAGraphSupport.ALWAYS
+                              ) -> CUDAGraphSupport:
+    """The CUDA-graph level a model can run at: ``wanted``, lowered to the least any of its
+    :class:`~attn_ops.layer.Attention` layers' backends supports (for that layer's spec on its
+    platform). When that lowers it, one log line names the level, the first layer that lowered
+    it and its backend -- a model is never captured at a level one of its layers cannot
+    replay correctly."""
+    import logging
+
+    from attn_ops.layer import Attention
+
+    level, culprit = wanted, None
+    for name, layer in model.named_modules():
+        if isinstance(layer, Attention):
+            support = layer.selection.backend_cls.cudagraph_support(layer.spec,
+                                                                    layer.selection.platform)
+            if support < level:
+                level, culprit = support, (name or "(model)", layer.backend)
+    if culprit is not None:
+        logging.getLogger("attn_ops").warning(
+            "CUDA graphs: %s requested, running at %s -- layer %s uses %s, which supports no "
+            "more", wanted.name, level.name, *culprit)
+    return level

@@ -253,3 +253,32 @@ def test_cache_write_skips_padding_without_a_host_sync(dtype, slots):
         kv_cache_update(key, value, cache, slot_mapping, scale, scale)
     got = cache.view(torch.uint8) if dtype != torch.float32 else cache
     assert torch.equal(got, want)
+
+
+def test_a_model_runs_at_the_lowest_level_of_its_layers_and_says_which(caplog):
+    import logging
+
+    from attn_ops.cudagraph import resolve_cudagraph_support
+    from attn_ops.spec import LayerKind
+
+    cuda = PLATFORM.parse("cuda:9.0")
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16)
+    triton_only = AttentionConfig(backend="TRITON_ATTN")
+    mixed = AttentionConfig(backend="TRITON_ATTN",
+                            backend_per_kind={LayerKind.SLIDING_WINDOW: "REFERENCE"})
+    model = torch.nn.ModuleList([Attention(spec, triton_only, platform=cuda),
+                                 Attention(spec.with_(sliding_window=8), triton_only,
+                                           platform=cuda)])
+    with caplog.at_level(logging.WARNING, logger="attn_ops"):
+        assert resolve_cudagraph_support(model) is CUDAGraphSupport.UNIFORM_BATCH
+        assert resolve_cudagraph_support(model, CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE) \
+            is CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert [r.getMessage() for r in caplog.records] == [
+        "CUDA graphs: ALWAYS requested, running at UNIFORM_BATCH -- layer 0 uses TRITON_ATTN, "
+        "which supports no more"]
+    caplog.clear()
+    model = torch.nn.ModuleList([Attention(spec, mixed, platform=cuda),
+                                 Attention(spec.with_(sliding_window=8), mixed, platform=cuda)])
+    with caplog.at_level(logging.WARNING, logger="attn_ops"):
+        assert resolve_cudagraph_support(model) is CUDAGraphSupport.NEVER
+    assert "layer 1 uses REFERENCE" in caplog.records[-1].getMessage()
