@@ -51,6 +51,59 @@ def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
+@triton.jit
+def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
+            slope, ancestors, not_tree, bt_ptr, k_ptr, v_ptr, stride_bt, stride_kb, stride_ks,
+            stride_kh, stride_vb, stride_vs, stride_vh, block_size, window, soft_cap, offs_d,
+            offs_dv, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+            CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
+            MASKED: tl.constexpr):
+    """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
+    page by page; ``MASKED=False`` blocks are visible to every row of the tile whole."""
+    for b in range(b0, b1):
+        offs_n = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_ptr + r * stride_bt + offs_n // block_size, mask=n_ok,
+                       other=0).to(tl.int64)  # page * stride overflows int32 past 2 GiB
+        slot = offs_n % block_size
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_dv[None, :],
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * logit_scale
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = s * LOG2E  # base 2 from here on
+        if HAS_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
+        if MASKED:
+            visible = n_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (pos[:, None] - offs_n[None, :] < window)
+                if not CAUSAL:
+                    visible = visible & (offs_n[None, :] - pos[:, None] < window)
+            if HAS_TREE:  # among the draft tokens only the query's ancestors (and itself)
+                node = tl.minimum(tl.maximum(offs_n - context, 0), 63).to(tl.int64)
+                is_ancestor = ((ancestors[:, None] >> node[None, :]) & 1) != 0
+                visible = visible & ((offs_n[None, :] < context) | is_ancestor
+                                     | not_tree[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["num_reqs", "window"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
@@ -117,44 +170,40 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(bt_ptr + r * stride_bt + offs_n // block_size, mask=n_ok,
-                       other=0).to(tl.int64)  # page * stride overflows int32 past 2 GiB
-        slot = offs_n % block_size
-        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :],
-                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_dv[None, :],
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * logit_scale
-        if USE_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        s = s * LOG2E  # base 2 from here on
-        if HAS_ALIBI:
-            s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
-        visible = n_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (pos[:, None] - offs_n[None, :] < window)
-            if not CAUSAL:
-                visible = visible & (offs_n[None, :] - pos[:, None] < window)
-        if HAS_TREE:  # among the draft tokens only the query's ancestors (and itself)
-            node = tl.minimum(tl.maximum(offs_n - context, 0), 63).to(tl.int64)
-            is_ancestor = ((ancestors[:, None] >> node[None, :]) & 1) != 0
-            visible = visible & ((offs_n[None, :] < context) | is_ancestor | not_tree[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=PRECISION)
-        m_i = m_new
+    if not HAS_ALIBI:
+        slope = m_i  # (unused)
+    if not HAS_TREE:
+        ancestors = tok
+        not_tree = row_ok
+    # Key blocks every row of the tile sees whole need no mask: those after the window's edge
+    # for the tile's last row and, causally, up to the first row's position (tree tiles: up to
+    # the draft tokens). The rest -- window edge, diagonal, tail -- are masked.
+    full_lo = lo
+    full_hi = hi
+    if USE_WINDOW:
+        full_lo = tl.maximum(lo, last - window + 1)
+        if not CAUSAL:
+            full_hi = tl.minimum(full_hi, context + t0 + window)
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, context + t0 + 1)
+    if HAS_TREE:
+        full_hi = tl.minimum(full_hi, context)
+    num_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), num_blocks)
+    end_full = tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, first_full)
+    for phase in tl.static_range(3):  # masked blocks, whole blocks, masked blocks
+        if phase == 0:
+            b0, b1 = 0, first_full
+        elif phase == 1:
+            b0, b1 = first_full, end_full
+        else:
+            b0, b1 = end_full, num_blocks
+        acc, l_i, m_i = _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context,
+                                kv_head, logit_scale, slope, ancestors, not_tree, bt_ptr, k_ptr,
+                                v_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb,
+                                stride_vs, stride_vh, block_size, window, soft_cap, offs_d,
+                                offs_dv, BLOCK_N, D, DV, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                HAS_ALIBI, HAS_TREE, PRECISION, phase != 1)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]
