@@ -48,6 +48,10 @@ sinks [Hq] float32 logits; alibi_slopes [Hq] float32; k_scale/v_scale one-elemen
 tensors dequantizing an fp8 cache.
 """
 
+PAGED_ATTENTION_MODS_SCHEMA = PAGED_ATTENTION_SCHEMA.replace(") -> ()", ", int mods) -> ()")
+"""The same plus ``mods``: the id of the spec's custom mask/score mods
+(:func:`register_mods`; 0 for none)."""
+
 
 def library() -> torch.library.Library:
     global _LIB

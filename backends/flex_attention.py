@@ -28,8 +28,8 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    Reason)
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import (apply_sinks, check_paged_attention_inputs, define_op, register_mods,
-                          registered_mods)
+from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, apply_sinks,
+                          check_paged_attention_inputs, define_op, register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
@@ -196,13 +196,8 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
 
 
-flex_paged_attention = define_op(
-    "flex_attention",
-    "(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor block_table, Tensor(a!) out, Tensor(b!)? lse, Tensor? sinks, Tensor? alibi_slopes, "
-    "Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, float? soft_cap, "
-    "bool causal, int mods) -> ()",
-    _flex_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
+                                 _fake, dispatch_keys=("CPU", "CUDA"))
 
 
 class FlexAttentionBackend(AttentionBackend):

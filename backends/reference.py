@@ -25,9 +25,9 @@ import torch
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.kv_cache import gather_tokens, split_kv_cache
-from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs,
-                          check_paged_attention_values, debug_checks_enabled, define_op,
-                          register_mods, registered_mods)
+from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, PAGED_ATTENTION_SCHEMA,
+                          check_paged_attention_inputs, check_paged_attention_values,
+                          debug_checks_enabled, define_op, register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
@@ -108,7 +108,7 @@ reference_attention = define_op("reference_attention", PAGED_ATTENTION_SCHEMA,
                                 reference_paged_attention, _fake)
 # The same with the spec's custom mods (AttentionSpec.mask_mod / score_mod), by registry id.
 reference_attention_mods = define_op(
-    "reference_attention_mods", PAGED_ATTENTION_SCHEMA.replace(") -> ()", ", int mods) -> ()"),
+    "reference_attention_mods", PAGED_ATTENTION_MODS_SCHEMA,
     reference_paged_attention, lambda *args: _fake(*args[:-1]))
 
 
