@@ -435,28 +435,27 @@ class FlashInferBackend(AttentionBackend):
         """Plan once per step and per distinct planning key; layers sharing one reuse it."""
         if isinstance(common, FlashInferMetadata):
             return common
-        key = self.metadata_key()
-        per_step = _PLANS.setdefault(common, {})
-        if key not in per_step:
-            device = common.seq_lens.device
-            planner = _EAGER_PLANNERS.get((key, device))
-            if planner is None:
-                planner = _EAGER_PLANNERS[key, device] = _Planner(self.spec, device,
-                                                                  self._kernel(device))
-            per_step[key] = planner(common)
-        return per_step[key]
+        device = common.seq_lens.device
+        return self._plan_once(common, _EAGER_PLANNERS, (self.metadata_key(), device),
+                               lambda: _Planner(self.spec, device, self._kernel(device)))
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> FlashInferMetadata:
         """Replan a padded decode batch into ``graphs``' persistent buffers (see
         :class:`_GraphPlanner`); the plan for each capture size is fixed at its first call."""
         super().graph_metadata(padded, graphs)
+        return self._plan_once(padded, graphs.backend_state, self.metadata_key(),
+                               lambda: _GraphPlanner(self.spec, graphs))
+
+    def _plan_once(self, common, planners: dict, planner_key, make_planner):
+        """``common``'s plan for this planning key, made once per step by the planner kept in
+        ``planners`` under ``planner_key`` (created on first use)."""
+        per_step = _PLANS.setdefault(common, {})
         key = self.metadata_key()
-        per_step = _PLANS.setdefault(padded, {})
         if key not in per_step:
-            planner = graphs.backend_state.get(key)
+            planner = planners.get(planner_key)
             if planner is None:
-                planner = graphs.backend_state[key] = _GraphPlanner(self.spec, graphs)
-            per_step[key] = planner(padded)
+                planner = planners[planner_key] = make_planner()
+            per_step[key] = planner(common)
         return per_step[key]
 
     def metadata_key(self) -> tuple:
