@@ -67,18 +67,13 @@ CASES = [
          MistralConfig,
          dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
               num_hidden_layers=1, sliding_window=5)),
-    Case("gemma2_softcap_full", modeling_gemma2, "Gemma2Attention", "Gemma2RotaryEmbedding",
-         Gemma2Config,
-         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-              num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-              sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0),
-         layer_idx=1),
-    Case("gemma2_softcap_sliding", modeling_gemma2, "Gemma2Attention", "Gemma2RotaryEmbedding",
-         Gemma2Config,
-         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-              num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-              sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0),
-         layer_idx=0),
+    *[Case(f"gemma2_softcap_{kind}", modeling_gemma2, "Gemma2Attention",
+           "Gemma2RotaryEmbedding", Gemma2Config,
+           dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0),
+           layer_idx=layer)
+      for kind, layer in (("full", 1), ("sliding", 0))],
 ]
 CASE_IDS = [c.name for c in CASES]
 
