@@ -19,7 +19,8 @@ from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
-           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "OPTION_VARIANTS"]
+           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "OPTION_VARIANTS",
+           "compiled_and_eager_layer"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
@@ -165,3 +166,25 @@ def sqnr_db(result: torch.Tensor, truth: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of ``result`` against ``truth``."""
     noise = (result.double() - truth.double()).pow(2).mean()
     return float(10 * torch.log10(truth.double().pow(2).mean() / noise))
+
+
+def compiled_and_eager_layer(spec: AttentionSpec, backend: str, scenario: Scenario, *,
+                             device: str = "cpu", seed: int = 1,
+                             finite_page_tails: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(compiled, eager)`` outputs of one :class:`~attn_ops.layer.Attention` layer forced to
+    ``backend`` on a random ``scenario`` batch (new K/V written by the layer): once through
+    ``torch.compile(fullgraph=True)``, once eagerly on a copy of the cache."""
+    from attn_ops.layer import Attention
+    from attn_ops.selector import AttentionConfig
+
+    attn = Attention(spec, AttentionConfig(backend=backend)).to(device)
+    case = make_case(spec, scenario, block_size=attn.block_size, device=device, seed=seed,
+                     finite_page_tails=finite_page_tails)
+    t = case.query.shape[0]
+    k = torch.randn(t, spec.kv_heads, spec.head_dim, device=device).to(spec.dtype)
+    v = torch.randn(t, spec.kv_heads, spec.v_head_dim, device=device).to(spec.dtype)
+    expected = attn(case.query, k, v, case.kv_cache.clone(), case.metadata)
+    torch._dynamo.reset()
+    got = torch.compile(attn, fullgraph=True)(case.query, k, v, case.kv_cache, case.metadata)
+    return got, expected

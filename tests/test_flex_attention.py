@@ -10,7 +10,8 @@ import torch
 from attn_ops import AttentionSpec, current_platform, get_backend_class, select_backend
 from attn_ops.metadata import build_common_metadata
 from attn_ops.spec import AttentionType
-from attn_ops.testing import Scenario, make_case, run_backend, tolerance
+from attn_ops.testing import (Scenario, compiled_and_eager_layer, make_case, run_backend,
+                              tolerance)
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -94,17 +95,6 @@ def test_lengths_changing_step_to_step_compile_once():
 
 
 def test_compiled_layer_matches_eager():
-    from attn_ops import Attention, AttentionConfig
-
-    spec = MODS["documents"]
-    attn = Attention(spec, AttentionConfig(backend="FLEX_ATTENTION")).to(DEVICE)
-    case = make_case(spec, MIXED, block_size=attn.block_size, device=DEVICE, seed=1,
-                     finite_page_tails=True)
-    t = case.query.shape[0]
-    k = torch.randn(t, 2, 16, device=DEVICE).to(DTYPE)
-    v = torch.randn(t, 2, 16, device=DEVICE).to(DTYPE)
-    eager_cache = case.kv_cache.clone()
-    expected = attn(case.query, k, v, eager_cache, case.metadata)
-    torch._dynamo.reset()
-    got = torch.compile(attn, fullgraph=True)(case.query, k, v, case.kv_cache, case.metadata)
+    got, expected = compiled_and_eager_layer(MODS["documents"], "FLEX_ATTENTION", MIXED,
+                                             device=DEVICE, finite_page_tails=True)
     torch.testing.assert_close(got, expected)

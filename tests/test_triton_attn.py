@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
-from attn_ops.testing import SCENARIOS, Scenario, make_case, run_backend, sqnr_db, tolerance
+from attn_ops.testing import (SCENARIOS, Scenario, compiled_and_eager_layer, make_case,
+                              run_backend, sqnr_db, tolerance)
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -107,17 +108,6 @@ def test_split_rule_never_jumps_up_with_the_batch():
 
 
 def test_compiled_layer_matches_eager():
-    from attn_ops import Attention, AttentionConfig
-
-    spec = BASE.with_(sliding_window=50, has_sinks=True)
-    attn = Attention(spec, AttentionConfig(backend="TRITON_ATTN")).to(DEVICE)
-    case = make_case(spec, SCENARIOS["mixed"], block_size=attn.block_size, device=DEVICE,
-                     seed=1)
-    t = case.query.shape[0]
-    k = torch.randn(t, 2, 32, device=DEVICE).to(DTYPE)
-    v = torch.randn(t, 2, 32, device=DEVICE).to(DTYPE)
-    eager_cache = case.kv_cache.clone()
-    expected = attn(case.query, k, v, eager_cache, case.metadata)
-    torch._dynamo.reset()
-    got = torch.compile(attn, fullgraph=True)(case.query, k, v, case.kv_cache, case.metadata)
+    got, expected = compiled_and_eager_layer(BASE.with_(sliding_window=50, has_sinks=True),
+                                             "TRITON_ATTN", SCENARIOS["mixed"], device=DEVICE)
     torch.testing.assert_close(got, expected)
