@@ -39,9 +39,16 @@ def main(path: str) -> None:
         ax.set_title(f"paged decode, ctx {ctx // 1024}k")
         ax.set_xlabel("batch")
         ax.set_ylabel("TB/s (copy bandwidth 4.27 dotted)")
-    ax = axes[-1]
+    prefill_bars(axes[-1], prefill, SERIES)
+    axes[0].legend(fontsize=7, loc="lower right")
+    save(fig, result, path)
+
+
+def prefill_bars(ax, prefill: list[dict], series: dict[str, str]) -> None:
+    """TFLOP/s bars per prefill shape for each of ``series`` the rows have (colour = its
+    position in ``series``, as in the line plots)."""
     names = [f"{r['batch']}x{r['seq'] // 1024}k" for r in prefill]
-    present = [(i, k, label) for i, (k, label) in enumerate(SERIES.items())
+    present = [(i, k, label) for i, (k, label) in enumerate(series.items())
                if f"{k}_tflops" in prefill[0]]
     width = 0.8 / len(present)
     for j, (i, key, label) in enumerate(present):
@@ -50,14 +57,16 @@ def main(path: str) -> None:
     ax.set_xticks([x + (len(present) - 1) * width / 2 for x in range(len(names))], names)
     ax.set_title("paged causal prefill")
     ax.set_ylabel("TFLOP/s")
-    axes[0].legend(fontsize=7, loc="lower right")
+
+
+def save(fig, result: dict, path: str) -> None:
+    """Title with the run's device, shapes, date and commit; PNG next to the JSON."""
     fig.suptitle(f"{result['device']}, bf16, 32/8 heads, head dim 128, page {result['page']} "
-                 f"({result['date'][:10]})")
+                 f"({result['date'][:10]}, {result['commit']})")
     fig.tight_layout()
     out = Path(path).with_suffix(".png")
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main(sys.argv[1])

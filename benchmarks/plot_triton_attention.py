@@ -13,6 +13,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_gpu_attention import prefill_bars, save  # noqa: E402
+
 SERIES = {"triton": "TRITON_ATTN via torch.ops.attn", "flashinfer": "FlashInfer direct (CUDA-core)",
           "flashinfer_tc": "FlashInfer direct (tensor-core)"}
 
@@ -39,20 +42,9 @@ def main(path: str) -> None:
     axes[1].set(xscale="log", xlabel="batch", ylabel="TB/s (copy 4.27 dotted)",
                 title="paged decode bandwidth")
     axes[1].legend(fontsize=6)
-    names = [f"{r['batch']}x{r['seq'] // 1024}k" for r in prefill]
-    for i, key in enumerate(("triton", "flashinfer")):
-        axes[2].bar([x + i * 0.4 for x in range(len(names))], [r[f"{key}_tflops"] for r in prefill],
-                    0.4, label=SERIES[key], color=f"C{i}")
-    axes[2].set_xticks([x + 0.2 for x in range(len(names))], names)
-    axes[2].set(ylabel="TFLOP/s", title="paged causal prefill")
+    prefill_bars(axes[2], prefill, SERIES)
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"{result['device']}, bf16, 32/8 heads, head dim 128, page {result['page']} "
-                 f"({result['date'][:10]}, {result['commit']})")
-    fig.tight_layout()
-    out = Path(path).with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
-
+    save(fig, result, path)
 
 if __name__ == "__main__":
     main(sys.argv[1])
