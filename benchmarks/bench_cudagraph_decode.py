@@ -12,17 +12,15 @@ both here. Same shapes and method as ``bench_gpu_attention.py``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info  # noqa: E402
-from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, flashinfer_direct, ours,  # noqa: E402
-                                 time_graph)
+from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
+                                 decode_bytes, flashinfer_direct, gpu_parser, ours, time_graph,
+                                 write_result)
 
 POINTS = ((1, 32768), (8, 8192), (64, 4096), (256, 8192))
 
@@ -44,12 +42,8 @@ def flashinfer_graph_mode(b: Batch):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--page", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "bench_cudagraph_decode_h200.json"))
-    args = parser.parse_args()
+    args = gpu_parser(__doc__, "bench_cudagraph_decode_h200.json", page=128, rounds=3,
+                      quick=False).parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for bsz, ctx in POINTS:
@@ -58,26 +52,17 @@ def main() -> None:
                "flashinfer_graph": flashinfer_graph_mode(b),
                "ours": ours(b, "FLASHINFER"),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
-        outs = {}
-        for name, fn in fns.items():
-            b.out.zero_()
-            fn()
-            outs[name] = b.out.float().clone()
-        diff = max((o - outs["flashinfer_tc"]).abs().max().item() for o in outs.values())
+        diff = max(check_outputs(b, fns, "flashinfer_tc").values())
         ms = time_graph(fns, args.rounds)
-        nbytes = bsz * ctx * HKV * D * 2 * 2
+        nbytes = decode_bytes(bsz, ctx)
         rows.append({"batch": bsz, "ctx": ctx, "max_abs_diff": diff,
                      **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}})
         print(f"B={bsz:<4} ctx={ctx:<6} " + "  ".join(
             f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + f" TB/s (max diff {diff:.2g})",
             flush=True)
         del b, fns
-    info = run_info("bench_cudagraph_decode")
-    info.update(device=torch.cuda.get_device_name(), page=args.page, rows=rows,
-                method="median over rotating rounds of triton.testing.do_bench_cudagraph")
-    with open(args.out, "w") as f:
-        json.dump(info, f, indent=1)
-
+    write_result("bench_cudagraph_decode", args.out, page=args.page, rows=rows,
+                 method="median over rotating rounds of triton.testing.do_bench_cudagraph")
 
 if __name__ == "__main__":
     main()

@@ -144,6 +144,45 @@ def check_outputs(b: Batch, fns: dict, truth_name: str) -> dict[str, float]:
     return diffs
 
 
+def decode_bytes(batch: int, ctx: int) -> int:
+    """K and V of every request read once: B * ctx * Hkv * D * 2 * 2 bytes."""
+    return batch * ctx * HKV * D * 2 * 2
+
+
+def prefill_flops(batch: int, seq: int) -> float:
+    """Causal: 4 * B * S^2 * Hq * D / 2."""
+    return 4 * batch * seq * seq * HQ * D / 2
+
+
+def timed_fields(ms: dict[str, float], amount: float, unit: str) -> dict[str, float]:
+    """``<name>_ms`` and ``<name>_<unit>`` (TB/s from bytes or TFLOP/s from FLOPs: amount /
+    ms / 1e9) of each contender."""
+    return {**{f"{k}_ms": v for k, v in ms.items()},
+            **{f"{k}_{unit}": amount / v / 1e9 for k, v in ms.items()}}
+
+
+def gpu_parser(doc: str, out_name: str, page: int, rounds: int,
+               quick: bool = True) -> argparse.ArgumentParser:
+    """The options of the GPU benchmarks: ``--page``, ``--rounds``, ``--out`` (default
+    ``$OUT/<out_name>``), and ``--quick``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if quick:
+        parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--page", type=int, default=page)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), out_name))
+    return parser
+
+
+def write_result(name: str, path: str, **fields) -> None:
+    """The run's JSON: :func:`run_info`, the device, ``fields``."""
+    info = run_info(name)
+    info.update(device=torch.cuda.get_device_name(), **fields)
+    with open(path, "w") as f:
+        json.dump(info, f, indent=1)
+    print(f"wrote {path}")
+
+
 def host_us(fn, n=50) -> float:
     fn()
     t0 = time.perf_counter()
@@ -177,13 +216,7 @@ def builder_host_times(page, gen) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--page", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "bench_gpu_attention_h200.json"))
-    args = parser.parse_args()
+    args = gpu_parser(__doc__, "bench_gpu_attention_h200.json", page=128, rounds=3).parse_args()
     from attn_ops import current_platform, select_backend
     from attn_ops.backends.flashinfer import warmup
 
@@ -205,11 +238,9 @@ def main() -> None:
                 fns["fa4"] = fa4_direct(b)
             diffs = check_outputs(b, fns, "flashinfer")
             ms = time_graph(fns, args.rounds)
-            nbytes = bsz * ctx * HKV * D * 2 * 2
+            nbytes = decode_bytes(bsz, ctx)
             r = {"kind": "decode", "batch": bsz, "ctx": ctx, "bytes": nbytes,
-                 "max_abs_diff_vs_flashinfer": diffs,
-                 **{f"{k}_ms": v for k, v in ms.items()},
-                 **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}}
+                 "max_abs_diff_vs_flashinfer": diffs, **timed_fields(ms, nbytes, "tbs")}
             if (bsz, ctx) in ((1, 1024), (64, 4096)) or args.quick:
                 r["eager_us"] = {k: eager_us(fn) for k, fn in fns.items()}
             rows.append(r)
@@ -224,24 +255,19 @@ def main() -> None:
             fns["fa4"] = fa4_direct(b)
         diffs = check_outputs(b, fns, "flashinfer")
         ms = time_graph(fns, args.rounds)
-        flops = 4 * bsz * s * s * HQ * D / 2
+        flops = prefill_flops(bsz, s)
         r = {"kind": "prefill", "batch": bsz, "seq": s, "flops": flops,
-             "max_abs_diff_vs_flashinfer": diffs, **{f"{k}_ms": v for k, v in ms.items()},
-             **{f"{k}_tflops": flops / v / 1e9 for k, v in ms.items()}}
+             "max_abs_diff_vs_flashinfer": diffs, **timed_fields(ms, flops, "tflops")}
         rows.append(r)
         print(f"prefill {bsz}x{s:<6} " + "  ".join(
             f"{k} {flops / v / 1e9:.0f}" for k, v in ms.items()) + " TFLOP/s", flush=True)
         del b, fns
     host = builder_host_times(args.page, gen)
     print("builder host time per step (us):", {k: round(v, 1) for k, v in host.items()})
-    info = run_info("bench_gpu_attention")
-    info.update(device=torch.cuda.get_device_name(), quick=args.quick, page=args.page,
-                selected=selected, rounds=args.rounds, rows=rows, builder_host_us=host,
-                method="median over rotating rounds of triton.testing.do_bench_cudagraph "
-                       "medians (rep=30 ms)")
-    with open(args.out, "w") as f:
-        json.dump(info, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("bench_gpu_attention", args.out, quick=args.quick, page=args.page,
+                 selected=selected, rounds=args.rounds, rows=rows, builder_host_us=host,
+                 method="median over rotating rounds of triton.testing.do_bench_cudagraph "
+                        "medians (rep=30 ms)")
 
 
 if __name__ == "__main__":

@@ -12,77 +12,56 @@ rounds, medians); prints time, TB/s or TFLOP/s and the ratio to FlashInfer, writ
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info  # noqa: E402
-from bench_gpu_attention import (D, HKV, HQ, Batch, flashinfer_direct, ours,  # noqa: E402
-                                 time_graph)
+from bench_gpu_attention import (Batch, check_outputs, decode_bytes,  # noqa: E402
+                                 flashinfer_direct, gpu_parser, ours, prefill_flops,
+                                 time_graph, timed_fields, write_result)
 
 DECODE = [(b, 32768) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)] + \
     [(b, c) for c in (1024, 8192) for b in (1, 8, 64, 256)]
 PREFILL = [(1, s) for s in (1024, 4096, 8192, 16384)]
 
 
+def measure(kind: str, b: Batch, fns: dict, rounds: int, amount: float, unit: str,
+            **shape) -> dict:
+    """One point: outputs checked against FlashInfer's, contenders timed, a result row."""
+    diff = check_outputs(b, fns, "flashinfer")["triton"]
+    ms = time_graph(fns, rounds)
+    row = {"kind": kind, **shape, "max_abs_diff": diff, **timed_fields(ms, amount, unit)}
+    label = " ".join(f"{k}={v}" for k, v in shape.items())
+    shown = {"tbs": "{:.2f}TB/s", "tflops": "{:.0f}TFLOP/s"}[unit]
+    print(f"{kind:7s} {label:18s} " + "  ".join(
+        f"{k} {row[k + '_ms'] * 1e3:.1f}us " + shown.format(row[f"{k}_{unit}"]) for k in ms)
+        + f"  triton/flashinfer {ms['flashinfer'] / ms['triton']:.2f}  diff {diff:.2g}",
+        flush=True)
+    return row
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--page", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "bench_triton_attention_h200.json"))
-    args = parser.parse_args()
+    args = gpu_parser(__doc__, "bench_triton_attention_h200.json", page=16,
+                      rounds=2).parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    decode = [(1, 4096), (64, 4096)] if args.quick else DECODE
-    for bsz, ctx in decode:
+    for bsz, ctx in ([(1, 4096), (64, 4096)] if args.quick else DECODE):
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
-        fns["flashinfer"]()
-        truth = b.out.float().clone()
-        fns["triton"]()
-        diff = (b.out.float() - truth).abs().max().item()
-        ms = time_graph(fns, args.rounds)
-        nbytes = bsz * ctx * HKV * D * 2 * 2
-        r = {"kind": "decode", "batch": bsz, "ctx": ctx, "max_abs_diff": diff,
-             **{f"{k}_ms": v for k, v in ms.items()},
-             **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}}
-        rows.append(r)
-        print(f"decode  B={bsz:<4} ctx={ctx:<6} " + "  ".join(
-            f"{k} {r[k + '_ms'] * 1e3:.1f}us {r[k + '_tbs']:.2f}TB/s" for k in ms)
-            + f"  triton/flashinfer {ms['flashinfer'] / ms['triton']:.2f}  diff {diff:.2g}",
-            flush=True)
+        rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",
+                            batch=bsz, ctx=ctx))
         del b, fns
     for bsz, s in ([(1, 4096)] if args.quick else PREFILL):
         b = Batch(bsz, s, s, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "flashinfer": flashinfer_direct(b, True)}
-        fns["flashinfer"]()
-        truth = b.out.float().clone()
-        fns["triton"]()
-        diff = (b.out.float() - truth).abs().max().item()
-        ms = time_graph(fns, args.rounds)
-        flops = 4 * bsz * s * s * HQ * D / 2
-        r = {"kind": "prefill", "batch": bsz, "seq": s, "max_abs_diff": diff,
-             **{f"{k}_ms": v for k, v in ms.items()},
-             **{f"{k}_tflops": flops / v / 1e9 for k, v in ms.items()}}
-        rows.append(r)
-        print(f"prefill {bsz}x{s:<6} " + "  ".join(
-            f"{k} {r[k + '_tflops']:.0f}TFLOP/s" for k in ms)
-            + f"  triton/flashinfer {ms['flashinfer'] / ms['triton']:.2f}  diff {diff:.2g}",
-            flush=True)
+        rows.append(measure("prefill", b, fns, args.rounds, prefill_flops(bsz, s), "tflops",
+                            batch=bsz, seq=s))
         del b, fns
-    info = run_info("bench_triton_attention")
-    info.update(device=torch.cuda.get_device_name(), quick=args.quick, page=args.page,
-                rows=rows, method="median over rotating rounds of do_bench_cudagraph medians")
-    with open(args.out, "w") as f:
-        json.dump(info, f, indent=1)
-
+    write_result("bench_triton_attention", args.out, quick=args.quick, page=args.page,
+                 rows=rows, method="median over rotating rounds of do_bench_cudagraph medians")
 
 if __name__ == "__main__":
     main()
