@@ -20,7 +20,7 @@ from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
            "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "OPTION_VARIANTS",
-           "compiled_and_eager_layer"]
+           "compiled_and_eager_layer", "assert_matches_reference"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
@@ -155,6 +155,25 @@ def run_backend(backend_cls, case: PagedCase, *, with_lse: bool = True,
         q, case.kv_cache, case.metadata, out, lse=lse, sinks=case.sinks,
         alibi_slopes=case.alibi_slopes, k_scale=case.k_scale, v_scale=case.v_scale)
     return out, lse
+
+
+def assert_matches_reference(out: torch.Tensor, case: PagedCase,
+                             oracle: PagedCase | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Assert ``out`` (a backend's rows for ``case``) is within :func:`tolerance` of REFERENCE
+    run in fp64 on ``oracle`` (default ``case``; e.g. the same batch with an explicit mask);
+    returns REFERENCE's fp64 ``(out, lse)``."""
+    from attn_ops.registry import get_backend_class
+
+    reference = get_backend_class("REFERENCE")
+    oracle = oracle or case
+    n = case.metadata.num_actual_tokens
+    truth, truth_lse = run_backend(reference, oracle.to(torch.float64))
+    base, _ = run_backend(reference, oracle.to(case.spec.dtype))  # plain torch, same precision
+    err = (out[:n].double() - truth[:n]).abs().max().item()
+    allowed = tolerance((base[:n].double() - truth[:n]).abs().max().item(), case.spec.dtype)
+    assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
+    return truth, truth_lse
 
 
 def tolerance(baseline_error: float, dtype: torch.dtype) -> float:

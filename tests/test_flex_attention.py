@@ -10,8 +10,8 @@ import torch
 from attn_ops import AttentionSpec, current_platform, get_backend_class, select_backend
 from attn_ops.metadata import build_common_metadata
 from attn_ops.spec import AttentionType
-from attn_ops.testing import (Scenario, compiled_and_eager_layer, make_case, run_backend,
-                              tolerance)
+from attn_ops.testing import (Scenario, assert_matches_reference, compiled_and_eager_layer,
+                              make_case, run_backend)
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -53,10 +53,7 @@ def test_custom_mods_match_reference(name):
     case = make_case(spec, MIXED, block_size=16, device=DEVICE, seed=5, finite_page_tails=True)
     n = case.metadata.num_actual_tokens
     out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
-    truth, _ = run_backend(REFERENCE, case.to(torch.float64))
-    base, _ = run_backend(REFERENCE, case)
-    err = (out[:n].double() - truth[:n]).abs().max().item()
-    assert err <= tolerance((base[:n].double() - truth[:n]).abs().max().item(), spec.dtype), err
+    truth, _ = assert_matches_reference(out, case)
     exact = case.to(torch.float64)
     plain, _ = run_backend(REFERENCE, dataclasses.replace(
         exact, spec=exact.spec.with_(mask_mod=None, score_mod=None)))

@@ -2,11 +2,13 @@
 mixed with plain decodes and prefills in one batch, against REFERENCE given the equivalent
 explicit mask (a mask_mod built from the same tree). CPU: Triton's interpreter."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from attn_ops import AttentionSpec, current_platform, get_backend_class, select_backend
-from attn_ops.testing import Scenario, make_case, run_backend, tolerance
+from attn_ops.testing import Scenario, assert_matches_reference, make_case, run_backend
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -59,14 +61,9 @@ def test_tree_requests_see_only_their_ancestors(variant):
     case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=9)
     n = case.metadata.num_actual_tokens
     out, lse = run_backend(TREE, case)
-    oracle = case.to(torch.float64)
-    oracle.spec = oracle.spec.with_(spec_tree=None, mask_mod=explicit_mask(case, PARENTS))
-    truth, truth_lse = run_backend(REFERENCE, oracle)
-    base_case = case.to(case.spec.dtype)
-    base_case.spec = oracle.spec.with_(dtype=spec.dtype)
-    base, _ = run_backend(REFERENCE, base_case)
-    err = (out[:n].double() - truth[:n]).abs().max().item()
-    assert err <= tolerance((base[:n].double() - truth[:n]).abs().max().item(), spec.dtype), err
+    oracle = dataclasses.replace(case, spec=spec.with_(spec_tree=None,
+                                                       mask_mod=explicit_mask(case, PARENTS)))
+    truth, truth_lse = assert_matches_reference(out, case, oracle)
     assert (lse[:n].double() - truth_lse[:n]).abs().max().item() < 1e-3
     causal = case.to(torch.float64)
     causal.spec = causal.spec.with_(spec_tree=None)
