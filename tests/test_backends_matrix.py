@@ -100,16 +100,16 @@ def test_matches_reference(backend, spec, scenario, options):
     n = case.metadata.num_actual_tokens
     with_lse = cls.returns_lse(PLATFORM)
     out, lse = run_backend(cls, case, with_lse=with_lse, **options)
-    if not with_lse:  # (the op fills no LSE here: checked against REFERENCE's below)
-        lse = run_backend(REFERENCE, case)[1]
     truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
     base, base_lse = run_backend(REFERENCE, case)  # plain torch at the test's precision
     assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"
-    assert (out[n:] == 0).all() and (lse[n:] == 0).all(), "padding rows must be zeroed"
+    assert (out[n:] == 0).all(), "padding rows must be zeroed"
     err, allowed = _max_err(out, truth, n), tolerance(_max_err(base, truth, n), spec.dtype)
     assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
-    lse_err = _max_err(lse, truth_lse, n)
-    assert lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), lse_err
+    if with_lse:  # (FLEX_ATTENTION on the CPU returns none: returns_lse)
+        assert (lse[n:] == 0).all(), "padding LSE rows must be zeroed"
+        lse_err = _max_err(lse, truth_lse, n)
+        assert lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), lse_err
     if spec.kv_cache_dtype.is_fp8:
         exact = make_case(spec.with_(kv_cache_dtype=KVCacheDType.AUTO, dtype=torch.float64),
                           SCENARIOS[scenario], block_size=block,
