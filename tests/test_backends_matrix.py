@@ -9,7 +9,7 @@ from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_
 from attn_ops.registry import list_backends
 from attn_ops.spec import Feature
 from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, OPTION_VARIANTS, SCENARIOS,
-                              make_case, run_backend, sqnr_db, tolerance)
+                              Scenario, make_case, run_backend, sqnr_db, tolerance)
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -91,12 +91,22 @@ def block_size_for(cls, spec):
 @pytest.mark.parametrize("backend,spec,scenario,options", list(_params()))
 def test_matches_reference(backend, spec, scenario, options):
     cls = get_backend_class(backend)
-    block = block_size_for(cls, spec)
     # One cache size for every scenario (compiling backends then compile once per spec).
-    case = make_case(spec, SCENARIOS[scenario], block_size=block,
-                     num_blocks=NUM_BLOCKS * 4 // block,
-                     device=DEVICE, seed=len(scenario),
-                     finite_page_tails=cls.capabilities.reads_page_tails)
+    _check(cls, spec, SCENARIOS[scenario], options, seed=len(scenario),
+           num_blocks=lambda block: NUM_BLOCKS * 4 // block)
+
+
+def _check(cls, spec, scenario, options, *, seed, num_blocks=lambda block: None):
+    """``cls`` against REFERENCE in fp64 (and plain REFERENCE at the test's precision, which
+    sets the tolerance) on one scenario."""
+    block = block_size_for(cls, spec)
+
+    def case_for(s):
+        return make_case(s, scenario, block_size=block, num_blocks=num_blocks(block),
+                         device=DEVICE, seed=seed,
+                         finite_page_tails=cls.capabilities.reads_page_tails)
+
+    case = case_for(spec)
     n = case.metadata.num_actual_tokens
     with_lse = cls.returns_lse(PLATFORM)
     out, lse = run_backend(cls, case, with_lse=with_lse, **options)
@@ -111,12 +121,35 @@ def test_matches_reference(backend, spec, scenario, options):
         lse_err = _max_err(lse, truth_lse, n)
         assert lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), lse_err
     if spec.kv_cache_dtype.is_fp8:
-        exact = make_case(spec.with_(kv_cache_dtype=KVCacheDType.AUTO, dtype=torch.float64),
-                          SCENARIOS[scenario], block_size=block,
-                          num_blocks=NUM_BLOCKS * 4 // block, device=DEVICE, seed=len(scenario),
-                          finite_page_tails=cls.capabilities.reads_page_tails)
-        ideal, _ = run_backend(REFERENCE, exact)
+        ideal, _ = run_backend(REFERENCE, case_for(spec.with_(kv_cache_dtype=KVCacheDType.AUTO,
+                                                              dtype=torch.float64)))
         assert sqnr_db(out[:n], ideal[:n]) >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
+
+
+# Real sizes (GPU only): Llama-3-8B attention shapes, long decodes, a 1k prefill and a chunked
+# prefill in one batch, in bf16 / fp16 and each fp8 cache a backend declares.
+REAL = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+REAL_BATCH = Scenario(((8191, 1), (4000, 1), (1, 1), (1500, 1), (0, 1024), (2000, 700)),
+                      pad_tokens=5)
+
+
+def _real_params():
+    for name in BACKENDS if PLATFORM.is_gpu else ():
+        cls = get_backend_class(name)
+        specs = {"bf16": REAL, "fp16": REAL.with_(dtype=torch.float16),
+                 "window_sinks": REAL.with_(sliding_window=1000, has_sinks=True)}
+        if Feature.FP8_KV in cls.capabilities.features:
+            specs.update(fp8_e4m3=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
+                         fp8_e5m2=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2))
+        for sid, spec in specs.items():
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                yield pytest.param(name, spec, id=f"{name}-{sid}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,spec", list(_real_params()))
+def test_real_sizes_match_reference(backend, spec):
+    _check(get_backend_class(backend), spec, REAL_BATCH, {}, seed=7)
 
 
 def test_matrix_is_not_empty():

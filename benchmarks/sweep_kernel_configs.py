@@ -1,0 +1,163 @@
+"""Kernel configurations the backends could choose, measured side by side (H200), to set
+their rules from data rather than from defaults.
+
+* ``decode``: FlashInfer's tensor-core decode (its FA2 prefill kernel, one query row per
+  request) with the split-KV chunk left to FlashInfer's plan (``auto``), split-KV off
+  (``nosplit``), or a fixed chunk of ``c`` pages (``fixed<c>``), next to FA4 (no split), over
+  batch 1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points).
+* ``prefill``: FA4 over the paged cache and over dense K/V (the step's own keys: a prefill
+  without cached context needs no page table), with its default sm90 tiles and alternatives
+  (``tile_mn``, RS / overlap flags), and torch SDPA (cuDNN and flash) on dense tensors.
+
+Every variant's output is compared with the default's before timing (``max_abs_diff``); a
+variant that fails to build is recorded with its error. Timing: ``do_bench_cudagraph``
+medians, variants of a point interleaved over rotating rounds (``time_graph``).
+
+    python benchmarks/sweep_kernel_configs.py [--only decode|prefill] [--rounds R] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
+                                 decode_bytes, fa4_direct, gpu_parser, prefill_flops,
+                                 time_graph, timed_fields, write_result)
+
+DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
+FIXED_CHUNKS = (1, 2, 4, 8, 16, 32)  # pages of 128 tokens
+PREFILL = ((1, 8192), (4, 4096), (16, 1024), (1, 16384))
+# (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); None = FA4's own choice for sm90.
+FA4_TILES = (None, (128, 128, False, True), (128, 176, True, True), (128, 160, True, True),
+             (128, 112, True, True), (128, 192, True, True), (128, 128, True, False))
+
+
+def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
+    """The tensor-core decode, planned by FlashInfer with the given split rule."""
+    import flashinfer
+
+    from attn_ops.backends.flashinfer import paged_kv_csr
+
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
+                                                            b.meta.block_table_cpu, b.page))
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    w.plan(b.meta.query_start_loc, indptr, indices, last, HQ, HKV, D, b.page, causal=True,
+           q_data_type=DTYPE, kv_data_type=DTYPE, fixed_split_size=fixed,
+           disable_split_kv=nosplit)
+    return lambda: w.run(b.q, b.cache, out=b.out)
+
+
+def sweep_decode(args, gen) -> list[dict]:
+    rows = []
+    for bsz in DECODE_BATCH:
+        for ctx in DECODE_CTX:
+            b = Batch(bsz, ctx, 1, 128, gen)
+            fns = {"auto": flashinfer_tc(b), "nosplit": flashinfer_tc(b, nosplit=True)}
+            for c in FIXED_CHUNKS:
+                if c < b.pages:
+                    fns[f"fixed{c}"] = flashinfer_tc(b, fixed=c)
+            fns["fa4"] = fa4_direct(b)
+            diffs = check_outputs(b, fns, "auto")
+            ms = time_graph(fns, args.rounds)
+            nbytes = decode_bytes(bsz, ctx)
+            row = {"kind": "decode", "batch": bsz, "ctx": ctx, "max_abs_diff": diffs,
+                   **timed_fields(ms, nbytes, "tbs")}
+            best = min(ms, key=ms.get)
+            print(f"decode B={bsz:<4} ctx={ctx:<6} best {best:8s} {nbytes / ms[best] / 1e9:.2f}"
+                  "  " + " ".join(f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()),
+                  flush=True)
+            rows.append(row)
+            del b, fns
+    return rows
+
+
+def fa4_variant(q, k, v, tile, **kw):
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    extra = {} if tile is None else dict(tile_mn=tile[:2], mma_pv_is_rs=tile[2],
+                                         intra_wg_overlap=tile[3])
+    return lambda: _flash_attn_fwd(q, k, v, causal=True, **kw, **extra)[0]
+
+
+def sweep_prefill(args, gen) -> list[dict]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for bsz, s in PREFILL:
+        b = Batch(bsz, s, s, 128, gen)
+        m = b.meta
+        kc, vc = b.cache.unbind(1)
+        # Dense K/V of the step in token order (what the layer wrote into the cache).
+        slots = m.slot_mapping.long()
+        flat = b.cache.permute(1, 0, 2, 3, 4).reshape(2, -1, HKV, D)
+        k, v = flat[0][slots].contiguous(), flat[1][slots].contiguous()
+        paged = dict(cu_seqlens_q=m.query_start_loc, seqused_k=m.seq_lens,
+                     max_seqlen_q=s, max_seqlen_k=s, page_table=m.block_table)
+        dense = dict(cu_seqlens_q=m.query_start_loc, cu_seqlens_k=m.query_start_loc,
+                     max_seqlen_q=s, max_seqlen_k=s)
+        fns, errors = {}, {}
+        for tile in FA4_TILES:
+            name = "default" if tile is None else "x".join(map(str, tile[:2])) + \
+                ("" if tile[2] else "-noRS") + ("" if tile[3] else "-noOL")
+            for where, kv, kw in (("paged", (kc, vc), paged), ("dense", (k, v), dense)):
+                fn = fa4_variant(b.q, *kv, tile, **kw)
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    fns[f"fa4_{where}_{name}"] = fn
+                except Exception as e:  # a tile the sm90 kernel cannot build
+                    errors[f"fa4_{where}_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        qd = b.q.view(bsz, s, HQ, D).transpose(1, 2)
+        kd = k.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+        vd = v.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+        for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) \
+                        .transpose(1, 2).reshape(bsz * s, HQ, D)
+            try:
+                sdpa()
+                fns[name] = sdpa
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        diffs = check_outputs(b, fns, "fa4_paged_default")
+        ms = time_graph(fns, args.rounds)
+        flops = prefill_flops(bsz, s)
+        row = {"kind": "prefill", "batch": bsz, "seq": s, "max_abs_diff": diffs,
+               "errors": errors, **timed_fields(ms, flops, "tflops")}
+        best = min(ms, key=ms.get)
+        print(f"prefill {bsz}x{s:<6} best {best} {flops / ms[best] / 1e9:.0f}  " + " ".join(
+            f"{k} {flops / v / 1e9:.0f}" for k, v in ms.items()) + " TFLOP/s", flush=True)
+        if errors:
+            print("  not built:", errors, flush=True)
+        rows.append(row)
+        del b, fns
+    return rows
+
+
+def main() -> None:
+    parser = gpu_parser(__doc__, "sweep_kernel_configs_h200.json", page=128, rounds=2,
+                        quick=False)
+    parser.add_argument("--only", choices=("decode", "prefill"))
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    if args.only in (None, "prefill"):
+        rows += sweep_prefill(args, gen)
+    if args.only in (None, "decode"):
+        rows += sweep_decode(args, gen)
+    write_result("sweep_kernel_configs", args.out, rounds=args.rounds, rows=rows,
+                 method="median over rotating rounds of triton.testing.do_bench_cudagraph "
+                        "medians (rep=30 ms)")
+
+
+if __name__ == "__main__":
+    main()
