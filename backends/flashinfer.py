@@ -9,11 +9,13 @@ a scalar (a plan travels as a small CPU int64 tensor whose first entry names the
 the op can sit inside compiled graphs and CUDA graphs.
 
 Kernels: decodes run FlashInfer's tensor-core decode -- its FA2 prefill kernel with one query
-row per request, the GQA heads of a KV head packed into one tile, split-KV planned. Measured on
-the H200 it beats both FlashInfer's CUDA-core decode kernel and FlashAttention 4 at every decode
-point (3.3 TB/s at batch 1 ctx 32k, 4.1-4.45 at batch >= 64: ``benchmarks/results``). Prefills
-run FA3 (sm90) or FA2 -- or FlashAttention 4 (``prefill_kernel="fa4"``, how FLASH_ATTN runs on
-sm90), the fastest prefill there.
+row per request, the GQA heads of a KV head packed into one tile -- split into KV chunks by
+:func:`decode_kernel` (about one CTA per SM; measured up to 17% faster than FlashInfer's own
+split rule at small batches), or, where FlashAttention 4 serves the prefills and the batch is
+about one wave of (request, KV head) items, by FA4 (fastest there). Measured on the H200 this
+beats FlashInfer's CUDA-core decode kernel and FA4 alone at every decode point
+(``benchmarks/results``). Prefills run FA3 (sm90) or FA2 -- or FlashAttention 4
+(``prefill_kernel="fa4"``, how FLASH_ATTN runs on sm90), the fastest prefill there.
 
 Semantics are REFERENCE's: ``sliding_window=W`` is FlashInfer's ``window_left=W-1``; the
 kernels' base-2 LSE is converted to natural log; attention sinks (which FlashInfer's sm90
@@ -76,6 +78,29 @@ def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
             torch.from_numpy(last))
 
 
+def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
+                  num_sms: int, fa4: bool) -> tuple[str, int]:
+    """The decode part's kernel and FlashInfer split-KV chunk (in pages; -1: FlashInfer's own
+    rule), from the number of (request, KV head) work items against the SM count.
+
+    Measured on the H200 (``benchmarks/sweep_kernel_configs.py``, page 128, 132 SMs): with
+    fewer items than SMs, splitting each request into chunks so that items x chunks is about
+    one CTA per SM beat FlashInfer's rule -- which aims at two -- by up to 17% (B=1 ctx 4k:
+    1.71 vs 1.46 TB/s; B=2 ctx 2k 1.75 vs 1.49; B=4 ctx 1k 1.71 vs 1.53; B=8 ctx 1k 2.76 vs
+    2.58), while for chunks of 4k tokens or more FlashInfer's rule was as good or better. Near
+    one full wave without splitting (B=16: 128 items), FlashAttention 4, which cannot split on
+    sm90 but runs one large CTA per SM, was fastest at every context (3.15-4.54 TB/s vs
+    FlashInfer's best 3.04-4.41). From a full wave on, FlashInfer does not split (B >= 32:
+    its rule equals no split, and beat FA4)."""
+    items = num_decodes * kv_heads
+    if items >= num_sms:
+        return "fa2", -1
+    if fa4 and 4 * items > 3 * num_sms:
+        return "fa4", -1
+    chunk = -(-max_pages // (num_sms // items))
+    return ("fa2", -1) if chunk * block_size >= 4096 else ("fa2", chunk)
+
+
 # ---------------------------------------------------------------------------------------------
 # Metadata (host planning)
 
@@ -115,21 +140,28 @@ def _float_workspace(device: torch.device) -> torch.Tensor:
 
 
 class _IntWorkspace:
-    """A plan's int workspace on the device and the pinned host buffer FlashInfer's ``plan``
+    """A plan's int workspace on the device and the pinned host buffers FlashInfer's ``plan``
     fills and copies from (asynchronously). Every planning key gets its own: a step plans all
-    its keys before its layers run, so a shared one would hold only the last plan. The event
-    keeps ``plan`` from refilling the host buffer before the previous copy out of it ran."""
+    its keys before its layers run, so a shared one would hold only the last plan. Host
+    buffers take turns, each with an event that keeps ``plan`` from refilling it before its
+    copy ran: with one buffer, each step's plan waited for the previous step's copy, which the
+    stream runs only after the previous step's kernels -- the host lost its run-ahead."""
+
+    RING = 2
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.host = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
-        self._copied = torch.cuda.Event()  # re-recorded: creating one per plan cost 13 us
+        self.hosts = [torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+                      for _ in range(self.RING)]
+        self.copied = [torch.cuda.Event() for _ in range(self.RING)]  # re-recorded, not remade
+        self.next = 0
 
     def plan(self, mod, *args) -> list[int]:
-        self._copied.synchronize()  # (an event never recorded counts as done)
-        plan = mod.plan(_float_workspace(self.device.device), self.device, self.host, *args)
-        self._copied.record()
-        return list(plan)
+        i, self.next = self.next, (self.next + 1) % self.RING
+        self.copied[i].synchronize()  # (an event never recorded counts as done)
+        plan = mod.plan(_float_workspace(self.device.device), self.device, self.hosts[i], *args)
+        self.copied[i].record()
+        return plan[:]  # (a tvm-ffi Array: a slice reads it in one pass; list() took 25 us)
 
 
 def _module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
@@ -203,10 +235,13 @@ class _Planner:
         self.window = -1 if spec.sliding_window is None else spec.sliding_window - 1
         self.cap = spec.logits_soft_cap or 0.0
         self.empty = torch.zeros(0, dtype=torch.int32, device=device)
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def plan_part(self, ws: _IntWorkspace, kernel: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
-                  seq: torch.Tensor, block_size: int, causal: bool, graph: bool) -> torch.Tensor:
-        """FlashInfer's plan for the requests of one part (host tensors) as a plan vector."""
+                  seq: torch.Tensor, block_size: int, causal: bool, graph: bool,
+                  chunk: int = -1) -> torch.Tensor:
+        """FlashInfer's plan for the requests of one part (host tensors) as a plan vector;
+        ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule)."""
         spec = self.spec
         rows, n = int(qo[-1]), qo.shape[0] - 1
         mod = _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim,
@@ -214,9 +249,19 @@ class _Planner:
         args = [qo, kv_indptr, seq.to(torch.int32), rows, n, spec.num_heads, spec.kv_heads,
                 block_size, graph, spec.head_dim, spec.v_head_dim, causal, self.window]
         if kernel == "fa2":
-            args += [-1, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
+            args += [chunk, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
         return torch.tensor([KERNELS.index(kernel), rows, int(graph), *ws.plan(mod, *args)],
                             dtype=torch.int64)
+
+    def fa4_part(self, common: CommonAttentionMetadata, requests: slice,
+                 max_query_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """An FA4 part (no host plan): its plan vector and the common metadata's device tables
+        of ``requests`` (``cu_seqlens_q`` is uploaded with the other host tables)."""
+        rows = int(common.query_start_loc_cpu[requests.stop] - common.query_start_loc_cpu[
+            requests.start])
+        plan = torch.tensor([KERNELS.index("fa4"), rows, 0, max_query_len, common.max_seq_len],
+                            dtype=torch.int64)
+        return plan, [common.seq_lens[requests], common.block_table[requests], self.empty]
 
     def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         if common.block_table_cpu is None:
@@ -227,21 +272,28 @@ class _Planner:
         causal = self.spec.causal and common.causal
         host: list[torch.Tensor] = []  # int32 tables, sent to the device in one copy
         decode_plan = prefill_plan = _EMPTY_PLAN
+        decode_device: list[torch.Tensor] = []  # tables already on the device (FA4 parts)
+        prefill_device: list[torch.Tensor] = []
         if nd:
             qo = qsl[:nd + 1].to(torch.int32)
-            kv_indptr, kv_indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
-            decode_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq[:nd],
-                                         block_size, causal, graph=False)
-            host += [qo, kv_indptr, kv_indices, last]
-        prefill_device: list[torch.Tensor] = []
+            host.append(qo)
+            max_pages = -(-int(seq[:nd].max()) // block_size)
+            kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
+                                          self.num_sms, self.prefill_kernel == "fa4")
+            if kernel == "fa4":
+                decode_plan, decode_device = self.fa4_part(common, slice(0, nd), 1)
+            else:
+                kv_indptr, kv_indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
+                decode_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq[:nd],
+                                             block_size, causal, graph=False, chunk=chunk)
+                host += [kv_indptr, kv_indices, last]
+        num_decode_tables = len(host)
         if common.num_prefills:
             qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
             host.append(qo)
             if self.prefill_kernel == "fa4":  # FA4 reads the common metadata's device tables
-                prefill_plan = torch.tensor([KERNELS.index("fa4"), int(qo[-1]), 0,
-                                             common.max_query_len, common.max_seq_len],
-                                            dtype=torch.int64)
-                prefill_device = [common.seq_lens[nd:], common.block_table[nd:], self.empty]
+                prefill_plan, prefill_device = self.fa4_part(common, slice(nd, common.num_reqs),
+                                                             common.max_query_len)
             else:
                 kv_indptr, kv_indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
                 prefill_plan = self.plan_part(self.prefill_ws, self.prefill_kernel, qo,
@@ -251,8 +303,8 @@ class _Planner:
         total = sum(t.shape[0] for t in host)
         tables = self.uploader.upload(host, torch.empty(total, dtype=torch.int32,
                                                         device=self.device))
-        decode = tables[:4] if nd else [self.empty] * 4
-        prefill = (tables[4 if nd else 0:] + prefill_device) if common.num_prefills \
+        decode = (tables[:num_decode_tables] + decode_device) if nd else [self.empty] * 4
+        prefill = (tables[num_decode_tables:] + prefill_device) if common.num_prefills \
             else [self.empty] * 4
         return FlashInferMetadata(common.slot_mapping, self.float_workspace,
                                   self.decode_ws.device, decode_plan, *decode,

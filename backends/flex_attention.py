@@ -176,9 +176,13 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
                          "lse=None or use CPU_ATTN")
     # Compiled CPU FlexAttention is inference-only; every mod variant x shape is one entry of
     # one code object's cache, more than Dynamo's default 8.
+    # On GPUs, Triton's key tile must divide the BlockMask's KV block (a page): the largest
+    # power of two dividing the page size, at most 128 (pages are multiples of 16).
+    options = {"BLOCK_N": min(bs & -bs, 128)} if query.device.type == "cuda" else None
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
         result = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                         enable_gqa=hq != k.shape[1], return_lse=need_lse)
+                         enable_gqa=hq != k.shape[1], return_lse=need_lse,
+                         kernel_options=options)
     o, row_lse = result if need_lse else (result, None)
     keep = valid[:t_in, None]
     out.copy_(torch.where(keep[..., None], o[0].transpose(0, 1)[:t_in], 0.0))

@@ -43,7 +43,7 @@ from _common import run_info  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 SPEC = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE)
-DECODE_BATCH = (1, 2, 4, 8, 16, 64, 256)
+DECODE_BATCH = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256)
 DECODE_CTX = (1024, 4096, 8192, 32768)
 PREFILL = ((1, 8192), (4, 4096), (16, 1024))
 

@@ -8,7 +8,7 @@ import torch
 
 from attn_ops import (Attention, AttentionConfig, AttentionSpec, Platform, build_batch,
                       get_backend_class)
-from attn_ops.backends.flashinfer import FlashInferMetadata, paged_kv_csr
+from attn_ops.backends.flashinfer import FlashInferMetadata, decode_kernel, paged_kv_csr
 from attn_ops.kv_cache import BlockAllocator
 
 FLASHINFER = get_backend_class("FLASHINFER")
@@ -35,6 +35,27 @@ def test_paged_kv_csr_matches_a_direct_computation(block_size):
 
 def _codes(spec, platform):
     return sorted(r.code for r in FLASHINFER.not_supported_reasons(spec, platform))
+
+
+@pytest.mark.parametrize("batch,ctx,expected", [
+    # (H200, 132 SMs, 8 KV heads, page 128) -> the best measured configuration
+    (1, 4096, ("fa2", 2)), (1, 32768, ("fa2", 16)), (2, 2048, ("fa2", 2)),
+    (4, 1024, ("fa2", 2)), (8, 1024, ("fa2", 4)), (8, 4096, ("fa2", 16)),
+    (8, 8192, ("fa2", -1)),  # chunks of 4k tokens: FlashInfer's own rule
+    (16, 1024, ("fa4", -1)), (16, 32768, ("fa4", -1)),  # one wave without splitting
+    (32, 1024, ("fa2", -1)), (256, 8192, ("fa2", -1))])
+def test_decode_kernel_rule_picks_the_measured_best(batch, ctx, expected):
+    assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True) == expected
+
+
+def test_decode_kernel_rule_without_fa4_and_its_chunks_fill_the_sms():
+    assert decode_kernel(16, 8, 8, 128, 132, fa4=False)[0] == "fa2"
+    for batch in range(1, 17):
+        for pages in (1, 7, 64, 300):
+            kernel, chunk = decode_kernel(batch, 8, pages, 16, 132, fa4=False)
+            if chunk > 0:  # never more CTAs than SMs, and never fewer than half of them
+                ctas = batch * 8 * -(-pages // chunk)
+                assert ctas <= 132 and (ctas * 2 > 132 or chunk == 1), (batch, pages, chunk)
 
 
 def test_reasons_on_simulated_platforms():
