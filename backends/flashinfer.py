@@ -83,19 +83,21 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     """The decode part's kernel and FlashInfer split-KV chunk (in pages; -1: FlashInfer's own
     rule), from the number of (request, KV head) work items against the SM count.
 
-    Measured on the H200 (``benchmarks/sweep_kernel_configs.py``, page 128, 132 SMs): with
-    fewer items than SMs, splitting each request into chunks so that items x chunks is about
-    one CTA per SM beat FlashInfer's rule -- which aims at two -- by up to 17% (B=1 ctx 4k:
-    1.71 vs 1.46 TB/s; B=2 ctx 2k 1.75 vs 1.49; B=4 ctx 1k 1.71 vs 1.53; B=8 ctx 1k 2.76 vs
-    2.58), while for chunks of 4k tokens or more FlashInfer's rule was as good or better. Near
-    one full wave without splitting (B=16: 128 items), FlashAttention 4, which cannot split on
-    sm90 but runs one large CTA per SM, was fastest at every context (3.15-4.54 TB/s vs
-    FlashInfer's best 3.04-4.41). From a full wave on, FlashInfer does not split (B >= 32:
-    its rule equals no split, and beat FA4)."""
+    Measured on the H200 (``benchmarks/sweep_kernel_configs.py`` and
+    ``bench_gpu_attention.py``, page 128, 132 SMs): with fewer items than SMs, splitting each
+    request into chunks so that items x chunks is about one CTA per SM beat FlashInfer's rule
+    -- which aims at two -- by up to 17% (B=1 ctx 4k: 1.71 vs 1.46 TB/s; B=2 ctx 2k 1.75 vs
+    1.49; B=4 ctx 1k 1.71 vs 1.53; B=8 ctx 1k 2.76 vs 2.58), while for chunks of 4k tokens or
+    more FlashInfer's rule was as good or better. Near one full wave without splitting (B=12
+    and 16: 96 and 128 items), FlashAttention 4, which cannot split on sm90 but runs one large
+    CTA per SM, was fastest up to ctx 4k (B=16 ctx 1k 3.13-3.15 vs FlashInfer's best 3.03;
+    B=12 ctx 4k 3.75 vs 3.57) and unsteady beyond (B=16 ctx 32k 4.06-4.54 over three runs;
+    B=12 ctx 8k 3.42 vs 3.96), where FlashInfer without splits is used. From a full wave on,
+    FlashInfer does not split (B >= 32: its rule equals no split, and beat FA4)."""
     items = num_decodes * kv_heads
     if items >= num_sms:
         return "fa2", -1
-    if fa4 and 4 * items > 3 * num_sms:
+    if fa4 and 10 * items > 7 * num_sms and max_pages * block_size <= 4096:
         return "fa4", -1
     chunk = -(-max_pages // (num_sms // items))
     return ("fa2", -1) if chunk * block_size >= 4096 else ("fa2", chunk)
