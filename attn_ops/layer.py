@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attn_ops.glue import rope, slot_mapping
 from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform
@@ -87,18 +88,39 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: CommonAttentionMetadata | Any, *,
-                return_lse: bool = False):
+                return_lse: bool = False, cos_sin: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         """``metadata``: the step's common metadata; what ``self.impl.build_metadata`` made of
         it; or the dict of :func:`build_step_metadata` -- the way to call a compiled model whose
-        backends plan on the host (planning then happens once per step, outside the graph)."""
+        backends plan on the host (planning then happens once per step, outside the graph).
+
+        ``cos_sin [T, head_dim]`` (cos | sin halves): rotate query and key first
+        (``torch.ops.attn.rope``). ``positions [T]``: compute the new tokens' cache slots on
+        the device (``torch.ops.attn.slot_mapping``, from ``metadata.query_start_loc`` and
+        ``metadata.block_table``) instead of reading ``metadata.slot_mapping``. Both are ops
+        the compile passes fuse with the cache write (:mod:`attn_ops.compile_passes`)."""
         if isinstance(metadata, dict):
             metadata = metadata[self._metadata_key]
         spec = self.spec
         query = query.view(-1, spec.num_heads, spec.head_dim)
+        if cos_sin is not None:
+            query = rope(query, cos_sin)
         if key is not None and value is not None:
-            kv_cache_update(key.view(-1, spec.kv_heads, spec.head_dim),
-                            value.view(-1, spec.kv_heads, spec.v_head_dim), kv_cache,
-                            metadata.slot_mapping, self.k_scale, self.v_scale)
+            key = key.view(-1, spec.kv_heads, spec.head_dim)
+            if cos_sin is not None:
+                key = rope(key, cos_sin)
+            slots = metadata.slot_mapping
+            if positions is not None:
+                if not hasattr(metadata, "block_table"):
+                    raise ValueError(
+                        f"positions= (slots computed on the device) needs the common metadata's "
+                        f"query_start_loc and block_table; {self.backend}'s metadata "
+                        f"({type(metadata).__name__}) has no block table -- use "
+                        "metadata.slot_mapping (positions=None)")
+                slots = slot_mapping(positions, metadata.query_start_loc, metadata.block_table,
+                                     self.block_size)
+            kv_cache_update(key, value.view(-1, spec.kv_heads, spec.v_head_dim), kv_cache,
+                            slots, self.k_scale, self.v_scale)
         out = query.new_empty(query.shape[0], spec.num_heads, spec.v_head_dim)
         lse = query.new_empty(query.shape[0], spec.num_heads, dtype=torch.float32) \
             if return_lse else None

@@ -39,6 +39,9 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_window_every: int = 1
     dtype: torch.dtype = torch.float32
+    # Compute each token's cache slot on the device from its position and the block table
+    # (torch.ops.attn.slot_mapping) instead of using the host-built metadata.slot_mapping.
+    device_slot_mapping: bool = False
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if layer % self.sliding_window_every == 0 else None
@@ -65,14 +68,6 @@ def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half (NeoX/Llama) RoPE: x ``[T, H, D]``, cos_sin ``[T, D]``."""
-    half = x.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, attn_config: AttentionConfig | None) -> None:
         super().__init__()
@@ -86,15 +81,18 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x, cos_sin, kv_cache, metadata):
+    def forward(self, x, cos_sin, positions, kv_cache, metadata):
         cfg = self.cfg
         q, k, v = self.qkv_proj(self.input_norm(x)).split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
              cfg.num_kv_heads * cfg.head_dim], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos_sin)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos_sin)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        attn = self.attn(q, k, v, kv_cache, metadata)
+        # RoPE and (with device_slot_mapping) the slot computation run as ops of their own,
+        # which attn_ops.compile_passes fold into one cache-write op.
+        attn = self.attn(q, k, v, kv_cache, metadata, cos_sin=cos_sin,
+                         positions=positions if cfg.device_slot_mapping else None)
         x = x + self.o_proj(attn.flatten(1))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
@@ -145,7 +143,7 @@ class TinyLlama(nn.Module):
         x = self.embed(input_ids)
         cos_sin = self.rope[positions]
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, cache, metadata)
+            x = layer(x, cos_sin, positions, cache, metadata)
         return self.lm_head(self.norm(x)).float()
 
 

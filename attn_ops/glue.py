@@ -1,0 +1,130 @@
+"""The glue around the attention kernel as ops: RoPE, the slot mapping, and their fused form.
+
+A decoder layer spends kernels around attention: rotate the query, rotate the key, compute
+where each new token goes in the paged cache (from its position and the block table), write
+key and value there. As ops of their own they are visible to our Inductor passes
+(:mod:`attn_ops.compile_passes`), which fold them into one
+``torch.ops.attn.rope_kv_cache_update`` per layer -- rotate both, compute the slots, write the
+cache, return the rotated query -- leaving attention and its glue at two ops per layer.
+
+* ``torch.ops.attn.rope(x [T, H, D], cos_sin [T, D]) -> [T, H, D]``: rotate-half (NeoX/Llama)
+  RoPE; ``cos_sin`` holds cos in its first half and sin in its second
+  (:func:`attn_ops.model.rope_cache`), computed in float32, returned in ``x.dtype``.
+* ``torch.ops.attn.slot_mapping(positions [T], query_start_loc [B+1], block_table [B, W],
+  block_size) -> [T] int64``: ``block_table[r, p // block_size] * block_size + p % block_size``
+  for token ``t`` of request ``r`` at position ``p``; ``-1`` for rows past
+  ``query_start_loc[-1]`` (padding), which the cache write skips. Device-only, no host sync.
+* ``torch.ops.attn.rope_kv_cache_update(query, key, value, cos_sin, kv_cache, slot_mapping,
+  positions, query_start_loc, block_table, k_scale, v_scale) -> rotated query``: both of the
+  above and ``kv_cache_update`` in one op; with ``slot_mapping=None`` the slots come from
+  ``positions`` / ``query_start_loc`` / ``block_table`` (the page size is the cache's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.kv_cache import _kv_cache_update_fake, kv_cache_update, split_kv_cache
+from attn_ops.ops import define_op
+
+__all__ = ["rope", "rope_kv_cache_update", "slot_mapping"]
+
+
+def _check_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    if x.dim() != 3 or x.shape[2] % 2:
+        raise ValueError(f"rope: x must be [num_tokens, heads, even head_dim], got "
+                         f"{tuple(x.shape)}")
+    if cos_sin.dim() != 2 or cos_sin.shape[0] != x.shape[0] or cos_sin.shape[1] != x.shape[2]:
+        raise ValueError(f"rope: cos_sin must be [num_tokens={x.shape[0]}, head_dim="
+                         f"{x.shape[2]}] (cos | sin halves), got {tuple(cos_sin.shape)}")
+
+
+def _rope_impl(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    _check_rope(x, cos_sin)
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:].float()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _rope_fake(x, cos_sin):
+    _check_rope(x, cos_sin)
+    return torch.empty_like(x)
+
+
+rope = define_op("rope", "(Tensor x, Tensor cos_sin) -> Tensor", _rope_impl, _rope_fake)
+
+
+def _check_slots(positions, query_start_loc, block_table, block_size):
+    if positions.dim() != 1 or query_start_loc.dim() != 1 or block_table.dim() != 2:
+        raise ValueError(f"slot_mapping: positions [T], query_start_loc [B+1] and block_table "
+                         f"[B, W] expected, got {tuple(positions.shape)}, "
+                         f"{tuple(query_start_loc.shape)}, {tuple(block_table.shape)}")
+    if query_start_loc.shape[0] != block_table.shape[0] + 1:
+        raise ValueError(f"slot_mapping: query_start_loc has {query_start_loc.shape[0]} entries "
+                         f"for {block_table.shape[0]} block-table rows (needs rows + 1)")
+    if block_size < 1:
+        raise ValueError(f"slot_mapping: block_size={block_size} must be >= 1")
+
+
+def _slot_mapping_impl(positions, query_start_loc, block_table, block_size):
+    _check_slots(positions, query_start_loc, block_table, block_size)
+    num_reqs, width = block_table.shape
+    t = torch.arange(positions.shape[0], device=positions.device,
+                     dtype=query_start_loc.dtype)
+    req = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
+    valid = req < num_reqs
+    row = req.clamp(max=max(num_reqs - 1, 0))
+    pos = positions.long()
+    col = (pos // block_size).clamp(0, max(width - 1, 0))
+    block = block_table[row, col].long() if num_reqs else torch.zeros_like(pos)
+    return torch.where(valid, block * block_size + pos % block_size, -1)
+
+
+def _slot_mapping_fake(positions, query_start_loc, block_table, block_size):
+    _check_slots(positions, query_start_loc, block_table, block_size)
+    return positions.new_empty(positions.shape, dtype=torch.int64)
+
+
+slot_mapping = define_op(
+    "slot_mapping",
+    "(Tensor positions, Tensor query_start_loc, Tensor block_table, int block_size) -> Tensor",
+    _slot_mapping_impl, _slot_mapping_fake)
+
+
+def _slots_for(key, value, kv_cache, slots, positions, query_start_loc, block_table):
+    if slots is not None:
+        return slots
+    if positions is None or query_start_loc is None or block_table is None:
+        raise ValueError("rope_kv_cache_update: pass slot_mapping, or positions, "
+                         "query_start_loc and block_table to compute it")
+    block_size = split_kv_cache(kv_cache, key.shape[2], value.shape[2])[0].shape[1]
+    return _slot_mapping_impl(positions, query_start_loc, block_table, block_size)
+
+
+def _fused_impl(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
+                block_table, k_scale, v_scale):
+    slots = _slots_for(key, value, kv_cache, slots, positions, query_start_loc, block_table)
+    kv_cache_update(_rope_impl(key, cos_sin), value, kv_cache, slots, k_scale, v_scale)
+    return _rope_impl(query, cos_sin)
+
+
+def _fused_fake(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
+                block_table, k_scale, v_scale):
+    _check_rope(query, cos_sin)
+    _check_rope(key, cos_sin)
+    if slots is None:
+        if positions is None or query_start_loc is None or block_table is None:
+            raise ValueError("rope_kv_cache_update: pass slot_mapping, or positions, "
+                             "query_start_loc and block_table to compute it")
+        slots = positions.new_empty(positions.shape, dtype=torch.int64)
+    _kv_cache_update_fake(key, value, kv_cache, slots, k_scale, v_scale)
+    return torch.empty_like(query)
+
+
+rope_kv_cache_update = define_op(
+    "rope_kv_cache_update",
+    "(Tensor query, Tensor key, Tensor value, Tensor cos_sin, Tensor(a!) kv_cache, "
+    "Tensor? slot_mapping, Tensor? positions, Tensor? query_start_loc, Tensor? block_table, "
+    "Tensor? k_scale, Tensor? v_scale) -> Tensor",
+    _fused_impl, _fused_fake)
