@@ -9,7 +9,8 @@ cache, return the rotated query -- leaving attention and its glue at two ops per
 
 * ``torch.ops.attn.rope(x [T, H, D], cos_sin [T, D]) -> [T, H, D]``: rotate-half (NeoX/Llama)
   RoPE; ``cos_sin`` holds cos in its first half and sin in its second
-  (:func:`attn_ops.model.rope_cache`), computed in float32, returned in ``x.dtype``.
+  (:func:`attn_ops.model.rope_cache`), computed in float32 (float64 for float64 ``x``),
+  returned in ``x.dtype``.
 * ``torch.ops.attn.slot_mapping(positions [T], query_start_loc [B+1], block_table [B, W],
   block_size) -> [T] int64``: ``block_table[r, p // block_size] * block_size + p % block_size``
   for token ``t`` of request ``r`` at position ``p``; ``-1`` for rows past
@@ -42,8 +43,9 @@ def _check_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
 def _rope_impl(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     _check_rope(x, cos_sin)
     half = x.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:].float()
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = cos_sin[:, None, :half].to(compute), cos_sin[:, None, half:].to(compute)
+    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -104,13 +106,30 @@ def _slots_for(key, value, kv_cache, slots, positions, query_start_loc, block_ta
 
 def _fused_impl(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
                 block_table, k_scale, v_scale):
+    if query.is_cuda:  # one Triton kernel (attn_ops.glue_kernels)
+        _check_fused(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
+                     block_table, k_scale, v_scale)
+        from attn_ops.glue_kernels import rope_kv_cache_update_triton
+
+        return rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots,
+                                           positions, query_start_loc, block_table, k_scale,
+                                           v_scale)
+    return fused_torch(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
+                       block_table, k_scale, v_scale)
+
+
+def fused_torch(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
+                block_table, k_scale, v_scale):
+    """``rope_kv_cache_update`` in torch ops (the CPU implementation; the GPU kernel's check)."""
     slots = _slots_for(key, value, kv_cache, slots, positions, query_start_loc, block_table)
     kv_cache_update(_rope_impl(key, cos_sin), value, kv_cache, slots, k_scale, v_scale)
     return _rope_impl(query, cos_sin)
 
 
-def _fused_fake(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
-                block_table, k_scale, v_scale):
+def _check_fused(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
+                 block_table, k_scale, v_scale) -> None:
+    if slots is not None and positions is not None:
+        raise ValueError("rope_kv_cache_update: pass slot_mapping or positions, not both")
     _check_rope(query, cos_sin)
     _check_rope(key, cos_sin)
     if slots is None:
@@ -119,7 +138,11 @@ def _fused_fake(query, key, value, cos_sin, kv_cache, slots, positions, query_st
                              "query_start_loc and block_table to compute it")
         slots = positions.new_empty(positions.shape, dtype=torch.int64)
     _kv_cache_update_fake(key, value, kv_cache, slots, k_scale, v_scale)
-    return torch.empty_like(query)
+
+
+def _fused_fake(*args):
+    _check_fused(*args)
+    return torch.empty_like(args[0])
 
 
 rope_kv_cache_update = define_op(

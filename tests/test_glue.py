@@ -10,6 +10,7 @@ from attn_ops.metadata import build_batch
 from attn_ops.model import rope_cache
 
 BLOCK = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _batch(pad=3):
@@ -80,3 +81,49 @@ def test_bad_inputs_name_the_value_and_the_fix():
         rope_kv_cache_update(torch.randn(t, 2, 8), torch.randn(t, 1, 8), torch.randn(t, 1, 8),
                              torch.randn(t, 8), torch.zeros(4, 2, 4, 1, 8), None, None, None,
                              None, None, None)
+
+
+@pytest.mark.parametrize("case", ["fp32_slots", "fp32_positions", "fp16_packed_diffv",
+                                  "fp8_e4m3", "fp8_e5m2"])
+def test_fused_triton_kernel_matches_the_torch_implementation(case):
+    """The GPU kernel of rope_kv_cache_update against its torch implementation, padding rows
+    included: on the GPU at random values; on the CPU in Triton's interpreter, whose fp8
+    conversion rounds wrongly at binade edges (31.9 -> 16 in e4m3), so there the fp8 cases
+    use values exact in fp8 after scaling (and some that saturate) and no rotation."""
+    pytest.importorskip("triton")
+    from attn_ops.glue import fused_torch
+    from attn_ops.glue_kernels import rope_kv_cache_update_triton
+
+    meta = _batch(pad=2)
+    t = meta.slot_mapping.shape[0]
+    dtype = torch.float16 if case == "fp16_packed_diffv" else torch.float32
+    dv = 12 if case == "fp16_packed_diffv" else 8
+    fp8 = case.startswith("fp8")
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = rand(t, 6, 8), rand(t, 3, 8), rand(t, 3, dv)
+    positions = meta.positions
+    scales = (torch.tensor([0.05]), torch.tensor([0.5])) if fp8 else (None, None)
+    if fp8 and DEVICE == "cpu":
+        positions = torch.zeros_like(positions)  # cos 1, sin 0: no rotation
+        grid = torch.tensor([0.0, 0.5, -1.5, 3.0, 20.0, -96.0, 1e9, -1e9])  # exact, saturating
+        k = grid[torch.randint(0, 8, (t, 3, 8), generator=g)] * scales[0]
+        v = grid[torch.randint(0, 8, (t, 3, dv), generator=g)] * scales[1]
+    cos_sin = rope_cache(8, 64, 10000.0)[positions]
+    if case == "fp16_packed_diffv":
+        cache = torch.zeros(24, BLOCK, 3, 8 + dv, dtype=dtype)
+    else:
+        cache = torch.zeros(24, 2, BLOCK, 3, 8, dtype={
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(case, dtype))
+    slot_args = (None, meta.positions, meta.query_start_loc, meta.block_table) \
+        if case == "fp32_positions" else (meta.slot_mapping, None, None, None)
+    args = [x.to(DEVICE) if torch.is_tensor(x) else x
+            for x in (q, k, v, cos_sin, cache, *slot_args, *scales)]
+    want_cache = args[4].clone()
+    want_q = fused_torch(*args[:4], want_cache, *args[5:])
+    got_q = rope_kv_cache_update_triton(*args)
+    torch.testing.assert_close(got_q, want_q)
+    assert torch.equal(args[4].view(torch.uint8), want_cache.view(torch.uint8))

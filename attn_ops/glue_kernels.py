@@ -1,0 +1,133 @@
+"""The fused glue op's GPU kernel: RoPE of query and key, the slot computation and the KV-cache
+write in one Triton launch (``torch.ops.attn.rope_kv_cache_update`` on CUDA).
+
+One program per token: it rotates the token's query heads into the output, finds the token's
+cache slot -- read from ``slot_mapping``, or computed from its position, its request (binary
+search over ``query_start_loc``) and the block table -- and, unless the token is padding (slot
+-1, or a row past ``query_start_loc[-1]``), writes the rotated key and the value there,
+quantized to an fp8 cache with the per-tensor scales (``x / scale`` saturated, as
+``kv_cache_update`` does). No host reads: capturable in CUDA graphs.
+
+On the CPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CPU CI
+checks it against the torch implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_ops.kv_cache import FP8_MAX, split_kv_cache
+
+
+@triton.jit
+def _rotate(ptr, stride_h, offs_h, offs_d, cos, sin, mask, HALF: tl.constexpr):
+    x1 = tl.load(ptr + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask, other=0.0)
+    x2 = tl.load(ptr + offs_h[:, None] * stride_h + HALF + offs_d[None, :], mask=mask, other=0.0)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _quantize(x, scale_ptr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    if FP8:
+        x = x / tl.load(scale_ptr).to(tl.float32)
+        x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+    return x
+
+
+@triton.jit
+def rope_kv_write_kernel(
+        q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, qsl_ptr, bt_ptr,
+        ks_ptr, vs_ptr, num_reqs, block_size,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+        stride_ot, stride_oh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+        stride_vch, stride_bt,
+        HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
+        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        BLOCK_DV: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr,
+        FP8_LIMIT: tl.constexpr):
+    t = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    cos = tl.load(cs_ptr + t * stride_cs + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + t * stride_cs + HALF + offs_d, mask=d_ok, other=0.0).to(
+        tl.float32)[None, :]
+
+    offs_hq = tl.arange(0, BLOCK_HQ)
+    q_ok = (offs_hq[:, None] < HQ) & d_ok[None, :]
+    r1, r2 = _rotate(q_ptr + t * stride_qt, stride_qh, offs_hq, offs_d, cos, sin, q_ok, HALF)
+    out = qo_ptr + t * stride_ot + offs_hq[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out, r1.to(qo_ptr.dtype.element_ty), mask=q_ok)
+    tl.store(out + HALF, r2.to(qo_ptr.dtype.element_ty), mask=q_ok)
+
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    else:  # the token's request: the largest r with query_start_loc[r] <= t
+        lo = num_reqs * 0
+        hi = num_reqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) <= t:
+                lo = mid
+            else:
+                hi = mid
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        block = tl.load(bt_ptr + lo * stride_bt + pos // block_size).to(tl.int64)
+        slot = tl.where(t < tl.load(qsl_ptr + num_reqs), block * block_size + pos % block_size,
+                        -1)
+    if slot >= 0:
+        page = slot // block_size
+        row = slot % block_size
+        offs_hk = tl.arange(0, BLOCK_HKV)
+        k_ok = (offs_hk[:, None] < HKV) & d_ok[None, :]
+        k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
+        dst = kc_ptr + page * stride_kcb + row * stride_kcs + offs_hk[:, None] * stride_kch \
+            + offs_d[None, :]
+        tl.store(dst, _quantize(k1, ks_ptr, FP8, FP8_LIMIT).to(kc_ptr.dtype.element_ty),
+                 mask=k_ok)
+        tl.store(dst + HALF, _quantize(k2, ks_ptr, FP8, FP8_LIMIT).to(kc_ptr.dtype.element_ty),
+                 mask=k_ok)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v_ok = (offs_hk[:, None] < HKV) & (offs_dv[None, :] < DV)
+        v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_dv[None, :],
+                    mask=v_ok, other=0.0)
+        if FP8:
+            v = _quantize(v.to(tl.float32), vs_ptr, FP8, FP8_LIMIT)
+        tl.store(vc_ptr + page * stride_vcb + row * stride_vcs + offs_hk[:, None] * stride_vch
+                 + offs_dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_ok)
+
+
+def rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots, positions,
+                                query_start_loc, block_table, k_scale, v_scale) -> torch.Tensor:
+    """Launch :func:`rope_kv_write_kernel`; returns the rotated query (inputs already checked
+    by the op)."""
+    query, key, value, cos_sin = (x if x.stride(-1) == 1 else x.contiguous()
+                                  for x in (query, key, value, cos_sin))
+    k_cache, v_cache = split_kv_cache(kv_cache, key.shape[2], value.shape[2])
+    q_out = torch.empty_like(query)
+    t, hq, d = query.shape
+    if t == 0:
+        return q_out
+    hkv, dv = key.shape[1], value.shape[2]
+    fp8 = kv_cache.dtype in FP8_MAX
+    has_slots = slots is not None
+    dummy = q_out  # (never read: its flag is off)
+    table = block_table if block_table is not None else dummy
+    rope_kv_write_kernel[(t,)](
+        query, key, value, cos_sin, q_out, k_cache, v_cache,
+        slots if has_slots else dummy, positions if positions is not None else dummy,
+        query_start_loc if query_start_loc is not None else dummy, table,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
+        0 if has_slots else block_table.shape[0], k_cache.shape[1],
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), cos_sin.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        HQ=hq, HKV=hkv, HALF=d // 2, DV=dv, BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(d // 2),
+        BLOCK_DV=triton.next_power_of_2(dv), HAS_SLOTS=has_slots, FP8=fp8,
+        FP8_LIMIT=FP8_MAX.get(kv_cache.dtype, 0.0),
+        num_warps=4 if hq * d >= 2048 else 1)
+    return q_out
