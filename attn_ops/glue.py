@@ -19,16 +19,20 @@ cache, return the rotated query -- leaving attention and its glue at two ops per
   positions, query_start_loc, block_table, k_scale, v_scale) -> rotated query``: both of the
   above and ``kv_cache_update`` in one op; with ``slot_mapping=None`` the slots come from
   ``positions`` / ``query_start_loc`` / ``block_table`` (the page size is the cache's).
+* ``torch.ops.attn.quantize_fp8(x, scale [1] float32, dtype) -> fp8``: ``x / scale`` saturated
+  to the fp8 range (what a model does to feed an fp8 GEMM); after an attention op, the FP8
+  output pass makes the attention op write it directly (``output_scale``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from attn_ops.kv_cache import _kv_cache_update_fake, kv_cache_update, split_kv_cache
+from attn_ops.kv_cache import (FP8_MAX, _kv_cache_update_fake, kv_cache_update, quantize_fp8,
+                               split_kv_cache)
 from attn_ops.ops import define_op
 
-__all__ = ["rope", "rope_kv_cache_update", "slot_mapping"]
+__all__ = ["quantize_fp8_op", "rope", "rope_kv_cache_update", "slot_mapping"]
 
 
 def _check_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -151,3 +155,26 @@ rope_kv_cache_update = define_op(
     "Tensor? slot_mapping, Tensor? positions, Tensor? query_start_loc, Tensor? block_table, "
     "Tensor? k_scale, Tensor? v_scale) -> Tensor",
     _fused_impl, _fused_fake)
+
+
+def _check_quantize(x, scale, dtype):
+    if dtype not in FP8_MAX:
+        raise ValueError(f"quantize_fp8: dtype={dtype} must be torch.float8_e4m3fn or "
+                         "torch.float8_e5m2")
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(f"quantize_fp8: scale must be a one-element float32 tensor, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+
+
+def _quantize_impl(x, scale, dtype):
+    _check_quantize(x, scale, dtype)
+    return quantize_fp8(x, scale, dtype)
+
+
+def _quantize_fake(x, scale, dtype):
+    _check_quantize(x, scale, dtype)
+    return torch.empty_like(x, dtype=dtype)
+
+
+quantize_fp8_op = define_op("quantize_fp8", "(Tensor x, Tensor scale, ScalarType dtype) -> Tensor",
+                            _quantize_impl, _quantize_fake)

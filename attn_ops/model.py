@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from attn_ops.glue import quantize_fp8_op
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.layer import Attention, build_step_metadata
 from attn_ops.metadata import CommonAttentionMetadata, build_batch
@@ -42,6 +43,9 @@ class ModelConfig:
     # Compute each token's cache slot on the device from its position and the block table
     # (torch.ops.attn.slot_mapping) instead of using the host-built metadata.slot_mapping.
     device_slot_mapping: bool = False
+    # Quantize each attention output to fp8 e4m3 (torch.ops.attn.quantize_fp8, per-tensor
+    # scale) before o_proj, as a model with fp8 GEMMs does; o_proj gets it dequantized here.
+    fp8_attention_output: bool = False
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if layer % self.sliding_window_every == 0 else None
@@ -77,6 +81,8 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
         self.attn = Attention(cfg.attention_spec(layer), attn_config)
+        self.register_buffer("attn_out_scale", torch.tensor([0.02])
+                             if cfg.fp8_attention_output else None)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
@@ -93,7 +99,11 @@ class DecoderLayer(nn.Module):
         # which attn_ops.compile_passes fold into one cache-write op.
         attn = self.attn(q, k, v, kv_cache, metadata, cos_sin=cos_sin,
                          positions=positions if cfg.device_slot_mapping else None)
-        x = x + self.o_proj(attn.flatten(1))
+        attn = attn.flatten(1)
+        if cfg.fp8_attention_output:
+            scale = self.attn_out_scale
+            attn = quantize_fp8_op(attn, scale, torch.float8_e4m3fn).to(x.dtype) * scale
+        x = x + self.o_proj(attn)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
 

@@ -23,7 +23,7 @@ __all__ = [
     "PAGED_ATTENTION_SCHEMA", "apply_sinks", "check_nhd_attention_inputs",
     "check_paged_attention_inputs", "check_paged_attention_values",
     "debug_checks_enabled",
-    "define_op", "library", "set_debug_checks",
+    "define_op", "library", "set_debug_checks", "with_fp8_output",
 ]
 
 _LIB: torch.library.Library | None = None
@@ -68,10 +68,22 @@ def define_op(
     *,
     dispatch_keys: Sequence[str] = DISPATCH_KEYS,
     tags: Sequence[torch.Tag] = (),
+    fp8_output_at: int | None = None,
 ) -> torch._ops.OpOverload:
-    """Define ``torch.ops.attn.<name>`` once; later calls return the existing overload."""
+    """Define ``torch.ops.attn.<name>`` once; later calls return the existing overload.
+
+    ``fp8_output_at``: the position of an attention op's ``out``. The op then takes a last,
+    optional ``Tensor? output_scale`` too: given one, ``out`` may be fp8 and receives the
+    result quantized with that scale (:func:`with_fp8_output`) -- what the FP8-output compile
+    pass (:mod:`attn_ops.compile_passes.fp8_output`) rewrites an attention op followed by
+    ``torch.ops.attn.quantize_fp8`` into."""
     if name in _DEFINED:
         return _DEFINED[name]
+    if fp8_output_at is not None:
+        schema = schema.replace(") -> ()", ", Tensor? output_scale=None) -> ()")
+        num_args = len(torch._C.parse_schema("attn::" + name + schema).arguments)
+        impl = with_fp8_output(impl, fp8_output_at, num_args, quantize=True)
+        fake = with_fp8_output(fake, fp8_output_at, num_args, quantize=False)
     lib = library()
     lib.define(name + schema, tags=tuple(tags))
     for key in dispatch_keys:
@@ -79,6 +91,37 @@ def define_op(
     torch.library.register_fake(f"attn::{name}", fake, lib=lib)
     _DEFINED[name] = getattr(torch.ops.attn, name).default
     return _DEFINED[name]
+
+
+def with_fp8_output(kernel: Callable, out_index: int, num_args: int, *,
+                    quantize: bool) -> Callable:
+    """``kernel`` with a trailing ``output_scale`` argument (the op's ``num_args``-th; the
+    dispatcher passes it only when the caller did): None runs it as is; a scale runs it into a
+    buffer of the query's dtype and writes ``quantize_fp8(buffer, scale)`` into the fp8
+    ``out`` (the fusion at the op level: one op instead of attention + quantization)."""
+
+    def run(*args, output_scale=None):
+        args = list(args)
+        if len(args) == num_args:
+            output_scale = args.pop()
+        scale = output_scale
+        if scale is None:
+            return kernel(*args)
+        out, query = args[out_index], args[0]
+        if out.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            _fail(f"output_scale is given but out.dtype={out.dtype}; allocate out as "
+                  "torch.float8_e4m3fn or torch.float8_e5m2 (or pass output_scale=None)")
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != out.device:
+            _fail(f"output_scale must be a one-element float32 tensor on {out.device}, got "
+                  f"{scale.dtype} {tuple(scale.shape)} on {scale.device}")
+        args[out_index] = buffer = torch.empty(out.shape, dtype=query.dtype, device=out.device)
+        kernel(*args)
+        if quantize:
+            from attn_ops.kv_cache import quantize_fp8
+
+            out.copy_(quantize_fp8(buffer, scale, out.dtype))
+
+    return run
 
 
 def set_debug_checks(enabled: bool) -> None:

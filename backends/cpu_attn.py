@@ -187,6 +187,7 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
 
 
 cpu_attention = define_op("cpu_attention", PAGED_ATTENTION_SCHEMA, cpu_paged_attention, _fake,
+                          fp8_output_at=5,
                           dispatch_keys=("CPU",))
 
 

@@ -58,7 +58,8 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
 
 
 flash_attn_diffkv_attention = define_op("flash_attn_diffkv_attention", PAGED_ATTENTION_SCHEMA,
-                                        _diffkv_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+                                        _diffkv_attention, _fake, dispatch_keys=("CPU", "CUDA"),
+                                        fp8_output_at=5)
 
 
 class FlashAttnDiffKVBackend(AttentionBackend):

@@ -201,7 +201,7 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
 
 
 flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
-                                 _fake, dispatch_keys=("CPU", "CUDA"))
+                                 _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=5)
 
 
 class FlexAttentionBackend(AttentionBackend):

@@ -105,11 +105,11 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
 
 
 reference_attention = define_op("reference_attention", PAGED_ATTENTION_SCHEMA,
-                                reference_paged_attention, _fake)
+                                reference_paged_attention, _fake, fp8_output_at=5)
 # The same with the spec's custom mods (AttentionSpec.mask_mod / score_mod), by registry id.
 reference_attention_mods = define_op(
     "reference_attention_mods", PAGED_ATTENTION_MODS_SCHEMA,
-    reference_paged_attention, lambda *args: _fake(*args[:-1]))
+    reference_paged_attention, lambda *args: _fake(*args[:-1]), fp8_output_at=5)
 
 
 class ReferenceBackend(AttentionBackend):

@@ -52,7 +52,7 @@ tree_attention = define_op(
     "Tensor block_table, Tensor bounds, Tensor tree, Tensor(a!) out, Tensor(b!)? lse, "
     "Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, float scale, "
     "int? sliding_window, float? soft_cap, bool causal) -> ()",
-    _tree_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+    _tree_attention, _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=7)
 
 
 class TreeAttnBackend(TritonAttnBackend):

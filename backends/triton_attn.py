@@ -205,7 +205,7 @@ triton_attention = define_op(
     "Tensor block_table, Tensor bounds, Tensor(a!) out, Tensor(b!)? lse, Tensor? sinks, "
     "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, "
     "float? soft_cap, bool causal) -> ()",
-    _triton_attention, _fake, dispatch_keys=("CPU", "CUDA"))
+    _triton_attention, _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=6)
 
 
 class TritonAttnBackend(AttentionBackend):

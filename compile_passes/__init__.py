@@ -8,7 +8,9 @@ Each pass is a ``CustomGraphPass`` with a ``uuid()``, a ``detect`` returning typ
 * :class:`~attn_ops.compile_passes.rope_kv_fusion.RopeKVCacheFusion` -- RoPE of query and key
   + the KV-cache write -> one ``attn.rope_kv_cache_update``;
 * :class:`~attn_ops.compile_passes.slot_fusion.SlotMappingFusion` -- the slot mapping computed
-  in the graph folded into that write.
+  in the graph folded into that write;
+* :class:`~attn_ops.compile_passes.fp8_output.Fp8OutputFusion` -- attention followed by
+  ``attn.quantize_fp8`` -> the attention op writing fp8 with the scale (``output_scale``).
 
 :func:`install` appends them (in that order) to Inductor's ``post_grad_custom_post_pass``
 without replacing a pass already set there. Nothing is installed on import::
@@ -20,19 +22,20 @@ without replacing a pass already set there. Nothing is installed on import::
 
 from __future__ import annotations
 
+from attn_ops.compile_passes.fp8_output import Fp8OutputFusion
 from attn_ops.compile_passes.hoist import HoistStepPrep
 from attn_ops.compile_passes.manager import AttnPassManager
 from attn_ops.compile_passes.manager import install as install_passes
 from attn_ops.compile_passes.rope_kv_fusion import RopeKVCacheFusion
 from attn_ops.compile_passes.slot_fusion import SlotMappingFusion
 
-__all__ = ["HoistStepPrep", "RopeKVCacheFusion", "SlotMappingFusion", "fusion_passes",
-           "install"]
+__all__ = ["Fp8OutputFusion", "HoistStepPrep", "RopeKVCacheFusion", "SlotMappingFusion",
+           "fusion_passes", "install"]
 
 
 def fusion_passes() -> list:
     """Fresh instances of our passes, in the order they run."""
-    return [HoistStepPrep(), RopeKVCacheFusion(), SlotMappingFusion()]
+    return [HoistStepPrep(), RopeKVCacheFusion(), SlotMappingFusion(), Fp8OutputFusion()]
 
 
 def install(config=None) -> AttnPassManager:

@@ -65,11 +65,11 @@ from attn_ops.metadata import build_batch  # noqa: E402
 from attn_ops.model import ModelConfig, TinyLlama  # noqa: E402
 
 
-def _tiny(device_slot_mapping=True, layers=2, window=None):
+def _tiny(device_slot_mapping=True, layers=2, window=None, fp8_out=False):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=layers, num_heads=4,
                       num_kv_heads=2, head_dim=8, intermediate_size=64,
                       device_slot_mapping=device_slot_mapping, sliding_window=window,
-                      sliding_window_every=2)
+                      sliding_window_every=2, fp8_attention_output=fp8_out)
     torch.manual_seed(0)
     model = TinyLlama(cfg).eval()
     alloc = BlockAllocator(32, model.block_size, shuffle=True, seed=2)
@@ -124,7 +124,7 @@ cpu_attention1 = cpu_attention(query=rope_kv_cache_update1[0], kv_cache=rope_kv_
 @pytest.mark.parametrize("v2", [True, False], ids=["functionalized_v2", "functionalized_v1"])
 @pytest.mark.parametrize("device_slots", [True, False], ids=["device_slots", "host_slots"])
 def test_fused_graph_computes_what_the_unfused_one_does(v2, device_slots):
-    model, meta, ids = _tiny(device_slot_mapping=device_slots, window=4)
+    model, meta, ids = _tiny(device_slot_mapping=device_slots, window=4, fp8_out=device_slots)
     plain, plain_caches, _, _ = _run(model, meta, ids, [], v2=v2)
     fused, fused_caches, (before, _), (after, _) = _run(model, meta, ids, fusion_passes(), v2=v2)
     assert after != before  # the passes did rewrite the graph
@@ -163,7 +163,36 @@ def test_fusion_passes_have_distinct_stable_uuids_and_install_once():
     from attn_ops.compile_passes import install
 
     uuids = [p.uuid() for p in fusion_passes()]
-    assert len(set(uuids)) == 3 and uuids == [p.uuid() for p in fusion_passes()]
+    assert len(set(uuids)) == 4 and uuids == [p.uuid() for p in fusion_passes()]
     config = types.SimpleNamespace(post_grad_custom_post_pass=None)
     manager = install(config)
-    assert install(config) is manager and len(manager.passes) == 3
+    assert install(config) is manager and len(manager.passes) == 4
+
+
+def test_fp8_output_quantization_moves_into_the_attention_op():
+    from attn_ops.compile_passes import Fp8OutputFusion
+
+    model, meta, ids = _tiny(device_slot_mapping=False, fp8_out=True)
+    plain, _, _, _ = _run(model, meta, ids, [])
+    fused, _, (before, _), (after, text) = _run(model, meta, ids, [Fp8OutputFusion()])
+    assert before.count("quantize_fp8") == 2 and "quantize_fp8" not in after
+    assert text.count("output_scale=") == 2  # each layer's attention op writes fp8
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-6)
+
+
+def test_fp8_output_snapshot():
+    from attn_ops.compile_passes import Fp8OutputFusion
+
+    model, meta, ids = _tiny(device_slot_mapping=False, fp8_out=True, layers=1)
+    _, _, (_, before), (_, after) = _run(model, meta, ids, [Fp8OutputFusion()])
+    expecttest.assert_expected_inline(before, """\
+rope0 = rope(_, _)
+kv_cache_update0 = kv_cache_update(key=rope0, value=_, slot_mapping=in7) (functionalized)
+rope1 = rope(_, _)
+cpu_attention0 = cpu_attention(query=rope1, kv_cache=kv_cache_update0[1], query_start_loc=in8, seq_lens=in9, block_table=in10, scale=0.3535533905932738, causal=True) (functionalized)
+quantize_fp80 = quantize_fp8(_, in11, torch.float8_e4m3fn)""")
+    expecttest.assert_expected_inline(after, """\
+rope0 = rope(_, _)
+kv_cache_update0 = kv_cache_update(key=rope0, value=_, slot_mapping=in7) (functionalized)
+rope1 = rope(_, _)
+cpu_attention0 = cpu_attention(query=rope1, kv_cache=kv_cache_update0[1], query_start_loc=in8, seq_lens=in9, block_table=in10, scale=0.3535533905932738, causal=True, output_scale=in11) (functionalized)""")

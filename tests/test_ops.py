@@ -92,3 +92,36 @@ def test_kv_cache_update_fp8_quantizes_with_scale_and_saturates(cache_dtype):
     assert k[0].item() == 4.0  # 1.0 / 0.25
     assert k[1].item() == {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[cache_dtype]
     assert cache[0, 1, 2, 0, 0].float().item() == 0.5  # value / v_scale
+
+
+def _fp8_output_backends():
+    for name in BACKENDS:
+        cls = get_backend_class(name)
+        if "output_scale" in {a.name for a in cls.op._schema.arguments}:
+            yield name
+
+
+@pytest.mark.parametrize("backend", list(_fp8_output_backends()))
+def test_fp8_output_is_the_quantized_output_and_passes_opcheck(backend):
+    """``output_scale`` (what the FP8-output compile pass sets): the op writes
+    ``quantize_fp8(out, scale)`` into an fp8 ``out``, bit for bit."""
+    from attn_ops.glue import quantize_fp8_op
+
+    cls = get_backend_class(backend)
+    case = make_case(BASE, SCENARIOS["mixed"], block_size=block_size_for(cls, BASE),
+                     device=DEVICE, seed=4)
+    impl = cls(BASE)
+    meta = impl.build_metadata(case.metadata)
+    plain = torch.zeros(case.query.shape[0], BASE.num_heads, BASE.v_head_dim,
+                        dtype=case.query.dtype, device=DEVICE)
+    impl.op_for(meta)(*impl.op_arguments(case.query, case.kv_cache, meta, plain))
+    scale = torch.tensor([0.03], device=DEVICE)
+    fp8 = torch.zeros(plain.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    args = impl.op_arguments(case.query, case.kv_cache, meta, fp8)
+    impl.op_for(meta)(*args, scale)
+    want = quantize_fp8_op(plain, scale, torch.float8_e4m3fn)
+    assert torch.equal(fp8.view(torch.uint8), want.view(torch.uint8))
+    torch.library.opcheck(impl.op_for(meta), (*args, scale),
+                          test_utils=_test_utils(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="output_scale is given but out.dtype"):
+        impl.op_for(meta)(*impl.op_arguments(case.query, case.kv_cache, meta, plain), scale)
