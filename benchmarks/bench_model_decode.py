@@ -1,0 +1,242 @@
+"""One decode step of a Llama-3-8B-shaped decoder (issue 5): eager, ``torch.compile`` (whole
+model, ``fullgraph=True``, our fusion passes installed) and compiled + CUDA graph, for each GPU
+attention backend, next to HF transformers' own ``LlamaForCausalLM`` of the same shape in the
+same run (eager with its dynamic cache, and with its static cache).
+
+Shapes (issue 5): 8 layers, hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab
+32000, bf16, batch 64, context 2k, random weights. Floor: weights + KV cache read once at the
+device's copy bandwidth (4.27 TB/s on the H200: about 1.9 ms). Times are medians of CUDA-event
+timed steps; every step rebuilds the step metadata on the host (planning included), as an
+engine would, except in graph mode where :func:`attn_ops.build_step_metadata` writes the
+graphs' persistent buffers and the captured graph replays. Kernels per layer per step (the
+profiler's CUDA kernels inside one compiled step, divided by the layers) are reported with and
+without the passes.
+
+    python benchmarks/bench_model_decode.py [--backends A B ..] [--layers 8] [--batch 64]
+        [--ctx 2048] [--steps 20] [--quick] [--out PATH]
+
+``--quick``: CPU, tiny shapes, eager and compiled only (keeps the script working in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_info, write_json  # noqa: E402
+
+COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md)
+
+
+def model_config(args, dtype):
+    from attn_ops.model import ModelConfig
+
+    if args.quick:
+        return ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, intermediate_size=128, dtype=dtype,
+                           max_position=args.ctx + 8)
+    return ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=args.layers,
+                       num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                       dtype=dtype, max_position=args.ctx + 8)
+
+
+class Engine:
+    """Our model with paged caches holding ``batch`` requests of ``ctx - 1`` cached tokens;
+    ``step()`` builds the metadata of one decode step (one new token per request)."""
+
+    def __init__(self, cfg, backend, batch, ctx, device):
+        from attn_ops import AttentionConfig
+        from attn_ops.kv_cache import BlockAllocator
+        from attn_ops.model import TinyLlama
+
+        torch.manual_seed(0)
+        self.model = TinyLlama(cfg, AttentionConfig(backend=backend)).to(device, cfg.dtype)
+        self.model.eval()
+        self.batch, self.ctx, self.device = batch, ctx, device
+        block = self.model.block_size
+        self.max_blocks = -(-(ctx + 1) // block)
+        self.allocator = BlockAllocator(batch * self.max_blocks + 1, block, shuffle=True)
+        for r in range(batch):
+            self.allocator.reserve(r, ctx)
+        self.caches = self.model.allocate_kv_caches(self.allocator.num_blocks, device)
+        for cache in self.caches:  # random context (the attention reads all of it)
+            cache.normal_()
+        self.ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
+
+    def common(self):
+        from attn_ops.metadata import build_batch
+
+        return build_batch(self.allocator, list(range(self.batch)), [self.ctx - 1] * self.batch,
+                           [1] * self.batch, device=self.device,
+                           max_blocks_per_req=self.max_blocks)
+
+    def eager_step(self, forward):
+        from attn_ops import build_step_metadata
+
+        common = self.common()
+        return forward(self.ids, common.positions, self.caches,
+                       build_step_metadata(self.model, common))
+
+
+class GraphedStep:
+    """The compiled step captured in a CUDA graph for the engine's batch size; each call
+    writes the step's metadata into the graphs' buffers and replays."""
+
+    def __init__(self, engine, forward):
+        from attn_ops.cudagraph import CUDAGraphBatch
+
+        self.engine, self.forward = engine, forward
+        self.graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks, engine.model.block_size,
+                                     engine.device)
+        self.positions = torch.zeros(engine.batch, dtype=torch.int64, device=engine.device)
+        step = self._prepare()
+        for _ in range(2):  # compile and warm up outside the capture
+            forward(engine.ids, self.positions, engine.caches, step)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = forward(engine.ids, self.positions, engine.caches, step)
+
+    def _prepare(self):
+        from attn_ops import build_step_metadata
+
+        common = self.engine.common()
+        self.positions.copy_(common.positions, non_blocking=True)
+        return build_step_metadata(self.engine.model, common, self.graphs)
+
+    def __call__(self):
+        self._prepare()
+        self.graph.replay()
+        return self.out
+
+
+def time_steps(fn, steps, device) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on GPUs, wall clock on the CPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kernels_per_layer(fn, layers) -> float:
+    """CUDA kernels the profiler sees in one call of ``fn``, per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(launches) / layers
+
+
+def hf_model(cfg, batch, ctx, device):
+    """HF's LlamaForCausalLM with our shapes (random weights) and a dynamic cache holding
+    ``ctx - 1`` random tokens per request."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         max_position_embeddings=ctx + 8, torch_dtype=cfg.dtype,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_cfg).to(device, cfg.dtype).eval()
+    shape = (batch, cfg.num_kv_heads, ctx - 1, cfg.head_dim)
+    cache = DynamicCache()
+    for layer in range(cfg.num_layers):
+        cache.update(torch.randn(shape, dtype=cfg.dtype, device=device),
+                     torch.randn(shape, dtype=cfg.dtype, device=device), layer)
+    return model, cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="*", default=None)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "bench_model_decode.json"))
+    args = parser.parse_args()
+    from attn_ops import compile_passes
+
+    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    if args.quick:
+        args.batch, args.ctx, args.steps = 4, 64, 3
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cfg = model_config(args, dtype)
+    backends = args.backends or (["CPU_ATTN"] if device == "cpu"
+                                 else ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"])
+    compile_passes.install()
+    rows = []
+    for backend in backends:
+        engine = Engine(cfg, backend, args.batch, args.ctx, device)
+        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        kv = args.batch * args.ctx * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * \
+            engine.caches[0].element_size()  # K and V of every context token, once
+        row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
+               "floor_ms": (weights + kv) / COPY_TBS / 1e9}
+        with torch.no_grad():
+            row["eager_ms"] = time_steps(lambda: engine.eager_step(engine.model), args.steps,
+                                         device)
+            torch._dynamo.reset()
+            compiled = torch.compile(engine.model, fullgraph=True)
+            row["compiled_ms"] = time_steps(lambda: engine.eager_step(compiled), args.steps,
+                                            device)
+            if device == "cuda":
+                graphed = GraphedStep(engine, compiled)
+                row["graphed_ms"] = time_steps(graphed, args.steps, device)
+                row["kernels_per_layer_graphed"] = kernels_per_layer(graphed, cfg.num_layers)
+                row["fraction_of_floor"] = row["floor_ms"] / row["graphed_ms"]
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+              flush=True)
+        rows.append(row)
+        del engine
+    hf = {}
+    if device == "cuda" and not args.no_hf:
+        model, cache = hf_model(cfg, args.batch, args.ctx, device)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
+
+        def hf_step():
+            cache.crop(args.ctx - 1)
+            return model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+        with torch.no_grad():
+            try:
+                hf["eager_dynamic_cache_ms"] = time_steps(hf_step, args.steps, device)
+            except Exception as e:  # (recorded: an anchor that fails is a result too)
+                hf["eager_dynamic_cache_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print({"hf": hf}, flush=True)
+    info = run_info("bench_model_decode")
+    info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
+                else "cpu", layers=cfg.num_layers, batch=args.batch, ctx=args.ctx,
+                dtype=str(dtype), rows=rows, hf=hf)
+    write_json(args.out, info)
+
+
+if __name__ == "__main__":
+    main()
