@@ -130,6 +130,10 @@ class AttentionBackend:
             metadata = self.build_metadata(metadata)
         self.op_for(metadata)(*self.op_arguments(query, kv_cache, metadata, out, **optional))
 
+    def ops(self) -> tuple[torch._ops.OpOverload, ...]:
+        """Every op this backend may run a batch on (:meth:`op_for` picks among them)."""
+        return (self.op,)
+
     def op_for(self, metadata: Any) -> torch._ops.OpOverload:
         """The op that runs ``metadata`` (what :meth:`build_metadata` returned): ``self.op``,
         unless a backend hands some batches to another backend's op."""

@@ -36,7 +36,7 @@ import torch
 from attn_ops.capabilities import CUDAGraphSupport
 from attn_ops.metadata import CommonAttentionMetadata
 
-__all__ = ["CUDAGraphBatch"]
+__all__ = ["CUDAGraphBatch", "partition_ops", "resolve_cudagraph_support"]
 
 
 class CUDAGraphBatch:
@@ -169,3 +169,30 @@ def resolve_cudagraph_support(model: torch.nn.Module,
             "CUDA graphs: %s requested, running at %s -- layer %s uses %s, which supports no "
             "more", wanted.name, level.name, *culprit)
     return level
+
+
+def partition_ops(model: torch.nn.Module,
+                  needed: CUDAGraphSupport = CUDAGraphSupport.ALWAYS) -> list[str]:
+    """The attention ops of ``model`` that cannot be replayed from a CUDA graph for batches
+    needing ``needed`` (``ALWAYS``: any mixed batch) -- the ops Inductor's graph partitioning
+    must leave out of its graphs, so the rest of the model is still graphed (piecewise)::
+
+        torch._inductor.config.custom_should_partition_ops = partition_ops(model)
+        compiled = torch.compile(model, mode="reduce-overhead")
+
+    Ops of backends that support no capture at all (REFERENCE reads lengths on the host,
+    FLEX_ATTENTION) also carry ``torch.Tag.cudagraph_unsafe``, which Inductor honours
+    without this list."""
+    from attn_ops.layer import Attention
+
+    names: list[str] = []
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            support = layer.selection.backend_cls.cudagraph_support(layer.spec,
+                                                                    layer.selection.platform)
+            if support < needed:
+                for op in layer.impl.ops():
+                    name = op._schema.name
+                    if name not in names:
+                        names.append(name)
+    return names

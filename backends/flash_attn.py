@@ -352,6 +352,9 @@ class FlashAttnBackend(AttentionBackend):
     def op_for(self, metadata):
         return self.op if isinstance(metadata, FlashAttnMetadata) else self._hybrid.op
 
+    def ops(self):
+        return (self.op,) if self._hybrid is None else (self.op, self._hybrid.op)
+
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
         if not isinstance(metadata, FlashAttnMetadata):

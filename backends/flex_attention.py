@@ -31,6 +31,7 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, apply_sinks,
                           check_paged_attention_inputs, define_op, register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind
+from attn_ops.backends.reference import UNCAPTURABLE
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
 __all__ = ["FlexAttentionBackend"]
@@ -201,7 +202,8 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
 
 
 flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
-                                 _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=5)
+                                 _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=5,
+                                 tags=UNCAPTURABLE)  # (capture untested: CUDAGraphSupport.NEVER)
 
 
 class FlexAttentionBackend(AttentionBackend):

@@ -104,12 +104,16 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
 
 
+# It reads lengths on the host (no CUDA-graph capture): Inductor partitions graphs around it.
+UNCAPTURABLE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 reference_attention = define_op("reference_attention", PAGED_ATTENTION_SCHEMA,
-                                reference_paged_attention, _fake, fp8_output_at=5)
+                                reference_paged_attention, _fake, fp8_output_at=5,
+                                tags=UNCAPTURABLE)
 # The same with the spec's custom mods (AttentionSpec.mask_mod / score_mod), by registry id.
 reference_attention_mods = define_op(
     "reference_attention_mods", PAGED_ATTENTION_MODS_SCHEMA,
-    reference_paged_attention, lambda *args: _fake(*args[:-1]), fp8_output_at=5)
+    reference_paged_attention, lambda *args: _fake(*args[:-1]), fp8_output_at=5,
+    tags=UNCAPTURABLE)
 
 
 class ReferenceBackend(AttentionBackend):

@@ -282,3 +282,27 @@ def test_a_model_runs_at_the_lowest_level_of_its_layers_and_says_which(caplog):
     with caplog.at_level(logging.WARNING, logger="attn_ops"):
         assert resolve_cudagraph_support(model) is CUDAGraphSupport.NEVER
     assert "layer 1 uses REFERENCE" in caplog.records[-1].getMessage()
+
+
+def test_partition_ops_leave_out_what_a_graph_cannot_hold():
+    """Piecewise graphs: the attention ops Inductor must partition around, per model."""
+    from attn_ops.cudagraph import partition_ops
+    from attn_ops.spec import LayerKind
+
+    cuda = PLATFORM.parse("cuda:9.0")
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16)
+    mixed = AttentionConfig(backend="TRITON_ATTN",
+                            backend_per_kind={LayerKind.SLIDING_WINDOW: "REFERENCE"})
+    model = torch.nn.ModuleList([Attention(spec, mixed, platform=cuda),
+                                 Attention(spec.with_(sliding_window=8), mixed, platform=cuda),
+                                 Attention(spec, mixed, platform=cuda)])
+    # mixed batches (ALWAYS): TRITON_ATTN replays uniform batches only, REFERENCE nothing
+    assert partition_ops(model) == ["attn::triton_attention", "attn::reference_attention"]
+    assert partition_ops(model, CUDAGraphSupport.UNIFORM_BATCH) == ["attn::reference_attention"]
+    # ops that no graph can hold also carry Inductor's tag
+    assert torch.Tag.cudagraph_unsafe in torch.ops.attn.reference_attention.default.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.attn.triton_attention.default.tags
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(custom_should_partition_ops=partition_ops(model)):
+        pass  # Inductor's config takes the names as they are
