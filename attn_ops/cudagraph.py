@@ -36,7 +36,7 @@ import torch
 from attn_ops.capabilities import CUDAGraphSupport
 from attn_ops.metadata import CommonAttentionMetadata
 
-__all__ = ["CUDAGraphBatch", "partition_ops", "resolve_cudagraph_support"]
+__all__ = ["CUDAGraphBatch", "CUDAGraphRunner", "partition_ops", "resolve_cudagraph_support"]
 
 
 class CUDAGraphBatch:
@@ -196,3 +196,68 @@ def partition_ops(model: torch.nn.Module,
                     if name not in names:
                         names.append(name)
     return names
+
+
+class CUDAGraphRunner:
+    """A model's step captured in a CUDA graph per capture size, then replayed (full graphs).
+
+    ``forward(input_ids, positions, kv_caches, step)`` is the model or a compiled version of it
+    (:class:`attn_ops.model.TinyLlama`'s signature). Each call writes the step's metadata into
+    ``graphs``' persistent buffers (:func:`attn_ops.build_step_metadata` with ``graphs``: host
+    planning included) and the token ids and positions into static buffers; the first batch
+    of a size is run twice on a side stream (compiling, warming up) and captured, later ones
+    only replay. Returns the output rows of the real tokens (a view into the graph's output:
+    copy it before the next call). The model's layers must all support the level the batches
+    need (``graphs.required_support``): checked up front, with the layer that does not.
+
+    Example::
+
+        graphs = CUDAGraphBatch((1, 8, 32, 64), max_blocks_per_req=64, block_size=128)
+        runner = CUDAGraphRunner(model, torch.compile(model, fullgraph=True), graphs, caches)
+        logits = runner(input_ids, common)      # every decode step
+    """
+
+    def __init__(self, model: torch.nn.Module, forward, graphs: CUDAGraphBatch,
+                 kv_caches: list[torch.Tensor]) -> None:
+        level = resolve_cudagraph_support(model, graphs.required_support)
+        if level < graphs.required_support:
+            raise ValueError(f"the model's attention supports CUDA graphs at level {level.name}, "
+                             f"below {graphs.required_support.name} that these batches need "
+                             "(the log names the layer); capture piecewise instead "
+                             "(attn_ops.cudagraph.partition_ops) or run it eagerly")
+        self.model, self.forward, self.graphs, self.kv_caches = model, forward, graphs, kv_caches
+        rows = graphs.capture_sizes[-1] * graphs.query_len
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=graphs.device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=graphs.device)
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def __call__(self, input_ids: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
+        from attn_ops.layer import build_step_metadata
+
+        n = common.num_actual_tokens
+        rows = self.graphs.size_for(common.num_reqs) * self.graphs.query_len
+        step = build_step_metadata(self.model, common, self.graphs)
+        self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
+        self.input_ids[n:rows].zero_()
+        self.positions[:n].copy_(common.positions[:n], non_blocking=True)
+        self.positions[n:rows].zero_()
+        if rows not in self.captured:
+            self.captured[rows] = self._capture(rows, step)
+        graph, out = self.captured[rows]
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, rows: int, step: dict):
+        args = (self.input_ids[:rows], self.positions[:rows], self.kv_caches, step)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.forward(*args)
+        self.pool = graph.pool()
+        return graph, out

@@ -84,38 +84,6 @@ class Engine:
                        build_step_metadata(self.model, common))
 
 
-class GraphedStep:
-    """The compiled step captured in a CUDA graph for the engine's batch size; each call
-    writes the step's metadata into the graphs' buffers and replays."""
-
-    def __init__(self, engine, forward):
-        from attn_ops.cudagraph import CUDAGraphBatch
-
-        self.engine, self.forward = engine, forward
-        self.graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks, engine.model.block_size,
-                                     engine.device)
-        self.positions = torch.zeros(engine.batch, dtype=torch.int64, device=engine.device)
-        step = self._prepare()
-        for _ in range(2):  # compile and warm up outside the capture
-            forward(engine.ids, self.positions, engine.caches, step)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = forward(engine.ids, self.positions, engine.caches, step)
-
-    def _prepare(self):
-        from attn_ops import build_step_metadata
-
-        common = self.engine.common()
-        self.positions.copy_(common.positions, non_blocking=True)
-        return build_step_metadata(self.engine.model, common, self.graphs)
-
-    def __call__(self):
-        self._prepare()
-        self.graph.replay()
-        return self.out
-
-
 def time_steps(fn, steps, device) -> float:
     """Median milliseconds of ``fn()`` (CUDA events on GPUs, wall clock on the CPU)."""
     for _ in range(3):
@@ -137,7 +105,9 @@ def time_steps(fn, steps, device) -> float:
 
 
 def kernels_per_layer(fn, layers) -> float:
-    """CUDA kernels the profiler sees in one call of ``fn``, per layer."""
+    """CUDA kernels the profiler sees in one call of ``fn`` (a compiled step, not graphed),
+    per layer -- GEMMs and norms included; the passes' effect is the difference between the
+    runs with and without them."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -191,7 +161,9 @@ def main() -> None:
     cfg = model_config(args, dtype)
     backends = args.backends or (["CPU_ATTN"] if device == "cpu"
                                  else ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"])
-    compile_passes.install()
+    import torch._inductor.config as inductor_config
+
+    manager = compile_passes.install()
     rows = []
     for backend in backends:
         engine = Engine(cfg, backend, args.batch, args.ctx, device)
@@ -203,14 +175,26 @@ def main() -> None:
         with torch.no_grad():
             row["eager_ms"] = time_steps(lambda: engine.eager_step(engine.model), args.steps,
                                          device)
-            torch._dynamo.reset()
-            compiled = torch.compile(engine.model, fullgraph=True)
-            row["compiled_ms"] = time_steps(lambda: engine.eager_step(compiled), args.steps,
-                                            device)
+            for label, passes in (("_no_passes", None), ("", manager)):
+                with inductor_config.patch(post_grad_custom_post_pass=passes):
+                    torch._dynamo.reset()
+                    compiled = torch.compile(engine.model, fullgraph=True)
+                    row[f"compiled{label}_ms"] = time_steps(
+                        lambda: engine.eager_step(compiled), args.steps, device)
+                    if device == "cuda":
+                        row[f"kernels_per_layer{label}"] = kernels_per_layer(
+                            lambda: engine.eager_step(compiled), cfg.num_layers)
             if device == "cuda":
-                graphed = GraphedStep(engine, compiled)
+                from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
+
+                graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks,
+                                        engine.model.block_size, device)
+                runner = CUDAGraphRunner(engine.model, compiled, graphs, engine.caches)
+
+                def graphed():
+                    return runner(engine.ids, engine.common())
+
                 row["graphed_ms"] = time_steps(graphed, args.steps, device)
-                row["kernels_per_layer_graphed"] = kernels_per_layer(graphed, cfg.num_layers)
                 row["fraction_of_floor"] = row["floor_ms"] / row["graphed_ms"]
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)

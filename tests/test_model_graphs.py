@@ -1,0 +1,126 @@
+"""Whole-model CUDA graphs (GPU): a compiled TinyLlama (our fusion passes installed, alternating
+sliding-window layers) replayed 200 times with random batch compositions and lengths, every
+replay compared with the eager model on a copy of the same caches.
+
+* full graphs: :class:`attn_ops.cudagraph.CUDAGraphRunner` over single-token decode batches,
+  for every GPU backend that replays them;
+* piecewise: ``torch.compile(mode="reduce-overhead")`` with Inductor's graph partitioning
+  around the attention ops a graph cannot hold (:func:`attn_ops.cudagraph.partition_ops`), over
+  mixed batches (decodes + prefills) padded to a fixed token count.
+"""
+
+import random
+
+import pytest
+import torch
+
+from attn_ops import AttentionConfig, build_step_metadata, compile_passes, get_backend_class
+from attn_ops.capabilities import CUDAGraphSupport
+from attn_ops.kv_cache import BlockAllocator
+from attn_ops.metadata import build_batch
+from attn_ops.model import ModelConfig, TinyLlama
+from attn_ops.platforms import current_platform
+
+PLATFORM = current_platform()
+CFG = ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+                  head_dim=64, intermediate_size=512, dtype=torch.float16, sliding_window=48,
+                  sliding_window_every=2)
+STEPS = 200
+MAX_CTX = 300
+
+
+def _backends(needed):
+    if not PLATFORM.is_gpu:
+        return []
+    names = []
+    for name in ("FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "REFERENCE"):
+        try:
+            cls = get_backend_class(name)
+        except ImportError:
+            continue
+        specs = [CFG.attention_spec(i) for i in range(CFG.num_layers)]
+        if all(not cls.not_supported_reasons(s, PLATFORM) for s in specs) and all(
+                cls.cudagraph_support(s, PLATFORM) >= needed for s in specs):
+            names.append(name)
+    return names
+
+
+def _models(backend):
+    """The model, a block allocator and two identical random cache sets (eager / graphed)."""
+    torch.manual_seed(0)
+    model = TinyLlama(CFG, AttentionConfig(backend=backend)).cuda().to(CFG.dtype).eval()
+    width = -(-(MAX_CTX + 64) // model.block_size)
+    alloc = BlockAllocator(16 * width + 64, model.block_size, shuffle=True, seed=1)
+    eager = model.allocate_kv_caches(alloc.num_blocks, "cuda")
+    for cache in eager:
+        cache.copy_(torch.randn(cache.shape, device="cuda").to(cache.dtype))
+    return model, alloc, width, eager, [c.clone() for c in eager]
+
+
+def _compare(got, want, step):
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2,
+                               msg=lambda m: f"replay {step}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _backends(CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE))
+def test_full_graphs_replay_random_decode_batches_like_eager(backend):
+    from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
+
+    compile_passes.install()
+    model, alloc, width, eager_caches, graph_caches = _models(backend)
+    graphs = CUDAGraphBatch((1, 4, 16), width, model.block_size, "cuda")
+    torch._dynamo.reset()
+    runner = CUDAGraphRunner(model, torch.compile(model, fullgraph=True), graphs, graph_caches)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for step in range(STEPS):
+            n = rng.randint(1, 16)
+            ids = [f"{step}:{i}" for i in range(n)]
+            common = build_batch(alloc, ids, [rng.randint(1, MAX_CTX) for _ in ids], [1] * n,
+                                 device="cuda", max_blocks_per_req=width)
+            tokens = torch.randint(0, CFG.vocab_size, (n,), device="cuda")
+            want = model(tokens, common.positions, eager_caches,
+                         build_step_metadata(model, common))
+            _compare(runner(tokens, common), want, step)
+            for r in ids:
+                alloc.free(r)
+    assert len(runner.captured) <= 3  # one graph per capture size, never re-captured
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _backends(CUDAGraphSupport.NEVER))
+def test_piecewise_graphs_replay_random_mixed_batches_like_eager(backend):
+    import torch._inductor.config as inductor_config
+
+    from attn_ops.cudagraph import partition_ops
+
+    compile_passes.install()
+    model, alloc, width, eager_caches, graph_caches = _models(backend)
+    for cache in graph_caches:  # graphs may mutate only static inputs
+        torch._dynamo.mark_static_address(cache)
+    padded = 64
+    rng = random.Random(1)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(graph_partition=True,
+                                                custom_should_partition_ops=partition_ops(model)):
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for step in range(STEPS):
+            decodes = rng.randint(0, 8)
+            prefills = [rng.randint(2, 24) for _ in range(rng.randint(0 if decodes else 1, 2))]
+            qlens = [1] * decodes + prefills
+            ids = [f"{step}:{i}" for i in range(len(qlens))]
+            ctx = [rng.randint(1, MAX_CTX) for _ in range(decodes)] + \
+                [rng.choice([0, rng.randint(1, MAX_CTX // 2)]) for _ in prefills]
+            common = build_batch(alloc, ids, ctx, qlens, device="cuda",
+                                 max_blocks_per_req=width, num_tokens_padded=padded)
+            tokens = torch.randint(0, CFG.vocab_size, (padded,), device="cuda")
+            n = common.num_actual_tokens
+            want = model(tokens, common.positions, eager_caches,
+                         build_step_metadata(model, common))
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(tokens, common.positions, graph_caches,
+                           build_step_metadata(model, common))
+            _compare(got[:n], want[:n], step)
+            for r in ids:
+                alloc.free(r)
