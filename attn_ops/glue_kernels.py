@@ -73,10 +73,10 @@ def rope_kv_write_kernel(
                 lo = mid
             else:
                 hi = mid
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        block = tl.load(bt_ptr + lo * stride_bt + pos // block_size).to(tl.int64)
-        slot = tl.where(t < tl.load(qsl_ptr + num_reqs), block * block_size + pos % block_size,
-                        -1)
+        real = t < tl.load(qsl_ptr + num_reqs)  # (padding rows' positions are not read)
+        pos = tl.load(pos_ptr + t, mask=real, other=0).to(tl.int64)
+        block = tl.load(bt_ptr + lo * stride_bt + pos // block_size, mask=real, other=0)
+        slot = tl.where(real, block.to(tl.int64) * block_size + pos % block_size, -1)
     if slot >= 0:
         page = slot // block_size
         row = slot % block_size
