@@ -137,6 +137,7 @@ class CUDAGraphBatch:
             block_size=self.block_size,
             causal=common.causal,
             block_table_cpu=table_cpu,
+            num_blocks=common.num_blocks,
         )
 
     @property

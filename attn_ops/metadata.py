@@ -39,7 +39,8 @@ class CommonAttentionMetadata:
 
     Host ints: ``block_size`` (tokens per cache page), ``num_actual_tokens``
     (``query_start_loc[-1]``), ``max_query_len``, ``max_seq_len``, ``num_decodes`` /
-    ``num_decode_tokens`` (the decode prefix).
+    ``num_decode_tokens`` (the decode prefix), ``num_blocks`` (pages in the cache, when known:
+    backends that prepare per-page tables once per step need it).
     """
 
     query_start_loc: torch.Tensor
@@ -56,6 +57,7 @@ class CommonAttentionMetadata:
     block_size: int
     causal: bool = True
     block_table_cpu: torch.Tensor | None = None
+    num_blocks: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -185,6 +187,7 @@ def build_common_metadata(
         block_size=block_size,
         causal=causal,
         block_table_cpu=table,
+        num_blocks=num_blocks,
     )
 
 

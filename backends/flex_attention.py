@@ -7,6 +7,10 @@ and without a host sync (so it can be captured): a token -> request map, each to
 each physical page's owner request and logical index (from the block table), and a
 ``BlockMask`` whose KV blocks are exactly the pages of the requests in each 128-query block --
 the sparse structure comes from the block table, ``mask_mod`` only refines inside pages.
+These tables are made once per step by the metadata builder (:class:`FlexMetadata`, run by
+``torch.ops.attn.flex_attention_prepared``) when the common metadata knows the cache's block
+count, as ``build_common_metadata`` records it; otherwise ``torch.ops.attn.flex_attention``
+makes them in every call (about 25 small device ops per layer).
 
 ``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
 soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
@@ -21,6 +25,7 @@ again (shapes are marked dynamic after the first change).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -32,9 +37,10 @@ from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, apply_sinks,
                           check_paged_attention_inputs, define_op, register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind
 from attn_ops.backends.reference import UNCAPTURABLE
+from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
 
-__all__ = ["FlexAttentionBackend"]
+__all__ = ["FlexAttentionBackend", "FlexMetadata"]
 
 Q_BLOCK = 128
 
@@ -153,16 +159,26 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
 def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sinks,
                     alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal,
                     mods) -> None:
-    from torch.nn.attention.flex_attention import BlockMask
-
+    """The op over common metadata: the step's tables are made here, in every call."""
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
+    _, _, period, bs = _slot_views(kv_cache, query.shape[2], out.shape[2])
+    rows = -(-query.shape[0] // Q_BLOCK) * Q_BLOCK
+    tables = _step_tensors(query_start_loc, seq_lens, block_table, rows, kv_cache.shape[0], bs,
+                           period)
+    _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
+              soft_cap, causal, mods)
+
+
+def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
+              soft_cap, causal, mods) -> None:
+    from torch.nn.attention.flex_attention import BlockMask
+
     user_mask, user_score = registered_mods(mods)
     t_in, hq, d = query.shape
     k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
-    rows = -(-t_in // Q_BLOCK) * Q_BLOCK
-    req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx = _step_tensors(
-        query_start_loc, seq_lens, block_table, rows, kv_cache.shape[0], bs, period)
+    req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx = tables
+    rows = req.shape[0]
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
                                 sliding_window, soft_cap, alibi_slopes, user_mask, user_score)
     extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q_BLOCKS else {}  # (no backward)
@@ -199,6 +215,66 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
           alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal, mods) -> None:
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
+
+
+def _check_tables(query, kv_cache, tables):
+    req, owner = tables[0], tables[3]
+    if req.shape[0] < query.shape[0] or req.shape[0] % Q_BLOCK:
+        raise ValueError(f"FLEX_ATTENTION metadata was built for {req.shape[0]} query rows; "
+                         f"this call has {query.shape[0]} -- build it from this step's common "
+                         "metadata")
+    if owner.shape[0] != kv_cache.shape[0]:
+        raise ValueError(f"FLEX_ATTENTION metadata was built for a cache of {owner.shape[0]} "
+                         f"blocks, this cache has {kv_cache.shape[0]} (common.num_blocks must "
+                         "be the cache's block count)")
+
+
+def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, out,
+              lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
+              causal, mods) -> None:
+    """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder."""
+    tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx)
+    _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale)
+    _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
+              soft_cap, causal, mods)
+
+
+def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale):
+    kv_num = tables[6]
+    # (the common checks, with a stand-in batch of one request: the tables hold the batch)
+    one = kv_num.new_zeros(1)
+    check_paged_attention_inputs(query, kv_cache, one.new_zeros(2), one, one.view(1, 1), out,
+                                 lse, sinks, alibi_slopes, k_scale, v_scale)
+    _check_tables(query, kv_cache, tables)
+
+
+def _prepared_fake(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
+                   out, lse, sinks, alibi_slopes, k_scale, v_scale, *rest) -> None:
+    _check_prepared(query, kv_cache, (req, qpos, kv_limit, owner, logical, valid, kv_num,
+                                      kv_idx), out, lse, sinks, alibi_slopes, k_scale, v_scale)
+
+
+flex_prepared_attention = define_op(
+    "flex_attention_prepared",
+    "(Tensor query, Tensor kv_cache, Tensor req, Tensor qpos, Tensor kv_limit, Tensor owner, "
+    "Tensor logical, Tensor valid, Tensor kv_num, Tensor kv_idx, Tensor(a!) out, "
+    "Tensor(b!)? lse, Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, "
+    "float scale, int? sliding_window, float? soft_cap, bool causal, int mods) -> ()",
+    _prepared, _prepared_fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=10,
+    tags=UNCAPTURABLE)
+
+
+@dataclass(frozen=True, eq=False)
+class FlexMetadata:
+    """A step's FlexAttention tables, made once per step by the builder and shared by every
+    layer with the same metadata key (the op over common metadata makes them in every call):
+    per query row its request, position, visible-key limit and validity; per cache page its
+    owner and logical index; the BlockMask's ``kv_num`` / ``kv_idx``. Built when the common
+    metadata knows the cache's block count (``num_blocks``, set by ``build_common_metadata``)."""
+
+    slot_mapping: torch.Tensor
+    tables: tuple[torch.Tensor, ...]
+    causal: bool = True
 
 
 flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
@@ -247,7 +323,33 @@ class FlexAttentionBackend(AttentionBackend):
         self.mods = register_mods(spec)
 
     def build_metadata(self, common: CommonAttentionMetadata):
-        return common
+        """:class:`FlexMetadata` when the cache's block count is known; else the common
+        metadata itself (the op then makes the tables in every call)."""
+        if isinstance(common, FlexMetadata) or common.num_blocks is None:
+            return common
+        bs = common.block_size
+        period = 2 * bs if self.kv_cache_layout(self.spec) is KVCacheLayout.NHD else bs
+        rows = -(-common.slot_mapping.shape[0] // Q_BLOCK) * Q_BLOCK
+        return FlexMetadata(common.slot_mapping, _step_tensors(
+            common.query_start_loc, common.seq_lens, common.block_table, rows, common.num_blocks,
+            bs, period), causal=common.causal)
 
-    def op_arguments(self, query, kv_cache, metadata, out, **optional) -> tuple:
-        return (*super().op_arguments(query, kv_cache, metadata, out, **optional), self.mods)
+    def metadata_key(self) -> tuple:
+        return (self.name, self.kv_cache_layout(self.spec))
+
+    def op_for(self, metadata):
+        return flex_prepared_attention if isinstance(metadata, FlexMetadata) else self.op
+
+    def ops(self):
+        return (self.op, flex_prepared_attention)
+
+    def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
+                     alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
+        if not isinstance(metadata, FlexMetadata):
+            return (*super().op_arguments(query, kv_cache, metadata, out, lse=lse, sinks=sinks,
+                                          alibi_slopes=alibi_slopes, k_scale=k_scale,
+                                          v_scale=v_scale), self.mods)
+        spec = self.spec
+        return (query, kv_cache, *metadata.tables, out, lse, sinks, alibi_slopes, k_scale,
+                v_scale, self.scale, spec.sliding_window, spec.logits_soft_cap,
+                spec.causal and metadata.causal, self.mods)

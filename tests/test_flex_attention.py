@@ -10,8 +10,8 @@ import torch
 from attn_ops import AttentionSpec, current_platform, get_backend_class, select_backend
 from attn_ops.metadata import build_common_metadata
 from attn_ops.spec import AttentionType
-from attn_ops.testing import (Scenario, assert_matches_reference, compiled_and_eager_layer,
-                              make_case, run_backend)
+from attn_ops.testing import (SCENARIOS, Scenario, assert_matches_reference,
+                              compiled_and_eager_layer, make_case, run_backend)
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -95,3 +95,28 @@ def test_compiled_layer_matches_eager():
     got, expected = compiled_and_eager_layer(MODS["documents"], "FLEX_ATTENTION", MIXED,
                                              device=DEVICE, finite_page_tails=True)
     torch.testing.assert_close(got, expected)
+
+
+def test_step_tables_made_once_by_the_builder_equal_those_made_in_the_op():
+    """With the cache's block count in the common metadata the builder makes the step's tables
+    (FlexMetadata, shared by layers); without it the op makes them in every call."""
+    from attn_ops.backends.flex_attention import FlexMetadata
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    case = make_case(spec, SCENARIOS["mixed"], block_size=16, device=DEVICE, seed=2,
+                     finite_page_tails=True)
+    impl = FLEX(spec)
+    prepared = impl.build_metadata(case.metadata)
+    assert isinstance(prepared, FlexMetadata) and impl.op_for(prepared) is not impl.op
+    per_call = impl.build_metadata(dataclasses.replace(case.metadata, num_blocks=None))
+    outs = []
+    for meta in (prepared, per_call):
+        out = torch.zeros(case.query.shape[0], 4, 16, device=DEVICE)
+        args = impl.op_arguments(case.query, case.kv_cache, meta, out)
+        impl.op_for(meta)(*args)
+        torch.library.opcheck(impl.op_for(meta), args)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="built for a cache of"):
+        impl.op_for(prepared)(*impl.op_arguments(case.query, case.kv_cache[:-1], prepared,
+                                                 outs[0]))
