@@ -1,6 +1,9 @@
-"""TRITON_ATTN (our Triton kernels, through ``torch.ops.attn.triton_attention``) against
-FlashInfer called directly, on the same paged cache and batch (H200 shapes of issue 4: bf16,
-32 query / 8 KV heads, head dim 128, page 16, pages in random order).
+"""TRITON_ATTN (our Triton kernels, through ``torch.ops.attn.triton_attention``) and
+FLEX_ATTENTION (compiled FlexAttention over the paged cache) against FlashInfer called directly,
+on the same paged cache and batch (H200 shapes of issue 4: bf16, 32 query / 8 KV heads, head
+dim 128, page 16, pages in random order). At ``FLEX_POINTS`` FLEX_ATTENTION also runs, with
+its anchor: compiled ``flex_attention`` on dense tensors holding the same keys (gathered
+outside the timing; its timing includes copying the result into the shared output).
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -18,28 +21,76 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu_attention import (Batch, check_outputs, decode_bytes,  # noqa: E402
-                                 flashinfer_direct, gpu_parser, ours, prefill_flops,
-                                 time_graph, timed_fields, write_result)
+from bench_gpu_attention import (HKV, HQ, Batch, D, check_outputs,  # noqa: E402
+                                 decode_bytes, flashinfer_direct, gpu_parser, ours,
+                                 prefill_flops, time_graph, timed_fields, write_result)
 
 DECODE = [(b, 32768) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)] + \
     [(b, c) for c in (1024, 8192) for b in (1, 8, 64, 256)]
 PREFILL = [(1, s) for s in (1024, 4096, 8192, 16384)]
+FLEX_POINTS = {("decode", 1, 32768), ("decode", 8, 8192), ("decode", 64, 8192),
+               ("decode", 256, 8192), ("prefill", 1, 1024), ("prefill", 1, 8192)}
+
+
+def flex_dense(b: Batch, prefill: bool):
+    """Compiled flex_attention over dense per-request K/V (causal for prefill)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    m = b.meta
+    n, ctx = m.num_reqs, int(m.seq_lens_cpu[0])
+    qlen = b.q.shape[0] // n
+    pages = b.meta.block_table[:, :b.pages].long()
+    k = b.cache[pages, 0].reshape(n, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+    v = b.cache[pages, 1].reshape(n, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+    q = b.q.view(n, qlen, HQ, D).transpose(1, 2)
+    mask = create_block_mask(lambda b_, h, qi, ki: qi + (ctx - qlen) >= ki, None, None, qlen,
+                             ctx, device=b.q.device) if prefill else None
+    fn = torch.compile(flex_attention, fullgraph=True)
+
+    def run():
+        o = fn(q, k, v, block_mask=mask, enable_gqa=True)
+        b.out.copy_(o.transpose(1, 2).reshape(n * qlen, HQ, D))
+    return run
+
+
+def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
+    """FLEX_ATTENTION and its dense anchor: as CUDA-graph replays like the others, or -- if
+    capture fails (FLEX_ATTENTION declares no CUDA-graph support) -- both as eager launches
+    (``do_bench``), so the pair is always timed alike."""
+    try:
+        return time_graph(fns, rounds), "cudagraph"
+    except Exception as e:  # noqa: BLE001 (recorded, and the pair is re-timed eagerly)
+        print(f"  flex: CUDA-graph timing failed ({type(e).__name__}: {str(e)[:120]}); "
+              "timing both eagerly", flush=True)
+        from triton.testing import do_bench
+
+        return {n: do_bench(fn, rep=30, return_mode="median") for n, fn in fns.items()}, "eager"
 
 
 def measure(kind: str, b: Batch, fns: dict, rounds: int, amount: float, unit: str,
-            **shape) -> dict:
+            flex: dict | None = None, **shape) -> dict:
     """One point: outputs checked against FlashInfer's, contenders timed, a result row."""
-    diff = check_outputs(b, fns, "flashinfer")["triton"]
+    diffs = check_outputs(b, {**fns, **(flex or {})}, "flashinfer")
     ms = time_graph(fns, rounds)
-    row = {"kind": kind, **shape, "max_abs_diff": diff, **timed_fields(ms, amount, unit)}
+    row = {"kind": kind, **shape, "max_abs_diff": diffs}
+    if flex:
+        flex_ms, row["flex_timing"] = time_flex(flex, rounds)
+        ms.update(flex_ms)
+    row.update(timed_fields(ms, amount, unit))
     label = " ".join(f"{k}={v}" for k, v in shape.items())
     shown = {"tbs": "{:.2f}TB/s", "tflops": "{:.0f}TFLOP/s"}[unit]
+    extra = f"  flex/dense {ms['flex_dense'] / ms['flex']:.2f}" if flex else ""
     print(f"{kind:7s} {label:18s} " + "  ".join(
         f"{k} {row[k + '_ms'] * 1e3:.1f}us " + shown.format(row[f"{k}_{unit}"]) for k in ms)
-        + f"  triton/flashinfer {ms['flashinfer'] / ms['triton']:.2f}  diff {diff:.2g}",
-        flush=True)
+        + f"  triton/flashinfer {ms['flashinfer'] / ms['triton']:.2f}{extra}  diff "
+        f"{diffs['triton']:.2g}", flush=True)
     return row
+
+
+def _flex(kind: str, b: Batch, shape: tuple, quick: bool) -> dict | None:
+    if (kind, *shape) not in FLEX_POINTS and not quick:
+        return None
+    return {"flex": ours(b, "FLEX_ATTENTION"), "flex_dense": flex_dense(b, kind == "prefill")}
 
 
 def main() -> None:
@@ -52,16 +103,18 @@ def main() -> None:
         fns = {"triton": ours(b, "TRITON_ATTN"), "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",
-                            batch=bsz, ctx=ctx))
+                            _flex("decode", b, (bsz, ctx), args.quick), batch=bsz, ctx=ctx))
         del b, fns
     for bsz, s in ([(1, 4096)] if args.quick else PREFILL):
         b = Batch(bsz, s, s, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "flashinfer": flashinfer_direct(b, True)}
         rows.append(measure("prefill", b, fns, args.rounds, prefill_flops(bsz, s), "tflops",
-                            batch=bsz, seq=s))
+                            _flex("prefill", b, (bsz, s), args.quick), batch=bsz, seq=s))
         del b, fns
     write_result("bench_triton_attention", args.out, quick=args.quick, page=args.page,
-                 rows=rows, method="median over rotating rounds of do_bench_cudagraph medians")
+                 rows=rows, method="median over rotating rounds of do_bench_cudagraph medians "
+                 "(flex pair: see flex_timing)")
+
 
 if __name__ == "__main__":
     main()
