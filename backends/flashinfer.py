@@ -166,11 +166,39 @@ class _IntWorkspace:
         return plan[:]  # (a tvm-ffi Array: a slice reads it in one pass; list() took 25 us)
 
 
-def _module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
-    from flashinfer.prefill import get_batch_prefill_module
+_MODULES: dict = {}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_KV_VIEWS: dict[int, tuple] = {}  # id(cache) -> (weakref to it, K, V)
 
-    return get_batch_prefill_module(kernel, q_dtype, kv_dtype, q_dtype, torch.int32,
-                                    head_dim, head_dim_v, 0, windowed, capped, False)
+
+def _module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
+    key = (kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped)
+    mod = _MODULES.get(key)  # (FlashInfer's own lookup hashes 11 arguments: ~2 us a call)
+    if mod is None:
+        from flashinfer.prefill import get_batch_prefill_module
+
+        mod = _MODULES[key] = get_batch_prefill_module(kernel, q_dtype, kv_dtype, q_dtype,
+                                                       torch.int32, head_dim, head_dim_v, 0,
+                                                       windowed, capped, False)
+    return mod
+
+
+def _kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's K and V halves, made once per cache tensor: ``unbind`` costs ~2.4 us a call
+    and a layer's cache is the same tensor every step. They are storage aliases, not views
+    (a view would keep the cache object alive through ``_base``); the entry goes when the cache
+    does."""
+    key = id(kv_cache)
+    entry = _KV_VIEWS.get(key)
+    if entry is not None and entry[0]() is kv_cache:
+        return entry[1], entry[2]
+    shape = (kv_cache.shape[0], *kv_cache.shape[2:])
+    stride = (kv_cache.stride(0), *kv_cache.stride()[2:])
+    halves = tuple(kv_cache.new_empty(0).set_(kv_cache.untyped_storage(),
+                                              kv_cache.storage_offset() + i * kv_cache.stride(1),
+                                              shape, stride) for i in (0, 1))
+    _KV_VIEWS[key] = (weakref.ref(kv_cache, lambda _: _KV_VIEWS.pop(key, None)), *halves)
+    return halves
 
 
 def _prefill_kernel(spec: AttentionSpec, platform_major: int) -> str:
@@ -366,8 +394,8 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
                           prefill_last_page_len, sinks, k_scale, v_scale, scale, sliding_window,
                           soft_cap, causal) -> None:
     _check(query, kv_cache, out, lse)
-    k_cache, v_cache = kv_cache.unbind(1)
-    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k_cache, v_cache = _kv_views(kv_cache)
+    fp8 = kv_cache.dtype in _FP8
     q = query * k_scale.to(query.dtype) if fp8 else query  # dequantizes K inside q.k
     window = -1 if sliding_window is None else sliding_window - 1
     cap = soft_cap or 0.0
@@ -375,6 +403,7 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
     lse_buf = lse if lse is not None else (
         torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if need_lse
         else None)
+    total = out.shape[0]
     start, padded_part = 0, None
     for plan_vec, ws, qo, kv_indptr, kv_indices, last in (
             (decode_plan, decode_workspace, decode_qo_indptr, decode_kv_indptr,
@@ -384,29 +413,33 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
         if not plan_vec.numel():
             continue
         kernel, rows, padded, *plan = plan_vec.tolist()
-        rows_of = slice(start, start + rows)
+        if start == 0 and rows == total:  # the part is the whole batch: no views to make
+            q_part, out_part, lse_part = q, out, lse_buf
+        else:
+            rows_of = slice(start, start + rows)
+            q_part, out_part = q[rows_of], out[rows_of]
+            lse_part = lse_buf[rows_of] if need_lse else None
         if KERNELS[kernel] == "fa4":
             from attn_ops.backends.flash_attn import fa_window, run_fa4
 
             left, right = fa_window(sliding_window, causal)
-            lse_hm = run_fa4(q[rows_of], k_cache, v_cache, out[rows_of], qo, kv_indptr,
-                             kv_indices, plan[0], plan[1], scale, left, right, soft_cap, causal,
-                             need_lse)
+            lse_hm = run_fa4(q_part, k_cache, v_cache, out_part, qo, kv_indptr, kv_indices,
+                             plan[0], plan[1], scale, left, right, soft_cap, causal, need_lse)
             if need_lse:
-                lse_buf[rows_of].copy_(lse_hm.t())
+                lse_part.copy_(lse_hm.t())
         else:
             mod = _module(KERNELS[kernel], query.dtype, kv_cache.dtype, query.shape[2],
                           out.shape[2], window >= 0, cap > 0)
-            mod.paged_run(float_workspace, ws, plan, q[rows_of], k_cache, v_cache, qo, kv_indptr,
-                          kv_indices, last, out[rows_of], lse_buf[rows_of] if need_lse else None,
-                          int(causal), 0, window, True, None, None, None, None, None, None, cap,
-                          scale, None, None, None, 1.0, 1e4, 0, float_workspace.numel())
+            mod.paged_run(float_workspace, ws, plan, q_part, k_cache, v_cache, qo, kv_indptr,
+                          kv_indices, last, out_part, lse_part, int(causal), 0, window, True,
+                          None, None, None, None, None, None, cap, scale, None, None, None, 1.0,
+                          1e4, 0, float_workspace.numel())
             if need_lse:
-                lse_buf[rows_of].mul_(LN2)  # FlashInfer's LSE is base 2
+                lse_part.mul_(LN2)  # FlashInfer's LSE is base 2
         if padded:
-            padded_part = (rows_of, last)
+            padded_part = (start, rows, last)
         start += rows
-    if start < out.shape[0]:  # padding rows past the batch are zero, like REFERENCE's
+    if start < total:  # padding rows past the batch are zero, like REFERENCE's
         out[start:].zero_()
         if need_lse:
             lse_buf[start:].zero_()
@@ -415,11 +448,11 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
     if fp8:
         out.mul_(v_scale.to(out.dtype))
     if padded_part is not None:  # a CUDA-graph batch: requests without pages are padding
-        rows_of, last = padded_part
+        first, rows, last = padded_part
         empty = (last == 0)[:, None]
-        out[rows_of].masked_fill_(empty[:, :, None], 0.0)
+        out[first:first + rows].masked_fill_(empty[:, :, None], 0.0)
         if lse is not None:
-            lse[rows_of].masked_fill_(empty, 0.0)
+            lse[first:first + rows].masked_fill_(empty, 0.0)
 
 
 def _fake(query, kv_cache, out, lse, *args) -> None:

@@ -1,0 +1,95 @@
+"""Host (Python) cost of FLASHINFER's op body and eager metadata builder, with FlashInfer's own
+calls replaced by no-ops -- so it runs on any CPU and isolates *our* code's share of the eager
+per-call and per-step overhead (the dispatcher, FlashInfer's C++ plan and the CUDA launches are
+not in it; ``bench_gpu_attention.py`` measures the whole on the H200).
+
+    python benchmarks/profile_flashinfer_host.py [--out PATH]
+
+Decode batch of 256 requests at ctx 4k, page 128, Llama-3-8B heads; op body: one decode call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_info, write_json  # noqa: E402
+
+
+def mean_us(fn, n=5000) -> float:
+    for _ in range(100):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+class _NoOpModule:
+    def plan(self, *args):
+        return list(range(15))
+
+    def paged_run(self, *args):
+        pass
+
+
+class _Event:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "profile_flashinfer_host.json"))
+    args = parser.parse_args()
+    from attn_ops import AttentionSpec
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.metadata import build_common_metadata
+
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    batch, ctx, page = 256, 4096, 128
+    pages = ctx // page
+    perm = torch.randperm(batch * pages + 1).tolist()
+    tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
+    meta = build_common_metadata([1] * batch, [ctx] * batch, tables, page, batch * pages + 1)
+    real_empty = torch.empty
+
+    def host_empty(*a, pin_memory=False, **k):  # (no pinned memory without CUDA)
+        return real_empty(*a, **k)
+
+    props = mock.Mock(multi_processor_count=132)
+    with mock.patch.object(fi, "_module", lambda *a: _NoOpModule()), \
+            mock.patch.object(torch.cuda, "Event", _Event), \
+            mock.patch.object(torch, "empty", host_empty), \
+            mock.patch.object(torch.cuda, "get_device_properties", lambda d: props):
+        planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+        results = {"builder_us_per_step": mean_us(lambda: planner(meta), 1000),
+                   "paged_kv_csr_us": mean_us(lambda: fi.paged_kv_csr(
+                       meta.seq_lens_cpu, meta.block_table_cpu, page))}
+        q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        cache = torch.randn(10, 2, 16, 8, 128, dtype=torch.bfloat16)
+        ws, i32 = torch.empty(16, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32)
+        plan = torch.tensor([0, 1, 0, *range(15)])
+        none = torch.zeros(0, dtype=torch.int64)
+        op_args = (q, cache, out, None, ws, ws, plan, i32, i32, i32, i32, ws, none, i32, i32,
+                   i32, i32, None, None, None, 0.088, None, None, True)
+        results["op_body_us_per_call"] = mean_us(lambda: fi._flashinfer_attention(*op_args))
+    print({k: round(v, 2) for k, v in results.items()})
+    info = run_info("profile_flashinfer_host")
+    info.update(results=results, batch=batch, ctx=ctx, page=page)
+    write_json(args.out, info)
+
+
+if __name__ == "__main__":
+    main()
