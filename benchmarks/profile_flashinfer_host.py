@@ -5,7 +5,9 @@ not in it; ``bench_gpu_attention.py`` measures the whole on the H200).
 
     python benchmarks/profile_flashinfer_host.py [--out PATH]
 
-Decode batch of 256 requests at ctx 4k, page 128, Llama-3-8B heads; op body: one decode call.
+Decode batch of 256 requests at ctx 4k, page 128, Llama-3-8B heads: steps that must replan
+(some request entered a new page) and steps whose page counts are unchanged (the plan in the
+workspace is reused); op body: one decode call.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def main() -> None:
     perm = torch.randperm(batch * pages + 1).tolist()
     tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
     meta = build_common_metadata([1] * batch, [ctx] * batch, tables, page, batch * pages + 1)
+    # the next step, with one request in a new page (FlashInfer must plan again)
+    longer = build_common_metadata([1] * batch, [ctx + 1] + [ctx] * (batch - 1),
+                                   [tables[0] + [batch * pages]] + tables[1:], page,
+                                   batch * pages + 1)
     real_empty = torch.empty
 
     def host_empty(*a, pin_memory=False, **k):  # (no pinned memory without CUDA)
@@ -73,7 +79,11 @@ def main() -> None:
             mock.patch.object(torch, "empty", host_empty), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda d: props):
         planner = fi._Planner(spec, torch.device("cpu"), "fa2")
-        results = {"builder_us_per_step": mean_us(lambda: planner(meta), 1000),
+        # (alternating the two batches: every step replans)
+        flip = [meta, longer]
+        results = {"builder_us_per_step": mean_us(lambda: planner(flip.reverse() or flip[0]),
+                                                  1000),
+                   "builder_us_per_step_same_pages": mean_us(lambda: planner(meta), 1000),
                    "paged_kv_csr_us": mean_us(lambda: fi.paged_kv_csr(
                        meta.seq_lens_cpu, meta.block_table_cpu, page))}
         q = torch.randn(1, 32, 128, dtype=torch.bfloat16)

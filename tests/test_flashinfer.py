@@ -134,3 +134,43 @@ def test_build_step_metadata_builds_once_per_key():
     meta = build_batch(alloc, [0], [0], [5])
     step = build_step_metadata(model, meta)
     assert list(step) == [("REFERENCE",)] and step[("REFERENCE",)] is meta
+
+
+def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(monkeypatch):
+    """FA2's plan reads only query and page-count offsets: a decode step in which no request
+    entered a new page keeps the previous plan (no FlashInfer call); one that did replans.
+    (FlashInfer's module and the CUDA bits are stand-ins: this checks the planner's logic.)"""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.metadata import build_common_metadata
+
+    calls = []
+
+    class Module:
+        def plan(self, float_ws, int_ws, host, qo, kv_indptr, *rest):
+            calls.append(kv_indptr.tolist())
+            return [len(calls), 7]
+
+    class Event:
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    real_empty = torch.empty
+    monkeypatch.setattr(fi, "_module", lambda *a: Module())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"multi_processor_count": 132}))
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+    def step(lens, tables=([0, 1, 5], [2, 3, 4])):
+        return planner(build_common_metadata([1, 1], lens, tables, 16, 8))
+
+    first = step([20, 40])
+    again = step([21, 41])  # one token more each, same pages
+    assert len(calls) == 1 and again.decode_plan is first.decode_plan
+    moved = step([33, 41])  # request 0 enters its third page
+    assert len(calls) == 2 and calls[-1] == [0, 3, 6]
+    assert moved.decode_plan.tolist()[3] == 2  # the new plan's vector
