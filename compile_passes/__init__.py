@@ -29,7 +29,8 @@ from attn_ops.compile_passes.manager import install as install_passes
 from attn_ops.compile_passes.rope_kv_fusion import RopeKVCacheFusion
 from attn_ops.compile_passes.slot_fusion import SlotMappingFusion
 
-__all__ = ["Fp8OutputFusion", "HoistStepPrep", "RopeKVCacheFusion", "SlotMappingFusion",
+__all__ = ["AttnPassManager", "Fp8OutputFusion", "HoistStepPrep", "RopeKVCacheFusion",
+           "SlotMappingFusion",
            "fusion_passes", "install"]
 
 

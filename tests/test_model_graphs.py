@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from attn_ops import AttentionConfig, build_step_metadata, compile_passes, get_backend_class
+from attn_ops import AttentionConfig, build_step_metadata, get_backend_class
 from attn_ops.capabilities import CUDAGraphSupport
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.metadata import build_batch
@@ -57,6 +57,15 @@ def _models(backend):
     return model, alloc, width, eager, [c.clone() for c in eager]
 
 
+def _with_our_passes():
+    """Inductor config with our fusion passes, for this test only (not installed globally)."""
+    import torch._inductor.config as inductor_config
+
+    from attn_ops.compile_passes import AttnPassManager, fusion_passes
+
+    return inductor_config.patch(post_grad_custom_post_pass=AttnPassManager(fusion_passes()))
+
+
 def _compare(got, want, step):
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2,
                                msg=lambda m: f"replay {step}: {m}")
@@ -67,13 +76,12 @@ def _compare(got, want, step):
 def test_full_graphs_replay_random_decode_batches_like_eager(backend):
     from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
 
-    compile_passes.install()
     model, alloc, width, eager_caches, graph_caches = _models(backend)
     graphs = CUDAGraphBatch((1, 4, 16), width, model.block_size, "cuda")
     torch._dynamo.reset()
     runner = CUDAGraphRunner(model, torch.compile(model, fullgraph=True), graphs, graph_caches)
     rng = random.Random(0)
-    with torch.no_grad():
+    with torch.no_grad(), _with_our_passes():
         for step in range(STEPS):
             n = rng.randint(1, 16)
             ids = [f"{step}:{i}" for i in range(n)]
@@ -95,15 +103,14 @@ def test_piecewise_graphs_replay_random_mixed_batches_like_eager(backend):
 
     from attn_ops.cudagraph import partition_ops
 
-    compile_passes.install()
     model, alloc, width, eager_caches, graph_caches = _models(backend)
     for cache in graph_caches:  # graphs may mutate only static inputs
         torch._dynamo.mark_static_address(cache)
     padded = 64
     rng = random.Random(1)
     torch._dynamo.reset()
-    with torch.no_grad(), inductor_config.patch(graph_partition=True,
-                                                custom_should_partition_ops=partition_ops(model)):
+    with torch.no_grad(), _with_our_passes(), inductor_config.patch(
+            graph_partition=True, custom_should_partition_ops=partition_ops(model)):
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         for step in range(STEPS):
             decodes = rng.randint(0, 8)
