@@ -30,8 +30,7 @@ from attn_ops.compile_passes.rope_kv_fusion import RopeKVCacheFusion
 from attn_ops.compile_passes.slot_fusion import SlotMappingFusion
 
 __all__ = ["AttnPassManager", "Fp8OutputFusion", "HoistStepPrep", "RopeKVCacheFusion",
-           "SlotMappingFusion",
-           "fusion_passes", "install"]
+           "SlotMappingFusion", "fusion_passes", "install"]
 
 
 def fusion_passes() -> list:
