@@ -87,6 +87,11 @@ def cmd_demo(args) -> int:
     model = TinyLlama(cfg, AttentionConfig(backend=args.backend)).eval()
     reference = TinyLlama(cfg, AttentionConfig(backend="REFERENCE")).eval()
     reference.load_state_dict(model.state_dict())
+    passes = []
+    if not args.no_compile:  # our Inductor passes fuse RoPE + the cache write (and more)
+        from attn_ops import compile_passes
+
+        passes = compile_passes.install().passes
     forward = model if args.no_compile else torch.compile(model, fullgraph=True, dynamic=True)
     print(f"platform: {current_platform()}")
     print(f"model:    {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
@@ -94,6 +99,9 @@ def cmd_demo(args) -> int:
           f"{str(cfg.dtype).removeprefix('torch.')}")
     print(f"backend:  {model.backends[0]} (block_size {model.block_size}), "
           f"{'eager' if args.no_compile else 'torch.compile(fullgraph=True)'}")
+    if passes:
+        print(f"passes:   {', '.join(p.name for p in passes if hasattr(p, 'name'))} "
+              "(Inductor post-grad)")
 
     gen = Generator(model, num_blocks=256, forward=forward)
     ref = Generator(reference, num_blocks=256)
