@@ -73,10 +73,11 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
                     + kv_head * stride_vh + offs_dv[None, :],
                     mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * logit_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if USE_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        s = s * LOG2E  # base 2 from here on
+            s = soft_cap * _tanh(s * logit_scale / soft_cap) * LOG2E
+        else:  # one multiply per score: the scale and base 2 at once
+            s = s * (logit_scale * LOG2E)  # base 2 from here on
         if HAS_ALIBI:
             s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
         if MASKED:
