@@ -192,7 +192,9 @@ def host_us(fn, n=50) -> float:
 
 
 def builder_host_times(page, gen) -> dict[str, float]:
-    """Per-step host time of each metadata builder (plans included) for decode batches."""
+    """Per-step host time of each metadata builder (plans included) for decode batches: steps
+    that must replan (alternating two batches whose page counts differ) and, for the eager
+    builders, steps with unchanged page counts (the plan in the workspace is kept)."""
     from attn_ops import get_backend_class
     from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
@@ -200,17 +202,25 @@ def builder_host_times(page, gen) -> dict[str, float]:
     out = {}
     for batch, ctx in ((256, 4096), (64, 4096)):
         b = Batch(batch, ctx, 1, page, gen)
-        graphs = CUDAGraphBatch((batch,), b.pages, page, "cuda")
+        other = Batch(batch, ctx + page, 1, page, gen)  # one more page per request
+        graphs = CUDAGraphBatch((batch,), other.pages, page, "cuda")
         for name in ("FLASH_ATTN", "FLASHINFER"):
             impl = get_backend_class(name)(SPEC)
+            metas = [b.meta, other.meta]
 
-            def eager():
-                fi._PLANS.pop(b.meta, None)  # plan afresh, as for a new step
+            def replan():
+                metas.reverse()
+                fi._PLANS.pop(metas[0], None)  # plan afresh, as for a new step
+                impl.build_metadata(metas[0])
+
+            def same_pages():
+                fi._PLANS.pop(b.meta, None)
                 impl.build_metadata(b.meta)
 
-            out[f"{name} B={batch} ctx={ctx}"] = host_us(eager)
+            out[f"{name} B={batch} ctx={ctx}"] = host_us(replan)
+            out[f"{name} B={batch} ctx={ctx} same pages"] = host_us(same_pages)
             out[f"{name} graph B={batch} ctx={ctx}"] = host_us(
-                lambda: impl.graph_metadata(graphs.pad(b.meta), graphs))
+                lambda: impl.graph_metadata(graphs.pad(metas.reverse() or metas[0]), graphs))
         out[f"CUDAGraphBatch.pad B={batch} ctx={ctx}"] = host_us(lambda: graphs.pad(b.meta))
     return out
 
