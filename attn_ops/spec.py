@@ -115,7 +115,9 @@ class AttentionSpec:
     # Tree speculative decoding (EAGLE-style): the parent of each draft-tree node, in query
     # order (-1: the root, which follows the committed prefix; parents come before children).
     # A request with exactly len(spec_tree) query tokens is such a tree: each of its queries
-    # sees the committed prefix and its own ancestors only. Up to 64 nodes.
+    # sees the committed prefix and its own ancestors only. Up to 64 nodes. May also be given
+    # as the ancestor mask (EAGLE's tree_mask: row i marks node i and its ancestors), a
+    # square 0/1 nested sequence or tensor; it is stored as the parent array it encodes.
     spec_tree: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -141,7 +143,10 @@ class AttentionSpec:
             raise ValueError(f"logits_soft_cap={self.logits_soft_cap} must be > 0; "
                              "use None to turn soft-capping off")
         if self.spec_tree is not None:
-            object.__setattr__(self, "spec_tree", tuple(int(p) for p in self.spec_tree))
+            tree = self.spec_tree.tolist() if hasattr(self.spec_tree, "tolist") else self.spec_tree
+            if len(tree) and hasattr(tree[0], "__len__"):
+                tree = parents_from_ancestor_mask(tree)
+            object.__setattr__(self, "spec_tree", tuple(int(p) for p in tree))
             tree = self.spec_tree
             if not 1 <= len(tree) <= 64 or any(not -1 <= p < i for i, p in enumerate(tree)) \
                     or tree[0] != -1:
@@ -236,6 +241,31 @@ class AttentionSpec:
             if (mod := getattr(self, name)) is not None:
                 parts.append(f"{name}={getattr(mod, '__name__', type(mod).__name__)}")
         return "AttentionSpec(" + ", ".join(parts) + ")"
+
+
+def parents_from_ancestor_mask(mask) -> tuple[int, ...]:
+    """The parent array a draft tree's ancestor mask encodes (row ``i``: node ``i`` itself and
+    its ancestors, nodes in query order). Raises naming the node when the mask is not a tree:
+    a node that does not see itself, sees a later node, or whose ancestors are not exactly its
+    parent's ancestors plus that parent."""
+    rows = [[bool(x) for x in row] for row in mask]
+    n = len(rows)
+    if any(len(row) != n for row in rows):
+        raise ValueError(f"spec_tree as an ancestor mask must be square; got rows of lengths "
+                         f"{[len(row) for row in rows]}")
+    parents: list[int] = []
+    for i, row in enumerate(rows):
+        seen = [j for j, on in enumerate(row) if on]
+        if i not in seen or seen[-1] != i:
+            raise ValueError(f"spec_tree mask row {i} must mark node {i} itself and earlier "
+                             f"nodes only (its ancestors); it marks {seen}")
+        parent = seen[-2] if len(seen) > 1 else -1
+        expected = ([j for j, on in enumerate(rows[parent]) if on] if parent >= 0 else []) + [i]
+        if seen != expected:
+            raise ValueError(f"spec_tree mask row {i} marks {seen}, but a tree node sees its "
+                             f"parent's ancestors plus itself: {expected} (parent {parent})")
+        parents.append(parent)
+    return tuple(parents)
 
 
 def _check_positive(name: str, value: object) -> None:

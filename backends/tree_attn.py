@@ -1,6 +1,8 @@
 """TREE_ATTN: attention for tree-structured speculative decoding (EAGLE-style draft trees).
 
-The spec carries the draft tree as a parent array (``AttentionSpec.spec_tree``). A request whose
+The spec carries the draft tree as a parent array (``AttentionSpec.spec_tree``; given as an
+ancestor mask -- EAGLE's ``tree_mask`` -- it is checked to be a tree and stored as the parent
+array it encodes). A request whose
 query is exactly the tree (``len(spec_tree)`` tokens, root first) attends to its committed prefix
 and, among the draft tokens, only to each query's ancestors and itself; any other request
 (plain decodes, prefills) is ordinary causal attention -- one batch mixes both. Built on

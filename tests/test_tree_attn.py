@@ -91,3 +91,23 @@ def test_tree_op_passes_opcheck(with_lse):
     meta = impl.build_metadata(case.metadata)
     torch.library.opcheck(impl.op_for(meta), impl.op_arguments(case.query, case.kv_cache, meta,
                                                                out, lse=lse))
+
+
+def test_a_tree_given_as_its_ancestor_mask_is_the_same_tree():
+    from attn_ops.spec import AttentionSpec
+
+    parents = (-1, 0, 0, 1, 1, 2)
+    mask = [[0] * 6 for _ in range(6)]
+    for i, p in enumerate(parents):  # row i: i itself and its ancestors
+        j = i
+        while j >= 0:
+            mask[i][j] = 1
+            j = parents[j]
+    base = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+    assert base.with_(spec_tree=mask).spec_tree == parents
+    assert base.with_(spec_tree=torch.tensor(mask, dtype=torch.bool)).spec_tree == parents
+    mask[3][2] = 1  # node 3 also "sees" node 2, which is not its ancestor
+    with pytest.raises(ValueError, match="mask row 3 marks"):
+        base.with_(spec_tree=mask)
+    with pytest.raises(ValueError, match="must mark node 0 itself"):
+        base.with_(spec_tree=[[0, 0], [1, 1]])
