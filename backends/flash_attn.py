@@ -37,6 +37,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.platforms import Platform, current_platform
+from attn_ops.kv_cache import nhd_kv_halves
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import PlatformKind
@@ -144,7 +145,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
         out.zero_()  # FlashAttention leaves the rows of requests without queries unwritten
         if lse is not None:
             lse.zero_()
-    k_cache, v_cache = kv_cache.unbind(1)
+    k_cache, v_cache = nhd_kv_halves(kv_cache)
     need_lse = lse is not None or sinks is not None
     left, right = fa_window(sliding_window, causal)
     if version == 4:

@@ -37,6 +37,7 @@ import torch
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
                                    PackageRequirement, Reason)
+from attn_ops.kv_cache import nhd_kv_halves
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
@@ -169,7 +170,6 @@ class _IntWorkspace:
 
 _MODULES: dict = {}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_KV_VIEWS: dict[int, tuple] = {}  # id(cache) -> (weakref to it, K, V)
 
 
 def _module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
@@ -182,24 +182,6 @@ def _module(kernel, q_dtype, kv_dtype, head_dim, head_dim_v, windowed, capped):
                                                        torch.int32, head_dim, head_dim_v, 0,
                                                        windowed, capped, False)
     return mod
-
-
-def _kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache's K and V halves, made once per cache tensor: ``unbind`` costs ~2.4 us a call
-    and a layer's cache is the same tensor every step. They are storage aliases, not views
-    (a view would keep the cache object alive through ``_base``); the entry goes when the cache
-    does."""
-    key = id(kv_cache)
-    entry = _KV_VIEWS.get(key)
-    if entry is not None and entry[0]() is kv_cache:
-        return entry[1], entry[2]
-    shape = (kv_cache.shape[0], *kv_cache.shape[2:])
-    stride = (kv_cache.stride(0), *kv_cache.stride()[2:])
-    halves = tuple(kv_cache.new_empty(0).set_(kv_cache.untyped_storage(),
-                                              kv_cache.storage_offset() + i * kv_cache.stride(1),
-                                              shape, stride) for i in (0, 1))
-    _KV_VIEWS[key] = (weakref.ref(kv_cache, lambda _: _KV_VIEWS.pop(key, None)), *halves)
-    return halves
 
 
 def _prefill_kernel(spec: AttentionSpec, platform_major: int) -> str:
@@ -406,7 +388,7 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
                           prefill_last_page_len, sinks, k_scale, v_scale, scale, sliding_window,
                           soft_cap, causal) -> None:
     _check(query, kv_cache, out, lse)
-    k_cache, v_cache = _kv_views(kv_cache)
+    k_cache, v_cache = nhd_kv_halves(kv_cache)
     fp8 = kv_cache.dtype in _FP8
     q = query * k_scale.to(query.dtype) if fp8 else query  # dequantizes K inside q.k
     window = -1 if sliding_window is None else sliding_window - 1
