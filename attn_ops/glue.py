@@ -98,12 +98,18 @@ slot_mapping = define_op(
     _slot_mapping_impl, _slot_mapping_fake)
 
 
-def _slots_for(key, value, kv_cache, slots, positions, query_start_loc, block_table):
-    if slots is not None:
-        return slots
-    if positions is None or query_start_loc is None or block_table is None:
+def _check_slot_source(slots, positions, query_start_loc, block_table) -> None:
+    if slots is not None and positions is not None:
+        raise ValueError("rope_kv_cache_update: pass slot_mapping or positions, not both")
+    if slots is None and (positions is None or query_start_loc is None or block_table is None):
         raise ValueError("rope_kv_cache_update: pass slot_mapping, or positions, "
                          "query_start_loc and block_table to compute it")
+
+
+def _slots_for(key, value, kv_cache, slots, positions, query_start_loc, block_table):
+    _check_slot_source(slots, positions, query_start_loc, block_table)
+    if slots is not None:
+        return slots
     block_size = split_kv_cache(kv_cache, key.shape[2], value.shape[2])[0].shape[1]
     return _slot_mapping_impl(positions, query_start_loc, block_table, block_size)
 
@@ -132,14 +138,10 @@ def fused_torch(query, key, value, cos_sin, kv_cache, slots, positions, query_st
 
 def _check_fused(query, key, value, cos_sin, kv_cache, slots, positions, query_start_loc,
                  block_table, k_scale, v_scale) -> None:
-    if slots is not None and positions is not None:
-        raise ValueError("rope_kv_cache_update: pass slot_mapping or positions, not both")
+    _check_slot_source(slots, positions, query_start_loc, block_table)
     _check_rope(query, cos_sin)
     _check_rope(key, cos_sin)
     if slots is None:
-        if positions is None or query_start_loc is None or block_table is None:
-            raise ValueError("rope_kv_cache_update: pass slot_mapping, or positions, "
-                             "query_start_loc and block_table to compute it")
         slots = positions.new_empty(positions.shape, dtype=torch.int64)
     _kv_cache_update_fake(key, value, kv_cache, slots, k_scale, v_scale)
 
