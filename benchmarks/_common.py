@@ -141,6 +141,17 @@ def default_out(name: str, quick: bool = False) -> str:
     return os.path.join(RESULTS_DIR, f"{name}_cpu{'_quick' if quick else ''}.json")
 
 
+def host_us(fn, n: int = 50, warmup: int = 1) -> float:
+    """Mean host microseconds per call of ``fn`` (no device synchronization: for host-side
+    work such as metadata builders), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

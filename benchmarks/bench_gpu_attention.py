@@ -38,7 +38,7 @@ import torch
 from attn_ops import AttentionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info  # noqa: E402
+from _common import host_us, run_info  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -181,14 +181,6 @@ def write_result(name: str, path: str, **fields) -> None:
     with open(path, "w") as f:
         json.dump(info, f, indent=1)
     print(f"wrote {path}")
-
-
-def host_us(fn, n=50) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def builder_host_times(page, gen) -> dict[str, float]:

@@ -13,21 +13,16 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info  # noqa: E402
+from _common import host_us, run_info  # noqa: E402
 from bench_gpu_attention import SPEC, Batch  # noqa: E402
 
 
-def mean_us(fn, n=200) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
+def mean_us(fn) -> float:
+    return host_us(fn, n=200)
 
 
 def stages(b: Batch) -> dict[str, float]:

@@ -15,22 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info, write_json  # noqa: E402
+from _common import host_us, run_info, write_json  # noqa: E402
 
 
 def mean_us(fn, n=5000) -> float:
-    for _ in range(100):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
+    return host_us(fn, n, warmup=100)
 
 
 class _NoOpModule:
