@@ -143,6 +143,40 @@ def hf_model(cfg, batch, ctx, device):
     return model, cache
 
 
+def measure_backend(cfg, backend, args, device, manager) -> dict:
+    """Eager, compiled without and with our passes, and (GPU) compiled + CUDA graph."""
+    import torch._inductor.config as inductor_config
+
+    engine = Engine(cfg, backend, args.batch, args.ctx, device)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = args.batch * args.ctx * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * \
+        engine.caches[0].element_size()  # K and V of every context token, once
+    row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
+           "floor_ms": (weights + kv) / COPY_TBS / 1e9}
+    with torch.no_grad():
+        row["eager_ms"] = time_steps(lambda: engine.eager_step(engine.model), args.steps,
+                                     device)
+        for label, passes in (("_no_passes", None), ("", manager)):
+            with inductor_config.patch(post_grad_custom_post_pass=passes):
+                torch._dynamo.reset()
+                compiled = torch.compile(engine.model, fullgraph=True)
+                row[f"compiled{label}_ms"] = time_steps(
+                    lambda: engine.eager_step(compiled), args.steps, device)
+                if device == "cuda":
+                    row[f"kernels_per_layer{label}"] = kernels_per_layer(
+                        lambda: engine.eager_step(compiled), cfg.num_layers)
+        if device == "cuda":
+            from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
+
+            graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks, engine.model.block_size,
+                                    device)
+            runner = CUDAGraphRunner(engine.model, compiled, graphs, engine.caches)
+            row["graphed_ms"] = time_steps(lambda: runner(engine.ids, engine.common()),
+                                           args.steps, device)
+            row["fraction_of_floor"] = row["floor_ms"] / row["graphed_ms"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="*", default=None)
@@ -164,45 +198,13 @@ def main() -> None:
     cfg = model_config(args, dtype)
     backends = args.backends or (["CPU_ATTN"] if device == "cpu"
                                  else ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"])
-    import torch._inductor.config as inductor_config
-
     manager = compile_passes.install()
     rows = []
-    for backend in backends:
-        engine = Engine(cfg, backend, args.batch, args.ctx, device)
-        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        kv = args.batch * args.ctx * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * \
-            engine.caches[0].element_size()  # K and V of every context token, once
-        row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
-               "floor_ms": (weights + kv) / COPY_TBS / 1e9}
-        with torch.no_grad():
-            row["eager_ms"] = time_steps(lambda: engine.eager_step(engine.model), args.steps,
-                                         device)
-            for label, passes in (("_no_passes", None), ("", manager)):
-                with inductor_config.patch(post_grad_custom_post_pass=passes):
-                    torch._dynamo.reset()
-                    compiled = torch.compile(engine.model, fullgraph=True)
-                    row[f"compiled{label}_ms"] = time_steps(
-                        lambda: engine.eager_step(compiled), args.steps, device)
-                    if device == "cuda":
-                        row[f"kernels_per_layer{label}"] = kernels_per_layer(
-                            lambda: engine.eager_step(compiled), cfg.num_layers)
-            if device == "cuda":
-                from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
-
-                graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks,
-                                        engine.model.block_size, device)
-                runner = CUDAGraphRunner(engine.model, compiled, graphs, engine.caches)
-
-                def graphed():
-                    return runner(engine.ids, engine.common())
-
-                row["graphed_ms"] = time_steps(graphed, args.steps, device)
-                row["fraction_of_floor"] = row["floor_ms"] / row["graphed_ms"]
+    for backend in backends:  # (each measured in a function: its models and graphs go with it)
+        row = measure_backend(cfg, backend, args, device, manager)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
         rows.append(row)
-        del engine
     hf = {}
     if device == "cuda" and not args.no_hf:
         model, cache = hf_model(cfg, args.batch, args.ctx, device)
