@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One round on the H200 (device tool), stages run in order, each under its own time limit:
+#   source .gpu/bootstrap.sh && bash benchmarks/gpu_round.sh STAGE[:SECONDS] ...
+# Stages:
+#   tests    new GPU tests: glue, passes, whole-model graphs, FlashInfer, CUDA graphs
+#   matrix   registry matrix at real sizes (all GPU backends the machine can run)
+#   fa4      FLASH_ATTN / DIFFKV matrix and tests (needs both FA4 halves on the machine)
+#   model    benchmarks/bench_model_decode.py (issue 5)
+#   grid     benchmarks/bench_gpu_attention.py --rounds 2 (issue 3)
+#   triton   benchmarks/bench_triton_attention.py --rounds 1 (issue 4)
+#   builder  benchmarks/profile_builder.py
+# Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
+# JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export ATTN_OPS_COMMIT=${ATTN_OPS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+LOG="$OUT/round.log"
+SUMMARY=$(mktemp)
+
+stage() {  # stage NAME SECONDS CMD...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG" "$SUMMARY"
+}
+
+for spec in "$@"; do
+  name=${spec%%:*}
+  limit=${spec#*:}
+  [ "$limit" = "$spec" ] && limit=300
+  case $name in
+    tests) stage tests "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+        tests/test_glue.py tests/test_compile_passes.py tests/test_model_graphs.py \
+        tests/test_flashinfer.py tests/test_cudagraph.py ;;
+    matrix) stage matrix "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+        tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
+    fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+        tests/test_backends_matrix.py tests/test_flash_attn_glue.py -k "FLASH_ATTN or fa4" ;;
+    model) stage model "$limit" python benchmarks/bench_model_decode.py \
+        ${MODEL_BACKENDS:+--backends $MODEL_BACKENDS} ;;
+    grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py --rounds 2 ;;
+    triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
+    builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
+    *) echo "unknown stage $name" ;;
+  esac
+done
+echo "##### summary"
+cat "$SUMMARY"
+# pytest's result lines, failures and the benchmarks' printed rows
+grep -E "^(FAILED|ERROR)|passed|failed|^\{|^\|" "$LOG" | grep -v -E "DEBUG|Warning" | tail -n 80
