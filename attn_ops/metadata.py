@@ -82,6 +82,21 @@ class CommonAttentionMetadata:
         return pos.to(self.slot_mapping.device)
 
 
+def sizes_not_specialized(*tensors: torch.Tensor) -> None:
+    """Tells ``torch.compile`` not to specialize on any size of these step-metadata tensors --
+    the ones only a backend's op reads (plans, page tables in CSR form). Their sizes follow the
+    batch composition, and Dynamo specializes sizes 0 and 1 even when it treats a size as
+    dynamic: a part with no requests or one request would each cost a recompile, and a mix of
+    such parts soon exceeds the recompile limit. Marked unbacked, they get one graph. (The mark
+    is read when Dynamo compiles, which can be any step, so every step marks; about 1 us per
+    tensor.)"""
+    from torch._dynamo.decorators import mark_unbacked
+
+    for t in tensors:
+        for dim in range(t.dim()):
+            mark_unbacked(t, dim)
+
+
 def decode_first_order(query_lens: Sequence[int], decode_threshold: int = 1) -> list[int]:
     """A stable permutation putting requests with ``query_len <= decode_threshold`` first."""
     decodes = [i for i, q in enumerate(query_lens) if q <= decode_threshold]

@@ -38,7 +38,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
-from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.metadata import CommonAttentionMetadata, sizes_not_specialized
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
@@ -111,28 +111,27 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
 @dataclass(frozen=True, eq=False)
 class FlashInferMetadata:
     """One step's plans, in two parts run one after the other: the decode rows (first), then
-    the prefill rows. Per part: an int workspace (device); a plan, a CPU int64 vector
-    ``[kernel index in KERNELS, rows, padded, *the kernel's plan]`` (empty: the part has no
-    rows; ``padded``: a CUDA-graph batch, whose requests without pages are padding); and four
-    int32 device tensors: FlashInfer's ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and
-    ``last_page_len`` -- for FA4 (plan ``[2, rows, 0, max_seqlen_q, max_seqlen_k]``)
-    ``cu_seqlens_q``, ``seqused_k``, the page table ``[n, max_blocks]`` and an empty tensor.
-    ``slot_mapping`` is the common metadata's, for the KV-cache write."""
+    the prefill rows. Per part: an int workspace (device) and a plan, a CPU int64 vector
+    ``[kernel index in KERNELS, rows, padded, at, first, n, num_indices, *the kernel's plan]``
+    (empty: the part has no rows; ``padded``: a CUDA-graph batch, whose requests without pages
+    are padding; ``n`` requests from request ``first``). ``tables`` (int32, device) holds both
+    parts' page tables, a part's from offset ``at``: FlashInfer's ``qo_indptr [n+1]``,
+    ``kv_indptr [n+1]``, ``last_page_len [n]`` and ``kv_indices [num_indices]``; for FA4
+    (kernel plan ``[max_seqlen_q, max_seqlen_k]``) only ``cu_seqlens_q [n+1]``, with rows
+    ``first..first+n`` of the common metadata's ``seq_lens`` and ``block_table``. One tensor,
+    not a view per table: Dynamo would guard on each view's storage offset, and every batch
+    composition would be another graph. ``slot_mapping`` is the common metadata's, for the
+    KV-cache write."""
 
     slot_mapping: torch.Tensor
     float_workspace: torch.Tensor
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
     decode_workspace: torch.Tensor
     decode_plan: torch.Tensor
-    decode_qo_indptr: torch.Tensor
-    decode_kv_indptr: torch.Tensor
-    decode_kv_indices: torch.Tensor
-    decode_last_page_len: torch.Tensor
     prefill_workspace: torch.Tensor
     prefill_plan: torch.Tensor
-    prefill_qo_indptr: torch.Tensor
-    prefill_kv_indptr: torch.Tensor
-    prefill_kv_indices: torch.Tensor
-    prefill_last_page_len: torch.Tensor
     causal: bool = True
 
 
@@ -158,7 +157,7 @@ class _IntWorkspace:
                       for _ in range(self.RING)]
         self.copied = [torch.cuda.Event() for _ in range(self.RING)]  # re-recorded, not remade
         self.next = 0
-        self.last: tuple | None = None  # (inputs, plan vector) of the plan now in the workspace
+        self.last: tuple | None = None  # (inputs, kernel plan) of the plan now in the workspace
 
     def plan(self, mod, *args) -> list[int]:
         i, self.next = self.next, (self.next + 1) % self.RING
@@ -213,11 +212,9 @@ class _Uploader:
         self.buffers = [torch.empty(0, dtype=torch.int32) for _ in range(self.RING)]
         self.events = [torch.cuda.Event() for _ in range(self.RING)]  # re-recorded, not remade
 
-    def upload(self, host: list[torch.Tensor], dest: torch.Tensor) -> list[torch.Tensor]:
-        """``host`` int32 vectors, concatenated, into the front of the device vector ``dest``;
-        returns their views there."""
-        sizes = [t.shape[0] for t in host]
-        total = sum(sizes)
+    def upload(self, host: list[torch.Tensor], dest: torch.Tensor) -> None:
+        """``host`` int32 vectors, concatenated, into the front of the device vector ``dest``."""
+        total = sum(t.shape[0] for t in host)
         i, self.next = self.next, (self.next + 1) % self.RING
         self.events[i].synchronize()
         if self.buffers[i].shape[0] < total:
@@ -227,14 +224,8 @@ class _Uploader:
         torch.cat(host, out=staged)
         dest[:total].copy_(staged, non_blocking=True)
         self.events[i].record()
-        views, at = [], 0
-        for n in sizes:  # (slicing: Tensor.split costs 3x as much for a handful of tables)
-            views.append(dest[at:at + n])
-            at += n
-        return views
 
 
-_EMPTY_PLAN = torch.zeros(0, dtype=torch.int64)
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
 _EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
 
@@ -250,20 +241,23 @@ class _Planner:
         self.uploader = _Uploader()
         self.window = -1 if spec.sliding_window is None else spec.sliding_window - 1
         self.cap = spec.logits_soft_cap or 0.0
-        self.empty = torch.zeros(0, dtype=torch.int32, device=device)
+        # The plan of a part without requests, one per part: Dynamo guards on inputs that
+        # alias, so one tensor passed twice would make another graph than two tensors.
+        self.absent = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def plan_part(self, ws: _IntWorkspace, kernel: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
                   seq: torch.Tensor, block_size: int, causal: bool, graph: bool,
-                  chunk: int = -1) -> torch.Tensor:
-        """FlashInfer's plan for the requests of one part (host tensors) as a plan vector;
-        ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule)."""
+                  chunk: int = -1) -> list[int]:
+        """FlashInfer's plan for the requests of one part (host tensors), as the kernel's plan
+        list; ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule)."""
         spec = self.spec
         rows, n = int(qo.numpy()[-1]), qo.shape[0] - 1
         mod = _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim,
                       self.window >= 0, self.cap > 0)
         args = [qo, kv_indptr, seq.to(torch.int32), rows, n, spec.num_heads, spec.kv_heads,
                 block_size, graph, spec.head_dim, spec.v_head_dim, causal, self.window]
+        key = None
         if kernel == "fa2":
             args += [chunk, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
             # FA2's plan reads only the query and page-count offsets (not the token lengths):
@@ -272,67 +266,52 @@ class _Planner:
             key = (qo.numpy().tobytes(), kv_indptr.numpy().tobytes(), chunk, graph, causal)
             if ws.last is not None and ws.last[0] == key:
                 return ws.last[1]
-        plan = torch.from_numpy(np.array([KERNELS.index(kernel), rows, int(graph),
-                                          *ws.plan(mod, *args)], dtype=np.int64))
-        ws.last = (key, plan) if kernel == "fa2" else None
+        plan = ws.plan(mod, *args)
+        ws.last = (key, plan) if key is not None else None
         return plan
-
-    def fa4_part(self, common: CommonAttentionMetadata, requests: slice,
-                 max_query_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """An FA4 part (no host plan): its plan vector and the common metadata's device tables
-        of ``requests`` (``cu_seqlens_q`` is uploaded with the other host tables)."""
-        rows = int(common.query_start_loc_cpu[requests.stop] - common.query_start_loc_cpu[
-            requests.start])
-        plan = torch.tensor([KERNELS.index("fa4"), rows, 0, max_query_len, common.max_seq_len],
-                            dtype=torch.int64)
-        return plan, [common.seq_lens[requests], common.block_table[requests], self.empty]
 
     def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         if common.block_table_cpu is None:
             raise ValueError("FLASHINFER plans on the host: build the metadata with "
                              "attn_ops.build_common_metadata (it keeps block_table_cpu)")
         seq, table, qsl = common.seq_lens_cpu, common.block_table_cpu, common.query_start_loc_cpu
-        block_size, nd = common.block_size, common.num_decodes
+        block_size, nd, n = common.block_size, common.num_decodes, common.num_reqs
         causal = self.spec.causal and common.causal
         host: list[torch.Tensor] = []  # int32 tables, sent to the device in one copy
-        decode_plan = prefill_plan = _EMPTY_PLAN
-        decode_device: list[torch.Tensor] = []  # tables already on the device (FA4 parts)
-        prefill_device: list[torch.Tensor] = []
-        if nd:
-            qo = qsl[:nd + 1].to(torch.int32)
-            host.append(qo)
-            max_pages = -(-int(seq.numpy()[:nd].max()) // block_size)
-            kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
-                                          self.num_sms, self.prefill_kernel == "fa4")
-            if kernel == "fa4":
-                decode_plan, decode_device = self.fa4_part(common, slice(0, nd), 1)
+        at = 0
+        plans = list(self.absent)
+        for part, first, stop in ((0, 0, nd), (1, nd, n)):
+            if first == stop:
+                continue
+            qo = (qsl[first:stop + 1] - qsl[first]).to(torch.int32)
+            rows = int(qo.numpy()[-1])
+            if part == 0:
+                max_pages = -(-int(seq.numpy()[:nd].max()) // block_size)
+                kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
+                                              self.num_sms, self.prefill_kernel == "fa4")
             else:
-                kv_indptr, kv_indices, last = paged_kv_csr(seq[:nd], table[:nd], block_size)
-                decode_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq[:nd],
-                                             block_size, causal, graph=False, chunk=chunk)
-                host += [kv_indptr, kv_indices, last]
-        num_decode_tables = len(host)
-        if common.num_prefills:
-            qo = (qsl[nd:] - qsl[nd]).to(torch.int32)
-            host.append(qo)
-            if self.prefill_kernel == "fa4":  # FA4 reads the common metadata's device tables
-                prefill_plan, prefill_device = self.fa4_part(common, slice(nd, common.num_reqs),
-                                                             common.max_query_len)
+                kernel, chunk = self.prefill_kernel, -1
+            if kernel == "fa4":  # FA4 reads the common metadata's device tables
+                tables, num_indices = [qo], 0
+                plan = [1 if part == 0 else common.max_query_len, common.max_seq_len]
             else:
-                kv_indptr, kv_indices, last = paged_kv_csr(seq[nd:], table[nd:], block_size)
-                prefill_plan = self.plan_part(self.prefill_ws, self.prefill_kernel, qo,
-                                              kv_indptr, seq[nd:], block_size, causal,
-                                              graph=False)
-                host += [kv_indptr, kv_indices, last]
-        total = sum(t.shape[0] for t in host)
-        tables = self.uploader.upload(host, torch.empty(total, dtype=torch.int32,
-                                                        device=self.device))
-        decode = (tables[:num_decode_tables] + decode_device) if nd else [self.empty] * 4
-        prefill = (tables[num_decode_tables:] + prefill_device) if common.num_prefills \
-            else [self.empty] * 4
-        return FlashInferMetadata(common.slot_mapping, self.float_workspace,
-                                  self.decode_ws.device, decode_plan, *decode,
-                                  self.prefill_ws.device, prefill_plan, *prefill,
+                kv_indptr, kv_indices, last = paged_kv_csr(seq[first:stop], table[first:stop],
+                                                           block_size)
+                tables, num_indices = [qo, kv_indptr, last, kv_indices], kv_indices.shape[0]
+                plan = self.plan_part((self.decode_ws, self.prefill_ws)[part], kernel, qo,
+                                      kv_indptr, seq[first:stop], block_size, causal,
+                                      graph=False, chunk=chunk)
+            plans[part] = torch.from_numpy(np.array(
+                [KERNELS.index(kernel), rows, 0, at, first, stop - first, num_indices, *plan],
+                dtype=np.int64))
+            host += tables
+            at += sum(t.shape[0] for t in tables)
+        device_tables = torch.empty(at, dtype=torch.int32, device=self.device)
+        self.uploader.upload(host, device_tables)
+        sizes_not_specialized(*plans, device_tables, common.seq_lens, common.block_table)
+        return FlashInferMetadata(common.slot_mapping, self.float_workspace, device_tables,
+                                  common.seq_lens, common.block_table, self.decode_ws.device,
+                                  plans[0], self.prefill_ws.device, plans[1],
                                   causal=common.causal)
 
 
@@ -358,19 +337,23 @@ class _GraphPlanner(_Planner):
         qo = torch.arange(size + 1, dtype=torch.int32)  # padded requests get a (zeroed) row
         kv_indptr, kv_indices, last = paged_kv_csr(padded.seq_lens_cpu, padded.block_table_cpu,
                                                    padded.block_size)
-        plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, padded.seq_lens_cpu,
-                              padded.block_size, self.spec.causal and padded.causal, graph=True)
+        kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, padded.seq_lens_cpu,
+                                     padded.block_size, self.spec.causal and padded.causal,
+                                     graph=True)
+        # (num_indices: all the buffer holds past the other tables, the same at every replay)
+        plan = torch.tensor([KERNELS.index("fa2"), size, 1, 0, 0, size,
+                             self.tables.shape[0] - (3 * size + 2), *kernel_plan],
+                            dtype=torch.int64)
         captured = self.plans.setdefault(size, plan)
         if not torch.equal(captured, plan):
             raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
                                f"({captured.tolist()} -> {plan.tolist()}); a replay would run "
                                "the captured grid on the wrong schedule")
-        qo, kv_indptr, last, kv_indices = self.uploader.upload([qo, kv_indptr, last, kv_indices],
-                                                               self.tables)
-        return FlashInferMetadata(padded.slot_mapping, self.float_workspace,
-                                  self.decode_ws.device, captured, qo, kv_indptr, kv_indices,
-                                  last, self.prefill_ws.device, _EMPTY_PLAN,
-                                  *[self.empty] * 4, causal=padded.causal)
+        self.uploader.upload([qo, kv_indptr, last, kv_indices], self.tables)
+        return FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
+                                  padded.seq_lens, padded.block_table, self.decode_ws.device,
+                                  captured, self.prefill_ws.device, self.absent[1],
+                                  causal=padded.causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,12 +364,31 @@ def _check(query, kv_cache, out, lse):
     check_nhd_attention_inputs("FLASHINFER", query, kv_cache, out, lse)
 
 
-def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_workspace,
-                          decode_plan, decode_qo_indptr, decode_kv_indptr, decode_kv_indices,
-                          decode_last_page_len, prefill_workspace, prefill_plan,
-                          prefill_qo_indptr, prefill_kv_indptr, prefill_kv_indices,
-                          prefill_last_page_len, sinks, k_scale, v_scale, scale, sliding_window,
-                          soft_cap, causal) -> None:
+# id(plan vector) -> (plan vector, its part's tables): the views of a step's tables, made by its
+# first layer and used by the others (slicing them in every layer cost ~6 us a call); a few
+# steps' worth (an entry holds its plan vector, so no other can take its id meanwhile)
+_VIEWS: dict = {}
+
+
+def _part_tables(tables, seq_lens, block_table, kernel, at, first, n, num_indices) -> tuple:
+    """``(tables, *a part's tables)``: FA2/FA3's ``qo_indptr``, ``kv_indptr``,
+    ``last_page_len`` and ``kv_indices``, or FA4's ``cu_seqlens_q``, ``seqused_k`` and page
+    table (see :class:`FlashInferMetadata`)."""
+    qo = tables[at:at + n + 1]
+    if KERNELS[kernel] == "fa4":
+        whole = n == seq_lens.shape[0]
+        return (tables, qo, seq_lens if whole else seq_lens[first:first + n],
+                block_table if whole else block_table[first:first + n])
+    at += n + 1
+    last_at = at + n + 1
+    return (tables, qo, tables[at:last_at], tables[last_at:last_at + n],
+            tables[last_at + n:last_at + n + num_indices])
+
+
+def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, seq_lens,
+                          block_table, decode_workspace, decode_plan, prefill_workspace,
+                          prefill_plan, sinks, k_scale, v_scale, scale, sliding_window, soft_cap,
+                          causal) -> None:
     _check(query, kv_cache, out, lse)
     k_cache, v_cache = nhd_kv_halves(kv_cache)
     fp8 = kv_cache.dtype in _FP8
@@ -399,29 +401,32 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
         else None)
     total = out.shape[0]
     start, padded_part = 0, None
-    for plan_vec, ws, qo, kv_indptr, kv_indices, last in (
-            (decode_plan, decode_workspace, decode_qo_indptr, decode_kv_indptr,
-             decode_kv_indices, decode_last_page_len),
-            (prefill_plan, prefill_workspace, prefill_qo_indptr, prefill_kv_indptr,
-             prefill_kv_indices, prefill_last_page_len)):
+    for plan_vec, ws in ((decode_plan, decode_workspace), (prefill_plan, prefill_workspace)):
         if not plan_vec.numel():
             continue
-        kernel, rows, padded, *plan = plan_vec.tolist()
+        kernel, rows, padded, at, first, n, num_indices, *plan = plan_vec.tolist()
         if start == 0 and rows == total:  # the part is the whole batch: no views to make
             q_part, out_part, lse_part = q, out, lse_buf
         else:
             rows_of = slice(start, start + rows)
             q_part, out_part = q[rows_of], out[rows_of]
             lse_part = lse_buf[rows_of] if need_lse else None
+        views = _VIEWS.get(id(plan_vec))  # (made by a step's first layer, reused by the rest)
+        if views is None or views[0] is not plan_vec or views[1] is not tables:
+            if len(_VIEWS) > 16:
+                _VIEWS.clear()
+            views = _VIEWS[id(plan_vec)] = (plan_vec, *_part_tables(
+                tables, seq_lens, block_table, kernel, at, first, n, num_indices))
         if KERNELS[kernel] == "fa4":
             from attn_ops.backends.flash_attn import fa_window, run_fa4
 
             left, right = fa_window(sliding_window, causal)
-            lse_hm = run_fa4(q_part, k_cache, v_cache, out_part, qo, kv_indptr, kv_indices,
-                             plan[0], plan[1], scale, left, right, soft_cap, causal, need_lse)
+            lse_hm = run_fa4(q_part, k_cache, v_cache, out_part, *views[2:], plan[0], plan[1],
+                             scale, left, right, soft_cap, causal, need_lse)
             if need_lse:
                 lse_part.copy_(lse_hm.t())
         else:
+            qo, kv_indptr, last, kv_indices = views[2:]
             mod = _module(KERNELS[kernel], query.dtype, kv_cache.dtype, query.shape[2],
                           out.shape[2], window >= 0, cap > 0)
             mod.paged_run(float_workspace, ws, plan, q_part, k_cache, v_cache, qo, kv_indptr,
@@ -430,8 +435,8 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, decode_wor
                           1e4, 0, float_workspace.numel())
             if need_lse:
                 lse_part.mul_(LN2)  # FlashInfer's LSE is base 2
-        if padded:
-            padded_part = (start, rows, last)
+            if padded:
+                padded_part = (start, rows, last)
         start += rows
     if start < total:  # padding rows past the batch are zero, like REFERENCE's
         out[start:].zero_()
@@ -453,12 +458,11 @@ def _fake(query, kv_cache, out, lse, *args) -> None:
     _check(query, kv_cache, out, lse)
 
 
-_PART = "Tensor {0}_workspace, Tensor {0}_plan, Tensor {0}_qo_indptr, Tensor {0}_kv_indptr, " \
-        "Tensor {0}_kv_indices, Tensor {0}_last_page_len, "
 flashinfer_attention = define_op(
     "flashinfer_attention",
     "(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) float_workspace, "
-    + _PART.format("decode") + _PART.format("prefill")
+    "Tensor tables, Tensor seq_lens, Tensor block_table, Tensor decode_workspace, "
+    "Tensor decode_plan, Tensor prefill_workspace, Tensor prefill_plan, "
     + "Tensor? sinks, Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, "
     "float? soft_cap, bool causal) -> ()",
     _flashinfer_attention, _fake, dispatch_keys=("CUDA",))
@@ -549,10 +553,8 @@ class FlashInferBackend(AttentionBackend):
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
         m = metadata
-        return (query, kv_cache, out, lse, m.float_workspace, m.decode_workspace, m.decode_plan,
-                m.decode_qo_indptr, m.decode_kv_indptr, m.decode_kv_indices,
-                m.decode_last_page_len, m.prefill_workspace, m.prefill_plan,
-                m.prefill_qo_indptr, m.prefill_kv_indptr, m.prefill_kv_indices,
-                m.prefill_last_page_len, sinks, k_scale, v_scale, self.scale,
+        return (query, kv_cache, out, lse, m.float_workspace, m.tables, m.seq_lens,
+                m.block_table, m.decode_workspace, m.decode_plan, m.prefill_workspace,
+                m.prefill_plan, sinks, k_scale, v_scale, self.scale,
                 self.spec.sliding_window, self.spec.logits_soft_cap,
                 self.spec.causal and m.causal)

@@ -3,11 +3,12 @@ calls replaced by no-ops -- so it runs on any CPU and isolates *our* code's shar
 per-call and per-step overhead (the dispatcher, FlashInfer's C++ plan and the CUDA launches are
 not in it; ``bench_gpu_attention.py`` measures the whole on the H200).
 
-    python benchmarks/profile_flashinfer_host.py [--out PATH]
+    python benchmarks/profile_flashinfer_host.py [--out PATH] [--cprofile]
 
 Decode batch of 256 requests at ctx 4k, page 128, Llama-3-8B heads: steps that must replan
 (some request entered a new page) and steps whose page counts are unchanged (the plan in the
-workspace is reused); op body: one decode call.
+workspace is reused); op body: one decode call. ``--cprofile``: also print where a replanning
+builder step spends its time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "profile_flashinfer_host.json"))
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     from attn_ops import AttentionSpec
     from attn_ops.backends import flashinfer as fi
@@ -80,14 +82,22 @@ def main() -> None:
                    "builder_us_per_step_same_pages": mean_us(lambda: planner(meta), 1000),
                    "paged_kv_csr_us": mean_us(lambda: fi.paged_kv_csr(
                        meta.seq_lens_cpu, meta.block_table_cpu, page))}
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            with cProfile.Profile() as prof:
+                for _ in range(2000):
+                    planner(flip.reverse() or flip[0])
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
         out = torch.empty_like(q)
         cache = torch.randn(10, 2, 16, 8, 128, dtype=torch.bfloat16)
-        ws, i32 = torch.empty(16, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32)
-        plan = torch.tensor([0, 1, 0, *range(15)])
+        ws, tables = torch.empty(16, dtype=torch.uint8), torch.zeros(6, dtype=torch.int32)
+        plan = torch.tensor([0, 1, 0, 0, 0, 1, 1, *range(15)])  # one decode, one page
         none = torch.zeros(0, dtype=torch.int64)
-        op_args = (q, cache, out, None, ws, ws, plan, i32, i32, i32, i32, ws, none, i32, i32,
-                   i32, i32, None, None, None, 0.088, None, None, True)
+        op_args = (q, cache, out, None, ws, tables, tables[:1], tables[:1, None], ws, plan, ws,
+                   none, None, None, None, 0.088, None, None, True)
         results["op_body_us_per_call"] = mean_us(lambda: fi._flashinfer_attention(*op_args))
     print({k: round(v, 2) for k, v in results.items()})
     info = run_info("profile_flashinfer_host")

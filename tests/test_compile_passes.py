@@ -58,6 +58,7 @@ def test_inductor_runs_the_installed_passes():
 import expecttest  # noqa: E402
 import pytest  # noqa: E402
 
+from attn_ops import AttentionConfig  # noqa: E402
 from attn_ops.compile_passes import fusion_passes  # noqa: E402
 from attn_ops.compile_passes.base import attn_ops_in, graph_text  # noqa: E402
 from attn_ops.kv_cache import BlockAllocator  # noqa: E402
@@ -71,7 +72,7 @@ def _tiny(device_slot_mapping=True, layers=2, window=None, fp8_out=False):
                       device_slot_mapping=device_slot_mapping, sliding_window=window,
                       sliding_window_every=2, fp8_attention_output=fp8_out)
     torch.manual_seed(0)
-    model = TinyLlama(cfg).eval()
+    model = TinyLlama(cfg, AttentionConfig(backend="CPU_ATTN")).eval()  # (the snapshots' op)
     alloc = BlockAllocator(32, model.block_size, shuffle=True, seed=2)
     # two decodes, a prefill and a chunked prefill, 2 padding tokens
     meta = build_batch(alloc, [0, 1, 2, 3], [3, 20, 0, 6], [1, 1, 5, 4], num_tokens_padded=13)
@@ -90,7 +91,7 @@ def _run(model, meta, ids, passes, *, v2=True):
             seen[name] = (attn_ops_in(graph), graph_text(graph))
         return record
 
-    caches = model.allocate_kv_caches(32)
+    caches = model.allocate_kv_caches(32, "cpu")
     manager = AttnPassManager([snap("before"), *passes, snap("after")])
     torch._dynamo.reset()
     with torch.no_grad(), inductor_config.patch(post_grad_custom_post_pass=manager,
@@ -132,7 +133,7 @@ def test_fused_graph_computes_what_the_unfused_one_does(v2, device_slots):
     for a, b in zip(fused_caches, plain_caches):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     with torch.no_grad():
-        eager_caches = model.allocate_kv_caches(32)
+        eager_caches = model.allocate_kv_caches(32, "cpu")
         eager = model(ids, meta.positions, eager_caches, meta)
     torch.testing.assert_close(fused[:meta.num_actual_tokens], eager[:meta.num_actual_tokens])
 

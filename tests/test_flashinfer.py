@@ -136,12 +136,11 @@ def test_build_step_metadata_builds_once_per_key():
     assert list(step) == [("REFERENCE",)] and step[("REFERENCE",)] is meta
 
 
-def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(monkeypatch):
-    """FA2's plan reads only query and page-count offsets: a decode step in which no request
-    entered a new page keeps the previous plan (no FlashInfer call); one that did replans.
-    (FlashInfer's module and the CUDA bits are stand-ins: this checks the planner's logic.)"""
+@pytest.fixture
+def standin_flashinfer(monkeypatch):
+    """FlashInfer's module and the CUDA bits replaced by stand-ins, so the planner runs on the
+    CPU; returns the list of the stand-in plan calls' ``kv_indptr``."""
     from attn_ops.backends import flashinfer as fi
-    from attn_ops.metadata import build_common_metadata
 
     calls = []
 
@@ -163,14 +162,60 @@ def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(monkeyp
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: type("P", (), {"multi_processor_count": 132}))
+    return calls
+
+
+def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(standin_flashinfer):
+    """FA2's plan reads only query and page-count offsets: a decode step in which no request
+    entered a new page keeps the previous plan (no FlashInfer call); one that did replans.
+    (FlashInfer's module and the CUDA bits are stand-ins: this checks the planner's logic.)"""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.metadata import build_common_metadata
+
+    calls = standin_flashinfer
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
     planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+
     def step(lens, tables=([0, 1, 5], [2, 3, 4])):
         return planner(build_common_metadata([1, 1], lens, tables, 16, 8))
 
     first = step([20, 40])
     again = step([21, 41])  # one token more each, same pages
-    assert len(calls) == 1 and again.decode_plan is first.decode_plan
+    assert len(calls) == 1 and torch.equal(again.decode_plan, first.decode_plan)
     moved = step([33, 41])  # request 0 enters its third page
     assert len(calls) == 2 and calls[-1] == [0, 3, 6]
-    assert moved.decode_plan.tolist()[3] == 2  # the new plan's vector
+    assert moved.decode_plan.tolist()[7] == 2  # the new plan, after the 7-entry header
+
+
+@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])
+def test_one_graph_serves_every_batch_composition(standin_flashinfer, prefill_kernel):
+    """Parts with no request or one request make plans and tables of sizes 0 and 1, on which
+    Dynamo would specialize (a mixed-batch model hit its recompile limit on the H200): the
+    planner's tensors are marked so that one graph serves decodes only, prefills only, one of
+    each and many of each. (The graph is not run: the op needs FlashInfer on a GPU.)"""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.metadata import build_common_metadata
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    planner = fi._Planner(spec, torch.device("cpu"), prefill_kernel)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: None
+
+    def layer(q, out, m):
+        torch.ops.attn.flashinfer_attention(
+            q, q.new_zeros(4, 2, 16, 2, 64), out, None, m.float_workspace, m.tables,
+            m.seq_lens, m.block_table, m.decode_workspace, m.decode_plan, m.prefill_workspace,
+            m.prefill_plan, None, None, None, 0.125, None, None, True)
+
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    for qlens, lens in (([1, 1, 1], [20, 40, 9]), ([1], [5]), ([7], [7]), ([1, 5], [30, 5]),
+                        ([1, 1, 3, 9], [17, 33, 3, 40]), ([2, 2], [2, 20])):
+        tables = [[r * 3 + i for i in range(-(-n // 16))] for r, n in enumerate(lens)]
+        m = planner(build_common_metadata(qlens, lens, tables, 16, 64))
+        q = torch.zeros(16, 8, 64, dtype=torch.float16)  # (tokens padded, as in piecewise graphs)
+        compiled(q, torch.empty_like(q), m)
+    assert len(graphs) == 1
