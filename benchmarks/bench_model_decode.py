@@ -1,16 +1,19 @@
 """One decode step of a Llama-3-8B-shaped decoder (issue 5): eager, ``torch.compile`` (whole
-model, ``fullgraph=True``, our fusion passes installed) and compiled + CUDA graph, for each GPU
-attention backend, next to HF transformers' own ``LlamaForCausalLM`` of the same shape in the
-same run (eager with its dynamic cache, and with its static cache).
+model, ``fullgraph=True``, without and with our fusion passes) and compiled + CUDA graph, for
+each GPU attention backend, next to HF transformers' own ``LlamaForCausalLM`` of the same shape
+in the same run (eager, SDPA, dynamic cache).
 
 Shapes (issue 5): 8 layers, hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab
 32000, bf16, batch 64, context 2k, random weights. Floor: weights + KV cache read once at the
 device's copy bandwidth (4.27 TB/s on the H200: about 1.9 ms). Times are medians of CUDA-event
-timed steps; every step rebuilds the step metadata on the host (planning included), as an
-engine would, except in graph mode where :func:`attn_ops.build_step_metadata` writes the
-graphs' persistent buffers and the captured graph replays. Kernels per layer per step (the
-profiler's CUDA kernels inside one compiled step, divided by the layers) are reported with and
-without the passes.
+timed steps, each synchronized: every step rebuilds the batch and step metadata on the host
+(planning included), as an engine would; in graph mode :func:`attn_ops.build_step_metadata`
+writes the graphs' persistent buffers and the captured graph replays. Graph mode also reports
+the same steps back to back (``graphed_pipelined_ms``: the host prepares a step while the GPU
+runs the last, as with asynchronous scheduling), the host's share alone (``host_prep_ms``), a
+replay alone (``replay_only_ms``) and the kernels with the most time in it. Kernels per layer
+per step, with and without the passes: all the profiler's CUDA kernels in one compiled step,
+and those launched inside ``attn::`` ops (attention and its glue).
 
     python benchmarks/bench_model_decode.py [--backends A B ..] [--layers 8] [--batch 64]
         [--ctx 2048] [--steps 20] [--quick] [--out PATH]
@@ -105,20 +108,68 @@ def time_steps(fn, steps, device) -> float:
     return statistics.median(times)
 
 
-def kernels_per_layer(fn, layers) -> float:
-    """CUDA kernels the profiler sees in one call of ``fn`` (a compiled step, not graphed),
-    per layer -- GEMMs and norms included; the passes' effect is the difference between the
-    runs with and without them."""
+def kernel_counts(fn, layers) -> dict:
+    """CUDA kernels the profiler sees in one call of ``fn`` (a compiled step, not graphed), per
+    layer: all of them (GEMMs, norms, ...), and those launched inside ``attn::`` ops --
+    attention and its glue (RoPE, slot mapping, KV-cache write), which the passes fuse."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+
+    def launched(e):  # kernels launched by a CPU op and the ops it called
+        return sum(1 for k in e.kernels if not k.name.startswith(("Memcpy", "Memset"))) + \
+            sum(launched(c) for c in e.cpu_children)
+
+    def outermost_attn(e):
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("attn::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    attn_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                and e.name.startswith("attn::") and outermost_attn(e)]
+    return {"all": len(kernels) / layers,
+            "attention_and_glue": sum(launched(e) for e in attn_ops) / layers,
+            "attn_ops": sorted({e.name for e in attn_ops})}
+
+
+def top_kernels(fn, n=10) -> list:
+    """The ``n`` kernels with the most GPU time in one call of ``fn`` (a graph replay):
+    ``[name, calls, total us]``."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    launches = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.startswith(("Memcpy", "Memset"))]  # kernels only
-    return len(launches) / layers
+    totals: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            calls, us = totals.get(e.name, (0, 0.0))
+            totals[e.name] = (calls + 1, us + e.device_time)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
+    return [[name[:90], calls, round(us, 1)] for name, (calls, us) in ranked]
+
+
+def pipelined_ms(fn, steps) -> float:
+    """Milliseconds per call of ``fn`` run ``steps`` times back to back, synchronizing only at
+    the end: the host prepares a step while the GPU runs the previous one, as an engine with
+    asynchronous scheduling does."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def hf_model(cfg, batch, ctx, device):
@@ -163,17 +214,30 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
                 row[f"compiled{label}_ms"] = time_steps(
                     lambda: engine.eager_step(compiled), args.steps, device)
                 if device == "cuda":
-                    row[f"kernels_per_layer{label}"] = kernels_per_layer(
-                        lambda: engine.eager_step(compiled), cfg.num_layers)
+                    counts = kernel_counts(lambda: engine.eager_step(compiled), cfg.num_layers)
+                    row[f"kernels_per_layer{label}"] = counts["all"]
+                    row[f"attention_kernels_per_layer{label}"] = counts["attention_and_glue"]
+                    row[f"attn_ops{label}"] = counts["attn_ops"]
         if device == "cuda":
+            from attn_ops import build_step_metadata
             from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
 
             graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks, engine.model.block_size,
                                     device)
             runner = CUDAGraphRunner(engine.model, compiled, graphs, engine.caches)
-            row["graphed_ms"] = time_steps(lambda: runner(engine.ids, engine.common()),
-                                           args.steps, device)
-            row["fraction_of_floor"] = row["floor_ms"] / row["graphed_ms"]
+            def graphed_step():
+                return runner(engine.ids, engine.common())
+
+            row["graphed_ms"] = time_steps(graphed_step, args.steps, device)
+            row["graphed_pipelined_ms"] = pipelined_ms(graphed_step, args.steps)
+            row["host_prep_ms"] = time_steps(  # the host's share: batch + graph metadata
+                lambda: build_step_metadata(engine.model, engine.common(), graphs), args.steps,
+                "cpu")
+            graph, _ = runner.captured[engine.batch]
+            row["replay_only_ms"] = time_steps(graph.replay, args.steps, device)
+            row["top_kernels"] = top_kernels(graph.replay)
+            row["fraction_of_floor"] = row["floor_ms"] / min(row["graphed_ms"],
+                                                            row["graphed_pipelined_ms"])
     return row
 
 
