@@ -12,7 +12,7 @@ host data, when the batch is built -- never inside the per-layer ops.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,30 +71,56 @@ class CommonAttentionMetadata:
     def query_lens_cpu(self) -> torch.Tensor:
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
+    # (set by build_common_metadata, which computes the positions anyway; else computed)
+    positions_tensor: torch.Tensor | None = field(default=None, repr=False)
+
     @property
     def positions(self) -> torch.Tensor:
         """``[T]`` int64 position of every token in its request (padding: 0), on the device."""
-        qsl, seq = self.query_start_loc_cpu.tolist(), self.seq_lens_cpu.tolist()
-        pos = torch.zeros(self.slot_mapping.shape[0], dtype=torch.int64)
-        for i in range(self.num_reqs):
-            n = qsl[i + 1] - qsl[i]
-            pos[qsl[i]:qsl[i + 1]] = torch.arange(seq[i] - n, seq[i])
-        return pos.to(self.slot_mapping.device)
+        if self.positions_tensor is not None:
+            return self.positions_tensor
+        qsl, seq = self.query_start_loc_cpu.numpy(), self.seq_lens_cpu.numpy()
+        pos = np.zeros(self.slot_mapping.shape[0], dtype=np.int64)
+        pos[:qsl[-1]] = _token_positions(qsl.astype(np.int64), seq.astype(np.int64))
+        return torch.from_numpy(pos).to(self.slot_mapping.device)
+
+
+def _token_positions(qsl: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """The position of every (unpadded) token in its request, from int64 query start offsets
+    and sequence lengths."""
+    q = qsl[1:] - qsl[:-1]
+    req = np.repeat(np.arange(q.shape[0]), q)  # request of every token
+    return np.arange(int(qsl[-1])) - qsl[req] + (seq - q)[req]
+
+
+def _upload(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """Host arrays as tensors on ``device``. To a GPU through pinned staging memory, copied
+    without blocking: a copy from pageable memory first waits for the stream to drain, which
+    kept the host from preparing a step while the GPU ran the last one. (PyTorch's caching
+    host allocator hands a staging block out again only after the copies from it ran.)"""
+    if torch.device(device).type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    out = []
+    for a in arrays:
+        staged = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
+        staged.numpy()[...] = a
+        out.append(staged.to(device, non_blocking=True))
+    return out
 
 
 def sizes_not_specialized(*tensors: torch.Tensor) -> None:
-    """Tells ``torch.compile`` not to specialize on any size of these step-metadata tensors --
-    the ones only a backend's op reads (plans, page tables in CSR form). Their sizes follow the
+    """Tells ``torch.compile`` not to specialize on the leading size of these step-metadata
+    tensors -- ones only a backend's op reads (plans, page tables). Their sizes follow the
     batch composition, and Dynamo specializes sizes 0 and 1 even when it treats a size as
     dynamic: a part with no requests or one request would each cost a recompile, and a mix of
-    such parts soon exceeds the recompile limit. Marked unbacked, they get one graph. (The mark
-    is read when Dynamo compiles, which can be any step, so every step marks; about 1 us per
-    tensor.)"""
+    such parts soon exceeds the recompile limit. Marked unbacked, they get one graph. (Only the
+    leading size: an unbacked inner size is a stride, which Inductor's CUDA-graph trees must
+    compare with 0. The mark is read when Dynamo compiles, which can be any step, so every
+    step marks; about 1 us per tensor.)"""
     from torch._dynamo.decorators import mark_unbacked
 
     for t in tensors:
-        for dim in range(t.dim()):
-            mark_unbacked(t, dim)
+        mark_unbacked(t, 0)
 
 
 def decode_first_order(query_lens: Sequence[int], decode_threshold: int = 1) -> list[int]:
@@ -178,22 +204,22 @@ def build_common_metadata(
     table_np[used] = flat
     qsl = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_np, out=qsl[1:])
+    positions = np.zeros(padded, dtype=np.int64)
+    pos = positions[:num_tokens] = _token_positions(qsl, s_np)
     req = np.repeat(np.arange(n), q_np)  # request of every token
-    pos = np.arange(num_tokens) - qsl[req] + (s_np - q_np)[req]  # its position in the request
     slots = np.full(padded, -1, dtype=np.int64)
     slots[:num_tokens] = table_np[req, pos // block_size].astype(np.int64) * block_size \
         + pos % block_size
-    table = torch.from_numpy(table_np)
-    qsl_cpu = torch.from_numpy(qsl.astype(np.int32))
-    seq_cpu = torch.from_numpy(s_np.astype(np.int32))
-    slots = torch.from_numpy(slots)
+    qsl32, seq32 = qsl.astype(np.int32), s_np.astype(np.int32)
+    qsl_dev, seq_dev, table_dev, slots_dev, positions_dev = _upload(
+        (qsl32, seq32, table_np, slots, positions), device)
     return CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_cpu.to(device),
-        seq_lens_cpu=seq_cpu,
-        block_table=table.to(device),
-        slot_mapping=slots.to(device),
+        query_start_loc=qsl_dev,
+        query_start_loc_cpu=torch.from_numpy(qsl32),
+        seq_lens=seq_dev,
+        seq_lens_cpu=torch.from_numpy(seq32),
+        block_table=table_dev,
+        slot_mapping=slots_dev,
         num_actual_tokens=num_tokens,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
@@ -201,8 +227,9 @@ def build_common_metadata(
         num_decode_tokens=num_decode_tokens,
         block_size=block_size,
         causal=causal,
-        block_table_cpu=table,
+        block_table_cpu=torch.from_numpy(table_np),
         num_blocks=num_blocks,
+        positions_tensor=positions_dev,
     )
 
 

@@ -16,6 +16,7 @@ from attn_ops.glue import quantize_fp8_op
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.layer import Attention, build_step_metadata
 from attn_ops.metadata import CommonAttentionMetadata, build_batch
+from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
 
@@ -73,14 +74,15 @@ def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, attn_config: AttentionConfig | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, attn_config: AttentionConfig | None,
+                 platform: Platform | None = None) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
-        self.attn = Attention(cfg.attention_spec(layer), attn_config)
+        self.attn = Attention(cfg.attention_spec(layer), attn_config, platform=platform)
         self.register_buffer("attn_out_scale", torch.tensor([0.02])
                              if cfg.fp8_attention_output else None)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -111,11 +113,14 @@ class DecoderLayer(nn.Module):
 class TinyLlama(nn.Module):
     """``forward(input_ids [T], positions [T], kv_caches, metadata) -> logits [T, vocab]``."""
 
-    def __init__(self, cfg: ModelConfig, attn_config: AttentionConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, attn_config: AttentionConfig | None = None,
+                 platform: Platform | None = None) -> None:
+        """``platform``: where the attention backends are selected for (default: this
+        machine's; ``Platform.parse("cpu")`` builds a CPU model on a GPU machine)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_config)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_config, platform)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

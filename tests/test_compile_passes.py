@@ -58,7 +58,7 @@ def test_inductor_runs_the_installed_passes():
 import expecttest  # noqa: E402
 import pytest  # noqa: E402
 
-from attn_ops import AttentionConfig  # noqa: E402
+from attn_ops import AttentionConfig, Platform  # noqa: E402
 from attn_ops.compile_passes import fusion_passes  # noqa: E402
 from attn_ops.compile_passes.base import attn_ops_in, graph_text  # noqa: E402
 from attn_ops.kv_cache import BlockAllocator  # noqa: E402
@@ -72,7 +72,8 @@ def _tiny(device_slot_mapping=True, layers=2, window=None, fp8_out=False):
                       device_slot_mapping=device_slot_mapping, sliding_window=window,
                       sliding_window_every=2, fp8_attention_output=fp8_out)
     torch.manual_seed(0)
-    model = TinyLlama(cfg, AttentionConfig(backend="CPU_ATTN")).eval()  # (the snapshots' op)
+    # (the snapshots' op, on the CPU also on a GPU machine)
+    model = TinyLlama(cfg, AttentionConfig(backend="CPU_ATTN"), Platform.parse("cpu")).eval()
     alloc = BlockAllocator(32, model.block_size, shuffle=True, seed=2)
     # two decodes, a prefill and a chunked prefill, 2 padding tokens
     meta = build_batch(alloc, [0, 1, 2, 3], [3, 20, 0, 6], [1, 1, 5, 4], num_tokens_padded=13)

@@ -215,7 +215,8 @@ def test_one_graph_serves_every_batch_composition(standin_flashinfer, prefill_ke
     for qlens, lens in (([1, 1, 1], [20, 40, 9]), ([1], [5]), ([7], [7]), ([1, 5], [30, 5]),
                         ([1, 1, 3, 9], [17, 33, 3, 40]), ([2, 2], [2, 20])):
         tables = [[r * 3 + i for i in range(-(-n // 16))] for r, n in enumerate(lens)]
-        m = planner(build_common_metadata(qlens, lens, tables, 16, 64))
+        m = planner(build_common_metadata(qlens, lens, tables, 16, 64,
+                                          max_blocks_per_req=4))  # (a fixed width, as engines)
         q = torch.zeros(16, 8, 64, dtype=torch.float16)  # (tokens padded, as in piecewise graphs)
         compiled(q, torch.empty_like(q), m)
     assert len(graphs) == 1
