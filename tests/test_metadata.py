@@ -29,3 +29,41 @@ def test_positions_and_slots_match_a_per_token_computation():
     assert torch.equal(dataclasses.replace(meta, positions_tensor=None).positions, meta.positions)
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 10, 13]
     assert meta.seq_lens.tolist() == seq_lens
+
+
+def test_allocator_rows_and_the_dense_path_build_the_list_paths_metadata():
+    """The allocator's numpy rows follow reserve/free/reuse; metadata built from them equals
+    metadata built from the block lists."""
+    from attn_ops.kv_cache import BlockAllocator
+
+    rng = random.Random(1)
+    alloc = BlockAllocator(2000, 4, shuffle=True)
+    live = {}
+    for step in range(60):
+        if live and rng.random() < 0.3:
+            alloc.free(live.pop(rng.choice(sorted(live))))
+        r = f"r{step}"
+        live[r] = r
+        alloc.reserve(r, rng.randint(1, 9))
+        for q in rng.sample(sorted(live), k=min(3, len(live))):
+            alloc.reserve(q, rng.randint(1, 40) + 4 * len(alloc.blocks(q)))
+        ids = sorted(live)
+        table = alloc.block_table(ids)
+        for row, q in zip(table, ids):
+            owned = alloc.blocks(q)
+            assert row[:len(owned)].tolist() == owned and not row[len(owned):].any()
+    seq = [4 * len(alloc.blocks(q)) - rng.randint(0, 3) for q in ids]
+    qlens = [1] * len(ids)
+    lists = build_common_metadata(qlens, seq, [alloc.blocks(q) for q in ids], 4, 2000)
+    dense = build_common_metadata(qlens, seq, alloc.block_table(ids, 512), 4, 2000,
+                                  max_blocks_per_req=lists.block_table.shape[1])
+    for name in ("block_table", "slot_mapping", "seq_lens", "query_start_loc", "positions"):
+        assert torch.equal(getattr(dense, name), getattr(lists, name)), name
+
+
+def test_a_dense_block_table_too_narrow_for_a_length_is_refused():
+    import numpy as np
+    import pytest
+
+    with pytest.raises(ValueError, match=r"request 1 has seq_len=9, 3 blocks .* only 2 columns"):
+        build_common_metadata([1, 1], [3, 9], np.zeros((2, 2), dtype=np.int32), 4, 16)
