@@ -143,8 +143,8 @@ def kernel_counts(fn, layers) -> dict:
 
 
 def top_kernels(fn, n=10) -> list:
-    """The ``n`` kernels with the most GPU time in one call of ``fn`` (a graph replay):
-    ``[name, calls, total us]``."""
+    """The ``n`` kernels with the most GPU time in one call of ``fn``: ``[name, calls, total
+    us]``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -207,6 +207,8 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
     with torch.no_grad():
         row["eager_ms"] = time_steps(lambda: engine.eager_step(engine.model), args.steps,
                                      device)
+        if device == "cuda":
+            row["eager_top_kernels"] = top_kernels(lambda: engine.eager_step(engine.model))
         for label, passes in (("_no_passes", None), ("", manager)):
             with inductor_config.patch(post_grad_custom_post_pass=passes):
                 torch._dynamo.reset()
@@ -218,6 +220,8 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
                     row[f"kernels_per_layer{label}"] = counts["all"]
                     row[f"attention_kernels_per_layer{label}"] = counts["attention_and_glue"]
                     row[f"attn_ops{label}"] = counts["attn_ops"]
+                    row[f"compiled{label}_top_kernels"] = top_kernels(
+                        lambda: engine.eager_step(compiled))
         if device == "cuda":
             from attn_ops import build_step_metadata
             from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
