@@ -94,6 +94,12 @@ class TritonAttnMetadata:
     causal: bool = True
 
 
+# Prefill tiles (query rows, keys, warps, stages), for padded head dims <= 128 (True) and
+# wider: 128 x 64 / 8 warps / 3 stages gave 0.53x FlashInfer on the H200 (1e890f2);
+# ``benchmarks/sweep_kernel_configs.py --only triton-prefill`` measures alternatives.
+PREFILL_TILES = {True: (128, 64, 8, 3), False: (32, 32, 4, 2)}
+
+
 def _pow2(n: int, at_least: int = 1) -> int:
     p = at_least
     while p < n:
@@ -112,13 +118,12 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     hq, d, dv = query.shape[1], query.shape[2], out.shape[2]
     group = hq // k_cache.shape[2]
     group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
-    # Prefill tiles of 128 query rows x 64 keys, 8 warps, 3 stages (the usual Triton
-    # flash-attention shape for head dim <= 128; 0.44-0.51x FlashInfer at 64 x 64 / 4 warps /
-    # 2 stages on the H200 -- this shape is not measured yet); decode tiles of 16 rows.
+    # Decode tiles of 16 rows x 64 keys (32 for head dims > 128), 4 warps, 2 stages; prefill
+    # tiles from PREFILL_TILES.
     wide = max(d_p, dv_p) <= 128
-    rows = (128 if wide else 32) if prefill else 16
+    rows, block_n, warps, stages = PREFILL_TILES[wide] if prefill else \
+        (16, 64 if wide else 32, 4, 2)
     block_q = max(1, rows // group_p)
-    block_n = 64 if max(d_p, dv_p) <= 128 else 32
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dummy = query
     part_o = part_lse = dummy
@@ -144,8 +149,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         USE_SOFTCAP=soft_cap is not None, HAS_ALIBI=alibi is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_TREE=tree is not None, num_warps=8 if prefill and wide else 4,
-        num_stages=3 if prefill and wide else 2)
+        HAS_TREE=tree is not None, num_warps=warps, num_stages=stages)
     if splits > 1:
         combine_splits_kernel[(num_tokens, hq)](
             out, lse if lse is not None else dummy, part_o, part_lse, qsl,

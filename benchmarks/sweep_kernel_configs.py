@@ -5,6 +5,9 @@ their rules from data rather than from defaults.
   request) with the split-KV chunk left to FlashInfer's plan (``auto``), split-KV off
   (``nosplit``), or a fixed chunk of ``c`` pages (``fixed<c>``), next to FA4 (no split), over
   batch 1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points).
+* ``triton-prefill``: TRITON_ATTN's prefill tile (query rows, keys per tile, warps, stages;
+  ``PREFILL_TILES`` in ``backends/triton_attn.py``) over causal prefills at page 16, next to
+  FlashInfer called directly (issue 4's prefill goal: >= 0.8x FlashInfer).
 * ``prefill``: FA4 over the paged cache and over dense K/V (the step's own keys: a prefill
   without cached context needs no page table), with its default sm90 tiles and alternatives
   (``tile_mn``, RS / overlap flags), and torch SDPA (cuDNN and flash) on dense tensors.
@@ -13,7 +16,8 @@ Every variant's output is compared with the default's before timing (``max_abs_d
 variant that fails to build is recorded with its error. Timing: ``do_bench_cudagraph``
 medians, variants of a point interleaved over rotating rounds (``time_graph``).
 
-    python benchmarks/sweep_kernel_configs.py [--only decode|prefill] [--rounds R] [--out PATH]
+    python benchmarks/sweep_kernel_configs.py [--only decode|prefill|triton-prefill] [--rounds R]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
-                                 decode_bytes, fa4_direct, gpu_parser, prefill_flops,
-                                 time_graph, timed_fields, write_result)
+                                 decode_bytes, fa4_direct, flashinfer_direct, gpu_parser, ours,
+                                 prefill_flops, time_graph, timed_fields, write_result)
 
 DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -147,10 +151,62 @@ def sweep_prefill(args, gen) -> list[dict]:
     return rows
 
 
+TRITON_PREFILL = ((1, 8192), (4, 4096), (16, 1024))
+TRITON_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
+                (64, 32, 4, 4), (64, 128, 4, 3))
+
+
+def triton_tile(b: Batch, tile):
+    """TRITON_ATTN through its op with ``tile`` as its prefill tile while it runs."""
+    from attn_ops.backends import triton_attn
+
+    run = ours(b, "TRITON_ATTN")
+
+    def fn():
+        saved, triton_attn.PREFILL_TILES[True] = triton_attn.PREFILL_TILES[True], tile
+        try:
+            return run()
+        finally:
+            triton_attn.PREFILL_TILES[True] = saved
+    return fn
+
+
+def sweep_triton_prefill(args, gen) -> list[dict]:
+    rows = []
+    for bsz, s in TRITON_PREFILL:
+        b = Batch(bsz, s, s, args.page, gen)
+        fns, errors = {"flashinfer": flashinfer_direct(b, True)}, {}
+        for tile in TRITON_TILES:
+            name = "triton_" + "x".join(map(str, tile))
+            fn = triton_tile(b, tile)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                fns[name] = fn
+            except Exception as e:  # (out of shared memory, say)
+                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        diffs = check_outputs(b, fns, "flashinfer")
+        ms = time_graph(fns, args.rounds)
+        flops = prefill_flops(bsz, s)
+        rows.append({"kind": "triton_prefill", "batch": bsz, "seq": s, "page": args.page,
+                     "max_abs_diff": diffs, "errors": errors,
+                     **timed_fields(ms, flops, "tflops")})
+        best = min((k for k in ms if k != "flashinfer"), key=ms.get)
+        print(f"triton prefill {bsz}x{s:<6} best {best} {ms['flashinfer'] / ms[best]:.2f}x "
+              f"flashinfer ({flops / ms['flashinfer'] / 1e9:.0f} TFLOP/s)  " + " ".join(
+                  f"{k[7:]} {ms['flashinfer'] / v:.2f}" for k, v in ms.items()
+                  if k != "flashinfer"), flush=True)
+        if errors:
+            print("  not built:", errors, flush=True)
+        del b, fns
+    return rows
+
+
 def main() -> None:
     parser = gpu_parser(__doc__, "sweep_kernel_configs_h200.json", page=128, rounds=2,
                         quick=False)
-    parser.add_argument("--only", choices=("decode", "prefill"))
+    parser.add_argument("--only", choices=("decode", "prefill", "triton-prefill"))
     parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -159,6 +215,8 @@ def main() -> None:
         rows += sweep_prefill(args, gen)
     if args.only in (None, "decode"):
         rows += sweep_decode(args, gen)
+    if args.only == "triton-prefill":
+        rows += sweep_triton_prefill(args, gen)
     write_result("sweep_kernel_configs", args.out, rounds=args.rounds, rows=rows,
                  method="median over rotating rounds of triton.testing.do_bench_cudagraph "
                         "medians (rep=30 ms)")
