@@ -94,10 +94,13 @@ class TritonAttnMetadata:
     causal: bool = True
 
 
-# Prefill tiles (query rows, keys, warps, stages), for padded head dims <= 128 (True) and
-# wider: 128 x 64 / 8 warps / 3 stages gave 0.53x FlashInfer on the H200 (1e890f2);
-# ``benchmarks/sweep_kernel_configs.py --only triton-prefill`` measures alternatives.
-PREFILL_TILES = {True: (128, 64, 8, 3), False: (32, 32, 4, 2)}
+# Prefill tiles (query rows, keys, warps, stages) by (padded head dims <= 128, element bytes).
+# 16-bit, head dim 128 on the H200 (``benchmarks/sweep_kernel_configs.py --only
+# triton-prefill``, ten tiles, a5b0763): 128 x 128 / 8 warps / 2 stages 0.58-0.59x FlashInfer
+# at 1x8k and 4x4k and 0.55x at 16x1k, the best of the ten (128 x 64 / 8 / 3: 0.55). fp32
+# takes smaller tiles to stay within shared memory (not measured).
+PREFILL_TILES = {(True, 2): (128, 128, 8, 2), (True, 4): (64, 64, 4, 2),
+                 (False, 2): (32, 32, 4, 2), (False, 4): (32, 32, 4, 2)}
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -121,8 +124,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     # Decode tiles of 16 rows x 64 keys (32 for head dims > 128), 4 warps, 2 stages; prefill
     # tiles from PREFILL_TILES.
     wide = max(d_p, dv_p) <= 128
-    rows, block_n, warps, stages = PREFILL_TILES[wide] if prefill else \
-        (16, 64 if wide else 32, 4, 2)
+    rows, block_n, warps, stages = PREFILL_TILES[wide, min(query.element_size(), 4)] \
+        if prefill else (16, 64 if wide else 32, 4, 2)
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dummy = query

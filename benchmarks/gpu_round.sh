@@ -16,7 +16,9 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export ATTN_OPS_COMMIT=${ATTN_OPS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The GPU machine's copy may carry stale git metadata (a round at a5b0763 recorded 650ad55):
+# pass ATTN_OPS_COMMIT=<the commit you sent> in the command.
+export ATTN_OPS_COMMIT=${ATTN_OPS_COMMIT:-unknown-pass-ATTN_OPS_COMMIT}
 LOG="$OUT/round.log"
 SUMMARY=$(mktemp)
 

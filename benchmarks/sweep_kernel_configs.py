@@ -164,11 +164,11 @@ def triton_tile(b: Batch, tile):
     run = ours(b, "TRITON_ATTN")
 
     def fn():
-        saved, triton_attn.PREFILL_TILES[True] = triton_attn.PREFILL_TILES[True], tile
+        saved, triton_attn.PREFILL_TILES[True, 2] = triton_attn.PREFILL_TILES[True, 2], tile
         try:
             return run()
         finally:
-            triton_attn.PREFILL_TILES[True] = saved
+            triton_attn.PREFILL_TILES[True, 2] = saved
     return fn
 
 
