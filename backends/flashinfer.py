@@ -244,6 +244,7 @@ class _Planner:
         # The plan of a part without requests, one per part: Dynamo guards on inputs that
         # alias, so one tensor passed twice would make another graph than two tensors.
         self.absent = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        sizes_not_specialized(*self.absent)  # (a mark stays on its tensor: these once)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def plan_part(self, ws: _IntWorkspace, kernel: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
@@ -308,7 +309,8 @@ class _Planner:
             at += sum(t.shape[0] for t in tables)
         device_tables = torch.empty(at, dtype=torch.int32, device=self.device)
         self.uploader.upload(host, device_tables)
-        sizes_not_specialized(*plans, device_tables, common.seq_lens, common.block_table)
+        sizes_not_specialized(*(p for p in plans if p.numel()), device_tables, common.seq_lens,
+                              common.block_table)
         return FlashInferMetadata(common.slot_mapping, self.float_workspace, device_tables,
                                   common.seq_lens, common.block_table, self.decode_ws.device,
                                   plans[0], self.prefill_ws.device, plans[1],
