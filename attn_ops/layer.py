@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attn_ops.glue import rope, slot_mapping
+from attn_ops.glue import rope, rope_kv_cache_update, slot_mapping
 from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform
@@ -97,30 +97,40 @@ class Attention(nn.Module):
         ``cos_sin [T, head_dim]`` (cos | sin halves): rotate query and key first
         (``torch.ops.attn.rope``). ``positions [T]``: compute the new tokens' cache slots on
         the device (``torch.ops.attn.slot_mapping``, from ``metadata.query_start_loc`` and
-        ``metadata.block_table``) instead of reading ``metadata.slot_mapping``. Both are ops
-        the compile passes fuse with the cache write (:mod:`attn_ops.compile_passes`)."""
+        ``metadata.block_table``) instead of reading ``metadata.slot_mapping``. Traced by
+        ``torch.compile``, these are ops of their own, which the compile passes fuse with the
+        cache write (:mod:`attn_ops.compile_passes`); run eagerly, the layer calls the fused op
+        (``torch.ops.attn.rope_kv_cache_update``: one kernel on GPUs, not ~40 small ones)."""
         if isinstance(metadata, dict):
             metadata = metadata[self._metadata_key]
         spec = self.spec
         query = query.view(-1, spec.num_heads, spec.head_dim)
-        if cos_sin is not None:
-            query = rope(query, cos_sin)
-        if key is not None and value is not None:
-            key = key.view(-1, spec.kv_heads, spec.head_dim)
+        if key is None or value is None:
             if cos_sin is not None:
-                key = rope(key, cos_sin)
+                query = rope(query, cos_sin)
+        else:
+            key = key.view(-1, spec.kv_heads, spec.head_dim)
+            value = value.view(-1, spec.kv_heads, spec.v_head_dim)
             slots = metadata.slot_mapping
-            if positions is not None:
-                if not hasattr(metadata, "block_table"):
-                    raise ValueError(
-                        f"positions= (slots computed on the device) needs the common metadata's "
-                        f"query_start_loc and block_table; {self.backend}'s metadata "
-                        f"({type(metadata).__name__}) has no block table -- use "
-                        "metadata.slot_mapping (positions=None)")
-                slots = slot_mapping(positions, metadata.query_start_loc, metadata.block_table,
-                                     self.block_size)
-            kv_cache_update(key, value.view(-1, spec.kv_heads, spec.v_head_dim), kv_cache,
-                            slots, self.k_scale, self.v_scale)
+            if positions is not None and not hasattr(metadata, "block_table"):
+                raise ValueError(
+                    f"positions= (slots computed on the device) needs the common metadata's "
+                    f"query_start_loc and block_table; {self.backend}'s metadata "
+                    f"({type(metadata).__name__}) has no block table -- use "
+                    "metadata.slot_mapping (positions=None)")
+            if cos_sin is not None and not torch.compiler.is_compiling():
+                query = rope_kv_cache_update(
+                    query, key, value, cos_sin, kv_cache, None if positions is not None else slots,
+                    positions, *((metadata.query_start_loc, metadata.block_table)
+                                 if positions is not None else (None, None)),
+                    self.k_scale, self.v_scale)
+            else:
+                if cos_sin is not None:
+                    query, key = rope(query, cos_sin), rope(key, cos_sin)
+                if positions is not None:
+                    slots = slot_mapping(positions, metadata.query_start_loc,
+                                         metadata.block_table, self.block_size)
+                kv_cache_update(key, value, kv_cache, slots, self.k_scale, self.v_scale)
         out = query.new_empty(query.shape[0], spec.num_heads, spec.v_head_dim)
         lse = query.new_empty(query.shape[0], spec.num_heads, dtype=torch.float32) \
             if return_lse else None

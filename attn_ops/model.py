@@ -34,6 +34,7 @@ class ModelConfig:
     num_heads: int = 8
     num_kv_heads: int = 2
     head_dim: int = 32
+    head_dim_v: int | None = None  # V's head dim where it differs from Q/K's (FLASH_ATTN_DIFFKV)
     intermediate_size: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -51,7 +52,12 @@ class ModelConfig:
     def attention_spec(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if layer % self.sliding_window_every == 0 else None
         return AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim, dtype=self.dtype, sliding_window=window)
+                             head_dim=self.head_dim, head_dim_v=self.head_dim_v,
+                             dtype=self.dtype, sliding_window=window)
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 class RMSNorm(nn.Module):
@@ -77,11 +83,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, attn_config: AttentionConfig | None,
                  platform: Platform | None = None) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d, dv = cfg.hidden_size, cfg.head_dim, cfg.v_head_dim
         self.cfg = cfg
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.qkv_proj = nn.Linear(h, (cfg.num_heads + cfg.num_kv_heads) * d
+                                  + cfg.num_kv_heads * dv, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * dv, h, bias=False)
         self.attn = Attention(cfg.attention_spec(layer), attn_config, platform=platform)
         self.register_buffer("attn_out_scale", torch.tensor([0.02])
                              if cfg.fp8_attention_output else None)
@@ -93,10 +100,10 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         q, k, v = self.qkv_proj(self.input_norm(x)).split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-             cfg.num_kv_heads * cfg.head_dim], dim=-1)
+             cfg.num_kv_heads * cfg.v_head_dim], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.v_head_dim)
         # RoPE and (with device_slot_mapping) the slot computation run as ops of their own,
         # which attn_ops.compile_passes fold into one cache-write op.
         attn = self.attn(q, k, v, kv_cache, metadata, cos_sin=cos_sin,

@@ -1,6 +1,8 @@
 """The glue ops around attention (attn_ops.glue): RoPE, the slot mapping and their fused form
 with the cache write -- against the plain computations, opcheck, and their error messages."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,35 @@ def test_fused_op_equals_rope_then_cache_write(slots_from):
         (None, meta.positions, meta.query_start_loc, meta.block_table)
     q_rot = rope_kv_cache_update(q, k, v, cos_sin, got, *slot_args, None, None)
     assert torch.equal(q_rot, rope(q, cos_sin)) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("slots_from", ["slot_mapping", "positions"])
+def test_eager_layer_fuses_its_glue_and_computes_what_the_traced_ops_do(slots_from,
+                                                                        monkeypatch):
+    """Eagerly, ``Attention`` runs RoPE + cache write as the fused op; traced (here: told it is
+    compiling) as separate ops for the passes. Same output, same cache."""
+    from attn_ops import Attention, AttentionConfig, AttentionSpec
+
+    meta = _batch()
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                         block_size=BLOCK)
+    layer = Attention(spec, AttentionConfig(backend="REFERENCE")).to(DEVICE)
+    t = meta.slot_mapping.shape[0]
+    q, k, v = (torch.randn(t, h, 8, device=DEVICE) for h in (4, 2, 2))
+    cos_sin = rope_cache(8, 64, 10000.0)[meta.positions.cpu()].to(DEVICE)
+    positions = meta.positions if slots_from == "positions" else None
+    meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(DEVICE) for f in (
+        "query_start_loc", "seq_lens", "block_table", "slot_mapping")})
+    runs = []
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+        cache = torch.zeros(24, 2, BLOCK, 2, 8, device=DEVICE)
+        runs.append((layer(q, k, v, cache, meta, cos_sin=cos_sin, positions=positions), cache))
+    (fused_out, fused_cache), (ops_out, ops_cache) = runs
+    n = meta.num_actual_tokens
+    torch.testing.assert_close(fused_out[:n], ops_out[:n])
+    torch.testing.assert_close(fused_cache, ops_cache)
+    assert fused_cache.abs().sum() > 0
 
 
 def test_glue_ops_pass_opcheck():

@@ -9,6 +9,7 @@ replay compared with the eager model on a copy of the same caches.
   mixed batches (decodes + prefills) padded to a fixed token count.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -25,30 +26,36 @@ PLATFORM = current_platform()
 CFG = ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
                   head_dim=64, intermediate_size=512, dtype=torch.float16, sliding_window=48,
                   sliding_window_every=2)
+# FLASH_ATTN_DIFFKV serves models whose V head dim differs from Q/K's
+DIFFV_CFG = dataclasses.replace(CFG, head_dim_v=80)
 STEPS = 200
 MAX_CTX = 300
 
 
 def _backends(needed):
+    """``(backend, model config)`` params for every GPU backend of the registry that runs the
+    model's layers at CUDA-graph level ``needed`` (TREE_ATTN needs a draft tree: its graphs
+    are tested at the op level, test_cudagraph.py)."""
     if not PLATFORM.is_gpu:
         return []
-    names = []
-    for name in ("FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "REFERENCE"):
+    params = []
+    for name, cfg in (("FLASHINFER", CFG), ("FLASH_ATTN", CFG), ("FLASH_ATTN_DIFFKV", DIFFV_CFG),
+                      ("TRITON_ATTN", CFG), ("FLEX_ATTENTION", CFG), ("REFERENCE", CFG)):
         try:
             cls = get_backend_class(name)
         except ImportError:
             continue
-        specs = [CFG.attention_spec(i) for i in range(CFG.num_layers)]
+        specs = [cfg.attention_spec(i) for i in range(cfg.num_layers)]
         if all(not cls.not_supported_reasons(s, PLATFORM) for s in specs) and all(
                 cls.cudagraph_support(s, PLATFORM) >= needed for s in specs):
-            names.append(name)
-    return names
+            params.append(pytest.param(name, cfg, id=name))
+    return params
 
 
-def _models(backend):
+def _models(backend, cfg):
     """The model, a block allocator and two identical random cache sets (eager / graphed)."""
     torch.manual_seed(0)
-    model = TinyLlama(CFG, AttentionConfig(backend=backend)).cuda().to(CFG.dtype).eval()
+    model = TinyLlama(cfg, AttentionConfig(backend=backend)).cuda().to(cfg.dtype).eval()
     width = -(-(MAX_CTX + 64) // model.block_size)
     alloc = BlockAllocator(16 * width + 64, model.block_size, shuffle=True, seed=1)
     eager = model.allocate_kv_caches(alloc.num_blocks, "cuda")
@@ -72,11 +79,11 @@ def _compare(got, want, step):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", _backends(CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE))
-def test_full_graphs_replay_random_decode_batches_like_eager(backend):
+@pytest.mark.parametrize("backend,cfg", _backends(CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE))
+def test_full_graphs_replay_random_decode_batches_like_eager(backend, cfg):
     from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
 
-    model, alloc, width, eager_caches, graph_caches = _models(backend)
+    model, alloc, width, eager_caches, graph_caches = _models(backend, cfg)
     graphs = CUDAGraphBatch((1, 4, 16), width, model.block_size, "cuda")
     torch._dynamo.reset()
     runner = CUDAGraphRunner(model, torch.compile(model, fullgraph=True), graphs, graph_caches)
@@ -87,7 +94,7 @@ def test_full_graphs_replay_random_decode_batches_like_eager(backend):
             ids = [f"{step}:{i}" for i in range(n)]
             common = build_batch(alloc, ids, [rng.randint(1, MAX_CTX) for _ in ids], [1] * n,
                                  device="cuda", max_blocks_per_req=width)
-            tokens = torch.randint(0, CFG.vocab_size, (n,), device="cuda")
+            tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
             want = model(tokens, common.positions, eager_caches,
                          build_step_metadata(model, common))
             _compare(runner(tokens, common), want, step)
@@ -97,13 +104,13 @@ def test_full_graphs_replay_random_decode_batches_like_eager(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", _backends(CUDAGraphSupport.NEVER))
-def test_piecewise_graphs_replay_random_mixed_batches_like_eager(backend):
+@pytest.mark.parametrize("backend,cfg", _backends(CUDAGraphSupport.NEVER))
+def test_piecewise_graphs_replay_random_mixed_batches_like_eager(backend, cfg):
     import torch._inductor.config as inductor_config
 
     from attn_ops.cudagraph import partition_ops
 
-    model, alloc, width, eager_caches, graph_caches = _models(backend)
+    model, alloc, width, eager_caches, graph_caches = _models(backend, cfg)
     for cache in graph_caches:  # graphs may mutate only static inputs
         torch._dynamo.mark_static_address(cache)
     padded = 64
@@ -121,7 +128,7 @@ def test_piecewise_graphs_replay_random_mixed_batches_like_eager(backend):
                 [rng.choice([0, rng.randint(1, MAX_CTX // 2)]) for _ in prefills]
             common = build_batch(alloc, ids, ctx, qlens, device="cuda",
                                  max_blocks_per_req=width, num_tokens_padded=padded)
-            tokens = torch.randint(0, CFG.vocab_size, (padded,), device="cuda")
+            tokens = torch.randint(0, cfg.vocab_size, (padded,), device="cuda")
             n = common.num_actual_tokens
             want = model(tokens, common.positions, eager_caches,
                          build_step_metadata(model, common))
