@@ -11,6 +11,7 @@
 #   builder  benchmarks/profile_builder.py
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
+#   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
 set -u
@@ -49,6 +50,7 @@ for spec in "$@"; do
     grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py --rounds 2 ;;
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
+    eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest -q -p no:cacheprovider -rfE \
@@ -59,5 +61,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR)|passed|failed|^\{|^\||^(decode|prefill|triton prefill) " "$LOG" \
+grep -E "^(FAILED|ERROR)|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=) |^    .* us " \
+  "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

@@ -1,0 +1,119 @@
+"""Where an eager attention call's host time goes (H200): our layers of the call peeled one by
+one, next to FlashInfer's wrapper called directly -- issue 3's "at most 10 us per layer over the
+library, eagerly".
+
+Per decode batch (bf16, 32/8 heads, head dim 128, page 128), host microseconds per call, calls
+issued back to back without synchronizing (so the host, not the GPU, is timed while the launch
+queue has room), and the GPU time of one call (a CUDA-graph replay) beside them:
+
+* ``selected.forward``   -- ``AttentionBackend.forward`` of the selected backend (FLASH_ATTN);
+* ``flashinfer.forward`` -- the same for FLASHINFER;
+* ``torch.ops``          -- ``torch.ops.attn.flashinfer_attention`` with prepared arguments;
+* ``op body``            -- its Python implementation called directly (no dispatcher);
+* ``paged_run``          -- FlashInfer's C++ entry point alone, with our plan's arguments;
+* ``direct``             -- FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.run`` (the
+  tensor-core decode our op runs), planned the same way.
+
+Then a cProfile of ``flashinfer.forward`` (the Python functions with the most own time).
+
+    python benchmarks/profile_eager_op.py [--out PATH]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, gpu_parser,  # noqa: E402
+                                 time_graph, write_result)
+
+
+def host_per_call_us(fn, n=200) -> float:
+    """Host microseconds per call, ``n`` calls back to back (synchronized before and after,
+    not between: the GPU runs behind while the host issues)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def contenders(b: Batch) -> dict:
+    import flashinfer
+
+    from attn_ops import get_backend_class, select_backend
+    from attn_ops.backends import flashinfer as fi
+
+    selected = select_backend(SPEC).backend_cls(SPEC)
+    fib = get_backend_class("FLASHINFER")(SPEC)
+    sel_meta, fi_meta = selected.build_metadata(b.meta), fib.build_metadata(b.meta)
+    args = fib.op_arguments(b.q, b.cache, fi_meta, b.out)
+    plan = fi_meta.decode_plan.tolist()
+    n = plan[5]
+    t = fi_meta.tables
+    k, v = b.cache.unbind(1)
+    mod = fi._module("fa2", DTYPE, DTYPE, D, D, False, False)
+    kernel_plan = plan[7:]
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    indptr, indices, last = (x.cuda() for x in fi.paged_kv_csr(b.meta.seq_lens_cpu,
+                                                              b.meta.block_table_cpu, b.page))
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    w.plan(b.meta.query_start_loc, indptr, indices, last, HQ, HKV, D, b.page, causal=True,
+           q_data_type=DTYPE, kv_data_type=DTYPE)
+
+    def paged_run():
+        mod.paged_run(fi_meta.float_workspace, fi_meta.decode_workspace, kernel_plan, b.q, k, v,
+                      t[:n + 1], t[n + 1:2 * n + 2], t[3 * n + 2:], t[2 * n + 2:3 * n + 2], b.out,
+                      None, 1, 0, -1, True, None, None, None, None, None, None, 0.0,
+                      D ** -0.5, None, None, None, 1.0, 1e4, 0, fi_meta.float_workspace.numel())
+
+    return {"selected.forward": lambda: selected.forward(b.q, b.cache, sel_meta, b.out),
+            "flashinfer.forward": lambda: fib.forward(b.q, b.cache, fi_meta, b.out),
+            "torch.ops": lambda: torch.ops.attn.flashinfer_attention(*args),
+            "op body": lambda: fi._flashinfer_attention(*args),
+            "paged_run": paged_run,
+            "direct": lambda: w.run(b.q, b.cache, out=b.out)}, fib, fi_meta
+
+
+def main() -> None:
+    args = gpu_parser(__doc__, "profile_eager_op_h200.json", page=128, rounds=1,
+                      quick=False).parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for bsz, ctx in ((1, 4096), (64, 4096)):
+        b = Batch(bsz, ctx, 1, args.page, gen)
+        fns, fib, fi_meta = contenders(b)
+        host = {name: host_per_call_us(fn) for name, fn in fns.items()}
+        gpu = {name: ms * 1e3 for name, ms in time_graph(fns, args.rounds).items()}
+        prof = cProfile.Profile()
+        with prof:
+            for _ in range(500):
+                fib.forward(b.q, b.cache, fi_meta, b.out)
+        torch.cuda.synchronize()
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        top = sorted(((f"{func[0].split('/')[-1]}:{func[1]}({func[2]})", row[2] / 500 * 1e6)
+                      for func, row in stats.stats.items()), key=lambda x: -x[1])[:15]
+        rows.append({"batch": bsz, "ctx": ctx, "host_us": host, "gpu_us": gpu,
+                     "cprofile_own_us_per_call": top})
+        print(f"B={bsz} ctx={ctx}  host us/call: " + "  ".join(
+            f"{k} {v:.1f}" for k, v in host.items()) + "\n  gpu us/call: " + "  ".join(
+            f"{k} {v:.1f}" for k, v in gpu.items()), flush=True)
+        for name, us in top[:8]:
+            print(f"    {us:6.2f} us  {name}", flush=True)
+    write_result("profile_eager_op", args.out, rows=rows, page=args.page,
+                 method="host: perf_counter over 200 back-to-back calls; gpu: "
+                        "do_bench_cudagraph median")
+
+
+if __name__ == "__main__":
+    main()
