@@ -152,6 +152,21 @@ def host_us(fn, n: int = 50, warmup: int = 1) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def back_to_back_us(fn, n: int = 200, warmup: int = 10) -> float:
+    """Microseconds per call of ``fn``, ``n`` calls issued back to back with the device
+    synchronized only before and after: the slower of host and device sets the pace."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -31,14 +31,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 from attn_ops import AttentionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import host_us, run_info  # noqa: E402
+from _common import back_to_back_us, host_us, run_info  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -118,17 +117,6 @@ def time_graph(fns: dict, rounds: int) -> dict[str, float]:
         for n in names[shift:] + names[:shift]:
             samples[n].append(do_bench_cudagraph(fns[n], rep=30, return_mode="median"))
     return {n: statistics.median(v) for n, v in samples.items()}
-
-
-def eager_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def check_outputs(b: Batch, fns: dict, truth_name: str) -> dict[str, float]:
@@ -244,7 +232,7 @@ def main() -> None:
             r = {"kind": "decode", "batch": bsz, "ctx": ctx, "bytes": nbytes,
                  "max_abs_diff_vs_flashinfer": diffs, **timed_fields(ms, nbytes, "tbs")}
             if (bsz, ctx) in ((1, 1024), (64, 4096)) or args.quick:
-                r["eager_us"] = {k: eager_us(fn) for k, fn in fns.items()}
+                r["eager_us"] = {k: back_to_back_us(fn) for k, fn in fns.items()}
             rows.append(r)
             print(f"decode  B={bsz:<4} ctx={ctx:<6} " + "  ".join(
                 f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + " TB/s", flush=True)

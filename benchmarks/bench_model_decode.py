@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info, write_json  # noqa: E402
+from _common import back_to_back_us, run_info, write_json  # noqa: E402
 
 COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md)
 
@@ -159,19 +159,6 @@ def top_kernels(fn, n=10) -> list:
     return [[name[:90], calls, round(us, 1)] for name, (calls, us) in ranked]
 
 
-def pipelined_ms(fn, steps) -> float:
-    """Milliseconds per call of ``fn`` run ``steps`` times back to back, synchronizing only at
-    the end: the host prepares a step while the GPU runs the previous one, as an engine with
-    asynchronous scheduling does."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps
-
-
 def hf_model(cfg, batch, ctx, device):
     """HF's LlamaForCausalLM with our shapes (random weights) and a dynamic cache holding
     ``ctx - 1`` random tokens per request."""
@@ -233,7 +220,9 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
                 return runner(engine.ids, engine.common())
 
             row["graphed_ms"] = time_steps(graphed_step, args.steps, device)
-            row["graphed_pipelined_ms"] = pipelined_ms(graphed_step, args.steps)
+            # (back to back: the host prepares a step while the GPU runs the last, as an engine with
+            # asynchronous scheduling does)
+            row["graphed_pipelined_ms"] = back_to_back_us(graphed_step, args.steps, 1) / 1e3
             row["host_prep_ms"] = time_steps(  # the host's share: batch + graph metadata
                 lambda: build_step_metadata(engine.model, engine.common(), graphs), args.steps,
                 "cpu")

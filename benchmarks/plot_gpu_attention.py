@@ -59,10 +59,10 @@ def prefill_bars(ax, prefill: list[dict], series: dict[str, str]) -> None:
     ax.set_ylabel("TFLOP/s")
 
 
-def save(fig, result: dict, path: str) -> None:
+def save(fig, result: dict, path: str, shapes: str | None = None) -> None:
     """Title with the run's device, shapes, date and commit; PNG next to the JSON."""
-    fig.suptitle(f"{result['device']}, bf16, 32/8 heads, head dim 128, page {result['page']} "
-                 f"({result['date'][:10]}, {result['commit']})")
+    shapes = shapes or f"bf16, 32/8 heads, head dim 128, page {result['page']}"
+    fig.suptitle(f"{result['device']}, {shapes} ({result['date'][:10]}, {result['commit']})")
     fig.tight_layout()
     out = Path(path).with_suffix(".png")
     fig.savefig(out, dpi=110)

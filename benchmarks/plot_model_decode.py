@@ -13,6 +13,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_gpu_attention import save  # noqa: E402
+
 MODES = {"eager_ms": "eager", "compiled_no_passes_ms": "compiled, no passes",
          "compiled_ms": "compiled + passes", "graphed_ms": "+ CUDA graph (synchronous step)",
          "graphed_pipelined_ms": "+ CUDA graph (steps back to back)",
@@ -38,14 +41,8 @@ def main(path: str) -> None:
     ax.set_ylabel("ms per decode step")
     ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    fig.suptitle(f"{result['device']}: {result['layers']} Llama-3-8B layers, batch "
-                 f"{result['batch']}, ctx {result['ctx']}, bf16 ({result['date'][:10]}, "
-                 f"{result['commit']})")
-    fig.tight_layout()
-    out = Path(path).with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
-
+    save(fig, result, path, f"{result['layers']} Llama-3-8B layers, batch {result['batch']}, "
+                            f"ctx {result['ctx']}, bf16")
 
 if __name__ == "__main__":
     main(sys.argv[1])

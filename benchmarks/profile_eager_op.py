@@ -25,25 +25,20 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import host_us  # noqa: E402
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, gpu_parser,  # noqa: E402
                                  time_graph, write_result)
 
 
 def host_per_call_us(fn, n=200) -> float:
-    """Host microseconds per call, ``n`` calls back to back (synchronized before and after,
-    not between: the GPU runs behind while the host issues)."""
-    for _ in range(20):
-        fn()
+    """Host microseconds per call, ``n`` calls back to back (the GPU runs behind while the host
+    issues)."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
+    host = host_us(fn, n, warmup=20)
     torch.cuda.synchronize()
     return host
 
