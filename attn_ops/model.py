@@ -48,12 +48,15 @@ class ModelConfig:
     # Quantize each attention output to fp8 e4m3 (torch.ops.attn.quantize_fp8, per-tensor
     # scale) before o_proj, as a model with fp8 GEMMs does; o_proj gets it dequantized here.
     fp8_attention_output: bool = False
+    # A draft tree (parents in query order) for tree speculative decoding: a request with
+    # exactly len(spec_tree) new tokens is verified as that tree (TREE_ATTN).
+    spec_tree: tuple[int, ...] | None = None
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if layer % self.sliding_window_every == 0 else None
         return AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                              head_dim=self.head_dim, head_dim_v=self.head_dim_v,
-                             dtype=self.dtype, sliding_window=window)
+                             dtype=self.dtype, sliding_window=window, spec_tree=self.spec_tree)
 
     @property
     def v_head_dim(self) -> int:

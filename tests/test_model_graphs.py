@@ -2,8 +2,9 @@
 sliding-window layers) replayed 200 times with random batch compositions and lengths, every
 replay compared with the eager model on a copy of the same caches.
 
-* full graphs: :class:`attn_ops.cudagraph.CUDAGraphRunner` over single-token decode batches,
-  for every GPU backend that replays them;
+* full graphs: :class:`attn_ops.cudagraph.CUDAGraphRunner` over single-token decode batches
+  (TREE_ATTN: draft-tree verification batches, every request the tree's nodes), for every GPU
+  backend that replays them;
 * piecewise: ``torch.compile(mode="reduce-overhead")`` with Inductor's graph partitioning
   around the attention ops a graph cannot hold (:func:`attn_ops.cudagraph.partition_ops`), over
   mixed batches (decodes + prefills) padded to a fixed token count.
@@ -26,21 +27,22 @@ PLATFORM = current_platform()
 CFG = ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
                   head_dim=64, intermediate_size=512, dtype=torch.float16, sliding_window=48,
                   sliding_window_every=2)
-# FLASH_ATTN_DIFFKV serves models whose V head dim differs from Q/K's
+# FLASH_ATTN_DIFFKV serves models whose V head dim differs from Q/K's; TREE_ATTN draft trees
 DIFFV_CFG = dataclasses.replace(CFG, head_dim_v=80)
+TREE_CFG = dataclasses.replace(CFG, spec_tree=(-1, 0, 0, 1))
 STEPS = 200
 MAX_CTX = 300
 
 
 def _backends(needed):
     """``(backend, model config)`` params for every GPU backend of the registry that runs the
-    model's layers at CUDA-graph level ``needed`` (TREE_ATTN needs a draft tree: its graphs
-    are tested at the op level, test_cudagraph.py)."""
+    model's layers at CUDA-graph level ``needed``."""
     if not PLATFORM.is_gpu:
         return []
     params = []
     for name, cfg in (("FLASHINFER", CFG), ("FLASH_ATTN", CFG), ("FLASH_ATTN_DIFFKV", DIFFV_CFG),
-                      ("TRITON_ATTN", CFG), ("FLEX_ATTENTION", CFG), ("REFERENCE", CFG)):
+                      ("TRITON_ATTN", CFG), ("TREE_ATTN", TREE_CFG), ("FLEX_ATTENTION", CFG),
+                      ("REFERENCE", CFG)):
         try:
             cls = get_backend_class(name)
         except ImportError:
@@ -84,7 +86,8 @@ def test_full_graphs_replay_random_decode_batches_like_eager(backend, cfg):
     from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
 
     model, alloc, width, eager_caches, graph_caches = _models(backend, cfg)
-    graphs = CUDAGraphBatch((1, 4, 16), width, model.block_size, "cuda")
+    qlen = len(cfg.spec_tree) if cfg.spec_tree else 1  # (a tree's verification: all its nodes)
+    graphs = CUDAGraphBatch((1, 4, 16), width, model.block_size, "cuda", uniform_query_len=qlen)
     torch._dynamo.reset()
     runner = CUDAGraphRunner(model, torch.compile(model, fullgraph=True), graphs, graph_caches)
     rng = random.Random(0)
@@ -92,9 +95,9 @@ def test_full_graphs_replay_random_decode_batches_like_eager(backend, cfg):
         for step in range(STEPS):
             n = rng.randint(1, 16)
             ids = [f"{step}:{i}" for i in range(n)]
-            common = build_batch(alloc, ids, [rng.randint(1, MAX_CTX) for _ in ids], [1] * n,
+            common = build_batch(alloc, ids, [rng.randint(1, MAX_CTX) for _ in ids], [qlen] * n,
                                  device="cuda", max_blocks_per_req=width)
-            tokens = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+            tokens = torch.randint(0, cfg.vocab_size, (n * qlen,), device="cuda")
             want = model(tokens, common.positions, eager_caches,
                          build_step_metadata(model, common))
             _compare(runner(tokens, common), want, step)
