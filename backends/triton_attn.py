@@ -103,6 +103,24 @@ PREFILL_TILES = {(True, 2): (128, 128, 8, 2), (True, 4): (64, 64, 4, 2),
                  (False, 2): (32, 32, 4, 2), (False, 4): (32, 32, 4, 2)}
 
 
+# Split-KV partials combined by the last split of each tile inside the attention launch (one
+# kernel) instead of by combine_splits_kernel (a second). Off until measured on a GPU:
+# ``benchmarks/bench_triton_attention.py`` times both; the CPU interpreter tests both.
+FUSED_COMBINE = False
+_COUNTERS: dict = {}  # device -> zeroed int32 tickets, one per (tile, KV head); reset by use
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.shape[0] < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"TRITON_ATTN's split counters ({n} needed) must exist before a "
+                               "CUDA-graph capture: run the largest batch once eagerly first")
+        counters = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32,
+                                                   device=device)
+    return counters
+
+
 def _pow2(n: int, at_least: int = 1) -> int:
     p = at_least
     while p < n:
@@ -136,11 +154,13 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         part_lse = torch.empty(out.shape[0], hq, splits, dtype=torch.float32,
                                device=query.device)
     grid = (num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
+    fused = splits > 1 and FUSED_COMBINE
     paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
         qsl, seq_lens, block_table, sinks if sinks is not None else dummy,
         alibi if alibi is not None else dummy, k_scale if fp8 else dummy,
         v_scale if fp8 else dummy, tree if tree is not None else dummy,
+        _counters(query.device, grid[0] * grid[1]) if fused else dummy,
         num_reqs, scale, soft_cap or 0.0, window or 0, k_cache.shape[1],
         tree.shape[0] if tree is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -152,8 +172,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         USE_SOFTCAP=soft_cap is not None, HAS_ALIBI=alibi is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_TREE=tree is not None, num_warps=warps, num_stages=stages)
-    if splits > 1:
+        HAS_TREE=tree is not None, FUSED_COMBINE=fused, num_warps=warps, num_stages=stages)
+    if splits > 1 and not fused:
         combine_splits_kernel[(num_tokens, hq)](
             out, lse if lse is not None else dummy, part_o, part_lse, qsl,
             sinks if sinks is not None else dummy, v_scale if fp8 else dummy, num_reqs,

@@ -12,7 +12,10 @@ without reading lengths, and a program finds its request by binary search over
 With ``NUM_SPLITS > 1`` (decode: few programs, long contexts) split ``s`` covers one chunk of
 each request's visible keys and writes a normalized partial output and its LSE;
 ``combine_splits_kernel`` merges them (and applies sinks and the fp8 value scale, as the
-single-split path does in place).
+single-split path does in place) -- or, with ``FUSED_COMBINE``, the last split of a tile to
+finish merges them in the same launch: each split takes a ticket from a per-(tile, KV head)
+counter after its partial stores, and the one holding the last ticket combines and resets the
+counter to 0 for the next launch (no second kernel; one stream at a time per counter buffer).
 
 Semantics are REFERENCE's (``backends/reference.py``): scale, soft-cap ``c * tanh(s / c)``,
 ALiBi ``slope * (j - p)``, causal / sliding-window visibility, LSE in natural log without the
@@ -105,10 +108,56 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
     return acc, l_i, m_i
 
 
+@triton.jit
+def _combine_parts(part_o_ptr, part_lse_ptr, part, row_ok, offs_dv, NUM_SPLITS: tl.constexpr,
+                   DV_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The splits' partial outputs of a tile's rows (``part``: each row's first split entry)
+    weighted by ``exp(lse_s - lse)``: ``(output rows, natural-log LSE)``. Read through L2
+    (``.cg``): other programs wrote them."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_safe = tl.zeros([BLOCK_M], tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"),
+                        cache_modifier=".cg")
+        o_s = tl.load(part_o_ptr + (part + s)[:, None] * DV_P + offs_dv[None, :],
+                      mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        l_sum = l_sum * alpha + w
+        m = m_new
+    has = l_sum > 0
+    out_rows = acc / tl.where(has, l_sum, 1.0)[:, None]
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+    return out_rows, lse
+
+
+@triton.jit
+def _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head, row_ok,
+                offs_dv, stride_ot, stride_oh, stride_lt, DV: tl.constexpr,
+                HAS_SINKS: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """A tile's final rows: the sink factor, the fp8 value scale, then ``out`` (and LSE)."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+        out_rows = out_rows * tl.sigmoid(lse - sink)[:, None]
+    if FP8:
+        out_rows = out_rows * tl.load(v_scale_ptr)
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
+             + offs_dv[None, :], out_rows.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if WRITE_LSE:
+        tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "window"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, tree_ptr,
+    counter_ptr,
     num_reqs, scale, soft_cap, window, block_size, tree_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -118,7 +167,7 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_TREE: tl.constexpr,
+    HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -211,21 +260,25 @@ def paged_attention_kernel(
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     rows = q_start + tok
     if NUM_SPLITS > 1:
-        part = (rows * HQ + head) * NUM_SPLITS + split
+        first_part = (rows * HQ + head) * NUM_SPLITS
+        part = first_part + split
         tl.store(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], out_rows,
                  mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            tl.debug_barrier()  # every thread's partial stores come before the ticket
+            counter = counter_ptr + tile * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == NUM_SPLITS - 1:  # the tile's last split: combine, then reset
+                out_rows, lse = _combine_parts(part_o_ptr, part_lse_ptr, first_part, row_ok,
+                                               offs_dv, NUM_SPLITS, DV_P, BLOCK_M)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head,
+                            row_ok, offs_dv, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8,
+                            WRITE_LSE)
     else:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
-            out_rows = out_rows * tl.sigmoid(lse - sink)[:, None]
-        if FP8:
-            out_rows = out_rows * tl.load(v_scale_ptr)
-        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
-                 + offs_dv[None, :], out_rows.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        if WRITE_LSE:
-            tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_ok)
+        _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head, row_ok,
+                    offs_dv, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

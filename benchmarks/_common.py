@@ -167,6 +167,28 @@ def back_to_back_us(fn, n: int = 200, warmup: int = 10) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def with_setting(run, target, key, value):
+    """``run`` with ``target``'s ``key`` -- an attribute of a module, or an entry of a dict --
+    set to ``value`` during each call (a backend knob compared side by side; also under CUDA
+    graph capture, where the call is recorded)."""
+    is_dict = isinstance(target, dict)
+
+    def fn():
+        saved = target[key] if is_dict else getattr(target, key)
+        if is_dict:
+            target[key] = value
+        else:
+            setattr(target, key, value)
+        try:
+            return run()
+        finally:
+            if is_dict:
+                target[key] = saved
+            else:
+                setattr(target, key, saved)
+    return fn
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

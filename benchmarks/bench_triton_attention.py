@@ -5,6 +5,9 @@ dim 128, page 16, pages in random order). At ``FLEX_POINTS`` FLEX_ATTENTION also
 its anchor: compiled ``flex_attention`` on dense tensors holding the same keys (gathered
 outside the timing; its timing includes copying the result into the shared output).
 
+``triton_fused``: TRITON_ATTN with its split-KV partials combined by each tile's last split in
+the same launch (``FUSED_COMBINE``), next to the default two launches.
+
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
 causal 1x1k .. 1x16k. Same method as ``bench_gpu_attention.py`` (CUDA-graph replays, rotating
@@ -21,6 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import with_setting  # noqa: E402
 from bench_gpu_attention import (HKV, HQ, Batch, D, check_outputs,  # noqa: E402
                                  decode_bytes, flashinfer_direct, gpu_parser, ours,
                                  prefill_flops, time_graph, timed_fields, write_result)
@@ -51,6 +55,15 @@ def flex_dense(b: Batch, prefill: bool):
         o = fn(q, k, v, block_mask=mask, enable_gqa=True)
         b.out.copy_(o.transpose(1, 2).reshape(n * qlen, HQ, D))
     return run
+
+
+def fused_combine(b: Batch):
+    """TRITON_ATTN with split-KV partials combined inside the attention launch (its
+    ``FUSED_COMBINE``, off by default until measured) -- identical to ``triton`` where a batch
+    does not split."""
+    from attn_ops.backends import triton_attn
+
+    return with_setting(ours(b, "TRITON_ATTN"), triton_attn, "FUSED_COMBINE", True)
 
 
 def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
@@ -100,7 +113,8 @@ def main() -> None:
     rows = []
     for bsz, ctx in ([(1, 4096), (64, 4096)] if args.quick else DECODE):
         b = Batch(bsz, ctx, 1, args.page, gen)
-        fns = {"triton": ours(b, "TRITON_ATTN"), "flashinfer": flashinfer_direct(b, False),
+        fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b),
+               "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",
                             _flex("decode", b, (bsz, ctx), args.quick), batch=bsz, ctx=ctx))

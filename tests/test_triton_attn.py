@@ -59,9 +59,15 @@ def _compare(spec, scenario, block_size=16, **forced):
 BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=DTYPE)
 
 
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("variant", ["plain", "sinks_window_softcap", "fp8", "alibi"])
-def test_split_kv_matches_reference(splits, variant):
+def test_split_kv_matches_reference(splits, variant, combine, monkeypatch):
+    """Split-KV partials merged by combine_splits_kernel or, fused, by each tile's last split
+    (whose counters are all back to 0 afterwards)."""
+    from attn_ops.backends import triton_attn
+
+    monkeypatch.setattr(triton_attn, "FUSED_COMBINE", combine == "fused")
     spec = {"plain": BASE,
             "sinks_window_softcap": BASE.with_(has_sinks=True, sliding_window=300,
                                                logits_soft_cap=4.0),
@@ -69,6 +75,8 @@ def test_split_kv_matches_reference(splits, variant):
             "alibi": BASE.with_(use_alibi=True)}[variant]
     _compare(spec, LONG_DECODES, splits=splits)
     _compare(spec, SCENARIOS["mixed"], splits=splits)  # decodes split, prefills not
+    if combine == "fused":
+        assert triton_attn._COUNTERS and not any(c.any() for c in triton_attn._COUNTERS.values())
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 96, 112, 136, 256])
