@@ -104,18 +104,18 @@ PREFILL_TILES = {(True, 2): (128, 128, 8, 2), (True, 4): (64, 64, 4, 2),
 
 
 # Split-KV partials combined by the last split of each tile inside the attention launch (one
-# kernel) instead of by combine_splits_kernel (a second). Off until measured on a GPU:
+# kernel) instead of by combine_splits_kernel (a second). Off until measured on a GPU
+# (``ATTN_OPS_TRITON_FUSED_COMBINE=1`` turns it on, e.g. to run the GPU tests with it):
 # ``benchmarks/bench_triton_attention.py`` times both; the CPU interpreter tests both.
-FUSED_COMBINE = False
+FUSED_COMBINE = os.environ.get("ATTN_OPS_TRITON_FUSED_COMBINE") == "1"
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, one per (tile, KV head); reset by use
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed tickets on ``device`` (made during a CUDA-graph capture, they come
+    from the graph's pool and each replay zeroes them again: harmless, they are zero anyway)."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.shape[0] < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"TRITON_ATTN's split counters ({n} needed) must exist before a "
-                               "CUDA-graph capture: run the largest batch once eagerly first")
         counters = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32,
                                                    device=device)
     return counters
