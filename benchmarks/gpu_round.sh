@@ -12,6 +12,7 @@
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
+#   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine turned on
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
 set -u
@@ -51,6 +52,9 @@ for spec in "$@"; do
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
+    tfused) ATTN_OPS_TRITON_FUSED_COMBINE=1 stage tfused "$limit" python -m pytest -q \
+        -p no:cacheprovider -rfE tests/test_triton_attn.py tests/test_tree_attn.py \
+        tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest -q -p no:cacheprovider -rfE \
