@@ -2,7 +2,7 @@
 # One round on the H200 (device tool), stages run in order, each under its own time limit:
 #   source .gpu/bootstrap.sh && bash benchmarks/gpu_round.sh STAGE[:SECONDS] ...
 # Stages:
-#   tests    new GPU tests: glue, passes, whole-model graphs, FlashInfer, CUDA graphs
+#   tests    GPU tests of the glue, the passes, FlashInfer and CUDA graphs (not the whole model)
 #   matrix   registry matrix at real sizes (all GPU backends the machine can run)
 #   fa4      FLASH_ATTN / DIFFKV matrix and tests (needs both FA4 halves on the machine)
 #   model    benchmarks/bench_model_decode.py (issue 5)
@@ -40,8 +40,8 @@ for spec in "$@"; do
   [ "$limit" = "$spec" ] && limit=300
   case $name in
     tests) stage tests "$limit" python -m pytest -q -p no:cacheprovider -rfE \
-        tests/test_glue.py tests/test_compile_passes.py tests/test_model_graphs.py \
-        tests/test_flashinfer.py tests/test_cudagraph.py ;;
+        tests/test_glue.py tests/test_compile_passes.py tests/test_flashinfer.py \
+        tests/test_cudagraph.py ;;
     matrix) stage matrix "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
     fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \
