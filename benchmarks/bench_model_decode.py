@@ -216,12 +216,13 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
             graphs = CUDAGraphBatch((engine.batch,), engine.max_blocks, engine.model.block_size,
                                     device)
             runner = CUDAGraphRunner(engine.model, compiled, graphs, engine.caches)
+
             def graphed_step():
                 return runner(engine.ids, engine.common())
 
             row["graphed_ms"] = time_steps(graphed_step, args.steps, device)
-            # (back to back: the host prepares a step while the GPU runs the last, as an engine with
-            # asynchronous scheduling does)
+            # back to back: the host prepares a step while the GPU runs the last, as an engine
+            # with asynchronous scheduling does
             row["graphed_pipelined_ms"] = back_to_back_us(graphed_step, args.steps, 1) / 1e3
             row["host_prep_ms"] = time_steps(  # the host's share: batch + graph metadata
                 lambda: build_step_metadata(engine.model, engine.common(), graphs), args.steps,
