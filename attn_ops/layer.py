@@ -112,7 +112,8 @@ class Attention(nn.Module):
             key = key.view(-1, spec.kv_heads, spec.head_dim)
             value = value.view(-1, spec.kv_heads, spec.v_head_dim)
             slots = metadata.slot_mapping
-            if positions is not None and not hasattr(metadata, "block_table"):
+            if positions is not None and not (hasattr(metadata, "block_table")
+                                              and hasattr(metadata, "query_start_loc")):
                 raise ValueError(
                     f"positions= (slots computed on the device) needs the common metadata's "
                     f"query_start_loc and block_table; {self.backend}'s metadata "

@@ -100,6 +100,26 @@ def test_eager_layer_fuses_its_glue_and_computes_what_the_traced_ops_do(slots_fr
         torch.testing.assert_close(fused_out[:n], ops_out[:n], **tol)
 
 
+def test_device_slots_need_metadata_with_the_common_tables():
+    """``positions=`` (slots computed on the device) with a backend's own metadata that lacks
+    ``query_start_loc`` (FLASHINFER's has a block table, not that) is refused by name."""
+    import types
+
+    from attn_ops import Attention, AttentionConfig, AttentionSpec
+
+    meta = _batch()
+    layer = Attention(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8,
+                                    dtype=torch.float32, block_size=BLOCK),
+                      AttentionConfig(backend="REFERENCE"))
+    own = types.SimpleNamespace(slot_mapping=meta.slot_mapping, block_table=meta.block_table)
+    t = meta.slot_mapping.shape[0]
+    q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    with pytest.raises(ValueError, match=r"positions= .*needs the common metadata's "
+                                         r"query_start_loc and block_table"):
+        layer(q, k, v, layer.allocate_kv_cache(24, "cpu"), own,
+              cos_sin=rope_cache(8, 64, 10000.0)[meta.positions], positions=meta.positions)
+
+
 def test_glue_ops_pass_opcheck():
     meta = _batch()
     t = meta.slot_mapping.shape[0]
