@@ -58,6 +58,26 @@ def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
     return lambda: w.run(b.q, b.cache, out=b.out)
 
 
+def try_variant(fns: dict, errors: dict, name: str, fn) -> None:
+    """Run ``fn`` once: it joins ``fns`` if it runs, else its error goes into ``errors`` (a
+    configuration the kernel cannot build)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        fns[name] = fn
+    except Exception as e:  # noqa: BLE001 (recorded)
+        errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def timed_row(b: Batch, fns: dict, reference: str, rounds: int, amount: float, unit: str,
+              **fields) -> tuple[dict, dict[str, float]]:
+    """One point: outputs checked against ``reference``'s, then timed; the result row (with
+    ``fields``) and the milliseconds."""
+    diffs = check_outputs(b, fns, reference)
+    ms = time_graph(fns, rounds)
+    return {**fields, "max_abs_diff": diffs, **timed_fields(ms, amount, unit)}, ms
+
+
 def sweep_decode(args, gen) -> list[dict]:
     rows = []
     for bsz in args.batches or DECODE_BATCH:
@@ -72,11 +92,9 @@ def sweep_decode(args, gen) -> list[dict]:
                     except RuntimeError as e:  # too many chunks for the workspace
                         errors[f"fixed{c}"] = str(e)[:200]
             fns["fa4"] = fa4_direct(b)
-            diffs = check_outputs(b, fns, "auto")
-            ms = time_graph(fns, args.rounds)
             nbytes = decode_bytes(bsz, ctx)
-            row = {"kind": "decode", "batch": bsz, "ctx": ctx, "max_abs_diff": diffs,
-                   "errors": errors, **timed_fields(ms, nbytes, "tbs")}
+            row, ms = timed_row(b, fns, "auto", args.rounds, nbytes, "tbs", kind="decode",
+                                batch=bsz, ctx=ctx, errors=errors)
             best = min(ms, key=ms.get)
             print(f"decode B={bsz:<4} ctx={ctx:<6} best {best:8s} {nbytes / ms[best] / 1e9:.2f}"
                   "  " + " ".join(f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()),
@@ -116,13 +134,8 @@ def sweep_prefill(args, gen) -> list[dict]:
             name = "default" if tile is None else "x".join(map(str, tile[:2])) + \
                 ("" if tile[2] else "-noRS") + ("" if tile[3] else "-noOL")
             for where, kv, kw in (("paged", (kc, vc), paged), ("dense", (k, v), dense)):
-                fn = fa4_variant(b.q, *kv, tile, **kw)
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    fns[f"fa4_{where}_{name}"] = fn
-                except Exception as e:  # a tile the sm90 kernel cannot build
-                    errors[f"fa4_{where}_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                try_variant(fns, errors, f"fa4_{where}_{name}",
+                            fa4_variant(b.q, *kv, tile, **kw))
         qd = b.q.view(bsz, s, HQ, D).transpose(1, 2)
         kd = k.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
         vd = v.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
@@ -132,16 +145,10 @@ def sweep_prefill(args, gen) -> list[dict]:
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) \
                         .transpose(1, 2).reshape(bsz * s, HQ, D)
-            try:
-                sdpa()
-                fns[name] = sdpa
-            except Exception as e:
-                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
-        diffs = check_outputs(b, fns, "fa4_paged_default")
-        ms = time_graph(fns, args.rounds)
+            try_variant(fns, errors, name, sdpa)
         flops = prefill_flops(bsz, s)
-        row = {"kind": "prefill", "batch": bsz, "seq": s, "max_abs_diff": diffs,
-               "errors": errors, **timed_fields(ms, flops, "tflops")}
+        row, ms = timed_row(b, fns, "fa4_paged_default", args.rounds, flops, "tflops",
+                            kind="prefill", batch=bsz, seq=s, errors=errors)
         best = min(ms, key=ms.get)
         print(f"prefill {bsz}x{s:<6} best {best} {flops / ms[best] / 1e9:.0f}  " + " ".join(
             f"{k} {flops / v / 1e9:.0f}" for k, v in ms.items()) + " TFLOP/s", flush=True)
@@ -170,21 +177,13 @@ def sweep_triton_prefill(args, gen) -> list[dict]:
     for bsz, s in TRITON_PREFILL:
         b = Batch(bsz, s, s, args.page, gen)
         fns, errors = {"flashinfer": flashinfer_direct(b, True)}, {}
-        for tile in TRITON_TILES:
-            name = "triton_" + "x".join(map(str, tile))
-            fn = triton_tile(b, tile)
-            try:
-                fn()
-                torch.cuda.synchronize()
-                fns[name] = fn
-            except Exception as e:  # (out of shared memory, say)
-                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
-        diffs = check_outputs(b, fns, "flashinfer")
-        ms = time_graph(fns, args.rounds)
+        for tile in TRITON_TILES:  # (a tile may not build: out of shared memory, say)
+            try_variant(fns, errors, "triton_" + "x".join(map(str, tile)), triton_tile(b, tile))
         flops = prefill_flops(bsz, s)
-        rows.append({"kind": "triton_prefill", "batch": bsz, "seq": s, "page": args.page,
-                     "max_abs_diff": diffs, "errors": errors,
-                     **timed_fields(ms, flops, "tflops")})
+        row, ms = timed_row(b, fns, "flashinfer", args.rounds, flops, "tflops",
+                            kind="triton_prefill", batch=bsz, seq=s, page=args.page,
+                            errors=errors)
+        rows.append(row)
         best = min((k for k in ms if k != "flashinfer"), key=ms.get)
         print(f"triton prefill {bsz}x{s:<6} best {best} {ms['flashinfer'] / ms[best]:.2f}x "
               f"flashinfer ({flops / ms['flashinfer'] / 1e9:.0f} TFLOP/s)  " + " ".join(
