@@ -165,10 +165,8 @@ def resolve_cudagraph_support(model: torch.nn.Module,
     level, culprit = wanted, None
     for name, layer in model.named_modules():
         if isinstance(layer, Attention):
-            support = layer.selection.backend_cls.cudagraph_support(layer.spec,
-                                                                    layer.selection.platform)
-            if support < level:
-                level, culprit = support, (name or "(model)", layer.backend)
+            if layer.cudagraph_support < level:
+                level, culprit = layer.cudagraph_support, (name or "(model)", layer.backend)
     if culprit is not None:
         logging.getLogger("attn_ops").warning(
             "CUDA graphs: %s requested, running at %s -- layer %s uses %s, which supports no "
@@ -193,9 +191,7 @@ def partition_ops(model: torch.nn.Module,
     names: list[str] = []
     for layer in model.modules():
         if isinstance(layer, Attention):
-            support = layer.selection.backend_cls.cudagraph_support(layer.spec,
-                                                                    layer.selection.platform)
-            if support < needed:
+            if layer.cudagraph_support < needed:
                 for op in layer.impl.ops():
                     name = op._schema.name
                     if name not in names:

@@ -79,6 +79,11 @@ class Attention(nn.Module):
     def block_size(self) -> int:
         return self.selection.block_size
 
+    @property
+    def cudagraph_support(self):
+        """The CUDA-graph level of this layer's backend for its spec on its platform."""
+        return self.selection.backend_cls.cudagraph_support(self.spec, self.selection.platform)
+
     def allocate_kv_cache(self, num_blocks: int,
                           device: torch.device | str | None = None) -> torch.Tensor:
         """A zeroed cache in the selected backend's layout, page size and dtype."""
