@@ -81,16 +81,16 @@ class CommonAttentionMetadata:
             return self.positions_tensor
         qsl, seq = self.query_start_loc_cpu.numpy(), self.seq_lens_cpu.numpy()
         pos = np.zeros(self.slot_mapping.shape[0], dtype=np.int64)
-        pos[:qsl[-1]] = _token_positions(qsl.astype(np.int64), seq.astype(np.int64))
+        pos[:qsl[-1]] = _token_positions(qsl.astype(np.int64), seq.astype(np.int64))[0]
         return torch.from_numpy(pos).to(self.slot_mapping.device)
 
 
-def _token_positions(qsl: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """The position of every (unpadded) token in its request, from int64 query start offsets
-    and sequence lengths."""
+def _token_positions(qsl: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The position of every (unpadded) token in its request, and the request, from int64
+    query start offsets and sequence lengths."""
     q = qsl[1:] - qsl[:-1]
     req = np.repeat(np.arange(q.shape[0]), q)  # request of every token
-    return np.arange(int(qsl[-1])) - qsl[req] + (seq - q)[req]
+    return np.arange(int(qsl[-1])) - qsl[req] + (seq - q)[req], req
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
@@ -226,8 +226,8 @@ def build_common_metadata(
     qsl = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_np, out=qsl[1:])
     positions = np.zeros(padded, dtype=np.int64)
-    pos = positions[:num_tokens] = _token_positions(qsl, s_np)
-    req = np.repeat(np.arange(n), q_np)  # request of every token
+    pos, req = _token_positions(qsl, s_np)  # (position and request of every token)
+    positions[:num_tokens] = pos
     slots = np.full(padded, -1, dtype=np.int64)
     slots[:num_tokens] = table_np[req, pos // block_size].astype(np.int64) * block_size \
         + pos % block_size
