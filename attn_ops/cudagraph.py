@@ -125,6 +125,12 @@ class CUDAGraphBatch:
             table_np = np.zeros((size, width), dtype=np.int32)
             table_np[:n] = common.block_table_cpu.numpy()
             table_cpu = torch.from_numpy(table_np)
+        indptr_cpu = indices_cpu = None
+        if common.block_indptr_cpu is not None:  # (padding requests have no pages)
+            indptr = np.empty(size + 1, dtype=np.int32)
+            indptr[:n + 1] = common.block_indptr_cpu.numpy()
+            indptr[n + 1:] = indptr[n]
+            indptr_cpu, indices_cpu = torch.from_numpy(indptr), common.block_indices_cpu
         decodes = common.num_decodes == n
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1],
@@ -142,6 +148,8 @@ class CUDAGraphBatch:
             causal=common.causal,
             block_table_cpu=table_cpu,
             num_blocks=common.num_blocks,
+            block_indptr_cpu=indptr_cpu,
+            block_indices_cpu=indices_cpu,
         )
 
     @property

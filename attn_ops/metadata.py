@@ -20,8 +20,8 @@ import torch
 from attn_ops.kv_cache import BlockAllocator
 
 __all__ = [
-    "CommonAttentionMetadata", "build_common_metadata", "build_batch", "decode_first_order",
-    "split_decodes_and_prefills",
+    "CommonAttentionMetadata", "block_csr", "build_common_metadata", "build_batch",
+    "decode_first_order", "split_decodes_and_prefills",
 ]
 
 
@@ -35,7 +35,11 @@ class CommonAttentionMetadata:
     * ``seq_lens`` ``[B]`` int32 (context + new tokens), ``seq_lens_cpu`` its host copy;
     * ``block_table`` ``[B, max_blocks]`` int32, unused entries 0 (``block_table_cpu`` its host
       copy, which backends that plan on the host read);
-    * ``slot_mapping`` ``[T]`` int64, -1 for padding tokens.
+    * ``slot_mapping`` ``[T]`` int64, -1 for padding tokens;
+    * ``block_indptr_cpu`` ``[B+1]`` / ``block_indices_cpu`` (int32, host): the pages each
+      request's length uses, in CSR form -- the blocks of request ``i`` are
+      ``block_indices_cpu[block_indptr_cpu[i]:block_indptr_cpu[i+1]]`` (FlashInfer's
+      ``kv_indptr`` / ``kv_indices``). :meth:`block_csr` computes them where not given.
 
     Host ints: ``block_size`` (tokens per cache page), ``num_actual_tokens``
     (``query_start_loc[-1]``), ``max_query_len``, ``max_seq_len``, ``num_decodes`` /
@@ -58,6 +62,8 @@ class CommonAttentionMetadata:
     causal: bool = True
     block_table_cpu: torch.Tensor | None = None
     num_blocks: int | None = None
+    block_indptr_cpu: torch.Tensor | None = None
+    block_indices_cpu: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -70,6 +76,17 @@ class CommonAttentionMetadata:
     @property
     def query_lens_cpu(self) -> torch.Tensor:
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    def block_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(indptr, indices)``, int32 numpy: see ``block_indptr_cpu``. Kept by
+        :func:`build_common_metadata`, which has them from checking the block ids."""
+        if self.block_indptr_cpu is not None:
+            return self.block_indptr_cpu.numpy(), self.block_indices_cpu.numpy()
+        if self.block_table_cpu is None:
+            raise ValueError("the block CSR is computed on the host: build the metadata with "
+                             "attn_ops.build_common_metadata (it keeps block_table_cpu)")
+        return block_csr(self.seq_lens_cpu.numpy(), self.block_table_cpu.numpy(),
+                         self.block_size)
 
     # (set by build_common_metadata, which computes the positions anyway; else computed)
     positions_tensor: torch.Tensor | None = field(default=None, repr=False)
@@ -91,6 +108,21 @@ def _token_positions(qsl: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.n
     q = qsl[1:] - qsl[:-1]
     req = np.repeat(np.arange(q.shape[0]), q)  # request of every token
     return np.arange(int(qsl[-1])) - qsl[req] + (seq - q)[req], req
+
+
+def block_csr(seq_lens: np.ndarray, block_table: np.ndarray,
+              block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pages each request's length uses, in CSR form, from ``seq_lens [B]`` and a dense
+    ``block_table [B, max_blocks]``: ``indptr [B+1]`` and ``indices`` (request order), int32.
+    A view of the table when every request uses all of its row."""
+    pages = (seq_lens + (block_size - 1)) // block_size
+    indptr = np.zeros(seq_lens.shape[0] + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    if pages.size and pages.min() == block_table.shape[1]:
+        indices = block_table.reshape(-1)
+    else:  # (row-major: request order)
+        indices = block_table[np.arange(block_table.shape[1]) < pages[:, None]]
+    return indptr, indices.astype(np.int32, copy=False)
 
 
 def _upload(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
@@ -223,6 +255,13 @@ def build_common_metadata(
                          f"[0, {num_blocks}) blocks")
     if not dense:
         table_np[used] = flat
+    need = -(-s_np // block_size)  # (a list may reserve more blocks than the length uses)
+    if dense or np.array_equal(owned, need):
+        indptr = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(need, out=indptr[1:])
+        indices = flat.astype(np.int32, copy=False)
+    else:
+        indptr, indices = block_csr(s_np, table_np, block_size)
     qsl = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_np, out=qsl[1:])
     positions = np.zeros(padded, dtype=np.int64)
@@ -250,6 +289,8 @@ def build_common_metadata(
         causal=causal,
         block_table_cpu=torch.from_numpy(table_np),
         num_blocks=num_blocks,
+        block_indptr_cpu=torch.from_numpy(indptr),
+        block_indices_cpu=torch.from_numpy(indices),
         positions_tensor=positions_dev,
     )
 

@@ -38,7 +38,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
-from attn_ops.metadata import CommonAttentionMetadata, sizes_not_specialized
+from attn_ops.metadata import CommonAttentionMetadata, block_csr, sizes_not_specialized
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
@@ -62,27 +62,24 @@ def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
     ``seq_lens [B]`` and ``block_table [B, max_blocks]`` on the host -> ``indptr [B+1]``,
     ``indices [indptr[-1]]`` (each request's used blocks, in order) and ``last_page_len [B]``
     (tokens in each request's last page, 1..block_size; 0 for an empty request), all int32.
-    Runs in numpy (10x faster than torch's boolean indexing at 256 x 256 pages); when every
-    request uses the whole table width, ``indices`` is a view of it.
+    (The builder takes the CSR the common metadata already has: :meth:`CommonAttentionMetadata.
+    block_csr`.)
     """
     seq = seq_lens.numpy()
-    table = block_table.numpy()
-    pages = (seq + (block_size - 1)) // block_size
-    indptr = np.zeros(seq.shape[0] + 1, dtype=np.int32)
-    np.cumsum(pages, out=indptr[1:])
-    if pages.size and pages.min() == table.shape[1]:
-        indices = table.reshape(-1)
-    else:
-        indices = table[np.arange(table.shape[1]) < pages[:, None]]  # row-major: request order
-    last = seq - np.maximum(pages - 1, 0) * block_size  # (0 for an empty request)
-    return (torch.from_numpy(indptr), torch.from_numpy(indices.astype(np.int32, copy=False)),
-            torch.from_numpy(last.astype(np.int32, copy=False)))
+    indptr, indices = block_csr(seq, block_table.numpy(), block_size)
+    return (torch.from_numpy(indptr), torch.from_numpy(indices),
+            torch.from_numpy(_last_page_len(seq, block_size)))
+
+
+def _last_page_len(seq: np.ndarray, block_size: int) -> np.ndarray:
+    """Tokens in each request's last page (0 for an empty request), int32."""
+    return np.minimum(seq, (seq - 1) % block_size + 1).astype(np.int32, copy=False)
 
 
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
                   num_sms: int, fa4: bool) -> tuple[str, int]:
     """The decode part's kernel and FlashInfer split-KV chunk (in pages; -1: FlashInfer's own
-    rule), from the number of (request, KV head) work items against the SM count.
+    rule; 0: no split), from the number of (request, KV head) work items against the SM count.
 
     Measured on the H200 (``benchmarks/sweep_kernel_configs.py`` and
     ``bench_gpu_attention.py``, page 128, 132 SMs): with fewer items than SMs, splitting each
@@ -94,10 +91,13 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     CTA per SM, was fastest up to ctx 4k (B=16 ctx 1k 3.13-3.15 vs FlashInfer's best 3.03;
     B=12 ctx 4k 3.75 vs 3.57) and unsteady beyond (B=16 ctx 32k 4.06-4.54 over three runs;
     B=12 ctx 8k 3.42 vs 3.96), where FlashInfer without splits is used. From a full wave on,
-    FlashInfer does not split (B >= 32: its rule equals no split, and beat FA4)."""
+    FlashInfer does not split (B >= 32: its rule equals no split, and beat FA4). Once the
+    requests outnumber its split budget (two CTAs per SM, ``2 * num_sms // kv_heads``
+    requests) its rule cannot split at all, and saying "no split" outright makes a plan that
+    does not depend on the lengths: it is kept from step to step (see ``_Planner.plan_part``)."""
     items = num_decodes * kv_heads
     if items >= num_sms:
-        return "fa2", -1
+        return "fa2", 0 if num_decodes > 2 * num_sms // kv_heads else -1
     if fa4 and 10 * items > 7 * num_sms and max_pages * block_size <= 4096:
         return "fa4", -1
     chunk = -(-max_pages // (num_sms // items))
@@ -210,20 +210,28 @@ class _Uploader:
     def __init__(self) -> None:
         self.next = 0
         self.buffers = [torch.empty(0, dtype=torch.int32) for _ in range(self.RING)]
+        self.arrays = [b.numpy() for b in self.buffers]  # (numpy views: filled in numpy)
         self.events = [torch.cuda.Event() for _ in range(self.RING)]  # re-recorded, not remade
 
-    def upload(self, host: list[torch.Tensor], dest: torch.Tensor) -> None:
-        """``host`` int32 vectors, concatenated, into the front of the device vector ``dest``."""
-        total = sum(t.shape[0] for t in host)
+    def upload(self, host: list[np.ndarray], device: torch.device,
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """``host`` int32 vectors, concatenated, on ``device``: a new tensor, or the front of
+        ``into``."""
+        total = sum(a.shape[0] for a in host)
         i, self.next = self.next, (self.next + 1) % self.RING
         self.events[i].synchronize()
         if self.buffers[i].shape[0] < total:
             self.buffers[i] = torch.empty(max(total, 2 * self.buffers[i].shape[0]),
                                           dtype=torch.int32, pin_memory=True)
+            self.arrays[i] = self.buffers[i].numpy()
+        np.concatenate(host, out=self.arrays[i][:total])
         staged = self.buffers[i][:total]
-        torch.cat(host, out=staged)
-        dest[:total].copy_(staged, non_blocking=True)
+        if into is None:
+            into = staged.to(device, non_blocking=True)
+        else:
+            into[:total].copy_(staged, non_blocking=True)
         self.events[i].record()
+        return into
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
@@ -247,47 +255,51 @@ class _Planner:
         sizes_not_specialized(*self.absent)  # (a mark stays on its tensor: these once)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def plan_part(self, ws: _IntWorkspace, kernel: str, qo: torch.Tensor, kv_indptr: torch.Tensor,
-                  seq: torch.Tensor, block_size: int, causal: bool, graph: bool,
+    def plan_part(self, ws: _IntWorkspace, kernel: str, qo: np.ndarray, kv_indptr: np.ndarray,
+                  seq: np.ndarray, block_size: int, causal: bool, graph: bool,
                   chunk: int = -1) -> list[int]:
-        """FlashInfer's plan for the requests of one part (host tensors), as the kernel's plan
-        list; ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule)."""
+        """FlashInfer's plan for the requests of one part (host int32 arrays), as the kernel's
+        plan list; ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule, 0: none).
+
+        FA2's plan reads only the query and page-count offsets (not the token lengths), and
+        without a split not even the page counts. When they are those of this workspace's last
+        plan -- a decode step in which no request entered a new page, or any decode step of
+        the same requests without a split -- its tables are still in the workspace, and
+        FlashInfer is not called."""
         spec = self.spec
-        rows, n = int(qo.numpy()[-1]), qo.shape[0] - 1
-        mod = _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim,
-                      self.window >= 0, self.cap > 0)
-        args = [qo, kv_indptr, seq.to(torch.int32), rows, n, spec.num_heads, spec.kv_heads,
-                block_size, graph, spec.head_dim, spec.v_head_dim, causal, self.window]
         key = None
         if kernel == "fa2":
-            args += [chunk, False, 0, 0]  # fixed_split_size, disable_split_kv, colocated, uniform_q
-            # FA2's plan reads only the query and page-count offsets (not the token lengths):
-            # when they are those of this workspace's last plan -- a decode step in which no
-            # request entered a new page -- its tables are still in the workspace.
-            key = (qo.numpy().tobytes(), kv_indptr.numpy().tobytes(), chunk, graph, causal)
+            key = (qo.tobytes(), b"" if chunk == 0 else kv_indptr.tobytes(), chunk, graph,
+                   causal, block_size)
             if ws.last is not None and ws.last[0] == key:
                 return ws.last[1]
+        mod = _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim,
+                      self.window >= 0, self.cap > 0)
+        args = [torch.from_numpy(qo), torch.from_numpy(kv_indptr), torch.from_numpy(seq),
+                int(qo[-1]), qo.shape[0] - 1, spec.num_heads, spec.kv_heads, block_size, graph,
+                spec.head_dim, spec.v_head_dim, causal, self.window]
+        if kernel == "fa2":  # fixed_split_size, disable_split_kv, colocated CTAs, uniform_q
+            args += [chunk if chunk > 0 else -1, chunk == 0, 0, 0]
         plan = ws.plan(mod, *args)
         ws.last = (key, plan) if key is not None else None
         return plan
 
     def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        if common.block_table_cpu is None:
-            raise ValueError("FLASHINFER plans on the host: build the metadata with "
-                             "attn_ops.build_common_metadata (it keeps block_table_cpu)")
-        seq, table, qsl = common.seq_lens_cpu, common.block_table_cpu, common.query_start_loc_cpu
+        # (numpy throughout: a small torch op on the host costs 1.5-8 us, numpy's a fraction)
+        indptr, indices = common.block_csr()
+        seq, qsl = common.seq_lens_cpu.numpy(), common.query_start_loc_cpu.numpy()
         block_size, nd, n = common.block_size, common.num_decodes, common.num_reqs
         causal = self.spec.causal and common.causal
-        host: list[torch.Tensor] = []  # int32 tables, sent to the device in one copy
+        host: list[np.ndarray] = []  # int32 tables, sent to the device in one copy
         at = 0
         plans = list(self.absent)
         for part, first, stop in ((0, 0, nd), (1, nd, n)):
             if first == stop:
                 continue
-            qo = (qsl[first:stop + 1] - qsl[first]).to(torch.int32)
-            rows = int(qo.numpy()[-1])
+            qo = qsl[first:stop + 1] - qsl[first] if first else qsl[:stop + 1]
             if part == 0:
-                max_pages = -(-int(seq.numpy()[:nd].max()) // block_size)
+                longest = common.max_seq_len if nd == n else int(seq[:nd].max())
+                max_pages = -(-longest // block_size)
                 kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
                                               self.num_sms, self.prefill_kernel == "fa4")
             else:
@@ -296,19 +308,20 @@ class _Planner:
                 tables, num_indices = [qo], 0
                 plan = [1 if part == 0 else common.max_query_len, common.max_seq_len]
             else:
-                kv_indptr, kv_indices, last = paged_kv_csr(seq[first:stop], table[first:stop],
-                                                           block_size)
-                tables, num_indices = [qo, kv_indptr, last, kv_indices], kv_indices.shape[0]
+                pages = indptr[first:stop + 1]
+                kv_indptr = pages - pages[0] if first else pages
+                kv_indices = indices[pages[0]:pages[-1]]
+                tables, num_indices = [qo, kv_indptr, _last_page_len(seq[first:stop], block_size),
+                                       kv_indices], kv_indices.shape[0]
                 plan = self.plan_part((self.decode_ws, self.prefill_ws)[part], kernel, qo,
                                       kv_indptr, seq[first:stop], block_size, causal,
                                       graph=False, chunk=chunk)
             plans[part] = torch.from_numpy(np.array(
-                [KERNELS.index(kernel), rows, 0, at, first, stop - first, num_indices, *plan],
+                [KERNELS.index(kernel), qo[-1], 0, at, first, stop - first, num_indices, *plan],
                 dtype=np.int64))
             host += tables
             at += sum(t.shape[0] for t in tables)
-        device_tables = torch.empty(at, dtype=torch.int32, device=self.device)
-        self.uploader.upload(host, device_tables)
+        device_tables = self.uploader.upload(host, self.device)
         sizes_not_specialized(*(p for p in plans if p.numel()), device_tables, common.seq_lens,
                               common.block_table)
         return FlashInferMetadata(common.slot_mapping, self.float_workspace, device_tables,
@@ -336,10 +349,11 @@ class _GraphPlanner(_Planner):
         if padded.max_query_len != 1:
             raise ValueError(f"FLASHINFER captures single-token decode batches; got query "
                              f"length {padded.max_query_len}")
-        qo = torch.arange(size + 1, dtype=torch.int32)  # padded requests get a (zeroed) row
-        kv_indptr, kv_indices, last = paged_kv_csr(padded.seq_lens_cpu, padded.block_table_cpu,
-                                                   padded.block_size)
-        kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, padded.seq_lens_cpu,
+        qo = np.arange(size + 1, dtype=np.int32)  # padded requests get a (zeroed) row
+        kv_indptr, kv_indices = padded.block_csr()
+        seq = padded.seq_lens_cpu.numpy()
+        last = _last_page_len(seq, padded.block_size)
+        kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
                                      graph=True)
         # (num_indices: all the buffer holds past the other tables, the same at every replay)
@@ -351,7 +365,7 @@ class _GraphPlanner(_Planner):
             raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
                                f"({captured.tolist()} -> {plan.tolist()}); a replay would run "
                                "the captured grid on the wrong schedule")
-        self.uploader.upload([qo, kv_indptr, last, kv_indices], self.tables)
+        self.uploader.upload([qo, kv_indptr, last, kv_indices], self.device, into=self.tables)
         return FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
                                   padded.seq_lens, padded.block_table, self.decode_ws.device,
                                   captured, self.prefill_ws.device, self.absent[1],

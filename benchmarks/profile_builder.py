@@ -4,7 +4,8 @@ FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor cores) on t
     python benchmarks/profile_builder.py [--out PATH]
 
 Decode batches of 256 and 64 requests, ctx 4k, pages of 128 and 16; per-stage means over 200
-repetitions (microseconds).
+repetitions (microseconds). The whole builder is timed on steps alternating two batches a page
+apart (every step a new page count, as when requests cross page boundaries) and on one batch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def mean_us(fn) -> float:
     return host_us(fn, n=200)
 
 
-def stages(b: Batch) -> dict[str, float]:
+def stages(b: Batch, other: Batch) -> dict[str, float]:
+    """``b``'s stages; ``other``: the same requests a page longer (a step that must replan
+    where the plan depends on page counts)."""
     import flashinfer
 
     from attn_ops.backends import flashinfer as fi
@@ -34,35 +37,42 @@ def stages(b: Batch) -> dict[str, float]:
     impl.build_metadata(b.meta)
     planner = fi._EAGER_PLANNERS[impl.metadata_key(), b.meta.seq_lens.device]
     m = b.meta
-    seq, table, qsl = m.seq_lens_cpu, m.block_table_cpu, m.query_start_loc_cpu
-    qo = qsl.to(torch.int32)
-    indptr, indices, last = fi.paged_kv_csr(seq, table, m.block_size)
+    seq, qsl = m.seq_lens_cpu, m.query_start_loc_cpu
+    indptr, indices = m.block_csr()
+    last = fi._last_page_len(seq.numpy(), m.block_size)
     mod = fi._module("fa2", SPEC.dtype, SPEC.cache_dtype, SPEC.head_dim, SPEC.v_head_dim,
                      False, False)
-    args = [qo, indptr, seq, int(qo[-1]), m.num_reqs, SPEC.num_heads, SPEC.kv_heads,
-            m.block_size, False, SPEC.head_dim, SPEC.v_head_dim, True, -1, -1, False, 0, 0]
+    args = [qsl, torch.from_numpy(indptr), seq, int(qsl[-1]), m.num_reqs, SPEC.num_heads,
+            SPEC.kv_heads, m.block_size, False, SPEC.head_dim, SPEC.v_head_dim, True, -1, -1,
+            False, 0, 0]
     ws = planner.decode_ws
     raw = mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.hosts[0], *args)
-    dest = torch.empty(8 << 20, dtype=torch.int32, device="cuda")
+    metas = [m, other.meta]
 
-    def whole():
+    def step():  # every call a new step, alternating the two batches
+        metas.reverse()
+        fi._PLANS.pop(metas[0], None)
+        impl.build_metadata(metas[0])
+
+    def same():
         fi._PLANS.pop(m, None)
         impl.build_metadata(m)
 
     ws_f = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_f, "NHD", use_tensor_cores=True)
-    d_indptr, d_indices, d_last = indptr.cuda(), indices.cuda(), last.cuda()
+    d_indptr, d_indices, d_last = (torch.from_numpy(a).cuda() for a in (indptr, indices, last))
     return {
-        "build_metadata (all)": mean_us(whole),
-        "paged_kv_csr": mean_us(lambda: fi.paged_kv_csr(seq, table, m.block_size)),
-        "module lookup": mean_us(lambda: fi._module("fa2", SPEC.dtype, SPEC.cache_dtype,
-                                                    SPEC.head_dim, SPEC.v_head_dim, False,
-                                                    False)),
+        "build_metadata, a page more every other step": mean_us(step),
+        "build_metadata, the same batch": mean_us(same),
+        "block_csr (from the table; the builder takes the common metadata's)":
+            mean_us(lambda: fi.block_csr(seq.numpy(), m.block_table_cpu.numpy(), m.block_size)),
+        "last_page_len": mean_us(lambda: fi._last_page_len(seq.numpy(), m.block_size)),
         "mod.plan (FlashInfer C++)": mean_us(
             lambda: mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.hosts[0], *args)),
         "plan[:] (read the plan vector)": mean_us(lambda: raw[:]),
         "event record": mean_us(lambda: torch.cuda.Event().record()),
-        "upload": mean_us(lambda: planner.uploader.upload([qo, indptr, indices, last], dest)),
+        "upload": mean_us(lambda: planner.uploader.upload([qsl.numpy(), indptr, last, indices],
+                                                          b.meta.seq_lens.device)),
         "anchor: FlashInfer wrapper.plan (tensor cores, device CSR given)": mean_us(
             lambda: wrapper.plan(d_indptr, d_indices, d_last, SPEC.num_heads, SPEC.kv_heads,
                                  SPEC.head_dim, m.block_size, q_data_type=SPEC.dtype,
@@ -80,7 +90,8 @@ def main() -> None:
     for page in (128, 16):
         for batch in (256, 64):
             key = f"B={batch} ctx=4096 page={page}"
-            results[key] = stages(Batch(batch, 4096, 1, page, gen))
+            results[key] = stages(Batch(batch, 4096, 1, page, gen),
+                                  Batch(batch, 4096 + page, 1, page, gen))
             print(key, {k: round(v, 1) for k, v in results[key].items()}, flush=True)
     info = run_info("profile_builder")
     info.update(device=torch.cuda.get_device_name(), results=results)

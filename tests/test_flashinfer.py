@@ -44,7 +44,8 @@ def _codes(spec, platform):
     (8, 8192, ("fa2", -1)),  # chunks of 4k tokens: FlashInfer's own rule
     (12, 4096, ("fa4", -1)), (16, 1024, ("fa4", -1)),  # about one wave without splitting
     (12, 8192, ("fa2", -1)), (16, 32768, ("fa2", -1)),  # (FA4 unsteady at long contexts)
-    (32, 1024, ("fa2", -1)), (256, 8192, ("fa2", -1))])
+    (32, 1024, ("fa2", -1)), (33, 1024, ("fa2", -1)),
+    (34, 1024, ("fa2", 0)), (256, 8192, ("fa2", 0))])  # past FlashInfer's split budget
 def test_decode_kernel_rule_picks_the_measured_best(batch, ctx, expected):
     assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True) == expected
 
@@ -139,14 +140,15 @@ def test_build_step_metadata_builds_once_per_key():
 @pytest.fixture
 def standin_flashinfer(monkeypatch):
     """FlashInfer's module and the CUDA bits replaced by stand-ins, so the planner runs on the
-    CPU; returns the list of the stand-in plan calls' ``kv_indptr``."""
+    CPU; returns the list of the stand-in plan calls' ``(kv_indptr, fixed_split_size,
+    disable_split_kv)``."""
     from attn_ops.backends import flashinfer as fi
 
     calls = []
 
     class Module:
         def plan(self, float_ws, int_ws, host, qo, kv_indptr, *rest):
-            calls.append(kv_indptr.tolist())
+            calls.append((kv_indptr.tolist(), *rest[-4:-2]))
             return [len(calls), 7]
 
     class Event:
@@ -183,8 +185,35 @@ def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(standin
     again = step([21, 41])  # one token more each, same pages
     assert len(calls) == 1 and torch.equal(again.decode_plan, first.decode_plan)
     moved = step([33, 41])  # request 0 enters its third page
-    assert len(calls) == 2 and calls[-1] == [0, 3, 6]
+    assert len(calls) == 2 and calls[-1] == ([0, 3, 6], 1, False)  # (chunks of 1 page)
     assert moved.decode_plan.tolist()[7] == 2  # the new plan, after the 7-entry header
+
+
+def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flashinfer):
+    """Past FlashInfer's split budget (two CTAs per SM: here 2 * 132 // 8 = 33 requests) its
+    rule cannot split, so the planner asks for no split outright -- and such a plan does not
+    depend on the lengths: it is kept while requests enter new pages, and made again only when
+    the batch changes."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.metadata import build_common_metadata
+
+    calls = standin_flashinfer
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+
+    def step(lens):
+        tables = [[r * 4 + i for i in range(-(-n // 16))] for r, n in enumerate(lens)]
+        return planner(build_common_metadata([1] * len(lens), lens, tables, 16, 4 * len(lens)))
+
+    first = step([16] * 34)
+    moved = step([17] * 34)  # every request enters its second page
+    assert calls == [([i for i in range(35)], -1, True)]
+    assert torch.equal(moved.decode_plan[7:], first.decode_plan[7:])
+    t = moved.tables.tolist()  # qo_indptr, kv_indptr, last_page_len, kv_indices
+    assert t[35:70] == list(range(0, 70, 2)) and t[70:104] == [1] * 34
+    assert t[104:] == [r * 4 + i for r in range(34) for i in range(2)]
+    step([17] * 33)  # fewer requests: FlashInfer's rule again
+    assert len(calls) == 2 and calls[-1][1:] == (-1, False)
 
 
 @pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])

@@ -67,3 +67,36 @@ def test_a_dense_block_table_too_narrow_for_a_length_is_refused():
 
     with pytest.raises(ValueError, match=r"request 1 has seq_len=9, 3 blocks .* only 2 columns"):
         build_common_metadata([1, 1], [3, 9], np.zeros((2, 2), dtype=np.int32), 4, 16)
+
+
+def test_block_csr_lists_the_pages_each_length_uses():
+    """The CSR kept by the metadata (blocks each request's length uses, in request order) from
+    block lists -- including a list reserving more blocks than its length uses and an empty
+    request -- and from the allocator's dense rows, and through CUDA-graph padding; each against
+    a direct computation and against the computed-on-demand fallback."""
+    import numpy as np
+
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    block = 4
+    seq_lens = [9, 0, 4, 13]
+    tables = [[7, 2, 9], [], [5, 11], [0, 1, 3, 8]]  # request 2 reserved a block it does not use
+    want_indptr, want = [0], []
+    for s, t in zip(seq_lens, tables):
+        want += t[:-(-s // block)]
+        want_indptr.append(len(want))
+    meta = build_common_metadata([1, 0, 1, 1], seq_lens, tables, block, 16)
+    dense = np.zeros((4, 5), dtype=np.int32)
+    for i, t in enumerate(tables):
+        dense[i, :len(t)] = t
+    from_rows = build_common_metadata([1, 0, 1, 1], seq_lens, dense, block, 16)
+    for m in (meta, from_rows,
+              dataclasses.replace(meta, block_indptr_cpu=None, block_indices_cpu=None)):
+        indptr, indices = m.block_csr()
+        assert indptr.tolist() == want_indptr and indices.tolist() == want
+        assert indptr.dtype == indices.dtype == np.int32
+    live = build_common_metadata([1] * 3, [9, 4, 13], [tables[0], tables[2], tables[3]],
+                                 block, 16)
+    padded = CUDAGraphBatch((8,), 5, block, "cpu").pad(live)
+    indptr, indices = padded.block_csr()
+    assert indptr.tolist() == [0, 3, 4, 8] + [8] * 5 and indices.tolist() == want
