@@ -57,7 +57,7 @@ for spec in "$@"; do
         tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
-    graphs) stage graphs "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+    graphs) stage graphs "$limit" python -m pytest -q -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;
   esac
@@ -65,6 +65,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR)|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=) |^    .* us " \
+grep -E "^(FAILED|ERROR|PASSED)|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=) |^    .* us " \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

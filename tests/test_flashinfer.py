@@ -117,6 +117,33 @@ def test_compiled_layer_with_plans_made_outside_the_graph_matches_eager():
     torch.testing.assert_close(compiled, eager)
 
 
+@pytest.mark.gpu
+def test_decodes_past_the_split_budget_keep_their_plan_and_stay_right():
+    """More decodes than FlashInfer's split budget (two CTAs per SM), then a prefill: the
+    decode part is planned without a split, and the next step -- every request a page longer
+    -- keeps that plan (no FlashInfer call); both steps against REFERENCE."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.testing import Scenario, assert_matches_reference, make_case, run_backend
+
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.float16,
+                         block_size=16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 2 * sms // spec.kv_heads + 3
+    rng = random.Random(0)
+    ctx = [rng.randint(1, 40) for _ in range(n)]
+    plans = []
+    for step in range(2):
+        lens = [c + 16 * step for c in ctx]
+        case = make_case(spec, Scenario(tuple((c, 1) for c in lens) + ((3, 9),)),
+                         block_size=16, device="cuda", seed=step)
+        out, _ = run_backend(FLASHINFER, case, with_lse=False)
+        assert_matches_reference(out, case)
+        plans.append(FLASHINFER(spec).build_metadata(case.metadata).decode_plan)
+    assert torch.equal(plans[0][7:], plans[1][7:])  # the kernel plan, kept
+    planner = fi._EAGER_PLANNERS[FLASHINFER(spec).metadata_key(), case.metadata.seq_lens.device]
+    assert planner.decode_ws.last[0][1:3] == (b"", 0)  # (key: no page counts, no split)
+
+
 def test_layers_that_need_different_plans_get_different_step_metadata_keys():
     full, windowed = FLASHINFER(SPEC), FLASHINFER(SPEC.with_(sliding_window=128))
     assert full.metadata_key() == FLASHINFER(SPEC).metadata_key()

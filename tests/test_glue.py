@@ -79,7 +79,7 @@ def test_eager_layer_fuses_its_glue_and_computes_what_the_traced_ops_do(slots_fr
     t = meta.slot_mapping.shape[0]
     q, k, v = (torch.randn(t, h, d, device=DEVICE) for h, d in ((4, 8), (2, 8), (2, dv)))
     cos_sin = rope_cache(8, 64, 10000.0)[meta.positions.cpu()].to(DEVICE)
-    positions = meta.positions if slots_from == "positions" else None
+    positions = meta.positions.to(DEVICE) if slots_from == "positions" else None
     meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(DEVICE) for f in (
         "query_start_loc", "seq_lens", "block_table", "slot_mapping")})
     runs = []
