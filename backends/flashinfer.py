@@ -38,7 +38,8 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
-from attn_ops.metadata import CommonAttentionMetadata, block_csr, sizes_not_specialized
+from attn_ops.metadata import (CommonAttentionMetadata, block_csr, sizes_not_specialized,
+                               upload_int32)
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
@@ -47,6 +48,8 @@ __all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
 
 LN2 = math.log(2.0)
 KERNELS = ("fa2", "fa3", "fa4")  # a part's plan vector starts with an index into this
+HEADER = 8  # a plan vector: [kernel, rows, padded, at, first, n, num_indices, plan length, ...]
+PLAN_LEN = 64  # entries of every plan vector (a fixed size: no shape for Dynamo to specialize)
 FLOAT_WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 
@@ -111,17 +114,18 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
 @dataclass(frozen=True, eq=False)
 class FlashInferMetadata:
     """One step's plans, in two parts run one after the other: the decode rows (first), then
-    the prefill rows. Per part: an int workspace (device) and a plan, a CPU int64 vector
-    ``[kernel index in KERNELS, rows, padded, at, first, n, num_indices, *the kernel's plan]``
-    (empty: the part has no rows; ``padded``: a CUDA-graph batch, whose requests without pages
-    are padding; ``n`` requests from request ``first``). ``tables`` (int32, device) holds both
-    parts' page tables, a part's from offset ``at``: FlashInfer's ``qo_indptr [n+1]``,
-    ``kv_indptr [n+1]``, ``last_page_len [n]`` and ``kv_indices [num_indices]``; for FA4
-    (kernel plan ``[max_seqlen_q, max_seqlen_k]``) only ``cu_seqlens_q [n+1]``, with rows
-    ``first..first+n`` of the common metadata's ``seq_lens`` and ``block_table``. One tensor,
-    not a view per table: Dynamo would guard on each view's storage offset, and every batch
-    composition would be another graph. ``slot_mapping`` is the common metadata's, for the
-    KV-cache write."""
+    the prefill rows. Per part: an int workspace (device) and a plan, a CPU int64 vector of
+    ``PLAN_LEN`` entries ``[kernel index in KERNELS, rows, padded, at, first, n, num_indices,
+    plan length, *the kernel's plan, 0...]`` (kernel -1: the part has no rows; ``padded``: a
+    CUDA-graph batch, whose requests without pages are padding; ``n`` requests from request
+    ``first``). ``tables`` (int32, device) holds both parts' page tables, a part's from offset
+    ``at``: FlashInfer's ``qo_indptr [n+1]``, ``kv_indptr [n+1]``, ``last_page_len [n]`` and
+    ``kv_indices [num_indices]``; for FA4 (kernel plan ``[max_seqlen_q, max_seqlen_k]``) only
+    ``cu_seqlens_q [n+1]``, with rows ``first..first+n`` of ``seq_lens`` and ``block_table`` --
+    the common metadata's, or empty stand-ins when no part runs FA4. One tensor, not a view per
+    table: Dynamo would guard on each view's storage offset, and every batch composition would
+    be another graph; plan vectors of one size, so that Dynamo has no size to specialize on.
+    ``slot_mapping`` is the common metadata's, for the KV-cache write."""
 
     slot_mapping: torch.Tensor
     float_workspace: torch.Tensor
@@ -200,42 +204,20 @@ def warmup(spec: AttentionSpec, platform_major: int = 9) -> None:
         _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim, window, cap)
 
 
-class _Uploader:
-    """Host-to-device copies of page tables through a ring of pinned staging buffers:
-    asynchronous (a pageable copy cost 1.4 ms per step on the H200 host), and an event per
-    buffer makes sure a buffer is not refilled before its previous copy has run."""
-
-    RING = 4
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.buffers = [torch.empty(0, dtype=torch.int32) for _ in range(self.RING)]
-        self.arrays = [b.numpy() for b in self.buffers]  # (numpy views: filled in numpy)
-        self.events = [torch.cuda.Event() for _ in range(self.RING)]  # re-recorded, not remade
-
-    def upload(self, host: list[np.ndarray], device: torch.device,
-               into: torch.Tensor | None = None) -> torch.Tensor:
-        """``host`` int32 vectors, concatenated, on ``device``: a new tensor, or the front of
-        ``into``."""
-        total = sum(a.shape[0] for a in host)
-        i, self.next = self.next, (self.next + 1) % self.RING
-        self.events[i].synchronize()
-        if self.buffers[i].shape[0] < total:
-            self.buffers[i] = torch.empty(max(total, 2 * self.buffers[i].shape[0]),
-                                          dtype=torch.int32, pin_memory=True)
-            self.arrays[i] = self.buffers[i].numpy()
-        np.concatenate(host, out=self.arrays[i][:total])
-        staged = self.buffers[i][:total]
-        if into is None:
-            into = staged.to(device, non_blocking=True)
-        else:
-            into[:total].copy_(staged, non_blocking=True)
-        self.events[i].record()
-        return into
-
-
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
 _EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
+
+
+def _plan_vector(kernel: int, rows: int, padded: int, at: int, first: int, n: int,
+                 num_indices: int, plan: list[int]) -> torch.Tensor:
+    """A part's plan vector (see :class:`FlashInferMetadata`)."""
+    if len(plan) > PLAN_LEN - HEADER:
+        raise RuntimeError(f"a {KERNELS[kernel]} plan of {len(plan)} entries does not fit the "
+                           f"plan vector; raise PLAN_LEN ({PLAN_LEN}) in {__name__}")
+    vec = np.zeros(PLAN_LEN, dtype=np.int64)
+    vec[:HEADER] = kernel, rows, padded, at, first, n, num_indices, len(plan)
+    vec[HEADER:HEADER + len(plan)] = plan
+    return torch.from_numpy(vec)
 
 
 class _Planner:
@@ -246,14 +228,26 @@ class _Planner:
         self.spec, self.device, self.prefill_kernel = spec, device, prefill_kernel
         self.float_workspace = _float_workspace(device)
         self.decode_ws, self.prefill_ws = _IntWorkspace(device), _IntWorkspace(device)
-        self.uploader = _Uploader()
         self.window = -1 if spec.sliding_window is None else spec.sliding_window - 1
         self.cap = spec.logits_soft_cap or 0.0
         # The plan of a part without requests, one per part: Dynamo guards on inputs that
         # alias, so one tensor passed twice would make another graph than two tensors.
-        self.absent = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
-        sizes_not_specialized(*self.absent)  # (a mark stays on its tensor: these once)
+        self.absent = (_plan_vector(-1, 0, 0, 0, 0, 0, 0, []),
+                       _plan_vector(-1, 0, 0, 0, 0, 0, 0, []))
+        self._unused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def unused(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stand-ins for ``seq_lens`` and a ``block_table`` of ``width`` columns where no part
+        runs FA4 (only FA4 reads them): marked once, where the common metadata's would be
+        marked every step. (The width as the real tables': Dynamo would specialize on it.)"""
+        pair = self._unused.get(width)
+        if pair is None:
+            pair = self._unused[width] = (
+                torch.zeros(0, dtype=torch.int32, device=self.device),
+                torch.zeros(0, width, dtype=torch.int32, device=self.device))
+            sizes_not_specialized(*pair)  # (a mark stays on its tensor)
+        return pair
 
     def plan_part(self, ws: _IntWorkspace, kernel: str, qo: np.ndarray, kv_indptr: np.ndarray,
                   seq: np.ndarray, block_size: int, causal: bool, graph: bool,
@@ -293,6 +287,7 @@ class _Planner:
         host: list[np.ndarray] = []  # int32 tables, sent to the device in one copy
         at = 0
         plans = list(self.absent)
+        fa4 = False
         for part, first, stop in ((0, 0, nd), (1, nd, n)):
             if first == stop:
                 continue
@@ -305,6 +300,7 @@ class _Planner:
             else:
                 kernel, chunk = self.prefill_kernel, -1
             if kernel == "fa4":  # FA4 reads the common metadata's device tables
+                fa4 = True
                 tables, num_indices = [qo], 0
                 plan = [1 if part == 0 else common.max_query_len, common.max_seq_len]
             else:
@@ -316,18 +312,19 @@ class _Planner:
                 plan = self.plan_part((self.decode_ws, self.prefill_ws)[part], kernel, qo,
                                       kv_indptr, seq[first:stop], block_size, causal,
                                       graph=False, chunk=chunk)
-            plans[part] = torch.from_numpy(np.array(
-                [KERNELS.index(kernel), qo[-1], 0, at, first, stop - first, num_indices, *plan],
-                dtype=np.int64))
+            plans[part] = _plan_vector(KERNELS.index(kernel), qo[-1], 0, at, first,
+                                       stop - first, num_indices, plan)
             host += tables
             at += sum(t.shape[0] for t in tables)
-        device_tables = self.uploader.upload(host, self.device)
-        sizes_not_specialized(*(p for p in plans if p.numel()), device_tables, common.seq_lens,
-                              common.block_table)
+        device_tables = upload_int32(host, self.device)
+        seq_lens, block_table = self.unused(common.block_table.shape[1])
+        if fa4:
+            seq_lens, block_table = common.seq_lens, common.block_table
+            sizes_not_specialized(seq_lens, block_table)
+        sizes_not_specialized(device_tables)
         return FlashInferMetadata(common.slot_mapping, self.float_workspace, device_tables,
-                                  common.seq_lens, common.block_table, self.decode_ws.device,
-                                  plans[0], self.prefill_ws.device, plans[1],
-                                  causal=common.causal)
+                                  seq_lens, block_table, self.decode_ws.device, plans[0],
+                                  self.prefill_ws.device, plans[1], causal=common.causal)
 
 
 class _GraphPlanner(_Planner):
@@ -357,19 +354,18 @@ class _GraphPlanner(_Planner):
                                      padded.block_size, self.spec.causal and padded.causal,
                                      graph=True)
         # (num_indices: all the buffer holds past the other tables, the same at every replay)
-        plan = torch.tensor([KERNELS.index("fa2"), size, 1, 0, 0, size,
-                             self.tables.shape[0] - (3 * size + 2), *kernel_plan],
-                            dtype=torch.int64)
+        plan = _plan_vector(KERNELS.index("fa2"), size, 1, 0, 0, size,
+                            self.tables.shape[0] - (3 * size + 2), kernel_plan)
         captured = self.plans.setdefault(size, plan)
         if not torch.equal(captured, plan):
             raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
                                f"({captured.tolist()} -> {plan.tolist()}); a replay would run "
                                "the captured grid on the wrong schedule")
-        self.uploader.upload([qo, kv_indptr, last, kv_indices], self.device, into=self.tables)
+        upload_int32([qo, kv_indptr, last, kv_indices], self.device, into=self.tables)
         return FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
-                                  padded.seq_lens, padded.block_table, self.decode_ws.device,
-                                  captured, self.prefill_ws.device, self.absent[1],
-                                  causal=padded.causal)
+                                  *self.unused(padded.block_table.shape[1]),
+                                  self.decode_ws.device, captured,
+                                  self.prefill_ws.device, self.absent[1], causal=padded.causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,9 +414,10 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
     total = out.shape[0]
     start, padded_part = 0, None
     for plan_vec, ws in ((decode_plan, decode_workspace), (prefill_plan, prefill_workspace)):
-        if not plan_vec.numel():
+        kernel, rows, padded, at, first, n, num_indices, plan_len, *plan = plan_vec.tolist()
+        if kernel < 0:
             continue
-        kernel, rows, padded, at, first, n, num_indices, *plan = plan_vec.tolist()
+        del plan[plan_len:]
         if start == 0 and rows == total:  # the part is the whole batch: no views to make
             q_part, out_part, lse_part = q, out, lse_buf
         else:
@@ -527,6 +524,7 @@ class FlashInferBackend(AttentionBackend):
         if prefill_kernel is not None and prefill_kernel not in KERNELS:
             raise ValueError(f"prefill_kernel={prefill_kernel!r} is not one of {KERNELS}")
         self.prefill_kernel = prefill_kernel
+        self._key = self.metadata_key()  # (hashed every step: made once)
 
     def _kernel(self, device: torch.device) -> str:
         return self.prefill_kernel or _prefill_kernel(
@@ -537,27 +535,27 @@ class FlashInferBackend(AttentionBackend):
         if isinstance(common, FlashInferMetadata):
             return common
         device = common.seq_lens.device
-        return self._plan_once(common, _EAGER_PLANNERS, (self.metadata_key(), device),
+        return self._plan_once(common, _EAGER_PLANNERS, (self._key, device),
                                lambda: _Planner(self.spec, device, self._kernel(device)))
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> FlashInferMetadata:
         """Replan a padded decode batch into ``graphs``' persistent buffers (see
         :class:`_GraphPlanner`); the plan for each capture size is fixed at its first call."""
         super().graph_metadata(padded, graphs)
-        return self._plan_once(padded, graphs.backend_state, self.metadata_key(),
+        return self._plan_once(padded, graphs.backend_state, self._key,
                                lambda: _GraphPlanner(self.spec, graphs))
 
     def _plan_once(self, common, planners: dict, planner_key, make_planner):
         """``common``'s plan for this planning key, made once per step by the planner kept in
         ``planners`` under ``planner_key`` (created on first use)."""
         per_step = _PLANS.setdefault(common, {})
-        key = self.metadata_key()
-        if key not in per_step:
+        built = per_step.get(self._key)
+        if built is None:
             planner = planners.get(planner_key)
             if planner is None:
                 planner = planners[planner_key] = make_planner()
-            per_step[key] = planner(common)
-        return per_step[key]
+            built = per_step[self._key] = planner(common)
+        return built
 
     def metadata_key(self) -> tuple:
         """Everything a plan depends on besides the batch."""

@@ -12,6 +12,7 @@
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
+#   fi       tests/test_flashinfer.py alone (its GPU tests: compiled layer, no-split plans kept)
 #   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine turned on
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
@@ -42,6 +43,7 @@ for spec in "$@"; do
     tests) stage tests "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_glue.py tests/test_compile_passes.py tests/test_flashinfer.py \
         tests/test_cudagraph.py ;;
+    fi) stage fi "$limit" python -m pytest -q -p no:cacheprovider -rfE tests/test_flashinfer.py ;;
     matrix) stage matrix "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
     fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \

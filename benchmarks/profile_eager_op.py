@@ -58,7 +58,7 @@ def contenders(b: Batch) -> dict:
     t = fi_meta.tables
     k, v = b.cache.unbind(1)
     mod = fi._module("fa2", DTYPE, DTYPE, D, D, False, False)
-    kernel_plan = plan[7:]
+    kernel_plan = plan[fi.HEADER:fi.HEADER + plan[fi.HEADER - 1]]
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     indptr, indices, last = (x.cuda() for x in fi.paged_kv_csr(b.meta.seq_lens_cpu,
                                                               b.meta.block_table_cpu, b.page))
