@@ -26,33 +26,21 @@ def mean_us(fn) -> float:
     return host_us(fn, n=200)
 
 
-def upload_parts(host: list, uploader) -> dict[str, float]:
-    """The upload's CUDA calls one by one, and the caching host allocator's way (a pinned
-    block per step, its reuse guarded by the allocator's own events) beside the ring's."""
+def upload_parts(host: list) -> dict[str, float]:
+    """The upload's calls one by one (``attn_ops.metadata.upload_int32``: a pinned block from
+    the caching host allocator, filled in numpy, copied without blocking)."""
     import numpy as np
 
     total = sum(a.shape[0] for a in host)
-    staged, event = uploader.buffers[0][:total], uploader.events[0]
-    dest = torch.empty(total, dtype=torch.int32, device="cuda")
-
-    def allocator_way():
-        pinned = torch.empty(total, dtype=torch.int32, pin_memory=True)
-        np.concatenate(host, out=pinned.numpy())
-        return pinned.to("cuda", non_blocking=True)
-
+    staged = torch.empty(total, dtype=torch.int32, pin_memory=True)
+    view = staged.numpy()
     return {
-        "  np.concatenate into the pinned ring": mean_us(
-            lambda: np.concatenate(host, out=uploader.arrays[0][:total])),
-        "  ring event synchronize": mean_us(event.synchronize),
-        "  ring event record": mean_us(event.record),
-        "  .to(cuda, non_blocking) from the ring": mean_us(
-            lambda: staged.to("cuda", non_blocking=True)),
-        "  copy_ into a device tensor": mean_us(lambda: dest.copy_(staged, non_blocking=True)),
-        "  torch.empty on the device": mean_us(
-            lambda: torch.empty(total, dtype=torch.int32, device="cuda")),
         "  torch.empty pinned": mean_us(
             lambda: torch.empty(total, dtype=torch.int32, pin_memory=True)),
-        "upload, the caching host allocator's way": mean_us(allocator_way),
+        "  np.concatenate into it": mean_us(lambda: np.concatenate(host, out=view)),
+        "  .to(cuda, non_blocking)": mean_us(lambda: staged.to("cuda", non_blocking=True)),
+        "  torch.empty on the device": mean_us(
+            lambda: torch.empty(total, dtype=torch.int32, device="cuda")),
     }
 
 
@@ -101,9 +89,9 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
             lambda: mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.hosts[0], *args)),
         "plan[:] (read the plan vector)": mean_us(lambda: raw[:]),
         "event record": mean_us(lambda: torch.cuda.Event().record()),
-        "upload": mean_us(lambda: planner.uploader.upload([qsl.numpy(), indptr, last, indices],
-                                                          b.meta.seq_lens.device)),
-        **upload_parts([qsl.numpy(), indptr, last, indices], planner.uploader),
+        "upload": mean_us(lambda: fi.upload_int32([qsl.numpy(), indptr, last, indices],
+                                                  b.meta.seq_lens.device)),
+        **upload_parts([qsl.numpy(), indptr, last, indices]),
         "mark_unbacked (one tensor)": mean_us(lambda: fi.sizes_not_specialized(seq)),
         "FlashInferMetadata(...)": mean_us(lambda: fi.FlashInferMetadata(*[seq] * 9)),
         "anchor: FlashInfer wrapper.plan (tensor cores, device CSR given)": mean_us(
