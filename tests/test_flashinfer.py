@@ -1,6 +1,7 @@
 """FLASHINFER: host page-table conversion and reasons on the CPU; compile on the GPU (its
 correctness matrix is the registry-generated one in test_backends_matrix.py)."""
 
+import math
 import random
 
 import pytest
@@ -164,6 +165,38 @@ def test_build_step_metadata_builds_once_per_key():
     assert list(step) == [("REFERENCE",)] and step[("REFERENCE",)] is meta
 
 
+def _paged_run_standin(float_ws, int_ws, plan, q, k_cache, v_cache, qo_indptr, kv_indptr,
+                       kv_indices, last_page_len, out, lse, causal, layout, window_left,
+                       enable_pdl, *rest):
+    """FlashInfer's ``paged_run`` (FA2/FA3 module, NHD cache) in plain torch, with its
+    semantics: request ``i``'s queries are rows ``qo_indptr[i]:qo_indptr[i+1]`` of ``q``, its
+    keys the pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` of which the last holds
+    ``last_page_len[i]`` tokens; window ``window_left`` keys left of the query; the LSE in
+    base 2. (The arguments after ``enable_pdl``: six optional tensors, the soft cap, the scale,
+    ...)"""
+    cap, scale = rest[6], rest[7]
+    page = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    for i in range(qo_indptr.shape[0] - 1):
+        q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
+        pages = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])].long()
+        kv_len = (pages.shape[0] - 1) * page + int(last_page_len[i]) if pages.numel() else 0
+        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
+        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        qpos = torch.arange(kv_len - (q1 - q0), kv_len)[:, None]
+        kpos = torch.arange(kv_len)[None, :]
+        masked = (kpos > qpos) if causal else torch.zeros_like(kpos > qpos)
+        if window_left >= 0:
+            masked |= kpos < qpos - window_left
+        s = s.masked_fill(masked, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(out.dtype)
+        if lse is not None:
+            lse[q0:q1] = (s.logsumexp(-1) / math.log(2)).t().to(lse.dtype)
+
+
 @pytest.fixture
 def standin_flashinfer(monkeypatch):
     """FlashInfer's module and the CUDA bits replaced by stand-ins, so the planner runs on the
@@ -177,6 +210,8 @@ def standin_flashinfer(monkeypatch):
         def plan(self, float_ws, int_ws, host, qo, kv_indptr, *rest):
             calls.append((kv_indptr.tolist(), *rest[-4:-2]))
             return [len(calls), 7]
+
+        paged_run = staticmethod(_paged_run_standin)
 
     class Event:
         def record(self):
@@ -241,6 +276,42 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     assert t[104:] == [r * 4 + i for r in range(34) for i in range(2)]
     step([17] * 33)  # fewer requests: FlashInfer's rule again
     assert len(calls) == 2 and calls[-1][1:] == (-1, False)
+
+
+@pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
+@pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes"])
+def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
+                                               feature):
+    """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
+    one table tensor, query/output rows, base-2 LSE, windows, soft cap, sinks -- checked on the
+    CPU: FlashInfer's ``paged_run`` is replaced by plain-torch attention with its semantics,
+    and the op's results must match REFERENCE. (``many_decodes``: past the split budget, the
+    plan kept by the no-split rule.)"""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.testing import (FEATURE_SPECS, SCENARIOS, Scenario, assert_matches_reference,
+                                  make_case)
+    from attn_ops.spec import Feature
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    if feature is not None:
+        spec = FEATURE_SPECS[Feature[feature]](spec)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",  # split budget: 2 * 8 // 2 = 8
+                        lambda d: type("P", (), {"multi_processor_count": 8}))
+    scen = Scenario(tuple((c, 1) for c in range(3, 60, 5)) + ((4, 6),)) \
+        if scenario == "many_decodes" else SCENARIOS[scenario]
+    impl = FLASHINFER(spec, prefill_kernel="fa2")
+    for seed in range(2):  # (the second step keeps the no-split plan of the first)
+        case = make_case(spec, scen, seed=seed)
+        meta = impl.build_metadata(case.metadata)
+        q = case.query
+        out = torch.full((q.shape[0], 4, 16), float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"))
+        fi._flashinfer_attention(*impl.op_arguments(q, case.kv_cache, meta, out, lse=lse,
+                                                    sinks=case.sinks))
+        truth, truth_lse = assert_matches_reference(out, case)
+        n = case.metadata.num_actual_tokens
+        torch.testing.assert_close(lse[:n].double(), truth_lse[:n].double(), atol=1e-4, rtol=1e-4)
+        assert (out[n:] == 0).all() and (lse[n:] == 0).all()  # padding rows
 
 
 @pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])
