@@ -14,6 +14,11 @@
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
 #   fi       tests/test_flashinfer.py alone (its GPU tests: compiled layer, no-split plans kept)
 #   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine turned on
+# A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
+# .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
+# flashinfer there creates its cache directory, and the second call's bootstrap then skips
+# restoring the carried kernel cache (a round lost its stages to recompiling); the second carries
+# .gpu/bootstrap.sh, .gpu/fi_cache.tar.xz.* and .gpu-fa4-b and runs the stages.
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
 set -u
