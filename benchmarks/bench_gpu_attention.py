@@ -162,13 +162,15 @@ def gpu_parser(doc: str, out_name: str, page: int, rounds: int,
     return parser
 
 
-def write_result(name: str, path: str, **fields) -> None:
-    """The run's JSON: :func:`run_info`, the device, ``fields``."""
+def write_result(name: str, path: str, quiet: bool = False, **fields) -> None:
+    """The run's JSON: :func:`run_info`, the device, ``fields``. (Benchmarks write it after
+    every row too, with ``complete=False``: a run stopped by a time limit keeps its rows.)"""
     info = run_info(name)
     info.update(device=torch.cuda.get_device_name(), **fields)
     with open(path, "w") as f:
         json.dump(info, f, indent=1)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def builder_host_times(page, gen) -> dict[str, float]:
@@ -216,6 +218,14 @@ def main() -> None:
     warmup(SPEC, torch.cuda.get_device_capability()[0])
     gen = torch.Generator().manual_seed(0)
     rows = []
+
+    def save(complete=False, **fields):
+        write_result("bench_gpu_attention", args.out, quiet=not complete, quick=args.quick,
+                     page=args.page, selected=selected, rounds=args.rounds, rows=rows,
+                     complete=complete, **fields,
+                     method="median over rotating rounds of triton.testing.do_bench_cudagraph "
+                            "medians (rep=30 ms)")
+
     batches, ctxs = ((1, 64), (4096,)) if args.quick else (DECODE_BATCH, DECODE_CTX)
     for bsz in batches:
         for ctx in ctxs:
@@ -234,6 +244,7 @@ def main() -> None:
             if (bsz, ctx) in ((1, 1024), (64, 4096)) or args.quick:
                 r["eager_us"] = {k: back_to_back_us(fn) for k, fn in fns.items()}
             rows.append(r)
+            save()
             print(f"decode  B={bsz:<4} ctx={ctx:<6} " + "  ".join(
                 f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + " TB/s", flush=True)
             del b, fns
@@ -249,15 +260,13 @@ def main() -> None:
         r = {"kind": "prefill", "batch": bsz, "seq": s, "flops": flops,
              "max_abs_diff_vs_flashinfer": diffs, **timed_fields(ms, flops, "tflops")}
         rows.append(r)
+        save()
         print(f"prefill {bsz}x{s:<6} " + "  ".join(
             f"{k} {flops / v / 1e9:.0f}" for k, v in ms.items()) + " TFLOP/s", flush=True)
         del b, fns
     host = builder_host_times(args.page, gen)
     print("builder host time per step (us):", {k: round(v, 1) for k, v in host.items()})
-    write_result("bench_gpu_attention", args.out, quick=args.quick, page=args.page,
-                 selected=selected, rounds=args.rounds, rows=rows, builder_host_us=host,
-                 method="median over rotating rounds of triton.testing.do_bench_cudagraph "
-                        "medians (rep=30 ms)")
+    save(complete=True, builder_host_us=host)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,13 @@ def main() -> None:
                       rounds=2).parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+
+    def save(complete=False):
+        write_result("bench_triton_attention", args.out, quiet=not complete, quick=args.quick,
+                     page=args.page, rows=rows, complete=complete,
+                     method="median over rotating rounds of do_bench_cudagraph medians "
+                            "(flex pair: see flex_timing)")
+
     for bsz, ctx in ([(1, 4096), (64, 4096)] if args.quick else DECODE):
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b),
@@ -118,16 +125,16 @@ def main() -> None:
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",
                             _flex("decode", b, (bsz, ctx), args.quick), batch=bsz, ctx=ctx))
+        save()
         del b, fns
     for bsz, s in ([(1, 4096)] if args.quick else PREFILL):
         b = Batch(bsz, s, s, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "flashinfer": flashinfer_direct(b, True)}
         rows.append(measure("prefill", b, fns, args.rounds, prefill_flops(bsz, s), "tflops",
                             _flex("prefill", b, (bsz, s), args.quick), batch=bsz, seq=s))
+        save()
         del b, fns
-    write_result("bench_triton_attention", args.out, quick=args.quick, page=args.page,
-                 rows=rows, method="median over rotating rounds of do_bench_cudagraph medians "
-                 "(flex pair: see flex_timing)")
+    save(complete=True)
 
 
 if __name__ == "__main__":
