@@ -236,6 +236,7 @@ class _Planner:
                        _plan_vector(-1, 0, 0, 0, 0, 0, 0, []))
         self._unused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.split_budget = 2 * self.num_sms // spec.kv_heads  # (FlashInfer's, in requests)
 
     def unused(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stand-ins for ``seq_lens`` and a ``block_table`` of ``width`` columns where no part
@@ -332,7 +333,10 @@ class _GraphPlanner(_Planner):
     persistent device buffer sized for the largest capture size, one plan per capture size
     whose host vector must not change between capture and replays (checked: in this mode
     FlashInfer fixes the grid per batch size), and the padded requests' rows zeroed on the
-    device (they have no pages: ``last_page_len`` 0)."""
+    device (they have no pages: ``last_page_len`` 0). In this mode FlashInfer's rule always
+    splits (and merges); capture sizes past its split budget, where it could not split
+    eagerly either, are planned without a split instead -- the eager kernel, no merge, and a
+    plan that stays the same from step to step (FlashInfer is not called again)."""
 
     def __init__(self, spec: AttentionSpec, graphs) -> None:
         super().__init__(spec, graphs.device, "fa2")
@@ -352,7 +356,7 @@ class _GraphPlanner(_Planner):
         last = _last_page_len(seq, padded.block_size)
         kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
-                                     graph=True)
+                                     graph=True, chunk=0 if size > self.split_budget else -1)
         # (num_indices: all the buffer holds past the other tables, the same at every replay)
         plan = _plan_vector(KERNELS.index("fa2"), size, 1, 0, 0, size,
                             self.tables.shape[0] - (3 * size + 2), kernel_plan)

@@ -12,7 +12,7 @@
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
-#   fi       tests/test_flashinfer.py alone (its GPU tests: compiled layer, no-split plans kept)
+#   fi       FLASHINFER's tests: test_flashinfer.py, its CUDA-graph tests (no-split plans kept)
 #   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine turned on
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
@@ -48,7 +48,8 @@ for spec in "$@"; do
     tests) stage tests "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_glue.py tests/test_compile_passes.py tests/test_flashinfer.py \
         tests/test_cudagraph.py ;;
-    fi) stage fi "$limit" python -m pytest -q -p no:cacheprovider -rfE tests/test_flashinfer.py ;;
+    fi) stage fi "$limit" python -m pytest -q -p no:cacheprovider -rfE tests/test_flashinfer.py \
+        tests/test_cudagraph.py -k "flashinfer or FLASHINFER" ;;
     matrix) stage matrix "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
     fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \

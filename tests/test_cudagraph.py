@@ -227,6 +227,50 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode,
         _check(spec, got, got_lse, q, cache, common, n * qlen, size * qlen, **optional)
 
 
+@pytest.mark.gpu
+def test_flashinfer_graphs_past_the_split_budget_replay_on_one_plan():
+    """A capture size past FlashInfer's split budget is planned without a split (its eager
+    kernel, no merge) and never planned again: replays with fewer requests and new lengths
+    against REFERENCE."""
+    from attn_ops.backends import flashinfer as fi
+
+    if "FLASHINFER" not in [p.values[0] for p in _graph_params()]:
+        pytest.skip("FLASHINFER cannot run here")
+    rng, gen = random.Random(3), torch.Generator(device="cuda").manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    size = 2 * sms // GPU_BASE.kv_heads + 4
+    num_blocks = size * WIDTH + 1
+    graphs = CUDAGraphBatch((size,), WIDTH, BLOCK, "cuda")
+    layer = Attention(GPU_BASE.with_(block_size=BLOCK),
+                      AttentionConfig(backend="FLASHINFER")).cuda()
+    cache = layer.allocate_kv_cache(num_blocks)
+    cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
+    q = torch.randn(size, 8, 64, generator=gen, device="cuda").to(torch.float16)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(size, 8, device="cuda")
+    plans = []
+    graph = None
+    for n in (size, size - 3, size - 1, size - 4):  # capture, then replays
+        common = _random_batch(n, num_blocks, rng, "cuda")
+        meta = build_step_metadata(layer, common, graphs)[layer._metadata_key]
+        plans.append(meta.decode_plan)
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                layer.impl.forward(q, cache, meta, out, lse=lse)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer.impl.forward(q, cache, meta, out, lse=lse)
+        q.normal_(generator=gen)
+        graph.replay()
+        _check(GPU_BASE, out, lse, q, cache, common, n, size)
+    planner = graphs.backend_state[layer._metadata_key]
+    assert isinstance(planner, fi._GraphPlanner)
+    assert planner.decode_ws.last[0][1:3] == (b"", 0)  # planned without a split, kept
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("slots", [[5, -1, 0, -1], [-1, -1], [-1, 3, 3 + BLOCK, -1]])
 def test_cache_write_skips_padding_without_a_host_sync(dtype, slots):

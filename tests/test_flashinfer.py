@@ -278,6 +278,37 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     assert len(calls) == 2 and calls[-1][1:] == (-1, False)
 
 
+def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, monkeypatch):
+    """CUDA-graph decode batches: within FlashInfer's split budget its CUDA-graph rule (always
+    split) replans every step; past it, a capture size is planned without a split once and
+    replayed on that plan while lengths and pages change."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+
+    calls = standin_flashinfer
+    module = fi._module()
+    plan = module.plan
+    # (in CUDA-graph mode FlashInfer's plan vector is the same at every step of a size)
+    monkeypatch.setattr(fi, "_module", lambda *a: type("M", (), {
+        "plan": staticmethod(lambda *args: plan(*args) and [3, 7])})())
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    graphs = CUDAGraphBatch((8, 40), 4, 16, "cpu")  # budget: 2 * 132 // 8 = 33 requests
+    planner = fi._GraphPlanner(spec, graphs)
+
+    def step(n, length):
+        tables = [[r * 4 + i for i in range(-(-length // 16))] for r in range(n)]
+        return planner(graphs.pad(build_common_metadata([1] * n, [length] * n, tables, 16,
+                                                        4 * n)))
+
+    step(38, 20)
+    step(36, 40)  # fewer requests (padded to 40), every one a page longer
+    assert calls == [([0] + [2 * i for i in range(1, 39)] + [76] * 2, -1, True)]
+    step(8, 20)
+    step(8, 40)
+    assert len(calls) == 3 and calls[-1][1:] == (-1, False)  # within the budget: every step
+
+
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
