@@ -105,8 +105,11 @@ class CommonAttentionMetadata:
 def _token_positions(qsl: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The position of every (unpadded) token in its request, and the request, from int64
     query start offsets and sequence lengths."""
+    n = seq.shape[0]
     q = qsl[1:] - qsl[:-1]
-    req = np.repeat(np.arange(q.shape[0]), q)  # request of every token
+    if qsl[-1] == n and (q == 1).all():  # one token per request (decodes)
+        return seq - 1, np.arange(n)
+    req = np.repeat(np.arange(n), q)  # request of every token
     return np.arange(int(qsl[-1])) - qsl[req] + (seq - q)[req], req
 
 
@@ -217,8 +220,7 @@ def build_common_metadata(
     s_np = np.asarray(seq_lens, dtype=np.int64).reshape(n)
 
     def first(bad: np.ndarray) -> int | None:
-        hits = np.flatnonzero(bad)
-        return int(hits[0]) if hits.size else None
+        return int(bad.argmax()) if bad.any() else None
 
     dense = isinstance(block_tables, np.ndarray)
     if dense:
@@ -241,11 +243,14 @@ def build_common_metadata(
     if (i := first(owned * block_size < s_np)) is not None:
         raise ValueError(f"request {i} has seq_len={s_np[i]} but only {owned[i]} blocks of "
                          f"{block_size} tokens; reserve ceil({s_np[i]}/{block_size}) blocks")
-    num_decodes, num_decode_tokens = split_decodes_and_prefills(query_lens, decode_threshold)
-    if any(q <= decode_threshold for q in query_lens[num_decodes:]):
+    decode = q_np <= decode_threshold
+    num_decodes = n if decode.all() else int(decode.argmin())
+    if decode[num_decodes:].any():
         raise ValueError(f"batch is not decode-first: query_lens={list(query_lens)}; reorder the "
                          "requests with attn_ops.decode_first_order(query_lens)")
-    num_tokens = int(q_np.sum())
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_np, out=qsl[1:])
+    num_tokens, num_decode_tokens = int(qsl[-1]), int(qsl[num_decodes])
     padded = num_tokens if num_tokens_padded is None else num_tokens_padded
     if padded < num_tokens:
         raise ValueError(f"num_tokens_padded={padded} is smaller than the {num_tokens} tokens")
@@ -265,7 +270,8 @@ def build_common_metadata(
     else:
         flat = np.fromiter((b for blocks in block_tables for b in blocks), dtype=np.int64,
                            count=int(owned.sum()))
-    if (k := first((flat < 0) | (flat >= num_blocks))) is not None:
+    if flat.size and (flat.min() < 0 or flat.max() >= num_blocks):
+        k = first((flat < 0) | (flat >= num_blocks))
         i = int(np.searchsorted(np.cumsum(owned), k, side="right"))
         raise ValueError(f"block_tables[{i}] holds block {flat[k]}, outside the cache's "
                          f"[0, {num_blocks}) blocks")
@@ -274,12 +280,10 @@ def build_common_metadata(
     need = -(-s_np // block_size)  # (a list may reserve more blocks than the length uses)
     if dense or np.array_equal(owned, need):
         indptr = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(need, out=indptr[1:])
+        indptr[1:] = np.cumsum(need)
         indices = flat.astype(np.int32, copy=False)
     else:
         indptr, indices = block_csr(s_np, table_np, block_size)
-    qsl = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(q_np, out=qsl[1:])
     positions = np.zeros(padded, dtype=np.int64)
     pos, req = _token_positions(qsl, s_np)  # (position and request of every token)
     positions[:num_tokens] = pos
