@@ -27,7 +27,8 @@ def main(path: str) -> None:
     decode = [r for r in rows if r["kind"] == "decode"]
     prefill = [r for r in rows if r["kind"] == "prefill"]
     ctxs = sorted({r["ctx"] for r in decode})
-    fig, axes = plt.subplots(1, len(ctxs) + 1, figsize=(4.2 * (len(ctxs) + 1), 4))
+    panels = len(ctxs) + bool(prefill)  # (a run cut short may have no prefill rows)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4))
     for ax, ctx in zip(axes, ctxs):
         points = sorted((r for r in decode if r["ctx"] == ctx), key=lambda r: r["batch"])
         for i, (key, label) in enumerate(SERIES.items()):
@@ -39,7 +40,8 @@ def main(path: str) -> None:
         ax.set_title(f"paged decode, ctx {ctx // 1024}k")
         ax.set_xlabel("batch")
         ax.set_ylabel("TB/s (copy bandwidth 4.27 dotted)")
-    prefill_bars(axes[-1], prefill, SERIES)
+    if prefill:
+        prefill_bars(axes[-1], prefill, SERIES)
     axes[0].legend(fontsize=7, loc="lower right")
     save(fig, result, path)
 
