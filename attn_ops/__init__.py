@@ -35,6 +35,7 @@ _EXPORTS = {
     "BlockAllocator": "kv_cache", "KVCacheLayout": "kv_cache", "allocate_kv_cache": "kv_cache",
     "AttentionBackend": "backend",
     "Attention": "layer", "alibi_slopes": "layer", "build_step_metadata": "layer",
+    "step_backends": "layer",
     "set_debug_checks": "ops",
 }
 

@@ -234,7 +234,10 @@ class CUDAGraphRunner:
                              f"below {graphs.required_support.name} that these batches need "
                              "(the log names the layer); capture piecewise instead "
                              "(attn_ops.cudagraph.partition_ops) or run it eagerly")
+        from attn_ops.layer import step_backends
+
         self.model, self.forward, self.graphs, self.kv_caches = model, forward, graphs, kv_caches
+        self.backends = step_backends(model)
         rows = graphs.capture_sizes[-1] * graphs.query_len
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=graphs.device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=graphs.device)
@@ -246,7 +249,7 @@ class CUDAGraphRunner:
 
         n = common.num_actual_tokens
         rows = self.graphs.size_for(common.num_reqs) * self.graphs.query_len
-        step = build_step_metadata(self.model, common, self.graphs)
+        step = build_step_metadata(self.backends, common, self.graphs)
         self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
         self.input_ids[n:rows].zero_()
         self.positions[:n].copy_(common.positions[:n], non_blocking=True)

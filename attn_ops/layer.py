@@ -22,7 +22,7 @@ from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec
 
-__all__ = ["Attention", "alibi_slopes", "build_step_metadata"]
+__all__ = ["Attention", "alibi_slopes", "build_step_metadata", "step_backends"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -149,10 +149,23 @@ class Attention(nn.Module):
         return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
 
 
-def build_step_metadata(model: nn.Module, common: CommonAttentionMetadata,
+def step_backends(model: nn.Module) -> list[tuple[tuple, Any]]:
+    """``(metadata key, backend)`` of the :class:`Attention` layers of ``model``, one per
+    distinct key: what :func:`build_step_metadata` builds for. An engine computes it once and
+    passes it instead of the model -- walking the modules costs ~0.8 us each, every step (220
+    us for a 32-layer model on the CPU CI machine)."""
+    backends: dict = {}
+    for layer in model.modules():
+        if isinstance(layer, Attention) and layer._metadata_key not in backends:
+            backends[layer._metadata_key] = layer.impl
+    return list(backends.items())
+
+
+def build_step_metadata(model: nn.Module | list, common: CommonAttentionMetadata,
                         graphs: Any = None) -> dict:
     """Every backend metadata the :class:`Attention` layers of ``model`` need for one step,
     built once per distinct :meth:`AttentionBackend.metadata_key` (host planning included).
+    ``model``: the model, or what :func:`step_backends` returned for it.
 
     Pass the result as the layers' ``metadata``; do this outside ``torch.compile``::
 
@@ -164,11 +177,8 @@ def build_step_metadata(model: nn.Module, common: CommonAttentionMetadata,
     it before capturing a size and before every replay (each built metadata carries the padded
     ``slot_mapping`` the cache writes use).
     """
-    if graphs is not None:
-        common = graphs.pad(common)
-    built: dict = {}
-    for layer in model.modules():
-        if isinstance(layer, Attention) and layer._metadata_key not in built:
-            built[layer._metadata_key] = (layer.impl.build_metadata(common) if graphs is None
-                                          else layer.impl.graph_metadata(common, graphs))
-    return built
+    backends = model if isinstance(model, list) else step_backends(model)
+    if graphs is None:
+        return {key: impl.build_metadata(common) for key, impl in backends}
+    common = graphs.pad(common)
+    return {key: impl.graph_metadata(common, graphs) for key, impl in backends}

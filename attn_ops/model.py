@@ -14,7 +14,7 @@ from torch import nn
 
 from attn_ops.glue import quantize_fp8_op
 from attn_ops.kv_cache import BlockAllocator
-from attn_ops.layer import Attention, build_step_metadata
+from attn_ops.layer import Attention, build_step_metadata, step_backends
 from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
@@ -188,6 +188,7 @@ class Generator:
     def __init__(self, model: TinyLlama, num_blocks: int, forward=None, *,
                  max_model_len: int = 1024, shuffle_blocks: bool = True, device="cpu") -> None:
         self.model = model
+        self.backends = step_backends(model)  # (once: build_step_metadata walks no modules)
         self.forward = model if forward is None else forward
         self.device = device
         # A fixed block-table width keeps tensor shapes stable from step to step.
@@ -212,7 +213,7 @@ class Generator:
         input_ids = torch.tensor([t for r in reqs for t in r.tokens[r.num_computed:]],
                                  device=self.device)
         # Backends plan on the host here, once per step, outside any compiled graph.
-        step = build_step_metadata(self.model, meta)
+        step = build_step_metadata(self.backends, meta)
         logits = self.forward(input_ids, meta.positions, self.kv_caches, step)
         last = logits[meta.query_start_loc_cpu[1:].long() - 1]
         for r, row in zip(reqs, last.argmax(-1).tolist()):

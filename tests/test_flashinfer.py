@@ -165,6 +165,21 @@ def test_build_step_metadata_builds_once_per_key():
     assert list(step) == [("REFERENCE",)] and step[("REFERENCE",)] is meta
 
 
+def test_step_backends_are_the_model_layers_distinct_keys():
+    """What an engine computes once instead of walking the modules every step: one backend
+    per distinct metadata key, in layer order, building what the model itself builds."""
+    from attn_ops import build_step_metadata, step_backends
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    model = torch.nn.ModuleList([Attention(spec, AttentionConfig(backend=b)) for b in (
+        "REFERENCE", "CPU_ATTN", "REFERENCE", "CPU_ATTN")])
+    backends = step_backends(model)
+    assert backends == [(("REFERENCE",), model[0].impl), (("CPU_ATTN",), model[1].impl)]
+    alloc = BlockAllocator(16, 16)
+    meta = build_batch(alloc, [0], [0], [5])
+    assert list(build_step_metadata(backends, meta)) == list(build_step_metadata(model, meta))
+
+
 def _paged_run_standin(float_ws, int_ws, plan, q, k_cache, v_cache, qo_indptr, kv_indptr,
                        kv_indices, last_page_len, out, lse, causal, layout, window_left,
                        enable_pdl, *rest):
