@@ -70,6 +70,10 @@ class CUDAGraphBatch:
                                        device=self.device)
         # Backends' own persistent state (buffers, per-size plans), by metadata key.
         self.backend_state: dict = {}
+        # What the buffers hold: rows from _rows on are clean (zero, slots -1), no row has a
+        # block past column _cols, and query_start_loc is set for (requests, size) _starts_for
+        # -- so a step writes only what changed (each device call costs host time).
+        self._rows, self._cols, self._starts_for = 0, 0, None
 
     @property
     def required_support(self) -> CUDAGraphSupport:
@@ -103,34 +107,40 @@ class CUDAGraphBatch:
             raise ValueError(f"the batch's block table is {width} blocks wide, more than "
                              f"max_blocks_per_req={self.max_blocks_per_req}; raise it")
         size = self.size_for(n)
-        # Device side: copies and fills in place (no host sync, no new allocations; the fills
-        # of padding only when there is padding -- each call costs host time even when empty).
-        torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
+        # Device side: copies and fills in place (no host sync, no new allocations), and only
+        # where the buffers differ from what this batch needs: each call costs host time.
+        if self._starts_for != (n, size):
+            torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
+            self._starts_for = (n, size)
         self.seq_lens[:n].copy_(common.seq_lens, non_blocking=True)
         self.block_table[:n, :width].copy_(common.block_table, non_blocking=True)
-        if width < self.max_blocks_per_req:
-            self.block_table[:n, width:].zero_()
+        if width < self._cols:
+            self.block_table[:n, width:self._cols].zero_()
         self.slot_mapping[:n * q].copy_(common.slot_mapping[:n * q], non_blocking=True)
+        if self._rows > n:
+            self.seq_lens[n:self._rows].zero_()
+            self.block_table[n:self._rows].zero_()
+            self.slot_mapping[n * q:self._rows * q].fill_(-1)
+        self._rows, self._cols = n, width
+        # Host side: the same batch, padded (numpy: a third of torch's cost per small op) --
+        # the batch's own arrays where it fills its capture size.
+        qsl_cpu, seq_cpu = common.query_start_loc_cpu, common.seq_lens_cpu
+        table_cpu, indptr_cpu = common.block_table_cpu, common.block_indptr_cpu
         if size > n:
-            self.seq_lens[n:size].zero_()
-            self.block_table[n:size].zero_()
-            self.slot_mapping[n * q:size * q].fill_(-1)
-        # Host side: the same batch, padded (numpy: a third of torch's cost per small op).
-        seq_np = np.zeros(size, dtype=np.int32)
-        seq_np[:n] = common.seq_lens_cpu.numpy()
-        seq_cpu = torch.from_numpy(seq_np)
-        qsl_cpu = torch.from_numpy(np.minimum(np.arange(size + 1, dtype=np.int32) * q, n * q))
-        table_cpu = None
-        if common.block_table_cpu is not None:
-            table_np = np.zeros((size, width), dtype=np.int32)
-            table_np[:n] = common.block_table_cpu.numpy()
-            table_cpu = torch.from_numpy(table_np)
-        indptr_cpu = indices_cpu = None
-        if common.block_indptr_cpu is not None:  # (padding requests have no pages)
-            indptr = np.empty(size + 1, dtype=np.int32)
-            indptr[:n + 1] = common.block_indptr_cpu.numpy()
-            indptr[n + 1:] = indptr[n]
-            indptr_cpu, indices_cpu = torch.from_numpy(indptr), common.block_indices_cpu
+            seq_np = np.zeros(size, dtype=np.int32)
+            seq_np[:n] = seq_cpu.numpy()
+            seq_cpu = torch.from_numpy(seq_np)
+            qsl_cpu = torch.from_numpy(np.minimum(np.arange(size + 1, dtype=np.int32) * q,
+                                                  n * q))
+            if table_cpu is not None:
+                table_np = np.zeros((size, width), dtype=np.int32)
+                table_np[:n] = table_cpu.numpy()
+                table_cpu = torch.from_numpy(table_np)
+            if indptr_cpu is not None:  # (padding requests have no pages)
+                indptr = np.empty(size + 1, dtype=np.int32)
+                indptr[:n + 1] = indptr_cpu.numpy()
+                indptr[n + 1:] = indptr[n]
+                indptr_cpu = torch.from_numpy(indptr)
         decodes = common.num_decodes == n
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1],
@@ -149,7 +159,7 @@ class CUDAGraphBatch:
             block_table_cpu=table_cpu,
             num_blocks=common.num_blocks,
             block_indptr_cpu=indptr_cpu,
-            block_indices_cpu=indices_cpu,
+            block_indices_cpu=common.block_indices_cpu,
         )
 
     @property

@@ -82,6 +82,26 @@ def test_a_shorter_batch_leaves_no_stale_tail_behind():
     assert padded.query_start_loc_cpu.tolist() == [0, 1, 2, 2, 2]
 
 
+def test_padding_writes_only_what_changed_and_matches_a_fresh_pad():
+    """``pad`` skips device writes the buffers already hold (the query offsets of the same
+    size, padding rows and columns already clean): batches growing and shrinking in rows and
+    table width, each padded batch equal to the same batch padded into fresh buffers."""
+    rng = random.Random(4)
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    for n, max_len in ((16, 190), (3, 40), (4, 180), (1, 10), (16, 60), (9, 190), (9, 190),
+                       (2, 190), (16, 190)):
+        common = _random_batch(n, 400, rng, DEVICE, max_len=max_len)
+        got, want = graphs.pad(common), CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE).pad(common)
+        for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping",
+                      "query_start_loc_cpu", "seq_lens_cpu", "block_table_cpu",
+                      "block_indptr_cpu", "block_indices_cpu"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (n, field)
+        size = graphs.size_for(n)
+        assert (graphs.block_table[:size, common.block_table.shape[1]:] == 0).all()
+        assert (graphs.seq_lens[n:] == 0).all() and (graphs.block_table[n:] == 0).all()
+        assert (graphs.slot_mapping[n:] == -1).all()
+
+
 def test_batches_a_graph_cannot_hold_are_refused_with_the_fix():
     rng = random.Random(2)
     graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
