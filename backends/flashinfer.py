@@ -343,7 +343,7 @@ class _GraphPlanner(_Planner):
         largest = graphs.capture_sizes[-1]
         self.tables = torch.zeros(3 * largest + 2 + largest * graphs.max_blocks_per_req,
                                   dtype=torch.int32, device=self.device)
-        self.plans: dict[int, torch.Tensor] = {}
+        self.plans: dict[int, tuple[list, torch.Tensor]] = {}  # size -> (kernel plan, vector)
 
     def __call__(self, padded: CommonAttentionMetadata) -> FlashInferMetadata:
         size = padded.num_reqs
@@ -357,14 +357,18 @@ class _GraphPlanner(_Planner):
         kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
                                      graph=True, chunk=0 if size > self.split_budget else -1)
-        # (num_indices: all the buffer holds past the other tables, the same at every replay)
-        plan = _plan_vector(KERNELS.index("fa2"), size, 1, 0, 0, size,
-                            self.tables.shape[0] - (3 * size + 2), kernel_plan)
-        captured = self.plans.setdefault(size, plan)
-        if not torch.equal(captured, plan):
-            raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
-                               f"({captured.tolist()} -> {plan.tolist()}); a replay would run "
-                               "the captured grid on the wrong schedule")
+        made, captured = self.plans.get(size, (None, None))
+        if kernel_plan is not made:  # (a plan kept in the workspace is the one checked)
+            # (num_indices: all the buffer holds past the other tables, the same every replay)
+            plan = _plan_vector(KERNELS.index("fa2"), size, 1, 0, 0, size,
+                                self.tables.shape[0] - (3 * size + 2), kernel_plan)
+            if captured is None:
+                captured = plan
+            elif not torch.equal(captured, plan):
+                raise RuntimeError(f"FlashInfer's decode plan for capture size {size} changed "
+                                   f"({captured.tolist()} -> {plan.tolist()}); a replay would "
+                                   "run the captured grid on the wrong schedule")
+            self.plans[size] = (kernel_plan, captured)
         upload_int32([qo, kv_indptr, last, kv_indices], self.device, into=self.tables)
         return FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
                                   *self.unused(padded.block_table.shape[1]),
