@@ -324,6 +324,22 @@ def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, mon
     assert len(calls) == 3 and calls[-1][1:] == (-1, False)  # within the budget: every step
 
 
+def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer):
+    """FlashInfer's CUDA-graph plans must give the same host vector at every step of a capture
+    size (the captured grid depends on it); the stand-in's plan changes at every call."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    graphs = CUDAGraphBatch((8,), 4, 16, "cpu")
+    planner = fi._GraphPlanner(spec, graphs)
+    tables = [[r * 4] for r in range(8)]
+    planner(graphs.pad(build_common_metadata([1] * 8, [5] * 8, tables, 16, 32)))
+    with pytest.raises(RuntimeError, match="plan for capture size 8 changed"):
+        planner(graphs.pad(build_common_metadata([1] * 8, [9] * 8, tables, 16, 32)))
+
+
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
