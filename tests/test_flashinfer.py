@@ -334,10 +334,10 @@ def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     graphs = CUDAGraphBatch((8,), 4, 16, "cpu")
     planner = fi._GraphPlanner(spec, graphs)
-    tables = [[r * 4] for r in range(8)]
+    tables = [[r * 4, r * 4 + 1] for r in range(8)]
     planner(graphs.pad(build_common_metadata([1] * 8, [5] * 8, tables, 16, 32)))
-    with pytest.raises(RuntimeError, match="plan for capture size 8 changed"):
-        planner(graphs.pad(build_common_metadata([1] * 8, [9] * 8, tables, 16, 32)))
+    with pytest.raises(RuntimeError, match="plan for capture size 8 changed"):  # (new pages)
+        planner(graphs.pad(build_common_metadata([1] * 8, [17] * 8, tables, 16, 32)))
 
 
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
