@@ -7,8 +7,9 @@ not in it; ``bench_gpu_attention.py`` measures the whole on the H200).
 
 Decode batch of 256 requests at ctx 4k, page 128, Llama-3-8B heads: steps that must replan
 (some request entered a new page) and steps whose page counts are unchanged (the plan in the
-workspace is reused); op body: one decode call. ``--cprofile``: also print where a replanning
-builder step spends its time.
+workspace is reused); op body: one decode call; then a CUDA-graph decode step's host
+preparation (:func:`graph_step_us`). ``--cprofile``: also print where a replanning builder
+step spends its time.
 """
 
 from __future__ import annotations
@@ -42,6 +43,46 @@ class _Event:
 
     def synchronize(self):
         pass
+
+
+def graph_step_us(spec) -> dict[str, float]:
+    """A CUDA-graph decode step's host preparation at B=64, ctx 2k, page 16 (as in
+    ``bench_model_decode.py``'s graphed step): the batch (allocator + common metadata), its
+    padding into the persistent buffers, FLASHINFER's graph metadata (past the split budget:
+    the plan is kept), and ``build_step_metadata`` for an 8-layer model given the model
+    (walking its modules) or ``step_backends`` (on a CPU "device": no copies are timed)."""
+    from attn_ops import AttentionConfig, build_step_metadata, step_backends
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.kv_cache import BlockAllocator
+    from attn_ops.metadata import build_batch
+    from attn_ops.model import ModelConfig, TinyLlama
+
+    b, ctx, page = 64, 2048, 16
+    width = -(-(ctx + 1) // page)
+    alloc = BlockAllocator(b * width + 1, page, shuffle=True)
+    ids = list(range(b))
+    for r in ids:
+        alloc.reserve(r, ctx)
+    graphs = CUDAGraphBatch((b,), width, page, "cpu")
+    planner = fi._GraphPlanner(spec, graphs)
+
+    def batch():
+        return build_batch(alloc, ids, [ctx - 1] * b, [1] * b, max_blocks_per_req=width)
+
+    common = batch()
+    padded = graphs.pad(common)
+    model = TinyLlama(ModelConfig(num_layers=8, hidden_size=64, num_heads=4, num_kv_heads=2,
+                                  head_dim=16, intermediate_size=64, vocab_size=32),
+                      AttentionConfig(backend="REFERENCE"))
+    backends = step_backends(model)
+    return {"graph_step_build_batch_us": mean_us(batch, 2000),
+            "graph_step_pad_us": mean_us(lambda: graphs.pad(common), 2000),
+            "graph_step_flashinfer_graph_planner_us": mean_us(lambda: planner(padded), 2000),
+            "build_step_metadata_8_layers_given_the_model_us":
+                mean_us(lambda: build_step_metadata(model, common), 2000),
+            "build_step_metadata_8_layers_given_step_backends_us":
+                mean_us(lambda: build_step_metadata(backends, common), 2000)}
 
 
 def main() -> None:
@@ -99,6 +140,7 @@ def main() -> None:
         op_args = (q, cache, out, None, ws, tables, tables[:1], tables[:1, None], ws, plan, ws,
                    none, None, None, None, 0.088, None, None, True)
         results["op_body_us_per_call"] = mean_us(lambda: fi._flashinfer_attention(*op_args))
+        results.update(graph_step_us(spec))
     print({k: round(v, 2) for k, v in results.items()})
     info = run_info("profile_flashinfer_host")
     info.update(results=results, batch=batch, ctx=ctx, page=page)
