@@ -93,25 +93,13 @@ def _parse_capability(detail: str, text: str) -> tuple[int, int]:
 
 @functools.cache
 def current_platform() -> Platform:
-    """The platform of the default device, detected once per device. (Backends ask for it at
-    every step -- e.g. checking a CUDA-graph level -- so it must not cost a device query or a
-    read of /proc/cpuinfo each time.)"""
+    """The platform of the default device, detected once."""
     if torch.cuda.is_available():
-        return _gpu_platform(torch.cuda.current_device())
-    return _other_platform()
-
-
-@functools.cache
-def _gpu_platform(index: int) -> Platform:
-    props = torch.cuda.get_device_properties(index)
-    if torch.version.hip is not None:
-        arch = getattr(props, "gcnArchName", "").split(":")[0] or None
-        return Platform(PlatformKind.ROCM, props.name, None, arch)
-    return Platform(PlatformKind.CUDA, props.name, (props.major, props.minor))
-
-
-@functools.cache
-def _other_platform() -> Platform:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if torch.version.hip is not None:
+            arch = getattr(props, "gcnArchName", "").split(":")[0] or None
+            return Platform(PlatformKind.ROCM, props.name, None, arch)
+        return Platform(PlatformKind.CUDA, props.name, (props.major, props.minor))
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
         return Platform(PlatformKind.XPU, xpu.get_device_name())
