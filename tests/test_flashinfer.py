@@ -212,6 +212,34 @@ def _paged_run_standin(float_ws, int_ws, plan, q, k_cache, v_cache, qo_indptr, k
             lse[q0:q1] = (s.logsumexp(-1) / math.log(2)).t().to(lse.dtype)
 
 
+def _fa4_standin(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                 page_table, softmax_scale, causal, softcap, window_size_left,
+                 window_size_right, num_splits, return_lse, out, lse):
+    """FlashAttention 4's ``_flash_attn_fwd`` over a paged cache in plain torch, with its
+    semantics: request ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, its
+    ``seqused_k[b]`` keys in pages ``page_table[b]``, bottom-right aligned; LSE ``[heads,
+    tokens]`` in natural log."""
+    page = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    for b in range(cu_seqlens_q.shape[0] - 1):
+        q0, q1, kv_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        pages = page_table[b, :-(-kv_len // page)].long()
+        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
+        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * softmax_scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        col = torch.arange(kv_len - (q1 - q0), kv_len)[:, None]
+        j = torch.arange(kv_len)[None, :]
+        masked = (j > col) if causal else torch.zeros_like(j > col)
+        if window_size_left is not None:
+            masked |= j < col - window_size_left
+        s = s.masked_fill(masked, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(out.dtype)
+        if return_lse:
+            lse[:, q0:q1] = s.logsumexp(-1).to(lse.dtype)
+
+
 @pytest.fixture
 def standin_flashinfer(monkeypatch):
     """FlashInfer's module and the CUDA bits replaced by stand-ins, so the planner runs on the
@@ -340,15 +368,21 @@ def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer
         planner(graphs.pad(build_common_metadata([1] * 8, [17] * 8, tables, 16, 32)))
 
 
+@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
-@pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes"])
+@pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
-                                               feature):
+                                               feature, prefill_kernel):
     """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
-    one table tensor, query/output rows, base-2 LSE, windows, soft cap, sinks -- checked on the
-    CPU: FlashInfer's ``paged_run`` is replaced by plain-torch attention with its semantics,
-    and the op's results must match REFERENCE. (``many_decodes``: past the split budget, the
-    plan kept by the no-split rule.)"""
+    one table tensor (or, for FA4 parts, of the common metadata's rows), query/output rows,
+    LSE, windows, soft cap, sinks -- checked on the CPU: FlashInfer's ``paged_run`` and FA4's
+    forward are replaced by plain-torch attention with their semantics, and the op's results
+    must match REFERENCE. (``many_decodes``: past the split budget, the plan kept by the
+    no-split rule; ``one_wave``: about one wave of decode work, which FA4 takes when it runs
+    the prefills -- FLASH_ATTN's route on sm90.)"""
+    import sys
+    import types
+
     from attn_ops.backends import flashinfer as fi
     from attn_ops.testing import (FEATURE_SPECS, SCENARIOS, Scenario, assert_matches_reference,
                                   make_case)
@@ -359,9 +393,14 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
         spec = FEATURE_SPECS[Feature[feature]](spec)
     monkeypatch.setattr(torch.cuda, "get_device_properties",  # split budget: 2 * 8 // 2 = 8
                         lambda d: type("P", (), {"multi_processor_count": 8}))
-    scen = Scenario(tuple((c, 1) for c in range(3, 60, 5)) + ((4, 6),)) \
-        if scenario == "many_decodes" else SCENARIOS[scenario]
-    impl = FLASHINFER(spec, prefill_kernel="fa2")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["flash_attn.cute.interface"]._flash_attn_fwd = _fa4_standin
+    scen = {"many_decodes": Scenario(tuple((c, 1) for c in range(3, 60, 5)) + ((4, 6),)),
+            "one_wave": Scenario(((40, 1), (9, 1), (30, 1), (0, 7)))}.get(scenario) \
+        or SCENARIOS[scenario]
+    impl = FLASHINFER(spec, prefill_kernel=prefill_kernel)
     for seed in range(2):  # (the second step keeps the no-split plan of the first)
         case = make_case(spec, scen, seed=seed)
         meta = impl.build_metadata(case.metadata)
