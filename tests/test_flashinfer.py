@@ -368,6 +368,30 @@ def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer
         planner(graphs.pad(build_common_metadata([1] * 8, [17] * 8, tables, 16, 32)))
 
 
+@pytest.mark.parametrize("size", [8, 24])  # within and past the split budget (2 * 8 // 2)
+def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch, size):
+    """A decode batch padded to a CUDA-graph size and planned by the graph planner: the real
+    rows as REFERENCE computes them unpadded, the padding rows (requests without pages) zero
+    -- the op's side of FlashInfer's CUDA-graph mode, on the CPU with the stand-in kernel."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.testing import Scenario, assert_matches_reference, make_case
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"multi_processor_count": 8}))
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    n = size - 3
+    case = make_case(spec, Scenario(tuple((7 * i % 40, 1) for i in range(n))))
+    graphs = CUDAGraphBatch((size,), 16, 4, "cpu")
+    meta = fi._GraphPlanner(spec, graphs)(graphs.pad(case.metadata))
+    q = torch.cat([case.query, torch.randn(3, 4, 16)])
+    out, lse = torch.full((size, 4, 16), float("nan")), torch.full((size, 4), float("nan"))
+    fi._flashinfer_attention(*FLASHINFER(spec).op_arguments(q, case.kv_cache, meta, out,
+                                                            lse=lse))
+    assert_matches_reference(out, case)
+    assert (out[n:] == 0).all() and (lse[n:] == 0).all()
+
+
 @pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave"])
