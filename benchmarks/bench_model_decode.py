@@ -10,10 +10,11 @@ timed steps, each synchronized: every step rebuilds the batch and step metadata 
 (planning included), as an engine would; in graph mode :func:`attn_ops.build_step_metadata`
 writes the graphs' persistent buffers and the captured graph replays. Graph mode also reports
 the same steps back to back (``graphed_pipelined_ms``: the host prepares a step while the GPU
-runs the last, as with asynchronous scheduling), the host's share alone (``host_prep_ms``), a
-replay alone (``replay_only_ms``) and the kernels with the most time in it. Kernels per layer
-per step, with and without the passes: all the profiler's CUDA kernels in one compiled step,
-and those launched inside ``attn::`` ops (attention and its glue).
+runs the last, as with asynchronous scheduling), the host's share alone (``host_prep_ms``; its
+parts in ``host_prep_parts_ms``), a replay alone (``replay_only_ms``) and the kernels with the
+most time in it. Kernels per layer per step, with and without the passes: all the profiler's
+CUDA kernels in one compiled step, and those launched inside ``attn::`` ops (attention and its
+glue).
 
     python benchmarks/bench_model_decode.py [--backends A B ..] [--layers 8] [--batch 64]
         [--ctx 2048] [--steps 20] [--quick] [--out PATH]
@@ -230,6 +231,13 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
             row["host_prep_ms"] = time_steps(  # the host's share: batch + graph metadata
                 lambda: build_step_metadata(engine.backends, engine.common(), graphs), args.steps,
                 "cpu")
+            common = engine.common()
+            row["host_prep_parts_ms"] = {  # the batch; its padding (+ the backends' metadata)
+                "build_batch": time_steps(engine.common, args.steps, "cpu"),
+                "pad": time_steps(lambda: graphs.pad(common), args.steps, "cpu"),
+                "pad_and_graph_metadata": time_steps(
+                    lambda: build_step_metadata(engine.backends, common, graphs), args.steps,
+                    "cpu")}
             graph, _ = runner.captured[engine.batch]
             row["replay_only_ms"] = time_steps(graph.replay, args.steps, device)
             row["top_kernels"] = top_kernels(graph.replay)
