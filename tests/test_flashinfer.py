@@ -180,36 +180,46 @@ def test_step_backends_are_the_model_layers_distinct_keys():
     assert list(build_step_metadata(backends, meta)) == list(build_step_metadata(model, meta))
 
 
+def _attend(q, k_cache, v_cache, pages, kv_len, scale, cap, causal, window_left):
+    """One request's attention in fp64, as FlashInfer and FlashAttention define it: its
+    ``kv_len`` keys in ``pages``, queries bottom-right aligned, ``window_left`` keys left of
+    each query (None: unbounded). Returns the output rows and the LSE ``[heads, rows]``
+    (natural log)."""
+    group = q.shape[1] // k_cache.shape[2]
+    k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
+    v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    qpos = torch.arange(kv_len - q.shape[0], kv_len)[:, None]
+    kpos = torch.arange(kv_len)[None, :]
+    masked = (kpos > qpos) if causal else torch.zeros_like(kpos > qpos)
+    if window_left is not None:
+        masked |= kpos < qpos - window_left
+    s = s.masked_fill(masked, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v), s.logsumexp(-1)
+
+
 def _paged_run_standin(float_ws, int_ws, plan, q, k_cache, v_cache, qo_indptr, kv_indptr,
                        kv_indices, last_page_len, out, lse, causal, layout, window_left,
                        enable_pdl, *rest):
     """FlashInfer's ``paged_run`` (FA2/FA3 module, NHD cache) in plain torch, with its
     semantics: request ``i``'s queries are rows ``qo_indptr[i]:qo_indptr[i+1]`` of ``q``, its
     keys the pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` of which the last holds
-    ``last_page_len[i]`` tokens; window ``window_left`` keys left of the query; the LSE in
-    base 2. (The arguments after ``enable_pdl``: six optional tensors, the soft cap, the scale,
-    ...)"""
+    ``last_page_len[i]`` tokens; window ``window_left`` keys left of the query (-1: none); the
+    LSE in base 2. (The arguments after ``enable_pdl``: six optional tensors, the soft cap,
+    the scale, ...)"""
     cap, scale = rest[6], rest[7]
     page = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
     for i in range(qo_indptr.shape[0] - 1):
         q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
         pages = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])].long()
         kv_len = (pages.shape[0] - 1) * page + int(last_page_len[i]) if pages.numel() else 0
-        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
-        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
-        s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * scale
-        if cap:
-            s = cap * torch.tanh(s / cap)
-        qpos = torch.arange(kv_len - (q1 - q0), kv_len)[:, None]
-        kpos = torch.arange(kv_len)[None, :]
-        masked = (kpos > qpos) if causal else torch.zeros_like(kpos > qpos)
-        if window_left >= 0:
-            masked |= kpos < qpos - window_left
-        s = s.masked_fill(masked, float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(out.dtype)
+        o, row_lse = _attend(q[q0:q1], k_cache, v_cache, pages, kv_len, scale, cap, causal,
+                             window_left if window_left >= 0 else None)
+        out[q0:q1] = o.to(out.dtype)
         if lse is not None:
-            lse[q0:q1] = (s.logsumexp(-1) / math.log(2)).t().to(lse.dtype)
+            lse[q0:q1] = (row_lse / math.log(2)).t().to(lse.dtype)
 
 
 def _fa4_standin(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -220,24 +230,14 @@ def _fa4_standin(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_q, 
     ``seqused_k[b]`` keys in pages ``page_table[b]``, bottom-right aligned; LSE ``[heads,
     tokens]`` in natural log."""
     page = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
     for b in range(cu_seqlens_q.shape[0] - 1):
         q0, q1, kv_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
         pages = page_table[b, :-(-kv_len // page)].long()
-        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
-        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, 1).double()
-        s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * softmax_scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        col = torch.arange(kv_len - (q1 - q0), kv_len)[:, None]
-        j = torch.arange(kv_len)[None, :]
-        masked = (j > col) if causal else torch.zeros_like(j > col)
-        if window_size_left is not None:
-            masked |= j < col - window_size_left
-        s = s.masked_fill(masked, float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(out.dtype)
+        o, row_lse = _attend(q[q0:q1], k_cache, v_cache, pages, kv_len, softmax_scale,
+                             softcap, causal, window_size_left)
+        out[q0:q1] = o.to(out.dtype)
         if return_lse:
-            lse[:, q0:q1] = s.logsumexp(-1).to(lse.dtype)
+            lse[:, q0:q1] = row_lse.to(lse.dtype)
 
 
 @pytest.fixture
