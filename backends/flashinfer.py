@@ -79,6 +79,12 @@ def _last_page_len(seq: np.ndarray, block_size: int) -> np.ndarray:
     return np.minimum(seq, (seq - 1) % block_size + 1).astype(np.int32, copy=False)
 
 
+def split_budget(num_sms: int, kv_heads: int) -> int:
+    """The most requests FlashInfer's split rule may split: two CTAs per SM, one per
+    (request, KV head) chunk. Beyond it, the rule cannot split."""
+    return 2 * num_sms // kv_heads
+
+
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
                   num_sms: int, fa4: bool) -> tuple[str, int]:
     """The decode part's kernel and FlashInfer split-KV chunk (in pages; -1: FlashInfer's own
@@ -95,12 +101,12 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     B=12 ctx 4k 3.75 vs 3.57) and unsteady beyond (B=16 ctx 32k 4.06-4.54 over three runs;
     B=12 ctx 8k 3.42 vs 3.96), where FlashInfer without splits is used. From a full wave on,
     FlashInfer does not split (B >= 32: its rule equals no split, and beat FA4). Once the
-    requests outnumber its split budget (two CTAs per SM, ``2 * num_sms // kv_heads``
-    requests) its rule cannot split at all, and saying "no split" outright makes a plan that
-    does not depend on the lengths: it is kept from step to step (see ``_Planner.plan_part``)."""
+    requests outnumber its split budget (:func:`split_budget`) its rule cannot split at all,
+    and saying "no split" outright makes a plan that does not depend on the lengths: it is
+    kept from step to step (see ``_Planner.plan_part``)."""
     items = num_decodes * kv_heads
     if items >= num_sms:
-        return "fa2", 0 if num_decodes > 2 * num_sms // kv_heads else -1
+        return "fa2", 0 if num_decodes > split_budget(num_sms, kv_heads) else -1
     if fa4 and 10 * items > 7 * num_sms and max_pages * block_size <= 4096:
         return "fa4", -1
     chunk = -(-max_pages // (num_sms // items))
@@ -236,7 +242,7 @@ class _Planner:
                        _plan_vector(-1, 0, 0, 0, 0, 0, 0, []))
         self._unused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.split_budget = 2 * self.num_sms // spec.kv_heads  # (FlashInfer's, in requests)
+        self.split_budget = split_budget(self.num_sms, spec.kv_heads)
 
     def unused(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stand-ins for ``seq_lens`` and a ``block_table`` of ``width`` columns where no part
