@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,8 +21,8 @@ import torch
 from attn_ops.kv_cache import BlockAllocator
 
 __all__ = [
-    "CommonAttentionMetadata", "block_csr", "build_common_metadata", "build_batch",
-    "decode_first_order", "split_decodes_and_prefills",
+    "CommonAttentionMetadata", "DeviceTables", "block_csr", "build_common_metadata",
+    "build_batch", "decode_first_order", "split_decodes_and_prefills",
 ]
 
 
@@ -39,7 +40,10 @@ class CommonAttentionMetadata:
     * ``block_indptr_cpu`` ``[B+1]`` / ``block_indices_cpu`` (int32, host): the pages each
       request's length uses, in CSR form -- the blocks of request ``i`` are
       ``block_indices_cpu[block_indptr_cpu[i]:block_indptr_cpu[i+1]]`` (FlashInfer's
-      ``kv_indptr`` / ``kv_indices``). :meth:`block_csr` computes them where not given.
+      ``kv_indptr`` / ``kv_indices``). :meth:`block_csr` computes them where not given;
+    * ``device_tables``: those on the device, with each request's ``last_page_len`` and the
+      prefill part's offsets, in the buffer the device tensors above are views of
+      (:class:`DeviceTables`; :func:`build_common_metadata` uploads the step in one copy).
 
     Host ints: ``block_size`` (tokens per cache page), ``num_actual_tokens``
     (``query_start_loc[-1]``), ``max_query_len``, ``max_seq_len``, ``num_decodes`` /
@@ -64,6 +68,7 @@ class CommonAttentionMetadata:
     num_blocks: int | None = None
     block_indptr_cpu: torch.Tensor | None = None
     block_indices_cpu: torch.Tensor | None = None
+    device_tables: DeviceTables | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -128,25 +133,97 @@ def block_csr(seq_lens: np.ndarray, block_table: np.ndarray,
     return indptr, indices.astype(np.int32, copy=False)
 
 
-def _upload(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """Host arrays as tensors on ``device``. To a GPU through pinned staging memory, copied
-    without blocking: a copy from pageable memory first waits for the stream to drain, which
-    kept the host from preparing a step while the GPU ran the last one. (PyTorch's caching
-    host allocator hands a staging block out again only after the copies from it ran.)"""
-    if torch.device(device).type == "cpu":
-        return [torch.from_numpy(a) for a in arrays]
-    out = []
-    for a in arrays:
-        staged = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
-        staged.numpy()[...] = a
-        out.append(staged.to(device, non_blocking=True))
-    return out
+ALIGN = 4  # int32 entries: every array of a packed buffer starts 16-byte aligned
+
+
+def pack_upload(int64: Sequence[np.ndarray], int32: Sequence[np.ndarray],
+                device: torch.device | str) -> tuple[torch.Tensor, list[int]]:
+    """Host arrays in one int32 buffer on ``device`` -- the int64 ones first, each array from a
+    16-byte aligned offset -- and the offsets (int32 entries), in argument order.
+
+    One pinned staging block (PyTorch's caching host allocator, which hands a block out again
+    only after the copies from it ran) and one copy without blocking: a copy from pageable
+    memory first waits for the stream to drain, which kept the host from preparing a step while
+    the GPU ran the last one, and each copy of its own costs the host 15-20 us on the H200
+    machine. Offsets are never 1 (the first array sits at 0; Dynamo would specialize views at
+    offset 0 or 1, as it does sizes), and FA4's kernels may assume 16-byte aligned tables."""
+    offsets, at = [], 0
+    for a, entries in [(a, 2) for a in int64] + [(a, 1) for a in int32]:
+        offsets.append(at)
+        at += -(-a.size * entries // ALIGN) * ALIGN
+    on_gpu = (device if isinstance(device, torch.device) else torch.device(device)).type != "cpu"
+    if on_gpu:
+        staged = torch.empty(at, dtype=torch.int32, pin_memory=True)
+        host = staged.numpy()
+    else:
+        host = np.empty(at, dtype=np.int32)
+        staged = torch.from_numpy(host)
+    for a, o in zip(int64, offsets):
+        host[o:o + 2 * a.size].view(np.int64)[:] = a.reshape(-1)
+    for a, o in zip(int32, offsets[len(int64):]):
+        host[o:o + a.size] = a.reshape(-1)
+    return (staged.to(device, non_blocking=True) if on_gpu else staged), offsets
+
+
+class DeviceTables(NamedTuple):  # (a NamedTuple: made every step, 5x cheaper than a dataclass)
+    """A step's int32 tables for paged kernels, in one device ``buffer`` (one upload with the
+    rest of the common metadata): the offsets of ``query_start_loc [B+1]``, ``block_indptr
+    [B+1]``, ``last_page_len [B]`` and ``block_indices`` (see :class:`CommonAttentionMetadata`),
+    and of the prefill part's ``query_start_loc`` and ``block_indptr`` counted from its first
+    request (``[P+1]``; the batch's own when it has no decodes) -- what a backend that runs
+    decodes and prefills as two launches needs (FlashInfer, FA4). Kernels take ``buffer`` and
+    the offsets, not views: Dynamo would guard on each view's storage offset."""
+
+    buffer: torch.Tensor
+    query_start_loc: int
+    block_indptr: int
+    last_page_len: int
+    block_indices: int
+    prefill_query_start_loc: int
+    prefill_block_indptr: int
+
+
+def last_page_len(seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Tokens in each request's last page, 1..block_size (0 for an empty request), int32."""
+    return np.minimum(seq_lens, (seq_lens - 1) % block_size + 1).astype(np.int32, copy=False)
+
+
+def prefill_offsets(qsl: np.ndarray, indptr: np.ndarray,
+                    num_decodes: int) -> list[np.ndarray]:
+    """The prefill part's query and page offsets counted from its first request (empty when
+    the batch has no decodes or no prefills: :class:`DeviceTables` then points at the
+    batch's own)."""
+    if 0 < num_decodes < qsl.shape[0] - 1:
+        return [qsl[num_decodes:] - qsl[num_decodes], indptr[num_decodes:] - indptr[num_decodes]]
+    return []
+
+
+def _device_tables(buffer: torch.Tensor, offsets: Sequence[int]) -> DeviceTables:
+    """``DeviceTables`` from the offsets of qsl, indptr, last_page_len, indices and, when
+    given, the prefill part's qsl and indptr."""
+    qsl, indptr, last, indices, *prefill = offsets
+    return DeviceTables(buffer, qsl, indptr, last, indices, *(prefill or (qsl, indptr)))
+
+
+def upload_tables(common: CommonAttentionMetadata, device: torch.device) -> DeviceTables:
+    """``common``'s :class:`DeviceTables` on ``device``: the ones it was built with, or (for
+    metadata made by hand or moved) uploaded from its host arrays."""
+    tables = common.device_tables
+    if tables is not None and tables.buffer.device == device:
+        return tables
+    qsl, seq = common.query_start_loc_cpu.numpy(), common.seq_lens_cpu.numpy()
+    indptr, indices = common.block_csr()
+    int32 = [qsl, indptr, last_page_len(seq, common.block_size), indices,
+             *prefill_offsets(qsl, indptr, common.num_decodes)]
+    buffer, offsets = pack_upload((), int32, device)
+    return _device_tables(buffer, offsets)
 
 
 def upload_int32(arrays: Sequence[np.ndarray], device: torch.device,
                  into: torch.Tensor | None = None) -> torch.Tensor:
     """1-D int32 host arrays, concatenated, as a new tensor on ``device`` (or into the front of
-    ``into``): one pinned staging block and one copy without blocking, as in :func:`_upload`.
+    ``into``): one pinned staging block and one copy without blocking, as in
+    :func:`pack_upload`.
     (The caching host allocator records the copy and reuses the block only after it ran: on the
     H200 host this took 26-28 us where a ring of pinned buffers guarded by our own CUDA events
     took 47-49 -- recording an event from Python alone cost 11.)"""
@@ -291,8 +368,14 @@ def build_common_metadata(
     slots[:num_tokens] = table_np[req, pos // block_size].astype(np.int64) * block_size \
         + pos % block_size
     qsl32, seq32 = qsl.astype(np.int32), s_np.astype(np.int32)
-    qsl_dev, seq_dev, table_dev, slots_dev, positions_dev = _upload(
-        (qsl32, seq32, table_np, slots, positions), device)
+    # One upload: the int64 slots and positions, then the int32 tables (offsets in `at`).
+    buffer, at = pack_upload((slots, positions), (
+        qsl32, seq32, table_np, indptr, last_page_len(seq32, block_size), indices,
+        *prefill_offsets(qsl32, indptr, num_decodes)), device)
+    slots_dev = buffer[:2 * padded].view(torch.int64)
+    positions_dev = buffer[at[1]:at[1] + 2 * padded].view(torch.int64)
+    qsl_dev, seq_dev = buffer[at[2]:at[2] + n + 1], buffer[at[3]:at[3] + n]
+    table_dev = buffer[at[4]:at[4] + n * width].view(n, width)
     return CommonAttentionMetadata(
         query_start_loc=qsl_dev,
         query_start_loc_cpu=torch.from_numpy(qsl32),
@@ -311,6 +394,7 @@ def build_common_metadata(
         num_blocks=num_blocks,
         block_indptr_cpu=torch.from_numpy(indptr),
         block_indices_cpu=torch.from_numpy(indices),
+        device_tables=_device_tables(buffer, [at[2], *at[5:]]),
         positions_tensor=positions_dev,
     )
 

@@ -38,8 +38,8 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
-from attn_ops.metadata import (CommonAttentionMetadata, block_csr, sizes_not_specialized,
-                               upload_int32)
+from attn_ops.metadata import (CommonAttentionMetadata, block_csr, last_page_len,
+                               sizes_not_specialized, upload_int32, upload_tables)
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
@@ -48,7 +48,8 @@ __all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
 
 LN2 = math.log(2.0)
 KERNELS = ("fa2", "fa3", "fa4")  # a part's plan vector starts with an index into this
-HEADER = 8  # a plan vector: [kernel, rows, padded, at, first, n, num_indices, plan length, ...]
+HEADER = 11  # a plan vector: [kernel, rows, padded, first, n, num_indices, plan length,
+#              qo_at, kv_at, last_at, indices_at, *plan]
 PLAN_LEN = 64  # entries of every plan vector (a fixed size: no shape for Dynamo to specialize)
 FLOAT_WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
@@ -71,12 +72,7 @@ def paged_kv_csr(seq_lens: torch.Tensor, block_table: torch.Tensor,
     seq = seq_lens.numpy()
     indptr, indices = block_csr(seq, block_table.numpy(), block_size)
     return (torch.from_numpy(indptr), torch.from_numpy(indices),
-            torch.from_numpy(_last_page_len(seq, block_size)))
-
-
-def _last_page_len(seq: np.ndarray, block_size: int) -> np.ndarray:
-    """Tokens in each request's last page (0 for an empty request), int32."""
-    return np.minimum(seq, (seq - 1) % block_size + 1).astype(np.int32, copy=False)
+            torch.from_numpy(last_page_len(seq, block_size)))
 
 
 def split_budget(num_sms: int, kv_heads: int) -> int:
@@ -121,17 +117,20 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
 class FlashInferMetadata:
     """One step's plans, in two parts run one after the other: the decode rows (first), then
     the prefill rows. Per part: an int workspace (device) and a plan, a CPU int64 vector of
-    ``PLAN_LEN`` entries ``[kernel index in KERNELS, rows, padded, at, first, n, num_indices,
-    plan length, *the kernel's plan, 0...]`` (kernel -1: the part has no rows; ``padded``: a
-    CUDA-graph batch, whose requests without pages are padding; ``n`` requests from request
-    ``first``). ``tables`` (int32, device) holds both parts' page tables, a part's from offset
-    ``at``: FlashInfer's ``qo_indptr [n+1]``, ``kv_indptr [n+1]``, ``last_page_len [n]`` and
-    ``kv_indices [num_indices]``; for FA4 (kernel plan ``[max_seqlen_q, max_seqlen_k]``) only
-    ``cu_seqlens_q [n+1]``, with rows ``first..first+n`` of ``seq_lens`` and ``block_table`` --
-    the common metadata's, or empty stand-ins when no part runs FA4. One tensor, not a view per
-    table: Dynamo would guard on each view's storage offset, and every batch composition would
-    be another graph; plan vectors of one size, so that Dynamo has no size to specialize on.
-    ``slot_mapping`` is the common metadata's, for the KV-cache write."""
+    ``PLAN_LEN`` entries ``[kernel index in KERNELS, rows, padded, first, n, num_indices, plan
+    length, qo_at, kv_at, last_at, indices_at, *the kernel's plan, 0...]`` (kernel -1: the part
+    has no rows; ``padded``: a CUDA-graph batch, whose requests without pages are padding;
+    ``n`` requests from request ``first``). ``tables`` (int32, device) holds both parts' page
+    tables, at those offsets: FlashInfer's ``qo_indptr [n+1]``, ``kv_indptr [n+1]``,
+    ``last_page_len [n]`` and ``kv_indices [num_indices]``; for FA4 (kernel plan
+    ``[max_seqlen_q, max_seqlen_k]``) only ``cu_seqlens_q [n+1]``, with rows ``first..first+n``
+    of ``seq_lens`` and ``block_table`` -- the common metadata's, or empty stand-ins when no
+    part runs FA4. Eagerly ``tables`` is the common metadata's :class:`~attn_ops.metadata.
+    DeviceTables` buffer (uploaded with the batch: the builder copies nothing); in CUDA graphs
+    the graph planner's persistent buffer. One tensor, not a view per table: Dynamo would guard
+    on each view's storage offset, and every batch composition would be another graph; plan
+    vectors of one size, so that Dynamo has no size to specialize on. ``slot_mapping`` is the
+    common metadata's, for the KV-cache write."""
 
     slot_mapping: torch.Tensor
     float_workspace: torch.Tensor
@@ -214,14 +213,15 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata
 _EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
 
 
-def _plan_vector(kernel: int, rows: int, padded: int, at: int, first: int, n: int,
-                 num_indices: int, plan: list[int]) -> torch.Tensor:
-    """A part's plan vector (see :class:`FlashInferMetadata`)."""
+def _plan_vector(kernel: int, rows: int, padded: int, first: int, n: int, num_indices: int,
+                 plan: list[int], at: tuple[int, int, int, int] = (0, 0, 0, 0)) -> torch.Tensor:
+    """A part's plan vector (see :class:`FlashInferMetadata`); ``at``: the offsets of its
+    ``qo_indptr``, ``kv_indptr``, ``last_page_len`` and ``kv_indices`` in ``tables``."""
     if len(plan) > PLAN_LEN - HEADER:
         raise RuntimeError(f"a {KERNELS[kernel]} plan of {len(plan)} entries does not fit the "
                            f"plan vector; raise PLAN_LEN ({PLAN_LEN}) in {__name__}")
     vec = np.zeros(PLAN_LEN, dtype=np.int64)
-    vec[:HEADER] = kernel, rows, padded, at, first, n, num_indices, len(plan)
+    vec[:HEADER] = kernel, rows, padded, first, n, num_indices, len(plan), *at
     vec[HEADER:HEADER + len(plan)] = plan
     return torch.from_numpy(vec)
 
@@ -238,8 +238,7 @@ class _Planner:
         self.cap = spec.logits_soft_cap or 0.0
         # The plan of a part without requests, one per part: Dynamo guards on inputs that
         # alias, so one tensor passed twice would make another graph than two tensors.
-        self.absent = (_plan_vector(-1, 0, 0, 0, 0, 0, 0, []),
-                       _plan_vector(-1, 0, 0, 0, 0, 0, 0, []))
+        self.absent = (_plan_vector(-1, 0, 0, 0, 0, 0, []), _plan_vector(-1, 0, 0, 0, 0, 0, []))
         self._unused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.split_budget = split_budget(self.num_sms, spec.kv_heads)
@@ -287,12 +286,11 @@ class _Planner:
 
     def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         # (numpy throughout: a small torch op on the host costs 1.5-8 us, numpy's a fraction)
+        dev = upload_tables(common, self.device)  # (uploaded with the batch: no copy here)
         indptr, indices = common.block_csr()
         seq, qsl = common.seq_lens_cpu.numpy(), common.query_start_loc_cpu.numpy()
         block_size, nd, n = common.block_size, common.num_decodes, common.num_reqs
         causal = self.spec.causal and common.causal
-        host: list[np.ndarray] = []  # int32 tables, sent to the device in one copy
-        at = 0
         plans = list(self.absent)
         fa4 = False
         for part, first, stop in ((0, 0, nd), (1, nd, n)):
@@ -304,32 +302,30 @@ class _Planner:
                 max_pages = -(-longest // block_size)
                 kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
                                               self.num_sms, self.prefill_kernel == "fa4")
+                at = dev.query_start_loc, dev.block_indptr, dev.last_page_len, dev.block_indices
             else:
                 kernel, chunk = self.prefill_kernel, -1
+                at = (dev.prefill_query_start_loc, dev.prefill_block_indptr,
+                      dev.last_page_len + first, dev.block_indices + int(indptr[first]))
             if kernel == "fa4":  # FA4 reads the common metadata's device tables
                 fa4 = True
-                tables, num_indices = [qo], 0
+                num_indices = 0
                 plan = [1 if part == 0 else common.max_query_len, common.max_seq_len]
             else:
                 pages = indptr[first:stop + 1]
                 kv_indptr = pages - pages[0] if first else pages
-                kv_indices = indices[pages[0]:pages[-1]]
-                tables, num_indices = [qo, kv_indptr, _last_page_len(seq[first:stop], block_size),
-                                       kv_indices], kv_indices.shape[0]
+                num_indices = int(kv_indptr[-1])
                 plan = self.plan_part((self.decode_ws, self.prefill_ws)[part], kernel, qo,
                                       kv_indptr, seq[first:stop], block_size, causal,
                                       graph=False, chunk=chunk)
-            plans[part] = _plan_vector(KERNELS.index(kernel), qo[-1], 0, at, first,
-                                       stop - first, num_indices, plan)
-            host += tables
-            at += sum(t.shape[0] for t in tables)
-        device_tables = upload_int32(host, self.device)
+            plans[part] = _plan_vector(KERNELS.index(kernel), qo[-1], 0, first, stop - first,
+                                       num_indices, plan, at)
         seq_lens, block_table = self.unused(common.block_table.shape[1])
         if fa4:
             seq_lens, block_table = common.seq_lens, common.block_table
             sizes_not_specialized(seq_lens, block_table)
-        sizes_not_specialized(device_tables)
-        return FlashInferMetadata(common.slot_mapping, self.float_workspace, device_tables,
+        sizes_not_specialized(dev.buffer)
+        return FlashInferMetadata(common.slot_mapping, self.float_workspace, dev.buffer,
                                   seq_lens, block_table, self.decode_ws.device, plans[0],
                                   self.prefill_ws.device, plans[1], causal=common.causal)
 
@@ -359,15 +355,16 @@ class _GraphPlanner(_Planner):
         qo = np.arange(size + 1, dtype=np.int32)  # padded requests get a (zeroed) row
         kv_indptr, kv_indices = padded.block_csr()
         seq = padded.seq_lens_cpu.numpy()
-        last = _last_page_len(seq, padded.block_size)
+        last = last_page_len(seq, padded.block_size)
         kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
                                      graph=True, chunk=0 if size > self.split_budget else -1)
         made, captured = self.plans.get(size, (None, None))
         if kernel_plan is not made:  # (a plan kept in the workspace is the one checked)
             # (num_indices: all the buffer holds past the other tables, the same every replay)
-            plan = _plan_vector(KERNELS.index("fa2"), size, 1, 0, 0, size,
-                                self.tables.shape[0] - (3 * size + 2), kernel_plan)
+            plan = _plan_vector(KERNELS.index("fa2"), size, 1, 0, size,
+                                self.tables.shape[0] - (3 * size + 2), kernel_plan,
+                                (0, size + 1, 2 * size + 2, 3 * size + 2))
             if captured is None:
                 captured = plan
             elif not torch.equal(captured, plan):
@@ -396,19 +393,18 @@ def _check(query, kv_cache, out, lse):
 _VIEWS: dict = {}
 
 
-def _part_tables(tables, seq_lens, block_table, kernel, at, first, n, num_indices) -> tuple:
+def _part_tables(tables, seq_lens, block_table, kernel, first, n, num_indices, qo_at, kv_at,
+                 last_at, indices_at) -> tuple:
     """``(tables, *a part's tables)``: FA2/FA3's ``qo_indptr``, ``kv_indptr``,
     ``last_page_len`` and ``kv_indices``, or FA4's ``cu_seqlens_q``, ``seqused_k`` and page
     table (see :class:`FlashInferMetadata`)."""
-    qo = tables[at:at + n + 1]
+    qo = tables[qo_at:qo_at + n + 1]
     if KERNELS[kernel] == "fa4":
         whole = n == seq_lens.shape[0]
         return (tables, qo, seq_lens if whole else seq_lens[first:first + n],
                 block_table if whole else block_table[first:first + n])
-    at += n + 1
-    last_at = at + n + 1
-    return (tables, qo, tables[at:last_at], tables[last_at:last_at + n],
-            tables[last_at + n:last_at + n + num_indices])
+    return (tables, qo, tables[kv_at:kv_at + n + 1], tables[last_at:last_at + n],
+            tables[indices_at:indices_at + num_indices])
 
 
 def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, seq_lens,
@@ -428,10 +424,10 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
     total = out.shape[0]
     start, padded_part = 0, None
     for plan_vec, ws in ((decode_plan, decode_workspace), (prefill_plan, prefill_workspace)):
-        kernel, rows, padded, at, first, n, num_indices, plan_len, *plan = plan_vec.tolist()
+        kernel, rows, padded, first, n, num_indices, plan_len, *plan = plan_vec.tolist()
         if kernel < 0:
             continue
-        del plan[plan_len:]
+        at, plan = plan[:4], plan[4:4 + plan_len]
         if start == 0 and rows == total:  # the part is the whole batch: no views to make
             q_part, out_part, lse_part = q, out, lse_buf
         else:
@@ -443,7 +439,7 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
             if len(_VIEWS) > 16:
                 _VIEWS.clear()
             views = _VIEWS[id(plan_vec)] = (plan_vec, *_part_tables(
-                tables, seq_lens, block_table, kernel, at, first, n, num_indices))
+                tables, seq_lens, block_table, kernel, first, n, num_indices, *at))
         if KERNELS[kernel] == "fa4":
             from attn_ops.backends.flash_attn import fa_window, run_fa4
 

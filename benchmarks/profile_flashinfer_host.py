@@ -135,8 +135,8 @@ def main() -> None:
         out = torch.empty_like(q)
         cache = torch.randn(10, 2, 16, 8, 128, dtype=torch.bfloat16)
         ws, tables = torch.empty(16, dtype=torch.uint8), torch.zeros(6, dtype=torch.int32)
-        plan = fi._plan_vector(0, 1, 0, 0, 0, 1, 1, list(range(15)))  # one decode, one page
-        none = fi._plan_vector(-1, 0, 0, 0, 0, 0, 0, [])
+        plan = fi._plan_vector(0, 1, 0, 0, 1, 1, list(range(15)), (0, 2, 4, 5))  # one decode
+        none = fi._plan_vector(-1, 0, 0, 0, 0, 0, [])
         op_args = (q, cache, out, None, ws, tables, tables[:1], tables[:1, None], ws, plan, ws,
                    none, None, None, None, 0.088, None, None, True)
         results["op_body_us_per_call"] = mean_us(lambda: fi._flashinfer_attention(*op_args))

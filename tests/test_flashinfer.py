@@ -140,7 +140,7 @@ def test_decodes_past_the_split_budget_keep_their_plan_and_stay_right():
         out, _ = run_backend(FLASHINFER, case, with_lse=False)
         assert_matches_reference(out, case)
         plans.append(FLASHINFER(spec).build_metadata(case.metadata).decode_plan)
-    assert torch.equal(plans[0][8:], plans[1][8:])  # the kernel plan, kept
+    assert torch.equal(plans[0][fi.HEADER:], plans[1][fi.HEADER:])  # the kernel plan, kept
     planner = fi._EAGER_PLANNERS[FLASHINFER(spec).metadata_key(), case.metadata.seq_lens.device]
     assert planner.decode_ws.last[0][1:3] == (b"", 0)  # (key: no page counts, no split)
 
@@ -291,7 +291,7 @@ def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(standin
     assert len(calls) == 1 and torch.equal(again.decode_plan, first.decode_plan)
     moved = step([33, 41])  # request 0 enters its third page
     assert len(calls) == 2 and calls[-1] == ([0, 3, 6], 1, False)  # (chunks of 1 page)
-    assert moved.decode_plan.tolist()[8] == 2  # the new plan, after the 8-entry header
+    assert moved.decode_plan.tolist()[fi.HEADER] == 2  # the new plan, after the header
 
 
 def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flashinfer):
@@ -313,10 +313,13 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     first = step([16] * 34)
     moved = step([17] * 34)  # every request enters its second page
     assert calls == [([i for i in range(35)], -1, True)]
-    assert torch.equal(moved.decode_plan[8:], first.decode_plan[8:])
-    t = moved.tables.tolist()  # qo_indptr, kv_indptr, last_page_len, kv_indices
-    assert t[35:70] == list(range(0, 70, 2)) and t[70:104] == [1] * 34
-    assert t[104:] == [r * 4 + i for r in range(34) for i in range(2)]
+    assert torch.equal(moved.decode_plan[fi.HEADER:], first.decode_plan[fi.HEADER:])
+    kernel, _, _, first, n, num_indices, _, *at = moved.decode_plan[:fi.HEADER].tolist()
+    _, qo, kv_indptr, last, kv_indices = fi._part_tables(
+        moved.tables, moved.seq_lens, moved.block_table, kernel, first, n, num_indices, *at)
+    assert qo.tolist() == list(range(35)) and kv_indptr.tolist() == list(range(0, 70, 2))
+    assert last.tolist() == [1] * 34
+    assert kv_indices.tolist() == [r * 4 + i for r in range(34) for i in range(2)]
     step([17] * 33)  # fewer requests: FlashInfer's rule again
     assert len(calls) == 2 and calls[-1][1:] == (-1, False)
 
