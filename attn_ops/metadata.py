@@ -205,10 +205,11 @@ def _device_tables(buffer: torch.Tensor, offsets: Sequence[int]) -> DeviceTables
     return DeviceTables(buffer, qsl, indptr, last, indices, *(prefill or (qsl, indptr)))
 
 
-def upload_tables(common: CommonAttentionMetadata, device: torch.device) -> DeviceTables:
-    """``common``'s :class:`DeviceTables` on ``device``: the ones it was built with, or (for
-    metadata made by hand or moved) uploaded from its host arrays."""
-    tables = common.device_tables
+def upload_tables(common: CommonAttentionMetadata) -> DeviceTables:
+    """``common``'s :class:`DeviceTables`, on the device of its tensors: the ones it was built
+    with, or (for metadata made by hand, or moved to another device) uploaded from its host
+    arrays."""
+    tables, device = common.device_tables, common.seq_lens.device
     if tables is not None and tables.buffer.device == device:
         return tables
     qsl, seq = common.query_start_loc_cpu.numpy(), common.seq_lens_cpu.numpy()

@@ -286,8 +286,8 @@ class _Planner:
 
     def __call__(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         # (numpy throughout: a small torch op on the host costs 1.5-8 us, numpy's a fraction)
-        dev = upload_tables(common, self.device)  # (uploaded with the batch: no copy here)
-        indptr, indices = common.block_csr()
+        dev = upload_tables(common)  # (uploaded with the batch: no copy here)
+        indptr = common.block_csr()[0]
         seq, qsl = common.seq_lens_cpu.numpy(), common.query_start_loc_cpu.numpy()
         block_size, nd, n = common.block_size, common.num_decodes, common.num_reqs
         causal = self.spec.causal and common.causal

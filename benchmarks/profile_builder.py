@@ -6,6 +6,9 @@ FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor cores) on t
 Decode batches of 256 and 64 requests, ctx 4k, pages of 128 and 16; per-stage means over 200
 repetitions (microseconds). The whole builder is timed on steps alternating two batches a page
 apart (every step a new page count, as when requests cross page boundaries) and on one batch.
+Since 7e8c75f the builder copies nothing: its tables come with the common metadata's one
+upload, so the common metadata's build is timed too, with its upload next to the five uploads
+it replaced.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -27,29 +31,39 @@ def mean_us(fn) -> float:
 
 
 def upload_parts(host: list) -> dict[str, float]:
-    """The upload's calls one by one (``attn_ops.metadata.upload_int32``: a pinned block from
+    """The upload's calls one by one (``attn_ops.metadata.pack_upload``: a pinned block from
     the caching host allocator, filled in numpy, copied without blocking)."""
-    import numpy as np
-
-    total = sum(a.shape[0] for a in host)
+    total = sum(a.size for a in host)
     staged = torch.empty(total, dtype=torch.int32, pin_memory=True)
     view = staged.numpy()
     return {
         "  torch.empty pinned": mean_us(
             lambda: torch.empty(total, dtype=torch.int32, pin_memory=True)),
-        "  np.concatenate into it": mean_us(lambda: np.concatenate(host, out=view)),
+        "  np.concatenate into it": mean_us(
+            lambda: np.concatenate([a.reshape(-1) for a in host], out=view)),
         "  .to(cuda, non_blocking)": mean_us(lambda: staged.to("cuda", non_blocking=True)),
         "  torch.empty on the device": mean_us(
             lambda: torch.empty(total, dtype=torch.int32, device="cuda")),
     }
 
 
-def stages(b: Batch, other: Batch) -> dict[str, float]:
+def five_uploads(host: list) -> None:
+    """How ``build_common_metadata`` uploaded before 7e8c75f: an array at a time, each
+    through its own pinned block."""
+    for a in host:
+        staged = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
+        staged.numpy()[...] = a
+        staged.to("cuda", non_blocking=True)
+
+
+def stages(b: Batch, other: Batch, tables: list) -> dict[str, float]:
     """``b``'s stages; ``other``: the same requests a page longer (a step that must replan
-    where the plan depends on page counts)."""
+    where the plan depends on page counts); ``tables``: ``b``'s block tables as lists."""
     import flashinfer
 
     from attn_ops.backends import flashinfer as fi
+    from attn_ops.metadata import (build_common_metadata, last_page_len, pack_upload,
+                                   prefill_offsets)
 
     impl = fi.FlashInferBackend(SPEC)
     impl.build_metadata(b.meta)
@@ -57,7 +71,7 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
     m = b.meta
     seq, qsl = m.seq_lens_cpu, m.query_start_loc_cpu
     indptr, indices = m.block_csr()
-    last = fi._last_page_len(seq.numpy(), m.block_size)
+    last = last_page_len(seq.numpy(), m.block_size)
     mod = fi._module("fa2", SPEC.dtype, SPEC.cache_dtype, SPEC.head_dim, SPEC.v_head_dim,
                      False, False)
     args = [qsl, torch.from_numpy(indptr), seq, int(qsl[-1]), m.num_reqs, SPEC.num_heads,
@@ -76,24 +90,32 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
         fi._PLANS.pop(m, None)
         impl.build_metadata(m)
 
+    n, seq_list = m.num_reqs, seq.tolist()
+    slots = m.slot_mapping.cpu().numpy()
+    positions = m.positions.cpu().numpy()
+    table = m.block_table_cpu.numpy()
+    common_host = [qsl.numpy(), seq.numpy(), table, indptr, last, indices]
     ws_f = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_f, "NHD", use_tensor_cores=True)
     d_indptr, d_indices, d_last = (torch.from_numpy(a).cuda() for a in (indptr, indices, last))
     return {
         "build_metadata, a page more every other step": mean_us(step),
         "build_metadata, the same batch": mean_us(same),
-        "block_csr (from the table; the builder takes the common metadata's)":
-            mean_us(lambda: fi.block_csr(seq.numpy(), m.block_table_cpu.numpy(), m.block_size)),
-        "last_page_len": mean_us(lambda: fi._last_page_len(seq.numpy(), m.block_size)),
         "mod.plan (FlashInfer C++)": mean_us(
             lambda: mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.hosts[0], *args)),
         "plan[:] (read the plan vector)": mean_us(lambda: raw[:]),
-        "event record": mean_us(lambda: torch.cuda.Event().record()),
-        "upload": mean_us(lambda: fi.upload_int32([qsl.numpy(), indptr, last, indices],
-                                                  b.meta.seq_lens.device)),
-        **upload_parts([qsl.numpy(), indptr, last, indices]),
+        "_plan_vector": mean_us(lambda: fi._plan_vector(0, n, 0, 0, n, 8, list(range(15)))),
         "mark_unbacked (one tensor)": mean_us(lambda: fi.sizes_not_specialized(seq)),
         "FlashInferMetadata(...)": mean_us(lambda: fi.FlashInferMetadata(*[seq] * 9)),
+        "common metadata: build_common_metadata (checks, CSR, one upload)": mean_us(
+            lambda: build_common_metadata([1] * n, seq_list, tables, m.block_size,
+                                          m.num_blocks, device="cuda")),
+        "common metadata: last_page_len": mean_us(lambda: last_page_len(seq.numpy(), m.block_size)),
+        "common metadata: pack_upload (its one copy)": mean_us(lambda: pack_upload(
+            (slots, positions), (*common_host, *prefill_offsets(qsl.numpy(), indptr, n)), "cuda")),
+        **upload_parts([slots.view(np.int32), positions.view(np.int32), *common_host]),
+        "common metadata before 7e8c75f: five uploads": mean_us(
+            lambda: five_uploads([qsl.numpy(), seq.numpy(), table, slots, positions])),
         "anchor: FlashInfer wrapper.plan (tensor cores, device CSR given)": mean_us(
             lambda: wrapper.plan(d_indptr, d_indices, d_last, SPEC.num_heads, SPEC.kv_heads,
                                  SPEC.head_dim, m.block_size, q_data_type=SPEC.dtype,
@@ -111,8 +133,9 @@ def main() -> None:
     for page in (128, 16):
         for batch in (256, 64):
             key = f"B={batch} ctx=4096 page={page}"
-            results[key] = stages(Batch(batch, 4096, 1, page, gen),
-                                  Batch(batch, 4096 + page, 1, page, gen))
+            b = Batch(batch, 4096, 1, page, gen)
+            tables = [row[:b.pages] for row in b.meta.block_table_cpu.tolist()]
+            results[key] = stages(b, Batch(batch, 4096 + page, 1, page, gen), tables)
             print(key, {k: round(v, 1) for k, v in results[key].items()}, flush=True)
     info = run_info("profile_builder")
     info.update(device=torch.cuda.get_device_name(), results=results)

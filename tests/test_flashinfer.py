@@ -322,6 +322,8 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     assert kv_indices.tolist() == [r * 4 + i for r in range(34) for i in range(2)]
     step([17] * 33)  # fewer requests: FlashInfer's rule again
     assert len(calls) == 2 and calls[-1][1:] == (-1, False)
+    common = build_common_metadata([1, 1], [5, 9], [[0, 1], [2, 3, 4]], 4, 8)
+    assert planner(common).tables is common.device_tables.buffer  # (the builder copies nothing)
 
 
 def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, monkeypatch):

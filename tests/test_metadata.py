@@ -100,3 +100,37 @@ def test_block_csr_lists_the_pages_each_length_uses():
     padded = CUDAGraphBatch((8,), 5, block, "cpu").pad(live)
     indptr, indices = padded.block_csr()
     assert indptr.tolist() == [0, 3, 4, 8] + [8] * 5 and indices.tolist() == want
+
+
+def test_the_step_is_one_buffer_and_its_device_tables_hold_the_paged_csr():
+    """``build_common_metadata`` uploads the step in one copy: the device tensors are views of
+    one buffer, each from a 16-byte aligned offset, and its :class:`DeviceTables` give
+    FlashInfer's tables (``last_page_len`` and the prefill part's offsets from its first
+    request included) -- checked against a direct computation, for a mixed batch, decodes only
+    and prefills only; metadata without them (made by hand) gets the same from
+    ``upload_tables``."""
+    from attn_ops.metadata import upload_tables
+
+    block = 4
+    for qlens, seq_lens in (([1, 1, 5, 2], [9, 6, 5, 13]), ([1, 1], [3, 8]), ([3, 6], [3, 10])):
+        tables = [[20 + 5 * r + i for i in range(-(-s // block))] for r, s in enumerate(seq_lens)]
+        meta = build_common_metadata(qlens, seq_lens, tables, block, 64, num_tokens_padded=16)
+        nd = meta.num_decodes
+        pages = [-(-s // block) for s in seq_lens]
+        indptr = [sum(pages[:i]) for i in range(len(pages) + 1)]
+        qsl = meta.query_start_loc_cpu.tolist()
+        want = {"query_start_loc": qsl, "block_indptr": indptr,
+                "last_page_len": [s - block * (p - 1) for s, p in zip(seq_lens, pages)],
+                "block_indices": [b for t in tables for b in t],
+                "prefill_query_start_loc": [q - qsl[nd] for q in qsl[nd:]],
+                "prefill_block_indptr": [p - indptr[nd] for p in indptr[nd:]]}
+        for t in (meta.device_tables,
+                  upload_tables(dataclasses.replace(meta, device_tables=None))):
+            for name, values in want.items():
+                at = getattr(t, name)
+                assert at % 4 == 0 and t.buffer[at:at + len(values)].tolist() == values, name
+        base = meta.device_tables.buffer
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions"):
+            view = getattr(meta, name)
+            assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), name
+            assert (view.data_ptr() - base.data_ptr()) % 16 == 0, name
