@@ -162,6 +162,7 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
     """The op over common metadata: the step's tables are made here, in every call."""
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
+    _check_cache_size(kv_cache)
     _, _, period, bs = _slot_views(kv_cache, query.shape[2], out.shape[2])
     rows = -(-query.shape[0] // Q_BLOCK) * Q_BLOCK
     tables = _step_tensors(query_start_loc, seq_lens, block_table, rows, kv_cache.shape[0], bs,
@@ -215,6 +216,22 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
           alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal, mods) -> None:
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
+    _check_cache_size(kv_cache)
+
+
+def _check_cache_size(kv_cache) -> None:
+    """FlexAttention's generated GPU kernel offsets K and V with 32-bit integers: over a cache
+    of 2^31 elements or more it reads out of bounds. Measured on the H200 (torch 2.11, page
+    16, 8 KV heads x 128): an illegal memory access from 140 requests x 8k tokens (2.35e9
+    elements, packed or separate metadata alike), none at 100 x 8k (1.68e9)."""
+    numel = kv_cache.numel()
+    if kv_cache.device.type == "cuda" and numel >= 2**31:
+        per_block = numel // kv_cache.shape[0]
+        raise ValueError(
+            f"FLEX_ATTENTION: the KV cache {tuple(kv_cache.shape)} has {numel} elements; "
+            f"FlexAttention's GPU kernel offsets it with 32-bit integers (at most {2**31 - 1}): "
+            f"allocate at most {(2**31 - 1) // per_block} blocks, or use TRITON_ATTN or "
+            "FLASHINFER")
 
 
 def _check_tables(query, kv_cache, tables):
@@ -246,6 +263,7 @@ def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_sc
     check_paged_attention_inputs(query, kv_cache, one.new_zeros(2), one, one.view(1, 1), out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     _check_tables(query, kv_cache, tables)
+    _check_cache_size(kv_cache)
 
 
 def _prepared_fake(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,

@@ -103,6 +103,9 @@ def measure(kind: str, b: Batch, fns: dict, rounds: int, amount: float, unit: st
 def _flex(kind: str, b: Batch, shape: tuple, quick: bool) -> dict | None:
     if (kind, *shape) not in FLEX_POINTS and not quick:
         return None
+    if b.cache.numel() >= 2**31:  # FLEX refuses it (32-bit offsets in FlexAttention's kernel)
+        print(f"{kind} {shape}: FLEX_ATTENTION skipped, a cache of {b.cache.numel()} elements")
+        return None
     return {"flex": ours(b, "FLEX_ATTENTION"), "flex_dense": flex_dense(b, kind == "prefill")}
 
 

@@ -53,22 +53,22 @@ def contenders(b: Batch) -> dict:
     fib = get_backend_class("FLASHINFER")(SPEC)
     sel_meta, fi_meta = selected.build_metadata(b.meta), fib.build_metadata(b.meta)
     args = fib.op_arguments(b.q, b.cache, fi_meta, b.out)
-    plan = fi_meta.decode_plan.tolist()
-    n = plan[5]
-    t = fi_meta.tables
+    kernel, _, _, first, n, num_indices, plan_len, *at = fi_meta.decode_plan.tolist()[:fi.HEADER]
+    _, qo, kv_indptr, last, kv_indices = fi._part_tables(
+        fi_meta.tables, fi_meta.seq_lens, fi_meta.block_table, kernel, first, n, num_indices, *at)
     k, v = b.cache.unbind(1)
     mod = fi._module("fa2", DTYPE, DTYPE, D, D, False, False)
-    kernel_plan = plan[fi.HEADER:fi.HEADER + plan[fi.HEADER - 1]]
+    kernel_plan = fi_meta.decode_plan.tolist()[fi.HEADER:fi.HEADER + plan_len]
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    indptr, indices, last = (x.cuda() for x in fi.paged_kv_csr(b.meta.seq_lens_cpu,
-                                                              b.meta.block_table_cpu, b.page))
+    csr = (x.cuda() for x in fi.paged_kv_csr(b.meta.seq_lens_cpu, b.meta.block_table_cpu,
+                                             b.page))
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-    w.plan(b.meta.query_start_loc, indptr, indices, last, HQ, HKV, D, b.page, causal=True,
+    w.plan(b.meta.query_start_loc, *csr, HQ, HKV, D, b.page, causal=True,
            q_data_type=DTYPE, kv_data_type=DTYPE)
 
     def paged_run():
         mod.paged_run(fi_meta.float_workspace, fi_meta.decode_workspace, kernel_plan, b.q, k, v,
-                      t[:n + 1], t[n + 1:2 * n + 2], t[3 * n + 2:], t[2 * n + 2:3 * n + 2], b.out,
+                      qo, kv_indptr, kv_indices, last, b.out,
                       None, 1, 0, -1, True, None, None, None, None, None, None, 0.0,
                       D ** -0.5, None, None, None, 1.0, 1e4, 0, fi_meta.float_workspace.numel())
 

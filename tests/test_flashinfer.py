@@ -172,9 +172,10 @@ def test_step_backends_are_the_model_layers_distinct_keys():
 
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     model = torch.nn.ModuleList([Attention(spec, AttentionConfig(backend=b)) for b in (
-        "REFERENCE", "CPU_ATTN", "REFERENCE", "CPU_ATTN")])
+        "REFERENCE", "FLEX_ATTENTION", "REFERENCE", "FLEX_ATTENTION")])
     backends = step_backends(model)
-    assert backends == [(("REFERENCE",), model[0].impl), (("CPU_ATTN",), model[1].impl)]
+    assert backends == [(("REFERENCE",), model[0].impl),
+                        (model[1].impl.metadata_key(), model[1].impl)]
     alloc = BlockAllocator(16, 16)
     meta = build_batch(alloc, [0], [0], [5])
     assert list(build_step_metadata(backends, meta)) == list(build_step_metadata(model, meta))

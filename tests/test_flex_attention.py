@@ -120,3 +120,23 @@ def test_step_tables_made_once_by_the_builder_equal_those_made_in_the_op():
     with pytest.raises(ValueError, match="built for a cache of"):
         impl.op_for(prepared)(*impl.op_arguments(case.query, case.kv_cache[:-1], prepared,
                                                  outs[0]))
+
+
+def test_a_gpu_cache_past_32_bit_offsets_is_refused_with_the_block_count_that_fits():
+    """FlexAttention's GPU kernel offsets K and V with 32-bit integers (an illegal memory
+    access on the H200 past 2^31 elements): the op refuses such a cache, naming its size and
+    the most blocks that fit. (A stand-in tensor: only the device, shape and size are read.)"""
+    from types import SimpleNamespace
+
+    from attn_ops.backends.flex_attention import _check_cache_size
+
+    per_block = 2 * 16 * 8 * 128
+    big = SimpleNamespace(device=torch.device("cuda"), shape=(140 * 512 + 1, 2, 16, 8, 128),
+                          numel=lambda: (140 * 512 + 1) * per_block)
+    with pytest.raises(ValueError, match=rf"2348843008 elements.*at most {(2**31 - 1) // per_block}"
+                                         r" blocks, or use TRITON_ATTN"):
+        _check_cache_size(big)
+    _check_cache_size(SimpleNamespace(device=torch.device("cuda"), shape=(100 * 512 + 1,),
+                                      numel=lambda: (100 * 512 + 1) * per_block))
+    big.device = torch.device("cpu")  # (measured on GPUs only)
+    _check_cache_size(big)
