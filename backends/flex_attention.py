@@ -94,14 +94,7 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     q_len = qsl[1:] - qsl[:-1]
     qpos = seq[r] - q_len[r] + (t - qsl[r])
     kv_limit = torch.where(valid, seq[r], 0)
-    pages = (seq + block_size - 1) // block_size
-    used = torch.arange(width, device=dev)[None, :] < pages[:, None]
-    page_req = torch.arange(b, device=dev).repeat_interleave(width)
-    idx = torch.where(used, block_table.long(), num_pages).flatten()
-    owner = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev)
-    owner.scatter_(0, idx, page_req)
-    logical = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
-    logical.scatter_(0, idx, torch.arange(width, device=dev).repeat(b))
+    pages, used, page_req, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
     # Query block j holds requests lo[j]..hi[j]; its KV blocks are their pages, in order.
     blocks = rows // Q_BLOCK
     req_blocks = req.view(blocks, Q_BLOCK)
@@ -117,22 +110,71 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     kv_idx.scatter_(1, torch.where(include, pos, kv_idx.shape[1] - 1),
                     (block_table.flatten() * (period // block_size)).to(torch.int32)
                     .expand(blocks, -1).contiguous())
-    return (req, qpos, kv_limit, owner[:num_pages], logical[:num_pages], valid,
-            kv_num[None, None], kv_idx[None, None, :, :kv_blocks])
+    return (req, qpos, kv_limit, owner, logical, valid, kv_num[None, None],
+            kv_idx[None, None, :, :kv_blocks])
+
+
+def _page_maps(seq, block_table, num_pages, block_size):
+    """Per request its page count and used table entries; per table entry its request; per
+    cache page its owner request (-1: none) and logical index. Device only."""
+    dev = seq.device
+    b, width = block_table.shape
+    pages = (seq + block_size - 1) // block_size
+    used = torch.arange(width, device=dev)[None, :] < pages[:, None]
+    page_req = torch.arange(b, device=dev).repeat_interleave(width)
+    idx = torch.where(used, block_table.long(), num_pages).flatten()
+    owner = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev)
+    owner.scatter_(0, idx, page_req)
+    logical = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
+    logical.scatter_(0, idx, torch.arange(width, device=dev).repeat(b))
+    return pages, used, page_req, owner[:num_pages], logical[:num_pages]
+
+
+def decode_batch(num_tokens: int) -> int:
+    """The decode layout's batch for ``num_tokens`` (padded) single-token requests: the next
+    power of two, so that a run of steps compiles a handful of shapes, not one per batch."""
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period):
+    """The decode layout's tables: one FlexAttention batch element per request (``batch`` of
+    them, from :func:`decode_batch`; the padding ones have no KV blocks), each with one query
+    row and exactly its own pages as KV blocks -- so FlexAttention parallelizes over requests
+    and, in its decoding kernel, splits each request's keys. (The packed layout puts up to 128
+    decodes in one query block whose single program walks all their pages: 0.06 TB/s on the
+    H200.) Same tuple as :func:`_step_tensors`, indexed by batch element instead of row. On the
+    CPU ``kv_idx`` is as wide as the cache's KV blocks (its template requires it); on GPUs as
+    wide as the block table."""
+    dev = seq_lens.device
+    b, width = block_table.shape
+    seq = seq_lens.long()
+    pages, _, _, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
+    req = torch.arange(batch, device=dev)
+    pad = (0, batch - b)
+    qpos = torch.nn.functional.pad(seq - 1, pad)
+    kv_limit = torch.nn.functional.pad(seq, pad)
+    kv_num = torch.nn.functional.pad(pages, pad).to(torch.int32)
+    cols = (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width
+    kv_idx = torch.zeros(batch, cols, dtype=torch.int32, device=dev)
+    kv_idx[:b, :width] = block_table * (period // block_size)  # (past kv_num: never read)
+    return (req, qpos, kv_limit, owner, logical, req < b, kv_num[:, None, None],
+            kv_idx[:, None, None])
 
 
 def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, window, soft_cap,
-          alibi, user_mask, user_score):
-    """``mask_mod`` / ``score_mod`` over FlexAttention's (query row, cache slot) indices."""
+          alibi, user_mask, user_score, per_batch=False):
+    """``mask_mod`` / ``score_mod`` over FlexAttention's (query row, cache slot) indices --
+    or, ``per_batch`` (the decode layout), its (batch element, cache slot) ones."""
 
     def logical_pos(kv_idx):
         return logical[kv_idx // period] * block_size + kv_idx % period
 
     def mask_mod(b, h, q_idx, kv_idx):
-        r, p = req[q_idx], qpos[q_idx]
+        i = b if per_batch else q_idx
+        r, p = req[i], qpos[i]
         j = logical_pos(kv_idx)
         vis = (kv_idx % period < block_size) & (owner[kv_idx // period] == r) \
-            & (j < kv_limit[q_idx])
+            & (j < kv_limit[i])
         if causal:
             vis = vis & (j <= p)
         if window is not None:
@@ -144,12 +186,13 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
         return vis
 
     def score_mod(score, b, h, q_idx, kv_idx):
+        i = b if per_batch else q_idx
         if soft_cap is not None:
             score = soft_cap * torch.tanh(score / soft_cap)
         if alibi is not None:
-            score = score + alibi[h] * (logical_pos(kv_idx) - qpos[q_idx])
+            score = score + alibi[h] * (logical_pos(kv_idx) - qpos[i])
         if user_score is not None:
-            score = user_score(score, req[q_idx], h, qpos[q_idx], logical_pos(kv_idx))
+            score = user_score(score, req[i], h, qpos[i], logical_pos(kv_idx))
         return score
 
     plain = soft_cap is None and alibi is None and user_score is None
@@ -172,7 +215,9 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
 
 
 def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
-              soft_cap, causal, mods) -> None:
+              soft_cap, causal, mods, decode=False) -> None:
+    """FlexAttention over the tables of :func:`_step_tensors` -- or, ``decode``, of
+    :func:`_decode_tensors` (one batch element per single-token request)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     user_mask, user_score = registered_mods(mods)
@@ -181,12 +226,15 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx = tables
     rows = req.shape[0]
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
-                                sliding_window, soft_cap, alibi_slopes, user_mask, user_score)
+                                sliding_window, soft_cap, alibi_slopes, user_mask, user_score,
+                                per_batch=decode)
     extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q_BLOCKS else {}  # (no backward)
     block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(Q_BLOCK, bs),
-                                          mask_mod=mask_mod, seq_lengths=(rows, k.shape[2]),
+                                          mask_mod=mask_mod,
+                                          seq_lengths=(1 if decode else rows, k.shape[2]),
                                           **extra)
-    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - t_in)).permute(1, 0, 2)[None]
+    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - t_in))
+    q = q[:, :, None] if decode else q.permute(1, 0, 2)[None]  # [batch, heads, rows, dim]
     need_lse = lse is not None or sinks is not None
     if need_lse and query.device.type == "cpu":
         raise ValueError("FLEX_ATTENTION on the CPU returns no LSE (compiled CPU FlexAttention "
@@ -196,16 +244,25 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # one code object's cache, more than Dynamo's default 8.
     # On GPUs, Triton's key tile must divide the BlockMask's KV block (a page): the largest
     # power of two dividing the page size, at most 128 (pages are multiples of 16).
-    options = {"BLOCK_N": min(bs & -bs, 128)} if query.device.type == "cuda" else None
+    # On the CPU, single-row queries over long caches would get Inductor's C++ decoding
+    # template, which torch 2.13 emits referencing `full_kv_num_blocks` it never declares when
+    # the BlockMask has no full blocks (a compile error): a partition size that is not a
+    # multiple of the page rules that template out.
+    if query.device.type == "cuda":
+        options = {"BLOCK_N": min(bs & -bs, 128)}
+    else:
+        options = {"PARTITION_SIZE": 8 * bs + 1} if decode else None
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
         result = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                          enable_gqa=hq != k.shape[1], return_lse=need_lse,
                          kernel_options=options)
     o, row_lse = result if need_lse else (result, None)
+    o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
     keep = valid[:t_in, None]
-    out.copy_(torch.where(keep[..., None], o[0].transpose(0, 1)[:t_in], 0.0))
+    out.copy_(torch.where(keep[..., None], o[:t_in], 0.0))
     if need_lse:
-        row_lse = torch.where(keep, row_lse[0].t()[:t_in].float(), 0.0)
+        row_lse = row_lse[:, :, 0] if decode else row_lse[0].t()
+        row_lse = torch.where(keep, row_lse[:t_in].float(), 0.0)
         if sinks is not None:
             apply_sinks(out, row_lse, sinks)
         if lse is not None:
@@ -234,9 +291,9 @@ def _check_cache_size(kv_cache) -> None:
             "FLASHINFER")
 
 
-def _check_tables(query, kv_cache, tables):
+def _check_tables(query, kv_cache, tables, decode=False):
     req, owner = tables[0], tables[3]
-    if req.shape[0] < query.shape[0] or req.shape[0] % Q_BLOCK:
+    if req.shape[0] < query.shape[0] or (not decode and req.shape[0] % Q_BLOCK):
         raise ValueError(f"FLEX_ATTENTION metadata was built for {req.shape[0]} query rows; "
                          f"this call has {query.shape[0]} -- build it from this step's common "
                          "metadata")
@@ -248,21 +305,28 @@ def _check_tables(query, kv_cache, tables):
 
 def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, out,
               lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
-              causal, mods) -> None:
+              causal, mods, decode=False) -> None:
     """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder."""
     tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx)
-    _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale)
+    _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
+                    decode)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
-              soft_cap, causal, mods)
+              soft_cap, causal, mods, decode)
 
 
-def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale):
+def _decode(*args) -> None:
+    """The op over :class:`FlexMetadata` in the decode layout (:func:`_decode_tensors`)."""
+    _prepared(*args, decode=True)
+
+
+def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
+                    decode=False):
     kv_num = tables[6]
     # (the common checks, with a stand-in batch of one request: the tables hold the batch)
     one = kv_num.new_zeros(1)
     check_paged_attention_inputs(query, kv_cache, one.new_zeros(2), one, one.view(1, 1), out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
-    _check_tables(query, kv_cache, tables)
+    _check_tables(query, kv_cache, tables, decode)
     _check_cache_size(kv_cache)
 
 
@@ -272,14 +336,24 @@ def _prepared_fake(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, 
                                       kv_idx), out, lse, sinks, alibi_slopes, k_scale, v_scale)
 
 
-flex_prepared_attention = define_op(
-    "flex_attention_prepared",
+def _decode_fake(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
+                 out, lse, sinks, alibi_slopes, k_scale, v_scale, *rest) -> None:
+    _check_prepared(query, kv_cache, (req, qpos, kv_limit, owner, logical, valid, kv_num,
+                                      kv_idx), out, lse, sinks, alibi_slopes, k_scale, v_scale,
+                    decode=True)
+
+
+_PREPARED_SCHEMA = (
     "(Tensor query, Tensor kv_cache, Tensor req, Tensor qpos, Tensor kv_limit, Tensor owner, "
     "Tensor logical, Tensor valid, Tensor kv_num, Tensor kv_idx, Tensor(a!) out, "
     "Tensor(b!)? lse, Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, "
-    "float scale, int? sliding_window, float? soft_cap, bool causal, int mods) -> ()",
-    _prepared, _prepared_fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=10,
-    tags=UNCAPTURABLE)
+    "float scale, int? sliding_window, float? soft_cap, bool causal, int mods) -> ()")
+flex_prepared_attention = define_op(
+    "flex_attention_prepared", _PREPARED_SCHEMA, _prepared, _prepared_fake,
+    dispatch_keys=("CPU", "CUDA"), fp8_output_at=10, tags=UNCAPTURABLE)
+flex_decode_attention = define_op(
+    "flex_attention_decode", _PREPARED_SCHEMA, _decode, _decode_fake,
+    dispatch_keys=("CPU", "CUDA"), fp8_output_at=10, tags=UNCAPTURABLE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,6 +367,7 @@ class FlexMetadata:
     slot_mapping: torch.Tensor
     tables: tuple[torch.Tensor, ...]
     causal: bool = True
+    decode: bool = False  # the decode layout (:func:`_decode_tensors`), for decode-only steps
 
 
 flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
@@ -347,7 +422,12 @@ class FlexAttentionBackend(AttentionBackend):
             return common
         bs = common.block_size
         period = 2 * bs if self.kv_cache_layout(self.spec) is KVCacheLayout.NHD else bs
-        rows = -(-common.slot_mapping.shape[0] // Q_BLOCK) * Q_BLOCK
+        tokens = common.slot_mapping.shape[0]
+        if common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs:
+            return FlexMetadata(common.slot_mapping, _decode_tensors(
+                common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
+                bs, period), causal=common.causal, decode=True)
+        rows = -(-tokens // Q_BLOCK) * Q_BLOCK
         return FlexMetadata(common.slot_mapping, _step_tensors(
             common.query_start_loc, common.seq_lens, common.block_table, rows, common.num_blocks,
             bs, period), causal=common.causal)
@@ -356,10 +436,12 @@ class FlexAttentionBackend(AttentionBackend):
         return (self.name, self.kv_cache_layout(self.spec))
 
     def op_for(self, metadata):
-        return flex_prepared_attention if isinstance(metadata, FlexMetadata) else self.op
+        if isinstance(metadata, FlexMetadata):
+            return flex_decode_attention if metadata.decode else flex_prepared_attention
+        return self.op
 
     def ops(self):
-        return (self.op, flex_prepared_attention)
+        return (self.op, flex_prepared_attention, flex_decode_attention)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:

@@ -140,3 +140,43 @@ def test_a_gpu_cache_past_32_bit_offsets_is_refused_with_the_block_count_that_fi
                                       numel=lambda: (100 * 512 + 1) * per_block))
     big.device = torch.device("cpu")  # (measured on GPUs only)
     _check_cache_size(big)
+
+
+@pytest.mark.parametrize("name", ["documents_bias_window", "alibi"])
+def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(name):
+    """Decode-only steps get the decode layout (one FlexAttention batch element per request,
+    its own pages as KV blocks, the batch padded to a power of two): REFERENCE's result with
+    custom mods, window and ALiBi, equal to the packed layout the op makes per call, padding
+    rows zero; the op passes opcheck."""
+    from attn_ops.backends.flex_attention import FlexMetadata, decode_batch
+
+    spec = MODS["documents_bias_window"] if name != "alibi" else BASE.with_(use_alibi=True)
+    scenario = Scenario(((30, 1), (9, 1), (47, 1)), pad_tokens=2)
+    case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=7,
+                     finite_page_tails=True)
+    impl = FLEX(spec)
+    prepared = impl.build_metadata(case.metadata)
+    assert isinstance(prepared, FlexMetadata) and prepared.decode
+    assert impl.op_for(prepared) is torch.ops.attn.flex_attention_decode.default
+    assert prepared.tables[0].shape[0] == decode_batch(5) == 8
+    per_call = impl.build_metadata(dataclasses.replace(case.metadata, num_blocks=None))
+    outs = []
+    for meta in (prepared, per_call):
+        out = torch.full((case.query.shape[0], 4, 16), float("nan"), device=DEVICE)
+        args = impl.op_arguments(case.query, case.kv_cache, meta, out,
+                                 alibi_slopes=case.alibi_slopes)
+        impl.op_for(meta)(*args)
+        outs.append(out)
+    torch.library.opcheck(impl.op_for(prepared), impl.op_arguments(
+        case.query, case.kv_cache, prepared, torch.zeros_like(outs[0]),
+        alibi_slopes=case.alibi_slopes))
+    assert_matches_reference(outs[0], case)
+    torch.testing.assert_close(outs[0], outs[1])
+    assert (outs[0][3:] == 0).all()  # the padding rows
+
+
+def test_decode_batches_are_powers_of_two():
+    from attn_ops.backends.flex_attention import decode_batch
+
+    assert [decode_batch(n) for n in (1, 2, 3, 5, 8, 9, 64, 65, 256)] == \
+        [1, 2, 4, 8, 8, 16, 64, 128, 256]
