@@ -104,10 +104,22 @@ PREFILL_TILES = {(True, 2): (128, 128, 8, 2), (True, 4): (64, 64, 4, 2),
 
 
 # Split-KV partials combined by the last split of each tile inside the attention launch (one
-# kernel) instead of by combine_splits_kernel (a second). Off until measured on a GPU
-# (``ATTN_OPS_TRITON_FUSED_COMBINE=1`` turns it on, e.g. to run the GPU tests with it):
-# ``benchmarks/bench_triton_attention.py`` times both; the CPU interpreter tests both.
-FUSED_COMBINE = os.environ.get("ATTN_OPS_TRITON_FUSED_COMBINE") == "1"
+# kernel) instead of by combine_splits_kernel (a second). Measured on the H200
+# (``bench_triton_attention.py``, 06f617d, 8 KV heads): within 1% of two launches from 32
+# decodes on (256 (request, KV head) items: few splits, so each tile's last split has little
+# to merge), 3-36% slower below (B=1 ctx 32k 2.19 vs 3.01 TB/s: one split merges many). So by
+# default fused from FUSED_MIN_ITEMS items on, where it saves a launch per layer at no cost;
+# ``FUSED_COMBINE`` True / False (or ``ATTN_OPS_TRITON_FUSED_COMBINE=1`` / ``0``) forces it.
+FUSED_MIN_ITEMS = 256
+_FORCED = os.environ.get("ATTN_OPS_TRITON_FUSED_COMBINE")
+FUSED_COMBINE: bool | None = None if _FORCED is None else _FORCED == "1"
+
+
+def fused_combine(num_reqs: int, kv_heads: int) -> bool:
+    """Whether a split launch over ``num_reqs`` requests combines its splits inside itself."""
+    if FUSED_COMBINE is not None:
+        return FUSED_COMBINE
+    return num_reqs * kv_heads >= FUSED_MIN_ITEMS
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, one per (tile, KV head); reset by use
 
 
@@ -154,7 +166,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         part_lse = torch.empty(out.shape[0], hq, splits, dtype=torch.float32,
                                device=query.device)
     grid = (num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
-    fused = splits > 1 and FUSED_COMBINE
+    fused = splits > 1 and fused_combine(num_reqs, k_cache.shape[2])
     paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
         qsl, seq_lens, block_table, sinks if sinks is not None else dummy,

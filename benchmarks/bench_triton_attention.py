@@ -5,8 +5,10 @@ dim 128, page 16, pages in random order). At ``FLEX_POINTS`` FLEX_ATTENTION also
 its anchor: compiled ``flex_attention`` on dense tensors holding the same keys (gathered
 outside the timing; its timing includes copying the result into the shared output).
 
-``triton_fused``: TRITON_ATTN with its split-KV partials combined by each tile's last split in
-the same launch (``FUSED_COMBINE``), next to the default two launches.
+``triton``: TRITON_ATTN as configured by default; ``triton_fused`` / ``triton_two_launches``:
+with its split-KV partials always combined by each tile's last split in the same launch
+(``FUSED_COMBINE=True``) / always by a second kernel (``False``). By default it fuses from
+``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on.
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -58,13 +60,14 @@ def flex_dense(b: Batch, prefill: bool):
     return run
 
 
-def fused_combine(b: Batch):
-    """TRITON_ATTN with split-KV partials combined inside the attention launch (its
-    ``FUSED_COMBINE``, off by default until measured) -- identical to ``triton`` where a batch
-    does not split."""
+def fused_combine(b: Batch, fused: bool):
+    """TRITON_ATTN with split-KV partials always (``fused``) or never combined inside the
+    attention launch (its ``FUSED_COMBINE``; by default it fuses from
+    ``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on) -- identical to ``triton``
+    where a batch does not split."""
     from attn_ops.backends import triton_attn
 
-    return with_setting(ours(b, "TRITON_ATTN"), triton_attn, "FUSED_COMBINE", True)
+    return with_setting(ours(b, "TRITON_ATTN"), triton_attn, "FUSED_COMBINE", fused)
 
 
 def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
@@ -124,7 +127,8 @@ def main() -> None:
 
     for bsz, ctx in ([(1, 4096), (64, 4096)] if args.quick else DECODE):
         b = Batch(bsz, ctx, 1, args.page, gen)
-        fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b),
+        fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b, True),
+               "triton_two_launches": fused_combine(b, False),
                "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",

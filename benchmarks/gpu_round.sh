@@ -13,7 +13,8 @@
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
 #   fi       FLASHINFER's tests: test_flashinfer.py, its CUDA-graph tests (no-split plans kept)
-#   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine turned on
+#   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine forced on (by
+#            default it is on only from triton_attn.FUSED_MIN_ITEMS work items, which small tests miss)
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips

@@ -79,6 +79,30 @@ def test_split_kv_matches_reference(splits, variant, combine, monkeypatch):
         assert triton_attn._COUNTERS and not any(c.any() for c in triton_attn._COUNTERS.values())
 
 
+def test_by_default_split_batches_fuse_the_combine_from_enough_work_items(monkeypatch):
+    """Unforced, the combine is fused into the attention launch from ``FUSED_MIN_ITEMS``
+    (request, KV head) items on (as fast there on the H200, one launch fewer) and is a second
+    kernel below; either way REFERENCE's result."""
+    from attn_ops.backends import triton_attn, triton_attn_kernels
+
+    monkeypatch.setattr(triton_attn, "FUSED_COMBINE", None)
+    assert not triton_attn.fused_combine(31, 8) and triton_attn.fused_combine(32, 8)
+    launches = []
+    real = triton_attn_kernels.combine_splits_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_attn_kernels, "combine_splits_kernel", Counted())
+    for min_items, combines in ((len(LONG_DECODES.requests) * 2, 0), (10**6, 1)):
+        monkeypatch.setattr(triton_attn, "FUSED_MIN_ITEMS", min_items)
+        launches.clear()
+        _compare(BASE, LONG_DECODES, splits=4)
+        assert len(launches) == combines
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 96, 112, 136, 256])
 def test_head_dims_that_are_not_powers_of_two(head_dim):
     _compare(BASE.with_(head_dim=head_dim), SCENARIOS["mixed"])
