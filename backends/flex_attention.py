@@ -80,9 +80,11 @@ def _slot_views(kv_cache, head_dim, head_dim_v):
     return k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], period, bs
 
 
-def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block_size, period):
+def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block_size, period,
+                  causal=True, window=None, full=False):
     """Per token: request (``B`` for padding), position, visible-key limit; per page: owner
-    and logical index; and the BlockMask's ``kv_num_blocks`` / ``kv_indices``. Device only."""
+    and logical index; and the BlockMask's partial and full KV blocks (:func:`_kv_blocks`).
+    Device only."""
     dev = seq_lens.device
     b, width = block_table.shape
     qsl = query_start_loc.long()
@@ -95,23 +97,67 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     qpos = seq[r] - q_len[r] + (t - qsl[r])
     kv_limit = torch.where(valid, seq[r], 0)
     pages, used, page_req, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
-    # Query block j holds requests lo[j]..hi[j]; its KV blocks are their pages, in order.
+    # Query block j holds requests lo[j]..hi[j]; its KV blocks are their pages, in order --
+    # those some row can see, given the rows' positions (per block and request, min and max).
     blocks = rows // Q_BLOCK
     req_blocks = req.view(blocks, Q_BLOCK)
     lo = torch.where(valid.view(blocks, Q_BLOCK), req_blocks, b).amin(1)
     hi = torch.where(valid.view(blocks, Q_BLOCK), req_blocks, -1).amax(1)
     include = used.flatten()[None, :] & (page_req[None, :] >= lo[:, None]) \
         & (page_req[None, :] <= hi[:, None])
-    kv_num = include.sum(1).to(torch.int32)
-    pos = include.cumsum(1) - 1
-    # (as wide as FlexAttention's KV block count, which it expects of kv_indices)
-    kv_blocks = (num_pages - 1) * (period // block_size) + 1
-    kv_idx = torch.zeros(blocks, max(kv_blocks, num_pages) + 1, dtype=torch.int32, device=dev)
-    kv_idx.scatter_(1, torch.where(include, pos, kv_idx.shape[1] - 1),
-                    (block_table.flatten() * (period // block_size)).to(torch.int32)
-                    .expand(blocks, -1).contiguous())
+    block_pos = qpos.view(blocks, Q_BLOCK)
+    pmin = torch.full((blocks, b + 1), 1 << 62, device=dev).scatter_reduce(
+        1, req_blocks, block_pos, "amin")[:, page_req]
+    pmax = torch.full((blocks, b + 1), -1, device=dev).scatter_reduce(
+        1, req_blocks, block_pos, "amax")[:, page_req]
+    start = (torch.arange(width, device=dev) * block_size).repeat(b)[None, :]
+    # (lists as wide as FlexAttention's KV block count, which it expects of kv_indices)
+    kv_num, kv_idx, full_num, full_idx = _kv_blocks(
+        include, start, block_size, pmin, pmax, seq[page_req][None, :], causal, window,
+        (lo == hi)[:, None] if full else None,
+        (block_table.flatten() * (period // block_size))[None, :],
+        (num_pages - 1) * (period // block_size) + 1)
     return (req, qpos, kv_limit, owner, logical, valid, kv_num[None, None],
-            kv_idx[None, None, :, :kv_blocks])
+            kv_idx[None, None], full_num[None, None], full_idx[None, None])
+
+
+def _kv_blocks(include, start, block_size, pmin, pmax, limit, causal, window, one_request,
+               values, cols):
+    """The BlockMask's partial and full KV blocks, ``(kv_num [R], kv_idx [R, cols], full_num,
+    full_idx)``, from an ``[R, entries]`` grid of page-table entries: ``include`` (the entry is
+    a page of one of row ``R``'s requests), the page's first key ``start``, the positions
+    ``pmin..pmax`` of the row's queries of that request (``pmax`` -1: none) and its length
+    ``limit``. A page no query of the row can see (causal, window) is dropped; one that every
+    query of the row sees in whole is full -- FlexAttention skips ``mask_mod`` there -- when
+    ``one_request`` says the row's queries are all of that request (None: no full blocks, as
+    with a user's ``mask_mod``). ``values``: the entries' KV block indices."""
+    end = start + block_size  # (one past the page's last key)
+    visible = include & (start <= pmax) if causal else include & (pmax >= 0)
+    if window is not None:
+        visible = visible & (end - 1 > pmin - window)
+        if not causal:
+            visible = visible & (start < pmax + window)
+    whole = torch.zeros_like(visible)
+    if one_request is not None:
+        whole = visible & one_request & (end <= limit)
+        if causal:
+            whole = whole & (end - 1 <= pmin)
+        if window is not None:
+            whole = whole & (pmax - start < window)
+            if not causal:
+                whole = whole & (end - 1 - pmin < window)
+    return (*_compact(visible & ~whole, values, cols), *_compact(whole, values, cols))
+
+
+def _compact(mask, values, cols):
+    """Per row of ``mask [R, E]``: how many entries are set, and their ``values`` moved to the
+    front of an int32 ``[R, cols]`` list (the rest 0)."""
+    rows, entries = mask.shape
+    dump = max(cols, entries)  # (a column for the entries not set, cut off below)
+    out = torch.zeros(rows, dump + 1, dtype=torch.int32, device=mask.device)
+    out.scatter_(1, torch.where(mask, mask.cumsum(1) - 1, dump),
+                 values.to(torch.int32).expand(rows, -1).contiguous())
+    return mask.sum(1).to(torch.int32), out[:, :cols]
 
 
 def _page_maps(seq, block_table, num_pages, block_size):
@@ -136,29 +182,33 @@ def decode_batch(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
-def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period):
+def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period, causal=True,
+                    window=None, full=False):
     """The decode layout's tables: one FlexAttention batch element per request (``batch`` of
     them, from :func:`decode_batch`; the padding ones have no KV blocks), each with one query
-    row and exactly its own pages as KV blocks -- so FlexAttention parallelizes over requests
-    and, in its decoding kernel, splits each request's keys. (The packed layout puts up to 128
-    decodes in one query block whose single program walks all their pages: 0.06 TB/s on the
-    H200.) Same tuple as :func:`_step_tensors`, indexed by batch element instead of row. On the
-    CPU ``kv_idx`` is as wide as the cache's KV blocks (its template requires it); on GPUs as
-    wide as the block table."""
+    row and exactly its own pages as KV blocks (those its query can see; full ones where
+    ``full``, see :func:`_kv_blocks`) -- so FlexAttention parallelizes over requests and, in
+    its decoding kernel, splits each request's keys. (The packed layout puts up to 128 decodes
+    in one query block whose single program walks all their pages: 0.06 TB/s on the H200.)
+    Same tuple as :func:`_step_tensors`, indexed by batch element instead of row. On the CPU
+    the lists are as wide as the cache's KV blocks (its template requires it); on GPUs as wide
+    as the block table."""
     dev = seq_lens.device
     b, width = block_table.shape
     seq = seq_lens.long()
-    pages, _, _, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
+    _, used, _, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
     req = torch.arange(batch, device=dev)
     pad = (0, batch - b)
-    qpos = torch.nn.functional.pad(seq - 1, pad)
-    kv_limit = torch.nn.functional.pad(seq, pad)
-    kv_num = torch.nn.functional.pad(pages, pad).to(torch.int32)
-    cols = (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width
-    kv_idx = torch.zeros(batch, cols, dtype=torch.int32, device=dev)
-    kv_idx[:b, :width] = block_table * (period // block_size)  # (past kv_num: never read)
-    return (req, qpos, kv_limit, owner, logical, req < b, kv_num[:, None, None],
-            kv_idx[:, None, None])
+    qpos = torch.nn.functional.pad(seq - 1, pad)[:, None]
+    kv_limit = torch.nn.functional.pad(seq, pad)[:, None]
+    kv_num, kv_idx, full_num, full_idx = _kv_blocks(
+        torch.nn.functional.pad(used, (0, 0) + pad),
+        torch.arange(width, device=dev)[None, :] * block_size, block_size, qpos,
+        torch.where(kv_limit > 0, qpos, -1), kv_limit, causal, window, True if full else None,
+        torch.nn.functional.pad(block_table, (0, 0) + pad) * (period // block_size),
+        (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width)
+    return (req, qpos[:, 0], kv_limit[:, 0], owner, logical, req < b, kv_num[:, None, None],
+            kv_idx[:, None, None], full_num[:, None, None], full_idx[:, None, None])
 
 
 def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, window, soft_cap,
@@ -209,7 +259,7 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
     _, _, period, bs = _slot_views(kv_cache, query.shape[2], out.shape[2])
     rows = -(-query.shape[0] // Q_BLOCK) * Q_BLOCK
     tables = _step_tensors(query_start_loc, seq_lens, block_table, rows, kv_cache.shape[0], bs,
-                           period)
+                           period, causal, sliding_window, registered_mods(mods)[0] is None)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
               soft_cap, causal, mods)
 
@@ -223,13 +273,14 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     user_mask, user_score = registered_mods(mods)
     t_in, hq, d = query.shape
     k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
-    req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx = tables
+    req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx = tables
     rows = req.shape[0]
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
                                 sliding_window, soft_cap, alibi_slopes, user_mask, user_score,
                                 per_batch=decode)
     extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q_BLOCKS else {}  # (no backward)
-    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(Q_BLOCK, bs),
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                          BLOCK_SIZE=(Q_BLOCK, bs),
                                           mask_mod=mask_mod,
                                           seq_lengths=(1 if decode else rows, k.shape[2]),
                                           **extra)
@@ -303,11 +354,11 @@ def _check_tables(query, kv_cache, tables, decode=False):
                          "be the cache's block count)")
 
 
-def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, out,
-              lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
-              causal, mods, decode=False) -> None:
+def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
+              full_num, full_idx, out, lse, sinks, alibi_slopes, k_scale, v_scale, scale,
+              sliding_window, soft_cap, causal, mods, decode=False) -> None:
     """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder."""
-    tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx)
+    tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx)
     _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
                     decode)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
@@ -330,30 +381,28 @@ def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_sc
     _check_cache_size(kv_cache)
 
 
-def _prepared_fake(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
-                   out, lse, sinks, alibi_slopes, k_scale, v_scale, *rest) -> None:
-    _check_prepared(query, kv_cache, (req, qpos, kv_limit, owner, logical, valid, kv_num,
-                                      kv_idx), out, lse, sinks, alibi_slopes, k_scale, v_scale)
+def _prepared_fake(query, kv_cache, *args, decode=False) -> None:
+    tables, (out, lse, sinks, alibi_slopes, k_scale, v_scale) = args[:10], args[10:16]
+    _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
+                    decode)
 
 
-def _decode_fake(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
-                 out, lse, sinks, alibi_slopes, k_scale, v_scale, *rest) -> None:
-    _check_prepared(query, kv_cache, (req, qpos, kv_limit, owner, logical, valid, kv_num,
-                                      kv_idx), out, lse, sinks, alibi_slopes, k_scale, v_scale,
-                    decode=True)
+def _decode_fake(*args) -> None:
+    _prepared_fake(*args, decode=True)
 
 
 _PREPARED_SCHEMA = (
     "(Tensor query, Tensor kv_cache, Tensor req, Tensor qpos, Tensor kv_limit, Tensor owner, "
-    "Tensor logical, Tensor valid, Tensor kv_num, Tensor kv_idx, Tensor(a!) out, "
+    "Tensor logical, Tensor valid, Tensor kv_num, Tensor kv_idx, Tensor full_num, "
+    "Tensor full_idx, Tensor(a!) out, "
     "Tensor(b!)? lse, Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, "
     "float scale, int? sliding_window, float? soft_cap, bool causal, int mods) -> ()")
 flex_prepared_attention = define_op(
     "flex_attention_prepared", _PREPARED_SCHEMA, _prepared, _prepared_fake,
-    dispatch_keys=("CPU", "CUDA"), fp8_output_at=10, tags=UNCAPTURABLE)
+    dispatch_keys=("CPU", "CUDA"), fp8_output_at=12, tags=UNCAPTURABLE)
 flex_decode_attention = define_op(
     "flex_attention_decode", _PREPARED_SCHEMA, _decode, _decode_fake,
-    dispatch_keys=("CPU", "CUDA"), fp8_output_at=10, tags=UNCAPTURABLE)
+    dispatch_keys=("CPU", "CUDA"), fp8_output_at=12, tags=UNCAPTURABLE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -423,17 +472,24 @@ class FlexAttentionBackend(AttentionBackend):
         bs = common.block_size
         period = 2 * bs if self.kv_cache_layout(self.spec) is KVCacheLayout.NHD else bs
         tokens = common.slot_mapping.shape[0]
+        # (pages no query can see are left out; full pages -- mask_mod skipped -- unless the
+        # spec has a mask_mod of its own, which may hide any key)
+        causal = self.spec.causal and common.causal
+        window, full = self.spec.sliding_window, self.spec.mask_mod is None
         if common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs:
             return FlexMetadata(common.slot_mapping, _decode_tensors(
                 common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
-                bs, period), causal=common.causal, decode=True)
+                bs, period, causal, window, full), causal=common.causal, decode=True)
         rows = -(-tokens // Q_BLOCK) * Q_BLOCK
         return FlexMetadata(common.slot_mapping, _step_tensors(
             common.query_start_loc, common.seq_lens, common.block_table, rows, common.num_blocks,
-            bs, period), causal=common.causal)
+            bs, period, causal, window, full), causal=common.causal)
 
     def metadata_key(self) -> tuple:
-        return (self.name, self.kv_cache_layout(self.spec))
+        # (the tables depend on what the spec hides: causality, window, its own mask_mod)
+        spec = self.spec
+        return (self.name, self.kv_cache_layout(spec), spec.causal, spec.sliding_window,
+                spec.mask_mod is None)
 
     def op_for(self, metadata):
         if isinstance(metadata, FlexMetadata):

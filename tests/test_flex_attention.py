@@ -180,3 +180,25 @@ def test_decode_batches_are_powers_of_two():
 
     assert [decode_batch(n) for n in (1, 2, 3, 5, 8, 9, 64, 65, 256)] == \
         [1, 2, 4, 8, 8, 16, 64, 128, 256]
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_long_prefills_skip_pages_no_query_sees_and_run_whole_pages_without_the_mask(window):
+    """A query block of one long prefill lists only the pages its queries can see (causal,
+    window) and passes the pages all of them see in whole as full blocks (no mask_mod); the
+    result is REFERENCE's. (The tables are checked too: the pruning alone could not change a
+    result.)"""
+    spec = BASE.with_(sliding_window=window, logits_soft_cap=5.0)
+    case = make_case(spec, Scenario(((0, 300), (37, 150))), block_size=16, device=DEVICE,
+                     seed=11, finite_page_tails=True)
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert_matches_reference(out, case)
+    tables = FLEX(spec).build_metadata(case.metadata).tables
+    kv_num, full_num = tables[6].flatten().tolist(), tables[8].flatten().tolist()
+    # query block 1: request 0's rows 128..255 -- pages 0..7 (keys 0..127) seen in whole by all,
+    # pages 8..15 in part; with a window of 40, only keys 88..255: pages 5..15, none whole
+    if window is None:
+        assert (full_num[1], kv_num[1]) == (8, 8)
+    else:
+        assert (full_num[1], kv_num[1]) == (0, 11)
+    assert full_num[0] == 0  # rows 0..127 see no page in whole (each sees its own prefix)
