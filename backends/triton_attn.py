@@ -107,8 +107,8 @@ PREFILL_TILES = {(True, 2): (128, 128, 8, 2), (True, 4): (64, 64, 4, 2),
 # kernel) instead of by combine_splits_kernel (a second). Measured on the H200
 # (``bench_triton_attention.py``, 06f617d, 8 KV heads): within 1% of two launches from 32
 # decodes on (256 (request, KV head) items: few splits, so each tile's last split has little
-# to merge), 3-36% slower below (B=1 ctx 32k 2.19 vs 3.01 TB/s: one split merges many). So by
-# default fused from FUSED_MIN_ITEMS items on, where it saves a launch per layer at no cost;
+# to merge), up to 36% slower below (B=1 ctx 32k 2.19 vs 3.01 TB/s: one split merges many).
+# So by default fused from FUSED_MIN_ITEMS items on, where it saves a launch per layer;
 # ``FUSED_COMBINE`` True / False (or ``ATTN_OPS_TRITON_FUSED_COMBINE=1`` / ``0``) forces it.
 FUSED_MIN_ITEMS = 256
 _FORCED = os.environ.get("ATTN_OPS_TRITON_FUSED_COMBINE")

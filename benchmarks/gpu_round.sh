@@ -11,6 +11,7 @@
 #   builder  benchmarks/profile_builder.py
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
+#   flex     FLEX_ATTENTION's tests and matrix (decode layout, page pruning, full blocks)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
 #   fi       FLASHINFER's tests: test_flashinfer.py, its CUDA-graph tests (no-split plans kept)
 #   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine forced on (by
@@ -66,6 +67,8 @@ for spec in "$@"; do
         tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
+    flex) stage flex "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+        tests/test_flex_attention.py tests/test_backends_matrix.py -k "FLEX or flex" ;;
     graphs) stage graphs "$limit" python -m pytest -q -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;
