@@ -44,6 +44,8 @@ class CommonAttentionMetadata:
     * ``device_tables``: those on the device, with each request's ``last_page_len`` and the
       prefill part's offsets, in the buffer the device tensors above are views of
       (:class:`DeviceTables`; :func:`build_common_metadata` uploads the step in one copy).
+      Derived from the batch: metadata changed with ``dataclasses.replace`` must drop it
+      (``device_tables=None``; backends then upload it from the host arrays).
 
     Host ints: ``block_size`` (tokens per cache page), ``num_actual_tokens``
     (``query_start_loc[-1]``), ``max_query_len``, ``max_seq_len``, ``num_decodes`` /
