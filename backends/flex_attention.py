@@ -150,12 +150,12 @@ def _kv_blocks(include, start, block_size, pmin, pmax, limit, causal, window, on
 
 
 def _compact(mask, values, cols):
-    """Per row of ``mask [R, E]``: how many entries are set, and their ``values`` moved to the
-    front of an int32 ``[R, cols]`` list (the rest 0)."""
-    rows, entries = mask.shape
-    dump = max(cols, entries)  # (a column for the entries not set, cut off below)
-    out = torch.zeros(rows, dump + 1, dtype=torch.int32, device=mask.device)
-    out.scatter_(1, torch.where(mask, mask.cumsum(1) - 1, dump),
+    """Per row of ``mask [R, E]``: how many entries are set -- at most ``cols``: the entries
+    of a row are distinct pages -- and their ``values`` moved to the front of an int32
+    ``[R, cols]`` list (the rest 0)."""
+    rows = mask.shape[0]
+    out = torch.zeros(rows, cols + 1, dtype=torch.int32, device=mask.device)
+    out.scatter_(1, torch.where(mask, mask.cumsum(1) - 1, cols),  # (column cols: the others)
                  values.to(torch.int32).expand(rows, -1).contiguous())
     return mask.sum(1).to(torch.int32), out[:, :cols]
 
