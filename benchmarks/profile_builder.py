@@ -56,9 +56,9 @@ def five_uploads(host: list) -> None:
         staged.to("cuda", non_blocking=True)
 
 
-def stages(b: Batch, other: Batch, tables: list) -> dict[str, float]:
+def stages(b: Batch, other: Batch) -> dict[str, float]:
     """``b``'s stages; ``other``: the same requests a page longer (a step that must replan
-    where the plan depends on page counts); ``tables``: ``b``'s block tables as lists."""
+    where the plan depends on page counts)."""
     import flashinfer
 
     from attn_ops.backends import flashinfer as fi
@@ -107,8 +107,10 @@ def stages(b: Batch, other: Batch, tables: list) -> dict[str, float]:
         "_plan_vector": mean_us(lambda: fi._plan_vector(0, n, 0, 0, n, 8, list(range(15)))),
         "mark_unbacked (one tensor)": mean_us(lambda: fi.sizes_not_specialized(seq)),
         "FlashInferMetadata(...)": mean_us(lambda: fi.FlashInferMetadata(*[seq] * 9)),
+        # (the block table as the allocator's numpy rows, as build_batch passes it; before
+        # 2026-11-29's sixth session this timed Python lists, whose conversion took 0.5-4 ms)
         "common metadata: build_common_metadata (checks, CSR, one upload)": mean_us(
-            lambda: build_common_metadata([1] * n, seq_list, tables, m.block_size,
+            lambda: build_common_metadata([1] * n, seq_list, table, m.block_size,
                                           m.num_blocks, device="cuda")),
         "common metadata: last_page_len": mean_us(lambda: last_page_len(seq.numpy(), m.block_size)),
         "common metadata: pack_upload (its one copy)": mean_us(lambda: pack_upload(
@@ -134,8 +136,7 @@ def main() -> None:
         for batch in (256, 64):
             key = f"B={batch} ctx=4096 page={page}"
             b = Batch(batch, 4096, 1, page, gen)
-            tables = [row[:b.pages] for row in b.meta.block_table_cpu.tolist()]
-            results[key] = stages(b, Batch(batch, 4096 + page, 1, page, gen), tables)
+            results[key] = stages(b, Batch(batch, 4096 + page, 1, page, gen))
             print(key, {k: round(v, 1) for k, v in results[key].items()}, flush=True)
     info = run_info("profile_builder")
     info.update(device=torch.cuda.get_device_name(), results=results)
