@@ -202,3 +202,21 @@ def test_long_prefills_skip_pages_no_query_sees_and_run_whole_pages_without_the_
     else:
         assert (full_num[1], kv_num[1]) == (0, 11)
     assert full_num[0] == 0  # rows 0..127 see no page in whole (each sees its own prefix)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_long_bidirectional_prefills_prune_and_use_full_pages_like_reference(window):
+    """Encoder-only (non-causal) attention over long requests: a query block sees keys on both
+    sides (within the window, if any); pruned and full pages give REFERENCE's result."""
+    spec = BASE.with_(attn_type=AttentionType.ENCODER_ONLY, sliding_window=window)
+    case = make_case(spec, Scenario(((0, 300), (0, 150))), block_size=16, device=DEVICE,
+                     seed=12, finite_page_tails=True)
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert_matches_reference(out, case)
+    tables = FLEX(spec).build_metadata(case.metadata).tables
+    kv_num, full_num = tables[6].flatten().tolist(), tables[8].flatten().tolist()
+    # query block 1: request 0's rows 128..255 of 300 keys (19 pages, the last partial)
+    if window is None:  # all 19 pages visible; the 18 whole ones are full
+        assert (full_num[1], kv_num[1]) == (18, 1)
+    else:  # keys 89..294: pages 5..18, none seen whole by every row
+        assert (full_num[1], kv_num[1]) == (0, 14)
