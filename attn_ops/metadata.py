@@ -222,21 +222,17 @@ def upload_tables(common: CommonAttentionMetadata) -> DeviceTables:
     return _device_tables(buffer, offsets)
 
 
-def upload_int32(arrays: Sequence[np.ndarray], device: torch.device,
-                 into: torch.Tensor | None = None) -> torch.Tensor:
-    """1-D int32 host arrays, concatenated, as a new tensor on ``device`` (or into the front of
-    ``into``): one pinned staging block and one copy without blocking, as in
-    :func:`pack_upload`.
-    (The caching host allocator records the copy and reuses the block only after it ran: on the
-    H200 host this took 26-28 us where a ring of pinned buffers guarded by our own CUDA events
-    took 47-49 -- recording an event from Python alone cost 11.)"""
+def upload_int32(arrays: Sequence[np.ndarray], into: torch.Tensor) -> None:
+    """1-D int32 host arrays, concatenated, into the front of the persistent device tensor
+    ``into``: one pinned staging block and one copy without blocking, as in
+    :func:`pack_upload`. (The caching host allocator records the copy and reuses the block
+    only after it ran: on the H200 host this took 26-28 us where a ring of pinned buffers
+    guarded by our own CUDA events took 47-49 -- recording an event from Python alone cost
+    11.)"""
     total = sum(a.shape[0] for a in arrays)
-    staged = torch.empty(total, dtype=torch.int32, pin_memory=device.type != "cpu")
+    staged = torch.empty(total, dtype=torch.int32, pin_memory=into.device.type != "cpu")
     np.concatenate(arrays, out=staged.numpy())
-    if into is None:
-        return staged.to(device, non_blocking=True)
     into[:total].copy_(staged, non_blocking=True)
-    return into
 
 
 def sizes_not_specialized(*tensors: torch.Tensor) -> None:
@@ -357,7 +353,9 @@ def build_common_metadata(
                          f"[0, {num_blocks}) blocks")
     if not dense:
         table_np[used] = flat
-    need = -(-s_np // block_size)  # (a list may reserve more blocks than the length uses)
+    # (block lists may reserve more blocks than the lengths use; a dense table's owned counts
+    # are the lengths' pages already)
+    need = owned if dense else -(-s_np // block_size)
     if dense or np.array_equal(owned, need):
         indptr = np.zeros(n + 1, dtype=np.int32)
         indptr[1:] = np.cumsum(need)

@@ -372,7 +372,7 @@ class _GraphPlanner(_Planner):
                                    f"({captured.tolist()} -> {plan.tolist()}); a replay would "
                                    "run the captured grid on the wrong schedule")
             self.plans[size] = (kernel_plan, captured)
-        upload_int32([qo, kv_indptr, last, kv_indices], self.device, into=self.tables)
+        upload_int32([qo, kv_indptr, last, kv_indices], self.tables)
         return FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
                                   *self.unused(padded.block_table.shape[1]),
                                   self.decode_ws.device, captured,

@@ -96,7 +96,7 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     q_len = qsl[1:] - qsl[:-1]
     qpos = seq[r] - q_len[r] + (t - qsl[r])
     kv_limit = torch.where(valid, seq[r], 0)
-    pages, used, page_req, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
+    _, used, page_req, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
     # Query block j holds requests lo[j]..hi[j]; its KV blocks are their pages, in order --
     # those some row can see, given the rows' positions (per block and request, min and max).
     blocks = rows // Q_BLOCK

@@ -182,6 +182,17 @@ def test_decode_batches_are_powers_of_two():
         [1, 2, 4, 8, 8, 16, 64, 128, 256]
 
 
+def _prefill_blocks(spec, scenario, seed):
+    """FLEX on ``scenario`` (pages of 16) checked against REFERENCE; then the partial and full
+    KV block counts of each query block its builder made."""
+    case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=seed,
+                     finite_page_tails=True)
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert_matches_reference(out, case)
+    tables = FLEX(spec).build_metadata(case.metadata).tables
+    return tables[6].flatten().tolist(), tables[8].flatten().tolist()
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_long_prefills_skip_pages_no_query_sees_and_run_whole_pages_without_the_mask(window):
     """A query block of one long prefill lists only the pages its queries can see (causal,
@@ -189,12 +200,7 @@ def test_long_prefills_skip_pages_no_query_sees_and_run_whole_pages_without_the_
     result is REFERENCE's. (The tables are checked too: the pruning alone could not change a
     result.)"""
     spec = BASE.with_(sliding_window=window, logits_soft_cap=5.0)
-    case = make_case(spec, Scenario(((0, 300), (37, 150))), block_size=16, device=DEVICE,
-                     seed=11, finite_page_tails=True)
-    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
-    assert_matches_reference(out, case)
-    tables = FLEX(spec).build_metadata(case.metadata).tables
-    kv_num, full_num = tables[6].flatten().tolist(), tables[8].flatten().tolist()
+    kv_num, full_num = _prefill_blocks(spec, Scenario(((0, 300), (37, 150))), seed=11)
     # query block 1: request 0's rows 128..255 -- pages 0..7 (keys 0..127) seen in whole by all,
     # pages 8..15 in part; with a window of 40, only keys 88..255: pages 5..15, none whole
     if window is None:
@@ -209,12 +215,7 @@ def test_long_bidirectional_prefills_prune_and_use_full_pages_like_reference(win
     """Encoder-only (non-causal) attention over long requests: a query block sees keys on both
     sides (within the window, if any); pruned and full pages give REFERENCE's result."""
     spec = BASE.with_(attn_type=AttentionType.ENCODER_ONLY, sliding_window=window)
-    case = make_case(spec, Scenario(((0, 300), (0, 150))), block_size=16, device=DEVICE,
-                     seed=12, finite_page_tails=True)
-    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
-    assert_matches_reference(out, case)
-    tables = FLEX(spec).build_metadata(case.metadata).tables
-    kv_num, full_num = tables[6].flatten().tolist(), tables[8].flatten().tolist()
+    kv_num, full_num = _prefill_blocks(spec, Scenario(((0, 300), (0, 150))), seed=12)
     # query block 1: request 0's rows 128..255 of 300 keys (19 pages, the last partial)
     if window is None:  # all 19 pages visible; the 18 whole ones are full
         assert (full_num[1], kv_num[1]) == (18, 1)
