@@ -57,53 +57,76 @@ def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
             slope, ancestors, not_tree, bt_ptr, k_ptr, v_ptr, stride_bt, stride_kb, stride_ks,
-            stride_kh, stride_vb, stride_vs, stride_vh, block_size, window, soft_cap, offs_d,
-            offs_dv, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+            stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
+            offs_dv, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+            D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
             MASKED: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
-    page by page; ``MASKED=False`` blocks are visible to every row of the tile whole."""
+    page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)`` and are visible to every row
+    of the tile whole: their loads and scores need no mask, and no row's maximum is -inf."""
+    qk_scale = logit_scale * LOG2E  # the scale and base 2 in one multiply
     for b in range(b0, b1):
         offs_n = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(bt_ptr + r * stride_bt + offs_n // block_size, mask=n_ok,
-                       other=0).to(tl.int64)  # page * stride overflows int32 past 2 GiB
-        slot = offs_n % block_size
-        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :],
-                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_dv[None, :],
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-        if USE_SOFTCAP:
-            s = soft_cap * _tanh(s * logit_scale / soft_cap) * LOG2E
-        else:  # one multiply per score: the scale and base 2 at once
-            s = s * (logit_scale * LOG2E)  # base 2 from here on
-        if HAS_ALIBI:
-            s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
         if MASKED:
-            visible = n_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= pos[:, None])
-            if USE_WINDOW:
-                visible = visible & (pos[:, None] - offs_n[None, :] < window)
-                if not CAUSAL:
-                    visible = visible & (offs_n[None, :] - pos[:, None] < window)
-            if HAS_TREE:  # among the draft tokens only the query's ancestors (and itself)
-                node = tl.minimum(tl.maximum(offs_n - context, 0), 63).to(tl.int64)
-                is_ancestor = ((ancestors[:, None] >> node[None, :]) & 1) != 0
-                visible = visible & ((offs_n[None, :] < context) | is_ancestor
-                                     | not_tree[:, None])
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
+            n_ok = offs_n < hi
+            page = tl.load(bt_ptr + r * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        else:
+            page = tl.load(bt_ptr + r * stride_bt + offs_n // PAGE)
+        page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
+        slot = offs_n % PAGE
+        k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                  + kv_head * stride_kh + offs_d[None, :])
+        v_ptrs = (v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                  + kv_head * stride_vh + offs_dv[None, :])
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            if D == D_P:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+            if DV == DV_P:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if USE_SOFTCAP or HAS_ALIBI or MASKED:
+            if USE_SOFTCAP:
+                s = soft_cap * _tanh(s * logit_scale / soft_cap) * LOG2E
+            else:
+                s = s * qk_scale  # base 2 from here on
+            if HAS_ALIBI:
+                s += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
+            if MASKED:
+                visible = n_ok[None, :] & row_ok[:, None]
+                if CAUSAL:
+                    visible = visible & (offs_n[None, :] <= pos[:, None])
+                if USE_WINDOW:
+                    visible = visible & (pos[:, None] - offs_n[None, :] < window)
+                    if not CAUSAL:
+                        visible = visible & (offs_n[None, :] - pos[:, None] < window)
+                if HAS_TREE:  # among the draft tokens only the query's ancestors (and itself)
+                    node = tl.minimum(tl.maximum(offs_n - context, 0), 63).to(tl.int64)
+                    is_ancestor = ((ancestors[:, None] >> node[None, :]) & 1) != 0
+                    visible = visible & ((offs_n[None, :] < context) | is_ancestor
+                                         | not_tree[:, None])
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+            if MASKED:  # rows that have seen no key yet keep -inf as their maximum
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+        else:  # plain scores: the scale folded into the exponent (one FMA per score)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_safe = m_new
+            p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=PRECISION)
+        acc = acc * alpha[:, None]  # then the MMA accumulates into it
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -158,10 +181,10 @@ def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, tree_ptr,
     counter_ptr,
-    num_reqs, scale, soft_cap, window, block_size, tree_size,
+    num_reqs, scale, soft_cap, window, tree_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -170,7 +193,9 @@ def paged_attention_kernel(
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
-    tile = tl.program_id(0)
+    # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
+    # and the light ones fill the last wave.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -251,8 +276,8 @@ def paged_attention_kernel(
         acc, l_i, m_i = _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context,
                                 kv_head, logit_scale, slope, ancestors, not_tree, bt_ptr, k_ptr,
                                 v_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb,
-                                stride_vs, stride_vh, block_size, window, soft_cap, offs_d,
-                                offs_dv, BLOCK_N, D, DV, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                stride_vs, stride_vh, window, soft_cap, offs_d, offs_dv, PAGE,
+                                BLOCK_N, D, D_P, DV, DV_P, CAUSAL, USE_WINDOW, USE_SOFTCAP,
                                 HAS_ALIBI, HAS_TREE, PRECISION, phase != 1)
 
     has_keys = l_i > 0
