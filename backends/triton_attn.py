@@ -95,11 +95,12 @@ class TritonAttnMetadata:
 
 
 # Prefill tiles (query rows, keys, warps, stages) by (padded head dims <= 128, element bytes).
-# 16-bit, head dim 128 on the H200 (``benchmarks/sweep_kernel_configs.py --only
-# triton-prefill``, ten tiles, a5b0763): 128 x 128 / 8 warps / 2 stages 0.58-0.59x FlashInfer
-# at 1x8k and 4x4k and 0.55x at 16x1k, the best of the ten (128 x 64 / 8 / 3: 0.55). fp32
-# takes smaller tiles to stay within shared memory (not measured).
-PREFILL_TILES = {(True, 2): (128, 128, 8, 2), (True, 4): (64, 64, 4, 2),
+# 16-bit, head dim 128 on the H200 (causal 1x8k / 4x4k, page 16, whole blocks' page numbers
+# prefetched; benchmarks/exp/exp_triton_prefill.py at bc6ccef+prefetch): 128 x 128 / 8 warps /
+# 3 stages 0.82x / 0.78x FlashInfer, the best of six (2 stages 0.77 / 0.75; 128 x 64 / 8 / 3
+# 0.79 / 0.77; 4 warps 0.24-0.39). fp32 takes smaller tiles to stay within shared memory (not
+# measured).
+PREFILL_TILES = {(True, 2): (128, 128, 8, 3), (True, 4): (64, 64, 4, 2),
                  (False, 2): (32, 32, 4, 2), (False, 4): (32, 32, 4, 2)}
 
 

@@ -67,13 +67,23 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)`` and are visible to every row
     of the tile whole: their loads and scores need no mask, and no row's maximum is -inf."""
     qk_scale = logit_scale * LOG2E  # the scale and base 2 in one multiply
+    bt_row = bt_ptr + r * stride_bt
+    if not MASKED:  # whole blocks' page numbers are loaded one block ahead (below)
+        offs = tl.arange(0, BLOCK_N)
+        next_page = tl.load(bt_row + (lo + b0 * BLOCK_N + offs) // PAGE,
+                            mask=(offs * 0 + b0) < b1, other=0)
     for b in range(b0, b1):
         offs_n = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASKED:
             n_ok = offs_n < hi
-            page = tl.load(bt_ptr + r * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+            page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0)
         else:
-            page = tl.load(bt_ptr + r * stride_bt + offs_n // PAGE)
+            # The K/V addresses must not wait on the block table: loaded in the same iteration,
+            # the lookup's latency was exposed every block (H200, causal 1x8k, page 16: 0.68x
+            # FlashInfer; 0.82x prefetched, as fast as reading pages without a table).
+            page = next_page
+            next_page = tl.load(bt_row + (offs_n + BLOCK_N) // PAGE,
+                                mask=(offs_n * 0 + b + 1) < b1, other=0)
         page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % PAGE
         k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
