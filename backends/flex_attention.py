@@ -90,7 +90,10 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     qsl = query_start_loc.long()
     seq = seq_lens.long()
     t = torch.arange(rows, device=dev)
-    req = torch.searchsorted(qsl[1:].contiguous(), t, right=True)
+    # (Searched in the int32 input, not in a slice of its int64 copy: torch 2.11's Inductor
+    # cannot lower searchsorted over a slice of a computed buffer.)
+    req = torch.searchsorted(query_start_loc[1:].contiguous(),
+                             t.to(query_start_loc.dtype), right=True).long()
     valid = req < b
     r = req.clamp(max=max(b - 1, 0))
     q_len = qsl[1:] - qsl[:-1]
@@ -301,6 +304,11 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
         options = {"BLOCK_N": min(bs & -bs, 128)}
+        # The block lists are as wide as the step's block table, which may change from step
+        # to step: symbolic from the first call (else Dynamo recompiles on the first change).
+        for idx in (kv_idx, full_idx):
+            if idx is not None:
+                torch._dynamo.maybe_mark_dynamic(idx, idx.dim() - 1)
     else:
         options = {"PARTITION_SIZE": 8 * bs + 1} if decode else None
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):

@@ -162,7 +162,8 @@ def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(n
     per_call = impl.build_metadata(dataclasses.replace(case.metadata, num_blocks=None))
     outs = []
     for meta in (prepared, per_call):
-        out = torch.full((case.query.shape[0], 4, 16), float("nan"), device=DEVICE)
+        out = torch.full((case.query.shape[0], 4, 16), float("nan"), device=DEVICE,
+                             dtype=case.query.dtype)
         args = impl.op_arguments(case.query, case.kv_cache, meta, out,
                                  alibi_slopes=case.alibi_slopes)
         impl.op_for(meta)(*args)
