@@ -90,10 +90,11 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
     qsl = query_start_loc.long()
     seq = seq_lens.long()
     t = torch.arange(rows, device=dev)
-    # (Searched in the int32 input, not in a slice of its int64 copy: torch 2.11's Inductor
-    # cannot lower searchsorted over a slice of a computed buffer.)
-    req = torch.searchsorted(query_start_loc[1:].contiguous(),
-                             t.to(query_start_loc.dtype), right=True).long()
+    # Searched in the whole input, not in a slice: torch 2.11's Inductor drops the slice's
+    # offset from searchsorted's boundaries (an input's view: every request off by one on the
+    # H200) or fails to lower it (a computed buffer's).
+    req = (torch.searchsorted(query_start_loc, t.to(query_start_loc.dtype), right=True) - 1) \
+        .clamp(min=0).long()
     valid = req < b
     r = req.clamp(max=max(b - 1, 0))
     q_len = qsl[1:] - qsl[:-1]
