@@ -1,4 +1,12 @@
-import sys, torch
+"""Diagnostic (H200): FLEX_ATTENTION's step tables made eagerly vs inside a compiled graph, then
+a compiled layer vs eager -- prints which table differs. Found torch 2.11's Inductor dropping the
+offset of a sliced ``searchsorted`` boundary tensor (``a861244``; fixed in ``106143c``).
+
+    source .gpu/bootstrap.sh && python benchmarks/exp/flexdiag.py
+"""
+import sys
+
+import torch
 sys.path.insert(0, "tests")
 from test_flex_attention import MODS, MIXED
 from attn_ops.testing import make_case
