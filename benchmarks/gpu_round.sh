@@ -15,7 +15,11 @@
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
 #   fi       FLASHINFER's tests: test_flashinfer.py, its CUDA-graph tests (no-split plans kept)
 #   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine forced on (by
-#            default it is on only from triton_attn.FUSED_MIN_ITEMS work items, which small tests miss)
+#            default it is on only from triton_attn.FUSED_MIN_ITEMS work items, which small tests
+#            miss); about 420 s on the H200
+#   page128  benchmarks/bench_triton_attention.py at page 128 (FLEX_ATTENTION's Triton key tile is
+#            at most its page: 16 keys at page 16), JSON bench_triton_attention_page128_h200.json
+#   texp     benchmarks/exp/exp_triton_prefill.py (TRITON prefill variants, source patches)
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips
@@ -65,6 +69,9 @@ for spec in "$@"; do
     tfused) ATTN_OPS_TRITON_FUSED_COMBINE=1 stage tfused "$limit" python -m pytest -q \
         -p no:cacheprovider -rfE tests/test_triton_attn.py tests/test_tree_attn.py \
         tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
+    page128) stage page128 "$limit" python benchmarks/bench_triton_attention.py --rounds 1 \
+        --page 128 --out "$OUT/bench_triton_attention_page128_h200.json" ;;
+    texp) stage texp "$limit" python benchmarks/exp/exp_triton_prefill.py ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
     flex) stage flex "$limit" python -m pytest -q -p no:cacheprovider -rfE \

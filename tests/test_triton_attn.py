@@ -108,6 +108,17 @@ def test_head_dims_that_are_not_powers_of_two(head_dim):
     _compare(BASE.with_(head_dim=head_dim), SCENARIOS["mixed"])
 
 
+# Every dtype the backend declares (bf16 only on GPUs: the interpreter's bf16 tl.dot is broken),
+# each with its own tiles (fp32: smaller, IEEE dots), split and unsplit, in the widest head dim.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16]
+                         + ([torch.bfloat16] if PLATFORM.is_gpu else []), ids=str)
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_every_dtype(dtype, head_dim):
+    spec = BASE.with_(dtype=dtype, head_dim=head_dim)
+    _compare(spec, SCENARIOS["mixed"])
+    _compare(spec, LONG_DECODES, splits=4)
+
+
 @pytest.mark.parametrize("heads", [(6, 2), (12, 4), (8, 1), (5, 5)], ids=str)
 def test_gqa_groups_of_any_size(heads):
     q, kv = heads

@@ -1,7 +1,8 @@
 """Experiment (not a benchmark of record): where TRITON_ATTN's prefill time goes on the H200.
 
 Variants of ``triton_attn_kernels.py`` made by patching its source text, timed through the op
-next to FlashInfer at causal 1x8k / 4x4k (page 16 unless named), several tiles each:
+next to FlashInfer at causal 1x8k / 4x4k (page 16 unless named), several tiles each, and
+smaller tiles for the short prefills 1x1k / 16x1k (``base`` only):
 ``base`` (whole blocks' page numbers loaded one block ahead); ``inline`` (loaded in the block's
 own iteration, as before); ``nolookup`` (whole blocks read pages 0.. without the block table:
 wrong output, isolates the lookup's cost).
@@ -32,6 +33,9 @@ PATCHES = {
     "nolookup": [(WHOLE, "            page = offs_n // PAGE\n")],
 }
 TILES = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]
+# Short prefills (1x1k: 256 programs of 128-row tiles for 132 SMs): smaller tiles, base only.
+SHORT_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3),
+               (64, 64, 8, 3)]
 
 
 def load_variant(name):
@@ -64,16 +68,18 @@ def main():
     gen = torch.Generator().manual_seed(0)
     mods = {n: load_variant(n) for n in PATCHES}
     rows = []
-    for bsz, s, page in ((1, 8192, 16), (4, 4096, 16), (1, 8192, 128)):
+    for bsz, s, page in ((1, 8192, 16), (4, 4096, 16), (1, 8192, 128), (1, 1024, 16),
+                         (16, 1024, 16)):
         b = Batch(bsz, s, s, page, gen)
         fns = {"flashinfer": flashinfer_direct(b, True)}
         fns["flashinfer"]()
         truth = b.out.float().clone()
         diffs = {}
         for name, mod in mods.items():
-            if page != 16 and name != "base":
+            short = s <= 1024
+            if (page != 16 or short) and name != "base":
                 continue
-            for tile in TILES:
+            for tile in SHORT_TILES if short else TILES:
                 key = f"{name}_{'x'.join(map(str, tile))}"
                 fn = with_module(with_setting(ours(b, "TRITON_ATTN"), ta.PREFILL_TILES,
                                               (True, 2), tile), mod)
