@@ -20,6 +20,7 @@
 #   page128  benchmarks/bench_triton_attention.py at page 128 (FLEX_ATTENTION's Triton key tile is
 #            at most its page: 16 keys at page 16), JSON bench_triton_attention_page128_h200.json
 #   texp     benchmarks/exp/exp_triton_prefill.py (TRITON prefill variants, source patches)
+#   memcheck compute-sanitizer memcheck over a subset of the TRITON_ATTN / TREE_ATTN tests
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips
@@ -71,6 +72,9 @@ for spec in "$@"; do
         tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
     page128) stage page128 "$limit" python benchmarks/bench_triton_attention.py --rounds 1 \
         --page 128 --out "$OUT/bench_triton_attention_page128_h200.json" ;;
+    memcheck) stage memcheck "$limit" compute-sanitizer --tool memcheck python -m pytest -q \
+        -p no:cacheprovider tests/test_triton_attn.py tests/test_tree_attn.py -k \
+        "(split_kv and plain) or padding_rows or page_sizes or every_dtype or (ancestors and not fp8)" ;;
     texp) stage texp "$limit" python benchmarks/exp/exp_triton_prefill.py ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
@@ -84,6 +88,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=) |^    .* us " \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=) |^    .* us " \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80
