@@ -8,7 +8,9 @@ outside the timing; its timing includes copying the result into the shared outpu
 ``triton``: TRITON_ATTN as configured by default; ``triton_fused`` / ``triton_two_launches``:
 with its split-KV partials always combined by each tile's last split in the same launch
 (``FUSED_COMBINE=True``) / always by a second kernel (``False``). By default it fuses from
-``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on.
+``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on. ``triton_pps16``: with the split
+rule aiming at 16 decode programs per SM instead of ``triton_attn.PROGRAMS_PER_SM`` (more splits
+where a batch fills 8 per SM unsplit: B=128 ctx 32k ran 4.13 TB/s unsplit, B=64 4.56 with 2).
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -70,6 +72,19 @@ def fused_combine(b: Batch, fused: bool):
     return with_setting(ours(b, "TRITON_ATTN"), triton_attn, "FUSED_COMBINE", fused)
 
 
+def programs_per_sm(b: Batch, n: int):
+    """TRITON_ATTN with its split rule aiming at ``n`` decode programs per SM (its
+    ``PROGRAMS_PER_SM``) while the metadata -- which fixes the split count -- is built."""
+    from attn_ops.backends import triton_attn
+
+    saved = triton_attn.PROGRAMS_PER_SM
+    triton_attn.PROGRAMS_PER_SM = n
+    try:
+        return ours(b, "TRITON_ATTN")
+    finally:
+        triton_attn.PROGRAMS_PER_SM = saved
+
+
 def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
     """FLEX_ATTENTION and its dense anchor: as CUDA-graph replays like the others, or -- if
     capture fails (FLEX_ATTENTION declares no CUDA-graph support) -- both as eager launches
@@ -129,6 +144,7 @@ def main() -> None:
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b, True),
                "triton_two_launches": fused_combine(b, False),
+               "triton_pps16": programs_per_sm(b, 16),
                "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",
