@@ -43,6 +43,10 @@ from attn_ops.spec import AttentionType, Feature, KVCacheDType
 __all__ = ["FlexAttentionBackend", "FlexMetadata"]
 
 Q_BLOCK = 128
+# Extra FlexAttention kernel options on GPUs (``num_stages``, ``num_warps``, ``BLOCK_M``, ...),
+# merged over ours: its key tile is at most a page (16 keys at page 16), so deeper pipelines
+# than its defaults may pay off -- a knob for benchmarks/bench_triton_attention.py to compare.
+GPU_KERNEL_OPTIONS: dict = {}
 
 
 def _has_compute_q_blocks() -> bool:
@@ -304,7 +308,7 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # the BlockMask has no full blocks (a compile error): a partition size that is not a
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
-        options = {"BLOCK_N": min(bs & -bs, 128)}
+        options = {"BLOCK_N": min(bs & -bs, 128), **GPU_KERNEL_OPTIONS}
         # The block lists are as wide as the step's block table, which may change from step
         # to step: symbolic from the first call (else Dynamo recompiles on the first change).
         for idx in (kv_idx, full_idx):

@@ -11,6 +11,8 @@ with its split-KV partials always combined by each tile's last split in the same
 ``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on. ``triton_pps16``: with the split
 rule aiming at 16 decode programs per SM instead of ``triton_attn.PROGRAMS_PER_SM`` (more splits
 where a batch fills 8 per SM unsplit: B=128 ctx 32k ran 4.13 TB/s unsplit, B=64 4.56 with 2).
+``flex_stages6``: FLEX_ATTENTION with 6 pipeline stages in FlexAttention's kernel (its key tile
+is one page of 16 keys here).
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -125,7 +127,12 @@ def _flex(kind: str, b: Batch, shape: tuple, quick: bool) -> dict | None:
     if b.cache.numel() >= 2**31:  # FLEX refuses it (32-bit offsets in FlexAttention's kernel)
         print(f"{kind} {shape}: FLEX_ATTENTION skipped, a cache of {b.cache.numel()} elements")
         return None
-    return {"flex": ours(b, "FLEX_ATTENTION"), "flex_dense": flex_dense(b, kind == "prefill")}
+    from attn_ops.backends import flex_attention
+
+    return {"flex": ours(b, "FLEX_ATTENTION"),
+            "flex_stages6": with_setting(ours(b, "FLEX_ATTENTION"), flex_attention,
+                                         "GPU_KERNEL_OPTIONS", {"num_stages": 6}),
+            "flex_dense": flex_dense(b, kind == "prefill")}
 
 
 def main() -> None:
