@@ -463,10 +463,6 @@ class FlexAttentionBackend(AttentionBackend):
     @classmethod
     def not_supported_reasons(cls, spec, platform):
         reasons = super().not_supported_reasons(spec, platform)
-        if platform.kind is PlatformKind.CPU and spec.block_size not in (None, 16):
-            reasons.append(Reason(cls.name, "block_size", f"block_size={spec.block_size}: "
-                                  "compiled CPU FlexAttention builds only for pages of 16 "
-                                  "tokens (torch 2.13)", "leave block_size=None"))
         if spec.has_sinks and not cls.returns_lse(platform):
             reasons.append(Reason(cls.name, "feature:attention_sinks", "attention sinks need "
                                   "the LSE, which compiled FlexAttention does not return on the "

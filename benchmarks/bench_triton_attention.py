@@ -103,10 +103,23 @@ def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
 
 def measure(kind: str, b: Batch, fns: dict, rounds: int, amount: float, unit: str,
             flex: dict | None = None, **shape) -> dict:
-    """One point: outputs checked against FlashInfer's, contenders timed, a result row."""
+    """One point: outputs checked against FlashInfer's, contenders timed, a result row. A FLEX
+    contender that fails to run (say, a kernel option past shared memory) is left out of the
+    point with its error in the row."""
+    errors = {}
+    for name, fn in list((flex or {}).items()):
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (recorded)
+            errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"  {name} failed: {errors[name]}", flush=True)
+            del flex[name]
+    if flex and ("flex" not in flex or "flex_dense" not in flex):
+        flex = None  # (the pair is timed together or not at all)
     diffs = check_outputs(b, {**fns, **(flex or {})}, "flashinfer")
     ms = time_graph(fns, rounds)
-    row = {"kind": kind, **shape, "max_abs_diff": diffs}
+    row = {"kind": kind, **shape, "max_abs_diff": diffs, "errors": errors}
     if flex:
         flex_ms, row["flex_timing"] = time_flex(flex, rounds)
         ms.update(flex_ms)

@@ -46,6 +46,19 @@ MODS = {
 MIXED = Scenario(((30, 1), (9, 1), (0, 25), (14, 9)))
 
 
+@pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.parametrize("scenario", ["mixed", "decode_only"])
+def test_pages_larger_than_16(block_size, scenario):
+    """Pages of 32 and 128 tokens (a BlockMask KV block is one page, so FlexAttention's key
+    tile can grow with it), both layouts, with a custom mask and score mod and a window."""
+    spec = MODS["documents_bias_window"]
+    assert not FLEX.not_supported_reasons(spec.with_(block_size=block_size), PLATFORM)
+    case = make_case(spec, SCENARIOS[scenario], block_size=block_size, device=DEVICE, seed=2,
+                     finite_page_tails=True)
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert_matches_reference(out, case)
+
+
 @pytest.mark.parametrize("name", list(MODS))
 def test_custom_mods_match_reference(name):
     spec = MODS[name]
