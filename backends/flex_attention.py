@@ -10,7 +10,11 @@ the sparse structure comes from the block table, ``mask_mod`` only refines insid
 These tables are made once per step by the metadata builder (:class:`FlexMetadata`, run by
 ``torch.ops.attn.flex_attention_prepared``) when the common metadata knows the cache's block
 count, as ``build_common_metadata`` records it; otherwise ``torch.ops.attn.flex_attention``
-makes them in every call (about 25 small device ops per layer).
+makes them in every call (about 25 small device ops per layer). Two other layouts, chosen by
+the builder: decode-only steps run one FlexAttention batch element per request
+(``flex_attention_decode``); steps with long prefills may copy each request's pages into pages
+of ``GATHER_PAGE`` keys first (``flex_attention_gathered``; off by default), since
+FlexAttention's key tile never spans more than one KV block -- one page.
 
 ``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
 soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
@@ -47,6 +51,14 @@ Q_BLOCK = 128
 # merged over ours: its key tile is at most a page (16 keys at page 16), so deeper pipelines
 # than its defaults may pay off -- a knob for benchmarks/bench_triton_attention.py to compare.
 GPU_KERNEL_OPTIONS: dict = {}
+# Gathered layout (steps with prefills, pages smaller than GATHER_PAGE): the op first copies each
+# request's pages into consecutive pages of GATHER_PAGE keys (GATHER_PAGE // block_size physical
+# pages each), so FlexAttention's key tile can be GATHER_PAGE wide instead of one small page.
+# Used when the step's (query, key) pairs are at least GATHER_MIN_PAIRS_PER_KEY times the keys
+# copied -- a prefill's compute is then worth the copy. None: never (the default until it is
+# measured on the H200: bench_triton_attention's flex_gathered).
+GATHER_PAGE = 128
+GATHER_MIN_PAIRS_PER_KEY: float | None = None
 
 
 def _has_compute_q_blocks() -> bool:
@@ -182,6 +194,34 @@ def _page_maps(seq, block_table, num_pages, block_size):
     logical = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
     logical.scatter_(0, idx, torch.arange(width, device=dev).repeat(b))
     return pages, used, page_req, owner[:num_pages], logical[:num_pages]
+
+
+def _gather_map(block_table, seq_lens, block_size):
+    """The gathered layout's tables: a virtual block table giving request ``r`` the consecutive
+    virtual pages ``r * W .. r * W + W - 1`` (``W``: its table width in virtual pages) and
+    ``page_map [B * W, GATHER_PAGE // block_size]``, the physical pages each virtual page
+    copies -- the request's own pages in order, past its last page its first page again (so
+    no copied slot holds another request's data or a never-written page's)."""
+    f = GATHER_PAGE // block_size
+    b, width = block_table.shape
+    w = -(-width // f)
+    pages = (seq_lens.long() + block_size - 1) // block_size
+    cols = torch.arange(w * f, device=block_table.device)
+    table = torch.nn.functional.pad(block_table, (0, w * f - width))
+    table = torch.where(cols[None, :] < pages[:, None], table, block_table[:, :1])
+    vtable = torch.arange(b * w, device=block_table.device, dtype=block_table.dtype).view(b, w)
+    return vtable, table.reshape(b * w, f)
+
+
+def _gather_pages(kv_cache, page_map):
+    """The cache's pages ``page_map [V, f]`` copied into ``V`` pages of ``f`` times the size,
+    in the cache's own layout."""
+    v, f = page_map.shape
+    pages = kv_cache[page_map.flatten()]
+    if kv_cache.dim() == 5:  # [blocks, 2, block_size, heads, dim]: K and V pages interleave
+        nb, two, bs, h, d = pages.shape
+        return pages.view(v, f, two, bs, h, d).transpose(1, 2).reshape(v, two, f * bs, h, d)
+    return pages.view(v, f * pages.shape[1], *pages.shape[2:])
 
 
 def decode_batch(num_tokens: int) -> int:
@@ -378,6 +418,25 @@ def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_nu
               soft_cap, causal, mods, decode)
 
 
+def _gathered(query, kv_cache, page_map, *args) -> None:
+    """The op over :class:`FlexMetadata` in the gathered layout: ``page_map``'s pages copied
+    into larger ones (:func:`_gather_map`), then FlexAttention over them."""
+    _check_page_map(kv_cache, page_map)
+    _prepared(query, _gather_pages(kv_cache, page_map), *args)
+
+
+def _gathered_fake(query, kv_cache, page_map, *args) -> None:
+    _check_page_map(kv_cache, page_map)
+    virtual = kv_cache.new_empty(page_map.shape[0], *kv_cache.shape[1:])  # (block count only)
+    _prepared_fake(query, virtual, *args)
+
+
+def _check_page_map(kv_cache, page_map):
+    if page_map.dim() != 2 or page_map.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"FLEX_ATTENTION page_map must be an integer [virtual pages, pages "
+                         f"each] tensor, got {page_map.dtype} {tuple(page_map.shape)}")
+
+
 def _decode(*args) -> None:
     """The op over :class:`FlexMetadata` in the decode layout (:func:`_decode_tensors`)."""
     _prepared(*args, decode=True)
@@ -416,6 +475,10 @@ flex_prepared_attention = define_op(
 flex_decode_attention = define_op(
     "flex_attention_decode", _PREPARED_SCHEMA, _decode, _decode_fake,
     dispatch_keys=("CPU", "CUDA"), fp8_output_at=12, tags=UNCAPTURABLE)
+flex_gathered_attention = define_op(
+    "flex_attention_gathered", _PREPARED_SCHEMA.replace(
+        "Tensor kv_cache, ", "Tensor kv_cache, Tensor page_map, "), _gathered, _gathered_fake,
+    dispatch_keys=("CPU", "CUDA"), fp8_output_at=13, tags=UNCAPTURABLE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -430,11 +493,26 @@ class FlexMetadata:
     tables: tuple[torch.Tensor, ...]
     causal: bool = True
     decode: bool = False  # the decode layout (:func:`_decode_tensors`), for decode-only steps
+    page_map: torch.Tensor | None = None  # the gathered layout (:func:`_gather_map`)
 
 
 flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
                                  _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=5,
                                  tags=UNCAPTURABLE)  # (capture untested: CUDAGraphSupport.NEVER)
+
+
+def _gathers(common: CommonAttentionMetadata) -> bool:
+    """Whether a step with prefills takes the gathered layout (``GATHER_MIN_PAIRS_PER_KEY``;
+    host values only)."""
+    bs = common.block_size
+    if GATHER_MIN_PAIRS_PER_KEY is None or bs >= GATHER_PAGE or GATHER_PAGE % bs:
+        return False
+    q = common.query_start_loc_cpu.diff().long()
+    s = common.seq_lens_cpu.long()
+    f = GATHER_PAGE // bs
+    copied = common.num_reqs * -(-common.block_table.shape[1] // f) * GATHER_PAGE
+    pairs = int((q * s).sum())  # (at most twice the causal pairs: enough for a rule)
+    return pairs >= GATHER_MIN_PAIRS_PER_KEY * copied
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -490,6 +568,13 @@ class FlexAttentionBackend(AttentionBackend):
                 common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
                 bs, period, causal, window, full), causal=common.causal, decode=True)
         rows = -(-tokens // Q_BLOCK) * Q_BLOCK
+        if _gathers(common):
+            vtable, page_map = _gather_map(common.block_table, common.seq_lens, bs)
+            vbs = GATHER_PAGE
+            return FlexMetadata(common.slot_mapping, _step_tensors(
+                common.query_start_loc, common.seq_lens, vtable, rows, page_map.shape[0], vbs,
+                period // bs * vbs, causal, window, full), causal=common.causal,
+                page_map=page_map)
         return FlexMetadata(common.slot_mapping, _step_tensors(
             common.query_start_loc, common.seq_lens, common.block_table, rows, common.num_blocks,
             bs, period, causal, window, full), causal=common.causal)
@@ -502,11 +587,13 @@ class FlexAttentionBackend(AttentionBackend):
 
     def op_for(self, metadata):
         if isinstance(metadata, FlexMetadata):
+            if metadata.page_map is not None:
+                return flex_gathered_attention
             return flex_decode_attention if metadata.decode else flex_prepared_attention
         return self.op
 
     def ops(self):
-        return (self.op, flex_prepared_attention, flex_decode_attention)
+        return (self.op, flex_prepared_attention, flex_decode_attention, flex_gathered_attention)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
@@ -515,6 +602,7 @@ class FlexAttentionBackend(AttentionBackend):
                                           alibi_slopes=alibi_slopes, k_scale=k_scale,
                                           v_scale=v_scale), self.mods)
         spec = self.spec
-        return (query, kv_cache, *metadata.tables, out, lse, sinks, alibi_slopes, k_scale,
+        cache = (kv_cache,) if metadata.page_map is None else (kv_cache, metadata.page_map)
+        return (query, *cache, *metadata.tables, out, lse, sinks, alibi_slopes, k_scale,
                 v_scale, self.scale, spec.sliding_window, spec.logits_soft_cap,
                 spec.causal and metadata.causal, self.mods)

@@ -12,7 +12,8 @@ with its split-KV partials always combined by each tile's last split in the same
 rule aiming at 16 decode programs per SM instead of ``triton_attn.PROGRAMS_PER_SM`` (more splits
 where a batch fills 8 per SM unsplit: B=128 ctx 32k ran 4.13 TB/s unsplit, B=64 4.56 with 2).
 ``flex_stages6``: FLEX_ATTENTION with 6 pipeline stages in FlexAttention's kernel (its key tile
-is one page of 16 keys here).
+is one page of 16 keys here); ``flex_gathered`` (prefill): in its gathered layout, each
+request's pages copied into pages of ``flex_attention.GATHER_PAGE`` keys first (copy timed).
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -74,17 +75,15 @@ def fused_combine(b: Batch, fused: bool):
     return with_setting(ours(b, "TRITON_ATTN"), triton_attn, "FUSED_COMBINE", fused)
 
 
-def programs_per_sm(b: Batch, n: int):
-    """TRITON_ATTN with its split rule aiming at ``n`` decode programs per SM (its
-    ``PROGRAMS_PER_SM``) while the metadata -- which fixes the split count -- is built."""
-    from attn_ops.backends import triton_attn
-
-    saved = triton_attn.PROGRAMS_PER_SM
-    triton_attn.PROGRAMS_PER_SM = n
+def built_with(b: Batch, backend: str, module, name: str, value):
+    """``backend`` through its op with ``module.name`` set to ``value`` while its metadata is
+    built (a builder's rule: TRITON_ATTN's split count, FLEX_ATTENTION's layout)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
-        return ours(b, "TRITON_ATTN")
+        return ours(b, backend)
     finally:
-        triton_attn.PROGRAMS_PER_SM = saved
+        setattr(module, name, saved)
 
 
 def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
@@ -142,10 +141,13 @@ def _flex(kind: str, b: Batch, shape: tuple, quick: bool) -> dict | None:
         return None
     from attn_ops.backends import flex_attention
 
-    return {"flex": ours(b, "FLEX_ATTENTION"),
-            "flex_stages6": with_setting(ours(b, "FLEX_ATTENTION"), flex_attention,
-                                         "GPU_KERNEL_OPTIONS", {"num_stages": 6}),
-            "flex_dense": flex_dense(b, kind == "prefill")}
+    fns = {"flex": ours(b, "FLEX_ATTENTION"),
+           "flex_stages6": with_setting(ours(b, "FLEX_ATTENTION"), flex_attention,
+                                        "GPU_KERNEL_OPTIONS", {"num_stages": 6})}
+    if kind == "prefill" and b.page < flex_attention.GATHER_PAGE:
+        fns["flex_gathered"] = built_with(b, "FLEX_ATTENTION", flex_attention,
+                                          "GATHER_MIN_PAIRS_PER_KEY", 0)
+    return {**fns, "flex_dense": flex_dense(b, kind == "prefill")}
 
 
 def main() -> None:
@@ -160,11 +162,13 @@ def main() -> None:
                      method="median over rotating rounds of do_bench_cudagraph medians "
                             "(flex pair: see flex_timing)")
 
+    from attn_ops.backends import triton_attn
+
     for bsz, ctx in ([(1, 4096), (64, 4096)] if args.quick else DECODE):
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b, True),
                "triton_two_launches": fused_combine(b, False),
-               "triton_pps16": programs_per_sm(b, 16),
+               "triton_pps16": built_with(b, "TRITON_ATTN", triton_attn, "PROGRAMS_PER_SM", 16),
                "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",

@@ -59,6 +59,67 @@ def test_pages_larger_than_16(block_size, scenario):
     assert_matches_reference(out, case)
 
 
+LONG_PREFILLS = Scenario(((300, 1), (0, 150), (40, 90)), pad_tokens=3)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("name", ["plain", "documents_bias_window", "prefix_lm", "alibi"])
+def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
+    """Steps with prefills in the gathered layout (forced here: GATHER_MIN_PAIRS_PER_KEY=0):
+    each request's pages copied into pages of GATHER_PAGE keys, over NaN-poisoned unused
+    pages, against REFERENCE; the op passes opcheck."""
+    from attn_ops.backends import flex_attention as fa
+
+    monkeypatch.setattr(fa, "GATHER_MIN_PAIRS_PER_KEY", 0)
+    spec = {"plain": BASE, "alibi": BASE.with_(use_alibi=True)}.get(name) or MODS[name]
+    scenario = SCENARIOS["prefill_only"] if name == "prefix_lm" else LONG_PREFILLS
+    case = make_case(spec, scenario, block_size=block_size, device=DEVICE, seed=4,
+                     finite_page_tails=True)
+    impl = FLEX(spec)
+    meta = impl.build_metadata(case.metadata)
+    assert meta.page_map is not None and meta.page_map.shape[1] == fa.GATHER_PAGE // block_size
+    assert impl.op_for(meta) is torch.ops.attn.flex_attention_gathered.default
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert_matches_reference(out, case)
+    torch.library.opcheck(impl.op_for(meta), impl.op_arguments(
+        case.query, case.kv_cache, meta, torch.zeros_like(out),
+        alibi_slopes=case.alibi_slopes))
+
+
+def test_gathered_layout_rule(monkeypatch):
+    """Off by default; with a threshold, a long prefill gathers and a decode step or a batch
+    of long decodes with one short prefill does not; pages of GATHER_PAGE never do."""
+    from attn_ops.backends import flex_attention as fa
+
+    def layout(scenario, block_size=16):
+        case = make_case(BASE, scenario, block_size=block_size, device=DEVICE, seed=1)
+        return FLEX(BASE).build_metadata(case.metadata).page_map is not None
+
+    assert fa.GATHER_MIN_PAIRS_PER_KEY is None and not layout(LONG_PREFILLS)
+    monkeypatch.setattr(fa, "GATHER_MIN_PAIRS_PER_KEY", 16)
+    assert layout(Scenario(((0, 200),)))
+    assert not layout(Scenario(((300, 1), (500, 1), (0, 4))))
+    assert not layout(Scenario(((0, 200),)), block_size=128)
+
+
+def test_gather_map_copies_each_request_own_pages_in_order():
+    from attn_ops.backends.flex_attention import GATHER_PAGE, _gather_map, _gather_pages
+
+    bs, f = 16, GATHER_PAGE // 16
+    table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13]])
+    seq = torch.tensor([40, 150])  # 3 and 10 pages
+    vtable, page_map = _gather_map(table, seq, bs)
+    assert vtable.tolist() == [[0, 1], [2, 3]] and page_map.shape == (4, f)
+    assert page_map[0].tolist() == [7, 3, 9] + [7] * (f - 3)  # past the last page: the first
+    assert page_map[1].tolist() == [7] * f
+    assert page_map[2].tolist() == [1, 2, 4, 5, 6, 8, 10, 11]
+    assert page_map[3].tolist() == [12, 13] + [1] * (f - 2)
+    cache = torch.randn(14, 2, bs, 2, 8)
+    big = _gather_pages(cache, page_map)
+    assert big.shape == (4, 2, GATHER_PAGE, 2, 8)
+    assert torch.equal(big[2, :, 16 * 3:16 * 4], cache[5])  # request 1's 4th page, K and V
+
+
 @pytest.mark.parametrize("name", list(MODS))
 def test_custom_mods_match_reference(name):
     spec = MODS[name]
