@@ -502,16 +502,18 @@ flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, 
 
 
 def _gathers(common: CommonAttentionMetadata) -> bool:
-    """Whether a step with prefills takes the gathered layout (``GATHER_MIN_PAIRS_PER_KEY``;
-    host values only)."""
+    """Whether a step with prefills takes the gathered layout: its (query, key) pairs at least
+    ``GATHER_MIN_PAIRS_PER_KEY`` times the keys copied. From the metadata's Python integers
+    only (no tensor read: the builder may run inside a compiled graph); the pairs are the
+    prefill tokens times the longest query -- exact for one fresh prefill (counting the causal
+    pairs twice), low for chunked prefills over long contexts and for decodes (not counted),
+    so the rule errs towards not copying."""
     bs = common.block_size
     if GATHER_MIN_PAIRS_PER_KEY is None or bs >= GATHER_PAGE or GATHER_PAGE % bs:
         return False
-    q = common.query_start_loc_cpu.diff().long()
-    s = common.seq_lens_cpu.long()
-    f = GATHER_PAGE // bs
-    copied = common.num_reqs * -(-common.block_table.shape[1] // f) * GATHER_PAGE
-    pairs = int((q * s).sum())  # (at most twice the causal pairs: enough for a rule)
+    copied = common.num_reqs * -(-common.block_table.shape[1] // (GATHER_PAGE // bs)) \
+        * GATHER_PAGE
+    pairs = (common.num_actual_tokens - common.num_decode_tokens) * common.max_query_len
     return pairs >= GATHER_MIN_PAIRS_PER_KEY * copied
 
 

@@ -86,6 +86,20 @@ def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
         alibi_slopes=case.alibi_slopes))
 
 
+def test_gathered_layout_in_a_compiled_layer(monkeypatch):
+    """The builder's rule and tables traced into a fullgraph-compiled layer."""
+    from attn_ops.backends import flex_attention as fa
+
+    monkeypatch.setattr(fa, "GATHER_MIN_PAIRS_PER_KEY", 0)
+    gathers = []
+    real = fa._gather_pages
+    monkeypatch.setattr(fa, "_gather_pages", lambda *a: gathers.append(1) or real(*a))
+    got, expected = compiled_and_eager_layer(MODS["documents"], "FLEX_ATTENTION", LONG_PREFILLS,
+                                             device=DEVICE, finite_page_tails=True)
+    torch.testing.assert_close(got, expected)
+    assert len(gathers) == 2  # (eager, then compiled)
+
+
 def test_gathered_layout_rule(monkeypatch):
     """Off by default; with a threshold, a long prefill gathers and a decode step or a batch
     of long decodes with one short prefill does not; pages of GATHER_PAGE never do."""
