@@ -434,7 +434,11 @@ def _gathered_fake(query, kv_cache, page_map, *args) -> None:
 def _check_page_map(kv_cache, page_map):
     if page_map.dim() != 2 or page_map.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"FLEX_ATTENTION page_map must be an integer [virtual pages, pages "
-                         f"each] tensor, got {page_map.dtype} {tuple(page_map.shape)}")
+                         f"each] tensor, got {page_map.dtype} {tuple(page_map.shape)}; take it "
+                         "from FlexAttentionBackend.build_metadata (FlexMetadata.page_map)")
+    if page_map.device != kv_cache.device:
+        raise ValueError(f"FLEX_ATTENTION page_map is on {page_map.device}, the cache on "
+                         f"{kv_cache.device}; build the metadata on the cache's device")
 
 
 def _decode(*args) -> None:

@@ -84,6 +84,11 @@ def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
     torch.library.opcheck(impl.op_for(meta), impl.op_arguments(
         case.query, case.kv_cache, meta, torch.zeros_like(out),
         alibi_slopes=case.alibi_slopes))
+    bad = impl.op_arguments(case.query, case.kv_cache, dataclasses.replace(
+        meta, page_map=meta.page_map.float()), torch.zeros_like(out),
+        alibi_slopes=case.alibi_slopes)
+    with pytest.raises(ValueError, match="page_map must be an integer .* got torch.float32"):
+        impl.op_for(meta)(*bad)
 
 
 def test_gathered_layout_in_a_compiled_layer(monkeypatch):
