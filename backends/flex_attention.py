@@ -342,13 +342,13 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # Compiled CPU FlexAttention is inference-only; every mod variant x shape is one entry of
     # one code object's cache, more than Dynamo's default 8.
     # On GPUs, Triton's key tile must divide the BlockMask's KV block (a page): the largest
-    # power of two dividing the page size, at most 128 (pages are multiples of 16).
+    # power of two dividing the page size, at most FlexAttention's own default (_key_tile).
     # On the CPU, single-row queries over long caches would get Inductor's C++ decoding
     # template, which torch 2.13 emits referencing `full_kv_num_blocks` it never declares when
     # the BlockMask has no full blocks (a compile error): a partition size that is not a
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
-        options = {"BLOCK_N": min(bs & -bs, 128), **GPU_KERNEL_OPTIONS}
+        options = {"BLOCK_N": _key_tile(bs, d, query.dtype), **GPU_KERNEL_OPTIONS}
         # The block lists are as wide as the step's block table, which may change from step
         # to step: symbolic from the first call (else Dynamo recompiles on the first change).
         for idx in (kv_idx, full_idx):
@@ -378,6 +378,19 @@ def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, sin
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     _check_cache_size(kv_cache)
+
+
+def _key_tile(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """FlexAttention's key tile over pages of ``block_size``: the largest power of two dividing
+    the page, at most the tile FlexAttention picks itself on sm90 (torch 2.11-2.13's defaults:
+    16-bit 128 / 64 / 32 keys for head dims <= 64 / <= 128 / more, fp32 at most 64) -- a
+    wider one than its default may not fit in shared memory (pages of 64-128, the gathered
+    layout's 128)."""
+    if dtype == torch.float32:
+        cap = 64 if 64 < head_dim <= 192 else 32
+    else:
+        cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
+    return min(block_size & -block_size, cap)
 
 
 def _check_cache_size(kv_cache) -> None:

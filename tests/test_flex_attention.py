@@ -105,6 +105,16 @@ def test_gathered_layout_in_a_compiled_layer(monkeypatch):
     assert len(gathers) == 2  # (eager, then compiled)
 
 
+def test_key_tile_divides_the_page_and_stays_within_flex_defaults():
+    from attn_ops.backends.flex_attention import _key_tile
+
+    bf16 = torch.bfloat16
+    assert [_key_tile(bs, 128, bf16) for bs in (16, 32, 48, 64, 128, 256)] == \
+        [16, 32, 16, 64, 64, 64]
+    assert (_key_tile(128, 64, bf16), _key_tile(128, 256, bf16)) == (128, 32)
+    assert (_key_tile(128, 128, torch.float32), _key_tile(128, 64, torch.float32)) == (64, 32)
+
+
 def test_gathered_layout_rule(monkeypatch):
     """Off by default; with a threshold, a long prefill gathers and a decode step or a batch
     of long decodes with one short prefill does not; pages of GATHER_PAGE never do."""
