@@ -2,8 +2,9 @@
 
 ``paged_attention_kernel`` computes one tile per program: ``BLOCK_Q`` query tokens of one
 request x the ``GROUP`` query heads that share a KV head (packed into the rows of one
-``tl.dot``), against that request's keys gathered page by page through the block table, with an
-online softmax in base 2. Program ids: ``(tile, kv_head, split)``. Tiles are numbered per
+``tl.dot``), against that request's keys gathered page by page through the block table (each
+key block's page numbers loaded one block ahead, so the K/V loads never wait on the table), with
+an online softmax in base 2. Program ids: ``(tile, kv_head, split)``. Tiles are numbered per
 request, ``tile_start[r] = (qsl[r] - qsl[0]) // BLOCK_Q + r`` -- an upper bound of the tiles
 before request ``r``, so the grid (``tokens // BLOCK_Q + requests``) is known on the host
 without reading lengths, and a program finds its request by binary search over
