@@ -147,6 +147,10 @@ def test_gather_map_copies_each_request_own_pages_in_order():
     big = _gather_pages(cache, page_map)
     assert big.shape == (4, 2, GATHER_PAGE, 2, 8)
     assert torch.equal(big[2, :, 16 * 3:16 * 4], cache[5])  # request 1's 4th page, K and V
+    packed = torch.randn(14, bs, 2, 24)  # [blocks, block_size, heads, head_dim + head_dim_v]
+    big = _gather_pages(packed, page_map)
+    assert big.shape == (4, GATHER_PAGE, 2, 24)
+    assert torch.equal(big[3, 16:32], packed[13])
 
 
 @pytest.mark.parametrize("name", list(MODS))
