@@ -6,8 +6,11 @@ written by the common ``torch.ops.attn.kv_cache_update``. On the CPU the attenti
 CPU_ATTN's kernel (which reads the packed layout in place); on CUDA through FlashAttention 4,
 which takes K and V of different head dims as two strided views of the packed cache.
 
-Status: the CPU path is tested against REFERENCE in the registry-generated matrix; the CUDA
-path has not yet run on the H200 (README feature table).
+Status: the CPU path is tested against REFERENCE in the registry-generated matrix (CI); the
+CUDA path on the H200 -- the matrix at real sizes (head dims 64 / 80) and whole-model CUDA graphs,
+full and piecewise (README feature table). Where FlashAttention 4 is missing, the selector's next
+choice for such specs is TRITON_ATTN, whose kernel takes different QK and V head dims over the
+same packed cache.
 """
 
 from __future__ import annotations
