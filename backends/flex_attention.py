@@ -53,7 +53,7 @@ Q_BLOCK = 128
 GPU_KERNEL_OPTIONS: dict = {}
 # Gathered layout (steps with prefills, pages smaller than GATHER_PAGE): the op first copies each
 # request's pages into consecutive pages of GATHER_PAGE keys (GATHER_PAGE // block_size physical
-# pages each), so FlexAttention's key tile can be GATHER_PAGE wide instead of one small page.
+# pages each), so FlexAttention's key tile can be its own default (_key_tile), not one small page.
 # Used when the step's (query, key) pairs are at least GATHER_MIN_PAIRS_PER_KEY times the keys
 # copied -- a prefill's compute is then worth the copy. None: never (the default until it is
 # measured on the H200: bench_triton_attention's flex_gathered).
