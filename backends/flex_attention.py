@@ -587,16 +587,13 @@ class FlexAttentionBackend(AttentionBackend):
                 common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
                 bs, period, causal, window, full), causal=common.causal, decode=True)
         rows = -(-tokens // Q_BLOCK) * Q_BLOCK
-        if _gathers(common):
-            vtable, page_map = _gather_map(common.block_table, common.seq_lens, bs)
-            vbs = GATHER_PAGE
-            return FlexMetadata(common.slot_mapping, _step_tensors(
-                common.query_start_loc, common.seq_lens, vtable, rows, page_map.shape[0], vbs,
-                period // bs * vbs, causal, window, full), causal=common.causal,
-                page_map=page_map)
+        table, num_pages, page_map = common.block_table, common.num_blocks, None
+        if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
+            table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
+            num_pages, period, bs = page_map.shape[0], period // bs * GATHER_PAGE, GATHER_PAGE
         return FlexMetadata(common.slot_mapping, _step_tensors(
-            common.query_start_loc, common.seq_lens, common.block_table, rows, common.num_blocks,
-            bs, period, causal, window, full), causal=common.causal)
+            common.query_start_loc, common.seq_lens, table, rows, num_pages, bs, period, causal,
+            window, full), causal=common.causal, page_map=page_map)
 
     def metadata_key(self) -> tuple:
         # (the tables depend on what the spec hides: causality, window, its own mask_mod)
