@@ -54,11 +54,21 @@ GPU_KERNEL_OPTIONS: dict = {}
 # Gathered layout (steps with prefills, pages smaller than GATHER_PAGE): the op first copies each
 # request's pages into consecutive pages of GATHER_PAGE keys (GATHER_PAGE // block_size physical
 # pages each), so FlexAttention's key tile can be its own default (_key_tile), not one small page.
-# Used when the step's (query, key) pairs are at least GATHER_MIN_PAIRS_PER_KEY times the keys
-# copied -- a prefill's compute is then worth the copy. None: never (the default until it is
-# measured on the H200: bench_triton_attention's flex_gathered).
+# Used when the step's (query, key) pairs are at least GATHER_MIN_PAIRS_PER_KEY[device type]
+# times the keys copied -- a prefill's compute is then worth the copy (None: never). On the H200
+# (bench_triton_attention, 9c5a3a2, page 16, bf16, d128) gathering turned causal 1x8k from 191
+# into 325 TFLOP/s (compiled flex on dense tensors: 350) and 1x1k from 77 into 94 (the copy
+# timed): a copied key costs about 8 KB of traffic, ~3 ns, and the wider tile saves ~0.03 ns per
+# pair, so gathering pays from ~100 pairs per key. The CPU has no key-tile problem: off there.
 GATHER_PAGE = 128
-GATHER_MIN_PAIRS_PER_KEY: float | None = None
+GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
+# Pipeline stages of FlexAttention's decoding kernel (the decode layout) on GPUs, as many as
+# fit DECODE_STAGE_BYTES of shared memory (a K and a V tile per stage). Its key tile is at most
+# a page, so the default 2-3 stages leave HBM idle: on the H200 (page 16, bf16, d128) 6 stages
+# took B=1 ctx 32k from 0.60 to 1.34 TB/s and B=8 ctx 8k from 0.38x to 0.95x compiled flex on
+# dense tensors (page 128: 1.41 -> 2.32 and 0.99x -> 2.1x; B=64 ctx 8k unchanged at both).
+DECODE_STAGES: int | None = 6  # None: FlexAttention's default
+DECODE_STAGE_BYTES = 200 << 10
 
 
 def _has_compute_q_blocks() -> bool:
@@ -348,7 +358,7 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # the BlockMask has no full blocks (a compile error): a partition size that is not a
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
-        options = {"BLOCK_N": _key_tile(bs, d, query.dtype), **GPU_KERNEL_OPTIONS}
+        options = _gpu_kernel_options(bs, d, out.shape[2], query.dtype, decode)
         # The block lists are as wide as the step's block table, which may change from step
         # to step: symbolic from the first call (else Dynamo recompiles on the first change).
         for idx in (kv_idx, full_idx):
@@ -391,6 +401,18 @@ def _key_tile(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
     else:
         cap = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
     return min(block_size & -block_size, cap)
+
+
+def _gpu_kernel_options(block_size: int, head_dim: int, head_dim_v: int, dtype: torch.dtype,
+                        decode: bool) -> dict:
+    """FlexAttention's kernel options on GPUs: the key tile (:func:`_key_tile`), for the
+    decode layout ``DECODE_STAGES`` pipeline stages or as many as fit ``DECODE_STAGE_BYTES``
+    (at least 2), then ``GPU_KERNEL_OPTIONS`` over them."""
+    options = {"BLOCK_N": _key_tile(block_size, head_dim, dtype)}
+    if decode and DECODE_STAGES:
+        stage = options["BLOCK_N"] * (head_dim + head_dim_v) * dtype.itemsize
+        options["num_stages"] = max(2, min(DECODE_STAGES, DECODE_STAGE_BYTES // stage))
+    return {**options, **GPU_KERNEL_OPTIONS}
 
 
 def _check_cache_size(kv_cache) -> None:
@@ -520,18 +542,20 @@ flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, 
 
 def _gathers(common: CommonAttentionMetadata) -> bool:
     """Whether a step with prefills takes the gathered layout: its (query, key) pairs at least
-    ``GATHER_MIN_PAIRS_PER_KEY`` times the keys copied. From the metadata's Python integers
+    ``GATHER_MIN_PAIRS_PER_KEY[device type]`` times the keys copied. From the metadata's Python
+    integers
     only (no tensor read: the builder may run inside a compiled graph); the pairs are the
     prefill tokens times the longest query -- exact for one fresh prefill (counting the causal
     pairs twice), low for chunked prefills over long contexts and for decodes (not counted),
     so the rule errs towards not copying."""
     bs = common.block_size
-    if GATHER_MIN_PAIRS_PER_KEY is None or bs >= GATHER_PAGE or GATHER_PAGE % bs:
+    threshold = GATHER_MIN_PAIRS_PER_KEY.get(common.block_table.device.type)
+    if threshold is None or bs >= GATHER_PAGE or GATHER_PAGE % bs:
         return False
     copied = common.num_reqs * -(-common.block_table.shape[1] // (GATHER_PAGE // bs)) \
         * GATHER_PAGE
     pairs = (common.num_actual_tokens - common.num_decode_tokens) * common.max_query_len
-    return pairs >= GATHER_MIN_PAIRS_PER_KEY * copied
+    return pairs >= threshold * copied
 
 
 class FlexAttentionBackend(AttentionBackend):

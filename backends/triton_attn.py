@@ -102,6 +102,9 @@ class TritonAttnMetadata:
 # measured).
 PREFILL_TILES = {(True, 2): (128, 128, 8, 3), (True, 4): (64, 64, 4, 2),
                  (False, 2): (32, 32, 4, 2), (False, 4): (32, 32, 4, 2)}
+# Decode tiles (rows, keys, warps, stages) by padded head dims <= 128: 16 rows (a KV head's
+# query heads, padded), 64 keys (32 past 128), 4 warps, 2 stages.
+DECODE_TILES = {True: (16, 64, 4, 2), False: (16, 32, 4, 2)}
 
 
 # Split-KV partials combined by the last split of each tile inside the attention launch (one
@@ -152,11 +155,9 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     hq, d, dv = query.shape[1], query.shape[2], out.shape[2]
     group = hq // k_cache.shape[2]
     group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
-    # Decode tiles of 16 rows x 64 keys (32 for head dims > 128), 4 warps, 2 stages; prefill
-    # tiles from PREFILL_TILES.
     wide = max(d_p, dv_p) <= 128
     rows, block_n, warps, stages = PREFILL_TILES[wide, min(query.element_size(), 4)] \
-        if prefill else (16, 64 if wide else 32, 4, 2)
+        if prefill else DECODE_TILES[wide]
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dummy = query

@@ -2,9 +2,9 @@
 
 ``paged_attention_kernel`` computes one tile per program: ``BLOCK_Q`` query tokens of one
 request x the ``GROUP`` query heads that share a KV head (packed into the rows of one
-``tl.dot``), against that request's keys gathered page by page through the block table (each
-key block's page numbers loaded one block ahead, so the K/V loads never wait on the table), with
-an online softmax in base 2. Program ids: ``(tile, kv_head, split)``. Tiles are numbered per
+``tl.dot``), against that request's keys gathered page by page through the block table (whole
+key blocks' page numbers loaded one block ahead, so their K/V loads never wait on the table),
+with an online softmax in base 2. Program ids: ``(tile, kv_head, split)``. Tiles are numbered per
 request, ``tile_start[r] = (qsl[r] - qsl[0]) // BLOCK_Q + r`` -- an upper bound of the tiles
 before request ``r``, so the grid (``tokens // BLOCK_Q + requests``) is known on the host
 without reading lengths, and a program finds its request by binary search over
@@ -56,8 +56,8 @@ def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, next_page, b0, b1, q, lo, hi, pos, row_ok, context, kv_head,
-            logit_scale, slope, ancestors, not_tree, bt_row, k_ptr, v_ptr, stride_kb, stride_ks,
+def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
+            slope, ancestors, not_tree, bt_ptr, k_ptr, v_ptr, stride_bt, stride_kb, stride_ks,
             stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
             offs_dv, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
@@ -66,21 +66,25 @@ def _attend(acc, l_i, m_i, next_page, b0, b1, q, lo, hi, pos, row_ok, context, k
             MASKED: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)`` and are visible to every row
-    of the tile whole: their loads and scores need no mask, and no row's maximum is -inf.
-
-    ``next_page``: block ``b0``'s page numbers, loaded one block ahead (by the caller, or by
-    the previous phase's last iteration); returned for block ``b1``. The K/V addresses then
-    never wait on the block table: looked up in the block's own iteration, the lookup's latency
-    was exposed every block (H200, causal 1x8k, page 16: 0.68x FlashInfer; 0.82x prefetched,
-    as fast as reading pages without a table)."""
+    of the tile whole: their loads and scores need no mask, and no row's maximum is -inf."""
     qk_scale = logit_scale * LOG2E  # the scale and base 2 in one multiply
+    bt_row = bt_ptr + r * stride_bt
+    if not MASKED:  # whole blocks' page numbers are loaded one block ahead (below)
+        offs = tl.arange(0, BLOCK_N)
+        next_page = tl.load(bt_row + (lo + b0 * BLOCK_N + offs) // PAGE,
+                            mask=(offs * 0 + b0) < b1, other=0)
     for b in range(b0, b1):
         offs_n = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
-        page = next_page
-        offs_next = offs_n + BLOCK_N
-        next_page = tl.load(bt_row + offs_next // PAGE, mask=offs_next < hi, other=0)
         if MASKED:
             n_ok = offs_n < hi
+            page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0)
+        else:
+            # The K/V addresses must not wait on the block table: loaded in the same iteration,
+            # the lookup's latency was exposed every block (H200, causal 1x8k, page 16: 0.68x
+            # FlashInfer; 0.82x prefetched, as fast as reading pages without a table).
+            page = next_page
+            next_page = tl.load(bt_row + (offs_n + BLOCK_N) // PAGE,
+                                mask=(offs_n * 0 + b + 1) < b1, other=0)
         page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % PAGE
         k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
@@ -135,7 +139,7 @@ def _attend(acc, l_i, m_i, next_page, b0, b1, q, lo, hi, pos, row_ok, context, k
         acc = acc * alpha[:, None]  # then the MMA accumulates into it
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
         m_i = m_new
-    return acc, l_i, m_i, next_page
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -273,9 +277,6 @@ def paged_attention_kernel(
     num_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), num_blocks)
     end_full = tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, first_full)
-    bt_row = bt_ptr + r * stride_bt
-    offs_first = lo + tl.arange(0, BLOCK_N)
-    next_page = tl.load(bt_row + offs_first // PAGE, mask=offs_first < hi, other=0)
     for phase in tl.static_range(3):  # masked blocks, whole blocks, masked blocks
         if phase == 0:
             b0, b1 = 0, first_full
@@ -283,12 +284,12 @@ def paged_attention_kernel(
             b0, b1 = first_full, end_full
         else:
             b0, b1 = end_full, num_blocks
-        acc, l_i, m_i, next_page = _attend(
-            acc, l_i, m_i, next_page, b0, b1, q, lo, hi, pos, row_ok, context, kv_head,
-            logit_scale, slope, ancestors, not_tree, bt_row, k_ptr, v_ptr, stride_kb,
-            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
-            offs_dv, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-            HAS_ALIBI, HAS_TREE, PRECISION, phase != 1)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context,
+                                kv_head, logit_scale, slope, ancestors, not_tree, bt_ptr, k_ptr,
+                                v_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb,
+                                stride_vs, stride_vh, window, soft_cap, offs_d, offs_dv, PAGE,
+                                BLOCK_N, D, D_P, DV, DV_P, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                                HAS_ALIBI, HAS_TREE, PRECISION, phase != 1)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -11,9 +11,11 @@ with its split-KV partials always combined by each tile's last split in the same
 ``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on. ``triton_pps16``: with the split
 rule aiming at 16 decode programs per SM instead of ``triton_attn.PROGRAMS_PER_SM`` (more splits
 where a batch fills 8 per SM unsplit: B=128 ctx 32k ran 4.13 TB/s unsplit, B=64 4.56 with 2).
-``flex_stages6``: FLEX_ATTENTION with 6 pipeline stages in FlexAttention's kernel (its key tile
-is one page of 16 keys here); ``flex_gathered`` (prefill): in its gathered layout, each
-request's pages copied into pages of ``flex_attention.GATHER_PAGE`` keys first (copy timed).
+``flex`` is FLEX_ATTENTION as configured by default: decodes with
+``flex_attention.DECODE_STAGES`` pipeline stages in FlexAttention's decoding kernel, prefills
+at pages under ``GATHER_PAGE`` in its gathered layout (each request's pages copied into pages of
+``GATHER_PAGE`` keys first, copy timed). ``flex_default_stages`` (decode): with FlexAttention's
+own stage count; ``flex_paged`` (prefill): straight over the pages (key tiles of one page).
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -141,12 +143,13 @@ def _flex(kind: str, b: Batch, shape: tuple, quick: bool) -> dict | None:
         return None
     from attn_ops.backends import flex_attention
 
-    fns = {"flex": ours(b, "FLEX_ATTENTION"),
-           "flex_stages6": with_setting(ours(b, "FLEX_ATTENTION"), flex_attention,
-                                        "GPU_KERNEL_OPTIONS", {"num_stages": 6})}
-    if kind == "prefill" and b.page < flex_attention.GATHER_PAGE:
-        fns["flex_gathered"] = built_with(b, "FLEX_ATTENTION", flex_attention,
-                                          "GATHER_MIN_PAIRS_PER_KEY", 0)
+    fns = {"flex": ours(b, "FLEX_ATTENTION")}
+    if kind == "decode":
+        fns["flex_default_stages"] = with_setting(ours(b, "FLEX_ATTENTION"), flex_attention,
+                                                  "DECODE_STAGES", None)
+    elif b.page < flex_attention.GATHER_PAGE:
+        fns["flex_paged"] = built_with(b, "FLEX_ATTENTION", flex_attention,
+                                       "GATHER_MIN_PAIRS_PER_KEY", {"cuda": None})
     return {**fns, "flex_dense": flex_dense(b, kind == "prefill")}
 
 

@@ -65,12 +65,12 @@ LONG_PREFILLS = Scenario(((300, 1), (0, 150), (40, 90)), pad_tokens=3)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("name", ["plain", "documents_bias_window", "prefix_lm", "alibi"])
 def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
-    """Steps with prefills in the gathered layout (forced here: GATHER_MIN_PAIRS_PER_KEY=0):
+    """Steps with prefills in the gathered layout (forced here: a threshold of 0):
     each request's pages copied into pages of GATHER_PAGE keys, over NaN-poisoned unused
     pages, against REFERENCE; the op passes opcheck."""
     from attn_ops.backends import flex_attention as fa
 
-    monkeypatch.setattr(fa, "GATHER_MIN_PAIRS_PER_KEY", 0)
+    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 0)
     spec = {"plain": BASE, "alibi": BASE.with_(use_alibi=True)}.get(name) or MODS[name]
     scenario = SCENARIOS["prefill_only"] if name == "prefix_lm" else LONG_PREFILLS
     case = make_case(spec, scenario, block_size=block_size, device=DEVICE, seed=4,
@@ -95,7 +95,7 @@ def test_gathered_layout_in_a_compiled_layer(monkeypatch):
     """The builder's rule and tables traced into a fullgraph-compiled layer."""
     from attn_ops.backends import flex_attention as fa
 
-    monkeypatch.setattr(fa, "GATHER_MIN_PAIRS_PER_KEY", 0)
+    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 0)
     gathers = []
     real = fa._gather_pages
     monkeypatch.setattr(fa, "_gather_pages", lambda *a: gathers.append(1) or real(*a))
@@ -115,17 +115,39 @@ def test_key_tile_divides_the_page_and_stays_within_flex_defaults():
     assert (_key_tile(128, 128, torch.float32), _key_tile(128, 64, torch.float32)) == (64, 32)
 
 
+def test_gpu_kernel_options_deepen_the_decode_pipeline_within_shared_memory(monkeypatch):
+    from attn_ops.backends import flex_attention as fa
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=False) == {"BLOCK_N": 16}
+    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=True) == \
+        {"BLOCK_N": 16, "num_stages": 6}
+    # 64 keys x (128 + 128) x 4 bytes = 64 KiB a stage: 3 fit in 200 KiB
+    assert fa._gpu_kernel_options(128, 128, 128, f32, decode=True)["num_stages"] == 3
+    # fp32 head dim 256: 32 keys x 512 x 4 = 64 KiB too
+    assert fa._gpu_kernel_options(128, 256, 256, f32, decode=True)["num_stages"] == 3
+    monkeypatch.setattr(fa, "DECODE_STAGE_BYTES", 1)
+    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=True)["num_stages"] == 2
+    monkeypatch.setattr(fa, "DECODE_STAGES", None)
+    monkeypatch.setattr(fa, "GPU_KERNEL_OPTIONS", {"num_warps": 8})
+    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=True) == \
+        {"BLOCK_N": 16, "num_warps": 8}
+
+
 def test_gathered_layout_rule(monkeypatch):
-    """Off by default; with a threshold, a long prefill gathers and a decode step or a batch
-    of long decodes with one short prefill does not; pages of GATHER_PAGE never do."""
+    """Off on the CPU by default, on on GPUs; with a threshold, a long prefill gathers and a
+    decode step or a batch of long decodes with one short prefill does not; pages of
+    GATHER_PAGE never do."""
     from attn_ops.backends import flex_attention as fa
 
     def layout(scenario, block_size=16):
         case = make_case(BASE, scenario, block_size=block_size, device=DEVICE, seed=1)
         return FLEX(BASE).build_metadata(case.metadata).page_map is not None
 
-    assert fa.GATHER_MIN_PAIRS_PER_KEY is None and not layout(LONG_PREFILLS)
-    monkeypatch.setattr(fa, "GATHER_MIN_PAIRS_PER_KEY", 16)
+    assert fa.GATHER_MIN_PAIRS_PER_KEY["cpu"] is None and fa.GATHER_MIN_PAIRS_PER_KEY["cuda"] > 0
+    if DEVICE == "cpu":
+        assert not layout(Scenario(((0, 200),)))
+    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 16)
     assert layout(Scenario(((0, 200),)))
     assert not layout(Scenario(((300, 1), (500, 1), (0, 4))))
     assert not layout(Scenario(((0, 200),)), block_size=128)

@@ -3,9 +3,9 @@
 Variants of ``triton_attn_kernels.py`` made by patching its source text, timed through the op
 next to FlashInfer at causal 1x8k / 4x4k (page 16 unless named), several tiles each, and
 smaller tiles for the short prefills 1x1k / 16x1k (``base`` only):
-``base`` (every block's page numbers loaded one block ahead); ``inline`` (loaded in the
-block's own iteration, as before ``46bdff1``); ``nolookup`` (pages 0.. read without the block
-table: wrong output, isolates the lookup's cost).
+``base`` (whole blocks' page numbers loaded one block ahead); ``inline`` (loaded in the block's
+own iteration, as before); ``nolookup`` (whole blocks read pages 0.. without the block table:
+wrong output, isolates the lookup's cost).
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_prefill.py  (on the H200)
 """
@@ -25,13 +25,12 @@ import attn_ops.backends.triton_attn as ta  # noqa: E402
 import attn_ops.backends.triton_attn_kernels  # noqa: E402,F401 (swapped per variant)
 
 SRC = open(os.path.join(os.path.dirname(ta.__file__), "triton_attn_kernels.py")).read()
-LOOKUP = ("        page = next_page\n        offs_next = offs_n + BLOCK_N\n"
-          "        next_page = tl.load(bt_row + offs_next // PAGE, mask=offs_next < hi, other=0)\n")
+WHOLE = ("            page = next_page\n            next_page = tl.load(bt_row + (offs_n + BLOCK_N)"
+         " // PAGE,\n                                mask=(offs_n * 0 + b + 1) < b1, other=0)\n")
 PATCHES = {
     "base": [],
-    "inline": [(LOOKUP, "        page = tl.load(bt_row + offs_n // PAGE, mask=offs_n < hi, "
-                        "other=0)\n")],
-    "nolookup": [(LOOKUP, "        page = offs_n // PAGE\n")],
+    "inline": [(WHOLE, "            page = tl.load(bt_row + offs_n // PAGE)\n")],
+    "nolookup": [(WHOLE, "            page = offs_n // PAGE\n")],
 }
 TILES = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]
 # Short prefills (1x1k: 256 programs of 128-row tiles for 132 SMs): smaller tiles, base only.

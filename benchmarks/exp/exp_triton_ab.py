@@ -1,0 +1,84 @@
+"""Experiment (not a benchmark of record): TRITON_ATTN kernel files side by side on the H200.
+
+Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
+checkout's as ``head``); every version is timed through the op at the same decode points
+(its DECODE_TILES and a deeper pipeline) and causal prefill points (several PREFILL_TILES),
+next to FlashInfer, in one run. Prints one line per point, writes
+``$OUT/exp_triton_ab.json``.
+
+    source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_ab.py head=backends/triton_attn_kernels.py other=/path/to/kernels.py
+"""
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import with_setting  # noqa: E402
+from bench_gpu_attention import (Batch, decode_bytes, flashinfer_direct, ours,  # noqa: E402
+                                 prefill_flops, time_graph)
+from exp_triton_prefill import with_module  # noqa: E402
+
+import attn_ops.backends.triton_attn as ta  # noqa: E402
+import attn_ops.backends.triton_attn_kernels  # noqa: E402,F401 (swapped per version)
+
+DECODE = [(1, 32768), (4, 32768), (64, 32768), (8, 1024), (64, 1024), (256, 8192)]
+DECODE_TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2)]
+PREFILL = [(1, 1024), (16, 1024), (4, 4096), (1, 8192)]
+PREFILL_TILES = [(128, 128, 8, 3), (128, 64, 8, 3)]
+
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(f"tak_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(ta.__file__))
+    versions = dict(a.split("=", 1) for a in sys.argv[1:]) or \
+        {"head": os.path.join(here, "triton_attn_kernels.py")}
+    mods = {n: load(n, p) for n, p in versions.items()}
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    points = [("decode", b, c) for b, c in DECODE] + [("prefill", b, s) for b, s in PREFILL]
+    for kind, bsz, n in points:
+        prefill = kind == "prefill"
+        b = Batch(bsz, n, n if prefill else 1, 16, gen)
+        fns = {"flashinfer": flashinfer_direct(b, prefill)}
+        fns["flashinfer"]()
+        truth = b.out.float().clone()
+        diffs = {}
+        table, tiles = (ta.PREFILL_TILES, PREFILL_TILES) if prefill else \
+            (ta.DECODE_TILES, DECODE_TILES)
+        for name, mod in mods.items():
+            for tile in tiles:
+                key = f"{name}_{'x'.join(map(str, tile))}"
+                fn = with_module(with_setting(ours(b, "TRITON_ATTN"), table,
+                                              (True, 2) if prefill else True, tile), mod)
+                b.out.zero_()
+                fn()
+                torch.cuda.synchronize()
+                diffs[key] = (b.out.float() - truth).abs().max().item()
+                fns[key] = fn
+        ms = time_graph(fns, 2)
+        amount, unit = (prefill_flops(bsz, n), "TFLOP/s") if prefill else \
+            (decode_bytes(bsz, n), "TB/s")
+        parts = [f"{k} {amount / v / 1e9:.3g}" for k, v in ms.items()]  # amount/ms/1e9
+        print(f"{kind} {bsz}x{n} ({unit}): " + "  ".join(parts), flush=True)
+        worst = max(diffs.values())
+        if worst > 0.02:
+            print(f"  max diff {worst:.4f}: {diffs}", flush=True)
+        rows.append(dict(kind=kind, batch=bsz, n=n, unit=unit, ms=ms, diffs=diffs))
+        del b, fns
+    out = os.environ.get("OUT", "/tmp")
+    json.dump(dict(versions=versions, rows=rows), open(os.path.join(out, "exp_triton_ab.json"),
+                                                         "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
