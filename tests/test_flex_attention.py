@@ -314,13 +314,20 @@ def test_decode_batches_are_powers_of_two():
 
 
 def _prefill_blocks(spec, scenario, seed):
-    """FLEX on ``scenario`` (pages of 16) checked against REFERENCE; then the partial and full
-    KV block counts of each query block its builder made."""
+    """FLEX on ``scenario`` (pages of 16, the paged layout: not gathered) checked against
+    REFERENCE; then the partial and full KV block counts of each query block its builder
+    made."""
+    from attn_ops.backends import flex_attention as fa
+
     case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=seed,
                      finite_page_tails=True)
-    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, None)
+        out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+        meta = FLEX(spec).build_metadata(case.metadata)
     assert_matches_reference(out, case)
-    tables = FLEX(spec).build_metadata(case.metadata).tables
+    assert meta.page_map is None
+    tables = meta.tables
     return tables[6].flatten().tolist(), tables[8].flatten().tolist()
 
 

@@ -3,8 +3,9 @@
 Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
 checkout's as ``head``); every version is timed through the op at the same decode points
 (its DECODE_TILES and a deeper pipeline) and causal prefill points (several PREFILL_TILES),
-next to FlashInfer, in one run. Prints one line per point, writes
-``$OUT/exp_triton_ab.json``.
+next to FlashInfer, in one run. Points and tiles may be set in the environment
+(``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
+Prints one line per point, writes ``$OUT/exp_triton_ab.json``.
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_ab.py head=backends/triton_attn_kernels.py other=/path/to/kernels.py
 """
@@ -25,10 +26,22 @@ from exp_triton_prefill import with_module  # noqa: E402
 import attn_ops.backends.triton_attn as ta  # noqa: E402
 import attn_ops.backends.triton_attn_kernels  # noqa: E402,F401 (swapped per version)
 
-DECODE = [(1, 32768), (4, 32768), (64, 32768), (8, 1024), (64, 1024), (256, 8192)]
-DECODE_TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2)]
-PREFILL = [(1, 1024), (16, 1024), (4, 4096), (1, 8192)]
-PREFILL_TILES = [(128, 128, 8, 3), (128, 64, 8, 3)]
+
+
+def _env(name, default):
+    """``BxN,BxN`` (points) or ``R/N/W/S,...`` (tiles) from the environment, else ``default``."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    sep = "/" if "TILES" in name else "x"
+    return [tuple(int(x) for x in item.split(sep)) for item in text.split(",") if item]
+
+
+DECODE = _env("AB_DECODE", [(1, 32768), (4, 32768), (64, 32768), (8, 1024), (64, 1024),
+                            (256, 8192)])
+DECODE_TILES = _env("AB_DECODE_TILES", [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2)])
+PREFILL = _env("AB_PREFILL", [(1, 1024), (16, 1024), (4, 4096), (1, 8192)])
+PREFILL_TILES = _env("AB_PREFILL_TILES", [(128, 128, 8, 3), (128, 64, 8, 3)])
 
 
 def load(name, path):
