@@ -103,8 +103,24 @@ class TritonAttnMetadata:
 PREFILL_TILES = {(True, 2): (128, 128, 8, 3), (True, 4): (64, 64, 4, 2),
                  (False, 2): (32, 32, 4, 2), (False, 4): (32, 32, 4, 2)}
 # Decode tiles (rows, keys, warps, stages) by padded head dims <= 128: 16 rows (a KV head's
-# query heads, padded), 64 keys (32 past 128), 4 warps, 2 stages.
+# query heads, padded), 64 keys (32 past 128), 4 warps, 2 stages -- or DEEP_DECODE_STAGES for
+# an unsplit launch of 16-bit K/V whose (request, KV head) items alone are at least half the
+# split rule's target (decode_stages). On the H200 (benchmarks/exp/exp_triton_ab.py, 27585e1,
+# page 16, d128, TB/s at 2 / 3 / 4 stages): unsplit B=128 ctx 32k 4.15 / 4.18 / 4.49, B=256
+# ctx 32k 4.13 / 4.36 / 4.44, B=256 ctx 8k 4.10 / 4.34 / 4.42, B=256 ctx 2k 3.98 / 4.25 / 4.23;
+# but split launches lose with more stages (B=1 ctx 32k 3.13 / 2.62, B=32 ctx 8k 4.28 / 3.85 /
+# 4.01, B=64 ctx 8k 4.45 / 4.04 / 4.25), and so does unsplit B=64 ctx 1k (3.48 / 3.18).
 DECODE_TILES = {True: (16, 64, 4, 2), False: (16, 32, 4, 2)}
+DEEP_DECODE_STAGES: int | None = 4  # None: always DECODE_TILES' stages
+
+
+def decode_stages(num_reqs: int, kv_heads: int, splits: int, kv_bytes: int, num_sms: int,
+                  default: int) -> int:
+    """Pipeline stages of a decode launch (see ``DEEP_DECODE_STAGES``)."""
+    if DEEP_DECODE_STAGES and splits == 1 and kv_bytes <= 2 \
+            and 2 * num_reqs * kv_heads >= PROGRAMS_PER_SM * num_sms:
+        return DEEP_DECODE_STAGES
+    return default
 
 
 # Split-KV partials combined by the last split of each tile inside the attention launch (one
@@ -156,8 +172,12 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     group = hq // k_cache.shape[2]
     group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
     wide = max(d_p, dv_p) <= 128
-    rows, block_n, warps, stages = PREFILL_TILES[wide, min(query.element_size(), 4)] \
-        if prefill else DECODE_TILES[wide]
+    if prefill:
+        rows, block_n, warps, stages = PREFILL_TILES[wide, min(query.element_size(), 4)]
+    else:
+        rows, block_n, warps, stages = DECODE_TILES[wide]
+        stages = decode_stages(num_reqs, k_cache.shape[2], splits, k_cache.element_size(),
+                               _num_sms(query.device), stages)
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dummy = query

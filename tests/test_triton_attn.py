@@ -134,6 +134,19 @@ def test_page_sizes_not_multiple_of_the_key_tile():
     _compare(BASE, LONG_DECODES, block_size=5, splits=4)
 
 
+def test_decode_pipeline_deepens_only_for_unsplit_launches_that_fill_the_gpu(monkeypatch):
+    from attn_ops.backends.triton_attn import DEEP_DECODE_STAGES, PROGRAMS_PER_SM, decode_stages
+
+    half = PROGRAMS_PER_SM * 132 // 2  # (request, KV head) items: half the split rule's target
+    assert decode_stages(half // 8, 8, 1, 2, 132, 2) == DEEP_DECODE_STAGES == 4
+    assert decode_stages(half // 8 - 1, 8, 1, 2, 132, 2) == 2  # too few programs
+    assert decode_stages(half // 8, 8, 2, 2, 132, 2) == 2  # split
+    assert decode_stages(half // 8, 8, 1, 4, 132, 2) == 2  # fp32 K/V: the stages would not fit
+    assert decode_stages(half // 8, 8, 1, 1, 132, 2) == 4  # fp8
+    monkeypatch.setattr("attn_ops.backends.triton_attn.DEEP_DECODE_STAGES", None)
+    assert decode_stages(half // 8, 8, 1, 2, 132, 3) == 3
+
+
 def test_split_rule_never_jumps_up_with_the_batch():
     from attn_ops.backends.triton_attn import MAX_SPLITS, choose_num_splits
 

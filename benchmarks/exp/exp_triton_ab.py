@@ -2,7 +2,7 @@
 
 Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
 checkout's as ``head``); every version is timed through the op at the same decode points
-(its DECODE_TILES and a deeper pipeline) and causal prefill points (several PREFILL_TILES),
+(DECODE_TILES as given: DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES),
 next to FlashInfer, in one run. Points and tiles may be set in the environment
 (``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
 Prints one line per point, writes ``$OUT/exp_triton_ab.json``.
@@ -71,8 +71,9 @@ def main():
         for name, mod in mods.items():
             for tile in tiles:
                 key = f"{name}_{'x'.join(map(str, tile))}"
-                fn = with_module(with_setting(ours(b, "TRITON_ATTN"), table,
-                                              (True, 2) if prefill else True, tile), mod)
+                fn = with_setting(ours(b, "TRITON_ATTN"), table,
+                                  (True, 2) if prefill else True, tile)
+                fn = with_module(with_setting(fn, ta, "DEEP_DECODE_STAGES", None), mod)
                 b.out.zero_()
                 fn()
                 torch.cuda.synchronize()
