@@ -10,8 +10,8 @@ A decode-first batch is served by at most two launches of one kernel -- the deco
 with split-KV (``num_splits`` chosen by the builder so that enough programs fill the GPU; a
 combine kernel merges the splits), then the prefill requests with larger query tiles -- plus a
 padding-row kernel in CUDA graphs. Everything a launch needs from the host travels in a small
-CPU int64 tensor ``bounds`` (``[num_decodes, num_decode_tokens, num_splits, num_tokens]``), so
-the op reads no device value on the host and a CUDA graph captured for one batch size replays
+CPU int64 tensor ``bounds`` (``[num_decodes, num_decode_tokens, num_splits, num_tokens,
+max_seq_len]``), so the op reads no device value on the host and a CUDA graph captured for one batch size replays
 for any lengths (``num_tokens = -1``: padding rows are found on the device).
 
 Split rule (no cliff): ``num_splits`` is the power of two that brings ``decodes x KV heads x
@@ -83,8 +83,9 @@ def choose_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms
 @dataclass(frozen=True, eq=False)
 class TritonAttnMetadata:
     """The common device tensors plus ``bounds``, a CPU int64 ``[num_decodes,
-    num_decode_tokens, num_splits, num_tokens]`` (``num_tokens = -1``: known on the device
-    only, as in CUDA graphs)."""
+    num_decode_tokens, num_splits, num_tokens, max_seq_len]`` (``num_tokens = -1``: known on
+    the device only, as in CUDA graphs; ``max_seq_len``, the longest context or an upper bound
+    of it, picks the prefill tile)."""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
@@ -102,6 +103,22 @@ class TritonAttnMetadata:
 # measured).
 PREFILL_TILES = {(True, 2): (128, 128, 8, 3), (True, 4): (64, 64, 4, 2),
                  (False, 2): (32, 32, 4, 2), (False, 4): (32, 32, 4, 2)}
+# Steps whose longest context is at most SHORT_PREFILL_KEYS take SHORT_PREFILL_TILES where they
+# have an entry: half-width key tiles waste less of the causal diagonal when each query tile
+# sees few keys. H200 (benchmarks/exp/exp_triton_ab.py, 27585e1, TFLOP/s at 128x128x8x3 /
+# 128x64x8x3): 1x1k 165 / 179, 16x1k 218 / 246, but 4x4k 364 / 358 and 1x8k 406 / 386 (2k lies
+# between the measured points).
+SHORT_PREFILL_KEYS = 2048
+SHORT_PREFILL_TILES = {(True, 2): (128, 64, 8, 3)}
+
+def prefill_tile(wide: bool, elem_bytes: int, max_seq_len: int) -> tuple[int, int, int, int]:
+    """(rows, keys, warps, stages) of a prefill launch (PREFILL_TILES, SHORT_PREFILL_TILES)."""
+    key = wide, min(elem_bytes, 4)
+    if max_seq_len <= SHORT_PREFILL_KEYS and key in SHORT_PREFILL_TILES:
+        return SHORT_PREFILL_TILES[key]
+    return PREFILL_TILES[key]
+
+
 # Decode tiles (rows, keys, warps, stages) by padded head dims <= 128: 16 rows (a KV head's
 # query heads, padded), 64 keys (32 past 128), 4 warps, 2 stages -- or DEEP_DECODE_STAGES for
 # an unsplit launch of 16-bit K/V whose (request, KV head) items alone are at least half the
@@ -162,9 +179,9 @@ def _pow2(n: int, at_least: int = 1) -> int:
 
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
-            prefill):
+            prefill, max_seq_len):
     """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
-    them) whose queries are at most ``num_tokens`` rows."""
+    them) whose queries are at most ``num_tokens`` rows and contexts at most ``max_seq_len``."""
     from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
                                                        paged_attention_kernel)
 
@@ -173,7 +190,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
     wide = max(d_p, dv_p) <= 128
     if prefill:
-        rows, block_n, warps, stages = PREFILL_TILES[wide, min(query.element_size(), 4)]
+        rows, block_n, warps, stages = prefill_tile(wide, query.element_size(), max_seq_len)
     else:
         rows, block_n, warps, stages = DECODE_TILES[wide]
         stages = decode_stages(num_reqs, k_cache.shape[2], splits, k_cache.element_size(),
@@ -225,11 +242,12 @@ def _triton_attention(query, kv_cache, query_start_loc, seq_lens, block_table, b
     if query.device.type == "cpu" and not interpreting():
         raise RuntimeError("TRITON_ATTN runs on the CPU only in Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before importing attn_ops (tests)")
-    num_decodes, num_decode_tokens, splits, num_tokens = bounds.tolist()
+    num_decodes, num_decode_tokens, splits, num_tokens, max_seq_len = bounds.tolist()
     k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
     num_reqs, rows = seq_lens.shape[0], query.shape[0]
     args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, tree=tree,
-                scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal)
+                scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal,
+                max_seq_len=max_seq_len)
     if num_decodes:
         _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
                 num_reqs=num_decodes, num_tokens=num_decode_tokens, splits=splits,
@@ -256,8 +274,8 @@ def _check(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out,
            alibi_slopes, k_scale, v_scale):
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
-    if bounds.device.type != "cpu" or bounds.dtype != torch.int64 or bounds.shape != (4,):
-        raise ValueError(f"bounds must be a CPU int64 [4] tensor (TritonAttnMetadata), got "
+    if bounds.device.type != "cpu" or bounds.dtype != torch.int64 or bounds.shape != (5,):
+        raise ValueError(f"bounds must be a CPU int64 [5] tensor (TritonAttnMetadata), got "
                          f"{bounds.dtype} {tuple(bounds.shape)} on {bounds.device}")
 
 
@@ -320,7 +338,7 @@ class TritonAttnBackend(AttentionBackend):
         splits = choose_num_splits(common.num_decodes, self.spec.kv_heads, common.max_seq_len,
                                    _num_sms(common.seq_lens.device))
         bounds = torch.tensor([common.num_decodes, common.num_decode_tokens, splits,
-                               common.num_actual_tokens], dtype=torch.int64)
+                               common.num_actual_tokens, common.max_seq_len], dtype=torch.int64)
         return TritonAttnMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
                                   common.block_table, bounds, common.causal)
 
@@ -336,7 +354,8 @@ class TritonAttnBackend(AttentionBackend):
             splits = choose_num_splits(decodes, self.spec.kv_heads, graphs.max_seq_len,
                                        _num_sms(graphs.device))
             bounds = graphs.backend_state[key] = torch.tensor(
-                [decodes, decodes * graphs.query_len if decodes else 0, splits, -1],
+                [decodes, decodes * graphs.query_len if decodes else 0, splits, -1,
+                 graphs.max_seq_len],
                 dtype=torch.int64)
         return TritonAttnMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
                                   padded.block_table, bounds, padded.causal)

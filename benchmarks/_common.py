@@ -189,6 +189,15 @@ def with_setting(run, target, key, value):
     return fn
 
 
+def with_prefill_tile(run, tile):
+    """``run`` (a TRITON_ATTN call) with every prefill launched in ``tile`` (rows, keys, warps,
+    stages) for 16-bit head dims <= 128, short steps' own tiles (SHORT_PREFILL_TILES) off."""
+    from attn_ops.backends import triton_attn
+
+    run = with_setting(run, triton_attn, "SHORT_PREFILL_KEYS", -1)
+    return with_setting(run, triton_attn.PREFILL_TILES, (True, 2), tile)
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

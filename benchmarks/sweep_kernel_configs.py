@@ -28,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import with_setting  # noqa: E402
+from _common import with_prefill_tile  # noqa: E402
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
                                  decode_bytes, fa4_direct, flashinfer_direct, gpu_parser, ours,
                                  prefill_flops, time_graph, timed_fields, write_result)
@@ -167,9 +167,7 @@ TRITON_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 
 
 def triton_tile(b: Batch, tile):
     """TRITON_ATTN through its op with ``tile`` as its 16-bit prefill tile while it runs."""
-    from attn_ops.backends import triton_attn
-
-    return with_setting(ours(b, "TRITON_ATTN"), triton_attn.PREFILL_TILES, (True, 2), tile)
+    return with_prefill_tile(ours(b, "TRITON_ATTN"), tile)
 
 
 def sweep_triton_prefill(args, gen) -> list[dict]:

@@ -134,6 +134,19 @@ def test_page_sizes_not_multiple_of_the_key_tile():
     _compare(BASE, LONG_DECODES, block_size=5, splits=4)
 
 
+def test_short_prefills_take_their_own_tile_and_both_tiles_match_reference(monkeypatch):
+    from attn_ops.backends import triton_attn as ta
+
+    short = ta.SHORT_PREFILL_KEYS
+    assert ta.prefill_tile(True, 2, short) == ta.SHORT_PREFILL_TILES[True, 2] != \
+        ta.prefill_tile(True, 2, short + 1) == ta.PREFILL_TILES[True, 2]
+    assert ta.prefill_tile(True, 4, 16) == ta.PREFILL_TILES[True, 4]  # fp32: no short tile
+    spec = BASE.with_(dtype=torch.float16, head_dim=64, has_sinks=True, sliding_window=100)
+    for keys in (-1, short):  # every step long / every step short
+        monkeypatch.setattr(ta, "SHORT_PREFILL_KEYS", keys)
+        _compare(spec, SCENARIOS["mixed"])
+
+
 def test_decode_pipeline_deepens_only_for_unsplit_launches_that_fill_the_gpu(monkeypatch):
     from attn_ops.backends.triton_attn import DEEP_DECODE_STAGES, PROGRAMS_PER_SM, decode_stages
 

@@ -2,7 +2,7 @@
 
 Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
 checkout's as ``head``); every version is timed through the op at the same decode points
-(DECODE_TILES as given: DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES),
+(DECODE_TILES as given: DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES: short steps' own tiles off),
 next to FlashInfer, in one run. Points and tiles may be set in the environment
 (``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
 Prints one line per point, writes ``$OUT/exp_triton_ab.json``.
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import with_setting  # noqa: E402
+from _common import with_prefill_tile, with_setting  # noqa: E402
 from bench_gpu_attention import (Batch, decode_bytes, flashinfer_direct, ours,  # noqa: E402
                                  prefill_flops, time_graph)
 from exp_triton_prefill import with_module  # noqa: E402
@@ -66,14 +66,14 @@ def main():
         fns["flashinfer"]()
         truth = b.out.float().clone()
         diffs = {}
-        table, tiles = (ta.PREFILL_TILES, PREFILL_TILES) if prefill else \
-            (ta.DECODE_TILES, DECODE_TILES)
+        tiles = PREFILL_TILES if prefill else DECODE_TILES
         for name, mod in mods.items():
             for tile in tiles:
                 key = f"{name}_{'x'.join(map(str, tile))}"
-                fn = with_setting(ours(b, "TRITON_ATTN"), table,
-                                  (True, 2) if prefill else True, tile)
-                fn = with_module(with_setting(fn, ta, "DEEP_DECODE_STAGES", None), mod)
+                fn = with_prefill_tile(ours(b, "TRITON_ATTN"), tile) if prefill else \
+                    with_setting(with_setting(ours(b, "TRITON_ATTN"), ta.DECODE_TILES, True,
+                                              tile), ta, "DEEP_DECODE_STAGES", None)
+                fn = with_module(fn, mod)
                 b.out.zero_()
                 fn()
                 torch.cuda.synchronize()

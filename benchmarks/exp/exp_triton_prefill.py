@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import with_setting  # noqa: E402
+from _common import with_prefill_tile  # noqa: E402
 from bench_gpu_attention import Batch, flashinfer_direct, ours, prefill_flops, time_graph  # noqa
 
 import attn_ops.backends.triton_attn as ta  # noqa: E402
@@ -81,8 +81,7 @@ def main():
                 continue
             for tile in SHORT_TILES if short else TILES:
                 key = f"{name}_{'x'.join(map(str, tile))}"
-                fn = with_module(with_setting(ours(b, "TRITON_ATTN"), ta.PREFILL_TILES,
-                                              (True, 2), tile), mod)
+                fn = with_module(with_prefill_tile(ours(b, "TRITON_ATTN"), tile), mod)
                 try:
                     b.out.zero_()
                     fn()
