@@ -39,7 +39,7 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, apply_sinks,
                           check_paged_attention_inputs, define_op, register_mods, registered_mods)
-from attn_ops.platforms import PlatformKind
+from attn_ops.platforms import PlatformKind, shared_memory_per_block
 from attn_ops.backends.reference import UNCAPTURABLE
 from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
@@ -358,7 +358,8 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # the BlockMask has no full blocks (a compile error): a partition size that is not a
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
-        options = _gpu_kernel_options(bs, d, out.shape[2], query.dtype, decode)
+        options = _gpu_kernel_options(bs, d, out.shape[2], query.dtype, decode,
+                                      shared_memory_per_block(query.device))
         # The block lists are as wide as the step's block table, which may change from step
         # to step: symbolic from the first call (else Dynamo recompiles on the first change).
         for idx in (kv_idx, full_idx):
@@ -404,14 +405,17 @@ def _key_tile(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
 
 
 def _gpu_kernel_options(block_size: int, head_dim: int, head_dim_v: int, dtype: torch.dtype,
-                        decode: bool) -> dict:
+                        decode: bool, smem: int) -> dict:
     """FlexAttention's kernel options on GPUs: the key tile (:func:`_key_tile`), for the
     decode layout ``DECODE_STAGES`` pipeline stages or as many as fit ``DECODE_STAGE_BYTES``
-    (at least 2), then ``GPU_KERNEL_OPTIONS`` over them."""
+    and the block's ``smem`` bytes of shared memory less 24 KiB (when fewer than 3 fit,
+    FlexAttention's own choice), then ``GPU_KERNEL_OPTIONS`` over them."""
     options = {"BLOCK_N": _key_tile(block_size, head_dim, dtype)}
     if decode and DECODE_STAGES:
         stage = options["BLOCK_N"] * (head_dim + head_dim_v) * dtype.itemsize
-        options["num_stages"] = max(2, min(DECODE_STAGES, DECODE_STAGE_BYTES // stage))
+        stages = min(DECODE_STAGES, min(DECODE_STAGE_BYTES, smem - (24 << 10)) // stage)
+        if stages >= 3:
+            options["num_stages"] = stages
     return {**options, **GPU_KERNEL_OPTIONS}
 
 

@@ -35,7 +35,7 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.kv_cache import KVCacheLayout, split_kv_cache
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import check_paged_attention_inputs, define_op
-from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["TritonAttnBackend", "TritonAttnMetadata", "choose_num_splits"]
@@ -132,10 +132,13 @@ DEEP_DECODE_STAGES: int | None = 4  # None: always DECODE_TILES' stages
 
 
 def decode_stages(num_reqs: int, kv_heads: int, splits: int, kv_bytes: int, num_sms: int,
-                  default: int) -> int:
-    """Pipeline stages of a decode launch (see ``DEEP_DECODE_STAGES``)."""
+                  default: int, stage_bytes: int, smem: int) -> int:
+    """Pipeline stages of a decode launch (see ``DEEP_DECODE_STAGES``): ``stage_bytes`` of K/V
+    tiles per stage, ``smem`` bytes of shared memory a block may use (a quarter of it kept for
+    the rest of the kernel)."""
     if DEEP_DECODE_STAGES and splits == 1 and kv_bytes <= 2 \
-            and 2 * num_reqs * kv_heads >= PROGRAMS_PER_SM * num_sms:
+            and 2 * num_reqs * kv_heads >= PROGRAMS_PER_SM * num_sms \
+            and DEEP_DECODE_STAGES * stage_bytes <= smem * 3 // 4:
         return DEEP_DECODE_STAGES
     return default
 
@@ -193,8 +196,11 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         rows, block_n, warps, stages = prefill_tile(wide, query.element_size(), max_seq_len)
     else:
         rows, block_n, warps, stages = DECODE_TILES[wide]
-        stages = decode_stages(num_reqs, k_cache.shape[2], splits, k_cache.element_size(),
-                               _num_sms(query.device), stages)
+        kv_bytes = k_cache.element_size()
+        smem = shared_memory_per_block(query.device) if query.is_cuda else 1 << 30
+        stages = decode_stages(num_reqs, k_cache.shape[2], splits, kv_bytes,
+                               _num_sms(query.device), stages, block_n * (d_p + dv_p) * kv_bytes,
+                               smem)
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dummy = query

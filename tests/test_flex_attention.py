@@ -118,20 +118,23 @@ def test_key_tile_divides_the_page_and_stays_within_flex_defaults():
 def test_gpu_kernel_options_deepen_the_decode_pipeline_within_shared_memory(monkeypatch):
     from attn_ops.backends import flex_attention as fa
 
-    bf16, f32 = torch.bfloat16, torch.float32
-    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=False) == {"BLOCK_N": 16}
-    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=True) == \
-        {"BLOCK_N": 16, "num_stages": 6}
-    # 64 keys x (128 + 128) x 4 bytes = 64 KiB a stage: 3 fit in 200 KiB
-    assert fa._gpu_kernel_options(128, 128, 128, f32, decode=True)["num_stages"] == 3
-    # fp32 head dim 256: 32 keys x 512 x 4 = 64 KiB too
-    assert fa._gpu_kernel_options(128, 256, 256, f32, decode=True)["num_stages"] == 3
-    monkeypatch.setattr(fa, "DECODE_STAGE_BYTES", 1)
-    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=True)["num_stages"] == 2
+    bf16, f32, h200, rtx = torch.bfloat16, torch.float32, 227 << 10, 99 << 10
+
+    def options(bs, d, dtype, smem=h200, decode=True):
+        return fa._gpu_kernel_options(bs, d, d, dtype, decode, smem)
+
+    assert options(16, 128, bf16, decode=False) == {"BLOCK_N": 16}
+    assert options(16, 128, bf16) == {"BLOCK_N": 16, "num_stages": 6}
+    # 64 keys x (128 + 128) x 4 bytes = 64 KiB a stage: 3 fit in 200 KiB; fp32 head dim 256
+    # (32 keys x 512 x 4) too
+    assert options(128, 128, f32)["num_stages"] == options(128, 256, f32)["num_stages"] == 3
+    # 99 KiB per block (consumer GPUs): bf16 page 128, 32 KiB a stage, 2 fit -- left to
+    # FlexAttention; pages of 16 (8 KiB) still take 6
+    assert "num_stages" not in options(128, 128, bf16, rtx)
+    assert options(16, 128, bf16, rtx)["num_stages"] == 6
     monkeypatch.setattr(fa, "DECODE_STAGES", None)
     monkeypatch.setattr(fa, "GPU_KERNEL_OPTIONS", {"num_warps": 8})
-    assert fa._gpu_kernel_options(16, 128, 128, bf16, decode=True) == \
-        {"BLOCK_N": 16, "num_warps": 8}
+    assert options(16, 128, bf16) == {"BLOCK_N": 16, "num_warps": 8}
 
 
 def test_gathered_layout_rule(monkeypatch):

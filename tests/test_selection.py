@@ -236,3 +236,19 @@ def test_spec_validation_errors_name_the_value():
         AttentionSpec(num_heads=4, head_dim=8, dtype=torch.int8)
     assert AttentionSpec(num_heads=4, head_dim=8, kv_cache_dtype="fp8_e4m3").kv_cache_dtype \
         is KVCacheDType.FP8_E4M3
+
+
+def test_shared_memory_per_block_from_the_device_or_a_conservative_default(monkeypatch):
+    """Kernels size their pipelines from it; torch names it only on NVIDIA GPUs."""
+    from types import SimpleNamespace
+
+    from attn_ops import platforms
+
+    props = {0: SimpleNamespace(shared_memory_per_block_optin=232448), 1: SimpleNamespace()}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props.__getitem__)
+    platforms._shared_memory.cache_clear()
+    try:
+        assert platforms.shared_memory_per_block(torch.device("cuda", 0)) == 232448
+        assert platforms.shared_memory_per_block(torch.device("cuda", 1)) == 64 << 10
+    finally:
+        platforms._shared_memory.cache_clear()

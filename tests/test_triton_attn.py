@@ -148,16 +148,23 @@ def test_short_prefills_take_their_own_tile_and_both_tiles_match_reference(monke
 
 
 def test_decode_pipeline_deepens_only_for_unsplit_launches_that_fill_the_gpu(monkeypatch):
-    from attn_ops.backends.triton_attn import DEEP_DECODE_STAGES, PROGRAMS_PER_SM, decode_stages
+    from attn_ops.backends import triton_attn as ta
 
-    half = PROGRAMS_PER_SM * 132 // 2  # (request, KV head) items: half the split rule's target
-    assert decode_stages(half // 8, 8, 1, 2, 132, 2) == DEEP_DECODE_STAGES == 4
-    assert decode_stages(half // 8 - 1, 8, 1, 2, 132, 2) == 2  # too few programs
-    assert decode_stages(half // 8, 8, 2, 2, 132, 2) == 2  # split
-    assert decode_stages(half // 8, 8, 1, 4, 132, 2) == 2  # fp32 K/V: the stages would not fit
-    assert decode_stages(half // 8, 8, 1, 1, 132, 2) == 4  # fp8
-    monkeypatch.setattr("attn_ops.backends.triton_attn.DEEP_DECODE_STAGES", None)
-    assert decode_stages(half // 8, 8, 1, 2, 132, 3) == 3
+    half = ta.PROGRAMS_PER_SM * 132 // 2  # (request, KV head) items: half the split rule's target
+    tile, h200 = 64 * 256 * 2, 227 << 10  # a bf16 K + V tile of 64 keys, head dim 128
+
+    def stages(reqs, splits=1, kv_bytes=2, smem=h200, default=2):
+        return ta.decode_stages(reqs, 8, splits, kv_bytes, 132, default, tile * kv_bytes // 2,
+                                smem)
+
+    assert stages(half // 8) == ta.DEEP_DECODE_STAGES == 4
+    assert stages(half // 8 - 1) == 2  # too few programs
+    assert stages(half // 8, splits=2) == 2
+    assert stages(half // 8, kv_bytes=4) == 2  # fp32 K/V
+    assert stages(half // 8, kv_bytes=1) == 4  # fp8
+    assert stages(half // 8, smem=99 << 10) == 2  # 4 x 32 KiB do not fit a consumer GPU's block
+    monkeypatch.setattr(ta, "DEEP_DECODE_STAGES", None)
+    assert stages(half // 8, default=3) == 3
 
 
 def test_split_rule_never_jumps_up_with_the_batch():
