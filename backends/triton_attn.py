@@ -132,15 +132,39 @@ DEEP_DECODE_STAGES: int | None = 4  # None: always DECODE_TILES' stages
 
 
 def decode_stages(num_reqs: int, kv_heads: int, splits: int, kv_bytes: int, num_sms: int,
-                  default: int, stage_bytes: int, smem: int) -> int:
-    """Pipeline stages of a decode launch (see ``DEEP_DECODE_STAGES``): ``stage_bytes`` of K/V
-    tiles per stage, ``smem`` bytes of shared memory a block may use (a quarter of it kept for
-    the rest of the kernel)."""
+                  default: int) -> int:
+    """Pipeline stages of a decode launch (see ``DEEP_DECODE_STAGES``; :func:`fit_tile` then
+    keeps them within the device's shared memory)."""
     if DEEP_DECODE_STAGES and splits == 1 and kv_bytes <= 2 \
-            and 2 * num_reqs * kv_heads >= PROGRAMS_PER_SM * num_sms \
-            and DEEP_DECODE_STAGES * stage_bytes <= smem * 3 // 4:
+            and 2 * num_reqs * kv_heads >= PROGRAMS_PER_SM * num_sms:
         return DEEP_DECODE_STAGES
     return default
+
+
+def _smem_bytes(rows, keys, stages, d_p, dv_p, q_bytes, kv_bytes) -> int:
+    """Shared memory of a launch, estimated: ``stages`` K and V tiles as loaded, one more
+    converted to the query's dtype when the cache is narrower (fp8), the query tile."""
+    kv = keys * (d_p + dv_p)
+    return stages * kv * kv_bytes + (kv * q_bytes if kv_bytes < q_bytes else 0) \
+        + rows * d_p * q_bytes
+
+
+def fit_tile(tile, d_p, dv_p, q_bytes, kv_bytes, smem):
+    """``tile`` (rows, keys, warps, stages) within ``smem`` bytes of shared memory by
+    :func:`_smem_bytes`: fewer stages (down to 2), then half the keys (down to 16), then half
+    the rows. The tiles measured on the H200 (227 KiB) fit unchanged; an A100 (163 KiB) runs
+    the 16-bit prefill tile in 2 stages, a consumer GPU (99 KiB) with 64 keys."""
+    rows, keys, warps, stages = tile
+    while _smem_bytes(rows, keys, stages, d_p, dv_p, q_bytes, kv_bytes) > smem:
+        if stages > 2:
+            stages -= 1
+        elif keys > 16:
+            keys //= 2
+        elif rows > 16:
+            rows //= 2
+        else:
+            break
+    return rows, keys, warps, stages
 
 
 # Split-KV partials combined by the last split of each tile inside the attention launch (one
@@ -192,15 +216,17 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     group = hq // k_cache.shape[2]
     group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
     wide = max(d_p, dv_p) <= 128
+    q_bytes, kv_bytes = query.element_size(), k_cache.element_size()
     if prefill:
-        rows, block_n, warps, stages = prefill_tile(wide, query.element_size(), max_seq_len)
+        tile = prefill_tile(wide, q_bytes, max_seq_len)
     else:
         rows, block_n, warps, stages = DECODE_TILES[wide]
-        kv_bytes = k_cache.element_size()
-        smem = shared_memory_per_block(query.device) if query.is_cuda else 1 << 30
         stages = decode_stages(num_reqs, k_cache.shape[2], splits, kv_bytes,
-                               _num_sms(query.device), stages, block_n * (d_p + dv_p) * kv_bytes,
-                               smem)
+                               _num_sms(query.device), stages)
+        tile = rows, block_n, warps, stages
+    if query.is_cuda:
+        tile = fit_tile(tile, d_p, dv_p, q_bytes, kv_bytes, shared_memory_per_block(query.device))
+    rows, block_n, warps, stages = tile
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dummy = query

@@ -151,20 +151,45 @@ def test_decode_pipeline_deepens_only_for_unsplit_launches_that_fill_the_gpu(mon
     from attn_ops.backends import triton_attn as ta
 
     half = ta.PROGRAMS_PER_SM * 132 // 2  # (request, KV head) items: half the split rule's target
-    tile, h200 = 64 * 256 * 2, 227 << 10  # a bf16 K + V tile of 64 keys, head dim 128
 
-    def stages(reqs, splits=1, kv_bytes=2, smem=h200, default=2):
-        return ta.decode_stages(reqs, 8, splits, kv_bytes, 132, default, tile * kv_bytes // 2,
-                                smem)
+    def stages(reqs, splits=1, kv_bytes=2, default=2):
+        return ta.decode_stages(reqs, 8, splits, kv_bytes, 132, default)
 
     assert stages(half // 8) == ta.DEEP_DECODE_STAGES == 4
     assert stages(half // 8 - 1) == 2  # too few programs
     assert stages(half // 8, splits=2) == 2
     assert stages(half // 8, kv_bytes=4) == 2  # fp32 K/V
     assert stages(half // 8, kv_bytes=1) == 4  # fp8
-    assert stages(half // 8, smem=99 << 10) == 2  # 4 x 32 KiB do not fit a consumer GPU's block
     monkeypatch.setattr(ta, "DEEP_DECODE_STAGES", None)
     assert stages(half // 8, default=3) == 3
+
+
+def test_tiles_fit_the_devices_shared_memory():
+    """The tiles measured on the H200 run there unchanged; smaller GPUs get fewer stages, then
+    narrower tiles, never a launch that cannot fit."""
+    from attn_ops.backends import triton_attn as ta
+
+    h200, a100, rtx = 232448, 166912, 101376  # opt-in bytes per block
+
+    def fit(tile, smem, d=128, q_bytes=2, kv_bytes=2):
+        return ta.fit_tile(tile, d, d, q_bytes, kv_bytes, smem)
+
+    deep = ta.DECODE_TILES[True][:3] + (ta.DEEP_DECODE_STAGES,)
+    measured = [ta.PREFILL_TILES[True, 2], ta.SHORT_PREFILL_TILES[True, 2],
+                ta.DECODE_TILES[True], deep]
+    assert [fit(t, h200) for t in measured] == measured
+    assert fit(deep, h200, kv_bytes=1) == deep  # fp8 cache
+    assert fit(ta.PREFILL_TILES[True, 4], h200, q_bytes=4, kv_bytes=4) == ta.PREFILL_TILES[True, 4]
+    assert fit(ta.PREFILL_TILES[False, 4], h200, d=256, q_bytes=4, kv_bytes=4) == \
+        ta.PREFILL_TILES[False, 4]
+    assert fit((128, 128, 8, 3), a100) == (128, 128, 8, 2)
+    assert fit((128, 128, 8, 3), rtx) == (128, 64, 8, 2)
+    assert fit((16, 64, 4, 4), rtx) == (16, 64, 4, 2)
+    for smem in (h200, a100, rtx, 48 << 10):
+        for tile in measured:
+            rows, keys, warps, stages = fit(tile, smem)
+            assert ta._smem_bytes(rows, keys, stages, 128, 128, 2, 2) <= smem
+            assert rows >= 16 and keys >= 16 and stages >= 2
 
 
 def test_split_rule_never_jumps_up_with_the_batch():
