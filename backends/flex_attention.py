@@ -342,7 +342,7 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
                                           mask_mod=mask_mod,
                                           seq_lengths=(1 if decode else rows, k.shape[2]),
                                           **extra)
-    q = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - t_in))
+    q = query if rows == t_in else torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - t_in))
     q = q[:, :, None] if decode else q.permute(1, 0, 2)[None]  # [batch, heads, rows, dim]
     need_lse = lse is not None or sinks is not None
     if need_lse and query.device.type == "cpu":
@@ -374,7 +374,7 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     o, row_lse = result if need_lse else (result, None)
     o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
     keep = valid[:t_in, None]
-    out.copy_(torch.where(keep[..., None], o[:t_in], 0.0))
+    torch.where(keep[..., None], o[:t_in], o.new_zeros(()), out=out)  # one pass, pads zeroed
     if need_lse:
         row_lse = row_lse[:, :, 0] if decode else row_lse[0].t()
         row_lse = torch.where(keep, row_lse[:t_in].float(), 0.0)
