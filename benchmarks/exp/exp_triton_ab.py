@@ -1,7 +1,7 @@
 """Experiment (not a benchmark of record): TRITON_ATTN kernel files side by side on the H200.
 
 Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
-checkout's as ``head``); every version is timed through the op at the same decode points
+checkout's as ``head``; ``NAME=@PATCH``: this checkout's with one of ``PATCHES`` applied); every version is timed through the op at the same decode points
 (DECODE_TILES as given: DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES: short steps' own tiles off),
 next to FlashInfer, in one run. Points and tiles may be set in the environment
 (``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -44,7 +45,25 @@ PREFILL = _env("AB_PREFILL", [(1, 1024), (16, 1024), (4, 4096), (1, 8192)])
 PREFILL_TILES = _env("AB_PREFILL_TILES", [(128, 128, 8, 3), (128, 64, 8, 3)])
 
 
+# Source patches of this checkout's kernel file, named ``@NAME`` on the command line:
+# ``onephase``: every key block in one masked loop (no separate loops for the whole blocks and
+# the masked edges: each loop has its own pipeline prologue, which short key ranges -- short
+# prefills, decodes of short contexts -- may not amortize).
+PATCHES = {
+    "onephase": [("    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), "
+                  "num_blocks)\n", "    first_full = num_blocks\n")],
+}
+
+
 def load(name, path):
+    if path.startswith("@"):
+        head = os.path.join(os.path.dirname(os.path.abspath(ta.__file__)), "triton_attn_kernels.py")
+        src = open(head).read()
+        for old, new in PATCHES[path[1:]]:
+            assert old in src, (path, old)
+            src = src.replace(old, new)
+        path = os.path.join(tempfile.mkdtemp(), f"tak_{name}.py")
+        open(path, "w").write(src)
     spec = importlib.util.spec_from_file_location(f"tak_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
