@@ -547,11 +547,10 @@ flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, 
 def _gathers(common: CommonAttentionMetadata) -> bool:
     """Whether a step with prefills takes the gathered layout: its (query, key) pairs at least
     ``GATHER_MIN_PAIRS_PER_KEY[device type]`` times the keys copied. From the metadata's Python
-    integers
-    only (no tensor read: the builder may run inside a compiled graph); the pairs are the
-    prefill tokens times the longest query -- exact for one fresh prefill (counting the causal
-    pairs twice), low for chunked prefills over long contexts and for decodes (not counted),
-    so the rule errs towards not copying."""
+    integers only (no tensor read: the builder may run inside a compiled graph); the pairs are
+    the prefill tokens times the longest query -- exact for one fresh prefill (counting the
+    causal pairs twice), low for chunked prefills over long contexts and for decodes (not
+    counted), so the rule errs towards not copying."""
     bs = common.block_size
     threshold = GATHER_MIN_PAIRS_PER_KEY.get(common.block_table.device.type)
     if threshold is None or bs >= GATHER_PAGE or GATHER_PAGE % bs:

@@ -11,8 +11,9 @@ with split-KV (``num_splits`` chosen by the builder so that enough programs fill
 combine kernel merges the splits), then the prefill requests with larger query tiles -- plus a
 padding-row kernel in CUDA graphs. Everything a launch needs from the host travels in a small
 CPU int64 tensor ``bounds`` (``[num_decodes, num_decode_tokens, num_splits, num_tokens,
-max_seq_len]``), so the op reads no device value on the host and a CUDA graph captured for one batch size replays
-for any lengths (``num_tokens = -1``: padding rows are found on the device).
+max_seq_len]``), so the op reads no device value on the host and a CUDA graph captured for one
+batch size replays for any lengths (``num_tokens = -1``: padding rows are found on the
+device).
 
 Split rule (no cliff): ``num_splits`` is the power of two that brings ``decodes x KV heads x
 splits`` closest to two programs per SM without cutting a request's keys below 256 per split;
@@ -111,6 +112,7 @@ PREFILL_TILES = {(True, 2): (128, 128, 8, 3), (True, 4): (64, 64, 4, 2),
 SHORT_PREFILL_KEYS = 2048
 SHORT_PREFILL_TILES = {(True, 2): (128, 64, 8, 3)}
 
+
 def prefill_tile(wide: bool, elem_bytes: int, max_seq_len: int) -> tuple[int, int, int, int]:
     """(rows, keys, warps, stages) of a prefill launch (PREFILL_TILES, SHORT_PREFILL_TILES)."""
     key = wide, min(elem_bytes, 4)
@@ -184,6 +186,8 @@ def fused_combine(num_reqs: int, kv_heads: int) -> bool:
     if FUSED_COMBINE is not None:
         return FUSED_COMBINE
     return num_reqs * kv_heads >= FUSED_MIN_ITEMS
+
+
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, one per (tile, KV head); reset by use
 
 

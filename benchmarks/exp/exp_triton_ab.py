@@ -1,13 +1,15 @@
 """Experiment (not a benchmark of record): TRITON_ATTN kernel files side by side on the H200.
 
 Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
-checkout's as ``head``; ``NAME=@PATCH``: this checkout's with one of ``PATCHES`` applied); every version is timed through the op at the same decode points
-(DECODE_TILES as given: DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES: short steps' own tiles off),
-next to FlashInfer, in one run. Points and tiles may be set in the environment
+checkout's as ``head``; ``NAME=@PATCH``: this checkout's with one of ``PATCHES`` applied).
+Every version is timed through the op at the same decode points (DECODE_TILES as given,
+DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES, short steps' own
+tiles off), next to FlashInfer, in one run. Points and tiles may be set in the environment
 (``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
 Prints one line per point, writes ``$OUT/exp_triton_ab.json``.
 
-    source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_ab.py head=backends/triton_attn_kernels.py other=/path/to/kernels.py
+    source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_ab.py \
+        head=backends/triton_attn_kernels.py onephase=@onephase other=/path/to/kernels.py
 """
 import importlib.util
 import json
@@ -26,7 +28,6 @@ from exp_triton_prefill import with_module  # noqa: E402
 
 import attn_ops.backends.triton_attn as ta  # noqa: E402
 import attn_ops.backends.triton_attn_kernels  # noqa: E402,F401 (swapped per version)
-
 
 
 def _env(name, default):
