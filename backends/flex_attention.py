@@ -29,6 +29,7 @@ again (shapes are marked dynamic after the first change).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -225,13 +226,20 @@ def _gather_map(block_table, seq_lens, block_size):
 
 def _gather_pages(kv_cache, page_map):
     """The cache's pages ``page_map [V, f]`` copied into ``V`` pages of ``f`` times the size,
-    in the cache's own layout."""
-    v, f = page_map.shape
-    pages = kv_cache[page_map.flatten()]
+    in the packed layout ``[V, f * block_size, heads, head_dim + head_dim_v]`` whatever the
+    cache's (one pass: an interleaved cache's slots are read as ``[block_size, heads, K|V,
+    dim]``, so each copied slot holds its K and V side by side)."""
     if kv_cache.dim() == 5:  # [blocks, 2, block_size, heads, dim]: K and V pages interleave
-        nb, two, bs, h, d = pages.shape
-        return pages.view(v, f, two, bs, h, d).transpose(1, 2).reshape(v, two, f * bs, h, d)
-    return pages.view(v, f * pages.shape[1], *pages.shape[2:])
+        kv_cache = kv_cache.permute(0, 2, 3, 1, 4)  # [blocks, block_size, heads, 2, dim]
+    out = kv_cache.new_empty(_gathered_shape(kv_cache, page_map))
+    torch.index_select(kv_cache, 0, page_map.flatten(), out=out.view(-1, *kv_cache.shape[1:]))
+    return out
+
+
+def _gathered_shape(kv_cache, page_map) -> tuple[int, ...]:
+    """``[V, f * block_size, heads, head_dim + head_dim_v]``, the gathered cache's shape."""
+    (v, f), (_, bs, h) = page_map.shape, kv_cache.shape[:3]
+    return v, f * bs, h, math.prod(kv_cache.shape[3:])
 
 
 def decode_batch(num_tokens: int) -> int:
@@ -466,7 +474,8 @@ def _gathered(query, kv_cache, page_map, *args) -> None:
 
 def _gathered_fake(query, kv_cache, page_map, *args) -> None:
     _check_page_map(kv_cache, page_map)
-    virtual = kv_cache.new_empty(page_map.shape[0], *kv_cache.shape[1:])  # (block count only)
+    src = kv_cache.permute(0, 2, 3, 1, 4) if kv_cache.dim() == 5 else kv_cache
+    virtual = kv_cache.new_empty(_gathered_shape(src, page_map))
     _prepared_fake(query, virtual, *args)
 
 
@@ -617,7 +626,7 @@ class FlexAttentionBackend(AttentionBackend):
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
-            num_pages, period, bs = page_map.shape[0], period // bs * GATHER_PAGE, GATHER_PAGE
+            num_pages, period, bs = page_map.shape[0], GATHER_PAGE, GATHER_PAGE  # (packed)
         return FlexMetadata(common.slot_mapping, _step_tensors(
             common.query_start_loc, common.seq_lens, table, rows, num_pages, bs, period, causal,
             window, full), causal=common.causal, page_map=page_map)

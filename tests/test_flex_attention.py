@@ -168,10 +168,12 @@ def test_gather_map_copies_each_request_own_pages_in_order():
     assert page_map[1].tolist() == [7] * f
     assert page_map[2].tolist() == [1, 2, 4, 5, 6, 8, 10, 11]
     assert page_map[3].tolist() == [12, 13] + [1] * (f - 2)
+    # interleaved [blocks, 2, block_size, heads, dim] -> packed [V, GATHER_PAGE, heads, 2 * dim]
     cache = torch.randn(14, 2, bs, 2, 8)
     big = _gather_pages(cache, page_map)
-    assert big.shape == (4, 2, GATHER_PAGE, 2, 8)
-    assert torch.equal(big[2, :, 16 * 3:16 * 4], cache[5])  # request 1's 4th page, K and V
+    assert big.shape == (4, GATHER_PAGE, 2, 16) and big.is_contiguous()
+    page = big[2, 16 * 3:16 * 4]  # request 1's 4th page (physical page 5)
+    assert torch.equal(page[..., :8], cache[5, 0]) and torch.equal(page[..., 8:], cache[5, 1])
     packed = torch.randn(14, bs, 2, 24)  # [blocks, block_size, heads, head_dim + head_dim_v]
     big = _gather_pages(packed, page_map)
     assert big.shape == (4, GATHER_PAGE, 2, 24)
