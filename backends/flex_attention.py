@@ -148,8 +148,14 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
         (lo == hi)[:, None] if full else None,
         (block_table.flatten() * (period // block_size))[None, :],
         (num_pages - 1) * (period // block_size) + 1)
-    return (req, qpos, kv_limit, owner, logical, valid, kv_num[None, None],
+    return (*_int32(req, qpos, kv_limit, owner, logical), valid, kv_num[None, None],
             kv_idx[None, None], full_num[None, None], full_idx[None, None])
+
+
+def _int32(*tables):
+    """The tables ``mask_mod`` / ``score_mod`` read, as int32: FlexAttention's indices are
+    int32, and int64 tables would make every masked tile's arithmetic 64-bit."""
+    return tuple(t.to(torch.int32) for t in tables)
 
 
 def _kv_blocks(include, start, block_size, pmin, pmax, limit, causal, window, one_request,
@@ -273,8 +279,9 @@ def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period,
         torch.where(kv_limit > 0, qpos, -1), kv_limit, causal, window, True if full else None,
         torch.nn.functional.pad(block_table, (0, 0) + pad) * (period // block_size),
         (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width)
-    return (req, qpos[:, 0], kv_limit[:, 0], owner, logical, req < b, kv_num[:, None, None],
-            kv_idx[:, None, None], full_num[:, None, None], full_idx[:, None, None])
+    return (*_int32(req, qpos[:, 0], kv_limit[:, 0], owner, logical), req < b,
+            kv_num[:, None, None], kv_idx[:, None, None], full_num[:, None, None],
+            full_idx[:, None, None])
 
 
 def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, window, soft_cap,
