@@ -293,13 +293,16 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
         return logical[kv_idx // period] * block_size + kv_idx % period
 
     def mask_mod(b, h, q_idx, kv_idx):
+        # (only what the listed KV blocks do not already guarantee: with K and V pages
+        # interleaved a slot may be a V slot; causal, j <= p implies j < kv_limit -- a
+        # padding row's request owns no page)
         i = b if per_batch else q_idx
         r, p = req[i], qpos[i]
         j = logical_pos(kv_idx)
-        vis = (kv_idx % period < block_size) & (owner[kv_idx // period] == r) \
-            & (j < kv_limit[i])
-        if causal:
-            vis = vis & (j <= p)
+        vis = owner[kv_idx // period] == r
+        if period != block_size:
+            vis = vis & (kv_idx % period < block_size)
+        vis = vis & (j <= p) if causal else vis & (j < kv_limit[i])
         if window is not None:
             vis = vis & (p - j < window)
             if not causal:
