@@ -11,11 +11,9 @@ Prints one line per point, writes ``$OUT/exp_triton_ab.json``.
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_ab.py \
         head=backends/triton_attn_kernels.py onephase=@onephase other=/path/to/kernels.py
 """
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -24,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import with_prefill_tile, with_setting  # noqa: E402
 from bench_gpu_attention import (Batch, decode_bytes, flashinfer_direct, ours,  # noqa: E402
                                  prefill_flops, time_graph)
-from exp_triton_prefill import with_module  # noqa: E402
+from exp_triton_prefill import load_file, load_patched, with_module  # noqa: E402
 
 import attn_ops.backends.triton_attn as ta  # noqa: E402
 import attn_ops.backends.triton_attn_kernels  # noqa: E402,F401 (swapped per version)
@@ -57,18 +55,11 @@ PATCHES = {
 
 
 def load(name, path):
+    """Version ``name``: the kernel file at ``path``, or this checkout's patched (``@PATCH``)."""
     if path.startswith("@"):
         head = os.path.join(os.path.dirname(os.path.abspath(ta.__file__)), "triton_attn_kernels.py")
-        src = open(head).read()
-        for old, new in PATCHES[path[1:]]:
-            assert old in src, (path, old)
-            src = src.replace(old, new)
-        path = os.path.join(tempfile.mkdtemp(), f"tak_{name}.py")
-        open(path, "w").write(src)
-    spec = importlib.util.spec_from_file_location(f"tak_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+        return load_patched(name, open(head).read(), PATCHES[path[1:]])
+    return load_file(name, path)
 
 
 def main():

@@ -39,12 +39,21 @@ SHORT_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3)
 
 
 def load_variant(name):
-    src = SRC
-    for a, b in PATCHES[name]:
+    return load_patched(name, SRC, PATCHES[name])
+
+
+def load_patched(name, src, patches):
+    """The kernel module ``src`` with each ``(old, new)`` of ``patches`` replaced once, loaded
+    as ``tak_<name>`` (not ``attn_ops``'s: :func:`with_module` swaps it in)."""
+    for a, b in patches:
         assert a in src, (name, a)
         src = src.replace(a, b)
     path = os.path.join(tempfile.mkdtemp(), f"tak_{name}.py")
     open(path, "w").write(src)
+    return load_file(name, path)
+
+
+def load_file(name, path):
     spec = importlib.util.spec_from_file_location(f"tak_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
