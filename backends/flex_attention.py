@@ -13,8 +13,9 @@ count, as ``build_common_metadata`` records it; otherwise ``torch.ops.attn.flex_
 makes them in every call (about 25 small device ops per layer). Two other layouts, chosen by
 the builder: decode-only steps run one FlexAttention batch element per request
 (``flex_attention_decode``); steps with long prefills may copy each request's pages into pages
-of ``GATHER_PAGE`` keys first (``flex_attention_gathered``; off by default), since
-FlexAttention's key tile never spans more than one KV block -- one page.
+of ``GATHER_PAGE`` keys first (``flex_attention_gathered``; on GPUs, see
+``GATHER_MIN_PAIRS_PER_KEY``), since FlexAttention's key tile never spans more than one KV
+block -- one page.
 
 ``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
 soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
@@ -49,8 +50,7 @@ __all__ = ["FlexAttentionBackend", "FlexMetadata"]
 
 Q_BLOCK = 128
 # Extra FlexAttention kernel options on GPUs (``num_stages``, ``num_warps``, ``BLOCK_M``, ...),
-# merged over ours: its key tile is at most a page (16 keys at page 16), so deeper pipelines
-# than its defaults may pay off -- a knob for benchmarks/bench_triton_attention.py to compare.
+# merged over ours (_gpu_kernel_options) -- a knob for experiments.
 GPU_KERNEL_OPTIONS: dict = {}
 # Gathered layout (steps with prefills, pages smaller than GATHER_PAGE): the op first copies each
 # request's pages into consecutive pages of GATHER_PAGE keys (GATHER_PAGE // block_size physical
@@ -235,17 +235,23 @@ def _gather_pages(kv_cache, page_map):
     in the packed layout ``[V, f * block_size, heads, head_dim + head_dim_v]`` whatever the
     cache's (one pass: an interleaved cache's slots are read as ``[block_size, heads, K|V,
     dim]``, so each copied slot holds its K and V side by side)."""
-    if kv_cache.dim() == 5:  # [blocks, 2, block_size, heads, dim]: K and V pages interleave
-        kv_cache = kv_cache.permute(0, 2, 3, 1, 4)  # [blocks, block_size, heads, 2, dim]
-    out = kv_cache.new_empty(_gathered_shape(kv_cache, page_map))
-    torch.index_select(kv_cache, 0, page_map.flatten(), out=out.view(-1, *kv_cache.shape[1:]))
+    slots = _slot_major(kv_cache)
+    out = kv_cache.new_empty(_gathered_shape(slots, page_map))
+    torch.index_select(slots, 0, page_map.flatten(), out=out.view(-1, *slots.shape[1:]))
     return out
 
 
-def _gathered_shape(kv_cache, page_map) -> tuple[int, ...]:
-    """``[V, f * block_size, heads, head_dim + head_dim_v]``, the gathered cache's shape."""
-    (v, f), (_, bs, h) = page_map.shape, kv_cache.shape[:3]
-    return v, f * bs, h, math.prod(kv_cache.shape[3:])
+def _slot_major(kv_cache):
+    """The cache as ``[blocks, block_size, heads, ...]``: an interleaved one ``[blocks, 2,
+    block_size, heads, dim]`` read as ``[blocks, block_size, heads, 2, dim]`` (a view)."""
+    return kv_cache.permute(0, 2, 3, 1, 4) if kv_cache.dim() == 5 else kv_cache
+
+
+def _gathered_shape(slots, page_map) -> tuple[int, ...]:
+    """``[V, f * block_size, heads, head_dim + head_dim_v]``, the gathered cache's shape, from
+    the cache read slot-major (:func:`_slot_major`)."""
+    (v, f), (_, bs, h) = page_map.shape, slots.shape[:3]
+    return v, f * bs, h, math.prod(slots.shape[3:])
 
 
 def decode_batch(num_tokens: int) -> int:
@@ -484,8 +490,7 @@ def _gathered(query, kv_cache, page_map, *args) -> None:
 
 def _gathered_fake(query, kv_cache, page_map, *args) -> None:
     _check_page_map(kv_cache, page_map)
-    src = kv_cache.permute(0, 2, 3, 1, 4) if kv_cache.dim() == 5 else kv_cache
-    virtual = kv_cache.new_empty(_gathered_shape(src, page_map))
+    virtual = kv_cache.new_empty(_gathered_shape(_slot_major(kv_cache), page_map))
     _prepared_fake(query, virtual, *args)
 
 
