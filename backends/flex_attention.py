@@ -15,7 +15,10 @@ the builder: decode-only steps run one FlexAttention batch element per request
 (``flex_attention_decode``); steps with long prefills may copy each request's pages into pages
 of ``GATHER_PAGE`` keys first (``flex_attention_gathered``; on GPUs, see
 ``GATHER_MIN_PAIRS_PER_KEY``), since FlexAttention's key tile never spans more than one KV
-block -- one page.
+block -- one page. There each request's keys are consecutive slots, so ``mask_mod`` compares
+slot numbers with two per-row bounds instead of reading per-page tables. Padding rows see no
+key (their query blocks get no full KV blocks), so FlexAttention writes them as zeros, and
+its rows are stored into ``out`` in the compiled graph itself.
 
 ``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
 soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
@@ -85,11 +88,23 @@ _HAS_COMPUTE_Q_BLOCKS = _has_compute_q_blocks()
 
 @functools.cache
 def _flex():
+    """Compiled FlexAttention writing its rows into ``out`` (``[tokens, heads, dim]``) in the
+    same graph -- Inductor may store them from the kernel itself -- and returning the LSE."""
     from torch.nn.attention.flex_attention import flex_attention
+
+    def attend(q, k, v, out, score_mod, block_mask, scale, enable_gqa, return_lse,
+               kernel_options, decode):
+        result = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                kernel_options=kernel_options)
+        o, lse = result if return_lse else (result, None)
+        o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
+        out.copy_(o[:out.shape[0]])
+        return lse
 
     # Static shapes: a new query bucket or cache size compiles again (automatic dynamic shapes
     # hit an Inductor CPU-template bug in torch 2.13: "cur_kvSplitSize6 was not declared").
-    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    return torch.compile(attend, fullgraph=True, dynamic=False)
 
 
 def _slot_views(kv_cache, head_dim, head_dim_v):
@@ -107,15 +122,21 @@ def _slot_views(kv_cache, head_dim, head_dim_v):
     return k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], period, bs
 
 
-def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block_size, period,
-                  causal=True, window=None, full=False):
-    """Per token: request (``B`` for padding), position, visible-key limit; per page: owner
-    and logical index; and the BlockMask's partial and full KV blocks (:func:`_kv_blocks`).
-    Device only."""
+def _step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, block_size,
+                  period, causal=True, window=None, full=False, gathered=False):
+    """Per row (``tokens`` rounded up to ``Q_BLOCK``): request (``B`` for padding), position,
+    visible-key limit; per page: owner and logical index -- or, ``gathered`` (``block_table``
+    is :func:`_gather_map`'s virtual table: request ``r``'s keys are the slots from
+    ``r * width * block_size`` on), per row the first slot of its request and one past the
+    last slot it may see (padding: 0, 0), so that ``mask_mod`` reads no per-key table; and
+    the BlockMask's partial and full KV blocks (:func:`_kv_blocks`). A query block with
+    padding rows below ``tokens`` (rows the op copies out) has no full KV blocks, so those
+    rows see no key and FlexAttention writes them as zeros. Device only."""
     dev = seq_lens.device
     b, width = block_table.shape
     qsl = query_start_loc.long()
     seq = seq_lens.long()
+    rows = -(-tokens // Q_BLOCK) * Q_BLOCK
     t = torch.arange(rows, device=dev)
     # Searched in the whole input, not in a slice: torch 2.11's Inductor drops the slice's
     # offset from searchsorted's boundaries (an input's view: every request off by one on the
@@ -143,11 +164,15 @@ def _step_tensors(query_start_loc, seq_lens, block_table, rows, num_pages, block
         1, req_blocks, block_pos, "amax")[:, page_req]
     start = (torch.arange(width, device=dev) * block_size).repeat(b)[None, :]
     # (lists as wide as FlexAttention's KV block count, which it expects of kv_indices)
+    one_request = (lo == hi) & (valid | (t >= tokens)).view(blocks, Q_BLOCK).all(1)
     kv_num, kv_idx, full_num, full_idx = _kv_blocks(
         include, start, block_size, pmin, pmax, seq[page_req][None, :], causal, window,
-        (lo == hi)[:, None] if full else None,
+        one_request[:, None] if full else None,
         (block_table.flatten() * (period // block_size))[None, :],
         (num_pages - 1) * (period // block_size) + 1)
+    if gathered:
+        owner = torch.where(valid, r * (width * block_size), 0)
+        logical = torch.where(valid, owner + (qpos + 1 if causal else kv_limit), 0)
     return (*_int32(req, qpos, kv_limit, owner, logical), valid, kv_num[None, None],
             kv_idx[None, None], full_num[None, None], full_idx[None, None])
 
@@ -237,8 +262,27 @@ def _gather_pages(kv_cache, page_map):
     dim]``, so each copied slot holds its K and V side by side)."""
     slots = _slot_major(kv_cache)
     out = kv_cache.new_empty(_gathered_shape(slots, page_map))
-    torch.index_select(slots, 0, page_map.flatten(), out=out.view(-1, *slots.shape[1:]))
+    if kv_cache.is_cuda:
+        _gather_kernel(slots, page_map, out)
+    else:
+        torch.index_select(slots, 0, page_map.flatten(), out=out.view(-1, *slots.shape[1:]))
     return out
+
+
+def _gather_kernel(slots, page_map, out):
+    """:func:`_gather_pages`'s copy by ``gather_pages_kernel`` (a slot of every head per
+    program; ``slots`` from :func:`_slot_major`, last dim contiguous)."""
+    import triton
+
+    from attn_ops.backends.flex_attention_kernels import gather_pages_kernel
+
+    bs, h = slots.shape[1:3]
+    halves, dc = (slots.shape[3], slots.shape[4]) if slots.dim() == 5 else (1, slots.shape[3])
+    assert slots.stride(-1) == 1, slots.stride()
+    gather_pages_kernel[(page_map.numel(), bs)](
+        slots, page_map.contiguous(), out, slots.stride(0), slots.stride(1), slots.stride(2),
+        slots.stride(3) if halves > 1 else 0, BLOCK_SIZE=bs, H=h,
+        H_P=triton.next_power_of_2(h), C=halves, DC=dc, DC_P=triton.next_power_of_2(dc))
 
 
 def _slot_major(kv_cache):
@@ -291,11 +335,15 @@ def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period,
 
 
 def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, window, soft_cap,
-          alibi, user_mask, user_score, per_batch=False):
+          alibi, user_mask, user_score, per_batch=False, gathered=False):
     """``mask_mod`` / ``score_mod`` over FlexAttention's (query row, cache slot) indices --
-    or, ``per_batch`` (the decode layout), its (batch element, cache slot) ones."""
+    or, ``per_batch`` (the decode layout), its (batch element, cache slot) ones; ``gathered``:
+    ``owner`` / ``logical`` are per row (:func:`_step_tensors`), and a key's position is its
+    distance from the row's first slot."""
 
-    def logical_pos(kv_idx):
+    def logical_pos(kv_idx, i):
+        if gathered:
+            return kv_idx - owner[i]
         return logical[kv_idx // period] * block_size + kv_idx % period
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -303,12 +351,15 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
         # interleaved a slot may be a V slot; causal, j <= p implies j < kv_limit -- a
         # padding row's request owns no page)
         i = b if per_batch else q_idx
+        j = logical_pos(kv_idx, i)
+        if gathered:  # its request's slots up to the last it may see: no per-key table
+            vis = (kv_idx >= owner[i]) & (kv_idx < logical[i])
+        else:
+            vis = owner[kv_idx // period] == req[i]
+            if period != block_size:
+                vis = vis & (kv_idx % period < block_size)
+            vis = vis & (j <= qpos[i]) if causal else vis & (j < kv_limit[i])
         r, p = req[i], qpos[i]
-        j = logical_pos(kv_idx)
-        vis = owner[kv_idx // period] == r
-        if period != block_size:
-            vis = vis & (kv_idx % period < block_size)
-        vis = vis & (j <= p) if causal else vis & (j < kv_limit[i])
         if window is not None:
             vis = vis & (p - j < window)
             if not causal:
@@ -322,9 +373,9 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
         if soft_cap is not None:
             score = soft_cap * torch.tanh(score / soft_cap)
         if alibi is not None:
-            score = score + alibi[h] * (logical_pos(kv_idx) - qpos[i])
+            score = score + alibi[h] * (logical_pos(kv_idx, i) - qpos[i])
         if user_score is not None:
-            score = user_score(score, req[i], h, qpos[i], logical_pos(kv_idx))
+            score = user_score(score, req[i], h, qpos[i], logical_pos(kv_idx, i))
         return score
 
     plain = soft_cap is None and alibi is None and user_score is None
@@ -339,17 +390,18 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     _check_cache_size(kv_cache)
     _, _, period, bs = _slot_views(kv_cache, query.shape[2], out.shape[2])
-    rows = -(-query.shape[0] // Q_BLOCK) * Q_BLOCK
-    tables = _step_tensors(query_start_loc, seq_lens, block_table, rows, kv_cache.shape[0], bs,
-                           period, causal, sliding_window, registered_mods(mods)[0] is None)
+    tables = _step_tensors(query_start_loc, seq_lens, block_table, query.shape[0],
+                           kv_cache.shape[0], bs, period, causal, sliding_window,
+                           registered_mods(mods)[0] is None)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
               soft_cap, causal, mods)
 
 
 def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
-              soft_cap, causal, mods, decode=False) -> None:
-    """FlexAttention over the tables of :func:`_step_tensors` -- or, ``decode``, of
-    :func:`_decode_tensors` (one batch element per single-token request)."""
+              soft_cap, causal, mods, decode=False, gathered=False) -> None:
+    """FlexAttention over the tables of :func:`_step_tensors` (``gathered``: made over the
+    gathered pages) -- or, ``decode``, of :func:`_decode_tensors` (one batch element per
+    single-token request). Padding rows see no key: FlexAttention writes them as zeros."""
     from torch.nn.attention.flex_attention import BlockMask
 
     user_mask, user_score = registered_mods(mods)
@@ -359,7 +411,7 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     rows = req.shape[0]
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
                                 sliding_window, soft_cap, alibi_slopes, user_mask, user_score,
-                                per_batch=decode)
+                                per_batch=decode, gathered=gathered)
     extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q_BLOCKS else {}  # (no backward)
     block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
                                           BLOCK_SIZE=(Q_BLOCK, bs),
@@ -392,16 +444,11 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     else:
         options = {"PARTITION_SIZE": 8 * bs + 1} if decode else None
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
-        result = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                         enable_gqa=hq != k.shape[1], return_lse=need_lse,
-                         kernel_options=options)
-    o, row_lse = result if need_lse else (result, None)
-    o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
-    keep = valid[:t_in, None]
-    torch.where(keep[..., None], o[:t_in], o.new_zeros(()), out=out)  # one pass, pads zeroed
-    if need_lse:
+        row_lse = _flex()(q, k, v, out, score_mod, block_mask, scale, hq != k.shape[1],
+                          need_lse, options, decode)
+    if need_lse:  # (a padding row's LSE is 0, like REFERENCE's; FlexAttention's is -inf)
         row_lse = row_lse[:, :, 0] if decode else row_lse[0].t()
-        row_lse = torch.where(keep, row_lse[:t_in].float(), 0.0)
+        row_lse = torch.where(valid[:t_in, None], row_lse[:t_in].float(), 0.0)
         if sinks is not None:
             apply_sinks(out, row_lse, sinks)
         if lse is not None:
@@ -458,13 +505,17 @@ def _check_cache_size(kv_cache) -> None:
             "FLASHINFER")
 
 
-def _check_tables(query, kv_cache, tables, decode=False):
+def _check_tables(query, kv_cache, tables, decode=False, gathered=False):
     req, owner = tables[0], tables[3]
     if req.shape[0] < query.shape[0] or (not decode and req.shape[0] % Q_BLOCK):
         raise ValueError(f"FLEX_ATTENTION metadata was built for {req.shape[0]} query rows; "
                          f"this call has {query.shape[0]} -- build it from this step's common "
                          "metadata")
-    if owner.shape[0] != kv_cache.shape[0]:
+    if gathered and owner.shape != req.shape:
+        raise ValueError(f"FLEX_ATTENTION's gathered op takes per-row tables ({req.shape[0]} "
+                         f"rows), got {owner.shape[0]} owners: run the metadata on the op "
+                         "FlexAttentionBackend.op_for(metadata) names")
+    if not gathered and owner.shape[0] != kv_cache.shape[0]:
         raise ValueError(f"FLEX_ATTENTION metadata was built for a cache of {owner.shape[0]} "
                          f"blocks, this cache has {kv_cache.shape[0]} (common.num_blocks must "
                          "be the cache's block count)")
@@ -472,26 +523,26 @@ def _check_tables(query, kv_cache, tables, decode=False):
 
 def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
               full_num, full_idx, out, lse, sinks, alibi_slopes, k_scale, v_scale, scale,
-              sliding_window, soft_cap, causal, mods, decode=False) -> None:
+              sliding_window, soft_cap, causal, mods, decode=False, gathered=False) -> None:
     """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder."""
     tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx)
     _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
-                    decode)
+                    decode, gathered)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
-              soft_cap, causal, mods, decode)
+              soft_cap, causal, mods, decode, gathered)
 
 
 def _gathered(query, kv_cache, page_map, *args) -> None:
     """The op over :class:`FlexMetadata` in the gathered layout: ``page_map``'s pages copied
     into larger ones (:func:`_gather_map`), then FlexAttention over them."""
     _check_page_map(kv_cache, page_map)
-    _prepared(query, _gather_pages(kv_cache, page_map), *args)
+    _prepared(query, _gather_pages(kv_cache, page_map), *args, gathered=True)
 
 
 def _gathered_fake(query, kv_cache, page_map, *args) -> None:
     _check_page_map(kv_cache, page_map)
     virtual = kv_cache.new_empty(_gathered_shape(_slot_major(kv_cache), page_map))
-    _prepared_fake(query, virtual, *args)
+    _prepared_fake(query, virtual, *args, gathered=True)
 
 
 def _check_page_map(kv_cache, page_map):
@@ -510,20 +561,20 @@ def _decode(*args) -> None:
 
 
 def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
-                    decode=False):
+                    decode=False, gathered=False):
     kv_num = tables[6]
     # (the common checks, with a stand-in batch of one request: the tables hold the batch)
     one = kv_num.new_zeros(1)
     check_paged_attention_inputs(query, kv_cache, one.new_zeros(2), one, one.view(1, 1), out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
-    _check_tables(query, kv_cache, tables, decode)
+    _check_tables(query, kv_cache, tables, decode, gathered)
     _check_cache_size(kv_cache)
 
 
-def _prepared_fake(query, kv_cache, *args, decode=False) -> None:
+def _prepared_fake(query, kv_cache, *args, decode=False, gathered=False) -> None:
     tables, (out, lse, sinks, alibi_slopes, k_scale, v_scale) = args[:10], args[10:16]
     _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
-                    decode)
+                    decode, gathered)
 
 
 def _decode_fake(*args) -> None:
@@ -553,7 +604,8 @@ class FlexMetadata:
     """A step's FlexAttention tables, made once per step by the builder and shared by every
     layer with the same metadata key (the op over common metadata makes them in every call):
     per query row its request, position, visible-key limit and validity; per cache page its
-    owner and logical index; the BlockMask's ``kv_num`` / ``kv_idx``. Built when the common
+    owner and logical index (gathered layout: per row its request's first slot and one past
+    the last it may see); the BlockMask's ``kv_num`` / ``kv_idx``. Built when the common
     metadata knows the cache's block count (``num_blocks``, set by ``build_common_metadata``)."""
 
     slot_mapping: torch.Tensor
@@ -637,14 +689,14 @@ class FlexAttentionBackend(AttentionBackend):
             return FlexMetadata(common.slot_mapping, _decode_tensors(
                 common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
                 bs, period, causal, window, full), causal=common.causal, decode=True)
-        rows = -(-tokens // Q_BLOCK) * Q_BLOCK
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
             num_pages, period, bs = page_map.shape[0], GATHER_PAGE, GATHER_PAGE  # (packed)
         return FlexMetadata(common.slot_mapping, _step_tensors(
-            common.query_start_loc, common.seq_lens, table, rows, num_pages, bs, period, causal,
-            window, full), causal=common.causal, page_map=page_map)
+            common.query_start_loc, common.seq_lens, table, tokens, num_pages, bs, period, causal,
+            window, full, gathered=page_map is not None), causal=common.causal,
+            page_map=page_map)
 
     def metadata_key(self) -> tuple:
         # (the tables depend on what the spec hides: causality, window, its own mask_mod)

@@ -91,6 +91,28 @@ def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
         impl.op_for(meta)(*bad)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_padding_rows_beside_one_request_see_no_key(gather, monkeypatch):
+    """A query block of one chunked prefill's rows and padding rows (a CUDA-graph-padded batch)
+    has full KV blocks, which skip mask_mod; the padding rows must still see no key: the op
+    copies FlexAttention's rows as they are, and a row that sees no key is zeros."""
+    from attn_ops.backends import flex_attention as fa
+
+    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type,
+                        0 if gather else None)
+    case = make_case(BASE, Scenario(((200, 50),), pad_tokens=5), block_size=16, device=DEVICE,
+                     seed=5, finite_page_tails=True)
+    meta = FLEX(BASE).build_metadata(case.metadata)
+    assert (meta.page_map is not None) == gather
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert (out[case.metadata.num_actual_tokens:] == 0).all()
+    assert_matches_reference(out, case)
+    assert meta.tables[8].sum() == 0  # (full_num: the only query block holds padding rows)
+    unpadded = make_case(BASE, Scenario(((200, 50),)), block_size=16, device=DEVICE, seed=5,
+                         finite_page_tails=True)
+    assert FLEX(BASE).build_metadata(unpadded.metadata).tables[8].sum() > 0  # (else it has)
+
+
 def test_gathered_layout_in_a_compiled_layer(monkeypatch):
     """The builder's rule and tables traced into a fullgraph-compiled layer."""
     from attn_ops.backends import flex_attention as fa
@@ -178,6 +200,25 @@ def test_gather_map_copies_each_request_own_pages_in_order():
     big = _gather_pages(packed, page_map)
     assert big.shape == (4, GATHER_PAGE, 2, 24)
     assert torch.equal(big[3, 16:32], packed[13])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gather_kernel_copies_like_index_select(dtype):
+    """gather_pages_kernel (the copy on GPUs; Triton's interpreter here) against index_select
+    over the slot-major view: an interleaved cache, and a packed one whose slot (3 heads x 24)
+    is no power of two."""
+    from attn_ops.backends.flex_attention import (_gather_kernel, _gather_map, _gathered_shape,
+                                                  _slot_major)
+
+    table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13]])
+    _, page_map = _gather_map(table, torch.tensor([40, 150]), 16)
+    page_map = page_map.to(DEVICE)
+    for cache in (torch.randn(14, 2, 16, 2, 8), torch.randn(14, 16, 3, 24)):
+        slots = _slot_major(cache.to(DEVICE, dtype))
+        got = slots.new_empty(_gathered_shape(slots, page_map))
+        _gather_kernel(slots, page_map, got)
+        expected = torch.index_select(slots, 0, page_map.flatten())
+        assert torch.equal(got.view(expected.shape), expected)
 
 
 @pytest.mark.parametrize("name", list(MODS))

@@ -5,18 +5,19 @@ One request of ``AB_FLEX_PREFILL`` tokens each (default 1024, 8192), every part 
 CUDA-graph replays in one run:
 
 * ``flex``            -- the op as the benchmark calls it (gathered layout: copy + kernel + out);
-* ``gather``          -- the page copy alone; ``flex_gathered`` -- the op over the copied cache;
+* ``gather``          -- the page copy alone; ``flex_gathered`` -- the op's attention over the
+  copied cache;
 * ``dense`` / ``dense_kernel`` -- compiled flex on dense K/V with / without the output copy;
 * ``ours_strided`` / ``ours_contig`` -- compiled flex with FLEX's own BlockMask and mask_mod,
   over the gathered cache's K/V views / contiguous copies of them;
 * ``causal_strided`` / ``causal_contig`` -- the same lists, mask_mod ``kv <= q`` (no tables);
-* ``ours_strided_<option>`` -- kernel options over ``ours_strided`` (first point only).
+* ``ours_strided_<option>`` -- kernel options over ``ours_strided`` (first point, with
+  ``AB_FLEX_OPTIONS=1``; cde1848 measured them: none faster).
 
 A profile of ``flex`` and ``dense`` (kernel names and CUDA times) is printed last.
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_flex_short.py
 """
-import dataclasses
 import json
 import os
 import sys
@@ -59,17 +60,17 @@ def point(s, gen, first):
     meta = impl.build_metadata(b.meta)
     assert meta.page_map is not None, "expected the gathered layout"
     gathered = fa._gather_pages(b.cache, meta.page_map)
-    plain = dataclasses.replace(meta, page_map=None)
+    args = impl.op_arguments(b.q, b.cache, meta, b.out)[3:]  # (after query, cache, page_map)
     k, v, _, _ = fa._slot_views(gathered, 128, 128)
     kc, vc = k.contiguous(), v.contiguous()
     q = b.q.permute(1, 0, 2)[None]
     req, qpos, kv_limit, owner, logical = meta.tables[:5]
     ours_mask, _ = fa._mods(req, qpos, kv_limit, owner, logical, fa.GATHER_PAGE,
-                            fa.GATHER_PAGE, True, None, None, None, None, None)
+                            fa.GATHER_PAGE, True, None, None, None, None, None, gathered=True)
     fns = {
         "flex": lambda: impl.forward(b.q, b.cache, meta, b.out),
         "gather": lambda: fa._gather_pages(b.cache, meta.page_map),
-        "flex_gathered": lambda: impl.forward(b.q, gathered, plain, b.out),
+        "flex_gathered": lambda: fa._prepared(b.q, gathered, *args, gathered=True),
         "dense": flex_dense(b, True),
     }
     dense_run = fns["dense"]
@@ -77,7 +78,7 @@ def point(s, gen, first):
     fns["ours_contig"] = direct(q, kc, vc, meta.tables, s, ours_mask, {})
     fns["causal_strided"] = direct(q, k, v, meta.tables, s, lambda b_, h, i, j: j <= i, {})
     fns["causal_contig"] = direct(q, kc, vc, meta.tables, s, lambda b_, h, i, j: j <= i, {})
-    if first:
+    if first and os.environ.get("AB_FLEX_OPTIONS"):
         for name, opt in OPTIONS.items():
             fns[f"ours_strided_{name}"] = direct(q, k, v, meta.tables, s, ours_mask, opt)
     # the dense anchor's output without its copy

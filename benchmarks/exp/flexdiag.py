@@ -10,13 +10,13 @@ import torch
 sys.path.insert(0, "tests")
 from test_flex_attention import MODS, MIXED
 from attn_ops.testing import make_case
-from attn_ops.backends.flex_attention import _step_tensors, Q_BLOCK
+from attn_ops.backends.flex_attention import _step_tensors
 spec = MODS["documents"]
 case = make_case(spec, MIXED, block_size=16, device="cuda", seed=1, finite_page_tails=True)
 m = case.metadata
 tokens = m.slot_mapping.shape[0]
-rows = -(-tokens // Q_BLOCK) * Q_BLOCK
-args = (m.query_start_loc, m.seq_lens, m.block_table, rows, m.num_blocks, 16, 32, True, None, False)
+args = (m.query_start_loc, m.seq_lens, m.block_table, tokens, m.num_blocks, 16, 32, True, None,
+        False)
 e = _step_tensors(*args)
 c = torch.compile(_step_tensors, fullgraph=True)(*args)
 names = "req qpos kv_limit owner logical valid kv_num kv_idx full_num full_idx".split()
