@@ -256,17 +256,25 @@ def _gather_map(block_table, seq_lens, block_size):
 
 
 def _gather_pages(kv_cache, page_map):
-    """The cache's pages ``page_map [V, f]`` copied into ``V`` pages of ``f`` times the size,
-    in the packed layout ``[V, f * block_size, heads, head_dim + head_dim_v]`` whatever the
-    cache's (one pass: an interleaved cache's slots are read as ``[block_size, heads, K|V,
-    dim]``, so each copied slot holds its K and V side by side)."""
+    """The pages ``page_map [V, f]`` names, copied head-major: ``[C, heads, V * f *
+    block_size, DC]`` -- an interleaved cache's K and V (``C = 2``, ``DC = head_dim``) each as
+    FlexAttention's dense ``[heads, slots, dim]``, a packed cache's slots whole (``C = 1``).
+    One pass on GPUs (:func:`_gather_kernel`); :func:`_gather_pages_torch` elsewhere."""
+    if not kv_cache.is_cuda:
+        return _gather_pages_torch(kv_cache, page_map)
     slots = _slot_major(kv_cache)
     out = kv_cache.new_empty(_gathered_shape(slots, page_map))
-    if kv_cache.is_cuda:
-        _gather_kernel(slots, page_map, out)
-    else:
-        torch.index_select(slots, 0, page_map.flatten(), out=out.view(-1, *slots.shape[1:]))
+    _gather_kernel(slots, page_map, out)
     return out
+
+
+def _gather_pages_torch(kv_cache, page_map):
+    """:func:`_gather_pages` in torch ops: the pages selected, then moved head-major."""
+    slots = _slot_major(kv_cache)
+    picked = torch.index_select(slots, 0, page_map.flatten())
+    if picked.dim() == 4:  # (packed: one part per slot)
+        picked = picked.unsqueeze(3)
+    return picked.permute(3, 2, 0, 1, 4).contiguous().view(_gathered_shape(slots, page_map))
 
 
 def _gather_kernel(slots, page_map, out):
@@ -276,13 +284,13 @@ def _gather_kernel(slots, page_map, out):
 
     from attn_ops.backends.flex_attention_kernels import gather_pages_kernel
 
-    bs, h = slots.shape[1:3]
-    halves, dc = (slots.shape[3], slots.shape[4]) if slots.dim() == 5 else (1, slots.shape[3])
+    c, h, total, dc = out.shape
+    bs = slots.shape[1]
     assert slots.stride(-1) == 1, slots.stride()
     gather_pages_kernel[(page_map.numel(), bs)](
         slots, page_map.contiguous(), out, slots.stride(0), slots.stride(1), slots.stride(2),
-        slots.stride(3) if halves > 1 else 0, BLOCK_SIZE=bs, H=h,
-        H_P=triton.next_power_of_2(h), C=halves, DC=dc, DC_P=triton.next_power_of_2(dc))
+        slots.stride(3) if c > 1 else 0, total, BLOCK_SIZE=bs, H=h,
+        H_P=triton.next_power_of_2(h), C=c, DC=dc, DC_P=triton.next_power_of_2(dc))
 
 
 def _slot_major(kv_cache):
@@ -291,11 +299,19 @@ def _slot_major(kv_cache):
     return kv_cache.permute(0, 2, 3, 1, 4) if kv_cache.dim() == 5 else kv_cache
 
 
-def _gathered_shape(slots, page_map) -> tuple[int, ...]:
-    """``[V, f * block_size, heads, head_dim + head_dim_v]``, the gathered cache's shape, from
-    the cache read slot-major (:func:`_slot_major`)."""
-    (v, f), (_, bs, h) = page_map.shape, slots.shape[:3]
-    return v, f * bs, h, math.prod(slots.shape[3:])
+def _gathered_shape(slots, page_map) -> tuple[int, int, int, int]:
+    """``[C, heads, V * f * block_size, DC]``, :func:`_gather_pages`' result, from the cache
+    read slot-major (:func:`_slot_major`)."""
+    c = slots.shape[3] if slots.dim() == 5 else 1
+    return c, slots.shape[2], page_map.numel() * slots.shape[1], slots.shape[-1]
+
+
+def _gathered_views(gathered, head_dim):
+    """K and V as FlexAttention's ``[1, heads, slots, dim]`` over :func:`_gather_pages`'
+    result (an interleaved cache's: dense; a packed cache's: parts of each slot)."""
+    if gathered.shape[0] == 2:
+        return gathered[0][None], gathered[1][None]
+    return gathered[0, ..., :head_dim][None], gathered[0, ..., head_dim:][None]
 
 
 def decode_batch(num_tokens: int) -> int:
@@ -406,7 +422,10 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
 
     user_mask, user_score = registered_mods(mods)
     t_in, hq, d = query.shape
-    k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
+    if gathered:  # (kv_cache: _gather_pages' result)
+        (k, v), period, bs = _gathered_views(kv_cache, d), GATHER_PAGE, GATHER_PAGE
+    else:
+        k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
     req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx = tables
     rows = req.shape[0]
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
@@ -523,11 +542,15 @@ def _check_tables(query, kv_cache, tables, decode=False, gathered=False):
 
 def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx,
               full_num, full_idx, out, lse, sinks, alibi_slopes, k_scale, v_scale, scale,
-              sliding_window, soft_cap, causal, mods, decode=False, gathered=False) -> None:
-    """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder."""
+              sliding_window, soft_cap, causal, mods, decode=False, page_map=None) -> None:
+    """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder
+    (``page_map``: over the cache's pages gathered, :func:`_gather_pages`)."""
     tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx)
+    gathered = page_map is not None
     _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
                     decode, gathered)
+    if gathered:
+        kv_cache = _gather_pages(kv_cache, page_map)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
               soft_cap, causal, mods, decode, gathered)
 
@@ -536,13 +559,12 @@ def _gathered(query, kv_cache, page_map, *args) -> None:
     """The op over :class:`FlexMetadata` in the gathered layout: ``page_map``'s pages copied
     into larger ones (:func:`_gather_map`), then FlexAttention over them."""
     _check_page_map(kv_cache, page_map)
-    _prepared(query, _gather_pages(kv_cache, page_map), *args, gathered=True)
+    _prepared(query, kv_cache, *args, page_map=page_map)
 
 
 def _gathered_fake(query, kv_cache, page_map, *args) -> None:
     _check_page_map(kv_cache, page_map)
-    virtual = kv_cache.new_empty(_gathered_shape(_slot_major(kv_cache), page_map))
-    _prepared_fake(query, virtual, *args, gathered=True)
+    _prepared_fake(query, kv_cache, *args, gathered=True)
 
 
 def _check_page_map(kv_cache, page_map):
@@ -553,6 +575,12 @@ def _check_page_map(kv_cache, page_map):
     if page_map.device != kv_cache.device:
         raise ValueError(f"FLEX_ATTENTION page_map is on {page_map.device}, the cache on "
                          f"{kv_cache.device}; build the metadata on the cache's device")
+    numel = math.prod(_gathered_shape(_slot_major(kv_cache), page_map))
+    if kv_cache.device.type == "cuda" and numel >= 2**31:
+        raise ValueError(f"FLEX_ATTENTION: this step's pages gathered ({tuple(page_map.shape)} "
+                         f"pages) are {numel} elements, past FlexAttention's 32-bit offsets; "
+                         "run fewer requests per step or turn gathering off "
+                         "(flex_attention.GATHER_MIN_PAIRS_PER_KEY['cuda'] = None)")
 
 
 def _decode(*args) -> None:
@@ -563,12 +591,15 @@ def _decode(*args) -> None:
 def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
                     decode=False, gathered=False):
     kv_num = tables[6]
-    # (the common checks, with a stand-in batch of one request: the tables hold the batch)
-    one = kv_num.new_zeros(1)
-    check_paged_attention_inputs(query, kv_cache, one.new_zeros(2), one, one.view(1, 1), out,
+    # (the common checks, with a stand-in batch of one request: the tables hold the batch;
+    # they read shapes only, and new_empty launches nothing -- new_zeros was two fill kernels
+    # per call, 1.5 us of a 57 us 1x1k prefill on the H200)
+    one = kv_num.new_empty(1)
+    check_paged_attention_inputs(query, kv_cache, one.new_empty(2), one, one.view(1, 1), out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     _check_tables(query, kv_cache, tables, decode, gathered)
-    _check_cache_size(kv_cache)
+    if not gathered:  # (FlexAttention reads the gathered copy: _check_page_map)
+        _check_cache_size(kv_cache)
 
 
 def _prepared_fake(query, kv_cache, *args, decode=False, gathered=False) -> None:

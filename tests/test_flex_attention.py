@@ -190,35 +190,38 @@ def test_gather_map_copies_each_request_own_pages_in_order():
     assert page_map[1].tolist() == [7] * f
     assert page_map[2].tolist() == [1, 2, 4, 5, 6, 8, 10, 11]
     assert page_map[3].tolist() == [12, 13] + [1] * (f - 2)
-    # interleaved [blocks, 2, block_size, heads, dim] -> packed [V, GATHER_PAGE, heads, 2 * dim]
+    # interleaved [blocks, 2, block_size, heads, dim] -> head-major [2, heads, V * 128, dim]
     cache = torch.randn(14, 2, bs, 2, 8)
     big = _gather_pages(cache, page_map)
-    assert big.shape == (4, GATHER_PAGE, 2, 16) and big.is_contiguous()
-    page = big[2, 16 * 3:16 * 4]  # request 1's 4th page (physical page 5)
-    assert torch.equal(page[..., :8], cache[5, 0]) and torch.equal(page[..., 8:], cache[5, 1])
+    assert big.shape == (2, 2, 4 * GATHER_PAGE, 8) and big.is_contiguous()
+    first = 2 * GATHER_PAGE + 16 * 3  # request 1's 4th page (physical page 5)
+    for part in (0, 1):  # K, V
+        assert torch.equal(big[part, :, first:first + 16], cache[5, part].transpose(0, 1))
     packed = torch.randn(14, bs, 2, 24)  # [blocks, block_size, heads, head_dim + head_dim_v]
     big = _gather_pages(packed, page_map)
-    assert big.shape == (4, GATHER_PAGE, 2, 24)
-    assert torch.equal(big[3, 16:32], packed[13])
+    assert big.shape == (1, 2, 4 * GATHER_PAGE, 24)
+    first = 3 * GATHER_PAGE + 16  # request 1's 10th page (physical page 13)
+    assert torch.equal(big[0, :, first:first + 16], packed[13].transpose(0, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gather_kernel_copies_like_index_select(dtype):
-    """gather_pages_kernel (the copy on GPUs; Triton's interpreter here) against index_select
-    over the slot-major view: an interleaved cache, and a packed one whose slot (3 heads x 24)
-    is no power of two."""
-    from attn_ops.backends.flex_attention import (_gather_kernel, _gather_map, _gathered_shape,
+def test_gather_kernel_copies_like_torch_ops(dtype):
+    """gather_pages_kernel (the copy on GPUs; Triton's interpreter here) against the same copy
+    in torch ops: an interleaved cache, and a packed one whose slot (3 heads x 24) is no power
+    of two."""
+    from attn_ops.backends.flex_attention import (_gather_kernel, _gather_map,
+                                                  _gather_pages_torch, _gathered_shape,
                                                   _slot_major)
 
     table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13]])
     _, page_map = _gather_map(table, torch.tensor([40, 150]), 16)
     page_map = page_map.to(DEVICE)
     for cache in (torch.randn(14, 2, 16, 2, 8), torch.randn(14, 16, 3, 24)):
-        slots = _slot_major(cache.to(DEVICE, dtype))
+        cache = cache.to(DEVICE, dtype)
+        slots = _slot_major(cache)
         got = slots.new_empty(_gathered_shape(slots, page_map))
         _gather_kernel(slots, page_map, got)
-        expected = torch.index_select(slots, 0, page_map.flatten())
-        assert torch.equal(got.view(expected.shape), expected)
+        assert torch.equal(got, _gather_pages_torch(cache, page_map))
 
 
 @pytest.mark.parametrize("name", list(MODS))

@@ -60,8 +60,7 @@ def point(s, gen, first):
     meta = impl.build_metadata(b.meta)
     assert meta.page_map is not None, "expected the gathered layout"
     gathered = fa._gather_pages(b.cache, meta.page_map)
-    args = impl.op_arguments(b.q, b.cache, meta, b.out)[3:]  # (after query, cache, page_map)
-    k, v, _, _ = fa._slot_views(gathered, 128, 128)
+    k, v = fa._gathered_views(gathered, 128)
     kc, vc = k.contiguous(), v.contiguous()
     q = b.q.permute(1, 0, 2)[None]
     req, qpos, kv_limit, owner, logical = meta.tables[:5]
@@ -70,7 +69,9 @@ def point(s, gen, first):
     fns = {
         "flex": lambda: impl.forward(b.q, b.cache, meta, b.out),
         "gather": lambda: fa._gather_pages(b.cache, meta.page_map),
-        "flex_gathered": lambda: fa._prepared(b.q, gathered, *args, gathered=True),
+        "flex_gathered": lambda: fa._run_flex(b.q, gathered, meta.tables, b.out, None, None,
+                                              None, impl.scale, None, None, True, impl.mods,
+                                              gathered=True),
         "dense": flex_dense(b, True),
     }
     dense_run = fns["dense"]
