@@ -58,7 +58,11 @@ def flex_dense(b: Batch, prefill: bool):
     q = b.q.view(n, qlen, HQ, D).transpose(1, 2)
     mask = create_block_mask(lambda b_, h, qi, ki: qi + (ctx - qlen) >= ki, None, None, qlen,
                              ctx, device=b.q.device) if prefill else None
-    fn = torch.compile(flex_attention, fullgraph=True)
+    # Static shapes, each point compiled for its own: after a first recompile Dynamo would
+    # compile flex_attention shape-generic, which at 5c051fc (the first run where FLEX no
+    # longer compiles flex_attention itself) made the dense decode at B=64 ctx 8k 2.8 ms
+    # instead of 0.5 -- an anchor at less than its best.
+    fn = torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
     def run():  # (every point is another shape of one code object: more than Dynamo's 8)
         with torch._dynamo.config.patch(recompile_limit=256):
