@@ -89,7 +89,9 @@ _HAS_COMPUTE_Q_BLOCKS = _has_compute_q_blocks()
 @functools.cache
 def _flex():
     """Compiled FlexAttention writing its rows into ``out`` (``[tokens, heads, dim]``) in the
-    same graph -- Inductor may store them from the kernel itself -- and returning the LSE."""
+    same graph, and returning the LSE. (On torch 2.11 the copy stays a kernel of its own:
+    Inductor does not fuse it into FlexAttention's template; out of the graph it timed the
+    same, ``benchmarks/exp/exp_flex_glue.py``.)"""
     from torch.nn.attention.flex_attention import flex_attention
 
     def attend(q, k, v, out, score_mod, block_mask, scale, enable_gqa, return_lse,
@@ -723,7 +725,7 @@ class FlexAttentionBackend(AttentionBackend):
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
-            num_pages, period, bs = page_map.shape[0], GATHER_PAGE, GATHER_PAGE  # (packed)
+            num_pages, period, bs = page_map.shape[0], GATHER_PAGE, GATHER_PAGE  # (K, V apart)
         return FlexMetadata(common.slot_mapping, _step_tensors(
             common.query_start_loc, common.seq_lens, table, tokens, num_pages, bs, period, causal,
             window, full, gathered=page_map is not None), causal=common.causal,
