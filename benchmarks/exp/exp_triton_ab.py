@@ -23,6 +23,7 @@ from _common import with_prefill_tile, with_setting  # noqa: E402
 from bench_gpu_attention import (Batch, decode_bytes, flashinfer_direct, ours,  # noqa: E402
                                  prefill_flops, time_graph)
 from exp_triton_prefill import load_file, load_patched, with_module  # noqa: E402
+from patch_overlap import PATCH as PATCH_OVERLAP  # noqa: E402
 
 import attn_ops.backends.triton_attn as ta  # noqa: E402
 import attn_ops.backends.triton_attn_kernels  # noqa: E402,F401 (swapped per version)
@@ -55,6 +56,9 @@ PATCHES = {
     # documented for TMA loads; ours are gathered through the block table -- does it apply?).
     "ws": [("    for b in range(b0, b1):\n",
             "    for b in tl.range(b0, b1, warp_specialize=True):\n")],
+    # ``overlap``: whole key blocks issue the next block's Q K^T before this block's softmax
+    # (patch_overlap.py; interpreter-checked against REFERENCE, not yet timed).
+    "overlap": PATCH_OVERLAP,
 }
 
 
