@@ -6,7 +6,8 @@ Every version is timed through the op at the same decode points (DECODE_TILES as
 DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES, short steps' own
 tiles off), next to FlashInfer, in one run. Points and tiles may be set in the environment
 (``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
-Prints one line per point, writes ``$OUT/exp_triton_ab.json``.
+Prints one line per point, writes ``$OUT/exp_triton_ab.json``. ``--check [PATCH ...]`` runs
+each patch against REFERENCE in Triton's interpreter instead (CPU).
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_triton_ab.py \
         head=backends/triton_attn_kernels.py onephase=@onephase other=/path/to/kernels.py
@@ -15,7 +16,10 @@ import json
 import os
 import sys
 
-import torch
+if sys.argv[1:2] == ["--check"]:  # (the interpreter must be chosen before kernels are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +53,10 @@ PREFILL_TILES = _env("AB_PREFILL_TILES", [(128, 128, 8, 3), (128, 64, 8, 3)])
 # ``onephase``: every key block in one masked loop (no separate loops for the whole blocks and
 # the masked edges: each loop has its own pipeline prologue, which short key ranges -- short
 # prefills, decodes of short contexts -- may not amortize).
+DIAG_FIRST = [("        elif phase == 1:\n            b0, b1 = first_full, end_full\n",
+               "        elif phase == 2:\n            b0, b1 = first_full, end_full\n"),
+              ("HAS_ALIBI, HAS_TREE, PRECISION, phase != 1)",
+               "HAS_ALIBI, HAS_TREE, PRECISION, phase != 2)")]
 PATCHES = {
     "onephase": [("    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), "
                   "num_blocks)\n", "    first_full = num_blocks\n")],
@@ -57,9 +65,35 @@ PATCHES = {
     "ws": [("    for b in range(b0, b1):\n",
             "    for b in tl.range(b0, b1, warp_specialize=True):\n")],
     # ``overlap``: whole key blocks issue the next block's Q K^T before this block's softmax
-    # (patch_overlap.py; interpreter-checked against REFERENCE, not yet timed).
+    # (patch_overlap.py).
     "overlap": PATCH_OVERLAP,
+    # ``diagfirst``: the masked diagonal / tail blocks before the whole ones, so their loads
+    # start beside the query's instead of after the whole blocks' pipeline drains.
+    "diagfirst": DIAG_FIRST,
+    "overlap_diagfirst": PATCH_OVERLAP + DIAG_FIRST,
 }
+
+
+def check(names):
+    """Each patch against REFERENCE in Triton's interpreter (CPU; fp32 and fp16): decodes and
+    causal prefills over 16-key blocks, several whole ones per tile. A patch is timed on the
+    H200 only after this passes."""
+    from attn_ops import AttentionSpec, get_backend_class
+    from attn_ops.testing import Scenario, assert_matches_reference, make_case, run_backend
+
+    triton_attn = get_backend_class("TRITON_ATTN")
+    scenario = Scenario(((7, 1), (0, 150), (40, 90), (100, 33)))
+    for name in names:
+        mod = load(name, "@" + name)
+        for dtype in (torch.float32, torch.float16):
+            spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype)
+            case = make_case(spec, scenario, block_size=16, seed=3)
+            run = with_prefill_tile(lambda: run_backend(triton_attn, case), (32, 16, 4, 2))
+            if dtype == torch.float32:
+                run = with_setting(run, ta.PREFILL_TILES, (True, 4), (32, 16, 4, 2))
+            out, _ = with_module(run, mod)()
+            assert_matches_reference(out, case)
+            print(f"{name} matches REFERENCE ({dtype})", flush=True)
 
 
 def load(name, path):
@@ -71,6 +105,8 @@ def load(name, path):
 
 
 def main():
+    if sys.argv[1:2] == ["--check"]:
+        return check(sys.argv[2:] or [n for n in PATCHES if n != "ws"])
     here = os.path.dirname(os.path.abspath(ta.__file__))
     versions = dict(a.split("=", 1) for a in sys.argv[1:]) or \
         {"head": os.path.join(here, "triton_attn_kernels.py")}

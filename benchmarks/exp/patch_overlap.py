@@ -5,11 +5,8 @@ block ``b + 1``'s ``Q K^T`` before block ``b``'s softmax, in the hope that Hoppe
 asynchronous ``wgmma`` runs it while the softmax's exp2 and row sums do -- the overlap FA3 gets
 from its schedule, written at the source level. The last block is peeled off (no wasted
 ``Q K^T``); page numbers still run one block ahead of the loads that need them.
-Correctness: ``python benchmarks/exp/patch_overlap.py`` compares the patched kernel with
-REFERENCE in Triton's interpreter (CPU, fp32 / fp16).
+Correctness: ``python benchmarks/exp/exp_triton_ab.py --check overlap`` (Triton's interpreter).
 """
-import os
-import sys
 
 OVERLAP_FN = '''
 @triton.jit
@@ -93,38 +90,3 @@ PATCH = [("        acc, l_i, m_i = _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, 
           "row_ok, context,\n"),
          ("\n@triton.jit\ndef _combine_parts(", OVERLAP_FN)]
 
-
-def _check():
-    """The patched kernel against REFERENCE in the interpreter: causal prefills long enough
-    for several whole key blocks, mixed with decodes, fp32 and fp16."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
-    import torch
-
-    import attn_ops.backends.triton_attn as ta
-    from attn_ops import AttentionSpec, get_backend_class
-    from attn_ops.testing import Scenario, assert_matches_reference, make_case, run_backend
-    from exp_triton_prefill import load_patched, with_module
-
-    src = open(os.path.join(os.path.dirname(ta.__file__), "triton_attn_kernels.py")).read()
-    mod = load_patched("overlap", src, PATCH)
-    triton_attn = get_backend_class("TRITON_ATTN")
-    scenario = Scenario(((7, 1), (0, 150), (40, 90), (100, 33)))
-    for dtype in (torch.float32, torch.float16):
-        spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype)
-        case = make_case(spec, scenario, block_size=16, seed=3)
-        saved, short = ta.PREFILL_TILES.copy(), ta.SHORT_PREFILL_KEYS
-        ta.PREFILL_TILES[(True, 4)] = ta.PREFILL_TILES[(True, 2)] = (32, 16, 4, 2)
-        ta.SHORT_PREFILL_KEYS = -1  # (16-key blocks: several whole ones per tile)
-        try:
-            out, _ = with_module(lambda: run_backend(triton_attn, case), mod)()
-        finally:
-            ta.PREFILL_TILES.update(saved)
-            ta.SHORT_PREFILL_KEYS = short
-        assert_matches_reference(out, case)
-        print(f"overlap patch matches REFERENCE ({dtype})")
-
-
-if __name__ == "__main__":
-    _check()
