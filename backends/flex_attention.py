@@ -60,10 +60,12 @@ GPU_KERNEL_OPTIONS: dict = {}
 # pages each), so FlexAttention's key tile can be its own default (_key_tile), not one small page.
 # Used when the step's (query, key) pairs are at least GATHER_MIN_PAIRS_PER_KEY[device type]
 # times the keys copied -- a prefill's compute is then worth the copy (None: never). On the H200
-# (bench_triton_attention, 9c5a3a2, page 16, bf16, d128) gathering turned causal 1x8k from 191
-# into 325 TFLOP/s (compiled flex on dense tensors: 350) and 1x1k from 77 into 94 (the copy
-# timed): a copied key costs about 8 KB of traffic, ~3 ns, and the wider tile saves ~0.03 ns per
-# pair, so gathering pays from ~100 pairs per key. The CPU has no key-tile problem: off there.
+# (bench_triton_attention, c6ba9c7, page 16, bf16, d128) gathered causal 1x8k runs 369 TFLOP/s
+# instead of 244 (compiled flex on dense tensors: 389) and 1x1k 157 instead of 109, the copy
+# timed: a copied key is 8 KB of traffic, 2.4 ns in gather_pages_kernel (2.5 us for 1k keys),
+# and the wider tile saves ~0.03 ns per pair, so gathering pays from ~80 pairs per key (the rule
+# was set at 128 when the copy cost 4x more; not re-tuned). The CPU has no key-tile problem:
+# off there.
 GATHER_PAGE = 128
 GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
 # Pipeline stages of FlexAttention's decoding kernel (the decode layout) on GPUs, as many as
