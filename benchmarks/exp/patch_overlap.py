@@ -22,6 +22,17 @@ def _block_pages(bt_row, offs_n, ok, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _online_step(acc, l_i, m_i, s, v, qk_scale, q, PRECISION: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_overlap(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head,
                     logit_scale, slope, ancestors, not_tree, bt_ptr, k_ptr, v_ptr, stride_bt,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window,
@@ -57,26 +68,14 @@ def _attend_overlap(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, k
                 pg_after = _block_pages(bt_row, offs_n + 2 * BLOCK_N,
                                         (offs * 0 + b + 2) < b1, PAGE)
                 s_next = tl.dot(q, tl.trans(k_next.to(q.dtype)), input_precision=PRECISION)
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-                p = tl.exp2(s * qk_scale - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
-                m_i = m_new
+                acc, l_i, m_i = _online_step(acc, l_i, m_i, s, v, qk_scale, q, PRECISION)
                 s = s_next
                 pg_cur = pg_next
                 pg_next = pg_after
             offs_n = lo + (b1 - 1) * BLOCK_N + offs
             v = _kv_rows(v_ptr, pg_cur, offs_n, kv_head, stride_vb, stride_vs, stride_vh,
                          offs_dv, PAGE)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _online_step(acc, l_i, m_i, s, v, qk_scale, q, PRECISION)
     return acc, l_i, m_i
 
 
