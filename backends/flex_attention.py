@@ -17,8 +17,9 @@ of ``GATHER_PAGE`` keys first (``flex_attention_gathered``; on GPUs, see
 ``GATHER_MIN_PAIRS_PER_KEY``), since FlexAttention's key tile never spans more than one KV
 block -- one page. There each request's keys are consecutive slots, so ``mask_mod`` compares
 slot numbers with two per-row bounds instead of reading per-page tables. Padding rows see no
-key (their query blocks get no full KV blocks), so FlexAttention writes them as zeros, and
-its rows are stored into ``out`` in the compiled graph itself.
+key (their query blocks get no full KV blocks), so FlexAttention writes them as zeros and its
+rows are copied into ``out`` as they are. Query blocks and gathered pages are padded to shape
+buckets (:func:`shape_bucket`), so that steps of new token counts reuse compiled kernels.
 
 ``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
 soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
@@ -26,8 +27,9 @@ soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coor
 for and vLLM does not offer (vllm-project/vllm#17869). Sinks are applied from the LSE.
 
 Recompilation: the mods are rebuilt each call from the same code over new tensors of the same
-shapes, which Dynamo's guards accept, so only a new query-block count or cache size compiles
-again (shapes are marked dynamic after the first change).
+shapes, which Dynamo's guards accept, so only a new bucket of query blocks or of gathered pages
+(:func:`shape_bucket`), a new decode batch bucket (:func:`decode_batch`) or a new cache size
+compiles again (the block lists' width is marked dynamic on GPUs).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
 # took B=1 ctx 32k from 0.60 to 1.34 TB/s and B=8 ctx 8k from 0.38x to 0.95x compiled flex on
 # dense tensors (page 128: 1.41 -> 2.32 and 0.99x -> 2.1x; B=64 ctx 8k unchanged at both).
 DECODE_STAGES: int | None = 6  # None: FlexAttention's default
+SHAPE_BUCKET_STEP = 64  # (shape_bucket)
 DECODE_STAGE_BYTES = 200 << 10
 
 
@@ -90,25 +93,15 @@ _HAS_COMPUTE_Q_BLOCKS = _has_compute_q_blocks()
 
 @functools.cache
 def _flex():
-    """Compiled FlexAttention writing its rows into ``out`` (``[tokens, heads, dim]``) in the
-    same graph, and returning the LSE. (On torch 2.11 the copy stays a kernel of its own:
-    Inductor does not fuse it into FlexAttention's template; out of the graph it timed the
-    same, ``benchmarks/exp/exp_flex_glue.py``.)"""
     from torch.nn.attention.flex_attention import flex_attention
-
-    def attend(q, k, v, out, score_mod, block_mask, scale, enable_gqa, return_lse,
-               kernel_options, decode):
-        result = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                                kernel_options=kernel_options)
-        o, lse = result if return_lse else (result, None)
-        o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
-        out.copy_(o[:out.shape[0]])
-        return lse
 
     # Static shapes: a new query bucket or cache size compiles again (automatic dynamic shapes
     # hit an Inductor CPU-template bug in torch 2.13: "cur_kvSplitSize6 was not declared").
-    return torch.compile(attend, fullgraph=True, dynamic=False)
+    # Only FlexAttention: the step's own token count stays out of the graph. (Copying the rows
+    # into ``out`` inside it made every new count compile again, and was no faster on the
+    # H200: Inductor does not fuse the copy into FlexAttention's template; exp_flex_glue.py,
+    # benchmarks/results/README.md.)
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
 def _slot_views(kv_cache, head_dim, head_dim_v):
@@ -140,7 +133,7 @@ def _step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, blo
     b, width = block_table.shape
     qsl = query_start_loc.long()
     seq = seq_lens.long()
-    rows = -(-tokens // Q_BLOCK) * Q_BLOCK
+    rows = shape_bucket(-(-tokens // Q_BLOCK)) * Q_BLOCK
     t = torch.arange(rows, device=dev)
     # Searched in the whole input, not in a slice: torch 2.11's Inductor drops the slice's
     # offset from searchsorted's boundaries (an input's view: every request off by one on the
@@ -278,7 +271,10 @@ def _gather_pages_torch(kv_cache, page_map):
     picked = torch.index_select(slots, 0, page_map.flatten())
     if picked.dim() == 4:  # (packed: one part per slot)
         picked = picked.unsqueeze(3)
-    return picked.permute(3, 2, 0, 1, 4).contiguous().view(_gathered_shape(slots, page_map))
+    c, h, total, dc = _gathered_shape(slots, page_map)
+    out = kv_cache.new_empty(c, h, total, dc)
+    out[:, :, :page_map.numel() * slots.shape[1]] = picked.permute(3, 2, 0, 1, 4).flatten(2, 3)
+    return out
 
 
 def _gather_kernel(slots, page_map, out):
@@ -304,10 +300,11 @@ def _slot_major(kv_cache):
 
 
 def _gathered_shape(slots, page_map) -> tuple[int, int, int, int]:
-    """``[C, heads, V * f * block_size, DC]``, :func:`_gather_pages`' result, from the cache
-    read slot-major (:func:`_slot_major`)."""
-    c = slots.shape[3] if slots.dim() == 5 else 1
-    return c, slots.shape[2], page_map.numel() * slots.shape[1], slots.shape[-1]
+    """``[C, heads, shape_bucket(V) * f * block_size, DC]``, :func:`_gather_pages`' result,
+    from the cache read slot-major (:func:`_slot_major`); past the ``V * f`` copied pages the
+    slots are never written nor read (:func:`shape_bucket`)."""
+    (v, f), c = page_map.shape, slots.shape[3] if slots.dim() == 5 else 1
+    return c, slots.shape[2], shape_bucket(v) * f * slots.shape[1], slots.shape[-1]
 
 
 def _gathered_views(gathered, head_dim):
@@ -316,6 +313,17 @@ def _gathered_views(gathered, head_dim):
     if gathered.shape[0] == 2:
         return gathered[0][None], gathered[1][None]
     return gathered[0, ..., :head_dim][None], gathered[0, ..., head_dim:][None]
+
+
+def shape_bucket(n: int) -> int:
+    """The count a step's query blocks or gathered pages are padded to: the next power of two up
+    to ``SHAPE_BUCKET_STEP``, then the next multiple of it -- every new count would compile
+    FlexAttention again, and a serving loop's counts change every step. (Padding query blocks
+    list no KV block, so FlexAttention's programs for them exit at once; padding pages are
+    allocated, never copied nor read.)"""
+    if n <= SHAPE_BUCKET_STEP:
+        return 1 << max(n - 1, 0).bit_length()
+    return -(-n // SHAPE_BUCKET_STEP) * SHAPE_BUCKET_STEP
 
 
 def decode_batch(num_tokens: int) -> int:
@@ -467,8 +475,12 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     else:
         options = {"PARTITION_SIZE": 8 * bs + 1} if decode else None
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
-        row_lse = _flex()(q, k, v, out, score_mod, block_mask, scale, hq != k.shape[1],
-                          need_lse, options, decode)
+        result = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                         enable_gqa=hq != k.shape[1], return_lse=need_lse,
+                         kernel_options=options)
+    o, row_lse = result if need_lse else (result, None)
+    o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
+    out.copy_(o[:t_in])  # (FlexAttention's rows as they are: padding rows saw no key)
     if need_lse:  # (a padding row's LSE is 0, like REFERENCE's; FlexAttention's is -inf)
         row_lse = row_lse[:, :, 0] if decode else row_lse[0].t()
         row_lse = torch.where(valid[:t_in, None], row_lse[:t_in].float(), 0.0)
@@ -727,7 +739,8 @@ class FlexAttentionBackend(AttentionBackend):
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
-            num_pages, period, bs = page_map.shape[0], GATHER_PAGE, GATHER_PAGE  # (K, V apart)
+            num_pages = shape_bucket(page_map.shape[0])  # (the gathered cache's pages)
+            period = bs = GATHER_PAGE  # (K and V apart)
         return FlexMetadata(common.slot_mapping, _step_tensors(
             common.query_start_loc, common.seq_lens, table, tokens, num_pages, bs, period, causal,
             window, full, gathered=page_map is not None), causal=common.causal,

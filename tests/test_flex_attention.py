@@ -113,6 +113,47 @@ def test_padding_rows_beside_one_request_see_no_key(gather, monkeypatch):
     assert FLEX(BASE).build_metadata(unpadded.metadata).tables[8].sum() > 0  # (else it has)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_new_token_counts_in_one_shape_bucket_compile_once(gather, monkeypatch):
+    """A serving loop's steps change their token and request counts every step: query blocks
+    and gathered pages are padded to shape buckets, decode batches to powers of two, so steps
+    within one bucket reuse FlexAttention's compiled kernel (here steps of 141-250 tokens: 2
+    query blocks; 3-4 requests: 4 gathered pages; 300 and 400 tokens: 3 and 4 query blocks,
+    both padded to 4; then 3 and 4 decodes: a batch of 4)."""
+    from torch._dynamo.utils import counters
+
+    from attn_ops.backends import flex_attention as fa
+
+    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type,
+                        0 if gather else None)
+    cache = torch.randn(40, 2, 16, 2, 16, device=DEVICE).to(DTYPE)
+    impl = FLEX(BASE)
+
+    def step(query_lens, seq_lens):
+        tables = [[1 + 8 * i + j for j in range(8)] for i in range(len(seq_lens))]
+        meta = build_common_metadata(query_lens, seq_lens, tables, 16, 40, device=DEVICE)
+        q = torch.randn(sum(query_lens), 4, 16, device=DEVICE).to(DTYPE)
+        out = torch.empty_like(q)
+        impl.forward(q, cache, impl.build_metadata(meta), out)
+        return out
+
+    step([1, 70, 70], [9, 70, 100])  # compiles
+    before = counters["stats"]["unique_graphs"]
+    step([1, 1, 100, 98], [40, 9, 100, 120])
+    step([50, 100], [60, 100])  # (2 requests: 2 gathered pages, another bucket when gathering)
+    step([1, 1, 120, 128], [5, 6, 128, 128])
+    grew = counters["stats"]["unique_graphs"] - before
+    assert grew == (1 if gather else 0), f"{grew} new graphs"
+    step([1, 100, 100, 99], [9, 100, 128, 99])  # 300 tokens: 3 query blocks, padded to 4
+    before = counters["stats"]["unique_graphs"]
+    step([100, 100, 100, 100], [100, 128, 110, 100])  # 400 tokens: 4 query blocks
+    assert counters["stats"]["unique_graphs"] == before, "4 query blocks compiled again"
+    step([1, 1, 1], [5, 9, 30])  # compiles the decode layout
+    before = counters["stats"]["unique_graphs"]
+    step([1, 1, 1, 1], [5, 9, 30, 77])
+    assert counters["stats"]["unique_graphs"] == before, "a decode batch of 4 compiled again"
+
+
 def test_gathered_layout_in_a_compiled_layer(monkeypatch):
     """The builder's rule and tables traced into a fullgraph-compiled layer."""
     from attn_ops.backends import flex_attention as fa
@@ -213,15 +254,17 @@ def test_gather_kernel_copies_like_torch_ops(dtype):
                                                   _gather_pages_torch, _gathered_shape,
                                                   _slot_major)
 
-    table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13]])
-    _, page_map = _gather_map(table, torch.tensor([40, 150]), 16)
-    page_map = page_map.to(DEVICE)
+    table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13],
+                          [0, 2, 0, 0, 0, 0, 0, 0, 0, 0]])
+    _, page_map = _gather_map(table, torch.tensor([40, 150, 20]), 16)
+    page_map = page_map.to(DEVICE)  # (6 virtual pages: the cache has room for 8)
     for cache in (torch.randn(14, 2, 16, 2, 8), torch.randn(14, 16, 3, 24)):
         cache = cache.to(DEVICE, dtype)
         slots = _slot_major(cache)
         got = slots.new_empty(_gathered_shape(slots, page_map))
         _gather_kernel(slots, page_map, got)
-        assert torch.equal(got, _gather_pages_torch(cache, page_map))
+        copied = page_map.numel() * 16  # (the slots past them are never read)
+        assert torch.equal(got[:, :, :copied], _gather_pages_torch(cache, page_map)[:, :, :copied])
 
 
 @pytest.mark.parametrize("name", list(MODS))
