@@ -272,7 +272,7 @@ def _gather_pages_torch(kv_cache, page_map):
     if picked.dim() == 4:  # (packed: one part per slot)
         picked = picked.unsqueeze(3)
     c, h, total, dc = _gathered_shape(slots, page_map)
-    out = kv_cache.new_empty(c, h, total, dc)
+    out = kv_cache.new_zeros(c, h, total, dc)  # (the bucket's tail zeroed: cheap off GPUs)
     out[:, :, :page_map.numel() * slots.shape[1]] = picked.permute(3, 2, 0, 1, 4).flatten(2, 3)
     return out
 
