@@ -76,8 +76,10 @@ GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
 # took B=1 ctx 32k from 0.60 to 1.34 TB/s and B=8 ctx 8k from 0.38x to 0.95x compiled flex on
 # dense tensors (page 128: 1.41 -> 2.32 and 0.99x -> 2.1x; B=64 ctx 8k unchanged at both).
 DECODE_STAGES: int | None = 6  # None: FlexAttention's default
-SHAPE_BUCKET_STEP = 64  # (shape_bucket)
 DECODE_STAGE_BYTES = 200 << 10
+# Query blocks and gathered pages are padded to powers of two up to this count, then to its
+# multiples (shape_bucket): each new count compiles FlexAttention again.
+SHAPE_BUCKET_STEP = 64
 
 
 def _has_compute_q_blocks() -> bool:
