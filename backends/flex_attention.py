@@ -123,14 +123,14 @@ def _slot_views(kv_cache, head_dim, head_dim_v):
 
 def _step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, block_size,
                   period, causal=True, window=None, full=False, gathered=False):
-    """Per row (``tokens`` rounded up to ``Q_BLOCK``): request (``B`` for padding), position,
-    visible-key limit; per page: owner and logical index -- or, ``gathered`` (``block_table``
-    is :func:`_gather_map`'s virtual table: request ``r``'s keys are the slots from
-    ``r * width * block_size`` on), per row the first slot of its request and one past the
-    last slot it may see (padding: 0, 0), so that ``mask_mod`` reads no per-key table; and
-    the BlockMask's partial and full KV blocks (:func:`_kv_blocks`). A query block with
-    padding rows below ``tokens`` (rows the op copies out) has no full KV blocks, so those
-    rows see no key and FlexAttention writes them as zeros. Device only."""
+    """Per row (``tokens`` padded to a bucket of query blocks, :func:`shape_bucket`): request
+    (``B`` for padding), position, visible-key limit; per page: owner and logical index -- or,
+    ``gathered`` (``block_table`` is :func:`_gather_map`'s virtual table: request ``r``'s keys
+    are the slots from ``r * width * block_size`` on), per row the first slot of its request
+    and one past the last slot it may see (padding: 0, 0), so that ``mask_mod`` reads no
+    per-key table; and the BlockMask's partial and full KV blocks (:func:`_kv_blocks`). A
+    query block with padding rows below ``tokens`` (rows the op copies out) has no full KV
+    blocks, so those rows see no key and FlexAttention writes them as zeros. Device only."""
     dev = seq_lens.device
     b, width = block_table.shape
     qsl = query_start_loc.long()
@@ -255,9 +255,10 @@ def _gather_map(block_table, seq_lens, block_size):
 
 
 def _gather_pages(kv_cache, page_map):
-    """The pages ``page_map [V, f]`` names, copied head-major: ``[C, heads, V * f *
-    block_size, DC]`` -- an interleaved cache's K and V (``C = 2``, ``DC = head_dim``) each as
-    FlexAttention's dense ``[heads, slots, dim]``, a packed cache's slots whole (``C = 1``).
+    """The pages ``page_map [V, f]`` names, copied head-major into ``[C, heads, slots, DC]``
+    (:func:`_gathered_shape`) -- an interleaved cache's K and V (``C = 2``, ``DC = head_dim``)
+    each as FlexAttention's dense ``[heads, slots, dim]``, a packed cache's slots whole
+    (``C = 1``).
     One pass on GPUs (:func:`_gather_kernel`); :func:`_gather_pages_torch` elsewhere."""
     if not kv_cache.is_cuda:
         return _gather_pages_torch(kv_cache, page_map)
@@ -324,7 +325,7 @@ def shape_bucket(n: int) -> int:
     list no KV block, so FlexAttention's programs for them exit at once; padding pages are
     allocated, never copied nor read.)"""
     if n <= SHAPE_BUCKET_STEP:
-        return 1 << max(n - 1, 0).bit_length()
+        return decode_batch(n)
     return -(-n // SHAPE_BUCKET_STEP) * SHAPE_BUCKET_STEP
 
 
