@@ -109,6 +109,12 @@ PREFILL_TILES = {(True, 2): (128, 128, 8, 3), (True, 4): (64, 64, 4, 2),
 # sees few keys. H200 (benchmarks/exp/exp_triton_ab.py, 27585e1, TFLOP/s at 128x128x8x3 /
 # 128x64x8x3): 1x1k 165 / 179, 16x1k 218 / 246, but 4x4k 364 / 358 and 1x8k 406 / 386 (2k lies
 # between the measured points).
+# Their launches also put the KV head fastest in launch order (the kernel's HEADS_FASTEST): a
+# short step is a wave or two, and with the tile fastest the heads' longest tiles started one
+# after another -- the last of them when the first wave drained. H200 (exp_triton_ab.py run 6,
+# fd60b21, TFLOP/s tile- / heads-fastest at 128x64x8x3): 1x1k 179 / 248 (FlashInfer 255), 1x2k
+# 265 / 310, 16x1k 244 / 249, 4x4k 357 / 361, 1x8k 386 / 386; but at 128x128x8x3, 4x4k 370 / 336
+# and 1x8k 411 / 373, so long steps keep the tile fastest.
 SHORT_PREFILL_KEYS = 2048
 SHORT_PREFILL_TILES = {(True, 2): (128, 64, 8, 3)}
 
@@ -259,7 +265,9 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         USE_SOFTCAP=soft_cap is not None, HAS_ALIBI=alibi is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_TREE=tree is not None, FUSED_COMBINE=fused, num_warps=warps, num_stages=stages)
+        HAS_TREE=tree is not None, FUSED_COMBINE=fused,
+        HEADS_FASTEST=prefill and max_seq_len <= SHORT_PREFILL_KEYS, num_warps=warps,
+        num_stages=stages)
     if splits > 1 and not fused:
         combine_splits_kernel[(num_tokens, hq)](
             out, lse if lse is not None else dummy, part_o, part_lse, qsl,

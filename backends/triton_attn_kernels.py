@@ -4,7 +4,8 @@
 request x the ``GROUP`` query heads that share a KV head (packed into the rows of one
 ``tl.dot``), against that request's keys gathered page by page through the block table (whole
 key blocks' page numbers loaded one block ahead, so their K/V loads never wait on the table),
-with an online softmax in base 2. Program ids: ``(tile, kv_head, split)``. Tiles are numbered per
+with an online softmax in base 2. Program ids: ``(tile, kv_head, split)``, the tile or (with
+``HEADS_FASTEST``) the KV head varying fastest in launch order. Tiles are numbered per
 request, ``tile_start[r] = (qsl[r] - qsl[0]) // BLOCK_Q + r`` -- an upper bound of the tiles
 before request ``r``, so the grid (``tokens // BLOCK_Q + requests``) is known on the host
 without reading lengths, and a program finds its request by binary search over
@@ -201,13 +202,19 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
-    # and the light ones fill the last wave.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # and the light ones fill the last wave. HEADS_FASTEST: in launch order every KV head's
+    # tile comes before the next tile, so all heads' longest tiles start in the first wave.
+    if HEADS_FASTEST:
+        launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tile = tl.num_programs(0) - 1 - launched // tl.num_programs(1)
+        kv_head = launched % tl.num_programs(1)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     r = _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q)

@@ -142,7 +142,7 @@ def test_short_prefills_take_their_own_tile_and_both_tiles_match_reference(monke
         ta.prefill_tile(True, 2, short + 1) == ta.PREFILL_TILES[True, 2]
     assert ta.prefill_tile(True, 4, 16) == ta.PREFILL_TILES[True, 4]  # fp32: no short tile
     spec = BASE.with_(dtype=torch.float16, head_dim=64, has_sinks=True, sliding_window=100)
-    for keys in (-1, short):  # every step long / every step short
+    for keys in (-1, short):  # every step long / every step short (and launched heads-fastest)
         monkeypatch.setattr(ta, "SHORT_PREFILL_KEYS", keys)
         _compare(spec, SCENARIOS["mixed"])
 

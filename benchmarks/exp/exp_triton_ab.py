@@ -71,6 +71,8 @@ PATCHES = {
     # start beside the query's instead of after the whole blocks' pipeline drains.
     "diagfirst": DIAG_FIRST,
     "overlap_diagfirst": PATCH_OVERLAP + DIAG_FIRST,
+    # (``lpt``, the KV head fastest in launch order, won in run 6 and is the kernel's
+    # HEADS_FASTEST now.)
 }
 
 
