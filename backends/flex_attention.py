@@ -77,6 +77,8 @@ GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
 # dense tensors (page 128: 1.41 -> 2.32 and 0.99x -> 2.1x; B=64 ctx 8k unchanged at both).
 DECODE_STAGES: int | None = 6  # None: FlexAttention's default
 DECODE_STAGE_BYTES = 200 << 10
+# Whether the decode layout lists a request's whole pages as full KV blocks (mask_mod skipped).
+DECODE_FULL_BLOCKS = True
 # Query blocks and gathered pages are padded to powers of two up to this count, then to its
 # multiples (shape_bucket): each new count compiles FlexAttention again.
 SHAPE_BUCKET_STEP = 64
@@ -738,7 +740,8 @@ class FlexAttentionBackend(AttentionBackend):
         if common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs:
             return FlexMetadata(common.slot_mapping, _decode_tensors(
                 common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
-                bs, period, causal, window, full), causal=common.causal, decode=True)
+                bs, period, causal, window, full and DECODE_FULL_BLOCKS), causal=common.causal,
+                decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
