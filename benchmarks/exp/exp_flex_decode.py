@@ -5,10 +5,10 @@ page 16, bf16, 32/8 heads, d128), as CUDA-graph replays in one run.
 
 Variants (``AB_FLEX_VARIANTS``, comma-separated, default all): ``flex`` (as shipped),
 ``x2`` / ``x4`` / ``x8`` (the default split count times 2 / 4 / 8), ``s10`` (10 stages),
-``x4s10``; a leading ``n``: the decode layout without full KV blocks (``DECODE_FULL_BLOCKS``
+``x4s10``, ``k<N>`` (``N`` splits); a leading ``n``: the decode layout without full KV blocks (``DECODE_FULL_BLOCKS``
 off; with them FlexAttention splits the whole cache's length, not each request's pages, into
 ``SPLIT_KV`` chunks, so most splits of a request are empty). Points:
-``AB_FLEX_DECODE=BxCTX,...``. Prints one line per point, writes ``$OUT/exp_flex_decode.json``.
+``AB_FLEX_DECODE=BxCTX,...``; ``AB_FLEX_DENSE=0``: no dense anchor. Prints one line per point, writes ``$OUT/exp_flex_decode.json``.
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_flex_decode.py
 """
@@ -38,14 +38,15 @@ def default_splits(batch: int) -> int:
 
 
 def variant(b: Batch, name: str, batch: int):
-    m = re.fullmatch(r"(n)?(?:x(\d+))?(?:s(\d+))?", "" if name == "flex" else name)
+    m = re.fullmatch(r"(n)?(?:x(\d+)|k(\d+))?(?:s(\d+))?", "" if name == "flex" else name)
     fn = built_with(b, "FLEX_ATTENTION", fa, "DECODE_FULL_BLOCKS", not m.group(1))
     options = {}
-    if name != "flex":  # [n]x<M>s<N>, each part optional
-        if m.group(2):
-            options["SPLIT_KV"] = default_splits(batch) * int(m.group(2))
-        if m.group(3):
-            options["num_stages"] = int(m.group(3))
+    if m.group(2):
+        options["SPLIT_KV"] = default_splits(batch) * int(m.group(2))
+    if m.group(3):
+        options["SPLIT_KV"] = int(m.group(3))
+    if m.group(4):
+        options["num_stages"] = int(m.group(4))
     if options:
         fn = with_setting(fn, fa, "GPU_KERNEL_OPTIONS", options)
     return fn
@@ -56,7 +57,9 @@ def main():
     rows = []
     for bsz, ctx in POINTS:
         b = Batch(bsz, ctx, 1, 16, gen)
-        fns = {"flashinfer": flashinfer_direct(b, False), "flex_dense": flex_dense(b, False)}
+        fns = {"flashinfer": flashinfer_direct(b, False)}
+        if os.environ.get("AB_FLEX_DENSE", "1") == "1":
+            fns["flex_dense"] = flex_dense(b, False)
         errors = {}
         for name in VARIANTS:
             fn = variant(b, name, bsz)
@@ -72,7 +75,7 @@ def main():
         amount = decode_bytes(bsz, ctx)
         parts = [f"{k} {v * 1e3:.1f}us {amount / v / 1e9:.2f}TB/s" for k, v in ms.items()]
         ratios = [f"{k}/dense {ms['flex_dense'] / v:.2f}" for k, v in ms.items()
-                  if k not in ("flashinfer", "flex_dense")]
+                  if k not in ("flashinfer", "flex_dense") and "flex_dense" in ms]
         print(f"decode {bsz}x{ctx} (default splits {default_splits(bsz)}): " + "  ".join(parts)
               + "  " + "  ".join(ratios) + f"  maxdiff {max(diffs.values()):.2g}", flush=True)
         rows.append(dict(batch=bsz, ctx=ctx, ms=ms, diffs=diffs, errors=errors,
