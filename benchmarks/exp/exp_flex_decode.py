@@ -3,12 +3,13 @@ split count (``SPLIT_KV``, by default ``2 * SMs // (batch * KV heads)``, at leas
 pipeline stages varied, next to compiled flex_attention on dense K/V and FlashInfer (H200,
 page 16, bf16, 32/8 heads, d128), as CUDA-graph replays in one run.
 
-Variants (``AB_FLEX_VARIANTS``, comma-separated, default all): ``flex`` (as shipped),
-``x2`` / ``x4`` / ``x8`` (the default split count times 2 / 4 / 8), ``s10`` (10 stages),
-``x4s10``, ``k<N>`` (``N`` splits); a leading ``n``: the decode layout without full KV blocks (``DECODE_FULL_BLOCKS``
-off; with them FlexAttention splits the whole cache's length, not each request's pages, into
-``SPLIT_KV`` chunks, so most splits of a request are empty). Points:
-``AB_FLEX_DECODE=BxCTX,...``; ``AB_FLEX_DENSE=0``: no dense anchor. Prints one line per point, writes ``$OUT/exp_flex_decode.json``.
+Variants (``AB_FLEX_VARIANTS``, comma-separated): ``flex`` (as shipped), ``x<M>`` (the
+default split count times ``M``), ``k<N>`` (``N`` splits), ``s<S>`` (``S`` stages), combined
+as ``[n][x<M>|k<N>][s<S>]``; a leading ``n``: the decode layout without full KV blocks
+(``DECODE_FULL_BLOCKS`` off; with them FlexAttention splits the whole cache's length, not each
+request's pages, into ``SPLIT_KV`` chunks, so most splits of a request are empty). Points:
+``AB_FLEX_DECODE=BxCTX,...``; ``AB_FLEX_DENSE=0``: no dense anchor. Prints one line per point,
+writes ``$OUT/exp_flex_decode.json``.
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_flex_decode.py
 """
