@@ -121,6 +121,17 @@ def _shared_memory(index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 64 << 10))
 
 
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units) of GPU ``device``: 132 on an H100/H200."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors(index)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -46,7 +46,7 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, apply_sinks,
                           check_paged_attention_inputs, define_op, register_mods, registered_mods)
-from attn_ops.platforms import PlatformKind, shared_memory_per_block
+from attn_ops.platforms import PlatformKind, multiprocessor_count, shared_memory_per_block
 from attn_ops.backends.reference import UNCAPTURABLE
 from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
@@ -77,8 +77,16 @@ GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
 # dense tensors (page 128: 1.41 -> 2.32 and 0.99x -> 2.1x; B=64 ctx 8k unchanged at both).
 DECODE_STAGES: int | None = 6  # None: FlexAttention's default
 DECODE_STAGE_BYTES = 200 << 10
-# Whether the decode layout lists a request's whole pages as full KV blocks (mask_mod skipped).
-DECODE_FULL_BLOCKS = True
+# Decode-layout steps on GPUs with fewer (request, KV head) pairs than DECODE_PROGRAMS_PER_SM x
+# SMs cut each request's pages into splits (FlexAttention's SPLIT_KV, decode_splits) so that
+# about that many programs run, and list no full KV blocks: with full blocks FlexAttention's
+# decoding kernel cuts the K tensor's whole length -- every slot of the cache -- into its
+# splits, so a request holding a small part of a large cache got one or two of them. H200
+# (exp_flex_decode.py runs 1-3, 2065f38, page 16, bf16, 32/8 heads, d128, caches the size of
+# the batch): FlexAttention's own split count (2 x SMs // pairs over the whole cache) gave
+# 0.43-1.68 TB/s from B=1 to 16 (FlashInfer 1.93-2.88); 128 splits of the cache, ~4 per SM
+# over the requests' pages there, 1.43-3.59. None: FlexAttention's own, full blocks always.
+DECODE_PROGRAMS_PER_SM: int | None = 4
 # Query blocks and gathered pages are padded to powers of two up to this count, then to its
 # multiples (shape_bucket): each new count compiles FlexAttention again.
 SHAPE_BUCKET_STEP = 64
@@ -337,6 +345,17 @@ def decode_batch(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
+def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int | None:
+    """FlexAttention's split count for a decode-layout step of ``batch`` elements on
+    ``device``: a power of two near ``DECODE_PROGRAMS_PER_SM x SMs / (batch x kv_heads)``, or
+    None where that is below 2 (FlexAttention's own, with full KV blocks)."""
+    if not DECODE_PROGRAMS_PER_SM or device.type != "cuda":
+        return None
+    want = DECODE_PROGRAMS_PER_SM * multiprocessor_count(device) / (batch * kv_heads)
+    splits = 1 << max(round(math.log2(want)), 0) if want > 0 else 1
+    return splits if splits >= 2 else None
+
+
 def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period, causal=True,
                     window=None, full=False):
     """The decode layout's tables: one FlexAttention batch element per request (``batch`` of
@@ -362,6 +381,8 @@ def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period,
         torch.where(kv_limit > 0, qpos, -1), kv_limit, causal, window, True if full else None,
         torch.nn.functional.pad(block_table, (0, 0) + pad) * (period // block_size),
         (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width)
+    if not full:  # no full list at all (zero wide): see decode_splits
+        full_idx = full_idx[:, :0]
     return (*_int32(req, qpos[:, 0], kv_limit[:, 0], owner, logical), req < b,
             kv_num[:, None, None], kv_idx[:, None, None], full_num[:, None, None],
             full_idx[:, None, None])
@@ -444,6 +465,8 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     else:
         k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
     req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx = tables
+    if full_idx.shape[-1] == 0:  # (tables without full KV blocks)
+        full_num = full_idx = None
     rows = req.shape[0]
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
                                 sliding_window, soft_cap, alibi_slopes, user_mask, user_score,
@@ -470,8 +493,10 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # the BlockMask has no full blocks (a compile error): a partition size that is not a
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
+        splits = decode_splits(q.shape[0], k.shape[1], query.device) \
+            if decode and full_num is None else None
         options = _gpu_kernel_options(bs, d, out.shape[2], query.dtype, decode,
-                                      shared_memory_per_block(query.device))
+                                      shared_memory_per_block(query.device), splits)
         # The block lists are as wide as the step's block table, which may change from step
         # to step: symbolic from the first call (else Dynamo recompiles on the first change).
         for idx in (kv_idx, full_idx):
@@ -516,12 +541,15 @@ def _key_tile(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
 
 
 def _gpu_kernel_options(block_size: int, head_dim: int, head_dim_v: int, dtype: torch.dtype,
-                        decode: bool, smem: int) -> dict:
+                        decode: bool, smem: int, splits: int | None = None) -> dict:
     """FlexAttention's kernel options on GPUs: the key tile (:func:`_key_tile`), for the
     decode layout ``DECODE_STAGES`` pipeline stages or as many as fit ``DECODE_STAGE_BYTES``
     and the block's ``smem`` bytes of shared memory less 24 KiB (when fewer than 3 fit,
-    FlexAttention's own choice), then ``GPU_KERNEL_OPTIONS`` over them."""
+    FlexAttention's own choice) and ``splits`` (:func:`decode_splits`), then
+    ``GPU_KERNEL_OPTIONS`` over them."""
     options = {"BLOCK_N": _key_tile(block_size, head_dim, dtype)}
+    if splits:
+        options["SPLIT_KV"] = splits
     if decode and DECODE_STAGES:
         stage = options["BLOCK_N"] * (head_dim + head_dim_v) * dtype.itemsize
         stages = min(DECODE_STAGES, min(DECODE_STAGE_BYTES, smem - (24 << 10)) // stage)
@@ -738,10 +766,11 @@ class FlexAttentionBackend(AttentionBackend):
         causal = self.spec.causal and common.causal
         window, full = self.spec.sliding_window, self.spec.mask_mod is None
         if common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs:
+            batch = decode_batch(tokens)
+            splits = decode_splits(batch, self.spec.kv_heads, common.seq_lens.device)
             return FlexMetadata(common.slot_mapping, _decode_tensors(
-                common.seq_lens, common.block_table, decode_batch(tokens), common.num_blocks,
-                bs, period, causal, window, full and DECODE_FULL_BLOCKS), causal=common.causal,
-                decode=True)
+                common.seq_lens, common.block_table, batch, common.num_blocks, bs, period,
+                causal, window, full and splits is None), causal=common.causal, decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = _gather_map(common.block_table, common.seq_lens, bs)

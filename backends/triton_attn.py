@@ -36,7 +36,8 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.kv_cache import KVCacheLayout, split_kv_cache
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import check_paged_attention_inputs, define_op
-from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
+from attn_ops.platforms import (Platform, PlatformKind, multiprocessor_count,
+                                shared_memory_per_block)
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["TritonAttnBackend", "TritonAttnMetadata", "choose_num_splits"]
@@ -56,15 +57,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_SMS: dict = {}
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: small, so CPU tests exercise split-KV
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return multiprocessor_count(device)
 
 
 def choose_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:

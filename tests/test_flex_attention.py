@@ -398,6 +398,35 @@ def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(n
     assert (outs[0][3:] == 0).all()  # the padding rows
 
 
+def test_small_decode_batches_split_each_request_own_pages_without_full_blocks(monkeypatch):
+    """Decode steps of few (request, KV head) pairs on GPUs take about DECODE_PROGRAMS_PER_SM
+    programs per SM in splits (FlexAttention's SPLIT_KV) and list no full KV blocks -- with
+    full blocks FlexAttention cuts the whole cache's length into the splits, not each request's
+    pages; the tables without full blocks still give REFERENCE's result."""
+    from attn_ops.backends import flex_attention as fa
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fa, "multiprocessor_count", lambda device: 132)
+    # 4 x 132 programs over batch x 8 KV heads, to a power of two; none below 2
+    assert [fa.decode_splits(b, 8, cuda) for b in (1, 2, 8, 16, 32, 64)] == \
+        [64, 32, 8, 4, 2, None]
+    assert fa.decode_splits(1, 8, torch.device("cpu")) is None
+    assert fa._gpu_kernel_options(16, 128, 128, torch.bfloat16, True, 227 << 10, 8) == \
+        {"BLOCK_N": 16, "num_stages": 6, "SPLIT_KV": 8}
+    monkeypatch.setattr(fa, "DECODE_PROGRAMS_PER_SM", None)
+    assert fa.decode_splits(1, 8, cuda) is None
+
+    case = make_case(BASE, Scenario(((30, 1), (9, 1), (47, 1))), block_size=16, device=DEVICE,
+                     seed=5, finite_page_tails=True)
+    full_idx = 9  # (tables: ..., kv_num, kv_idx, full_num, full_idx)
+    assert FLEX(BASE).build_metadata(case.metadata).tables[full_idx].shape[-1] > 0
+    monkeypatch.setattr(fa, "decode_splits", lambda batch, kv_heads, device: 4)
+    meta = FLEX(BASE).build_metadata(case.metadata)
+    assert meta.decode and meta.tables[full_idx].shape[-1] == 0
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    assert_matches_reference(out, case)
+
+
 def test_decode_batches_are_powers_of_two():
     from attn_ops.backends.flex_attention import decode_batch
 

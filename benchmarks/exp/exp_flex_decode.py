@@ -1,15 +1,15 @@
-"""Experiment (not a benchmark of record): FLEX_ATTENTION's decode layout with FlexAttention's
-split count (``SPLIT_KV``, by default ``2 * SMs // (batch * KV heads)``, at least 1) and
-pipeline stages varied, next to compiled flex_attention on dense K/V and FlashInfer (H200,
-page 16, bf16, 32/8 heads, d128), as CUDA-graph replays in one run.
+"""Experiment (not a benchmark of record): FLEX_ATTENTION's decode layout with its split rule
+varied (``flex_attention.DECODE_PROGRAMS_PER_SM``: splits of each request's pages so that about
+that many programs per SM run, no full KV blocks), next to compiled flex_attention on dense K/V
+and FlashInfer (H200, page 16, bf16, 32/8 heads, d128), as CUDA-graph replays in one run.
 
-Variants (``AB_FLEX_VARIANTS``, comma-separated): ``flex`` (as shipped), ``x<M>`` (the
-default split count times ``M``), ``k<N>`` (``N`` splits), ``s<S>`` (``S`` stages), combined
-as ``[n][x<M>|k<N>][s<S>]``; a leading ``n``: the decode layout without full KV blocks
-(``DECODE_FULL_BLOCKS`` off; with them FlexAttention splits the whole cache's length, not each
-request's pages, into ``SPLIT_KV`` chunks, so most splits of a request are empty). Points:
-``AB_FLEX_DECODE=BxCTX,...``; ``AB_FLEX_DENSE=0``: no dense anchor. Prints one line per point,
-writes ``$OUT/exp_flex_decode.json``.
+Variants (``AB_FLEX_VARIANTS``, comma-separated): ``flex`` (as shipped), ``p<N>`` (``N``
+programs per SM), ``full`` (the rule off: full KV blocks, FlexAttention's own split count --
+``2 x SMs // (batch x KV heads)`` chunks of the whole cache's length), each with an optional
+``s<S>`` (``S`` pipeline stages). Points: ``AB_FLEX_DECODE=BxCTX,...``; ``AB_FLEX_DENSE=0``:
+no dense anchor. Prints one line per point, writes ``$OUT/exp_flex_decode.json``. (Runs 1-3,
+at 2065f38, varied ``SPLIT_KV`` over the whole cache with the full lists left empty but
+present -- which FlexAttention still treats as full blocks.)
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_flex_decode.py
 """
@@ -27,29 +27,21 @@ from bench_gpu_attention import (HKV, Batch, check_outputs, decode_bytes,  # noq
 from bench_triton_attention import built_with, flex_dense  # noqa: E402
 
 from attn_ops.backends import flex_attention as fa  # noqa: E402
+from attn_ops.backends.flex_attention import decode_batch  # noqa: E402
 
-POINTS = [tuple(int(x) for x in p.split("x")) for p in
-          os.environ.get("AB_FLEX_DECODE", "1x32768,8x8192,8x32768,64x8192").split(",")]
-VARIANTS = os.environ.get("AB_FLEX_VARIANTS", "flex,x8,n,nx2,nx4,nx8").split(",")
-
-
-def default_splits(batch: int) -> int:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(sms // (batch * HKV) * 2, 1)
+POINTS = [tuple(int(x) for x in p.split("x")) for p in os.environ.get(
+    "AB_FLEX_DECODE", "1x8192,1x32768,4x32768,8x8192,16x32768,32x8192,64x8192").split(",")]
+VARIANTS = os.environ.get("AB_FLEX_VARIANTS", "flex,p2,p8,full").split(",")
 
 
-def variant(b: Batch, name: str, batch: int):
-    m = re.fullmatch(r"(n)?(?:x(\d+)|k(\d+))?(?:s(\d+))?", "" if name == "flex" else name)
-    fn = built_with(b, "FLEX_ATTENTION", fa, "DECODE_FULL_BLOCKS", not m.group(1))
-    options = {}
-    if m.group(2):
-        options["SPLIT_KV"] = default_splits(batch) * int(m.group(2))
+def variant(b: Batch, name: str):
+    m = re.fullmatch(r"(flex|full|p(\d+))(?:s(\d+))?", name)
+    per_sm = fa.DECODE_PROGRAMS_PER_SM if m.group(1) == "flex" else \
+        None if m.group(1) == "full" else int(m.group(2))
+    fn = with_setting(built_with(b, "FLEX_ATTENTION", fa, "DECODE_PROGRAMS_PER_SM", per_sm), fa,
+                      "DECODE_PROGRAMS_PER_SM", per_sm)
     if m.group(3):
-        options["SPLIT_KV"] = int(m.group(3))
-    if m.group(4):
-        options["num_stages"] = int(m.group(4))
-    if options:
-        fn = with_setting(fn, fa, "GPU_KERNEL_OPTIONS", options)
+        fn = with_setting(fn, fa, "GPU_KERNEL_OPTIONS", {"num_stages": int(m.group(3))})
     return fn
 
 
@@ -63,7 +55,7 @@ def main():
             fns["flex_dense"] = flex_dense(b, False)
         errors = {}
         for name in VARIANTS:
-            fn = variant(b, name, bsz)
+            fn = variant(b, name)
             try:
                 fn()
                 torch.cuda.synchronize()
@@ -72,15 +64,15 @@ def main():
                 errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  {name} failed: {errors[name]}", flush=True)
         diffs = check_outputs(b, fns, "flashinfer")
+        splits = fa.decode_splits(decode_batch(bsz), HKV, b.q.device)
         ms = time_graph(fns, 2)
         amount = decode_bytes(bsz, ctx)
         parts = [f"{k} {v * 1e3:.1f}us {amount / v / 1e9:.2f}TB/s" for k, v in ms.items()]
         ratios = [f"{k}/dense {ms['flex_dense'] / v:.2f}" for k, v in ms.items()
                   if k not in ("flashinfer", "flex_dense") and "flex_dense" in ms]
-        print(f"decode {bsz}x{ctx} (default splits {default_splits(bsz)}): " + "  ".join(parts)
+        print(f"decode {bsz}x{ctx} (splits {splits}): " + "  ".join(parts)
               + "  " + "  ".join(ratios) + f"  maxdiff {max(diffs.values()):.2g}", flush=True)
-        rows.append(dict(batch=bsz, ctx=ctx, ms=ms, diffs=diffs, errors=errors,
-                         default_splits=default_splits(bsz)))
+        rows.append(dict(batch=bsz, ctx=ctx, ms=ms, diffs=diffs, errors=errors, splits=splits))
         del b, fns
     out = os.environ.get("OUT", "/tmp")
     json.dump(dict(commit=os.environ.get("ATTN_OPS_COMMIT"), variants=VARIANTS, rows=rows),
