@@ -81,11 +81,11 @@ DECODE_STAGE_BYTES = 200 << 10
 # SMs cut each request's pages into splits (FlexAttention's SPLIT_KV, decode_splits) so that
 # about that many programs run, and list no full KV blocks: with full blocks FlexAttention's
 # decoding kernel cuts the K tensor's whole length -- every slot of the cache -- into its
-# splits, so a request holding a small part of a large cache got one or two of them. H200
-# (exp_flex_decode.py runs 1-3, 2065f38, page 16, bf16, 32/8 heads, d128, caches the size of
-# the batch): FlexAttention's own split count (2 x SMs // pairs over the whole cache) gave
-# 0.43-1.68 TB/s from B=1 to 16 (FlashInfer 1.93-2.88); 128 splits of the cache, ~4 per SM
-# over the requests' pages there, 1.43-3.59. None: FlexAttention's own, full blocks always.
+# splits, so a request holding a small part of the cache got one or two of them. H200
+# (exp_flex_decode.py run 4, 5065ce5, page 16, bf16, 32/8 heads, d128), B=1-32 at ctx 8k-32k:
+# 1.99-4.20 TB/s at 4 programs per SM (FlashInfer's CUDA-core decode 1.93-2.84; full blocks and
+# FlexAttention's own split count 0.42-3.23); 2 or 8 per SM slower at every point. None:
+# FlexAttention's own split count, full blocks always.
 DECODE_PROGRAMS_PER_SM: int | None = 4
 # Query blocks and gathered pages are padded to powers of two up to this count, then to its
 # multiples (shape_bucket): each new count compiles FlexAttention again.
