@@ -25,6 +25,7 @@ from _common import with_setting  # noqa: E402
 from bench_gpu_attention import (HKV, Batch, check_outputs, decode_bytes,  # noqa: E402
                                  flashinfer_direct, time_graph)
 from bench_triton_attention import built_with, flex_dense  # noqa: E402
+from sweep_kernel_configs import try_variant  # noqa: E402
 
 from attn_ops.backends import flex_attention as fa  # noqa: E402
 from attn_ops.backends.flex_attention import decode_batch  # noqa: E402
@@ -55,13 +56,8 @@ def main():
             fns["flex_dense"] = flex_dense(b, False)
         errors = {}
         for name in VARIANTS:
-            fn = variant(b, name)
-            try:
-                fn()
-                torch.cuda.synchronize()
-                fns[name] = fn
-            except Exception as e:  # noqa: BLE001 (reported)
-                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            try_variant(fns, errors, name, variant(b, name))
+            if name in errors:
                 print(f"  {name} failed: {errors[name]}", flush=True)
         diffs = check_outputs(b, fns, "flashinfer")
         splits = fa.decode_splits(decode_batch(bsz), HKV, b.q.device)
