@@ -47,6 +47,9 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, apply_sinks,
                           check_paged_attention_inputs, define_op, register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind, multiprocessor_count, shared_memory_per_block
+from attn_ops.backends.flex_attention_gather import (GATHER_PAGE, gather_map, gather_pages,
+                                                     gathered_shape, gathered_views,
+                                                     slot_major)
 from attn_ops.backends.reference import UNCAPTURABLE
 from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
@@ -68,7 +71,6 @@ GPU_KERNEL_OPTIONS: dict = {}
 # and the wider tile saves ~0.03 ns per pair, so gathering pays from ~80 pairs per key (the rule
 # was set at 128 when the copy cost 4x more; not re-tuned). The CPU has no key-tile problem:
 # off there.
-GATHER_PAGE = 128
 GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
 # Pipeline stages of FlexAttention's decoding kernel (the decode layout) on GPUs, as many as
 # fit DECODE_STAGE_BYTES of shared memory (a K and a V tile per stage). Its key tile is at most
@@ -135,7 +137,7 @@ def _step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, blo
                   period, causal=True, window=None, full=False, gathered=False):
     """Per row (``tokens`` padded to a bucket of query blocks, :func:`shape_bucket`): request
     (``B`` for padding), position, visible-key limit; per page: owner and logical index -- or,
-    ``gathered`` (``block_table`` is :func:`_gather_map`'s virtual table: request ``r``'s keys
+    ``gathered`` (``block_table`` is :func:`gather_map`'s virtual table: request ``r``'s keys
     are the slots from ``r * width * block_size`` on), per row the first slot of its request
     and one past the last slot it may see (padding: 0, 0), so that ``mask_mod`` reads no
     per-key table; and the BlockMask's partial and full KV blocks (:func:`_kv_blocks`). A
@@ -245,87 +247,6 @@ def _page_maps(seq, block_table, num_pages, block_size):
     logical = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
     logical.scatter_(0, idx, torch.arange(width, device=dev).repeat(b))
     return pages, used, page_req, owner[:num_pages], logical[:num_pages]
-
-
-def _gather_map(block_table, seq_lens, block_size):
-    """The gathered layout's tables: a virtual block table giving request ``r`` the consecutive
-    virtual pages ``r * W .. r * W + W - 1`` (``W``: its table width in virtual pages) and
-    ``page_map [B * W, GATHER_PAGE // block_size]``, the physical pages each virtual page
-    copies -- the request's own pages in order, past its last page its first page again (so
-    no copied slot holds another request's data or a never-written page's)."""
-    f = GATHER_PAGE // block_size
-    b, width = block_table.shape
-    w = -(-width // f)
-    pages = (seq_lens.long() + block_size - 1) // block_size
-    cols = torch.arange(w * f, device=block_table.device)
-    table = torch.nn.functional.pad(block_table, (0, w * f - width))
-    table = torch.where(cols[None, :] < pages[:, None], table, block_table[:, :1])
-    vtable = torch.arange(b * w, device=block_table.device, dtype=block_table.dtype).view(b, w)
-    return vtable, table.reshape(b * w, f)
-
-
-def _gather_pages(kv_cache, page_map):
-    """The pages ``page_map [V, f]`` names, copied head-major into ``[C, heads, slots, DC]``
-    (:func:`_gathered_shape`) -- an interleaved cache's K and V (``C = 2``, ``DC = head_dim``)
-    each as FlexAttention's dense ``[heads, slots, dim]``, a packed cache's slots whole
-    (``C = 1``).
-    One pass on GPUs (:func:`_gather_kernel`); :func:`_gather_pages_torch` elsewhere."""
-    if not kv_cache.is_cuda:
-        return _gather_pages_torch(kv_cache, page_map)
-    slots = _slot_major(kv_cache)
-    out = kv_cache.new_empty(_gathered_shape(slots, page_map))
-    _gather_kernel(slots, page_map, out)
-    return out
-
-
-def _gather_pages_torch(kv_cache, page_map):
-    """:func:`_gather_pages` in torch ops: the pages selected, then moved head-major."""
-    slots = _slot_major(kv_cache)
-    picked = torch.index_select(slots, 0, page_map.flatten())
-    if picked.dim() == 4:  # (packed: one part per slot)
-        picked = picked.unsqueeze(3)
-    c, h, total, dc = _gathered_shape(slots, page_map)
-    out = kv_cache.new_zeros(c, h, total, dc)  # (the bucket's tail zeroed: cheap off GPUs)
-    out[:, :, :page_map.numel() * slots.shape[1]] = picked.permute(3, 2, 0, 1, 4).flatten(2, 3)
-    return out
-
-
-def _gather_kernel(slots, page_map, out):
-    """:func:`_gather_pages`'s copy by ``gather_pages_kernel`` (a slot of every head per
-    program; ``slots`` from :func:`_slot_major`, last dim contiguous)."""
-    import triton
-
-    from attn_ops.backends.flex_attention_kernels import gather_pages_kernel
-
-    c, h, total, dc = out.shape
-    bs = slots.shape[1]
-    assert slots.stride(-1) == 1, slots.stride()
-    gather_pages_kernel[(page_map.numel(), bs)](
-        slots, page_map.contiguous(), out, slots.stride(0), slots.stride(1), slots.stride(2),
-        slots.stride(3) if c > 1 else 0, total, BLOCK_SIZE=bs, H=h,
-        H_P=triton.next_power_of_2(h), C=c, DC=dc, DC_P=triton.next_power_of_2(dc))
-
-
-def _slot_major(kv_cache):
-    """The cache as ``[blocks, block_size, heads, ...]``: an interleaved one ``[blocks, 2,
-    block_size, heads, dim]`` read as ``[blocks, block_size, heads, 2, dim]`` (a view)."""
-    return kv_cache.permute(0, 2, 3, 1, 4) if kv_cache.dim() == 5 else kv_cache
-
-
-def _gathered_shape(slots, page_map) -> tuple[int, int, int, int]:
-    """``[C, heads, shape_bucket(V) * f * block_size, DC]``, :func:`_gather_pages`' result,
-    from the cache read slot-major (:func:`_slot_major`); past the ``V * f`` copied pages the
-    slots are never written nor read (:func:`shape_bucket`)."""
-    (v, f), c = page_map.shape, slots.shape[3] if slots.dim() == 5 else 1
-    return c, slots.shape[2], shape_bucket(v) * f * slots.shape[1], slots.shape[-1]
-
-
-def _gathered_views(gathered, head_dim):
-    """K and V as FlexAttention's ``[1, heads, slots, dim]`` over :func:`_gather_pages`'
-    result (an interleaved cache's: dense; a packed cache's: parts of each slot)."""
-    if gathered.shape[0] == 2:
-        return gathered[0][None], gathered[1][None]
-    return gathered[0, ..., :head_dim][None], gathered[0, ..., head_dim:][None]
 
 
 def shape_bucket(n: int) -> int:
@@ -460,8 +381,8 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
 
     user_mask, user_score = registered_mods(mods)
     t_in, hq, d = query.shape
-    if gathered:  # (kv_cache: _gather_pages' result)
-        (k, v), period, bs = _gathered_views(kv_cache, d), GATHER_PAGE, GATHER_PAGE
+    if gathered:  # (kv_cache: gather_pages' result)
+        (k, v), period, bs = gathered_views(kv_cache, d), GATHER_PAGE, GATHER_PAGE
     else:
         k, v, period, bs = _slot_views(kv_cache, d, out.shape[2])
     req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx = tables
@@ -593,20 +514,20 @@ def _prepared(query, kv_cache, req, qpos, kv_limit, owner, logical, valid, kv_nu
               full_num, full_idx, out, lse, sinks, alibi_slopes, k_scale, v_scale, scale,
               sliding_window, soft_cap, causal, mods, decode=False, page_map=None) -> None:
     """The op over :class:`FlexMetadata`: the step's tables were made once, by the builder
-    (``page_map``: over the cache's pages gathered, :func:`_gather_pages`)."""
+    (``page_map``: over the cache's pages gathered, :func:`gather_pages`)."""
     tables = (req, qpos, kv_limit, owner, logical, valid, kv_num, kv_idx, full_num, full_idx)
     gathered = page_map is not None
     _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_scale, v_scale,
                     decode, gathered)
     if gathered:
-        kv_cache = _gather_pages(kv_cache, page_map)
+        kv_cache = gather_pages(kv_cache, page_map, shape_bucket(page_map.shape[0]))
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
               soft_cap, causal, mods, decode, gathered)
 
 
 def _gathered(query, kv_cache, page_map, *args) -> None:
     """The op over :class:`FlexMetadata` in the gathered layout: ``page_map``'s pages copied
-    into larger ones (:func:`_gather_map`), then FlexAttention over them."""
+    into larger ones (:func:`gather_map`), then FlexAttention over them."""
     _check_page_map(kv_cache, page_map)
     _prepared(query, kv_cache, *args, page_map=page_map)
 
@@ -624,7 +545,8 @@ def _check_page_map(kv_cache, page_map):
     if page_map.device != kv_cache.device:
         raise ValueError(f"FLEX_ATTENTION page_map is on {page_map.device}, the cache on "
                          f"{kv_cache.device}; build the metadata on the cache's device")
-    numel = math.prod(_gathered_shape(_slot_major(kv_cache), page_map))
+    numel = math.prod(gathered_shape(slot_major(kv_cache), page_map,
+                                     shape_bucket(page_map.shape[0])))
     if kv_cache.device.type == "cuda" and numel >= 2**31:
         raise ValueError(f"FLEX_ATTENTION: this step's pages gathered ({tuple(page_map.shape)} "
                          f"pages) are {numel} elements, past FlexAttention's 32-bit offsets; "
@@ -692,7 +614,7 @@ class FlexMetadata:
     tables: tuple[torch.Tensor, ...]
     causal: bool = True
     decode: bool = False  # the decode layout (:func:`_decode_tensors`), for decode-only steps
-    page_map: torch.Tensor | None = None  # the gathered layout (:func:`_gather_map`)
+    page_map: torch.Tensor | None = None  # the gathered layout (:func:`gather_map`)
 
 
 flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, _flex_attention,
@@ -773,7 +695,7 @@ class FlexAttentionBackend(AttentionBackend):
                 causal, window, full and splits is None), causal=common.causal, decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
-            table, page_map = _gather_map(common.block_table, common.seq_lens, bs)
+            table, page_map = gather_map(common.block_table, common.seq_lens, bs)
             num_pages = shape_bucket(page_map.shape[0])  # (the gathered cache's pages)
             period = bs = GATHER_PAGE  # (K and V apart)
         return FlexMetadata(common.slot_mapping, _step_tensors(

@@ -160,8 +160,8 @@ def test_gathered_layout_in_a_compiled_layer(monkeypatch):
 
     monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 0)
     gathers = []
-    real = fa._gather_pages
-    monkeypatch.setattr(fa, "_gather_pages", lambda *a: gathers.append(1) or real(*a))
+    real = fa.gather_pages
+    monkeypatch.setattr(fa, "gather_pages", lambda *a: gathers.append(1) or real(*a))
     got, expected = compiled_and_eager_layer(MODS["documents"], "FLEX_ATTENTION", LONG_PREFILLS,
                                              device=DEVICE, finite_page_tails=True)
     torch.testing.assert_close(got, expected)
@@ -220,12 +220,12 @@ def test_gathered_layout_rule(monkeypatch):
 
 
 def test_gather_map_copies_each_request_own_pages_in_order():
-    from attn_ops.backends.flex_attention import GATHER_PAGE, _gather_map, _gather_pages
+    from attn_ops.backends.flex_attention_gather import GATHER_PAGE, gather_map, gather_pages
 
     bs, f = 16, GATHER_PAGE // 16
     table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13]])
     seq = torch.tensor([40, 150])  # 3 and 10 pages
-    vtable, page_map = _gather_map(table, seq, bs)
+    vtable, page_map = gather_map(table, seq, bs)
     assert vtable.tolist() == [[0, 1], [2, 3]] and page_map.shape == (4, f)
     assert page_map[0].tolist() == [7, 3, 9] + [7] * (f - 3)  # past the last page: the first
     assert page_map[1].tolist() == [7] * f
@@ -233,13 +233,13 @@ def test_gather_map_copies_each_request_own_pages_in_order():
     assert page_map[3].tolist() == [12, 13] + [1] * (f - 2)
     # interleaved [blocks, 2, block_size, heads, dim] -> head-major [2, heads, V * 128, dim]
     cache = torch.randn(14, 2, bs, 2, 8)
-    big = _gather_pages(cache, page_map)
+    big = gather_pages(cache, page_map, 4)
     assert big.shape == (2, 2, 4 * GATHER_PAGE, 8) and big.is_contiguous()
     first = 2 * GATHER_PAGE + 16 * 3  # request 1's 4th page (physical page 5)
     for part in (0, 1):  # K, V
         assert torch.equal(big[part, :, first:first + 16], cache[5, part].transpose(0, 1))
     packed = torch.randn(14, bs, 2, 24)  # [blocks, block_size, heads, head_dim + head_dim_v]
-    big = _gather_pages(packed, page_map)
+    big = gather_pages(packed, page_map, 4)
     assert big.shape == (1, 2, 4 * GATHER_PAGE, 24)
     first = 3 * GATHER_PAGE + 16  # request 1's 10th page (physical page 13)
     assert torch.equal(big[0, :, first:first + 16], packed[13].transpose(0, 1))
@@ -250,21 +250,22 @@ def test_gather_kernel_copies_like_torch_ops(dtype):
     """gather_pages_kernel (the copy on GPUs; Triton's interpreter here) against the same copy
     in torch ops: an interleaved cache, and a packed one whose slot (3 heads x 24) is no power
     of two."""
-    from attn_ops.backends.flex_attention import (_gather_kernel, _gather_map,
-                                                  _gather_pages_torch, _gathered_shape,
-                                                  _slot_major)
+    from attn_ops.backends.flex_attention_gather import (_copy_with_kernel, gather_map,
+                                                         gather_pages_torch, gathered_shape,
+                                                         slot_major)
 
     table = torch.tensor([[7, 3, 9, 0, 0, 0, 0, 0, 0, 0], [1, 2, 4, 5, 6, 8, 10, 11, 12, 13],
                           [0, 2, 0, 0, 0, 0, 0, 0, 0, 0]])
-    _, page_map = _gather_map(table, torch.tensor([40, 150, 20]), 16)
+    _, page_map = gather_map(table, torch.tensor([40, 150, 20]), 16)
     page_map = page_map.to(DEVICE)  # (6 virtual pages: the cache has room for 8)
     for cache in (torch.randn(14, 2, 16, 2, 8), torch.randn(14, 16, 3, 24)):
         cache = cache.to(DEVICE, dtype)
-        slots = _slot_major(cache)
-        got = slots.new_empty(_gathered_shape(slots, page_map))
-        _gather_kernel(slots, page_map, got)
+        slots = slot_major(cache)
+        got = slots.new_empty(gathered_shape(slots, page_map, 8))
+        _copy_with_kernel(slots, page_map, got)
         copied = page_map.numel() * 16  # (the slots past them are never read)
-        assert torch.equal(got[:, :, :copied], _gather_pages_torch(cache, page_map)[:, :, :copied])
+        assert torch.equal(got[:, :, :copied],
+                           gather_pages_torch(cache, page_map, 8)[:, :, :copied])
 
 
 @pytest.mark.parametrize("name", list(MODS))

@@ -59,8 +59,9 @@ def point(s, gen, first):
     impl = get_backend_class("FLEX_ATTENTION")(SPEC)
     meta = impl.build_metadata(b.meta)
     assert meta.page_map is not None, "expected the gathered layout"
-    gathered = fa._gather_pages(b.cache, meta.page_map)
-    k, v = fa._gathered_views(gathered, 128)
+    pages = fa.shape_bucket(meta.page_map.shape[0])
+    gathered = fa.gather_pages(b.cache, meta.page_map, pages)
+    k, v = fa.gathered_views(gathered, 128)
     kc, vc = k.contiguous(), v.contiguous()
     q = b.q.permute(1, 0, 2)[None]
     req, qpos, kv_limit, owner, logical = meta.tables[:5]
@@ -68,7 +69,7 @@ def point(s, gen, first):
                             fa.GATHER_PAGE, True, None, None, None, None, None, gathered=True)
     fns = {
         "flex": lambda: impl.forward(b.q, b.cache, meta, b.out),
-        "gather": lambda: fa._gather_pages(b.cache, meta.page_map),
+        "gather": lambda: fa.gather_pages(b.cache, meta.page_map, pages),
         "flex_gathered": lambda: fa._run_flex(b.q, gathered, meta.tables, b.out, None, None,
                                               None, impl.scale, None, None, True, impl.mods,
                                               gathered=True),
