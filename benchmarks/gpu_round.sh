@@ -23,6 +23,7 @@
 #   tab      benchmarks/exp/exp_triton_ab.py $TAB_VERSIONS (kernel files NAME=PATH side by side)
 #   fexp     benchmarks/exp/exp_flex_short.py (FLEX_ATTENTION's short prefill, part by part)
 #   fdec     benchmarks/exp/exp_flex_decode.py (FLEX_ATTENTION's decode: split counts, stages)
+#   ceil     benchmarks/exp/exp_decode_ceiling.py (short-context decode at batch 64: read ceilings)
 #   memcheck compute-sanitizer memcheck over a subset of the TRITON_ATTN / TREE_ATTN tests
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
@@ -81,6 +82,7 @@ for spec in "$@"; do
     texp) stage texp "$limit" python benchmarks/exp/exp_triton_prefill.py ;;
     fexp) stage fexp "$limit" python benchmarks/exp/exp_flex_short.py ;;
     fdec) stage fdec "$limit" python benchmarks/exp/exp_flex_decode.py ;;
+    ceil) stage ceil "$limit" python benchmarks/exp/exp_decode_ceiling.py ;;
     tab) stage tab "$limit" python benchmarks/exp/exp_triton_ab.py ${TAB_VERSIONS:-} ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
