@@ -112,7 +112,10 @@ def main():
             if page == 128 and c < b.pages:
                 try_variant(fns, errors, f"fi_fixed{c}", flashinfer_tc(b, fixed=c))
         if page == 128:
-            try_variant(fns, errors, "fa4", fa4_direct(b))
+            try:
+                try_variant(fns, errors, "fa4", fa4_direct(b))
+            except ImportError as e:  # FA4 is not on this machine
+                errors["fa4"] = str(e)
         try_variant(fns, errors, "selected", ours(b, "FLASH_ATTN"))
         for s in (1, 2, 4):
             for t in (2, 3, 4):
