@@ -5,13 +5,16 @@ kernel measured (a 268 MB read in ~72 us, where B >= 128 reach 4.1-4.4).
 At each point (``AB_CEIL=BxCTXxPAGE,...``), as CUDA-graph replays in one run:
 
 * ``flat<P>``: a Triton kernel reading the cache's bytes (the K and V the decode reads, no more)
-  as one flat array in ``P`` programs, grid-stride -- the memory system's ceiling at this size;
-* ``heads<S>``: a Triton kernel reading exactly the decode's pattern -- per (request, KV head,
-  one of ``S`` splits) program, 64-key tiles of K and V through the block table -- summing them
+  as one flat array in ``P`` x SMs programs, grid-stride -- the memory system's ceiling at this size;
+* ``heads1``: a Triton kernel reading exactly the decode's pattern -- per (request, KV head)
+  program, 64-key tiles of K and V through the block table -- summing them
   instead of attending: the ceiling of the access pattern;
-* FlashInfer's tensor-core decode (``fi_auto``; ``fi_nosplit``; ``fi_fixed<c>``: chunks of ``c``
-  pages), FA4 (``fa4``), the FLASH_ATTN op as selected (``selected``);
-* TRITON_ATTN with ``S`` splits and ``T`` stages (``triton_s<S>t<T>``).
+* FlashInfer's tensor-core decode (``fi_auto``; ``fi_nosplit``), FA4 (``fa4``), the FLASH_ATTN
+  op as selected (``selected``);
+* TRITON_ATTN with ``S`` splits and decode tile ``R`` rows x ``K`` keys, ``W`` warps, ``T``
+  stages (``triton_s<S>_<R>x<K>w<W>t<T>``; ``AB_CEIL_TRITON=S/R/K/W/T,...``). Shared memory
+  holds ``T`` tiles of K and V (``K x 512`` bytes each at d128, bf16), so the tile and the
+  stages set how many programs share an SM.
 
 Prints one line per point (TB/s of the decode's K and V bytes), writes
 ``$OUT/exp_decode_ceiling.json``.
@@ -36,8 +39,12 @@ from sweep_kernel_configs import flashinfer_tc, try_variant  # noqa: E402
 from attn_ops.backends import triton_attn as ta  # noqa: E402
 
 POINTS = [tuple(int(x) for x in p.split("x")) for p in os.environ.get(
-    "AB_CEIL", "64x1024x128,64x1024x16,128x1024x128,64x2048x128").split(",")]
-FLAT_PROGRAMS = (1, 2, 4, 8, 16)  # x SMs
+    "AB_CEIL", "64x1024x128,64x1024x16,128x1024x128,256x1024x128").split(",")]
+TRITON = [tuple(int(x) for x in v.split("/")) for v in os.environ.get(
+    "AB_CEIL_TRITON", "1/16/64/4/4,1/16/64/4/3,2/16/64/4/4,4/16/64/4/2,1/16/32/4/2,1/16/32/4/3,"
+    "1/16/32/4/4,1/16/32/4/6,1/16/16/4/4,1/16/16/4/6,1/16/16/4/8,1/16/32/2/3,1/16/32/2/4,"
+    "2/16/32/4/3").split(",")]
+FLAT_PROGRAMS = (1, 4, 16)  # x SMs
 FLAT_BLOCK = 4096  # bf16 elements per load
 
 
@@ -88,14 +95,14 @@ def read_heads(b: Batch, splits: int, stages: int = 3):
                                      num_warps=4, num_stages=stages)
 
 
-def triton_variant(b: Batch, splits: int, stages: int):
+def triton_variant(b: Batch, splits: int, tile: tuple[int, int, int, int]):
     """TRITON_ATTN with ``splits`` (its split rule aimed at splits x items programs) and its
-    decode tile in ``stages`` stages."""
+    decode tile ``tile`` (rows, keys, warps, stages)."""
     items = b.meta.num_reqs * HKV
     per_sm = max(1, splits * items // torch.cuda.get_device_properties(0).multi_processor_count)
     fn = built_with(b, "TRITON_ATTN", ta, "PROGRAMS_PER_SM", per_sm)
     fn = with_setting(fn, ta, "DEEP_DECODE_STAGES", None)
-    return with_setting(fn, ta.DECODE_TILES, True, (16, 64, 4, stages))
+    return with_setting(fn, ta.DECODE_TILES, True, tile)
 
 
 def main():
@@ -108,23 +115,19 @@ def main():
         fns, errors = {}, {}
         try_variant(fns, errors, "fi_auto", flashinfer_tc(b))
         try_variant(fns, errors, "fi_nosplit", flashinfer_tc(b, nosplit=True))
-        for c in (1, 2, 4):
-            if page == 128 and c < b.pages:
-                try_variant(fns, errors, f"fi_fixed{c}", flashinfer_tc(b, fixed=c))
         if page == 128:
             try:
                 try_variant(fns, errors, "fa4", fa4_direct(b))
             except ImportError as e:  # FA4 is not on this machine
                 errors["fa4"] = str(e)
         try_variant(fns, errors, "selected", ours(b, "FLASH_ATTN"))
-        for s in (1, 2, 4):
-            for t in (2, 3, 4):
-                try_variant(fns, errors, f"triton_s{s}t{t}", triton_variant(b, s, t))
+        for s, r, k, w, t in TRITON:
+            try_variant(fns, errors, f"triton_s{s}_{r}x{k}w{w}t{t}",
+                        triton_variant(b, s, (r, k, w, t)))
         diffs = check_outputs(b, fns, "fi_auto")
         for p in FLAT_PROGRAMS:
             try_variant(fns, errors, f"flat{p}", read_flat(b, p * sms))
-        for s in (1, 2, 4):
-            try_variant(fns, errors, f"heads{s}", read_heads(b, s))
+        try_variant(fns, errors, "heads1", read_heads(b, 1))
         ms = time_graph(fns, 3)
         nbytes = decode_bytes(bsz, ctx)
         tbs = {k: nbytes / v / 1e9 for k, v in ms.items()}
