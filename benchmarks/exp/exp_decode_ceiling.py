@@ -4,20 +4,22 @@ kernel measured (a 268 MB read in ~72 us, where B >= 128 reach 4.1-4.4).
 
 At each point (``AB_CEIL=BxCTXxPAGE,...``), as CUDA-graph replays in one run:
 
-* ``flat<P>``: a Triton kernel reading the cache's bytes (the K and V the decode reads, no more)
-  as one flat array in ``P`` x SMs programs, grid-stride -- the memory system's ceiling at this size;
+* ``flat<P>``: a Triton kernel reading the cache's bytes (the K and V the decode reads, no
+  more) as one flat array in ``P`` x SMs programs, grid-stride -- the memory system's ceiling
+  at this size;
 * ``heads1``: a Triton kernel reading exactly the decode's pattern -- per (request, KV head)
-  program, 64-key tiles of K and V through the block table -- summing them
-  instead of attending: the ceiling of the access pattern;
+  program, 64-key tiles of K and V through the block table -- summing them instead of
+  attending: the ceiling of the access pattern;
 * FlashInfer's tensor-core decode (``fi_auto``; ``fi_nosplit``), FA4 (``fa4``), the FLASH_ATTN
   op as selected (``selected``);
-* TRITON_ATTN with ``S`` splits and decode tile ``R`` rows x ``K`` keys, ``W`` warps, ``T``
-  stages (``triton_s<S>_<R>x<K>w<W>t<T>``; ``AB_CEIL_TRITON=S/R/K/W/T,...``). Shared memory
-  holds ``T`` tiles of K and V (``K x 512`` bytes each at d128, bf16), so the tile and the
-  stages set how many programs share an SM.
+* TRITON_ATTN as shipped (``triton``), and with ``S`` splits (0: its rule's) and decode tile
+  ``R`` rows x ``K`` keys, ``W`` warps, ``T`` stages (``triton_s<S>_<R>x<K>w<W>t<T>``;
+  ``AB_CEIL_TRITON=S/R/K/W/T,...``). Shared memory holds ``T`` tiles of K and V (``K x 512``
+  bytes each at d128, bf16), so the tile and the stages set how many programs share an SM.
 
-Prints one line per point (TB/s of the decode's K and V bytes), writes
-``$OUT/exp_decode_ceiling.json``.
+``AB_CEIL_READS=0`` leaves out the read kernels. Prints one line per point (TB/s of the
+decode's K and V bytes), writes ``$OUT/exp_decode_ceiling.json``. Run 2 (03a4887) meant its
+``s2`` variants to split in two, but its split rule's target rounded down to one split.
 
     source .gpu/bootstrap.sh && python benchmarks/exp/exp_decode_ceiling.py
 """
@@ -45,6 +47,7 @@ TRITON = [tuple(int(x) for x in v.split("/")) for v in os.environ.get(
     "1/16/32/4/4,1/16/32/4/6,1/16/16/4/4,1/16/16/4/6,1/16/16/4/8,1/16/32/2/3,1/16/32/2/4,"
     "2/16/32/4/3").split(",")]
 FLAT_PROGRAMS = (1, 4, 16)  # x SMs
+READS = os.environ.get("AB_CEIL_READS", "1") == "1"
 FLAT_BLOCK = 4096  # bf16 elements per load
 
 
@@ -96,11 +99,14 @@ def read_heads(b: Batch, splits: int, stages: int = 3):
 
 
 def triton_variant(b: Batch, splits: int, tile: tuple[int, int, int, int]):
-    """TRITON_ATTN with ``splits`` (its split rule aimed at splits x items programs) and its
-    decode tile ``tile`` (rows, keys, warps, stages)."""
-    items = b.meta.num_reqs * HKV
-    per_sm = max(1, splits * items // torch.cuda.get_device_properties(0).multi_processor_count)
-    fn = built_with(b, "TRITON_ATTN", ta, "PROGRAMS_PER_SM", per_sm)
+    """TRITON_ATTN with ``splits`` (its split rule aimed at splits x items programs; 0: its own
+    rule) and its decode tile ``tile`` (rows, keys, warps, stages)."""
+    if splits:
+        items = b.meta.num_reqs * HKV
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        fn = built_with(b, "TRITON_ATTN", ta, "PROGRAMS_PER_SM", -(-splits * items // sms))
+    else:
+        fn = ours(b, "TRITON_ATTN")
     fn = with_setting(fn, ta, "DEEP_DECODE_STAGES", None)
     return with_setting(fn, ta.DECODE_TILES, True, tile)
 
@@ -125,9 +131,11 @@ def main():
             try_variant(fns, errors, f"triton_s{s}_{r}x{k}w{w}t{t}",
                         triton_variant(b, s, (r, k, w, t)))
         diffs = check_outputs(b, fns, "fi_auto")
-        for p in FLAT_PROGRAMS:
-            try_variant(fns, errors, f"flat{p}", read_flat(b, p * sms))
-        try_variant(fns, errors, "heads1", read_heads(b, 1))
+        if READS:
+            for p in FLAT_PROGRAMS:
+                try_variant(fns, errors, f"flat{p}", read_flat(b, p * sms))
+            try_variant(fns, errors, "heads1", read_heads(b, 1))
+        try_variant(fns, errors, "triton", ours(b, "TRITON_ATTN"))
         ms = time_graph(fns, 3)
         nbytes = decode_bytes(bsz, ctx)
         tbs = {k: nbytes / v / 1e9 for k, v in ms.items()}
