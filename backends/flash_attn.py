@@ -9,9 +9,11 @@ On sm90 FA4 has no split-KV ("SplitKV not supported on SM 9.0") and its decode t
 FlashInfer's tensor-core decode at every batch size measured on the H200 (0.39 vs 3.3 TB/s at
 batch 1 ctx 32k, 3.8 vs 4.4 at batch 256), while its prefill leads (585-591 vs 493 TFLOP/s at
 1x8k). So there, when FlashInfer is installed and takes the spec, FLASH_ATTN runs each step as
-FlashInfer's op with FA4 as its prefill kernel (``FlashInferBackend(prefill_kernel="fa4")``):
-decode rows through FlashInfer, prefill rows through FA4, one op call. A compiled model sees
-the choice as the metadata's type.
+FlashInfer's op with FA4 as its prefill kernel (``FlashInferBackend(prefill_kernel="fa4",
+triton_decode=...)``): decode rows through FlashInfer -- or, for short decodes that fill the
+SMs about 4 times over, through TRITON_ATTN's decode kernel where TRITON_ATTN takes the spec
+(faster there: ``flashinfer.decode_kernel``) --, prefill rows through FA4, one op call. A
+compiled model sees the choice as the metadata's type.
 
 Semantics are REFERENCE's: ``sliding_window=W`` is ``window_size=(W-1, 0)`` causal and
 ``(W-1, W-1)`` otherwise; FA4's LSE ([heads, tokens], natural log) is transposed to
@@ -301,7 +303,9 @@ class FlashAttnBackend(AttentionBackend):
 
             flashinfer = get_backend_class("FLASHINFER")
             if not flashinfer.not_supported_reasons(spec, platform):
-                self._hybrid = flashinfer(spec, prefill_kernel="fa4")
+                triton = not get_backend_class("TRITON_ATTN").not_supported_reasons(spec,
+                                                                                    platform)
+                self._hybrid = flashinfer(spec, prefill_kernel="fa4", triton_decode=triton)
 
     def build_metadata(self, common: CommonAttentionMetadata):
         if not isinstance(common, CommonAttentionMetadata):

@@ -12,7 +12,9 @@ Kernels: decodes run FlashInfer's tensor-core decode -- its FA2 prefill kernel w
 row per request, the GQA heads of a KV head packed into one tile -- split into KV chunks by
 :func:`decode_kernel` (about one CTA per SM; measured up to 17% faster than FlashInfer's own
 split rule at small batches), or, where FlashAttention 4 serves the prefills and the batch is
-about one wave of (request, KV head) items, by FA4 (fastest there). Measured on the H200 this
+about one wave of (request, KV head) items, by FA4 (fastest there), or -- with
+``triton_decode`` (how FLASH_ATTN runs on sm90) -- short decodes whose items fill the SMs about
+4 times over by TRITON_ATTN's decode kernel (:func:`decode_kernel`). Measured on the H200 this
 beats FlashInfer's CUDA-core decode kernel and FA4 alone at every decode point
 (``benchmarks/results``). Prefills run FA3 (sm90) or FA2 -- or FlashAttention 4
 (``prefill_kernel="fa4"``, how FLASH_ATTN runs on sm90), the fastest prefill there.
@@ -47,7 +49,9 @@ from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 __all__ = ["FlashInferBackend", "FlashInferMetadata", "paged_kv_csr", "warmup"]
 
 LN2 = math.log(2.0)
-KERNELS = ("fa2", "fa3", "fa4")  # a part's plan vector starts with an index into this
+KERNELS = ("fa2", "fa3", "fa4", "triton")  # a part's plan vector starts with an index into this
+PREFILL_KERNELS = KERNELS[:3]
+TABLE_KERNELS = ("fa4", "triton")  # read seq_lens and the block table, not FlashInfer's CSR
 HEADER = 11  # a plan vector: [kernel, rows, padded, first, n, num_indices, plan length,
 #              qo_at, kv_at, last_at, indices_at, *plan]
 PLAN_LEN = 64  # entries of every plan vector (a fixed size: no shape for Dynamo to specialize)
@@ -82,7 +86,7 @@ def split_budget(num_sms: int, kv_heads: int) -> int:
 
 
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
-                  num_sms: int, fa4: bool) -> tuple[str, int]:
+                  num_sms: int, fa4: bool, triton: bool = False) -> tuple[str, int]:
     """The decode part's kernel and FlashInfer split-KV chunk (in pages; -1: FlashInfer's own
     rule; 0: no split), from the number of (request, KV head) work items against the SM count.
 
@@ -99,8 +103,21 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     FlashInfer does not split (B >= 32: its rule equals no split, and beat FA4). Once the
     requests outnumber its split budget (:func:`split_budget`) its rule cannot split at all,
     and saying "no split" outright makes a plan that does not depend on the lengths: it is
-    kept from step to step (see ``_Planner.plan_part``)."""
+    kept from step to step (see ``_Planner.plan_part``).
+
+    With ``triton``, decodes of at most ``triton_attn.SHORT_DECODE_KEYS`` keys with 3.5-8
+    items per SM run TRITON_ATTN's decode kernel, unsplit, in its ``MANY_ITEMS_TILE`` (4
+    programs per SM): H200 (``benchmarks/exp/exp_decode_ceiling.py`` runs 2-3, page 128, TB/s
+    against FlashInfer's tensor-core decode in the same run) B=64 ctx 1k 3.88 vs 3.74, B=128
+    ctx 1k 4.03 vs 3.92 and 4.12 vs 4.01; level at B=256 ctx 1k (4.19 vs 4.20) and below it at
+    longer contexts (B=64 ctx 4k-32k: 4.07-4.13 vs 4.40-4.55)."""
     items = num_decodes * kv_heads
+    if triton:
+        from attn_ops.backends import triton_attn
+
+        if max_pages * block_size <= triton_attn.SHORT_DECODE_KEYS \
+                and triton_attn.MANY_ITEMS_PER_SM * num_sms <= items <= 8 * num_sms:
+            return "triton", 0
     if items >= num_sms:
         return "fa2", 0 if num_decodes > split_budget(num_sms, kv_heads) else -1
     if fa4 and 10 * items > 7 * num_sms and max_pages * block_size <= 4096:
@@ -230,8 +247,10 @@ class _Planner:
     """Plans for one planning key (a spec, minus the batch) on one device, step after step,
     with int workspaces of its own (the decode and the prefill part must not share one)."""
 
-    def __init__(self, spec: AttentionSpec, device: torch.device, prefill_kernel: str) -> None:
+    def __init__(self, spec: AttentionSpec, device: torch.device, prefill_kernel: str,
+                 triton_decode: bool = False) -> None:
         self.spec, self.device, self.prefill_kernel = spec, device, prefill_kernel
+        self.triton_decode = triton_decode and not spec.kv_cache_dtype.is_fp8
         self.float_workspace = _float_workspace(device)
         self.decode_ws, self.prefill_ws = _IntWorkspace(device), _IntWorkspace(device)
         self.window = -1 if spec.sliding_window is None else spec.sliding_window - 1
@@ -292,7 +311,7 @@ class _Planner:
         block_size, nd, n = common.block_size, common.num_decodes, common.num_reqs
         causal = self.spec.causal and common.causal
         plans = list(self.absent)
-        fa4 = False
+        uses_tables = False
         for part, first, stop in ((0, 0, nd), (1, nd, n)):
             if first == stop:
                 continue
@@ -301,16 +320,18 @@ class _Planner:
                 longest = common.max_seq_len if nd == n else int(seq[:nd].max())
                 max_pages = -(-longest // block_size)
                 kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
-                                              self.num_sms, self.prefill_kernel == "fa4")
+                                              self.num_sms, self.prefill_kernel == "fa4",
+                                              self.triton_decode)
                 at = dev.query_start_loc, dev.block_indptr, dev.last_page_len, dev.block_indices
             else:
                 kernel, chunk = self.prefill_kernel, -1
                 at = (dev.prefill_query_start_loc, dev.prefill_block_indptr,
                       dev.last_page_len + first, dev.block_indices + int(indptr[first]))
-            if kernel == "fa4":  # FA4 reads the common metadata's device tables
-                fa4 = True
+            if kernel in TABLE_KERNELS:  # they read the common metadata's device tables
+                uses_tables = True
                 num_indices = 0
-                plan = [1 if part == 0 else common.max_query_len, common.max_seq_len]
+                plan = [1 if part == 0 else common.max_query_len,
+                        longest if kernel == "triton" else common.max_seq_len]
             else:
                 pages = indptr[first:stop + 1]
                 kv_indptr = pages - pages[0] if first else pages
@@ -321,7 +342,7 @@ class _Planner:
             plans[part] = _plan_vector(KERNELS.index(kernel), qo[-1], 0, first, stop - first,
                                        num_indices, plan, at)
         seq_lens, block_table = self.unused(common.block_table.shape[1])
-        if fa4:
+        if uses_tables:
             seq_lens, block_table = common.seq_lens, common.block_table
             sizes_not_specialized(seq_lens, block_table)
         sizes_not_specialized(dev.buffer)
@@ -396,10 +417,10 @@ _VIEWS: dict = {}
 def _part_tables(tables, seq_lens, block_table, kernel, first, n, num_indices, qo_at, kv_at,
                  last_at, indices_at) -> tuple:
     """``(tables, *a part's tables)``: FA2/FA3's ``qo_indptr``, ``kv_indptr``,
-    ``last_page_len`` and ``kv_indices``, or FA4's ``cu_seqlens_q``, ``seqused_k`` and page
-    table (see :class:`FlashInferMetadata`)."""
+    ``last_page_len`` and ``kv_indices``, or FA4's and TRITON_ATTN's ``cu_seqlens_q``,
+    ``seqused_k`` and page table (see :class:`FlashInferMetadata`)."""
     qo = tables[qo_at:qo_at + n + 1]
-    if KERNELS[kernel] == "fa4":
+    if KERNELS[kernel] in TABLE_KERNELS:
         whole = n == seq_lens.shape[0]
         return (tables, qo, seq_lens if whole else seq_lens[first:first + n],
                 block_table if whole else block_table[first:first + n])
@@ -448,6 +469,11 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
                              scale, left, right, soft_cap, causal, need_lse)
             if need_lse:
                 lse_part.copy_(lse_hm.t())
+        elif KERNELS[kernel] == "triton":  # (16-bit caches only: no scales; LSE in natural log)
+            from attn_ops.backends.triton_attn import unsplit_decode
+
+            unsplit_decode(q_part, k_cache, v_cache, out_part, lse_part, *views[2:], plan[1],
+                           scale, sliding_window, soft_cap, causal)
         else:
             qo, kv_indptr, last, kv_indices = views[2:]
             mod = _module(KERNELS[kernel], query.dtype, kv_cache.dtype, query.shape[2],
@@ -527,13 +553,17 @@ class FlashInferBackend(AttentionBackend):
                                   "(FlashInfer windows only to the left)"))
         return reasons
 
-    def __init__(self, spec: AttentionSpec, prefill_kernel: str | None = None) -> None:
-        """``prefill_kernel`` (``backend_options``): ``"fa2"``, ``"fa3"`` (sm90) or ``"fa4"``
-        (FlashAttention 4, installed); default FA3 on sm90 where it applies, else FA2."""
+    def __init__(self, spec: AttentionSpec, prefill_kernel: str | None = None,
+                 triton_decode: bool = False) -> None:
+        """``backend_options``: ``prefill_kernel``, ``"fa2"``, ``"fa3"`` (sm90) or ``"fa4"``
+        (FlashAttention 4, installed), default FA3 on sm90 where it applies, else FA2;
+        ``triton_decode=True`` lets :func:`decode_kernel` choose TRITON_ATTN's decode kernel
+        (which must support the spec) for 16-bit caches."""
         super().__init__(spec)
-        if prefill_kernel is not None and prefill_kernel not in KERNELS:
-            raise ValueError(f"prefill_kernel={prefill_kernel!r} is not one of {KERNELS}")
-        self.prefill_kernel = prefill_kernel
+        if prefill_kernel is not None and prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernel={prefill_kernel!r} is not one of "
+                             f"{PREFILL_KERNELS}")
+        self.prefill_kernel, self.triton_decode = prefill_kernel, triton_decode
         self._key = self.metadata_key()  # (hashed every step: made once)
 
     def _kernel(self, device: torch.device) -> str:
@@ -546,7 +576,8 @@ class FlashInferBackend(AttentionBackend):
             return common
         device = common.seq_lens.device
         return self._plan_once(common, _EAGER_PLANNERS, (self._key, device),
-                               lambda: _Planner(self.spec, device, self._kernel(device)))
+                               lambda: _Planner(self.spec, device, self._kernel(device),
+                                                self.triton_decode))
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> FlashInferMetadata:
         """Replan a padded decode batch into ``graphs``' persistent buffers (see
@@ -572,7 +603,7 @@ class FlashInferBackend(AttentionBackend):
         spec = self.spec
         return (self.name, spec.num_heads, spec.kv_heads, spec.head_dim, spec.v_head_dim,
                 spec.dtype, spec.cache_dtype, spec.sliding_window, spec.logits_soft_cap,
-                spec.causal, self.prefill_kernel)
+                spec.causal, self.prefill_kernel, self.triton_decode)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, sinks=None,
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:

@@ -66,8 +66,12 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of each decode's keys: a power of two, ``decodes x kv_heads x splits`` near
     ``PROGRAMS_PER_SM x num_sms``, at least ``MIN_KEYS_PER_SPLIT`` keys per split, at most
-    ``MAX_SPLITS``."""
+    ``MAX_SPLITS``; none for decodes of at most ``SHORT_DECODE_KEYS`` keys with
+    ``MANY_ITEMS_PER_SM`` items per SM (``MANY_ITEMS_TILE``)."""
     if num_decodes == 0:
+        return 1
+    if MANY_ITEMS_TILE and max_seq_len <= SHORT_DECODE_KEYS \
+            and num_decodes * kv_heads >= MANY_ITEMS_PER_SM * num_sms:
         return 1
     want = max(1, (PROGRAMS_PER_SM * num_sms) // max(1, num_decodes * kv_heads))
     cap = max(1, min(MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT))
@@ -124,25 +128,36 @@ def prefill_tile(wide: bool, elem_bytes: int, max_seq_len: int) -> tuple[int, in
 
 
 # Decode tiles (rows, keys, warps, stages) by padded head dims <= 128: 16 rows (a KV head's
-# query heads, padded), 64 keys (32 past 128), 4 warps, 2 stages -- or DEEP_DECODE_STAGES for
-# an unsplit launch of 16-bit K/V whose (request, KV head) items alone are at least half the
-# split rule's target (decode_stages). On the H200 (benchmarks/exp/exp_triton_ab.py, 27585e1,
-# page 16, d128, TB/s at 2 / 3 / 4 stages): unsplit B=128 ctx 32k 4.15 / 4.18 / 4.49, B=256
-# ctx 32k 4.13 / 4.36 / 4.44, B=256 ctx 8k 4.10 / 4.34 / 4.42, B=256 ctx 2k 3.98 / 4.25 / 4.23;
-# but split launches lose with more stages (B=1 ctx 32k 3.13 / 2.62, B=32 ctx 8k 4.28 / 3.85 /
-# 4.01, B=64 ctx 8k 4.45 / 4.04 / 4.25), and so does unsplit B=64 ctx 1k (3.48 / 3.18).
+# query heads, padded), 64 keys (32 past 128), 4 warps, 2 stages -- or MANY_ITEMS_TILE for an
+# unsplit launch of 16-bit (or fp8) K/V with at least MANY_ITEMS_PER_SM (request, KV head) items
+# per SM (decode_tile). Split launches: on the H200 (benchmarks/exp/exp_triton_ab.py, 27585e1,
+# page 16, d128, TB/s at 2 / 3 / 4 stages) B=1 ctx 32k 3.13 / 2.62, B=32 ctx 8k 4.28 / 3.85 /
+# 4.01, B=64 ctx 8k 4.45 / 4.04 / 4.25.
 DECODE_TILES = {True: (16, 64, 4, 2), False: (16, 32, 4, 2)}
-DEEP_DECODE_STAGES: int | None = 4  # None: always DECODE_TILES' stages
+# MANY_ITEMS_TILE holds 3 stages of 32-key K and V tiles, 48 KiB of shared memory at d128, so
+# 4 programs share an SM (with 64 keys in 4 stages, the tile before it, only one did): a batch
+# of 64 x 8 KV heads is resident at once. H200 (benchmarks/exp/exp_decode_ceiling.py runs 2-3,
+# 03a4887 / 3461fe8; TB/s, this tile vs 16 x 64 x 4 warps x 4 stages, unsplit): B=128 ctx 1k
+# 4.12 vs 3.89, B=128 ctx 4k 4.44 vs 4.37, B=256 ctx 1k 4.19 vs 4.12 (page 16: 4.24 vs 3.95),
+# B=256 ctx 8k 4.49 vs 4.39 (page 16: 4.50 vs 4.42), B=256 ctx 32k 4.50 vs 4.37; B=64 ctx 1k
+# 3.88 (page 16: 3.89) vs 3.56 (3.48), where split in two it gave 3.43-3.55 -- so decodes of at
+# most SHORT_DECODE_KEYS keys are not split once their items reach MANY_ITEMS_PER_SM per SM
+# (choose_num_splits). 2 warps: 3.72 at B=64 ctx 1k; 4 stages: 3 programs per SM, 3.73; 16-key
+# tiles 2.14-3.53. The 3.5 per SM sits between the measured 3.9 (B=64) and 2 (B=32, not
+# measured unsplit with this tile); fp8 and d > 128 take it unmeasured.
+MANY_ITEMS_PER_SM = 3.5
+MANY_ITEMS_TILE: tuple[int, int, int, int] | None = (16, 32, 4, 3)  # None: DECODE_TILES only
+SHORT_DECODE_KEYS = 1024
 
 
-def decode_stages(num_reqs: int, kv_heads: int, splits: int, kv_bytes: int, num_sms: int,
-                  default: int) -> int:
-    """Pipeline stages of a decode launch (see ``DEEP_DECODE_STAGES``; :func:`fit_tile` then
-    keeps them within the device's shared memory)."""
-    if DEEP_DECODE_STAGES and splits == 1 and kv_bytes <= 2 \
-            and 2 * num_reqs * kv_heads >= PROGRAMS_PER_SM * num_sms:
-        return DEEP_DECODE_STAGES
-    return default
+def decode_tile(items: int, splits: int, kv_bytes: int, num_sms: int,
+                wide: bool) -> tuple[int, int, int, int]:
+    """(rows, keys, warps, stages) of a decode launch of ``items`` (request, KV head) pairs
+    (see ``MANY_ITEMS_TILE``; :func:`fit_tile` then keeps it within shared memory)."""
+    if MANY_ITEMS_TILE and splits == 1 and kv_bytes <= 2 \
+            and items >= MANY_ITEMS_PER_SM * num_sms:
+        return MANY_ITEMS_TILE
+    return DECODE_TILES[wide]
 
 
 def _smem_bytes(rows, keys, stages, d_p, dv_p, q_bytes, kv_bytes) -> int:
@@ -226,10 +241,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     if prefill:
         tile = prefill_tile(wide, q_bytes, max_seq_len)
     else:
-        rows, block_n, warps, stages = DECODE_TILES[wide]
-        stages = decode_stages(num_reqs, k_cache.shape[2], splits, kv_bytes,
-                               _num_sms(query.device), stages)
-        tile = rows, block_n, warps, stages
+        tile = decode_tile(num_reqs * k_cache.shape[2], splits, kv_bytes,
+                           _num_sms(query.device), wide)
     if query.is_cuda:
         tile = fit_tile(tile, d_p, dv_p, q_bytes, kv_bytes, shared_memory_per_block(query.device))
     rows, block_n, warps, stages = tile
@@ -272,6 +285,17 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
             HQ=hq, NUM_SPLITS=splits, SPLITS_P=_pow2(splits), DV=dv, DV_P=dv_p,
             HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None,
             num_warps=4)
+
+
+def unsplit_decode(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
+                   max_seq_len, scale, window, soft_cap, causal) -> None:
+    """One unsplit decode launch over every request of ``seq_lens`` (single query rows, 16-bit
+    K/V halves as :func:`~attn_ops.kv_cache.split_kv_cache` gives them): how FLASHINFER runs the
+    decodes its rule gives this kernel (``flashinfer.decode_kernel``)."""
+    _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
+            sinks=None, alibi=None, k_scale=None, v_scale=None, tree=None, scale=scale,
+            window=window, soft_cap=soft_cap, causal=causal, num_reqs=seq_lens.shape[0],
+            num_tokens=query.shape[0], splits=1, prefill=False, max_seq_len=max_seq_len)
 
 
 def _triton_attention(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse,

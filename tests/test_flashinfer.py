@@ -51,6 +51,15 @@ def test_decode_kernel_rule_picks_the_measured_best(batch, ctx, expected):
     assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True) == expected
 
 
+def test_decode_kernel_rule_takes_triton_for_short_decodes_that_fill_the_sms():
+    def kernel(batch, ctx, triton=True):
+        return decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True, triton=triton)
+
+    assert kernel(64, 1024) == kernel(128, 1024) == ("triton", 0)  # measured faster
+    assert kernel(256, 1024) == kernel(64, 2048) == kernel(64, 1024, triton=False) == ("fa2", 0)
+    assert kernel(32, 1024) == ("fa2", -1)  # 2 items per SM
+
+
 def test_decode_kernel_rule_without_fa4_and_its_chunks_fill_the_sms():
     assert decode_kernel(16, 8, 8, 128, 132, fa4=False)[0] == "fa2"
     for batch in range(1, 17):
@@ -398,9 +407,10 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
     assert (out[n:] == 0).all() and (lse[n:] == 0).all()
 
 
-@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])
+@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4", "fa4+triton"])
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
-@pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave"])
+@pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave",
+                                      "fills_the_sms"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
                                                feature, prefill_kernel):
     """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
@@ -409,7 +419,9 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
     forward are replaced by plain-torch attention with their semantics, and the op's results
     must match REFERENCE. (``many_decodes``: past the split budget, the plan kept by the
     no-split rule; ``one_wave``: about one wave of decode work, which FA4 takes when it runs
-    the prefills -- FLASH_ATTN's route on sm90.)"""
+    the prefills -- FLASH_ATTN's route on sm90; ``fills_the_sms``: short decodes 4 times the SMs'
+    worth, which ``fa4+triton`` -- FLASH_ATTN's sm90 route where TRITON_ATTN takes the spec --
+    gives TRITON_ATTN's decode kernel, run here in Triton's interpreter.)"""
     import sys
     import types
 
@@ -428,9 +440,12 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     sys.modules["flash_attn.cute.interface"]._flash_attn_fwd = _fa4_standin
     scen = {"many_decodes": Scenario(tuple((c, 1) for c in range(3, 60, 5)) + ((4, 6),)),
-            "one_wave": Scenario(((40, 1), (9, 1), (30, 1), (0, 7)))}.get(scenario) \
-        or SCENARIOS[scenario]
-    impl = FLASHINFER(spec, prefill_kernel=prefill_kernel)
+            "one_wave": Scenario(((40, 1), (9, 1), (30, 1), (0, 7))),
+            "fills_the_sms": Scenario(tuple((c, 1) for c in range(3, 115, 7)) + ((4, 6),)),
+            }.get(scenario) or SCENARIOS[scenario]
+    triton = prefill_kernel.endswith("+triton")
+    impl = FLASHINFER(spec, prefill_kernel=prefill_kernel.removesuffix("+triton"),
+                      triton_decode=triton)
     for seed in range(2):  # (the second step keeps the no-split plan of the first)
         case = make_case(spec, scen, seed=seed)
         meta = impl.build_metadata(case.metadata)
@@ -439,6 +454,8 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
         lse = torch.full(q.shape[:2], float("nan"))
         fi._flashinfer_attention(*impl.op_arguments(q, case.kv_cache, meta, out, lse=lse,
                                                     sinks=case.sinks))
+        decode_kernel = fi.KERNELS[int(meta.decode_plan[0])]
+        assert (decode_kernel == "triton") == (triton and scenario == "fills_the_sms")
         truth, truth_lse = assert_matches_reference(out, case)
         n = case.metadata.num_actual_tokens
         torch.testing.assert_close(lse[:n].double(), truth_lse[:n].double(), atol=1e-4, rtol=1e-4)

@@ -147,21 +147,32 @@ def test_short_prefills_take_their_own_tile_and_both_tiles_match_reference(monke
         _compare(spec, SCENARIOS["mixed"])
 
 
-def test_decode_pipeline_deepens_only_for_unsplit_launches_that_fill_the_gpu(monkeypatch):
+def test_many_items_tile_only_for_unsplit_launches_that_fill_the_gpu(monkeypatch):
     from attn_ops.backends import triton_attn as ta
 
-    half = ta.PROGRAMS_PER_SM * 132 // 2  # (request, KV head) items: half the split rule's target
+    many = int(ta.MANY_ITEMS_PER_SM * 132 + 0.5)  # (request, KV head) items
 
-    def stages(reqs, splits=1, kv_bytes=2, default=2):
-        return ta.decode_stages(reqs, 8, splits, kv_bytes, 132, default)
+    def tile(items, splits=1, kv_bytes=2, wide=True):
+        return ta.decode_tile(items, splits, kv_bytes, 132, wide)
 
-    assert stages(half // 8) == ta.DEEP_DECODE_STAGES == 4
-    assert stages(half // 8 - 1) == 2  # too few programs
-    assert stages(half // 8, splits=2) == 2
-    assert stages(half // 8, kv_bytes=4) == 2  # fp32 K/V
-    assert stages(half // 8, kv_bytes=1) == 4  # fp8
-    monkeypatch.setattr(ta, "DEEP_DECODE_STAGES", None)
-    assert stages(half // 8, default=3) == 3
+    assert tile(many) == ta.MANY_ITEMS_TILE == (16, 32, 4, 3)
+    assert tile(many - 1) == ta.DECODE_TILES[True]  # too few programs
+    assert tile(many, splits=2) == ta.DECODE_TILES[True]
+    assert tile(many, kv_bytes=4) == ta.DECODE_TILES[True]  # fp32 K/V
+    assert tile(many, kv_bytes=1) == ta.MANY_ITEMS_TILE  # fp8
+    monkeypatch.setattr(ta, "MANY_ITEMS_TILE", None)
+    assert tile(many) == ta.DECODE_TILES[True]
+
+
+def test_short_decodes_that_fill_the_gpu_are_not_split(monkeypatch):
+    from attn_ops.backends import triton_attn as ta
+
+    short = ta.SHORT_DECODE_KEYS
+    assert ta.choose_num_splits(64, 8, short, 132) == 1  # 512 items, 3.9 per SM
+    assert ta.choose_num_splits(56, 8, short, 132) == 2  # 448 items, 3.4 per SM
+    assert ta.choose_num_splits(64, 8, short + 1, 132) == 2  # longer: split as before
+    monkeypatch.setattr(ta, "MANY_ITEMS_TILE", None)
+    assert ta.choose_num_splits(64, 8, short, 132) == 2
 
 
 def test_tiles_fit_the_devices_shared_memory():
@@ -174,11 +185,12 @@ def test_tiles_fit_the_devices_shared_memory():
     def fit(tile, smem, d=128, q_bytes=2, kv_bytes=2):
         return ta.fit_tile(tile, d, d, q_bytes, kv_bytes, smem)
 
-    deep = ta.DECODE_TILES[True][:3] + (ta.DEEP_DECODE_STAGES,)
+    many = ta.MANY_ITEMS_TILE
     measured = [ta.PREFILL_TILES[True, 2], ta.SHORT_PREFILL_TILES[True, 2],
-                ta.DECODE_TILES[True], deep]
+                ta.DECODE_TILES[True], many]
     assert [fit(t, h200) for t in measured] == measured
-    assert fit(deep, h200, kv_bytes=1) == deep  # fp8 cache
+    assert fit(many, h200, kv_bytes=1) == many  # fp8 cache
+    assert 4 * ta._smem_bytes(*many[:2], many[3], 128, 128, 2, 2) <= 228 << 10  # 4 per SM
     assert fit(ta.PREFILL_TILES[True, 4], h200, q_bytes=4, kv_bytes=4) == ta.PREFILL_TILES[True, 4]
     assert fit(ta.PREFILL_TILES[False, 4], h200, d=256, q_bytes=4, kv_bytes=4) == \
         ta.PREFILL_TILES[False, 4]

@@ -107,7 +107,7 @@ def triton_variant(b: Batch, splits: int, tile: tuple[int, int, int, int]):
         fn = built_with(b, "TRITON_ATTN", ta, "PROGRAMS_PER_SM", -(-splits * items // sms))
     else:
         fn = ours(b, "TRITON_ATTN")
-    fn = with_setting(fn, ta, "DEEP_DECODE_STAGES", None)
+    fn = with_setting(fn, ta, "MANY_ITEMS_TILE", None)
     return with_setting(fn, ta.DECODE_TILES, True, tile)
 
 

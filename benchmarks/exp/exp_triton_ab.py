@@ -3,7 +3,7 @@
 Each ``NAME=PATH`` argument is a version of ``triton_attn_kernels.py`` (the default: this
 checkout's as ``head``; ``NAME=@PATCH``: this checkout's with one of ``PATCHES`` applied).
 Every version is timed through the op at the same decode points (DECODE_TILES as given,
-DEEP_DECODE_STAGES off) and causal prefill points (several PREFILL_TILES, short steps' own
+MANY_ITEMS_TILE off) and causal prefill points (several PREFILL_TILES, short steps' own
 tiles off), next to FlashInfer, in one run. Points and tiles may be set in the environment
 (``AB_DECODE=256x8192,...``, ``AB_PREFILL=`` for none, ``AB_DECODE_TILES=16/64/4/3,...``).
 Prints one line per point, writes ``$OUT/exp_triton_ab.json``. ``--check [PATCH ...]`` runs
@@ -129,7 +129,7 @@ def main():
                 key = f"{name}_{'x'.join(map(str, tile))}"
                 fn = with_prefill_tile(ours(b, "TRITON_ATTN"), tile) if prefill else \
                     with_setting(with_setting(ours(b, "TRITON_ATTN"), ta.DECODE_TILES, True,
-                                              tile), ta, "DEEP_DECODE_STAGES", None)
+                                              tile), ta, "MANY_ITEMS_TILE", None)
                 fn = with_module(fn, mod)
                 b.out.zero_()
                 try:
