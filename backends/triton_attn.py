@@ -255,7 +255,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
                              device=query.device)
         part_lse = torch.empty(out.shape[0], hq, splits, dtype=torch.float32,
                                device=query.device)
-    grid = (num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
+    one_row = not prefill and num_tokens == num_reqs  # single-row decodes: a tile each
+    grid = (num_reqs if one_row else num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
     fused = splits > 1 and fused_combine(num_reqs, k_cache.shape[2])
     paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
@@ -275,7 +276,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_TREE=tree is not None, FUSED_COMBINE=fused,
-        HEADS_FASTEST=prefill and max_seq_len <= SHORT_PREFILL_KEYS, num_warps=warps,
+        HEADS_FASTEST=prefill and max_seq_len <= SHORT_PREFILL_KEYS, ONE_ROW=one_row,
+        num_warps=warps,
         num_stages=stages)
     if splits > 1 and not fused:
         combine_splits_kernel[(num_tokens, hq)](

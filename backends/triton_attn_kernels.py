@@ -9,7 +9,9 @@ with an online softmax in base 2. Program ids: ``(tile, kv_head, split)``, the t
 request, ``tile_start[r] = (qsl[r] - qsl[0]) // BLOCK_Q + r`` -- an upper bound of the tiles
 before request ``r``, so the grid (``tokens // BLOCK_Q + requests``) is known on the host
 without reading lengths, and a program finds its request by binary search over
-``query_start_loc`` (device reads only: capturable in CUDA graphs).
+``query_start_loc`` (device reads only: capturable in CUDA graphs). A launch whose requests are
+all single query rows (``ONE_ROW``: decodes) has one tile per request, the tile its request:
+no search -- a chain of dependent loads before the first K/V load, at 64 requests 6 of them.
 
 With ``NUM_SPLITS > 1`` (decode: few programs, long contexts) split ``s`` covers one chunk of
 each request's visible keys and writes a normalized partial output and its LSE;
@@ -203,6 +205,7 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
@@ -217,11 +220,17 @@ def paged_attention_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    r = _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q)
-    base = tl.load(qsl_ptr)
-    q_start = tl.load(qsl_ptr + r)
-    q_len = tl.load(qsl_ptr + r + 1) - q_start
-    t0 = (tile - ((q_start - base) // BLOCK_Q + r)) * BLOCK_Q  # first query of the tile
+    if ONE_ROW:
+        r = tile
+        q_start = tl.load(qsl_ptr + r)
+        q_len = tl.load(qsl_ptr + r + 1) - q_start
+        t0 = q_len * 0
+    else:
+        r = _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q)
+        base = tl.load(qsl_ptr)
+        q_start = tl.load(qsl_ptr + r)
+        q_len = tl.load(qsl_ptr + r + 1) - q_start
+        t0 = (tile - ((q_start - base) // BLOCK_Q + r)) * BLOCK_Q  # first query of the tile
     if t0 >= q_len:
         return
     seq_len = tl.load(seq_ptr + r)
