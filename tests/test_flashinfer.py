@@ -154,6 +154,40 @@ def test_decodes_past_the_split_budget_keep_their_plan_and_stay_right():
     assert planner.decode_ws.last[0][1:3] == (b"", 0)  # (key: no page counts, no split)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SINKS"])
+def test_short_decodes_that_fill_the_sms_run_tritons_kernel_and_stay_right(feature):
+    """With ``triton_decode`` (FLASH_ATTN's sm90 route), a step of short decodes with 3.5
+    (request, KV head) items per SM runs TRITON_ATTN's decode kernel inside FlashInfer's op,
+    followed by a prefill through FlashInfer: against REFERENCE, LSE included."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends.triton_attn import MANY_ITEMS_PER_SM
+    from attn_ops.testing import (FEATURE_SPECS, Scenario, assert_matches_reference, make_case,
+                                  run_backend, tolerance)
+    from attn_ops.spec import Feature
+
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         block_size=16)
+    if feature is not None:
+        spec = FEATURE_SPECS[Feature[feature]](spec)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = -(-int(MANY_ITEMS_PER_SM * sms) // spec.kv_heads)
+    rng = random.Random(1)
+    scen = Scenario(tuple((rng.randint(0, 1023), 1) for _ in range(n)) + ((5, 40),))
+    case = make_case(spec, scen, block_size=16, device="cuda", seed=0)
+    out, lse = run_backend(FLASHINFER, case, triton_decode=True)
+    _, truth_lse = assert_matches_reference(out, case)
+    _, base_lse = run_backend(get_backend_class("REFERENCE"), case)  # at the test's precision
+    t = case.metadata.num_actual_tokens
+
+    def err(x):
+        return (x[:t].double() - truth_lse[:t].double()).abs().max().item()
+
+    assert err(lse) <= tolerance(err(base_lse), spec.dtype)
+    plan = FLASHINFER(spec, triton_decode=True).build_metadata(case.metadata).decode_plan
+    assert fi.KERNELS[int(plan[0])] == "triton"
+
+
 def test_layers_that_need_different_plans_get_different_step_metadata_keys():
     full, windowed = FLASHINFER(SPEC), FLASHINFER(SPEC.with_(sliding_window=128))
     assert full.metadata_key() == FLASHINFER(SPEC).metadata_key()
