@@ -139,7 +139,7 @@ DECODE_TILES = {True: (16, 64, 4, 2), False: (16, 32, 4, 2)}
 # of 64 x 8 KV heads is resident at once. H200 (benchmarks/exp/exp_decode_ceiling.py runs 2-3,
 # 03a4887 / 3461fe8; TB/s, this tile vs 16 x 64 x 4 warps x 4 stages, unsplit): B=128 ctx 1k
 # 4.12 vs 3.89, B=128 ctx 4k 4.44 vs 4.37, B=256 ctx 1k 4.19 vs 4.12 (page 16: 4.24 vs 3.95),
-# B=256 ctx 8k 4.49 vs 4.39 (page 16: 4.50 vs 4.42), B=256 ctx 32k 4.50 vs 4.37; B=64 ctx 1k
+# B=256 ctx 8k 4.49 vs 4.39 (page 16: 4.50 vs 4.42-4.45), B=256 ctx 32k 4.50 vs 4.37; B=64 ctx 1k
 # 3.88 (page 16: 3.89) vs 3.56 (3.48), where split in two it gave 3.43-3.55 -- so decodes of at
 # most SHORT_DECODE_KEYS keys are not split once their items reach MANY_ITEMS_PER_SM per SM
 # (choose_num_splits). 2 warps: 3.72 at B=64 ctx 1k; 4 stages: 3 programs per SM, 3.73; 16-key
