@@ -10,7 +10,11 @@ their rules from data rather than from defaults.
   FlashInfer called directly (issue 4's prefill goal: >= 0.8x FlashInfer).
 * ``prefill``: FA4 over the paged cache and over dense K/V (the step's own keys: a prefill
   without cached context needs no page table), with its default sm90 tiles and alternatives
-  (``tile_mn``, RS / overlap flags), and torch SDPA (cuDNN and flash) on dense tensors.
+  (``tile_mn``, RS / overlap flags); FA4 in batch mode (``q [B, S, H, D]``, no
+  ``cu_seqlens_q``: sm90 then schedules with ``SingleTileLPTScheduler`` instead of the varlen
+  scheduler -- possible for a prefill part whose requests share one query length) and with
+  the query heads of a KV head packed (``pack_gqa``); torch SDPA (cuDNN and flash) on dense
+  tensors.
 
 Every variant's output is compared with the default's before timing (``max_abs_diff``); a
 variant that fails to build is recorded with its error. Timing: ``do_bench_cudagraph``
@@ -136,6 +140,17 @@ def sweep_prefill(args, gen) -> list[dict]:
             for where, kv, kw in (("paged", (kc, vc), paged), ("dense", (k, v), dense)):
                 try_variant(fns, errors, f"fa4_{where}_{name}",
                             fa4_variant(b.q, *kv, tile, **kw))
+        for where, kv, kw in (("paged", (kc, vc), paged), ("dense", (k, v), dense)):
+            try_variant(fns, errors, f"fa4_{where}_packgqa",
+                        fa4_variant(b.q, *kv, None, pack_gqa=True, **kw))
+        # batch mode: the same tensors as [B, S, ...] views, lengths implied by the shapes
+        q4, out_rows = b.q.view(bsz, s, HQ, D), bsz * s
+        batch_kw = {"paged": dict(seqused_k=m.seq_lens, page_table=m.block_table), "dense": {}}
+        for where, kv in (("paged", (kc, vc)), ("dense", (k.view(bsz, s, HKV, D),
+                                                          v.view(bsz, s, HKV, D)))):
+            run = fa4_variant(q4, *kv, None, **batch_kw[where])
+            try_variant(fns, errors, f"fa4_{where}_batch",
+                        lambda run=run: run().reshape(out_rows, HQ, D))
         qd = b.q.view(bsz, s, HQ, D).transpose(1, 2)
         kd = k.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
         vd = v.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
