@@ -55,6 +55,9 @@ TABLE_KERNELS = ("fa4", "triton")  # read seq_lens and the block table, not Flas
 HEADER = 11  # a plan vector: [kernel, rows, padded, first, n, num_indices, plan length,
 #              qo_at, kv_at, last_at, indices_at, *plan]
 PLAN_LEN = 64  # entries of every plan vector (a fixed size: no shape for Dynamo to specialize)
+# The TRITON_ATTN route's upper end (decode_kernel): measured faster up to B=128 x 8 KV heads
+# on 132 SMs (7.8 per SM), level at B=256 (15.5).
+TRITON_DECODE_MAX_ITEMS_PER_SM = 8
 FLOAT_WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 
@@ -105,18 +108,21 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     and saying "no split" outright makes a plan that does not depend on the lengths: it is
     kept from step to step (see ``_Planner.plan_part``).
 
-    With ``triton``, decodes of at most ``triton_attn.SHORT_DECODE_KEYS`` keys with 3.5-8
-    items per SM run TRITON_ATTN's decode kernel, unsplit, in its ``MANY_ITEMS_TILE`` (4
-    programs per SM): H200 (``benchmarks/exp/exp_decode_ceiling.py`` runs 2-3, page 128, TB/s
-    against FlashInfer's tensor-core decode in the same run) B=64 ctx 1k 3.88 vs 3.74, B=128
-    ctx 1k 4.03 vs 3.92 and 4.12 vs 4.01; level at B=256 ctx 1k (4.19 vs 4.20) and below it at
-    longer contexts (B=64 ctx 4k-32k: 4.07-4.13 vs 4.40-4.55)."""
+    With ``triton``, decodes of at most ``triton_attn.SHORT_DECODE_KEYS`` keys with 3.5
+    (``triton_attn.MANY_ITEMS_PER_SM``) to ``TRITON_DECODE_MAX_ITEMS_PER_SM`` items per SM run
+    TRITON_ATTN's decode kernel, unsplit, in its ``MANY_ITEMS_TILE`` (4 programs per SM): H200
+    (``benchmarks/exp/exp_decode_ceiling.py`` runs 2-3, page 128, TB/s against FlashInfer's
+    tensor-core decode in the same run) B=64 ctx 1k 3.88 vs 3.74, B=128 ctx 1k 4.03 vs 3.92
+    and 4.12 vs 4.01; level at B=256 ctx 1k (4.19 vs 4.20). At longer contexts the tile lost
+    where measured (B=64 ctx 4k-32k split in two: 4.07-4.13 vs 4.40-4.55; unsplit there: not
+    measured)."""
     items = num_decodes * kv_heads
     if triton:
         from attn_ops.backends import triton_attn
 
         if max_pages * block_size <= triton_attn.SHORT_DECODE_KEYS \
-                and triton_attn.MANY_ITEMS_PER_SM * num_sms <= items <= 8 * num_sms:
+                and triton_attn.MANY_ITEMS_PER_SM * num_sms <= items \
+                <= TRITON_DECODE_MAX_ITEMS_PER_SM * num_sms:
             return "triton", 0
     if items >= num_sms:
         return "fa2", 0 if num_decodes > split_budget(num_sms, kv_heads) else -1
