@@ -120,9 +120,8 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     if triton:
         from attn_ops.backends import triton_attn
 
-        if max_pages * block_size <= triton_attn.SHORT_DECODE_KEYS \
-                and triton_attn.MANY_ITEMS_PER_SM * num_sms <= items \
-                <= TRITON_DECODE_MAX_ITEMS_PER_SM * num_sms:
+        if triton_attn.short_and_many(items, max_pages * block_size, num_sms) \
+                and items <= TRITON_DECODE_MAX_ITEMS_PER_SM * num_sms:
             return "triton", 0
     if items >= num_sms:
         return "fa2", 0 if num_decodes > split_budget(num_sms, kv_heads) else -1

@@ -68,10 +68,7 @@ def choose_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms
     ``PROGRAMS_PER_SM x num_sms``, at least ``MIN_KEYS_PER_SPLIT`` keys per split, at most
     ``MAX_SPLITS``; none for decodes of at most ``SHORT_DECODE_KEYS`` keys with
     ``MANY_ITEMS_PER_SM`` items per SM (``MANY_ITEMS_TILE``)."""
-    if num_decodes == 0:
-        return 1
-    if MANY_ITEMS_TILE and max_seq_len <= SHORT_DECODE_KEYS \
-            and num_decodes * kv_heads >= MANY_ITEMS_PER_SM * num_sms:
+    if num_decodes == 0 or short_and_many(num_decodes * kv_heads, max_seq_len, num_sms):
         return 1
     want = max(1, (PROGRAMS_PER_SM * num_sms) // max(1, num_decodes * kv_heads))
     cap = max(1, min(MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT))
@@ -150,12 +147,22 @@ MANY_ITEMS_TILE: tuple[int, int, int, int] | None = (16, 32, 4, 3)  # None: DECO
 SHORT_DECODE_KEYS = 1024
 
 
+def _many_items(items: int, num_sms: int) -> bool:
+    return bool(MANY_ITEMS_TILE) and items >= MANY_ITEMS_PER_SM * num_sms
+
+
+def short_and_many(items: int, max_seq_len: int, num_sms: int) -> bool:
+    """Whether decodes of at most ``max_seq_len`` keys and ``items`` (request, KV head) pairs
+    run unsplit in ``MANY_ITEMS_TILE``: at most ``SHORT_DECODE_KEYS`` keys, at least
+    ``MANY_ITEMS_PER_SM`` items per SM."""
+    return max_seq_len <= SHORT_DECODE_KEYS and _many_items(items, num_sms)
+
+
 def decode_tile(items: int, splits: int, kv_bytes: int, num_sms: int,
                 wide: bool) -> tuple[int, int, int, int]:
     """(rows, keys, warps, stages) of a decode launch of ``items`` (request, KV head) pairs
     (see ``MANY_ITEMS_TILE``; :func:`fit_tile` then keeps it within shared memory)."""
-    if MANY_ITEMS_TILE and splits == 1 and kv_bytes <= 2 \
-            and items >= MANY_ITEMS_PER_SM * num_sms:
+    if splits == 1 and kv_bytes <= 2 and _many_items(items, num_sms):
         return MANY_ITEMS_TILE
     return DECODE_TILES[wide]
 
@@ -277,8 +284,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_TREE=tree is not None, FUSED_COMBINE=fused,
         HEADS_FASTEST=prefill and max_seq_len <= SHORT_PREFILL_KEYS, ONE_ROW=one_row,
-        num_warps=warps,
-        num_stages=stages)
+        num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         combine_splits_kernel[(num_tokens, hq)](
             out, lse if lse is not None else dummy, part_o, part_lse, qsl,

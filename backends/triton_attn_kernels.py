@@ -222,15 +222,13 @@ def paged_attention_kernel(
 
     if ONE_ROW:
         r = tile
-        q_start = tl.load(qsl_ptr + r)
-        q_len = tl.load(qsl_ptr + r + 1) - q_start
-        t0 = q_len * 0
     else:
         r = _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q)
-        base = tl.load(qsl_ptr)
-        q_start = tl.load(qsl_ptr + r)
-        q_len = tl.load(qsl_ptr + r + 1) - q_start
-        t0 = (tile - ((q_start - base) // BLOCK_Q + r)) * BLOCK_Q  # first query of the tile
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    t0 = q_len * 0  # first query of the tile (ONE_ROW: the request's only one)
+    if not ONE_ROW:
+        t0 = (tile - ((q_start - tl.load(qsl_ptr)) // BLOCK_Q + r)) * BLOCK_Q
     if t0 >= q_len:
         return
     seq_len = tl.load(seq_ptr + r)
