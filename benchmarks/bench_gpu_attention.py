@@ -120,16 +120,17 @@ def time_graph(fns: dict, rounds: int) -> dict[str, float]:
 
 
 def check_outputs(b: Batch, fns: dict, truth_name: str) -> dict[str, float]:
-    """Max |difference| of every contender's output from ``truth_name``'s."""
-    fns[truth_name]()
-    truth = b.out.float().clone()
-    diffs = {}
-    for name, fn in fns.items():
+    """Max |difference| of every contender's output from ``truth_name``'s. A contender's
+    output is what it returns (a tensor, or a tuple led by one) or else what it wrote into
+    ``b.out``, which is zeroed before each run."""
+    def output(fn) -> torch.Tensor:
         b.out.zero_()
         res = fn()
         got = res[0] if isinstance(res, tuple) else (res if torch.is_tensor(res) else b.out)
-        diffs[name] = (got.float() - truth).abs().max().item()
-    return diffs
+        return got.float().clone()
+
+    truth = output(fns[truth_name])
+    return {name: (output(fn) - truth).abs().max().item() for name, fn in fns.items()}
 
 
 def decode_bytes(batch: int, ctx: int) -> int:

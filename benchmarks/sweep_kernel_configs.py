@@ -42,8 +42,11 @@ DECODE_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 FIXED_CHUNKS = (1, 2, 4, 8, 16, 32)  # pages of 128 tokens
 PREFILL = ((1, 8192), (4, 4096), (16, 1024), (1, 16384))
 # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap); None = FA4's own choice for sm90.
+# 192-row tiles take three MMA warpgroups (160 registers a thread): FA4 uses them up to head
+# dim 96 only, without RS; at head dim 128 they may not fit (then recorded as not built).
 FA4_TILES = (None, (128, 128, False, True), (128, 176, True, True), (128, 160, True, True),
-             (128, 112, True, True), (128, 192, True, True), (128, 128, True, False))
+             (128, 112, True, True), (128, 192, True, True), (128, 128, True, False),
+             (192, 128, False, True), (192, 112, False, True))
 
 
 def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
