@@ -90,6 +90,23 @@ def fa_window(sliding_window, causal):
     return sliding_window - 1, (None if causal else sliding_window - 1)
 
 
+# FA4's sm90 tile for head dim 128 is 128 query rows x 128 keys, two MMA warpgroups, P kept in
+# registers for the PV product (RS). Prefills run faster on the H200 with 192 rows (three MMA
+# warpgroups) and P through shared memory -- the tile FA4 itself takes up to head dim 96.
+# Paged, causal, page 128, TFLOP/s, default -> tall (sweep_prefill_h200.json, f374ced):
+# 1x8k 592 -> 626, 4x4k 559 -> 578, 16x1k 378 -> 384, 1x16k 622 -> 647; same output bits.
+SM90_TALL_TILE = {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overlap": True}
+SM90_TALL_TILE_MIN_QUERY = 1024  # the shortest prefill measured (16x1k); decodes keep 128 rows
+
+
+def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int) -> dict:
+    """FA4 tile arguments for a call (empty: FA4's own choice)."""
+    if (major == 9 and head_dim == head_dim_v == 128 and max_q >= SM90_TALL_TILE_MIN_QUERY
+            and dtype in (torch.float16, torch.bfloat16)):
+        return SM90_TALL_TILE
+    return {}
+
+
 def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
             scale, left, right, soft_cap, causal, need_lse, padded=False):
     """FA4's varlen forward into ``out``; returns its LSE ``[heads, tokens]`` if asked. With
@@ -97,7 +114,9 @@ def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
     as FA4 leaves those rows unwritten."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    splits = 0 if torch.cuda.get_device_capability(query.device)[0] >= 10 else 1
+    major = torch.cuda.get_device_capability(query.device)[0]
+    splits = 0 if major >= 10 else 1
+    tile = fa4_tile(major, query.shape[-1], v_cache.shape[-1], query.dtype, max_q)
     lse_hm = None
     if need_lse:
         lse_hm = (torch.zeros if padded else torch.empty)(
@@ -106,7 +125,7 @@ def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
                     max_seqlen_q=max_q, max_seqlen_k=max_k, page_table=page_table,
                     softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
                     window_size_left=left, window_size_right=right, num_splits=splits,
-                    return_lse=need_lse, out=out, lse=lse_hm)
+                    return_lse=need_lse, out=out, lse=lse_hm, **tile)
     return lse_hm
 
 

@@ -10,8 +10,8 @@
 #   triton   benchmarks/bench_triton_attention.py --rounds 1 (issue 4)
 #   builder  benchmarks/profile_builder.py
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
-#   psweep   benchmarks/sweep_kernel_configs.py --only prefill (FA4 tiles and call modes, SDPA;
-#            needs FA4)
+#   psweep   benchmarks/sweep_kernel_configs.py --only prefill $PSWEEP_ARGS (FA4 tiles and call
+#            modes, SDPA; needs FA4)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
 #   flex     FLEX_ATTENTION's tests and matrix (decode layout, page pruning, full blocks)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
@@ -87,7 +87,7 @@ for spec in "$@"; do
     ceil) stage ceil "$limit" python benchmarks/exp/exp_decode_ceiling.py ;;
     tab) stage tab "$limit" python benchmarks/exp/exp_triton_ab.py ${TAB_VERSIONS:-} ;;
     psweep) stage psweep "$limit" python benchmarks/sweep_kernel_configs.py --only prefill \
-        --out "$OUT/sweep_prefill_h200.json" ;;
+        ${PSWEEP_ARGS:-} --out "$OUT/sweep_prefill_h200.json" ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
     flex) stage flex "$limit" python -m pytest -q -p no:cacheprovider -rfE \

@@ -10,24 +10,28 @@ their rules from data rather than from defaults.
   FlashInfer called directly (issue 4's prefill goal: >= 0.8x FlashInfer).
 * ``prefill``: FA4 over the paged cache and over dense K/V (the step's own keys: a prefill
   without cached context needs no page table), with its default sm90 tiles and alternatives
-  (``tile_mn``, RS / overlap flags); FA4 in batch mode (``q [B, S, H, D]``, no
-  ``cu_seqlens_q``: sm90 then schedules with ``SingleTileLPTScheduler`` instead of the varlen
-  scheduler -- possible for a prefill part whose requests share one query length) and with
+  (``tile_mn``, RS / overlap flags; the 192-row ones take three MMA warpgroups); FA4 in batch
+  mode (``q [B, S, H, D]``, no ``cu_seqlens_q``: sm90 then schedules with
+  ``SingleTileLPTScheduler`` instead of the varlen scheduler -- possible for a prefill part
+  whose requests share one query length), also with the 192-row tile, and with
   the query heads of a KV head packed (``pack_gqa``); torch SDPA (cuDNN and flash) on dense
-  tensors.
+  tensors; our FLASH_ATTN op with its own rules (``ours_flash_attn``). ``--variants REGEX``
+  keeps only the matching variants, ``--prefill BxS ...`` sets the points.
 
 Every variant's output is compared with the default's before timing (``max_abs_diff``); a
 variant that fails to build is recorded with its error. Timing: ``do_bench_cudagraph``
 medians, variants of a point interleaved over rotating rounds (``time_graph``).
 
     python benchmarks/sweep_kernel_configs.py [--only decode|prefill|triton-prefill] [--rounds R]
-        [--out PATH]
+        [--variants REGEX] [--prefill BxS ...] [--out PATH]
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from functools import partial
 
 import torch
 
@@ -46,7 +50,9 @@ PREFILL = ((1, 8192), (4, 4096), (16, 1024), (1, 16384))
 # dim 96 only, without RS; at head dim 128 they may not fit (then recorded as not built).
 FA4_TILES = (None, (128, 128, False, True), (128, 176, True, True), (128, 160, True, True),
              (128, 112, True, True), (128, 192, True, True), (128, 128, True, False),
-             (192, 128, False, True), (192, 112, False, True))
+             (192, 128, False, True), (192, 112, False, True), (192, 144, False, True),
+             (192, 160, False, True), (192, 96, False, True), (192, 128, False, False))
+TALL = (192, 128, False, True)  # FLASH_ATTN's sm90 prefill tile (backends/flash_attn.py)
 
 
 def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
@@ -119,12 +125,23 @@ def fa4_variant(q, k, v, tile, **kw):
     return lambda: _flash_attn_fwd(q, k, v, causal=True, **kw, **extra)[0]
 
 
+def tile_name(tile) -> str:
+    return "x".join(map(str, tile[:2])) + ("" if tile[2] else "-noRS") + \
+        ("" if tile[3] else "-noOL")
+
+
+def batch_variant(q4, k, v, tile, kw, out_rows):
+    run = fa4_variant(q4, k, v, tile, **kw)
+    return lambda: run().reshape(out_rows, HQ, D)
+
+
 def sweep_prefill(args, gen) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
-    for bsz, s in PREFILL:
+    points = [tuple(map(int, p.split("x"))) for p in args.prefill] if args.prefill else PREFILL
+    for bsz, s in points:
         b = Batch(bsz, s, s, 128, gen)
         m = b.meta
         kc, vc = b.cache.unbind(1)
@@ -136,24 +153,27 @@ def sweep_prefill(args, gen) -> list[dict]:
                      max_seqlen_q=s, max_seqlen_k=s, page_table=m.block_table)
         dense = dict(cu_seqlens_q=m.query_start_loc, cu_seqlens_k=m.query_start_loc,
                      max_seqlen_q=s, max_seqlen_k=s)
-        fns, errors = {}, {}
+        variants = {}  # name -> maker of the fn, called only if the name passes --variants
         for tile in FA4_TILES:
-            name = "default" if tile is None else "x".join(map(str, tile[:2])) + \
-                ("" if tile[2] else "-noRS") + ("" if tile[3] else "-noOL")
+            name = "default" if tile is None else tile_name(tile)
             for where, kv, kw in (("paged", (kc, vc), paged), ("dense", (k, v), dense)):
-                try_variant(fns, errors, f"fa4_{where}_{name}",
-                            fa4_variant(b.q, *kv, tile, **kw))
+                variants[f"fa4_{where}_{name}"] = partial(fa4_variant, b.q, *kv, tile, **kw)
         for where, kv, kw in (("paged", (kc, vc), paged), ("dense", (k, v), dense)):
-            try_variant(fns, errors, f"fa4_{where}_packgqa",
-                        fa4_variant(b.q, *kv, None, pack_gqa=True, **kw))
+            variants[f"fa4_{where}_packgqa"] = partial(fa4_variant, b.q, *kv, None,
+                                                       pack_gqa=True, **kw)
         # batch mode: the same tensors as [B, S, ...] views, lengths implied by the shapes
         q4, out_rows = b.q.view(bsz, s, HQ, D), bsz * s
         batch_kw = {"paged": dict(seqused_k=m.seq_lens, page_table=m.block_table), "dense": {}}
         for where, kv in (("paged", (kc, vc)), ("dense", (k.view(bsz, s, HKV, D),
                                                           v.view(bsz, s, HKV, D)))):
-            run = fa4_variant(q4, *kv, None, **batch_kw[where])
-            try_variant(fns, errors, f"fa4_{where}_batch",
-                        lambda run=run: run().reshape(out_rows, HQ, D))
+            for tile in (None, TALL):
+                variants[f"fa4_{where}_batch" + ("" if tile is None else "_" + tile_name(tile))] \
+                    = partial(batch_variant, q4, *kv, tile, batch_kw[where], out_rows)
+        variants["ours_flash_attn"] = partial(ours, b, "FLASH_ATTN")  # the op, with its rules
+        fns, errors = {}, {}
+        for name, make in variants.items():
+            if name == "fa4_paged_default" or re.search(args.variants, name):
+                try_variant(fns, errors, name, make())
         qd = b.q.view(bsz, s, HQ, D).transpose(1, 2)
         kd = k.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
         vd = v.view(bsz, s, HKV, D).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
@@ -163,7 +183,8 @@ def sweep_prefill(args, gen) -> list[dict]:
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) \
                         .transpose(1, 2).reshape(bsz * s, HQ, D)
-            try_variant(fns, errors, name, sdpa)
+            if re.search(args.variants, name):
+                try_variant(fns, errors, name, sdpa)
         flops = prefill_flops(bsz, s)
         row, ms = timed_row(b, fns, "fa4_paged_default", args.rounds, flops, "tflops",
                             kind="prefill", batch=bsz, seq=s, errors=errors)
@@ -216,6 +237,9 @@ def main() -> None:
                         quick=False)
     parser.add_argument("--only", choices=("decode", "prefill", "triton-prefill"))
     parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes")
+    parser.add_argument("--variants", default="", help="prefill: only the variants whose "
+                        "name matches this regex (and fa4_paged_default, the reference)")
+    parser.add_argument("--prefill", nargs="*", default=None, help="prefill points BxS")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -1,4 +1,5 @@
-"""FLASH_ATTN's FlashAttention 2 and 3 glue, on the CPU, against stand-in modules.
+"""FLASH_ATTN's FlashAttention 2 and 3 glue, on the CPU, against stand-in modules; FA4's tile
+rule, and on an sm90 GPU with FA4 its tall prefill tile against REFERENCE.
 
 FA2 and FA3 cannot be installed on the H200 (FA2 is source-only on PyPI, FA3 is not on PyPI),
 so ``flash_attn.flash_attn_varlen_func`` and ``flash_attn_interface.flash_attn_with_kvcache``
@@ -173,3 +174,53 @@ def test_generation_reasons_on_simulated_platforms(monkeypatch):
 def test_unknown_version_is_an_error():
     with pytest.raises(ValueError, match="version=5 is not a FlashAttention generation"):
         FLASH_ATTN(BASE, version=5)
+
+
+def test_fa4_tile_rule_takes_the_tall_sm90_tile_for_long_16bit_prefills_at_head_dim_128():
+    from attn_ops.backends.flash_attn import SM90_TALL_TILE, SM90_TALL_TILE_MIN_QUERY, fa4_tile
+
+    bf16, long = torch.bfloat16, SM90_TALL_TILE_MIN_QUERY
+    assert fa4_tile(9, 128, 128, bf16, long) is SM90_TALL_TILE
+    assert fa4_tile(9, 128, 128, torch.float16, 8192) is SM90_TALL_TILE
+    assert fa4_tile(9, 128, 128, bf16, long - 1) == {}  # decodes, short prefills: FA4's own
+    assert fa4_tile(10, 128, 128, bf16, 8192) == {}  # not measured off sm90
+    assert fa4_tile(9, 192, 128, bf16, 8192) == {}  # other head dims (DIFFKV) not measured
+    assert fa4_tile(9, 64, 64, bf16, 8192) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
+def test_fa4_long_prefills_take_the_tall_sm90_tile_and_stay_right(monkeypatch, feature):
+    """On sm90, prefills of >= SM90_TALL_TILE_MIN_QUERY rows run FA4 with 192-row tiles (P
+    through shared memory): against REFERENCE, LSE included, with a cached context, a window,
+    a soft cap or sinks, next to decodes in the same step."""
+    from attn_ops.backends.flash_attn import SM90_TALL_TILE
+    from attn_ops.spec import Feature
+    from attn_ops.testing import FEATURE_SPECS, Scenario, assert_matches_reference
+
+    fa4 = pytest.importorskip("flash_attn.cute.interface", reason="FA4 is not installed")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the tall tile is an sm90 rule")
+    calls, real = [], fa4._flash_attn_fwd
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("tile_mn"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fa4, "_flash_attn_fwd", spy)
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         block_size=128)
+    if feature is not None:
+        spec = FEATURE_SPECS[Feature[feature]](spec)
+    case = make_case(spec, Scenario(((0, 1100), (300, 1030), (700, 1), (5, 1))),
+                     block_size=128, device="cuda", seed=0)
+    out, lse = run_backend(FLASH_ATTN, case)
+    _, truth_lse = assert_matches_reference(out, case)
+    _, base_lse = run_backend(REFERENCE, case)  # at the test's precision
+    n = case.metadata.num_actual_tokens
+
+    def err(x):
+        return (x[:n].double() - truth_lse[:n].double()).abs().max().item()
+
+    assert err(lse) <= tolerance(err(base_lse), spec.dtype)
+    assert SM90_TALL_TILE["tile_mn"] in calls
