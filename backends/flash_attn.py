@@ -8,7 +8,8 @@ split-KV from those bounds (the same choice on every CUDA-graph replay with the 
 On sm90 FA4 has no split-KV ("SplitKV not supported on SM 9.0") and its decode trails
 FlashInfer's tensor-core decode at every batch size measured on the H200 (0.39 vs 3.3 TB/s at
 batch 1 ctx 32k, 3.8 vs 4.4 at batch 256), while its prefill leads (585-591 vs 493 TFLOP/s at
-1x8k). So there, when FlashInfer is installed and takes the spec, FLASH_ATTN runs each step as
+1x8k; 623 with the 192-row tile FLASH_ATTN gives prefills of >= 1024 rows, ``fa4_tile``).
+So there, when FlashInfer is installed and takes the spec, FLASH_ATTN runs each step as
 FlashInfer's op with FA4 as its prefill kernel (``FlashInferBackend(prefill_kernel="fa4",
 triton_decode=...)``): decode rows through FlashInfer -- or, for short decodes that fill the
 SMs about 4 times over, through TRITON_ATTN's decode kernel where TRITON_ATTN takes the spec
@@ -96,7 +97,10 @@ def fa_window(sliding_window, causal):
 # Paged, causal, page 128, TFLOP/s, default -> tall (sweep_prefill_h200.json, f374ced):
 # 1x8k 592 -> 626, 4x4k 559 -> 578, 16x1k 378 -> 384, 1x16k 622 -> 647; same output bits.
 SM90_TALL_TILE = {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overlap": True}
-SM90_TALL_TILE_MIN_QUERY = 1024  # the shortest prefill measured (16x1k); decodes keep 128 rows
+# From 1024 query rows on. Shorter prefills gained too, measured once (sweep_prefill_tall_h200
+# .json: 32x512 266 -> 282, 64x256 152 -> 156), but where FA4 runs a whole step (no FlashInfer)
+# its decode rows share the call, and the tile is unmeasured there; decodes keep 128 rows.
+SM90_TALL_TILE_MIN_QUERY = 1024
 
 
 def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int) -> dict:
