@@ -103,10 +103,16 @@ SM90_TALL_TILE = {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overla
 SM90_TALL_TILE_MIN_QUERY = 1024
 
 
-def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int) -> dict:
-    """FA4 tile arguments for a call (empty: FA4's own choice)."""
+def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int,
+             group: int) -> dict:
+    """FA4 tile arguments for a call (empty: FA4's own choice). ``group``: query heads per KV
+    head. FA4 packs a group's heads into the tile's rows (``pack_gqa``, its default under GQA)
+    and loads Q by TMA only if the group divides the rows; otherwise (groups of 5 or 7, say:
+    Qwen2.5-14B, Qwen2-7B) its producer loads Q by cp.async, which FA4 provisions registers for
+    with two MMA warpgroups, not three -- so those keep FA4's tile."""
     if (major == 9 and head_dim == head_dim_v == 128 and max_q >= SM90_TALL_TILE_MIN_QUERY
-            and dtype in (torch.float16, torch.bfloat16)):
+            and dtype in (torch.float16, torch.bfloat16)
+            and SM90_TALL_TILE["tile_mn"][0] % group == 0):
         return SM90_TALL_TILE
     return {}
 
@@ -120,7 +126,8 @@ def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
 
     major = torch.cuda.get_device_capability(query.device)[0]
     splits = 0 if major >= 10 else 1
-    tile = fa4_tile(major, query.shape[-1], v_cache.shape[-1], query.dtype, max_q)
+    tile = fa4_tile(major, query.shape[-1], v_cache.shape[-1], query.dtype, max_q,
+                    query.shape[1] // k_cache.shape[-2])
     lse_hm = None
     if need_lse:
         lse_hm = (torch.zeros if padded else torch.empty)(

@@ -181,12 +181,15 @@ def test_fa4_tile_rule_takes_the_tall_sm90_tile_for_long_16bit_prefills_at_head_
     from attn_ops.backends.flash_attn import SM90_TALL_TILE, SM90_TALL_TILE_MIN_QUERY, fa4_tile
 
     bf16, long = torch.bfloat16, SM90_TALL_TILE_MIN_QUERY
-    assert fa4_tile(9, 128, 128, bf16, long) is SM90_TALL_TILE
-    assert fa4_tile(9, 128, 128, torch.float16, 8192) is SM90_TALL_TILE
-    assert fa4_tile(9, 128, 128, bf16, long - 1) == {}  # decodes, short prefills: FA4's own
-    assert fa4_tile(10, 128, 128, bf16, 8192) == {}  # not measured off sm90
-    assert fa4_tile(9, 192, 128, bf16, 8192) == {}  # other head dims (DIFFKV) not measured
-    assert fa4_tile(9, 64, 64, bf16, 8192) == {}
+    assert fa4_tile(9, 128, 128, bf16, long, 4) is SM90_TALL_TILE
+    assert fa4_tile(9, 128, 128, torch.float16, 8192, 4) is SM90_TALL_TILE
+    assert all(fa4_tile(9, 128, 128, bf16, long, g) is SM90_TALL_TILE for g in (1, 2, 6, 8, 16))
+    assert fa4_tile(9, 128, 128, bf16, long - 1, 4) == {}  # decodes, short prefills: FA4's own
+    assert fa4_tile(10, 128, 128, bf16, 8192, 4) == {}  # not measured off sm90
+    assert fa4_tile(9, 192, 128, bf16, 8192, 4) == {}  # other head dims (DIFFKV) not measured
+    assert fa4_tile(9, 64, 64, bf16, 8192, 4) == {}
+    assert fa4_tile(9, 128, 128, bf16, 8192, 5) == {}  # Q by cp.async: FA4's own tile
+    assert fa4_tile(9, 128, 128, bf16, 8192, 7) == {}
 
 
 @pytest.mark.gpu
