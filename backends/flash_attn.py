@@ -117,27 +117,52 @@ def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max
     return {}
 
 
+# FA4's batch mode -- q [B, S, heads, D], no cu_seqlens_q; sm90 then schedules with its LPT
+# tile scheduler instead of the varlen one -- for a prefill part whose requests share one query
+# length of >= FA4_BATCH_MIN_QUERY rows. FA4 called directly, paged, TFLOP/s, varlen -> batch
+# (sweep_prefill_tall_h200.json, 1f8fdf0): 64x256 152 -> 182, 32x512 266 -> 269, 16x1k with the
+# tall tile 381 -> 389, 4x4k / 1x8k level; same output bits. Off until the route has run on the
+# GPU against REFERENCE (tests/test_flashinfer.py, with it switched on).
+FA4_BATCH_MODE = False
+FA4_BATCH_MIN_QUERY = 256  # the shortest measured
+
+
+def fa4_batch(rows: int, requests: int, max_q: int) -> int:
+    """Requests of a part of ``rows`` query rows to run in FA4's batch mode (0: varlen)."""
+    uniform = rows == requests * max_q
+    return requests if FA4_BATCH_MODE and uniform and max_q >= FA4_BATCH_MIN_QUERY else 0
+
+
 def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
-            scale, left, right, soft_cap, causal, need_lse, padded=False):
-    """FA4's varlen forward into ``out``; returns its LSE ``[heads, tokens]`` if asked. With
+            scale, left, right, soft_cap, causal, need_lse, padded=False, batch=0):
+    """FA4's forward into ``out``; returns its LSE ``[heads, tokens]`` if asked. With
     ``padded`` (rows past the real tokens, counted on the device only) the LSE starts zeroed,
-    as FA4 leaves those rows unwritten."""
+    as FA4 leaves those rows unwritten. ``batch`` > 0: the rows are that many requests of one
+    length each, run in FA4's batch mode (:func:`fa4_batch`; not with ``padded``)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     major = torch.cuda.get_device_capability(query.device)[0]
     splits = 0 if major >= 10 else 1
     tile = fa4_tile(major, query.shape[-1], v_cache.shape[-1], query.dtype, max_q,
                     query.shape[1] // k_cache.shape[-2])
-    lse_hm = None
+    heads, tokens = query.shape[1], query.shape[0]
+    lse_shape = (batch, heads, tokens // batch) if batch else (heads, tokens)
+    lse = None
     if need_lse:
-        lse_hm = (torch.zeros if padded else torch.empty)(
-            query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
-    _flash_attn_fwd(query, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-                    max_seqlen_q=max_q, max_seqlen_k=max_k, page_table=page_table,
+        lse = (torch.zeros if padded else torch.empty)(lse_shape, dtype=torch.float32,
+                                                       device=query.device)
+    if batch:
+        query, out = query.view(batch, -1, *query.shape[1:]), out.view(batch, -1, *out.shape[1:])
+        varlen = {}
+    else:
+        varlen = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    _flash_attn_fwd(query, k_cache, v_cache, seqused_k=seqused_k, page_table=page_table,
                     softmax_scale=scale, causal=causal, softcap=soft_cap or 0.0,
                     window_size_left=left, window_size_right=right, num_splits=splits,
-                    return_lse=need_lse, out=out, lse=lse_hm, **tile)
-    return lse_hm
+                    return_lse=need_lse, out=out, lse=lse, **varlen, **tile)
+    if batch and lse is not None:  # [B, heads, S] -> [heads, B * S]
+        lse = lse.transpose(0, 1).reshape(heads, tokens)
+    return lse
 
 
 def _run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, scale,

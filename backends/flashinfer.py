@@ -467,11 +467,12 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
             views = _VIEWS[id(plan_vec)] = (plan_vec, *_part_tables(
                 tables, seq_lens, block_table, kernel, first, n, num_indices, *at))
         if KERNELS[kernel] == "fa4":
-            from attn_ops.backends.flash_attn import fa_window, run_fa4
+            from attn_ops.backends.flash_attn import fa4_batch, fa_window, run_fa4
 
             left, right = fa_window(sliding_window, causal)
             lse_hm = run_fa4(q_part, k_cache, v_cache, out_part, *views[2:], plan[0], plan[1],
-                             scale, left, right, soft_cap, causal, need_lse)
+                             scale, left, right, soft_cap, causal, need_lse,
+                             batch=0 if padded else fa4_batch(rows, n, plan[0]))
             if need_lse:
                 lse_part.copy_(lse_hm.t())
         elif KERNELS[kernel] == "triton":  # (16-bit caches only: no scales; LSE in natural log)

@@ -15,7 +15,8 @@ their rules from data rather than from defaults.
   ``SingleTileLPTScheduler`` instead of the varlen scheduler -- possible for a prefill part
   whose requests share one query length), also with the 192-row tile, and with
   the query heads of a KV head packed (``pack_gqa``); torch SDPA (cuDNN and flash) on dense
-  tensors; our FLASH_ATTN op with its own rules (``ours_flash_attn``). ``--variants REGEX``
+  tensors; our FLASH_ATTN op with its own rules (``ours_flash_attn``; ``_batch``: with
+  ``flash_attn.FA4_BATCH_MODE`` switched on). ``--variants REGEX``
   keeps only the matching variants, ``--prefill BxS ...`` sets the points.
 
 Every variant's output is compared with the default's before timing (``max_abs_diff``); a
@@ -36,7 +37,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import with_prefill_tile  # noqa: E402
+from _common import with_prefill_tile, with_setting  # noqa: E402
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
                                  decode_bytes, fa4_direct, flashinfer_direct, gpu_parser, ours,
                                  prefill_flops, time_graph, timed_fields, write_result)
@@ -135,6 +136,13 @@ def batch_variant(q4, k, v, tile, kw, out_rows):
     return lambda: run().reshape(out_rows, HQ, D)
 
 
+def ours_batch_mode(b: Batch):
+    """Our FLASH_ATTN op with FA4's batch mode switched on (``flash_attn.FA4_BATCH_MODE``)."""
+    from attn_ops.backends import flash_attn
+
+    return with_setting(ours(b, "FLASH_ATTN"), flash_attn, "FA4_BATCH_MODE", True)
+
+
 def sweep_prefill(args, gen) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -170,6 +178,7 @@ def sweep_prefill(args, gen) -> list[dict]:
                 variants[f"fa4_{where}_batch" + ("" if tile is None else "_" + tile_name(tile))] \
                     = partial(batch_variant, q4, *kv, tile, batch_kw[where], out_rows)
         variants["ours_flash_attn"] = partial(ours, b, "FLASH_ATTN")  # the op, with its rules
+        variants["ours_flash_attn_batch"] = partial(ours_batch_mode, b)
         fns, errors = {}, {}
         for name, make in variants.items():
             if name == "fa4_paged_default" or re.search(args.variants, name):

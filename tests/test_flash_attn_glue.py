@@ -1,5 +1,5 @@
 """FLASH_ATTN's FlashAttention 2 and 3 glue, on the CPU, against stand-in modules; FA4's tile
-rule, and on an sm90 GPU with FA4 its tall prefill tile against REFERENCE.
+and batch-mode rules, and on an sm90 GPU with FA4 both prefill modes against REFERENCE.
 
 FA2 and FA3 cannot be installed on the H200 (FA2 is source-only on PyPI, FA3 is not on PyPI),
 so ``flash_attn.flash_attn_varlen_func`` and ``flash_attn_interface.flash_attn_with_kvcache``
@@ -192,33 +192,49 @@ def test_fa4_tile_rule_takes_the_tall_sm90_tile_for_long_16bit_prefills_at_head_
     assert fa4_tile(9, 128, 128, bf16, 8192, 7) == {}
 
 
+def test_fa4_batch_rule_takes_uniform_prefill_parts_of_enough_rows_when_switched_on(monkeypatch):
+    from attn_ops.backends import flash_attn as fa
+
+    assert fa.fa4_batch(3 * 256, 3, 256) == 0  # off until run on the GPU
+    monkeypatch.setattr(fa, "FA4_BATCH_MODE", True)
+    least = fa.FA4_BATCH_MIN_QUERY
+    assert fa.fa4_batch(3 * least, 3, least) == 3
+    assert fa.fa4_batch(3 * least - 1, 3, least) == 0  # lengths differ: varlen
+    assert fa.fa4_batch(3 * (least - 1), 3, least - 1) == 0  # short: unmeasured
+    assert fa.fa4_batch(64, 64, 1) == 0  # decodes
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
-def test_fa4_long_prefills_take_the_tall_sm90_tile_and_stay_right(monkeypatch, feature):
-    """On sm90, prefills of >= SM90_TALL_TILE_MIN_QUERY rows run FA4 with 192-row tiles (P
-    through shared memory): against REFERENCE, LSE included, with a cached context, a window,
-    a soft cap or sinks, next to decodes in the same step."""
-    from attn_ops.backends.flash_attn import SM90_TALL_TILE
+@pytest.mark.parametrize("mode", ["tall", "batch"])
+def test_fa4_prefill_modes_stay_right(monkeypatch, mode, feature):
+    """On sm90 with FA4: prefills of >= SM90_TALL_TILE_MIN_QUERY rows run with 192-row tiles
+    (P through shared memory) -- ``tall``; prefills of one length run in FA4's batch mode,
+    switched on here -- ``batch``. Against REFERENCE, LSE included, with cached contexts, a
+    window, a soft cap or sinks, next to decodes in the same step."""
+    from attn_ops.backends import flash_attn as fa
     from attn_ops.spec import Feature
     from attn_ops.testing import FEATURE_SPECS, Scenario, assert_matches_reference
 
     fa4 = pytest.importorskip("flash_attn.cute.interface", reason="FA4 is not installed")
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the tall tile is an sm90 rule")
+        pytest.skip("sm90 rules")
     calls, real = [], fa4._flash_attn_fwd
 
     @functools.wraps(real)  # (with its compile cache, which FA4 looks up on the module's name)
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("tile_mn"))
+        calls.append(kwargs)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fa4, "_flash_attn_fwd", spy)
+    monkeypatch.setattr(fa, "FA4_BATCH_MODE", mode == "batch")
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                          block_size=128)
     if feature is not None:
         spec = FEATURE_SPECS[Feature[feature]](spec)
-    case = make_case(spec, Scenario(((700, 1), (5, 1), (0, 1100), (300, 1030))),
-                     block_size=128, device="cuda", seed=0,
+    prefills = ((0, 1100), (300, 1030)) if mode == "tall" else ((0, 300), (120, 300), (64, 300))
+    case = make_case(spec, Scenario(((700, 1), (5, 1)) + prefills), block_size=128,
+                     device="cuda", seed=0,
                      finite_page_tails=FLASH_ATTN.capabilities.reads_page_tails)
     out, lse = run_backend(FLASH_ATTN, case)
     _, truth_lse = assert_matches_reference(out, case)
@@ -229,4 +245,7 @@ def test_fa4_long_prefills_take_the_tall_sm90_tile_and_stay_right(monkeypatch, f
         return (x[:n].double() - truth_lse[:n].double()).abs().max().item()
 
     assert err(lse) <= tolerance(err(base_lse), spec.dtype)
-    assert SM90_TALL_TILE["tile_mn"] in calls
+    if mode == "tall":
+        assert fa.SM90_TALL_TILE["tile_mn"] in [kw.get("tile_mn") for kw in calls]
+    else:
+        assert any(kw.get("cu_seqlens_q") is None for kw in calls)

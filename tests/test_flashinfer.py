@@ -267,22 +267,32 @@ def _paged_run_standin(float_ws, int_ws, plan, q, k_cache, v_cache, qo_indptr, k
             lse[q0:q1] = (row_lse / math.log(2)).t().to(lse.dtype)
 
 
-def _fa4_standin(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                 page_table, softmax_scale, causal, softcap, window_size_left,
-                 window_size_right, num_splits, return_lse, out, lse):
+def _fa4_standin(q, k_cache, v_cache, *, seqused_k, page_table, softmax_scale, causal,
+                 softcap, window_size_left, window_size_right, num_splits, return_lse, out, lse,
+                 cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None):
     """FlashAttention 4's ``_flash_attn_fwd`` over a paged cache in plain torch, with its
     semantics: request ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, its
     ``seqused_k[b]`` keys in pages ``page_table[b]``, bottom-right aligned; LSE ``[heads,
-    tokens]`` in natural log."""
+    tokens]`` in natural log. Without ``cu_seqlens_q`` (batch mode) ``q`` and ``out`` are
+    ``[B, S, heads, D]``, request ``b``'s queries ``q[b]``, and the LSE is ``[B, heads, S]``
+    (FA4's shapes; checked)."""
     page = k_cache.shape[1]
-    for b in range(cu_seqlens_q.shape[0] - 1):
-        q0, q1, kv_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+    if cu_seqlens_q is None:
+        assert q.dim() == 4 and out.shape[:3] == q.shape[:3] and max_seqlen_q is None
+        assert not return_lse or lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        parts = [(q[b], out[b], lse[b] if return_lse else None) for b in range(q.shape[0])]
+    else:
+        starts = cu_seqlens_q.tolist()
+        parts = [(q[q0:q1], out[q0:q1], lse[:, q0:q1] if return_lse else None)
+                 for q0, q1 in zip(starts, starts[1:])]
+    for b, (q_b, out_b, lse_b) in enumerate(parts):  # (views: writes land in out and lse)
+        kv_len = int(seqused_k[b])
         pages = page_table[b, :-(-kv_len // page)].long()
-        o, row_lse = _attend(q[q0:q1], k_cache, v_cache, pages, kv_len, softmax_scale,
-                             softcap, causal, window_size_left)
-        out[q0:q1] = o.to(out.dtype)
-        if return_lse:
-            lse[:, q0:q1] = row_lse.to(lse.dtype)
+        o, row_lse = _attend(q_b, k_cache, v_cache, pages, kv_len, softmax_scale, softcap,
+                             causal, window_size_left)
+        out_b.copy_(o)
+        if lse_b is not None:
+            lse_b.copy_(row_lse)
 
 
 @pytest.fixture
@@ -445,7 +455,7 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
 @pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4", "fa4+triton"])
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave",
-                                      "fills_the_sms"])
+                                      "fills_the_sms", "uniform_prefills"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
                                                feature, prefill_kernel):
     """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
@@ -456,10 +466,13 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
     no-split rule; ``one_wave``: about one wave of decode work, which FA4 takes when it runs
     the prefills -- FLASH_ATTN's route on sm90; ``fills_the_sms``: short decodes 4 times the SMs'
     worth, which ``fa4+triton`` -- FLASH_ATTN's sm90 route where TRITON_ATTN takes the spec --
-    gives TRITON_ATTN's decode kernel, run here in Triton's interpreter.)"""
+    gives TRITON_ATTN's decode kernel, run here in Triton's interpreter; ``uniform_prefills``:
+    prefills of one length of FA4_BATCH_MIN_QUERY rows, which FA4 runs in batch mode, switched
+    on here.)"""
     import sys
     import types
 
+    from attn_ops.backends import flash_attn as fa_module
     from attn_ops.backends import flashinfer as fi
     from attn_ops.testing import (FEATURE_SPECS, SCENARIOS, Scenario, assert_matches_reference,
                                   make_case)
@@ -477,10 +490,20 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules["flash_attn.cute.interface"]._flash_attn_fwd = _fa4_standin
+    batch_calls = []  # per FA4 call: batch mode?
+
+    def fa4(*args, **kwargs):
+        batch_calls.append(kwargs.get("cu_seqlens_q") is None)
+        return _fa4_standin(*args, **kwargs)
+
+    sys.modules["flash_attn.cute.interface"]._flash_attn_fwd = fa4
+    monkeypatch.setattr(fa_module, "FA4_BATCH_MODE", True)
+    uniform = fa_module.FA4_BATCH_MIN_QUERY
     scen = {"many_decodes": Scenario(tuple((c, 1) for c in range(3, 60, 5)) + ((4, 6),)),
             "one_wave": Scenario(((40, 1), (9, 1), (30, 1), (0, 7))),
             "fills_the_sms": Scenario(tuple((c, 1) for c in range(3, 115, 7)) + ((4, 6),)),
+            "uniform_prefills": Scenario(((12, 1), (40, 1), (0, uniform), (30, uniform),
+                                          (100, uniform))),
             }.get(scenario) or SCENARIOS[scenario]
     triton = prefill_kernel.endswith("+triton")
     impl = FLASHINFER(spec, prefill_kernel=prefill_kernel.removesuffix("+triton"),
@@ -495,6 +518,7 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
                                                     sinks=case.sinks))
         decode_kernel = fi.KERNELS[int(meta.decode_plan[0])]
         assert (decode_kernel == "triton") == (triton and scenario == "fills_the_sms")
+        assert any(batch_calls) == (prefill_kernel != "fa2" and scenario == "uniform_prefills")
         truth, truth_lse = assert_matches_reference(out, case)
         n = case.metadata.num_actual_tokens
         torch.testing.assert_close(lse[:n].double(), truth_lse[:n].double(), atol=1e-4, rtol=1e-4)
