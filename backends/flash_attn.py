@@ -122,7 +122,7 @@ def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max
 # length of >= FA4_BATCH_MIN_QUERY rows. FA4 called directly, paged, TFLOP/s, varlen -> batch
 # (sweep_prefill_tall_h200.json, 1f8fdf0): 64x256 152 -> 182, 32x512 266 -> 269, 16x1k with the
 # tall tile 381 -> 389, 4x4k / 1x8k level; same output bits. Off until the route has run on the
-# GPU against REFERENCE (tests/test_flashinfer.py, with it switched on).
+# GPU against REFERENCE (tests/test_flash_attn_glue.py::test_fa4_prefill_modes_stay_right).
 FA4_BATCH_MODE = False
 FA4_BATCH_MIN_QUERY = 256  # the shortest measured
 
