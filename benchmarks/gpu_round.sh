@@ -12,6 +12,8 @@
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   psweep   benchmarks/sweep_kernel_configs.py --only prefill $PSWEEP_ARGS (FA4 tiles and call
 #            modes, SDPA; needs FA4)
+#   dsweep   benchmarks/sweep_kernel_configs.py --only decode $DSWEEP_ARGS (FlashInfer splits, FA4
+#            tiles, our op; needs FA4)
 #   graphs   tests/test_model_graphs.py alone (whole-model CUDA graphs, every GPU backend here)
 #   flex     FLEX_ATTENTION's tests and matrix (decode layout, page pruning, full blocks)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
@@ -70,7 +72,7 @@ for spec in "$@"; do
         tests/test_backends_matrix.py tests/test_flash_attn_glue.py -k "FLASH_ATTN or fa4" ;;
     model) stage model "$limit" python benchmarks/bench_model_decode.py \
         ${MODEL_BACKENDS:+--backends $MODEL_BACKENDS} ;;
-    grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py --rounds 2 ;;
+    grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py ${GRID_ARGS:---rounds 2} ;;
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
@@ -90,6 +92,8 @@ for spec in "$@"; do
     tab) stage tab "$limit" python benchmarks/exp/exp_triton_ab.py ${TAB_VERSIONS:-} ;;
     psweep) stage psweep "$limit" python benchmarks/sweep_kernel_configs.py --only prefill \
         ${PSWEEP_ARGS:-} --out "$OUT/sweep_prefill_h200.json" ;;
+    dsweep) stage dsweep "$limit" python benchmarks/sweep_kernel_configs.py --only decode \
+        ${DSWEEP_ARGS:-} --out "$OUT/sweep_decode_h200.json" ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
     flex) stage flex "$limit" python -m pytest -q -p no:cacheprovider -rfE \

@@ -3,8 +3,9 @@ their rules from data rather than from defaults.
 
 * ``decode``: FlashInfer's tensor-core decode (its FA2 prefill kernel, one query row per
   request) with the split-KV chunk left to FlashInfer's plan (``auto``), split-KV off
-  (``nosplit``), or a fixed chunk of ``c`` pages (``fixed<c>``), next to FA4 (no split), over
-  batch 1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points).
+  (``nosplit``), or a fixed chunk of ``c`` pages (``fixed<c>``), next to FA4 (no split; its own
+  tile, other tiles, heads unpacked) and our FLASH_ATTN op (``ours_flash_attn``), over batch
+  1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points; ``--batches``, ``--ctxs``).
 * ``triton-prefill``: TRITON_ATTN's prefill tile (query rows, keys per tile, warps, stages;
   ``PREFILL_TILES`` in ``backends/triton_attn.py``) over causal prefills at page 16, next to
   FlashInfer called directly (issue 4's prefill goal: >= 0.8x FlashInfer).
@@ -24,7 +25,7 @@ variant that fails to build is recorded with its error. Timing: ``do_bench_cudag
 medians, variants of a point interleaved over rotating rounds (``time_graph``).
 
     python benchmarks/sweep_kernel_configs.py [--only decode|prefill|triton-prefill] [--rounds R]
-        [--variants REGEX] [--prefill BxS ...] [--out PATH]
+        [--variants REGEX] [--prefill BxS ...] [--batches B ...] [--ctxs C ...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ FA4_TILES = (None, (128, 128, False, True), (128, 176, True, True), (128, 160, T
              (192, 128, False, True), (192, 112, False, True), (192, 144, False, True),
              (192, 160, False, True), (192, 96, False, True), (192, 128, False, False))
 TALL = (192, 128, False, True)  # FLASH_ATTN's sm90 prefill tile (backends/flash_attn.py)
+# FA4 decode tiles (one query row, the GQA group's heads packed into the tile's rows).
+DECODE_FA4_TILES = ((128, 176, True, True), (128, 112, True, True), (128, 192, True, True),
+                    (64, 128, True, True), (64, 128, False, True), (64, 192, True, True))
 
 
 def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
@@ -95,7 +99,7 @@ def timed_row(b: Batch, fns: dict, reference: str, rounds: int, amount: float, u
 def sweep_decode(args, gen) -> list[dict]:
     rows = []
     for bsz in args.batches or DECODE_BATCH:
-        for ctx in DECODE_CTX:
+        for ctx in args.ctxs or DECODE_CTX:
             b = Batch(bsz, ctx, 1, 128, gen)
             fns = {"auto": flashinfer_tc(b), "nosplit": flashinfer_tc(b, nosplit=True)}
             errors = {}
@@ -106,6 +110,20 @@ def sweep_decode(args, gen) -> list[dict]:
                     except RuntimeError as e:  # too many chunks for the workspace
                         errors[f"fixed{c}"] = str(e)[:200]
             fns["fa4"] = fa4_direct(b)
+            kc, vc = b.cache.unbind(1)
+            m = b.meta
+            paged = dict(cu_seqlens_q=m.query_start_loc, seqused_k=m.seq_lens, max_seqlen_q=1,
+                         max_seqlen_k=ctx, page_table=m.block_table)
+            variants = {"ours_flash_attn": partial(ours, b, "FLASH_ATTN"),
+                        "fa4_nopack": partial(fa4_variant, b.q, kc, vc, None, pack_gqa=False,
+                                              **paged)}
+            for tile in DECODE_FA4_TILES:
+                variants["fa4_" + tile_name(tile)] = partial(fa4_variant, b.q, kc, vc, tile,
+                                                             **paged)
+            fns = {k: f for k, f in fns.items() if k == "auto" or re.search(args.variants, k)}
+            for name, make in variants.items():
+                if re.search(args.variants, name):
+                    try_variant(fns, errors, name, make())
             nbytes = decode_bytes(bsz, ctx)
             row, ms = timed_row(b, fns, "auto", args.rounds, nbytes, "tbs", kind="decode",
                                 batch=bsz, ctx=ctx, errors=errors)
@@ -246,8 +264,10 @@ def main() -> None:
                         quick=False)
     parser.add_argument("--only", choices=("decode", "prefill", "triton-prefill"))
     parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes")
-    parser.add_argument("--variants", default="", help="prefill: only the variants whose "
-                        "name matches this regex (and fa4_paged_default, the reference)")
+    parser.add_argument("--ctxs", type=int, nargs="*", help="decode context lengths")
+    parser.add_argument("--variants", default="", help="only the variants whose name "
+                        "matches this regex (and the reference: fa4_paged_default for prefill, "
+                        "auto for decode)")
     parser.add_argument("--prefill", nargs="*", default=None, help="prefill points BxS")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
