@@ -57,7 +57,8 @@ FA4_TILES = (None, (128, 128, False, True), (128, 176, True, True), (128, 160, T
 TALL = (192, 128, False, True)  # FLASH_ATTN's sm90 prefill tile (backends/flash_attn.py)
 # FA4 decode tiles (one query row, the GQA group's heads packed into the tile's rows).
 DECODE_FA4_TILES = ((128, 176, True, True), (128, 112, True, True), (128, 192, True, True),
-                    (64, 128, True, True), (64, 128, False, True), (64, 192, True, True))
+                    (64, 128, True, True), (64, 128, False, True), (64, 192, True, True),
+                    (64, 96, True, True), (64, 112, True, True), (64, 160, True, True))
 
 
 def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
