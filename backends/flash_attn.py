@@ -5,16 +5,17 @@ lengths, ``page_table`` the block table. The builder only packs host bounds (``m
 ``max_seqlen_k``) into a small CPU tensor. On sm100+ the op passes ``num_splits=0`` so FA4 picks
 split-KV from those bounds (the same choice on every CUDA-graph replay with the same bounds).
 
-On sm90 FA4 has no split-KV ("SplitKV not supported on SM 9.0") and its decode trails
-FlashInfer's tensor-core decode at every batch size measured on the H200 (0.39 vs 3.3 TB/s at
-batch 1 ctx 32k, 3.8 vs 4.4 at batch 256), while its prefill leads (585-591 vs 493 TFLOP/s at
-1x8k; 623 with the 192-row tile FLASH_ATTN gives prefills of >= 1024 rows, ``fa4_tile``).
-So there, when FlashInfer is installed and takes the spec, FLASH_ATTN runs each step as
-FlashInfer's op with FA4 as its prefill kernel (``FlashInferBackend(prefill_kernel="fa4",
-triton_decode=...)``): decode rows through FlashInfer -- or, for short decodes that fill the
-SMs about 4 times over, through TRITON_ATTN's decode kernel where TRITON_ATTN takes the spec
-(faster there: ``flashinfer.decode_kernel``) --, prefill rows through FA4, one op call. A
-compiled model sees the choice as the metadata's type.
+On sm90 FA4 has no split-KV ("SplitKV not supported on SM 9.0"), so its decode trails
+FlashInfer's split tensor-core decode by far at small batches (0.39 vs 3.3 TB/s at batch 1 ctx
+32k), while its prefill leads (585-591 vs 493 TFLOP/s at 1x8k; 623 with the 192-row tile
+FLASH_ATTN gives prefills of >= 1024 rows, ``fa4_tile``). So there, when FlashInfer is
+installed and takes the spec, FLASH_ATTN runs each step as FlashInfer's op with FA4 as its
+prefill kernel (``FlashInferBackend(prefill_kernel="fa4", triton_decode=...)``), one op call:
+prefill rows through FA4; decode rows through whichever kernel ``flashinfer.decode_kernel``
+found fastest for the batch -- FlashInfer (split for small batches), TRITON_ATTN's decode
+kernel for short decodes that fill the SMs about 4 times over (where TRITON_ATTN takes the
+spec), or FA4 in a 64-row tile from 0.4 of a wave of (request, KV head) items
+(``fa4_decode_wins``). A compiled model sees the choice as the metadata's type.
 
 Semantics are REFERENCE's: ``sliding_window=W`` is ``window_size=(W-1, 0)`` causal and
 ``(W-1, W-1)`` otherwise; FA4's LSE ([heads, tokens], natural log) is transposed to
@@ -39,11 +40,10 @@ import torch
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement, Reason)
-from attn_ops.platforms import Platform, current_platform
+from attn_ops.platforms import Platform, PlatformKind, current_platform, multiprocessor_count
 from attn_ops.kv_cache import nhd_kv_halves
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
-from attn_ops.platforms import PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["FlashAttnBackend", "FlashAttnMetadata"]
@@ -99,31 +99,68 @@ def fa_window(sliding_window, causal):
 SM90_TALL_TILE = {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overlap": True}
 # From 1024 query rows on. Shorter prefills gained too, measured once (sweep_prefill_tall_h200
 # .json: 32x512 266 -> 282, 64x256 152 -> 156), but where FA4 runs a whole step (no FlashInfer)
-# its decode rows share the call, and the tile is unmeasured there; decodes keep 128 rows.
+# its decode rows share the call, and the tile is unmeasured there. In FA4's batch mode (one
+# query length, no decode rows) from 512 rows: 32x512 286 -> 291 (sweep_prefill_h200.json,
+# 44d7df4; 64x256 lost, 182 -> 176).
 SM90_TALL_TILE_MIN_QUERY = 1024
+SM90_TALL_TILE_MIN_QUERY_BATCH = 512
+# Decodes (one query row per request: the GQA group's heads packed into the tile's rows) fill
+# few of the 128 rows; 64 rows (one MMA warpgroup) read the cache faster. FA4 called directly,
+# paged, page 128, 32/8 heads, TB/s, FA4's tile -> 64x128 (sweep_decode_h200.json, 866fdba and
+# 44d7df4): B=12 ctx 1k 2.86 -> 3.70, ctx 4k 3.86 -> 4.06; B=16 ctx 1k 3.21 -> 3.34, ctx 32k
+# 4.37 -> 4.58; B=128 ctx 32k 4.10 -> 4.63; same outputs. (64x96/112/160 and 64x128 without RS
+# were slower or level; 64 rows divide by the group for FA4's TMA load of Q, as 192 must.)
+SM90_DECODE_TILE = {"tile_mn": (64, 128), "mma_pv_is_rs": True, "intra_wg_overlap": True}
 
 
 def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int,
-             group: int) -> dict:
+             group: int, batch: bool = False) -> dict:
     """FA4 tile arguments for a call (empty: FA4's own choice). ``group``: query heads per KV
-    head. FA4 packs a group's heads into the tile's rows (``pack_gqa``, its default under GQA)
-    and loads Q by TMA only if the group divides the rows; otherwise (groups of 5 or 7, say:
-    Qwen2.5-14B, Qwen2-7B) its producer loads Q by cp.async, which FA4 provisions registers for
-    with two MMA warpgroups, not three -- so those keep FA4's tile."""
-    if (major == 9 and head_dim == head_dim_v == 128 and max_q >= SM90_TALL_TILE_MIN_QUERY
-            and dtype in (torch.float16, torch.bfloat16)
-            and SM90_TALL_TILE["tile_mn"][0] % group == 0):
+    head; ``batch``: the call runs in FA4's batch mode. FA4 packs a group's heads into the
+    tile's rows (``pack_gqa``, its default under GQA) and loads Q by TMA only if the group
+    divides the rows; otherwise (groups of 5 or 7, say: Qwen2.5-14B, Qwen2-7B) its producer
+    loads Q by cp.async, which FA4 provisions registers for with two MMA warpgroups, not three
+    -- so those keep FA4's tile."""
+    if major != 9 or head_dim != 128 or head_dim_v != 128 \
+            or dtype not in (torch.float16, torch.bfloat16):
+        return {}
+    if max_q == 1 and SM90_DECODE_TILE["tile_mn"][0] % group == 0:
+        return SM90_DECODE_TILE
+    least = SM90_TALL_TILE_MIN_QUERY_BATCH if batch else SM90_TALL_TILE_MIN_QUERY
+    if max_q >= least and SM90_TALL_TILE["tile_mn"][0] % group == 0:
         return SM90_TALL_TILE
     return {}
+
+
+def fa4_decode_wins(items: int, max_keys: int, num_sms: int) -> bool:
+    """Whether FA4 with :data:`SM90_DECODE_TILE` (no split on sm90: one CTA per (request, KV
+    head) ``item``) is the fastest decode measured for ``items`` work items of at most
+    ``max_keys`` keys (H200, 132 SMs, page 128, sweep_decode_h200.json at 866fdba; TB/s, FA4
+    64x128 vs the best of FlashInfer's split rules, TRITON_ATTN's decode, FA4's own tile):
+
+    * from 0.4 of a wave to just under one (B=8-16 at 8 KV heads) up to 8k keys -- B=8 ctx 4k
+      3.64 vs 3.37, B=12 ctx 1k 3.70 vs 2.86 -- and at every length from 0.9 of a wave (B=16
+      ctx 32k 4.58 vs 4.49); below 0.4 (B <= 4) FlashInfer's splits win by 2x, and at B=8 ctx
+      16k-32k they win 4.25-4.42 vs 4.13-4.22;
+    * from two waves (B >= 64) at 16k keys or more: B=64 ctx 32k 4.62 vs 4.54, B=128 4.63 vs
+      4.55, B=256 ctx 16k 4.57 vs 4.52. Shorter or fewer, FlashInfer or TRITON_ATTN (B=32 ctx
+      16k 4.51 vs 4.54; B=256 ctx 1k 3.89 vs 4.22)."""
+    if items >= 2 * num_sms:
+        return max_keys >= 16384
+    if items >= num_sms:
+        return False
+    return 5 * items >= 2 * num_sms and (max_keys <= 8192 or 10 * items >= 9 * num_sms)
 
 
 # FA4's batch mode -- q [B, S, heads, D], no cu_seqlens_q; sm90 then schedules with its LPT
 # tile scheduler instead of the varlen one -- for a prefill part whose requests share one query
 # length of >= FA4_BATCH_MIN_QUERY rows. FA4 called directly, paged, TFLOP/s, varlen -> batch
 # (sweep_prefill_tall_h200.json, 1f8fdf0): 64x256 152 -> 182, 32x512 266 -> 269, 16x1k with the
-# tall tile 381 -> 389, 4x4k / 1x8k level; same output bits. Off until the route has run on the
-# GPU against REFERENCE (tests/test_flash_attn_glue.py::test_fa4_prefill_modes_stay_right).
-FA4_BATCH_MODE = False
+# tall tile 381 -> 389, 4x4k / 1x8k level; same output bits. Through our op (FlashInfer's, FA4
+# prefill) at 44d7df4 (sweep_prefill_h200.json), varlen -> batch: 64x256 150 -> 182, 32x512
+# 264 -> 287, 16x1k 391 -> 396, 1x8k 614 -> 623, as FA4 called directly in batch mode; the GPU
+# test tests/test_flash_attn_glue.py::test_fa4_prefill_modes_stay_right[batch-*] passed.
+FA4_BATCH_MODE = True
 FA4_BATCH_MIN_QUERY = 256  # the shortest measured
 
 
@@ -144,7 +181,7 @@ def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
     major = torch.cuda.get_device_capability(query.device)[0]
     splits = 0 if major >= 10 else 1
     tile = fa4_tile(major, query.shape[-1], v_cache.shape[-1], query.dtype, max_q,
-                    query.shape[1] // k_cache.shape[-2])
+                    query.shape[1] // k_cache.shape[-2], batch=batch > 0)
     heads, tokens = query.shape[1], query.shape[0]
     lse_shape = (batch, heads, tokens // batch) if batch else (heads, tokens)
     lse = None
@@ -378,9 +415,16 @@ class FlashAttnBackend(AttentionBackend):
         """A padded batch's metadata for capture/replay: the padded common tensors themselves
         (persistent), a persistent ``cu_seqlens_k``, and host bounds fixed per capture size
         (``max_seqlen_k`` = the graphs' longest request, token count "on the device"). On sm90,
-        single-token decode graphs run FlashInfer's CUDA-graph decode, as decodes do eagerly."""
+        single-token decode graphs run FlashInfer's CUDA-graph decode -- except, where FA4
+        decodes in its 64-row tile (``fa4_tile``), capture sizes of at least 0.4 of a wave of
+        (request, KV head) items: there FA4 (one CTA per item, no plan; the graph is fixed per
+        size, whatever the lengths) beat FlashInfer's graph decode, which always splits, at
+        every length measured (H200, B=8 ctx 4k 3.64 vs 2.90 TB/s, B=16 ctx 8k 4.44 vs 3.98,
+        B=128 ctx 32k 4.63 vs 4.43; FA4 in sweep_decode_h200.json, FlashInfer's graph decode
+        in bench_gpu_attention_h200.json at 1f8fdf0)."""
         super().graph_metadata(padded, graphs)
-        if self._hybrid is not None and graphs.query_len == 1:
+        if self._hybrid is not None and graphs.query_len == 1 \
+                and not self._fa4_graph_decode(padded.num_reqs, graphs.device):
             return self._hybrid.graph_metadata(padded, graphs)
         size = padded.num_reqs
         key = self.metadata_key()
@@ -399,6 +443,14 @@ class FlashAttnBackend(AttentionBackend):
             torch.cumsum(padded.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
         return FlashAttnMetadata(padded.slot_mapping, padded.query_start_loc, cu_seqlens_k,
                                  padded.seq_lens, padded.block_table, bounds, padded.causal)
+
+    def _fa4_graph_decode(self, size: int, device) -> bool:
+        """Whether sm90 decode graphs of ``size`` requests run FA4 (see ``graph_metadata``)."""
+        from attn_ops.backends.flashinfer import fa4_decodes_in_short_tile
+
+        items = size * self.spec.kv_heads
+        return 5 * items >= 2 * multiprocessor_count(device) \
+            and fa4_decodes_in_short_tile(self.spec, device)
 
     def metadata_key(self) -> tuple:
         hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()

@@ -89,7 +89,8 @@ def split_budget(num_sms: int, kv_heads: int) -> int:
 
 
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
-                  num_sms: int, fa4: bool, triton: bool = False) -> tuple[str, int]:
+                  num_sms: int, fa4: bool, triton: bool = False,
+                  fa4_decode_tile: bool = False) -> tuple[str, int]:
     """The decode part's kernel and FlashInfer split-KV chunk (in pages; -1: FlashInfer's own
     rule; 0: no split), from the number of (request, KV head) work items against the SM count.
 
@@ -115,17 +116,27 @@ def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: i
     tensor-core decode in the same run) B=64 ctx 1k 3.88 vs 3.74, B=128 ctx 1k 4.03 vs 3.92
     and 4.12 vs 4.01; level at B=256 ctx 1k (4.19 vs 4.20). At longer contexts the tile lost
     where measured (B=64 ctx 4k-32k split in two: 4.07-4.13 vs 4.40-4.55; unsplit there: not
-    measured)."""
-    items = num_decodes * kv_heads
+    measured).
+
+    With ``fa4_decode_tile`` (FA4 runs decodes in ``flash_attn.SM90_DECODE_TILE``, 64 rows),
+    FA4 takes the decodes wherever :func:`~attn_ops.backends.flash_attn.fa4_decode_wins` says
+    it was fastest -- from 0.4 of a wave, and from two waves at long contexts -- in place of
+    the band above (FA4's own 128-row tile)."""
+    items, keys = num_decodes * kv_heads, max_pages * block_size
     if triton:
         from attn_ops.backends import triton_attn
 
-        if triton_attn.short_and_many(items, max_pages * block_size, num_sms) \
+        if triton_attn.short_and_many(items, keys, num_sms) \
                 and items <= TRITON_DECODE_MAX_ITEMS_PER_SM * num_sms:
             return "triton", 0
+    if fa4 and fa4_decode_tile:
+        from attn_ops.backends.flash_attn import fa4_decode_wins
+
+        if fa4_decode_wins(items, keys, num_sms):
+            return "fa4", -1
     if items >= num_sms:
         return "fa2", 0 if num_decodes > split_budget(num_sms, kv_heads) else -1
-    if fa4 and 10 * items > 7 * num_sms and max_pages * block_size <= 4096:
+    if fa4 and not fa4_decode_tile and 10 * items > 7 * num_sms and keys <= 4096:
         return "fa4", -1
     chunk = -(-max_pages // (num_sms // items))
     return ("fa2", -1) if chunk * block_size >= 4096 else ("fa2", chunk)
@@ -231,6 +242,18 @@ def warmup(spec: AttentionSpec, platform_major: int = 9) -> None:
         _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim, window, cap)
 
 
+def fa4_decodes_in_short_tile(spec: AttentionSpec, device: torch.device) -> bool:
+    """Whether FA4 runs ``spec``'s decodes on ``device`` in its 64-row sm90 decode tile."""
+    from attn_ops.backends.flash_attn import SM90_DECODE_TILE, fa4_tile
+
+    def tile(major: int) -> dict:
+        return fa4_tile(major, spec.head_dim, spec.v_head_dim, spec.dtype, 1,
+                        spec.num_heads // spec.kv_heads)
+
+    return tile(9) is SM90_DECODE_TILE \
+        and tile(torch.cuda.get_device_capability(device)[0]) is SM90_DECODE_TILE
+
+
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
 _EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
 
@@ -266,6 +289,8 @@ class _Planner:
         self._unused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.split_budget = split_budget(self.num_sms, spec.kv_heads)
+        self.fa4_decode_tile = prefill_kernel == "fa4" and fa4_decodes_in_short_tile(spec,
+                                                                                      device)
 
     def unused(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stand-ins for ``seq_lens`` and a ``block_table`` of ``width`` columns where no part
@@ -326,7 +351,7 @@ class _Planner:
                 max_pages = -(-longest // block_size)
                 kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
                                               self.num_sms, self.prefill_kernel == "fa4",
-                                              self.triton_decode)
+                                              self.triton_decode, self.fa4_decode_tile)
                 at = dev.query_start_loc, dev.block_indptr, dev.last_page_len, dev.block_indices
             else:
                 kernel, chunk = self.prefill_kernel, -1

@@ -4,7 +4,7 @@
 # Stages:
 #   tests    GPU tests of the glue, the passes, FlashInfer and CUDA graphs (not the whole model)
 #   matrix   registry matrix at real sizes (all GPU backends the machine can run)
-#   fa4      FLASH_ATTN / DIFFKV matrix and tests (needs both FA4 halves on the machine)
+#   fa4      FLASH_ATTN / DIFFKV matrix, tests and CUDA graphs (needs both FA4 halves there)
 #   model    benchmarks/bench_model_decode.py (issue 5)
 #   grid     benchmarks/bench_gpu_attention.py --rounds 2 (issue 3)
 #   triton   benchmarks/bench_triton_attention.py --rounds 1 (issue 4)
@@ -69,7 +69,8 @@ for spec in "$@"; do
     matrix) stage matrix "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
     fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \
-        tests/test_backends_matrix.py tests/test_flash_attn_glue.py -k "FLASH_ATTN or fa4" ;;
+        tests/test_backends_matrix.py tests/test_flash_attn_glue.py tests/test_cudagraph.py \
+        -k "FLASH_ATTN or fa4 or flash_attn" ;;
     model) stage model "$limit" python benchmarks/bench_model_decode.py \
         ${MODEL_BACKENDS:+--backends $MODEL_BACKENDS} ;;
     grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py ${GRID_ARGS:---rounds 2} ;;

@@ -3,6 +3,7 @@ are overwritten, bad batches are refused), and on the GPU every backend that dec
 support captured once per size -- its op called directly and inside a compiled layer -- then
 replayed with batches of changing size and lengths, checked against REFERENCE every replay."""
 
+import math
 import random
 
 import pytest
@@ -142,6 +143,9 @@ def test_declared_levels():
 
 
 GPU_BASE = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+# Llama-3-8B's heads: FLASH_ATTN's sm90 decode graphs of 16 requests (128 items) run FA4 in its
+# 64-row tile, of 1 or 4 FlashInfer's graph decode (test_flash_attn_sm90_decode_graphs_...)
+GPU_GQA = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
 def _graph_params():
@@ -155,7 +159,8 @@ def _graph_params():
         if cls.cudagraph_support(GPU_BASE, PLATFORM) < CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
             continue
         specs = {"base": GPU_BASE, "window_sinks": GPU_BASE.with_(sliding_window=40,
-                                                                   has_sinks=True)}
+                                                                   has_sinks=True),
+                 "gqa_d128": GPU_GQA}
         if Feature.DIFF_HEAD_DIM_V in cls.capabilities.features:
             specs["diff_v"] = FEATURE_SPECS[Feature.DIFF_HEAD_DIM_V](GPU_BASE)
         for sid, spec in specs.items():
@@ -245,6 +250,30 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode,
             unwritten[blocks] = False
             assert torch.equal(cache[unwritten], before[unwritten]), "padding wrote the cache"
         _check(spec, got, got_lse, q, cache, common, n * qlen, size * qlen, **optional)
+
+
+@pytest.mark.gpu
+def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_4_of_a_wave():
+    """FLASH_ATTN on sm90 with FlashInfer: decode graphs of at least 0.4 of a wave of (request,
+    KV head) items run FA4 (its own graph metadata), smaller ones FlashInfer's graph decode.
+    (Both are replayed against REFERENCE by test_capture_once_per_size_then_replay_changing_
+    batches[FLASH_ATTN-gqa_d128-*].)"""
+    from attn_ops.backends.flash_attn import FlashAttnMetadata
+    from attn_ops.backends.flashinfer import FlashInferMetadata
+    from attn_ops.platforms import multiprocessor_count
+
+    cls = get_backend_class("FLASH_ATTN")
+    if cls.not_supported_reasons(GPU_GQA, PLATFORM) or PLATFORM.capability[0] != 9 \
+            or get_backend_class("FLASHINFER").not_supported_reasons(GPU_GQA, PLATFORM):
+        pytest.skip("FLASH_ATTN's sm90 route (FA4 with FlashInfer) cannot run here")
+    wave = 2 * multiprocessor_count(torch.device("cuda")) / (5 * GPU_GQA.kv_heads)
+    small, big = math.ceil(wave) - 1, math.ceil(wave)
+    graphs = CUDAGraphBatch((small, big), WIDTH, BLOCK, "cuda")
+    impl = cls(GPU_GQA.with_(block_size=BLOCK))
+    rng = random.Random(0)
+    for n, kind in ((small, FlashInferMetadata), (big, FlashAttnMetadata)):
+        common = graphs.pad(_random_batch(n, big * WIDTH + 1, rng, "cuda"))
+        assert isinstance(impl.graph_metadata(common, graphs), kind), n
 
 
 @pytest.mark.gpu

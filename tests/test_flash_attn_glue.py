@@ -178,7 +178,8 @@ def test_unknown_version_is_an_error():
 
 
 def test_fa4_tile_rule_takes_the_tall_sm90_tile_for_long_16bit_prefills_at_head_dim_128():
-    from attn_ops.backends.flash_attn import SM90_TALL_TILE, SM90_TALL_TILE_MIN_QUERY, fa4_tile
+    from attn_ops.backends.flash_attn import (SM90_TALL_TILE, SM90_TALL_TILE_MIN_QUERY,
+                                              SM90_TALL_TILE_MIN_QUERY_BATCH, fa4_tile)
 
     bf16, long = torch.bfloat16, SM90_TALL_TILE_MIN_QUERY
     assert fa4_tile(9, 128, 128, bf16, long, 4) is SM90_TALL_TILE
@@ -190,28 +191,62 @@ def test_fa4_tile_rule_takes_the_tall_sm90_tile_for_long_16bit_prefills_at_head_
     assert fa4_tile(9, 64, 64, bf16, 8192, 4) == {}
     assert fa4_tile(9, 128, 128, bf16, 8192, 5) == {}  # Q by cp.async: FA4's own tile
     assert fa4_tile(9, 128, 128, bf16, 8192, 7) == {}
+    # in FA4's batch mode (no decode rows in the call) from fewer rows
+    least = SM90_TALL_TILE_MIN_QUERY_BATCH
+    assert fa4_tile(9, 128, 128, bf16, least, 4, batch=True) is SM90_TALL_TILE
+    assert fa4_tile(9, 128, 128, bf16, least - 1, 4, batch=True) == {}
+    assert fa4_tile(9, 128, 128, bf16, least, 4) == {}
 
 
-def test_fa4_batch_rule_takes_uniform_prefill_parts_of_enough_rows_when_switched_on(monkeypatch):
+def test_fa4_tile_rule_takes_the_64_row_sm90_tile_for_decodes_at_head_dim_128():
+    from attn_ops.backends.flash_attn import SM90_DECODE_TILE, fa4_tile
+
+    bf16 = torch.bfloat16
+    assert all(fa4_tile(9, 128, 128, dt, 1, g) is SM90_DECODE_TILE
+               for dt in (bf16, torch.float16) for g in (1, 2, 4, 8, 16, 64))
+    assert fa4_tile(9, 128, 128, bf16, 2, 4) == {}  # several query rows: unmeasured
+    assert fa4_tile(9, 128, 128, bf16, 1, 5) == {}  # Q by cp.async: FA4's own tile
+    assert fa4_tile(9, 128, 128, bf16, 1, 128) == {}  # the group does not fit 64 rows
+    assert fa4_tile(10, 128, 128, bf16, 1, 4) == {}  # not measured off sm90
+    assert fa4_tile(9, 64, 64, bf16, 1, 4) == fa4_tile(9, 192, 128, bf16, 1, 4) == {}
+
+
+@pytest.mark.parametrize("items,keys,wins", [
+    # (H200: 132 SMs) -> whether FA4's 64-row decode was the fastest measured
+    (32, 4096, False),  # B=4 at 8 KV heads: FlashInfer's splits, 2x
+    (64, 1024, True), (64, 8192, True), (64, 16384, False),  # B=8
+    (96, 1024, True), (96, 8192, True), (96, 16384, False),  # B=12 (long: unmeasured)
+    (128, 1024, True), (128, 32768, True),  # B=16: every length
+    (256, 16384, False), (256, 32768, False),  # B=32: FlashInfer
+    (512, 8192, False), (512, 16384, True), (2048, 32768, True),  # B=64, B=256
+])
+def test_fa4_decode_rule_picks_the_measured_best(items, keys, wins):
+    from attn_ops.backends.flash_attn import fa4_decode_wins
+
+    assert fa4_decode_wins(items, keys, 132) is wins
+
+
+def test_fa4_batch_rule_takes_uniform_prefill_parts_of_enough_rows(monkeypatch):
     from attn_ops.backends import flash_attn as fa
 
-    assert fa.fa4_batch(3 * 256, 3, 256) == 0  # off until run on the GPU
-    monkeypatch.setattr(fa, "FA4_BATCH_MODE", True)
     least = fa.FA4_BATCH_MIN_QUERY
     assert fa.fa4_batch(3 * least, 3, least) == 3
     assert fa.fa4_batch(3 * least - 1, 3, least) == 0  # lengths differ: varlen
     assert fa.fa4_batch(3 * (least - 1), 3, least - 1) == 0  # short: unmeasured
     assert fa.fa4_batch(64, 64, 1) == 0  # decodes
+    monkeypatch.setattr(fa, "FA4_BATCH_MODE", False)
+    assert fa.fa4_batch(3 * least, 3, least) == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
-@pytest.mark.parametrize("mode", ["tall", "batch"])
-def test_fa4_prefill_modes_stay_right(monkeypatch, mode, feature):
+@pytest.mark.parametrize("mode", ["tall", "batch", "decode"])
+def test_fa4_sm90_modes_stay_right(monkeypatch, mode, feature):
     """On sm90 with FA4: prefills of >= SM90_TALL_TILE_MIN_QUERY rows run with 192-row tiles
-    (P through shared memory) -- ``tall``; prefills of one length run in FA4's batch mode,
-    switched on here -- ``batch``. Against REFERENCE, LSE included, with cached contexts, a
-    window, a soft cap or sinks, next to decodes in the same step."""
+    (P through shared memory) -- ``tall``; prefills of one length run in FA4's batch mode --
+    ``batch`` (switched off for ``tall``); 12 decodes (96 items at 8 KV heads) run in FA4's
+    64-row tile -- ``decode``. Against REFERENCE, LSE included, with cached contexts, a window,
+    a soft cap or sinks, decodes and prefills in the same step."""
     from attn_ops.backends import flash_attn as fa
     from attn_ops.spec import Feature
     from attn_ops.testing import FEATURE_SPECS, Scenario, assert_matches_reference
@@ -227,13 +262,18 @@ def test_fa4_prefill_modes_stay_right(monkeypatch, mode, feature):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fa4, "_flash_attn_fwd", spy)
-    monkeypatch.setattr(fa, "FA4_BATCH_MODE", mode == "batch")
+    monkeypatch.setattr(fa, "FA4_BATCH_MODE", mode != "tall")
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                          block_size=128)
     if feature is not None:
         spec = FEATURE_SPECS[Feature[feature]](spec)
-    prefills = ((0, 1100), (300, 1030)) if mode == "tall" else ((0, 300), (120, 300), (64, 300))
-    case = make_case(spec, Scenario(((700, 1), (5, 1)) + prefills), block_size=128,
+    decodes = ((700, 1), (5, 1))
+    if mode == "decode":
+        decodes = tuple((c, 1) for c in (3000, 5, 130, 2048, 77, 1500, 900, 256, 4000, 1, 640,
+                                         129))
+    prefills = {"tall": ((0, 1100), (300, 1030)), "batch": ((0, 300), (120, 300), (64, 300)),
+                "decode": ((50, 40),)}[mode]
+    case = make_case(spec, Scenario(decodes + prefills), block_size=128,
                      device="cuda", seed=0,
                      finite_page_tails=FLASH_ATTN.capabilities.reads_page_tails)
     out, lse = run_backend(FLASH_ATTN, case)
@@ -245,7 +285,10 @@ def test_fa4_prefill_modes_stay_right(monkeypatch, mode, feature):
         return (x[:n].double() - truth_lse[:n].double()).abs().max().item()
 
     assert err(lse) <= tolerance(err(base_lse), spec.dtype)
+    tiles = [kw.get("tile_mn") for kw in calls]
     if mode == "tall":
-        assert fa.SM90_TALL_TILE["tile_mn"] in [kw.get("tile_mn") for kw in calls]
-    else:
+        assert fa.SM90_TALL_TILE["tile_mn"] in tiles
+    elif mode == "batch":
         assert any(kw.get("cu_seqlens_q") is None for kw in calls)
+    else:
+        assert tiles.count(fa.SM90_DECODE_TILE["tile_mn"]) == 1, tiles  # the decode part

@@ -52,6 +52,17 @@ def test_decode_kernel_rule_picks_the_measured_best(batch, ctx, expected):
     assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True) == expected
 
 
+@pytest.mark.parametrize("batch,ctx,expected", [
+    # (H200, 132 SMs, 8 KV heads, page 128, FA4 decoding in its 64-row tile)
+    (4, 4096, ("fa2", 8)), (8, 1024, ("fa4", -1)), (8, 16384, ("fa2", -1)),
+    (12, 4096, ("fa4", -1)), (16, 32768, ("fa4", -1)), (32, 16384, ("fa2", -1)),
+    (64, 1024, ("triton", 0)), (64, 8192, ("fa2", 0)), (64, 16384, ("fa4", -1)),
+    (256, 32768, ("fa4", -1))])
+def test_decode_kernel_rule_with_fa4s_decode_tile(batch, ctx, expected):
+    assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True, triton=True,
+                         fa4_decode_tile=True) == expected
+
+
 def test_decode_kernel_rule_takes_triton_for_short_decodes_that_fill_the_sms():
     def kernel(batch, ctx, triton=True):
         return decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True, triton=triton)
