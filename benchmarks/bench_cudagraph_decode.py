@@ -3,9 +3,10 @@
 FlashInfer's CUDA-graph mode plans differently from its eager mode (split-KV always on, the
 grid padded to a fixed size per batch size), so the fair anchor for our graph-mode decode is
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True, use_tensor_cores=True)``
-on the same batch; eager-mode planning of both is timed beside it. Decode rows run the same
-FlashInfer tensor-core kernel in FLASHINFER and in FLASH_ATTN on sm90, so FLASHINFER stands for
-both here. Same shapes and method as ``bench_gpu_attention.py``.
+on the same batch; eager-mode planning of both is timed beside it. FLASH_ATTN's graph decode
+(``flash_attn_graph``, where FA4 is installed) runs FlashInfer's graph decode below 0.4 of a wave
+of (request, KV head) items and FA4 in its 64-row tile from there (``FlashAttnBackend.
+graph_metadata``). Same shapes and method as ``bench_gpu_attention.py``.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH]
 """
@@ -18,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
+from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, check_outputs,  # noqa: E402
                                  decode_bytes, flashinfer_direct, gpu_parser, ours, time_graph,
                                  write_result)
 
@@ -45,6 +46,10 @@ def main() -> None:
     args = gpu_parser(__doc__, "bench_cudagraph_decode_h200.json", page=128, rounds=3,
                       quick=False).parse_args()
     gen = torch.Generator().manual_seed(0)
+    from attn_ops import current_platform, get_backend_class
+
+    have_fa4 = not get_backend_class("FLASH_ATTN").not_supported_reasons(SPEC,
+                                                                          current_platform())
     rows = []
     for bsz, ctx in POINTS:
         b = Batch(bsz, ctx, 1, args.page, gen)
@@ -52,6 +57,8 @@ def main() -> None:
                "flashinfer_graph": flashinfer_graph_mode(b),
                "ours": ours(b, "FLASHINFER"),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
+        if have_fa4:
+            fns["flash_attn_graph"] = ours(b, "FLASH_ATTN", graph=True)
         diff = max(check_outputs(b, fns, "flashinfer_tc").values())
         ms = time_graph(fns, args.rounds)
         nbytes = decode_bytes(bsz, ctx)

@@ -7,6 +7,7 @@
 #   fa4      FLASH_ATTN / DIFFKV matrix, tests and CUDA graphs (needs both FA4 halves there)
 #   model    benchmarks/bench_model_decode.py (issue 5)
 #   grid     benchmarks/bench_gpu_attention.py --rounds 2 (issue 3)
+#   cgraph   benchmarks/bench_cudagraph_decode.py (graph decode against FlashInfer's graph mode)
 #   triton   benchmarks/bench_triton_attention.py --rounds 1 (issue 4)
 #   builder  benchmarks/profile_builder.py
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
@@ -74,6 +75,8 @@ for spec in "$@"; do
     model) stage model "$limit" python benchmarks/bench_model_decode.py \
         ${MODEL_BACKENDS:+--backends $MODEL_BACKENDS} ;;
     grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py ${GRID_ARGS:---rounds 2} ;;
+    cgraph) stage cgraph "$limit" python benchmarks/bench_cudagraph_decode.py \
+        --out "$OUT/bench_cudagraph_decode_h200.json" ;;
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
