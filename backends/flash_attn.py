@@ -100,25 +100,27 @@ SM90_TALL_TILE = {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overla
 # From 1024 query rows on. Shorter prefills gained too, measured once (sweep_prefill_tall_h200
 # .json: 32x512 266 -> 282, 64x256 152 -> 156), but where FA4 runs a whole step (no FlashInfer)
 # its decode rows share the call, and the tile is unmeasured there. In FA4's batch mode (one
-# query length, no decode rows) from 512 rows: 32x512 286 -> 291 (sweep_prefill_h200.json,
-# 44d7df4; 64x256 lost, 182 -> 176).
+# query length, no decode rows) from 512 rows: 32x512 286 -> 291 (sweep_prefill_batch_h200
+# .json, 44d7df4; 64x256 lost, 182 -> 176).
 SM90_TALL_TILE_MIN_QUERY = 1024
 SM90_TALL_TILE_MIN_QUERY_BATCH = 512
 # Decodes (one query row per request: the GQA group's heads packed into the tile's rows) fill
 # few of the 128 rows; 64 rows (one MMA warpgroup) read the cache faster. FA4 called directly,
-# paged, page 128, 32/8 heads, TB/s, FA4's tile -> 64x128 (sweep_decode_h200.json, 866fdba and
-# 44d7df4): B=12 ctx 1k 2.86 -> 3.70, ctx 4k 3.86 -> 4.06; B=16 ctx 1k 3.21 -> 3.34, ctx 32k
-# 4.37 -> 4.58; B=128 ctx 32k 4.10 -> 4.63; same outputs. (64x96/112/160 and 64x128 without RS
-# were slower or level; 64 rows divide by the group for FA4's TMA load of Q, as 192 must.)
+# paged, page 128, 32/8 heads (group 4; other groups unmeasured), TB/s, FA4's tile -> 64x128
+# (sweep_decode_b12_h200.json at 44d7df4, sweep_decode_h200.json at 866fdba): B=12 ctx 1k 2.86 ->
+# 3.70, ctx 4k 3.86 -> 4.06; B=16 ctx 1k 3.21 -> 3.34, ctx 32k 4.37 -> 4.58; B=128 ctx 32k 4.10
+# -> 4.63; same outputs. (64x96/112/160 -- no TMA for pages of 128 then -- and 64x128 without
+# RS were slower or level; 64 rows divide by the group for FA4's TMA load of Q, as 192 must.)
 SM90_DECODE_TILE = {"tile_mn": (64, 128), "mma_pv_is_rs": True, "intra_wg_overlap": True}
 
 
 def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int,
              group: int, batch: bool = False) -> dict:
     """FA4 tile arguments for a call (empty: FA4's own choice). ``group``: query heads per KV
-    head; ``batch``: the call runs in FA4's batch mode. FA4 packs a group's heads into the
-    tile's rows (``pack_gqa``, its default under GQA) and loads Q by TMA only if the group
-    divides the rows; otherwise (groups of 5 or 7, say: Qwen2.5-14B, Qwen2-7B) its producer
+    head; ``batch``: the call runs in FA4's batch mode. Decodes (``max_q`` 1) take
+    :data:`SM90_DECODE_TILE`, long prefills :data:`SM90_TALL_TILE`. FA4 packs a group's heads
+    into the tile's rows (``pack_gqa``, its default under GQA) and loads Q by TMA only if the
+    group divides the rows; otherwise (groups of 5 or 7, say: Qwen2.5-14B, Qwen2-7B) its producer
     loads Q by cp.async, which FA4 provisions registers for with two MMA warpgroups, not three
     -- so those keep FA4's tile."""
     if major != 9 or head_dim != 128 or head_dim_v != 128 \
@@ -135,8 +137,9 @@ def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max
 def fa4_decode_wins(items: int, max_keys: int, num_sms: int) -> bool:
     """Whether FA4 with :data:`SM90_DECODE_TILE` (no split on sm90: one CTA per (request, KV
     head) ``item``) is the fastest decode measured for ``items`` work items of at most
-    ``max_keys`` keys (H200, 132 SMs, page 128, sweep_decode_h200.json at 866fdba; TB/s, FA4
-    64x128 vs the best of FlashInfer's split rules, TRITON_ATTN's decode, FA4's own tile):
+    ``max_keys`` keys (H200, 132 SMs, page 128, sweep_decode_h200.json at 866fdba and, B=12,
+    sweep_decode_b12_h200.json; TB/s, FA4 64x128 vs the best of FlashInfer's split rules,
+    TRITON_ATTN's decode, FA4's own tile):
 
     * from 0.4 of a wave to just under one (B=8-16 at 8 KV heads) up to 8k keys -- B=8 ctx 4k
       3.64 vs 3.37, B=12 ctx 1k 3.70 vs 2.86 -- and at every length from 0.9 of a wave (B=16
@@ -157,9 +160,9 @@ def fa4_decode_wins(items: int, max_keys: int, num_sms: int) -> bool:
 # length of >= FA4_BATCH_MIN_QUERY rows. FA4 called directly, paged, TFLOP/s, varlen -> batch
 # (sweep_prefill_tall_h200.json, 1f8fdf0): 64x256 152 -> 182, 32x512 266 -> 269, 16x1k with the
 # tall tile 381 -> 389, 4x4k / 1x8k level; same output bits. Through our op (FlashInfer's, FA4
-# prefill) at 44d7df4 (sweep_prefill_h200.json), varlen -> batch: 64x256 150 -> 182, 32x512
-# 264 -> 287, 16x1k 391 -> 396, 1x8k 614 -> 623, as FA4 called directly in batch mode; the GPU
-# test tests/test_flash_attn_glue.py::test_fa4_prefill_modes_stay_right[batch-*] passed.
+# prefill) at 44d7df4 (sweep_prefill_batch_h200.json), varlen -> batch: 64x256 150 -> 182,
+# 32x512 264 -> 287, 16x1k 391 -> 396, 1x8k 614 -> 623, as FA4 called directly in batch mode;
+# the GPU test tests/test_flash_attn_glue.py::test_fa4_sm90_modes_stay_right[batch-*] passed.
 FA4_BATCH_MODE = True
 FA4_BATCH_MIN_QUERY = 256  # the shortest measured
 
@@ -416,12 +419,16 @@ class FlashAttnBackend(AttentionBackend):
         (persistent), a persistent ``cu_seqlens_k``, and host bounds fixed per capture size
         (``max_seqlen_k`` = the graphs' longest request, token count "on the device"). On sm90,
         single-token decode graphs run FlashInfer's CUDA-graph decode -- except, where FA4
-        decodes in its 64-row tile (``fa4_tile``), capture sizes of at least 0.4 of a wave of
+        decodes in its 64-row tile (``fa4_tile``), capture sizes of 0.4 to 8 waves of
         (request, KV head) items: there FA4 (one CTA per item, no plan; the graph is fixed per
-        size, whatever the lengths) beat FlashInfer's graph decode, which always splits, at
-        every length measured (H200, B=8 ctx 4k 3.64 vs 2.90 TB/s, B=16 ctx 8k 4.44 vs 3.98,
-        B=128 ctx 32k 4.63 vs 4.43; FA4 in sweep_decode_h200.json, FlashInfer's graph decode
-        in bench_gpu_attention_h200.json at 1f8fdf0)."""
+        size, whatever the lengths) beat FlashInfer's graph decode, which always splits, by up
+        to 66% or stayed within 1% of it (H200, TB/s, FLASH_ATTN's graph decode before -> after
+        at 1f8fdf0 -> ee977c3, bench_gpu_attention_h200*.json: B=8 ctx 4k 2.90 -> 3.47, B=12
+        ctx 1k 2.02 -> 3.36, B=16 ctx 8k 3.98 -> 4.28, B=64 ctx 4k 4.19 -> 4.23; against
+        FlashInfer's own graph mode, bench_cudagraph_decode_h200.json: B=8 ctx 8k 3.84 vs
+        3.80, B=64 ctx 4k 4.19 vs 4.23, B=256 ctx 8k 4.39 vs 4.40). It lost at B=8 ctx 32k
+        (4.24 -> 4.08; the size's other lengths gained 8-36%) and, at 15.5 waves, B=256 ctx 1k
+        (4.02 -> 3.76) and ctx 4k (4.34 -> 4.30): sizes of 8 waves or more keep FlashInfer."""
         super().graph_metadata(padded, graphs)
         if self._hybrid is not None and graphs.query_len == 1 \
                 and not self._fa4_graph_decode(padded.num_reqs, graphs.device):
@@ -448,9 +455,8 @@ class FlashAttnBackend(AttentionBackend):
         """Whether sm90 decode graphs of ``size`` requests run FA4 (see ``graph_metadata``)."""
         from attn_ops.backends.flashinfer import fa4_decodes_in_short_tile
 
-        items = size * self.spec.kv_heads
-        return 5 * items >= 2 * multiprocessor_count(device) \
-            and fa4_decodes_in_short_tile(self.spec, device)
+        items, sms = size * self.spec.kv_heads, multiprocessor_count(device)
+        return 2 * sms <= 5 * items < 40 * sms and fa4_decodes_in_short_tile(self.spec, device)
 
     def metadata_key(self) -> tuple:
         hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()

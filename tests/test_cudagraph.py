@@ -144,7 +144,7 @@ def test_declared_levels():
 
 GPU_BASE = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
 # Llama-3-8B's heads: FLASH_ATTN's sm90 decode graphs of 16 requests (128 items) run FA4 in its
-# 64-row tile, of 1 or 4 FlashInfer's graph decode (test_flash_attn_sm90_decode_graphs_...)
+# 64-row tile, of 1 or 4 FlashInfer's graph decode (test_flash_attn_sm90_decode_graphs_*)
 GPU_GQA = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
@@ -253,9 +253,9 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode,
 
 
 @pytest.mark.gpu
-def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_4_of_a_wave():
-    """FLASH_ATTN on sm90 with FlashInfer: decode graphs of at least 0.4 of a wave of (request,
-    KV head) items run FA4 (its own graph metadata), smaller ones FlashInfer's graph decode.
+def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_4_to_8_waves():
+    """FLASH_ATTN on sm90 with FlashInfer: decode graphs of 0.4 to 8 waves of (request, KV
+    head) items run FA4 (its own graph metadata), others FlashInfer's graph decode.
     (Both are replayed against REFERENCE by test_capture_once_per_size_then_replay_changing_
     batches[FLASH_ATTN-gqa_d128-*].)"""
     from attn_ops.backends.flash_attn import FlashAttnMetadata
@@ -266,13 +266,15 @@ def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_4_of_a_wave():
     if cls.not_supported_reasons(GPU_GQA, PLATFORM) or PLATFORM.capability[0] != 9 \
             or get_backend_class("FLASHINFER").not_supported_reasons(GPU_GQA, PLATFORM):
         pytest.skip("FLASH_ATTN's sm90 route (FA4 with FlashInfer) cannot run here")
-    wave = 2 * multiprocessor_count(torch.device("cuda")) / (5 * GPU_GQA.kv_heads)
-    small, big = math.ceil(wave) - 1, math.ceil(wave)
-    graphs = CUDAGraphBatch((small, big), WIDTH, BLOCK, "cuda")
+    wave = multiprocessor_count(torch.device("cuda")) / GPU_GQA.kv_heads  # requests
+    small, big = math.ceil(0.4 * wave) - 1, math.ceil(0.4 * wave)
+    most, too_many = math.ceil(8 * wave) - 1, math.ceil(8 * wave)
+    graphs = CUDAGraphBatch((small, big, most, too_many), WIDTH, BLOCK, "cuda")
     impl = cls(GPU_GQA.with_(block_size=BLOCK))
     rng = random.Random(0)
-    for n, kind in ((small, FlashInferMetadata), (big, FlashAttnMetadata)):
-        common = graphs.pad(_random_batch(n, big * WIDTH + 1, rng, "cuda"))
+    for n, kind in ((small, FlashInferMetadata), (big, FlashAttnMetadata),
+                    (most, FlashAttnMetadata), (too_many, FlashInferMetadata)):
+        common = graphs.pad(_random_batch(n, too_many * WIDTH + 1, rng, "cuda"))
         assert isinstance(impl.graph_metadata(common, graphs), kind), n
 
 
