@@ -134,12 +134,24 @@ def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max
     return {}
 
 
+def fa4_decodes_in_short_tile(spec: AttentionSpec, device: torch.device) -> bool:
+    """Whether FA4 runs ``spec``'s decodes on ``device`` in :data:`SM90_DECODE_TILE` (the spec
+    checked first: the device's capability is read only where it could)."""
+    def tile(major: int) -> dict:
+        return fa4_tile(major, spec.head_dim, spec.v_head_dim, spec.dtype, 1,
+                        spec.num_heads // spec.kv_heads)
+
+    return tile(9) is SM90_DECODE_TILE \
+        and tile(torch.cuda.get_device_capability(device)[0]) is SM90_DECODE_TILE
+
+
 def fa4_decode_wins(items: int, max_keys: int, num_sms: int) -> bool:
     """Whether FA4 with :data:`SM90_DECODE_TILE` (no split on sm90: one CTA per (request, KV
     head) ``item``) is the fastest decode measured for ``items`` work items of at most
     ``max_keys`` keys (H200, 132 SMs, page 128, sweep_decode_h200.json at 866fdba and, B=12,
     sweep_decode_b12_h200.json; TB/s, FA4 64x128 vs the best of FlashInfer's split rules,
-    TRITON_ATTN's decode, FA4's own tile):
+    TRITON_ATTN's decode, FA4's own tile; pages of other sizes, which FA4 cannot load by TMA
+    in this tile, and GQA groups other than 4 unmeasured):
 
     * from 0.4 of a wave to just under one (B=8-16 at 8 KV heads) up to 8k keys -- B=8 ctx 4k
       3.64 vs 3.37, B=12 ctx 1k 3.70 vs 2.86 -- and at every length from 0.9 of a wave (B=16
@@ -453,8 +465,6 @@ class FlashAttnBackend(AttentionBackend):
 
     def _fa4_graph_decode(self, size: int, device) -> bool:
         """Whether sm90 decode graphs of ``size`` requests run FA4 (see ``graph_metadata``)."""
-        from attn_ops.backends.flashinfer import fa4_decodes_in_short_tile
-
         items, sms = size * self.spec.kv_heads, multiprocessor_count(device)
         return 2 * sms <= 5 * items < 40 * sms and fa4_decodes_in_short_tile(self.spec, device)
 

@@ -242,18 +242,6 @@ def warmup(spec: AttentionSpec, platform_major: int = 9) -> None:
         _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim, window, cap)
 
 
-def fa4_decodes_in_short_tile(spec: AttentionSpec, device: torch.device) -> bool:
-    """Whether FA4 runs ``spec``'s decodes on ``device`` in its 64-row sm90 decode tile."""
-    from attn_ops.backends.flash_attn import SM90_DECODE_TILE, fa4_tile
-
-    def tile(major: int) -> dict:
-        return fa4_tile(major, spec.head_dim, spec.v_head_dim, spec.dtype, 1,
-                        spec.num_heads // spec.kv_heads)
-
-    return tile(9) is SM90_DECODE_TILE \
-        and tile(torch.cuda.get_device_capability(device)[0]) is SM90_DECODE_TILE
-
-
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # step metadata -> plans
 _EAGER_PLANNERS: dict = {}  # (planning key, device) -> _Planner
 
@@ -289,8 +277,11 @@ class _Planner:
         self._unused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.split_budget = split_budget(self.num_sms, spec.kv_heads)
-        self.fa4_decode_tile = prefill_kernel == "fa4" and fa4_decodes_in_short_tile(spec,
-                                                                                      device)
+        self.fa4_decode_tile = False
+        if prefill_kernel == "fa4":
+            from attn_ops.backends.flash_attn import fa4_decodes_in_short_tile
+
+            self.fa4_decode_tile = fa4_decodes_in_short_tile(spec, device)
 
     def unused(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stand-ins for ``seq_lens`` and a ``block_table`` of ``width`` columns where no part
