@@ -6,7 +6,11 @@ FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True, use_tenso
 on the same batch; eager-mode planning of both is timed beside it. FLASH_ATTN's graph decode
 (``flash_attn_graph``, where FA4 is installed) runs FlashInfer's graph decode below 0.4 of a wave
 of (request, KV head) items and FA4 in its 64-row tile from there (``FlashAttnBackend.
-graph_metadata``). Same shapes and method as ``bench_gpu_attention.py``.
+graph_metadata``). TRITON_ATTN's graph decode (``triton_graph``: its split-KV kernel, split
+count fixed per capture size) is timed beside them: below 0.4 of a wave FlashInfer's graph
+decode trails its own eager plans by up to 40% (B=1 ctx 4k 1.07 vs 1.71 TB/s,
+``bench_gpu_attention_h200.json`` at e37a464), and TRITON_ATTN is a candidate there. Same
+shapes and method as ``bench_gpu_attention.py``.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH]
 """
@@ -23,7 +27,7 @@ from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, check_outputs, 
                                  decode_bytes, flashinfer_direct, gpu_parser, ours, time_graph,
                                  write_result)
 
-POINTS = ((1, 32768), (8, 8192), (64, 4096), (256, 8192))
+POINTS = ((1, 4096), (1, 32768), (4, 1024), (8, 8192), (64, 4096), (256, 8192))
 
 
 def flashinfer_graph_mode(b: Batch):
@@ -48,8 +52,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     from attn_ops import current_platform, get_backend_class
 
-    have_fa4 = not get_backend_class("FLASH_ATTN").not_supported_reasons(SPEC,
-                                                                          current_platform())
+    def runs(name: str) -> bool:
+        return not get_backend_class(name).not_supported_reasons(SPEC, current_platform())
+
     rows = []
     for bsz, ctx in POINTS:
         b = Batch(bsz, ctx, 1, args.page, gen)
@@ -57,8 +62,10 @@ def main() -> None:
                "flashinfer_graph": flashinfer_graph_mode(b),
                "ours": ours(b, "FLASHINFER"),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
-        if have_fa4:
+        if runs("FLASH_ATTN"):
             fns["flash_attn_graph"] = ours(b, "FLASH_ATTN", graph=True)
+        if runs("TRITON_ATTN"):
+            fns["triton_graph"] = ours(b, "TRITON_ATTN", graph=True)
         diff = max(check_outputs(b, fns, "flashinfer_tc").values())
         ms = time_graph(fns, args.rounds)
         nbytes = decode_bytes(bsz, ctx)
