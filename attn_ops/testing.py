@@ -34,6 +34,7 @@ class Scenario:
     shuffle_pages: bool = True
     poison_unused: bool = True  # fill every slot not written by the batch with NaN
     pad_tokens: int = 0  # extra query rows past the batch (a CUDA-graph-padded batch)
+    decode_threshold: int = 1  # query lengths counted as decodes (speculative decoding: > 1)
 
 
 SCENARIOS = {
@@ -47,6 +48,8 @@ SCENARIOS = {
     "permuted_pages_nan_poisoned": Scenario(((23, 1), (14, 3), (0, 18)), shuffle_pages=True,
                                             poison_unused=True),
     "padded_batch": Scenario(((19, 1), (7, 1), (0, 5)), pad_tokens=3),
+    # speculative decoding: decodes verify up to 3 draft tokens (query lengths 1-4)
+    "spec_decodes": Scenario(((21, 4), (9, 1), (30, 3), (2, 2), (0, 10)), decode_threshold=4),
 }
 
 
@@ -103,7 +106,8 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
     num_blocks = num_blocks or needed + 8
     alloc = BlockAllocator(num_blocks, block_size, shuffle=scenario.shuffle_pages, seed=seed)
     meta = build_batch(alloc, list(range(len(ctx))), ctx, qlens, device=device,
-                       num_tokens_padded=sum(qlens) + scenario.pad_tokens)
+                       num_tokens_padded=sum(qlens) + scenario.pad_tokens,
+                       decode_threshold=scenario.decode_threshold)
     fp8 = spec.kv_cache_dtype.is_fp8
 
     def randn(*shape):

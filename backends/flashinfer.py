@@ -340,9 +340,13 @@ class _Planner:
             if part == 0:
                 longest = common.max_seq_len if nd == n else int(seq[:nd].max())
                 max_pages = -(-longest // block_size)
+                # decodes of several query rows (speculative decoding: ``decode_threshold``)
+                # neither take TRITON_ATTN's kernel nor FA4's decode tile (measured: one row)
+                decode_rows = 1 if common.num_decode_tokens == nd else int(np.diff(qo).max())
                 kernel, chunk = decode_kernel(nd, self.spec.kv_heads, max_pages, block_size,
                                               self.num_sms, self.prefill_kernel == "fa4",
-                                              self.triton_decode, self.fa4_decode_tile)
+                                              self.triton_decode and decode_rows == 1,
+                                              self.fa4_decode_tile and decode_rows == 1)
                 at = dev.query_start_loc, dev.block_indptr, dev.last_page_len, dev.block_indices
             else:
                 kernel, chunk = self.prefill_kernel, -1
@@ -351,7 +355,7 @@ class _Planner:
             if kernel in TABLE_KERNELS:  # they read the common metadata's device tables
                 uses_tables = True
                 num_indices = 0
-                plan = [1 if part == 0 else common.max_query_len,
+                plan = [decode_rows if part == 0 else common.max_query_len,
                         longest if kernel == "triton" else common.max_seq_len]
             else:
                 pages = indptr[first:stop + 1]

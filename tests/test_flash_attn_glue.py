@@ -124,7 +124,7 @@ def _params():
             if vid == "alibi" and version != 2:
                 continue
             for scenario in ("decode_only", "mixed", "long_context", "prefill_only",
-                             "padded_batch"):
+                             "padded_batch", "spec_decodes"):
                 yield pytest.param(version, block_size, spec, scenario,
                                    id=f"fa{version}-{vid}-{scenario}")
 

@@ -296,6 +296,10 @@ def _fa4_standin(q, k_cache, v_cache, *, seqused_k, page_table, softmax_scale, c
         starts = cu_seqlens_q.tolist()
         parts = [(q[q0:q1], out[q0:q1], lse[:, q0:q1] if return_lse else None)
                  for q0, q1 in zip(starts, starts[1:])]
+        # FA4 sizes its grid from the bounds: rows or keys past them would go uncomputed
+        longest_q = max(q1 - q0 for q0, q1 in zip(starts, starts[1:]))
+        assert max_seqlen_q >= longest_q, f"max_seqlen_q={max_seqlen_q} < {longest_q} rows"
+        assert max_seqlen_k >= int(seqused_k.max()), f"max_seqlen_k={max_seqlen_k}"
     for b, (q_b, out_b, lse_b) in enumerate(parts):  # (views: writes land in out and lse)
         kv_len = int(seqused_k[b])
         pages = page_table[b, :-(-kv_len // page)].long()
@@ -466,7 +470,7 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
 @pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4", "fa4+triton"])
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave",
-                                      "fills_the_sms", "uniform_prefills"])
+                                      "fills_the_sms", "uniform_prefills", "spec_decodes"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
                                                feature, prefill_kernel):
     """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
@@ -478,8 +482,9 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
     the prefills -- FLASH_ATTN's route on sm90; ``fills_the_sms``: short decodes 4 times the SMs'
     worth, which ``fa4+triton`` -- FLASH_ATTN's sm90 route where TRITON_ATTN takes the spec --
     gives TRITON_ATTN's decode kernel, run here in Triton's interpreter; ``uniform_prefills``:
-    prefills of one length of FA4_BATCH_MIN_QUERY rows, which FA4 runs in batch mode, switched
-    on here.)"""
+    prefills of one length of FA4_BATCH_MIN_QUERY rows, which FA4 runs in batch mode;
+    ``spec_decodes``: decodes of up to 4 query rows, about one wave of them -- FA4 must be told
+    their longest, which the stand-in checks.)"""
     import sys
     import types
 
@@ -515,6 +520,8 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
             "fills_the_sms": Scenario(tuple((c, 1) for c in range(3, 115, 7)) + ((4, 6),)),
             "uniform_prefills": Scenario(((12, 1), (40, 1), (0, uniform), (30, uniform),
                                           (100, uniform))),
+            # about one wave of decodes of up to 4 query rows (speculative decoding)
+            "spec_decodes": Scenario(((21, 4), (9, 1), (30, 3), (0, 10)), decode_threshold=4),
             }.get(scenario) or SCENARIOS[scenario]
     triton = prefill_kernel.endswith("+triton")
     impl = FLASHINFER(spec, prefill_kernel=prefill_kernel.removesuffix("+triton"),
