@@ -50,6 +50,7 @@ SCENARIOS = {
     "padded_batch": Scenario(((19, 1), (7, 1), (0, 5)), pad_tokens=3),
     # speculative decoding: decodes verify up to 3 draft tokens (query lengths 1-4)
     "spec_decodes": Scenario(((21, 4), (9, 1), (30, 3), (2, 2), (0, 10)), decode_threshold=4),
+    "spec_decodes_only": Scenario(((40, 3), (7, 4), (18, 1)), decode_threshold=4),
 }
 
 

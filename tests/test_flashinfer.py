@@ -470,7 +470,8 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
 @pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4", "fa4+triton"])
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave",
-                                      "fills_the_sms", "uniform_prefills", "spec_decodes"])
+                                      "fills_the_sms", "uniform_prefills", "spec_decodes",
+                                      "spec_decodes_only"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
                                                feature, prefill_kernel):
     """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
