@@ -88,6 +88,29 @@ def split_budget(num_sms: int, kv_heads: int) -> int:
     return 2 * num_sms // kv_heads
 
 
+# FlashInfer's CUDA-graph rule aims at two CTAs per SM with chunks of at least one page, so a
+# small batch is cut into one-page chunks: at B=1 ctx 4k (32 pages, 8 KV heads) 32 chunks a
+# request, 1.07 TB/s on the H200 where the eager plan with decode_kernel's chunks (16 of two
+# pages) gives 1.71 (bench_gpu_attention_h200.json at e37a464). In CUDA-graph mode FlashInfer
+# takes a fixed chunk too: the grid stays padded to its split budget (which the chunks of
+# decode_kernel's rule never exceed), the chunk size lives in the device workspace, and the
+# plan keeps splitting as long as the longest request has two chunks or more (else FlashInfer's
+# own rule, which always splits in this mode) -- so the host plan vector, which the captured
+# grid depends on, stays the same. Off until run on the GPU (tests/test_cudagraph.py::
+# test_flashinfer_graph_chunks_replay_against_reference; bench_cudagraph_decode.py times it).
+GRAPH_CHUNKS = False
+
+
+def graph_chunk(size: int, kv_heads: int, max_pages: int, block_size: int,
+                num_sms: int) -> int:
+    """The split-KV chunk in pages (-1: FlashInfer's CUDA-graph rule) of a CUDA-graph decode
+    batch of ``size`` requests (padding included), the longest ``max_pages`` pages long."""
+    if not GRAPH_CHUNKS:
+        return -1
+    chunk = decode_kernel(size, kv_heads, max_pages, block_size, num_sms, fa4=False)[1]
+    return chunk if 0 < chunk < max_pages else -1
+
+
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
                   num_sms: int, fa4: bool, triton: bool = False,
                   fa4_decode_tile: bool = False) -> tuple[str, int]:
@@ -382,7 +405,8 @@ class _GraphPlanner(_Planner):
     whose host vector must not change between capture and replays (checked: in this mode
     FlashInfer fixes the grid per batch size), and the padded requests' rows zeroed on the
     device (they have no pages: ``last_page_len`` 0). In this mode FlashInfer's rule always
-    splits (and merges); capture sizes past its split budget, where it could not split
+    splits (and merges) -- with :data:`GRAPH_CHUNKS`, into :func:`decode_kernel`'s chunks
+    where it has some; capture sizes past its split budget, where it could not split
     eagerly either, are planned without a split instead -- the eager kernel, no merge, and a
     plan that stays the same from step to step (FlashInfer is not called again)."""
 
@@ -402,9 +426,12 @@ class _GraphPlanner(_Planner):
         kv_indptr, kv_indices = padded.block_csr()
         seq = padded.seq_lens_cpu.numpy()
         last = last_page_len(seq, padded.block_size)
+        chunk = 0 if size > self.split_budget else graph_chunk(
+            size, self.spec.kv_heads, -(-int(seq.max(initial=1)) // padded.block_size),
+            padded.block_size, self.num_sms)
         kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
-                                     graph=True, chunk=0 if size > self.split_budget else -1)
+                                     graph=True, chunk=chunk)
         made, captured = self.plans.get(size, (None, None))
         if kernel_plan is not made:  # (a plan kept in the workspace is the one checked)
             # (num_indices: all the buffer holds past the other tables, the same every replay)

@@ -279,6 +279,49 @@ def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_4_to_8_waves():
 
 
 @pytest.mark.gpu
+def test_flashinfer_graph_chunks_replay_against_reference(monkeypatch):
+    """``flashinfer.GRAPH_CHUNKS`` on: small CUDA-graph decode batches split into
+    ``decode_kernel``'s chunks (a new chunk size every replay, the captured grid unchanged),
+    replayed with changing sizes and lengths against REFERENCE."""
+    from attn_ops.backends import flashinfer as fi
+
+    if "FLASHINFER" not in [p.values[0] for p in _graph_params()]:
+        pytest.skip("FLASHINFER cannot run here")
+    monkeypatch.setattr(fi, "GRAPH_CHUNKS", True)
+    rng, gen = random.Random(5), torch.Generator(device="cuda").manual_seed(5)
+    sizes, width = (1, 4), 128  # up to 2k keys: chunks of several pages
+    num_blocks = sizes[-1] * width + 1
+    graphs = CUDAGraphBatch(sizes, width, BLOCK, "cuda")
+    layer = Attention(GPU_GQA.with_(block_size=BLOCK),
+                      AttentionConfig(backend="FLASHINFER")).cuda()
+    cache = layer.allocate_kv_cache(num_blocks)
+    cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
+    hq, d = GPU_GQA.num_heads, GPU_GQA.head_dim
+    q = torch.randn(sizes[-1], hq, d, generator=gen, device="cuda").to(GPU_GQA.dtype)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(sizes[-1], hq, device="cuda")
+    captured, chunks = {}, set()
+    for n in (1, 4, 1, 3, 4, 2, 1, 4):  # the first of each size captures
+        common = _random_batch(n, num_blocks, rng, "cuda", max_len=width * BLOCK)
+        meta = build_step_metadata(layer, common, graphs)[layer._metadata_key]
+        size = graphs.size_for(n)
+        chunks.add(graphs.backend_state[layer._metadata_key].decode_ws.last[0][2])
+        if size not in captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                layer.impl.forward(q[:size], cache, meta, out[:size], lse=lse[:size])
+            torch.cuda.current_stream().wait_stream(side)
+            captured[size] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured[size]):
+                layer.impl.forward(q[:size], cache, meta, out[:size], lse=lse[:size])
+        q.normal_(generator=gen)
+        captured[size].replay()
+        _check(GPU_GQA, out, lse, q, cache, common, n, size)
+    assert any(c > 0 for c in chunks), chunks  # fixed chunks were planned
+
+
+@pytest.mark.gpu
 def test_flashinfer_graphs_past_the_split_budget_replay_on_one_plan():
     """A capture size past FlashInfer's split budget is planned without a split (its eager
     kernel, no merge) and never planned again: replays with fewer requests and new lengths

@@ -427,6 +427,36 @@ def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, mon
     assert len(calls) == 3 and calls[-1][1:] == (-1, False)  # within the budget: every step
 
 
+def test_graph_chunks_follow_the_eager_split_rule_when_switched_on(standin_flashinfer,
+                                                                   monkeypatch):
+    """With ``GRAPH_CHUNKS`` a CUDA-graph decode batch is split into ``decode_kernel``'s chunks
+    (planned again every step: the chunk size lives in the device workspace), or left to
+    FlashInfer's CUDA-graph rule where the longest request would not split."""
+    from attn_ops.backends import flashinfer as fi
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+
+    calls = standin_flashinfer
+    plan = fi._module().plan
+    monkeypatch.setattr(fi, "_module", lambda *a: type("M", (), {
+        "plan": staticmethod(lambda *args: plan(*args) and [3, 7])})())
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    graphs = CUDAGraphBatch((1, 4), 256, 16, "cpu")
+    planner = fi._GraphPlanner(spec, graphs)
+
+    def chunk(n, length):  # the fixed_split_size of the step's plan
+        tables = [[r * 256 + i for i in range(-(-length // 16))] for r in range(n)]
+        planner(graphs.pad(build_common_metadata([1] * n, [length] * n, tables, 16, 1024)))
+        return calls[-1][1]
+
+    assert chunk(1, 4096) == -1  # off: FlashInfer's rule
+    monkeypatch.setattr(fi, "GRAPH_CHUNKS", True)
+    # 8 items, 16 chunks each (132 SMs): 256 pages -> 16, 32 -> 2; 4 requests: 4 chunks each
+    assert (chunk(1, 4096), chunk(1, 512), chunk(4, 1024), chunk(3, 1024)) == (16, 2, 16, 16)
+    assert chunk(1, 16) == -1  # one page: it would not split
+    assert calls[-1][2] is False  # (never the no-split plan below the budget)
+
+
 def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer):
     """FlashInfer's CUDA-graph plans must give the same host vector at every step of a capture
     size (the captured grid depends on it); the stand-in's plan changes at every call."""
