@@ -134,15 +134,11 @@ def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max
     return {}
 
 
-def fa4_decodes_in_short_tile(spec: AttentionSpec, device: torch.device) -> bool:
-    """Whether FA4 runs ``spec``'s decodes on ``device`` in :data:`SM90_DECODE_TILE` (the spec
-    checked first: the device's capability is read only where it could)."""
-    def tile(major: int) -> dict:
-        return fa4_tile(major, spec.head_dim, spec.v_head_dim, spec.dtype, 1,
-                        spec.num_heads // spec.kv_heads)
-
-    return tile(9) is SM90_DECODE_TILE \
-        and tile(torch.cuda.get_device_capability(device)[0]) is SM90_DECODE_TILE
+def fa4_decodes_in_short_tile(spec: AttentionSpec, major: int = 9) -> bool:
+    """Whether FA4 runs ``spec``'s decodes in :data:`SM90_DECODE_TILE` on a GPU of compute
+    capability ``major`` (the default, 9, the only one it takes: a check of the spec alone)."""
+    return fa4_tile(major, spec.head_dim, spec.v_head_dim, spec.dtype, 1,
+                    spec.num_heads // spec.kv_heads) is SM90_DECODE_TILE
 
 
 def fa4_decode_wins(items: int, max_keys: int, num_sms: int) -> bool:
@@ -413,6 +409,8 @@ class FlashAttnBackend(AttentionBackend):
                 triton = not get_backend_class("TRITON_ATTN").not_supported_reasons(spec,
                                                                                     platform)
                 self._hybrid = flashinfer(spec, prefill_kernel="fa4", triton_decode=triton)
+        # (decided once, here on sm90: graph_metadata asks at every decode-graph step)
+        self._fa4_decode_tile = self._hybrid is not None and fa4_decodes_in_short_tile(spec)
 
     def build_metadata(self, common: CommonAttentionMetadata):
         if not isinstance(common, CommonAttentionMetadata):
@@ -466,7 +464,7 @@ class FlashAttnBackend(AttentionBackend):
     def _fa4_graph_decode(self, size: int, device) -> bool:
         """Whether sm90 decode graphs of ``size`` requests run FA4 (see ``graph_metadata``)."""
         items, sms = size * self.spec.kv_heads, multiprocessor_count(device)
-        return 2 * sms <= 5 * items < 40 * sms and fa4_decodes_in_short_tile(self.spec, device)
+        return self._fa4_decode_tile and 2 * sms <= 5 * items < 40 * sms
 
     def metadata_key(self) -> tuple:
         hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()

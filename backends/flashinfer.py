@@ -304,7 +304,9 @@ class _Planner:
         if prefill_kernel == "fa4":
             from attn_ops.backends.flash_attn import fa4_decodes_in_short_tile
 
-            self.fa4_decode_tile = fa4_decodes_in_short_tile(spec, device)
+            # (the spec first: the device's capability is read only where the tile could be)
+            self.fa4_decode_tile = fa4_decodes_in_short_tile(spec) and fa4_decodes_in_short_tile(
+                spec, torch.cuda.get_device_capability(device)[0])
 
     def unused(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stand-ins for ``seq_lens`` and a ``block_table`` of ``width`` columns where no part
