@@ -89,26 +89,30 @@ def split_budget(num_sms: int, kv_heads: int) -> int:
 
 
 # FlashInfer's CUDA-graph rule aims at two CTAs per SM with chunks of at least one page, so a
-# small batch is cut into one-page chunks: at B=1 ctx 4k (32 pages, 8 KV heads) 32 chunks a
-# request, 1.07 TB/s on the H200 where the eager plan with decode_kernel's chunks (16 of two
-# pages) gives 1.71 (bench_gpu_attention_h200.json at e37a464). In CUDA-graph mode FlashInfer
-# takes a fixed chunk too: the grid stays padded to its split budget (which the chunks of
-# decode_kernel's rule never exceed), the chunk size lives in the device workspace, and the
-# plan keeps splitting as long as the longest request has two chunks or more (else FlashInfer's
-# own rule, which always splits in this mode) -- so the host plan vector, which the captured
-# grid depends on, stays the same. Off until run on the GPU (tests/test_cudagraph.py::
-# test_flashinfer_graph_chunks_replay_against_reference; bench_cudagraph_decode.py times it).
-GRAPH_CHUNKS = False
+# small batch is cut into one-page chunks, and its grid is padded to that split budget: CTAs
+# x = 0..32 of each of 8 KV heads, of which only the first few have work when the chunks are
+# longer -- the block scheduler then stacks two working CTAs on some SMs and none on others.
+# With GRAPH_CHUNKS a capture size of at most one CTA per SM per request chunk (``per_request``
+# = SMs // items) is split into eager decode_kernel's chunks (max pages / per_request) and the
+# padded grid shrunk to exactly ``size * per_request`` CTAs per KV head, one per SM, by declaring
+# the other CTAs taken (FlashInfer's ``num_colocated_ctas``, meant for POD attention). The chunk
+# size lives in the device workspace, the grid and the host plan vector stay those of the
+# capture size; where the longest request would not split, FlashInfer's rule chooses the chunk
+# under the same budget (in this mode it always splits). H200, B=1 ctx 4k: the attention kernel
+# took 7.3 us planned eagerly, 9.2 in FlashInfer's graph rule, 9.9 in decode_kernel's chunks on
+# the padded grid (``benchmarks/exp/exp_graph_decode.py``, exp_graph_decode_h200.json).
+GRAPH_CHUNKS = True
 
 
-def graph_chunk(size: int, kv_heads: int, max_pages: int, block_size: int,
-                num_sms: int) -> int:
-    """The split-KV chunk in pages (-1: FlashInfer's CUDA-graph rule) of a CUDA-graph decode
-    batch of ``size`` requests (padding included), the longest ``max_pages`` pages long."""
-    if not GRAPH_CHUNKS:
-        return -1
-    chunk = decode_kernel(size, kv_heads, max_pages, block_size, num_sms, fa4=False)[1]
-    return chunk if 0 < chunk < max_pages else -1
+def graph_split(size: int, kv_heads: int, max_pages: int, num_sms: int) -> tuple[int, int]:
+    """``(chunk, colocated)`` for a CUDA-graph decode batch of ``size`` requests (padding
+    included), the longest ``max_pages`` pages long: FA2's split-KV chunk in pages (-1:
+    FlashInfer's rule) and the CTAs of FlashInfer's two-per-SM budget to leave unused."""
+    per_request = num_sms // (size * kv_heads)
+    if not GRAPH_CHUNKS or per_request == 0:
+        return -1, 0
+    chunk = -(-max_pages // per_request)
+    return (chunk if chunk < max_pages else -1), 2 * num_sms - kv_heads * size * per_request
 
 
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
@@ -322,9 +326,10 @@ class _Planner:
 
     def plan_part(self, ws: _IntWorkspace, kernel: str, qo: np.ndarray, kv_indptr: np.ndarray,
                   seq: np.ndarray, block_size: int, causal: bool, graph: bool,
-                  chunk: int = -1) -> list[int]:
+                  chunk: int = -1, colocated: int = 0) -> list[int]:
         """FlashInfer's plan for the requests of one part (host int32 arrays), as the kernel's
-        plan list; ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule, 0: none).
+        plan list; ``chunk``: FA2's split-KV chunk in pages (-1: FlashInfer's rule, 0: none);
+        ``colocated``: CTAs of FlashInfer's split budget (two per SM) to leave unused.
 
         FA2's plan reads only the query and page-count offsets (not the token lengths), and
         without a split not even the page counts. When they are those of this workspace's last
@@ -334,8 +339,8 @@ class _Planner:
         spec = self.spec
         key = None
         if kernel == "fa2":
-            key = (qo.tobytes(), b"" if chunk == 0 else kv_indptr.tobytes(), chunk, graph,
-                   causal, block_size)
+            key = (qo.tobytes(), b"" if chunk == 0 else kv_indptr.tobytes(), chunk, colocated,
+                   graph, causal, block_size)
             if ws.last is not None and ws.last[0] == key:
                 return ws.last[1]
         mod = _module(kernel, spec.dtype, spec.cache_dtype, spec.head_dim, spec.v_head_dim,
@@ -344,7 +349,7 @@ class _Planner:
                 int(qo[-1]), qo.shape[0] - 1, spec.num_heads, spec.kv_heads, block_size, graph,
                 spec.head_dim, spec.v_head_dim, causal, self.window]
         if kernel == "fa2":  # fixed_split_size, disable_split_kv, colocated CTAs, uniform_q
-            args += [chunk if chunk > 0 else -1, chunk == 0, 0, 0]
+            args += [chunk if chunk > 0 else -1, chunk == 0, colocated, 0]
         plan = ws.plan(mod, *args)
         ws.last = (key, plan) if key is not None else None
         return plan
@@ -405,12 +410,13 @@ class _GraphPlanner(_Planner):
     """Decode plans for CUDA-graph batches (FlashInfer's CUDA-graph mode): page tables in one
     persistent device buffer sized for the largest capture size, one plan per capture size
     whose host vector must not change between capture and replays (checked: in this mode
-    FlashInfer fixes the grid per batch size), and the padded requests' rows zeroed on the
-    device (they have no pages: ``last_page_len`` 0). In this mode FlashInfer's rule always
-    splits (and merges) -- with :data:`GRAPH_CHUNKS`, into :func:`decode_kernel`'s chunks
-    where it has some; capture sizes past its split budget, where it could not split
-    eagerly either, are planned without a split instead -- the eager kernel, no merge, and a
-    plan that stays the same from step to step (FlashInfer is not called again)."""
+    FlashInfer fixes the grid per batch size). Padded requests have no pages: FlashInfer
+    writes their rows as zero (a row that saw no key is normalized by 0) and their LSE as
+    -inf (zeroed by the op). In this mode FlashInfer always splits (and merges) -- with
+    :data:`GRAPH_CHUNKS`, small capture sizes into :func:`graph_split`'s chunks on a grid of
+    one CTA per SM; capture sizes past its split budget, where it could not split eagerly
+    either, are planned without a split instead -- the eager kernel, no merge, and a plan
+    that stays the same from step to step (FlashInfer is not called again)."""
 
     def __init__(self, spec: AttentionSpec, graphs) -> None:
         super().__init__(spec, graphs.device, "fa2")
@@ -428,12 +434,12 @@ class _GraphPlanner(_Planner):
         kv_indptr, kv_indices = padded.block_csr()
         seq = padded.seq_lens_cpu.numpy()
         last = last_page_len(seq, padded.block_size)
-        chunk = 0 if size > self.split_budget else graph_chunk(
+        chunk, colocated = (0, 0) if size > self.split_budget else graph_split(
             size, self.spec.kv_heads, -(-int(seq.max(initial=1)) // padded.block_size),
-            padded.block_size, self.num_sms)
+            self.num_sms)
         kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
-                                     graph=True, chunk=chunk)
+                                     graph=True, chunk=chunk, colocated=colocated)
         made, captured = self.plans.get(size, (None, None))
         if kernel_plan is not made:  # (a plan kept in the workspace is the one checked)
             # (num_indices: all the buffer holds past the other tables, the same every replay)
@@ -539,7 +545,7 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
                           1e4, 0, float_workspace.numel())
             if need_lse:
                 lse_part.mul_(LN2)  # FlashInfer's LSE is base 2
-            if padded:
+            if padded and lse is not None:
                 padded_part = (start, rows, last)
         start += rows
     if start < total:  # padding rows past the batch are zero, like REFERENCE's
@@ -550,12 +556,9 @@ def _flashinfer_attention(query, kv_cache, out, lse, float_workspace, tables, se
         apply_sinks(out, lse_buf, sinks)
     if fp8:
         out.mul_(v_scale.to(out.dtype))
-    if padded_part is not None:  # a CUDA-graph batch: requests without pages are padding
-        first, rows, last = padded_part
-        empty = (last == 0)[:, None]
-        out[first:first + rows].masked_fill_(empty[:, :, None], 0.0)
-        if lse is not None:
-            lse[first:first + rows].masked_fill_(empty, 0.0)
+    if padded_part is not None:  # a CUDA-graph batch: requests without pages are padding,
+        first, rows, last = padded_part  # their rows zero, their LSE -inf (or the sink's)
+        lse[first:first + rows].masked_fill_((last == 0)[:, None], 0.0)
 
 
 def _fake(query, kv_cache, out, lse, *args) -> None:

@@ -7,11 +7,11 @@ on the same batch; eager-mode planning of both is timed beside it. FLASH_ATTN's 
 (``flash_attn_graph``, where FA4 is installed) runs FlashInfer's graph decode below 0.4 of a wave
 of (request, KV head) items and FA4 in its 64-row tile from there (``FlashAttnBackend.
 graph_metadata``). TRITON_ATTN's graph decode (``triton_graph``: its split-KV kernel, split
-count fixed per capture size) is timed beside them: below 0.4 of a wave FlashInfer's graph
-decode trails its own eager plans by up to 40% (B=1 ctx 4k 1.07 vs 1.71 TB/s,
-``bench_gpu_attention_h200.json`` at e37a464); candidates there: TRITON_ATTN, and
-FLASHINFER's graph decode split into ``decode_kernel``'s chunks (``ours_graph_chunks``:
-``flashinfer.GRAPH_CHUNKS``). Same shapes and method as ``bench_gpu_attention.py``.
+count fixed per capture size) is timed beside them, and FLASHINFER's graph decode with
+``flashinfer.GRAPH_CHUNKS`` off (``ours_graph_fi_rule``: FlashInfer's own graph split rule on
+its padded grid, which trailed the eager plans by up to 40% at small batches: B=1 ctx 4k 1.07
+vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at e37a464). Same shapes and method as
+``bench_gpu_attention.py``.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH]
 """
@@ -47,16 +47,17 @@ def flashinfer_graph_mode(b: Batch):
     return lambda: w.run(b.q, b.cache, out=b.out)
 
 
-def chunked_graph(b: Batch):
-    """FLASHINFER's graph decode planned with ``flashinfer.GRAPH_CHUNKS`` on (the plan is made
-    here, once: the switch matters only while planning)."""
+def graph_flashinfer_rule(b: Batch):
+    """FLASHINFER's graph decode planned with ``flashinfer.GRAPH_CHUNKS`` off: FlashInfer's own
+    CUDA-graph split rule on its padded grid (the plan is made here, once: the switch matters
+    only while planning)."""
     from attn_ops.backends import flashinfer as fi
 
-    fi.GRAPH_CHUNKS = True
+    fi.GRAPH_CHUNKS = False
     try:
         return ours(b, "FLASHINFER", graph=True)
     finally:
-        fi.GRAPH_CHUNKS = False
+        fi.GRAPH_CHUNKS = True
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
     for bsz, ctx in POINTS:
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"ours_graph": ours(b, "FLASHINFER", graph=True),
-               "ours_graph_chunks": chunked_graph(b),
+               "ours_graph_fi_rule": graph_flashinfer_rule(b),
                "flashinfer_graph": flashinfer_graph_mode(b),
                "ours": ours(b, "FLASHINFER"),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}

@@ -29,6 +29,7 @@
 #   fexp     benchmarks/exp/exp_flex_short.py (FLEX_ATTENTION's short prefill, part by part)
 #   fdec     benchmarks/exp/exp_flex_decode.py (FLEX_ATTENTION's decode: split counts, stages)
 #   ceil     benchmarks/exp/exp_decode_ceiling.py (short-context decode at batch 64: read ceilings)
+#   gexp     benchmarks/exp/exp_graph_decode.py (small-batch graph decode, kernel by kernel)
 #   power    benchmarks/exp/exp_prefill_power.py (1x8k prefill run back to back: clock, power; FA4)
 #   memcheck compute-sanitizer memcheck over a subset of the TRITON_ATTN / TREE_ATTN tests
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
@@ -92,6 +93,7 @@ for spec in "$@"; do
     fexp) stage fexp "$limit" python benchmarks/exp/exp_flex_short.py ;;
     fdec) stage fdec "$limit" python benchmarks/exp/exp_flex_decode.py ;;
     ceil) stage ceil "$limit" python benchmarks/exp/exp_decode_ceiling.py ;;
+    gexp) stage gexp "$limit" python benchmarks/exp/exp_graph_decode.py ;;
     power) stage power "$limit" python benchmarks/exp/exp_prefill_power.py ;;
     tab) stage tab "$limit" python benchmarks/exp/exp_triton_ab.py ${TAB_VERSIONS:-} ;;
     psweep) stage psweep "$limit" python benchmarks/sweep_kernel_configs.py --only prefill \

@@ -281,8 +281,9 @@ def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_4_to_8_waves():
 @pytest.mark.gpu
 def test_flashinfer_graph_chunks_replay_against_reference(monkeypatch):
     """``flashinfer.GRAPH_CHUNKS`` on: small CUDA-graph decode batches split into
-    ``decode_kernel``'s chunks (a new chunk size every replay, the captured grid unchanged),
-    replayed with changing sizes and lengths against REFERENCE."""
+    ``graph_split``'s chunks on a grid of one CTA per SM (a new chunk size every replay, the
+    captured grid unchanged), replayed with changing sizes and lengths against REFERENCE,
+    padding rows zero."""
     from attn_ops.backends import flashinfer as fi
 
     if "FLASHINFER" not in [p.values[0] for p in _graph_params()]:

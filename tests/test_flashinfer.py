@@ -314,14 +314,14 @@ def _fa4_standin(q, k_cache, v_cache, *, seqused_k, page_table, softmax_scale, c
 def standin_flashinfer(monkeypatch):
     """FlashInfer's module and the CUDA bits replaced by stand-ins, so the planner runs on the
     CPU; returns the list of the stand-in plan calls' ``(kv_indptr, fixed_split_size,
-    disable_split_kv)``."""
+    disable_split_kv, num_colocated_ctas)``."""
     from attn_ops.backends import flashinfer as fi
 
     calls = []
 
     class Module:
         def plan(self, float_ws, int_ws, host, qo, kv_indptr, *rest):
-            calls.append((kv_indptr.tolist(), *rest[-4:-2]))
+            calls.append((kv_indptr.tolist(), *rest[-4:-1]))
             return [len(calls), 7]
 
         paged_run = staticmethod(_paged_run_standin)
@@ -360,7 +360,7 @@ def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(standin
     again = step([21, 41])  # one token more each, same pages
     assert len(calls) == 1 and torch.equal(again.decode_plan, first.decode_plan)
     moved = step([33, 41])  # request 0 enters its third page
-    assert len(calls) == 2 and calls[-1] == ([0, 3, 6], 1, False)  # (chunks of 1 page)
+    assert len(calls) == 2 and calls[-1] == ([0, 3, 6], 1, False, 0)  # (chunks of 1 page)
     assert moved.decode_plan.tolist()[fi.HEADER] == 2  # the new plan, after the header
 
 
@@ -382,7 +382,7 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
 
     first = step([16] * 34)
     moved = step([17] * 34)  # every request enters its second page
-    assert calls == [([i for i in range(35)], -1, True)]
+    assert calls == [([i for i in range(35)], -1, True, 0)]
     assert torch.equal(moved.decode_plan[fi.HEADER:], first.decode_plan[fi.HEADER:])
     kernel, _, _, first, n, num_indices, _, *at = moved.decode_plan[:fi.HEADER].tolist()
     _, qo, kv_indptr, last, kv_indices = fi._part_tables(
@@ -391,14 +391,14 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     assert last.tolist() == [1] * 34
     assert kv_indices.tolist() == [r * 4 + i for r in range(34) for i in range(2)]
     step([17] * 33)  # fewer requests: FlashInfer's rule again
-    assert len(calls) == 2 and calls[-1][1:] == (-1, False)
+    assert len(calls) == 2 and calls[-1][1:] == (-1, False, 0)
     common = build_common_metadata([1, 1], [5, 9], [[0, 1], [2, 3, 4]], 4, 8)
     assert planner(common).tables is common.device_tables.buffer  # (the builder copies nothing)
 
 
 def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, monkeypatch):
-    """CUDA-graph decode batches: within FlashInfer's split budget its CUDA-graph rule (always
-    split) replans every step; past it, a capture size is planned without a split once and
+    """CUDA-graph decode batches: within FlashInfer's split budget a split is replanned every
+    step (:func:`graph_split`'s chunks); past it, a capture size is planned without a split once and
     replayed on that plan while lengths and pages change."""
     from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
@@ -421,17 +421,19 @@ def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, mon
 
     step(38, 20)
     step(36, 40)  # fewer requests (padded to 40), every one a page longer
-    assert calls == [([0] + [2 * i for i in range(1, 39)] + [76] * 2, -1, True)]
+    assert calls == [([0] + [2 * i for i in range(1, 39)] + [76] * 2, -1, True, 0)]
     step(8, 20)
     step(8, 40)
-    assert len(calls) == 3 and calls[-1][1:] == (-1, False)  # within the budget: every step
+    # within the budget, every step: 64 items, 2 chunks a request on 2 * 64 of the 264 CTAs
+    assert len(calls) == 3 and calls[-1][1:] == (2, False, 264 - 128)
 
 
-def test_graph_chunks_follow_the_eager_split_rule_when_switched_on(standin_flashinfer,
-                                                                   monkeypatch):
-    """With ``GRAPH_CHUNKS`` a CUDA-graph decode batch is split into ``decode_kernel``'s chunks
-    (planned again every step: the chunk size lives in the device workspace), or left to
-    FlashInfer's CUDA-graph rule where the longest request would not split."""
+def test_graph_chunks_take_one_cta_per_sm_like_the_eager_rule(standin_flashinfer, monkeypatch):
+    """With ``GRAPH_CHUNKS`` a CUDA-graph decode batch of fewer (request, KV head) items than SMs
+    is split into the eager rule's chunks (planned again every step: the chunk size lives in
+    the device workspace) on a grid of one CTA per SM, the rest of FlashInfer's two-per-SM
+    budget declared taken; where the longest request would not split, FlashInfer's rule under
+    the same budget. Off, or from one item per SM: FlashInfer's rule, the whole budget."""
     from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.metadata import build_common_metadata
@@ -441,20 +443,23 @@ def test_graph_chunks_follow_the_eager_split_rule_when_switched_on(standin_flash
     monkeypatch.setattr(fi, "_module", lambda *a: type("M", (), {
         "plan": staticmethod(lambda *args: plan(*args) and [3, 7])})())
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    graphs = CUDAGraphBatch((1, 4), 256, 16, "cpu")
+    graphs = CUDAGraphBatch((1, 4, 20), 256, 16, "cpu")
     planner = fi._GraphPlanner(spec, graphs)
 
-    def chunk(n, length):  # the fixed_split_size of the step's plan
+    def split(n, length):  # the step's (fixed_split_size, num_colocated_ctas)
         tables = [[r * 256 + i for i in range(-(-length // 16))] for r in range(n)]
-        planner(graphs.pad(build_common_metadata([1] * n, [length] * n, tables, 16, 1024)))
-        return calls[-1][1]
+        planner(graphs.pad(build_common_metadata([1] * n, [length] * n, tables, 16, 5120)))
+        assert calls[-1][2] is False  # (never the no-split plan below the budget)
+        return calls[-1][1], calls[-1][3]
 
-    assert chunk(1, 4096) == -1  # off: FlashInfer's rule
-    monkeypatch.setattr(fi, "GRAPH_CHUNKS", True)
-    # 8 items, 16 chunks each (132 SMs): 256 pages -> 16, 32 -> 2; 4 requests: 4 chunks each
-    assert (chunk(1, 4096), chunk(1, 512), chunk(4, 1024), chunk(3, 1024)) == (16, 2, 16, 16)
-    assert chunk(1, 16) == -1  # one page: it would not split
-    assert calls[-1][2] is False  # (never the no-split plan below the budget)
+    # 8 items, 16 chunks each on 128 of the 264 CTAs: 256 pages -> 16, 32 -> 2; 4 requests
+    # (3 padded to 4): 4 chunks each, 64 pages -> 16, on 4 * 4 * 8 = 128 CTAs
+    assert [split(1, 4096), split(1, 512), split(4, 1024), split(3, 1024)] == [
+        (16, 136), (2, 136), (16, 136), (16, 136)]
+    assert split(1, 16) == (-1, 136)  # one page: FlashInfer's rule, one CTA per SM
+    assert split(20, 1024) == (-1, 0)  # 160 items: FlashInfer's rule, two CTAs per SM
+    monkeypatch.setattr(fi, "GRAPH_CHUNKS", False)
+    assert split(1, 4096) == (-1, 0)
 
 
 def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer):
