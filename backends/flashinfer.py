@@ -89,30 +89,28 @@ def split_budget(num_sms: int, kv_heads: int) -> int:
 
 
 # FlashInfer's CUDA-graph rule aims at two CTAs per SM with chunks of at least one page, so a
-# small batch is cut into one-page chunks, and its grid is padded to that split budget: CTAs
-# x = 0..32 of each of 8 KV heads, of which only the first few have work when the chunks are
-# longer -- the block scheduler then stacks two working CTAs on some SMs and none on others.
-# With GRAPH_CHUNKS a capture size of at most one CTA per SM per request chunk (``per_request``
-# = SMs // items) is split into eager decode_kernel's chunks (max pages / per_request) and the
-# padded grid shrunk to exactly ``size * per_request`` CTAs per KV head, one per SM, by declaring
-# the other CTAs taken (FlashInfer's ``num_colocated_ctas``, meant for POD attention). The chunk
-# size lives in the device workspace, the grid and the host plan vector stay those of the
-# capture size; where the longest request would not split, FlashInfer's rule chooses the chunk
-# under the same budget (in this mode it always splits). H200, B=1 ctx 4k: the attention kernel
-# took 7.3 us planned eagerly, 9.2 in FlashInfer's graph rule, 9.9 in decode_kernel's chunks on
-# the padded grid (``benchmarks/exp/exp_graph_decode.py``, exp_graph_decode_h200.json).
-GRAPH_CHUNKS = True
+# small batch is cut into one-page chunks (B=1 ctx 4k: 33 a request), where the eager plans'
+# decode_kernel takes one CTA per SM (16 of two pages). With GRAPH_ONE_CTA_PER_SM a capture size
+# of fewer (request, KV head) items than SMs gets the same budget: ``size * (SMs // items)``
+# CTAs per KV head, the rest of FlashInfer's two per SM declared taken (its
+# ``num_colocated_ctas``, meant for POD attention). FlashInfer's rule then picks the chunk under
+# that budget every step (the chunk size lives in the device workspace; in this mode it always
+# splits), and pads the grid to the budget, which the capture size fixes. (A fixed chunk of
+# decode_kernel's rule on FlashInfer's padded grid instead: slower, 9.9 us, the block
+# scheduler stacking two working CTAs on some SMs and none on others; and with a sliding
+# window FlashInfer may then plan no split at all, a different grid than the one captured.)
+# H200, B=1 ctx 4k, the attention kernel: 7.3 us eagerly, 9.2 in FlashInfer's graph rule,
+# 7.3 with this budget (benchmarks/exp/exp_graph_decode.py, exp_graph_decode_h200.json).
+GRAPH_ONE_CTA_PER_SM = True
 
 
-def graph_split(size: int, kv_heads: int, max_pages: int, num_sms: int) -> tuple[int, int]:
-    """``(chunk, colocated)`` for a CUDA-graph decode batch of ``size`` requests (padding
-    included), the longest ``max_pages`` pages long: FA2's split-KV chunk in pages (-1:
-    FlashInfer's rule) and the CTAs of FlashInfer's two-per-SM budget to leave unused."""
+def graph_colocated_ctas(size: int, kv_heads: int, num_sms: int) -> int:
+    """The CTAs of FlashInfer's two-per-SM split budget to leave unused in the CUDA-graph
+    decode plan of a batch of ``size`` requests (padding included)."""
     per_request = num_sms // (size * kv_heads)
-    if not GRAPH_CHUNKS or per_request == 0:
-        return -1, 0
-    chunk = -(-max_pages // per_request)
-    return (chunk if chunk < max_pages else -1), 2 * num_sms - kv_heads * size * per_request
+    if not GRAPH_ONE_CTA_PER_SM or per_request == 0:
+        return 0
+    return 2 * num_sms - kv_heads * size * per_request
 
 
 def decode_kernel(num_decodes: int, kv_heads: int, max_pages: int, block_size: int,
@@ -413,10 +411,10 @@ class _GraphPlanner(_Planner):
     FlashInfer fixes the grid per batch size). Padded requests have no pages: FlashInfer
     writes their rows as zero (a row that saw no key is normalized by 0) and their LSE as
     -inf (zeroed by the op). In this mode FlashInfer always splits (and merges) -- with
-    :data:`GRAPH_CHUNKS`, small capture sizes into :func:`graph_split`'s chunks on a grid of
-    one CTA per SM; capture sizes past its split budget, where it could not split eagerly
-    either, are planned without a split instead -- the eager kernel, no merge, and a plan
-    that stays the same from step to step (FlashInfer is not called again)."""
+    :data:`GRAPH_ONE_CTA_PER_SM`, small capture sizes on a grid of one CTA per SM
+    (:func:`graph_colocated_ctas`); capture sizes past its split budget, where it could not
+    split eagerly either, are planned without a split instead -- the eager kernel, no merge,
+    and a plan that stays the same from step to step (FlashInfer is not called again)."""
 
     def __init__(self, spec: AttentionSpec, graphs) -> None:
         super().__init__(spec, graphs.device, "fa2")
@@ -434,9 +432,8 @@ class _GraphPlanner(_Planner):
         kv_indptr, kv_indices = padded.block_csr()
         seq = padded.seq_lens_cpu.numpy()
         last = last_page_len(seq, padded.block_size)
-        chunk, colocated = (0, 0) if size > self.split_budget else graph_split(
-            size, self.spec.kv_heads, -(-int(seq.max(initial=1)) // padded.block_size),
-            self.num_sms)
+        chunk, colocated = (0, 0) if size > self.split_budget else (
+            -1, graph_colocated_ctas(size, self.spec.kv_heads, self.num_sms))
         kernel_plan = self.plan_part(self.decode_ws, "fa2", qo, kv_indptr, seq,
                                      padded.block_size, self.spec.causal and padded.causal,
                                      graph=True, chunk=chunk, colocated=colocated)

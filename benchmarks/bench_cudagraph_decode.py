@@ -8,9 +8,9 @@ on the same batch; eager-mode planning of both is timed beside it. FLASH_ATTN's 
 of (request, KV head) items and FA4 in its 64-row tile from there (``FlashAttnBackend.
 graph_metadata``). TRITON_ATTN's graph decode (``triton_graph``: its split-KV kernel, split
 count fixed per capture size) is timed beside them, and FLASHINFER's graph decode with
-``flashinfer.GRAPH_CHUNKS`` off (``ours_graph_fi_rule``: FlashInfer's own graph split rule on
-its padded grid, which trailed the eager plans by up to 40% at small batches: B=1 ctx 4k 1.07
-vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at e37a464). Same shapes and method as
+``flashinfer.GRAPH_ONE_CTA_PER_SM`` off (``ours_graph_fi_rule``: FlashInfer's own graph split
+rule, two CTAs per SM, which trailed the eager plans by up to 40% at small batches: B=1 ctx 4k
+1.07 vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at e37a464). Same shapes and method as
 ``bench_gpu_attention.py``.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH]
@@ -48,16 +48,16 @@ def flashinfer_graph_mode(b: Batch):
 
 
 def graph_flashinfer_rule(b: Batch):
-    """FLASHINFER's graph decode planned with ``flashinfer.GRAPH_CHUNKS`` off: FlashInfer's own
-    CUDA-graph split rule on its padded grid (the plan is made here, once: the switch matters
-    only while planning)."""
+    """FLASHINFER's graph decode planned with ``flashinfer.GRAPH_ONE_CTA_PER_SM`` off:
+    FlashInfer's own CUDA-graph split rule, two CTAs per SM (the plan is made here, once: the
+    switch matters only while planning)."""
     from attn_ops.backends import flashinfer as fi
 
-    fi.GRAPH_CHUNKS = False
+    fi.GRAPH_ONE_CTA_PER_SM = False
     try:
         return ours(b, "FLASHINFER", graph=True)
     finally:
-        fi.GRAPH_CHUNKS = True
+        fi.GRAPH_ONE_CTA_PER_SM = True
 
 
 def main() -> None:

@@ -398,7 +398,7 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
 
 def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, monkeypatch):
     """CUDA-graph decode batches: within FlashInfer's split budget a split is replanned every
-    step (:func:`graph_split`'s chunks); past it, a capture size is planned without a split once and
+    step; past it, a capture size is planned without a split once and
     replayed on that plan while lengths and pages change."""
     from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
@@ -424,16 +424,16 @@ def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, mon
     assert calls == [([0] + [2 * i for i in range(1, 39)] + [76] * 2, -1, True, 0)]
     step(8, 20)
     step(8, 40)
-    # within the budget, every step: 64 items, 2 chunks a request on 2 * 64 of the 264 CTAs
-    assert len(calls) == 3 and calls[-1][1:] == (2, False, 264 - 128)
+    # within the budget, every step: 64 items, 2 CTAs a request on 2 * 64 of the 264
+    assert len(calls) == 3 and calls[-1][1:] == (-1, False, 264 - 128)
 
 
-def test_graph_chunks_take_one_cta_per_sm_like_the_eager_rule(standin_flashinfer, monkeypatch):
-    """With ``GRAPH_CHUNKS`` a CUDA-graph decode batch of fewer (request, KV head) items than SMs
-    is split into the eager rule's chunks (planned again every step: the chunk size lives in
-    the device workspace) on a grid of one CTA per SM, the rest of FlashInfer's two-per-SM
-    budget declared taken; where the longest request would not split, FlashInfer's rule under
-    the same budget. Off, or from one item per SM: FlashInfer's rule, the whole budget."""
+def test_small_graph_batches_split_on_one_cta_per_sm(standin_flashinfer, monkeypatch):
+    """A CUDA-graph decode batch of fewer (request, KV head) items than SMs is planned with
+    FlashInfer's rule (planned again every step: the chunk size lives in the device workspace)
+    under a budget of one CTA per SM, ``size * (SMs // items)`` per KV head: the rest of its
+    two per SM declared taken. From one item per SM, or with ``GRAPH_ONE_CTA_PER_SM`` off: its
+    whole budget."""
     from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.metadata import build_common_metadata
@@ -446,20 +446,18 @@ def test_graph_chunks_take_one_cta_per_sm_like_the_eager_rule(standin_flashinfer
     graphs = CUDAGraphBatch((1, 4, 20), 256, 16, "cpu")
     planner = fi._GraphPlanner(spec, graphs)
 
-    def split(n, length):  # the step's (fixed_split_size, num_colocated_ctas)
+    def colocated(n, length):  # the step's num_colocated_ctas
         tables = [[r * 256 + i for i in range(-(-length // 16))] for r in range(n)]
         planner(graphs.pad(build_common_metadata([1] * n, [length] * n, tables, 16, 5120)))
-        assert calls[-1][2] is False  # (never the no-split plan below the budget)
-        return calls[-1][1], calls[-1][3]
+        assert calls[-1][1:3] == (-1, False)  # FlashInfer's rule, always a split
+        return calls[-1][3]
 
-    # 8 items, 16 chunks each on 128 of the 264 CTAs: 256 pages -> 16, 32 -> 2; 4 requests
-    # (3 padded to 4): 4 chunks each, 64 pages -> 16, on 4 * 4 * 8 = 128 CTAs
-    assert [split(1, 4096), split(1, 512), split(4, 1024), split(3, 1024)] == [
-        (16, 136), (2, 136), (16, 136), (16, 136)]
-    assert split(1, 16) == (-1, 136)  # one page: FlashInfer's rule, one CTA per SM
-    assert split(20, 1024) == (-1, 0)  # 160 items: FlashInfer's rule, two CTAs per SM
-    monkeypatch.setattr(fi, "GRAPH_CHUNKS", False)
-    assert split(1, 4096) == (-1, 0)
+    # 132 SMs, 264 CTAs: 1 request (8 items) 16 CTAs per KV head; 4 (3 padded to 4): 4 each
+    assert [colocated(1, 4096), colocated(1, 16), colocated(4, 1024), colocated(3, 64)] == [
+        264 - 128] * 4
+    assert colocated(20, 1024) == 0  # 160 items
+    monkeypatch.setattr(fi, "GRAPH_ONE_CTA_PER_SM", False)
+    assert colocated(1, 4096) == 0
 
 
 def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer):

@@ -5,8 +5,8 @@ At B=1 ctx 4k FLASHINFER's graph decode gave 1.07 TB/s where the same kernel pla
 (decode_kernel's chunks) gave 1.73 and FlashInfer's own graph mode 1.43
 (bench_cudagraph_decode_h200.json at ee1ac50): this lists the kernels of each. (At ee1ac50:
 the graph plan's kernel 9.2 us against 7.3 eagerly, and two small kernels zeroing the padding
-rows, 3.3 us more; ``flashinfer.GRAPH_CHUNKS`` then still meant decode_kernel's chunks on
-FlashInfer's padded grid.)
+rows, 3.3 us more; ``ours_graph_chunks`` there: decode_kernel's fixed chunks on FlashInfer's
+padded grid, 9.9 us. ``ours_graph_fi_rule``: ``flashinfer.GRAPH_ONE_CTA_PER_SM`` off.)
 
     python benchmarks/exp/exp_graph_decode.py [--out PATH]
 """
