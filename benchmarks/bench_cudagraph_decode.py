@@ -13,7 +13,8 @@ rule, two CTAs per SM, which trailed the eager plans by up to 40% at small batch
 1.07 vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at e37a464). Same shapes and method as
 ``bench_gpu_attention.py``.
 
-    python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH]
+    python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH] [--points BxCTX ...]
+        [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -61,8 +62,13 @@ def graph_flashinfer_rule(b: Batch):
 
 
 def main() -> None:
-    args = gpu_parser(__doc__, "bench_cudagraph_decode_h200.json", page=128, rounds=3,
-                      quick=False).parse_args()
+    parser = gpu_parser(__doc__, "bench_cudagraph_decode_h200.json", page=128, rounds=3,
+                        quick=False)
+    parser.add_argument("--points", nargs="+", metavar="BxCTX", help="e.g. 16x1024 (default: "
+                        + " ".join(f"{b}x{c}" for b, c in POINTS) + ")")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these contenders only")
+    args = parser.parse_args()
+    points = [tuple(map(int, p.split("x"))) for p in args.points] if args.points else POINTS
     gen = torch.Generator().manual_seed(0)
     from attn_ops import current_platform, get_backend_class
 
@@ -70,7 +76,7 @@ def main() -> None:
         return not get_backend_class(name).not_supported_reasons(SPEC, current_platform())
 
     rows = []
-    for bsz, ctx in POINTS:
+    for bsz, ctx in points:
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"ours_graph": ours(b, "FLASHINFER", graph=True),
                "ours_graph_fi_rule": graph_flashinfer_rule(b),
@@ -81,7 +87,10 @@ def main() -> None:
             fns["flash_attn_graph"] = ours(b, "FLASH_ATTN", graph=True)
         if runs("TRITON_ATTN"):
             fns["triton_graph"] = ours(b, "TRITON_ATTN", graph=True)
-        diff = max(check_outputs(b, fns, "flashinfer_tc").values())
+        truth = fns["flashinfer_tc"]
+        if args.only:
+            fns = {k: v for k, v in fns.items() if k in args.only}
+        diff = max(check_outputs(b, {"flashinfer_tc": truth, **fns}, "flashinfer_tc").values())
         ms = time_graph(fns, args.rounds)
         nbytes = decode_bytes(bsz, ctx)
         rows.append({"batch": bsz, "ctx": ctx, "max_abs_diff": diff,
@@ -89,7 +98,7 @@ def main() -> None:
         print(f"B={bsz:<4} ctx={ctx:<6} " + "  ".join(
             f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + f" TB/s (max diff {diff:.2g})",
             flush=True)
-        del b, fns
+        del b, fns, truth
     write_result("bench_cudagraph_decode", args.out, page=args.page, rows=rows,
                  method="median over rotating rounds of triton.testing.do_bench_cudagraph")
 
