@@ -429,16 +429,18 @@ class FlashAttnBackend(AttentionBackend):
         (persistent), a persistent ``cu_seqlens_k``, and host bounds fixed per capture size
         (``max_seqlen_k`` = the graphs' longest request, token count "on the device"). On sm90,
         single-token decode graphs run FlashInfer's CUDA-graph decode -- except, where FA4
-        decodes in its 64-row tile (``fa4_tile``), capture sizes of 0.4 to 8 waves of
+        decodes in its 64-row tile (``fa4_tile``), capture sizes of 0.7 to 2 waves of
         (request, KV head) items: there FA4 (one CTA per item, no plan; the graph is fixed per
-        size, whatever the lengths) beat FlashInfer's graph decode, which always splits, by up
-        to 66% or stayed within 1% of it (H200, TB/s, FLASH_ATTN's graph decode before -> after
-        at 1f8fdf0 -> ee977c3, bench_gpu_attention_h200*.json: B=8 ctx 4k 2.90 -> 3.47, B=12
-        ctx 1k 2.02 -> 3.36, B=16 ctx 8k 3.98 -> 4.28, B=64 ctx 4k 4.19 -> 4.23; against
-        FlashInfer's own graph mode, bench_cudagraph_decode_h200.json: B=8 ctx 8k 3.84 vs
-        3.80, B=64 ctx 4k 4.19 vs 4.23, B=256 ctx 8k 4.39 vs 4.40). It lost at B=8 ctx 32k
-        (4.24 -> 4.08; the size's other lengths gained 8-36%) and, at 15.5 waves, B=256 ctx 1k
-        (4.02 -> 3.76) and ctx 4k (4.34 -> 4.30): sizes of 8 waves or more keep FlashInfer."""
+        size, whatever the lengths) beat FLASHINFER's graph decode by up to 35%, or tied
+        (H200, TB/s, FA4 vs FLASHINFER's graph decode, 8 KV heads, 132 SMs,
+        ``bench_cudagraph_decode_fa4_band_h200.json`` at 2a53d44: B=12 ctx 1k 3.32 vs 2.46,
+        ctx 8k 4.16 vs 3.56; B=16 ctx 1k / 4k / 32k 3.11 / 4.06 / 4.39 vs 2.46 / 3.55 / 4.00;
+        B=32 ctx 1k 3.30 vs 3.23, ctx 8k 4.30 vs 4.29). Below (B=8, 0.48 waves: ctx 1k 2.50
+        vs 2.73, 4k 3.44 vs 3.30, 32k 3.95 vs 4.21) and from 4 waves (B=64 ctx 1k / 4k / 32k
+        3.56 / 4.21 / 4.34 vs 3.76 / 4.30 / 4.44; B=128 ctx 1k 3.76 vs 3.91) FlashInfer's is
+        kept, since its small graph batches split on one CTA per SM
+        (``flashinfer.GRAPH_ONE_CTA_PER_SM``); until then FA4 had also taken 0.4-0.7 and 2-8
+        waves."""
         super().graph_metadata(padded, graphs)
         if self._hybrid is not None and graphs.query_len == 1 \
                 and not self._fa4_graph_decode(padded.num_reqs, graphs.device):
@@ -464,7 +466,7 @@ class FlashAttnBackend(AttentionBackend):
     def _fa4_graph_decode(self, size: int, device) -> bool:
         """Whether sm90 decode graphs of ``size`` requests run FA4 (see ``graph_metadata``)."""
         items, sms = size * self.spec.kv_heads, multiprocessor_count(device)
-        return self._fa4_decode_tile and 2 * sms <= 5 * items < 40 * sms
+        return self._fa4_decode_tile and 7 * sms <= 10 * items <= 20 * sms
 
     def metadata_key(self) -> tuple:
         hybrid = self._hybrid.metadata_key() if self._hybrid is not None else ()

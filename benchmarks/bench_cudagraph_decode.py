@@ -4,14 +4,14 @@ FlashInfer's CUDA-graph mode plans differently from its eager mode (split-KV alw
 grid padded to a fixed size per batch size), so the fair anchor for our graph-mode decode is
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True, use_tensor_cores=True)``
 on the same batch; eager-mode planning of both is timed beside it. FLASH_ATTN's graph decode
-(``flash_attn_graph``, where FA4 is installed) runs FlashInfer's graph decode below 0.4 of a wave
-of (request, KV head) items and FA4 in its 64-row tile from there (``FlashAttnBackend.
-graph_metadata``). TRITON_ATTN's graph decode (``triton_graph``: its split-KV kernel, split
-count fixed per capture size) is timed beside them, and FLASHINFER's graph decode with
-``flashinfer.GRAPH_ONE_CTA_PER_SM`` off (``ours_graph_fi_rule``: FlashInfer's own graph split
-rule, two CTAs per SM, which trailed the eager plans by up to 40% at small batches: B=1 ctx 4k
-1.07 vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at e37a464). Same shapes and method as
-``bench_gpu_attention.py``.
+(``flash_attn_graph``, where FA4 is installed) runs FA4 in its 64-row tile for capture sizes of
+0.7 to 2 waves of (request, KV head) items and FlashInfer's graph decode elsewhere
+(``FlashAttnBackend.graph_metadata``). TRITON_ATTN's graph decode (``triton_graph``: its
+split-KV kernel, split count fixed per capture size) is timed beside them, and FLASHINFER's
+graph decode with ``flashinfer.GRAPH_ONE_CTA_PER_SM`` off (``ours_graph_fi_rule``:
+FlashInfer's own graph split rule, two CTAs per SM, which trailed the eager plans by up to 40%
+at small batches: B=1 ctx 4k 1.07 vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at
+e37a464). Same shapes and method as ``bench_gpu_attention.py``.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH] [--points BxCTX ...]
         [--only NAME ...]
