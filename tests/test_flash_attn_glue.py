@@ -226,6 +226,22 @@ def test_fa4_decode_rule_picks_the_measured_best(items, keys, wins):
     assert fa4_decode_wins(items, keys, 132) is wins
 
 
+@pytest.mark.parametrize("size,fa4", [
+    # (H200: 132 SMs, 8 KV heads) -> whether FA4 beat FLASHINFER's graph decode at that size
+    (8, False), (11, False), (12, True), (16, True), (32, True), (33, True), (34, False),
+    (64, False), (128, False),
+])
+def test_fa4_graph_decode_rule_picks_the_measured_best(monkeypatch, size, fa4):
+    """Decode graphs of 0.7 to 2 waves of (request, KV head) items run FA4 on sm90
+    (``bench_cudagraph_decode_fa4_band_h200.json``); the GPU test checks the route taken."""
+    from attn_ops.backends import flash_attn as fa
+
+    monkeypatch.setattr(fa, "multiprocessor_count", lambda device: 132)
+    backend = type("B", (), {"spec": AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128),
+                             "_fa4_decode_tile": True})()
+    assert fa.FlashAttnBackend._fa4_graph_decode(backend, size, "cuda") is fa4
+
+
 def test_fa4_batch_rule_takes_uniform_prefill_parts_of_enough_rows(monkeypatch):
     from attn_ops.backends import flash_attn as fa
 
