@@ -89,7 +89,7 @@ def split_budget(num_sms: int, kv_heads: int) -> int:
 
 
 # FlashInfer's CUDA-graph rule aims at two CTAs per SM with chunks of at least one page, so a
-# small batch is cut into one-page chunks (B=1 ctx 4k: 33 a request), where the eager plans'
+# small batch is cut into one-page chunks (B=1 ctx 4k: 32 a request), where the eager plans'
 # decode_kernel takes one CTA per SM (16 of two pages). With GRAPH_ONE_CTA_PER_SM a capture size
 # of fewer (request, KV head) items than SMs gets the same budget: ``size * (SMs // items)``
 # CTAs per KV head, the rest of FlashInfer's two per SM declared taken (its

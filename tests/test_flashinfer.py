@@ -263,8 +263,8 @@ def _paged_run_standin(float_ws, int_ws, plan, q, k_cache, v_cache, qo_indptr, k
     semantics: request ``i``'s queries are rows ``qo_indptr[i]:qo_indptr[i+1]`` of ``q``, its
     keys the pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` of which the last holds
     ``last_page_len[i]`` tokens; window ``window_left`` keys left of the query (-1: none); the
-    LSE in base 2. (The arguments after ``enable_pdl``: six optional tensors, the soft cap,
-    the scale, ...)"""
+    LSE in base 2; a request without pages (CUDA-graph padding) gets zero rows and LSE -inf.
+    (The arguments after ``enable_pdl``: six optional tensors, the soft cap, the scale, ...)"""
     cap, scale = rest[6], rest[7]
     page = k_cache.shape[1]
     for i in range(qo_indptr.shape[0] - 1):
@@ -398,8 +398,8 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
 
 def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, monkeypatch):
     """CUDA-graph decode batches: within FlashInfer's split budget a split is replanned every
-    step; past it, a capture size is planned without a split once and
-    replayed on that plan while lengths and pages change."""
+    step; past it, a capture size is planned without a split once and replayed on that plan
+    while lengths and pages change."""
     from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.metadata import build_common_metadata
