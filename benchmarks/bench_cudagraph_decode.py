@@ -54,11 +54,11 @@ def graph_flashinfer_rule(b: Batch):
     switch matters only while planning)."""
     from attn_ops.backends import flashinfer as fi
 
-    fi.GRAPH_ONE_CTA_PER_SM = False
+    before, fi.GRAPH_ONE_CTA_PER_SM = fi.GRAPH_ONE_CTA_PER_SM, False
     try:
         return ours(b, "FLASHINFER", graph=True)
     finally:
-        fi.GRAPH_ONE_CTA_PER_SM = True
+        fi.GRAPH_ONE_CTA_PER_SM = before
 
 
 def main() -> None:
