@@ -227,7 +227,8 @@ def test_fa4_decode_rule_picks_the_measured_best(items, keys, wins):
 
 
 @pytest.mark.parametrize("size,fa4", [
-    # (H200: 132 SMs, 8 KV heads) -> whether FA4 beat FLASHINFER's graph decode at that size
+    # (H200: 132 SMs, 8 KV heads) -> FA4 or not: the band's bounds (11/12, 33/34) and the
+    # measured sizes (8, 12, 16, 32, 64, 128: where FA4 beat FLASHINFER's graph decode or not)
     (8, False), (11, False), (12, True), (16, True), (32, True), (33, True), (34, False),
     (64, False), (128, False),
 ])
