@@ -17,6 +17,7 @@ from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec
+from attn_ops.tuning import Tuning, default_tuning
 
 __all__ = ["AttentionBackend", "planned_backend"]
 
@@ -46,12 +47,20 @@ class AttentionBackend:
     def preferred_block_size(cls, spec: AttentionSpec) -> int:
         return spec.block_size or cls.capabilities.preferred_block_size
 
-    def __init__(self, spec: AttentionSpec, **options) -> None:
-        """``options`` come from ``AttentionConfig.backend_options``; the base takes none."""
+    # The kernels this backend runs, for the selection table (composites name each route).
+    kernels: ClassVar[str] = ""
+
+    def __init__(self, spec: AttentionSpec, *, tuning: Tuning | None = None,
+                 **options) -> None:
+        """``options`` come from ``AttentionConfig.backend_options``; the base takes none.
+        ``tuning``: the tunables the routes read (default: :func:`~attn_ops.tuning.
+        default_tuning`, this machine's entry with the environment's overrides)."""
         if options:
-            raise ValueError(f"{self.name} takes no backend options, got {sorted(options)}")
+            raise ValueError(f"{self.name} takes no backend options, got {sorted(options)}; "
+                             "drop them from AttentionConfig.backend_options")
         self.spec = spec
         self.scale = spec.softmax_scale
+        self.tuning = tuning if tuning is not None else default_tuning()
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """This backend's metadata for one step (default: the common metadata itself)."""
@@ -59,8 +68,9 @@ class AttentionBackend:
 
     def metadata_key(self) -> tuple:
         """Layers whose implementations share this key share one built metadata per step
-        (see :func:`attn_ops.layer.build_step_metadata`)."""
-        return (self.name,)
+        (see :func:`attn_ops.layer.build_step_metadata`); it holds the tuning's hash, so
+        layers tuned differently never share a plan."""
+        return (self.name, self.tuning.key)
 
     @classmethod
     def returns_lse(cls, platform: Platform) -> bool:

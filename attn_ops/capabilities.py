@@ -149,9 +149,6 @@ class BackendCapabilities:
     max_capability: tuple[int, int] | None = None
     cudagraph_support: CUDAGraphSupport = CUDAGraphSupport.NEVER
     packages: tuple[PackageRequirement, ...] = ()
-    # True when the kernel loads whole pages, so the unused tail of a request's last page must
-    # hold finite values (P = 0 times NaN is NaN). Unused pages may hold anything either way.
-    reads_page_tails: bool = False
 
     def supports_block_size(self, block_size: int) -> bool:
         return any(block_size % b.base == 0 if isinstance(b, MultipleOf) else block_size == b

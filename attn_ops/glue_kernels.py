@@ -1,12 +1,19 @@
-"""The fused glue op's GPU kernel: RoPE of query and key, the slot computation and the KV-cache
-write in one Triton launch (``torch.ops.attn.rope_kv_cache_update`` on CUDA).
+"""The KV-cache writes on GPUs: ``torch.ops.attn.kv_cache_update`` (:func:`kv_write_kernel`) and
+the fused glue op, RoPE of query and key, the slot computation and the write in one Triton
+launch (``torch.ops.attn.rope_kv_cache_update``, :func:`rope_kv_write_kernel`).
 
-One program per token: it rotates the token's query heads into the output, finds the token's
-cache slot -- read from ``slot_mapping``, or computed from its position, its request (binary
-search over ``query_start_loc``) and the block table -- and, unless the token is padding (slot
--1, or a row past ``query_start_loc[-1]``), writes the rotated key and the value there,
-quantized to an fp8 cache with the per-tensor scales (``x / scale`` saturated, as
-``kv_cache_update`` does). No host reads: capturable in CUDA graphs.
+One program per token: it finds the token's cache slot -- read from ``slot_mapping``, or
+computed from its position, its request (binary search over ``query_start_loc``) and the block
+table -- and, unless the token is padding (slot -1, or a row past ``query_start_loc[-1]``),
+writes the (rotated) key and the value there, quantized to an fp8 cache with the per-tensor
+scales (``x / scale`` saturated). No host reads: capturable in CUDA graphs.
+
+Requests are isolated: the token that writes row 0 of a page -- a request entering a page,
+which may hold anything an earlier request left there, NaN included -- also zeroes the rows of
+that page this call does not write (:func:`_clear_page_tail`), so a page's unused tail is always
+finite and ``P = 0`` times it is 0 in every kernel. The rows this call writes are the
+following tokens' (a request's new tokens are consecutive in the batch, in position order), so
+no program zeroes a row another one writes.
 
 On the CPU it runs in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CPU CI
 checks it against the torch implementation.
@@ -38,9 +45,94 @@ def _quantize(x, scale_ptr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, end, slot_ptr, pos_ptr,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     block_size, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     HAS_SLOTS: tl.constexpr):
+    """Zero the rows 1.. of ``page`` that no token of this call writes (called by the program
+    of token ``t``, which writes row 0 of it): token ``t + j`` writes row ``j`` if its slot is
+    ``slot + j`` (or, without slots, its position is ``pos + j`` and it is of the same request,
+    before row ``end``)."""
+    offs_h = tl.arange(0, BLOCK_HKV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+    v_ok = (offs_h[:, None] < HKV) & (offs_dv[None, :] < DV)
+    k_zero = tl.zeros([BLOCK_HKV, BLOCK_D], dtype=kc_ptr.dtype.element_ty)
+    v_zero = tl.zeros([BLOCK_HKV, BLOCK_DV], dtype=vc_ptr.dtype.element_ty)
+    for j in range(1, block_size):
+        mine = t + j < end
+        if HAS_SLOTS:
+            written = tl.load(slot_ptr + t + j, mask=mine, other=-1).to(tl.int64) == slot + j
+        else:
+            written = tl.load(pos_ptr + t + j, mask=mine, other=-1).to(tl.int64) == pos + j
+        if not written:
+            tl.store(kc_ptr + page * stride_kcb + j * stride_kcs + offs_h[:, None] * stride_kch
+                     + offs_d[None, :], k_zero, mask=k_ok)
+            tl.store(vc_ptr + page * stride_vcb + j * stride_vcs + offs_h[:, None] * stride_vch
+                     + offs_dv[None, :], v_zero, mask=v_ok)
+
+
+@triton.jit
+def kv_write_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, num_tokens, block_size,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch,
+        stride_vcb, stride_vcs, stride_vch,
+        HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_HKV: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
+        FP8_LIMIT: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        page = slot // block_size
+        row = slot % block_size
+        if row == 0:
+            _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr,
+                             slot_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                             stride_vcs, stride_vch, block_size, HKV, D, DV, BLOCK_HKV,
+                             BLOCK_D, BLOCK_DV, True)
+        offs_h = tl.arange(0, BLOCK_HKV)
+        offs_d = tl.arange(0, BLOCK_D)
+        k_ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+        k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                    mask=k_ok, other=0.0)
+        if FP8:
+            k = _quantize(k.to(tl.float32), ks_ptr, FP8, FP8_LIMIT)
+        tl.store(kc_ptr + page * stride_kcb + row * stride_kcs + offs_h[:, None] * stride_kch
+                 + offs_d[None, :], k.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v_ok = (offs_h[:, None] < HKV) & (offs_dv[None, :] < DV)
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :],
+                    mask=v_ok, other=0.0)
+        if FP8:
+            v = _quantize(v.to(tl.float32), vs_ptr, FP8, FP8_LIMIT)
+        tl.store(vc_ptr + page * stride_vcb + row * stride_vcs + offs_h[:, None] * stride_vch
+                 + offs_dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_ok)
+
+
+def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale) -> None:
+    """Launch :func:`kv_write_kernel` (inputs already checked by the op)."""
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    dv = value.shape[2]
+    fp8 = k_cache.dtype in FP8_MAX
+    kv_write_kernel[(t,)](
+        key, value, k_cache, v_cache, slots, k_scale if fp8 else key, v_scale if fp8 else key,
+        t, k_cache.shape[1], key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2),
+        HKV=hkv, D=d, DV=dv, BLOCK_HKV=triton.next_power_of_2(hkv),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv), FP8=fp8,
+        FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), num_warps=4 if hkv * d >= 2048 else 1)
+
+
+@triton.jit
 def rope_kv_write_kernel(
         q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, qsl_ptr, bt_ptr,
-        ks_ptr, vs_ptr, num_reqs, block_size,
+        ks_ptr, vs_ptr, num_reqs, num_tokens, block_size,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
         stride_ot, stride_oh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
         stride_vch, stride_bt,
@@ -80,6 +172,17 @@ def rope_kv_write_kernel(
     if slot >= 0:
         page = slot // block_size
         row = slot % block_size
+        if row == 0:
+            if HAS_SLOTS:
+                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr,
+                                 slot_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                                 stride_vcs, stride_vch, block_size, HKV, 2 * HALF, DV,
+                                 BLOCK_HKV, 2 * BLOCK_HALF, BLOCK_DV, True)
+            else:
+                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, tl.load(qsl_ptr + lo + 1),
+                                 slot_ptr, pos_ptr, stride_kcb, stride_kcs, stride_kch,
+                                 stride_vcb, stride_vcs, stride_vch, block_size, HKV, 2 * HALF,
+                                 DV, BLOCK_HKV, 2 * BLOCK_HALF, BLOCK_DV, False)
         offs_hk = tl.arange(0, BLOCK_HKV)
         k_ok = (offs_hk[:, None] < HKV) & d_ok[None, :]
         k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
@@ -120,7 +223,7 @@ def rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots, pos
         slots if has_slots else dummy, positions if positions is not None else dummy,
         query_start_loc if query_start_loc is not None else dummy, table,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        0 if has_slots else block_table.shape[0], k_cache.shape[1],
+        0 if has_slots else block_table.shape[0], t, k_cache.shape[1],
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), cos_sin.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),

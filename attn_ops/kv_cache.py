@@ -138,38 +138,53 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
     k_cache, v_cache = _check_update_inputs(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     block_size = k_cache.shape[1]
-    slots = slot_mapping.long()
-    valid = slots >= 0
     if debug_checks_enabled():  # a tensor scan per layer; the metadata builder checks on the host
+        slots = slot_mapping.long()
         capacity = k_cache.shape[0] * block_size
         bad = (slots < -1) | (slots >= capacity)
         if bool(bad.any()):
             raise ValueError(f"slot_mapping holds slot {int(slots[bad][0])} but the cache has "
                              f"slots 0..{capacity - 1} ({k_cache.shape[0]} blocks x {block_size}) "
                              "and -1 marks padding")
-    if slots.numel() == 0:
+    if slot_mapping.numel() == 0:
         return
-    if kv_cache.dtype in FP8_MAX:
-        key = quantize_fp8(key, k_scale, kv_cache.dtype)
-        value = quantize_fp8(value, v_scale, kv_cache.dtype)
-    # No host sync (a boolean index would need one), so the write can be captured in a CUDA
-    # graph: padding tokens are sent to the slot of the first real token with that token's
-    # values -- every write to a slot then agrees. With no real token at all, they write back
-    # what slot 0 already holds.
-    # (Indexing by a 0-d tensor would read it on the host: index_select keeps it on device.)
-    first = valid.to(torch.int32).argmax().view(1)
-    target = slots.index_select(0, first).clamp_(min=0)
-    t_block, t_off = target // block_size, target % block_size
-    slots = torch.where(valid, slots, target)
+    if key.is_cuda:  # one Triton launch, page tails cleared in it (attn_ops.glue_kernels)
+        from attn_ops.glue_kernels import kv_cache_update_triton
+
+        return kv_cache_update_triton(key, value, k_cache, v_cache, slot_mapping, k_scale,
+                                      v_scale)
+    clear_entered_page_tails(k_cache, v_cache, slot_mapping)
+    valid = slot_mapping >= 0
+    rows = valid.nonzero().squeeze(1)  # (the host's own tensors: no device to sync with)
+    slots = slot_mapping.long().index_select(0, rows)
     blocks, offsets = slots // block_size, slots % block_size
-    row = valid[:, None, None]
-    first_is_real = valid.index_select(0, first).view(1, 1, 1)
-    for new, cache in ((key, k_cache), (value, v_cache)):
-        raw, raw_cache = new, cache
-        if cache.dtype in FP8_MAX:  # where() has no fp8 kernels: move the bytes
-            raw, raw_cache = new.view(torch.uint8), cache.view(torch.uint8)
-        filler = torch.where(first_is_real, raw.index_select(0, first), raw_cache[t_block, t_off])
-        raw_cache[blocks, offsets] = torch.where(row, raw, filler)
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        new = new.index_select(0, rows)
+        if cache.dtype in FP8_MAX:
+            new = quantize_fp8(new, scale, cache.dtype)
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)  # (no fp8 index_put)
+        cache[blocks, offsets] = new
+
+
+def clear_entered_page_tails(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+    """Zero, in every page whose row 0 this write fills (a request entering a page that may
+    hold anything an earlier request left, NaN included), the rows the write does not fill --
+    so a page's unused tail is always finite, and no kernel that loads whole pages multiplies a
+    zero probability by a NaN. The rows a write fills are the following tokens' (a request's
+    new tokens are consecutive, in position order). Host tensors (the GPU does this inside
+    its write kernel)."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.numpy() if slot_mapping.dtype == torch.int64 else \
+        slot_mapping.long().numpy()
+    for t in np.flatnonzero((slots >= 0) & (slots % block_size == 0)):
+        run = slots[t:t + block_size]
+        filled = int(np.argmin(np.append(run == slots[t] + np.arange(run.shape[0]), False)))
+        if filled < block_size:
+            page = int(slots[t]) // block_size
+            for cache in (k_cache, v_cache):
+                raw = cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
+                raw[page, filled:].zero_()
 
 
 def _kv_cache_update_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale):

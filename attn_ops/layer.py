@@ -21,6 +21,7 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec
+from attn_ops.tuning import resolve_tuning
 
 __all__ = ["Attention", "alibi_slopes", "build_step_metadata", "step_backends"]
 
@@ -61,7 +62,9 @@ class Attention(nn.Module):
         self.spec = spec
         self.selection = select_backend(spec, platform, config)
         options = dict(config.backend_options) if config is not None else {}
-        self.impl = self.selection.backend_cls(spec, **options)
+        self.tuning = (config.tuning if config is not None and config.tuning is not None
+                       else resolve_tuning(self.selection.platform))
+        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.has_sinks else None
         self.register_buffer("alibi_slopes",
                              alibi_slopes(spec.num_heads) if spec.use_alibi else None)

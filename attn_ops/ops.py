@@ -281,26 +281,28 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom mask / score mods (AttentionSpec.mask_mod / score_mod): callables cannot be op
-# arguments, so each distinct pair is registered once and travels as an int id (0: none).
+# Custom mask / score mods (AttentionSpec.mask_mod / score_mod) and a backend's kernel options:
+# callables and dataclasses cannot be op arguments, so each distinct triple is registered once
+# and travels as an int id (0: none of them).
 
-_MODS: list[tuple] = [(None, None)]
+_MODS: list[tuple] = [(None, None, None)]
 
 
-def register_mods(spec) -> int:
-    """The id of ``spec``'s (mask_mod, score_mod) pair, registering it on first sight."""
-    pair = (spec.mask_mod, spec.score_mod)
-    if pair == (None, None):
+def register_mods(spec, options: object = None) -> int:
+    """The id of ``spec``'s ``(mask_mod, score_mod)`` pair with a backend's frozen kernel
+    ``options`` (a tuning section, compared by value), registering it on first sight."""
+    triple = (spec.mask_mod, spec.score_mod, options)
+    if triple == (None, None, None):
         return 0
     for i, known in enumerate(_MODS):
-        if known[0] is pair[0] and known[1] is pair[1]:
+        if known[0] is triple[0] and known[1] is triple[1] and known[2] == triple[2]:
             return i
-    _MODS.append(pair)
+    _MODS.append(triple)
     return len(_MODS) - 1
 
 
 def registered_mods(mods_id: int) -> tuple:
-    """``(mask_mod, score_mod)`` registered under ``mods_id``."""
+    """``(mask_mod, score_mod, options)`` registered under ``mods_id``."""
     if not 0 <= mods_id < len(_MODS):
         raise ValueError(f"mods={mods_id} is not a registered mask/score mod id "
                          "(attn_ops.ops.register_mods)")

@@ -29,6 +29,7 @@ ENTRY_POINT_GROUP = "attn_ops.backends"
 class Backend(str, enum.Enum):
     """Built-in backends. Values equal names so ``Backend("FLASHINFER")`` works."""
 
+    COMPOSITE_SM90 = "COMPOSITE_SM90"
     FLASH_ATTN = "FLASH_ATTN"
     FLASHINFER = "FLASHINFER"
     FLASH_ATTN_DIFFKV = "FLASH_ATTN_DIFFKV"
@@ -61,6 +62,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.CPU_ATTN: "attn_ops.backends.cpu_attn:CPUAttnBackend",
     Backend.FLASHINFER: "attn_ops.backends.flashinfer:FlashInferBackend",
     Backend.FLASH_ATTN: "attn_ops.backends.flash_attn:FlashAttnBackend",
+    Backend.COMPOSITE_SM90: "attn_ops.backends.composite_sm90:CompositeSM90Backend",
     Backend.FLASH_ATTN_DIFFKV: "attn_ops.backends.flash_attn_diffkv:FlashAttnDiffKVBackend",
     Backend.TRITON_ATTN: "attn_ops.backends.triton_attn:TritonAttnBackend",
     Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",

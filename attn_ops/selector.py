@@ -8,7 +8,6 @@ reasons, and picks the first with none. A backend forced by config, per-layer-ki
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Mapping
@@ -18,6 +17,7 @@ from attn_ops.capabilities import Reason
 from attn_ops.platforms import Platform, PlatformKind, current_platform
 from attn_ops.registry import Backend, get_backend_class, list_backends, resolve_name
 from attn_ops.spec import AttentionSpec, Feature, LayerKind
+from attn_ops.tuning import Tuning
 
 __all__ = [
     "AttentionConfig", "BackendNotSupportedError", "Candidate", "NoBackendError", "Selection",
@@ -33,23 +33,29 @@ B = Backend
 class AttentionConfig:
     """User choices. ``backend`` forces one backend for every layer; ``backend_per_kind``
     forces one per layer kind (e.g. sliding-window layers) and wins over ``backend``;
-    ``backend_options`` is handed to the chosen backend's constructor as keyword arguments."""
+    ``backend_options`` is handed to the chosen backend's constructor as keyword arguments;
+    ``tuning`` replaces the device's tunables (default: :func:`~attn_ops.tuning.resolve_tuning`
+    for the platform, with the environment's overrides). ``forced_by`` names where a forced
+    backend came from in errors and tables (default ``"AttentionConfig.backend"``; the CLI
+    says ``--backend``)."""
 
     backend: Backend | str | None = None
     backend_per_kind: Mapping[LayerKind, Backend | str] = field(default_factory=dict)
     backend_options: Mapping[str, object] = field(default_factory=dict)
+    tuning: Tuning | None = None
+    forced_by: str = "AttentionConfig.backend"
 
 
 def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
-        # On sm90 FlashAttention 4 has the fastest prefill but no split-KV decode (it collapses
-        # at small batches): FLASH_ATTN goes first there only where it can run its decode rows
-        # through FlashInfer's decode (installed); otherwise FlashInfer first, so auto never
-        # walks into the cliff.
-        fa4_first = major == 9 and importlib.util.find_spec("flashinfer") is not None
-        vendor = [B.FLASH_ATTN, B.FLASHINFER] if fa4_first else [B.FLASHINFER, B.FLASH_ATTN]
+        # On sm90 FA4 has the fastest prefill but no split-KV decode: the composite runs its
+        # prefills beside split decodes; alone it goes after FlashInfer, so auto never walks
+        # into its small-batch decode cliff.
+        vendor = [B.FLASHINFER, B.FLASH_ATTN]
+        if major == 9:
+            vendor = [B.COMPOSITE_SM90, *vendor]
         if Feature.DIFF_HEAD_DIM_V in spec.features:
             vendor = [B.FLASH_ATTN_DIFFKV, *vendor]
         order = [*vendor, B.TRITON_ATTN, B.FLEX_ATTENTION, B.TREE_ATTN]
@@ -84,7 +90,7 @@ class Selection:
     spec: AttentionSpec
     platform: Platform
     candidates: tuple[Candidate, ...]
-    forced_by: str | None  # "config", "config.backend_per_kind", "ATTN_OPS_BACKEND" or None
+    forced_by: str | None  # the config field, flag or variable that forced it; None: auto
 
     @property
     def rejected(self) -> tuple[Candidate, ...]:
@@ -94,8 +100,10 @@ class Selection:
         """A ranked, human-readable table: chosen backend first, then every other one."""
         how = f"forced by {self.forced_by}" if self.forced_by else "auto"
         lines = [f"spec:     {self.spec.describe()}", f"platform: {self.platform}",
-                 f"selected: {self.backend} ({how}), block_size={self.block_size}", "",
-                 f"{'rank':<5} {'backend':<18} status"]
+                 f"selected: {self.backend} ({how}), block_size={self.block_size}"]
+        if getattr(self.backend_cls, "kernels", ""):
+            lines.append(f"kernels:  {self.backend_cls.kernels}")
+        lines += ["", f"{'rank':<5} {'backend':<18} status"]
         for c in self.candidates:
             rank = "-" if c.priority is None else str(c.priority + 1)
             if c.name == self.backend:
@@ -151,9 +159,10 @@ def _format_reasons(candidates) -> str:
 
 def _forced_name(spec: AttentionSpec, config: AttentionConfig | None) -> tuple[str | None, str]:
     if config is not None and spec.layer_kind in config.backend_per_kind:
-        return resolve_name(config.backend_per_kind[spec.layer_kind]), "config.backend_per_kind"
+        return (resolve_name(config.backend_per_kind[spec.layer_kind]),
+                f"AttentionConfig.backend_per_kind[{spec.layer_kind.name}]")
     if config is not None and config.backend is not None and str(config.backend).lower() != "auto":
-        return resolve_name(config.backend), "config"
+        return resolve_name(config.backend), config.forced_by
     env = os.environ.get(ENV_BACKEND, "").strip()
     if env and env.lower() != "auto":
         return resolve_name(env), ENV_BACKEND

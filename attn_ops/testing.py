@@ -19,7 +19,7 @@ from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
-           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "OPTION_VARIANTS",
+           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "option_variants",
            "compiled_and_eager_layer", "assert_matches_reference"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -94,12 +94,11 @@ class PagedCase:
 
 
 def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
-              num_blocks: int | None = None, device: str = "cpu", seed: int = 0,
-              finite_page_tails: bool = False) -> PagedCase:
-    """A random batch for ``spec``: contexts and new tokens written through
-    ``torch.ops.attn.kv_cache_update``, unused slots NaN-poisoned if the scenario says so --
-    except, with ``finite_page_tails``, the unused tail of each request's last page, which is
-    zeroed (for kernels that load whole pages: ``BackendCapabilities.reads_page_tails``)."""
+              num_blocks: int | None = None, device: str = "cpu", seed: int = 0) -> PagedCase:
+    """A random batch for ``spec``: the cache NaN-poisoned first if the scenario says so (every
+    slot: unused pages, page tails, what an earlier request could have left), then contexts and
+    new tokens written through ``torch.ops.attn.kv_cache_update`` as a serving engine writes
+    them."""
     g = torch.Generator().manual_seed(seed)
     ctx = [c for c, _ in scenario.requests]
     qlens = [q for _, q in scenario.requests]
@@ -126,13 +125,6 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
         dense.append((k, v))
         slots = torch.tensor(alloc.slots(i, 0, c + q), device=device)
         kv_cache_update(k, v, cache, slots, *scales)
-        tail = -(c + q) % block_size
-        if finite_page_tails and tail:
-            zeros = torch.zeros(tail, spec.kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
-            zeros_v = zeros.new_zeros(tail, spec.kv_heads, spec.v_head_dim)
-            tail_slots = torch.tensor([alloc.blocks(i)[-1] * block_size + block_size - tail + t
-                                       for t in range(tail)], device=device)
-            kv_cache_update(zeros, zeros_v, cache, tail_slots, *scales)
     query = randn(starts[-1] + scenario.pad_tokens, spec.num_heads, spec.head_dim)
     sinks = torch.randn(spec.num_heads, generator=g).to(device) if spec.has_sinks else None
     slopes = None
@@ -142,9 +134,21 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
     return PagedCase(spec, meta, query, cache, sinks, slopes, *scales, dense_kv=dense)
 
 
-# Backend options that route batches to kernels (and ops) of their own: the matrix and the op
-# checks run each such variant besides the default.
-OPTION_VARIANTS = {"FLASH_ATTN": ({"flashinfer_decode": False},)}
+def option_variants(name: str) -> tuple[tuple[str, dict], ...]:
+    """``(id, constructor options)`` that route batches to other kernels (or ops) of backend
+    ``name`` -- tunings, mostly: the matrix and the op checks run each besides the default."""
+    from attn_ops.tuning import GENERIC, MEASURED
+
+    h200 = MEASURED["H200"]
+    return {
+        # the generic tuning: FlashInfer's decode only; the H200's: FA4 and TRITON_ATTN too
+        "COMPOSITE_SM90": (("generic_tuning", {"tuning": GENERIC}),
+                           ("h200_tuning", {"tuning": h200})),
+        "TRITON_ATTN": (("combine_kernel", {"tuning": h200.with_(
+                            triton={"fused_combine": False})}),
+                        ("fused_combine", {"tuning": h200.with_(
+                            triton={"fused_combine": True})})),
+    }.get(name, ())
 
 
 def run_backend(backend_cls, case: PagedCase, *, with_lse: bool = True,
@@ -193,8 +197,7 @@ def sqnr_db(result: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def compiled_and_eager_layer(spec: AttentionSpec, backend: str, scenario: Scenario, *,
-                             device: str = "cpu", seed: int = 1,
-                             finite_page_tails: bool = False
+                             device: str = "cpu", seed: int = 1, tuning=None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(compiled, eager)`` outputs of one :class:`~attn_ops.layer.Attention` layer forced to
     ``backend`` on a random ``scenario`` batch (new K/V written by the layer): once through
@@ -202,9 +205,8 @@ def compiled_and_eager_layer(spec: AttentionSpec, backend: str, scenario: Scenar
     from attn_ops.layer import Attention
     from attn_ops.selector import AttentionConfig
 
-    attn = Attention(spec, AttentionConfig(backend=backend)).to(device)
-    case = make_case(spec, scenario, block_size=attn.block_size, device=device, seed=seed,
-                     finite_page_tails=finite_page_tails)
+    attn = Attention(spec, AttentionConfig(backend=backend, tuning=tuning)).to(device)
+    case = make_case(spec, scenario, block_size=attn.block_size, device=device, seed=seed)
     t = case.query.shape[0]
     k = torch.randn(t, spec.kv_heads, spec.head_dim, device=device).to(spec.dtype)
     v = torch.randn(t, spec.kv_heads, spec.v_head_dim, device=device).to(spec.dtype)

@@ -25,7 +25,8 @@ from attn_ops.ops import PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs, d
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
-from attn_ops.backends.flash_attn import fa4_head_dim_reasons, fa_window, finish_lse, run_fa4
+from attn_ops.backends.flash_attn_kernels import (fa4_head_dim_reasons, fa_window, finish_lse,
+                                                  run_fa4)
 
 __all__ = ["FlashAttnDiffKVBackend"]
 
@@ -51,6 +52,7 @@ def _diffkv_attention(query, kv_cache, query_start_loc, seq_lens, block_table, o
     lse_hm = run_fa4(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                      query.shape[0], block_table.shape[1] * k_cache.shape[1], scale, left,
                      right, soft_cap, causal, lse is not None or sinks is not None, padded=True)
+    # (FA4's own tile: its sm90 tiles here are tuned for head dims 128 / 128 only)
     finish_lse(out, lse, sinks, lse_hm)
 
 
@@ -79,7 +81,6 @@ class FlashAttnDiffKVBackend(AttentionBackend):
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         min_capability=(9, 0),
         cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,  # its CUDA op reads no host values
-        reads_page_tails=True,
     )
     op = flash_attn_diffkv_attention
 

@@ -14,7 +14,7 @@ makes them in every call (about 25 small device ops per layer). Two other layout
 the builder: decode-only steps run one FlexAttention batch element per request
 (``flex_attention_decode``); steps with long prefills may copy each request's pages into pages
 of ``GATHER_PAGE`` keys first (``flex_attention_gathered``; on GPUs, see
-``GATHER_MIN_PAIRS_PER_KEY``), since FlexAttention's key tile never spans more than one KV
+``routing.flex_gathers``), since FlexAttention's key tile never spans more than one KV
 block -- one page. There each request's keys are consecutive slots, so ``mask_mod`` compares
 slot numbers with two per-row bounds instead of reading per-page tables. Padding rows see no
 key (their query blocks get no full KV blocks), so FlexAttention writes them as zeros and its
@@ -52,43 +52,13 @@ from attn_ops.backends.flex_attention_gather import (GATHER_PAGE, gather_map, ga
                                                      slot_major)
 from attn_ops.backends.reference import UNCAPTURABLE
 from attn_ops.kv_cache import KVCacheLayout
+from attn_ops.routing import flex_decode_splits, flex_decode_stages, flex_gathers
 from attn_ops.spec import AttentionType, Feature, KVCacheDType
+from attn_ops.tuning import FlexTuning
 
 __all__ = ["FlexAttentionBackend", "FlexMetadata"]
 
 Q_BLOCK = 128
-# Extra FlexAttention kernel options on GPUs (``num_stages``, ``num_warps``, ``BLOCK_M``, ...),
-# merged over ours (_gpu_kernel_options) -- a knob for experiments.
-GPU_KERNEL_OPTIONS: dict = {}
-# Gathered layout (steps with prefills, pages smaller than GATHER_PAGE): the op first copies each
-# request's pages into consecutive pages of GATHER_PAGE keys (GATHER_PAGE // block_size physical
-# pages each), so FlexAttention's key tile can be its own default (_key_tile), not one small page.
-# Used when the step's (query, key) pairs are at least GATHER_MIN_PAIRS_PER_KEY[device type]
-# times the keys copied -- a prefill's compute is then worth the copy (None: never). On the H200
-# (bench_triton_attention, c6ba9c7, page 16, bf16, d128) gathered causal 1x8k runs 369 TFLOP/s
-# instead of 244 (compiled flex on dense tensors: 389) and 1x1k 157 instead of 109, the copy
-# timed: a copied key is 8 KB of traffic, 2.4 ns in gather_pages_kernel (2.5 us for 1k keys),
-# and the wider tile saves ~0.03 ns per pair, so gathering pays from ~80 pairs per key (the rule
-# was set at 128 when the copy cost 4x more; not re-tuned). The CPU has no key-tile problem:
-# off there.
-GATHER_MIN_PAIRS_PER_KEY: dict[str, float | None] = {"cuda": 128.0, "cpu": None}
-# Pipeline stages of FlexAttention's decoding kernel (the decode layout) on GPUs, as many as
-# fit DECODE_STAGE_BYTES of shared memory (a K and a V tile per stage). Its key tile is at most
-# a page, so the default 2-3 stages leave HBM idle: on the H200 (page 16, bf16, d128) 6 stages
-# took B=1 ctx 32k from 0.60 to 1.34 TB/s and B=8 ctx 8k from 0.38x to 0.95x compiled flex on
-# dense tensors (page 128: 1.41 -> 2.32 and 0.99x -> 2.1x; B=64 ctx 8k unchanged at both).
-DECODE_STAGES: int | None = 6  # None: FlexAttention's default
-DECODE_STAGE_BYTES = 200 << 10
-# Decode-layout steps on GPUs with fewer (request, KV head) pairs than DECODE_PROGRAMS_PER_SM x
-# SMs cut each request's pages into splits (FlexAttention's SPLIT_KV, decode_splits) so that
-# about that many programs run, and list no full KV blocks: with full blocks FlexAttention's
-# decoding kernel cuts the K tensor's whole length -- every slot of the cache -- into its
-# splits, so a request holding a small part of the cache got one or two of them. H200
-# (exp_flex_decode.py run 4, 5065ce5, page 16, bf16, 32/8 heads, d128), B=1-32 at ctx 8k-32k:
-# 1.99-4.20 TB/s at 4 programs per SM (FlashInfer's CUDA-core decode 1.93-2.84; full blocks and
-# FlexAttention's own split count 0.42-3.23); 2 or 8 per SM slower at every point. None:
-# FlexAttention's own split count, full blocks always.
-DECODE_PROGRAMS_PER_SM: int | None = 4
 # Query blocks and gathered pages are padded to powers of two up to this count, then to its
 # multiples (shape_bucket): each new count compiles FlexAttention again.
 SHAPE_BUCKET_STEP = 64
@@ -266,17 +236,6 @@ def decode_batch(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
-def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int | None:
-    """FlexAttention's split count for a decode-layout step of ``batch`` elements on
-    ``device``: a power of two near ``DECODE_PROGRAMS_PER_SM x SMs / (batch x kv_heads)``, or
-    None where that is below 2 (FlexAttention's own, with full KV blocks)."""
-    if not DECODE_PROGRAMS_PER_SM or device.type != "cuda":
-        return None
-    want = DECODE_PROGRAMS_PER_SM * multiprocessor_count(device) / (batch * kv_heads)
-    splits = 1 << max(round(math.log2(want)), 0) if want > 0 else 1
-    return splits if splits >= 2 else None
-
-
 def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period, causal=True,
                     window=None, full=False):
     """The decode layout's tables: one FlexAttention batch element per request (``batch`` of
@@ -302,7 +261,7 @@ def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period,
         torch.where(kv_limit > 0, qpos, -1), kv_limit, causal, window, True if full else None,
         torch.nn.functional.pad(block_table, (0, 0) + pad) * (period // block_size),
         (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width)
-    if not full:  # no full list at all (zero wide): see decode_splits
+    if not full:  # no full list at all (zero wide): see routing.flex_decode_splits
         full_idx = full_idx[:, :0]
     return (*_int32(req, qpos[:, 0], kv_limit[:, 0], owner, logical), req < b,
             kv_num[:, None, None], kv_idx[:, None, None], full_num[:, None, None],
@@ -379,7 +338,8 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     single-token request). Padding rows see no key: FlexAttention writes them as zeros."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    user_mask, user_score = registered_mods(mods)
+    user_mask, user_score, tuning = registered_mods(mods)
+    tuning = tuning or FlexTuning()
     t_in, hq, d = query.shape
     if gathered:  # (kv_cache: gather_pages' result)
         (k, v), period, bs = gathered_views(kv_cache, d), GATHER_PAGE, GATHER_PAGE
@@ -414,10 +374,10 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     # the BlockMask has no full blocks (a compile error): a partition size that is not a
     # multiple of the page rules that template out.
     if query.device.type == "cuda":
-        splits = decode_splits(q.shape[0], k.shape[1], query.device) \
-            if decode and full_num is None else None
+        splits = flex_decode_splits(q.shape[0], k.shape[1], multiprocessor_count(query.device),
+                                    tuning) if decode and full_num is None else None
         options = _gpu_kernel_options(bs, d, out.shape[2], query.dtype, decode,
-                                      shared_memory_per_block(query.device), splits)
+                                      shared_memory_per_block(query.device), splits, tuning)
         # The block lists are as wide as the step's block table, which may change from step
         # to step: symbolic from the first call (else Dynamo recompiles on the first change).
         for idx in (kv_idx, full_idx):
@@ -462,21 +422,19 @@ def _key_tile(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
 
 
 def _gpu_kernel_options(block_size: int, head_dim: int, head_dim_v: int, dtype: torch.dtype,
-                        decode: bool, smem: int, splits: int | None = None) -> dict:
+                        decode: bool, smem: int, splits: int | None, tuning: FlexTuning) -> dict:
     """FlexAttention's kernel options on GPUs: the key tile (:func:`_key_tile`), for the
-    decode layout ``DECODE_STAGES`` pipeline stages or as many as fit ``DECODE_STAGE_BYTES``
-    and the block's ``smem`` bytes of shared memory less 24 KiB (when fewer than 3 fit,
-    FlexAttention's own choice) and ``splits`` (:func:`decode_splits`), then
-    ``GPU_KERNEL_OPTIONS`` over them."""
+    decode layout its pipeline stages (``routing.flex_decode_stages``) and ``splits``, then
+    the tuning's ``gpu_kernel_options`` over them."""
     options = {"BLOCK_N": _key_tile(block_size, head_dim, dtype)}
     if splits:
         options["SPLIT_KV"] = splits
-    if decode and DECODE_STAGES:
-        stage = options["BLOCK_N"] * (head_dim + head_dim_v) * dtype.itemsize
-        stages = min(DECODE_STAGES, min(DECODE_STAGE_BYTES, smem - (24 << 10)) // stage)
-        if stages >= 3:
+    if decode:
+        stages = flex_decode_stages(options["BLOCK_N"], head_dim, head_dim_v, dtype.itemsize,
+                                    smem, tuning)
+        if stages is not None:
             options["num_stages"] = stages
-    return {**options, **GPU_KERNEL_OPTIONS}
+    return {**options, **dict(tuning.gpu_kernel_options)}
 
 
 def _check_cache_size(kv_cache) -> None:
@@ -551,7 +509,7 @@ def _check_page_map(kv_cache, page_map):
         raise ValueError(f"FLEX_ATTENTION: this step's pages gathered ({tuple(page_map.shape)} "
                          f"pages) are {numel} elements, past FlexAttention's 32-bit offsets; "
                          "run fewer requests per step or turn gathering off "
-                         "(flex_attention.GATHER_MIN_PAIRS_PER_KEY['cuda'] = None)")
+                         "(Tuning.flex.gather_min_pairs_per_key_gpu=None)")
 
 
 def _decode(*args) -> None:
@@ -622,21 +580,19 @@ flex_paged_attention = define_op("flex_attention", PAGED_ATTENTION_MODS_SCHEMA, 
                                  tags=UNCAPTURABLE)  # (capture untested: CUDAGraphSupport.NEVER)
 
 
-def _gathers(common: CommonAttentionMetadata) -> bool:
-    """Whether a step with prefills takes the gathered layout: its (query, key) pairs at least
-    ``GATHER_MIN_PAIRS_PER_KEY[device type]`` times the keys copied. From the metadata's Python
-    integers only (no tensor read: the builder may run inside a compiled graph); the pairs are
-    the prefill tokens times the longest query -- exact for one fresh prefill (counting the
-    causal pairs twice), low for chunked prefills over long contexts and for decodes (not
-    counted), so the rule errs towards not copying."""
+def _gathers(common: CommonAttentionMetadata, tuning: FlexTuning) -> bool:
+    """Whether a step with prefills takes the gathered layout (``routing.flex_gathers``). From
+    the metadata's Python integers only (no tensor read: the builder may run inside a compiled
+    graph); the pairs are the prefill tokens times the longest query -- exact for one fresh
+    prefill (counting the causal pairs twice), low for chunked prefills over long contexts and
+    for decodes (not counted), so the rule errs towards not copying."""
     bs = common.block_size
-    threshold = GATHER_MIN_PAIRS_PER_KEY.get(common.block_table.device.type)
-    if threshold is None or bs >= GATHER_PAGE or GATHER_PAGE % bs:
+    if bs >= GATHER_PAGE or GATHER_PAGE % bs:
         return False
     copied = common.num_reqs * -(-common.block_table.shape[1] // (GATHER_PAGE // bs)) \
         * GATHER_PAGE
     pairs = (common.num_actual_tokens - common.num_decode_tokens) * common.max_query_len
-    return pairs >= threshold * copied
+    return flex_gathers(pairs, copied, common.block_table.device.type == "cuda", tuning)
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -654,7 +610,6 @@ class FlexAttentionBackend(AttentionBackend):
                             Feature.ALIBI, Feature.NON_CAUSAL, Feature.CUSTOM_MODS}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         cudagraph_support=CUDAGraphSupport.NEVER,  # capture not tested yet
-        reads_page_tails=True,  # masked slots of a visited page still meet p * v
     )
     op = flex_paged_attention
 
@@ -673,7 +628,7 @@ class FlexAttentionBackend(AttentionBackend):
 
     def __init__(self, spec, **options) -> None:
         super().__init__(spec, **options)
-        self.mods = register_mods(spec)
+        self.mods = register_mods(spec, self.tuning.flex)
 
     def build_metadata(self, common: CommonAttentionMetadata):
         """:class:`FlexMetadata` when the cache's block count is known; else the common
@@ -689,12 +644,14 @@ class FlexAttentionBackend(AttentionBackend):
         window, full = self.spec.sliding_window, self.spec.mask_mod is None
         if common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs:
             batch = decode_batch(tokens)
-            splits = decode_splits(batch, self.spec.kv_heads, common.seq_lens.device)
+            device = common.seq_lens.device
+            splits = flex_decode_splits(batch, self.spec.kv_heads, multiprocessor_count(device)
+                                        if device.type == "cuda" else None, self.tuning.flex)
             return FlexMetadata(common.slot_mapping, _decode_tensors(
                 common.seq_lens, common.block_table, batch, common.num_blocks, bs, period,
                 causal, window, full and splits is None), causal=common.causal, decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
-        if _gathers(common):  # the tables over the gathered pages, GATHER_PAGE keys each
+        if _gathers(common, self.tuning.flex):  # the tables over the gathered pages, GATHER_PAGE keys each
             table, page_map = gather_map(common.block_table, common.seq_lens, bs)
             num_pages = shape_bucket(page_map.shape[0])  # (the gathered cache's pages)
             period = bs = GATHER_PAGE  # (K and V apart)
@@ -707,7 +664,7 @@ class FlexAttentionBackend(AttentionBackend):
         # (the tables depend on what the spec hides: causality, window, its own mask_mod)
         spec = self.spec
         return (self.name, self.kv_cache_layout(spec), spec.causal, spec.sliding_window,
-                spec.mask_mod is None)
+                spec.mask_mod is None, self.tuning.key)
 
     def op_for(self, metadata):
         if isinstance(metadata, FlexMetadata):

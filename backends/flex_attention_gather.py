@@ -4,7 +4,7 @@ own default, not one small page. :func:`gather_map` makes the virtual block tabl
 physical pages each virtual page copies (in the builder); :func:`gather_pages` copies them
 head-major in the op (``gather_pages_kernel`` on GPUs, torch ops elsewhere);
 :func:`gathered_views` gives FlexAttention K and V over the copy. When a step takes this layout:
-``flex_attention.GATHER_MIN_PAIRS_PER_KEY``.
+``routing.flex_gathers``.
 """
 
 from __future__ import annotations

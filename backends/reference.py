@@ -46,7 +46,7 @@ def reference_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_
                               soft_cap, causal, mods: int = 0) -> None:
     """The REFERENCE kernel (schema: :data:`attn_ops.ops.PAGED_ATTENTION_SCHEMA`, plus the id
     of the spec's custom mask/score mods in :func:`attn_ops.ops.registered_mods`)."""
-    mask_mod, score_mod = registered_mods(mods)
+    mask_mod, score_mod, _ = registered_mods(mods)
     check_paged_attention_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32

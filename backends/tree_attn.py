@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.triton_attn import TritonAttnBackend, _check, _triton_attention
+from attn_ops.backends.triton_attn import (TritonAttnBackend, check_triton_inputs,
+                                           triton_paged_attention)
 from attn_ops.capabilities import BackendCapabilities, Reason
 from attn_ops.ops import define_op
 from attn_ops.spec import AttentionSpec, AttentionType, Feature
@@ -31,27 +32,27 @@ def ancestor_bitmasks(parents: tuple[int, ...]) -> list[int]:
     return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
 
 
-def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, tree, out, lse, sinks,
+def _fake(query, kv_cache, query_start_loc, seq_lens, block_table, plan, tree, out, lse, sinks,
           alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap, causal) -> None:
-    _check(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse, sinks,
-           alibi_slopes, k_scale, v_scale)
+    check_triton_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,
+                        sinks, alibi_slopes, k_scale, v_scale)
 
 
-def _tree_attention(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, tree, out,
+def _tree_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, tree, out,
                     lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
                     causal) -> None:
     if tree.dtype != torch.int64 or tree.dim() != 1 or tree.device != query.device:
         raise ValueError(f"tree must be int64 [nodes] ancestor bitmasks on {query.device}, got "
                          f"{tree.dtype} {tuple(tree.shape)} on {tree.device}")
-    _triton_attention(query, kv_cache, query_start_loc, seq_lens, block_table, bounds, out, lse,
-                      sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window, soft_cap,
-                      causal, tree=tree)
+    triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
+                           lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window,
+                           soft_cap, causal, tree=tree)
 
 
 tree_attention = define_op(
     "tree_attention",
     "(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor block_table, Tensor bounds, Tensor tree, Tensor(a!) out, Tensor(b!)? lse, "
+    "Tensor block_table, Tensor plan, Tensor tree, Tensor(a!) out, Tensor(b!)? lse, "
     "Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, float scale, "
     "int? sliding_window, float? soft_cap, bool causal) -> ()",
     _tree_attention, _fake, dispatch_keys=("CPU", "CUDA"), fp8_output_at=7)

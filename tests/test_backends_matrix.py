@@ -8,7 +8,7 @@ import torch
 from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
 from attn_ops.registry import list_backends
 from attn_ops.spec import Feature
-from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, OPTION_VARIANTS, SCENARIOS,
+from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, SCENARIOS, option_variants,
                               Scenario, make_case, run_backend, sqnr_db, tolerance)
 
 PLATFORM = current_platform()
@@ -62,8 +62,7 @@ def _params():
         for vid, spec in _variants(cls):
             for scenario in SCENARIOS:
                 yield pytest.param(name, spec, scenario, {}, id=f"{name}-{vid}-{scenario}")
-        for options in OPTION_VARIANTS.get(name, ()):  # each other kernel route, base spec
-            oid = "-".join(f"{k}={v}" for k, v in options.items())
+        for oid, options in option_variants(name):  # each other kernel route, base spec
             for scenario in SCENARIOS:
                 yield pytest.param(name, BASE, scenario, options, id=f"{name}-{oid}-{scenario}")
         for dtype in (torch.float16, torch.bfloat16):
@@ -103,8 +102,7 @@ def _check(cls, spec, scenario, options, *, seed, num_blocks=lambda block: None)
 
     def case_for(s):
         return make_case(s, scenario, block_size=block, num_blocks=num_blocks(block),
-                         device=DEVICE, seed=seed,
-                         finite_page_tails=cls.capabilities.reads_page_tails)
+                         device=DEVICE, seed=seed)
 
     case = case_for(spec)
     n = case.metadata.num_actual_tokens

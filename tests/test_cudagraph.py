@@ -143,8 +143,8 @@ def test_declared_levels():
 
 
 GPU_BASE = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
-# Llama-3-8B's heads: FLASH_ATTN's sm90 decode graphs of 16 requests (128 items) run FA4 in its
-# 64-row tile, of 1 or 4 FlashInfer's graph decode (test_flash_attn_sm90_decode_graphs_*)
+# Llama-3-8B's heads: COMPOSITE_SM90's decode graphs of 16 requests (128 items) run FA4 in its
+# 64-row tile, of 1 or 4 FlashInfer's graph decode (test_composite_sm90_decode_graphs_*)
 GPU_GQA = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
@@ -253,24 +253,25 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode,
 
 
 @pytest.mark.gpu
-def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_7_to_2_waves():
-    """FLASH_ATTN on sm90 with FlashInfer: decode graphs of 0.7 to 2 waves of (request, KV
-    head) items run FA4 (its own graph metadata), others FlashInfer's graph decode.
-    (Both are replayed against REFERENCE by test_capture_once_per_size_then_replay_changing_
-    batches[FLASH_ATTN-gqa_d128-*].)"""
+def test_composite_sm90_decode_graphs_run_fa4_from_0_7_to_2_waves():
+    """COMPOSITE_SM90 (H200 tuning): decode graphs of 0.7 to 2 waves of (request, KV head)
+    items run FA4 (FLASH_ATTN's graph metadata), others FlashInfer's graph decode. (Both are
+    replayed against REFERENCE by test_capture_once_per_size_then_replay_changing_batches
+    [COMPOSITE_SM90-gqa_d128-*].)"""
     from attn_ops.backends.flash_attn import FlashAttnMetadata
     from attn_ops.backends.flashinfer import FlashInferMetadata
     from attn_ops.platforms import multiprocessor_count
+    from attn_ops.tuning import MEASURED
 
-    cls = get_backend_class("FLASH_ATTN")
-    if cls.not_supported_reasons(GPU_GQA, PLATFORM) or PLATFORM.capability[0] != 9 \
-            or get_backend_class("FLASHINFER").not_supported_reasons(GPU_GQA, PLATFORM):
-        pytest.skip("FLASH_ATTN's sm90 route (FA4 with FlashInfer) cannot run here")
+    cls = get_backend_class("COMPOSITE_SM90")
+    if cls.not_supported_reasons(GPU_GQA, PLATFORM):
+        pytest.skip("COMPOSITE_SM90 (FA4 with FlashInfer on sm90) cannot run here")
+    low, high = MEASURED["H200"].composite.graph_fa4_waves
     wave = multiprocessor_count(torch.device("cuda")) / GPU_GQA.kv_heads  # requests
-    small, big = math.ceil(0.7 * wave) - 1, math.ceil(0.7 * wave)
-    most, too_many = math.floor(2 * wave), math.floor(2 * wave) + 1
+    small, big = math.ceil(low * wave) - 1, math.ceil(low * wave)
+    most, too_many = math.floor(high * wave), math.floor(high * wave) + 1
     graphs = CUDAGraphBatch((small, big, most, too_many), WIDTH, BLOCK, "cuda")
-    impl = cls(GPU_GQA.with_(block_size=BLOCK))
+    impl = cls(GPU_GQA.with_(block_size=BLOCK), tuning=MEASURED["H200"])
     rng = random.Random(0)
     for n, kind in ((small, FlashInferMetadata), (big, FlashAttnMetadata),
                     (most, FlashAttnMetadata), (too_many, FlashInferMetadata)):
@@ -279,21 +280,21 @@ def test_flash_attn_sm90_decode_graphs_run_fa4_from_0_7_to_2_waves():
 
 
 @pytest.mark.gpu
-def test_flashinfer_graphs_on_one_cta_per_sm_replay_against_reference(monkeypatch):
-    """``flashinfer.GRAPH_ONE_CTA_PER_SM``: small CUDA-graph decode batches split on a grid of
-    one CTA per SM (a new chunk size every replay, the captured grid unchanged), replayed with
-    changing sizes and lengths against REFERENCE, padding rows zero."""
-    from attn_ops.backends import flashinfer as fi
+def test_flashinfer_graphs_on_one_cta_per_sm_replay_against_reference():
+    """``Tuning.flashinfer.graph_one_cta_per_sm``: small CUDA-graph decode batches split on a
+    grid of one CTA per SM (a new chunk size every replay, the captured grid unchanged),
+    replayed with changing sizes and lengths against REFERENCE, padding rows zero."""
+    from attn_ops.tuning import Tuning
 
     if "FLASHINFER" not in [p.values[0] for p in _graph_params()]:
         pytest.skip("FLASHINFER cannot run here")
-    monkeypatch.setattr(fi, "GRAPH_ONE_CTA_PER_SM", True)
+    tuning = Tuning().with_(flashinfer={"graph_one_cta_per_sm": True})
     rng, gen = random.Random(5), torch.Generator(device="cuda").manual_seed(5)
     sizes, width = (1, 4), 128  # up to 2k keys: chunks of several pages
     num_blocks = sizes[-1] * width + 1
     graphs = CUDAGraphBatch(sizes, width, BLOCK, "cuda")
     layer = Attention(GPU_GQA.with_(block_size=BLOCK),
-                      AttentionConfig(backend="FLASHINFER")).cuda()
+                      AttentionConfig(backend="FLASHINFER", tuning=tuning)).cuda()
     cache = layer.allocate_kv_cache(num_blocks)
     cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
     hq, d = GPU_GQA.num_heads, GPU_GQA.head_dim
@@ -326,7 +327,8 @@ def test_flashinfer_graphs_past_the_split_budget_replay_on_one_plan():
     """A capture size past FlashInfer's split budget is planned without a split (its eager
     kernel, no merge) and never planned again: replays with fewer requests and new lengths
     against REFERENCE."""
-    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan as fp
+    from attn_ops.routing import Split, SplitMode
 
     if "FLASHINFER" not in [p.values[0] for p in _graph_params()]:
         pytest.skip("FLASHINFER cannot run here")
@@ -361,13 +363,15 @@ def test_flashinfer_graphs_past_the_split_budget_replay_on_one_plan():
         graph.replay()
         _check(GPU_BASE, out, lse, q, cache, common, n, size)
     planner = graphs.backend_state[layer._metadata_key]
-    assert isinstance(planner, fi._GraphPlanner)
-    assert planner.decode_ws.last[0][1:3] == (b"", 0)  # planned without a split, kept
+    assert isinstance(planner, fp.GraphPlanner)
+    assert planner.decode_ws.last[0][1:3] == (b"", Split(SplitMode.NONE))  # no split, kept
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("slots", [[5, -1, 0, -1], [-1, -1], [-1, 3, 3 + BLOCK, -1]])
 def test_cache_write_skips_padding_without_a_host_sync(dtype, slots):
+    """Padding slots (-1) are skipped; a token entering a page (row 0) also zeroes the rows of
+    that page the write does not fill, which may hold an earlier request's leftovers."""
     from attn_ops.kv_cache import kv_cache_update
 
     cache = torch.randn(4, 2, BLOCK, 2, 8, device=DEVICE).to(dtype)
@@ -375,6 +379,12 @@ def test_cache_write_skips_padding_without_a_host_sync(dtype, slots):
     value = torch.randn(len(slots), 2, 8, device=DEVICE)
     scale = torch.ones(1, device=DEVICE) if dtype != torch.float32 else None
     want = cache.clone().view(torch.uint8) if dtype != torch.float32 else cache.clone()
+    for i, s in enumerate(slots):
+        if s >= 0 and s % BLOCK == 0:
+            filled = 1
+            while i + filled < len(slots) and slots[i + filled] == s + filled:
+                filled += 1
+            want[s // BLOCK, :, filled:] = 0
     for i, s in enumerate(slots):
         if s >= 0:
             b, o = divmod(s, BLOCK)

@@ -1,5 +1,6 @@
-"""FLASH_ATTN's FlashAttention 2 and 3 glue, on the CPU, against stand-in modules; FA4's tile
-and batch-mode rules, and on an sm90 GPU with FA4 both prefill modes against REFERENCE.
+"""FLASH_ATTN's FlashAttention 2 and 3 glue, on the CPU, against stand-in modules; on an sm90
+GPU with FA4, COMPOSITE_SM90's FA4 tiles and modes against REFERENCE (the rules themselves:
+test_routing.py).
 
 FA2 and FA3 cannot be installed on the H200 (FA2 is source-only on PyPI, FA3 is not on PyPI),
 so ``flash_attn.flash_attn_varlen_func`` and ``flash_attn_interface.flash_attn_with_kvcache``
@@ -18,7 +19,7 @@ import types
 import pytest
 import torch
 
-from attn_ops import AttentionSpec, Platform, get_backend_class
+from attn_ops import AttentionSpec, Platform, current_platform, get_backend_class
 from attn_ops.testing import SCENARIOS, make_case, run_backend, tolerance
 
 FLASH_ATTN = get_backend_class("FLASH_ATTN")
@@ -131,8 +132,7 @@ def _params():
 
 @pytest.mark.parametrize("version,block_size,spec,scenario", list(_params()))
 def test_glue_matches_reference(stand_ins, version, block_size, spec, scenario):
-    case = make_case(spec, SCENARIOS[scenario], block_size=block_size, seed=3,
-                     finite_page_tails=True)
+    case = make_case(spec, SCENARIOS[scenario], block_size=block_size, seed=3)
     n = case.metadata.num_actual_tokens
     out, lse = run_backend(lambda s: FLASH_ATTN(s, version=version), case)
     truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
@@ -177,96 +177,20 @@ def test_unknown_version_is_an_error():
         FLASH_ATTN(BASE, version=5)
 
 
-def test_fa4_tile_rule_takes_the_tall_sm90_tile_for_long_16bit_prefills_at_head_dim_128():
-    from attn_ops.backends.flash_attn import (SM90_TALL_TILE, SM90_TALL_TILE_MIN_QUERY,
-                                              SM90_TALL_TILE_MIN_QUERY_BATCH, fa4_tile)
-
-    bf16, long = torch.bfloat16, SM90_TALL_TILE_MIN_QUERY
-    assert fa4_tile(9, 128, 128, bf16, long, 4) is SM90_TALL_TILE
-    assert fa4_tile(9, 128, 128, torch.float16, 8192, 4) is SM90_TALL_TILE
-    assert all(fa4_tile(9, 128, 128, bf16, long, g) is SM90_TALL_TILE for g in (1, 2, 6, 8, 16))
-    assert fa4_tile(9, 128, 128, bf16, long - 1, 4) == {}  # decodes, short prefills: FA4's own
-    assert fa4_tile(10, 128, 128, bf16, 8192, 4) == {}  # not measured off sm90
-    assert fa4_tile(9, 192, 128, bf16, 8192, 4) == {}  # other head dims (DIFFKV) not measured
-    assert fa4_tile(9, 64, 64, bf16, 8192, 4) == {}
-    assert fa4_tile(9, 128, 128, bf16, 8192, 5) == {}  # Q by cp.async: FA4's own tile
-    assert fa4_tile(9, 128, 128, bf16, 8192, 7) == {}
-    # in FA4's batch mode (no decode rows in the call) from fewer rows
-    least = SM90_TALL_TILE_MIN_QUERY_BATCH
-    assert fa4_tile(9, 128, 128, bf16, least, 4, batch=True) is SM90_TALL_TILE
-    assert fa4_tile(9, 128, 128, bf16, least - 1, 4, batch=True) == {}
-    assert fa4_tile(9, 128, 128, bf16, least, 4) == {}
-
-
-def test_fa4_tile_rule_takes_the_64_row_sm90_tile_for_decodes_at_head_dim_128():
-    from attn_ops.backends.flash_attn import SM90_DECODE_TILE, fa4_tile
-
-    bf16 = torch.bfloat16
-    assert all(fa4_tile(9, 128, 128, dt, 1, g) is SM90_DECODE_TILE
-               for dt in (bf16, torch.float16) for g in (1, 2, 4, 8, 16, 64))
-    assert fa4_tile(9, 128, 128, bf16, 2, 4) == {}  # several query rows: unmeasured
-    assert fa4_tile(9, 128, 128, bf16, 1, 5) == {}  # Q by cp.async: FA4's own tile
-    assert fa4_tile(9, 128, 128, bf16, 1, 128) == {}  # the group does not fit 64 rows
-    assert fa4_tile(10, 128, 128, bf16, 1, 4) == {}  # not measured off sm90
-    assert fa4_tile(9, 64, 64, bf16, 1, 4) == fa4_tile(9, 192, 128, bf16, 1, 4) == {}
-
-
-@pytest.mark.parametrize("items,keys,wins", [
-    # (H200: 132 SMs) -> whether FA4's 64-row decode was the fastest measured
-    (32, 4096, False),  # B=4 at 8 KV heads: FlashInfer's splits, 2x
-    (64, 1024, True), (64, 8192, True), (64, 16384, False),  # B=8
-    (96, 1024, True), (96, 8192, True), (96, 16384, False),  # B=12 (long: unmeasured)
-    (128, 1024, True), (128, 32768, True),  # B=16: every length
-    (256, 16384, False), (256, 32768, False),  # B=32: FlashInfer
-    (512, 8192, False), (512, 16384, True), (2048, 32768, True),  # B=64, B=256
-])
-def test_fa4_decode_rule_picks_the_measured_best(items, keys, wins):
-    from attn_ops.backends.flash_attn import fa4_decode_wins
-
-    assert fa4_decode_wins(items, keys, 132) is wins
-
-
-@pytest.mark.parametrize("size,fa4", [
-    # (H200: 132 SMs, 8 KV heads) -> FA4 or not: the band's bounds (11/12, 33/34) and the
-    # measured sizes (8, 12, 16, 32, 64, 128: where FA4 beat FLASHINFER's graph decode or not)
-    (8, False), (11, False), (12, True), (16, True), (32, True), (33, True), (34, False),
-    (64, False), (128, False),
-])
-def test_fa4_graph_decode_rule_picks_the_measured_best(monkeypatch, size, fa4):
-    """Decode graphs of 0.7 to 2 waves of (request, KV head) items run FA4 on sm90
-    (``bench_cudagraph_decode_fa4_band_h200.json``); the GPU test checks the route taken."""
-    from attn_ops.backends import flash_attn as fa
-
-    monkeypatch.setattr(fa, "multiprocessor_count", lambda device: 132)
-    backend = type("B", (), {"spec": AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128),
-                             "_fa4_decode_tile": True})()
-    assert fa.FlashAttnBackend._fa4_graph_decode(backend, size, "cuda") is fa4
-
-
-def test_fa4_batch_rule_takes_uniform_prefill_parts_of_enough_rows(monkeypatch):
-    from attn_ops.backends import flash_attn as fa
-
-    least = fa.FA4_BATCH_MIN_QUERY
-    assert fa.fa4_batch(3 * least, 3, least) == 3
-    assert fa.fa4_batch(3 * least - 1, 3, least) == 0  # lengths differ: varlen
-    assert fa.fa4_batch(3 * (least - 1), 3, least - 1) == 0  # short: unmeasured
-    assert fa.fa4_batch(64, 64, 1) == 0  # decodes
-    monkeypatch.setattr(fa, "FA4_BATCH_MODE", False)
-    assert fa.fa4_batch(3 * least, 3, least) == 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("mode", ["tall", "batch", "decode"])
 def test_fa4_sm90_modes_stay_right(monkeypatch, mode, feature):
-    """On sm90 with FA4: prefills of >= SM90_TALL_TILE_MIN_QUERY rows run with 192-row tiles
-    (P through shared memory) -- ``tall``; prefills of one length run in FA4's batch mode --
-    ``batch`` (switched off for ``tall``); 12 decodes (96 items at 8 KV heads) run in FA4's
-    64-row tile -- ``decode``. Against REFERENCE, LSE included, with cached contexts, a window,
-    a soft cap or sinks, decodes and prefills in the same step."""
-    from attn_ops.backends import flash_attn as fa
+    """COMPOSITE_SM90 on sm90 with FA4 (H200 tuning): prefills of >= tall_tile_min_query rows
+    run with 192-row tiles (P through shared memory) -- ``tall`` (batch mode off); prefills of
+    one length run in FA4's batch mode -- ``batch``; 12 decodes (96 items at 8 KV heads) run
+    in FA4's 64-row tile -- ``decode``. Against REFERENCE, LSE included, with cached contexts,
+    a window, a soft cap or sinks, decodes and prefills in the same step."""
     from attn_ops.spec import Feature
     from attn_ops.testing import FEATURE_SPECS, Scenario, assert_matches_reference
+    from attn_ops.tuning import MEASURED
+
+    composite = get_backend_class("COMPOSITE_SM90")
 
     fa4 = pytest.importorskip("flash_attn.cute.interface", reason="FA4 is not installed")
     if torch.cuda.get_device_capability()[0] != 9:
@@ -279,9 +203,13 @@ def test_fa4_sm90_modes_stay_right(monkeypatch, mode, feature):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fa4, "_flash_attn_fwd", spy)
-    monkeypatch.setattr(fa, "FA4_BATCH_MODE", mode != "tall")
+    tuning = MEASURED["H200"]
+    if mode == "tall":
+        tuning = tuning.with_(flash_attn={"batch_mode_min_query": None})
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                          block_size=128)
+    if composite.not_supported_reasons(spec, current_platform()):
+        pytest.skip("COMPOSITE_SM90 cannot run here (FlashInfer and flash-attn-4 on sm90)")
     if feature is not None:
         spec = FEATURE_SPECS[Feature[feature]](spec)
     decodes = ((700, 1), (5, 1))
@@ -291,9 +219,8 @@ def test_fa4_sm90_modes_stay_right(monkeypatch, mode, feature):
     prefills = {"tall": ((0, 1100), (300, 1030)), "batch": ((0, 300), (120, 300), (64, 300)),
                 "decode": ((50, 40),)}[mode]
     case = make_case(spec, Scenario(decodes + prefills), block_size=128,
-                     device="cuda", seed=0,
-                     finite_page_tails=FLASH_ATTN.capabilities.reads_page_tails)
-    out, lse = run_backend(FLASH_ATTN, case)
+                     device="cuda", seed=0)
+    out, lse = run_backend(composite, case, tuning=tuning)
     _, truth_lse = assert_matches_reference(out, case)
     _, base_lse = run_backend(REFERENCE, case)  # at the test's precision
     n = case.metadata.num_actual_tokens
@@ -303,9 +230,10 @@ def test_fa4_sm90_modes_stay_right(monkeypatch, mode, feature):
 
     assert err(lse) <= tolerance(err(base_lse), spec.dtype)
     tiles = [kw.get("tile_mn") for kw in calls]
+    t = tuning.flash_attn
     if mode == "tall":
-        assert fa.SM90_TALL_TILE["tile_mn"] in tiles
+        assert (t.tall_tile.rows, t.tall_tile.keys) in tiles
     elif mode == "batch":
         assert any(kw.get("cu_seqlens_q") is None for kw in calls)
-    else:
-        assert tiles.count(fa.SM90_DECODE_TILE["tile_mn"]) == 1, tiles  # the decode part
+    else:  # the decode part
+        assert tiles.count((t.decode_tile.rows, t.decode_tile.keys)) == 1, tiles

@@ -1,5 +1,7 @@
-"""FLASHINFER: host page-table conversion and reasons on the CPU; compile on the GPU (its
-correctness matrix is the registry-generated one in test_backends_matrix.py)."""
+"""FLASHINFER and COMPOSITE_SM90 (planned by attn_ops.backends.flashinfer_plan): host
+page-table conversion, planning and the op's side of each kernel on the CPU against stand-in
+kernels; compile and the composite's routes on the GPU (their correctness matrix is the
+registry-generated one in test_backends_matrix.py)."""
 
 import math
 import os
@@ -10,10 +12,14 @@ import torch
 
 from attn_ops import (Attention, AttentionConfig, AttentionSpec, Platform, build_batch,
                       get_backend_class)
-from attn_ops.backends.flashinfer import FlashInferMetadata, decode_kernel, paged_kv_csr
+from attn_ops.backends.flashinfer_plan import PART, FlashInferMetadata, paged_kv_csr
 from attn_ops.kv_cache import BlockAllocator
+from attn_ops.routing import DeviceFacts, Kernel, Split, SplitMode
+from attn_ops.tuning import MEASURED
 
 FLASHINFER = get_backend_class("FLASHINFER")
+COMPOSITE = get_backend_class("COMPOSITE_SM90")
+H200 = MEASURED["H200"]
 SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
@@ -37,49 +43,6 @@ def test_paged_kv_csr_matches_a_direct_computation(block_size):
 
 def _codes(spec, platform):
     return sorted(r.code for r in FLASHINFER.not_supported_reasons(spec, platform))
-
-
-@pytest.mark.parametrize("batch,ctx,expected", [
-    # (H200, 132 SMs, 8 KV heads, page 128) -> the best measured configuration
-    (1, 4096, ("fa2", 2)), (1, 32768, ("fa2", 16)), (2, 2048, ("fa2", 2)),
-    (4, 1024, ("fa2", 2)), (8, 1024, ("fa2", 4)), (8, 4096, ("fa2", 16)),
-    (8, 8192, ("fa2", -1)),  # chunks of 4k tokens: FlashInfer's own rule
-    (12, 4096, ("fa4", -1)), (16, 1024, ("fa4", -1)),  # about one wave without splitting
-    (12, 8192, ("fa2", -1)), (16, 32768, ("fa2", -1)),  # (FA4 unsteady at long contexts)
-    (32, 1024, ("fa2", -1)), (33, 1024, ("fa2", -1)),
-    (34, 1024, ("fa2", 0)), (256, 8192, ("fa2", 0))])  # past FlashInfer's split budget
-def test_decode_kernel_rule_picks_the_measured_best(batch, ctx, expected):
-    assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True) == expected
-
-
-@pytest.mark.parametrize("batch,ctx,expected", [
-    # (H200, 132 SMs, 8 KV heads, page 128, FA4 decoding in its 64-row tile)
-    (4, 4096, ("fa2", 8)), (8, 1024, ("fa4", -1)), (8, 16384, ("fa2", -1)),
-    (12, 4096, ("fa4", -1)), (16, 32768, ("fa4", -1)), (32, 16384, ("fa2", -1)),
-    (64, 1024, ("triton", 0)), (64, 8192, ("fa2", 0)), (64, 16384, ("fa4", -1)),
-    (256, 32768, ("fa4", -1))])
-def test_decode_kernel_rule_with_fa4s_decode_tile(batch, ctx, expected):
-    assert decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True, triton=True,
-                         fa4_decode_tile=True) == expected
-
-
-def test_decode_kernel_rule_takes_triton_for_short_decodes_that_fill_the_sms():
-    def kernel(batch, ctx, triton=True):
-        return decode_kernel(batch, 8, ctx // 128, 128, 132, fa4=True, triton=triton)
-
-    assert kernel(64, 1024) == kernel(128, 1024) == ("triton", 0)  # measured faster
-    assert kernel(256, 1024) == kernel(64, 2048) == kernel(64, 1024, triton=False) == ("fa2", 0)
-    assert kernel(32, 1024) == ("fa2", -1)  # 2 items per SM
-
-
-def test_decode_kernel_rule_without_fa4_and_its_chunks_fill_the_sms():
-    assert decode_kernel(16, 8, 8, 128, 132, fa4=False)[0] == "fa2"
-    for batch in range(1, 17):
-        for pages in (1, 7, 64, 300):
-            kernel, chunk = decode_kernel(batch, 8, pages, 16, 132, fa4=False)
-            if chunk > 0:  # never more CTAs than SMs, and never fewer than half of them
-                ctas = batch * 8 * -(-pages // chunk)
-                assert ctas <= 132 and (ctas * 2 > 132 or chunk == 1), (batch, pages, chunk)
 
 
 def test_reasons_on_simulated_platforms():
@@ -161,23 +124,25 @@ def test_decodes_past_the_split_budget_keep_their_plan_and_stay_right():
         out, _ = run_backend(FLASHINFER, case, with_lse=False)
         assert_matches_reference(out, case)
         plans.append(FLASHINFER(spec).build_metadata(case.metadata).decode_plan)
-    assert torch.equal(plans[0][fi.HEADER:], plans[1][fi.HEADER:])  # the kernel plan, kept
+    assert PART.decode(plans[0]).library_plan == PART.decode(plans[1]).library_plan  # kept
     planner = fi._EAGER_PLANNERS[FLASHINFER(spec).metadata_key(), case.metadata.seq_lens.device]
-    assert planner.decode_ws.last[0][1:3] == (b"", 0)  # (key: no page counts, no split)
+    assert planner.decode_ws.last[0][1:3] == (b"", Split(SplitMode.NONE))  # (no page counts)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SINKS"])
 def test_short_decodes_that_fill_the_sms_run_tritons_kernel_and_stay_right(feature):
-    """With ``triton_decode`` (FLASH_ATTN's sm90 route), a step of short decodes with 3.5
-    (request, KV head) items per SM runs TRITON_ATTN's decode kernel inside FlashInfer's op,
-    followed by a prefill through FlashInfer: against REFERENCE, LSE included."""
-    from attn_ops.backends import flashinfer as fi
-    from attn_ops.backends.triton_attn import MANY_ITEMS_PER_SM
+    """COMPOSITE_SM90 (H200 tuning): a step of short decodes with 3.5 (request, KV head) items
+    per SM runs TRITON_ATTN's decode kernel, followed by a prefill through FA4: against
+    REFERENCE, LSE included."""
     from attn_ops.testing import (FEATURE_SPECS, Scenario, assert_matches_reference, make_case,
                                   run_backend, tolerance)
     from attn_ops.spec import Feature
 
+    if COMPOSITE.not_supported_reasons(SPEC, Platform.parse("cuda:9.0")) or \
+            torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("COMPOSITE_SM90 needs sm90, FlashInfer and flash-attn-4")
+    MANY_ITEMS_PER_SM = H200.triton.many_items_per_sm
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                          block_size=16)
     if feature is not None:
@@ -187,7 +152,7 @@ def test_short_decodes_that_fill_the_sms_run_tritons_kernel_and_stay_right(featu
     rng = random.Random(1)
     scen = Scenario(tuple((rng.randint(0, 1023), 1) for _ in range(n)) + ((5, 40),))
     case = make_case(spec, scen, block_size=16, device="cuda", seed=0)
-    out, lse = run_backend(FLASHINFER, case, triton_decode=True)
+    out, lse = run_backend(COMPOSITE, case, tuning=H200)
     _, truth_lse = assert_matches_reference(out, case)
     _, base_lse = run_backend(get_backend_class("REFERENCE"), case)  # at the test's precision
     t = case.metadata.num_actual_tokens
@@ -196,8 +161,8 @@ def test_short_decodes_that_fill_the_sms_run_tritons_kernel_and_stay_right(featu
         return (x[:t].double() - truth_lse[:t].double()).abs().max().item()
 
     assert err(lse) <= tolerance(err(base_lse), spec.dtype)
-    plan = FLASHINFER(spec, triton_decode=True).build_metadata(case.metadata).decode_plan
-    assert fi.KERNELS[int(plan[0])] == "triton"
+    plan = COMPOSITE(spec, tuning=H200).build_metadata(case.metadata).decode_plan
+    assert PART.decode(plan).kernel is Kernel.TRITON
 
 
 def test_layers_that_need_different_plans_get_different_step_metadata_keys():
@@ -217,7 +182,8 @@ def test_build_step_metadata_builds_once_per_key():
     alloc = BlockAllocator(16, model.block_size)
     meta = build_batch(alloc, [0], [0], [5])
     step = build_step_metadata(model, meta)
-    assert list(step) == [("REFERENCE",)] and step[("REFERENCE",)] is meta
+    key = model.layers[0].attn.impl.metadata_key()
+    assert list(step) == [key] and step[key] is meta and key[0] == "REFERENCE"
 
 
 def test_step_backends_are_the_model_layers_distinct_keys():
@@ -229,7 +195,7 @@ def test_step_backends_are_the_model_layers_distinct_keys():
     model = torch.nn.ModuleList([Attention(spec, AttentionConfig(backend=b)) for b in (
         "REFERENCE", "FLEX_ATTENTION", "REFERENCE", "FLEX_ATTENTION")])
     backends = step_backends(model)
-    assert backends == [(("REFERENCE",), model[0].impl),
+    assert backends == [(model[0].impl.metadata_key(), model[0].impl),
                         (model[1].impl.metadata_key(), model[1].impl)]
     alloc = BlockAllocator(16, 16)
     meta = build_batch(alloc, [0], [0], [5])
@@ -316,6 +282,7 @@ def standin_flashinfer(monkeypatch):
     CPU; returns the list of the stand-in plan calls' ``(kv_indptr, fixed_split_size,
     disable_split_kv, num_colocated_ctas)``."""
     from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan as fp
 
     calls = []
 
@@ -334,24 +301,41 @@ def standin_flashinfer(monkeypatch):
             pass
 
     real_empty = torch.empty
-    monkeypatch.setattr(fi, "_module", lambda *a: Module())
+    for module in (fi, fp):  # (the planner plans with it, the op runs it)
+        monkeypatch.setattr(module, "flashinfer_module", lambda *a: Module())
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: type("P", (), {"multi_processor_count": 132}))
     return calls
+
+
+def _planner(spec, sms=132, tuning=H200):
+    """FLASHINFER's eager planner on the CPU, for a GPU of ``sms`` SMs."""
+    from attn_ops.backends import flashinfer_plan as fp
+    from attn_ops.routing import PartRoute, flashinfer_decode_split
+
+    def route(requests, max_pages, block_size, rows):
+        return PartRoute(Kernel.FLASHINFER_FA2, flashinfer_decode_split(
+            requests, spec.kv_heads, max_pages, block_size, sms, tuning.flashinfer))
+
+    return fp.Planner(spec, torch.device("cpu"), tuning, route, Kernel.FLASHINFER_FA2,
+                      facts=DeviceFacts(sms, (9, 0)))
+
+
+def _graph_planner(spec, graphs, sms=132, tuning=H200):
+    from attn_ops.backends import flashinfer_plan as fp
+
+    return fp.GraphPlanner(spec, graphs, tuning, facts=DeviceFacts(sms, (9, 0)))
 
 
 def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(standin_flashinfer):
     """FA2's plan reads only query and page-count offsets: a decode step in which no request
     entered a new page keeps the previous plan (no FlashInfer call); one that did replans.
     (FlashInfer's module and the CUDA bits are stand-ins: this checks the planner's logic.)"""
-    from attn_ops.backends import flashinfer as fi
     from attn_ops.metadata import build_common_metadata
 
     calls = standin_flashinfer
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
-    planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+    planner = _planner(spec)
 
     def step(lens, tables=([0, 1, 5], [2, 3, 4])):
         return planner(build_common_metadata([1, 1], lens, tables, 16, 8))
@@ -361,7 +345,7 @@ def test_planner_reuses_the_plan_in_the_workspace_while_page_counts_stay(standin
     assert len(calls) == 1 and torch.equal(again.decode_plan, first.decode_plan)
     moved = step([33, 41])  # request 0 enters its third page
     assert len(calls) == 2 and calls[-1] == ([0, 3, 6], 1, False, 0)  # (chunks of 1 page)
-    assert moved.decode_plan.tolist()[fi.HEADER] == 2  # the new plan, after the header
+    assert PART.decode(moved.decode_plan).library_plan == (2, 7)  # the new plan
 
 
 def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flashinfer):
@@ -369,12 +353,12 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     rule cannot split, so the planner asks for no split outright -- and such a plan does not
     depend on the lengths: it is kept while requests enter new pages, and made again only when
     the batch changes."""
-    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan as fp
     from attn_ops.metadata import build_common_metadata
 
     calls = standin_flashinfer
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+    planner = _planner(spec)
 
     def step(lens):
         tables = [[r * 4 + i for i in range(-(-n // 16))] for r, n in enumerate(lens)]
@@ -383,10 +367,10 @@ def test_planner_keeps_a_plan_without_split_while_the_requests_stay(standin_flas
     first = step([16] * 34)
     moved = step([17] * 34)  # every request enters its second page
     assert calls == [([i for i in range(35)], -1, True, 0)]
-    assert torch.equal(moved.decode_plan[fi.HEADER:], first.decode_plan[fi.HEADER:])
-    kernel, _, _, first, n, num_indices, _, *at = moved.decode_plan[:fi.HEADER].tolist()
-    _, qo, kv_indptr, last, kv_indices = fi._part_tables(
-        moved.tables, moved.seq_lens, moved.block_table, kernel, first, n, num_indices, *at)
+    assert PART.decode(moved.decode_plan).library_plan == \
+        PART.decode(first.decode_plan).library_plan
+    qo, kv_indptr, last, kv_indices = fp.part_tables(
+        moved.tables, moved.seq_lens, moved.block_table, PART.decode(moved.decode_plan))
     assert qo.tolist() == list(range(35)) and kv_indptr.tolist() == list(range(0, 70, 2))
     assert last.tolist() == [1] * 34
     assert kv_indices.tolist() == [r * 4 + i for r in range(34) for i in range(2)]
@@ -400,19 +384,18 @@ def test_graph_plans_past_the_split_budget_are_made_once(standin_flashinfer, mon
     """CUDA-graph decode batches: within FlashInfer's split budget a split is replanned every
     step; past it, a capture size is planned without a split once and replayed on that plan
     while lengths and pages change."""
-    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan as fp
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.metadata import build_common_metadata
 
     calls = standin_flashinfer
-    module = fi._module()
-    plan = module.plan
+    plan = fp.flashinfer_module().plan
     # (in CUDA-graph mode FlashInfer's plan vector is the same at every step of a size)
-    monkeypatch.setattr(fi, "_module", lambda *a: type("M", (), {
+    monkeypatch.setattr(fp, "flashinfer_module", lambda *a: type("M", (), {
         "plan": staticmethod(lambda *args: plan(*args) and [3, 7])})())
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     graphs = CUDAGraphBatch((8, 40), 4, 16, "cpu")  # budget: 2 * 132 // 8 = 33 requests
-    planner = fi._GraphPlanner(spec, graphs)
+    planner = _graph_planner(spec, graphs)
 
     def step(n, length):
         tables = [[r * 4 + i for i in range(-(-length // 16))] for r in range(n)]
@@ -434,19 +417,19 @@ def test_small_graph_batches_split_on_one_cta_per_sm(standin_flashinfer, monkeyp
     under a budget of one CTA per SM, ``size * (SMs // items)`` per KV head: the rest of its
     two per SM declared taken. From one item per SM, or with ``GRAPH_ONE_CTA_PER_SM`` off: its
     whole budget."""
-    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan as fp
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.metadata import build_common_metadata
 
     calls = standin_flashinfer
-    plan = fi._module().plan
-    monkeypatch.setattr(fi, "_module", lambda *a: type("M", (), {
+    plan = fp.flashinfer_module().plan
+    monkeypatch.setattr(fp, "flashinfer_module", lambda *a: type("M", (), {
         "plan": staticmethod(lambda *args: plan(*args) and [3, 7])})())
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     graphs = CUDAGraphBatch((1, 4, 20), 256, 16, "cpu")
-    planner = fi._GraphPlanner(spec, graphs)
+    planner = _graph_planner(spec, graphs)
 
-    def colocated(n, length):  # the step's num_colocated_ctas
+    def colocated(n, length, planner=planner):  # the step's num_colocated_ctas
         tables = [[r * 256 + i for i in range(-(-length // 16))] for r in range(n)]
         planner(graphs.pad(build_common_metadata([1] * n, [length] * n, tables, 16, 5120)))
         assert calls[-1][1:3] == (-1, False)  # FlashInfer's rule, always a split
@@ -456,20 +439,19 @@ def test_small_graph_batches_split_on_one_cta_per_sm(standin_flashinfer, monkeyp
     assert [colocated(1, 4096), colocated(1, 16), colocated(4, 1024), colocated(3, 64)] == [
         264 - 128] * 4
     assert colocated(20, 1024) == 0  # 160 items
-    monkeypatch.setattr(fi, "GRAPH_ONE_CTA_PER_SM", False)
-    assert colocated(1, 4096) == 0
+    off = H200.with_(flashinfer={"graph_one_cta_per_sm": False})
+    assert colocated(1, 4096, planner=_graph_planner(spec, graphs, tuning=off)) == 0
 
 
 def test_a_graph_plan_that_changes_between_replays_is_refused(standin_flashinfer):
     """FlashInfer's CUDA-graph plans must give the same host vector at every step of a capture
     size (the captured grid depends on it); the stand-in's plan changes at every call."""
-    from attn_ops.backends import flashinfer as fi
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.metadata import build_common_metadata
 
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     graphs = CUDAGraphBatch((8,), 4, 16, "cpu")
-    planner = fi._GraphPlanner(spec, graphs)
+    planner = _graph_planner(spec, graphs)
     tables = [[r * 4, r * 4 + 1] for r in range(8)]
     planner(graphs.pad(build_common_metadata([1] * 8, [5] * 8, tables, 16, 32)))
     with pytest.raises(RuntimeError, match="plan for capture size 8 changed"):  # (new pages)
@@ -485,13 +467,11 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.testing import Scenario, assert_matches_reference, make_case
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: type("P", (), {"multi_processor_count": 8}))
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     n = size - 3
     case = make_case(spec, Scenario(tuple((7 * i % 40, 1) for i in range(n))))
     graphs = CUDAGraphBatch((size,), 16, 4, "cpu")
-    meta = fi._GraphPlanner(spec, graphs)(graphs.pad(case.metadata))
+    meta = _graph_planner(spec, graphs, sms=8)(graphs.pad(case.metadata))
     q = torch.cat([case.query, torch.randn(3, 4, 16)])
     out, lse = torch.full((size, 4, 16), float("nan")), torch.full((size, 4), float("nan"))
     fi._flashinfer_attention(*FLASHINFER(spec).op_arguments(q, case.kv_cache, meta, out,
@@ -500,44 +480,45 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
     assert (out[n:] == 0).all() and (lse[n:] == 0).all()
 
 
-@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4", "fa4+triton"])
+VARIANTS = {"flashinfer": ("FLASHINFER", H200), "composite_generic": ("COMPOSITE_SM90", None),
+            "composite_h200": ("COMPOSITE_SM90", H200)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("feature", [None, "SLIDING_WINDOW", "SOFT_CAP", "SINKS"])
 @pytest.mark.parametrize("scenario", ["mixed", "long_context", "many_decodes", "one_wave",
                                       "fills_the_sms", "uniform_prefills", "spec_decodes",
                                       "spec_decodes_only"])
 def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, scenario,
-                                               feature, prefill_kernel):
-    """The op's side of the FlashInfer call -- plan vectors, each part's views of the step's
-    one table tensor (or, for FA4 parts, of the common metadata's rows), query/output rows,
-    LSE, windows, soft cap, sinks -- checked on the CPU: FlashInfer's ``paged_run`` and FA4's
-    forward are replaced by plain-torch attention with their semantics, and the op's results
-    must match REFERENCE. (``many_decodes``: past the split budget, the plan kept by the
-    no-split rule; ``one_wave``: about one wave of decode work, which FA4 takes when it runs
-    the prefills -- FLASH_ATTN's route on sm90; ``fills_the_sms``: short decodes 4 times the SMs'
-    worth, which ``fa4+triton`` -- FLASH_ATTN's sm90 route where TRITON_ATTN takes the spec --
-    gives TRITON_ATTN's decode kernel, run here in Triton's interpreter; ``uniform_prefills``:
-    prefills of one length of FA4_BATCH_MIN_QUERY rows, which FA4 runs in batch mode;
-    ``spec_decodes``: decodes of up to 4 query rows, about one wave of them -- FA4 must be told
-    their longest, which the stand-in checks.)"""
+                                               feature, variant):
+    """The op's side of each part's kernel -- plan vectors, each part's views of the step's
+    one table tensor (or, for FA4 and TRITON_ATTN parts, of the common metadata's rows),
+    query/output rows, LSE, windows, soft cap, sinks -- checked on the CPU (8 SMs):
+    FlashInfer's ``paged_run`` and FA4's forward are replaced by plain-torch attention with
+    their semantics, TRITON_ATTN's kernel runs in Triton's interpreter, and the op's results
+    must match REFERENCE. FLASHINFER; COMPOSITE_SM90 with the generic tuning (FA4 prefills,
+    FlashInfer decodes) and with the H200's (also FA4 decodes near one wave -- ``one_wave`` --
+    and TRITON_ATTN for short decodes that fill the SMs -- ``fills_the_sms``). ``many_decodes``:
+    past the split budget, the plan kept by the no-split rule; ``uniform_prefills``: prefills of
+    one length, which FA4 runs in batch mode; ``spec_decodes``: decodes of up to 4 query rows
+    -- FA4 must be told their longest, which the stand-in checks."""
     import sys
     import types
 
-    from attn_ops.backends import flash_attn as fa_module
     from attn_ops.backends import flashinfer as fi
     from attn_ops.testing import (FEATURE_SPECS, SCENARIOS, Scenario, assert_matches_reference,
                                   make_case)
     from attn_ops.spec import Feature
+    from attn_ops.tuning import GENERIC
 
-    if scenario == "fills_the_sms" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_ATTN's kernel on CPU tensors needs Triton's interpreter (CPU CI); "
-                    "on a GPU, test_short_decodes_that_fill_the_sms_run_tritons_kernel_and_"
-                    "stay_right checks this route with real FlashInfer")
+    backend, tuning = VARIANTS[variant]
+    tuning = tuning or GENERIC
+    triton_here = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    if scenario == "fills_the_sms" and variant == "composite_h200" and not triton_here:
+        pytest.skip("TRITON_ATTN's kernel on CPU tensors needs Triton's interpreter (CPU CI)")
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     if feature is not None:
         spec = FEATURE_SPECS[Feature[feature]](spec)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",  # split budget: 2 * 8 // 2 = 8
-                        lambda d: type("P", (), {"multi_processor_count": 8}))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     batch_calls = []  # per FA4 call: batch mode?
@@ -547,8 +528,7 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
         return _fa4_standin(*args, **kwargs)
 
     sys.modules["flash_attn.cute.interface"]._flash_attn_fwd = fa4
-    monkeypatch.setattr(fa_module, "FA4_BATCH_MODE", True)
-    uniform = fa_module.FA4_BATCH_MIN_QUERY
+    uniform = tuning.flash_attn.batch_mode_min_query
     scen = {"many_decodes": Scenario(tuple((c, 1) for c in range(3, 60, 5)) + ((4, 6),)),
             "one_wave": Scenario(((40, 1), (9, 1), (30, 1), (0, 7))),
             "fills_the_sms": Scenario(tuple((c, 1) for c in range(3, 115, 7)) + ((4, 6),)),
@@ -557,50 +537,52 @@ def test_op_arguments_against_a_standin_kernel(standin_flashinfer, monkeypatch, 
             # about one wave of decodes of up to 4 query rows (speculative decoding)
             "spec_decodes": Scenario(((21, 4), (9, 1), (30, 3), (0, 10)), decode_threshold=4),
             }.get(scenario) or SCENARIOS[scenario]
-    triton = prefill_kernel.endswith("+triton")
-    impl = FLASHINFER(spec, prefill_kernel=prefill_kernel.removesuffix("+triton"),
-                      triton_decode=triton)
+    impl = get_backend_class(backend)(spec, tuning=tuning)
+    composite = backend == "COMPOSITE_SM90"
     for seed in range(2):  # (the second step keeps the no-split plan of the first)
         case = make_case(spec, scen, seed=seed)
         meta = impl.build_metadata(case.metadata)
         q = case.query
         out = torch.full((q.shape[0], 4, 16), float("nan"))
         lse = torch.full(q.shape[:2], float("nan"))
-        fi._flashinfer_attention(*impl.op_arguments(q, case.kv_cache, meta, out, lse=lse,
-                                                    sinks=case.sinks))
-        decode_kernel = fi.KERNELS[int(meta.decode_plan[0])]
-        assert (decode_kernel == "triton") == (triton and scenario == "fills_the_sms")
-        assert any(batch_calls) == (prefill_kernel != "fa2" and scenario == "uniform_prefills")
+        run = impl.op_for(meta) if composite else fi._flashinfer_attention
+        run(*impl.op_arguments(q, case.kv_cache, meta, out, lse=lse, sinks=case.sinks))
+        decode = PART.decode(meta.decode_plan).kernel
+        assert (decode is Kernel.TRITON) == (variant == "composite_h200"
+                                             and scenario == "fills_the_sms")
+        assert (decode is Kernel.FA4) == (variant == "composite_h200"
+                                          and scenario in ("one_wave", "spec_decodes",
+                                                           "spec_decodes_only"))
+        assert any(batch_calls) == (composite and scenario == "uniform_prefills")
         truth, truth_lse = assert_matches_reference(out, case)
         n = case.metadata.num_actual_tokens
         torch.testing.assert_close(lse[:n].double(), truth_lse[:n].double(), atol=1e-4, rtol=1e-4)
         assert (out[n:] == 0).all() and (lse[n:] == 0).all()  # padding rows
 
 
-@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa4"])
-def test_one_graph_serves_every_batch_composition(standin_flashinfer, prefill_kernel):
+@pytest.mark.parametrize("backend", ["FLASHINFER", "COMPOSITE_SM90"])
+def test_one_graph_serves_every_batch_composition(standin_flashinfer, backend):
     """Parts with no request or one request make plans and tables of sizes 0 and 1, on which
     Dynamo would specialize (a mixed-batch model hit its recompile limit on the H200): the
     planner's tensors are marked so that one graph serves decodes only, prefills only, one of
     each and many of each. (The graph is not run: the op needs FlashInfer on a GPU.)"""
-    from attn_ops.backends import flashinfer as fi
     from attn_ops.metadata import build_common_metadata
 
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
-    planner = fi._Planner(spec, torch.device("cpu"), prefill_kernel)
+    impl = get_backend_class(backend)(spec, tuning=H200)
+    planner = impl.make_planner(torch.device("cpu"))
     graphs = []
 
-    def backend(gm, example_inputs):
+    def backend_fn(gm, example_inputs):
         graphs.append(gm)
         return lambda *args: None
 
     def layer(q, out, m):
-        torch.ops.attn.flashinfer_attention(
-            q, q.new_zeros(4, 2, 16, 2, 64), out, None, m.float_workspace, m.tables,
-            m.seq_lens, m.block_table, m.decode_workspace, m.decode_plan, m.prefill_workspace,
-            m.prefill_plan, None, None, None, 0.125, None, None, True)
+        impl.op(q, q.new_zeros(4, 2, 16, 2, 64), out, None, m.float_workspace, m.tables,
+                m.seq_lens, m.block_table, m.decode_workspace, m.decode_plan, m.prefill_workspace,
+                m.prefill_plan, None, None, None, 0.125, None, None, True)
 
-    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    compiled = torch.compile(layer, backend=backend_fn, fullgraph=True)
     torch._dynamo.reset()
     for qlens, lens in (([1, 1, 1], [20, 40, 9]), ([1], [5]), ([7], [7]), ([1, 5], [30, 5]),
                         ([1, 1, 3, 9], [17, 33, 3, 40]), ([2, 2], [2, 20])):

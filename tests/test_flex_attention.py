@@ -10,6 +10,7 @@ import torch
 from attn_ops import AttentionSpec, current_platform, get_backend_class, select_backend
 from attn_ops.metadata import build_common_metadata
 from attn_ops.spec import AttentionType
+from attn_ops.tuning import FlexTuning, Tuning
 from attn_ops.testing import (SCENARIOS, Scenario, assert_matches_reference,
                               compiled_and_eager_layer, make_case, run_backend)
 
@@ -53,13 +54,19 @@ def test_pages_larger_than_16(block_size, scenario):
     tile can grow with it), both layouts, with a custom mask and score mod and a window."""
     spec = MODS["documents_bias_window"]
     assert not FLEX.not_supported_reasons(spec.with_(block_size=block_size), PLATFORM)
-    case = make_case(spec, SCENARIOS[scenario], block_size=block_size, device=DEVICE, seed=2,
-                     finite_page_tails=True)
+    case = make_case(spec, SCENARIOS[scenario], block_size=block_size, device=DEVICE, seed=2)
     out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
     assert_matches_reference(out, case)
 
 
 LONG_PREFILLS = Scenario(((300, 1), (0, 150), (40, 90)), pad_tokens=3)
+
+
+def gather_tuning(threshold):
+    """A tuning whose gathered-layout threshold on this device is ``threshold`` (0: always,
+    None: never)."""
+    side = "gpu" if PLATFORM.is_gpu else "cpu"
+    return Tuning().with_(flex={f"gather_min_pairs_per_key_{side}": threshold})
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -70,16 +77,15 @@ def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
     pages, against REFERENCE; the op passes opcheck."""
     from attn_ops.backends import flex_attention as fa
 
-    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 0)
+    tuning = gather_tuning(0)
     spec = {"plain": BASE, "alibi": BASE.with_(use_alibi=True)}.get(name) or MODS[name]
     scenario = SCENARIOS["prefill_only"] if name == "prefix_lm" else LONG_PREFILLS
-    case = make_case(spec, scenario, block_size=block_size, device=DEVICE, seed=4,
-                     finite_page_tails=True)
-    impl = FLEX(spec)
+    case = make_case(spec, scenario, block_size=block_size, device=DEVICE, seed=4)
+    impl = FLEX(spec, tuning=tuning)
     meta = impl.build_metadata(case.metadata)
     assert meta.page_map is not None and meta.page_map.shape[1] == fa.GATHER_PAGE // block_size
     assert impl.op_for(meta) is torch.ops.attn.flex_attention_gathered.default
-    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM), tuning=tuning)
     assert_matches_reference(out, case)
     torch.library.opcheck(impl.op_for(meta), impl.op_arguments(
         case.query, case.kv_cache, meta, torch.zeros_like(out),
@@ -96,21 +102,17 @@ def test_padding_rows_beside_one_request_see_no_key(gather, monkeypatch):
     """A query block of one chunked prefill's rows and padding rows (a CUDA-graph-padded batch)
     has full KV blocks, which skip mask_mod; the padding rows must still see no key: the op
     copies FlexAttention's rows as they are, and a row that sees no key is zeros."""
-    from attn_ops.backends import flex_attention as fa
-
-    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type,
-                        0 if gather else None)
+    tuning = gather_tuning(0 if gather else None)
     case = make_case(BASE, Scenario(((200, 50),), pad_tokens=5), block_size=16, device=DEVICE,
-                     seed=5, finite_page_tails=True)
-    meta = FLEX(BASE).build_metadata(case.metadata)
+                     seed=5)
+    meta = FLEX(BASE, tuning=tuning).build_metadata(case.metadata)
     assert (meta.page_map is not None) == gather
-    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM), tuning=tuning)
     assert (out[case.metadata.num_actual_tokens:] == 0).all()
     assert_matches_reference(out, case)
     assert meta.tables[8].sum() == 0  # (full_num: the only query block holds padding rows)
-    unpadded = make_case(BASE, Scenario(((200, 50),)), block_size=16, device=DEVICE, seed=5,
-                         finite_page_tails=True)
-    assert FLEX(BASE).build_metadata(unpadded.metadata).tables[8].sum() > 0  # (else it has)
+    unpadded = make_case(BASE, Scenario(((200, 50),)), block_size=16, device=DEVICE, seed=5)
+    assert FLEX(BASE, tuning=tuning).build_metadata(unpadded.metadata).tables[8].sum() > 0
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -122,12 +124,8 @@ def test_new_token_counts_in_one_shape_bucket_compile_once(gather, monkeypatch):
     both padded to 4; then 3 and 4 decodes: a batch of 4)."""
     from torch._dynamo.utils import counters
 
-    from attn_ops.backends import flex_attention as fa
-
-    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type,
-                        0 if gather else None)
     cache = torch.randn(40, 2, 16, 2, 16, device=DEVICE).to(DTYPE)
-    impl = FLEX(BASE)
+    impl = FLEX(BASE, tuning=gather_tuning(0 if gather else None))
 
     def step(query_lens, seq_lens):
         tables = [[1 + 8 * i + j for j in range(8)] for i in range(len(seq_lens))]
@@ -158,12 +156,12 @@ def test_gathered_layout_in_a_compiled_layer(monkeypatch):
     """The builder's rule and tables traced into a fullgraph-compiled layer."""
     from attn_ops.backends import flex_attention as fa
 
-    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 0)
     gathers = []
     real = fa.gather_pages
     monkeypatch.setattr(fa, "gather_pages", lambda *a: gathers.append(1) or real(*a))
     got, expected = compiled_and_eager_layer(MODS["documents"], "FLEX_ATTENTION", LONG_PREFILLS,
-                                             device=DEVICE, finite_page_tails=True)
+                                             device=DEVICE,
+                                             tuning=gather_tuning(0))
     torch.testing.assert_close(got, expected)
     assert len(gathers) == 2  # (eager, then compiled)
 
@@ -178,13 +176,13 @@ def test_key_tile_divides_the_page_and_stays_within_flex_defaults():
     assert (_key_tile(128, 128, torch.float32), _key_tile(128, 64, torch.float32)) == (64, 32)
 
 
-def test_gpu_kernel_options_deepen_the_decode_pipeline_within_shared_memory(monkeypatch):
+def test_gpu_kernel_options_deepen_the_decode_pipeline_within_shared_memory():
     from attn_ops.backends import flex_attention as fa
 
     bf16, f32, h200, rtx = torch.bfloat16, torch.float32, 227 << 10, 99 << 10
 
-    def options(bs, d, dtype, smem=h200, decode=True):
-        return fa._gpu_kernel_options(bs, d, d, dtype, decode, smem)
+    def options(bs, d, dtype, smem=h200, decode=True, tuning=FlexTuning()):
+        return fa._gpu_kernel_options(bs, d, d, dtype, decode, smem, None, tuning)
 
     assert options(16, 128, bf16, decode=False) == {"BLOCK_N": 16}
     assert options(16, 128, bf16) == {"BLOCK_N": 16, "num_stages": 6}
@@ -195,28 +193,26 @@ def test_gpu_kernel_options_deepen_the_decode_pipeline_within_shared_memory(monk
     # FlexAttention; pages of 16 (8 KiB) still take 6
     assert "num_stages" not in options(128, 128, bf16, rtx)
     assert options(16, 128, bf16, rtx)["num_stages"] == 6
-    monkeypatch.setattr(fa, "DECODE_STAGES", None)
-    monkeypatch.setattr(fa, "GPU_KERNEL_OPTIONS", {"num_warps": 8})
-    assert options(16, 128, bf16) == {"BLOCK_N": 16, "num_warps": 8}
+    custom = FlexTuning(decode_stages=None, gpu_kernel_options=(("num_warps", 8),))
+    assert options(16, 128, bf16, tuning=custom) == {"BLOCK_N": 16, "num_warps": 8}
 
 
-def test_gathered_layout_rule(monkeypatch):
+def test_gathered_layout_rule():
     """Off on the CPU by default, on on GPUs; with a threshold, a long prefill gathers and a
     decode step or a batch of long decodes with one short prefill does not; pages of
     GATHER_PAGE never do."""
-    from attn_ops.backends import flex_attention as fa
-
-    def layout(scenario, block_size=16):
+    def layout(scenario, block_size=16, tuning=None):
         case = make_case(BASE, scenario, block_size=block_size, device=DEVICE, seed=1)
-        return FLEX(BASE).build_metadata(case.metadata).page_map is not None
+        return FLEX(BASE, tuning=tuning).build_metadata(case.metadata).page_map is not None
 
-    assert fa.GATHER_MIN_PAIRS_PER_KEY["cpu"] is None and fa.GATHER_MIN_PAIRS_PER_KEY["cuda"] > 0
+    t = FlexTuning()
+    assert t.gather_min_pairs_per_key_cpu is None and t.gather_min_pairs_per_key_gpu > 0
     if DEVICE == "cpu":
         assert not layout(Scenario(((0, 200),)))
-    monkeypatch.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, 16)
-    assert layout(Scenario(((0, 200),)))
-    assert not layout(Scenario(((300, 1), (500, 1), (0, 4))))
-    assert not layout(Scenario(((0, 200),)), block_size=128)
+    tuning = gather_tuning(16)
+    assert layout(Scenario(((0, 200),)), tuning=tuning)
+    assert not layout(Scenario(((300, 1), (500, 1), (0, 4))), tuning=tuning)
+    assert not layout(Scenario(((0, 200),)), block_size=128, tuning=tuning)
 
 
 def test_gather_map_copies_each_request_own_pages_in_order():
@@ -272,7 +268,7 @@ def test_gather_kernel_copies_like_torch_ops(dtype):
 def test_custom_mods_match_reference(name):
     spec = MODS[name]
     assert not FLEX.not_supported_reasons(spec, PLATFORM)
-    case = make_case(spec, MIXED, block_size=16, device=DEVICE, seed=5, finite_page_tails=True)
+    case = make_case(spec, MIXED, block_size=16, device=DEVICE, seed=5)
     n = case.metadata.num_actual_tokens
     out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
     truth, _ = assert_matches_reference(out, case)
@@ -315,7 +311,7 @@ def test_lengths_changing_step_to_step_compile_once():
 
 def test_compiled_layer_matches_eager():
     got, expected = compiled_and_eager_layer(MODS["documents"], "FLEX_ATTENTION", MIXED,
-                                             device=DEVICE, finite_page_tails=True)
+                                             device=DEVICE)
     torch.testing.assert_close(got, expected)
 
 
@@ -325,8 +321,7 @@ def test_step_tables_made_once_by_the_builder_equal_those_made_in_the_op():
     from attn_ops.backends.flex_attention import FlexMetadata
 
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    case = make_case(spec, SCENARIOS["mixed"], block_size=16, device=DEVICE, seed=2,
-                     finite_page_tails=True)
+    case = make_case(spec, SCENARIOS["mixed"], block_size=16, device=DEVICE, seed=2)
     impl = FLEX(spec)
     prepared = impl.build_metadata(case.metadata)
     assert isinstance(prepared, FlexMetadata) and impl.op_for(prepared) is not impl.op
@@ -374,8 +369,7 @@ def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(n
 
     spec = MODS["documents_bias_window"] if name != "alibi" else BASE.with_(use_alibi=True)
     scenario = Scenario(((30, 1), (9, 1), (47, 1)), pad_tokens=2)
-    case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=7,
-                     finite_page_tails=True)
+    case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=7)
     impl = FLEX(spec)
     prepared = impl.build_metadata(case.metadata)
     assert isinstance(prepared, FlexMetadata) and prepared.decode
@@ -400,28 +394,28 @@ def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(n
 
 
 def test_small_decode_batches_split_each_request_own_pages_without_full_blocks(monkeypatch):
-    """Decode steps of few (request, KV head) pairs on GPUs take about DECODE_PROGRAMS_PER_SM
+    """Decode steps of few (request, KV head) pairs on GPUs take about decode_programs_per_sm
     programs per SM in splits (FlexAttention's SPLIT_KV) and list no full KV blocks -- with
     full blocks FlexAttention cuts the whole cache's length into the splits, not each request's
     pages; the tables without full blocks still give REFERENCE's result."""
     from attn_ops.backends import flex_attention as fa
+    from attn_ops.routing import flex_decode_splits
 
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(fa, "multiprocessor_count", lambda device: 132)
+    t = FlexTuning()
     # 4 x 132 programs over batch x 8 KV heads, to a power of two; none below 2
-    assert [fa.decode_splits(b, 8, cuda) for b in (1, 2, 8, 16, 32, 64)] == \
+    assert [flex_decode_splits(b, 8, 132, t) for b in (1, 2, 8, 16, 32, 64)] == \
         [64, 32, 8, 4, 2, None]
-    assert fa.decode_splits(1, 8, torch.device("cpu")) is None
-    assert fa._gpu_kernel_options(16, 128, 128, torch.bfloat16, True, 227 << 10, 8) == \
+    assert flex_decode_splits(1, 8, None, t) is None  # (not a GPU)
+    assert fa._gpu_kernel_options(16, 128, 128, torch.bfloat16, True, 227 << 10, 8, t) == \
         {"BLOCK_N": 16, "num_stages": 6, "SPLIT_KV": 8}
-    monkeypatch.setattr(fa, "DECODE_PROGRAMS_PER_SM", None)
-    assert fa.decode_splits(1, 8, cuda) is None
+    assert flex_decode_splits(1, 8, 132, FlexTuning(decode_programs_per_sm=None)) is None
 
     case = make_case(BASE, Scenario(((30, 1), (9, 1), (47, 1))), block_size=16, device=DEVICE,
-                     seed=5, finite_page_tails=True)
+                     seed=5)
     full_idx = 9  # (tables: ..., kv_num, kv_idx, full_num, full_idx)
+    monkeypatch.setattr(fa, "flex_decode_splits", lambda *args: None)  # the rule's answer
     assert FLEX(BASE).build_metadata(case.metadata).tables[full_idx].shape[-1] > 0
-    monkeypatch.setattr(fa, "decode_splits", lambda batch, kv_heads, device: 4)
+    monkeypatch.setattr(fa, "flex_decode_splits", lambda *args: 4)
     meta = FLEX(BASE).build_metadata(case.metadata)
     assert meta.decode and meta.tables[full_idx].shape[-1] == 0
     out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
@@ -439,14 +433,10 @@ def _prefill_blocks(spec, scenario, seed):
     """FLEX on ``scenario`` (pages of 16, the paged layout: not gathered) checked against
     REFERENCE; then the partial and full KV block counts of each query block its builder
     made."""
-    from attn_ops.backends import flex_attention as fa
-
-    case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=seed,
-                     finite_page_tails=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(fa.GATHER_MIN_PAIRS_PER_KEY, torch.device(DEVICE).type, None)
-        out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
-        meta = FLEX(spec).build_metadata(case.metadata)
+    case = make_case(spec, scenario, block_size=16, device=DEVICE, seed=seed)
+    tuning = gather_tuning(None)
+    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM), tuning=tuning)
+    meta = FLEX(spec, tuning=tuning).build_metadata(case.metadata)
     assert_matches_reference(out, case)
     assert meta.page_map is None
     tables = meta.tables

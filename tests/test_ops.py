@@ -5,7 +5,7 @@ import torch
 
 from attn_ops import AttentionSpec, KVCacheDType, get_backend_class
 from attn_ops.kv_cache import kv_cache_update
-from attn_ops.testing import OPTION_VARIANTS, SCENARIOS, make_case
+from attn_ops.testing import SCENARIOS, make_case, option_variants
 from test_backends_matrix import BACKENDS, BASE, DEVICE, PLATFORM, block_size_for
 
 SPECS = {
@@ -42,9 +42,9 @@ def _supported():
     """(backend, options, spec id, with LSE) the backend declares it can run here: only those
     are checked."""
     return [pytest.param(b, opts, sid, lse,
-                         id="-".join([b, *map(str, opts.values()), sid,
+                         id="-".join([b, *([oid] if oid else []), sid,
                                       "lse" if lse else "no_lse"]))
-            for b in BACKENDS for opts in ({}, *OPTION_VARIANTS.get(b, ()))
+            for b in BACKENDS for oid, opts in (("", {}), *option_variants(b))
             for sid, spec in SPECS.items()
             for lse in (True, False)
             if not get_backend_class(b).not_supported_reasons(spec, PLATFORM)

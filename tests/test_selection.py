@@ -93,15 +93,6 @@ package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
 
 class TestPriorities(expecttest.TestCase):
     def test_priority_lists_per_platform_and_architecture(self):
-        import importlib.util
-        from unittest import mock
-
-        real = importlib.util.find_spec
-        with mock.patch.object(importlib.util, "find_spec",  # as on a machine without FlashInfer
-                               lambda name, *a: None if name == "flashinfer" else real(name)):
-            self._check_priority_lists()
-
-    def _check_priority_lists(self):
         lines = [f"{p}: {', '.join(priority_list(SPEC, Platform.parse(p)))}"
                  for p in ("cpu", "cuda:8.0", "cuda:9.0", "cuda:10.0", "rocm:gfx942", "xpu")]
         lines.append("cuda:9.0 diff-v: " + ", ".join(
@@ -109,23 +100,26 @@ class TestPriorities(expecttest.TestCase):
         self.assertExpectedInline("\n".join(lines), """\
 cpu: CPU_ATTN, FLEX_ATTENTION, REFERENCE
 cuda:8.0: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
-cuda:9.0: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
+cuda:9.0: COMPOSITE_SM90, FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
 cuda:10.0: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN
 rocm:gfx942: ROCM_AITER_FA, ROCM_ATTN, TRITON_ATTN, FLEX_ATTENTION
 xpu: XPU_ATTN, TRITON_ATTN, FLEX_ATTENTION
-cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN""")
+cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, COMPOSITE_SM90, FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, TREE_ATTN""")
 
-    def test_fa4_goes_first_on_sm90_only_where_flashinfer_can_serve_its_decodes(self):
+    def test_the_priority_list_is_policy_only(self):
+        """What is installed decides reasons, never the order (the composite's own reasons say
+        when FlashInfer or FA4 is missing)."""
         import importlib.util
         from unittest import mock
 
         real = importlib.util.find_spec
-        with mock.patch.object(importlib.util, "find_spec",
-                               lambda name, *a: object() if name == "flashinfer" else real(name)):
-            self.assertEqual(priority_list(SPEC, Platform.parse("cuda:9.0"))[:2],
-                             ["FLASH_ATTN", "FLASHINFER"])
-            self.assertEqual(priority_list(SPEC, Platform.parse("cuda:10.0"))[:2],
-                             ["FLASHINFER", "FLASH_ATTN"])
+        orders = []
+        for present in (None, object()):
+            with mock.patch.object(importlib.util, "find_spec",
+                                   lambda name, *a, p=present: p if name == "flashinfer"
+                                   else real(name)):
+                orders.append(priority_list(SPEC, Platform.parse("cuda:9.0")))
+        self.assertEqual(orders[0], orders[1])
 
     def test_auto_selection_on_cpu_is_deterministic(self):
         picks = {select_backend(SPEC, CPU).backend for _ in range(3)}
@@ -158,7 +152,7 @@ def test_override_precedence(monkeypatch):
 
 def test_unknown_backend_name_lists_valid_ones():
     with pytest.raises(ValueError, match="unknown attention backend 'NOPE'; valid names: "
-                                         "FLASH_ATTN, FLASHINFER"):
+                                         "COMPOSITE_SM90, FLASH_ATTN, FLASHINFER"):
         resolve_name("NOPE")
 
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
+from attn_ops import routing
 from attn_ops.testing import (SCENARIOS, Scenario, assert_matches_reference,
                               compiled_and_eager_layer, make_case, run_backend, sqnr_db)
+from attn_ops.tuning import Tile, TritonTuning, Tuning
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -25,20 +27,26 @@ LONG_DECODES = Scenario(((700, 1), (33, 1), (1200, 1), (5, 1)))
 
 
 class _Forced(TRITON):
-    """TRITON_ATTN with the builder's split count (and token count) overridden."""
+    """TRITON_ATTN with the builder's split count (and token count: None = on the device
+    only) overridden in its plan."""
 
-    def __init__(self, spec, splits=None, num_tokens=None):
-        super().__init__(spec)
+    def __init__(self, spec, splits=None, num_tokens="real", **kw):
+        super().__init__(spec, **kw)
         self.splits, self.num_tokens = splits, num_tokens
 
     def build_metadata(self, common):
+        from attn_ops.backends.triton_attn import PLAN
+
         m = super().build_metadata(common)
-        bounds = m.bounds.clone()
+        plan = PLAN.decode(m.plan)
         if self.splits is not None:
-            bounds[2] = self.splits
-        if self.num_tokens is not None:
-            bounds[3] = self.num_tokens
-        return dataclasses.replace(m, bounds=bounds)
+            plan = dataclasses.replace(plan, splits=self.splits, fused_combine=plan.num_decodes
+                                       and routing.triton_fused_combine(
+                                           plan.num_decodes, self.spec.kv_heads,
+                                           self.tuning.triton))
+        if self.num_tokens != "real":
+            plan = dataclasses.replace(plan, num_tokens=self.num_tokens)
+        return dataclasses.replace(m, plan=PLAN.encode(plan))
 
 
 def _compare(spec, scenario, block_size=16, **forced):
@@ -62,31 +70,31 @@ BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype=DTYPE)
 @pytest.mark.parametrize("combine", ["kernel", "fused"])
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("variant", ["plain", "sinks_window_softcap", "fp8", "alibi"])
-def test_split_kv_matches_reference(splits, variant, combine, monkeypatch):
+def test_split_kv_matches_reference(splits, variant, combine):
     """Split-KV partials merged by combine_splits_kernel or, fused, by each tile's last split
     (whose counters are all back to 0 afterwards)."""
     from attn_ops.backends import triton_attn
 
-    monkeypatch.setattr(triton_attn, "FUSED_COMBINE", combine == "fused")
+    tuning = Tuning().with_(triton={"fused_combine": combine == "fused"})
     spec = {"plain": BASE,
             "sinks_window_softcap": BASE.with_(has_sinks=True, sliding_window=300,
                                                logits_soft_cap=4.0),
             "fp8": BASE.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
             "alibi": BASE.with_(use_alibi=True)}[variant]
-    _compare(spec, LONG_DECODES, splits=splits)
-    _compare(spec, SCENARIOS["mixed"], splits=splits)  # decodes split, prefills not
+    _compare(spec, LONG_DECODES, splits=splits, tuning=tuning)
+    _compare(spec, SCENARIOS["mixed"], splits=splits, tuning=tuning)  # decodes split only
     if combine == "fused":
         assert triton_attn._COUNTERS and not any(c.any() for c in triton_attn._COUNTERS.values())
 
 
 def test_by_default_split_batches_fuse_the_combine_from_enough_work_items(monkeypatch):
-    """Unforced, the combine is fused into the attention launch from ``FUSED_MIN_ITEMS``
-    (request, KV head) items on (as fast there on the H200, one launch fewer) and is a second
-    kernel below; either way REFERENCE's result."""
-    from attn_ops.backends import triton_attn, triton_attn_kernels
+    """Unforced, the combine is fused into the attention launch from ``fused_min_items``
+    (request, KV head) items on (one launch fewer) and is a second kernel below; either way
+    REFERENCE's result."""
+    from attn_ops.backends import triton_attn_kernels
 
-    monkeypatch.setattr(triton_attn, "FUSED_COMBINE", None)
-    assert not triton_attn.fused_combine(31, 8) and triton_attn.fused_combine(32, 8)
+    t = TritonTuning()
+    assert not routing.triton_fused_combine(31, 8, t) and routing.triton_fused_combine(32, 8, t)
     launches = []
     real = triton_attn_kernels.combine_splits_kernel
 
@@ -97,9 +105,9 @@ def test_by_default_split_batches_fuse_the_combine_from_enough_work_items(monkey
 
     monkeypatch.setattr(triton_attn_kernels, "combine_splits_kernel", Counted())
     for min_items, combines in ((len(LONG_DECODES.requests) * 2, 0), (10**6, 1)):
-        monkeypatch.setattr(triton_attn, "FUSED_MIN_ITEMS", min_items)
         launches.clear()
-        _compare(BASE, LONG_DECODES, splits=4)
+        _compare(BASE, LONG_DECODES, splits=4,
+                 tuning=Tuning().with_(triton={"fused_min_items": min_items}))
         assert len(launches) == combines
 
 
@@ -127,93 +135,86 @@ def test_gqa_groups_of_any_size(heads):
 
 def test_padding_rows_found_on_the_device_as_in_cuda_graphs():
     scenario = dataclasses.replace(SCENARIOS["padded_batch"], pad_tokens=5)
-    _compare(BASE.with_(has_sinks=True), scenario, num_tokens=-1)
+    _compare(BASE.with_(has_sinks=True), scenario, num_tokens=None)
 
 
 def test_page_sizes_not_multiple_of_the_key_tile():
     _compare(BASE, LONG_DECODES, block_size=5, splits=4)
 
 
-def test_short_prefills_take_their_own_tile_and_both_tiles_match_reference(monkeypatch):
-    from attn_ops.backends import triton_attn as ta
-
-    short = ta.SHORT_PREFILL_KEYS
-    assert ta.prefill_tile(True, 2, short) == ta.SHORT_PREFILL_TILES[True, 2] != \
-        ta.prefill_tile(True, 2, short + 1) == ta.PREFILL_TILES[True, 2]
-    assert ta.prefill_tile(True, 4, 16) == ta.PREFILL_TILES[True, 4]  # fp32: no short tile
+def test_short_prefills_take_their_own_tile_and_both_tiles_match_reference():
+    t = TritonTuning()
+    short = t.short_prefill_keys
+    assert routing.triton_prefill_tile(True, 2, short, t) == t.short_prefill_tile_16bit != \
+        routing.triton_prefill_tile(True, 2, short + 1, t) == t.prefill_tile_16bit
+    assert routing.triton_prefill_tile(True, 4, 16, t) == t.prefill_tile_32bit  # no short tile
     spec = BASE.with_(dtype=torch.float16, head_dim=64, has_sinks=True, sliding_window=100)
     for keys in (-1, short):  # every step long / every step short (and launched heads-fastest)
-        monkeypatch.setattr(ta, "SHORT_PREFILL_KEYS", keys)
-        _compare(spec, SCENARIOS["mixed"])
+        _compare(spec, SCENARIOS["mixed"], tuning=Tuning().with_(
+            triton={"short_prefill_keys": keys}))
 
 
-def test_many_items_tile_only_for_unsplit_launches_that_fill_the_gpu(monkeypatch):
-    from attn_ops.backends import triton_attn as ta
+def test_many_items_tile_only_for_unsplit_launches_that_fill_the_gpu():
+    t = TritonTuning()
+    many = int(t.many_items_per_sm * 132 + 0.5)  # (request, KV head) items
 
-    many = int(ta.MANY_ITEMS_PER_SM * 132 + 0.5)  # (request, KV head) items
+    def tile(items, splits=1, kv_bytes=2, wide=True, t=t):
+        return routing.triton_decode_tile(items, splits, kv_bytes, 132, wide, t)
 
-    def tile(items, splits=1, kv_bytes=2, wide=True):
-        return ta.decode_tile(items, splits, kv_bytes, 132, wide)
-
-    assert tile(many) == ta.MANY_ITEMS_TILE == (16, 32, 4, 3)
-    assert tile(many - 1) == ta.DECODE_TILES[True]  # too few programs
-    assert tile(many, splits=2) == ta.DECODE_TILES[True]
-    assert tile(many, kv_bytes=4) == ta.DECODE_TILES[True]  # fp32 K/V
-    assert tile(many, kv_bytes=1) == ta.MANY_ITEMS_TILE  # fp8
-    monkeypatch.setattr(ta, "MANY_ITEMS_TILE", None)
-    assert tile(many) == ta.DECODE_TILES[True]
+    assert tile(many) == t.many_items_tile == (16, 32, 4, 3)
+    assert tile(many - 1) == t.decode_tile  # too few programs
+    assert tile(many, splits=2) == t.decode_tile
+    assert tile(many, kv_bytes=4) == t.decode_tile  # fp32 K/V
+    assert tile(many, kv_bytes=1) == t.many_items_tile  # fp8
+    assert tile(many, t=dataclasses.replace(t, many_items_tile=None)) == t.decode_tile
 
 
-def test_short_decodes_that_fill_the_gpu_are_not_split(monkeypatch):
-    from attn_ops.backends import triton_attn as ta
-
-    short = ta.SHORT_DECODE_KEYS
-    assert ta.choose_num_splits(64, 8, short, 132) == 1  # 512 items, 3.9 per SM
-    assert ta.choose_num_splits(56, 8, short, 132) == 2  # 448 items, 3.4 per SM
-    assert ta.choose_num_splits(64, 8, short + 1, 132) == 2  # longer: split as before
-    monkeypatch.setattr(ta, "MANY_ITEMS_TILE", None)
-    assert ta.choose_num_splits(64, 8, short, 132) == 2
+def test_short_decodes_that_fill_the_gpu_are_not_split():
+    t = TritonTuning()
+    short = t.short_decode_keys
+    assert routing.triton_num_splits(64, 8, short, 132, t) == 1  # 512 items, 3.9 per SM
+    assert routing.triton_num_splits(56, 8, short, 132, t) == 2  # 448 items, 3.4 per SM
+    assert routing.triton_num_splits(64, 8, short + 1, 132, t) == 2  # longer: split as before
+    off = dataclasses.replace(t, many_items_tile=None)
+    assert routing.triton_num_splits(64, 8, short, 132, off) == 2
 
 
 def test_tiles_fit_the_devices_shared_memory():
     """The tiles measured on the H200 run there unchanged; smaller GPUs get fewer stages, then
     narrower tiles, never a launch that cannot fit."""
-    from attn_ops.backends import triton_attn as ta
-
+    t = TritonTuning()
     h200, a100, rtx = 232448, 166912, 101376  # opt-in bytes per block
 
     def fit(tile, smem, d=128, q_bytes=2, kv_bytes=2):
-        return ta.fit_tile(tile, d, d, q_bytes, kv_bytes, smem)
+        return routing.triton_fit_tile(Tile(*tile), d, d, q_bytes, kv_bytes, smem)
 
-    many = ta.MANY_ITEMS_TILE
-    measured = [ta.PREFILL_TILES[True, 2], ta.SHORT_PREFILL_TILES[True, 2],
-                ta.DECODE_TILES[True], many]
-    assert [fit(t, h200) for t in measured] == measured
+    many = t.many_items_tile
+    measured = [t.prefill_tile_16bit, t.short_prefill_tile_16bit, t.decode_tile, many]
+    assert [fit(x, h200) for x in measured] == measured
     assert fit(many, h200, kv_bytes=1) == many  # fp8 cache
-    assert 4 * ta._smem_bytes(*many[:2], many[3], 128, 128, 2, 2) <= 228 << 10  # 4 per SM
-    assert fit(ta.PREFILL_TILES[True, 4], h200, q_bytes=4, kv_bytes=4) == ta.PREFILL_TILES[True, 4]
-    assert fit(ta.PREFILL_TILES[False, 4], h200, d=256, q_bytes=4, kv_bytes=4) == \
-        ta.PREFILL_TILES[False, 4]
+    assert 4 * routing._smem_bytes(*many[:2], many[3], 128, 128, 2, 2) <= 228 << 10  # 4 per SM
+    assert fit(t.prefill_tile_32bit, h200, q_bytes=4, kv_bytes=4) == t.prefill_tile_32bit
+    assert fit(t.prefill_tile_wide_heads, h200, d=256, q_bytes=4, kv_bytes=4) == \
+        t.prefill_tile_wide_heads
     assert fit((128, 128, 8, 3), a100) == (128, 128, 8, 2)
     assert fit((128, 128, 8, 3), rtx) == (128, 64, 8, 2)
     assert fit((16, 64, 4, 4), rtx) == (16, 64, 4, 2)
     for smem in (h200, a100, rtx, 48 << 10):
         for tile in measured:
             rows, keys, warps, stages = fit(tile, smem)
-            assert ta._smem_bytes(rows, keys, stages, 128, 128, 2, 2) <= smem
+            assert routing._smem_bytes(rows, keys, stages, 128, 128, 2, 2) <= smem
             assert rows >= 16 and keys >= 16 and stages >= 2
 
 
 def test_split_rule_never_jumps_up_with_the_batch():
-    from attn_ops.backends.triton_attn import MAX_SPLITS, choose_num_splits
-
+    t = TritonTuning()
     for ctx in (1024, 8192, 32768):
-        splits = [choose_num_splits(b, 8, ctx, 132) for b in range(1, 257)]
+        splits = [routing.triton_num_splits(b, 8, ctx, 132, t) for b in range(1, 257)]
         assert all(a >= b for a, b in zip(splits, splits[1:])), splits
-        assert splits[0] == min(MAX_SPLITS, ctx // 256)  # batch 1: as many as keys allow
+        assert splits[0] == min(t.max_splits, ctx // 256)  # batch 1: as many as keys allow
         assert splits[-1] == 1
-    assert choose_num_splits(1, 8, 300, 132) == 1  # too short to split
-    assert choose_num_splits(0, 8, 32768, 132) == 1
+    assert routing.triton_num_splits(1, 8, 300, 132, t) == 1  # too short to split
+    assert routing.triton_num_splits(0, 8, 32768, 132, t) == 1
 
 
 def test_compiled_layer_matches_eager():

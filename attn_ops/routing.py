@@ -1,0 +1,516 @@
+"""Routing is policy, in one place: which kernel runs each part of a step, and how.
+
+Every per-step decision of every backend is a pure function here, over typed inputs -- the
+device's facts (:class:`DeviceFacts`), the shape of a part of the batch, and the backend's
+section of the :class:`~attn_ops.tuning.Tuning` -- returning a typed route. Backends build
+their plans from these routes and execute them; none decides on its own. Each rule's comment
+says why it holds; the measurements behind the numbers are in ``docs/tuning.md``.
+
+Read top to bottom: FlashInfer's split-KV decode, the sm90 composite's choice between
+FlashInfer, FA4 and TRITON_ATTN, FlashAttention 4's tiles and modes, TRITON_ATTN's launches,
+FlexAttention's layouts, and :func:`explain`, which prints the route of every part of a step
+(``python -m attn_ops select ... --batch 64x4096,1x8192:8192``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attn_ops.tuning import (CompositeTuning, FA4Tile, FlashAttnTuning, FlashInferTuning,
+                             FlexTuning, Tile, TritonTuning, Tuning)
+
+__all__ = [
+    "DeviceFacts", "Kernel", "PartRoute", "Split", "SplitMode", "StepShape",
+    "composite_decode_route", "composite_graph_decode_runs_fa4", "explain", "fa4_batch",
+    "fa4_decode_wins", "fa4_tile", "flashinfer_decode_split", "flashinfer_graph_colocated_ctas",
+    "flashinfer_split_budget", "flex_decode_splits", "flex_decode_stages", "flex_gathers",
+    "triton_decode_tile", "triton_fit_tile", "triton_fused_combine", "triton_num_splits",
+    "triton_prefill_tile", "triton_short_and_many",
+]
+
+# SM counts of GPUs by compute capability, for simulated platforms (the CLI, tests): a real
+# device's count is read from it.
+_SMS_BY_CAPABILITY = {(8, 0): 108, (8, 6): 84, (8, 9): 128, (9, 0): 132, (10, 0): 148,
+                      (12, 0): 170}
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the rules read of a device: its SM count and compute capability."""
+
+    num_sms: int
+    capability: tuple[int, int] | None = None
+
+    @property
+    def major(self) -> int:
+        return self.capability[0] if self.capability else 0
+
+    @classmethod
+    def of(cls, device: torch.device) -> DeviceFacts:
+        """A real device's facts (an interpreter's CPU "device" counts 8 SMs, so that CPU tests
+        exercise split-KV)."""
+        if device.type != "cuda":
+            return cls(8, None)
+        return _cuda_facts(device.index if device.index is not None
+                           else torch.cuda.current_device())
+
+    @classmethod
+    def for_platform(cls, platform) -> DeviceFacts:
+        """A platform's facts: the device's own where it is this machine's, else (simulated) the
+        SM count of the usual GPU of that capability."""
+        cap = platform.capability
+        if not platform.simulated and platform.is_gpu and torch.cuda.is_available():
+            return cls.of(torch.device("cuda"))
+        return cls(_SMS_BY_CAPABILITY.get(cap, 132 if cap else 8), cap)
+
+
+@functools.cache
+def _cuda_facts(index: int) -> DeviceFacts:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceFacts(props.multi_processor_count, (props.major, props.minor))
+
+
+class Kernel(enum.Enum):
+    """The kernels a part of a step can run on (values: how tables and errors name them)."""
+
+    FLASHINFER_FA2 = "FlashInfer FA2 paged (tensor-core decode)"
+    FLASHINFER_FA3 = "FlashInfer FA3 paged (sm90)"
+    FA4 = "FlashAttention 4"
+    TRITON = "TRITON_ATTN unsplit decode"
+
+    @property
+    def is_flashinfer(self) -> bool:
+        return self in (Kernel.FLASHINFER_FA2, Kernel.FLASHINFER_FA3)
+
+
+class SplitMode(enum.Enum):
+    LIBRARY_RULE = "FlashInfer's own split rule"
+    NONE = "no split"
+    FIXED = "fixed chunks"
+
+
+@dataclass(frozen=True)
+class Split:
+    """FlashInfer's split-KV for a part: its own rule, none, or chunks of ``chunk_pages``."""
+
+    mode: SplitMode
+    chunk_pages: int | None = None
+
+    def __str__(self) -> str:
+        if self.mode is SplitMode.FIXED:
+            return f"split into chunks of {self.chunk_pages} pages"
+        return str(self.mode.value)
+
+
+@dataclass(frozen=True)
+class PartRoute:
+    """The kernel of one part of a step, its split (FlashInfer kernels), its FA4 tile, and the
+    rule that chose it."""
+
+    kernel: Kernel
+    split: Split | None = None
+    fa4_tile: FA4Tile | None = None
+    why: str = ""
+
+
+def _waves(items: int, num_sms: int) -> float:
+    return items / num_sms
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashInfer: split-KV decode
+
+
+def flashinfer_split_budget(num_sms: int, kv_heads: int) -> int:
+    """The most requests FlashInfer's split rule may split: two CTAs per SM, one per (request,
+    KV head) chunk. Beyond it, the rule cannot split."""
+    return 2 * num_sms // kv_heads
+
+
+def flashinfer_decode_split(requests: int, kv_heads: int, max_pages: int, block_size: int,
+                            num_sms: int, t: FlashInferTuning) -> Split:
+    """FlashInfer's split for a decode part. With at least one (request, KV head) item per SM
+    there is nothing to split; past the split budget "no split" is said outright, which makes
+    a plan independent of the lengths (kept from step to step). Fewer items than SMs: chunks
+    of about one CTA per SM (FlashInfer's rule aims at two) until a chunk holds
+    ``own_rule_min_chunk_keys`` keys."""
+    items = requests * kv_heads
+    if items >= num_sms:
+        return Split(SplitMode.NONE if requests > flashinfer_split_budget(num_sms, kv_heads)
+                     else SplitMode.LIBRARY_RULE)
+    if t.own_rule_min_chunk_keys is None:
+        return Split(SplitMode.LIBRARY_RULE)
+    chunk = -(-max_pages // (num_sms // items))
+    if chunk * block_size >= t.own_rule_min_chunk_keys:
+        return Split(SplitMode.LIBRARY_RULE)
+    return Split(SplitMode.FIXED, chunk)
+
+
+def flashinfer_graph_colocated_ctas(size: int, kv_heads: int, num_sms: int,
+                                    t: FlashInferTuning) -> int:
+    """CTAs of FlashInfer's two-per-SM split budget to declare taken in the CUDA-graph decode
+    plan of ``size`` requests (padding included): with ``graph_one_cta_per_sm`` a size of
+    fewer items than SMs gets ``size * (SMs // items)`` CTAs per KV head -- one per SM, like
+    the eager plans -- and the padded grid the size fixes."""
+    per_request = num_sms // (size * kv_heads)
+    if not t.graph_one_cta_per_sm or per_request == 0:
+        return 0
+    return 2 * num_sms - kv_heads * size * per_request
+
+
+# ---------------------------------------------------------------------------------------------
+# COMPOSITE_SM90: FlashInfer, FA4 or TRITON_ATTN for the decode part
+
+
+def fa4_decode_wins(items: int, max_keys: int, num_sms: int, t: CompositeTuning) -> bool:
+    """Whether FA4 in its decode tile (no split on sm90: one CTA per item) beats the split
+    decodes for ``items`` (request, KV head) items of at most ``max_keys`` keys: from
+    ``fa4_min_waves`` to one wave at short lengths, from ``fa4_any_keys_from_waves`` at any
+    length; from ``fa4_many_waves`` on at long lengths only."""
+    if t.fa4_min_waves is None:
+        return False
+    waves = _waves(items, num_sms)
+    if waves >= t.fa4_many_waves:
+        return max_keys >= t.fa4_many_waves_min_keys
+    if waves >= 1:
+        return False
+    return waves >= t.fa4_min_waves and (max_keys <= t.fa4_max_keys_below_wave
+                                         or waves >= t.fa4_any_keys_from_waves)
+
+
+def composite_decode_route(requests: int, kv_heads: int, max_pages: int, block_size: int,
+                           query_rows: int, facts: DeviceFacts, tuning: Tuning, *,
+                           triton_takes_spec: bool, fa4_decode_tile: FA4Tile | None,
+                           fp8_cache: bool = False) -> PartRoute:
+    """The decode part's kernel in COMPOSITE_SM90. ``query_rows``: its longest query
+    (speculative decodes have several; TRITON_ATTN's kernel and FA4's decode tile were measured
+    with one); ``fa4_decode_tile``: the tile FA4 would decode in (:func:`fa4_tile`)."""
+    sms, ct = facts.num_sms, tuning.composite
+    items, keys = requests * kv_heads, max_pages * block_size
+    single = query_rows == 1
+    # Short decodes that fill the SMs several times over: our unsplit kernel, 4 per SM.
+    if single and triton_takes_spec and not fp8_cache and ct.triton_max_items_per_sm \
+            and triton_short_and_many(items, keys, sms, tuning.triton) \
+            and items <= ct.triton_max_items_per_sm * sms:
+        return PartRoute(Kernel.TRITON, why=f"{_waves(items, sms):.1f} items per SM of at most "
+                         f"{tuning.triton.short_decode_keys} keys")
+    if single and fa4_decode_tile is not None and fa4_decode_wins(items, keys, sms, ct):
+        return PartRoute(Kernel.FA4, fa4_tile=fa4_decode_tile,
+                         why=f"{_waves(items, sms):.2f} waves at {keys} keys: FA4's decode tile")
+    if ct.plain_fa4_min_waves is not None and not (single and fa4_decode_tile is not None) \
+            and ct.plain_fa4_min_waves * sms < items < sms and keys <= ct.plain_fa4_max_keys:
+        return PartRoute(Kernel.FA4, why=f"{_waves(items, sms):.2f} waves: FA4 without a split")
+    split = flashinfer_decode_split(requests, kv_heads, max_pages, block_size, sms,
+                                    tuning.flashinfer)
+    return PartRoute(Kernel.FLASHINFER_FA2, split,
+                     why=f"{_waves(items, sms):.2f} waves of (request, KV head) items")
+
+
+def composite_graph_decode_runs_fa4(size: int, kv_heads: int, facts: DeviceFacts,
+                                    t: CompositeTuning, fa4_decode_tile: FA4Tile | None) -> bool:
+    """Whether COMPOSITE_SM90's decode graph of ``size`` requests runs FA4 in its decode tile
+    (one CTA per item, no plan) instead of FlashInfer's graph decode."""
+    if fa4_decode_tile is None or t.graph_fa4_waves is None:
+        return False
+    low, high = t.graph_fa4_waves
+    waves = _waves(size * kv_heads, facts.num_sms)
+    return low <= waves <= high
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention 4
+
+
+def fa4_tile(major: int, head_dim: int, head_dim_v: int, dtype: torch.dtype, max_q: int,
+             group: int, t: FlashAttnTuning, batch: bool = False) -> FA4Tile | None:
+    """FA4's tile for a call (None: FA4's own). sm90, head dim 128, 16-bit only: single-row
+    decodes take ``decode_tile``, prefills of enough rows ``tall_tile`` -- each only where the
+    GQA group divides its rows (FA4 packs a group's heads into the rows and loads Q by TMA only
+    then; otherwise by cp.async, provisioned for two MMA warpgroups, not three)."""
+    if major != 9 or head_dim != 128 or head_dim_v != 128 \
+            or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if max_q == 1 and t.decode_tile is not None and t.decode_tile.rows % group == 0:
+        return t.decode_tile
+    least = t.tall_tile_min_query_batch if batch else t.tall_tile_min_query
+    if t.tall_tile is not None and max_q >= least and t.tall_tile.rows % group == 0:
+        return t.tall_tile
+    return None
+
+
+def fa4_batch(rows: int, requests: int, max_q: int, t: FlashAttnTuning) -> bool:
+    """Whether a prefill part of ``requests`` requests and ``rows`` rows runs in FA4's batch
+    mode: every request of one query length of at least ``batch_mode_min_query`` rows."""
+    return t.batch_mode_min_query is not None and rows == requests * max_q \
+        and max_q >= t.batch_mode_min_query
+
+
+# ---------------------------------------------------------------------------------------------
+# TRITON_ATTN
+
+
+def triton_short_and_many(items: int, max_keys: int, num_sms: int, t: TritonTuning) -> bool:
+    """Whether decodes of at most ``max_keys`` keys over ``items`` (request, KV head) items run
+    unsplit in ``many_items_tile``."""
+    return max_keys <= t.short_decode_keys and t.many_items_tile is not None \
+        and items >= t.many_items_per_sm * num_sms
+
+
+def triton_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int,
+                      t: TritonTuning) -> int:
+    """Splits of each decode's keys: a power of two, ``decodes x kv_heads x splits`` near
+    ``programs_per_sm x SMs``, at least ``min_keys_per_split`` keys a split, at most
+    ``max_splits``; none for short decodes that fill the SMs (:func:`triton_short_and_many`).
+    As the batch grows the splits shrink step by step: no cliff, no kernel switch."""
+    if num_decodes == 0 or triton_short_and_many(num_decodes * kv_heads, max_seq_len, num_sms,
+                                                 t):
+        return 1
+    want = max(1, (t.programs_per_sm * num_sms) // max(1, num_decodes * kv_heads))
+    cap = max(1, min(t.max_splits, max_seq_len // t.min_keys_per_split))
+    splits = 1
+    while splits * 2 <= min(want, cap):
+        splits *= 2
+    return splits
+
+
+def triton_decode_tile(items: int, splits: int, kv_bytes: int, num_sms: int, wide: bool,
+                       t: TritonTuning) -> Tile:
+    """A decode launch's tile: ``many_items_tile`` for an unsplit launch of 16-bit (or fp8)
+    K/V with enough items per SM, else ``decode_tile`` (``wide``: padded head dims <= 128)."""
+    if splits == 1 and kv_bytes <= 2 and t.many_items_tile is not None \
+            and items >= t.many_items_per_sm * num_sms:
+        return t.many_items_tile
+    return t.decode_tile if wide else t.decode_tile_wide_heads
+
+
+def triton_prefill_tile(wide: bool, elem_bytes: int, max_seq_len: int, t: TritonTuning) -> Tile:
+    """A prefill launch's tile, by padded head dims (``wide``: <= 128) and query bytes."""
+    if not wide:
+        return t.prefill_tile_wide_heads
+    if elem_bytes >= 4:
+        return t.prefill_tile_32bit
+    if max_seq_len <= t.short_prefill_keys and t.short_prefill_tile_16bit is not None:
+        return t.short_prefill_tile_16bit
+    return t.prefill_tile_16bit
+
+
+def triton_heads_fastest(prefill: bool, max_seq_len: int, t: TritonTuning) -> bool:
+    """Whether a launch puts the KV head fastest in launch order: short prefills are a wave or
+    two, and tile-fastest started the heads' longest tiles one after another."""
+    return prefill and max_seq_len <= t.short_prefill_keys
+
+
+def _smem_bytes(rows, keys, stages, d_p, dv_p, q_bytes, kv_bytes) -> int:
+    """Shared memory of a launch, estimated: ``stages`` K and V tiles as loaded, one more
+    converted to the query's dtype when the cache is narrower (fp8), the query tile."""
+    kv = keys * (d_p + dv_p)
+    return stages * kv * kv_bytes + (kv * q_bytes if kv_bytes < q_bytes else 0) \
+        + rows * d_p * q_bytes
+
+
+def triton_fit_tile(tile: Tile, d_p: int, dv_p: int, q_bytes: int, kv_bytes: int,
+                    smem: int) -> Tile:
+    """``tile`` within ``smem`` bytes of shared memory: fewer stages (down to 2), then half the
+    keys (down to 16), then half the rows. A kernel with more stages than fit fails to launch;
+    the H200's 227 KiB fit every tile unchanged, an A100's 163 KiB runs the 16-bit prefill
+    tile in 2 stages, a consumer GPU's 99 KiB with 64 keys."""
+    rows, keys, warps, stages = tile
+    while _smem_bytes(rows, keys, stages, d_p, dv_p, q_bytes, kv_bytes) > smem:
+        if stages > 2:
+            stages -= 1
+        elif keys > 16:
+            keys //= 2
+        elif rows > 16:
+            rows //= 2
+        else:
+            break
+    return Tile(rows, keys, warps, stages)
+
+
+def triton_fused_combine(num_reqs: int, kv_heads: int, t: TritonTuning) -> bool:
+    """Whether a split launch combines its splits inside itself (saves a launch; slow where one
+    split must merge many, at few items)."""
+    if t.fused_combine is not None:
+        return t.fused_combine
+    return num_reqs * kv_heads >= t.fused_min_items
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexAttention
+
+
+def flex_gathers(prefill_pairs: int, copied_keys: int, on_gpu: bool, t: FlexTuning) -> bool:
+    """Whether a step with prefills copies its pages into larger ones first: FlexAttention's
+    key tile never spans more than one page, and a prefill's (query, key) pairs make the copy
+    worth it from ``gather_min_pairs_per_key_gpu`` pairs per copied key (``_cpu``: the CPU's
+    rule, off by default -- it has no key-tile problem)."""
+    threshold = t.gather_min_pairs_per_key_gpu if on_gpu else t.gather_min_pairs_per_key_cpu
+    return threshold is not None and prefill_pairs >= threshold * copied_keys
+
+
+def flex_decode_splits(batch: int, kv_heads: int, num_sms: int | None,
+                       t: FlexTuning) -> int | None:
+    """FlexAttention's split count for a decode-layout step of ``batch`` elements: a power of
+    two near ``decode_programs_per_sm x SMs / (batch x kv_heads)``, or None (FlexAttention's
+    own, with full KV blocks) where that is below 2 or off the GPU."""
+    if not t.decode_programs_per_sm or num_sms is None:
+        return None
+    want = t.decode_programs_per_sm * num_sms / (batch * kv_heads)
+    splits = 1 << max(round(math.log2(want)), 0) if want > 0 else 1
+    return splits if splits >= 2 else None
+
+
+def flex_decode_stages(key_tile: int, head_dim: int, head_dim_v: int, itemsize: int,
+                       smem: int, t: FlexTuning) -> int | None:
+    """Pipeline stages of FlexAttention's decoding kernel: its key tile is at most a page, so
+    its default 2-3 stages leave HBM idle; ``decode_stages`` or as many as fit
+    ``decode_stage_bytes`` and the block's shared memory less 24 KiB (None below 3: its own)."""
+    if not t.decode_stages:
+        return None
+    stage = key_tile * (head_dim + head_dim_v) * itemsize
+    stages = min(t.decode_stages, min(t.decode_stage_bytes, smem - (24 << 10)) // stage)
+    return stages if stages >= 3 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# explain: the route of every part of a step
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step as the CLI describes it: ``(requests, seq_len, query_len)`` groups, decode-first
+    (query lengths of at most ``decode_threshold`` are decodes)."""
+
+    groups: tuple[tuple[int, int, int], ...]
+    decode_threshold: int = 1
+
+    @classmethod
+    def parse(cls, text: str, decode_threshold: int = 1) -> StepShape:
+        """``"64x4096,1x8192:8192"``: 64 requests of 4096 tokens decoding one each, one
+        request of 8192 tokens all new (``N x SEQ_LEN[:QUERY_LEN]``, query length 1 if left
+        out)."""
+        groups = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                count, _, rest = part.lower().partition("x")
+                seq, _, query = rest.partition(":")
+                group = (int(count), int(seq), int(query) if query else 1)
+            except ValueError:
+                raise ValueError(f"--batch {part!r} is not N x SEQ_LEN[:QUERY_LEN], e.g. 64x4096 "
+                                 "(64 decodes of 4096 tokens) or 1x8192:8192 (a prefill of "
+                                 "8192)") from None
+            if min(group) < 1 or group[2] > group[1]:
+                raise ValueError(f"--batch {part!r}: counts and lengths must be >= 1 and the "
+                                 "query length at most the sequence length")
+            groups.append(group)
+        if not groups:
+            raise ValueError("--batch is empty; e.g. --batch 64x4096,1x8192:8192")
+        ordered = sorted(groups, key=lambda g: g[2] > decode_threshold)  # (stable)
+        return cls(tuple(ordered), decode_threshold)
+
+    def parts(self) -> list[tuple[str, int, int, int, int]]:
+        """``(name, requests, rows, longest query, longest seq_len)`` of the decode and the
+        prefill part (those with requests)."""
+        out = []
+        for name, is_decode in (("decode", True), ("prefill", False)):
+            gs = [g for g in self.groups if (g[2] <= self.decode_threshold) == is_decode]
+            if gs:
+                out.append((name, sum(g[0] for g in gs), sum(g[0] * g[2] for g in gs),
+                            max(g[2] for g in gs), max(g[1] for g in gs)))
+        return out
+
+
+def explain(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning: Tuning,
+            block_size: int, *, triton_takes_spec: bool = True) -> list[str]:
+    """One line per part of ``step`` (or one for the step, where ``backend`` runs it in one
+    call): the kernel ``backend`` runs it on and why."""
+    parts = step.parts()
+    if backend in ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "FLEX_ATTENTION"):  # one call a step
+        requests, rows = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        max_q, max_seq = max(p[3] for p in parts), max(p[4] for p in parts)
+        head = f"whole step: {requests} request(s), {rows} query rows, up to {max_seq} keys"
+        if backend == "FLEX_ATTENTION":
+            layout = ("decode layout (one batch element per request)" if max_q == 1 else
+                      "paged slots, gathered into 128-key pages where the pairs pay for it")
+            return [f"{head} -> FlexAttention, {layout}"]
+        group = spec.num_heads // spec.kv_heads
+        return [f"{head} -> " + _describe_fa4(spec, facts, tuning, rows, requests, max_q, group,
+                                              decode=max_q == 1, uniform=len(parts) == 1)]
+    lines = []
+    for name, requests, rows, max_q, max_seq in parts:
+        pages = -(-max_seq // block_size)
+        head = f"{name} part: {requests} request(s), {rows} query rows, up to {max_seq} keys"
+        route = _explain_part(backend, spec, facts, tuning, name == "decode", requests, rows,
+                              max_q, pages, block_size, triton_takes_spec)
+        lines.append(f"{head} -> {route}")
+    return lines
+
+
+def _explain_part(backend, spec, facts, tuning, decode, requests, rows, max_q, pages,
+                  block_size, triton_takes_spec) -> str:
+    kv, group = spec.kv_heads, spec.num_heads // spec.kv_heads
+    if backend == "COMPOSITE_SM90":
+        if decode:
+            tile = fa4_tile(facts.major, spec.head_dim, spec.v_head_dim, spec.dtype, 1, group,
+                            tuning.flash_attn)
+            return _describe(composite_decode_route(
+                requests, kv, pages, block_size, max_q, facts, tuning,
+                triton_takes_spec=triton_takes_spec, fa4_decode_tile=tile,
+                fp8_cache=spec.kv_cache_dtype.is_fp8))
+        return _describe_fa4(spec, facts, tuning, rows, requests, max_q, group, uniform=True)
+    if backend == "FLASHINFER":
+        if decode:
+            split = flashinfer_decode_split(requests, kv, pages, block_size, facts.num_sms,
+                                            tuning.flashinfer)
+            return f"{Kernel.FLASHINFER_FA2.value}, {split}"
+        fa3 = facts.major == 9 and spec.v_head_dim == spec.head_dim \
+            and not spec.kv_cache_dtype.is_fp8 and spec.head_dim in (64, 128, 256)
+        return (Kernel.FLASHINFER_FA3 if fa3 else Kernel.FLASHINFER_FA2).value
+    if backend in ("TRITON_ATTN", "TREE_ATTN"):
+        wide = max(_pow2(spec.head_dim, 16), _pow2(spec.v_head_dim, 16)) <= 128
+        if decode:
+            splits = triton_num_splits(requests, kv, pages * block_size, facts.num_sms,
+                                       tuning.triton)
+            tile = triton_decode_tile(requests * kv, splits, spec.cache_dtype.itemsize,
+                                      facts.num_sms, wide, tuning.triton)
+            combine = ("combined in the kernel" if triton_fused_combine(requests, kv,
+                                                                          tuning.triton)
+                       else "combined by a second kernel")
+            return (f"TRITON_ATTN decode, {splits} split(s)"
+                    + (f" ({combine})" if splits > 1 else "") + f", tile {tuple(tile)}")
+        tile = triton_prefill_tile(wide, spec.dtype.itemsize, pages * block_size, tuning.triton)
+        return f"TRITON_ATTN prefill, tile {tuple(tile)}"
+    return f"{backend}'s own kernel (no per-step routing)"
+
+
+def _describe(r: PartRoute) -> str:
+    text = r.kernel.value
+    if r.split is not None:
+        text += f", {r.split}"
+    if r.fa4_tile is not None:
+        text += f", tile {r.fa4_tile.rows}x{r.fa4_tile.keys}"
+    return text + (f" ({r.why})" if r.why else "")
+
+
+def _describe_fa4(spec, facts, tuning, rows, requests, max_q, group, *, decode=False,
+                  uniform=False) -> str:
+    batch = uniform and not decode and fa4_batch(rows, requests, max_q, tuning.flash_attn)
+    tile = fa4_tile(facts.major, spec.head_dim, spec.v_head_dim, spec.dtype, max_q, group,
+                    tuning.flash_attn, batch=batch)
+    text = Kernel.FA4.value + (", batch mode" if batch else ", varlen")
+    text += f", tile {tile.rows}x{tile.keys}" if tile is not None else ", FA4's own tile"
+    if decode and facts.major == 9:
+        text += " (no split-KV on sm90)"
+    return text
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    p = at_least
+    while p < n:
+        p *= 2
+    return p

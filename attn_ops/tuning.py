@@ -1,0 +1,319 @@
+"""Tuning is data: every measured constant of the backends in one frozen, typed object.
+
+A :class:`Tuning` has one section per backend (tiles, stages, split rules, thresholds). It is
+resolved per device -- :func:`resolve_tuning` returns the measured entry for a known GPU
+(``MEASURED``) and the generic default elsewhere, labelled unmeasured -- passed to backends
+through :class:`~attn_ops.selector.AttentionConfig` (``tuning=``), and hashed into every
+metadata and planner key (:attr:`Tuning.key`), so a planner never keeps a plan made under other
+settings. Environment overrides are parsed here and nowhere else (:data:`ENV_TUNING`).
+
+Each field's comment states its rule; the measurement behind it is in ``docs/tuning.md``.
+Tests and benchmarks build variants with :meth:`Tuning.with_`::
+
+    tuning = resolve_tuning(platform).with_(triton={"fused_combine": False})
+    attn = Attention(spec, AttentionConfig(tuning=tuning))
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
+
+__all__ = [
+    "ENV_TUNING", "CompositeTuning", "FA4Tile", "FlashAttnTuning", "FlashInferTuning",
+    "FlexTuning", "Tile", "TritonTuning", "Tuning", "default_tuning", "resolve_tuning",
+]
+
+ENV_TUNING = "ATTN_OPS_TUNING"
+
+
+class Tile(NamedTuple):
+    """A Triton launch: query rows, keys per step, warps, pipeline stages."""
+
+    rows: int
+    keys: int
+    warps: int
+    stages: int
+
+
+class FA4Tile(NamedTuple):
+    """FlashAttention 4's sm90 tile arguments: ``tile_mn`` (query rows, keys),
+    ``mma_pv_is_rs`` (P kept in registers for P @ V), ``intra_wg_overlap``."""
+
+    rows: int
+    keys: int
+    mma_pv_is_rs: bool
+    intra_wg_overlap: bool = True
+
+    def kwargs(self) -> dict:
+        return {"tile_mn": (self.rows, self.keys), "mma_pv_is_rs": self.mma_pv_is_rs,
+                "intra_wg_overlap": self.intra_wg_overlap}
+
+
+@dataclass(frozen=True)
+class TritonTuning:
+    """TRITON_ATTN's launches (``routing.triton_*``)."""
+
+    # Split-KV decode: splits (a power of two) bring decodes x KV heads x splits closest to this
+    # many programs per SM, never below min_keys_per_split keys a split, at most max_splits.
+    programs_per_sm: int = 8
+    max_splits: int = 64
+    min_keys_per_split: int = 256
+    # Prefill tiles: 16-bit and 32-bit queries at padded head dims <= 128; either past 128.
+    prefill_tile_16bit: Tile = Tile(128, 128, 8, 3)
+    prefill_tile_32bit: Tile = Tile(64, 64, 4, 2)
+    prefill_tile_wide_heads: Tile = Tile(32, 32, 4, 2)
+    # Steps whose longest context is at most short_prefill_keys take this 16-bit tile (half-wide
+    # keys waste less of the causal diagonal) and launch with the KV head fastest (None: off).
+    short_prefill_keys: int = 2048
+    short_prefill_tile_16bit: Tile | None = Tile(128, 64, 8, 3)
+    # Decode tiles at padded head dims <= 128 and past it.
+    decode_tile: Tile = Tile(16, 64, 4, 2)
+    decode_tile_wide_heads: Tile = Tile(16, 32, 4, 2)
+    # Decodes of at most short_decode_keys keys with at least many_items_per_sm (request, KV
+    # head) items per SM run unsplit in many_items_tile: 4 programs share an SM (None: off).
+    many_items_per_sm: float = 3.5
+    many_items_tile: Tile | None = Tile(16, 32, 4, 3)
+    short_decode_keys: int = 1024
+    # Split partials are combined inside the attention launch from fused_min_items (request, KV
+    # head) items on (few splits each); below, by a second kernel. fused_combine forces it.
+    fused_min_items: int = 256
+    fused_combine: bool | None = None
+
+
+@dataclass(frozen=True)
+class FlexTuning:
+    """FLEX_ATTENTION's layouts and kernel options (``routing.flex_*``)."""
+
+    # Steps with prefills copy their pages into GATHER_PAGE-key pages first when their (query,
+    # key) pairs are at least this many times the keys copied (None: never). The CPU has no
+    # key-tile problem: off there.
+    gather_min_pairs_per_key_gpu: float | None = 128.0
+    gather_min_pairs_per_key_cpu: float | None = None
+    # Pipeline stages of FlexAttention's decoding kernel, as many as fit decode_stage_bytes of
+    # shared memory (None: FlexAttention's default).
+    decode_stages: int | None = 6
+    decode_stage_bytes: int = 200 << 10
+    # Decode-layout steps with fewer (request, KV head) pairs than this many per SM split each
+    # request's pages so that about that many programs run (None: FlexAttention's own split).
+    decode_programs_per_sm: int | None = 4
+    # Extra FlexAttention kernel options on GPUs, merged over the rules' (for experiments).
+    gpu_kernel_options: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FlashAttnTuning:
+    """FlashAttention 4's sm90 tiles and modes (``routing.fa4_*``)."""
+
+    # Single-row decodes in a 64-row tile where the GQA group divides its rows (None: FA4's).
+    decode_tile: FA4Tile | None = FA4Tile(64, 128, True)
+    # Prefills of at least tall_tile_min_query rows (batch mode: _batch) in a 192-row tile
+    # where the GQA group divides its rows (None: FA4's tile).
+    tall_tile: FA4Tile | None = FA4Tile(192, 128, False)
+    tall_tile_min_query: int = 1024
+    tall_tile_min_query_batch: int = 512
+    # Prefill parts of one query length of at least this many rows run in FA4's batch mode
+    # (its LPT scheduler, no cu_seqlens_q); None: always varlen.
+    batch_mode_min_query: int | None = 256
+
+
+@dataclass(frozen=True)
+class FlashInferTuning:
+    """FlashInfer's split-KV decode plans (``routing.flashinfer_*``)."""
+
+    # A decode part with fewer (request, KV head) items than SMs is cut into fixed chunks of
+    # about one CTA per SM -- until a chunk would hold at least own_rule_min_chunk_keys keys,
+    # where FlashInfer's own rule is as good. None: FlashInfer's own rule always.
+    own_rule_min_chunk_keys: int | None = 4096
+    # CUDA-graph decode batches of fewer items than SMs plan on a budget of one CTA per SM
+    # (FlashInfer's own graph rule aims at two, one-page chunks).
+    graph_one_cta_per_sm: bool = True
+
+
+@dataclass(frozen=True)
+class CompositeTuning:
+    """COMPOSITE_SM90's choice between FlashInfer, FA4 and TRITON_ATTN per decode part
+    (``routing.composite_decode_route``). Waves: (request, KV head) items per SM."""
+
+    # TRITON_ATTN's unsplit decode for decodes short enough for its many-items tile
+    # (TritonTuning), up to this many items per SM (None: never).
+    triton_max_items_per_sm: float | None = 8.0
+    # FA4 in its decode tile (FlashAttnTuning.decode_tile): from fa4_min_waves to one wave at
+    # up to fa4_max_keys_below_wave keys, or at any length from fa4_any_keys_from_waves; from
+    # fa4_many_waves on at fa4_many_waves_min_keys keys or more. None: never.
+    fa4_min_waves: float | None = 0.4
+    fa4_max_keys_below_wave: int = 8192
+    fa4_any_keys_from_waves: float = 0.9
+    fa4_many_waves: float = 2.0
+    fa4_many_waves_min_keys: int = 16384
+    # FA4 in its own tile (no decode tile for the spec): above plain_fa4_min_waves, below one
+    # wave, at up to plain_fa4_max_keys keys (None: never).
+    plain_fa4_min_waves: float | None = 0.7
+    plain_fa4_max_keys: int = 4096
+    # CUDA-graph decode sizes whose items are within these waves run FA4 in its decode tile
+    # instead of FlashInfer's graph decode (None: never).
+    graph_fa4_waves: tuple[float, float] | None = (0.7, 2.0)
+
+
+_SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every backend's tunables. ``device`` names the entry; ``measured`` says whether its
+    values were measured on that device (False: the generic default)."""
+
+    device: str = "generic"
+    measured: bool = False
+    triton: TritonTuning = field(default_factory=TritonTuning)
+    flex: FlexTuning = field(default_factory=FlexTuning)
+    flash_attn: FlashAttnTuning = field(default_factory=FlashAttnTuning)
+    flashinfer: FlashInferTuning = field(default_factory=FlashInferTuning)
+    composite: CompositeTuning = field(default_factory=CompositeTuning)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A short hash of every value: part of every metadata and planner key."""
+        return hashlib.sha1(repr(self).encode()).hexdigest()[:12]
+
+    def with_(self, **sections: dict | object) -> Tuning:
+        """A copy with fields of sections changed: ``with_(triton={"max_splits": 8})`` (or a
+        whole section object)."""
+        changes = {}
+        for name, value in sections.items():
+            if name not in _SECTIONS:
+                raise ValueError(f"tuning has no section {name!r}; sections: "
+                                 f"{', '.join(_SECTIONS)}")
+            current = getattr(self, name)
+            if isinstance(value, dict):
+                unknown = set(value) - {f.name for f in fields(current)}
+                if unknown:
+                    raise ValueError(f"tuning.{name} has no field {sorted(unknown)[0]!r}; "
+                                     f"fields: {', '.join(f.name for f in fields(current))}")
+                value = replace(current, **value)
+            changes[name] = value
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for ``info``: which entry, measured or not."""
+        return (f"{self.device} (measured)" if self.measured
+                else f"{self.device} (unmeasured defaults)")
+
+    def differences(self, other: Tuning | None = None) -> list[str]:
+        """``section.field=value`` for every value that differs from ``other`` (default: the
+        generic defaults)."""
+        other = other or Tuning()
+        out = []
+        for name in _SECTIONS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            for f in fields(mine):
+                if getattr(mine, f.name) != getattr(theirs, f.name):
+                    out.append(f"{name}.{f.name}={getattr(mine, f.name)!r}")
+        return out
+
+
+# The generic default keeps the rules that follow from a kernel's own structure (tiles fitted
+# to shared memory at run time, splits relative to the SM count) and leaves out the decode
+# crossovers between kernels that were fitted to one GPU's bandwidth: COMPOSITE_SM90 then
+# decodes with FlashInfer's split decode everywhere (no cliff) and prefills with FA4.
+GENERIC = Tuning(composite=CompositeTuning(triton_max_items_per_sm=None, fa4_min_waves=None,
+                                           plain_fa4_min_waves=None, graph_fa4_waves=None))
+
+# Measured entries, by a substring of the device name (docs/tuning.md has the measurements).
+MEASURED: dict[str, Tuning] = {
+    "H200": Tuning(device="NVIDIA H200", measured=True),
+}
+
+
+def resolve_tuning(platform=None) -> Tuning:
+    """The tuning for ``platform`` (default: this machine's): its measured entry, else the
+    generic default; then the environment's overrides (:data:`ENV_TUNING`)."""
+    if platform is None:
+        from attn_ops.platforms import current_platform
+
+        platform = current_platform()
+    base = next((t for sub, t in MEASURED.items() if sub in platform.device_name), GENERIC)
+    return apply_overrides(base, os.environ.get(ENV_TUNING, ""))
+
+
+@functools.cache
+def _default(env: str) -> Tuning:
+    return resolve_tuning()
+
+
+def default_tuning() -> Tuning:
+    """:func:`resolve_tuning` for this machine, with the environment as it is now."""
+    return _default(os.environ.get(ENV_TUNING, ""))
+
+
+def apply_overrides(tuning: Tuning, text: str) -> Tuning:
+    """``tuning`` with ``section.field=value`` overrides, comma-separated (the format of
+    :data:`ENV_TUNING`): ``triton.fused_combine=false,flex.decode_stages=none``. Values are
+    parsed by the field's type (int, float, bool, None, a tuple as ``a/b/c``)."""
+    changes: dict[str, dict] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        section, dot, field_name = name.strip().partition(".")
+        if not sep or not dot:
+            raise ValueError(f"{ENV_TUNING}: {item!r} is not section.field=value (e.g. "
+                             "triton.max_splits=16)")
+        if section not in _SECTIONS:
+            raise ValueError(f"{ENV_TUNING}: {item!r}: no section {section!r}; sections: "
+                             f"{', '.join(_SECTIONS)}")
+        owner = type(getattr(tuning, section))
+        hints = typing.get_type_hints(owner)
+        if field_name not in hints:
+            raise ValueError(f"{ENV_TUNING}: {item!r}: tuning.{section} has no field "
+                             f"{field_name!r}; fields: "
+                             f"{', '.join(f.name for f in fields(owner))}")
+        changes.setdefault(section, {})[field_name] = _parse(hints[field_name], value.strip(),
+                                                             item)
+    return tuning.with_(**changes) if changes else tuning
+
+
+def _parse(hint, text: str, item: str):
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if text.lower() == "none":
+        if type(None) in options:
+            return None
+        raise ValueError(f"{ENV_TUNING}: {item!r}: this field cannot be None")
+    for kind in options:
+        if kind is type(None):
+            continue
+        try:
+            return _parse_one(kind, text)
+        except (TypeError, ValueError):
+            continue
+    raise ValueError(f"{ENV_TUNING}: {item!r}: {text!r} is not a {hint}")
+
+
+def _is_union(hint) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _parse_one(kind, text: str):
+    if kind is bool:
+        if text.lower() in ("1", "true", "on", "yes"):
+            return True
+        if text.lower() in ("0", "false", "off", "no"):
+            return False
+        raise ValueError(text)
+    if kind in (int, float):
+        return kind(text)
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        hints = typing.get_type_hints(kind)
+        parts = text.split("/")
+        return kind(*(_parse_one(hints[n], p) for n, p in zip(kind._fields, parts)))
+    if typing.get_origin(kind) is tuple:
+        args = typing.get_args(kind)
+        parts = text.split("/")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_parse_one(args[0], p) for p in parts)
+        return tuple(_parse_one(a, p) for a, p in zip(args, parts))
+    raise TypeError(kind)
+
