@@ -112,13 +112,17 @@ class Attention(nn.Module):
         if isinstance(metadata, dict):
             metadata = metadata[self._metadata_key]
         spec = self.spec
-        query = query.view(-1, spec.num_heads, spec.head_dim)
+        query = _as_heads("query", query, None, spec.num_heads, spec.head_dim, spec)
+        if (key is None) != (value is None):
+            raise ValueError("pass key and value together (or neither, when the cache already "
+                             f"holds them); got key={_shape(key)}, value={_shape(value)}")
         if key is None or value is None:
             if cos_sin is not None:
                 query = rope(query, cos_sin)
         else:
-            key = key.view(-1, spec.kv_heads, spec.head_dim)
-            value = value.view(-1, spec.kv_heads, spec.v_head_dim)
+            tokens = query.shape[0]
+            key = _as_heads("key", key, tokens, spec.kv_heads, spec.head_dim, spec)
+            value = _as_heads("value", value, tokens, spec.kv_heads, spec.v_head_dim, spec)
             slots = metadata.slot_mapping
             if positions is not None and not (hasattr(metadata, "block_table")
                                               and hasattr(metadata, "query_start_loc")):
@@ -150,6 +154,25 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
+
+
+def _shape(x) -> object:
+    return None if x is None else tuple(x.shape)
+
+
+def _as_heads(name: str, x: torch.Tensor, tokens: int | None, heads: int, dim: int,
+              spec: AttentionSpec) -> torch.Tensor:
+    """``x`` as ``[tokens, heads, dim]``: given so, or flattened as ``[tokens, heads * dim]``.
+    Anything else raises, naming both shapes (shapes only: no device sync)."""
+    t = x.shape[0] if x.dim() in (2, 3) else None
+    if (x.dim() == 3 and tuple(x.shape[1:]) == (heads, dim)) or \
+            (x.dim() == 2 and x.shape[1] == heads * dim):
+        if tokens is None or t == tokens:
+            return x if x.dim() == 3 else x.unflatten(1, (heads, dim))
+    want = f"[{'num_tokens' if tokens is None else tokens}, {heads}, {dim}]"
+    raise ValueError(f"{name} must be {want} (or [{'num_tokens' if tokens is None else tokens}"
+                     f", {heads * dim}] flattened) for {spec.describe()}; got shape "
+                     f"{tuple(x.shape)}")
 
 
 def step_backends(model: nn.Module) -> list[tuple[tuple, Any]]:

@@ -180,16 +180,20 @@ def check_paged_attention_inputs(
 
         split_kv_cache(kv_cache, head_dim, head_dim_v)  # raises, describing the layouts
     if cache_dim != head_dim:
-        _fail(f"query head_dim={head_dim} differs from the KV cache's head_dim={cache_dim}")
+        _fail(f"query head_dim={head_dim} differs from the KV cache's head_dim={cache_dim}: "
+              f"query must be [{num_tokens}, {num_heads}, {cache_dim}], got shape "
+              f"{tuple(query.shape)}")
     if cache_dim_v != head_dim_v:
         if kv_cache.dim() == 4:
             _fail(f"a packed KV cache must be [num_blocks, block_size, num_kv_heads, head_dim + "
                   f"head_dim_v = {head_dim + head_dim_v}], got shape {tuple(kv_cache.shape)}")
         _fail(f"out head_dim_v={head_dim_v} differs from the KV cache's head_dim_v="
-              f"{cache_dim_v}")
+              f"{cache_dim_v}: out must be [{num_tokens}, {num_heads}, {cache_dim_v}], got "
+              f"shape {tuple(out.shape)}")
     if num_heads % num_kv_heads:
         _fail(f"num_heads={num_heads} is not a multiple of the cache's num_kv_heads="
-              f"{num_kv_heads}")
+              f"{num_kv_heads}: query must be [{num_tokens}, k x {num_kv_heads}, {head_dim}], "
+              f"got shape {tuple(query.shape)}")
     device = query.device
     for name, t in (("kv_cache", kv_cache), ("out", out), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens), ("block_table", block_table), ("lse", lse),
@@ -263,12 +267,20 @@ def check_nhd_attention_inputs(backend: str, query: torch.Tensor, kv_cache: torc
                                out: torch.Tensor, lse: torch.Tensor | None) -> None:
     """Shape checks shared by the backends whose ops take the NHD cache
     ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` and their own metadata."""
-    if query.dim() != 3 or out.shape[:2] != query.shape[:2] or out.dtype != query.dtype:
-        _fail(f"query [T, Hq, D] and out [T, Hq, Dv] must agree; got {tuple(query.shape)} "
-              f"{query.dtype} and {tuple(out.shape)} {out.dtype}")
+    if query.dim() != 3 or out.dim() != 3 or out.shape[:2] != query.shape[:2] \
+            or out.dtype != query.dtype:
+        _fail(f"{backend}: query [T, Hq, D] and out [T, Hq, Dv] must agree; got query "
+              f"{tuple(query.shape)} {query.dtype} and out {tuple(out.shape)} {out.dtype}")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2]:
         _fail(f"{backend} needs the NHD cache [num_blocks, 2, block_size, num_kv_heads, "
               f"head_dim={query.shape[2]}], got shape {tuple(kv_cache.shape)}")
+    if out.shape[2] != kv_cache.shape[4]:
+        _fail(f"{backend}: out must be [{out.shape[0]}, {out.shape[1]}, {kv_cache.shape[4]}] "
+              f"(the cache's head dim), got shape {tuple(out.shape)}")
+    if query.shape[1] % kv_cache.shape[3]:
+        _fail(f"{backend}: query's {query.shape[1]} heads are not a multiple of the cache's "
+              f"{kv_cache.shape[3]} KV heads; query must be [T, k x {kv_cache.shape[3]}, "
+              f"{query.shape[2]}], got shape {tuple(query.shape)}")
     if lse is not None and (lse.shape != query.shape[:2] or lse.dtype != torch.float32):
         _fail(f"lse must be float32 {tuple(query.shape[:2])}, got {lse.dtype} "
               f"{tuple(lse.shape)}")

@@ -32,7 +32,7 @@ class Scenario:
 
     requests: tuple[tuple[int, int], ...]
     shuffle_pages: bool = True
-    poison_unused: bool = True  # fill every slot not written by the batch with NaN
+    poison_unused: bool = True  # NaN in every slot before the batch is written (tails too)
     pad_tokens: int = 0  # extra query rows past the batch (a CUDA-graph-padded batch)
     decode_threshold: int = 1  # query lengths counted as decodes (speculative decoding: > 1)
 
@@ -43,10 +43,8 @@ SCENARIOS = {
     "mixed": Scenario(((9, 1), (30, 1), (0, 11), (6, 9))),  # decodes, prefill, chunked prefill
     "long_context": Scenario(((300, 1), (257, 1), (200, 6))),
     "single_token": Scenario(((0, 1),)),
-    "contiguous_pages": Scenario(((12, 1), (0, 9), (5, 4)), shuffle_pages=False,
-                                 poison_unused=False),
-    "permuted_pages_nan_poisoned": Scenario(((23, 1), (14, 3), (0, 18)), shuffle_pages=True,
-                                            poison_unused=True),
+    "contiguous_pages": Scenario(((12, 1), (0, 9), (5, 4)), shuffle_pages=False),
+    "permuted_pages_nan_poisoned": Scenario(((23, 1), (14, 3), (0, 18)), shuffle_pages=True),
     "padded_batch": Scenario(((19, 1), (7, 1), (0, 5)), pad_tokens=3),
     # speculative decoding: decodes verify up to 3 draft tokens (query lengths 1-4)
     "spec_decodes": Scenario(((21, 4), (9, 1), (30, 3), (2, 2), (0, 10)), decode_threshold=4),

@@ -268,12 +268,25 @@ def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period,
             full_idx[:, None, None])
 
 
+def _folds_gqa(group: int) -> bool:
+    """Whether the decode layout folds each KV head's ``group`` query heads into query rows
+    (and calls FlexAttention without GQA): for groups that are not powers of two, where
+    FlexAttention's decoding kernel with ``enable_gqa`` returned wrong rows on the H200
+    (groups of 3: 12 query / 4 KV heads, 24 / 8 as Llama-3.2-3B)."""
+    return group > 1 and group & (group - 1) != 0
+
+
 def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, window, soft_cap,
-          alibi, user_mask, user_score, per_batch=False, gathered=False):
+          alibi, user_mask, user_score, per_batch=False, gathered=False, group=None):
     """``mask_mod`` / ``score_mod`` over FlexAttention's (query row, cache slot) indices --
     or, ``per_batch`` (the decode layout), its (batch element, cache slot) ones; ``gathered``:
     ``owner`` / ``logical`` are per row (:func:`_step_tensors`), and a key's position is its
-    distance from the row's first slot."""
+    distance from the row's first slot; ``group``: the decode layout with each KV head's query
+    heads folded into query rows (:func:`_folds_gqa`), FlexAttention's head ``h`` and row ``r``
+    being query head ``h * group + r``."""
+
+    def query_head(h, q_idx):
+        return h * group + q_idx if group else h
 
     def logical_pos(kv_idx, i):
         if gathered:
@@ -299,7 +312,7 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
             if not causal:
                 vis = vis & (j - p < window)
         if user_mask is not None:
-            vis = vis & user_mask(r, h, p, j)
+            vis = vis & user_mask(r, query_head(h, q_idx), p, j)
         return vis
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -307,9 +320,10 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
         if soft_cap is not None:
             score = soft_cap * torch.tanh(score / soft_cap)
         if alibi is not None:
-            score = score + alibi[h] * (logical_pos(kv_idx, i) - qpos[i])
+            score = score + alibi[query_head(h, q_idx)] * (logical_pos(kv_idx, i) - qpos[i])
         if user_score is not None:
-            score = user_score(score, req[i], h, qpos[i], logical_pos(kv_idx, i))
+            score = user_score(score, req[i], query_head(h, q_idx), qpos[i],
+                               logical_pos(kv_idx, i))
         return score
 
     plain = soft_cap is None and alibi is None and user_score is None
@@ -349,17 +363,22 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
     if full_idx.shape[-1] == 0:  # (tables without full KV blocks)
         full_num = full_idx = None
     rows = req.shape[0]
+    group = hq // k.shape[1] if decode and _folds_gqa(hq // k.shape[1]) else None
     mask_mod, score_mod = _mods(req, qpos, kv_limit, owner, logical, period, bs, causal,
                                 sliding_window, soft_cap, alibi_slopes, user_mask, user_score,
-                                per_batch=decode, gathered=gathered)
+                                per_batch=decode, gathered=gathered, group=group)
     extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q_BLOCKS else {}  # (no backward)
     block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
                                           BLOCK_SIZE=(Q_BLOCK, bs),
                                           mask_mod=mask_mod,
-                                          seq_lengths=(1 if decode else rows, k.shape[2]),
+                                          seq_lengths=((group or 1) if decode else rows,
+                                                       k.shape[2]),
                                           **extra)
     q = query if rows == t_in else torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows - t_in))
-    q = q[:, :, None] if decode else q.permute(1, 0, 2)[None]  # [batch, heads, rows, dim]
+    if group:  # [batch, KV heads, group, dim]: each KV head's query heads as its rows
+        q = q.view(q.shape[0], k.shape[1], group, d)
+    else:  # [batch, heads, rows, dim]
+        q = q[:, :, None] if decode else q.permute(1, 0, 2)[None]
     need_lse = lse is not None or sinks is not None
     if need_lse and query.device.type == "cpu":
         raise ValueError("FLEX_ATTENTION on the CPU returns no LSE (compiled CPU FlexAttention "
@@ -387,10 +406,16 @@ def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sli
         options = {"PARTITION_SIZE": 8 * bs + 1} if decode else None
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
         result = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                         enable_gqa=hq != k.shape[1], return_lse=need_lse,
+                         enable_gqa=q.shape[1] != k.shape[1], return_lse=need_lse,
                          kernel_options=options)
     o, row_lse = result if need_lse else (result, None)
-    o = o[:, :, 0] if decode else o[0].transpose(0, 1)  # [rows, heads, dim]
+    if group:  # back to [batch, heads, dim] (LSE [batch, heads, 1])
+        o = o.reshape(o.shape[0], hq, o.shape[-1])
+        row_lse = row_lse.reshape(o.shape[0], hq, 1) if need_lse else None
+    elif decode:
+        o = o[:, :, 0]
+    else:  # [rows, heads, dim]
+        o = o[0].transpose(0, 1)
     out.copy_(o[:t_in])  # (FlexAttention's rows as they are: padding rows saw no key)
     if need_lse:  # (a padding row's LSE is 0, like REFERENCE's; FlexAttention's is -inf)
         row_lse = row_lse[:, :, 0] if decode else row_lse[0].t()

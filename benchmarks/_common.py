@@ -167,37 +167,6 @@ def back_to_back_us(fn, n: int = 200, warmup: int = 10) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def with_setting(run, target, key, value):
-    """``run`` with ``target``'s ``key`` -- an attribute of a module, or an entry of a dict --
-    set to ``value`` during each call (a backend knob compared side by side; also under CUDA
-    graph capture, where the call is recorded)."""
-    is_dict = isinstance(target, dict)
-
-    def fn():
-        saved = target[key] if is_dict else getattr(target, key)
-        if is_dict:
-            target[key] = value
-        else:
-            setattr(target, key, value)
-        try:
-            return run()
-        finally:
-            if is_dict:
-                target[key] = saved
-            else:
-                setattr(target, key, saved)
-    return fn
-
-
-def with_prefill_tile(run, tile):
-    """``run`` (a TRITON_ATTN call) with every prefill launched in ``tile`` (rows, keys, warps,
-    stages) for 16-bit head dims <= 128, short steps' own tiles (SHORT_PREFILL_TILES) off."""
-    from attn_ops.backends import triton_attn
-
-    run = with_setting(run, triton_attn, "SHORT_PREFILL_KEYS", -1)
-    return with_setting(run, triton_attn.PREFILL_TILES, (True, 2), tile)
-
-
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

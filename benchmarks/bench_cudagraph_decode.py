@@ -3,15 +3,15 @@
 FlashInfer's CUDA-graph mode plans differently from its eager mode (split-KV always on, the
 grid padded to a fixed size per batch size), so the fair anchor for our graph-mode decode is
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True, use_tensor_cores=True)``
-on the same batch; eager-mode planning of both is timed beside it. FLASH_ATTN's graph decode
-(``flash_attn_graph``, where FA4 is installed) runs FA4 in its 64-row tile for capture sizes of
-0.7 to 2 waves of (request, KV head) items and FlashInfer's graph decode elsewhere
-(``FlashAttnBackend.graph_metadata``). TRITON_ATTN's graph decode (``triton_graph``: its
-split-KV kernel, split count fixed per capture size) is timed beside them, and FLASHINFER's
-graph decode with ``flashinfer.GRAPH_ONE_CTA_PER_SM`` off (``ours_graph_fi_rule``:
-FlashInfer's own graph split rule, two CTAs per SM, which trailed the eager plans by up to 40%
-at small batches: B=1 ctx 4k 1.07 vs 1.71 TB/s, ``bench_gpu_attention_h200.json`` at
-e37a464). Same shapes and method as ``bench_gpu_attention.py``.
+on the same batch; eager-mode planning of both is timed beside it. COMPOSITE_SM90's graph
+decode (``flash_attn_graph``, where it runs: sm90 with FA4 and FlashInfer) runs FA4 in its
+64-row tile for capture sizes within ``Tuning.composite.graph_fa4_waves`` waves of (request,
+KV head) items and FlashInfer's graph decode elsewhere
+(``routing.composite_graph_decode_runs_fa4``). TRITON_ATTN's graph decode (``triton_graph``:
+its split-KV kernel, split count fixed per capture size) is timed beside them, and FLASHINFER's
+graph decode with ``Tuning.flashinfer.graph_one_cta_per_sm`` off (``ours_graph_fi_rule``:
+FlashInfer's own graph split rule, two CTAs per SM). Same shapes and method as
+``bench_gpu_attention.py``.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH] [--points BxCTX ...]
         [--only NAME ...]
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, check_outputs,  # noqa: E402
                                  decode_bytes, flashinfer_direct, gpu_parser, ours, time_graph,
-                                 write_result)
+                                 tuned, write_result)
 
 POINTS = ((1, 4096), (1, 32768), (4, 1024), (8, 8192), (64, 4096), (256, 8192))
 
@@ -36,7 +36,7 @@ def flashinfer_graph_mode(b: Batch):
     """FlashInfer's own CUDA-graph decode wrapper (fixed buffers, tensor cores)."""
     import flashinfer
 
-    from attn_ops.backends.flashinfer import paged_kv_csr
+    from attn_ops.backends.flashinfer_plan import paged_kv_csr
 
     indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
                                                             b.meta.block_table_cpu, b.page))
@@ -49,16 +49,10 @@ def flashinfer_graph_mode(b: Batch):
 
 
 def graph_flashinfer_rule(b: Batch):
-    """FLASHINFER's graph decode planned with ``flashinfer.GRAPH_ONE_CTA_PER_SM`` off:
-    FlashInfer's own CUDA-graph split rule, two CTAs per SM (the plan is made here, once: the
-    switch matters only while planning)."""
-    from attn_ops.backends import flashinfer as fi
-
-    before, fi.GRAPH_ONE_CTA_PER_SM = fi.GRAPH_ONE_CTA_PER_SM, False
-    try:
-        return ours(b, "FLASHINFER", graph=True)
-    finally:
-        fi.GRAPH_ONE_CTA_PER_SM = before
+    """FLASHINFER's graph decode planned with ``graph_one_cta_per_sm`` off: FlashInfer's own
+    CUDA-graph split rule, two CTAs per SM."""
+    return ours(b, "FLASHINFER", graph=True,
+                tuning=tuned(flashinfer={"graph_one_cta_per_sm": False}))
 
 
 def main() -> None:
@@ -83,8 +77,8 @@ def main() -> None:
                "flashinfer_graph": flashinfer_graph_mode(b),
                "ours": ours(b, "FLASHINFER"),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
-        if runs("FLASH_ATTN"):
-            fns["flash_attn_graph"] = ours(b, "FLASH_ATTN", graph=True)
+        if runs("COMPOSITE_SM90"):
+            fns["flash_attn_graph"] = ours(b, "COMPOSITE_SM90", graph=True)
         if runs("TRITON_ATTN"):
             fns["triton_graph"] = ours(b, "TRITON_ATTN", graph=True)
         truth = fns["flashinfer_tc"]

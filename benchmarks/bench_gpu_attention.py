@@ -2,10 +2,12 @@
 directly, side by side in one run (H200).
 
 Contenders on the same paged cache (bf16, NHD, 32 query / 8 KV heads, head dim 128, page 128
-unless ``--page``: the selector's page for FLASH_ATTN; pages in random order) and the same batch:
+unless ``--page``: the selector's page for COMPOSITE_SM90; pages in random order) and the same
+batch:
 
-* ``selected``       -- what ``Attention`` selects by default here (on the H200: FLASH_ATTN, i.e.
-  FlashInfer's tensor-core decode + FA4 prefill), metadata from ``build_metadata``;
+* ``selected``       -- what ``Attention`` selects by default here (on the H200: COMPOSITE_SM90,
+  FA4 prefill beside FlashInfer's tensor-core / FA4 / TRITON_ATTN decode), metadata from
+  ``build_metadata``;
 * ``selected_graph`` -- the same with CUDA-graph metadata (``CUDAGraphBatch`` padding included);
 * ``flashinfer_op``  -- FLASHINFER through ``torch.ops.attn.flashinfer_attention``
   (tensor-core decode, FA3 prefill);
@@ -64,11 +66,20 @@ class Batch:
         self.out = torch.empty_like(self.q)
 
 
-def ours(b: Batch, backend: str, graph: bool = False):
+def tuned(**sections):
+    """This machine's tuning (what ``ours`` uses by default) with fields of ``sections``
+    changed: ``tuned(triton={"fused_combine": True})``."""
+    from attn_ops.tuning import default_tuning
+
+    return default_tuning().with_(**sections)
+
+
+def ours(b: Batch, backend: str, graph: bool = False, tuning=None):
+    """``backend`` through its op on ``b``, built with ``tuning`` (default: this machine's)."""
     from attn_ops import get_backend_class
     from attn_ops.cudagraph import CUDAGraphBatch
 
-    impl = get_backend_class(backend)(SPEC)
+    impl = get_backend_class(backend)(SPEC, tuning=tuning)
     if graph:
         graphs = CUDAGraphBatch((b.meta.num_reqs,), b.pages, b.page, "cuda")
         meta = impl.graph_metadata(graphs.pad(b.meta), graphs)
@@ -80,7 +91,7 @@ def ours(b: Batch, backend: str, graph: bool = False):
 def flashinfer_direct(b: Batch, prefill: bool, tensor_cores: bool = False):
     import flashinfer
 
-    from attn_ops.backends.flashinfer import paged_kv_csr
+    from attn_ops.backends.flashinfer_plan import paged_kv_csr
 
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
@@ -179,7 +190,7 @@ def builder_host_times(page, gen) -> dict[str, float]:
     that must replan (alternating two batches whose page counts differ) and, for the eager
     builders, steps with unchanged page counts (the plan in the workspace is kept)."""
     from attn_ops import get_backend_class
-    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan
     from attn_ops.cudagraph import CUDAGraphBatch
 
     out = {}
@@ -187,17 +198,17 @@ def builder_host_times(page, gen) -> dict[str, float]:
         b = Batch(batch, ctx, 1, page, gen)
         other = Batch(batch, ctx + page, 1, page, gen)  # one more page per request
         graphs = CUDAGraphBatch((batch,), other.pages, page, "cuda")
-        for name in ("FLASH_ATTN", "FLASHINFER"):
+        for name in ("COMPOSITE_SM90", "FLASHINFER"):
             impl = get_backend_class(name)(SPEC)
             metas = [b.meta, other.meta]
 
             def replan():
                 metas.reverse()
-                fi._PLANS.pop(metas[0], None)  # plan afresh, as for a new step
+                flashinfer_plan._PLANS.pop(metas[0], None)  # plan afresh, as for a new step
                 impl.build_metadata(metas[0])
 
             def same_pages():
-                fi._PLANS.pop(b.meta, None)
+                flashinfer_plan._PLANS.pop(b.meta, None)
                 impl.build_metadata(b.meta)
 
             out[f"{name} B={batch} ctx={ctx}"] = host_us(replan)
@@ -211,11 +222,11 @@ def builder_host_times(page, gen) -> dict[str, float]:
 def main() -> None:
     args = gpu_parser(__doc__, "bench_gpu_attention_h200.json", page=128, rounds=3).parse_args()
     from attn_ops import current_platform, select_backend
-    from attn_ops.backends.flashinfer import warmup
+    from attn_ops.backends.flashinfer_plan import warmup
 
     platform = current_platform()
     selected = select_backend(SPEC.with_(block_size=args.page), platform).backend
-    have_fa4 = selected == "FLASH_ATTN"
+    have_fa4 = selected in ("COMPOSITE_SM90", "FLASH_ATTN")  # (both run FA4)
     warmup(SPEC, torch.cuda.get_device_capability()[0])
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -1,7 +1,8 @@
 """One decode step of a Llama-3-8B-shaped decoder (issue 5): eager, ``torch.compile`` (whole
 model, ``fullgraph=True``, without and with our fusion passes) and compiled + CUDA graph, for
-each GPU attention backend, next to HF transformers' own ``LlamaForCausalLM`` of the same shape
-in the same run (eager, SDPA, dynamic cache).
+each GPU attention backend (default: COMPOSITE_SM90, FLASHINFER, TRITON_ATTN), next to HF
+transformers' own ``LlamaForCausalLM`` of the same shape in the same run (eager, SDPA, dynamic
+cache).
 
 Shapes (issue 5): 8 layers, hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab
 32000, bf16, batch 64, context 2k, random weights. Floor: weights + KV cache read once at the
@@ -266,7 +267,7 @@ def main() -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     cfg = model_config(args, dtype)
     backends = args.backends or (["CPU_ATTN"] if device == "cpu"
-                                 else ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"])
+                                 else ["COMPOSITE_SM90", "FLASHINFER", "TRITON_ATTN"])
     manager = compile_passes.install()
     rows = []
     for backend in backends:  # (each measured in a function: its models and graphs go with it)

@@ -5,17 +5,18 @@ dim 128, page 16, pages in random order). At ``FLEX_POINTS`` FLEX_ATTENTION also
 its anchor: compiled ``flex_attention`` on dense tensors holding the same keys (gathered
 outside the timing; its timing includes copying the result into the shared output).
 
-``triton``: TRITON_ATTN as configured by default; ``triton_fused`` / ``triton_two_launches``:
-with its split-KV partials always combined by each tile's last split in the same launch
-(``FUSED_COMBINE=True``) / always by a second kernel (``False``). By default it fuses from
-``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on. ``triton_pps16``: with the split
-rule aiming at 16 decode programs per SM instead of ``triton_attn.PROGRAMS_PER_SM`` (more splits
-where a batch fills 8 per SM unsplit: B=128 ctx 32k ran 4.13 TB/s unsplit, B=64 4.56 with 2).
-``flex`` is FLEX_ATTENTION as configured by default: decodes with
-``flex_attention.DECODE_STAGES`` pipeline stages in FlexAttention's decoding kernel, prefills
-at pages under ``GATHER_PAGE`` in its gathered layout (each request's pages copied into pages of
+Variants are built with this machine's tuning with one field changed (``Tuning.with_``).
+``triton``: TRITON_ATTN as tuned by default; ``triton_fused`` / ``triton_two_launches``: with
+its split-KV partials always combined by each tile's last split in the same launch
+(``triton.fused_combine=True``) / always by a second kernel (``False``); by default it fuses
+from ``triton.fused_min_items`` (request, KV head) items on. ``triton_pps16``: with the split
+rule aiming at 16 decode programs per SM (``triton.programs_per_sm``, default 8: more splits
+where a batch fills 8 per SM unsplit). ``flex`` is FLEX_ATTENTION as tuned by default: decodes
+with ``flex.decode_stages`` pipeline stages in FlexAttention's decoding kernel, prefills at
+pages under ``GATHER_PAGE`` in its gathered layout (each request's pages copied into pages of
 ``GATHER_PAGE`` keys first, copy timed). ``flex_default_stages`` (decode): with FlexAttention's
-own stage count; ``flex_paged`` (prefill): straight over the pages (key tiles of one page).
+own stage count (``flex.decode_stages=None``); ``flex_paged`` (prefill): straight over the
+pages, key tiles of one page (``flex.gather_min_pairs_per_key_gpu=None``).
 
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
@@ -33,10 +34,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import with_setting  # noqa: E402
 from bench_gpu_attention import (HKV, HQ, Batch, D, check_outputs,  # noqa: E402
                                  decode_bytes, flashinfer_direct, gpu_parser, ours,
-                                 prefill_flops, time_graph, timed_fields, write_result)
+                                 prefill_flops, time_graph, timed_fields, tuned, write_result)
 
 DECODE = [(b, 32768) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)] + \
     [(b, c) for c in (1024, 8192) for b in (1, 8, 64, 256)]
@@ -59,9 +59,8 @@ def flex_dense(b: Batch, prefill: bool):
     mask = create_block_mask(lambda b_, h, qi, ki: qi + (ctx - qlen) >= ki, None, None, qlen,
                              ctx, device=b.q.device) if prefill else None
     # Static shapes, each point compiled for its own: after a first recompile Dynamo would
-    # compile flex_attention shape-generic, which at 5c051fc (the first run where FLEX no
-    # longer compiles flex_attention itself) made the dense decode at B=64 ctx 8k 2.8 ms
-    # instead of 0.5 -- an anchor at less than its best.
+    # compile flex_attention shape-generic, which runs the anchor far below its best (dense
+    # decode at B=64 ctx 8k: 2.8 ms instead of 0.5).
     fn = torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
     def run():  # (every point is another shape of one code object: more than Dynamo's 8)
@@ -73,23 +72,10 @@ def flex_dense(b: Batch, prefill: bool):
 
 def fused_combine(b: Batch, fused: bool):
     """TRITON_ATTN with split-KV partials always (``fused``) or never combined inside the
-    attention launch (its ``FUSED_COMBINE``; by default it fuses from
-    ``triton_attn.FUSED_MIN_ITEMS`` (request, KV head) items on) -- identical to ``triton``
-    where a batch does not split."""
-    from attn_ops.backends import triton_attn
-
-    return with_setting(ours(b, "TRITON_ATTN"), triton_attn, "FUSED_COMBINE", fused)
-
-
-def built_with(b: Batch, backend: str, module, name: str, value):
-    """``backend`` through its op with ``module.name`` set to ``value`` while its metadata is
-    built (a builder's rule: TRITON_ATTN's split count, FLEX_ATTENTION's layout)."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        return ours(b, backend)
-    finally:
-        setattr(module, name, saved)
+    attention launch (``triton.fused_combine``; by default it fuses from
+    ``triton.fused_min_items`` (request, KV head) items on) -- identical to ``triton`` where a
+    batch does not split."""
+    return ours(b, "TRITON_ATTN", tuning=tuned(triton={"fused_combine": fused}))
 
 
 def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
@@ -145,15 +131,15 @@ def _flex(kind: str, b: Batch, shape: tuple, quick: bool) -> dict | None:
     if b.cache.numel() >= 2**31:  # FLEX refuses it (32-bit offsets in FlexAttention's kernel)
         print(f"{kind} {shape}: FLEX_ATTENTION skipped, a cache of {b.cache.numel()} elements")
         return None
-    from attn_ops.backends import flex_attention
+    from attn_ops.backends.flex_attention_gather import GATHER_PAGE
 
     fns = {"flex": ours(b, "FLEX_ATTENTION")}
     if kind == "decode":
-        fns["flex_default_stages"] = with_setting(ours(b, "FLEX_ATTENTION"), flex_attention,
-                                                  "DECODE_STAGES", None)
-    elif b.page < flex_attention.GATHER_PAGE:
-        fns["flex_paged"] = built_with(b, "FLEX_ATTENTION", flex_attention,
-                                       "GATHER_MIN_PAIRS_PER_KEY", {"cuda": None})
+        fns["flex_default_stages"] = ours(b, "FLEX_ATTENTION",
+                                          tuning=tuned(flex={"decode_stages": None}))
+    elif b.page < GATHER_PAGE:
+        fns["flex_paged"] = ours(b, "FLEX_ATTENTION",
+                                 tuning=tuned(flex={"gather_min_pairs_per_key_gpu": None}))
     return {**fns, "flex_dense": flex_dense(b, kind == "prefill")}
 
 
@@ -169,13 +155,11 @@ def main() -> None:
                      method="median over rotating rounds of do_bench_cudagraph medians "
                             "(flex pair: see flex_timing)")
 
-    from attn_ops.backends import triton_attn
-
     for bsz, ctx in ([(1, 4096), (64, 4096)] if args.quick else DECODE):
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns = {"triton": ours(b, "TRITON_ATTN"), "triton_fused": fused_combine(b, True),
                "triton_two_launches": fused_combine(b, False),
-               "triton_pps16": built_with(b, "TRITON_ATTN", triton_attn, "PROGRAMS_PER_SM", 16),
+               "triton_pps16": ours(b, "TRITON_ATTN", tuning=tuned(triton={"programs_per_sm": 16})),
                "flashinfer": flashinfer_direct(b, False),
                "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
         rows.append(measure("decode", b, fns, args.rounds, decode_bytes(bsz, ctx), "tbs",

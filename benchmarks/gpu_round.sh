@@ -4,7 +4,8 @@
 # Stages:
 #   tests    GPU tests of the glue, the passes, FlashInfer and CUDA graphs (not the whole model)
 #   matrix   registry matrix at real sizes (all GPU backends the machine can run)
-#   fa4      FLASH_ATTN / DIFFKV matrix, tests and CUDA graphs (needs both FA4 halves there)
+#   fa4      FLASH_ATTN / COMPOSITE_SM90 / DIFFKV matrix, tests and CUDA graphs (needs both FA4
+#            halves there)
 #   model    benchmarks/bench_model_decode.py (issue 5)
 #   grid     benchmarks/bench_gpu_attention.py --rounds 2 (issue 3)
 #   cgraph   benchmarks/bench_cudagraph_decode.py (graph decode against FlashInfer's graph mode)
@@ -19,31 +20,25 @@
 #   flex     FLEX_ATTENTION's tests and matrix (decode layout, page pruning, full blocks)
 #   eager    benchmarks/profile_eager_op.py (an eager call's host time, layer by layer)
 #   fi       FLASHINFER's tests: test_flashinfer.py, its CUDA-graph tests (no-split plans kept)
-#   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine forced on (by
-#            default it is on only from triton_attn.FUSED_MIN_ITEMS work items, which small tests
-#            miss); about 420 s on the H200
+#   tfused   TRITON_ATTN / TREE_ATTN tests and matrix with the fused split combine forced on
+#            (ATTN_OPS_TUNING=triton.fused_combine=true; by default it is on only from
+#            Tuning.triton.fused_min_items work items, which small tests miss); about 420 s on
+#            the H200
 #   page128  benchmarks/bench_triton_attention.py at page 128 (FLEX_ATTENTION's Triton key tile is
 #            at most its page: 16 keys at page 16), JSON bench_triton_attention_page128_h200.json
-#   texp     benchmarks/exp/exp_triton_prefill.py (TRITON prefill variants, source patches)
-#   tab      benchmarks/exp/exp_triton_ab.py $TAB_VERSIONS (kernel files NAME=PATH side by side)
-#   fexp     benchmarks/exp/exp_flex_short.py (FLEX_ATTENTION's short prefill, part by part)
-#   fdec     benchmarks/exp/exp_flex_decode.py (FLEX_ATTENTION's decode: split counts, stages)
-#   ceil     benchmarks/exp/exp_decode_ceiling.py (short-context decode at batch 64: read ceilings)
-#   gexp     benchmarks/exp/exp_graph_decode.py (small-batch graph decode, kernel by kernel)
-#   power    benchmarks/exp/exp_prefill_power.py (1x8k prefill run back to back: clock, power; FA4)
 #   memcheck compute-sanitizer memcheck over a subset of the TRITON_ATTN / TREE_ATTN tests
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips
-# restoring the carried kernel cache (a round lost its stages to recompiling); the second carries
+# restoring the carried kernel cache (the stages would recompile it); the second carries
 # .gpu/bootstrap.sh, .gpu/fi_cache.tar.xz.* and .gpu-fa4-b and runs the stages.
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# The GPU machine's copy may carry stale git metadata (a round at a5b0763 recorded 650ad55):
-# pass ATTN_OPS_COMMIT=<the commit you sent> in the command.
+# The GPU machine's copy may carry stale git metadata: pass ATTN_OPS_COMMIT=<the commit you
+# sent> in the command.
 export ATTN_OPS_COMMIT=${ATTN_OPS_COMMIT:-unknown-pass-ATTN_OPS_COMMIT}
 LOG="$OUT/round.log"
 SUMMARY=$(mktemp)
@@ -72,7 +67,7 @@ for spec in "$@"; do
         tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
     fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py tests/test_flash_attn_glue.py tests/test_cudagraph.py \
-        -k "FLASH_ATTN or fa4 or flash_attn" ;;
+        -k "FLASH_ATTN or COMPOSITE_SM90 or fa4 or flash_attn or composite" ;;
     model) stage model "$limit" python benchmarks/bench_model_decode.py \
         ${MODEL_BACKENDS:+--backends $MODEL_BACKENDS} ;;
     grid) stage grid "$limit" python benchmarks/bench_gpu_attention.py ${GRID_ARGS:---rounds 2} ;;
@@ -81,7 +76,7 @@ for spec in "$@"; do
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
-    tfused) ATTN_OPS_TRITON_FUSED_COMBINE=1 stage tfused "$limit" python -m pytest -q \
+    tfused) ATTN_OPS_TUNING=triton.fused_combine=true stage tfused "$limit" python -m pytest -q \
         -p no:cacheprovider -rfE tests/test_triton_attn.py tests/test_tree_attn.py \
         tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
     page128) stage page128 "$limit" python benchmarks/bench_triton_attention.py --rounds 1 \
@@ -89,13 +84,6 @@ for spec in "$@"; do
     memcheck) stage memcheck "$limit" compute-sanitizer --tool memcheck python -m pytest -q \
         -p no:cacheprovider tests/test_triton_attn.py tests/test_tree_attn.py -k \
         "(split_kv and plain) or padding_rows or page_sizes or every_dtype or (ancestors and not fp8)" ;;
-    texp) stage texp "$limit" python benchmarks/exp/exp_triton_prefill.py ;;
-    fexp) stage fexp "$limit" python benchmarks/exp/exp_flex_short.py ;;
-    fdec) stage fdec "$limit" python benchmarks/exp/exp_flex_decode.py ;;
-    ceil) stage ceil "$limit" python benchmarks/exp/exp_decode_ceiling.py ;;
-    gexp) stage gexp "$limit" python benchmarks/exp/exp_graph_decode.py ;;
-    power) stage power "$limit" python benchmarks/exp/exp_prefill_power.py ;;
-    tab) stage tab "$limit" python benchmarks/exp/exp_triton_ab.py ${TAB_VERSIONS:-} ;;
     psweep) stage psweep "$limit" python benchmarks/sweep_kernel_configs.py --only prefill \
         ${PSWEEP_ARGS:-} --out "$OUT/sweep_prefill_h200.json" ;;
     dsweep) stage dsweep "$limit" python benchmarks/sweep_kernel_configs.py --only decode \

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SERIES = {  # key in the JSON -> label
-    "selected": "selected (FLASH_ATTN) via torch.ops.attn",
+    "selected": "selected (COMPOSITE_SM90) via torch.ops.attn",
     "selected_graph": "selected, CUDA-graph metadata",
     "flashinfer_tc": "FlashInfer direct, tensor-core decode",
     "flashinfer": "FlashInfer direct, CUDA-core decode",

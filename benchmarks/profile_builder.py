@@ -6,9 +6,8 @@ FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor cores) on t
 Decode batches of 256 and 64 requests, ctx 4k, pages of 128 and 16; per-stage means over 200
 repetitions (microseconds). The whole builder is timed on steps alternating two batches a page
 apart (every step a new page count, as when requests cross page boundaries) and on one batch.
-Since 7e8c75f the builder copies nothing: its tables come with the common metadata's one
-upload, so the common metadata's build is timed too, with its upload next to the five uploads
-it replaced.
+The builder copies nothing: its tables come with the common metadata's one upload, so the
+common metadata's build is timed too, with its upload next to five separate uploads.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ def upload_parts(host: list) -> dict[str, float]:
 
 
 def five_uploads(host: list) -> None:
-    """How ``build_common_metadata`` uploaded before 7e8c75f: an array at a time, each
-    through its own pinned block."""
+    """Five uploads, an array at a time, each through its own pinned block (the anchor for
+    ``build_common_metadata``'s one)."""
     for a in host:
         staged = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
         staged.numpy()[...] = a
@@ -62,35 +61,42 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
     import flashinfer
 
     from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan
+    from attn_ops.backends.flashinfer_plan import PART, PartPlan
     from attn_ops.metadata import (build_common_metadata, last_page_len, pack_upload,
-                                   prefill_offsets)
+                                   prefill_offsets, sizes_not_specialized)
+    from attn_ops.routing import Kernel
 
     impl = fi.FlashInferBackend(SPEC)
     impl.build_metadata(b.meta)
-    planner = fi._EAGER_PLANNERS[impl.metadata_key(), b.meta.seq_lens.device]
     m = b.meta
+    # (a planner of its own: the plans timed here leave the builder's workspaces alone)
+    planner = impl.make_planner(m.seq_lens.device)
     seq, qsl = m.seq_lens_cpu, m.query_start_loc_cpu
     indptr, indices = m.block_csr()
     last = last_page_len(seq.numpy(), m.block_size)
-    mod = fi._module("fa2", SPEC.dtype, SPEC.cache_dtype, SPEC.head_dim, SPEC.v_head_dim,
-                     False, False)
+    mod = flashinfer_plan.flashinfer_module(Kernel.FLASHINFER_FA2, SPEC.dtype, SPEC.cache_dtype,
+                                            SPEC.head_dim, SPEC.v_head_dim, False, False)
     args = [qsl, torch.from_numpy(indptr), seq, int(qsl[-1]), m.num_reqs, SPEC.num_heads,
             SPEC.kv_heads, m.block_size, False, SPEC.head_dim, SPEC.v_head_dim, True, -1, -1,
             False, 0, 0]
     ws = planner.decode_ws
-    raw = mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.hosts[0], *args)
+    float_ws = flashinfer_plan.float_workspace(ws.device.device)
+    raw = mod.plan(float_ws, ws.device, ws.hosts[0], *args)
     metas = [m, other.meta]
 
     def step():  # every call a new step, alternating the two batches
         metas.reverse()
-        fi._PLANS.pop(metas[0], None)
+        flashinfer_plan._PLANS.pop(metas[0], None)
         impl.build_metadata(metas[0])
 
     def same():
-        fi._PLANS.pop(m, None)
+        flashinfer_plan._PLANS.pop(m, None)
         impl.build_metadata(m)
 
     n, seq_list = m.num_reqs, seq.tolist()
+    part = PartPlan(Kernel.FLASHINFER_FA2, n, n, 0, False, 8, 0, 0, 0, 0, 0, 0, None, False,
+                    None, tuple(range(15)))
     slots = m.slot_mapping.cpu().numpy()
     positions = m.positions.cpu().numpy()
     table = m.block_table_cpu.numpy()
@@ -102,13 +108,12 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
         "build_metadata, a page more every other step": mean_us(step),
         "build_metadata, the same batch": mean_us(same),
         "mod.plan (FlashInfer C++)": mean_us(
-            lambda: mod.plan(fi._float_workspace(ws.device.device), ws.device, ws.hosts[0], *args)),
+            lambda: mod.plan(float_ws, ws.device, ws.hosts[0], *args)),
         "plan[:] (read the plan vector)": mean_us(lambda: raw[:]),
-        "_plan_vector": mean_us(lambda: fi._plan_vector(0, n, 0, 0, n, 8, list(range(15)))),
-        "mark_unbacked (one tensor)": mean_us(lambda: fi.sizes_not_specialized(seq)),
+        "PART.encode (a part's plan vector)": mean_us(lambda: PART.encode(part)),
+        "mark_unbacked (one tensor)": mean_us(lambda: sizes_not_specialized(seq)),
         "FlashInferMetadata(...)": mean_us(lambda: fi.FlashInferMetadata(*[seq] * 9)),
-        # (the block table as the allocator's numpy rows, as build_batch passes it; before
-        # 2026-11-29's sixth session this timed Python lists, whose conversion took 0.5-4 ms)
+        # (the block table as the allocator's numpy rows, as build_batch passes it)
         "common metadata: build_common_metadata (checks, CSR, one upload)": mean_us(
             lambda: build_common_metadata([1] * n, seq_list, table, m.block_size,
                                           m.num_blocks, device="cuda")),
@@ -116,7 +121,7 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
         "common metadata: pack_upload (its one copy)": mean_us(lambda: pack_upload(
             (slots, positions), (*common_host, *prefill_offsets(qsl.numpy(), indptr, n)), "cuda")),
         **upload_parts([slots.view(np.int32), positions.view(np.int32), *common_host]),
-        "common metadata before 7e8c75f: five uploads": mean_us(
+        "common metadata as five uploads": mean_us(
             lambda: five_uploads([qsl.numpy(), seq.numpy(), table, slots, positions])),
         "anchor: FlashInfer wrapper.plan (tensor cores, device CSR given)": mean_us(
             lambda: wrapper.plan(d_indptr, d_indices, d_last, SPEC.num_heads, SPEC.kv_heads,

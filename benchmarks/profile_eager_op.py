@@ -6,7 +6,8 @@ Per decode batch (bf16, 32/8 heads, head dim 128, page 128), host microseconds p
 issued back to back without synchronizing (so the host, not the GPU, is timed while the launch
 queue has room), and the GPU time of one call (a CUDA-graph replay) beside them:
 
-* ``selected.forward``   -- ``AttentionBackend.forward`` of the selected backend (FLASH_ATTN);
+* ``selected.forward``   -- ``AttentionBackend.forward`` of the selected backend (COMPOSITE_SM90
+  on the H200);
 * ``flashinfer.forward`` -- the same for FLASHINFER;
 * ``torch.ops``          -- ``torch.ops.attn.flashinfer_attention`` with prepared arguments;
 * ``op body``            -- its Python implementation called directly (no dispatcher);
@@ -48,20 +49,22 @@ def contenders(b: Batch) -> dict:
 
     from attn_ops import get_backend_class, select_backend
     from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends.flashinfer_plan import (PART, flashinfer_module, paged_kv_csr,
+                                                   part_tables)
+    from attn_ops.routing import Kernel
 
     selected = select_backend(SPEC).backend_cls(SPEC)
     fib = get_backend_class("FLASHINFER")(SPEC)
     sel_meta, fi_meta = selected.build_metadata(b.meta), fib.build_metadata(b.meta)
     args = fib.op_arguments(b.q, b.cache, fi_meta, b.out)
-    kernel, _, _, first, n, num_indices, plan_len, *at = fi_meta.decode_plan.tolist()[:fi.HEADER]
-    _, qo, kv_indptr, last, kv_indices = fi._part_tables(
-        fi_meta.tables, fi_meta.seq_lens, fi_meta.block_table, kernel, first, n, num_indices, *at)
+    part = PART.decode(fi_meta.decode_plan)  # (the whole batch: a decode part)
+    qo, kv_indptr, last, kv_indices = part_tables(fi_meta.tables, fi_meta.seq_lens,
+                                                  fi_meta.block_table, part)
     k, v = b.cache.unbind(1)
-    mod = fi._module("fa2", DTYPE, DTYPE, D, D, False, False)
-    kernel_plan = fi_meta.decode_plan.tolist()[fi.HEADER:fi.HEADER + plan_len]
+    mod = flashinfer_module(Kernel.FLASHINFER_FA2, DTYPE, DTYPE, D, D, False, False)
+    kernel_plan = list(part.library_plan)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    csr = (x.cuda() for x in fi.paged_kv_csr(b.meta.seq_lens_cpu, b.meta.block_table_cpu,
-                                             b.page))
+    csr = (x.cuda() for x in paged_kv_csr(b.meta.seq_lens_cpu, b.meta.block_table_cpu, b.page))
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
     w.plan(b.meta.query_start_loc, *csr, HQ, HKV, D, b.page, causal=True,
            q_data_type=DTYPE, kv_data_type=DTYPE)

@@ -45,14 +45,14 @@ class _Event:
         pass
 
 
-def graph_step_us(spec) -> dict[str, float]:
+def graph_step_us(spec, tuning, facts) -> dict[str, float]:
     """A CUDA-graph decode step's host preparation at B=64, ctx 2k, page 16 (as in
     ``bench_model_decode.py``'s graphed step): the batch (allocator + common metadata), its
     padding into the persistent buffers, FLASHINFER's graph metadata (past the split budget:
     the plan is kept), and ``build_step_metadata`` for an 8-layer model given the model
     (walking its modules) or ``step_backends`` (on a CPU "device": no copies are timed)."""
     from attn_ops import AttentionConfig, build_step_metadata, step_backends
-    from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends.flashinfer_plan import GraphPlanner
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.kv_cache import BlockAllocator
     from attn_ops.metadata import build_batch
@@ -65,7 +65,7 @@ def graph_step_us(spec) -> dict[str, float]:
     for r in ids:
         alloc.reserve(r, ctx)
     graphs = CUDAGraphBatch((b,), width, page, "cpu")
-    planner = fi._GraphPlanner(spec, graphs)
+    planner = GraphPlanner(spec, graphs, tuning, facts=facts)
 
     def batch():
         return build_batch(alloc, ids, [ctx - 1] * b, [1] * b, max_blocks_per_req=width)
@@ -93,7 +93,11 @@ def main() -> None:
     args = parser.parse_args()
     from attn_ops import AttentionSpec
     from attn_ops.backends import flashinfer as fi
+    from attn_ops.backends import flashinfer_plan
+    from attn_ops.backends.flashinfer_plan import PART, PartPlan, paged_kv_csr
     from attn_ops.metadata import build_common_metadata
+    from attn_ops.routing import DeviceFacts, Kernel
+    from attn_ops.tuning import MEASURED
 
     spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     batch, ctx, page = 256, 4096, 128
@@ -110,18 +114,24 @@ def main() -> None:
     def host_empty(*a, pin_memory=False, **k):  # (no pinned memory without CUDA)
         return real_empty(*a, **k)
 
-    props = mock.Mock(multi_processor_count=132)
-    with mock.patch.object(fi, "_module", lambda *a: _NoOpModule()), \
+    # The H200's tuning and SM count, on a CPU "device" (FlashInfer's modules are no-ops).
+    tuning, facts = MEASURED["H200"], DeviceFacts(132, (9, 0))
+
+    def no_op_module(*args):
+        return _NoOpModule()
+
+    with mock.patch.object(flashinfer_plan, "flashinfer_module", no_op_module), \
+            mock.patch.object(fi, "flashinfer_module", no_op_module), \
             mock.patch.object(torch.cuda, "Event", _Event), \
             mock.patch.object(torch, "empty", host_empty), \
-            mock.patch.object(torch.cuda, "get_device_properties", lambda d: props):
-        planner = fi._Planner(spec, torch.device("cpu"), "fa2")
+            mock.patch.object(DeviceFacts, "of", lambda device: facts):
+        planner = fi.FlashInferBackend(spec, tuning=tuning).make_planner(torch.device("cpu"))
         # (alternating the two batches: every step replans)
         flip = [meta, longer]
         results = {"builder_us_per_step": mean_us(lambda: planner(flip.reverse() or flip[0]),
                                                   1000),
                    "builder_us_per_step_same_pages": mean_us(lambda: planner(meta), 1000),
-                   "paged_kv_csr_us": mean_us(lambda: fi.paged_kv_csr(
+                   "paged_kv_csr_us": mean_us(lambda: paged_kv_csr(
                        meta.seq_lens_cpu, meta.block_table_cpu, page))}
         if args.cprofile:
             import cProfile
@@ -135,12 +145,15 @@ def main() -> None:
         out = torch.empty_like(q)
         cache = torch.randn(10, 2, 16, 8, 128, dtype=torch.bfloat16)
         ws, tables = torch.empty(16, dtype=torch.uint8), torch.zeros(6, dtype=torch.int32)
-        plan = fi._plan_vector(0, 1, 0, 0, 1, 1, list(range(15)), (0, 2, 4, 5))  # one decode
-        none = fi._plan_vector(-1, 0, 0, 0, 0, 0, [])
+        # one decode (tables: qo_indptr at 0, kv_indptr at 2, last_page_len at 4, indices at 5)
+        plan = PART.encode(PartPlan(Kernel.FLASHINFER_FA2, 1, 1, 0, False, 1, 0, 2, 4, 5, 0, 0,
+                                    None, False, None, tuple(range(15))))
+        none = PART.encode(PartPlan(None, 0, 0, 0, False, 0, 0, 0, 0, 0, 0, 0, None, False,
+                                    None, ()))
         op_args = (q, cache, out, None, ws, tables, tables[:1], tables[:1, None], ws, plan, ws,
                    none, None, None, None, 0.088, None, None, True)
         results["op_body_us_per_call"] = mean_us(lambda: fi._flashinfer_attention(*op_args))
-        results.update(graph_step_us(spec))
+        results.update(graph_step_us(spec, tuning, facts))
     print({k: round(v, 2) for k, v in results.items()})
     info = run_info("profile_flashinfer_host")
     info.update(results=results, batch=batch, ctx=ctx, page=page)

@@ -4,11 +4,13 @@ their rules from data rather than from defaults.
 * ``decode``: FlashInfer's tensor-core decode (its FA2 prefill kernel, one query row per
   request) with the split-KV chunk left to FlashInfer's plan (``auto``), split-KV off
   (``nosplit``), or a fixed chunk of ``c`` pages (``fixed<c>``), next to FA4 (no split; its own
-  tile, other tiles, heads unpacked) and our FLASH_ATTN op (``ours_flash_attn``), over batch
-  1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points; ``--batches``, ``--ctxs``).
-* ``triton-prefill``: TRITON_ATTN's prefill tile (query rows, keys per tile, warps, stages;
-  ``PREFILL_TILES`` in ``backends/triton_attn.py``) over causal prefills at page 16, next to
-  FlashInfer called directly (issue 4's prefill goal: >= 0.8x FlashInfer).
+  tile, other tiles, heads unpacked) and our COMPOSITE_SM90 op (``ours_flash_attn``), over
+  batch 1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points; ``--batches``,
+  ``--ctxs``).
+* ``triton-prefill``: TRITON_ATTN's 16-bit prefill tile (query rows, keys per tile, warps,
+  stages: ``Tuning.triton.prefill_tile_16bit``, the short steps' own tile off) over causal
+  prefills at page 16, next to FlashInfer called directly (issue 4's prefill goal: >= 0.8x
+  FlashInfer).
 * ``prefill``: FA4 over the paged cache and over dense K/V (the step's own keys: a prefill
   without cached context needs no page table), with its default sm90 tiles and alternatives
   (``tile_mn``, RS / overlap flags; the 192-row ones take three MMA warpgroups); FA4 in batch
@@ -16,9 +18,10 @@ their rules from data rather than from defaults.
   ``SingleTileLPTScheduler`` instead of the varlen scheduler -- possible for a prefill part
   whose requests share one query length), also with the 192-row tile, and with
   the query heads of a KV head packed (``pack_gqa``); torch SDPA (cuDNN and flash) on dense
-  tensors; our FLASH_ATTN op with its own rules (``ours_flash_attn``; ``_batch``: with
-  ``flash_attn.FA4_BATCH_MODE`` switched on). ``--variants REGEX``
-  keeps only the matching variants, ``--prefill BxS ...`` sets the points.
+  tensors; our COMPOSITE_SM90 op with its own rules (``ours_flash_attn``; ``_batch``: with
+  FA4's batch mode on from 256 rows, ``flash_attn.batch_mode_min_query=256``).
+  ``--variants REGEX`` keeps only the matching variants, ``--prefill BxS ...`` sets the
+  points.
 
 Every variant's output is compared with the default's before timing (``max_abs_diff``); a
 variant that fails to build is recorded with its error. Timing: ``do_bench_cudagraph``
@@ -38,10 +41,9 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import with_prefill_tile, with_setting  # noqa: E402
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
                                  decode_bytes, fa4_direct, flashinfer_direct, gpu_parser, ours,
-                                 prefill_flops, time_graph, timed_fields, write_result)
+                                 prefill_flops, time_graph, timed_fields, tuned, write_result)
 
 DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -54,7 +56,7 @@ FA4_TILES = (None, (128, 128, False, True), (128, 176, True, True), (128, 160, T
              (128, 112, True, True), (128, 192, True, True), (128, 128, True, False),
              (192, 128, False, True), (192, 112, False, True), (192, 144, False, True),
              (192, 160, False, True), (192, 96, False, True), (192, 128, False, False))
-TALL = (192, 128, False, True)  # FLASH_ATTN's sm90 prefill tile (backends/flash_attn.py)
+TALL = (192, 128, False, True)  # FA4's sm90 prefill tile (Tuning.flash_attn.tall_tile)
 # FA4 decode tiles (one query row, the GQA group's heads packed into the tile's rows).
 DECODE_FA4_TILES = ((128, 176, True, True), (128, 112, True, True), (128, 192, True, True),
                     (64, 128, True, True), (64, 128, False, True), (64, 192, True, True),
@@ -65,7 +67,7 @@ def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
     """The tensor-core decode, planned by FlashInfer with the given split rule."""
     import flashinfer
 
-    from attn_ops.backends.flashinfer import paged_kv_csr
+    from attn_ops.backends.flashinfer_plan import paged_kv_csr
 
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
@@ -115,7 +117,7 @@ def sweep_decode(args, gen) -> list[dict]:
             m = b.meta
             paged = dict(cu_seqlens_q=m.query_start_loc, seqused_k=m.seq_lens, max_seqlen_q=1,
                          max_seqlen_k=ctx, page_table=m.block_table)
-            variants = {"ours_flash_attn": partial(ours, b, "FLASH_ATTN"),
+            variants = {"ours_flash_attn": partial(ours, b, "COMPOSITE_SM90"),
                         "fa4_nopack": partial(fa4_variant, b.q, kc, vc, None, pack_gqa=False,
                                               **paged)}
             for tile in DECODE_FA4_TILES:
@@ -156,10 +158,9 @@ def batch_variant(q4, k, v, tile, kw, out_rows):
 
 
 def ours_batch_mode(b: Batch):
-    """Our FLASH_ATTN op with FA4's batch mode switched on (``flash_attn.FA4_BATCH_MODE``)."""
-    from attn_ops.backends import flash_attn
-
-    return with_setting(ours(b, "FLASH_ATTN"), flash_attn, "FA4_BATCH_MODE", True)
+    """Our COMPOSITE_SM90 op with FA4's batch mode on for uniform prefill parts of at least
+    256 rows (``flash_attn.batch_mode_min_query``)."""
+    return ours(b, "COMPOSITE_SM90", tuning=tuned(flash_attn={"batch_mode_min_query": 256}))
 
 
 def sweep_prefill(args, gen) -> list[dict]:
@@ -196,7 +197,7 @@ def sweep_prefill(args, gen) -> list[dict]:
             for tile in (None, TALL):
                 variants[f"fa4_{where}_batch" + ("" if tile is None else "_" + tile_name(tile))] \
                     = partial(batch_variant, q4, *kv, tile, batch_kw[where], out_rows)
-        variants["ours_flash_attn"] = partial(ours, b, "FLASH_ATTN")  # the op, with its rules
+        variants["ours_flash_attn"] = partial(ours, b, "COMPOSITE_SM90")  # the op, its rules
         variants["ours_flash_attn_batch"] = partial(ours_batch_mode, b)
         fns, errors = {}, {}
         for name, make in variants.items():
@@ -233,8 +234,12 @@ TRITON_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 
 
 
 def triton_tile(b: Batch, tile):
-    """TRITON_ATTN through its op with ``tile`` as its 16-bit prefill tile while it runs."""
-    return with_prefill_tile(ours(b, "TRITON_ATTN"), tile)
+    """TRITON_ATTN through its op with ``tile`` as its 16-bit prefill tile, for short steps
+    too (their own tile off)."""
+    from attn_ops.tuning import Tile
+
+    return ours(b, "TRITON_ATTN", tuning=tuned(triton={"prefill_tile_16bit": Tile(*tile),
+                                                       "short_prefill_tile_16bit": None}))
 
 
 def sweep_triton_prefill(args, gen) -> list[dict]:

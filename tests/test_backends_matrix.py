@@ -22,6 +22,10 @@ else:
     BASE = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     BLOCK_SIZE = 4
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+# GQA groups that are not powers of two (3: Llama-3.2-3B's 24 / 8), on the steps that take
+# different layouts (decode-only, prefill-only, mixed)
+ODD_GROUPS = {"gqa3": (6, 2), "gqa5": (5, 1)}
+ODD_GROUP_SCENARIOS = ("decode_only", "prefill_only", "mixed")
 NUM_BLOCKS = 256  # cache blocks at page 4 (scaled for other page sizes): every scenario fits
 
 
@@ -62,6 +66,11 @@ def _params():
         for vid, spec in _variants(cls):
             for scenario in SCENARIOS:
                 yield pytest.param(name, spec, scenario, {}, id=f"{name}-{vid}-{scenario}")
+        for vid, (q, kv) in ODD_GROUPS.items():
+            spec = BASE.with_(num_heads=q, num_kv_heads=kv)
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                for scenario in ODD_GROUP_SCENARIOS:
+                    yield pytest.param(name, spec, scenario, {}, id=f"{name}-{vid}-{scenario}")
         for oid, options in option_variants(name):  # each other kernel route, base spec
             for scenario in SCENARIOS:
                 yield pytest.param(name, BASE, scenario, options, id=f"{name}-{oid}-{scenario}")
@@ -124,6 +133,68 @@ def _check(cls, spec, scenario, options, *, seed, num_blocks=lambda block: None)
         assert sqnr_db(out[:n], ideal[:n]) >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
 
 
+def test_matrix_cases_poison_every_unused_slot():
+    """Every scenario starts from a cache full of NaN (page tails included), as pages reused
+    from earlier requests may be; only the batch's own writes make slots finite."""
+    assert all(s.poison_unused for s in SCENARIOS.values())
+    case = make_case(BASE, SCENARIOS["mixed"], block_size=BLOCK_SIZE, device=DEVICE)
+    k_cache = case.kv_cache[:, 0]
+    owned = set().union(*(map(int, row[: -(-n // BLOCK_SIZE)]) for row, n in zip(
+        case.metadata.block_table_cpu.tolist(), case.metadata.seq_lens_cpu.tolist())))
+    unowned = [b for b in range(k_cache.shape[0]) if b not in owned]
+    assert unowned and k_cache[unowned].isnan().all()
+
+
+def _serving_isolation_params():
+    for name in BACKENDS:
+        cls = get_backend_class(name)
+        for sid, spec in (("base", BASE), ("gqa3", BASE.with_(num_heads=6, num_kv_heads=2))):
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                yield pytest.param(name, spec, id=f"{name}-{sid}")
+
+
+@pytest.mark.parametrize("backend,spec", list(_serving_isolation_params()))
+def test_a_freed_requests_nan_and_inf_never_reach_the_next_request(backend, spec):
+    """Request A writes NaN and +-Inf K/V over several pages and is freed; requests B (a
+    chunked prefill, then decodes) and C (a fresh prefill) get A's pages back -- the allocator
+    hands freed blocks out again -- and write their own K/V through the cache-write op, ending
+    mid-page. Their outputs must be finite and REFERENCE's."""
+    from attn_ops import BlockAllocator, build_batch
+    from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
+    from attn_ops.testing import PagedCase, assert_matches_reference
+
+    cls = get_backend_class(backend)
+    block = block_size_for(cls, spec)
+    num_blocks = 64 * 4 // min(block, 4) if block <= 16 else 24
+    alloc = BlockAllocator(num_blocks, block, shuffle=True, seed=3)
+    cache = allocate_kv_cache(spec, num_blocks, block, DEVICE, cls.kv_cache_layout(spec))
+    g = torch.Generator().manual_seed(0)
+
+    def kv(n, fill=None):
+        k = torch.randn(n, spec.kv_heads, spec.head_dim, generator=g)
+        v = torch.randn(n, spec.kv_heads, spec.v_head_dim, generator=g)
+        if fill is not None:
+            k.view(-1)[::2], v.view(-1)[1::2] = fill, fill
+            k.view(-1)[1::3], v.view(-1)[::3] = float("inf"), float("-inf")
+        return k.to(spec.dtype).to(DEVICE), v.to(spec.dtype).to(DEVICE)
+
+    a_len = 5 * block + 3
+    write = build_batch(alloc, ["A"], [0], [a_len], device=DEVICE)
+    kv_cache_update(*kv(a_len, float("nan")), cache, write.slot_mapping, None, None)
+    alloc.free("A")
+    b_ctx, c_len = 2 * block + 1, block + 2  # both end mid-page, on A's pages
+    step = build_batch(alloc, ["B"], [0], [b_ctx], device=DEVICE)  # B's first chunk
+    kv_cache_update(*kv(b_ctx), cache, step.slot_mapping, None, None)
+    step = build_batch(alloc, ["B", "C"], [b_ctx, 0], [1, c_len], device=DEVICE)
+    kv_cache_update(*kv(1 + c_len), cache, step.slot_mapping, None, None)
+    query = torch.randn(step.slot_mapping.shape[0], spec.num_heads, spec.head_dim,
+                        generator=g).to(spec.dtype).to(DEVICE)
+    case = PagedCase(spec, step, query, cache, None, None, None, None)
+    out, _ = run_backend(cls, case, with_lse=cls.returns_lse(PLATFORM))
+    assert out.isfinite().all(), "a freed request's NaN/Inf reached another request"
+    assert_matches_reference(out, case)
+
+
 # Real sizes (GPU only): Llama-3-8B attention shapes, long decodes, a 1k prefill and a chunked
 # prefill in one batch, in bf16 / fp16 and each fp8 cache a backend declares.
 REAL = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -157,3 +228,27 @@ def test_matrix_is_not_empty():
     expected = {"REFERENCE", "FLASHINFER", "FLASH_ATTN"} if PLATFORM.is_gpu else \
         {"REFERENCE", "CPU_ATTN"}
     assert expected <= set(BACKENDS)
+
+
+# GQA groups at real size (GPU only): 4 KV heads x 128, each group's query heads, bf16, on a
+# decode-only, a prefill-only and a mixed step.
+REAL_GROUPS = (1, 2, 3, 4, 5, 7, 8)
+REAL_STEPS = {"decode_only": Scenario(tuple((300 + 500 * i, 1) for i in range(12))),
+              "prefill_only": Scenario(((0, 700), (300, 257), (0, 1024))),
+              "mixed": REAL_BATCH}
+
+
+def _real_group_params():
+    for name in BACKENDS if PLATFORM.is_gpu else ():
+        cls = get_backend_class(name)
+        for group in REAL_GROUPS:
+            spec = REAL.with_(num_heads=4 * group, num_kv_heads=4)
+            if not cls.not_supported_reasons(spec, PLATFORM):
+                for sid in REAL_STEPS:
+                    yield pytest.param(name, spec, sid, id=f"{name}-group{group}-{sid}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,spec,step", list(_real_group_params()))
+def test_gqa_groups_at_real_size_match_reference(backend, spec, step):
+    _check(get_backend_class(backend), spec, REAL_STEPS[step], {}, seed=11)

@@ -151,3 +151,72 @@ def test_allocator_out_of_blocks_is_explicit():
     alloc = BlockAllocator(2, 4)
     with pytest.raises(RuntimeError, match="out of KV-cache blocks: request 'a' needs 3 more"):
         alloc.reserve("a", 12)
+
+
+def _every_backend():
+    from test_backends_matrix import BACKENDS as ALL
+    return ALL
+
+
+MISSHAPED = {  # (query, out) shapes for a spec of 4 query / 2 KV heads x 16, T tokens
+    "query_heads": (lambda t: (t, 5, 16), lambda t: (t, 5, 16)),  # not k x 2 KV heads
+    "query_head_dim": (lambda t: (t, 4, 8), lambda t: (t, 4, 16)),
+    "out_heads": (lambda t: (t, 4, 16), lambda t: (t, 2, 16)),
+    "out_head_dim": (lambda t: (t, 4, 16), lambda t: (t, 4, 8)),
+    "out_tokens": (lambda t: (t, 4, 16), lambda t: (t + 1, 4, 16)),
+    "query_rank": (lambda t: (t, 64), lambda t: (t, 4, 16)),
+}
+
+
+@pytest.mark.parametrize("what", list(MISSHAPED))
+@pytest.mark.parametrize("backend", _every_backend())
+def test_every_op_rejects_misshaped_query_and_out(backend, what):
+    """Every backend's op, through its own schema and metadata: a query or out of the wrong
+    shape is a ValueError naming the shape it got (checked from shapes alone, before any
+    kernel runs)."""
+    from test_backends_matrix import BASE, DEVICE, block_size_for
+
+    cls = get_backend_class(backend)
+    case = make_case(BASE, SCENARIOS["mixed"], block_size=block_size_for(cls, BASE),
+                     device=DEVICE)
+    impl = cls(BASE)
+    meta = impl.build_metadata(case.metadata)
+    t = case.query.shape[0]
+    q_shape, out_shape = (f(t) for f in MISSHAPED[what])
+    heads, dim = BASE.num_heads, BASE.head_dim
+    if (q_shape[1:], out_shape) == ((heads, dim), (t, heads, dim)):
+        pytest.fail("not a mis-shaped case")
+    q = torch.randn(q_shape, device=DEVICE).to(BASE.dtype)
+    out = torch.zeros(out_shape, device=DEVICE, dtype=BASE.dtype)
+    bad = q_shape if q_shape[1:] != (heads, dim) else out_shape
+    with pytest.raises(ValueError, match=r"\(" + ", ".join(map(str, bad)) + r"\)"):
+        impl.op_for(meta)(*impl.op_arguments(q, case.kv_cache, meta, out))
+
+
+LAYER = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("q,k,v,message", [
+    ((20, 16, 64), (20, 2, 64), (20, 2, 64),
+     r"query must be \[num_tokens, 8, 64\] \(or \[num_tokens, 512\] flattened\) .* got shape "
+     r"\(20, 16, 64\)"),
+    ((20, 8, 32), (20, 2, 64), (20, 2, 64), r"query must be .* got shape \(20, 8, 32\)"),
+    ((20, 8, 64), (20, 4, 32), (20, 2, 64),
+     r"key must be \[20, 2, 64\] \(or \[20, 128\] flattened\) .* got shape \(20, 4, 32\)"),
+    ((20, 512), (20, 128), (19, 128), r"value must be \[20, 2, 64\] .* got shape \(19, 128\)"),
+    ((20, 8, 64), (20, 2, 64), None, r"pass key and value together"),
+])
+def test_the_layer_rejects_misshaped_qkv_instead_of_reshaping_them(q, k, v, message):
+    from attn_ops import Attention, AttentionConfig, build_batch
+
+    attn = Attention(LAYER, AttentionConfig(backend="REFERENCE"))
+    cache = attn.allocate_kv_cache(16)
+    meta = build_batch(BlockAllocator(16, attn.block_size), [0, 1], [0, 0], [12, 8])
+
+    def make(shape):
+        return None if shape is None else torch.randn(shape)
+
+    with pytest.raises(ValueError, match=message):
+        attn(make(q), make(k), make(v), cache, meta)
+    flat = attn(torch.randn(20, 512), torch.randn(20, 128), torch.randn(20, 128), cache, meta)
+    assert flat.shape == (20, 8, 64)  # (flattened heads are taken as they are)
