@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attn_ops.backends.flashinfer import warmup  # noqa: E402
+from attn_ops.backends.flashinfer_plan import warmup  # noqa: E402
 from test_backends_matrix import _params  # noqa: E402
 from test_flashinfer import SPEC  # noqa: E402
 from test_ops import SPECS  # noqa: E402
