@@ -220,7 +220,15 @@ def builder_host_times(page, gen) -> dict[str, float]:
 
 
 def main() -> None:
-    args = gpu_parser(__doc__, "bench_gpu_attention_h200.json", page=128, rounds=3).parse_args()
+    parser = gpu_parser(__doc__, "bench_gpu_attention_h200.json", page=128, rounds=3)
+    parser.add_argument("--batches", default=None,
+                        help=f"decode batch sizes, comma-separated (default {DECODE_BATCH})")
+    parser.add_argument("--ctxs", default=None,
+                        help=f"decode context lengths, comma-separated (default {DECODE_CTX})")
+    parser.add_argument("--prefills", default=None,
+                        help="prefill points as BxS, comma-separated (default 1x8192,4x4096,"
+                             "16x1024; '' for none)")
+    args = parser.parse_args()
     from attn_ops import current_platform, select_backend
     from attn_ops.backends.flashinfer_plan import warmup
 
@@ -239,6 +247,14 @@ def main() -> None:
                             "medians (rep=30 ms)")
 
     batches, ctxs = ((1, 64), (4096,)) if args.quick else (DECODE_BATCH, DECODE_CTX)
+    prefills = PREFILL[:1] if args.quick else PREFILL
+    if args.batches:
+        batches = tuple(int(x) for x in args.batches.split(","))
+    if args.ctxs:
+        ctxs = tuple(int(x) for x in args.ctxs.split(","))
+    if args.prefills is not None:
+        prefills = tuple(tuple(int(v) for v in x.split("x")) for x in args.prefills.split(",")
+                         if x)
     for bsz in batches:
         for ctx in ctxs:
             b = Batch(bsz, ctx, 1, args.page, gen)
@@ -260,7 +276,7 @@ def main() -> None:
             print(f"decode  B={bsz:<4} ctx={ctx:<6} " + "  ".join(
                 f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + " TB/s", flush=True)
             del b, fns
-    for bsz, s in (PREFILL[:1] if args.quick else PREFILL):
+    for bsz, s in prefills:
         b = Batch(bsz, s, s, args.page, gen)
         fns = {"selected": ours(b, selected), "flashinfer_op": ours(b, "FLASHINFER"),
                "flashinfer": flashinfer_direct(b, True)}
