@@ -168,7 +168,7 @@ def planned_backend(name: str, platforms: frozenset[PlatformKind], *,
         if platform.kind not in platforms:
             reasons.append(Reason(name, "platform", f"platform {platform.kind.value} not in "
                                   f"{{{', '.join(sorted(p.value for p in platforms))}}}"))
-        reasons += [r for p in packages if (r := p.reason(name)) is not None]
+        reasons += [r for p in packages if (r := p.reason(name, platform)) is not None]
         where = f" (planned: {planned_in})" if planned_in else ""
         reasons.append(Reason(name, "not_implemented", f"{name} is not implemented yet{where}"))
         return reasons

@@ -86,7 +86,11 @@ class PackageRequirement:
     min_version: str | None = None
     max_version: str | None = None
 
-    def reason(self, backend: str) -> Reason | None:
+    def reason(self, backend: str, platform: Platform | None = None) -> Reason | None:
+        """Why the package is unusable (None: it is usable, or ``platform`` assumes the
+        optional packages installed)."""
+        if platform is not None and platform.assume_packages:
+            return None
         # Both the module and the distribution: flash-attn 2 and flash-attn-4 share a module.
         if importlib.util.find_spec(self.module) is None or \
                 package_version(self.distribution) is None:
@@ -198,6 +202,6 @@ class BackendCapabilities:
                 continue  # already reported as attn_type
             add(f"feature:{feature.value}", f"{feature.value} is not supported")
         for package in self.packages:
-            if (r := package.reason(backend)) is not None:
+            if (r := package.reason(backend, platform)) is not None:
                 reasons.append(r)
         return reasons

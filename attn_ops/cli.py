@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -11,6 +12,7 @@ import torch
 
 from attn_ops.capabilities import package_version
 from attn_ops.platforms import Platform, current_platform
+from attn_ops.registry import get_backend_class
 from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec, AttentionType, KVCacheDType
 
@@ -19,26 +21,48 @@ _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bf
            "float64": torch.float64}
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default means."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("spec")
-    g.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
-    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads)")
-    g.add_argument("--head-dim", type=int, default=128)
-    g.add_argument("--head-dim-v", type=int, default=None)
-    g.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    g.add_argument("--kv-cache-dtype", choices=[k.value for k in KVCacheDType], default="auto")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--sliding-window", type=int, default=None)
-    g.add_argument("--soft-cap", type=float, default=None)
-    g.add_argument("--sinks", action="store_true")
-    g.add_argument("--alibi", action="store_true")
-    g.add_argument("--attn-type", choices=[t.value for t in AttentionType], default="decoder")
+    g = p.add_argument_group("the layer (an AttentionSpec)")
+    g.add_argument("--heads", type=int, default=32, help="query heads")
+    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = --heads)")
+    g.add_argument("--head-dim", type=int, default=128, help="QK head dim")
+    g.add_argument("--head-dim-v", type=int, default=None,
+                   help="V head dim (default: = --head-dim)")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="model dtype")
+    g.add_argument("--kv-cache-dtype", choices=[k.value for k in KVCacheDType], default="auto",
+                   help="KV-cache storage (auto: the model dtype)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="page size (default: the selected backend's own)")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="keys each query sees, itself included (default: all)")
+    g.add_argument("--soft-cap", type=float, default=None,
+                   help="logits soft-cap (default: none)")
+    g.add_argument("--sinks", action="store_true", help="learned attention sinks")
+    g.add_argument("--alibi", action="store_true", help="ALiBi position biases")
+    g.add_argument("--attn-type", choices=[t.value for t in AttentionType], default="decoder",
+                   help="decoder: causal; encoder_only: bidirectional")
 
 
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--platform", default=None,
-                   help="simulate a platform: cpu, cuda:9.0, cuda:sm100, rocm, rocm:gfx942, xpu")
-    p.add_argument("--backend", default=None, help="force a backend (wins over ATTN_OPS_BACKEND)")
+    g = p.add_argument_group("selection")
+    g.add_argument("--platform", default=None,
+                   help="simulate a platform: cpu, cuda:9.0, cuda:sm100, rocm, rocm:gfx942, xpu "
+                        "(default: this machine)")
+    g.add_argument("--backend", default=None,
+                   help="force a backend (wins over $ATTN_OPS_BACKEND; default: auto)")
+    g.add_argument("--assume-installed", action="store_true",
+                   help="treat the optional packages (flashinfer, flash-attn-4, triton, ...) as "
+                        "installed: what a user with the extras gets on that platform")
 
 
 def _spec_from(args) -> AttentionSpec:
@@ -51,31 +75,71 @@ def _spec_from(args) -> AttentionSpec:
 
 
 def _platform_from(args) -> Platform:
-    return Platform.parse(args.platform) if args.platform else current_platform()
+    platform = Platform.parse(args.platform) if args.platform else current_platform()
+    if getattr(args, "assume_installed", False):
+        platform = dataclasses.replace(platform, assume_packages=True)
+    return platform
+
+
+def _config_from(args) -> AttentionConfig:
+    return AttentionConfig(backend=args.backend, forced_by="--backend")
+
+
+def _assumed(platform: Platform) -> list[str]:
+    return ["(optional packages assumed installed: --assume-installed)"] \
+        if platform.assume_packages else []
 
 
 def cmd_info(args) -> int:
+    from attn_ops.selector import NoBackendError, candidates_for
+    from attn_ops.tuning import resolve_tuning
+
     platform = _platform_from(args)
     print(f"attn_ops {__import__('attn_ops').__version__}")
     print(f"platform: {platform}")
+    print(f"tuning:   {resolve_tuning(platform).describe()}")
     for dist in ("torch", "triton", "flashinfer-python", "flash-attn-4", "flash-attn",
                  "transformers"):
         version = torch.__version__ if dist == "torch" else package_version(dist)
         print(f"  {dist:<18} {version or 'not installed'}")
     spec = _spec_from(args)
-    sel = select_backend(spec, platform, AttentionConfig(backend=args.backend))
-    print(f"\nbackends for {spec.describe()}:")
-    for c in sel.candidates:
+    print(f"\nbackends for {spec.describe()}:", *_assumed(platform))
+    for c in candidates_for(spec, platform):
         state = "available" if c.ok else "unavailable: " + "; ".join(map(str, c.reasons))
         print(f"  {c.name:<18} {state}")
-    print(f"\nselected: {sel.backend}")
+    try:
+        sel = select_backend(spec, platform, _config_from(args))
+    except NoBackendError:
+        print("\nselected: none (every backend has reasons above)")
+        return 2
+    except ValueError as e:  # a forced backend that cannot run: the table above says why
+        print(f"\nselected: none -- {str(e).splitlines()[0]}")
+        return 2
+    print(f"\nselected: {sel.backend}" + (f" (forced by {sel.forced_by})" if sel.forced_by
+                                           else ""))
     return 0
 
 
 def cmd_select(args) -> int:
-    sel = select_backend(_spec_from(args), _platform_from(args),
-                         AttentionConfig(backend=args.backend))
+    platform = _platform_from(args)
+    spec = _spec_from(args)
+    sel = select_backend(spec, platform, _config_from(args))
     print(sel.table())
+    for line in _assumed(platform):
+        print(line)
+    if args.batch:
+        from attn_ops import routing
+        from attn_ops.tuning import resolve_tuning
+
+        tuning = resolve_tuning(platform)
+        step = routing.StepShape.parse(args.batch, args.decode_threshold)
+        facts = routing.DeviceFacts.for_platform(platform)
+        triton = not get_backend_class("TRITON_ATTN").not_supported_reasons(spec, platform)
+        print(f"\nroutes of {sel.backend} for --batch {args.batch} ({facts.num_sms} SMs, "
+              f"tuning {tuning.describe()}):")
+        for line in routing.explain(sel.backend, spec, facts, step, tuning, sel.block_size,
+                                    triton_takes_spec=triton):
+            print(f"  {line}")
     return 0
 
 
@@ -84,7 +148,7 @@ def cmd_demo(args) -> int:
 
     torch.manual_seed(args.seed)
     cfg = ModelConfig(num_layers=args.layers, dtype=_DTYPES[args.dtype])
-    model = TinyLlama(cfg, AttentionConfig(backend=args.backend)).eval()
+    model = TinyLlama(cfg, AttentionConfig(backend=args.backend, forced_by="--backend")).eval()
     reference = TinyLlama(cfg, AttentionConfig(backend="REFERENCE")).eval()
     reference.load_state_dict(model.state_dict())
     passes = []
@@ -139,26 +203,41 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attn_ops",
+    fmt = _Help
+    parser = argparse.ArgumentParser(prog="python -m attn_ops", formatter_class=fmt,
                                      description="attn_ops: attention backends as torch ops")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the selection")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log the selection and every rejected backend's reasons")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="platform, package versions, every backend's state")
+    p = sub.add_parser("info", formatter_class=fmt,
+                       help="platform, tuning, package versions, every backend's state")
     _add_spec_args(p)
     _add_selection_args(p)
     p.set_defaults(func=cmd_info)
-    p = sub.add_parser("select", help="ranked backend table for a spec")
+    p = sub.add_parser("select", formatter_class=fmt,
+                       help="ranked backend table for a spec, and the routes of a step")
     _add_spec_args(p)
     _add_selection_args(p)
+    p.add_argument("--batch", default=None,
+                   help="print the selected backend's route for each part of this step: "
+                        "N x SEQ_LEN[:QUERY_LEN] groups, comma-separated, e.g. "
+                        "64x4096,1x8192:8192 (64 decodes over 4096 tokens, a prefill of 8192; "
+                        "default: no routes)")
+    p.add_argument("--decode-threshold", type=int, default=1,
+                   help="query lengths up to this are decodes (speculative decoding: > 1)")
     p.set_defaults(func=cmd_select)
-    p = sub.add_parser("demo", help="generate tokens with a small Llama-style decoder")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    p.add_argument("--layers", type=int, default=4)
+    p = sub.add_parser("demo", formatter_class=fmt,
+                       help="generate tokens with a small Llama-style decoder, checked "
+                            "against REFERENCE")
+    p.add_argument("--backend", default=None, help="force a backend (default: auto)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[24, 17, 40, 9])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-compile", action="store_true", help="run eagerly")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[24, 17, 40, 9],
+                   help="one prompt length per request")
+    p.add_argument("--seed", type=int, default=0, help="random seed of weights and prompts")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run eagerly (default: torch.compile(fullgraph=True))")
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -146,8 +146,8 @@ def pack_upload(int64: Sequence[np.ndarray], int32: Sequence[np.ndarray],
     One pinned staging block (PyTorch's caching host allocator, which hands a block out again
     only after the copies from it ran) and one copy without blocking: a copy from pageable
     memory first waits for the stream to drain, which kept the host from preparing a step while
-    the GPU ran the last one, and each copy of its own costs the host 15-20 us on the H200
-    machine. Offsets are never 1 (the first array sits at 0; Dynamo would specialize views at
+    the GPU ran the last one, and each copy of its own costs the host tens of microseconds.
+    Offsets are never 1 (the first array sits at 0; Dynamo would specialize views at
     offset 0 or 1, as it does sizes), and FA4's kernels may assume 16-byte aligned tables."""
     offsets, at = [], 0
     for a, entries in [(a, 2) for a in int64] + [(a, 1) for a in int32]:
@@ -226,9 +226,8 @@ def upload_int32(arrays: Sequence[np.ndarray], into: torch.Tensor) -> None:
     """1-D int32 host arrays, concatenated, into the front of the persistent device tensor
     ``into``: one pinned staging block and one copy without blocking, as in
     :func:`pack_upload`. (The caching host allocator records the copy and reuses the block
-    only after it ran: on the H200 host this took 26-28 us where a ring of pinned buffers
-    guarded by our own CUDA events took 47-49 -- recording an event from Python alone cost
-    11.)"""
+    only after it ran, at half the host time of a ring of pinned buffers guarded by CUDA
+    events recorded from Python.)"""
     total = sum(a.shape[0] for a in arrays)
     staged = torch.empty(total, dtype=torch.int32, pin_memory=into.device.type != "cpu")
     np.concatenate(arrays, out=staged.numpy())

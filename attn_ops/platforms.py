@@ -34,7 +34,9 @@ class Platform:
 
     ``capability`` is the CUDA compute capability as ``(major, minor)`` (None off NVIDIA);
     ``arch`` is the ROCm gfx name (``"gfx942"``) where known. ``simulated`` marks platforms made
-    by :meth:`parse` rather than detected.
+    by :meth:`parse` rather than detected; ``assume_packages`` treats every optional package
+    as installed in the range a backend needs (what a user with the extras gets; the CLI's
+    ``--assume-installed``).
     """
 
     kind: PlatformKind
@@ -42,6 +44,7 @@ class Platform:
     capability: tuple[int, int] | None = None
     arch: str | None = None
     simulated: bool = False
+    assume_packages: bool = False
 
     @property
     def device_type(self) -> str:

@@ -21,7 +21,7 @@ from attn_ops.tuning import Tuning
 
 __all__ = [
     "AttentionConfig", "BackendNotSupportedError", "Candidate", "NoBackendError", "Selection",
-    "priority_list", "select_backend", "ENV_BACKEND",
+    "candidates_for", "priority_list", "select_backend", "ENV_BACKEND",
 ]
 
 logger = logging.getLogger("attn_ops")
@@ -169,16 +169,22 @@ def _forced_name(spec: AttentionSpec, config: AttentionConfig | None) -> tuple[s
     return None, ""
 
 
+def candidates_for(spec: AttentionSpec, platform: Platform) -> tuple[Candidate, ...]:
+    """Every known backend for ``spec`` on ``platform`` with its reasons, in priority order
+    (then the backends outside the platform's list)."""
+    order = priority_list(spec, platform)
+    names = order + [n for n in list_backends() if n not in order]
+    return tuple(_with_alternatives([
+        Candidate(n, _reasons_of(n, spec, platform), order.index(n) if n in order else None)
+        for n in names]))
+
+
 def select_backend(spec: AttentionSpec, platform: Platform | None = None,
                    config: AttentionConfig | None = None) -> Selection:
     """Choose the backend for one layer. Deterministic for a given spec, platform and config."""
     platform = platform or current_platform()
-    order = priority_list(spec, platform)
     forced, forced_by = _forced_name(spec, config)
-    names = order + [n for n in list_backends() if n not in order]
-    candidates = _with_alternatives([
-        Candidate(n, _reasons_of(n, spec, platform), order.index(n) if n in order else None)
-        for n in names])
+    candidates = candidates_for(spec, platform)
     by_name = {c.name: c for c in candidates}
     described = f"{spec.describe()} on {platform}"
 

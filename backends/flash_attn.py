@@ -147,7 +147,7 @@ GENERATIONS = {
 def installed_generations(platform: Platform) -> list[int]:
     """FlashAttention generations installed and able to run on ``platform``, newest first."""
     cap = platform.capability
-    return [v for v, g in GENERATIONS.items() if g.package.reason("") is None
+    return [v for v, g in GENERATIONS.items() if g.package.reason("", platform) is None
             and (cap is None or g.min_capability <= cap <= g.max_capability)]
 
 

@@ -95,7 +95,7 @@ class FlashAttnDiffKVBackend(AttentionBackend):
             if spec.dtype == torch.float32:
                 reasons.append(Reason(cls.name, "dtype", "dtype=float32 is CPU-only here; "
                                       "FlashAttention 4 takes float16/bfloat16"))
-            if (r := _FA4.reason(cls.name)) is not None:
+            if (r := _FA4.reason(cls.name, platform)) is not None:
                 reasons.append(r)
             reasons += fa4_head_dim_reasons(cls.name, spec, platform)
         elif platform.kind is PlatformKind.CPU:

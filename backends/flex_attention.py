@@ -81,10 +81,9 @@ def _flex():
 
     # Static shapes: a new query bucket or cache size compiles again (automatic dynamic shapes
     # hit an Inductor CPU-template bug in torch 2.13: "cur_kvSplitSize6 was not declared").
-    # Only FlexAttention: the step's own token count stays out of the graph. (Copying the rows
-    # into ``out`` inside it made every new count compile again, and was no faster on the
-    # H200: Inductor does not fuse the copy into FlexAttention's template; exp_flex_glue.py,
-    # benchmarks/results/README.md.)
+    # Only FlexAttention: the step's own token count stays out of the graph (copying the rows
+    # into ``out`` inside it would compile again for every new count; Inductor does not fuse
+    # that copy into FlexAttention's template).
     return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
@@ -243,7 +242,7 @@ def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period,
     row and exactly its own pages as KV blocks (those its query can see; full ones where
     ``full``, see :func:`_kv_blocks`) -- so FlexAttention parallelizes over requests and, in
     its decoding kernel, splits each request's keys. (The packed layout puts up to 128 decodes
-    in one query block whose single program walks all their pages: 0.06 TB/s on the H200.)
+    in one query block whose single program walks all their pages, far too slow.)
     Same tuple as :func:`_step_tensors`, indexed by batch element instead of row. On the CPU
     the lists are as wide as the cache's KV blocks (its template requires it); on GPUs as wide
     as the block table."""
@@ -464,9 +463,8 @@ def _gpu_kernel_options(block_size: int, head_dim: int, head_dim_v: int, dtype: 
 
 def _check_cache_size(kv_cache) -> None:
     """FlexAttention's generated GPU kernel offsets K and V with 32-bit integers: over a cache
-    of 2^31 elements or more it reads out of bounds. Measured on the H200 (torch 2.11, page
-    16, 8 KV heads x 128): an illegal memory access from 140 requests x 8k tokens (2.35e9
-    elements, packed or separate metadata alike), none at 100 x 8k (1.68e9)."""
+    of 2^31 elements or more it reads out of bounds (an illegal memory access, seen on torch
+    2.11)."""
     numel = kv_cache.numel()
     if kv_cache.device.type == "cuda" and numel >= 2**31:
         per_block = numel // kv_cache.shape[0]
@@ -546,8 +544,8 @@ def _check_prepared(query, kv_cache, tables, out, lse, sinks, alibi_slopes, k_sc
                     decode=False, gathered=False):
     kv_num = tables[6]
     # (the common checks, with a stand-in batch of one request: the tables hold the batch;
-    # they read shapes only, and new_empty launches nothing -- new_zeros was two fill kernels
-    # per call, 1.5 us of a 57 us 1x1k prefill on the H200)
+    # they read shapes only, and new_empty launches nothing, where new_zeros would launch two
+    # fill kernels per call)
     one = kv_num.new_empty(1)
     check_paged_attention_inputs(query, kv_cache, one.new_empty(2), one, one.view(1, 1), out,
                                  lse, sinks, alibi_slopes, k_scale, v_scale)

@@ -5,8 +5,8 @@ entry ``pid`` = virtual page ``v``, part ``i``) into slot ``pid * BLOCK_SIZE + s
 head-major gathered cache ``[C, heads, total slots, DC]``: the source slot's ``C`` parts (K and
 V of an interleaved cache, or the whole packed slot, ``C = 1``) each into its own dense
 ``[heads, slots, DC]``. A slot of every head at once, rows of ``DC`` contiguous elements each
-way -- ``torch.index_select`` over the cache's slot-major view copies element by element (H200,
-1x1k, page 16: 9.8 us for 4 MiB; this kernel 2.5 us).
+way (``torch.index_select`` over the cache's slot-major view copies element by element, about
+4x slower).
 """
 
 from __future__ import annotations

@@ -83,8 +83,7 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0)
         else:
             # The K/V addresses must not wait on the block table: loaded in the same iteration,
-            # the lookup's latency was exposed every block (H200, causal 1x8k, page 16: 0.68x
-            # FlashInfer; 0.82x prefetched, as fast as reading pages without a table).
+            # the lookup's latency is exposed every block (the next block's pages prefetched).
             page = next_page
             next_page = tl.load(bt_row + (offs_n + BLOCK_N) // PAGE,
                                 mask=(offs_n * 0 + b + 1) < b1, other=0)

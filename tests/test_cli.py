@@ -48,7 +48,8 @@ def test_forced_backend_flag_raises_with_reasons(capsys):
     code, _, err = run(capsys, "select", "--platform", "cpu", "--backend", "cpu_attn",
                        "--head-dim", "2048")
     assert code == 2
-    assert "CPU_ATTN (forced by config) cannot run" in err and "head_dim=2048" in err
+    assert "CPU_ATTN (forced by --backend) cannot run" in err and "head_dim=2048" in err
+    assert "Unset --backend" in err
 
 
 def test_demo_eager_checks_against_reference(capsys):
@@ -64,3 +65,74 @@ def test_demo_compiled_subprocess():
                           "4"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "torch.compile(fullgraph=True)" in res.stdout and "-> PASS" in res.stdout
+
+
+def test_info_prints_the_backend_table_even_when_the_forced_backend_cannot_run(capsys,
+                                                                                monkeypatch):
+    monkeypatch.setenv("ATTN_OPS_BACKEND", "FLASHINFER")
+    code, out, _ = run(capsys, "info")
+    assert code == 2
+    assert "  CPU_ATTN           available" in out
+    assert "  FLASHINFER         unavailable: platform cpu not in {cuda}" in out
+    assert "selected: none -- attention backend FLASHINFER (forced by ATTN_OPS_BACKEND)" in out
+    assert "tuning:   generic (unmeasured defaults)" in out
+
+
+def test_select_can_assume_the_optional_packages_and_prints_each_parts_route(capsys):
+    code, out, _ = run(capsys, "select", "--platform", "cuda:9.0", "--heads", "32",
+                       "--kv-heads", "8", "--assume-installed", "--batch", "64x4096,1x8192:8192")
+    assert code == 0, out
+    assert "selected: COMPOSITE_SM90 (auto), block_size=128" in out
+    assert "kernels:  prefill: FlashAttention 4; decode: FlashInfer FA2" in out
+    assert "(optional packages assumed installed: --assume-installed)" in out
+    assert "routes of COMPOSITE_SM90 for --batch 64x4096,1x8192:8192 (132 SMs" in out
+    assert "decode part: 64 request(s), 64 query rows, up to 4096 keys -> FlashInfer FA2" in out
+    assert "prefill part: 1 request(s), 8192 query rows, up to 8192 keys -> FlashAttention 4" \
+        in out
+    code, out, _ = run(capsys, "select", "--platform", "cuda:9.0")  # as installed here
+    assert "selected: COMPOSITE_SM90" not in out and "package flashinfer-python is not " \
+        "installed" in out
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    import argparse
+
+    from attn_ops import cli
+
+    parsers = []
+    real = argparse.ArgumentParser.parse_args
+    try:
+        argparse.ArgumentParser.parse_args = lambda self, *a, **k: parsers.append(self) or \
+            (_ for _ in ()).throw(SystemExit(0))
+        with pytest.raises(SystemExit):
+            cli.main([])
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    (root,) = parsers
+    subs = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)][0]
+    for name, parser in [("", root), *subs.choices.items()]:
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"{name} {action.option_strings} has no help"
+        assert "(default: 128)" in subs.choices["select"].format_help().replace("\n", " ") \
+            or "default: 128" in subs.choices["select"].format_help()
+
+
+def test_the_extras_install_what_the_selector_accepts():
+    import tomllib
+    from pathlib import Path
+
+    from attn_ops.backends.flash_attn import GENERATIONS
+    from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+
+    def spec_of(req):
+        return (f"{req.distribution}>={req.min_version}"
+                + (f",<{req.max_version}" if req.max_version else ""))
+
+    assert extras["flashinfer"] == [spec_of(FLASHINFER_PACKAGE)]
+    assert extras["flash-attn"] == [spec_of(GENERATIONS[4].package)]
+    assert extras["triton"] == ["triton>=3.6"]

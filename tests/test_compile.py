@@ -58,8 +58,8 @@ class TestGraphs(expecttest.TestCase):
             results[backend] = rec.ops()
         self.assertExpectedInline("\n".join(f"{b}: {', '.join(ops)}" for b, ops in results.items()),
                                   """\
-CPU_ATTN: view, view, view, attn.kv_cache_update.default, new_empty, attn.cpu_attention.default
-REFERENCE: view, view, view, attn.kv_cache_update.default, new_empty, attn.reference_attention.default""")
+CPU_ATTN: attn.kv_cache_update.default, new_empty, attn.cpu_attention.default
+REFERENCE: attn.kv_cache_update.default, new_empty, attn.reference_attention.default""")
 
     def test_inductor_layer_matches_eager(self):
         attn, (q, k, v, cache, meta) = _layer_inputs("CPU_ATTN")

@@ -78,7 +78,8 @@ package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
         with self.assertRaises(BackendNotSupportedError) as ctx:
             select_backend(SPEC.with_(kv_lora_rank=512), CPU, AttentionConfig(backend="CPU_ATTN"))
         msg = str(ctx.exception)
-        self.assertIn("attention backend CPU_ATTN (forced by config) cannot run", msg)
+        self.assertIn("attention backend CPU_ATTN (forced by AttentionConfig.backend) cannot "
+                      "run", msg)
         self.assertIn("CPU_ATTN: mla is not supported", msg)
         self.assertIn("REFERENCE: mla is not supported", msg)
         self.assertIn("FLASHINFER: platform cpu not in {cuda}", msg)
@@ -141,10 +142,12 @@ def test_override_precedence(monkeypatch):
     sel = select_backend(SPEC, CPU)
     assert (sel.backend, sel.forced_by) == ("REFERENCE", "ATTN_OPS_BACKEND")
     sel = select_backend(SPEC, CPU, AttentionConfig(backend=Backend.CPU_ATTN))
-    assert (sel.backend, sel.forced_by) == ("CPU_ATTN", "config")
+    assert (sel.backend, sel.forced_by) == ("CPU_ATTN", "AttentionConfig.backend")
     per_kind = AttentionConfig(backend="CPU_ATTN",
                                backend_per_kind={LayerKind.SLIDING_WINDOW: "REFERENCE"})
-    assert select_backend(SPEC.with_(sliding_window=4), CPU, per_kind).backend == "REFERENCE"
+    sel = select_backend(SPEC.with_(sliding_window=4), CPU, per_kind)
+    assert (sel.backend, sel.forced_by) == (
+        "REFERENCE", "AttentionConfig.backend_per_kind[SLIDING_WINDOW]")
     assert select_backend(SPEC, CPU, per_kind).backend == "CPU_ATTN"
     monkeypatch.setenv("ATTN_OPS_BACKEND", "auto")
     assert select_backend(SPEC, CPU).forced_by is None
@@ -182,16 +185,37 @@ def test_broken_plugin_path_is_a_reason_not_a_crash():
             select_backend(SPEC, CPU, AttentionConfig(backend="BROKEN"))
 
 
-def test_entry_point_plugin_is_discovered_and_selectable():
-    # attn_ops_toy_plugin is a real package installed by `make test` (tests/plugins/): its
-    # pyproject declares [project.entry-points."attn_ops.backends"] TOY_ATTN = ...
-    # CI must have it; elsewhere (the GPU machine runs selected test files) it may be absent.
-    if "TOY_ATTN" not in list_backends() and not os.environ.get("CI"):
-        pytest.skip("tests/plugins/attn_ops_toy_plugin is not installed (make test installs it)")
-    assert "TOY_ATTN" in list_backends(), "install tests/plugins/attn_ops_toy_plugin"
+@pytest.fixture
+def toy_plugin(tmp_path, monkeypatch):
+    """tests/plugins/attn_ops_toy_plugin as an installed distribution would appear: its module on
+    sys.path and a dist-info declaring its entry point (what pip writes from its pyproject),
+    for this test only -- a test plugin never shows up in a user's backend list."""
+    from attn_ops.registry import refresh_plugins
+
+    plugin = os.path.join(os.path.dirname(__file__), "plugins", "attn_ops_toy_plugin")
+    info = tmp_path / "attn_ops_toy_plugin-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: attn-ops-toy-plugin\n"
+                                   "Version: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[attn_ops.backends]\n"
+                                           "TOY_ATTN = attn_ops_toy_plugin:ToyBackend\n")
+    monkeypatch.syspath_prepend(plugin)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refresh_plugins()
+    yield
+    monkeypatch.undo()
+    refresh_plugins()
+
+
+def test_entry_point_plugin_is_discovered_and_selectable(toy_plugin):
+    assert "TOY_ATTN" in list_backends()
     sel = select_backend(SPEC, CPU, AttentionConfig(backend="toy_attn"))
     assert sel.backend == "TOY_ATTN" and sel.backend_cls.__module__ == "attn_ops_toy_plugin"
     assert select_backend(SPEC, CPU).backend == "CPU_ATTN"  # plugins are not auto-selected
+
+
+def test_no_test_plugin_without_it():
+    assert "TOY_ATTN" not in list_backends()
 
 
 _SIDE_EFFECTS = """
