@@ -50,6 +50,8 @@ from attn_ops.platforms import PlatformKind, multiprocessor_count, shared_memory
 from attn_ops.backends.flex_attention_gather import (GATHER_PAGE, gather_map, gather_pages,
                                                      gathered_shape, gathered_views,
                                                      slot_major)
+from attn_ops.backends.flex_attention_tables import (Q_BLOCK, decode_batch, decode_tensors,
+                                                     shape_bucket, step_tensors)
 from attn_ops.backends.reference import UNCAPTURABLE
 from attn_ops.kv_cache import KVCacheLayout
 from attn_ops.routing import flex_decode_splits, flex_decode_stages, flex_gathers
@@ -58,10 +60,6 @@ from attn_ops.tuning import FlexTuning
 
 __all__ = ["FlexAttentionBackend", "FlexMetadata"]
 
-Q_BLOCK = 128
-# Query blocks and gathered pages are padded to powers of two up to this count, then to its
-# multiples (shape_bucket): each new count compiles FlexAttention again.
-SHAPE_BUCKET_STEP = 64
 
 
 def _has_compute_q_blocks() -> bool:
@@ -102,171 +100,6 @@ def _slot_views(kv_cache, head_dim, head_dim_v):
     return k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], period, bs
 
 
-def _step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, block_size,
-                  period, causal=True, window=None, full=False, gathered=False):
-    """Per row (``tokens`` padded to a bucket of query blocks, :func:`shape_bucket`): request
-    (``B`` for padding), position, visible-key limit; per page: owner and logical index -- or,
-    ``gathered`` (``block_table`` is :func:`gather_map`'s virtual table: request ``r``'s keys
-    are the slots from ``r * width * block_size`` on), per row the first slot of its request
-    and one past the last slot it may see (padding: 0, 0), so that ``mask_mod`` reads no
-    per-key table; and the BlockMask's partial and full KV blocks (:func:`_kv_blocks`). A
-    query block with padding rows below ``tokens`` (rows the op copies out) has no full KV
-    blocks, so those rows see no key and FlexAttention writes them as zeros. Device only."""
-    dev = seq_lens.device
-    b, width = block_table.shape
-    qsl = query_start_loc.long()
-    seq = seq_lens.long()
-    rows = shape_bucket(-(-tokens // Q_BLOCK)) * Q_BLOCK
-    t = torch.arange(rows, device=dev)
-    # Searched in the whole input, not in a slice: torch 2.11's Inductor drops the slice's
-    # offset from searchsorted's boundaries (an input's view: every request off by one on the
-    # H200) or fails to lower it (a computed buffer's).
-    req = (torch.searchsorted(query_start_loc, t.to(query_start_loc.dtype), right=True) - 1) \
-        .clamp(min=0).long()
-    valid = req < b
-    r = req.clamp(max=max(b - 1, 0))
-    q_len = qsl[1:] - qsl[:-1]
-    qpos = seq[r] - q_len[r] + (t - qsl[r])
-    kv_limit = torch.where(valid, seq[r], 0)
-    _, used, page_req, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
-    # Query block j holds requests lo[j]..hi[j]; its KV blocks are their pages, in order --
-    # those some row can see, given the rows' positions (per block and request, min and max).
-    blocks = rows // Q_BLOCK
-    req_blocks = req.view(blocks, Q_BLOCK)
-    lo = torch.where(valid.view(blocks, Q_BLOCK), req_blocks, b).amin(1)
-    hi = torch.where(valid.view(blocks, Q_BLOCK), req_blocks, -1).amax(1)
-    include = used.flatten()[None, :] & (page_req[None, :] >= lo[:, None]) \
-        & (page_req[None, :] <= hi[:, None])
-    block_pos = qpos.view(blocks, Q_BLOCK)
-    pmin = torch.full((blocks, b + 1), 1 << 62, device=dev).scatter_reduce(
-        1, req_blocks, block_pos, "amin")[:, page_req]
-    pmax = torch.full((blocks, b + 1), -1, device=dev).scatter_reduce(
-        1, req_blocks, block_pos, "amax")[:, page_req]
-    start = (torch.arange(width, device=dev) * block_size).repeat(b)[None, :]
-    # (lists as wide as FlexAttention's KV block count, which it expects of kv_indices)
-    one_request = (lo == hi) & (valid | (t >= tokens)).view(blocks, Q_BLOCK).all(1)
-    kv_num, kv_idx, full_num, full_idx = _kv_blocks(
-        include, start, block_size, pmin, pmax, seq[page_req][None, :], causal, window,
-        one_request[:, None] if full else None,
-        (block_table.flatten() * (period // block_size))[None, :],
-        (num_pages - 1) * (period // block_size) + 1)
-    if gathered:
-        owner = torch.where(valid, r * (width * block_size), 0)
-        logical = torch.where(valid, owner + (qpos + 1 if causal else kv_limit), 0)
-    return (*_int32(req, qpos, kv_limit, owner, logical), valid, kv_num[None, None],
-            kv_idx[None, None], full_num[None, None], full_idx[None, None])
-
-
-def _int32(*tables):
-    """The tables ``mask_mod`` / ``score_mod`` read, as int32: FlexAttention's indices are
-    int32, and int64 tables would make every masked tile's arithmetic 64-bit."""
-    return tuple(t.to(torch.int32) for t in tables)
-
-
-def _kv_blocks(include, start, block_size, pmin, pmax, limit, causal, window, one_request,
-               values, cols):
-    """The BlockMask's partial and full KV blocks, ``(kv_num [R], kv_idx [R, cols], full_num,
-    full_idx)``, from an ``[R, entries]`` grid of page-table entries: ``include`` (the entry is
-    a page of one of row ``R``'s requests), the page's first key ``start``, the positions
-    ``pmin..pmax`` of the row's queries of that request (``pmax`` -1: none) and its length
-    ``limit``. A page no query of the row can see (causal, window) is dropped; one that every
-    query of the row sees in whole is full -- FlexAttention skips ``mask_mod`` there -- when
-    ``one_request`` says the row's queries are all of that request (None: no full blocks, as
-    with a user's ``mask_mod``). ``values``: the entries' KV block indices."""
-    end = start + block_size  # (one past the page's last key)
-    visible = include & (start <= pmax) if causal else include & (pmax >= 0)
-    if window is not None:
-        visible = visible & (end - 1 > pmin - window)
-        if not causal:
-            visible = visible & (start < pmax + window)
-    whole = torch.zeros_like(visible)
-    if one_request is not None:
-        whole = visible & one_request & (end <= limit)
-        if causal:
-            whole = whole & (end - 1 <= pmin)
-        if window is not None:
-            whole = whole & (pmax - start < window)
-            if not causal:
-                whole = whole & (end - 1 - pmin < window)
-    return (*_compact(visible & ~whole, values, cols), *_compact(whole, values, cols))
-
-
-def _compact(mask, values, cols):
-    """Per row of ``mask [R, E]``: how many entries are set -- at most ``cols``: the entries
-    of a row are distinct pages -- and their ``values`` moved to the front of an int32
-    ``[R, cols]`` list (the rest 0)."""
-    rows = mask.shape[0]
-    out = torch.zeros(rows, cols + 1, dtype=torch.int32, device=mask.device)
-    out.scatter_(1, torch.where(mask, mask.cumsum(1) - 1, cols),  # (column cols: the others)
-                 values.to(torch.int32).expand(rows, -1).contiguous())
-    return mask.sum(1).to(torch.int32), out[:, :cols]
-
-
-def _page_maps(seq, block_table, num_pages, block_size):
-    """Per request its page count and used table entries; per table entry its request; per
-    cache page its owner request (-1: none) and logical index. Device only."""
-    dev = seq.device
-    b, width = block_table.shape
-    pages = (seq + block_size - 1) // block_size
-    used = torch.arange(width, device=dev)[None, :] < pages[:, None]
-    page_req = torch.arange(b, device=dev).repeat_interleave(width)
-    idx = torch.where(used, block_table.long(), num_pages).flatten()
-    owner = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev)
-    owner.scatter_(0, idx, page_req)
-    logical = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
-    logical.scatter_(0, idx, torch.arange(width, device=dev).repeat(b))
-    return pages, used, page_req, owner[:num_pages], logical[:num_pages]
-
-
-def shape_bucket(n: int) -> int:
-    """The count a step's query blocks or gathered pages are padded to: the next power of two up
-    to ``SHAPE_BUCKET_STEP``, then the next multiple of it -- every new count would compile
-    FlexAttention again, and a serving loop's counts change every step. (Padding query blocks
-    list no KV block, so FlexAttention's programs for them exit at once; padding pages are
-    allocated, never copied nor read.)"""
-    if n <= SHAPE_BUCKET_STEP:
-        return decode_batch(n)
-    return -(-n // SHAPE_BUCKET_STEP) * SHAPE_BUCKET_STEP
-
-
-def decode_batch(num_tokens: int) -> int:
-    """The decode layout's batch for ``num_tokens`` (padded) single-token requests: the next
-    power of two, so that a run of steps compiles a handful of shapes, not one per batch."""
-    return 1 << max(num_tokens - 1, 0).bit_length()
-
-
-def _decode_tensors(seq_lens, block_table, batch, num_pages, block_size, period, causal=True,
-                    window=None, full=False):
-    """The decode layout's tables: one FlexAttention batch element per request (``batch`` of
-    them, from :func:`decode_batch`; the padding ones have no KV blocks), each with one query
-    row and exactly its own pages as KV blocks (those its query can see; full ones where
-    ``full``, see :func:`_kv_blocks`) -- so FlexAttention parallelizes over requests and, in
-    its decoding kernel, splits each request's keys. (The packed layout puts up to 128 decodes
-    in one query block whose single program walks all their pages, far too slow.)
-    Same tuple as :func:`_step_tensors`, indexed by batch element instead of row. On the CPU
-    the lists are as wide as the cache's KV blocks (its template requires it); on GPUs as wide
-    as the block table."""
-    dev = seq_lens.device
-    b, width = block_table.shape
-    seq = seq_lens.long()
-    _, used, _, owner, logical = _page_maps(seq, block_table, num_pages, block_size)
-    req = torch.arange(batch, device=dev)
-    pad = (0, batch - b)
-    qpos = torch.nn.functional.pad(seq - 1, pad)[:, None]
-    kv_limit = torch.nn.functional.pad(seq, pad)[:, None]
-    kv_num, kv_idx, full_num, full_idx = _kv_blocks(
-        torch.nn.functional.pad(used, (0, 0) + pad),
-        torch.arange(width, device=dev)[None, :] * block_size, block_size, qpos,
-        torch.where(kv_limit > 0, qpos, -1), kv_limit, causal, window, True if full else None,
-        torch.nn.functional.pad(block_table, (0, 0) + pad) * (period // block_size),
-        (num_pages - 1) * (period // block_size) + 1 if dev.type == "cpu" else width)
-    if not full:  # no full list at all (zero wide): see routing.flex_decode_splits
-        full_idx = full_idx[:, :0]
-    return (*_int32(req, qpos[:, 0], kv_limit[:, 0], owner, logical), req < b,
-            kv_num[:, None, None], kv_idx[:, None, None], full_num[:, None, None],
-            full_idx[:, None, None])
-
-
 def _folds_gqa(group: int) -> bool:
     """Whether the decode layout folds each KV head's ``group`` query heads into query rows
     (and calls FlexAttention without GQA): for groups that are not powers of two, where
@@ -279,7 +112,7 @@ def _mods(req, qpos, kv_limit, owner, logical, period, block_size, causal, windo
           alibi, user_mask, user_score, per_batch=False, gathered=False, group=None):
     """``mask_mod`` / ``score_mod`` over FlexAttention's (query row, cache slot) indices --
     or, ``per_batch`` (the decode layout), its (batch element, cache slot) ones; ``gathered``:
-    ``owner`` / ``logical`` are per row (:func:`_step_tensors`), and a key's position is its
+    ``owner`` / ``logical`` are per row (:func:`step_tensors`), and a key's position is its
     distance from the row's first slot; ``group``: the decode layout with each KV head's query
     heads folded into query rows (:func:`_folds_gqa`), FlexAttention's head ``h`` and row ``r``
     being query head ``h * group + r``."""
@@ -337,7 +170,7 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
                                  lse, sinks, alibi_slopes, k_scale, v_scale)
     _check_cache_size(kv_cache)
     _, _, period, bs = _slot_views(kv_cache, query.shape[2], out.shape[2])
-    tables = _step_tensors(query_start_loc, seq_lens, block_table, query.shape[0],
+    tables = step_tensors(query_start_loc, seq_lens, block_table, query.shape[0],
                            kv_cache.shape[0], bs, period, causal, sliding_window,
                            registered_mods(mods)[0] is None)
     _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
@@ -346,8 +179,8 @@ def _flex_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out
 
 def _run_flex(query, kv_cache, tables, out, lse, sinks, alibi_slopes, scale, sliding_window,
               soft_cap, causal, mods, decode=False, gathered=False) -> None:
-    """FlexAttention over the tables of :func:`_step_tensors` (``gathered``: made over the
-    gathered pages) -- or, ``decode``, of :func:`_decode_tensors` (one batch element per
+    """FlexAttention over the tables of :func:`step_tensors` (``gathered``: made over the
+    gathered pages) -- or, ``decode``, of :func:`decode_tensors` (one batch element per
     single-token request). Padding rows see no key: FlexAttention writes them as zeros."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -536,7 +369,7 @@ def _check_page_map(kv_cache, page_map):
 
 
 def _decode(*args) -> None:
-    """The op over :class:`FlexMetadata` in the decode layout (:func:`_decode_tensors`)."""
+    """The op over :class:`FlexMetadata` in the decode layout (:func:`decode_tensors`)."""
     _prepared(*args, decode=True)
 
 
@@ -594,7 +427,7 @@ class FlexMetadata:
     slot_mapping: torch.Tensor
     tables: tuple[torch.Tensor, ...]
     causal: bool = True
-    decode: bool = False  # the decode layout (:func:`_decode_tensors`), for decode-only steps
+    decode: bool = False  # the decode layout (:func:`decode_tensors`), for decode-only steps
     page_map: torch.Tensor | None = None  # the gathered layout (:func:`gather_map`)
 
 
@@ -670,7 +503,7 @@ class FlexAttentionBackend(AttentionBackend):
             device = common.seq_lens.device
             splits = flex_decode_splits(batch, self.spec.kv_heads, multiprocessor_count(device)
                                         if device.type == "cuda" else None, self.tuning.flex)
-            return FlexMetadata(common.slot_mapping, _decode_tensors(
+            return FlexMetadata(common.slot_mapping, decode_tensors(
                 common.seq_lens, common.block_table, batch, common.num_blocks, bs, period,
                 causal, window, full and splits is None), causal=common.causal, decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
@@ -678,7 +511,7 @@ class FlexAttentionBackend(AttentionBackend):
             table, page_map = gather_map(common.block_table, common.seq_lens, bs)
             num_pages = shape_bucket(page_map.shape[0])  # (the gathered cache's pages)
             period = bs = GATHER_PAGE  # (K and V apart)
-        return FlexMetadata(common.slot_mapping, _step_tensors(
+        return FlexMetadata(common.slot_mapping, step_tensors(
             common.query_start_loc, common.seq_lens, table, tokens, num_pages, bs, period, causal,
             window, full, gathered=page_map is not None), causal=common.causal,
             page_map=page_map)
