@@ -28,7 +28,7 @@ __all__ = [
     "DeviceFacts", "Kernel", "PartRoute", "Split", "SplitMode", "StepShape",
     "composite_decode_route", "composite_graph_decode_runs_fa4", "explain", "fa4_batch",
     "fa4_decode_wins", "fa4_tile", "flashinfer_decode_split", "flashinfer_graph_colocated_ctas",
-    "flashinfer_split_budget", "flex_decode_splits", "flex_decode_stages", "flex_gathers",
+    "flashinfer_split_budget", "flex_decode_splits", "flex_decode_stages", "flex_gathers", "pow2",
     "triton_decode_tile", "triton_fit_tile", "triton_fused_combine", "triton_num_splits",
     "triton_prefill_tile", "triton_short_and_many",
 ]
@@ -472,7 +472,7 @@ def _explain_part(backend, spec, facts, tuning, decode, requests, rows, max_q, p
             and not spec.kv_cache_dtype.is_fp8 and spec.head_dim in (64, 128, 256)
         return (Kernel.FLASHINFER_FA3 if fa3 else Kernel.FLASHINFER_FA2).value
     if backend in ("TRITON_ATTN", "TREE_ATTN"):
-        wide = max(_pow2(spec.head_dim, 16), _pow2(spec.v_head_dim, 16)) <= 128
+        wide = max(pow2(spec.head_dim, 16), pow2(spec.v_head_dim, 16)) <= 128
         if decode:
             splits = triton_num_splits(requests, kv, pages * block_size, facts.num_sms,
                                        tuning.triton)
@@ -509,7 +509,8 @@ def _describe_fa4(spec, facts, tuning, rows, requests, max_q, group, *, decode=F
     return text
 
 
-def _pow2(n: int, at_least: int = 1) -> int:
+def pow2(n: int, at_least: int = 1) -> int:
+    """The smallest power of two >= ``n`` (and >= ``at_least``): padded tile dims."""
     p = at_least
     while p < n:
         p *= 2

@@ -34,7 +34,7 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import check_paged_attention_inputs, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
-from attn_ops.routing import (DeviceFacts, triton_decode_tile, triton_fit_tile,
+from attn_ops.routing import (DeviceFacts, pow2, triton_decode_tile, triton_fit_tile,
                               triton_fused_combine, triton_heads_fastest, triton_num_splits,
                               triton_prefill_tile)
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
@@ -93,7 +93,7 @@ def plan_launches(spec_dims: tuple[int, int], dtypes: tuple[torch.dtype, torch.d
     cache), ``device`` whose SMs and shared memory the tiles are fitted to."""
     facts = DeviceFacts.of(device)
     splits = triton_num_splits(num_decodes, kv_heads, max_seq_len, facts.num_sms, tuning)
-    d_p, dv_p = _pow2(spec_dims[0], 16), _pow2(spec_dims[1], 16)
+    d_p, dv_p = pow2(spec_dims[0], 16), pow2(spec_dims[1], 16)
     wide = max(d_p, dv_p) <= 128
     q_bytes, kv_bytes = dtypes[0].itemsize, dtypes[1].itemsize
     decode = triton_decode_tile(num_decodes * kv_heads, splits, kv_bytes, facts.num_sms, wide,
@@ -121,13 +121,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return counters
 
 
-def _pow2(n: int, at_least: int = 1) -> int:
-    p = at_least
-    while p < n:
-        p *= 2
-    return p
-
-
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
             tile, fused, heads_fastest):
@@ -140,7 +133,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
 
     hq, d, dv = query.shape[1], query.shape[2], out.shape[2]
     group = hq // k_cache.shape[2]
-    group_p, d_p, dv_p = _pow2(group), _pow2(d, 16), _pow2(dv, 16)
+    group_p, d_p, dv_p = pow2(group), pow2(d, 16), pow2(dv, 16)
     rows, block_n, warps, stages = tile
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -180,7 +173,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
             out, lse if lse is not None else dummy, part_o, part_lse, qsl,
             sinks if sinks is not None else dummy, v_scale if fp8 else dummy, num_reqs,
             out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-            HQ=hq, NUM_SPLITS=splits, SPLITS_P=_pow2(splits), DV=dv, DV_P=dv_p,
+            HQ=hq, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=dv, DV_P=dv_p,
             HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None,
             num_warps=4)
 
@@ -231,7 +224,7 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
         zero_padding_kernel[(rows,)](
             out, lse if lse is not None else out, query_start_loc, num_reqs, rows,
             out.shape[1] * out.shape[2], out.stride(0), lse.stride(0) if lse is not None else 0,
-            HQ=out.shape[1], HQ_P=_pow2(out.shape[1]), WRITE_LSE=lse is not None, BLOCK=1024)
+            HQ=out.shape[1], HQ_P=pow2(out.shape[1]), WRITE_LSE=lse is not None, BLOCK=1024)
 
 
 def check_triton_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
