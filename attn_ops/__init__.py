@@ -8,8 +8,8 @@ Quick start::
 
     import torch, attn_ops
     spec = attn_ops.AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
-    layer = attn_ops.Attention(spec)            # selects a backend, logs why the others can't
-    print(layer.selection.table())
+    layer = attn_ops.Attention(spec)            # selects a backend for this spec and platform
+    print(layer.selection.table())              # the choice, and why every other backend can't
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ _EXPORTS = {
     "Attention": "layer", "alibi_slopes": "layer", "build_step_metadata": "layer",
     "step_backends": "layer",
     "set_debug_checks": "ops",
+    "Tuning": "tuning", "resolve_tuning": "tuning",
 }
 
 __all__ = sorted(_EXPORTS)
