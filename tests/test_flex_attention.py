@@ -47,8 +47,15 @@ MODS = {
 MIXED = Scenario(((30, 1), (9, 1), (0, 25), (14, 9)))
 
 
-@pytest.mark.parametrize("block_size", [32, 128])
-@pytest.mark.parametrize("scenario", ["mixed", "decode_only"])
+def cases(all_cases, cpu_cases):
+    """Every case on GPUs; on the CPU, where each compiles FlexAttention anew (seconds with a
+    cold cache), the subset that still takes every code path once."""
+    return list(all_cases) if PLATFORM.is_gpu else list(cpu_cases)
+
+
+@pytest.mark.parametrize("scenario,block_size", cases(
+    [("mixed", 32), ("mixed", 128), ("decode_only", 32), ("decode_only", 128)],
+    [("mixed", 32), ("decode_only", 128)]))
 def test_pages_larger_than_16(block_size, scenario):
     """Pages of 32 and 128 tokens (a BlockMask KV block is one page, so FlexAttention's key
     tile can grow with it), both layouts, with a custom mask and score mod and a window."""
@@ -69,8 +76,9 @@ def gather_tuning(threshold):
     return Tuning().with_(flex={f"gather_min_pairs_per_key_{side}": threshold})
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("name", ["plain", "documents_bias_window", "prefix_lm", "alibi"])
+@pytest.mark.parametrize("name,block_size", cases(
+    [(n, b) for b in (16, 32) for n in ("plain", "documents_bias_window", "prefix_lm", "alibi")],
+    [("plain", 32), ("documents_bias_window", 16), ("prefix_lm", 16), ("alibi", 16)]))
 def test_gathered_layout_matches_reference(block_size, name, monkeypatch):
     """Steps with prefills in the gathered layout (forced here: a threshold of 0):
     each request's pages copied into pages of GATHER_PAGE keys, over NaN-poisoned unused
@@ -264,7 +272,7 @@ def test_gather_kernel_copies_like_torch_ops(dtype):
                            gather_pages_torch(cache, page_map, 8)[:, :, :copied])
 
 
-@pytest.mark.parametrize("name", list(MODS))
+@pytest.mark.parametrize("name", cases(MODS, ["prefix_lm", "documents_bias_window"]))
 def test_custom_mods_match_reference(name):
     spec = MODS[name]
     assert not FLEX.not_supported_reasons(spec, PLATFORM)
