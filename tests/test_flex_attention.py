@@ -123,7 +123,7 @@ def test_padding_rows_beside_one_request_see_no_key(gather, monkeypatch):
     assert FLEX(BASE, tuning=tuning).build_metadata(unpadded.metadata).tables[8].sum() > 0
 
 
-@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("gather", cases([False, True], [False]))  # (CPUs never gather)
 def test_new_token_counts_in_one_shape_bucket_compile_once(gather, monkeypatch):
     """A serving loop's steps change their token and request counts every step: query blocks
     and gathered pages are padded to shape buckets, decode batches to powers of two, so steps
@@ -367,7 +367,8 @@ def test_a_gpu_cache_past_32_bit_offsets_is_refused_with_the_block_count_that_fi
     _check_cache_size(big)
 
 
-@pytest.mark.parametrize("name", ["documents_bias_window", "alibi"])
+@pytest.mark.parametrize("name", cases(["documents_bias_window", "alibi"],
+                                      ["documents_bias_window"]))
 def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(name):
     """Decode-only steps get the decode layout (one FlexAttention batch element per request,
     its own pages as KV blocks, the batch padded to a power of two): REFERENCE's result with
@@ -451,7 +452,7 @@ def _prefill_blocks(spec, scenario, seed):
     return tables[6].flatten().tolist(), tables[8].flatten().tolist()
 
 
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("window", cases([None, 40], [40]))
 def test_long_prefills_skip_pages_no_query_sees_and_run_whole_pages_without_the_mask(window):
     """A query block of one long prefill lists only the pages its queries can see (causal,
     window) and passes the pages all of them see in whole as full blocks (no mask_mod); the
@@ -468,7 +469,7 @@ def test_long_prefills_skip_pages_no_query_sees_and_run_whole_pages_without_the_
     assert full_num[0] == 0  # rows 0..127 see no page in whole (each sees its own prefix)
 
 
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("window", cases([None, 40], [40]))
 def test_long_bidirectional_prefills_prune_and_use_full_pages_like_reference(window):
     """Encoder-only (non-causal) attention over long requests: a query block sees keys on both
     sides (within the window, if any); pruned and full pages give REFERENCE's result."""
