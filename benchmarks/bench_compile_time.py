@@ -2,7 +2,7 @@
 layers), compiled whole (``torch.compile(model, fullgraph=True)``) and by layer
 (``TinyLlama.compile_layers``: regional compilation), each in a fresh process with empty
 Inductor/Triton caches; the time to the first output of one prefill step, and how many graphs
-Dynamo compiled. Goal (issue 5): 32 layers in at most 1.2x the time of 4.
+Dynamo compiled. Goal: 32 layers in at most 1.2x the time of 4.
 
     python benchmarks/bench_compile_time.py [--quick] [--out PATH]
 """

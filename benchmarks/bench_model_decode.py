@@ -1,10 +1,10 @@
-"""One decode step of a Llama-3-8B-shaped decoder (issue 5): eager, ``torch.compile`` (whole
+"""One decode step of a Llama-3-8B-shaped decoder: eager, ``torch.compile`` (whole
 model, ``fullgraph=True``, without and with our fusion passes) and compiled + CUDA graph, for
 each GPU attention backend (default: COMPOSITE_SM90, FLASHINFER, TRITON_ATTN), next to HF
 transformers' own ``LlamaForCausalLM`` of the same shape in the same run (eager, SDPA, dynamic
 cache).
 
-Shapes (issue 5): 8 layers, hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab
+Shapes: 8 layers, hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab
 32000, bf16, batch 64, context 2k, random weights. Floor: weights + KV cache read once at the
 device's copy bandwidth (4.27 TB/s on the H200: about 1.9 ms). Times are medians of CUDA-event
 timed steps, each synchronized: every step rebuilds the batch and step metadata on the host

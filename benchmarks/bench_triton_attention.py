@@ -1,6 +1,6 @@
 """TRITON_ATTN (our Triton kernels, through ``torch.ops.attn.triton_attention``) and
 FLEX_ATTENTION (compiled FlexAttention over the paged cache) against FlashInfer called directly,
-on the same paged cache and batch (H200 shapes of issue 4: bf16, 32 query / 8 KV heads, head
+on the same paged cache and batch (bf16, 32 query / 8 KV heads, head
 dim 128, page 16, pages in random order). At ``FLEX_POINTS`` FLEX_ATTENTION also runs, with
 its anchor: compiled ``flex_attention`` on dense tensors holding the same keys (gathered
 outside the timing; its timing includes copying the result into the shared output).

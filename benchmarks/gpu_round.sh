@@ -6,10 +6,10 @@
 #   matrix   registry matrix at real sizes (all GPU backends the machine can run)
 #   fa4      FLASH_ATTN / COMPOSITE_SM90 / DIFFKV matrix, tests and CUDA graphs (needs both FA4
 #            halves there)
-#   model    benchmarks/bench_model_decode.py (issue 5)
-#   grid     benchmarks/bench_gpu_attention.py --rounds 2 (issue 3)
+#   model    benchmarks/bench_model_decode.py
+#   grid     benchmarks/bench_gpu_attention.py --rounds 2
 #   cgraph   benchmarks/bench_cudagraph_decode.py (graph decode against FlashInfer's graph mode)
-#   triton   benchmarks/bench_triton_attention.py --rounds 1 (issue 4)
+#   triton   benchmarks/bench_triton_attention.py --rounds 1
 #   builder  benchmarks/profile_builder.py
 #   tsweep   benchmarks/sweep_kernel_configs.py --only triton-prefill (TRITON prefill tiles)
 #   psweep   benchmarks/sweep_kernel_configs.py --only prefill $PSWEEP_ARGS (FA4 tiles and call

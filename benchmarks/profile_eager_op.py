@@ -1,5 +1,5 @@
 """Where an eager attention call's host time goes (H200): our layers of the call peeled one by
-one, next to FlashInfer's wrapper called directly -- issue 3's "at most 10 us per layer over the
+one, next to FlashInfer's wrapper called directly -- the goal "at most 10 us per layer over the
 library, eagerly".
 
 Per decode batch (bf16, 32/8 heads, head dim 128, page 128), host microseconds per call, calls

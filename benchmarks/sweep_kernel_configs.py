@@ -5,11 +5,11 @@ their rules from data rather than from defaults.
   request) with the split-KV chunk left to FlashInfer's plan (``auto``), split-KV off
   (``nosplit``), or a fixed chunk of ``c`` pages (``fixed<c>``), next to FA4 (no split; its own
   tile, other tiles, heads unpacked) and our COMPOSITE_SM90 op (``ours_flash_attn``), over
-  batch 1-256 x ctx 1k-32k at page 128 (issue 3's decode grid points; ``--batches``,
+  batch 1-256 x ctx 1k-32k at page 128 (the decode grid's points; ``--batches``,
   ``--ctxs``).
 * ``triton-prefill``: TRITON_ATTN's 16-bit prefill tile (query rows, keys per tile, warps,
   stages: ``Tuning.triton.prefill_tile_16bit``, the short steps' own tile off) over causal
-  prefills at page 16, next to FlashInfer called directly (issue 4's prefill goal: >= 0.8x
+  prefills at page 16, next to FlashInfer called directly (the prefill goal: >= 0.8x
   FlashInfer).
 * ``prefill``: FA4 over the paged cache and over dense K/V (the step's own keys: a prefill
   without cached context needs no page table), with its default sm90 tiles and alternatives
