@@ -20,8 +20,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m attn_ops demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+test: $(STAMP)  # two workers: the suite is compile-bound, one core each
+	$(PY) -m pytest -q -p no:cacheprovider -n 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info
