@@ -60,6 +60,9 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
                         "(default: this machine)")
     g.add_argument("--backend", default=None,
                    help="force a backend (wins over $ATTN_OPS_BACKEND; default: auto)")
+    g.add_argument("--tuning", default="auto",
+                   help="the tuning entry the routes read: auto (the platform's), generic, or a "
+                        "measured device (H200)")
     g.add_argument("--assume-installed", action="store_true",
                    help="treat the optional packages (flashinfer, flash-attn-4, triton, ...) as "
                         "installed: what a user with the extras gets on that platform")
@@ -81,6 +84,21 @@ def _platform_from(args) -> Platform:
     return platform
 
 
+def _tuning_from(args, platform):
+    from attn_ops.tuning import ENV_TUNING, GENERIC, MEASURED, apply_overrides, resolve_tuning
+
+    name = getattr(args, "tuning", "auto")
+    if name == "auto":
+        return resolve_tuning(platform)
+    entries = {"generic": GENERIC, **{k.lower(): v for k, v in MEASURED.items()}}
+    if name.lower() not in entries:
+        raise ValueError(f"--tuning {name!r} is not auto, generic or one of "
+                         f"{', '.join(MEASURED)}")
+    import os
+
+    return apply_overrides(entries[name.lower()], os.environ.get(ENV_TUNING, ""))
+
+
 def _config_from(args) -> AttentionConfig:
     return AttentionConfig(backend=args.backend, forced_by="--backend")
 
@@ -92,12 +110,11 @@ def _assumed(platform: Platform) -> list[str]:
 
 def cmd_info(args) -> int:
     from attn_ops.selector import NoBackendError, candidates_for
-    from attn_ops.tuning import resolve_tuning
 
     platform = _platform_from(args)
     print(f"attn_ops {__import__('attn_ops').__version__}")
     print(f"platform: {platform}")
-    print(f"tuning:   {resolve_tuning(platform).describe()}")
+    print(f"tuning:   {_tuning_from(args, platform).describe()}")
     for dist in ("torch", "triton", "flashinfer-python", "flash-attn-4", "flash-attn",
                  "transformers"):
         version = torch.__version__ if dist == "torch" else package_version(dist)
@@ -129,9 +146,8 @@ def cmd_select(args) -> int:
         print(line)
     if args.batch:
         from attn_ops import routing
-        from attn_ops.tuning import resolve_tuning
 
-        tuning = resolve_tuning(platform)
+        tuning = _tuning_from(args, platform)
         step = routing.StepShape.parse(args.batch, args.decode_threshold)
         facts = routing.DeviceFacts.for_platform(platform)
         triton = not get_backend_class("TRITON_ATTN").not_supported_reasons(spec, platform)

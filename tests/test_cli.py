@@ -89,6 +89,10 @@ def test_select_can_assume_the_optional_packages_and_prints_each_parts_route(cap
     assert "decode part: 64 request(s), 64 query rows, up to 4096 keys -> FlashInfer FA2" in out
     assert "prefill part: 1 request(s), 8192 query rows, up to 8192 keys -> FlashAttention 4" \
         in out
+    code, out, _ = run(capsys, "select", "--platform", "cuda:9.0", "--heads", "32", "--kv-heads",
+                       "8", "--assume-installed", "--tuning", "H200", "--batch", "8x1024")
+    assert "tuning NVIDIA H200 (measured)" in out
+    assert "-> FlashAttention 4, tile 64x128 (0.48 waves at 1024 keys: FA4's decode tile)" in out
     code, out, _ = run(capsys, "select", "--platform", "cuda:9.0")  # as installed here
     assert "selected: COMPOSITE_SM90" not in out and "package flashinfer-python is not " \
         "installed" in out
