@@ -83,10 +83,6 @@ class Kernel(enum.Enum):
     FA4 = "FlashAttention 4"
     TRITON = "TRITON_ATTN unsplit decode"
 
-    @property
-    def is_flashinfer(self) -> bool:
-        return self in (Kernel.FLASHINFER_FA2, Kernel.FLASHINFER_FA3)
-
 
 class SplitMode(enum.Enum):
     LIBRARY_RULE = "FlashInfer's own split rule"
@@ -299,10 +295,10 @@ def triton_prefill_tile(wide: bool, elem_bytes: int, max_seq_len: int, t: Triton
     return t.prefill_tile_16bit
 
 
-def triton_heads_fastest(prefill: bool, max_seq_len: int, t: TritonTuning) -> bool:
-    """Whether a launch puts the KV head fastest in launch order: short prefills are a wave or
-    two, and tile-fastest started the heads' longest tiles one after another."""
-    return prefill and max_seq_len <= t.short_prefill_keys
+def triton_heads_fastest(max_seq_len: int, t: TritonTuning) -> bool:
+    """Whether a prefill launch puts the KV head fastest in launch order: short prefills are a
+    wave or two, and tile-fastest started the heads' longest tiles one after another."""
+    return max_seq_len <= t.short_prefill_keys
 
 
 def _smem_bytes(rows, keys, stages, d_p, dv_p, q_bytes, kv_bytes) -> int:

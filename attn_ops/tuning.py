@@ -204,17 +204,6 @@ class Tuning:
         return (f"{self.device} (measured)" if self.measured
                 else f"{self.device} (unmeasured defaults)")
 
-    def differences(self, other: Tuning | None = None) -> list[str]:
-        """``section.field=value`` for every value that differs from ``other`` (default: the
-        generic defaults)."""
-        other = other or Tuning()
-        out = []
-        for name in _SECTIONS:
-            mine, theirs = getattr(self, name), getattr(other, name)
-            for f in fields(mine):
-                if getattr(mine, f.name) != getattr(theirs, f.name):
-                    out.append(f"{name}.{f.name}={getattr(mine, f.name)!r}")
-        return out
 
 
 # The generic default keeps the rules that follow from a kernel's own structure (tiles fitted

@@ -105,7 +105,7 @@ def plan_launches(spec_dims: tuple[int, int], dtypes: tuple[torch.dtype, torch.d
         prefill = triton_fit_tile(prefill, d_p, dv_p, q_bytes, kv_bytes, smem)
     return TritonPlan(num_decodes, num_decode_tokens, splits, num_tokens, max_seq_len, decode,
                       prefill, splits > 1 and triton_fused_combine(num_decodes, kv_heads, tuning),
-                      triton_heads_fastest(True, max_seq_len, tuning))
+                      triton_heads_fastest(max_seq_len, tuning))
 
 
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, one per (tile, KV head); reset by use
@@ -123,7 +123,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
-            tile, fused, heads_fastest):
+            prefill, tile, fused, heads_fastest=False):
     """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
     them) whose queries are at most ``num_tokens`` rows, in ``tile`` (rows, keys, warps,
     stages), with ``splits`` splits of each request's keys (combined in the kernel if
@@ -144,7 +144,6 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
                              device=query.device)
         part_lse = torch.empty(out.shape[0], hq, splits, dtype=torch.float32,
                                device=query.device)
-    prefill = heads_fastest is not None
     one_row = not prefill and num_tokens == num_reqs  # single-row decodes: a tile each
     grid = (num_reqs if one_row else num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
     fused = splits > 1 and fused
@@ -166,7 +165,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_TREE=tree is not None, FUSED_COMBINE=fused,
-        HEADS_FASTEST=bool(heads_fastest), ONE_ROW=one_row,
+        HEADS_FASTEST=heads_fastest, ONE_ROW=one_row,
         num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         combine_splits_kernel[(num_tokens, hq)](
@@ -186,7 +185,7 @@ def unsplit_decode(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens,
     _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
             sinks=None, alibi=None, k_scale=None, v_scale=None, tree=None, scale=scale,
             window=window, soft_cap=soft_cap, causal=causal, num_reqs=seq_lens.shape[0],
-            num_tokens=query.shape[0], splits=1, tile=tile, fused=False, heads_fastest=None)
+            num_tokens=query.shape[0], splits=1, prefill=False, tile=tile, fused=False)
 
 
 def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
@@ -206,14 +205,15 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
     if p.num_decodes:
         _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
                 num_reqs=p.num_decodes, num_tokens=p.num_decode_tokens, splits=p.splits,
-                tile=p.decode_tile, fused=p.fused_combine, heads_fastest=None, **args)
+                prefill=False, tile=p.decode_tile, fused=p.fused_combine, **args)
     if p.num_decodes < num_reqs:
         prefill_tokens = (p.num_tokens if p.num_tokens is not None else rows) \
             - p.num_decode_tokens
         d = p.num_decodes
         _launch(query, k_cache, v_cache, out, lse, query_start_loc[d:], seq_lens[d:],
                 block_table[d:], num_reqs=num_reqs - d, num_tokens=prefill_tokens, splits=1,
-                tile=p.prefill_tile, fused=False, heads_fastest=p.heads_fastest, **args)
+                prefill=True, tile=p.prefill_tile, fused=False, heads_fastest=p.heads_fastest,
+                **args)
     if p.num_tokens is not None and p.num_tokens < rows:  # padding rows are zero
         out[p.num_tokens:].zero_()
         if lse is not None:
