@@ -45,6 +45,17 @@ def _quantize(x, scale_ptr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _copy_row(src_ptr, stride_sh, dst_ptr, stride_dh, offs_h, offs_d, mask, scale_ptr,
+              FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """Copy one token's [heads, dim] row into the cache row at ``dst_ptr`` (fp8: quantized)."""
+    x = tl.load(src_ptr + offs_h[:, None] * stride_sh + offs_d[None, :], mask=mask, other=0.0)
+    if FP8:
+        x = _quantize(x.to(tl.float32), scale_ptr, FP8, FP8_LIMIT)
+    tl.store(dst_ptr + offs_h[:, None] * stride_dh + offs_d[None, :],
+             x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, end, slot_ptr, pos_ptr,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      block_size, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -95,20 +106,12 @@ def kv_write_kernel(
         offs_h = tl.arange(0, BLOCK_HKV)
         offs_d = tl.arange(0, BLOCK_D)
         k_ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
-        k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-                    mask=k_ok, other=0.0)
-        if FP8:
-            k = _quantize(k.to(tl.float32), ks_ptr, FP8, FP8_LIMIT)
-        tl.store(kc_ptr + page * stride_kcb + row * stride_kcs + offs_h[:, None] * stride_kch
-                 + offs_d[None, :], k.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        _copy_row(k_ptr + t * stride_kt, stride_kh, kc_ptr + page * stride_kcb + row * stride_kcs,
+                  stride_kch, offs_h, offs_d, k_ok, ks_ptr, FP8, FP8_LIMIT)
         offs_dv = tl.arange(0, BLOCK_DV)
         v_ok = (offs_h[:, None] < HKV) & (offs_dv[None, :] < DV)
-        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :],
-                    mask=v_ok, other=0.0)
-        if FP8:
-            v = _quantize(v.to(tl.float32), vs_ptr, FP8, FP8_LIMIT)
-        tl.store(vc_ptr + page * stride_vcb + row * stride_vcs + offs_h[:, None] * stride_vch
-                 + offs_dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_ok)
+        _copy_row(v_ptr + t * stride_vt, stride_vh, vc_ptr + page * stride_vcb + row * stride_vcs,
+                  stride_vch, offs_h, offs_dv, v_ok, vs_ptr, FP8, FP8_LIMIT)
 
 
 def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale) -> None:
@@ -194,12 +197,8 @@ def rope_kv_write_kernel(
                  mask=k_ok)
         offs_dv = tl.arange(0, BLOCK_DV)
         v_ok = (offs_hk[:, None] < HKV) & (offs_dv[None, :] < DV)
-        v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_dv[None, :],
-                    mask=v_ok, other=0.0)
-        if FP8:
-            v = _quantize(v.to(tl.float32), vs_ptr, FP8, FP8_LIMIT)
-        tl.store(vc_ptr + page * stride_vcb + row * stride_vcs + offs_hk[:, None] * stride_vch
-                 + offs_dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_ok)
+        _copy_row(v_ptr + t * stride_vt, stride_vh, vc_ptr + page * stride_vcb + row * stride_vcs,
+                  stride_vch, offs_hk, offs_dv, v_ok, vs_ptr, FP8, FP8_LIMIT)
 
 
 def rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots, positions,

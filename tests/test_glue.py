@@ -195,3 +195,43 @@ def test_fused_triton_kernel_matches_the_torch_implementation(case):
         assert torch.equal(args[4].view(torch.uint8), want_cache.view(torch.uint8))
     else:  # (on the GPU the kernel's fused multiply-adds round the rotation differently)
         torch.testing.assert_close(args[4], want_cache)
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp16_diffv", "fp8_e4m3"])
+def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case):
+    """kv_cache_update's GPU kernel (on the CPU in Triton's interpreter) against its torch path:
+    the same rows written, padding skipped, and the unwritten rows of every page a token enters
+    at row 0 zeroed -- pages start NaN-poisoned, so a missed clear shows as NaN."""
+    pytest.importorskip("triton")
+    from attn_ops.glue_kernels import kv_cache_update_triton
+    from attn_ops.kv_cache import clear_entered_page_tails
+
+    meta = _batch(pad=2)
+    slots = meta.slot_mapping
+    t = slots.shape[0]
+    dtype = torch.float16 if case == "fp16_diffv" else torch.float32
+    dv = 12 if case == "fp16_diffv" else 8
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(t, 3, 8, generator=g).to(dtype)
+    v = torch.randn(t, 3, dv, generator=g).to(dtype)
+    cache_dtype = torch.float8_e4m3fn if case == "fp8_e4m3" else dtype
+    scales = (torch.tensor([0.5]), torch.tensor([0.25])) if case == "fp8_e4m3" else (None, None)
+    if case == "fp8_e4m3":  # values exact in e4m3 after scaling (the interpreter's rounding)
+        k, v = (torch.tensor([0.0, 0.5, -1.5, 3.0])[torch.randint(0, 4, x.shape, generator=g)]
+                * s for x, s in ((k, scales[0]), (v, scales[1])))
+    want_k = torch.full((24, BLOCK, 3, 8), float("nan"), dtype=dtype).to(cache_dtype)
+    want_v = torch.full((24, BLOCK, 3, dv), float("nan"), dtype=dtype).to(cache_dtype)
+    got_k, got_v = (x.clone().to(DEVICE) for x in (want_k, want_v))
+    clear_entered_page_tails(want_k, want_v, slots)
+    valid = (slots >= 0).nonzero().squeeze(1)
+    b, o = slots[valid] // BLOCK, slots[valid] % BLOCK
+    for new, cache, scale in ((k, want_k, scales[0]), (v, want_v, scales[1])):
+        rows = new[valid] if scale is None else (new[valid] / scale).to(cache_dtype)
+        cache.view(torch.uint8 if scale is not None else dtype)[b, o] = \
+            rows.view(torch.uint8) if scale is not None else rows
+    kv_cache_update_triton(*(x.to(DEVICE) if torch.is_tensor(x) else x
+                             for x in (k, v, got_k, got_v, slots, *scales)))
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        got, want = got.cpu().float(), want.float()
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
