@@ -26,6 +26,8 @@
 #            the H200
 #   page128  benchmarks/bench_triton_attention.py at page 128 (FLEX_ATTENTION's Triton key tile is
 #            at most its page: 16 keys at page 16), JSON bench_triton_attention_page128_h200.json
+#   kvwrite  benchmarks/bench_kv_write.py (the cost of clearing entered pages' tails)
+#   ops      tests/test_ops.py (opcheck of every op on the GPU)
 #   memcheck compute-sanitizer memcheck over a subset of the TRITON_ATTN / TREE_ATTN tests
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
@@ -74,6 +76,9 @@ for spec in "$@"; do
     cgraph) stage cgraph "$limit" python benchmarks/bench_cudagraph_decode.py \
         --out "$OUT/bench_cudagraph_decode_h200.json" ;;
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
+    kvwrite) stage kvwrite "$limit" python benchmarks/bench_kv_write.py \
+        --out "$OUT/bench_kv_write_h200.json" ;;
+    ops) stage ops "$limit" python -m pytest -q -p no:cacheprovider -rfE tests/test_ops.py ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
     tfused) ATTN_OPS_TUNING=triton.fused_combine=true stage tfused "$limit" python -m pytest -q \
