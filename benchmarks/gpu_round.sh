@@ -34,6 +34,7 @@
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips
 # restoring the carried kernel cache (the stages would recompile it); the second carries
 # .gpu/bootstrap.sh, .gpu/fi_cache.tar.xz.* and .gpu-fa4-b and runs the stages.
+# PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
 set -u
@@ -60,14 +61,14 @@ for spec in "$@"; do
   limit=${spec#*:}
   [ "$limit" = "$spec" ] && limit=300
   case $name in
-    tests) stage tests "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+    tests) stage tests "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_glue.py tests/test_compile_passes.py tests/test_flashinfer.py \
         tests/test_cudagraph.py ;;
-    fi) stage fi "$limit" python -m pytest -q -p no:cacheprovider -rfE tests/test_flashinfer.py \
+    fi) stage fi "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE tests/test_flashinfer.py \
         tests/test_cudagraph.py -k "flashinfer or FLASHINFER" ;;
-    matrix) stage matrix "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+    matrix) stage matrix "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py -k "${MATRIX_K:-real_size or FLASHINFER or TRITON}" ;;
-    fa4) stage fa4 "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+    fa4) stage fa4 "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_backends_matrix.py tests/test_flash_attn_glue.py tests/test_cudagraph.py \
         -k "FLASH_ATTN or COMPOSITE_SM90 or fa4 or flash_attn or composite" ;;
     model) stage model "$limit" python benchmarks/bench_model_decode.py \
@@ -78,7 +79,7 @@ for spec in "$@"; do
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     kvwrite) stage kvwrite "$limit" python benchmarks/bench_kv_write.py \
         --out "$OUT/bench_kv_write_h200.json" ;;
-    ops) stage ops "$limit" python -m pytest -q -p no:cacheprovider -rfE tests/test_ops.py ;;
+    ops) stage ops "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE tests/test_ops.py ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
     tfused) ATTN_OPS_TUNING=triton.fused_combine=true stage tfused "$limit" python -m pytest -q \
@@ -95,9 +96,9 @@ for spec in "$@"; do
         ${DSWEEP_ARGS:-} --out "$OUT/sweep_decode_h200.json" ;;
     tsweep) stage tsweep "$limit" python benchmarks/sweep_kernel_configs.py --only triton-prefill \
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
-    flex) stage flex "$limit" python -m pytest -q -p no:cacheprovider -rfE \
+    flex) stage flex "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_flex_attention.py tests/test_backends_matrix.py -k "FLEX or flex" ;;
-    graphs) stage graphs "$limit" python -m pytest -q -p no:cacheprovider -rA \
+    graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;
   esac
