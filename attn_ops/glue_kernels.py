@@ -59,30 +59,48 @@ def _copy_row(src_ptr, stride_sh, dst_ptr, stride_dh, offs_h, offs_d, mask, scal
 def _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, end, slot_ptr, pos_ptr,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      block_size, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                     BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     HAS_SLOTS: tl.constexpr):
-    """Zero the rows 1.. of ``page`` that no token of this call writes (called by the program
-    of token ``t``, which writes row 0 of it): token ``t + j`` writes row ``j`` if its slot is
+                     HAS_SLOTS: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
+                     FK: tl.constexpr, FV: tl.constexpr):
+    """Zero the rows of ``page`` in this program's share (rows ``[c * CLEAR_ROWS, (c + 1) *
+    CLEAR_ROWS)`` for grid column ``c``, row 0 excluded) that no token of this call writes;
+    called for token ``t``, which writes row 0. Token ``t + j`` writes row ``j`` if its slot is
     ``slot + j`` (or, without slots, its position is ``pos + j`` and it is of the same request,
-    before row ``end``)."""
-    offs_h = tl.arange(0, BLOCK_HKV)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k_ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
-    v_ok = (offs_h[:, None] < HKV) & (offs_dv[None, :] < DV)
-    k_zero = tl.zeros([BLOCK_HKV, BLOCK_D], dtype=kc_ptr.dtype.element_ty)
-    v_zero = tl.zeros([BLOCK_HKV, BLOCK_DV], dtype=vc_ptr.dtype.element_ty)
-    for j in range(1, block_size):
-        mine = t + j < end
+    before row ``end``). A page's rows are spread over the grid's second axis, and each
+    program stores whole [rows, heads x dim] tiles, so clearing a page costs about what
+    writing it does, not a row-by-row loop (``RB`` rows per store; ``FK``/``FV``: heads x
+    dim of K/V to a power of two)."""
+    fk = tl.arange(0, FK)
+    fv = tl.arange(0, FV)
+    k_off = (fk // D) * stride_kch + fk % D
+    v_off = (fv // DV) * stride_vch + fv % DV
+    first = tl.program_id(1) * CLEAR_ROWS
+    for r0 in range(first, first + CLEAR_ROWS, RB):
+        j = r0 + tl.arange(0, RB)
+        mine = (j >= 1) & (j < block_size) & (j < first + CLEAR_ROWS)
+        inside = mine & (t + j < end)
         if HAS_SLOTS:
-            written = tl.load(slot_ptr + t + j, mask=mine, other=-1).to(tl.int64) == slot + j
+            written = tl.load(slot_ptr + t + j, mask=inside, other=-1).to(tl.int64) == slot + j
         else:
-            written = tl.load(pos_ptr + t + j, mask=mine, other=-1).to(tl.int64) == pos + j
-        if not written:
-            tl.store(kc_ptr + page * stride_kcb + j * stride_kcs + offs_h[:, None] * stride_kch
-                     + offs_d[None, :], k_zero, mask=k_ok)
-            tl.store(vc_ptr + page * stride_vcb + j * stride_vcs + offs_h[:, None] * stride_vch
-                     + offs_dv[None, :], v_zero, mask=v_ok)
+            written = tl.load(pos_ptr + t + j, mask=inside, other=-1).to(tl.int64) == pos + j
+        clear = mine & ~(written & inside)
+        tl.store(kc_ptr + page * stride_kcb + j[:, None] * stride_kcs + k_off[None, :],
+                 tl.zeros([RB, FK], dtype=kc_ptr.dtype.element_ty),
+                 mask=clear[:, None] & (fk < HKV * D)[None, :])
+        tl.store(vc_ptr + page * stride_vcb + j[:, None] * stride_vcs + v_off[None, :],
+                 tl.zeros([RB, FV], dtype=vc_ptr.dtype.element_ty),
+                 mask=clear[:, None] & (fv < HKV * DV)[None, :])
+
+
+def _clear_meta(num_tokens: int, block_size: int, k_row: int, v_row: int) -> tuple[tuple, dict]:
+    """The write kernels' grid and clearing constants: a program per token, and per token as
+    many programs as it takes to clear a page in shares of at most 32 rows (all but column 0
+    exit at once unless their token enters a page), each storing tiles of about 4096 values
+    (``k_row``/``v_row``: values in a K/V cache row)."""
+    columns = triton.cdiv(block_size, 32)
+    rows = triton.next_power_of_2(triton.cdiv(block_size, columns))
+    fk, fv = triton.next_power_of_2(k_row), triton.next_power_of_2(v_row)
+    tile_rows = min(rows, max(1, 4096 // max(fk, fv)))
+    return (num_tokens, columns), dict(CLEAR_ROWS=rows, RB=tile_rows, FK=fk, FV=fv)
 
 
 @triton.jit
@@ -92,17 +110,17 @@ def kv_write_kernel(
         stride_vcb, stride_vcs, stride_vch,
         HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_HKV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
-        FP8_LIMIT: tl.constexpr):
+        FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
+        FK: tl.constexpr, FV: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        page = slot // block_size
-        row = slot % block_size
-        if row == 0:
-            _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr,
-                             slot_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
-                             stride_vcs, stride_vch, block_size, HKV, D, DV, BLOCK_HKV,
-                             BLOCK_D, BLOCK_DV, True)
+    page = slot // block_size
+    row = slot % block_size
+    if (slot >= 0) & (row == 0):
+        _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr, slot_ptr,
+                         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                         block_size, HKV, D, DV, True, CLEAR_ROWS, RB, FK, FV)
+    if (slot >= 0) & (tl.program_id(1) == 0):
         offs_h = tl.arange(0, BLOCK_HKV)
         offs_d = tl.arange(0, BLOCK_D)
         k_ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
@@ -122,14 +140,16 @@ def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale
         return
     dv = value.shape[2]
     fp8 = k_cache.dtype in FP8_MAX
-    kv_write_kernel[(t,)](
+    grid, clear = _clear_meta(t, k_cache.shape[1], hkv * d, hkv * dv)
+    kv_write_kernel[grid](
         key, value, k_cache, v_cache, slots, k_scale if fp8 else key, v_scale if fp8 else key,
         t, k_cache.shape[1], key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2),
         HKV=hkv, D=d, DV=dv, BLOCK_HKV=triton.next_power_of_2(hkv),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv), FP8=fp8,
-        FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), num_warps=4 if hkv * d >= 2048 else 1)
+        FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), **clear,
+        num_warps=4 if hkv * d >= 2048 else 1)
 
 
 @triton.jit
@@ -142,50 +162,73 @@ def rope_kv_write_kernel(
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
         BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
         BLOCK_DV: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr,
-        FP8_LIMIT: tl.constexpr):
+        FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
+        FK: tl.constexpr, FV: tl.constexpr):
     t = tl.program_id(0)
+    first_column = tl.program_id(1) == 0
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        enters = (slot >= 0) & (slot % block_size == 0)
+    else:
+        real = t < tl.load(qsl_ptr + num_reqs)  # (padding rows' positions are not read)
+        pos = tl.load(pos_ptr + t, mask=real, other=1).to(tl.int64)
+        enters = real & (pos % block_size == 0)
+    if first_column | enters:
+        if not HAS_SLOTS:  # the token's request: the largest r with query_start_loc[r] <= t
+            lo = num_reqs * 0
+            hi = num_reqs
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if tl.load(qsl_ptr + mid) <= t:
+                    lo = mid
+                else:
+                    hi = mid
+            block = tl.load(bt_ptr + lo * stride_bt + pos // block_size, mask=real, other=0)
+            slot = tl.where(real, block.to(tl.int64) * block_size + pos % block_size, -1)
+        page = slot // block_size
+        if enters:
+            if HAS_SLOTS:
+                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr,
+                                 slot_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                                 stride_vcs, stride_vch, block_size, HKV, 2 * HALF, DV, True,
+                                 CLEAR_ROWS, RB, FK, FV)
+            else:
+                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, tl.load(qsl_ptr + lo + 1),
+                                 slot_ptr, pos_ptr, stride_kcb, stride_kcs, stride_kch,
+                                 stride_vcb, stride_vcs, stride_vch, block_size, HKV, 2 * HALF,
+                                 DV, False, CLEAR_ROWS, RB, FK, FV)
+    if first_column:
+        _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                        t, slot, block_size, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_cs, stride_ot, stride_oh, stride_kcb,
+                        stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, HQ, HKV,
+                        HALF, DV, BLOCK_HQ, BLOCK_HKV, BLOCK_HALF, BLOCK_DV, FP8, FP8_LIMIT)
+
+
+@triton.jit
+def _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, t, slot,
+                    block_size, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_cs, stride_ot, stride_oh, stride_kcb, stride_kcs, stride_kch,
+                    stride_vcb, stride_vcs, stride_vch, HQ: tl.constexpr, HKV: tl.constexpr,
+                    HALF: tl.constexpr, DV: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """Token ``t``'s rotated query, and its rotated key and value written at ``slot`` (none
+    for -1)."""
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
     cos = tl.load(cs_ptr + t * stride_cs + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + t * stride_cs + HALF + offs_d, mask=d_ok, other=0.0).to(
         tl.float32)[None, :]
-
     offs_hq = tl.arange(0, BLOCK_HQ)
     q_ok = (offs_hq[:, None] < HQ) & d_ok[None, :]
     r1, r2 = _rotate(q_ptr + t * stride_qt, stride_qh, offs_hq, offs_d, cos, sin, q_ok, HALF)
     out = qo_ptr + t * stride_ot + offs_hq[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, r1.to(qo_ptr.dtype.element_ty), mask=q_ok)
     tl.store(out + HALF, r2.to(qo_ptr.dtype.element_ty), mask=q_ok)
-
-    if HAS_SLOTS:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-    else:  # the token's request: the largest r with query_start_loc[r] <= t
-        lo = num_reqs * 0
-        hi = num_reqs
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if tl.load(qsl_ptr + mid) <= t:
-                lo = mid
-            else:
-                hi = mid
-        real = t < tl.load(qsl_ptr + num_reqs)  # (padding rows' positions are not read)
-        pos = tl.load(pos_ptr + t, mask=real, other=0).to(tl.int64)
-        block = tl.load(bt_ptr + lo * stride_bt + pos // block_size, mask=real, other=0)
-        slot = tl.where(real, block.to(tl.int64) * block_size + pos % block_size, -1)
     if slot >= 0:
         page = slot // block_size
         row = slot % block_size
-        if row == 0:
-            if HAS_SLOTS:
-                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr,
-                                 slot_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
-                                 stride_vcs, stride_vch, block_size, HKV, 2 * HALF, DV,
-                                 BLOCK_HKV, 2 * BLOCK_HALF, BLOCK_DV, True)
-            else:
-                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, tl.load(qsl_ptr + lo + 1),
-                                 slot_ptr, pos_ptr, stride_kcb, stride_kcs, stride_kch,
-                                 stride_vcb, stride_vcs, stride_vch, block_size, HKV, 2 * HALF,
-                                 DV, BLOCK_HKV, 2 * BLOCK_HALF, BLOCK_DV, False)
         offs_hk = tl.arange(0, BLOCK_HKV)
         k_ok = (offs_hk[:, None] < HKV) & d_ok[None, :]
         k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
@@ -217,7 +260,8 @@ def rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots, pos
     has_slots = slots is not None
     dummy = q_out  # (never read: its flag is off)
     table = block_table if block_table is not None else dummy
-    rope_kv_write_kernel[(t,)](
+    grid, clear = _clear_meta(t, k_cache.shape[1], hkv * d, hkv * dv)
+    rope_kv_write_kernel[grid](
         query, key, value, cos_sin, q_out, k_cache, v_cache,
         slots if has_slots else dummy, positions if positions is not None else dummy,
         query_start_loc if query_start_loc is not None else dummy, table,
@@ -230,6 +274,6 @@ def rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots, pos
         HQ=hq, HKV=hkv, HALF=d // 2, DV=dv, BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(d // 2),
         BLOCK_DV=triton.next_power_of_2(dv), HAS_SLOTS=has_slots, FP8=fp8,
-        FP8_LIMIT=FP8_MAX.get(kv_cache.dtype, 0.0),
+        FP8_LIMIT=FP8_MAX.get(kv_cache.dtype, 0.0), **clear,
         num_warps=4 if hq * d >= 2048 else 1)
     return q_out

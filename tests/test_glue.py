@@ -15,10 +15,13 @@ BLOCK = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _batch(pad=3):
-    alloc = BlockAllocator(24, BLOCK, shuffle=True, seed=1)
-    meta = build_batch(alloc, [0, 1, 2], [5, 0, 9], [1, 6, 3], num_tokens_padded=10 + pad)
-    return meta
+def _batch(pad=3, block=BLOCK):
+    """Three requests (a decode, a new prefill, a chunk after context); at a page of 64 the
+    tokens entering pages leave 63, 58 and 58 rows to clear, spread over two grid columns."""
+    alloc = BlockAllocator(24, block, shuffle=True, seed=1)
+    if block == BLOCK:
+        return build_batch(alloc, [0, 1, 2], [5, 0, 9], [1, 6, 3], num_tokens_padded=10 + pad)
+    return build_batch(alloc, [0, 1, 2], [63, 0, 128], [2, 6, 70], num_tokens_padded=78 + pad)
 
 
 def _rotate_half(x, cos_sin):
@@ -148,9 +151,10 @@ def test_bad_inputs_name_the_value_and_the_fix():
                              None, None, None)
 
 
+@pytest.mark.parametrize("block", [BLOCK, 64])
 @pytest.mark.parametrize("case", ["fp32_slots", "fp32_positions", "fp16_packed_diffv",
                                   "fp8_e4m3", "fp8_e5m2"])
-def test_fused_triton_kernel_matches_the_torch_implementation(case):
+def test_fused_triton_kernel_matches_the_torch_implementation(case, block):
     """The GPU kernel of rope_kv_cache_update against its torch implementation, padding rows
     included: on the GPU at random values; on the CPU in Triton's interpreter, whose fp8
     conversion rounds wrongly at binade edges (31.9 -> 16 in e4m3), so there the fp8 cases
@@ -159,7 +163,7 @@ def test_fused_triton_kernel_matches_the_torch_implementation(case):
     from attn_ops.glue import fused_torch
     from attn_ops.glue_kernels import rope_kv_cache_update_triton
 
-    meta = _batch(pad=2)
+    meta = _batch(pad=2, block=block)
     t = meta.slot_mapping.shape[0]
     dtype = torch.float16 if case == "fp16_packed_diffv" else torch.float32
     dv = 12 if case == "fp16_packed_diffv" else 8
@@ -177,12 +181,13 @@ def test_fused_triton_kernel_matches_the_torch_implementation(case):
         grid = torch.tensor([0.0, 0.5, -1.5, 3.0, 20.0, -96.0, 1e9, -1e9])  # exact, saturating
         k = grid[torch.randint(0, 8, (t, 3, 8), generator=g)] * scales[0]
         v = grid[torch.randint(0, 8, (t, 3, dv), generator=g)] * scales[1]
-    cos_sin = rope_cache(8, 64, 10000.0)[positions]
+    cos_sin = rope_cache(8, 256, 10000.0)[positions]
+    nan = float("nan")  # (pages start poisoned: a row the kernel should clear and does not shows)
     if case == "fp16_packed_diffv":
-        cache = torch.zeros(24, BLOCK, 3, 8 + dv, dtype=dtype)
+        cache = torch.full((24, block, 3, 8 + dv), nan, dtype=dtype)
     else:
-        cache = torch.zeros(24, 2, BLOCK, 3, 8, dtype={
-            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(case, dtype))
+        cache = torch.full((24, 2, block, 3, 8), nan).to(
+            {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(case, dtype))
     slot_args = (None, meta.positions, meta.query_start_loc, meta.block_table) \
         if case == "fp32_positions" else (meta.slot_mapping, None, None, None)
     args = [x.to(DEVICE) if torch.is_tensor(x) else x
@@ -194,11 +199,12 @@ def test_fused_triton_kernel_matches_the_torch_implementation(case):
     if fp8:  # the same rounding, bit for bit
         assert torch.equal(args[4].view(torch.uint8), want_cache.view(torch.uint8))
     else:  # (on the GPU the kernel's fused multiply-adds round the rotation differently)
-        torch.testing.assert_close(args[4], want_cache)
+        torch.testing.assert_close(args[4], want_cache, equal_nan=True)
 
 
+@pytest.mark.parametrize("block", [BLOCK, 64])
 @pytest.mark.parametrize("case", ["fp32", "fp16_diffv", "fp8_e4m3"])
-def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case):
+def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case, block):
     """kv_cache_update's GPU kernel (on the CPU in Triton's interpreter) against its torch path:
     the same rows written, padding skipped, and the unwritten rows of every page a token enters
     at row 0 zeroed -- pages start NaN-poisoned, so a missed clear shows as NaN."""
@@ -206,7 +212,7 @@ def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case):
     from attn_ops.glue_kernels import kv_cache_update_triton
     from attn_ops.kv_cache import clear_entered_page_tails
 
-    meta = _batch(pad=2)
+    meta = _batch(pad=2, block=block)
     slots = meta.slot_mapping
     t = slots.shape[0]
     dtype = torch.float16 if case == "fp16_diffv" else torch.float32
@@ -219,12 +225,12 @@ def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case):
     if case == "fp8_e4m3":  # values exact in e4m3 after scaling (the interpreter's rounding)
         k, v = (torch.tensor([0.0, 0.5, -1.5, 3.0])[torch.randint(0, 4, x.shape, generator=g)]
                 * s for x, s in ((k, scales[0]), (v, scales[1])))
-    want_k = torch.full((24, BLOCK, 3, 8), float("nan"), dtype=dtype).to(cache_dtype)
-    want_v = torch.full((24, BLOCK, 3, dv), float("nan"), dtype=dtype).to(cache_dtype)
+    want_k = torch.full((24, block, 3, 8), float("nan"), dtype=dtype).to(cache_dtype)
+    want_v = torch.full((24, block, 3, dv), float("nan"), dtype=dtype).to(cache_dtype)
     got_k, got_v = (x.clone().to(DEVICE) for x in (want_k, want_v))
     clear_entered_page_tails(want_k, want_v, slots)
     valid = (slots >= 0).nonzero().squeeze(1)
-    b, o = slots[valid] // BLOCK, slots[valid] % BLOCK
+    b, o = slots[valid] // block, slots[valid] % block
     for new, cache, scale in ((k, want_k, scales[0]), (v, want_v, scales[1])):
         rows = new[valid] if scale is None else (new[valid] / scale).to(cache_dtype)
         cache.view(torch.uint8 if scale is not None else dtype)[b, o] = \
