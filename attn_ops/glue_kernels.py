@@ -173,6 +173,7 @@ def rope_kv_write_kernel(
         real = t < tl.load(qsl_ptr + num_reqs)  # (padding rows' positions are not read)
         pos = tl.load(pos_ptr + t, mask=real, other=1).to(tl.int64)
         enters = real & (pos % block_size == 0)
+        slot = pos * 0 - 1  # (defined before the branch that sets it: compiled Triton needs it)
     if first_column | enters:
         if not HAS_SLOTS:  # the token's request: the largest r with query_start_loc[r] <= t
             lo = num_reqs * 0
