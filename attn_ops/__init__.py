@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AttentionSpec": "spec", "AttentionType": "spec", "KVCacheDType": "spec",
-    "LayerKind": "spec", "Feature": "spec",
+    "LayerKind": "spec", "Feature": "spec", "yarn_mscale": "spec", "MLAAttention": "mla",
     "Platform": "platforms", "PlatformKind": "platforms", "current_platform": "platforms",
     "Reason": "capabilities", "BackendCapabilities": "capabilities",
     "CUDAGraphSupport": "capabilities", "HeadDims": "capabilities", "MultipleOf": "capabilities",

@@ -146,6 +146,15 @@ def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
             raise ValueError(f"slot_mapping holds slot {int(slots[bad][0])} but the cache has "
                              f"slots 0..{capacity - 1} ({k_cache.shape[0]} blocks x {block_size}) "
                              "and -1 marks padding")
+    write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """Write ``key`` / ``value`` ``[T, H, D]`` at ``slot_mapping`` into the paged views
+    ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, H, D]`` (any strides: halves of one
+    cache, or the two column ranges of an MLA latent cache), skipping -1, quantizing to fp8
+    caches, and zeroing the rows the write leaves unfilled in every page it enters."""
+    block_size = k_cache.shape[1]
     if slot_mapping.numel() == 0:
         return
     if key.is_cuda:  # one Triton launch, page tails cleared in it (attn_ops.glue_kernels)
@@ -153,7 +162,7 @@ def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
 
         return kv_cache_update_triton(key, value, k_cache, v_cache, slot_mapping, k_scale,
                                       v_scale)
-    clear_entered_page_tails(k_cache, v_cache, slot_mapping)
+    clear_entered_page_tails(slot_mapping, k_cache, v_cache)
     valid = slot_mapping >= 0
     rows = valid.nonzero().squeeze(1)  # (the host's own tensors: no device to sync with)
     slots = slot_mapping.long().index_select(0, rows)
@@ -166,15 +175,15 @@ def _kv_cache_update_impl(key, value, kv_cache, slot_mapping, k_scale, v_scale):
         cache[blocks, offsets] = new
 
 
-def clear_entered_page_tails(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             slot_mapping: torch.Tensor) -> None:
+def clear_entered_page_tails(slot_mapping: torch.Tensor, *caches: torch.Tensor) -> None:
     """Zero, in every page whose row 0 this write fills (a request entering a page that may
     hold anything an earlier request left, NaN included), the rows the write does not fill --
     so a page's unused tail is always finite, and no kernel that loads whole pages multiplies a
     zero probability by a NaN. The rows a write fills are the following tokens' (a request's
     new tokens are consecutive, in position order). Host tensors (the GPU does this inside
-    its write kernel)."""
-    block_size = k_cache.shape[1]
+    its write kernel). ``caches``: paged views ``[num_blocks, block_size, ...]`` the write
+    fills (K and V; an MLA latent cache)."""
+    block_size = caches[0].shape[1]
     slots = slot_mapping.numpy() if slot_mapping.dtype == torch.int64 else \
         slot_mapping.long().numpy()
     for t in np.flatnonzero((slots >= 0) & (slots % block_size == 0)):
@@ -182,7 +191,7 @@ def clear_entered_page_tails(k_cache: torch.Tensor, v_cache: torch.Tensor,
         filled = int(np.argmin(np.append(run == slots[t] + np.arange(run.shape[0]), False)))
         if filled < block_size:
             page = int(slots[t]) // block_size
-            for cache in (k_cache, v_cache):
+            for cache in caches:
                 raw = cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
                 raw[page, filled:].zero_()
 

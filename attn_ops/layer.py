@@ -176,13 +176,16 @@ def _as_heads(name: str, x: torch.Tensor, tokens: int | None, heads: int, dim: i
 
 
 def step_backends(model: nn.Module) -> list[tuple[tuple, Any]]:
-    """``(metadata key, backend)`` of the :class:`Attention` layers of ``model``, one per
+    """``(metadata key, backend)`` of the attention layers of ``model`` (:class:`Attention`,
+    :class:`~attn_ops.mla.MLAAttention`), one per
     distinct key: what :func:`build_step_metadata` builds for. An engine computes it once and
     passes it instead of the model -- walking the modules costs ~0.8 us each, every step (220
     us for a 32-layer model on the CPU CI machine)."""
+    from attn_ops.mla import MLAAttention
+
     backends: dict = {}
     for layer in model.modules():
-        if isinstance(layer, Attention) and layer._metadata_key not in backends:
+        if isinstance(layer, (Attention, MLAAttention)) and layer._metadata_key not in backends:
             backends[layer._metadata_key] = layer.impl
     return list(backends.items())
 

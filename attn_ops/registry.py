@@ -19,7 +19,8 @@ from attn_ops.capabilities import PackageRequirement
 from attn_ops.platforms import PlatformKind
 
 __all__ = [
-    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "get_backend_class", "list_backends",
+    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "MLA_BACKENDS", "get_backend_class",
+    "list_backends",
     "register_backend", "resolve_name",
 ]
 
@@ -41,10 +42,24 @@ class Backend(str, enum.Enum):
     XPU_ATTN = "XPU_ATTN"
     CPU_ATTN = "CPU_ATTN"
     REFERENCE = "REFERENCE"
+    # MLA (multi-head latent attention) layers
+    FLASHMLA = "FLASHMLA"
+    FLASHMLA_SPARSE = "FLASHMLA_SPARSE"
+    CUTLASS_MLA = "CUTLASS_MLA"
+    FLASHINFER_MLA_TRTLLM = "FLASHINFER_MLA_TRTLLM"
+    FLASH_ATTN_MLA = "FLASH_ATTN_MLA"
+    FLASHINFER_MLA = "FLASHINFER_MLA"
+    TRITON_MLA = "TRITON_MLA"
+    REFERENCE_MLA = "REFERENCE_MLA"
 
     def __str__(self) -> str:
         return self.value
 
+
+# The backends of MLA layers: an MLA spec is offered these only, any other spec the rest.
+MLA_BACKENDS = frozenset({
+    Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA, Backend.FLASHINFER_MLA_TRTLLM,
+    Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA, Backend.TRITON_MLA, Backend.REFERENCE_MLA})
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
@@ -67,6 +82,10 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.TRITON_ATTN: "attn_ops.backends.triton_attn:TritonAttnBackend",
     Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",
     Backend.TREE_ATTN: "attn_ops.backends.tree_attn:TreeAttnBackend",
+    Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
+    **{b: f"attn_ops.backends.mla.unavailable:UNAVAILABLE.{b.value}" for b in (
+        Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
+        Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA)},
 }
 
 _PLANNED: dict[str, _Planned] = {
@@ -74,6 +93,11 @@ _PLANNED: dict[str, _Planned] = {
                                     (PackageRequirement("aiter", "aiter"),), "ROCm support"),
     Backend.ROCM_ATTN: _Planned(frozenset({PlatformKind.ROCM}), (_TRITON,), "ROCm support"),
     Backend.XPU_ATTN: _Planned(frozenset({PlatformKind.XPU}), (), "XPU support"),
+    Backend.FLASHINFER_MLA: _Planned(frozenset({PlatformKind.CUDA}),
+                                     (PackageRequirement("flashinfer-python", "flashinfer",
+                                                         "0.7.2", "0.8"),),
+                                     "the MLA family's FlashInfer kernels"),
+    Backend.TRITON_MLA: _Planned(_GPU, (_TRITON,), "the MLA family's Triton kernels"),
 }
 
 _lock = threading.Lock()
@@ -162,7 +186,7 @@ def _load(target: str | type) -> type:
     module, _, qualname = target.partition(":")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
-        obj = getattr(obj, part)
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
     return obj
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from attn_ops.capabilities import Reason
 from attn_ops.platforms import Platform, PlatformKind, current_platform
-from attn_ops.registry import Backend, get_backend_class, list_backends, resolve_name
+from attn_ops.registry import (MLA_BACKENDS, Backend, get_backend_class, list_backends,
+                               resolve_name)
 from attn_ops.spec import AttentionSpec, Feature, LayerKind
 from attn_ops.tuning import Tuning
 
@@ -48,6 +49,8 @@ class AttentionConfig:
 
 def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform."""
+    if spec.use_mla:
+        return [b.value for b in _mla_priority(platform)]
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
         # On sm90 FA4 has the fastest prefill but no split-KV decode: the composite runs its
@@ -67,6 +70,32 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
         # REFERENCE is the CPU fallback only: on a GPU it would be a silent 100x slowdown.
         order = [B.CPU_ATTN, B.FLEX_ATTENTION, B.REFERENCE]
     return [b.value for b in order]
+
+
+def _mla_priority(platform: Platform) -> list[Backend]:
+    """MLA layers: the vendor kernels first where they exist (Blackwell's CUTLASS and
+    trtllm-gen MLA; FlashMLA on sm90/sm100; FA3's absorbed path on sm90), then FlashInfer's
+    MLA kernel (fa3 on sm90, fa2 elsewhere), then our Triton kernels; on CPUs the reference."""
+    if platform.kind is PlatformKind.CUDA:
+        major = platform.capability[0] if platform.capability else 0
+        vendor = {10: [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM, B.FLASHMLA],
+                  9: [B.FLASH_ATTN_MLA, B.FLASHMLA]}.get(major, [])
+        return [*vendor, B.FLASHINFER_MLA, B.TRITON_MLA]
+    if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
+        return [B.TRITON_MLA]
+    return [B.REFERENCE_MLA]
+
+
+def _same_family(name: str, spec: AttentionSpec) -> bool:
+    """Whether backend ``name`` is of the spec's family (MLA or the rest): a plugin is MLA
+    when its class says ``serves_mla = True``."""
+    if name in MLA_BACKENDS:
+        return spec.use_mla
+    try:
+        mla = bool(getattr(get_backend_class(name), "serves_mla", False))
+    except ImportError:
+        mla = False
+    return mla == spec.use_mla
 
 
 @dataclass(frozen=True)
@@ -173,7 +202,7 @@ def candidates_for(spec: AttentionSpec, platform: Platform) -> tuple[Candidate, 
     """Every known backend for ``spec`` on ``platform`` with its reasons, in priority order
     (then the backends outside the platform's list)."""
     order = priority_list(spec, platform)
-    names = order + [n for n in list_backends() if n not in order]
+    names = order + [n for n in list_backends() if n not in order and _same_family(n, spec)]
     return tuple(_with_alternatives([
         Candidate(n, _reasons_of(n, spec, platform), order.index(n) if n in order else None)
         for n in names]))
@@ -189,7 +218,8 @@ def select_backend(spec: AttentionSpec, platform: Platform | None = None,
     described = f"{spec.describe()} on {platform}"
 
     if forced is not None:
-        chosen = by_name[forced]
+        chosen = by_name.get(forced) or Candidate(forced, _reasons_of(forced, spec, platform),
+                                                  None)  # (of the other family)
         if not chosen.ok:
             raise BackendNotSupportedError(
                 f"attention backend {forced} (forced by {forced_by}) cannot run {described}:\n"

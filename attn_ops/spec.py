@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["AttentionSpec", "AttentionType", "KVCacheDType", "LayerKind", "Feature"]
+__all__ = ["AttentionSpec", "AttentionType", "KVCacheDType", "LayerKind", "Feature",
+           "yarn_mscale"]
 
 
 class AttentionType(enum.Enum):
@@ -103,9 +104,15 @@ class AttentionSpec:
     use_alibi: bool = False
     attn_type: AttentionType = AttentionType.DECODER
     scale: float | None = None
-    # MLA latent dims; used by the MLA family only.
+    # Multi-head latent attention (DeepSeek-V2/V3): set by :meth:`mla`. The cache holds one
+    # latent row per token, [kv_lora_rank | qk_rope_head_dim]; head_dim is the QK width of the
+    # MHA form (qk_nope_head_dim + qk_rope_head_dim) and head_dim_v its V width; q_lora_rank is
+    # the query's low-rank width (None: a plain q_proj), described for the model, unused by the
+    # kernels.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    q_lora_rank: int | None = None
     # Arbitrary patterns (prefix-LM, document masking, ...), in request coordinates, written as
     # elementwise torch ops on index tensors (FlexAttention traces them; REFERENCE broadcasts):
     #   mask_mod(request, head, q_pos, kv_pos) -> bool       (and-ed with causal / window)
@@ -128,7 +135,7 @@ class AttentionSpec:
         for name in ("num_heads", "head_dim"):
             _check_positive(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim_v", "block_size", "sliding_window",
-                     "kv_lora_rank", "qk_rope_head_dim"):
+                     "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.num_heads % self.kv_heads:
@@ -152,9 +159,41 @@ class AttentionSpec:
                     or tree[0] != -1:
                 raise ValueError(f"spec_tree={tree} must list 1-64 parents in query order: -1 "
                                  "for the root (first), each other parent an earlier node")
+        if self.kv_lora_rank is not None or self.qk_nope_head_dim is not None:
+            _check_mla(self)
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
             raise ValueError(f"scale={self.scale} must be a finite positive number; use None "
                              "for 1/sqrt(head_dim)")
+
+    @classmethod
+    def mla(cls, num_heads: int, *, kv_lora_rank: int = 512, qk_nope_head_dim: int = 128,
+            qk_rope_head_dim: int = 64, v_head_dim: int = 128, q_lora_rank: int | None = None,
+            mscale: float = 1.0, **fields) -> AttentionSpec:
+        """An MLA layer (defaults: DeepSeek-V3's latent dims). The softmax scale is
+        ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * mscale ** 2`` -- the MHA form's QK
+        width, not the absorbed form's 576 -- with ``mscale`` from :func:`yarn_mscale` under
+        YaRN scaling (1 otherwise); ``scale=`` overrides it. ``fields``: ``dtype``,
+        ``kv_cache_dtype``, ``block_size``, ...
+
+        Example::
+
+            spec = AttentionSpec.mla(128, q_lora_rank=1536, mscale=yarn_mscale(40, 1.0))
+        """
+        if not (isinstance(mscale, (int, float)) and mscale > 0 and math.isfinite(mscale)):
+            raise ValueError(f"mscale={mscale!r} must be a finite positive number (YaRN's "
+                             "yarn_mscale(factor, mscale_all_dim); 1.0 without YaRN)")
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        fields.setdefault("scale", qk ** -0.5 * mscale * mscale)
+        return cls(num_heads=num_heads, head_dim=qk, head_dim_v=v_head_dim,
+                   kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                   qk_rope_head_dim=qk_rope_head_dim, q_lora_rank=q_lora_rank, **fields)
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token in an MLA latent cache: ``kv_lora_rank + qk_rope_head_dim``."""
+        if not self.use_mla:
+            raise ValueError(f"{self.describe()} is not an MLA spec (AttentionSpec.mla(...))")
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     # Resolved views of the "None means default" fields.
     @property
@@ -217,8 +256,13 @@ class AttentionSpec:
 
     def describe(self) -> str:
         """A one-line summary used in errors and logs."""
-        parts = [f"heads={self.num_heads}/{self.kv_heads}", f"head_dim={self.head_dim}"]
-        if self.v_head_dim != self.head_dim:
+        if self.use_mla:
+            parts = [f"mla heads={self.num_heads}", f"kv_lora_rank={self.kv_lora_rank}",
+                     f"qk_nope={self.qk_nope_head_dim}", f"qk_rope={self.qk_rope_head_dim}",
+                     f"v_head_dim={self.v_head_dim}"]
+        else:
+            parts = [f"heads={self.num_heads}/{self.kv_heads}", f"head_dim={self.head_dim}"]
+        if self.v_head_dim != self.head_dim and not self.use_mla:
             parts.append(f"head_dim_v={self.v_head_dim}")
         parts.append(f"dtype={str(self.dtype).removeprefix('torch.')}")
         if self.kv_cache_dtype.is_fp8:
@@ -266,6 +310,29 @@ def parents_from_ancestor_mask(mask) -> tuple[int, ...]:
                              f"parent's ancestors plus itself: {expected} (parent {parent})")
         parents.append(parent)
     return tuple(parents)
+
+
+def yarn_mscale(factor: float, mscale_all_dim: float) -> float:
+    """YaRN's attention-temperature factor (DeepSeek's ``yarn_get_mscale``): ``0.1 *
+    mscale_all_dim * ln(factor) + 1`` for a context extension ``factor`` > 1, else 1. The
+    MLA softmax scale takes it squared (:meth:`AttentionSpec.mla`)."""
+    if factor <= 1 or not mscale_all_dim:
+        return 1.0
+    return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+
+
+def _check_mla(spec: AttentionSpec) -> None:
+    dims = {n: getattr(spec, n) for n in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")}
+    if any(v is None for v in dims.values()):
+        raise ValueError(f"an MLA spec needs kv_lora_rank, qk_nope_head_dim and "
+                         f"qk_rope_head_dim, got {dims}; build it with AttentionSpec.mla(...)")
+    if spec.head_dim != spec.qk_nope_head_dim + spec.qk_rope_head_dim:
+        raise ValueError(f"head_dim={spec.head_dim} must be qk_nope_head_dim + qk_rope_head_dim "
+                         f"= {spec.qk_nope_head_dim + spec.qk_rope_head_dim} for MLA; build it "
+                         "with AttentionSpec.mla(...)")
+    if spec.kv_heads != spec.num_heads:
+        raise ValueError(f"num_kv_heads={spec.num_kv_heads} must be None for MLA: every head "
+                         "reads the one shared latent (its MHA form has num_heads K/V heads)")
 
 
 def _check_positive(name: str, value: object) -> None:

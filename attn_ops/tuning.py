@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 __all__ = [
     "ENV_TUNING", "CompositeTuning", "FA4Tile", "FlashAttnTuning", "FlashInferTuning",
-    "FlexTuning", "Tile", "TritonTuning", "Tuning", "default_tuning", "resolve_tuning",
+    "FlexTuning", "MLATuning", "Tile", "TritonTuning", "Tuning", "default_tuning", "resolve_tuning",
 ]
 
 ENV_TUNING = "ATTN_OPS_TUNING"
@@ -160,7 +160,22 @@ class CompositeTuning:
     graph_fa4_waves: tuple[float, float] | None = (0.7, 2.0)
 
 
-_SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite")
+@dataclass(frozen=True)
+class MLATuning:
+    """The MLA family (``backends/mla``)."""
+
+    # Requests at the front of a step with at most this many new tokens run in the absorbed
+    # (MQA) form over the latent cache -- decodes, speculative decodes and short prefills;
+    # the rest in the MHA form. Absorbed costs (nope + rope + 2 x rank) FLOPs per head, query
+    # and cached token; MHA up-projects the context once, which pays off only for long queries.
+    absorbed_max_query_len: int = 16
+    # The MHA form attends the cached context in chunks of at most this many latent rows,
+    # gathered and up-projected into a workspace of chunk x heads x (nope + v) values, chunks
+    # taken across requests in order (a long request beside short ones does not multiply them).
+    context_chunk_tokens: int = 8192
+
+
+_SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla")
 
 
 @dataclass(frozen=True)
@@ -175,6 +190,7 @@ class Tuning:
     flash_attn: FlashAttnTuning = field(default_factory=FlashAttnTuning)
     flashinfer: FlashInferTuning = field(default_factory=FlashInferTuning)
     composite: CompositeTuning = field(default_factory=CompositeTuning)
+    mla: MLATuning = field(default_factory=MLATuning)
 
     @functools.cached_property
     def key(self) -> str:

@@ -228,7 +228,7 @@ def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case, 
     want_k = torch.full((24, block, 3, 8), float("nan"), dtype=dtype).to(cache_dtype)
     want_v = torch.full((24, block, 3, dv), float("nan"), dtype=dtype).to(cache_dtype)
     got_k, got_v = (x.clone().to(DEVICE) for x in (want_k, want_v))
-    clear_entered_page_tails(want_k, want_v, slots)
+    clear_entered_page_tails(slots, want_k, want_v)
     valid = (slots >= 0).nonzero().squeeze(1)
     b, o = slots[valid] // block, slots[valid] % block
     for new, cache, scale in ((k, want_k, scales[0]), (v, want_v, scales[1])):

@@ -1,0 +1,119 @@
+"""The ``MLAAttention`` module: one multi-head latent attention layer over its latent cache.
+
+The model computes the projections (DeepSeek-V2/V3: ``q`` from ``q_proj`` or ``q_b_proj(norm(
+q_a_proj(x)))``; ``kv_c`` and ``k_pe`` from ``kv_a_proj_with_mqa(x)``, ``kv_c`` normalized; RoPE
+on the rope parts) and ``o_proj``; this layer owns ``kv_b_proj`` as ``W_UK`` / ``W_UV`` (split once,
+:meth:`MLAAttention.load_kv_b_proj`), writes ``[kv_c | k_pe]`` into the cache
+(``torch.ops.attn.mla_cache_update``) and runs the backend's op, which serves decodes and short
+prefills in the absorbed form and the rest in the MHA form (``attn_ops.backends.mla.common``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.platforms import Platform
+from attn_ops.selector import AttentionConfig, select_backend
+from attn_ops.spec import AttentionSpec
+from attn_ops.tuning import resolve_tuning
+
+__all__ = ["MLAAttention"]
+
+
+class MLAAttention(nn.Module):
+    """One MLA layer described by ``AttentionSpec.mla(...)``.
+
+    ``forward(q, kv_c, k_pe, cache, metadata)`` takes ``q [T, H, nope + rope]`` (rope part
+    rotated), ``kv_c [T, kv_lora_rank]`` (normalized), ``k_pe [T, rope]`` (rotated), a cache from
+    :meth:`allocate_cache` and the step's metadata, and returns ``[T, H, v_head_dim]`` (what
+    ``o_proj`` takes, flattened). fp8 caches carry a ``kv_scale`` buffer (default 1.0).
+
+    Example::
+
+        spec = AttentionSpec.mla(16, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                 v_head_dim=16, dtype=torch.float32)
+        layer = MLAAttention(spec)
+        layer.load_kv_b_proj(kv_b_proj.weight)      # [H * (nope + v), kv_lora_rank]
+        cache = layer.allocate_cache(num_blocks=64)
+        out = layer(q, kv_c, k_pe, cache, metadata)
+    """
+
+    def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
+                 platform: Platform | None = None) -> None:
+        super().__init__()
+        if not spec.use_mla:
+            raise ValueError(f"MLAAttention needs an MLA spec (AttentionSpec.mla(...)), got "
+                             f"{spec.describe()}; use attn_ops.Attention for it")
+        self.spec = spec
+        self.selection = select_backend(spec, platform, config)
+        options = dict(config.backend_options) if config is not None else {}
+        self.tuning = (config.tuning if config is not None and config.tuning is not None
+                       else resolve_tuning(self.selection.platform))
+        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
+        h, nope, rank, v = (spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank,
+                            spec.v_head_dim)
+        self.register_buffer("w_uk", torch.zeros(h, nope, rank, dtype=spec.dtype))
+        self.register_buffer("w_uv", torch.zeros(h, rank, v, dtype=spec.dtype))
+        self.register_buffer("kv_scale", torch.ones(1) if spec.kv_cache_dtype.is_fp8 else None)
+        self._metadata_key = self.impl.metadata_key()
+
+    @property
+    def backend(self) -> str:
+        return self.selection.backend
+
+    @property
+    def block_size(self) -> int:
+        return self.selection.block_size
+
+    @torch.no_grad()
+    def load_kv_b_proj(self, weight: torch.Tensor) -> None:
+        """Split ``kv_b_proj.weight`` ``[H * (nope + v), kv_lora_rank]`` (per head: the nope
+        rows, then the v rows) into ``W_UK [H, nope, rank]`` and ``W_UV [H, rank, v]``."""
+        spec = self.spec
+        h, nope, v, rank = (spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim,
+                            spec.kv_lora_rank)
+        if tuple(weight.shape) != (h * (nope + v), rank):
+            raise ValueError(f"kv_b_proj.weight must be [num_heads * (qk_nope_head_dim + "
+                             f"v_head_dim), kv_lora_rank] = [{h * (nope + v)}, {rank}], got "
+                             f"{tuple(weight.shape)}")
+        w = weight.view(h, nope + v, rank)
+        self.w_uk.copy_(w[:, :nope])
+        self.w_uv.copy_(w[:, nope:].transpose(1, 2))
+
+    def allocate_cache(self, num_blocks: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+        """A zeroed latent cache ``[num_blocks, block_size, kv_lora_rank + rope]`` in the cache
+        dtype, at the selected backend's page size."""
+        from attn_ops.backends.mla.common import allocate_latent_cache
+
+        device = device if device is not None else self.selection.platform.device_type
+        return allocate_latent_cache(self.spec, num_blocks, self.block_size, device)
+
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                cache: torch.Tensor, metadata: CommonAttentionMetadata | Any) -> torch.Tensor:
+        """``metadata``: the step's common metadata, what ``self.impl.build_metadata`` made of
+        it, or the dict of :func:`attn_ops.build_step_metadata` (plan outside compiled code)."""
+        from attn_ops.backends.mla.common import mla_cache_update
+
+        if isinstance(metadata, dict):
+            metadata = metadata[self._metadata_key]
+        spec = self.spec
+        t = q.shape[0]
+        for name, x, shape in (("q", q, (t, spec.num_heads, spec.head_dim)),
+                               ("kv_c", kv_c, (t, spec.kv_lora_rank)),
+                               ("k_pe", k_pe, (t, spec.qk_rope_head_dim))):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} must be {list(shape)} for {spec.describe()}, got "
+                                 f"{list(x.shape)}")
+        mla_cache_update(kv_c, k_pe, cache, metadata.slot_mapping, self.kv_scale)
+        out = q.new_empty(t, spec.num_heads, spec.v_head_dim)
+        self.impl.forward(q, kv_c, k_pe, cache, metadata, out, w_uk=self.w_uk, w_uv=self.w_uv,
+                          kv_scale=self.kv_scale)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"

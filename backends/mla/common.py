@@ -1,0 +1,351 @@
+"""What every MLA backend shares: the latent cache and its write op, the LSE merge op, the step
+plan and the executor that runs a step's two forms.
+
+Latent cache (one per layer): ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``,
+row ``[kv_c | k_pe]`` per token (``kv_c`` normalized, ``k_pe`` rotated), in the model dtype or
+fp8 e4m3 with one per-tensor scale (stored ``x / scale``, saturated).
+
+A step (decode-first, like every batch here) runs in two forms:
+
+* **absorbed** (MQA over the latent cache): the leading requests with at most
+  ``Tuning.mla.absorbed_max_query_len`` new tokens -- decodes, speculative decodes, short
+  prefills. ``ql = q_nope @ W_UK`` per head gives a ``kv_lora_rank + rope``-wide query whose
+  keys are the latent rows and whose values are their first ``kv_lora_rank`` entries; the
+  latent output goes through ``W_UV``. Causal inside a request's new tokens.
+* **MHA** (up-projected K/V, QK ``nope + rope`` / V ``v_head_dim``): the other requests. Their
+  new tokens attend to each other causally; their cached context is gathered in chunks of at
+  most ``Tuning.mla.context_chunk_tokens`` latent rows -- taken across requests in order, so a
+  long request beside short ones costs its own chunks only -- up-projected, attended without a
+  mask, and merged through the LSE (:data:`merge_attn_states`).
+
+Backends differ in the two kernels :func:`run_mla` calls (``absorbed`` and ``mha``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.capabilities import Reason
+from attn_ops.kv_cache import FP8_MAX, write_paged
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.ops import define_op
+from attn_ops.plan_codec import PlanCodec
+from attn_ops.platforms import Platform
+from attn_ops.spec import AttentionSpec
+
+__all__ = [
+    "MLA_SCHEMA", "MLABackend", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
+    "check_mla_inputs", "context_chunks",
+    "merge_attn_states", "mla_cache_update", "run_mla",
+]
+
+
+def allocate_latent_cache(spec: AttentionSpec, num_blocks: int, block_size: int,
+                          device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed latent cache for one MLA layer, in ``spec.cache_dtype``."""
+    return torch.zeros(num_blocks, block_size, spec.latent_dim, dtype=spec.cache_dtype,
+                       device=device)
+
+
+def _check_update(kv_c, k_pe, cache, slot_mapping, scale) -> None:
+    t = kv_c.shape[0]
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != t:
+        raise ValueError(f"kv_c must be [num_tokens, kv_lora_rank] and k_pe [num_tokens, "
+                         f"qk_rope_head_dim], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
+    if cache.dim() != 3 or cache.shape[2] != kv_c.shape[1] + k_pe.shape[1]:
+        raise ValueError(f"latent_cache must be [num_blocks, block_size, kv_lora_rank + "
+                         f"qk_rope_head_dim = {kv_c.shape[1] + k_pe.shape[1]}], got "
+                         f"{tuple(cache.shape)}; allocate it with MLAAttention.allocate_cache")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != t or slot_mapping.is_floating_point():
+        raise ValueError(f"slot_mapping must be an integer [num_tokens={t}] tensor, got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if cache.dtype in FP8_MAX and (scale is None or scale.numel() != 1):
+        raise ValueError(f"an fp8 latent cache ({cache.dtype}) needs a one-element float32 "
+                         f"scale, got {None if scale is None else tuple(scale.shape)}")
+
+
+def _mla_cache_update(kv_c, k_pe, latent_cache, slot_mapping, scale) -> None:
+    _check_update(kv_c, k_pe, latent_cache, slot_mapping, scale)
+    rank = kv_c.shape[1]
+    # the latent row's two column ranges as one-head paged views: the KV write's kernel (and
+    # its page-tail rule) writes them
+    write_paged(kv_c[:, None], k_pe[:, None], latent_cache[:, :, None, :rank],
+                latent_cache[:, :, None, rank:], slot_mapping, scale, scale)
+
+
+mla_cache_update = define_op(
+    "mla_cache_update",
+    "(Tensor kv_c, Tensor k_pe, Tensor(a!) latent_cache, Tensor slot_mapping, Tensor? scale)"
+    " -> ()",
+    _mla_cache_update, lambda *args: _check_update(*args))
+mla_cache_update.__doc__ = """Write ``[kv_c | k_pe]`` rows ([T, kv_lora_rank], [T, rope]) into the
+latent cache at ``slot_mapping`` [T] (-1: padding, skipped); an fp8 cache stores ``x / scale``
+saturated. The unused rows of every page the write enters are zeroed."""
+
+
+def _check_merge(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
+    t, h = out.shape[:2]
+    for name, x in (("prefix_out", prefix_out), ("suffix_out", suffix_out)):
+        if x.shape != out.shape:
+            raise ValueError(f"{name} must have out's shape {tuple(out.shape)}, got "
+                             f"{tuple(x.shape)}")
+    for name, x in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("out_lse", out_lse)):
+        if x is not None and (x.shape != (t, h) or x.dtype not in _lse_dtypes(out)):
+            raise ValueError(f"{name} must be float32 [num_tokens={t}, num_heads={h}] (or "
+                             f"float64 with a float64 out), got {x.dtype} {tuple(x.shape)}")
+
+
+def _lse_dtypes(out: torch.Tensor) -> tuple[torch.dtype, ...]:
+    return (torch.float32, torch.float64) if out.dtype == torch.float64 else (torch.float32,)
+
+
+def _merge_attn_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
+    _check_merge(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    inf = float("inf")
+    # +inf marks a row some kernels leave undefined; it is an empty side, like -inf
+    p = prefix_lse.masked_fill(prefix_lse == inf, -inf)
+    s = suffix_lse.masked_fill(suffix_lse == inf, -inf)
+    m = torch.maximum(p, s)
+    safe = torch.where(m == -inf, 0.0, m)
+    wp, ws = torch.exp(p - safe), torch.exp(s - safe)
+    total = wp + ws
+    denom = torch.where(total > 0, total, 1.0)
+    compute = torch.float64 if out.dtype == torch.float64 else torch.float32
+    merged = (prefix_out.to(compute) * (wp / denom)[..., None].to(compute)
+              + suffix_out.to(compute) * (ws / denom)[..., None].to(compute))
+    out.copy_(merged.to(out.dtype))
+    if out_lse is not None:
+        out_lse.copy_(torch.where(total > 0, safe + torch.log(denom), -inf))
+
+
+merge_attn_states = define_op(
+    "merge_attn_states",
+    "(Tensor(a!) out, Tensor(b!)? out_lse, Tensor prefix_out, Tensor prefix_lse, "
+    "Tensor suffix_out, Tensor suffix_lse) -> ()",
+    _merge_attn_states, lambda *args: _check_merge(*args))
+merge_attn_states.__doc__ = """Combine two attention results over disjoint key sets:
+``out = (e^p * prefix_out + e^s * suffix_out) / (e^p + e^s)`` per token and head, with the
+natural-log LSEs ``p``, ``s`` [T, H] float32 (float64 for float64 outputs; +inf counts as empty, like -inf); rows empty on
+both sides get ``out = 0`` and ``out_lse = -inf``. Outputs [T, H, D]; out may alias neither
+input."""
+
+
+@dataclass(frozen=True)
+class MLAPlan:
+    """One step's split: the first ``num_absorbed`` requests (``num_absorbed_tokens`` rows) in
+    the absorbed form, the rest up to row ``num_tokens`` in the MHA form (later rows are
+    padding), its context in chunks of at most ``chunk_tokens`` latent rows."""
+
+    num_absorbed: int
+    num_absorbed_tokens: int
+    num_tokens: int
+    chunk_tokens: int
+
+
+PLAN = PlanCodec(MLAPlan)
+
+
+@dataclass(frozen=True, eq=False)
+class MLAMetadata:
+    """The common device tensors, ``plan`` (:class:`MLAPlan` encoded) and
+    ``context_lens_cpu``: the cached context of each MHA-form request (host int64)."""
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    plan: torch.Tensor
+    context_lens_cpu: torch.Tensor
+
+
+def absorbed_split(query_lens: np.ndarray, max_query_len: int) -> int:
+    """How many leading requests run in the absorbed form: those up to the first with more
+    than ``max_query_len`` new tokens (the batch is decode-first; the MHA part follows)."""
+    long = np.flatnonzero(query_lens > max_query_len)
+    return int(long[0]) if long.size else int(query_lens.shape[0])
+
+
+def context_chunks(context_lens: np.ndarray, chunk_tokens: int) -> list[np.ndarray]:
+    """The context chunks of the MHA-form requests: chunk ``c`` holds the requests' cached
+    tokens ``[c * chunk, (c + 1) * chunk)`` of their concatenation, as ``[R, 2]`` ranges
+    ``(start, end)`` per request in its own positions (empty where it has none there)."""
+    ends = np.cumsum(context_lens)
+    starts = ends - context_lens
+    total = int(ends[-1]) if ends.size else 0
+    chunks = []
+    for lo in range(0, total, chunk_tokens):
+        hi = lo + chunk_tokens
+        a = np.clip(lo - starts, 0, context_lens)
+        b = np.clip(hi - starts, 0, context_lens)
+        chunks.append(np.stack([a, np.maximum(a, b)], axis=1))
+    return chunks
+
+
+# kernels: absorbed(ql, q_pe, cache, qsl, seq_lens, block_table, out, kv_scale, scale) and
+# mha(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal)
+AbsorbedKernel = Callable[..., None]
+MHAKernel = Callable[..., None]
+
+
+def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, block_table,
+            plan, context_lens_cpu, out, kv_scale, scale, *, absorbed: AbsorbedKernel,
+            mha: MHAKernel) -> None:
+    """One step of an MLA layer (schema: :data:`MLA_SCHEMA`) with a backend's two kernels."""
+    p = PLAN.decode(plan)
+    heads, nope, rank = w_uk.shape
+    na, nat, nt = p.num_absorbed, p.num_absorbed_tokens, p.num_tokens
+    out[nt:].zero_()
+    if nat:
+        ql = torch.einsum("thn,hnl->thl", q[:nat, :, :nope], w_uk)
+        latent_out = ql.new_empty(nat, heads, rank)
+        absorbed(ql, q[:nat, :, nope:], latent_cache, query_start_loc[:na + 1], seq_lens[:na],
+                 block_table[:na], latent_out, kv_scale, scale)
+        out[:nat] = torch.einsum("thl,hlv->thv", latent_out, w_uv).to(out.dtype)
+    if nt == nat:
+        return
+    qsl = query_start_loc[na:] - query_start_loc[na]
+    qsl_host = _host_offsets(nt - nat, query_start_loc, na)
+    q_mha = q[nat:nt]
+    o_new = out.new_empty(nt - nat, heads, w_uv.shape[2])
+    lse_new = torch.empty(nt - nat, heads, device=q.device,  # (fp64 steps keep fp64 LSEs)
+                          dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    k, v = _up_project(kv_c[nat:nt], k_pe[nat:nt], w_uk, w_uv)
+    mha(q_mha, k, v, qsl, qsl, qsl_host, qsl_host, o_new, lse_new, scale, True)
+    ctx = context_lens_cpu.numpy()
+    chunks = context_chunks(ctx, p.chunk_tokens) if ctx.size else []
+    if chunks:
+        o_acc, lse_acc = o_new, lse_new
+        o_c, lse_c = torch.empty_like(o_new), torch.empty_like(lse_new)
+        merged, merged_lse = torch.empty_like(o_new), torch.empty_like(lse_new)
+        flat = latent_cache.view(-1, latent_cache.shape[2])
+        page = latent_cache.shape[1]
+        for ranges in chunks:
+            c_rows, c_pe, cu_k, cu_k_host = _gather_chunk(flat, page, block_table[na:], ranges,
+                                                          kv_scale, q.dtype, rank)
+            k_c, v_c = _up_project(c_rows, c_pe, w_uk, w_uv)
+            mha(q_mha, k_c, v_c, qsl, cu_k, qsl_host, cu_k_host, o_c, lse_c, scale, False)
+            merge_attn_states(merged, merged_lse, o_acc, lse_acc, o_c, lse_c)
+            o_acc, merged = merged, o_acc  # (the old accumulator is free for the next merge)
+            lse_acc, merged_lse = merged_lse, lse_acc
+        o_new = o_acc
+    out[nat:nt] = o_new
+
+
+def _host_offsets(rows: int, query_start_loc: torch.Tensor, first: int) -> list[int]:
+    """The MHA part's query offsets on the host (its requests' lengths are host data in the
+    plan's builder; here read once per step from the device copy)."""
+    qsl = query_start_loc[first:].tolist()
+    return [x - qsl[0] for x in qsl]
+
+
+def _up_project(c: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
+    """K ``[n, H, nope + rope]`` (the rope part shared by every head) and V ``[n, H, v]`` of
+    latent rows ``c`` [n, rank] and their ``k_pe`` [n, rope]."""
+    k_nope = torch.einsum("tl,hnl->thn", c, w_uk)
+    v = torch.einsum("tl,hlv->thv", c, w_uv)
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, w_uk.shape[0], -1).to(k_nope.dtype)],
+                  dim=-1)
+    return k, v
+
+
+def _gather_chunk(flat, page, block_table, ranges, kv_scale, dtype, rank):
+    """One context chunk's latent rows (dequantized to ``dtype``) as ``kv_c`` [n, rank] and
+    ``k_pe`` [n, rope], and its per-request key offsets (device and host)."""
+    lens = ranges[:, 1] - ranges[:, 0]
+    cu = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    req = np.repeat(np.arange(lens.shape[0]), lens)
+    pos = np.arange(int(cu[-1])) - cu[req] + ranges[req, 0]
+    device = flat.device
+    req_t = torch.from_numpy(req).to(device)
+    pos_t = torch.from_numpy(pos).to(device)
+    slots = block_table[req_t, pos_t // page].long() * page + pos_t % page
+    rows = flat.index_select(0, slots)
+    if flat.dtype in FP8_MAX:
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        rows = rows.to(wide) * kv_scale.to(wide)
+    rows = rows.to(dtype)
+    cu_t = torch.from_numpy(cu.astype(np.int32)).to(device)
+    return rows[:, :rank], rows[:, rank:], cu_t, cu.tolist()
+
+
+MLA_SCHEMA = (
+    "(Tensor q, Tensor kv_c, Tensor k_pe, Tensor latent_cache, Tensor w_uk, Tensor w_uv, "
+    "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor plan, "
+    "Tensor context_lens, Tensor(a!) out, Tensor? kv_scale, float scale) -> ()")
+"""One MLA layer's attention for a step. q [T, H, nope + rope] (rope part rotated), kv_c
+[T, rank] and k_pe [T, rope] (the new tokens' latents, as written to the cache), latent_cache
+[blocks, page, rank + rope], w_uk [H, nope, rank], w_uv [H, rank, v], the common metadata
+tensors, plan (:class:`MLAPlan`, CPU int64), context_lens (CPU int64, the MHA-form requests'
+cached tokens), out [T, H, v] (padding rows zeroed), kv_scale (fp8 cache), the softmax scale."""
+
+
+def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens,
+                     block_table, plan, context_lens, out, kv_scale, scale) -> None:
+    """Shape checks of the MLA ops (no tensor data read)."""
+    if w_uk.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[:2] != (w_uk.shape[0], w_uk.shape[2]):
+        raise ValueError(f"w_uk must be [heads, qk_nope_head_dim, kv_lora_rank] and w_uv "
+                         f"[heads, kv_lora_rank, v_head_dim], got {tuple(w_uk.shape)} and "
+                         f"{tuple(w_uv.shape)}")
+    heads, nope, rank = w_uk.shape
+    rope = latent_cache.shape[-1] - rank
+    t = q.shape[0]
+    want = {"q": (q, (t, heads, nope + rope)), "kv_c": (kv_c, (t, rank)),
+            "k_pe": (k_pe, (t, rope)), "out": (out, (t, heads, w_uv.shape[2]))}
+    for name, (x, shape) in want.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} (heads={heads}, nope={nope}, "
+                             f"rank={rank}, rope={rope}), got {list(x.shape)}")
+    if latent_cache.dim() != 3 or rope <= 0:
+        raise ValueError(f"latent_cache must be [num_blocks, block_size, kv_lora_rank={rank} + "
+                         f"qk_rope_head_dim], got {tuple(latent_cache.shape)}")
+    if plan.device.type != "cpu" or plan.shape != (PLAN.length,):
+        raise ValueError(f"plan must be a CPU int64 [{PLAN.length}] tensor (MLAMetadata.plan), "
+                         f"got {plan.dtype} {tuple(plan.shape)} on {plan.device}")
+    if context_lens.device.type != "cpu" or context_lens.dim() != 1:
+        raise ValueError(f"context_lens must be a 1-d CPU tensor (MLAMetadata.context_lens_cpu)"
+                         f", got {tuple(context_lens.shape)} on {context_lens.device}")
+
+
+class MLABackend(AttentionBackend):
+    """Base of the MLA backends: MLA specs only, the latent cache, the step plan."""
+
+    serves_mla = True
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        if not spec.use_mla:
+            return [Reason(cls.name, "not_mla", f"{cls.name} serves MLA layers only, "
+                           f"{spec.describe()} is not one",
+                           "describe MLA layers with AttentionSpec.mla(...)")]
+        return cls.capabilities.check(cls.name, spec, platform) + cls.latent_reasons(spec)
+
+    @classmethod
+    def latent_reasons(cls, spec: AttentionSpec) -> list[Reason]:
+        """Reasons about the latent dims (default: none)."""
+        return []
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        qsl = common.query_start_loc_cpu.numpy()
+        query_lens = qsl[1:] - qsl[:-1]
+        na = absorbed_split(query_lens, self.tuning.mla.absorbed_max_query_len)
+        seq = common.seq_lens_cpu.numpy().astype(np.int64)
+        context = seq[na:] - query_lens[na:]
+        plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
+                                   num_tokens=int(qsl[-1]),
+                                   chunk_tokens=self.tuning.mla.context_chunk_tokens))
+        return MLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
+                           common.block_table, plan, torch.from_numpy(context))
+
+    def forward(self, q, kv_c, k_pe, latent_cache, metadata, out, *, w_uk, w_uv,
+                kv_scale=None) -> None:
+        if isinstance(metadata, CommonAttentionMetadata):
+            metadata = self.build_metadata(metadata)
+        self.op(q, kv_c, k_pe, latent_cache, w_uk, w_uv, metadata.query_start_loc,
+                metadata.seq_lens, metadata.block_table, metadata.plan,
+                metadata.context_lens_cpu, out, kv_scale, self.scale)

@@ -1,0 +1,278 @@
+"""The MLA family: spec and selection, the latent cache write, the LSE merge, the layer's two
+forms against a naive dense fp64 MLA computed from the weights (every scenario, NaN-poisoned
+pages, fp8 latents), opcheck and torch.compile."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from attn_ops import (AttentionConfig, AttentionSpec, BlockAllocator, MLAAttention,
+                      build_batch, build_step_metadata, select_backend)
+from attn_ops.backends.mla.common import (context_chunks, merge_attn_states,
+                                          mla_cache_update)
+from attn_ops.platforms import Platform
+from attn_ops.selector import BackendNotSupportedError
+from attn_ops.spec import KVCacheDType, yarn_mscale
+from attn_ops.tuning import Tuning
+
+SPEC = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                         v_head_dim=12, dtype=torch.float64, block_size=4,
+                         mscale=yarn_mscale(4.0, 1.0))
+NUM_BLOCKS = 64
+
+
+# --- spec and selection -----------------------------------------------------------------------
+
+def test_mla_spec_takes_the_mha_forms_qk_width_and_yarns_mscale_in_its_scale():
+    spec = AttentionSpec.mla(128, q_lora_rank=1536, mscale=yarn_mscale(40.0, 1.0))
+    assert (spec.head_dim, spec.v_head_dim, spec.latent_dim) == (192, 128, 576)
+    assert spec.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    with pytest.raises(ValueError, match="head_dim=100 must be qk_nope_head_dim"):
+        AttentionSpec(num_heads=4, head_dim=100, kv_lora_rank=32, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8)
+    with pytest.raises(ValueError, match="num_kv_heads=2 must be None for MLA"):
+        AttentionSpec.mla(4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="mscale=0 must be a finite positive"):
+        AttentionSpec.mla(4, mscale=0)
+
+
+def test_mla_specs_are_offered_mla_backends_only_and_others_never_are():
+    table = select_backend(SPEC).table()
+    assert "REFERENCE_MLA" in table and "CPU_ATTN" not in table and "FLASHINFER " not in table
+    assert "MLA" not in select_backend(SPEC.with_(kv_lora_rank=None, qk_nope_head_dim=None,
+                                                  qk_rope_head_dim=None, head_dim_v=None,
+                                                  scale=None)).table()
+    with pytest.raises(BackendNotSupportedError, match="serves MLA layers only"):
+        select_backend(AttentionSpec(num_heads=4, head_dim=16),
+                       config=AttentionConfig(backend="REFERENCE_MLA"))
+
+
+def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
+    h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    spec = AttentionSpec.mla(128, block_size=64)
+    by_name = {c.name: c for c in select_backend.__globals__["candidates_for"](spec, h200)}
+    assert [n for n in by_name][:4] == ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA",
+                                        "TRITON_MLA"]
+    assert any("empty placeholder" in str(r) for r in by_name["FLASHMLA"].reasons)
+    assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
+               for r in by_name["CUTLASS_MLA"].reasons)
+    assert any("V width 512" in str(r) for r in by_name["FLASH_ATTN_MLA"].reasons)
+    # REFERENCE_MLA runs anywhere but is not in a GPU's priority list (a silent 100x slowdown)
+    assert [c.name for c in by_name.values() if c.ok] == ["REFERENCE_MLA"]
+    assert by_name["REFERENCE_MLA"].priority is None
+
+
+# --- the latent cache write -------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_e4m3"])
+def test_latent_write_stores_rows_skips_padding_and_clears_entered_pages(fp8):
+    spec = SPEC.with_(dtype=torch.bfloat16,
+                      kv_cache_dtype=KVCacheDType.FP8_E4M3 if fp8 else KVCacheDType.AUTO)
+    cache = torch.full((8, 4, spec.latent_dim), float("nan")).to(spec.cache_dtype)
+    slots = torch.tensor([9, 10, -1, 16, 17, 18, 19, 20, -1])  # page 4 entered, page 5 at row 0
+    t = slots.shape[0]
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor([0.0, 0.5, -1.5, 3.0, 96.0])  # exact in bf16 and e4m3 (scale 0.5)
+    kv_c = grid[torch.randint(0, 5, (t, 32), generator=g)].bfloat16()
+    k_pe = grid[torch.randint(0, 5, (t, 8), generator=g)].bfloat16()
+    scale = torch.tensor([0.5]) if fp8 else None
+    mla_cache_update(kv_c, k_pe, cache, slots, scale)
+    got = cache.float() * (0.5 if fp8 else 1.0)
+    rows = torch.cat([kv_c, k_pe], 1).float()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            torch.testing.assert_close(got[s // 4, s % 4], rows[i])
+    assert (got[5, 1:] == 0).all()  # entered at row 0 by one token: the rest cleared
+    assert got[2, 0].isnan().all() and got[2, 3].isnan().all()  # not entered: untouched
+    torch.library.opcheck(mla_cache_update, (kv_c, k_pe, cache.clone(), slots, scale),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+# --- the LSE merge ----------------------------------------------------------------------------
+
+def test_merge_equals_one_softmax_over_both_key_sets_and_keeps_empty_rows_zero():
+    g = torch.Generator().manual_seed(1)
+    t, h, d, n1, n2 = 5, 3, 4, 6, 7
+    scores = torch.randn(t, h, n1 + n2, generator=g, dtype=torch.float64) * 3
+    values = torch.randn(n1 + n2, d, generator=g, dtype=torch.float64)
+    scores[0, :, :n1] = float("-inf")  # row 0: prefix empty
+    scores[1, :, n1:] = float("-inf")  # row 1: suffix empty
+    scores[2] = float("-inf")          # row 2: both empty
+
+    def side(s, v):
+        lse = torch.logsumexp(s, -1)
+        o = torch.where(lse[..., None] > -math.inf,
+                        torch.softmax(s, -1).nan_to_num() @ v, 0.0)
+        return o, lse.float()
+
+    (po, pl), (so, sl) = side(scores[..., :n1], values[:n1]), side(scores[..., n1:], values[n1:])
+    sl_inf = sl.clone()
+    sl_inf[1] = float("inf")  # an empty side some kernels mark +inf: treated as -inf
+    out, lse = torch.empty_like(po), torch.empty_like(pl)
+    merge_attn_states(out, lse, po, pl, so, sl_inf)
+    want_o, want_lse = side(scores, values)
+    torch.testing.assert_close(out[3:], want_o[3:])
+    torch.testing.assert_close(lse[3:], want_lse[3:])
+    torch.testing.assert_close(out[:2], want_o[:2])
+    assert (out[2] == 0).all() and (lse[2] == -math.inf).all()
+    torch.library.opcheck(merge_attn_states, (torch.empty_like(po), torch.empty_like(pl), po, pl,
+                                              so, sl))
+
+
+def test_context_chunks_are_taken_across_requests_in_order():
+    chunks = context_chunks(torch.tensor([10, 0, 3, 60]).numpy(), 16)
+    assert len(chunks) == 5  # 73 tokens in chunks of 16, whatever their distribution
+    assert chunks[0].tolist() == [[0, 10], [0, 0], [0, 3], [0, 3]]
+    assert chunks[4].tolist() == [[10, 10], [0, 0], [3, 3], [51, 60]]
+
+
+# --- the layer against a naive dense MLA ------------------------------------------------------
+
+def _weights(spec, g):
+    h, nope, rank, v = spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank, spec.v_head_dim
+    return torch.randn(h * (nope + v), rank, generator=g, dtype=torch.float64) / rank ** 0.5
+
+
+def _dense(spec, w, q, c, k_pe, n_new):
+    """Naive MLA of one request: every key up-projected (no absorption, no chunks), causal;
+    q [n, H, nope + rope] at the last n of the c/k_pe [s, ...] positions."""
+    h, nope, v = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim
+    kv = (c @ w.T).view(-1, h, nope + v)
+    k = torch.cat([kv[..., :nope], k_pe[:, None].expand(-1, h, -1)], -1)
+    s = c.shape[0]
+    score = torch.einsum("thd,jhd->htj", q, k) * spec.softmax_scale
+    p = torch.arange(s - n_new, s)[:, None]
+    score = score.masked_fill(torch.arange(s)[None] > p, -math.inf)
+    return torch.einsum("htj,jhd->thd", torch.softmax(score, -1), kv[..., nope:])
+
+
+SCENARIOS = {  # (context, new tokens) per request, decode-first
+    "decode_only": [(5, 1), (17, 1), (1, 1)],
+    "prefill_only": [(0, 9), (0, 30)],
+    "mixed": [(7, 1), (12, 1), (0, 6), (9, 21)],
+    "long_context_chunked": [(3, 1), (70, 5), (0, 1), (41, 33)],
+    "speculative": [(10, 2), (6, 4), (20, 3), (0, 3)],
+}
+
+
+def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0):
+    """Write each request's context (a previous step), then run one step of its new tokens
+    through MLAAttention; returns (ours, expected) over the real rows."""
+    g = torch.Generator().manual_seed(seed)
+    layer = MLAAttention(spec, AttentionConfig(tuning=tuning) if tuning else None)
+    w = _weights(spec, g)
+    layer.load_kv_b_proj(w.to(spec.dtype))
+    cache = torch.full((NUM_BLOCKS, spec.block_size, spec.latent_dim), float("nan"),
+                       dtype=torch.float64).to(spec.cache_dtype)  # stale pages: NaN
+    if spec.kv_cache_dtype.is_fp8:
+        layer.kv_scale.fill_(0.05)
+    alloc = BlockAllocator(NUM_BLOCKS, spec.block_size, shuffle=True, seed=seed)
+    rank, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    lat = {i: torch.randn(c + n, rank + rope, generator=g, dtype=torch.float64)
+           for i, (c, n) in enumerate(reqs)}
+    with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
+    if with_ctx:
+        pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
+                          decode_threshold=0)
+        rows = torch.cat([lat[i][:reqs[i][0]] for i in with_ctx])
+        mla_cache_update(rows[:, :rank].to(spec.dtype), rows[:, rank:].to(spec.dtype), cache,
+                         pre.slot_mapping, layer.kv_scale)
+    total = sum(n for _, n in reqs)
+    meta = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs], [n for _, n in reqs],
+                       num_tokens_padded=total + padded,
+                       decode_threshold=max(1, max(n for c, n in reqs if c) if with_ctx else 1))
+    q_rows = [torch.randn(n, spec.num_heads, spec.head_dim, generator=g, dtype=torch.float64)
+              for _, n in reqs]
+    new = torch.cat([lat[i][c:] for i, (c, _) in enumerate(reqs)])
+    pad = lambda x: torch.cat([x, torch.zeros(padded, *x.shape[1:], dtype=x.dtype)])  # noqa
+    q = pad(torch.cat(q_rows)).to(spec.dtype)
+    out = layer(q, pad(new[:, :rank]).to(spec.dtype), pad(new[:, rank:]).to(spec.dtype), cache,
+                meta)
+    want = []
+    limit = (tuning or Tuning()).mla.absorbed_max_query_len
+    absorbed = True
+    for i, (c, n) in enumerate(reqs):
+        stored = lat[i]
+        absorbed = absorbed and n <= limit
+        if spec.kv_cache_dtype.is_fp8:  # what the fp8 cache holds: the absorbed form reads
+            # every token from it, the MHA form its context (new tokens as given)
+            s32 = layer.kv_scale.double()  # (the float32 scale, as the op sees it)
+            q8 = (stored.float() / layer.kv_scale).clamp(-448, 448).to(spec.cache_dtype) \
+                .double() * s32
+            stored = q8 if absorbed else torch.cat([q8[:c], stored[c:]])
+        want.append(_dense(spec, w, q_rows[i], stored[:, :rank], stored[:, rank:], n))
+    assert (out[total:] == 0).all()
+    return out[:total], torch.cat(want)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("chunk", [8192, 7], ids=["one_chunk", "chunks_of_7"])
+def test_layer_matches_dense_mla(scenario, chunk):
+    tuning = Tuning().with_(mla={"context_chunk_tokens": chunk, "absorbed_max_query_len": 4})
+    ours, want = _run_scenario(SPEC, SCENARIOS[scenario], tuning=tuning, padded=3)
+    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("absorbed_max", [0, 64], ids=["all_mha", "all_absorbed"])
+def test_both_forms_agree_on_any_split(absorbed_max):
+    tuning = Tuning().with_(mla={"absorbed_max_query_len": absorbed_max,
+                                 "context_chunk_tokens": 16})
+    ours, want = _run_scenario(SPEC, SCENARIOS["mixed"] + [(30, 2)][:0], tuning=tuning)
+    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
+
+
+def test_fp8_latent_cache_keeps_the_output_close():
+    spec = SPEC.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3)
+    ours, want = _run_scenario(spec, SCENARIOS["long_context_chunked"],
+                               tuning=Tuning().with_(mla={"context_chunk_tokens": 16}))
+    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)  # (fp8 rounding in both)
+
+
+def test_bad_inputs_name_the_shape():
+    layer = MLAAttention(SPEC)
+    with pytest.raises(ValueError, match=r"q must be \[3, 4, 24\]"):
+        layer(torch.zeros(3, 4, 20), torch.zeros(3, 32), torch.zeros(3, 8), None, None)
+    with pytest.raises(ValueError, match=r"kv_b_proj.weight must be .* \[112, 32\]"):
+        layer.load_kv_b_proj(torch.zeros(100, 32))
+    with pytest.raises(ValueError, match="needs an MLA spec"):
+        MLAAttention(AttentionSpec(num_heads=4, head_dim=16))
+
+
+def _op_args(reqs=SCENARIOS["mixed"]):
+    g = torch.Generator().manual_seed(3)
+    layer = MLAAttention(SPEC, AttentionConfig(tuning=Tuning().with_(
+        mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 1})))
+    layer.load_kv_b_proj(_weights(SPEC, g))
+    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
+    meta = layer.impl.build_metadata(build_batch(alloc, list(range(len(reqs))),
+                                                 [c for c, _ in reqs], [n for _, n in reqs]))
+    t = sum(n for _, n in reqs)
+    cache = torch.randn(NUM_BLOCKS, 4, SPEC.latent_dim, generator=g, dtype=torch.float64)
+    q = torch.randn(t, 4, 24, generator=g, dtype=torch.float64)
+    kv_c, k_pe = torch.randn(t, 32, dtype=torch.float64), torch.randn(t, 8, dtype=torch.float64)
+    return layer, meta, (q, kv_c, k_pe, cache, layer.w_uk, layer.w_uv, meta.query_start_loc,
+                         meta.seq_lens, meta.block_table, meta.plan, meta.context_lens_cpu,
+                         torch.empty(t, 4, 12, dtype=torch.float64), None, SPEC.softmax_scale)
+
+
+def test_mla_op_passes_opcheck():
+    layer, _, args = _op_args()
+    torch.library.opcheck(layer.impl.op, args)
+
+
+def test_compiled_layer_equals_eager_with_no_graph_break():
+    layer, _, args = _op_args()
+    q, kv_c, k_pe, cache = args[:4]
+    reqs = SCENARIOS["mixed"]
+    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
+    common = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs],
+                         [n for _, n in reqs])
+    step = build_step_metadata([(layer._metadata_key, layer.impl)], common)
+    eager = layer(q, kv_c, k_pe, cache.clone(), step)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, kv_c, k_pe, cache.clone(), step), eager)
