@@ -53,6 +53,20 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="decoder: causal; encoder_only: bidirectional")
 
 
+def _add_mla_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("an MLA layer (AttentionSpec.mla; --heads, --dtype, "
+                             "--kv-cache-dtype, --block-size apply)")
+    g.add_argument("--mla", action="store_true", help="describe an MLA layer (DeepSeek-V2/V3)")
+    g.add_argument("--kv-lora-rank", type=int, default=512, help="latent width")
+    g.add_argument("--qk-nope-head-dim", type=int, default=128, help="QK width without RoPE")
+    g.add_argument("--qk-rope-head-dim", type=int, default=64, help="RoPE width")
+    g.add_argument("--v-head-dim", type=int, default=128, help="V width")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="query low-rank width (default: a plain q_proj)")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN's mscale (attn_ops.spec.yarn_mscale); 1 without YaRN")
+
+
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("selection")
     g.add_argument("--platform", default=None,
@@ -69,6 +83,12 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_from(args) -> AttentionSpec:
+    if getattr(args, "mla", False):
+        return AttentionSpec.mla(
+            args.heads, kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+            q_lora_rank=args.q_lora_rank, mscale=args.mscale, dtype=_DTYPES[args.dtype],
+            kv_cache_dtype=KVCacheDType(args.kv_cache_dtype), block_size=args.block_size)
     return AttentionSpec(
         num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
         head_dim_v=args.head_dim_v, dtype=_DTYPES[args.dtype],
@@ -144,7 +164,13 @@ def cmd_select(args) -> int:
     print(sel.table())
     for line in _assumed(platform):
         print(line)
-    if args.batch:
+    if args.batch and spec.use_mla:
+        mla = _tuning_from(args, platform).mla
+        print(f"\nMLA step split for --batch {args.batch}: leading requests with at most "
+              f"{mla.absorbed_max_query_len} new tokens run in the absorbed form over the latent"
+              f" cache, the rest in the MHA form with their context in chunks of "
+              f"{mla.context_chunk_tokens} latent rows")
+    elif args.batch:
         from attn_ops import routing
 
         tuning = _tuning_from(args, platform)
@@ -233,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("select", formatter_class=fmt,
                        help="ranked backend table for a spec, and the routes of a step")
     _add_spec_args(p)
+    _add_mla_args(p)
     _add_selection_args(p)
     p.add_argument("--batch", default=None,
                    help="print the selected backend's route for each part of this step: "

@@ -132,7 +132,8 @@ class Selection:
                  f"selected: {self.backend} ({how}), block_size={self.block_size}"]
         if getattr(self.backend_cls, "kernels", ""):
             lines.append(f"kernels:  {self.backend_cls.kernels}")
-        lines += ["", f"{'rank':<5} {'backend':<18} status"]
+        width = max(18, *(len(c.name) + 1 for c in self.candidates))
+        lines += ["", f"{'rank':<5} {'backend':<{width}} status"]
         for c in self.candidates:
             rank = "-" if c.priority is None else str(c.priority + 1)
             if c.name == self.backend:
@@ -142,8 +143,8 @@ class Selection:
                     "available (not in this platform's priority list)"
             else:
                 status = "rejected: " + str(c.reasons[0])
-            lines.append(f"{rank:<5} {c.name:<18} {status}")
-            lines += [f"{'':<24}          {r}" for r in c.reasons[1:]]
+            lines.append(f"{rank:<5} {c.name:<{width}} {status}")
+            lines += [f"{'':<{width + 16}}{r}" for r in c.reasons[1:]]
         return "\n".join(lines)
 
 

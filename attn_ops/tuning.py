@@ -172,7 +172,7 @@ class MLATuning:
     # The MHA form attends the cached context in chunks of at most this many latent rows,
     # gathered and up-projected into a workspace of chunk x heads x (nope + v) values, chunks
     # taken across requests in order (a long request beside short ones does not multiply them).
-    context_chunk_tokens: int = 8192
+    context_chunk_tokens: int = 4096
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla")

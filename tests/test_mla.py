@@ -274,5 +274,95 @@ def test_compiled_layer_equals_eager_with_no_graph_break():
     step = build_step_metadata([(layer._metadata_key, layer.impl)], common)
     eager = layer(q, kv_c, k_pe, cache.clone(), step)
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(layer, fullgraph=True, backend=capture)
     torch.testing.assert_close(compiled(q, kv_c, k_pe, cache.clone(), step), eager)
+    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"
+           and str(n.target).startswith("attn.")]
+    assert ops == ["attn.mla_cache_update.default", "attn.reference_mla_attention.default"]
+
+
+# --- the real peer: HF transformers' DeepseekV3Attention --------------------------------------
+
+def _hf_case(q_lora_rank):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        num_hidden_layers=1, rope_interleave=True, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 64, "mscale_all_dim": 1.0,
+                         "mscale": 1.0, "beta_fast": 32.0, "beta_slow": 1.0},
+        attn_implementation="eager", dtype=torch.float64)
+    torch.manual_seed(0)
+    attn = hf.DeepseekV3Attention(cfg, 0).double().eval()
+    rotary = hf.DeepseekV3RotaryEmbedding(cfg).double()
+    mscale = yarn_mscale(4.0, 1.0)
+    spec = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=12, q_lora_rank=q_lora_rank, mscale=mscale,
+                             dtype=torch.float64, block_size=4)
+    assert spec.softmax_scale == pytest.approx(attn.scaling)
+    return hf, attn, rotary, spec
+
+
+def _hf_projections(hf, attn, rotary, x, positions):
+    """What a model hands our layer: HF's own projections, norm and interleaved RoPE."""
+    cos, sin = rotary(x[None], positions[None])
+    q = attn.q_proj(x) if attn.q_lora_rank is None else \
+        attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.view(x.shape[0], attn.num_heads, attn.qk_head_dim)
+    q_nope, q_rot = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], -1)
+    kv_c, k_rot = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.qk_rope_head_dim],
+                                                   -1)
+    q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot.transpose(0, 1)[None],
+                                                      k_rot[None, None], cos, sin)
+    q = torch.cat([q_nope, q_rot[0].transpose(0, 1)], -1)
+    return q, attn.kv_a_layernorm(kv_c), k_rot[0, 0]
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["v3", "v2_lite_no_q_lora"])
+def test_layer_reproduces_hf_deepseek_v3_attention(q_lora_rank):
+    """Two requests through our paged cache over three steps -- a prefill, a chunked prefill
+    over that context (MHA form, context chunks of 5), then a decode and a 3-token speculative
+    step (absorbed form) -- against HF's eager attention over each whole sequence."""
+    hf, attn, rotary, spec = _hf_case(q_lora_rank)
+    g = torch.Generator().manual_seed(1)
+    lengths = [(13, 9, 1), (6, 17, 3)]  # per request: new tokens in steps 1, 2, 3
+    xs = [torch.randn(sum(n), 64, generator=g, dtype=torch.float64) * 2 for n in lengths]
+    want = []
+    with torch.no_grad():
+        for x in xs:
+            s = x.shape[0]
+            cos, sin = rotary(x[None], torch.arange(s)[None])
+            mask = torch.full((s, s), -math.inf, dtype=torch.float64).triu(1)[None, None]
+            want.append(attn(x[None], (cos, sin), mask)[0][0])
+        layer = MLAAttention(spec, AttentionConfig(tuning=Tuning().with_(
+            mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 4})))
+        layer.load_kv_b_proj(attn.kv_b_proj.weight)
+        cache = torch.full((NUM_BLOCKS, 4, spec.latent_dim), math.nan, dtype=torch.float64)
+        alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True, seed=2)
+        done = [0, 0]
+        for step in range(3):
+            ctx = list(done)
+            new = [lengths[r][step] for r in range(2)]
+            order = sorted(range(2), key=lambda r: new[r])  # decode-first
+            meta = build_batch(alloc, order, [ctx[r] for r in order], [new[r] for r in order],
+                               decode_threshold=4)
+            parts = [_hf_projections(hf, attn, rotary, xs[r][ctx[r]:ctx[r] + new[r]],
+                                     torch.arange(ctx[r], ctx[r] + new[r])) for r in order]
+            q, kv_c, k_pe = (torch.cat([p[i] for p in parts]) for i in range(3))
+            out = attn.o_proj(layer(q, kv_c, k_pe, cache, meta).flatten(1))
+            at = 0
+            for r in order:
+                # (HF's eager attention takes its softmax in float32, even for float64 inputs)
+                torch.testing.assert_close(out[at:at + new[r]], want[r][ctx[r]:ctx[r] + new[r]],
+                                           atol=1e-6, rtol=1e-6)
+                at += new[r]
+                done[r] += new[r]

@@ -26,7 +26,8 @@ def reasons_text(backend, spec, platform=CPU):
 
 class TestReasons(expecttest.TestCase):
     def test_unsupported_features_of_cpu_backends(self):
-        mla = SPEC.with_(kv_lora_rank=512, qk_rope_head_dim=64)
+        mla = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                v_head_dim=16, dtype=torch.float32)
         self.assertExpectedInline(reasons_text("CPU_ATTN", mla), """\
 feature:mla: mla is not supported""")
         cross = SPEC.with_(attn_type="encoder_decoder")
@@ -76,13 +77,15 @@ package no-such-dist is not installed; pip install 'no-such-dist>=1.0'""")
 
     def test_forced_invalid_backend_raises_with_every_reason(self):
         with self.assertRaises(BackendNotSupportedError) as ctx:
-            select_backend(SPEC.with_(kv_lora_rank=512), CPU, AttentionConfig(backend="CPU_ATTN"))
+            select_backend(SPEC.with_(sliding_window=4, use_alibi=True), CPU,
+                           AttentionConfig(backend="FLASHINFER"))
         msg = str(ctx.exception)
-        self.assertIn("attention backend CPU_ATTN (forced by AttentionConfig.backend) cannot "
+        self.assertIn("attention backend FLASHINFER (forced by AttentionConfig.backend) cannot "
                       "run", msg)
-        self.assertIn("CPU_ATTN: mla is not supported", msg)
-        self.assertIn("REFERENCE: mla is not supported", msg)
         self.assertIn("FLASHINFER: platform cpu not in {cuda}", msg)
+        self.assertIn("; alibi is not supported", msg)
+        self.assertIn("COMPOSITE_SM90: platform cpu not in {cuda}", msg)
+        self.assertIn("FLASH_ATTN_DIFFKV: alibi is not supported", msg)
 
     def test_no_valid_backend_lists_every_reason(self):
         with self.assertRaises(NoBackendError) as ctx:  # no GPU backend computes in fp64
