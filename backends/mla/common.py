@@ -209,7 +209,7 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     if nt == nat:
         return
     qsl = query_start_loc[na:] - query_start_loc[na]
-    qsl_host = _host_offsets(nt - nat, query_start_loc, na)
+    qsl_host = _host_offsets(query_start_loc, na)
     q_mha = q[nat:nt]
     o_new = out.new_empty(nt - nat, heads, w_uv.shape[2])
     lse_new = torch.empty(nt - nat, heads, device=q.device,  # (fp64 steps keep fp64 LSEs)
@@ -236,9 +236,9 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     out[nat:nt] = o_new
 
 
-def _host_offsets(rows: int, query_start_loc: torch.Tensor, first: int) -> list[int]:
-    """The MHA part's query offsets on the host (its requests' lengths are host data in the
-    plan's builder; here read once per step from the device copy)."""
+def _host_offsets(query_start_loc: torch.Tensor, first: int) -> list[int]:
+    """The MHA part's query offsets from request ``first`` on, on the host (read from the
+    device copy: one read per layer of a step with MHA-form requests)."""
     qsl = query_start_loc[first:].tolist()
     return [x - qsl[0] for x in qsl]
 
