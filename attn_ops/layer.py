@@ -23,7 +23,7 @@ from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec
 from attn_ops.tuning import resolve_tuning
 
-__all__ = ["Attention", "alibi_slopes", "build_step_metadata", "step_backends"]
+__all__ = ["Attention", "BackendLayer", "alibi_slopes", "build_step_metadata", "step_backends"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -37,7 +37,35 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class Attention(nn.Module):
+class BackendLayer(nn.Module):
+    """What every attention layer shares: the backend selected for its spec (logging the
+    choice and every rejection), the tuning its routes read, the backend instance and the key
+    of the metadata it takes (:func:`build_step_metadata` builds one per key)."""
+
+    def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
+                 platform: Platform | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.selection = select_backend(spec, platform, config)
+        options = dict(config.backend_options) if config is not None else {}
+        self.tuning = (config.tuning if config is not None and config.tuning is not None
+                       else resolve_tuning(self.selection.platform))
+        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
+        self._metadata_key = self.impl.metadata_key()
+
+    @property
+    def backend(self) -> str:
+        return self.selection.backend
+
+    @property
+    def block_size(self) -> int:
+        return self.selection.block_size
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
+
+
+class Attention(BackendLayer):
     """One attention layer described by an :class:`AttentionSpec`.
 
     ``forward(query, key, value, kv_cache, metadata)`` takes
@@ -58,29 +86,13 @@ class Attention(nn.Module):
 
     def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
                  platform: Platform | None = None) -> None:
-        super().__init__()
-        self.spec = spec
-        self.selection = select_backend(spec, platform, config)
-        options = dict(config.backend_options) if config is not None else {}
-        self.tuning = (config.tuning if config is not None and config.tuning is not None
-                       else resolve_tuning(self.selection.platform))
-        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
+        super().__init__(spec, config, platform=platform)
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.has_sinks else None
         self.register_buffer("alibi_slopes",
                              alibi_slopes(spec.num_heads) if spec.use_alibi else None)
         fp8 = spec.kv_cache_dtype.is_fp8
         self.register_buffer("k_scale", torch.ones(1) if fp8 else None)
         self.register_buffer("v_scale", torch.ones(1) if fp8 else None)
-
-        self._metadata_key = self.impl.metadata_key()
-
-    @property
-    def backend(self) -> str:
-        return self.selection.backend
-
-    @property
-    def block_size(self) -> int:
-        return self.selection.block_size
 
     @property
     def cudagraph_support(self):
@@ -152,9 +164,6 @@ class Attention(nn.Module):
                           v_scale=self.v_scale)
         return (out, lse) if return_lse else out
 
-    def extra_repr(self) -> str:
-        return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
-
 
 def _shape(x) -> object:
     return None if x is None else tuple(x.shape)
@@ -181,11 +190,9 @@ def step_backends(model: nn.Module) -> list[tuple[tuple, Any]]:
     distinct key: what :func:`build_step_metadata` builds for. An engine computes it once and
     passes it instead of the model -- walking the modules costs ~0.8 us each, every step (220
     us for a 32-layer model on the CPU CI machine)."""
-    from attn_ops.mla import MLAAttention
-
     backends: dict = {}
     for layer in model.modules():
-        if isinstance(layer, (Attention, MLAAttention)) and layer._metadata_key not in backends:
+        if isinstance(layer, BackendLayer) and layer._metadata_key not in backends:
             backends[layer._metadata_key] = layer.impl
     return list(backends.items())
 

@@ -13,18 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from attn_ops.layer import BackendLayer
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform
-from attn_ops.selector import AttentionConfig, select_backend
+from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
-from attn_ops.tuning import resolve_tuning
 
 __all__ = ["MLAAttention"]
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(BackendLayer):
     """One MLA layer described by ``AttentionSpec.mla(...)``.
 
     ``forward(q, kv_c, k_pe, cache, metadata)`` takes ``q [T, H, nope + rope]`` (rope part
@@ -44,30 +43,15 @@ class MLAAttention(nn.Module):
 
     def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
                  platform: Platform | None = None) -> None:
-        super().__init__()
         if not spec.use_mla:
             raise ValueError(f"MLAAttention needs an MLA spec (AttentionSpec.mla(...)), got "
                              f"{spec.describe()}; use attn_ops.Attention for it")
-        self.spec = spec
-        self.selection = select_backend(spec, platform, config)
-        options = dict(config.backend_options) if config is not None else {}
-        self.tuning = (config.tuning if config is not None and config.tuning is not None
-                       else resolve_tuning(self.selection.platform))
-        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
+        super().__init__(spec, config, platform=platform)
         h, nope, rank, v = (spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank,
                             spec.v_head_dim)
         self.register_buffer("w_uk", torch.zeros(h, nope, rank, dtype=spec.dtype))
         self.register_buffer("w_uv", torch.zeros(h, rank, v, dtype=spec.dtype))
         self.register_buffer("kv_scale", torch.ones(1) if spec.kv_cache_dtype.is_fp8 else None)
-        self._metadata_key = self.impl.metadata_key()
-
-    @property
-    def backend(self) -> str:
-        return self.selection.backend
-
-    @property
-    def block_size(self) -> int:
-        return self.selection.block_size
 
     @torch.no_grad()
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
@@ -114,6 +98,3 @@ class MLAAttention(nn.Module):
         self.impl.forward(q, kv_c, k_pe, cache, metadata, out, w_uk=self.w_uk, w_uv=self.w_uv,
                           kv_scale=self.kv_scale)
         return out
-
-    def extra_repr(self) -> str:
-        return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
