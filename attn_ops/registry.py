@@ -83,7 +83,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",
     Backend.TREE_ATTN: "attn_ops.backends.tree_attn:TreeAttnBackend",
     Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
-    **{b: f"attn_ops.backends.mla.unavailable:UNAVAILABLE.{b.value}" for b in (
+    **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA)},
 }
@@ -186,7 +186,7 @@ def _load(target: str | type) -> type:
     module, _, qualname = target.partition(":")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        obj = getattr(obj, part)
     return obj
 
 

@@ -17,7 +17,8 @@ from attn_ops.capabilities import BackendCapabilities, HeadDims, Reason
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["UNAVAILABLE"]
+__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA", "FLASHMLA_SPARSE",
+           "FLASH_ATTN_MLA"]
 
 
 class _Unavailable(MLABackend):
@@ -43,26 +44,29 @@ def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
 
 
 _FI = "FLASHINFER_MLA (sm90: FlashInfer's fa3 MLA) or TRITON_MLA"
-UNAVAILABLE = {
-    "FLASHMLA": _unavailable(
-        "FLASHMLA", "FlashMLA is not installable with torch 2.11 + CUDA 13: 'flash-mla' on PyPI "
-        "is an empty placeholder, 'sgl-flash-mla' and 'tokenspeed-flashmla' need torch 2.14, "
-        "and FlashMLA's own 2026-09 release dropped Hopper", f"use {_FI}",
-        min_capability=(9, 0)),
-    "FLASHMLA_SPARSE": _unavailable(
-        "FLASHMLA_SPARSE", "FlashMLA's sparse kernels ship in the same packages as FLASHMLA "
-        "(none installable with torch 2.11 + CUDA 13)", "sparse MLA runs through FlashInfer's "
-        "MLA kernel with top-k indices", min_capability=(9, 0)),
-    "CUTLASS_MLA": _unavailable(
-        "CUTLASS_MLA", "CUTLASS MLA is a Blackwell (sm100) kernel compiled into vLLM's own "
-        "extension (vllm._C), whose wheel pins torch 2.14", f"on Hopper use {_FI}",
-        min_capability=(10, 0)),
-    "FLASHINFER_MLA_TRTLLM": _unavailable(
-        "FLASHINFER_MLA_TRTLLM", "FlashInfer's trtllm-gen MLA decode runs on Blackwell (sm100) "
-        "only", f"on Hopper use {_FI}", min_capability=(10, 0)),
-    "FLASH_ATTN_MLA": _unavailable(
-        "FLASH_ATTN_MLA", "FlashAttention 3 (its q_v path runs the absorbed form) is not on "
-        "PyPI for torch 2.11 + CUDA 13, and FlashAttention 4 on sm90 takes head dims <= 256, "
-        "not the absorbed form's V width 512", f"use {_FI}; FA4 serves the MHA prefill",
-        min_capability=(9, 0), max_capability=(9, 0)),
-}
+
+FLASHMLA = _unavailable(
+    "FLASHMLA", "FlashMLA is not installable with torch 2.11 + CUDA 13: 'flash-mla' on PyPI "
+    "is an empty placeholder, 'sgl-flash-mla' and 'tokenspeed-flashmla' need torch 2.14, "
+    "and FlashMLA's own 2026-09 release dropped Hopper", f"use {_FI}",
+    min_capability=(9, 0))
+
+FLASHMLA_SPARSE = _unavailable(
+    "FLASHMLA_SPARSE", "FlashMLA's sparse kernels ship in the same packages as FLASHMLA "
+    "(none installable with torch 2.11 + CUDA 13)", "sparse MLA runs through FlashInfer's "
+    "MLA kernel with top-k indices", min_capability=(9, 0))
+
+CUTLASS_MLA = _unavailable(
+    "CUTLASS_MLA", "CUTLASS MLA is a Blackwell (sm100) kernel compiled into vLLM's own "
+    "extension (vllm._C), whose wheel pins torch 2.14", f"on Hopper use {_FI}",
+    min_capability=(10, 0))
+
+FLASHINFER_MLA_TRTLLM = _unavailable(
+    "FLASHINFER_MLA_TRTLLM", "FlashInfer's trtllm-gen MLA decode runs on Blackwell (sm100) "
+    "only", f"on Hopper use {_FI}", min_capability=(10, 0))
+
+FLASH_ATTN_MLA = _unavailable(
+    "FLASH_ATTN_MLA", "FlashAttention 3 (its q_v path runs the absorbed form) is not on "
+    "PyPI for torch 2.11 + CUDA 13, and FlashAttention 4 on sm90 takes head dims <= 256, "
+    "not the absorbed form's V width 512", f"use {_FI}; FA4 serves the MHA prefill",
+    min_capability=(9, 0), max_capability=(9, 0))
