@@ -255,7 +255,7 @@ def _op_args(reqs=SCENARIOS["mixed"]):
     q = torch.randn(t, 4, 24, generator=g, dtype=torch.float64)
     kv_c, k_pe = torch.randn(t, 32, dtype=torch.float64), torch.randn(t, 8, dtype=torch.float64)
     return layer, meta, (q, kv_c, k_pe, cache, layer.w_uk, layer.w_uv, meta.query_start_loc,
-                         meta.seq_lens, meta.block_table, meta.plan, meta.context_lens_cpu,
+                         meta.seq_lens, meta.block_table, meta.plan, meta.mha_lens_cpu,
                          torch.empty(t, 4, 12, dtype=torch.float64), None, SPEC.softmax_scale)
 
 

@@ -130,9 +130,9 @@ merge_attn_states = define_op(
     _merge_attn_states, lambda *args: _check_merge(*args))
 merge_attn_states.__doc__ = """Combine two attention results over disjoint key sets:
 ``out = (e^p * prefix_out + e^s * suffix_out) / (e^p + e^s)`` per token and head, with the
-natural-log LSEs ``p``, ``s`` [T, H] float32 (float64 for float64 outputs; +inf counts as empty, like -inf); rows empty on
-both sides get ``out = 0`` and ``out_lse = -inf``. Outputs [T, H, D]; out may alias neither
-input."""
+natural-log LSEs ``p``, ``s`` [T, H] float32 (float64 for float64 outputs; +inf counts as
+empty, like -inf); rows empty on both sides get ``out = 0`` and ``out_lse = -inf``. Outputs
+[T, H, D]; out may alias neither input."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +153,16 @@ PLAN = PlanCodec(MLAPlan)
 @dataclass(frozen=True, eq=False)
 class MLAMetadata:
     """The common device tensors, ``plan`` (:class:`MLAPlan` encoded) and
-    ``context_lens_cpu``: the cached context of each MHA-form request (host int64)."""
+    ``mha_lens_cpu``: ``[R, 2]`` host int64, each MHA-form request's new tokens and cached
+    context (what that part's kernels and context chunks are planned from, without reading
+    device tensors)."""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     plan: torch.Tensor
-    context_lens_cpu: torch.Tensor
+    mha_lens_cpu: torch.Tensor
 
 
 def absorbed_split(query_lens: np.ndarray, max_query_len: int) -> int:
@@ -193,7 +195,7 @@ MHAKernel = Callable[..., None]
 
 
 def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, block_table,
-            plan, context_lens_cpu, out, kv_scale, scale, *, absorbed: AbsorbedKernel,
+            plan, mha_lens, out, kv_scale, scale, *, absorbed: AbsorbedKernel,
             mha: MHAKernel) -> None:
     """One step of an MLA layer (schema: :data:`MLA_SCHEMA`) with a backend's two kernels."""
     p = PLAN.decode(plan)
@@ -209,15 +211,15 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     if nt == nat:
         return
     qsl = query_start_loc[na:] - query_start_loc[na]
-    qsl_host = _host_offsets(query_start_loc, na)
+    lens = mha_lens.numpy()
+    qsl_host = [0, *np.cumsum(lens[:, 0]).tolist()]
     q_mha = q[nat:nt]
     o_new = out.new_empty(nt - nat, heads, w_uv.shape[2])
     lse_new = torch.empty(nt - nat, heads, device=q.device,  # (fp64 steps keep fp64 LSEs)
                           dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     k, v = _up_project(kv_c[nat:nt], k_pe[nat:nt], w_uk, w_uv)
     mha(q_mha, k, v, qsl, qsl, qsl_host, qsl_host, o_new, lse_new, scale, True)
-    ctx = context_lens_cpu.numpy()
-    chunks = context_chunks(ctx, p.chunk_tokens) if ctx.size else []
+    chunks = context_chunks(lens[:, 1], p.chunk_tokens) if lens.size else []
     if chunks:
         o_acc, lse_acc = o_new, lse_new
         o_c, lse_c = torch.empty_like(o_new), torch.empty_like(lse_new)
@@ -234,13 +236,6 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
             lse_acc, merged_lse = merged_lse, lse_acc
         o_new = o_acc
     out[nat:nt] = o_new
-
-
-def _host_offsets(query_start_loc: torch.Tensor, first: int) -> list[int]:
-    """The MHA part's query offsets from request ``first`` on, on the host (read from the
-    device copy: one read per layer of a step with MHA-form requests)."""
-    qsl = query_start_loc[first:].tolist()
-    return [x - qsl[0] for x in qsl]
 
 
 def _up_project(c: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
@@ -277,16 +272,17 @@ def _gather_chunk(flat, page, block_table, ranges, kv_scale, dtype, rank):
 MLA_SCHEMA = (
     "(Tensor q, Tensor kv_c, Tensor k_pe, Tensor latent_cache, Tensor w_uk, Tensor w_uv, "
     "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor plan, "
-    "Tensor context_lens, Tensor(a!) out, Tensor? kv_scale, float scale) -> ()")
+    "Tensor mha_lens, Tensor(a!) out, Tensor? kv_scale, float scale) -> ()")
 """One MLA layer's attention for a step. q [T, H, nope + rope] (rope part rotated), kv_c
 [T, rank] and k_pe [T, rope] (the new tokens' latents, as written to the cache), latent_cache
 [blocks, page, rank + rope], w_uk [H, nope, rank], w_uv [H, rank, v], the common metadata
-tensors, plan (:class:`MLAPlan`, CPU int64), context_lens (CPU int64, the MHA-form requests'
-cached tokens), out [T, H, v] (padding rows zeroed), kv_scale (fp8 cache), the softmax scale."""
+tensors, plan (:class:`MLAPlan`, CPU int64), mha_lens (CPU int64 [R, 2], the MHA-form
+requests' new and cached tokens), out [T, H, v] (padding rows zeroed), kv_scale (fp8 cache),
+the softmax scale."""
 
 
 def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens,
-                     block_table, plan, context_lens, out, kv_scale, scale) -> None:
+                     block_table, plan, mha_lens, out, kv_scale, scale) -> None:
     """Shape checks of the MLA ops (no tensor data read)."""
     if w_uk.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[:2] != (w_uk.shape[0], w_uk.shape[2]):
         raise ValueError(f"w_uk must be [heads, qk_nope_head_dim, kv_lora_rank] and w_uv "
@@ -307,9 +303,9 @@ def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, s
     if plan.device.type != "cpu" or plan.shape != (PLAN.length,):
         raise ValueError(f"plan must be a CPU int64 [{PLAN.length}] tensor (MLAMetadata.plan), "
                          f"got {plan.dtype} {tuple(plan.shape)} on {plan.device}")
-    if context_lens.device.type != "cpu" or context_lens.dim() != 1:
-        raise ValueError(f"context_lens must be a 1-d CPU tensor (MLAMetadata.context_lens_cpu)"
-                         f", got {tuple(context_lens.shape)} on {context_lens.device}")
+    if mha_lens.device.type != "cpu" or mha_lens.dim() != 2 or mha_lens.shape[1] != 2:
+        raise ValueError(f"mha_lens must be a CPU [requests, 2] tensor (MLAMetadata."
+                         f"mha_lens_cpu), got {tuple(mha_lens.shape)} on {mha_lens.device}")
 
 
 class MLABackend(AttentionBackend):
@@ -335,12 +331,13 @@ class MLABackend(AttentionBackend):
         query_lens = qsl[1:] - qsl[:-1]
         na = absorbed_split(query_lens, self.tuning.mla.absorbed_max_query_len)
         seq = common.seq_lens_cpu.numpy().astype(np.int64)
-        context = seq[na:] - query_lens[na:]
+        new = query_lens[na:].astype(np.int64)
+        mha_lens = np.stack([new, seq[na:] - new], axis=1)
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
                                    num_tokens=int(qsl[-1]),
                                    chunk_tokens=self.tuning.mla.context_chunk_tokens))
         return MLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
-                           common.block_table, plan, torch.from_numpy(context))
+                           common.block_table, plan, torch.from_numpy(mha_lens))
 
     def forward(self, q, kv_c, k_pe, latent_cache, metadata, out, *, w_uk, w_uv,
                 kv_scale=None) -> None:
@@ -348,4 +345,4 @@ class MLABackend(AttentionBackend):
             metadata = self.build_metadata(metadata)
         self.op(q, kv_c, k_pe, latent_cache, w_uk, w_uv, metadata.query_start_loc,
                 metadata.seq_lens, metadata.block_table, metadata.plan,
-                metadata.context_lens_cpu, out, kv_scale, self.scale)
+                metadata.mha_lens_cpu, out, kv_scale, self.scale)
