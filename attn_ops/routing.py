@@ -468,7 +468,8 @@ def _explain_part(backend, spec, facts, tuning, decode, requests, rows, max_q, p
             and not spec.kv_cache_dtype.is_fp8 and spec.head_dim in (64, 128, 256)
         return (Kernel.FLASHINFER_FA3 if fa3 else Kernel.FLASHINFER_FA2).value
     if backend in ("TRITON_ATTN", "TREE_ATTN"):
-        wide = max(pow2(spec.head_dim, 16), pow2(spec.v_head_dim, 16)) <= 128
+        wide = max(triton_head_tiles(spec.head_dim, spec.v_head_dim,
+                                     spec.cache_dtype.itemsize)) <= 128
         if decode:
             splits = triton_num_splits(requests, kv, pages * block_size, facts.num_sms,
                                        tuning.triton)
@@ -503,6 +504,15 @@ def _describe_fa4(spec, facts, tuning, rows, requests, max_q, group, *, decode=F
     if decode and facts.major == 9:
         text += " (no split-KV on sm90)"
     return text
+
+
+def triton_head_tiles(head_dim: int, v_head_dim: int, cache_bytes: int) -> tuple[int, int]:
+    """The Triton kernel's padded (QK, V) head-dim tiles: powers of two of at least 16
+    elements, and of at least 64 for 1-byte (fp8) caches -- Triton 3.6 miscompiles the fp8 ->
+    16-bit conversion of a K/V tile whose rows are under 64 bytes on sm90 (an out-of-bounds
+    shared-memory read), so narrower fp8 heads load masked 64-wide tiles."""
+    least = 64 if cache_bytes == 1 else 16
+    return pow2(head_dim, least), pow2(v_head_dim, least)
 
 
 def pow2(n: int, at_least: int = 1) -> int:

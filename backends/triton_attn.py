@@ -35,8 +35,8 @@ from attn_ops.ops import check_paged_attention_inputs, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
 from attn_ops.routing import (DeviceFacts, pow2, triton_decode_tile, triton_fit_tile,
-                              triton_fused_combine, triton_heads_fastest, triton_num_splits,
-                              triton_prefill_tile)
+                              triton_fused_combine, triton_head_tiles, triton_heads_fastest,
+                              triton_num_splits, triton_prefill_tile)
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 from attn_ops.tuning import Tile, TritonTuning
 
@@ -93,7 +93,7 @@ def plan_launches(spec_dims: tuple[int, int], dtypes: tuple[torch.dtype, torch.d
     cache), ``device`` whose SMs and shared memory the tiles are fitted to."""
     facts = DeviceFacts.of(device)
     splits = triton_num_splits(num_decodes, kv_heads, max_seq_len, facts.num_sms, tuning)
-    d_p, dv_p = pow2(spec_dims[0], 16), pow2(spec_dims[1], 16)
+    d_p, dv_p = triton_head_tiles(*spec_dims, dtypes[1].itemsize)
     wide = max(d_p, dv_p) <= 128
     q_bytes, kv_bytes = dtypes[0].itemsize, dtypes[1].itemsize
     decode = triton_decode_tile(num_decodes * kv_heads, splits, kv_bytes, facts.num_sms, wide,
@@ -133,7 +133,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
 
     hq, d, dv = query.shape[1], query.shape[2], out.shape[2]
     group = hq // k_cache.shape[2]
-    group_p, d_p, dv_p = pow2(group), pow2(d, 16), pow2(dv, 16)
+    group_p = pow2(group)
+    d_p, dv_p = triton_head_tiles(d, dv, k_cache.dtype.itemsize)
     rows, block_n, warps, stages = tile
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)

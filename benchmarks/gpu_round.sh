@@ -34,7 +34,13 @@
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips
 # restoring the carried kernel cache (the stages would recompile it); the second carries
 # .gpu/bootstrap.sh, .gpu/fi_cache.tar.xz.* and .gpu-fa4-b and runs the stages.
+#   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
+#            and the base-size matrix (SUITE_K selects; default: not the real-size cases)
 # PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
+# PYTEST_WORKERS=N runs those pytest stages over N pytest-xdist workers (compile-bound: ten
+# workers run the suite about five times faster); carry .gpu/xdist, pytest-xdist and execnet
+# unpacked (`pip download --no-deps pytest-xdist execnet`, then `python -m zipfile -e` each
+# wheel into it). A worker whose CUDA context faults exits after its report (tests/conftest.py).
 # Everything goes to $OUT/round.log (the device tool returns at most 8 files) and the benchmarks'
 # JSON to $OUT; the summary lines (pass/fail counts, benchmark rows) are printed last.
 set -u
@@ -44,6 +50,10 @@ mkdir -p "$OUT"
 # sent> in the command.
 export ATTN_OPS_COMMIT=${ATTN_OPS_COMMIT:-unknown-pass-ATTN_OPS_COMMIT}
 LOG="$OUT/round.log"
+if [ -n "${PYTEST_WORKERS:-}" ]; then
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/.gpu/xdist
+  PYTEST_FLAGS="${PYTEST_FLAGS:--q} -n $PYTEST_WORKERS"
+fi
 SUMMARY=$(mktemp)
 
 stage() {  # stage NAME SECONDS CMD...
@@ -98,6 +108,10 @@ for spec in "$@"; do
         --page 16 --rounds 1 --out "$OUT/sweep_triton_prefill_h200.json" ;;
     flex) stage flex "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_flex_attention.py tests/test_backends_matrix.py -k "FLEX or flex" ;;
+    suite) stage suite "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_cudagraph.py tests/test_model_graphs.py tests/test_ops.py \
+        tests/test_flashinfer.py tests/test_backends_matrix.py \
+        -k "${SUITE_K:-not real_size and not gqa_groups}" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;

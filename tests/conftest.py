@@ -22,3 +22,24 @@ def pytest_collection_modifyitems(config, items):
 def _clean_backend_env(monkeypatch):
     # A developer's ATTN_OPS_BACKEND must not change what the tests select.
     monkeypatch.delenv("ATTN_OPS_BACKEND", raising=False)
+
+
+# A device fault (an illegal address) leaves the process's CUDA context unusable: every later
+# test in it would fail for that one cause. Under pytest-xdist the worker that saw one exits
+# after reporting it, so the fault is reported once and a fresh worker runs the rest.
+_CUDA_FAULTS = ("illegal memory access", "illegal address", "unspecified launch failure",
+                "misaligned address")
+_FAULTED = pytest.StashKey[bool]()
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if any(fault in str(call.excinfo.value) for fault in _CUDA_FAULTS):
+        item.config.stash[_FAULTED] = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if item.config.stash.get(_FAULTED, False):
+        os._exit(3)
