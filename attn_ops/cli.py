@@ -11,7 +11,7 @@ import time
 import torch
 
 from attn_ops.capabilities import package_version
-from attn_ops.platforms import Platform, current_platform
+from attn_ops.platforms import Platform, PlatformKind, current_platform
 from attn_ops.registry import get_backend_class
 from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec, AttentionType, KVCacheDType
@@ -165,11 +165,21 @@ def cmd_select(args) -> int:
     for line in _assumed(platform):
         print(line)
     if args.batch and spec.use_mla:
-        mla = _tuning_from(args, platform).mla
-        print(f"\nMLA step split for --batch {args.batch}: leading requests with at most "
-              f"{mla.absorbed_max_query_len} new tokens run in the absorbed form over the latent"
-              f" cache, the rest in the MHA form with their context in chunks of "
-              f"{mla.context_chunk_tokens} latent rows")
+        from attn_ops import routing
+        from attn_ops.backends.flash_attn import GENERATIONS
+
+        tuning = _tuning_from(args, platform)
+        step = routing.StepShape.parse(args.batch, args.decode_threshold)
+        facts = routing.DeviceFacts.for_platform(platform)
+        fa4 = GENERATIONS[4]
+        fa4_usable = (platform.kind is PlatformKind.CUDA and platform.capability is not None
+                      and fa4.min_capability <= platform.capability <= fa4.max_capability
+                      and fa4.package.reason("", platform) is None)
+        print(f"\nMLA step of {sel.backend} for --batch {args.batch} ({facts.num_sms} SMs, "
+              f"tuning {tuning.describe()}): leading requests with at most "
+              f"{tuning.mla.absorbed_max_query_len} new tokens run in the absorbed form")
+        for line in routing.explain_mla(sel.backend, spec, facts, step, tuning, fa4_usable):
+            print(f"  {line}")
     elif args.batch:
         from attn_ops import routing
 

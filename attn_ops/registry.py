@@ -83,6 +83,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",
     Backend.TREE_ATTN: "attn_ops.backends.tree_attn:TreeAttnBackend",
     Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
+    Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA)},
@@ -97,7 +98,6 @@ _PLANNED: dict[str, _Planned] = {
                                      (PackageRequirement("flashinfer-python", "flashinfer",
                                                          "0.7.2", "0.8"),),
                                      "the MLA family's FlashInfer kernels"),
-    Backend.TRITON_MLA: _Planned(_GPU, (_TRITON,), "the MLA family's Triton kernels"),
 }
 
 _lock = threading.Lock()

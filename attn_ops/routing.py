@@ -21,14 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import NamedTuple
+
 from attn_ops.tuning import (CompositeTuning, FA4Tile, FlashAttnTuning, FlashInferTuning,
-                             FlexTuning, Tile, TritonTuning, Tuning)
+                             FlexTuning, MLATuning, Tile, TritonTuning, Tuning)
 
 __all__ = [
-    "DeviceFacts", "Kernel", "PartRoute", "Split", "SplitMode", "StepShape",
-    "composite_decode_route", "composite_graph_decode_runs_fa4", "explain", "fa4_batch",
+    "DeviceFacts", "Kernel", "MLADecodeLaunch", "PartRoute", "Split", "SplitMode", "StepShape",
+    "composite_decode_route", "composite_graph_decode_runs_fa4", "explain", "explain_mla",
+    "fa4_batch",
     "fa4_decode_wins", "fa4_tile", "flashinfer_decode_split", "flashinfer_graph_colocated_ctas",
-    "flashinfer_split_budget", "flex_decode_splits", "flex_decode_stages", "flex_gathers", "pow2",
+    "flashinfer_split_budget", "flex_decode_splits", "flex_decode_stages", "flex_gathers",
+    "mla_decode_launch", "mla_prefill_kernel", "pow2",
     "triton_decode_tile", "triton_fit_tile", "triton_fused_combine", "triton_num_splits",
     "triton_prefill_tile", "triton_short_and_many",
 ]
@@ -82,6 +86,7 @@ class Kernel(enum.Enum):
     FLASHINFER_FA3 = "FlashInfer FA3 paged (sm90)"
     FA4 = "FlashAttention 4"
     TRITON = "TRITON_ATTN unsplit decode"
+    TORCH_MHA = "PyTorch MHA (REFERENCE_MLA's, one request at a time)"
 
 
 class SplitMode(enum.Enum):
@@ -255,6 +260,79 @@ def triton_short_and_many(items: int, max_keys: int, num_sms: int, t: TritonTuni
     unsplit in ``many_items_tile``."""
     return max_keys <= t.short_decode_keys and t.many_items_tile is not None \
         and items >= t.many_items_per_sm * num_sms
+
+
+class MLADecodeLaunch(NamedTuple):
+    """TRITON_MLA's absorbed launch: ``splits`` of each request's keys, ``query_rows`` (a
+    power of two >= the longest absorbed query) x ``heads`` rows a program, ``keys`` latent
+    rows a step, warps, pipeline stages."""
+
+    splits: int
+    query_rows: int
+    heads: int
+    keys: int
+    warps: int
+    stages: int
+
+
+def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int, t: MLATuning) -> MLADecodeLaunch:
+    """A program takes ``decode_rows`` (query x head) rows of one request -- all its query
+    rows, as many heads as fit, at least 16 rows for the MMA -- and one split of its keys;
+    splits (a power of two) bring programs near ``programs_per_sm x SMs``, at least
+    ``min_keys_per_split`` keys a split, at most ``max_splits``. The split count falls step
+    by step as the batch grows: no cliff, no kernel switch."""
+    query_rows = pow2(max(1, max_query_len))
+    head_rows = min(pow2(heads), max(1, t.decode_rows // query_rows))
+    head_rows = max(head_rows, 16 // min(16, query_rows))
+    items = max(1, requests) * -(-heads // head_rows)
+    want = max(1, t.programs_per_sm * num_sms // items)
+    cap = max(1, min(t.max_splits, max_seq_len // t.min_keys_per_split))
+    splits = 1
+    while splits * 2 <= min(want, cap):
+        splits *= 2
+    return MLADecodeLaunch(splits, query_rows, head_rows, t.decode_keys, t.decode_warps,
+                           t.decode_stages)
+
+
+def mla_prefill_kernel(fa4_usable: bool) -> Kernel:
+    """The kernel of an MLA step's MHA part (QK nope + rope, V v_head_dim, ragged, with LSE):
+    FlashAttention 4 where it can run (CUDA, installed, the head dims), measured ahead of
+    FlashInfer's ragged sm90 prefill at 1x8k and within 1-2% of it at 4x4k and 16x1k
+    (128 heads, 192 / 128); else PyTorch, slow, for the CPU and tests."""
+    return Kernel.FA4 if fa4_usable else Kernel.TORCH_MHA
+
+
+def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning: Tuning,
+                fa4_usable: bool) -> list[str]:
+    """The MLA step split of ``step`` and each form's kernel, as the builder would plan it."""
+    t = tuning.mla
+    groups = list(step.groups)
+    cut = next((i for i, (_, _, q) in enumerate(groups) if q > t.absorbed_max_query_len),
+               len(groups))
+    absorbed, mha = groups[:cut], groups[cut:]
+    lines = []
+    if absorbed:
+        requests = sum(n for n, _, _ in absorbed)
+        rows = sum(n * q for n, _, q in absorbed)
+        line = f"absorbed form: {requests} request(s), {rows} row(s) over the latent cache"
+        if backend == "TRITON_MLA":
+            launch = mla_decode_launch(spec.num_heads, requests, max(q for _, _, q in absorbed),
+                                       max(s for _, s, _ in absorbed), facts.num_sms, t)
+            line += (f" -- TRITON_MLA kernel, {launch.splits} split(s) of each request's keys, "
+                     f"{launch.query_rows} query x {launch.heads} head rows a program, "
+                     f"{launch.keys} keys a step")
+        lines.append(line)
+    if mha:
+        new = sum(n * q for n, _, q in mha)
+        context = sum(n * (s - q) for n, s, q in mha)
+        chunks = -(-context // t.context_chunk_tokens)
+        kernel = (mla_prefill_kernel(fa4_usable).value if backend == "TRITON_MLA"
+                  else f"{backend}'s")
+        lines.append(f"MHA form: {sum(n for n, _, _ in mha)} request(s), {new} new token(s) on "
+                     f"{kernel}; {context} context row(s) in {chunks} chunk(s) of at most "
+                     f"{t.context_chunk_tokens}, merged through the LSE")
+    return lines
 
 
 def triton_num_splits(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int,

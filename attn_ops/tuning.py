@@ -173,6 +173,15 @@ class MLATuning:
     # gathered and up-projected into a workspace of chunk x heads x (nope + v) values, chunks
     # taken across requests in order (a long request beside short ones does not multiply them).
     context_chunk_tokens: int = 4096
+    # TRITON_MLA's absorbed launch (routing.mla_decode_launch): (query x head) rows a program,
+    # latent rows a step, warps, stages; split-KV like TRITON_ATTN's decode.
+    decode_rows: int = 64
+    decode_keys: int = 32
+    decode_warps: int = 8
+    decode_stages: int = 2
+    programs_per_sm: int = 2
+    max_splits: int = 32
+    min_keys_per_split: int = 512
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla")

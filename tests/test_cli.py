@@ -140,3 +140,14 @@ def test_the_extras_install_what_the_selector_accepts():
     assert extras["flashinfer"] == [spec_of(FLASHINFER_PACKAGE)]
     assert extras["flash-attn"] == [spec_of(GENERATIONS[4].package)]
     assert extras["triton"] == ["triton>=3.6"]
+
+
+def test_select_mla_prints_the_step_split_and_each_forms_kernel(capsys):
+    code, out, _ = run(capsys, "select", "--mla", "--heads", "128", "--platform", "cuda:9.0",
+                       "--assume-installed", "--batch", "1x32768,2x30000:4096")
+    assert code == 0, out
+    assert "selected: TRITON_MLA (auto), block_size=64" in out
+    assert ("absorbed form: 1 request(s), 1 row(s) over the latent cache -- TRITON_MLA kernel, "
+            "32 split(s) of each request's keys, 1 query x 64 head rows a program") in out
+    assert ("MHA form: 2 request(s), 8192 new token(s) on FlashAttention 4; 51808 context "
+            "row(s) in 13 chunk(s) of at most 4096") in out

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from attn_ops import (AttentionConfig, AttentionSpec, BlockAllocator, MLAAttention,
-                      build_batch, build_step_metadata, select_backend)
+                      build_batch, build_step_metadata, get_backend_class, select_backend)
 from attn_ops.backends.mla.common import (context_chunks, merge_attn_states,
                                           mla_cache_update)
-from attn_ops.platforms import Platform
+from attn_ops.platforms import Platform, current_platform
+from attn_ops.registry import MLA_BACKENDS
 from attn_ops.selector import BackendNotSupportedError, candidates_for
 from attn_ops.spec import KVCacheDType, yarn_mscale
 from attn_ops.tuning import Tuning
@@ -23,6 +24,24 @@ SPEC = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_d
                          v_head_dim=12, dtype=torch.float64, block_size=4,
                          mscale=yarn_mscale(4.0, 1.0))
 NUM_BLOCKS = 64
+PLATFORM = current_platform()
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def _spec_for(backend: str) -> AttentionSpec | None:
+    """SPEC in the widest dtype ``backend`` runs here (None: it runs none of them)."""
+    for dtype in TOLERANCE:
+        spec = SPEC.with_(dtype=dtype)
+        if not get_backend_class(backend).not_supported_reasons(spec, PLATFORM):
+            return spec
+    return None
+
+
+# every MLA backend that runs on this machine, with its spec: a new one enrolls itself
+MLA_HERE = {b.value: s for b in sorted(MLA_BACKENDS, key=lambda b: b.value)
+            if (s := _spec_for(b.value)) is not None}
+# small split thresholds, so TRITON_MLA's split-KV path runs at these contexts
+SPLITTING = {"min_keys_per_split": 4, "programs_per_sm": 8, "decode_keys": 16}
 
 
 # --- spec and selection -----------------------------------------------------------------------
@@ -61,8 +80,9 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
                for r in by_name["CUTLASS_MLA"].reasons)
     assert any("V width 512" in str(r) for r in by_name["FLASH_ATTN_MLA"].reasons)
-    # REFERENCE_MLA runs anywhere but is not in a GPU's priority list (a silent 100x slowdown)
-    assert [c.name for c in by_name.values() if c.ok] == ["REFERENCE_MLA"]
+    # TRITON_MLA is the first that runs; REFERENCE_MLA runs anywhere but is not in a GPU's
+    # priority list (a silent 100x slowdown)
+    assert [c.name for c in by_name.values() if c.ok] == ["TRITON_MLA", "REFERENCE_MLA"]
     assert by_name["REFERENCE_MLA"].priority is None
 
 
@@ -159,11 +179,12 @@ SCENARIOS = {  # (context, new tokens) per request, decode-first
 }
 
 
-def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0):
+def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0, backend=None):
     """Write each request's context (a previous step), then run one step of its new tokens
     through MLAAttention; returns (ours, expected) over the real rows."""
     g = torch.Generator().manual_seed(seed)
-    layer = MLAAttention(spec, AttentionConfig(tuning=tuning) if tuning else None)
+    layer = MLAAttention(spec, AttentionConfig(tuning=tuning, backend=backend))
+    assert backend is None or layer.impl.name == backend
     w = _weights(spec, g)
     layer.load_kv_b_proj(w.to(spec.dtype))
     cache = torch.full((NUM_BLOCKS, spec.block_size, spec.latent_dim), float("nan"),
@@ -209,27 +230,40 @@ def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0):
     return out[:total], torch.cat(want)
 
 
+def _close(ours, want, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(ours.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", MLA_HERE)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("chunk", [8192, 7], ids=["one_chunk", "chunks_of_7"])
-def test_layer_matches_dense_mla(scenario, chunk):
-    tuning = Tuning().with_(mla={"context_chunk_tokens": chunk, "absorbed_max_query_len": 4})
-    ours, want = _run_scenario(SPEC, SCENARIOS[scenario], tuning=tuning, padded=3)
-    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
+def test_layer_matches_dense_mla(backend, scenario, chunk):
+    spec = MLA_HERE[backend]
+    tuning = Tuning().with_(mla={"context_chunk_tokens": chunk, "absorbed_max_query_len": 4,
+                                 **SPLITTING})
+    ours, want = _run_scenario(spec, SCENARIOS[scenario], tuning=tuning, padded=3,
+                               backend=backend)
+    _close(ours, want, spec.dtype)
 
 
+@pytest.mark.parametrize("backend", MLA_HERE)
 @pytest.mark.parametrize("absorbed_max", [0, 64], ids=["all_mha", "all_absorbed"])
-def test_both_forms_agree_on_any_split(absorbed_max):
+def test_both_forms_agree_on_any_split(backend, absorbed_max):
+    spec = MLA_HERE[backend]
     tuning = Tuning().with_(mla={"absorbed_max_query_len": absorbed_max,
-                                 "context_chunk_tokens": 16})
-    ours, want = _run_scenario(SPEC, SCENARIOS["mixed"], tuning=tuning)
-    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
+                                 "context_chunk_tokens": 16, **SPLITTING})
+    ours, want = _run_scenario(spec, SCENARIOS["mixed"], tuning=tuning, backend=backend)
+    _close(ours, want, spec.dtype)
 
 
-def test_fp8_latent_cache_keeps_the_output_close():
-    spec = SPEC.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3)
-    ours, want = _run_scenario(spec, SCENARIOS["long_context_chunked"],
-                               tuning=Tuning().with_(mla={"context_chunk_tokens": 16}))
-    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)  # (fp8 rounding in both)
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_fp8_latent_cache_keeps_the_output_close(backend):
+    spec = MLA_HERE[backend].with_(kv_cache_dtype=KVCacheDType.FP8_E4M3)
+    ours, want = _run_scenario(spec, SCENARIOS["long_context_chunked"], backend=backend,
+                               tuning=Tuning().with_(mla={"context_chunk_tokens": 16,
+                                                          **SPLITTING}))
+    _close(ours, want, spec.dtype)  # (the same fp8 rounding in both)
 
 
 def test_bad_inputs_name_the_shape():
@@ -242,30 +276,33 @@ def test_bad_inputs_name_the_shape():
         MLAAttention(AttentionSpec(num_heads=4, head_dim=16))
 
 
-def _op_args(reqs=SCENARIOS["mixed"]):
+def _op_args(backend, reqs=SCENARIOS["mixed"]):
+    spec = MLA_HERE[backend]
     g = torch.Generator().manual_seed(3)
-    layer = MLAAttention(SPEC, AttentionConfig(tuning=Tuning().with_(
-        mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 1})))
-    layer.load_kv_b_proj(_weights(SPEC, g))
+    layer = MLAAttention(spec, AttentionConfig(backend=backend, tuning=Tuning().with_(
+        mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 1, **SPLITTING})))
+    layer.load_kv_b_proj(_weights(spec, g).to(spec.dtype))
     alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
     meta = layer.impl.build_metadata(build_batch(alloc, list(range(len(reqs))),
                                                  [c for c, _ in reqs], [n for _, n in reqs]))
     t = sum(n for _, n in reqs)
-    cache = torch.randn(NUM_BLOCKS, 4, SPEC.latent_dim, generator=g, dtype=torch.float64)
-    q = torch.randn(t, 4, 24, generator=g, dtype=torch.float64)
-    kv_c, k_pe = torch.randn(t, 32, dtype=torch.float64), torch.randn(t, 8, dtype=torch.float64)
-    return layer, meta, (q, kv_c, k_pe, cache, layer.w_uk, layer.w_uv, meta.query_start_loc,
-                         meta.seq_lens, meta.block_table, meta.plan, meta.mha_lens_cpu,
-                         torch.empty(t, 4, 12, dtype=torch.float64), None, SPEC.softmax_scale)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=spec.dtype)  # noqa: E731
+    cache = rand(NUM_BLOCKS, 4, spec.latent_dim)
+    return layer, meta, (rand(t, 4, 24), rand(t, 32), rand(t, 8), cache, layer.w_uk,
+                         layer.w_uv, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                         meta.plan, meta.mha_lens_cpu, torch.empty(t, 4, 12, dtype=spec.dtype),
+                         None, spec.softmax_scale)
 
 
-def test_mla_op_passes_opcheck():
-    layer, _, args = _op_args()
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_mla_op_passes_opcheck(backend):
+    layer, _, args = _op_args(backend)
     torch.library.opcheck(layer.impl.op, args)
 
 
-def test_compiled_layer_equals_eager_with_no_graph_break():
-    layer, _, args = _op_args()
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_compiled_layer_equals_eager_with_no_graph_break(backend):
+    layer, _, args = _op_args(backend)
     q, kv_c, k_pe, cache = args[:4]
     reqs = SCENARIOS["mixed"]
     alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
@@ -284,7 +321,135 @@ def test_compiled_layer_equals_eager_with_no_graph_break():
     torch.testing.assert_close(compiled(q, kv_c, k_pe, cache.clone(), step), eager)
     ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"
            and str(n.target).startswith("attn.")]
-    assert ops == ["attn.mla_cache_update.default", "attn.reference_mla_attention.default"]
+    assert ops == ["attn.mla_cache_update.default", str(layer.impl.op)]
+
+
+def test_triton_mla_launch_splits_short_batches_and_shrinks_the_split_as_the_batch_grows():
+    """No small-batch cliff: one request at 32k keys takes many splits; the split count never
+    rises with the batch; every launch covers its longest query with >= 16 MMA rows."""
+    from attn_ops.routing import mla_decode_launch
+
+    t = Tuning().mla
+    for heads in (16, 128):
+        launches = [mla_decode_launch(heads, b, 1, 32768, 132, t) for b in (1, 2, 8, 32, 64, 256)]
+        splits = [launch.splits for launch in launches]
+        assert splits[0] >= 8 and splits == sorted(splits, reverse=True), splits
+        assert all(launch.query_rows * launch.heads >= 16 for launch in launches)
+    spec_decode = mla_decode_launch(128, 4, 3, 4096, 132, t)
+    assert spec_decode.query_rows == 4 and spec_decode.query_rows * spec_decode.heads <= 64
+    assert mla_decode_launch(16, 64, 1, 300, 132, t).splits == 1  # short contexts: no split
+
+
+def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
+    from attn_ops.backends.mla.prefill import mha_kernel
+    from attn_ops.backends.mla.reference import mha_torch
+    from attn_ops.routing import Kernel, mla_prefill_kernel
+
+    assert mla_prefill_kernel(True) is Kernel.FA4
+    assert mla_prefill_kernel(False) is Kernel.TORCH_MHA
+    assert mha_kernel(torch.device("cpu"), 192, 128) is mha_torch
+
+
+# --- TRITON_MLA's kernel against the reference's absorbed form -------------------------------
+
+@pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="TRITON_MLA does not run here")
+@pytest.mark.parametrize("heads,rank,rope,page", [(4, 32, 16, 8), (5, 24, 8, 3), (16, 64, 16, 16)],
+                         ids=["pow2", "odd_dims_and_page", "head_blocks"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8_e4m3"])
+def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, rope, page, fp8):
+    """Every split count, query-row and head tile, latents and heads not powers of two, pages
+    in random order with NaN in the rows no request owns: TRITON_MLA's kernel (and its split
+    combine) equals REFERENCE_MLA's absorbed form."""
+    from attn_ops.backends.mla.reference import absorbed_torch
+    from attn_ops.backends.mla.triton_mla import absorbed_triton
+    from attn_ops.routing import MLADecodeLaunch
+
+    g = torch.Generator().manual_seed(heads)
+    lens, qlens = [5, 19, 40, 1], [1, 3, 1, 1]
+    blocks = sum(-(-n // page) for n in lens) + 4
+    cache = torch.full((blocks, page, rank + rope), float("nan"))
+    order = torch.randperm(blocks, generator=g)
+    width = max(-(-n // page) for n in lens)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // page)
+        table[i, :k] = order[used:used + k]
+        used += k
+        rows = torch.randn(n, rank + rope, generator=g)
+        for j in range(n):
+            cache[table[i, j // page], j % page] = rows[j]
+    scale = None
+    if fp8:
+        scale = torch.tensor([0.02])
+        cache = (cache / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    t = int(qsl[-1])
+    ql = torch.randn(t, heads, rank, generator=g)
+    q_pe = torch.randn(t, heads, rope, generator=g)
+    want = torch.zeros(t, heads, rank)
+    absorbed_torch(ql, q_pe, cache, qsl, seq, table, want, scale, 0.3)
+    for splits in (1, 2, 8):
+        for query_rows, head_rows in ((4, 4), (4, 16), (8, 2)):
+            out = torch.full((t, heads, rank), float("nan"))
+            absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, scale, 0.3,
+                            MLADecodeLaunch(splits, query_rows, head_rows, 16, 4, 1))
+            torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5,
+                                       msg=f"splits={splits} rows={query_rows}x{head_rows}")
+
+
+def _fa4_varlen_standin(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, causal, return_lse, out, lse):
+    """FlashAttention 4's varlen ``_flash_attn_fwd`` on dense ragged K/V in plain torch, its
+    LSE ``[heads, tokens]``; requests without keys get NaN (what the glue must not trust)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
+    assert max_seqlen_k == max(b - a for a, b in zip(ck, ck[1:]))
+    assert return_lse and lse.shape == (q.shape[1], q.shape[0])
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if k1 == k0:
+            out[q0:q1], lse[:, q0:q1] = float("nan"), float("nan")
+            continue
+        score = torch.einsum("thd,jhd->htj", q[q0:q1], k[k0:k1]) * softmax_scale
+        if causal:
+            n, m = q1 - q0, k1 - k0
+            mask = torch.arange(m)[None] > torch.arange(m - n, m)[:, None]
+            score = score.masked_fill(mask, float("-inf"))
+        lse[:, q0:q1] = torch.logsumexp(score, -1)
+        out[q0:q1] = torch.einsum("htj,jhd->thd", torch.softmax(score, -1), v[k0:k1])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["new_tokens", "context_chunk"])
+def test_fa4_mha_glue_matches_the_reference_mha(monkeypatch, causal):
+    """The MHA part's FA4 call (arguments, bounds, LSE layout, requests a chunk gives no keys)
+    against REFERENCE_MLA's torch MHA, FA4 replaced by a stand-in with its semantics."""
+    import sys
+    import types
+
+    from attn_ops.backends.mla.prefill import mha_fa4
+    from attn_ops.backends.mla.reference import mha_torch
+
+    module = types.ModuleType("flash_attn.cute.interface")
+    module._flash_attn_fwd = _fa4_varlen_standin
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", module)
+    g = torch.Generator().manual_seed(1)
+    lens_q = [3, 5, 2]
+    lens_k = lens_q if causal else [7, 0, 4]
+    cu_q = [0, *torch.tensor(lens_q).cumsum(0).tolist()]
+    cu_k = [0, *torch.tensor(lens_k).cumsum(0).tolist()]
+    q = torch.randn(cu_q[-1], 4, 24, generator=g)
+    k = torch.randn(cu_k[-1], 4, 24, generator=g)
+    v = torch.randn(cu_k[-1], 4, 12, generator=g)
+    results = []
+    for kernel in (mha_fa4, mha_torch):
+        out, lse = torch.empty(cu_q[-1], 4, 12), torch.empty(cu_q[-1], 4)
+        kernel(q, k, v, torch.tensor(cu_q, dtype=torch.int32),
+               torch.tensor(cu_k, dtype=torch.int32), cu_q, cu_k, out, lse, 0.2, causal)
+        results.append((out, lse))
+    torch.testing.assert_close(results[0], results[1])
+    if not causal:
+        assert (results[0][0][3:8] == 0).all() and (results[0][1][3:8] == float("-inf")).all()
 
 
 # --- the real peer: HF transformers' DeepseekV3Attention --------------------------------------

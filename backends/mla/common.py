@@ -36,6 +36,7 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform
+from attn_ops.routing import MLADecodeLaunch
 from attn_ops.spec import AttentionSpec
 
 __all__ = [
@@ -139,12 +140,14 @@ empty, like -inf); rows empty on both sides get ``out = 0`` and ``out_lse = -inf
 class MLAPlan:
     """One step's split: the first ``num_absorbed`` requests (``num_absorbed_tokens`` rows) in
     the absorbed form, the rest up to row ``num_tokens`` in the MHA form (later rows are
-    padding), its context in chunks of at most ``chunk_tokens`` latent rows."""
+    padding), its context in chunks of at most ``chunk_tokens`` latent rows; ``decode``: the
+    absorbed part's launch where the backend's kernel takes one."""
 
     num_absorbed: int
     num_absorbed_tokens: int
     num_tokens: int
     chunk_tokens: int
+    decode: MLADecodeLaunch | None = None
 
 
 PLAN = PlanCodec(MLAPlan)
@@ -188,8 +191,8 @@ def context_chunks(context_lens: np.ndarray, chunk_tokens: int) -> list[np.ndarr
     return chunks
 
 
-# kernels: absorbed(ql, q_pe, cache, qsl, seq_lens, block_table, out, kv_scale, scale) and
-# mha(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal)
+# kernels: absorbed(ql, q_pe, cache, qsl, seq_lens, block_table, out, kv_scale, scale, launch)
+# and mha(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal)
 AbsorbedKernel = Callable[..., None]
 MHAKernel = Callable[..., None]
 
@@ -206,7 +209,7 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
         ql = torch.einsum("thn,hnl->thl", q[:nat, :, :nope], w_uk)
         latent_out = ql.new_empty(nat, heads, rank)
         absorbed(ql, q[:nat, :, nope:], latent_cache, query_start_loc[:na + 1], seq_lens[:na],
-                 block_table[:na], latent_out, kv_scale, scale)
+                 block_table[:na], latent_out, kv_scale, scale, p.decode)
         out[:nat] = torch.einsum("thl,hlv->thv", latent_out, w_uv).to(out.dtype)
     if nt == nat:
         return
@@ -333,11 +336,19 @@ class MLABackend(AttentionBackend):
         seq = common.seq_lens_cpu.numpy().astype(np.int64)
         new = query_lens[na:].astype(np.int64)
         mha_lens = np.stack([new, seq[na:] - new], axis=1)
+        decode = self.decode_launch(na, int(query_lens[:na].max()) if na else 0,
+                                    int(seq[:na].max()) if na else 0, common.seq_lens.device)
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
                                    num_tokens=int(qsl[-1]),
-                                   chunk_tokens=self.tuning.mla.context_chunk_tokens))
+                                   chunk_tokens=self.tuning.mla.context_chunk_tokens,
+                                   decode=decode))
         return MLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
                            common.block_table, plan, torch.from_numpy(mha_lens))
+
+    def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
+                      device: torch.device) -> MLADecodeLaunch | None:
+        """The absorbed part's launch (default: none, the kernel plans nothing)."""
+        return None
 
     def forward(self, q, kv_c, k_pe, latent_cache, metadata, out, *, w_uk, w_uv,
                 kv_scale=None) -> None:

@@ -1,0 +1,62 @@
+"""The kernels of an MLA step's MHA part: ragged attention with QK ``nope + rope`` and V
+``v_head_dim`` widths and a natural-log LSE, over the new tokens (causal) and over each context
+chunk (no mask). :func:`mha_kernel` returns the one :func:`attn_ops.routing.mla_prefill_kernel`
+picks for a device and head dims."""
+
+from __future__ import annotations
+
+import functools
+from itertools import pairwise
+
+import torch
+
+from attn_ops.backends.mla.reference import mha_torch
+from attn_ops.routing import Kernel, mla_prefill_kernel
+
+__all__ = ["mha_fa4", "mha_kernel"]
+
+
+def mha_fa4(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal) -> None:
+    """FlashAttention 4's varlen forward on dense ragged K/V (causal bottom-right aligned).
+    Requests with no keys (a context chunk that holds none of theirs) get ``out = 0`` and
+    ``lse = -inf``, what the LSE merge reads as empty."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    lens_q = [b - a for a, b in pairwise(cu_q_host)]
+    lens_k = [b - a for a, b in pairwise(cu_k_host)]
+    lse_hm = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    _flash_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q, default=0),
+                    max_seqlen_k=max(lens_k, default=0), softmax_scale=scale, causal=causal,
+                    return_lse=True, out=out, lse=lse_hm)
+    lse.copy_(lse_hm.t())
+    if any(n_k == 0 and n_q for n_q, n_k in zip(lens_q, lens_k)):
+        empty = torch.repeat_interleave(
+            torch.tensor([n_k == 0 for n_k in lens_k], device=q.device),
+            torch.tensor(lens_q, device=q.device), output_size=q.shape[0])
+        out.masked_fill_(empty[:, None, None], 0.0)
+        lse.masked_fill_(empty[:, None], float("-inf"))
+
+
+@functools.cache
+def _fa4_usable(device: torch.device, head_dim: int, v_head_dim: int) -> bool:
+    if device.type != "cuda":
+        return False
+    from attn_ops.backends.flash_attn import GENERATIONS
+    from attn_ops.backends.flash_attn_kernels import fa4_head_dim_reasons
+    from attn_ops.platforms import current_platform
+    from attn_ops.spec import AttentionSpec
+
+    fa4, platform = GENERATIONS[4], current_platform()
+    cap = platform.capability
+    spec = AttentionSpec(num_heads=1, head_dim=head_dim, head_dim_v=v_head_dim,
+                         dtype=torch.bfloat16)
+    return (fa4.package.reason("", platform) is None and cap is not None
+            and fa4.min_capability <= cap <= fa4.max_capability and max(head_dim, v_head_dim) <= 256
+            and not fa4_head_dim_reasons("", spec, platform))
+
+
+def mha_kernel(device: torch.device, head_dim: int, v_head_dim: int):
+    """The MHA-part kernel for ``device`` and the (QK, V) head dims."""
+    kernel = mla_prefill_kernel(_fa4_usable(device, head_dim, v_head_dim))
+    return {Kernel.FA4: mha_fa4, Kernel.TORCH_MHA: mha_torch}[kernel]

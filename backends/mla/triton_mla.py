@@ -1,0 +1,144 @@
+"""TRITON_MLA: MLA with our Triton kernel for the absorbed form.
+
+Decodes, speculative decodes and short prefills (the absorbed part of a step) run
+:func:`~attn_ops.backends.mla.triton_mla_kernels.mla_decode_kernel` over the paged latent cache:
+split-KV, the split count and tile from :func:`attn_ops.routing.mla_decode_launch`, partials
+merged by TRITON_ATTN's split combine. The MHA part (longer prefills and their chunked context)
+runs the kernel :func:`attn_ops.routing.mla_prefill_kernel` picks.
+
+CUDA graphs: uniform decode batches; the launch is fixed per capture size from the graphs'
+longest request, the lengths stay on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.backends.mla.common import (MLA_SCHEMA, PLAN, MLABackend, MLAMetadata, MLAPlan,
+                                          check_mla_inputs, run_mla)
+from attn_ops.backends.mla.prefill import mha_kernel
+from attn_ops.backends.triton_attn import interpreting
+from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
+                                   PackageRequirement, Reason)
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.ops import define_op
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.routing import DeviceFacts, MLADecodeLaunch, mla_decode_launch, pow2
+from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
+
+__all__ = ["TritonMLABackend", "absorbed_triton"]
+
+_TRITON = PackageRequirement("triton", "triton", "3.6")
+
+
+def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
+                    kv_scale, scale, launch: MLADecodeLaunch) -> None:
+    """The absorbed form in ``launch``: latent outputs ``out`` [rows, heads, rank]."""
+    from attn_ops.backends.mla.triton_mla_kernels import mla_decode_kernel
+    from attn_ops.backends.triton_attn_kernels import combine_splits_kernel
+
+    rows, heads, rank = ql.shape
+    rope = q_pe.shape[2]
+    num_reqs = seq_lens.shape[0]
+    rank_p, rope_p = pow2(rank, 16), pow2(rope, 16)
+    splits = launch.splits
+    fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    dummy = out
+    part_o = part_lse = dummy
+    if splits > 1:
+        part_o = torch.empty(rows, heads, splits, rank_p, dtype=torch.float32, device=ql.device)
+        part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=ql.device)
+    grid = (num_reqs, -(-heads // launch.heads), splits)
+    mla_decode_kernel[grid](
+        ql, q_pe, latent_cache, out, part_o, part_lse, query_start_loc, seq_lens, block_table,
+        kv_scale if fp8 else dummy, num_reqs, scale,
+        ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
+        out.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
+        H=heads, HEADS=launch.heads, Q_ROWS=launch.query_rows, RANK=rank, RANK_P=rank_p,
+        ROPE=rope, ROPE_P=rope_p, PAGE=latent_cache.shape[1], BLOCK_N=launch.keys,
+        NUM_SPLITS=splits, FP8=fp8,
+        PRECISION="ieee" if ql.dtype == torch.float32 else "tf32",
+        num_warps=launch.warps, num_stages=launch.stages)
+    if splits > 1:
+        combine_splits_kernel[(rows, heads)](
+            out, dummy, part_o, part_lse, query_start_loc, dummy, kv_scale if fp8 else dummy,
+            num_reqs, out.stride(0), out.stride(1), 0,
+            HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank, DV_P=rank_p,
+            HAS_SINKS=False, FP8=fp8, WRITE_LSE=False, num_warps=4)
+
+
+def _check(*args) -> None:
+    check_mla_inputs(*args)
+    q, latent_cache = args[0], args[3]
+    if latent_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"TRITON_MLA: latent_cache dtype {latent_cache.dtype} must be the "
+                         f"query's ({q.dtype}) or float8_e4m3fn")
+    if latent_cache.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError("TRITON_MLA: latent_cache and q need a contiguous last dim; pass "
+                         ".contiguous() tensors")
+
+
+def _triton_mla(*args) -> None:
+    _check(*args)
+    q, w_uv = args[0], args[5]
+    run_mla(*args, absorbed=absorbed_triton, mha=mha_kernel(q.device, q.shape[2], w_uv.shape[2]))
+
+
+triton_mla_attention = define_op("triton_mla_attention", MLA_SCHEMA, _triton_mla,
+                                 lambda *args: _check(*args))
+
+
+class TritonMLABackend(MLABackend):
+    """Split-KV absorbed decode in Triton on any GPU Triton runs on (and the CPU interpreter
+    for tests); fp8 e4m3 latents; any latent dims and page size."""
+
+    name = "TRITON_MLA"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.CPU}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dims=HeadDims(),
+        kv_cache_dtypes=frozenset({KVCacheDType.AUTO, KVCacheDType.FP8_E4M3}),
+        block_sizes=(MultipleOf(1),),
+        preferred_block_size=64,
+        features=frozenset({Feature.MLA, Feature.DIFF_HEAD_DIM_V, Feature.FP8_KV}),
+        min_capability=(8, 0),
+        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
+        packages=(_TRITON,),
+    )
+    op = triton_mla_attention
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        if platform.kind is PlatformKind.CPU and spec.use_mla:
+            if not interpreting():
+                reasons.append(Reason(cls.name, "platform", f"platform cpu: {cls.name} runs on "
+                                      "the CPU only in Triton's interpreter (TRITON_INTERPRET=1, "
+                                      "for tests); REFERENCE_MLA is the CPU path"))
+            if spec.dtype == torch.bfloat16:
+                reasons.append(Reason(cls.name, "dtype", "dtype=bfloat16: tl.dot in bf16 is "
+                                      "broken in Triton's interpreter", "use float16/float32"))
+        return reasons
+
+    def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
+                      device: torch.device) -> MLADecodeLaunch:
+        return mla_decode_launch(self.spec.num_heads, requests, max_query_len, max_seq_len,
+                                 DeviceFacts.of(device).num_sms, self.tuning.mla)
+
+    def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
+        """The padded common tensors (persistent) and a plan fixed per capture size: every
+        request a decode of ``graphs.query_len`` rows, the launch from the graphs' longest
+        request; the real lengths stay on the device."""
+        super().graph_metadata(padded, graphs)
+        size = padded.num_reqs
+        key = (*self.metadata_key(), "plan", size)
+        plan = graphs.backend_state.get(key)
+        if plan is None:
+            rows = size * graphs.query_len
+            plan = graphs.backend_state[key] = PLAN.encode(MLAPlan(
+                num_absorbed=size, num_absorbed_tokens=rows, num_tokens=rows,
+                chunk_tokens=self.tuning.mla.context_chunk_tokens,
+                decode=self.decode_launch(size, graphs.query_len, graphs.max_seq_len,
+                                          graphs.device)))
+        return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
+                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64))

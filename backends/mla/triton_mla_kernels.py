@@ -1,0 +1,112 @@
+"""TRITON_MLA's kernel: the absorbed (MQA) form of MLA over the paged latent cache, split-KV.
+
+Every head of a request reads the same latent rows, so one program takes ``HEADS`` heads x
+``Q_ROWS`` query rows of one request (``M = HEADS x Q_ROWS`` rows: row ``m`` is query
+``m // HEADS``, head ``m % HEADS`` of the program's head block) and one split of its keys. Per
+``BLOCK_N`` keys it loads the latent rows once, ``c`` [BLOCK_N, RANK] and ``k_pe``
+[BLOCK_N, ROPE], and runs
+
+    s   = (ql @ c^T + q_pe @ k_pe^T) * scale        (ql: q_nope @ W_UK, RANK wide)
+    acc = acc * alpha + softmax_part(s) @ c          (online softmax in base 2)
+
+so K and V are the same tile (the values are the latent's first RANK entries). Query ``t`` of a
+request with ``n`` new tokens and ``s`` cached ones sits at position ``s - n + t`` and sees the
+keys up to it (speculative decodes and short prefills). fp8 latents: the per-tensor scale goes
+into the score scale and, for the output, into the split combine (or the final store).
+
+With one split a program writes its rows' latent output; with more it writes fp32 partials
+``[rows, heads, splits, RANK_P]`` and their natural-log LSEs, which TRITON_ATTN's split combine
+(``combine_splits_kernel``) merges. Splits of a request cover ``ceil(s / splits)`` keys each
+(rounded up to ``BLOCK_N``); an empty split writes LSE -inf. Programs past a request's rows or
+heads return: a CUDA graph launches the grid of its capture size.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def mla_decode_kernel(
+    ql_ptr, qpe_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr, kv_scale_ptr,
+    num_reqs, sm_scale,
+    stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh,
+    stride_cb, stride_cp, stride_bt,
+    H: tl.constexpr, HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
+    RANK: tl.constexpr, RANK_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    if req >= num_reqs:
+        return
+    q0 = tl.load(qsl_ptr + req)
+    n = tl.load(qsl_ptr + req + 1) - q0
+    seq = tl.load(seq_lens_ptr + req)
+    if n == 0:
+        return
+    M: tl.constexpr = HEADS * Q_ROWS
+    offs_m = tl.arange(0, M)
+    t = offs_m // HEADS
+    h = head_block * HEADS + offs_m % HEADS
+    row_ok = (t < n) & (h < H)
+    pos = seq - n + t
+    offs_r = tl.arange(0, RANK_P)
+    offs_p = tl.arange(0, ROPE_P)
+    r_ok = offs_r < RANK
+    p_ok = offs_p < ROPE
+    row = (q0 + t).to(tl.int64)
+    ql = tl.load(ql_ptr + row[:, None] * stride_lt + h[:, None] * stride_lh + offs_r[None, :],
+                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    qpe = tl.load(qpe_ptr + row[:, None] * stride_pt + h[:, None] * stride_ph + offs_p[None, :],
+                  mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+    qk_scale = sm_scale * LOG2E
+    if FP8:
+        kv_scale = tl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
+    per_split = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(seq, lo + per_split)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, RANK_P], tl.float32)
+    table = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        rows = cache_ptr + page * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cp
+        c = tl.load(rows[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                    other=0.0).to(ql.dtype)
+        kpe = tl.load(rows[:, None] + RANK + offs_p[None, :],
+                      mask=n_ok[:, None] & p_ok[None, :], other=0.0).to(qpe.dtype)
+        s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
+        s = tl.dot(qpe, tl.trans(kpe), s, input_precision=PRECISION)
+        visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        if FP8:
+            o = o * kv_scale
+        tl.store(out_ptr + row[:, None] * stride_ot + h[:, None] * stride_oh + offs_r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+    else:
+        part = (row * H + h) * NUM_SPLITS + split
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
+        tl.store(part_o_ptr + part[:, None] * RANK_P + offs_r[None, :], o,
+                 mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)

@@ -1,0 +1,145 @@
+"""MLA decode: TRITON_MLA's absorbed kernel against FlashInfer's MLA kernels called directly,
+side by side in one run (H200).
+
+The same latent rows (bf16, DeepSeek dims: ``kv_lora_rank`` 512 + rope 64, page 64, pages in
+random order), one query token per request, ``heads`` query heads:
+
+* ``triton_mla``   -- TRITON_MLA's absorbed launch (kernel + split combine) on ``ql`` / ``q_pe``,
+  launch from ``routing.mla_decode_launch`` for this batch;
+* ``triton_mla_op`` -- the whole ``torch.ops.attn.triton_mla_attention`` step (``q_nope @ W_UK``,
+  the kernel, ``@ W_UV``), for what the layer adds;
+* ``flashinfer_fa3`` / ``flashinfer_fa2`` -- ``flashinfer.mla.BatchMLAPagedAttentionWrapper``
+  with ``backend="fa3"`` / ``"fa2"``, planned before timing, on contiguous ``ckv`` / ``kpe``
+  caches holding the same rows (the anchors).
+
+Each contender is timed as CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median),
+contenders interleaved over ``--rounds`` rounds. FLOPs = B * H * ctx * 2 * (576 + 512) ->
+TFLOP/s; bytes = B * ctx * 576 * 2 -> TB/s; both are reported.
+
+    python benchmarks/bench_mla_decode.py [--heads 16 128] [--batches ...] [--ctxs ...]
+        [--rounds R] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu_attention import gpu_parser, time_graph, write_result  # noqa: E402
+
+RANK, ROPE, NOPE, V = 512, 64, 128, 128
+DTYPE = torch.bfloat16
+
+
+class MLABatch:
+    """``batch`` decodes of ``ctx`` tokens over a random latent cache in random page order."""
+
+    def __init__(self, heads, batch, ctx, page, gen):
+        self.heads, self.batch, self.ctx, self.page = heads, batch, ctx, page
+        pages = -(-ctx // page)
+        num_blocks = batch * pages + 1
+        perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        self.block_table = perm[:batch * pages].view(batch, pages).cuda()
+        self.cache = torch.randn(num_blocks, page, RANK + ROPE, dtype=DTYPE, device="cuda")
+        self.ql = torch.randn(batch, heads, RANK, dtype=DTYPE, device="cuda")
+        self.q_pe = torch.randn(batch, heads, ROPE, dtype=DTYPE, device="cuda")
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.scale = (NOPE + ROPE) ** -0.5
+        self.out = torch.empty(batch, heads, RANK, dtype=DTYPE, device="cuda")
+
+
+def triton_mla(b: MLABatch):
+    from attn_ops.backends.mla.triton_mla import absorbed_triton
+    from attn_ops.routing import DeviceFacts, mla_decode_launch
+    from attn_ops.tuning import default_tuning
+
+    launch = mla_decode_launch(b.heads, b.batch, 1, b.ctx,
+                               DeviceFacts.of(b.cache.device).num_sms, default_tuning().mla)
+    return lambda: absorbed_triton(b.ql, b.q_pe, b.cache, b.qsl, b.seq_lens, b.block_table,
+                                   b.out, None, b.scale, launch)
+
+
+def triton_mla_op(b: MLABatch):
+    """The whole op on a decode step of ``b`` (random W_UK / W_UV, q of width nope + rope)."""
+    from attn_ops import AttentionConfig, AttentionSpec, MLAAttention
+    from attn_ops.metadata import build_common_metadata
+
+    spec = AttentionSpec.mla(b.heads, dtype=DTYPE, block_size=b.page)
+    layer = MLAAttention(spec, AttentionConfig(backend="TRITON_MLA")).cuda()
+    layer.load_kv_b_proj(torch.randn(b.heads * (NOPE + V), RANK, dtype=DTYPE, device="cuda")
+                         / RANK ** 0.5)
+    tables = b.block_table.tolist()
+    common = build_common_metadata([1] * b.batch, [b.ctx] * b.batch, tables, b.page,
+                                   b.cache.shape[0], device="cuda")
+    meta = layer.impl.build_metadata(common)
+    q = torch.randn(b.batch, b.heads, NOPE + ROPE, dtype=DTYPE, device="cuda")
+    kv_c = torch.randn(b.batch, RANK, dtype=DTYPE, device="cuda")
+    k_pe = torch.randn(b.batch, ROPE, dtype=DTYPE, device="cuda")
+    out = torch.empty(b.batch, b.heads, V, dtype=DTYPE, device="cuda")
+    return lambda: layer.impl.forward(q, kv_c, k_pe, b.cache, meta, out, w_uk=layer.w_uk,
+                                      w_uv=layer.w_uv)
+
+
+def flashinfer_mla(b: MLABatch, backend: str):
+    import flashinfer
+
+    ckv = b.cache[..., :RANK].contiguous()
+    kpe = b.cache[..., RANK:].contiguous()
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
+    pages = b.block_table.shape[1]
+    kv_indptr = torch.arange(b.batch + 1, dtype=torch.int32, device="cuda") * pages
+    wrapper.plan(b.qsl, kv_indptr, b.block_table.flatten(), b.seq_lens, b.heads, RANK, ROPE,
+                 b.page, False, b.scale, DTYPE, DTYPE)
+    out = torch.empty_like(b.out)
+    return lambda: wrapper.run(b.ql, b.q_pe, ckv, kpe, out=out)
+
+
+def main() -> None:
+    parser = gpu_parser(__doc__, "bench_mla_decode_h200.json", page=64, rounds=2, quick=False)
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--ctxs", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for heads in args.heads:
+        for batch in args.batches:
+            for ctx in args.ctxs:
+                b = MLABatch(heads, batch, ctx, args.page, gen)
+                fns = {"triton_mla": triton_mla(b), "triton_mla_op": triton_mla_op(b)}
+                for backend in ("fa3", "fa2"):
+                    try:
+                        fns[f"flashinfer_{backend}"] = flashinfer_mla(b, backend)
+                    except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here
+                        print(f"flashinfer {backend}: {type(e).__name__}: {e}"[:200])
+                outputs = {}
+                for name in ("triton_mla", "flashinfer_fa3", "flashinfer_fa2"):
+                    if name in fns:
+                        res = fns[name]()
+                        outputs[name] = (res if torch.is_tensor(res) else b.out).float().clone()
+                diff = max(((o - outputs["triton_mla"]).abs().max().item()
+                            for o in outputs.values()), default=0.0)
+                ms = time_graph(fns, args.rounds)
+                flops = batch * heads * ctx * 2 * (RANK + ROPE + RANK)
+                nbytes = batch * ctx * (RANK + ROPE) * 2
+                row = {"heads": heads, "batch": batch, "ctx": ctx, "max_abs_diff": diff,
+                       **{f"{k}_ms": v for k, v in ms.items()},
+                       **{f"{k}_tflops": flops / v / 1e9 for k, v in ms.items()},
+                       **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}}
+                rows.append(row)
+                print(f"H={heads:<4} B={batch:<4} ctx={ctx:<6} " + "  ".join(
+                    f"{k} {flops / v / 1e9:6.1f} TF {nbytes / v / 1e9:5.2f} TB/s"
+                    for k, v in ms.items()) + f" (max diff {diff:.3g})")
+                write_result("bench_mla_decode", args.out, quiet=True, page=args.page,
+                             rows=rows, complete=False)
+                del b, fns, outputs
+    write_result("bench_mla_decode", args.out, page=args.page, rows=rows, complete=True)
+
+
+if __name__ == "__main__":
+    main()
