@@ -34,6 +34,9 @@
 # flashinfer there creates its cache directory, and the second call's bootstrap then skips
 # restoring the carried kernel cache (the stages would recompile it); the second carries
 # .gpu/bootstrap.sh, .gpu/fi_cache.tar.xz.* and .gpu-fa4-b and runs the stages.
+#   mla      tests/test_mla.py (the MLA family; real sizes, 200-batch CUDA-graph replays on the
+#            GPU) and compute-sanitizer memcheck over its 16-head real-size cases
+#   mlabench benchmarks/bench_mla_decode.py (TRITON_MLA against FlashInfer's MLA; MLA_ARGS)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
 #            and the base-size matrix (SUITE_K selects; default: not the real-size cases)
 # PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
@@ -112,6 +115,12 @@ for spec in "$@"; do
         tests/test_cudagraph.py tests/test_model_graphs.py tests/test_ops.py \
         tests/test_flashinfer.py tests/test_backends_matrix.py \
         -k "${SUITE_K:-not real_size and not gqa_groups}" ;;
+    mla) stage mla "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_mla.py
+      stage mla_memcheck "$limit" compute-sanitizer --tool memcheck python -m pytest -q \
+        -p no:cacheprovider tests/test_mla.py -k "real_sizes and 16" ;;
+    mlabench) stage mlabench "$limit" python benchmarks/bench_mla_decode.py ${MLA_ARGS:-} \
+        --out "$OUT/bench_mla_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;
@@ -120,6 +129,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=) |^    .* us " \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=) |^    .* us " \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

@@ -179,53 +179,89 @@ SCENARIOS = {  # (context, new tokens) per request, decode-first
 }
 
 
-def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0, backend=None):
-    """Write each request's context (a previous step), then run one step of its new tokens
-    through MLAAttention; returns (ours, expected) over the real rows."""
+@dataclasses.dataclass
+class _Case:
+    """One step of ``reqs`` ((context, new tokens) per request) with its context already in a
+    NaN-poisoned latent cache whose pages are in random order; fp64 tensors (``cache``: fp64,
+    or the fp8 bytes for fp8 specs) on ``device``."""
+
+    spec: AttentionSpec
+    reqs: list
+    w: torch.Tensor
+    cache: torch.Tensor
+    kv_scale: torch.Tensor | None
+    meta: object
+    q: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    latents: dict
+    q_rows: list
+    total: int
+
+
+def _case(spec, reqs, *, padded=0, seed=0, device="cpu", num_blocks=NUM_BLOCKS) -> _Case:
     g = torch.Generator().manual_seed(seed)
-    layer = MLAAttention(spec, AttentionConfig(tuning=tuning, backend=backend))
-    assert backend is None or layer.impl.name == backend
-    w = _weights(spec, g)
-    layer.load_kv_b_proj(w.to(spec.dtype))
-    cache = torch.full((NUM_BLOCKS, spec.block_size, spec.latent_dim), float("nan"),
-                       dtype=torch.float64).to(spec.cache_dtype)  # stale pages: NaN
-    if spec.kv_cache_dtype.is_fp8:
-        layer.kv_scale.fill_(0.05)
-    alloc = BlockAllocator(NUM_BLOCKS, spec.block_size, shuffle=True, seed=seed)
     rank, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
+    w = _weights(spec, g)
+    fp8 = spec.kv_cache_dtype.is_fp8
+    kv_scale = torch.full((1,), 0.05, device=device) if fp8 else None
+    cache = torch.full((num_blocks, spec.block_size, spec.latent_dim), float("nan"),
+                       dtype=torch.float64, device=device).to(spec.cache_dtype if fp8 else
+                                                              torch.float64)
+    alloc = BlockAllocator(num_blocks, spec.block_size, shuffle=True, seed=seed)
     lat = {i: torch.randn(c + n, rank + rope, generator=g, dtype=torch.float64)
            for i, (c, n) in enumerate(reqs)}
     with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
     if with_ctx:
         pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
-                          decode_threshold=0)
-        rows = torch.cat([lat[i][:reqs[i][0]] for i in with_ctx])
-        mla_cache_update(rows[:, :rank].to(spec.dtype), rows[:, rank:].to(spec.dtype), cache,
-                         pre.slot_mapping, layer.kv_scale)
+                          decode_threshold=0, device=device)
+        rows = torch.cat([lat[i][:reqs[i][0]] for i in with_ctx]).to(device)
+        mla_cache_update(rows[:, :rank], rows[:, rank:], cache, pre.slot_mapping, kv_scale)
     total = sum(n for _, n in reqs)
     meta = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs], [n for _, n in reqs],
-                       num_tokens_padded=total + padded,
+                       num_tokens_padded=total + padded, device=device,
                        decode_threshold=max(1, max(n for c, n in reqs if c) if with_ctx else 1))
     q_rows = [torch.randn(n, spec.num_heads, spec.head_dim, generator=g, dtype=torch.float64)
               for _, n in reqs]
     new = torch.cat([lat[i][c:] for i, (c, _) in enumerate(reqs)])
-    pad = lambda x: torch.cat([x, torch.zeros(padded, *x.shape[1:], dtype=x.dtype)])  # noqa
-    q = pad(torch.cat(q_rows)).to(spec.dtype)
-    out = layer(q, pad(new[:, :rank]).to(spec.dtype), pad(new[:, rank:]).to(spec.dtype), cache,
-                meta)
+    pad = lambda x: torch.cat([x, torch.zeros(padded, *x.shape[1:], dtype=x.dtype)]).to(device)  # noqa: E731
+    return _Case(spec, reqs, w, cache, kv_scale, meta, pad(torch.cat(q_rows)),
+                 pad(new[:, :rank]), pad(new[:, rank:]), lat, q_rows, total)
+
+
+def _run(case: _Case, backend=None, dtype=None, tuning=None) -> torch.Tensor:
+    """The step through MLAAttention on ``backend`` (None: the selected one) in ``dtype``
+    (default the spec's); every row, padding included."""
+    spec = case.spec if dtype is None else case.spec.with_(dtype=dtype)
+    layer = MLAAttention(spec, AttentionConfig(tuning=tuning, backend=backend)).to(case.q.device)
+    assert backend is None or layer.impl.name == backend
+    layer.load_kv_b_proj(case.w.to(spec.dtype))
+    if case.kv_scale is not None:
+        layer.kv_scale.copy_(case.kv_scale)
+    cache = case.cache.clone() if spec.kv_cache_dtype.is_fp8 else case.cache.to(spec.dtype)
+    return layer(case.q.to(spec.dtype), case.kv_c.to(spec.dtype), case.k_pe.to(spec.dtype),
+                 cache, case.meta)
+
+
+def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0, backend=None):
+    """Run one step through MLAAttention; returns (ours, the naive dense MLA) over the real
+    rows (padding rows checked zero)."""
+    case = _case(spec, reqs, padded=padded, seed=seed)
+    out = _run(case, backend, tuning=tuning)
+    rank, total = spec.kv_lora_rank, case.total
     want = []
     limit = (tuning or Tuning()).mla.absorbed_max_query_len
     absorbed = True
     for i, (c, n) in enumerate(reqs):
-        stored = lat[i]
+        stored = case.latents[i]
         absorbed = absorbed and n <= limit
         if spec.kv_cache_dtype.is_fp8:  # what the fp8 cache holds: the absorbed form reads
             # every token from it, the MHA form its context (new tokens as given)
-            s32 = layer.kv_scale.double()  # (the float32 scale, as the op sees it)
-            q8 = (stored.float() / layer.kv_scale).clamp(-448, 448).to(spec.cache_dtype) \
+            s32 = case.kv_scale.double()  # (the float32 scale, as the op sees it)
+            q8 = (stored.float() / case.kv_scale).clamp(-448, 448).to(spec.cache_dtype) \
                 .double() * s32
             stored = q8 if absorbed else torch.cat([q8[:c], stored[c:]])
-        want.append(_dense(spec, w, q_rows[i], stored[:, :rank], stored[:, rank:], n))
+        want.append(_dense(spec, case.w, case.q_rows[i], stored[:, :rank], stored[:, rank:], n))
     assert (out[total:] == 0).all()
     return out[:total], torch.cat(want)
 
@@ -348,6 +384,132 @@ def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
     assert mla_prefill_kernel(True) is Kernel.FA4
     assert mla_prefill_kernel(False) is Kernel.TORCH_MHA
     assert mha_kernel(torch.device("cpu"), 192, 128) is mha_torch
+
+
+# --- real sizes on the GPU ---------------------------------------------------------------------
+
+# decodes at 1-8k, a 3-token speculative decode, a 700-token prefill, a 300-token prefill over
+# 2000 cached tokens (chunked at the default 4096: one chunk), 5 padding rows
+REAL_STEP = [(4000, 1), (300, 1), (8191, 1), (1, 1), (1500, 3), (2000, 300), (0, 700)]
+GPU_MLA = [b for b in MLA_HERE if b != "REFERENCE_MLA"] if PLATFORM.is_gpu else []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_MLA)
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
+def test_real_sizes_match_the_reference(backend, heads, cache):
+    """DeepSeek dims (512 + 64 latent, 128 + 64 QK, V 128), bf16, page 64: within the policy
+    of attn_ops.testing.tolerance of REFERENCE_MLA in fp64 (2 x REFERENCE_MLA's own bf16
+    error, plus epsilon)."""
+    from attn_ops.testing import tolerance
+
+    spec = AttentionSpec.mla(heads, dtype=torch.bfloat16, block_size=64,
+                             kv_cache_dtype=KVCacheDType.AUTO if cache == "bf16"
+                             else KVCacheDType.FP8_E4M3)
+    case = _case(spec, REAL_STEP, padded=5, device="cuda", num_blocks=400)
+    ours = _run(case, backend)
+    truth = _run(case, "REFERENCE_MLA", torch.float64)
+    base = _run(case, "REFERENCE_MLA", torch.bfloat16)
+    n = case.total
+    err = (ours[:n].double() - truth[:n]).abs().max().item()
+    allowed = tolerance((base[:n].double() - truth[:n]).abs().max().item(), torch.bfloat16)
+    assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
+    assert (ours[n:] == 0).all()
+
+
+def _graph_backends():
+    from attn_ops.capabilities import CUDAGraphSupport
+
+    spec = AttentionSpec.mla(16, dtype=torch.bfloat16, block_size=64)
+    return [b for b in GPU_MLA if get_backend_class(b).cudagraph_support(spec, PLATFORM)
+            >= CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _graph_backends() if PLATFORM.is_gpu else [])
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("qlen,mode", [(1, "op"), (1, "compiled_layer"), (2, "op")],
+                         ids=["decode", "decode_compiled", "spec_decode_2"])
+def test_graph_replays_of_random_decode_batches_match_eager(backend, heads, qlen, mode):
+    """Capture once per size (1, 8, 32 requests), then replay 200 random batches (sizes up and
+    down, lengths up to 1024, pages in random order): each replay equals the eager layer on the
+    same step, its padding rows stay zero, and the eager layer equals REFERENCE_MLA."""
+    import random
+
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+    from attn_ops.testing import tolerance
+
+    sizes, width, page = (1, 8, 32), 16, 64
+    rng, gen = random.Random(heads + qlen), torch.Generator(device="cuda").manual_seed(heads)
+    spec = AttentionSpec.mla(heads, dtype=torch.bfloat16, block_size=page)
+    graphs = CUDAGraphBatch(sizes, width, page, "cuda", uniform_query_len=qlen)
+    layer = MLAAttention(spec, AttentionConfig(backend=backend)).cuda()
+    layer.load_kv_b_proj((_weights(spec, torch.Generator().manual_seed(0))).to(spec.dtype)
+                         .cuda())
+    num_blocks = sizes[-1] * width + 1
+    cache = layer.allocate_cache(num_blocks, "cuda")
+    cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
+    rows_max = sizes[-1] * qlen
+    q = torch.randn(rows_max, heads, spec.head_dim, generator=gen, device="cuda").to(spec.dtype)
+    kv_c = torch.randn(rows_max, spec.kv_lora_rank, device="cuda").to(spec.dtype)
+    k_pe = torch.randn(rows_max, spec.qk_rope_head_dim, device="cuda").to(spec.dtype)
+    run = layer
+    if mode == "compiled_layer":
+        torch._dynamo.reset()
+        run = torch.compile(layer, fullgraph=True, dynamic=False)
+
+    def batch(n):
+        pages = list(range(1, num_blocks))
+        rng.shuffle(pages)
+        seq = [rng.randint(qlen, width * page) for _ in range(n)]
+        tables, at = [], 0
+        for length in seq:
+            count = -(-length // page)
+            tables.append(pages[at:at + count])
+            at += count
+        return build_common_metadata([qlen] * n, seq, tables, page, num_blocks, device="cuda")
+
+    captured, results = {}, {}
+    for size in sizes:
+        step = build_step_metadata(layer, batch(size), graphs)
+        rows = size * qlen
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(q[:rows], kv_c[:rows], k_pe[:rows], cache, step)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results[size] = run(q[:rows], kv_c[:rows], k_pe[:rows], cache, step)
+        captured[size] = graph
+    oracles = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        oracles[dtype] = MLAAttention(spec.with_(dtype=dtype),
+                                      AttentionConfig(backend="REFERENCE_MLA")).cuda()
+        oracles[dtype].load_kv_b_proj(_weights(spec, torch.Generator().manual_seed(0))
+                                      .to(dtype).cuda())
+    for i in range(200):
+        n = rng.choice([1, 2, 5, 8, 13, 32, 31, 17])
+        common = batch(n)
+        build_step_metadata(layer, common, graphs)  # (fills the graphs' persistent tensors)
+        size = graphs.size_for(n)
+        q.normal_(generator=gen)
+        kv_c.normal_(generator=gen)
+        captured[size].replay()
+        rows = n * qlen
+        got = results[size]
+        eager = layer(q[:rows], kv_c[:rows], k_pe[:rows], cache, common)
+        assert (got[rows:size * qlen] == 0).all(), "padding rows must be zero on replay"
+        if i % 25 == 0:  # the eager layer against REFERENCE_MLA, in the matrix's policy
+            truth, base = (oracles[d](q[:rows].to(d), kv_c[:rows].to(d), k_pe[:rows].to(d),
+                                      cache.to(d, copy=True), common).double()
+                           for d in oracles)
+            err = (eager.double() - truth).abs().max().item()
+            assert err <= tolerance((base - truth).abs().max().item(), spec.dtype), err
+        torch.testing.assert_close(got[:rows], eager, atol=1e-2, rtol=1e-2,
+                                   msg=f"replay {i}: {n} requests in the graph of {size}")
 
 
 # --- TRITON_MLA's kernel against the reference's absorbed form -------------------------------
