@@ -154,14 +154,15 @@ def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale
 
 @triton.jit
 def rope_kv_write_kernel(
-        q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, qsl_ptr, bt_ptr,
-        ks_ptr, vs_ptr, num_reqs, num_tokens, block_size,
+        q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, qsl_ptr,
+        bt_ptr, ks_ptr, vs_ptr, num_reqs, num_tokens, block_size,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-        stride_ot, stride_oh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
-        stride_vch, stride_bt,
+        stride_ot, stride_oh, stride_kot, stride_koh, stride_kcb, stride_kcs, stride_kch,
+        stride_vcb, stride_vcs, stride_vch, stride_bt,
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
-        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        BLOCK_DV: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr,
+        NOPE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, KEY_OUT: tl.constexpr, FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
         FK: tl.constexpr, FV: tl.constexpr):
     t = tl.program_id(0)
@@ -199,39 +200,55 @@ def rope_kv_write_kernel(
                                  stride_vcb, stride_vcs, stride_vch, block_size, HKV, 2 * HALF,
                                  DV, False, CLEAR_ROWS, RB, FK, FV)
     if first_column:
-        _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                        t, slot, block_size, stride_qt, stride_qh, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_cs, stride_ot, stride_oh, stride_kcb,
-                        stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, HQ, HKV,
-                        HALF, DV, BLOCK_HQ, BLOCK_HKV, BLOCK_HALF, BLOCK_DV, FP8, FP8_LIMIT)
+        _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, ks_ptr,
+                        vs_ptr, t, slot, block_size, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_cs, stride_ot, stride_oh, stride_kot,
+                        stride_koh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+                        stride_vch, HQ, HKV, HALF, DV, NOPE, BLOCK_HQ, BLOCK_HKV, BLOCK_HALF,
+                        BLOCK_DV, BLOCK_NOPE, KEY_OUT, FP8, FP8_LIMIT)
 
 
 @triton.jit
-def _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, t, slot,
-                    block_size, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_cs, stride_ot, stride_oh, stride_kcb, stride_kcs, stride_kch,
-                    stride_vcb, stride_vcs, stride_vch, HQ: tl.constexpr, HKV: tl.constexpr,
-                    HALF: tl.constexpr, DV: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                    BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
-    """Token ``t``'s rotated query, and its rotated key and value written at ``slot`` (none
-    for -1)."""
+def _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                    t, slot, block_size, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_cs, stride_ot, stride_oh, stride_kot, stride_koh,
+                    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
+                    NOPE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+                    KEY_OUT: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """Token ``t``'s query with its dims past the first ``NOPE`` rotated (those passed
+    through), its rotated key (also to ``ko`` with ``KEY_OUT``), and key and value written at
+    ``slot`` (none for -1)."""
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
     cos = tl.load(cs_ptr + t * stride_cs + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + t * stride_cs + HALF + offs_d, mask=d_ok, other=0.0).to(
         tl.float32)[None, :]
     offs_hq = tl.arange(0, BLOCK_HQ)
+    if NOPE > 0:
+        offs_n = tl.arange(0, BLOCK_NOPE)
+        n_ok = (offs_hq[:, None] < HQ) & (offs_n[None, :] < NOPE)
+        x = tl.load(q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh + offs_n[None, :],
+                    mask=n_ok, other=0.0)
+        tl.store(qo_ptr + t * stride_ot + offs_hq[:, None] * stride_oh + offs_n[None, :],
+                 x.to(qo_ptr.dtype.element_ty), mask=n_ok)
     q_ok = (offs_hq[:, None] < HQ) & d_ok[None, :]
-    r1, r2 = _rotate(q_ptr + t * stride_qt, stride_qh, offs_hq, offs_d, cos, sin, q_ok, HALF)
-    out = qo_ptr + t * stride_ot + offs_hq[:, None] * stride_oh + offs_d[None, :]
+    r1, r2 = _rotate(q_ptr + t * stride_qt + NOPE, stride_qh, offs_hq, offs_d, cos, sin, q_ok,
+                     HALF)
+    out = qo_ptr + t * stride_ot + NOPE + offs_hq[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, r1.to(qo_ptr.dtype.element_ty), mask=q_ok)
     tl.store(out + HALF, r2.to(qo_ptr.dtype.element_ty), mask=q_ok)
+    offs_hk = tl.arange(0, BLOCK_HKV)
+    k_ok = (offs_hk[:, None] < HKV) & d_ok[None, :]
+    if KEY_OUT:
+        k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
+        key_out = ko_ptr + t * stride_kot + offs_hk[:, None] * stride_koh + offs_d[None, :]
+        tl.store(key_out, k1.to(ko_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(key_out + HALF, k2.to(ko_ptr.dtype.element_ty), mask=k_ok)
     if slot >= 0:
         page = slot // block_size
         row = slot % block_size
-        offs_hk = tl.arange(0, BLOCK_HKV)
-        k_ok = (offs_hk[:, None] < HKV) & d_ok[None, :]
         k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
         dst = kc_ptr + page * stride_kcb + row * stride_kcs + offs_hk[:, None] * stride_kch \
             + offs_d[None, :]
@@ -249,32 +266,48 @@ def rope_kv_cache_update_triton(query, key, value, cos_sin, kv_cache, slots, pos
                                 query_start_loc, block_table, k_scale, v_scale) -> torch.Tensor:
     """Launch :func:`rope_kv_write_kernel`; returns the rotated query (inputs already checked
     by the op)."""
+    k_cache, v_cache = split_kv_cache(kv_cache, key.shape[2], value.shape[2])
+    return rope_write_paged(query, key, value, cos_sin, k_cache, v_cache, slots, positions,
+                            query_start_loc, block_table, k_scale, v_scale)[0]
+
+
+def rope_write_paged(query, key, value, cos_sin, k_cache, v_cache, slots, positions,
+                     query_start_loc, block_table, k_scale, v_scale, *, nope: int = 0,
+                     key_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of :func:`rope_kv_write_kernel` over paged views ``k_cache`` / ``v_cache``
+    ``[blocks, page, heads, dim]`` (any strides; :func:`attn_ops.kv_cache.write_paged`'s
+    views): the query with its first ``nope`` dims passed through and the rest rotated (an MLA
+    query's rope part), the key rotated in full and, with ``key_out``, returned too (else
+    None)."""
     query, key, value, cos_sin = (x if x.stride(-1) == 1 else x.contiguous()
                                   for x in (query, key, value, cos_sin))
-    k_cache, v_cache = split_kv_cache(kv_cache, key.shape[2], value.shape[2])
     q_out = torch.empty_like(query)
+    k_out = torch.empty_like(key) if key_out else None
     t, hq, d = query.shape
+    rot = d - nope
     if t == 0:
-        return q_out
+        return q_out, k_out
     hkv, dv = key.shape[1], value.shape[2]
-    fp8 = kv_cache.dtype in FP8_MAX
+    fp8 = k_cache.dtype in FP8_MAX
     has_slots = slots is not None
     dummy = q_out  # (never read: its flag is off)
+    ko = k_out if key_out else dummy
     table = block_table if block_table is not None else dummy
-    grid, clear = _clear_meta(t, k_cache.shape[1], hkv * d, hkv * dv)
+    grid, clear = _clear_meta(t, k_cache.shape[1], hkv * rot, hkv * dv)
     rope_kv_write_kernel[grid](
-        query, key, value, cos_sin, q_out, k_cache, v_cache,
+        query, key, value, cos_sin, q_out, ko, k_cache, v_cache,
         slots if has_slots else dummy, positions if positions is not None else dummy,
         query_start_loc if query_start_loc is not None else dummy, table,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy,
         0 if has_slots else block_table.shape[0], t, k_cache.shape[1],
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), cos_sin.stride(0), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), table.stride(0),
-        HQ=hq, HKV=hkv, HALF=d // 2, DV=dv, BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(d // 2),
-        BLOCK_DV=triton.next_power_of_2(dv), HAS_SLOTS=has_slots, FP8=fp8,
-        FP8_LIMIT=FP8_MAX.get(kv_cache.dtype, 0.0), **clear,
+        value.stride(1), cos_sin.stride(0), q_out.stride(0), q_out.stride(1), ko.stride(0),
+        ko.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        HQ=hq, HKV=hkv, HALF=rot // 2, DV=dv, NOPE=nope, BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(rot // 2),
+        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)),
+        HAS_SLOTS=has_slots, KEY_OUT=key_out, FP8=fp8,
+        FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), **clear,
         num_warps=4 if hq * d >= 2048 else 1)
-    return q_out
+    return q_out, k_out

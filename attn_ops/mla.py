@@ -78,10 +78,15 @@ class MLAAttention(BackendLayer):
         return allocate_latent_cache(self.spec, num_blocks, self.block_size, device)
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                cache: torch.Tensor, metadata: CommonAttentionMetadata | Any) -> torch.Tensor:
+                cache: torch.Tensor, metadata: CommonAttentionMetadata | Any,
+                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         """``metadata``: the step's common metadata, what ``self.impl.build_metadata`` made of
-        it, or the dict of :func:`attn_ops.build_step_metadata` (plan outside compiled code)."""
+        it, or the dict of :func:`attn_ops.build_step_metadata` (plan outside compiled code).
+        ``cos_sin`` ``[T, rope]`` (cos | sin halves): RoPE of ``q``'s rope part and of ``k_pe``
+        is applied here (``torch.ops.attn.mla_rope``; compiled with our passes it fuses into
+        the latent write); without it they come rotated."""
         from attn_ops.backends.mla.common import mla_cache_update
+        from attn_ops.backends.mla.rope import mla_rope
 
         if isinstance(metadata, dict):
             metadata = metadata[self._metadata_key]
@@ -93,6 +98,8 @@ class MLAAttention(BackendLayer):
             if tuple(x.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)} for {spec.describe()}, got "
                                  f"{list(x.shape)}")
+        if cos_sin is not None:
+            q, k_pe = mla_rope(q, k_pe, cos_sin)
         mla_cache_update(kv_c, k_pe, cache, metadata.slot_mapping, self.kv_scale)
         out = q.new_empty(t, spec.num_heads, spec.v_head_dim)
         self.impl.forward(q, kv_c, k_pe, cache, metadata, out, w_uk=self.w_uk, w_uv=self.w_uv,

@@ -9,6 +9,8 @@ Each pass is a ``CustomGraphPass`` with a ``uuid()``, a ``detect`` returning typ
   + the KV-cache write -> one ``attn.rope_kv_cache_update``;
 * :class:`~attn_ops.compile_passes.slot_fusion.SlotMappingFusion` -- the slot mapping computed
   in the graph folded into that write;
+* :class:`~attn_ops.compile_passes.mla_rope_fusion.MLARopeCacheFusion` -- an MLA layer's RoPE
+  of ``q_pe`` / ``k_pe`` + its latent write -> one ``attn.mla_rope_cache_update``;
 * :class:`~attn_ops.compile_passes.fp8_output.Fp8OutputFusion` -- attention followed by
   ``attn.quantize_fp8`` -> the attention op writing fp8 with the scale (``output_scale``).
 
@@ -26,16 +28,18 @@ from attn_ops.compile_passes.fp8_output import Fp8OutputFusion
 from attn_ops.compile_passes.hoist import HoistStepPrep
 from attn_ops.compile_passes.manager import AttnPassManager
 from attn_ops.compile_passes.manager import install as install_passes
+from attn_ops.compile_passes.mla_rope_fusion import MLARopeCacheFusion
 from attn_ops.compile_passes.rope_kv_fusion import RopeKVCacheFusion
 from attn_ops.compile_passes.slot_fusion import SlotMappingFusion
 
-__all__ = ["AttnPassManager", "Fp8OutputFusion", "HoistStepPrep", "RopeKVCacheFusion",
-           "SlotMappingFusion", "fusion_passes", "install"]
+__all__ = ["AttnPassManager", "Fp8OutputFusion", "HoistStepPrep", "MLARopeCacheFusion",
+           "RopeKVCacheFusion", "SlotMappingFusion", "fusion_passes", "install"]
 
 
 def fusion_passes() -> list:
     """Fresh instances of our passes, in the order they run."""
-    return [HoistStepPrep(), RopeKVCacheFusion(), SlotMappingFusion(), Fp8OutputFusion()]
+    return [HoistStepPrep(), RopeKVCacheFusion(), SlotMappingFusion(), MLARopeCacheFusion(),
+            Fp8OutputFusion()]
 
 
 def install(config=None) -> AttnPassManager:

@@ -45,13 +45,15 @@ def functionalized_op(node: Any):
 
 
 def mutated_index(node: Node, arg: str) -> int:
-    """Where a functionalized ``node``'s outputs hold the new value of mutated ``arg``."""
-    if node.target is auto_functionalized_v2:
-        return 1 + node.kwargs[f"_{arg}_base_index"]
+    """Where a functionalized ``node``'s outputs hold the new value of mutated ``arg``: after
+    the op's returns (one slot for an op returning nothing), v2 by the base's index."""
     op = functionalized_op(node)
+    returns = max(len(op._schema.returns), 1)
+    if node.target is auto_functionalized_v2:
+        return returns + node.kwargs[f"_{arg}_base_index"]
     mutated = [a.name for a in op._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write]
-    return max(len(op._schema.returns), 1) + mutated.index(arg)
+    return returns + mutated.index(arg)
 
 
 def mutated_value(node: Node, arg: str) -> Node | None:

@@ -614,6 +614,106 @@ def test_fa4_mha_glue_matches_the_reference_mha(monkeypatch, causal):
         assert (results[0][0][3:8] == 0).all() and (results[0][1][3:8] == float("-inf")).all()
 
 
+# --- RoPE of the rope parts, fused with the latent write ----------------------------------------
+
+def _rope_case(fp8=False, device="cpu", dtype=torch.float32):
+    """A decode, a prefill and 2 padding rows; NaN-poisoned pages; q [T, 4, 16 + 8]."""
+    from attn_ops.model import rope_cache
+
+    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True, seed=1)
+    meta = build_batch(alloc, [0, 1], [5, 0], [1, 6], num_tokens_padded=9, device=device)
+    g = torch.Generator().manual_seed(2)
+    t = meta.slot_mapping.shape[0]
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    cache = torch.full((NUM_BLOCKS, 4, 40), float("nan"), device=device)
+    scale = torch.tensor([0.05], device=device) if fp8 else None
+    cache = cache.to(torch.float8_e4m3fn) if fp8 else cache.to(dtype)
+    cos_sin = rope_cache(8, 64, 10000.0)[meta.positions.cpu()].to(device)
+    return rand(t, 4, 24), rand(t, 32), rand(t, 8), cos_sin, cache, meta.slot_mapping, scale
+
+
+def test_mla_rope_rotates_the_rope_parts_only_and_the_fused_op_writes_what_the_write_does():
+    from attn_ops.backends.mla.rope import mla_rope, mla_rope_cache_update
+    from attn_ops.glue import rope
+
+    for fp8 in (False, True):
+        q, kv_c, k_pe, cos_sin, cache, slots, scale = _rope_case(fp8)
+        q_rot, k_rot = mla_rope(q, k_pe, cos_sin)
+        assert torch.equal(q_rot[..., :16], q[..., :16])
+        torch.testing.assert_close(q_rot[..., 16:], rope(q[..., 16:].contiguous(), cos_sin))
+        torch.testing.assert_close(k_rot, rope(k_pe[:, None], cos_sin)[:, 0])
+        want = cache.clone()
+        mla_cache_update(kv_c, k_rot, want, slots, scale)
+        got_q, got_k = mla_rope_cache_update(q, kv_c, k_pe, cos_sin, cache, slots, scale)
+        assert torch.equal(got_q, q_rot) and torch.equal(got_k, k_rot)
+        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+        torch.library.opcheck(mla_rope, (q, k_pe, cos_sin))
+        if not fp8:  # (opcheck's schema test compares fp8 tensors with ops fp8 lacks)
+            torch.library.opcheck(mla_rope_cache_update, (q, kv_c, k_pe, cos_sin, cache, slots,
+                                                          scale))
+    with pytest.raises(ValueError, match=r"cos_sin must be \[num_tokens=9, rope=8\]"):
+        mla_rope(q, k_pe, cos_sin[:, :6])
+
+
+@pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="Triton does not run here")
+def test_the_fused_ops_gpu_kernel_matches_its_torch_path():
+    """The one-launch GPU path of mla_rope_cache_update (the KV write's RoPE kernel with the
+    query's nope dims passed through and the rotated key returned) against the torch path --
+    on the CPU in Triton's interpreter -- page tails cleared, padding rows skipped."""
+    from attn_ops.backends.mla.rope import _mla_rope_impl
+    from attn_ops.glue_kernels import rope_write_paged
+
+    device = "cuda" if PLATFORM.is_gpu else "cpu"
+    q, kv_c, k_pe, cos_sin, cache, slots, scale = _rope_case(device=device)
+    want = cache.clone()
+    want_q, want_k = _mla_rope_impl(q, k_pe, cos_sin)
+    mla_cache_update(kv_c, want_k, want, slots, scale)
+    got_q, got_k = rope_write_paged(q, k_pe[:, None], kv_c[:, None], cos_sin,
+                                    cache[:, :, None, 32:], cache[:, :, None, :32], slots, None,
+                                    None, None, scale, scale, nope=16, key_out=True)
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k[:, 0], want_k)
+    torch.testing.assert_close(cache, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
+    """With our passes, a layer given cos_sin compiles to two attn ops -- the fused RoPE +
+    latent write and the attention -- and equals the eager layer."""
+    import torch._inductor.config as inductor_config
+
+    from attn_ops.compile_passes import fusion_passes
+    from attn_ops.compile_passes.base import attn_ops_in
+    from attn_ops.compile_passes.manager import AttnPassManager
+    from attn_ops.model import rope_cache
+
+    layer, meta, args = _op_args(backend)
+    q, kv_c, k_pe, cache = args[:4]
+    reqs = SCENARIOS["mixed"]
+    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
+    common = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs],
+                         [n for _, n in reqs])
+    step = build_step_metadata([(layer._metadata_key, layer.impl)], common)
+    cos_sin = rope_cache(8, 128, 10000.0)[common.positions].to(q.dtype)
+    eager_cache = cache.clone()
+    eager = layer(q, kv_c, k_pe, eager_cache, step, cos_sin)
+    seen = {}
+
+    def snap(name):
+        return lambda graph: seen.setdefault(name, attn_ops_in(graph))
+
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=AttnPassManager(
+            [snap("before"), *fusion_passes(), snap("after")]), fx_graph_cache=False):
+        compiled = torch.compile(layer, fullgraph=True)(q, kv_c, k_pe, cache, step, cos_sin)
+    attention = layer.impl.op._schema.name.split("::")[1]
+    assert seen["before"] == ["mla_rope", "mla_cache_update", attention]
+    assert seen["after"] == ["mla_rope_cache_update", attention]
+    tol = TOLERANCE[layer.spec.dtype]
+    torch.testing.assert_close(compiled, eager, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache, eager_cache, atol=tol, rtol=tol)
+
+
 # --- the real peer: HF transformers' DeepseekV3Attention --------------------------------------
 
 def _hf_case(q_lora_rank):
@@ -639,8 +739,11 @@ def _hf_case(q_lora_rank):
     return hf, attn, rotary, spec
 
 
-def _hf_projections(hf, attn, rotary, x, positions):
-    """What a model hands our layer: HF's own projections, norm and interleaved RoPE."""
+def _hf_projections(hf, attn, rotary, x, positions, rope_in_layer=False):
+    """What a model hands our layer: HF's own projections and norm, and either HF's
+    interleaved RoPE applied (``cos_sin`` None) or -- ``rope_in_layer`` -- the rope parts
+    deinterleaved (dims 0, 2, 4, ..., 1, 3, 5, ...: interleaved RoPE is rotate-half RoPE
+    there) with the ``cos_sin`` rows the layer rotates them by."""
     cos, sin = rotary(x[None], positions[None])
     q = attn.q_proj(x) if attn.q_lora_rank is None else \
         attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
@@ -648,17 +751,25 @@ def _hf_projections(hf, attn, rotary, x, positions):
     q_nope, q_rot = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], -1)
     kv_c, k_rot = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.qk_rope_head_dim],
                                                    -1)
+    if rope_in_layer:
+        half = attn.qk_rope_head_dim // 2
+        deinterleave = lambda t: t.unflatten(-1, (half, 2)).transpose(-1, -2).flatten(-2)  # noqa: E731
+        cos_sin = torch.cat([cos[0, :, :half], sin[0, :, :half]], -1)
+        return (torch.cat([q_nope, deinterleave(q_rot)], -1), attn.kv_a_layernorm(kv_c),
+                deinterleave(k_rot), cos_sin)
     q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot.transpose(0, 1)[None],
                                                       k_rot[None, None], cos, sin)
     q = torch.cat([q_nope, q_rot[0].transpose(0, 1)], -1)
-    return q, attn.kv_a_layernorm(kv_c), k_rot[0, 0]
+    return q, attn.kv_a_layernorm(kv_c), k_rot[0, 0], None
 
 
+@pytest.mark.parametrize("rope_in_layer", [False, True], ids=["rope_by_model", "rope_in_layer"])
 @pytest.mark.parametrize("q_lora_rank", [24, None], ids=["v3", "v2_lite_no_q_lora"])
-def test_layer_reproduces_hf_deepseek_v3_attention(q_lora_rank):
+def test_layer_reproduces_hf_deepseek_v3_attention(q_lora_rank, rope_in_layer):
     """Two requests through our paged cache over three steps -- a prefill, a chunked prefill
     over that context (MHA form, context chunks of 5), then a decode and a 3-token speculative
-    step (absorbed form) -- against HF's eager attention over each whole sequence."""
+    step (absorbed form) -- against HF's eager attention over each whole sequence; RoPE
+    applied by the model (HF's interleaved function) or by the layer from ``cos_sin``."""
     hf, attn, rotary, spec = _hf_case(q_lora_rank)
     g = torch.Generator().manual_seed(1)
     lengths = [(13, 9, 1), (6, 17, 3)]  # per request: new tokens in steps 1, 2, 3
@@ -683,9 +794,11 @@ def test_layer_reproduces_hf_deepseek_v3_attention(q_lora_rank):
             meta = build_batch(alloc, order, [ctx[r] for r in order], [new[r] for r in order],
                                decode_threshold=4)
             parts = [_hf_projections(hf, attn, rotary, xs[r][ctx[r]:ctx[r] + new[r]],
-                                     torch.arange(ctx[r], ctx[r] + new[r])) for r in order]
+                                     torch.arange(ctx[r], ctx[r] + new[r]), rope_in_layer)
+                     for r in order]
             q, kv_c, k_pe = (torch.cat([p[i] for p in parts]) for i in range(3))
-            out = attn.o_proj(layer(q, kv_c, k_pe, cache, meta).flatten(1))
+            cos_sin = torch.cat([p[3] for p in parts]) if rope_in_layer else None
+            out = attn.o_proj(layer(q, kv_c, k_pe, cache, meta, cos_sin).flatten(1))
             at = 0
             for r in order:
                 # (HF's eager attention takes its softmax in float32, even for float64 inputs)
