@@ -152,6 +152,25 @@ def test_context_chunks_are_taken_across_requests_in_order():
 
 # --- the layer against a naive dense MLA ------------------------------------------------------
 
+def test_chunk_tables_from_the_host_table_equal_the_device_gather():
+    import numpy as np
+
+    from attn_ops.backends.mla.common import chunk_tables
+
+    table = torch.randperm(40).view(4, 10).int()
+    context = np.array([3, 0, 25, 9])
+    host = chunk_tables(context, 7, table, table, 4)
+    device = chunk_tables(context, 7, table, None, 4)
+    assert len(host[0]) == 6  # 37 rows in chunks of 7
+    for a, b in zip(host[0] + host[1], device[0] + device[1]):
+        assert torch.equal(a, b)
+    # chunk 1 holds rows 7-13 of the concatenation: request 2's positions 4-10 (request 0's 3
+    # rows and request 2's first 4 came before), so it starts at request 2's page 1, row 0
+    assert host[0][1][0].item() == table[2, 1].item() * 4
+    assert host[0][1][-1].item() == table[2, 2].item() * 4 + 2
+    assert host[1][1].tolist() == [0, 0, 0, 7, 7]
+
+
 def _weights(spec, g):
     h, nope, rank, v = spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank, spec.v_head_dim
     return torch.randn(h * (nope + v), rank, generator=g, dtype=torch.float64) / rank ** 0.5
@@ -326,7 +345,8 @@ def _op_args(backend, reqs=SCENARIOS["mixed"]):
     cache = rand(NUM_BLOCKS, 4, spec.latent_dim)
     return layer, meta, (rand(t, 4, 24), rand(t, 32), rand(t, 8), cache, layer.w_uk,
                          layer.w_uv, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                         meta.plan, meta.mha_lens_cpu, torch.empty(t, 4, 12, dtype=spec.dtype),
+                         meta.plan, meta.mha_lens_cpu, list(meta.chunk_slots),
+                         list(meta.chunk_cu_k), torch.empty(t, 4, 12, dtype=spec.dtype),
                          None, spec.softmax_scale)
 
 

@@ -41,7 +41,7 @@ from attn_ops.spec import AttentionSpec
 
 __all__ = [
     "MLA_SCHEMA", "MLABackend", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
-    "check_mla_inputs", "context_chunks",
+    "check_mla_inputs", "chunk_tables", "context_chunks",
     "merge_attn_states", "mla_cache_update", "run_mla",
 ]
 
@@ -155,10 +155,11 @@ PLAN = PlanCodec(MLAPlan)
 
 @dataclass(frozen=True, eq=False)
 class MLAMetadata:
-    """The common device tensors, ``plan`` (:class:`MLAPlan` encoded) and
+    """The common device tensors, ``plan`` (:class:`MLAPlan` encoded),
     ``mha_lens_cpu``: ``[R, 2]`` host int64, each MHA-form request's new tokens and cached
     context (what that part's kernels and context chunks are planned from, without reading
-    device tensors)."""
+    device tensors), and per context chunk (:func:`chunk_tables`) its latent slots and key
+    offsets on the device -- built once a step, shared by every layer."""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
@@ -166,6 +167,8 @@ class MLAMetadata:
     block_table: torch.Tensor
     plan: torch.Tensor
     mha_lens_cpu: torch.Tensor
+    chunk_slots: tuple[torch.Tensor, ...] = ()
+    chunk_cu_k: tuple[torch.Tensor, ...] = ()
 
 
 def absorbed_split(query_lens: np.ndarray, max_query_len: int) -> int:
@@ -191,6 +194,33 @@ def context_chunks(context_lens: np.ndarray, chunk_tokens: int) -> list[np.ndarr
     return chunks
 
 
+def chunk_tables(context_lens: np.ndarray, chunk_tokens: int, block_table: torch.Tensor,
+                 block_table_cpu: torch.Tensor | None, block_size: int
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Per context chunk of the MHA-form requests (:func:`context_chunks`; ``block_table``:
+    their rows): the latent cache slots of its rows ``[n]`` int64 and each request's key
+    offsets ``[R + 1]`` int32, on ``block_table``'s device -- from the host table where there
+    is one (one copy a chunk), else gathered on the device."""
+    device = block_table.device
+    slots, offsets = [], []
+    for ranges in context_chunks(context_lens, chunk_tokens):
+        lens = ranges[:, 1] - ranges[:, 0]
+        cu = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        req = np.repeat(np.arange(lens.shape[0]), lens)
+        pos = np.arange(int(cu[-1])) - cu[req] + ranges[req, 0]
+        if block_table_cpu is not None:
+            table = block_table_cpu.numpy()
+            rows = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+            slots.append(torch.from_numpy(rows).to(device, non_blocking=True))
+        else:
+            req_t, pos_t = (torch.from_numpy(x).to(device) for x in (req, pos))
+            slots.append(block_table[req_t, pos_t // block_size].long() * block_size
+                         + pos_t % block_size)
+        offsets.append(torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True))
+    return tuple(slots), tuple(offsets)
+
+
 # kernels: absorbed(ql, q_pe, cache, qsl, seq_lens, block_table, out, kv_scale, scale, launch)
 # and mha(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal)
 AbsorbedKernel = Callable[..., None]
@@ -198,8 +228,8 @@ MHAKernel = Callable[..., None]
 
 
 def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, block_table,
-            plan, mha_lens, out, kv_scale, scale, *, absorbed: AbsorbedKernel,
-            mha: MHAKernel) -> None:
+            plan, mha_lens, chunk_slots, chunk_cu_k, out, kv_scale, scale, *,
+            absorbed: AbsorbedKernel, mha: MHAKernel) -> None:
     """One step of an MLA layer (schema: :data:`MLA_SCHEMA`) with a backend's two kernels."""
     p = PLAN.decode(plan)
     heads, nope, rank = w_uk.shape
@@ -223,15 +253,18 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     k, v = _up_project(kv_c[nat:nt], k_pe[nat:nt], w_uk, w_uv)
     mha(q_mha, k, v, qsl, qsl, qsl_host, qsl_host, o_new, lse_new, scale, True)
     chunks = context_chunks(lens[:, 1], p.chunk_tokens) if lens.size else []
+    if len(chunks) != len(chunk_slots):
+        raise ValueError(f"{int(lens[:, 1].sum())} context tokens in chunks of {p.chunk_tokens}"
+                         f" need {len(chunks)} chunk tables, got {len(chunk_slots)}; pass "
+                         "MLAMetadata.chunk_slots and .chunk_cu_k of the same build_metadata")
     if chunks:
         o_acc, lse_acc = o_new, lse_new
         o_c, lse_c = torch.empty_like(o_new), torch.empty_like(lse_new)
         merged, merged_lse = torch.empty_like(o_new), torch.empty_like(lse_new)
         flat = latent_cache.view(-1, latent_cache.shape[2])
-        page = latent_cache.shape[1]
-        for ranges in chunks:
-            c_rows, c_pe, cu_k, cu_k_host = _gather_chunk(flat, page, block_table[na:], ranges,
-                                                          kv_scale, q.dtype, rank)
+        for ranges, slots, cu_k in zip(chunks, chunk_slots, chunk_cu_k):
+            c_rows, c_pe = _gather_chunk(flat, slots, kv_scale, q.dtype, rank)
+            cu_k_host = [0, *np.cumsum(ranges[:, 1] - ranges[:, 0]).tolist()]
             k_c, v_c = _up_project(c_rows, c_pe, w_uk, w_uv)
             mha(q_mha, k_c, v_c, qsl, cu_k, qsl_host, cu_k_host, o_c, lse_c, scale, False)
             merge_attn_states(merged, merged_lse, o_acc, lse_acc, o_c, lse_c)
@@ -251,41 +284,34 @@ def _up_project(c: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: t
     return k, v
 
 
-def _gather_chunk(flat, page, block_table, ranges, kv_scale, dtype, rank):
-    """One context chunk's latent rows (dequantized to ``dtype``) as ``kv_c`` [n, rank] and
-    ``k_pe`` [n, rope], and its per-request key offsets (device and host)."""
-    lens = ranges[:, 1] - ranges[:, 0]
-    cu = np.zeros(lens.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    req = np.repeat(np.arange(lens.shape[0]), lens)
-    pos = np.arange(int(cu[-1])) - cu[req] + ranges[req, 0]
-    device = flat.device
-    req_t = torch.from_numpy(req).to(device)
-    pos_t = torch.from_numpy(pos).to(device)
-    slots = block_table[req_t, pos_t // page].long() * page + pos_t % page
+def _gather_chunk(flat, slots, kv_scale, dtype, rank):
+    """One context chunk's latent rows at ``slots`` (dequantized to ``dtype``) as ``kv_c``
+    [n, rank] and ``k_pe`` [n, rope]."""
     rows = flat.index_select(0, slots)
     if flat.dtype in FP8_MAX:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         rows = rows.to(wide) * kv_scale.to(wide)
     rows = rows.to(dtype)
-    cu_t = torch.from_numpy(cu.astype(np.int32)).to(device)
-    return rows[:, :rank], rows[:, rank:], cu_t, cu.tolist()
+    return rows[:, :rank], rows[:, rank:]
 
 
 MLA_SCHEMA = (
     "(Tensor q, Tensor kv_c, Tensor k_pe, Tensor latent_cache, Tensor w_uk, Tensor w_uv, "
     "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor plan, "
-    "Tensor mha_lens, Tensor(a!) out, Tensor? kv_scale, float scale) -> ()")
+    "Tensor mha_lens, Tensor[] chunk_slots, Tensor[] chunk_cu_k, Tensor(a!) out, "
+    "Tensor? kv_scale, float scale) -> ()")
 """One MLA layer's attention for a step. q [T, H, nope + rope] (rope part rotated), kv_c
 [T, rank] and k_pe [T, rope] (the new tokens' latents, as written to the cache), latent_cache
 [blocks, page, rank + rope], w_uk [H, nope, rank], w_uv [H, rank, v], the common metadata
 tensors, plan (:class:`MLAPlan`, CPU int64), mha_lens (CPU int64 [R, 2], the MHA-form
-requests' new and cached tokens), out [T, H, v] (padding rows zeroed), kv_scale (fp8 cache),
+requests' new and cached tokens), chunk_slots / chunk_cu_k (per context chunk: latent slots and
+key offsets, :func:`chunk_tables`), out [T, H, v] (padding rows zeroed), kv_scale (fp8 cache),
 the softmax scale."""
 
 
 def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens,
-                     block_table, plan, mha_lens, out, kv_scale, scale) -> None:
+                     block_table, plan, mha_lens, chunk_slots, chunk_cu_k, out, kv_scale,
+                     scale) -> None:
     """Shape checks of the MLA ops (no tensor data read)."""
     if w_uk.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[:2] != (w_uk.shape[0], w_uk.shape[2]):
         raise ValueError(f"w_uk must be [heads, qk_nope_head_dim, kv_lora_rank] and w_uv "
@@ -309,6 +335,9 @@ def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, s
     if mha_lens.device.type != "cpu" or mha_lens.dim() != 2 or mha_lens.shape[1] != 2:
         raise ValueError(f"mha_lens must be a CPU [requests, 2] tensor (MLAMetadata."
                          f"mha_lens_cpu), got {tuple(mha_lens.shape)} on {mha_lens.device}")
+    if len(chunk_slots) != len(chunk_cu_k):
+        raise ValueError(f"chunk_slots and chunk_cu_k need one tensor per context chunk each, "
+                         f"got {len(chunk_slots)} and {len(chunk_cu_k)}")
 
 
 class MLABackend(AttentionBackend):
@@ -338,12 +367,15 @@ class MLABackend(AttentionBackend):
         mha_lens = np.stack([new, seq[na:] - new], axis=1)
         decode = self.decode_launch(na, int(query_lens[:na].max()) if na else 0,
                                     int(seq[:na].max()) if na else 0, common.seq_lens.device)
+        chunk = self.tuning.mla.context_chunk_tokens
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
-                                   num_tokens=int(qsl[-1]),
-                                   chunk_tokens=self.tuning.mla.context_chunk_tokens,
-                                   decode=decode))
+                                   num_tokens=int(qsl[-1]), chunk_tokens=chunk, decode=decode))
+        table_cpu = common.block_table_cpu[na:] if common.block_table_cpu is not None else None
+        slots, offsets = chunk_tables(mha_lens[:, 1], chunk, common.block_table[na:], table_cpu,
+                                      common.block_size)
         return MLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
-                           common.block_table, plan, torch.from_numpy(mha_lens))
+                           common.block_table, plan, torch.from_numpy(mha_lens), slots,
+                           offsets)
 
     def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
                       device: torch.device) -> MLADecodeLaunch | None:
@@ -356,4 +388,5 @@ class MLABackend(AttentionBackend):
             metadata = self.build_metadata(metadata)
         self.op(q, kv_c, k_pe, latent_cache, w_uk, w_uv, metadata.query_start_loc,
                 metadata.seq_lens, metadata.block_table, metadata.plan,
-                metadata.mha_lens_cpu, out, kv_scale, self.scale)
+                metadata.mha_lens_cpu, list(metadata.chunk_slots), list(metadata.chunk_cu_k),
+                out, kv_scale, self.scale)
