@@ -84,6 +84,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.TREE_ATTN: "attn_ops.backends.tree_attn:TreeAttnBackend",
     Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
     Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
+    Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA)},
@@ -94,10 +95,6 @@ _PLANNED: dict[str, _Planned] = {
                                     (PackageRequirement("aiter", "aiter"),), "ROCm support"),
     Backend.ROCM_ATTN: _Planned(frozenset({PlatformKind.ROCM}), (_TRITON,), "ROCm support"),
     Backend.XPU_ATTN: _Planned(frozenset({PlatformKind.XPU}), (), "XPU support"),
-    Backend.FLASHINFER_MLA: _Planned(frozenset({PlatformKind.CUDA}),
-                                     (PackageRequirement("flashinfer-python", "flashinfer",
-                                                         "0.7.2", "0.8"),),
-                                     "the MLA family's FlashInfer kernels"),
 }
 
 _lock = threading.Lock()

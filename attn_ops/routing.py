@@ -31,7 +31,8 @@ __all__ = [
     "composite_decode_route", "composite_graph_decode_runs_fa4", "explain", "explain_mla",
     "fa4_batch",
     "fa4_decode_wins", "fa4_tile", "flashinfer_decode_split", "flashinfer_graph_colocated_ctas",
-    "flashinfer_split_budget", "flex_decode_splits", "flex_decode_stages", "flex_gathers",
+    "flashinfer_mla_kernel", "flashinfer_split_budget", "flex_decode_splits",
+    "flex_decode_stages", "flex_gathers",
     "mla_decode_launch", "mla_prefill_kernel", "pow2",
     "triton_decode_tile", "triton_fit_tile", "triton_fused_combine", "triton_num_splits",
     "triton_prefill_tile", "triton_short_and_many",
@@ -87,6 +88,8 @@ class Kernel(enum.Enum):
     FA4 = "FlashAttention 4"
     TRITON = "TRITON_ATTN unsplit decode"
     TORCH_MHA = "PyTorch MHA (REFERENCE_MLA's, one request at a time)"
+    FLASHINFER_MLA_FA3 = "FlashInfer MLA fa3 (sm90)"
+    FLASHINFER_MLA_FA2 = "FlashInfer MLA fa2"
 
 
 class SplitMode(enum.Enum):
@@ -295,6 +298,15 @@ def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len
                            t.decode_stages)
 
 
+def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Kernel:
+    """FLASHINFER_MLA's absorbed kernel: fa3 on sm90 for latent widths 128 / 256 / 512 (its
+    templates), fa2 elsewhere. Measured on the H200 at 512 + 64: fa3 471-503 TFLOP/s at 128
+    heads and batch 32-128, fa2 258-269."""
+    if capability[0] == 9 and kv_lora_rank in (128, 256, 512):
+        return Kernel.FLASHINFER_MLA_FA3
+    return Kernel.FLASHINFER_MLA_FA2
+
+
 def mla_prefill_kernel(fa4_usable: bool) -> Kernel:
     """The kernel of an MLA step's MHA part (QK nope + rope, V v_head_dim, ragged, with LSE):
     FlashAttention 4 where it can run (CUDA, installed, the head dims), measured ahead of
@@ -316,6 +328,9 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
         requests = sum(n for n, _, _ in absorbed)
         rows = sum(n * q for n, _, q in absorbed)
         line = f"absorbed form: {requests} request(s), {rows} row(s) over the latent cache"
+        if backend == "FLASHINFER_MLA":
+            kernel = flashinfer_mla_kernel(facts.capability or (0, 0), spec.kv_lora_rank)
+            line += f" -- {kernel.value}"
         if backend == "TRITON_MLA":
             launch = mla_decode_launch(spec.num_heads, requests, max(q for _, _, q in absorbed),
                                        max(s for _, s, _ in absorbed), facts.num_sms, t)
@@ -327,8 +342,8 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
         new = sum(n * q for n, _, q in mha)
         context = sum(n * (s - q) for n, s, q in mha)
         chunks = -(-context // t.context_chunk_tokens)
-        kernel = (mla_prefill_kernel(fa4_usable).value if backend == "TRITON_MLA"
-                  else f"{backend}'s")
+        kernel = (mla_prefill_kernel(fa4_usable).value
+                  if backend in ("TRITON_MLA", "FLASHINFER_MLA") else f"{backend}'s")
         lines.append(f"MHA form: {sum(n for n, _, _ in mha)} request(s), {new} new token(s) on "
                      f"{kernel}; {context} context row(s) in {chunks} chunk(s) of at most "
                      f"{t.context_chunk_tokens}, merged through the LSE")

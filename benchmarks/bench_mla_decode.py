@@ -6,8 +6,8 @@ random order), one query token per request, ``heads`` query heads:
 
 * ``triton_mla``   -- TRITON_MLA's absorbed launch (kernel + split combine) on ``ql`` / ``q_pe``,
   launch from ``routing.mla_decode_launch`` for this batch;
-* ``triton_mla_op`` -- the whole ``torch.ops.attn.triton_mla_attention`` step (``q_nope @ W_UK``,
-  the kernel, ``@ W_UV``), for what the layer adds;
+* ``triton_mla_op`` / ``flashinfer_mla_op`` -- the whole TRITON_MLA / FLASHINFER_MLA op of a
+  step (``q_nope @ W_UK``, the kernel, ``@ W_UV``), for what the layer adds;
 * ``flashinfer_fa3`` / ``flashinfer_fa2`` -- ``flashinfer.mla.BatchMLAPagedAttentionWrapper``
   with ``backend="fa3"`` / ``"fa2"``, planned before timing, on contiguous ``ckv`` / ``kpe``
   caches holding the same rows (the anchors).
@@ -63,13 +63,14 @@ def triton_mla(b: MLABatch):
                                    b.out, None, b.scale, launch)
 
 
-def triton_mla_op(b: MLABatch):
-    """The whole op on a decode step of ``b`` (random W_UK / W_UV, q of width nope + rope)."""
+def mla_op(b: MLABatch, backend: str):
+    """``backend``'s whole op on a decode step of ``b`` (random W_UK / W_UV, q of width
+    nope + rope), metadata (and any plan) built before timing."""
     from attn_ops import AttentionConfig, AttentionSpec, MLAAttention
     from attn_ops.metadata import build_common_metadata
 
     spec = AttentionSpec.mla(b.heads, dtype=DTYPE, block_size=b.page)
-    layer = MLAAttention(spec, AttentionConfig(backend="TRITON_MLA")).cuda()
+    layer = MLAAttention(spec, AttentionConfig(backend=backend)).cuda()
     layer.load_kv_b_proj(torch.randn(b.heads * (NOPE + V), RANK, dtype=DTYPE, device="cuda")
                          / RANK ** 0.5)
     tables = b.block_table.tolist()
@@ -111,7 +112,8 @@ def main() -> None:
         for batch in args.batches:
             for ctx in args.ctxs:
                 b = MLABatch(heads, batch, ctx, args.page, gen)
-                fns = {"triton_mla": triton_mla(b), "triton_mla_op": triton_mla_op(b)}
+                fns = {"triton_mla": triton_mla(b), "triton_mla_op": mla_op(b, "TRITON_MLA"),
+                       "flashinfer_mla_op": mla_op(b, "FLASHINFER_MLA")}
                 for backend in ("fa3", "fa2"):
                     try:
                         fns[f"flashinfer_{backend}"] = flashinfer_mla(b, backend)

@@ -144,9 +144,15 @@ def test_the_extras_install_what_the_selector_accepts():
 
 def test_select_mla_prints_the_step_split_and_each_forms_kernel(capsys):
     code, out, _ = run(capsys, "select", "--mla", "--heads", "128", "--platform", "cuda:9.0",
-                       "--assume-installed", "--batch", "1x32768,2x30000:4096")
+                       "--assume-installed", "--batch", "1x32768")
     assert code == 0, out
-    assert "selected: TRITON_MLA (auto), block_size=64" in out
+    assert "selected: FLASHINFER_MLA (auto), block_size=64" in out
+    assert "absorbed form: 1 request(s), 1 row(s) over the latent cache -- FlashInfer MLA fa3 " \
+        "(sm90)" in out
+    code, out, _ = run(capsys, "select", "--mla", "--heads", "128", "--platform", "cuda:9.0",
+                       "--assume-installed", "--backend", "TRITON_MLA", "--batch",
+                       "1x32768,2x30000:4096")
+    assert code == 0, out
     assert ("absorbed form: 1 request(s), 1 row(s) over the latent cache -- TRITON_MLA kernel, "
             "32 split(s) of each request's keys, 1 query x 64 head rows a program") in out
     assert ("MHA form: 2 request(s), 8192 new token(s) on FlashAttention 4; 51808 context "

@@ -12,8 +12,7 @@ import torch
 
 from attn_ops import (AttentionConfig, AttentionSpec, BlockAllocator, MLAAttention,
                       build_batch, build_step_metadata, get_backend_class, select_backend)
-from attn_ops.backends.mla.common import (context_chunks, merge_attn_states,
-                                          mla_cache_update)
+from attn_ops.backends.mla.common import PLAN, context_chunks, merge_attn_states, mla_cache_update
 from attn_ops.platforms import Platform, current_platform
 from attn_ops.registry import MLA_BACKENDS
 from attn_ops.selector import BackendNotSupportedError, candidates_for
@@ -80,9 +79,15 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
                for r in by_name["CUTLASS_MLA"].reasons)
     assert any("V width 512" in str(r) for r in by_name["FLASH_ATTN_MLA"].reasons)
-    # TRITON_MLA is the first that runs; REFERENCE_MLA runs anywhere but is not in a GPU's
+    # FlashInfer's MLA first, then ours; REFERENCE_MLA runs anywhere but is not in a GPU's
     # priority list (a silent 100x slowdown)
-    assert [c.name for c in by_name.values() if c.ok] == ["TRITON_MLA", "REFERENCE_MLA"]
+    assert [c.name for c in by_name.values() if c.ok] == ["FLASHINFER_MLA", "TRITON_MLA",
+                                                          "REFERENCE_MLA"]
+    fp8 = {c.name: c for c in candidates_for(spec.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
+                                             h200)}
+    assert [n for n, c in fp8.items() if c.ok][0] == "TRITON_MLA"
+    assert any("kv_cache_dtype" in str(r) or "fp8" in str(r)
+               for r in fp8["FLASHINFER_MLA"].reasons)
     assert by_name["REFERENCE_MLA"].priority is None
 
 
@@ -248,11 +253,12 @@ def _case(spec, reqs, *, padded=0, seed=0, device="cpu", num_blocks=NUM_BLOCKS) 
                  pad(new[:, :rank]), pad(new[:, rank:]), lat, q_rows, total)
 
 
-def _run(case: _Case, backend=None, dtype=None, tuning=None) -> torch.Tensor:
+def _run(case: _Case, backend=None, dtype=None, tuning=None, platform=None) -> torch.Tensor:
     """The step through MLAAttention on ``backend`` (None: the selected one) in ``dtype``
     (default the spec's); every row, padding included."""
     spec = case.spec if dtype is None else case.spec.with_(dtype=dtype)
-    layer = MLAAttention(spec, AttentionConfig(tuning=tuning, backend=backend)).to(case.q.device)
+    layer = MLAAttention(spec, AttentionConfig(tuning=tuning, backend=backend),
+                         platform=platform).to(case.q.device)
     assert backend is None or layer.impl.name == backend
     layer.load_kv_b_proj(case.w.to(spec.dtype))
     if case.kv_scale is not None:
@@ -406,12 +412,132 @@ def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
     assert mha_kernel(torch.device("cpu"), 192, 128) is mha_torch
 
 
+# --- FLASHINFER_MLA's glue against a stand-in of FlashInfer's MLA wrapper ---------------------
+
+class _StandinMLAWrapper:
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in torch with its contract: host int32
+    plan arrays; graph mode copies them into the persistent buffers it was given; ``run``
+    reads the pages of the (strided) ``ckv`` / ``kpe`` caches by ``kv_indices``, causal
+    bottom-right; a row of a request without keys gets NaN (the backend must zero padding)."""
+
+    def __init__(self, float_workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        assert backend in ("fa2", "fa3") and float_workspace.numel() >= 64 << 20
+        self.graph = use_cuda_graph
+        self.buffers = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        assert not use_cuda_graph or all(b is not None for b in self.buffers)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
+             head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type):
+        arrays = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        assert all(a.dtype == torch.int32 and a.device.type == "cpu" for a in arrays)
+        if self.graph:  # (same shapes as the buffers, indices within capacity)
+            for buf, a in zip(self.buffers, arrays):
+                assert a.shape == buf.shape or (buf is self.buffers[2] and a.numel() <= buf.numel())
+                buf[:a.numel()].copy_(a)
+        self.lists = [a.tolist() for a in arrays]
+        self.args = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None):
+        qo, kv_indptr, kv_indices, kv_len = self.lists
+        heads, ckv, kpe, page, causal, scale = self.args
+        assert q_nope.shape[1:] == (heads, ckv) and q_pe.shape[2] == kpe and out is not None
+        assert ckv_cache.shape[1] == kpe_cache.shape[1] == page
+        for r in range(len(kv_len)):
+            q0, q1, s = qo[r], qo[r + 1], kv_len[r]
+            if q1 == q0:
+                continue
+            if s == 0:
+                out[q0:q1] = float("nan")
+                continue
+            pages = torch.tensor(kv_indices[kv_indptr[r]:kv_indptr[r + 1]])
+            c = ckv_cache[pages].flatten(0, 1)[:s].double()
+            pe = kpe_cache[pages].flatten(0, 1)[:s].double()
+            score = (torch.einsum("thl,jl->htj", q_nope[q0:q1].double(), c)
+                     + torch.einsum("thr,jr->htj", q_pe[q0:q1].double(), pe)) * scale
+            if causal:
+                pos = torch.arange(s - (q1 - q0), s)[:, None]
+                score = score.masked_fill(torch.arange(s)[None] > pos, float("-inf"))
+            out[q0:q1] = torch.einsum("htj,jl->thl", torch.softmax(score, -1), c).to(out.dtype)
+
+
+@pytest.fixture
+def standin_flashinfer_mla(monkeypatch):
+    from attn_ops.backends.mla import flashinfer_mla
+
+    monkeypatch.setattr(flashinfer_mla, "_wrapper_class", lambda: _StandinMLAWrapper)
+    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+
+
+FI_SPEC = AttentionSpec.mla(4, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=64,
+                            v_head_dim=12, dtype=torch.float16, block_size=4)
+
+
+@pytest.mark.parametrize("scenario", ["decode_only", "speculative", "mixed",
+                                      "long_context_chunked"])
+def test_flashinfer_mla_plans_on_the_host_and_runs_what_reference_mla_does(
+        standin_flashinfer_mla, scenario):
+    """Our side of FlashInfer's MLA (plan arrays from the step's block CSR, the strided latent
+    views, causal only with multi-token rows, the MHA part) against REFERENCE_MLA."""
+    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 16})
+    from attn_ops.testing import tolerance
+
+    case = _case(FI_SPEC, SCENARIOS[scenario], padded=3)
+    ours = _run(case, "FLASHINFER_MLA", tuning=tuning, platform=standin_flashinfer_mla)
+    truth = _run(case, "REFERENCE_MLA", torch.float64, tuning=tuning)
+    base = _run(case, "REFERENCE_MLA", torch.float16, tuning=tuning).double()
+    err = (ours.double() - truth).abs().max().item()
+    assert err <= tolerance((base - truth).abs().max().item(), torch.float16), err
+
+
+def test_flashinfer_mla_graph_plans_cover_the_capture_size_and_zero_its_padding(
+        standin_flashinfer_mla, monkeypatch):
+    """The graph path's metadata, run eagerly: a wrapper per capture size over persistent
+    buffers, replanned per batch with every request of the size holding its rows (padding:
+    no keys, NaN from the kernel), the padding rows zeroed after it."""
+    from attn_ops import platforms
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    # (graph support is judged on the running platform: the simulated H200's here)
+    monkeypatch.setattr(platforms, "current_platform", lambda: standin_flashinfer_mla)
+    graphs = CUDAGraphBatch((2, 8), 6, 4, "cpu")
+    layer = MLAAttention(FI_SPEC, AttentionConfig(backend="FLASHINFER_MLA"),
+                         platform=standin_flashinfer_mla)
+    oracle = MLAAttention(FI_SPEC, AttentionConfig(backend="REFERENCE_MLA"))
+    w = _weights(FI_SPEC, torch.Generator().manual_seed(0)).half()
+    layer.load_kv_b_proj(w)
+    oracle.load_kv_b_proj(w)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(60, 4, FI_SPEC.latent_dim, generator=g).half()
+    alloc = BlockAllocator(60, 4, shuffle=True, seed=3)
+    handles = set()
+    for n, ctx in ((5, [3, 9, 1, 20, 7]), (2, [4, 11]), (7, [2] * 7)):
+        common = build_batch(alloc, list(range(10 * n, 11 * n)), ctx, [1] * n)
+        step = build_step_metadata(layer, common, graphs)
+        size = graphs.size_for(n)
+        meta = step[layer._metadata_key]
+        handles.add(PLAN.decode(meta.plan).library)
+        q = torch.randn(size, 4, FI_SPEC.head_dim, generator=g).half()
+        kv_c = torch.randn(size, 128, generator=g).half()
+        k_pe = torch.randn(size, 64, generator=g).half()
+        got = layer(q, kv_c, k_pe, cache.clone(), step)
+        want = oracle(q[:n], kv_c[:n], k_pe[:n], cache.clone(), common)
+        torch.testing.assert_close(got[:n], want, atol=2e-3, rtol=2e-3)
+        assert (got[n:] == 0).all()
+        for r in range(n):
+            alloc.free(10 * n + r)
+    assert len(handles) == 2  # one wrapper per capture size
+
+
 # --- real sizes on the GPU ---------------------------------------------------------------------
 
 # decodes at 1-8k, a 3-token speculative decode, a 700-token prefill, a 300-token prefill over
 # 2000 cached tokens (chunked at the default 4096: one chunk), 5 padding rows
 REAL_STEP = [(4000, 1), (300, 1), (8191, 1), (1, 1), (1500, 3), (2000, 300), (0, 700)]
-GPU_MLA = [b for b in MLA_HERE if b != "REFERENCE_MLA"] if PLATFORM.is_gpu else []
+GPU_MLA = [b.value for b in sorted(MLA_BACKENDS, key=lambda b: b.value)
+           if b.value != "REFERENCE_MLA" and PLATFORM.is_gpu
+           and not get_backend_class(b.value).not_supported_reasons(
+               AttentionSpec.mla(16, dtype=torch.bfloat16, block_size=64), PLATFORM)]
 
 
 @pytest.mark.gpu
@@ -427,6 +553,8 @@ def test_real_sizes_match_the_reference(backend, heads, cache):
     spec = AttentionSpec.mla(heads, dtype=torch.bfloat16, block_size=64,
                              kv_cache_dtype=KVCacheDType.AUTO if cache == "bf16"
                              else KVCacheDType.FP8_E4M3)
+    if get_backend_class(backend).not_supported_reasons(spec, PLATFORM):
+        pytest.skip(f"{backend} does not take {spec.describe()} (its reasons are tested)")
     case = _case(spec, REAL_STEP, padded=5, device="cuda", num_blocks=400)
     ours = _run(case, backend)
     truth = _run(case, "REFERENCE_MLA", torch.float64)

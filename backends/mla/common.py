@@ -141,13 +141,15 @@ class MLAPlan:
     """One step's split: the first ``num_absorbed`` requests (``num_absorbed_tokens`` rows) in
     the absorbed form, the rest up to row ``num_tokens`` in the MHA form (later rows are
     padding), its context in chunks of at most ``chunk_tokens`` latent rows; ``decode``: the
-    absorbed part's launch where the backend's kernel takes one."""
+    absorbed part's launch where the backend's kernel takes one; ``library``: the handle of a
+    library's host-planned state the absorbed kernel runs (FLASHINFER_MLA's wrapper)."""
 
     num_absorbed: int
     num_absorbed_tokens: int
     num_tokens: int
     chunk_tokens: int
     decode: MLADecodeLaunch | None = None
+    library: int | None = None
 
 
 PLAN = PlanCodec(MLAPlan)
@@ -221,7 +223,7 @@ def chunk_tables(context_lens: np.ndarray, chunk_tokens: int, block_table: torch
     return tuple(slots), tuple(offsets)
 
 
-# kernels: absorbed(ql, q_pe, cache, qsl, seq_lens, block_table, out, kv_scale, scale, launch)
+# kernels: absorbed(ql, q_pe, cache, qsl, seq_lens, block_table, out, kv_scale, scale, plan)
 # and mha(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal)
 AbsorbedKernel = Callable[..., None]
 MHAKernel = Callable[..., None]
@@ -237,9 +239,9 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     out[nt:].zero_()
     if nat:
         ql = torch.einsum("thn,hnl->thl", q[:nat, :, :nope], w_uk)
-        latent_out = ql.new_empty(nat, heads, rank)
+        latent_out = ql.new_zeros(nat, heads, rank)  # (graph padding rows: no kernel writes them)
         absorbed(ql, q[:nat, :, nope:], latent_cache, query_start_loc[:na + 1], seq_lens[:na],
-                 block_table[:na], latent_out, kv_scale, scale, p.decode)
+                 block_table[:na], latent_out, kv_scale, scale, p)
         out[:nat] = torch.einsum("thl,hlv->thv", latent_out, w_uv).to(out.dtype)
     if nt == nat:
         return
@@ -369,7 +371,8 @@ class MLABackend(AttentionBackend):
                                     int(seq[:na].max()) if na else 0, common.seq_lens.device)
         chunk = self.tuning.mla.context_chunk_tokens
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
-                                   num_tokens=int(qsl[-1]), chunk_tokens=chunk, decode=decode))
+                                   num_tokens=int(qsl[-1]), chunk_tokens=chunk, decode=decode,
+                                   library=self.plan_library(common, na) if na else None))
         table_cpu = common.block_table_cpu[na:] if common.block_table_cpu is not None else None
         slots, offsets = chunk_tables(mha_lens[:, 1], chunk, common.block_table[na:], table_cpu,
                                       common.block_size)
@@ -380,6 +383,11 @@ class MLABackend(AttentionBackend):
     def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
                       device: torch.device) -> MLADecodeLaunch | None:
         """The absorbed part's launch (default: none, the kernel plans nothing)."""
+        return None
+
+    def plan_library(self, common: CommonAttentionMetadata, num_absorbed: int) -> int | None:
+        """Plan a library kernel for the first ``num_absorbed`` requests on the host; returns
+        its handle for :attr:`MLAPlan.library` (default: none)."""
         return None
 
     def forward(self, q, kv_c, k_pe, latent_cache, metadata, out, *, w_uk, w_uv,

@@ -33,8 +33,8 @@ def _compute(dtype: torch.dtype) -> torch.dtype:
 
 
 def absorbed_torch(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
-                   kv_scale, scale, launch=None) -> None:
-    """The absorbed form over the paged latent cache, one request at a time (no launch)."""
+                   kv_scale, scale, plan=None) -> None:
+    """The absorbed form over the paged latent cache, one request at a time (no plan)."""
     compute = _compute(ql.dtype)
     rank = ql.shape[2]
     rows = latent_cache[:, :, None, :]

@@ -78,10 +78,14 @@ def _check(*args) -> None:
                          ".contiguous() tensors")
 
 
+def _absorbed(*args) -> None:
+    absorbed_triton(*args[:-1], args[-1].decode)
+
+
 def _triton_mla(*args) -> None:
     _check(*args)
     q, w_uv = args[0], args[5]
-    run_mla(*args, absorbed=absorbed_triton, mha=mha_kernel(q.device, q.shape[2], w_uv.shape[2]))
+    run_mla(*args, absorbed=_absorbed, mha=mha_kernel(q.device, q.shape[2], w_uv.shape[2]))
 
 
 triton_mla_attention = define_op("triton_mla_attention", MLA_SCHEMA, _triton_mla,
