@@ -50,6 +50,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def interpreter_reasons(name: str, spec: AttentionSpec, platform: Platform,
+                        cpu_path: str = "") -> list[Reason]:
+    """A Triton backend on the CPU: only in Triton's interpreter (tests), and not in bf16."""
+    if platform.kind is not PlatformKind.CPU:
+        return []
+    reasons = []
+    if not interpreting():
+        reasons.append(Reason(name, "platform", f"platform cpu: {name} runs on the CPU only in "
+                              "Triton's interpreter (TRITON_INTERPRET=1, for tests)" + cpu_path))
+    if spec.dtype == torch.bfloat16:
+        reasons.append(Reason(name, "dtype", "dtype=bfloat16: tl.dot in bf16 is broken in "
+                              "Triton's interpreter", "use float16/float32"))
+    return reasons
+
+
 @dataclass(frozen=True)
 class TritonPlan:
     """One step's launches (:data:`PLAN`, a CPU int64 tensor): the decode prefix
@@ -277,16 +292,8 @@ class TritonAttnBackend(AttentionBackend):
 
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-        reasons = super().not_supported_reasons(spec, platform)
-        if platform.kind is PlatformKind.CPU:
-            if not interpreting():
-                reasons.append(Reason(cls.name, "platform", f"platform cpu: {cls.name} runs on "
-                                      "the CPU only in Triton's interpreter (TRITON_INTERPRET=1, "
-                                      "for tests)"))
-            if spec.dtype == torch.bfloat16:
-                reasons.append(Reason(cls.name, "dtype", "dtype=bfloat16: tl.dot in bf16 is "
-                                      "broken in Triton's interpreter", "use float16/float32"))
-        return reasons
+        return super().not_supported_reasons(spec, platform) + interpreter_reasons(
+            cls.name, spec, platform)
 
     @classmethod
     def kv_cache_layout(cls, spec: AttentionSpec) -> KVCacheLayout:

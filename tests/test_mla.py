@@ -362,15 +362,19 @@ def test_mla_op_passes_opcheck(backend):
     torch.library.opcheck(layer.impl.op, args)
 
 
+def _step(layer, reqs=SCENARIOS["mixed"]):
+    """(common metadata, the step dict of ``layer``) of the ``_op_args`` batch."""
+    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
+    common = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs],
+                         [n for _, n in reqs])
+    return common, build_step_metadata([(layer._metadata_key, layer.impl)], common)
+
+
 @pytest.mark.parametrize("backend", MLA_HERE)
 def test_compiled_layer_equals_eager_with_no_graph_break(backend):
     layer, _, args = _op_args(backend)
     q, kv_c, k_pe, cache = args[:4]
-    reqs = SCENARIOS["mixed"]
-    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
-    common = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs],
-                         [n for _, n in reqs])
-    step = build_step_metadata([(layer._metadata_key, layer.impl)], common)
+    _, step = _step(layer)
     eager = layer(q, kv_c, k_pe, cache.clone(), step)
     torch._dynamo.reset()
     graphs = []
@@ -835,13 +839,9 @@ def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
     from attn_ops.compile_passes.manager import AttnPassManager
     from attn_ops.model import rope_cache
 
-    layer, meta, args = _op_args(backend)
+    layer, _, args = _op_args(backend)
     q, kv_c, k_pe, cache = args[:4]
-    reqs = SCENARIOS["mixed"]
-    alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
-    common = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs],
-                         [n for _, n in reqs])
-    step = build_step_metadata([(layer._metadata_key, layer.impl)], common)
+    common, step = _step(layer)
     cos_sin = rope_cache(8, 128, 10000.0)[common.positions].to(q.dtype)
     eager_cache = cache.clone()
     eager = layer(q, kv_c, k_pe, eager_cache, step, cos_sin)

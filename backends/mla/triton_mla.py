@@ -17,7 +17,7 @@ import torch
 from attn_ops.backends.mla.common import (MLA_SCHEMA, PLAN, MLABackend, MLAMetadata, MLAPlan,
                                           check_mla_inputs, run_mla)
 from attn_ops.backends.mla.prefill import mha_kernel
-from attn_ops.backends.triton_attn import interpreting
+from attn_ops.backends.triton_attn import interpreter_reasons
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.metadata import CommonAttentionMetadata
@@ -114,14 +114,9 @@ class TritonMLABackend(MLABackend):
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         reasons = super().not_supported_reasons(spec, platform)
-        if platform.kind is PlatformKind.CPU and spec.use_mla:
-            if not interpreting():
-                reasons.append(Reason(cls.name, "platform", f"platform cpu: {cls.name} runs on "
-                                      "the CPU only in Triton's interpreter (TRITON_INTERPRET=1, "
-                                      "for tests); REFERENCE_MLA is the CPU path"))
-            if spec.dtype == torch.bfloat16:
-                reasons.append(Reason(cls.name, "dtype", "dtype=bfloat16: tl.dot in bf16 is "
-                                      "broken in Triton's interpreter", "use float16/float32"))
+        if spec.use_mla:
+            reasons += interpreter_reasons(cls.name, spec, platform,
+                                           "; REFERENCE_MLA is the CPU path")
         return reasons
 
     def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
