@@ -172,17 +172,18 @@ def resolve_cudagraph_support(model: torch.nn.Module,
                               wanted: CUDAGraphSupport = CUDAGraphSupport.ALWAYS
                               ) -> CUDAGraphSupport:
     """The CUDA-graph level a model can run at: ``wanted``, lowered to the least any of its
-    :class:`~attn_ops.layer.Attention` layers' backends supports (for that layer's spec on its
+    :class:`~attn_ops.layer.Attention` / :class:`~attn_ops.mla.MLAAttention` layers' backends
+    supports (for that layer's spec on its
     platform). When that lowers it, one log line names the level, the first layer that lowered
     it and its backend -- a model is never captured at a level one of its layers cannot
     replay correctly."""
     import logging
 
-    from attn_ops.layer import Attention
+    from attn_ops.layer import BackendLayer
 
     level, culprit = wanted, None
     for name, layer in model.named_modules():
-        if isinstance(layer, Attention):
+        if isinstance(layer, BackendLayer):
             if layer.cudagraph_support < level:
                 level, culprit = layer.cudagraph_support, (name or "(model)", layer.backend)
     if culprit is not None:

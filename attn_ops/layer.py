@@ -61,6 +61,11 @@ class BackendLayer(nn.Module):
     def block_size(self) -> int:
         return self.selection.block_size
 
+    @property
+    def cudagraph_support(self):
+        """The CUDA-graph level of this layer's backend for its spec on its platform."""
+        return self.selection.backend_cls.cudagraph_support(self.spec, self.selection.platform)
+
     def extra_repr(self) -> str:
         return f"{self.spec.describe()}, backend={self.backend}, block_size={self.block_size}"
 
@@ -94,10 +99,6 @@ class Attention(BackendLayer):
         self.register_buffer("k_scale", torch.ones(1) if fp8 else None)
         self.register_buffer("v_scale", torch.ones(1) if fp8 else None)
 
-    @property
-    def cudagraph_support(self):
-        """The CUDA-graph level of this layer's backend for its spec on its platform."""
-        return self.selection.backend_cls.cudagraph_support(self.spec, self.selection.platform)
 
     def allocate_kv_cache(self, num_blocks: int,
                           device: torch.device | str | None = None) -> torch.Tensor:

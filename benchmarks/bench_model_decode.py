@@ -18,7 +18,11 @@ CUDA kernels in one compiled step, and those launched inside ``attn::`` ops (att
 glue).
 
     python benchmarks/bench_model_decode.py [--backends A B ..] [--layers 8] [--batch 64]
-        [--ctx 2048] [--steps 20] [--quick] [--out PATH]
+        [--ctx 2048] [--steps 20] [--quick] [--mla] [--out PATH]
+
+``--mla``: a DeepSeek-V2-Lite-shaped decoder instead (16 heads, latent 512 + 64, QK 192 /
+V 128, dense MLP 10944, vocab 102400; run it with ``--ctx 4096``), TRITON_MLA and
+FLASHINFER_MLA, against HF's ``DeepseekV3ForCausalLM`` of the same shape.
 
 ``--quick``: CPU, tiny shapes, eager and compiled only (keeps the script working in CI).
 """
@@ -42,6 +46,18 @@ COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md
 def model_config(args, dtype):
     from attn_ops.model import ModelConfig
 
+    if args.mla:  # DeepSeek-V2-Lite's attention and dense MLP (its first layer's), no MoE
+        from attn_ops.mla_model import MLAModelConfig
+
+        if args.quick:
+            return MLAModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                  v_head_dim=16, intermediate_size=128, dtype=dtype,
+                                  max_position=args.ctx + 8)
+        return MLAModelConfig(vocab_size=102400, hidden_size=2048, num_layers=args.layers,
+                              num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944,
+                              dtype=dtype, max_position=args.ctx + 8)
     if args.quick:
         return ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, intermediate_size=128, dtype=dtype,
@@ -58,11 +74,13 @@ class Engine:
     def __init__(self, cfg, backend, batch, ctx, device):
         from attn_ops import AttentionConfig
         from attn_ops.kv_cache import BlockAllocator
+        from attn_ops.mla_model import MLAModelConfig, TinyDeepseek
         from attn_ops.model import TinyLlama
 
         torch.manual_seed(0)
+        model_cls = TinyDeepseek if isinstance(cfg, MLAModelConfig) else TinyLlama
         with torch.device(device):  # (initializing 2B parameters on the host takes minutes)
-            self.model = TinyLlama(cfg, AttentionConfig(backend=backend)).to(cfg.dtype)
+            self.model = model_cls(cfg, AttentionConfig(backend=backend)).to(cfg.dtype)
         self.model.eval()
         from attn_ops import step_backends
 
@@ -164,10 +182,42 @@ def top_kernels(fn, n=10) -> list:
     return [[name[:90], calls, round(us, 1)] for name, (calls, us) in ranked]
 
 
+def hf_deepseek(cfg, batch, ctx, device):
+    """HF's DeepseekV3ForCausalLM with our shapes (dense MLPs, random weights) and a dynamic
+    cache holding ``ctx - 1`` random tokens per request (HF caches the up-projected K [192]
+    and V [128] of every head)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
+
+    hf_cfg = DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, first_k_dense_replace=cfg.num_layers,
+        max_position_embeddings=ctx + 8, torch_dtype=cfg.dtype, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(hf_cfg).to(cfg.dtype).eval()
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    cache = DynamicCache()
+    for layer in range(cfg.num_layers):
+        cache.update(torch.randn(batch, cfg.num_heads, ctx - 1, qk, dtype=cfg.dtype,
+                                 device=device),
+                     torch.randn(batch, cfg.num_heads, ctx - 1, cfg.v_head_dim,
+                                 dtype=cfg.dtype, device=device), layer)
+    return model, cache
+
+
 def hf_model(cfg, batch, ctx, device):
     """HF's LlamaForCausalLM with our shapes (random weights) and a dynamic cache holding
     ``ctx - 1`` random tokens per request."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from attn_ops.mla_model import MLAModelConfig
+
+    if isinstance(cfg, MLAModelConfig):
+        return hf_deepseek(cfg, batch, ctx, device)
 
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size,
@@ -192,8 +242,10 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
 
     engine = Engine(cfg, backend, args.batch, args.ctx, device)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv = args.batch * args.ctx * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * \
-        engine.caches[0].element_size()  # K and V of every context token, once
+    # K and V (MLA: the latent row) of every context token, once
+    row_elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim if args.mla else \
+        cfg.num_kv_heads * cfg.head_dim * 2
+    kv = args.batch * args.ctx * cfg.num_layers * row_elems * engine.caches[0].element_size()
     row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
            "floor_ms": (weights + kv) / COPY_TBS / 1e9}
     with torch.no_grad():
@@ -255,6 +307,9 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mla", action="store_true",
+                        help="a DeepSeek-V2-Lite-shaped MLA decoder (16 heads, latent 512 + 64,"
+                             " dense MLP 10944) against HF's DeepseekV3ForCausalLM")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "bench_model_decode.json"))
@@ -266,8 +321,12 @@ def main() -> None:
         args.batch, args.ctx, args.steps = 4, 64, 3
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     cfg = model_config(args, dtype)
-    backends = args.backends or (["CPU_ATTN"] if device == "cpu"
-                                 else ["COMPOSITE_SM90", "FLASHINFER", "TRITON_ATTN"])
+    if args.mla:
+        backends = args.backends or (["REFERENCE_MLA"] if device == "cpu"
+                                     else ["TRITON_MLA", "FLASHINFER_MLA"])
+    else:
+        backends = args.backends or (["CPU_ATTN"] if device == "cpu"
+                                     else ["COMPOSITE_SM90", "FLASHINFER", "TRITON_ATTN"])
     manager = compile_passes.install()
     rows = []
     for backend in backends:  # (each measured in a function: its models and graphs go with it)
@@ -291,7 +350,7 @@ def main() -> None:
                 hf["eager_dynamic_cache_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print({"hf": hf}, flush=True)
     info = run_info("bench_model_decode")
-    info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
+    info.update(quick=args.quick, mla=args.mla, device=torch.cuda.get_device_name() if device == "cuda"
                 else "cpu", layers=cfg.num_layers, batch=args.batch, ctx=args.ctx,
                 dtype=str(dtype), rows=rows, hf=hf)
     write_json(args.out, info)

@@ -37,6 +37,8 @@
 #   mla      tests/test_mla.py (the MLA family; real sizes, 200-batch CUDA-graph replays on the
 #            GPU) and compute-sanitizer memcheck over its 16-head real-size cases
 #   mlabench benchmarks/bench_mla_decode.py (TRITON_MLA against FlashInfer's MLA; MLA_ARGS)
+#   mlamodel benchmarks/bench_model_decode.py --mla --ctx 4096 (DeepSeek-V2-Lite-shaped decoder
+#            against HF's DeepseekV3ForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
 #            and the base-size matrix (SUITE_K selects; default: not the real-size cases)
 # PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
@@ -121,6 +123,8 @@ for spec in "$@"; do
         -p no:cacheprovider tests/test_mla.py -k "real_sizes and 16" ;;
     mlabench) stage mlabench "$limit" python benchmarks/bench_mla_decode.py ${MLA_ARGS:-} \
         --out "$OUT/bench_mla_decode_h200.json" ;;
+    mlamodel) stage mlamodel "$limit" python benchmarks/bench_model_decode.py --mla --ctx 4096 \
+        --out "$OUT/bench_model_decode_mla_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;

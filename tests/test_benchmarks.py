@@ -12,11 +12,13 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.mark.parametrize("script", ["bench_cpu_attn.py", "bench_op_overhead.py",
-                                    "bench_compile_time.py", "bench_model_decode.py"])
+                                    "bench_compile_time.py", "bench_model_decode.py",
+                                    "bench_model_decode.py --mla"])
 def test_benchmark_quick_run_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
-    res = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    name, *flags = script.split()
+    res = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", *flags, "--out",
+                          str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["torch"] and result["commit"]

@@ -834,8 +834,10 @@ def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
     latent write and the attention -- and equals the eager layer."""
     import torch._inductor.config as inductor_config
 
+    import expecttest
+
     from attn_ops.compile_passes import fusion_passes
-    from attn_ops.compile_passes.base import attn_ops_in
+    from attn_ops.compile_passes.base import attn_ops_in, graph_text
     from attn_ops.compile_passes.manager import AttnPassManager
     from attn_ops.model import rope_cache
 
@@ -848,15 +850,19 @@ def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
     seen = {}
 
     def snap(name):
-        return lambda graph: seen.setdefault(name, attn_ops_in(graph))
+        return lambda graph: seen.setdefault(name, (attn_ops_in(graph), graph_text(graph)))
 
     torch._dynamo.reset()
     with inductor_config.patch(post_grad_custom_post_pass=AttnPassManager(
             [snap("before"), *fusion_passes(), snap("after")]), fx_graph_cache=False):
         compiled = torch.compile(layer, fullgraph=True)(q, kv_c, k_pe, cache, step, cos_sin)
     attention = layer.impl.op._schema.name.split("::")[1]
-    assert seen["before"] == ["mla_rope", "mla_cache_update", attention]
-    assert seen["after"] == ["mla_rope_cache_update", attention]
+    assert seen["before"][0] == ["mla_rope", "mla_cache_update", attention]
+    assert seen["after"][0] == ["mla_rope_cache_update", attention]
+    if backend == "REFERENCE_MLA":  # the graph's attn ops and their inputs, after the passes
+        expecttest.assert_expected_inline(seen["after"][1], """\
+mla_rope_cache_update0 = mla_rope_cache_update(q=in0, kv_c=in1, k_pe=in2, cos_sin=in3, slot_mapping=in5) (functionalized)
+reference_mla_attention0 = reference_mla_attention(q=mla_rope_cache_update0[0], kv_c=in1, k_pe=mla_rope_cache_update0[1], latent_cache=mla_rope_cache_update0[2], w_uk=in6, w_uv=in7, query_start_loc=in8, seq_lens=in9, block_table=in10, plan=in11, mha_lens=in12, chunk_slots=[in13, in14], chunk_cu_k=[in15, in16], scale=0.2646422579642267) (functionalized)""")
     tol = TOLERANCE[layer.spec.dtype]
     torch.testing.assert_close(compiled, eager, atol=tol, rtol=tol)
     torch.testing.assert_close(cache, eager_cache, atol=tol, rtol=tol)
@@ -954,3 +960,43 @@ def test_layer_reproduces_hf_deepseek_v3_attention(q_lora_rank, rope_in_layer):
                                            atol=1e-6, rtol=1e-6)
                 at += new[r]
                 done[r] += new[r]
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["v3", "v2_lite_no_q_lora"])
+def test_tiny_deepseek_reproduces_hf_deepseek_v3_for_causal_lm(q_lora_rank):
+    """The whole decoder: HF's DeepseekV3ForCausalLM (dense MLPs, interleaved RoPE) loaded
+    into TinyDeepseek; a prefill of two requests, then two decode steps through our paged
+    latent caches, against HF's logits over each whole sequence."""
+    transformers = pytest.importorskip("transformers")
+    from attn_ops.mla_model import MLAModelConfig, TinyDeepseek, load_hf_deepseek
+
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        first_k_dense_replace=2, rope_interleave=True, max_position_embeddings=64,
+        attn_implementation="eager", dtype=torch.float32)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    cfg = MLAModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
+                         q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=12, intermediate_size=80,
+                         max_position=64, rms_norm_eps=hf_cfg.rms_norm_eps)
+    model = TinyDeepseek(cfg, AttentionConfig(backend="REFERENCE_MLA")).eval()
+    load_hf_deepseek(model, hf)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 96, (n,), generator=g) for n in (9, 14)]
+    with torch.no_grad():
+        want = [hf(s[None]).logits[0] for s in seqs]
+        alloc = BlockAllocator(NUM_BLOCKS, model.block_size, shuffle=True, seed=1)
+        caches = model.allocate_kv_caches(NUM_BLOCKS)
+        for cache in caches:
+            cache.fill_(float("nan"))
+        for start, stop in ((0, 7), (7, 8), (8, 9)):  # a prefill, then two decode steps
+            meta = build_batch(alloc, [0, 1], [start, start], [stop - start] * 2)
+            ids = torch.cat([s[start:stop] for s in seqs])
+            logits = model(ids, meta.positions, caches, meta)
+            n = stop - start
+            for r in range(2):
+                torch.testing.assert_close(logits[r * n:(r + 1) * n], want[r][start:stop],
+                                           atol=2e-4, rtol=2e-4)

@@ -1,0 +1,163 @@
+"""A small DeepSeek-style decoder built on :class:`attn_ops.MLAAttention` (dense MLP), with
+the :class:`~attn_ops.model.TinyLlama` calling convention: ``forward(input_ids [T], positions
+[T], latent_caches, metadata) -> logits``. Used by the tests (against HF transformers'
+``DeepseekV3ForCausalLM``, :func:`load_hf_deepseek`) and the whole-step benchmark.
+
+RoPE is rotate-half on the rope dims; DeepSeek-V3's interleaved RoPE is that on deinterleaved
+dims, so :func:`load_hf_deepseek` permutes the rope rows of ``q_proj`` / ``q_b_proj`` and
+``kv_a_proj_with_mqa`` once (the cache then holds ``k_pe`` deinterleaved: attention scores are
+unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attn_ops.mla import MLAAttention
+from attn_ops.model import RMSNorm, rope_cache
+from attn_ops.platforms import Platform
+from attn_ops.selector import AttentionConfig
+from attn_ops.spec import AttentionSpec
+
+__all__ = ["MLAModelConfig", "TinyDeepseek", "load_hf_deepseek"]
+
+
+@dataclass(frozen=True)
+class MLAModelConfig:
+    """Shapes (DeepSeek-V2-Lite's attention by default, fewer layers and a small MLP)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 16
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    intermediate_size: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position: int = 4096
+    dtype: torch.dtype = torch.float32
+
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec.mla(self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                                 qk_nope_head_dim=self.qk_nope_head_dim,
+                                 qk_rope_head_dim=self.qk_rope_head_dim,
+                                 v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
+                                 dtype=self.dtype)
+
+
+class MLADecoderLayer(nn.Module):
+    def __init__(self, cfg: MLAModelConfig, attn_config: AttentionConfig | None,
+                 platform: Platform | None = None) -> None:
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_heads
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.cfg = cfg
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.attn = MLAAttention(cfg.attention_spec(), attn_config, platform=platform)
+        kv_b = torch.randn(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        self.attn.load_kv_b_proj(kv_b / cfg.kv_lora_rank ** 0.5)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, cos_sin, cache, metadata):
+        cfg = self.cfg
+        hidden = self.input_norm(x)
+        q = self.q_proj(hidden) if cfg.q_lora_rank is None else \
+            self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
+        q = q.view(x.shape[0], cfg.num_heads, -1)
+        kv_c, k_pe = self.kv_a_proj(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        # RoPE runs in the layer (torch.ops.attn.mla_rope): the passes fuse it with the write
+        attn = self.attn(q, self.kv_a_norm(kv_c), k_pe, cache, metadata, cos_sin)
+        x = x + self.o_proj(attn.flatten(1))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class TinyDeepseek(nn.Module):
+    """``forward(input_ids [T], positions [T], latent_caches, metadata) -> logits [T, vocab]``."""
+
+    def __init__(self, cfg: MLAModelConfig, attn_config: AttentionConfig | None = None,
+                 platform: Platform | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MLADecoderLayer(cfg, attn_config, platform)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", rope_cache(cfg.qk_rope_head_dim, cfg.max_position,
+                                                cfg.rope_theta), persistent=False)
+
+    @property
+    def block_size(self) -> int:
+        sizes = {layer.attn.block_size for layer in self.layers}
+        if len(sizes) != 1:
+            raise ValueError(f"layers chose different block sizes {sorted(sizes)}; set "
+                             "AttentionSpec.block_size so they share one allocator")
+        return sizes.pop()
+
+    def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
+        """One latent cache per layer."""
+        return [layer.attn.allocate_cache(num_blocks, device) for layer in self.layers]
+
+    def forward(self, input_ids, positions, kv_caches, metadata):
+        x = self.embed(input_ids)
+        cos_sin = self.rope[positions].to(x.dtype)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos_sin, cache, metadata)
+        return self.lm_head(self.norm(x)).float()
+
+
+def _deinterleave_rows(weight: torch.Tensor, heads: int, nope: int, rope: int) -> torch.Tensor:
+    """``weight`` [heads * (nope + rope), in] with each head's rope rows reordered 0, 2, 4, ...,
+    1, 3, 5, ... (interleaved RoPE pairs -> rotate-half halves)."""
+    w = weight.view(heads, nope + rope, -1).clone()
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]) + nope
+    w[:, nope:] = w[:, order]
+    return w.view(heads * (nope + rope), -1)
+
+
+@torch.no_grad()
+def load_hf_deepseek(model: TinyDeepseek, hf) -> None:
+    """Copy a ``transformers`` ``DeepseekV3ForCausalLM`` (dense MLPs, ``rope_interleave``)
+    into ``model`` of the same shapes."""
+    cfg = model.cfg
+    heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    model.embed.weight.copy_(hf.model.embed_tokens.weight)
+    model.norm.weight.copy_(hf.model.norm.weight)
+    model.lm_head.weight.copy_(hf.lm_head.weight)
+    for ours, theirs in zip(model.layers, hf.model.layers):
+        a = theirs.self_attn
+        ours.input_norm.weight.copy_(theirs.input_layernorm.weight)
+        ours.post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+        if cfg.q_lora_rank is None:
+            ours.q_proj.weight.copy_(_deinterleave_rows(a.q_proj.weight, heads, nope, rope))
+        else:
+            ours.q_a_proj.weight.copy_(a.q_a_proj.weight)
+            ours.q_a_norm.weight.copy_(a.q_a_layernorm.weight)
+            ours.q_b_proj.weight.copy_(_deinterleave_rows(a.q_b_proj.weight, heads, nope, rope))
+        ours.kv_a_proj.weight.copy_(_deinterleave_rows(a.kv_a_proj_with_mqa.weight, 1,
+                                                       cfg.kv_lora_rank, rope))
+        ours.kv_a_norm.weight.copy_(a.kv_a_layernorm.weight)
+        ours.attn.load_kv_b_proj(a.kv_b_proj.weight)
+        ours.o_proj.weight.copy_(a.o_proj.weight)
+        mlp = theirs.mlp
+        ours.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        ours.down.weight.copy_(mlp.down_proj.weight)
