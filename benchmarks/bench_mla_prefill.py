@@ -148,7 +148,6 @@ def main() -> None:
         rows.append(row)
         print(f"{name:12s} " + "  ".join(f"{k} {amount / v / 1e9:6.1f} TF" for k, v in ms.items()))
         write_result("bench_mla_prefill", args.out, quiet=True, rows=rows, complete=False)
-        del layer, cache, one, fns
     write_result("bench_mla_prefill", args.out, rows=rows, complete=True)
 
 

@@ -37,6 +37,8 @@
 #   mla      tests/test_mla.py (the MLA family; real sizes, 200-batch CUDA-graph replays on the
 #            GPU) and compute-sanitizer memcheck over its 16-head real-size cases
 #   mlabench benchmarks/bench_mla_decode.py (TRITON_MLA against FlashInfer's MLA; MLA_ARGS)
+#   mlaprefill benchmarks/bench_mla_prefill.py (the MHA form through the layer vs FA4 and
+#            FlashInfer's ragged prefill called directly; the chunked merge's cost)
 #   mlamodel benchmarks/bench_model_decode.py --mla --ctx 4096 (DeepSeek-V2-Lite-shaped decoder
 #            against HF's DeepseekV3ForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
@@ -123,6 +125,8 @@ for spec in "$@"; do
         -p no:cacheprovider tests/test_mla.py -k "real_sizes and 16" ;;
     mlabench) stage mlabench "$limit" python benchmarks/bench_mla_decode.py ${MLA_ARGS:-} \
         --out "$OUT/bench_mla_decode_h200.json" ;;
+    mlaprefill) stage mlaprefill "$limit" python benchmarks/bench_mla_prefill.py \
+        --out "$OUT/bench_mla_prefill_h200.json" ;;
     mlamodel) stage mlamodel "$limit" python benchmarks/bench_model_decode.py --mla --ctx 4096 \
         --out "$OUT/bench_model_decode_mla_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
@@ -133,6 +137,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=) |^    .* us " \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us " \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80
