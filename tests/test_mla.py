@@ -533,6 +533,52 @@ def test_flashinfer_mla_graph_plans_cover_the_capture_size_and_zero_its_padding(
     assert len(handles) == 2  # one wrapper per capture size
 
 
+@pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="TRITON_MLA does not run here")
+@pytest.mark.parametrize("qlen", [1, 2])
+def test_triton_mla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding(
+        qlen, monkeypatch):
+    """The graph path's metadata run eagerly (on the CPU in the interpreter): the launch
+    fixed per capture size from the graphs' longest request, padding requests with no rows
+    and no keys, padding rows zero, real rows equal REFERENCE_MLA's."""
+    from attn_ops import platforms
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+
+    # (graph support is judged on the running platform: a GPU's here)
+    monkeypatch.setattr(platforms, "current_platform", lambda: Platform.parse("cuda:9.0"))
+
+    spec = MLA_HERE["TRITON_MLA"]
+    graphs = CUDAGraphBatch((2, 8), 6, 4, "cpu", uniform_query_len=qlen)
+    tuning = Tuning().with_(mla=SPLITTING)
+    layer = MLAAttention(spec, AttentionConfig(backend="TRITON_MLA", tuning=tuning))
+    oracle = MLAAttention(spec, AttentionConfig(backend="REFERENCE_MLA"))
+    w = _weights(spec, torch.Generator().manual_seed(0)).to(spec.dtype)
+    layer.load_kv_b_proj(w)
+    oracle.load_kv_b_proj(w)
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(60, 4, spec.latent_dim, generator=g).to(spec.dtype)
+    launches = set()
+    for n, seq in ((5, [3, 9, 2, 20, 7]), (2, [4, 11]), (7, [2, 24, 5, 5, 13, 8, 3])):
+        pages = torch.randperm(59, generator=g) + 1
+        tables, at = [], 0
+        for length in seq:
+            count = -(-length // 4)
+            tables.append(pages[at:at + count].tolist())
+            at += count
+        common = build_common_metadata([qlen] * n, seq, tables, 4, 60)
+        step = build_step_metadata(layer, common, graphs)
+        rows = graphs.size_for(n) * qlen
+        launches.add((graphs.size_for(n), PLAN.decode(step[layer._metadata_key].plan).decode))
+        q = torch.randn(rows, spec.num_heads, spec.head_dim, generator=g).to(spec.dtype)
+        kv_c = torch.randn(rows, spec.kv_lora_rank, generator=g).to(spec.dtype)
+        k_pe = torch.randn(rows, spec.qk_rope_head_dim, generator=g).to(spec.dtype)
+        got = layer(q, kv_c, k_pe, cache.clone(), step)
+        want = oracle(q[:n * qlen], kv_c[:n * qlen], k_pe[:n * qlen], cache.clone(), common)
+        torch.testing.assert_close(got[:n * qlen], want, atol=2e-5, rtol=2e-5)
+        assert (got[n * qlen:] == 0).all()
+    assert len(launches) == 2 and max(la.splits for _, la in launches) > 1
+
+
 # --- real sizes on the GPU ---------------------------------------------------------------------
 
 # decodes at 1-8k, a 3-token speculative decode, a 700-token prefill, a 300-token prefill over
