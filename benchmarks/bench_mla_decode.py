@@ -17,7 +17,7 @@ contenders interleaved over ``--rounds`` rounds. FLOPs = B * H * ctx * 2 * (576 
 TFLOP/s; bytes = B * ctx * 576 * 2 -> TB/s; both are reported.
 
     python benchmarks/bench_mla_decode.py [--heads 16 128] [--batches ...] [--ctxs ...]
-        [--rounds R] [--out PATH]
+        [--tiles 32x64x4x2 ...] [--no-ops] [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
@@ -52,13 +52,20 @@ class MLABatch:
         self.out = torch.empty(batch, heads, RANK, dtype=DTYPE, device="cuda")
 
 
-def triton_mla(b: MLABatch):
+def triton_mla(b: MLABatch, tile: str | None = None):
+    """TRITON_MLA's absorbed launch on ``b``: this machine's tuning, or with ``tile``
+    (``ROWSxKEYSxWARPSxSTAGES``) replacing its decode tile (the split rule follows it)."""
     from attn_ops.backends.mla.triton_mla import absorbed_triton
     from attn_ops.routing import DeviceFacts, mla_decode_launch
     from attn_ops.tuning import default_tuning
 
+    t = default_tuning().mla
+    if tile is not None:
+        rows, keys, warps, stages = (int(x) for x in tile.split("x"))
+        t = default_tuning().with_(mla={"decode_rows": rows, "decode_keys": keys,
+                                        "decode_warps": warps, "decode_stages": stages}).mla
     launch = mla_decode_launch(b.heads, b.batch, 1, b.ctx,
-                               DeviceFacts.of(b.cache.device).num_sms, default_tuning().mla)
+                               DeviceFacts.of(b.cache.device).num_sms, t)
     return lambda: absorbed_triton(b.ql, b.q_pe, b.cache, b.qsl, b.seq_lens, b.block_table,
                                    b.out, None, b.scale, launch)
 
@@ -105,6 +112,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--ctxs", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
+    parser.add_argument("--tiles", nargs="*", default=[],
+                        help="extra TRITON_MLA tiles ROWSxKEYSxWARPSxSTAGES to time beside the "
+                             "tuned one (a sweep), e.g. 32x64x4x2 64x32x8x2")
+    parser.add_argument("--no-ops", action="store_true", help="kernels only (a sweep)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -112,16 +123,21 @@ def main() -> None:
         for batch in args.batches:
             for ctx in args.ctxs:
                 b = MLABatch(heads, batch, ctx, args.page, gen)
-                fns = {"triton_mla": triton_mla(b), "triton_mla_op": mla_op(b, "TRITON_MLA"),
-                       "flashinfer_mla_op": mla_op(b, "FLASHINFER_MLA")}
+                fns = {"triton_mla": triton_mla(b),
+                       **{f"triton_mla_{tile}": triton_mla(b, tile) for tile in args.tiles}}
+                for backend in ("TRITON_MLA", "FLASHINFER_MLA") if not args.no_ops else ():
+                    try:
+                        fns[f"{backend.lower()}_op"] = mla_op(b, backend)
+                    except Exception as e:  # noqa: BLE001 -- a backend that cannot run here
+                        print(f"{backend}: {type(e).__name__}: {e}"[:200])
                 for backend in ("fa3", "fa2"):
                     try:
                         fns[f"flashinfer_{backend}"] = flashinfer_mla(b, backend)
                     except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here
                         print(f"flashinfer {backend}: {type(e).__name__}: {e}"[:200])
                 outputs = {}
-                for name in ("triton_mla", "flashinfer_fa3", "flashinfer_fa2"):
-                    if name in fns:
+                for name in fns:
+                    if not name.endswith("_op"):
                         res = fns[name]()
                         outputs[name] = (res if torch.is_tensor(res) else b.out).float().clone()
                 diff = max(((o - outputs["triton_mla"]).abs().max().item()
