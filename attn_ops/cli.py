@@ -178,7 +178,12 @@ def cmd_select(args) -> int:
         print(f"\nMLA step of {sel.backend} for --batch {args.batch} ({facts.num_sms} SMs, "
               f"tuning {tuning.describe()}): leading requests with at most "
               f"{tuning.mla.absorbed_max_query_len} new tokens run in the absorbed form")
-        for line in routing.explain_mla(sel.backend, spec, facts, step, tuning, fa4_usable):
+        from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
+
+        flashinfer_usable = (platform.kind is PlatformKind.CUDA
+                             and FLASHINFER_PACKAGE.reason("", platform) is None)
+        for line in routing.explain_mla(sel.backend, spec, facts, step, tuning, fa4_usable,
+                                        flashinfer_usable):
             print(f"  {line}")
     elif args.batch:
         from attn_ops import routing

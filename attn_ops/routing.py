@@ -87,6 +87,7 @@ class Kernel(enum.Enum):
     FLASHINFER_FA3 = "FlashInfer FA3 paged (sm90)"
     FA4 = "FlashAttention 4"
     TRITON = "TRITON_ATTN unsplit decode"
+    FLASHINFER_RAGGED = "FlashInfer ragged prefill"
     TORCH_MHA = "PyTorch MHA (REFERENCE_MLA's, one request at a time)"
     FLASHINFER_MLA_FA3 = "FlashInfer MLA fa3 (sm90)"
     FLASHINFER_MLA_FA2 = "FlashInfer MLA fa2"
@@ -307,16 +308,19 @@ def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Ker
     return Kernel.FLASHINFER_MLA_FA2
 
 
-def mla_prefill_kernel(fa4_usable: bool) -> Kernel:
+def mla_prefill_kernel(fa4_usable: bool, flashinfer_usable: bool = False) -> Kernel:
     """The kernel of an MLA step's MHA part (QK nope + rope, V v_head_dim, ragged, with LSE):
     FlashAttention 4 where it can run (CUDA, installed, the head dims), measured ahead of
     FlashInfer's ragged sm90 prefill at 1x8k and within 1-2% of it at 4x4k and 16x1k
-    (128 heads, 192 / 128); else PyTorch, slow, for the CPU and tests."""
-    return Kernel.FA4 if fa4_usable else Kernel.TORCH_MHA
+    (128 heads, 192 / 128); else FlashInfer's ragged prefill; else PyTorch, slow, for the
+    CPU and tests."""
+    if fa4_usable:
+        return Kernel.FA4
+    return Kernel.FLASHINFER_RAGGED if flashinfer_usable else Kernel.TORCH_MHA
 
 
 def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning: Tuning,
-                fa4_usable: bool) -> list[str]:
+                fa4_usable: bool, flashinfer_usable: bool = False) -> list[str]:
     """The MLA step split of ``step`` and each form's kernel, as the builder would plan it."""
     t = tuning.mla
     groups = list(step.groups)
@@ -342,7 +346,7 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
         new = sum(n * q for n, _, q in mha)
         context = sum(n * (s - q) for n, s, q in mha)
         chunks = -(-context // t.context_chunk_tokens)
-        kernel = (mla_prefill_kernel(fa4_usable).value
+        kernel = (mla_prefill_kernel(fa4_usable, flashinfer_usable).value
                   if backend in ("TRITON_MLA", "FLASHINFER_MLA") else f"{backend}'s")
         lines.append(f"MHA form: {sum(n for n, _, _ in mha)} request(s), {new} new token(s) on "
                      f"{kernel}; {context} context row(s) in {chunks} chunk(s) of at most "

@@ -411,8 +411,9 @@ def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
     from attn_ops.backends.mla.reference import mha_torch
     from attn_ops.routing import Kernel, mla_prefill_kernel
 
-    assert mla_prefill_kernel(True) is Kernel.FA4
-    assert mla_prefill_kernel(False) is Kernel.TORCH_MHA
+    assert mla_prefill_kernel(True, True) is Kernel.FA4
+    assert mla_prefill_kernel(False, True) is Kernel.FLASHINFER_RAGGED
+    assert mla_prefill_kernel(False, False) is Kernel.TORCH_MHA
     assert mha_kernel(torch.device("cpu"), 192, 128) is mha_torch
 
 
@@ -780,19 +781,50 @@ def _fa4_varlen_standin(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out[q0:q1] = torch.einsum("htj,jhd->thd", torch.softmax(score, -1), v[k0:k1])
 
 
+class _StandinRagged:
+    """FlashInfer's ``BatchPrefillWithRaggedKVCacheWrapper`` in torch: host int32 offsets at
+    plan, base-2 LSE, NaN for requests without keys."""
+
+    def __init__(self, workspace, layout, backend):
+        assert layout == "NHD" and backend in ("fa2", "fa3")
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, *,
+             head_dim_vo, causal, sm_scale, q_data_type):
+        assert qo_indptr.dtype == kv_indptr.dtype == torch.int32
+        assert qo_indptr.device.type == kv_indptr.device.type == "cpu"
+        self.plan_args = (qo_indptr.tolist(), kv_indptr.tolist(), causal, sm_scale)
+
+    def run(self, q, k, v, out, lse, return_lse):
+        cq, ck, causal, scale = self.plan_args
+        lse_hm = torch.empty(q.shape[1], q.shape[0])
+        _fa4_varlen_standin(q, k, v, cu_seqlens_q=torch.tensor(cq),
+                            cu_seqlens_k=torch.tensor(ck), max_seqlen_q=max(
+                                b - a for a, b in zip(cq, cq[1:])),
+                            max_seqlen_k=max(b - a for a, b in zip(ck, ck[1:])),
+                            softmax_scale=scale, causal=causal, return_lse=True, out=out,
+                            lse=lse_hm)
+        lse.copy_(lse_hm.t() / math.log(2.0))
+        return out, lse
+
+
+@pytest.mark.parametrize("kernel", ["fa4", "flashinfer_ragged"])
 @pytest.mark.parametrize("causal", [True, False], ids=["new_tokens", "context_chunk"])
-def test_fa4_mha_glue_matches_the_reference_mha(monkeypatch, causal):
-    """The MHA part's FA4 call (arguments, bounds, LSE layout, requests a chunk gives no keys)
-    against REFERENCE_MLA's torch MHA, FA4 replaced by a stand-in with its semantics."""
+def test_mha_kernel_glue_matches_the_reference_mha(monkeypatch, causal, kernel):
+    """The MHA part's FA4 / FlashInfer ragged calls (arguments, bounds, LSE layout and base,
+    requests a chunk gives no keys) against REFERENCE_MLA's torch MHA, the libraries replaced
+    by stand-ins with their semantics."""
     import sys
     import types
 
-    from attn_ops.backends.mla.prefill import mha_fa4
+    from attn_ops.backends.mla import prefill
     from attn_ops.backends.mla.reference import mha_torch
 
     module = types.ModuleType("flash_attn.cute.interface")
     module._flash_attn_fwd = _fa4_varlen_standin
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", module)
+    monkeypatch.setattr(prefill, "_RAGGED", {torch.device("cpu"): _StandinRagged(None, "NHD",
+                                                                                  "fa2")})
+    glue = prefill.mha_fa4 if kernel == "fa4" else prefill.mha_flashinfer
     g = torch.Generator().manual_seed(1)
     lens_q = [3, 5, 2]
     lens_k = lens_q if causal else [7, 0, 4]
@@ -802,10 +834,10 @@ def test_fa4_mha_glue_matches_the_reference_mha(monkeypatch, causal):
     k = torch.randn(cu_k[-1], 4, 24, generator=g)
     v = torch.randn(cu_k[-1], 4, 12, generator=g)
     results = []
-    for kernel in (mha_fa4, mha_torch):
+    for run in (glue, mha_torch):
         out, lse = torch.empty(cu_q[-1], 4, 12), torch.empty(cu_q[-1], 4)
-        kernel(q, k, v, torch.tensor(cu_q, dtype=torch.int32),
-               torch.tensor(cu_k, dtype=torch.int32), cu_q, cu_k, out, lse, 0.2, causal)
+        run(q, k, v, torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32), cu_q, cu_k, out, lse, 0.2, causal)
         results.append((out, lse))
     torch.testing.assert_close(results[0], results[1])
     if not causal:

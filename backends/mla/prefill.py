@@ -1,7 +1,7 @@
 """The kernels of an MLA step's MHA part: ragged attention with QK ``nope + rope`` and V
 ``v_head_dim`` widths and a natural-log LSE, over the new tokens (causal) and over each context
 chunk (no mask). :func:`mha_kernel` returns the one :func:`attn_ops.routing.mla_prefill_kernel`
-picks for a device and head dims."""
+picks for a device and head dims: FlashAttention 4, FlashInfer's ragged prefill, or PyTorch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from attn_ops.backends.mla.reference import mha_torch
 from attn_ops.routing import Kernel, mla_prefill_kernel
 
-__all__ = ["mha_fa4", "mha_kernel"]
+__all__ = ["mha_fa4", "mha_flashinfer", "mha_kernel"]
 
 
 def mha_fa4(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal) -> None:
@@ -30,12 +30,49 @@ def mha_fa4(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal) 
                     max_seqlen_k=max(lens_k, default=0), softmax_scale=scale, causal=causal,
                     return_lse=True, out=out, lse=lse_hm)
     lse.copy_(lse_hm.t())
+    _set_empty(out, lse, lens_q, lens_k)
+
+
+def _set_empty(out, lse, lens_q, lens_k) -> None:
+    """Rows of requests without keys: ``out = 0``, ``lse = -inf`` (whatever a kernel left)."""
     if any(n_k == 0 and n_q for n_q, n_k in zip(lens_q, lens_k)):
         empty = torch.repeat_interleave(
-            torch.tensor([n_k == 0 for n_k in lens_k], device=q.device),
-            torch.tensor(lens_q, device=q.device), output_size=q.shape[0])
+            torch.tensor([n_k == 0 for n_k in lens_k], device=out.device),
+            torch.tensor(lens_q, device=out.device), output_size=out.shape[0])
         out.masked_fill_(empty[:, None, None], 0.0)
         lse.masked_fill_(empty[:, None], float("-inf"))
+
+
+_RAGGED: dict = {}  # device -> FlashInfer's ragged prefill wrapper (planned per call)
+_LN2 = 0.6931471805599453
+
+
+def _ragged_wrapper(device: torch.device):
+    wrapper = _RAGGED.get(device)
+    if wrapper is None:
+        import flashinfer
+
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        fa3 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        wrapper = _RAGGED[device] = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(
+            workspace, "NHD", backend="fa3" if fa3 else "fa2")
+    return wrapper
+
+
+def mha_flashinfer(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal) -> None:
+    """FlashInfer's ragged prefill (fa3 on sm90, fa2 elsewhere), planned on the host from the
+    host offsets at each call; its base-2 LSE converted to natural log; requests without keys
+    set empty."""
+    wrapper = _ragged_wrapper(q.device)
+    host = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    wrapper.plan(host(cu_q_host), host(cu_k_host), q.shape[1], k.shape[1], q.shape[2],
+                 head_dim_vo=v.shape[2], causal=causal, sm_scale=scale, q_data_type=q.dtype)
+    lse2 = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    wrapper.run(q.contiguous(), k.contiguous(), v.contiguous(), out=out, lse=lse2,
+                return_lse=True)
+    torch.mul(lse2, _LN2, out=lse)
+    _set_empty(out, lse, [b - a for a, b in pairwise(cu_q_host)],
+               [b - a for a, b in pairwise(cu_k_host)])
 
 
 @functools.cache
@@ -56,7 +93,20 @@ def _fa4_usable(device: torch.device, head_dim: int, v_head_dim: int) -> bool:
             and not fa4_head_dim_reasons("", spec, platform))
 
 
+@functools.cache
+def _flashinfer_usable(device: torch.device, head_dim: int, v_head_dim: int) -> bool:
+    if device.type != "cuda" or head_dim % 16 or v_head_dim % 16 or max(head_dim,
+                                                                       v_head_dim) > 256:
+        return False
+    from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
+    from attn_ops.platforms import current_platform
+
+    return FLASHINFER_PACKAGE.reason("", current_platform()) is None
+
+
 def mha_kernel(device: torch.device, head_dim: int, v_head_dim: int):
     """The MHA-part kernel for ``device`` and the (QK, V) head dims."""
-    kernel = mla_prefill_kernel(_fa4_usable(device, head_dim, v_head_dim))
-    return {Kernel.FA4: mha_fa4, Kernel.TORCH_MHA: mha_torch}[kernel]
+    kernel = mla_prefill_kernel(_fa4_usable(device, head_dim, v_head_dim),
+                                _flashinfer_usable(device, head_dim, v_head_dim))
+    return {Kernel.FA4: mha_fa4, Kernel.FLASHINFER_RAGGED: mha_flashinfer,
+            Kernel.TORCH_MHA: mha_torch}[kernel]
