@@ -23,7 +23,8 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
-from attn_ops.routing import DeviceFacts, MLADecodeLaunch, mla_decode_launch, pow2
+from attn_ops.routing import (DeviceFacts, MLADecodeLaunch, mla_decode_launch, pow2,
+                              triton_head_tiles)
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["TritonMLABackend", "absorbed_triton"]
@@ -40,7 +41,7 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
     rows, heads, rank = ql.shape
     rope = q_pe.shape[2]
     num_reqs = seq_lens.shape[0]
-    rank_p, rope_p = pow2(rank, 16), pow2(rope, 16)
+    rank_p, rope_p = triton_head_tiles(rank, rope, latent_cache.dtype.itemsize)
     splits = launch.splits
     fp8 = latent_cache.dtype == torch.float8_e4m3fn
     dummy = out
