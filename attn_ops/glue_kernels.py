@@ -241,15 +241,15 @@ def _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr,
     tl.store(out + HALF, r2.to(qo_ptr.dtype.element_ty), mask=q_ok)
     offs_hk = tl.arange(0, BLOCK_HKV)
     k_ok = (offs_hk[:, None] < HKV) & d_ok[None, :]
+    # (rotated once, before both uses: a name set inside one branch is lost to compiled Triton)
+    k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
     if KEY_OUT:
-        k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
         key_out = ko_ptr + t * stride_kot + offs_hk[:, None] * stride_koh + offs_d[None, :]
         tl.store(key_out, k1.to(ko_ptr.dtype.element_ty), mask=k_ok)
         tl.store(key_out + HALF, k2.to(ko_ptr.dtype.element_ty), mask=k_ok)
     if slot >= 0:
         page = slot // block_size
         row = slot % block_size
-        k1, k2 = _rotate(k_ptr + t * stride_kt, stride_kh, offs_hk, offs_d, cos, sin, k_ok, HALF)
         dst = kc_ptr + page * stride_kcb + row * stride_kcs + offs_hk[:, None] * stride_kch \
             + offs_d[None, :]
         tl.store(dst, _quantize(k1, ks_ptr, FP8, FP8_LIMIT).to(kc_ptr.dtype.element_ty),
