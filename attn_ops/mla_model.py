@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from attn_ops.mla import MLAAttention
-from attn_ops.model import RMSNorm, rope_cache
+from attn_ops.model import RMSNorm, rope_cache, shared_block_size
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
@@ -107,11 +107,7 @@ class TinyDeepseek(nn.Module):
 
     @property
     def block_size(self) -> int:
-        sizes = {layer.attn.block_size for layer in self.layers}
-        if len(sizes) != 1:
-            raise ValueError(f"layers chose different block sizes {sorted(sizes)}; set "
-                             "AttentionSpec.block_size so they share one allocator")
-        return sizes.pop()
+        return shared_block_size(self.layers)
 
     def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
         """One latent cache per layer."""

@@ -75,6 +75,15 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+def shared_block_size(layers) -> int:
+    """The one page size of ``layers``' attention (``layer.attn``): they share one allocator."""
+    sizes = {layer.attn.block_size for layer in layers}
+    if len(sizes) != 1:
+        raise ValueError(f"layers chose different block sizes {sorted(sizes)}; set "
+                         "AttentionSpec.block_size so they share one allocator")
+    return sizes.pop()
+
+
 def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
     """``[max_position, head_dim]``: cos in the first half, sin in the second (float32)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -143,11 +152,7 @@ class TinyLlama(nn.Module):
 
     @property
     def block_size(self) -> int:
-        sizes = {layer.attn.block_size for layer in self.layers}
-        if len(sizes) != 1:
-            raise ValueError(f"layers chose different block sizes {sorted(sizes)}; set "
-                             "AttentionSpec.block_size so they share one allocator")
-        return sizes.pop()
+        return shared_block_size(self.layers)
 
     def compile_layers(self, **options) -> TinyLlama:
         """Regional compilation: each decoder layer through ``torch.compile(fullgraph=True)``.

@@ -231,8 +231,10 @@ MHAKernel = Callable[..., None]
 
 def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, block_table,
             plan, mha_lens, chunk_slots, chunk_cu_k, out, kv_scale, scale, *,
-            absorbed: AbsorbedKernel, mha: MHAKernel) -> None:
-    """One step of an MLA layer (schema: :data:`MLA_SCHEMA`) with a backend's two kernels."""
+            absorbed: AbsorbedKernel, mha: MHAKernel | None = None) -> None:
+    """One step of an MLA layer (schema: :data:`MLA_SCHEMA`) with a backend's two kernels;
+    ``mha`` None: the MHA-form kernel routing picks for the device and head dims
+    (:func:`~attn_ops.backends.mla.prefill.mha_kernel`)."""
     p = PLAN.decode(plan)
     heads, nope, rank = w_uk.shape
     na, nat, nt = p.num_absorbed, p.num_absorbed_tokens, p.num_tokens
@@ -245,6 +247,10 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
         out[:nat] = torch.einsum("thl,hlv->thv", latent_out, w_uv).to(out.dtype)
     if nt == nat:
         return
+    if mha is None:
+        from attn_ops.backends.mla.prefill import mha_kernel
+
+        mha = mha_kernel(q.device, q.shape[2], w_uv.shape[2])
     qsl = query_start_loc[na:] - query_start_loc[na]
     lens = mha_lens.numpy()
     qsl_host = [0, *np.cumsum(lens[:, 0]).tolist()]

@@ -25,9 +25,10 @@ import torch
 
 from attn_ops.backends.mla.common import (MLA_SCHEMA, PLAN, MLABackend, MLAMetadata, MLAPlan,
                                           check_mla_inputs, run_mla)
-from attn_ops.backends.mla.prefill import mha_kernel
+from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
+from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
-                                   PackageRequirement, Reason)
+                                   Reason)
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.platforms import PlatformKind
@@ -36,9 +37,6 @@ from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["FlashInferMLABackend"]
 
-FLASHINFER_PACKAGE = PackageRequirement("flashinfer-python", "flashinfer", "0.7.2",
-                                        max_version="0.8")
-_FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's usual size; its MLA plan needs ~18 MB
 _LIBRARY_BACKEND = {Kernel.FLASHINFER_MLA_FA3: "fa3", Kernel.FLASHINFER_MLA_FA2: "fa2"}
 
 
@@ -50,21 +48,12 @@ class _Planned:
 
 _PLANNED: dict[int, _Planned] = {}  # MLAPlan.library -> the planned wrapper
 _HANDLES = itertools.count(1)
-_WORKSPACES: dict[torch.device, torch.Tensor] = {}  # shared: the layers of a step run in turn
 
 
 def _wrapper_class():
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     return BatchMLAPagedAttentionWrapper
-
-
-def _float_workspace(device: torch.device) -> torch.Tensor:
-    ws = _WORKSPACES.get(device)
-    if ws is None:
-        ws = _WORKSPACES[device] = torch.empty(_FLOAT_WORKSPACE_BYTES, dtype=torch.uint8,
-                                               device=device)
-    return ws
 
 
 def absorbed_flashinfer(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
@@ -85,9 +74,7 @@ def absorbed_flashinfer(ql, q_pe, latent_cache, query_start_loc, seq_lens, block
 
 def _flashinfer_mla(*args) -> None:
     check_mla_inputs(*args)
-    q, w_uv = args[0], args[5]
-    run_mla(*args, absorbed=absorbed_flashinfer,
-            mha=mha_kernel(q.device, q.shape[2], w_uv.shape[2]))
+    run_mla(*args, absorbed=absorbed_flashinfer)
 
 
 flashinfer_mla_attention = define_op("flashinfer_mla_attention", MLA_SCHEMA, _flashinfer_mla,
@@ -136,7 +123,7 @@ class FlashInferMLABackend(MLABackend):
                           kv_indptr=torch.zeros(graph_size + 1, **i32),
                           kv_indices=torch.zeros(max(1, graph_size * width), **i32),
                           kv_len_arr=torch.zeros(graph_size, **i32))
-        wrapper = _wrapper_class()(_float_workspace(device), backend=backend, **kwargs)
+        wrapper = _wrapper_class()(float_workspace(device), backend=backend, **kwargs)
         handle = next(_HANDLES)
         _PLANNED[handle] = _Planned(wrapper, graph_size is not None)
         return handle

@@ -10,6 +10,7 @@ from itertools import pairwise
 
 import torch
 
+from attn_ops.backends.flashinfer import LN2
 from attn_ops.backends.mla.reference import mha_torch
 from attn_ops.routing import Kernel, mla_prefill_kernel
 
@@ -44,7 +45,6 @@ def _set_empty(out, lse, lens_q, lens_k) -> None:
 
 
 _RAGGED: dict = {}  # device -> FlashInfer's ragged prefill wrapper (planned per call)
-_LN2 = 0.6931471805599453
 
 
 def _ragged_wrapper(device: torch.device):
@@ -52,10 +52,11 @@ def _ragged_wrapper(device: torch.device):
     if wrapper is None:
         import flashinfer
 
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        from attn_ops.backends.flashinfer_plan import float_workspace
+
         fa3 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
         wrapper = _RAGGED[device] = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(
-            workspace, "NHD", backend="fa3" if fa3 else "fa2")
+            float_workspace(device), "NHD", backend="fa3" if fa3 else "fa2")
     return wrapper
 
 
@@ -70,7 +71,7 @@ def mha_flashinfer(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, c
     lse2 = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     wrapper.run(q.contiguous(), k.contiguous(), v.contiguous(), out=out, lse=lse2,
                 return_lse=True)
-    torch.mul(lse2, _LN2, out=lse)
+    torch.mul(lse2, LN2, out=lse)
     _set_empty(out, lse, [b - a for a, b in pairwise(cu_q_host)],
                [b - a for a, b in pairwise(cu_k_host)])
 

@@ -16,10 +16,9 @@ import torch
 
 from attn_ops.backends.mla.common import (MLA_SCHEMA, PLAN, MLABackend, MLAMetadata, MLAPlan,
                                           check_mla_inputs, run_mla)
-from attn_ops.backends.mla.prefill import mha_kernel
-from attn_ops.backends.triton_attn import interpreter_reasons
+from attn_ops.backends.triton_attn import TritonAttnBackend, interpreter_reasons
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
-                                   PackageRequirement, Reason)
+                                   Reason)
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
@@ -28,9 +27,6 @@ from attn_ops.routing import (DeviceFacts, MLADecodeLaunch, mla_decode_launch, p
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["TritonMLABackend", "absorbed_triton"]
-
-_TRITON = PackageRequirement("triton", "triton", "3.6")
-
 
 def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                     kv_scale, scale, launch: MLADecodeLaunch) -> None:
@@ -85,8 +81,7 @@ def _absorbed(*args) -> None:
 
 def _triton_mla(*args) -> None:
     _check(*args)
-    q, w_uv = args[0], args[5]
-    run_mla(*args, absorbed=_absorbed, mha=mha_kernel(q.device, q.shape[2], w_uv.shape[2]))
+    run_mla(*args, absorbed=_absorbed)
 
 
 triton_mla_attention = define_op("triton_mla_attention", MLA_SCHEMA, _triton_mla,
@@ -108,7 +103,7 @@ class TritonMLABackend(MLABackend):
         features=frozenset({Feature.MLA, Feature.DIFF_HEAD_DIM_V, Feature.FP8_KV}),
         min_capability=(8, 0),
         cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
-        packages=(_TRITON,),
+        packages=TritonAttnBackend.capabilities.packages,
     )
     op = triton_mla_attention
 
