@@ -88,8 +88,10 @@ def main() -> None:
     for name, (new, ctx) in CASES.items():
         layer, cache, common, q, kv_c, k_pe = setup(new, ctx, args.page, gen, 4096)
         meta = layer.impl.build_metadata(common)
-        one = setup(new, ctx, args.page, torch.Generator().manual_seed(0), 1 << 20)
-        one_meta = one[0].impl.build_metadata(one[2])
+        # the same layer's backend with the whole context in one chunk, on the same tensors
+        one_chunk = type(layer.impl)(layer.spec, tuning=layer.tuning.with_(
+            mla={"context_chunk_tokens": 1 << 20}))
+        one_meta = one_chunk.build_metadata(common)
         # the same keys for the direct kernels: the context's latents (from the cache) and the
         # new tokens', up-projected once
         lat = torch.cat([cache.view(-1, RANK + ROPE).index_select(0, s) for s in meta.chunk_slots]
@@ -111,9 +113,8 @@ def main() -> None:
                                        scale, True),
                "layer_op": lambda: layer.impl.forward(q, kv_c, k_pe, cache, meta, out,
                                                       w_uk=layer.w_uk, w_uv=layer.w_uv),
-               "layer_op_one_chunk": lambda: one[0].impl.forward(
-                   one[3], one[4], one[5], one[1], one_meta, out, w_uk=one[0].w_uk,
-                   w_uv=one[0].w_uv)}
+               "layer_op_one_chunk": lambda: one_chunk.forward(
+                   q, kv_c, k_pe, cache, one_meta, out, w_uk=layer.w_uk, w_uv=layer.w_uv)}
         try:
             from flash_attn.cute.interface import _flash_attn_fwd
 
