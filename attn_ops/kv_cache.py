@@ -210,7 +210,9 @@ kv_cache_update = define_op(
 kv_cache_update.__doc__ = """Write key/value [T, Hkv, D] into the paged cache at slot_mapping [T].
 
 Slots of -1 are skipped. An fp8 cache stores ``key / k_scale`` (and ``value / v_scale``)
-saturated to the fp8 range.
+saturated to the fp8 range. A token writing row 0 of a page also zeroes the page's rows that
+the tokens after it do not fill: a page's tokens come in slot order, the entering one first (a
+request's new tokens are consecutive, in position order), as any paged engine lays them out.
 """
 
 

@@ -368,7 +368,7 @@ def test_flashinfer_graphs_past_the_split_budget_replay_on_one_plan():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("slots", [[5, -1, 0, -1], [-1, -1], [-1, 3, 3 + BLOCK, -1]])
+@pytest.mark.parametrize("slots", [[BLOCK + 5, -1, 0, -1], [-1, -1], [-1, 3, 3 + BLOCK, -1]])
 def test_cache_write_skips_padding_without_a_host_sync(dtype, slots):
     """Padding slots (-1) are skipped; a token entering a page (row 0) also zeroes the rows of
     that page the write does not fill, which may hold an earlier request's leftovers."""

@@ -13,7 +13,7 @@ import torch
 from attn_ops import (AttentionConfig, AttentionSpec, BlockAllocator, MLAAttention,
                       build_batch, build_step_metadata, get_backend_class, select_backend)
 from attn_ops.backends.mla.common import PLAN, context_chunks, merge_attn_states, mla_cache_update
-from attn_ops.platforms import Platform, current_platform
+from attn_ops.platforms import Platform, PlatformKind, current_platform
 from attn_ops.registry import MLA_BACKENDS
 from attn_ops.selector import BackendNotSupportedError, candidates_for
 from attn_ops.spec import KVCacheDType, yarn_mscale
@@ -24,6 +24,7 @@ SPEC = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_d
                          mscale=yarn_mscale(4.0, 1.0))
 NUM_BLOCKS = 64
 PLATFORM = current_platform()
+CPU = Platform(PlatformKind.CPU, "cpu")  # for the fp64 oracle cases, whatever this machine has
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
@@ -59,11 +60,11 @@ def test_mla_spec_takes_the_mha_forms_qk_width_and_yarns_mscale_in_its_scale():
 
 
 def test_mla_specs_are_offered_mla_backends_only_and_others_never_are():
-    table = select_backend(SPEC).table()
+    table = select_backend(SPEC, CPU).table()
     assert "REFERENCE_MLA" in table and "CPU_ATTN" not in table and "FLASHINFER " not in table
     assert "MLA" not in select_backend(SPEC.with_(kv_lora_rank=None, qk_nope_head_dim=None,
                                                   qk_rope_head_dim=None, head_dim_v=None,
-                                                  scale=None)).table()
+                                                  scale=None), CPU).table()
     with pytest.raises(BackendNotSupportedError, match="serves MLA layers only"):
         select_backend(AttentionSpec(num_heads=4, head_dim=16),
                        config=AttentionConfig(backend="REFERENCE_MLA"))
@@ -328,7 +329,7 @@ def test_fp8_latent_cache_keeps_the_output_close(backend):
 
 
 def test_bad_inputs_name_the_shape():
-    layer = MLAAttention(SPEC)
+    layer = MLAAttention(SPEC, platform=CPU)
     with pytest.raises(ValueError, match=r"q must be \[3, 4, 24\]"):
         layer(torch.zeros(3, 4, 20), torch.zeros(3, 32), torch.zeros(3, 8), None, None)
     with pytest.raises(ValueError, match=r"kv_b_proj.weight must be .* \[112, 32\]"):
@@ -1014,7 +1015,7 @@ def test_layer_reproduces_hf_deepseek_v3_attention(q_lora_rank, rope_in_layer):
             mask = torch.full((s, s), -math.inf, dtype=torch.float64).triu(1)[None, None]
             want.append(attn(x[None], (cos, sin), mask)[0][0])
         layer = MLAAttention(spec, AttentionConfig(tuning=Tuning().with_(
-            mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 4})))
+            mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 4})), platform=CPU)
         layer.load_kv_b_proj(attn.kv_b_proj.weight)
         cache = torch.full((NUM_BLOCKS, 4, spec.latent_dim), math.nan, dtype=torch.float64)
         alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True, seed=2)
@@ -1062,6 +1063,8 @@ def test_tiny_deepseek_reproduces_hf_deepseek_v3_for_causal_lm(q_lora_rank):
                          max_position=64, rms_norm_eps=hf_cfg.rms_norm_eps)
     model = TinyDeepseek(cfg, AttentionConfig(backend="REFERENCE_MLA")).eval()
     load_hf_deepseek(model, hf)
+    device = PLATFORM.device_type  # (HF on the host, ours on this machine's device)
+    model.to(device)
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 96, (n,), generator=g) for n in (9, 14)]
     with torch.no_grad():
@@ -1071,9 +1074,9 @@ def test_tiny_deepseek_reproduces_hf_deepseek_v3_for_causal_lm(q_lora_rank):
         for cache in caches:
             cache.fill_(float("nan"))
         for start, stop in ((0, 7), (7, 8), (8, 9)):  # a prefill, then two decode steps
-            meta = build_batch(alloc, [0, 1], [start, start], [stop - start] * 2)
-            ids = torch.cat([s[start:stop] for s in seqs])
-            logits = model(ids, meta.positions, caches, meta)
+            meta = build_batch(alloc, [0, 1], [start, start], [stop - start] * 2, device=device)
+            ids = torch.cat([s[start:stop] for s in seqs]).to(device)
+            logits = model(ids, meta.positions, caches, meta).cpu()
             n = stop - start
             for r in range(2):
                 torch.testing.assert_close(logits[r * n:(r + 1) * n], want[r][start:stop],

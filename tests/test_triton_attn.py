@@ -221,3 +221,28 @@ def test_compiled_layer_matches_eager():
     got, expected = compiled_and_eager_layer(BASE.with_(sliding_window=50, has_sinks=True),
                                              "TRITON_ATTN", SCENARIOS["mixed"], device=DEVICE)
     torch.testing.assert_close(got, expected)
+
+
+def test_every_triton_kernel_reads_only_constexpr_globals():
+    """Compiled Triton refuses a kernel that reads a plain module-level number (only
+    ``tl.constexpr`` globals are allowed); the interpreter these CPU tests run does not, so this
+    checks every ``@triton.jit`` function of the package for it."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import attn_ops
+    import attn_ops.backends
+
+    bad = []
+    for pkg in (attn_ops, attn_ops.backends):
+        for module in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if not module.name.endswith("_kernels"):
+                continue
+            for name, obj in vars(importlib.import_module(module.name)).items():
+                if isinstance(obj, triton.runtime.JITFunction):
+                    fn = obj.fn
+                    bad += [f"{module.name}.{name} reads {g}" for g in fn.__code__.co_names
+                            if type(fn.__globals__.get(g)) in (int, float)]
+    assert not bad, f"{bad}: declare them tl.constexpr(...)"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -106,7 +106,7 @@ def mla_decode_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
     else:
         part = (row * H + h) * NUM_SPLITS + split
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
         tl.store(part_o_ptr + part[:, None] * RANK_P + offs_r[None, :], o,
                  mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
