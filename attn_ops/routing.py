@@ -279,6 +279,14 @@ class MLADecodeLaunch(NamedTuple):
     stages: int
 
 
+def combine_split_block(splits: int, value_width: int) -> int:
+    """Splits a split-combine program reads at a time: all of them while their rows of
+    ``value_width`` fp32 values stay within 4096 values (32 registers a thread at 4 warps),
+    else in blocks that do -- TRITON_ATTN's few narrow splits in one pass, MLA's many 512-wide
+    ones in blocks of 8, never a spilled tile."""
+    return min(pow2(splits), max(1, 4096 // pow2(value_width)))
+
+
 def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len: int,
                       num_sms: int, t: MLATuning) -> MLADecodeLaunch:
     """A program takes ``decode_rows`` (query x head) rows of one request -- all its query

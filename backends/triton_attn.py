@@ -34,9 +34,9 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import check_paged_attention_inputs, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
-from attn_ops.routing import (DeviceFacts, pow2, triton_decode_tile, triton_fit_tile,
-                              triton_fused_combine, triton_head_tiles, triton_heads_fastest,
-                              triton_num_splits, triton_prefill_tile)
+from attn_ops.routing import (DeviceFacts, combine_split_block, pow2, triton_decode_tile,
+                              triton_fit_tile, triton_fused_combine, triton_head_tiles,
+                              triton_heads_fastest, triton_num_splits, triton_prefill_tile)
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 from attn_ops.tuning import Tile, TritonTuning
 
@@ -190,7 +190,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
             out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
             HQ=hq, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=dv, DV_P=dv_p,
             HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None,
-            num_warps=4)
+            SPLIT_BLOCK=combine_split_block(splits, dv_p), num_warps=4)
 
 
 def unsplit_decode(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,

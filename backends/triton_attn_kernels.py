@@ -337,8 +337,11 @@ def combine_splits_kernel(
     HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
     DV: tl.constexpr, DV_P: tl.constexpr,
     HAS_SINKS: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
 ):
-    """One program per (token, head): the splits' outputs weighted by ``exp(lse_s - lse)``."""
+    """One program per (token, head): the splits' outputs weighted by ``exp(lse_s - lse)``,
+    ``SPLIT_BLOCK`` splits' rows at a time (wide values over many splits would not fit in
+    registers at once)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     if row >= tl.load(qsl_ptr + num_reqs) - tl.load(qsl_ptr):
@@ -353,9 +356,16 @@ def combine_splits_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_safe)
     denom = tl.sum(w, 0)
-    o_s = tl.load(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], mask=s_ok[:, None],
-                  other=0.0)
-    o = tl.sum(o_s * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    o = tl.zeros([DV_P], tl.float32)
+    for s0 in range(0, NUM_SPLITS, SPLIT_BLOCK):
+        offs_b = s0 + tl.arange(0, SPLIT_BLOCK)
+        b_ok = offs_b < NUM_SPLITS
+        part_b = (row * HQ + head) * NUM_SPLITS + offs_b
+        w_b = tl.exp(tl.load(part_lse_ptr + part_b, mask=b_ok, other=float("-inf")) - m_safe)
+        o_s = tl.load(part_o_ptr + part_b[:, None] * DV_P + offs_dv[None, :],
+                      mask=b_ok[:, None], other=0.0)
+        o += tl.sum(o_s * w_b[:, None], 0)
+    o = o / tl.where(denom > 0, denom, 1.0)
     lse = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
     if HAS_SINKS:
         o = o * tl.sigmoid(lse - tl.load(sinks_ptr + head))

@@ -54,16 +54,18 @@ class MLABatch:
 
 def triton_mla(b: MLABatch, tile: str | None = None):
     """TRITON_MLA's absorbed launch on ``b``: this machine's tuning, or with ``tile``
-    (``ROWSxKEYSxWARPSxSTAGES``) replacing its decode tile (the split rule follows it)."""
+    (``ROWSxKEYSxWARPSxSTAGES``, optionally ``xMAX_SPLITSxMIN_KEYS_PER_SPLIT``) replacing its
+    decode tile (and split bounds; the split rule follows them)."""
     from attn_ops.backends.mla.triton_mla import absorbed_triton
     from attn_ops.routing import DeviceFacts, mla_decode_launch
     from attn_ops.tuning import default_tuning
 
     t = default_tuning().mla
     if tile is not None:
-        rows, keys, warps, stages = (int(x) for x in tile.split("x"))
-        t = default_tuning().with_(mla={"decode_rows": rows, "decode_keys": keys,
-                                        "decode_warps": warps, "decode_stages": stages}).mla
+        fields = dict(zip(("decode_rows", "decode_keys", "decode_warps", "decode_stages",
+                           "max_splits", "min_keys_per_split"),
+                          (int(x) for x in tile.split("x"))))
+        t = default_tuning().with_(mla=fields).mla
     launch = mla_decode_launch(b.heads, b.batch, 1, b.ctx,
                                DeviceFacts.of(b.cache.device).num_sms, t)
     return lambda: absorbed_triton(b.ql, b.q_pe, b.cache, b.qsl, b.seq_lens, b.block_table,
@@ -113,8 +115,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--ctxs", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
     parser.add_argument("--tiles", nargs="*", default=[],
-                        help="extra TRITON_MLA tiles ROWSxKEYSxWARPSxSTAGES to time beside the "
-                             "tuned one (a sweep), e.g. 32x64x4x2 64x32x8x2")
+                        help="extra TRITON_MLA tiles ROWSxKEYSxWARPSxSTAGES[xMAX_SPLITSxMIN_KEYS] "
+                             "to time beside the tuned one (a sweep), e.g. 32x64x4x2 "
+                             "64x32x8x2x128x256")
     parser.add_argument("--no-ops", action="store_true", help="kernels only (a sweep)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -136,9 +139,14 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here
                         print(f"flashinfer {backend}: {type(e).__name__}: {e}"[:200])
                 outputs = {}
-                for name in fns:
+                for name in list(fns):
                     if not name.endswith("_op"):
-                        res = fns[name]()
+                        try:
+                            res = fns[name]()
+                        except Exception as e:  # noqa: BLE001 -- a swept tile too big to build
+                            print(f"{name}: {type(e).__name__}: {e}"[:200])
+                            del fns[name]
+                            continue
                         outputs[name] = (res if torch.is_tensor(res) else b.out).float().clone()
                 diff = max(((o - outputs["triton_mla"]).abs().max().item()
                             for o in outputs.values()), default=0.0)

@@ -25,6 +25,7 @@ SPEC = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_d
 NUM_BLOCKS = 64
 PLATFORM = current_platform()
 CPU = Platform(PlatformKind.CPU, "cpu")  # for the fp64 oracle cases, whatever this machine has
+DEVICE = PLATFORM.device_type  # the small cases run where the backends' kernels do
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
@@ -224,7 +225,7 @@ class _Case:
     total: int
 
 
-def _case(spec, reqs, *, padded=0, seed=0, device="cpu", num_blocks=NUM_BLOCKS) -> _Case:
+def _case(spec, reqs, *, padded=0, seed=0, device=DEVICE, num_blocks=NUM_BLOCKS) -> _Case:
     g = torch.Generator().manual_seed(seed)
     rank, rope = spec.kv_lora_rank, spec.qk_rope_head_dim
     w = _weights(spec, g)
@@ -283,8 +284,8 @@ def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0, backend=None):
         absorbed = absorbed and n <= limit
         if spec.kv_cache_dtype.is_fp8:  # what the fp8 cache holds: the absorbed form reads
             # every token from it, the MHA form its context (new tokens as given)
-            s32 = case.kv_scale.double()  # (the float32 scale, as the op sees it)
-            q8 = (stored.float() / case.kv_scale).clamp(-448, 448).to(spec.cache_dtype) \
+            s32 = case.kv_scale.double().cpu()  # (the float32 scale, as the op sees it)
+            q8 = (stored.float() / case.kv_scale.cpu()).clamp(-448, 448).to(spec.cache_dtype) \
                 .double() * s32
             stored = q8 if absorbed else torch.cat([q8[:c], stored[c:]])
         want.append(_dense(spec, case.w, case.q_rows[i], stored[:, :rank], stored[:, rank:], n))
@@ -294,7 +295,7 @@ def _run_scenario(spec, reqs, *, tuning=None, padded=0, seed=0, backend=None):
 
 def _close(ours, want, dtype):
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(ours.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(ours.double().cpu(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("backend", MLA_HERE)
@@ -342,18 +343,20 @@ def _op_args(backend, reqs=SCENARIOS["mixed"]):
     spec = MLA_HERE[backend]
     g = torch.Generator().manual_seed(3)
     layer = MLAAttention(spec, AttentionConfig(backend=backend, tuning=Tuning().with_(
-        mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 1, **SPLITTING})))
+        mla={"context_chunk_tokens": 5, "absorbed_max_query_len": 1, **SPLITTING}))).to(DEVICE)
     layer.load_kv_b_proj(_weights(spec, g).to(spec.dtype))
     alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
     meta = layer.impl.build_metadata(build_batch(alloc, list(range(len(reqs))),
-                                                 [c for c, _ in reqs], [n for _, n in reqs]))
+                                                 [c for c, _ in reqs], [n for _, n in reqs],
+                                                 device=DEVICE))
     t = sum(n for _, n in reqs)
-    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=spec.dtype)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=spec.dtype).to(DEVICE)  # noqa: E731
     cache = rand(NUM_BLOCKS, 4, spec.latent_dim)
     return layer, meta, (rand(t, 4, 24), rand(t, 32), rand(t, 8), cache, layer.w_uk,
                          layer.w_uv, meta.query_start_loc, meta.seq_lens, meta.block_table,
                          meta.plan, meta.mha_lens_cpu, list(meta.chunk_slots),
-                         list(meta.chunk_cu_k), torch.empty(t, 4, 12, dtype=spec.dtype),
+                         list(meta.chunk_cu_k), torch.empty(t, 4, 12, dtype=spec.dtype,
+                                                            device=DEVICE),
                          None, spec.softmax_scale)
 
 
@@ -367,7 +370,7 @@ def _step(layer, reqs=SCENARIOS["mixed"]):
     """(common metadata, the step dict of ``layer``) of the ``_op_args`` batch."""
     alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True)
     common = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs],
-                         [n for _, n in reqs])
+                         [n for _, n in reqs], device=DEVICE)
     return common, build_step_metadata([(layer._metadata_key, layer.impl)], common)
 
 
@@ -539,7 +542,7 @@ def test_flashinfer_mla_graph_plans_cover_the_capture_size_and_zero_its_padding(
 @pytest.mark.parametrize("qlen", [1, 2])
 def test_triton_mla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding(
         qlen, monkeypatch):
-    """The graph path's metadata run eagerly (on the CPU in the interpreter): the launch
+    """The graph path's metadata run eagerly (on a CPU, in the interpreter): the launch
     fixed per capture size from the graphs' longest request, padding requests with no rows
     and no keys, padding rows zero, real rows equal REFERENCE_MLA's."""
     from attn_ops import platforms
@@ -550,15 +553,15 @@ def test_triton_mla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding
     monkeypatch.setattr(platforms, "current_platform", lambda: Platform.parse("cuda:9.0"))
 
     spec = MLA_HERE["TRITON_MLA"]
-    graphs = CUDAGraphBatch((2, 8), 6, 4, "cpu", uniform_query_len=qlen)
+    graphs = CUDAGraphBatch((2, 8), 6, 4, DEVICE, uniform_query_len=qlen)
     tuning = Tuning().with_(mla=SPLITTING)
-    layer = MLAAttention(spec, AttentionConfig(backend="TRITON_MLA", tuning=tuning))
-    oracle = MLAAttention(spec, AttentionConfig(backend="REFERENCE_MLA"))
+    layer = MLAAttention(spec, AttentionConfig(backend="TRITON_MLA", tuning=tuning)).to(DEVICE)
+    oracle = MLAAttention(spec, AttentionConfig(backend="REFERENCE_MLA")).to(DEVICE)
     w = _weights(spec, torch.Generator().manual_seed(0)).to(spec.dtype)
     layer.load_kv_b_proj(w)
     oracle.load_kv_b_proj(w)
     g = torch.Generator().manual_seed(6)
-    cache = torch.randn(60, 4, spec.latent_dim, generator=g).to(spec.dtype)
+    cache = torch.randn(60, 4, spec.latent_dim, generator=g).to(DEVICE, spec.dtype)
     launches = set()
     for n, seq in ((5, [3, 9, 2, 20, 7]), (2, [4, 11]), (7, [2, 24, 5, 5, 13, 8, 3])):
         pages = torch.randperm(59, generator=g) + 1
@@ -567,13 +570,13 @@ def test_triton_mla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding
             count = -(-length // 4)
             tables.append(pages[at:at + count].tolist())
             at += count
-        common = build_common_metadata([qlen] * n, seq, tables, 4, 60)
+        common = build_common_metadata([qlen] * n, seq, tables, 4, 60, device=DEVICE)
         step = build_step_metadata(layer, common, graphs)
         rows = graphs.size_for(n) * qlen
         launches.add((graphs.size_for(n), PLAN.decode(step[layer._metadata_key].plan).decode))
-        q = torch.randn(rows, spec.num_heads, spec.head_dim, generator=g).to(spec.dtype)
-        kv_c = torch.randn(rows, spec.kv_lora_rank, generator=g).to(spec.dtype)
-        k_pe = torch.randn(rows, spec.qk_rope_head_dim, generator=g).to(spec.dtype)
+        q = torch.randn(rows, spec.num_heads, spec.head_dim, generator=g).to(DEVICE, spec.dtype)
+        kv_c = torch.randn(rows, spec.kv_lora_rank, generator=g).to(DEVICE, spec.dtype)
+        k_pe = torch.randn(rows, spec.qk_rope_head_dim, generator=g).to(DEVICE, spec.dtype)
         got = layer(q, kv_c, k_pe, cache.clone(), step)
         want = oracle(q[:n * qlen], kv_c[:n * qlen], k_pe[:n * qlen], cache.clone(), common)
         torch.testing.assert_close(got[:n * qlen], want, atol=2e-5, rtol=2e-5)
@@ -718,10 +721,12 @@ def test_graph_replays_of_random_decode_batches_match_eager(backend, heads, qlen
 @pytest.mark.parametrize("heads,rank,rope,page", [(4, 32, 16, 8), (5, 24, 8, 3), (16, 64, 16, 16)],
                          ids=["pow2", "odd_dims_and_page", "head_blocks"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8_e4m3"])
-def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, rope, page, fp8):
+def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, rope, page, fp8,
+                                                                 monkeypatch):
     """Every split count, query-row and head tile, latents and heads not powers of two, pages
     in random order with NaN in the rows no request owns: TRITON_MLA's kernel (and its split
-    combine) equals REFERENCE_MLA's absorbed form."""
+    combine, also reading the splits two at a time) equals REFERENCE_MLA's absorbed form."""
+    from attn_ops.backends.mla import triton_mla
     from attn_ops.backends.mla.reference import absorbed_torch
     from attn_ops.backends.mla.triton_mla import absorbed_triton
     from attn_ops.routing import MLADecodeLaunch
@@ -750,15 +755,22 @@ def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, ro
     t = int(qsl[-1])
     ql = torch.randn(t, heads, rank, generator=g)
     q_pe = torch.randn(t, heads, rope, generator=g)
-    want = torch.zeros(t, heads, rank)
+    cache, qsl, seq, table, ql, q_pe = (x.to(DEVICE) for x in (cache, qsl, seq, table, ql, q_pe))
+    scale = None if scale is None else scale.to(DEVICE)
+    want = torch.zeros(t, heads, rank, device=DEVICE)
     absorbed_torch(ql, q_pe, cache, qsl, seq, table, want, scale, 0.3)
     for splits in (1, 2, 8):
         for query_rows, head_rows in ((4, 4), (4, 16), (8, 2)):
-            out = torch.full((t, heads, rank), float("nan"))
+            out = torch.full((t, heads, rank), float("nan"), device=DEVICE)
             absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, scale, 0.3,
                             MLADecodeLaunch(splits, query_rows, head_rows, 16, 4, 1))
             torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5,
                                        msg=f"splits={splits} rows={query_rows}x{head_rows}")
+    monkeypatch.setattr(triton_mla, "combine_split_block", lambda splits, width: 2)
+    out = torch.full((t, heads, rank), float("nan"), device=DEVICE)
+    absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, scale, 0.3,
+                    MLADecodeLaunch(8, 4, 4, 16, 4, 1))
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
 def _fa4_varlen_standin(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -22,8 +22,8 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
-from attn_ops.routing import (DeviceFacts, MLADecodeLaunch, mla_decode_launch, pow2,
-                              triton_head_tiles)
+from attn_ops.routing import (DeviceFacts, MLADecodeLaunch, combine_split_block,
+                              mla_decode_launch, pow2, triton_head_tiles)
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["TritonMLABackend", "absorbed_triton"]
@@ -61,7 +61,8 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
             out, dummy, part_o, part_lse, query_start_loc, dummy, kv_scale if fp8 else dummy,
             num_reqs, out.stride(0), out.stride(1), 0,
             HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank, DV_P=rank_p,
-            HAS_SINKS=False, FP8=fp8, WRITE_LSE=False, num_warps=4)
+            HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
+            SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
 
 
 def _check(*args) -> None:
