@@ -288,12 +288,18 @@ def combine_split_block(splits: int, value_width: int) -> int:
 
 
 def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int, t: MLATuning) -> MLADecodeLaunch:
+                      num_sms: int, t: MLATuning, latent_bytes: int = 0,
+                      convert_bytes: int = 0, smem: int = 0) -> MLADecodeLaunch:
     """A program takes ``decode_rows`` (query x head) rows of one request -- all its query
     rows, as many heads as fit, at least 16 rows for the MMA -- and one split of its keys;
     splits (a power of two) bring programs near ``programs_per_sm x SMs``, at least
     ``min_keys_per_split`` keys a split, at most ``max_splits``. The split count falls step
-    by step as the batch grows: no cliff, no kernel switch."""
+    by step as the batch grows: no cliff, no kernel switch. A program of fewer rows takes
+    the narrow warps and stages. With ``smem`` (bytes a block may use), ``latent_bytes`` (a
+    cached row as stored) and ``convert_bytes`` (that row converted for the MMA, when the
+    cache is narrower), the stages, then the keys, shrink until ``stages`` loaded tiles and a
+    converted one fit: a launch that does not fails. The H200's 227 KiB fit 3 stages of 64
+    bf16 rows of 512 + 64."""
     query_rows = pow2(max(1, max_query_len))
     head_rows = min(pow2(heads), max(1, t.decode_rows // query_rows))
     head_rows = max(head_rows, 16 // min(16, query_rows))
@@ -303,8 +309,17 @@ def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len
     splits = 1
     while splits * 2 <= min(want, cap):
         splits *= 2
-    return MLADecodeLaunch(splits, query_rows, head_rows, t.decode_keys, t.decode_warps,
-                           t.decode_stages)
+    narrow = query_rows * head_rows < t.decode_rows
+    warps, stages = (t.narrow_warps, t.narrow_stages) if narrow else (t.decode_warps,
+                                                                       t.decode_stages)
+    keys = t.decode_keys
+    while smem and keys * (stages * latent_bytes + convert_bytes) > smem and \
+            (stages > 1 or keys > 16):
+        if stages > 1:
+            stages -= 1
+        else:
+            keys //= 2
+    return MLADecodeLaunch(splits, query_rows, head_rows, keys, warps, stages)
 
 
 def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Kernel:

@@ -174,14 +174,20 @@ class MLATuning:
     # taken across requests in order (a long request beside short ones does not multiply them).
     context_chunk_tokens: int = 4096
     # TRITON_MLA's absorbed launch (routing.mla_decode_launch): (query x head) rows a program,
-    # latent rows a step, warps, stages; split-KV like TRITON_ATTN's decode.
+    # latent rows a step, warps and stages of a program of decode_rows rows, and of a narrower
+    # one (fewer heads x query rows: a 16-head decode); split-KV like TRITON_ATTN's decode.
+    # H200, 512 + 64 latent, bf16 (docs/tuning.md): 64 rows x 64 keys in 8 warps, 2 stages, is
+    # the fastest of the tiles swept at 128 heads; 16-row programs are fastest in 4 warps, 3
+    # stages (a memory-bound stream).
     decode_rows: int = 64
-    decode_keys: int = 32
+    decode_keys: int = 64
     decode_warps: int = 8
     decode_stages: int = 2
+    narrow_warps: int = 4
+    narrow_stages: int = 3
     programs_per_sm: int = 2
-    max_splits: int = 32
-    min_keys_per_split: int = 512
+    max_splits: int = 128
+    min_keys_per_split: int = 256
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla")

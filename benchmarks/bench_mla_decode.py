@@ -56,18 +56,19 @@ def triton_mla(b: MLABatch, tile: str | None = None):
     """TRITON_MLA's absorbed launch on ``b``: this machine's tuning, or with ``tile``
     (``ROWSxKEYSxWARPSxSTAGES``, optionally ``xMAX_SPLITSxMIN_KEYS_PER_SPLIT``) replacing its
     decode tile (and split bounds; the split rule follows them)."""
-    from attn_ops.backends.mla.triton_mla import absorbed_triton
-    from attn_ops.routing import DeviceFacts, mla_decode_launch
+    from attn_ops import AttentionSpec
+    from attn_ops.backends.mla.triton_mla import absorbed_triton, triton_mla_launch
     from attn_ops.tuning import default_tuning
 
     t = default_tuning().mla
-    if tile is not None:
-        fields = dict(zip(("decode_rows", "decode_keys", "decode_warps", "decode_stages",
-                           "max_splits", "min_keys_per_split"),
-                          (int(x) for x in tile.split("x"))))
-        t = default_tuning().with_(mla=fields).mla
-    launch = mla_decode_launch(b.heads, b.batch, 1, b.ctx,
-                               DeviceFacts.of(b.cache.device).num_sms, t)
+    if tile is not None:  # (its warps and stages for wide and narrow programs alike)
+        rows, keys, warps, stages, *bounds = (int(x) for x in tile.split("x"))
+        t = default_tuning().with_(mla={
+            "decode_rows": rows, "decode_keys": keys, "decode_warps": warps,
+            "decode_stages": stages, "narrow_warps": warps, "narrow_stages": stages,
+            **dict(zip(("max_splits", "min_keys_per_split"), bounds))}).mla
+    spec = AttentionSpec.mla(b.heads, dtype=DTYPE, block_size=b.page)
+    launch = triton_mla_launch(spec, b.batch, 1, b.ctx, b.cache.device, t)
     return lambda: absorbed_triton(b.ql, b.q_pe, b.cache, b.qsl, b.seq_lens, b.block_table,
                                    b.out, None, b.scale, launch)
 

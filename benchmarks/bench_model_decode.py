@@ -186,7 +186,7 @@ def hf_deepseek(cfg, batch, ctx, device):
     """HF's DeepseekV3ForCausalLM with our shapes (dense MLPs, random weights) and a dynamic
     cache holding ``ctx - 1`` random tokens per request (HF caches the up-projected K [192]
     and V [128] of every head)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     hf_cfg = DeepseekV3Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -199,20 +199,32 @@ def hf_deepseek(cfg, batch, ctx, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = DeepseekV3ForCausalLM(hf_cfg).to(cfg.dtype).eval()
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    return model, random_cache(model, batch, ctx - 1, device)
+
+
+def random_cache(model, batch: int, tokens: int, device):
+    """A DynamicCache of ``tokens`` random entries per request, in whatever layout ``model``'s
+    transformers release caches (up-projected K/V per head, or DeepSeek's latent rows): one
+    probe step shows the shapes, then random tensors of that shape fill a fresh cache."""
+    from transformers import DynamicCache
+
+    probe = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
+              past_key_values=probe, use_cache=True)
     cache = DynamicCache()
-    for layer in range(cfg.num_layers):
-        cache.update(torch.randn(batch, cfg.num_heads, ctx - 1, qk, dtype=cfg.dtype,
-                                 device=device),
-                     torch.randn(batch, cfg.num_heads, ctx - 1, cfg.v_head_dim,
-                                 dtype=cfg.dtype, device=device), layer)
-    return model, cache
+    for i, layer in enumerate(probe.layers):
+        k, v = layer.keys, layer.values
+        cache.update(torch.randn(*k.shape[:2], tokens, k.shape[3], dtype=k.dtype, device=device),
+                     torch.randn(*v.shape[:2], tokens, v.shape[3], dtype=v.dtype, device=device),
+                     i)
+    return cache
 
 
 def hf_model(cfg, batch, ctx, device):
     """HF's LlamaForCausalLM with our shapes (random weights) and a dynamic cache holding
     ``ctx - 1`` random tokens per request."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from attn_ops.mla_model import MLAModelConfig
 
@@ -228,12 +240,7 @@ def hf_model(cfg, batch, ctx, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(hf_cfg).to(cfg.dtype).eval()
-    shape = (batch, cfg.num_kv_heads, ctx - 1, cfg.head_dim)
-    cache = DynamicCache()
-    for layer in range(cfg.num_layers):
-        cache.update(torch.randn(shape, dtype=cfg.dtype, device=device),
-                     torch.randn(shape, dtype=cfg.dtype, device=device), layer)
-    return model, cache
+    return model, random_cache(model, batch, ctx - 1, device)
 
 
 def measure_backend(cfg, backend, args, device, manager) -> dict:
@@ -340,7 +347,9 @@ def main() -> None:
         ids = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
 
         def hf_step():
-            cache.crop(args.ctx - 1)
+            extra = cache.get_seq_length() - (args.ctx - 1)  # (drop the last step's token;
+            if extra > 0:  # negative crop: what every transformers release takes)
+                cache.crop(-extra)
             return model(input_ids=ids, past_key_values=cache, use_cache=True)
 
         with torch.no_grad():

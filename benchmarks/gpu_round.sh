@@ -104,7 +104,8 @@ for spec in "$@"; do
         tests/test_cudagraph.py tests/test_backends_matrix.py -k "TRITON or TREE or triton or tree" ;;
     page128) stage page128 "$limit" python benchmarks/bench_triton_attention.py --rounds 1 \
         --page 128 --out "$OUT/bench_triton_attention_page128_h200.json" ;;
-    memcheck) stage memcheck "$limit" compute-sanitizer --tool memcheck python -m pytest -q \
+    memcheck) stage memcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
+        python -m pytest -q \
         -p no:cacheprovider tests/test_triton_attn.py tests/test_tree_attn.py -k \
         "(split_kv and plain) or padding_rows or page_sizes or every_dtype or (ancestors and not fp8)" ;;
     psweep) stage psweep "$limit" python benchmarks/sweep_kernel_configs.py --only prefill \
@@ -121,7 +122,8 @@ for spec in "$@"; do
         -k "${SUITE_K:-not real_size and not gqa_groups}" ;;
     mla) stage mla "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_mla.py
-      stage mla_memcheck "$limit" compute-sanitizer --tool memcheck python -m pytest -q \
+      stage mla_memcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
+        python -m pytest -q \
         -p no:cacheprovider tests/test_mla.py -k "real_sizes and 16" ;;
     mlabench) stage mlabench "$limit" python benchmarks/bench_mla_decode.py ${MLA_ARGS:-} \
         --out "$OUT/bench_mla_decode_h200.json" ;;

@@ -408,6 +408,17 @@ def test_triton_mla_launch_splits_short_batches_and_shrinks_the_split_as_the_bat
     spec_decode = mla_decode_launch(128, 4, 3, 4096, 132, t)
     assert spec_decode.query_rows == 4 and spec_decode.query_rows * spec_decode.heads <= 64
     assert mla_decode_launch(16, 64, 1, 300, 132, t).splits == 1  # short contexts: no split
+    # 16-head programs take the narrow warps / stages; the stages, then the keys, shrink to fit
+    # shared memory (bf16 rows of 512 + 64: 1152 bytes; fp8 ones converted to bf16)
+    narrow = dataclasses.replace(t, narrow_warps=4, narrow_stages=3, decode_keys=64)
+    fit = {smem: mla_decode_launch(16, 8, 1, 4096, 132, narrow, 1152, 0, smem)
+           for smem in (227 << 10, 163 << 10, 99 << 10, 40 << 10)}
+    assert [(la.warps, la.stages, la.keys) for la in fit.values()] == \
+        [(4, 3, 64), (4, 2, 64), (4, 1, 64), (4, 1, 32)]
+    assert mla_decode_launch(16, 8, 1, 4096, 132, narrow, 576, 1152, 227 << 10).stages == 3
+    assert mla_decode_launch(16, 8, 1, 4096, 132, narrow, 576, 1152, 163 << 10).stages == 2
+    wide = mla_decode_launch(128, 8, 1, 4096, 132, t)
+    assert (wide.warps, wide.stages) == (t.decode_warps, t.decode_stages)
 
 
 def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
@@ -465,8 +476,9 @@ class _StandinMLAWrapper:
             score = (torch.einsum("thl,jl->htj", q_nope[q0:q1].double(), c)
                      + torch.einsum("thr,jr->htj", q_pe[q0:q1].double(), pe)) * scale
             if causal:
-                pos = torch.arange(s - (q1 - q0), s)[:, None]
-                score = score.masked_fill(torch.arange(s)[None] > pos, float("-inf"))
+                pos = torch.arange(s - (q1 - q0), s, device=out.device)[:, None]
+                score = score.masked_fill(torch.arange(s, device=out.device)[None] > pos,
+                                          float("-inf"))
             out[q0:q1] = torch.einsum("htj,jl->thl", torch.softmax(score, -1), c).to(out.dtype)
 
 
@@ -935,7 +947,7 @@ def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
     layer, _, args = _op_args(backend)
     q, kv_c, k_pe, cache = args[:4]
     common, step = _step(layer)
-    cos_sin = rope_cache(8, 128, 10000.0)[common.positions].to(q.dtype)
+    cos_sin = rope_cache(8, 128, 10000.0)[common.positions.cpu()].to(q.device, q.dtype)
     eager_cache = cache.clone()
     eager = layer(q, kv_c, k_pe, eager_cache, step, cos_sin)
     seen = {}

@@ -21,12 +21,12 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
                                    Reason)
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
-from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
 from attn_ops.routing import (DeviceFacts, MLADecodeLaunch, combine_split_block,
                               mla_decode_launch, pow2, triton_head_tiles)
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["TritonMLABackend", "absorbed_triton"]
+__all__ = ["TritonMLABackend", "absorbed_triton", "triton_mla_launch"]
 
 def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                     kv_scale, scale, launch: MLADecodeLaunch) -> None:
@@ -63,6 +63,20 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
             HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank, DV_P=rank_p,
             HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
             SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
+
+
+def triton_mla_launch(spec: AttentionSpec, requests: int, max_query_len: int, max_seq_len: int,
+                      device: torch.device, t) -> MLADecodeLaunch:
+    """:func:`routing.mla_decode_launch` for ``spec``'s latent rows on ``device`` (its SMs; on
+    a GPU, its shared memory)."""
+    itemsize = 1 if spec.kv_cache_dtype.is_fp8 else spec.dtype.itemsize
+    rank_p, rope_p = triton_head_tiles(spec.kv_lora_rank, spec.qk_rope_head_dim, itemsize)
+    row = rank_p + rope_p
+    smem = shared_memory_per_block(device) if device.type == "cuda" else 0
+    return mla_decode_launch(spec.num_heads, requests, max_query_len, max_seq_len,
+                             DeviceFacts.of(device).num_sms, t, row * itemsize,
+                             row * spec.dtype.itemsize if itemsize < spec.dtype.itemsize else 0,
+                             smem)
 
 
 def _check(*args) -> None:
@@ -118,8 +132,8 @@ class TritonMLABackend(MLABackend):
 
     def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
                       device: torch.device) -> MLADecodeLaunch:
-        return mla_decode_launch(self.spec.num_heads, requests, max_query_len, max_seq_len,
-                                 DeviceFacts.of(device).num_sms, self.tuning.mla)
+        return triton_mla_launch(self.spec, requests, max_query_len, max_seq_len, device,
+                                 self.tuning.mla)
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
         """The padded common tensors (persistent) and a plan fixed per capture size: every
