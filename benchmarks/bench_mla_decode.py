@@ -73,6 +73,17 @@ def triton_mla(b: MLABatch, tile: str | None = None):
                                    b.out, None, b.scale, launch)
 
 
+def kernel_facts(kernel) -> str:
+    """``regs/spills/shared KiB/mma kind`` of a compiled Triton kernel."""
+    if kernel is None or not hasattr(kernel, "asm"):
+        return "?"
+    ptx = kernel.asm.get("ptx", "")
+    mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "none"
+    shared = getattr(kernel.metadata, "shared", 0) or 0
+    return (f"{getattr(kernel, 'n_regs', '?')}r/{getattr(kernel, 'n_spills', '?')}s/"
+            f"{shared >> 10}K/{mma}")
+
+
 def mla_op(b: MLABatch, backend: str):
     """``backend``'s whole op on a decode step of ``b`` (random W_UK / W_UV, q of width
     nope + rope), metadata (and any plan) built before timing."""
@@ -149,12 +160,17 @@ def main() -> None:
                             del fns[name]
                             continue
                         outputs[name] = (res if torch.is_tensor(res) else b.out).float().clone()
+                # what Triton built for each TRITON_MLA launch: registers a thread, spills,
+                # shared memory, whether the MMAs are Hopper's warpgroup MMAs
+                built = {name: kernel_facts(fns[name]()) for name in fns
+                         if name.startswith("triton_mla") and not name.endswith("_op")}
                 diff = max(((o - outputs["triton_mla"]).abs().max().item()
                             for o in outputs.values()), default=0.0)
                 ms = time_graph(fns, args.rounds)
                 flops = batch * heads * ctx * 2 * (RANK + ROPE + RANK)
                 nbytes = batch * ctx * (RANK + ROPE) * 2
                 row = {"heads": heads, "batch": batch, "ctx": ctx, "max_abs_diff": diff,
+                       **{f"{k}_built": v for k, v in built.items()},
                        **{f"{k}_ms": v for k, v in ms.items()},
                        **{f"{k}_tflops": flops / v / 1e9 for k, v in ms.items()},
                        **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}}
@@ -162,6 +178,7 @@ def main() -> None:
                 print(f"H={heads:<4} B={batch:<4} ctx={ctx:<6} " + "  ".join(
                     f"{k} {flops / v / 1e9:6.1f} TF {nbytes / v / 1e9:5.2f} TB/s"
                     for k, v in ms.items()) + f" (max diff {diff:.3g})")
+                print("    built: " + "  ".join(f"{k} {v}" for k, v in built.items()))
                 write_result("bench_mla_decode", args.out, quiet=True, page=args.page,
                              rows=rows, complete=False)
                 del b, fns, outputs

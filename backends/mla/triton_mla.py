@@ -29,8 +29,10 @@ from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 __all__ = ["TritonMLABackend", "absorbed_triton", "triton_mla_launch"]
 
 def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
-                    kv_scale, scale, launch: MLADecodeLaunch) -> None:
-    """The absorbed form in ``launch``: latent outputs ``out`` [rows, heads, rank]."""
+                    kv_scale, scale, launch: MLADecodeLaunch):
+    """The absorbed form in ``launch``: latent outputs ``out`` [rows, heads, rank]. Returns
+    the compiled decode kernel Triton launched (its registers, spills and shared memory, for
+    the benchmarks; None in the interpreter)."""
     from attn_ops.backends.mla.triton_mla_kernels import mla_decode_kernel
     from attn_ops.backends.triton_attn_kernels import combine_splits_kernel
 
@@ -46,7 +48,7 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
         part_o = torch.empty(rows, heads, splits, rank_p, dtype=torch.float32, device=ql.device)
         part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=ql.device)
     grid = (num_reqs, -(-heads // launch.heads), splits)
-    mla_decode_kernel[grid](
+    kernel = mla_decode_kernel[grid](
         ql, q_pe, latent_cache, out, part_o, part_lse, query_start_loc, seq_lens, block_table,
         kv_scale if fp8 else dummy, num_reqs, scale,
         ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
@@ -63,6 +65,7 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
             HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank, DV_P=rank_p,
             HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
             SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
+    return kernel
 
 
 def triton_mla_launch(spec: AttentionSpec, requests: int, max_query_len: int, max_seq_len: int,
