@@ -277,6 +277,7 @@ class MLADecodeLaunch(NamedTuple):
     keys: int
     warps: int
     stages: int
+    value_parts: int = 1
 
 
 def combine_split_block(splits: int, value_width: int) -> int:
@@ -289,7 +290,8 @@ def combine_split_block(splits: int, value_width: int) -> int:
 
 def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len: int,
                       num_sms: int, t: MLATuning, latent_bytes: int = 0,
-                      convert_bytes: int = 0, smem: int = 0) -> MLADecodeLaunch:
+                      convert_bytes: int = 0, smem: int = 0,
+                      rank_p: int = 0) -> MLADecodeLaunch:
     """A program takes ``decode_rows`` (query x head) rows of one request -- all its query
     rows, as many heads as fit, at least 16 rows for the MMA -- and one split of its keys;
     splits (a power of two) bring programs near ``programs_per_sm x SMs``, at least
@@ -299,11 +301,15 @@ def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len
     cached row as stored) and ``convert_bytes`` (that row converted for the MMA, when the
     cache is narrower), the stages, then the keys, shrink until ``stages`` loaded tiles and a
     converted one fit: a launch that does not fails. The H200's 227 KiB fit 3 stages of 64
-    bf16 rows of 512 + 64."""
+    bf16 rows of 512 + 64. ``value_parts`` 2 halves each program's value columns (latent
+    tiles ``rank_p`` >= 32 wide: halves of at least the MMA's 16)."""
+    if t.value_parts not in (1, 2):
+        raise ValueError(f"Tuning.mla.value_parts={t.value_parts} must be 1 or 2")
+    parts = 2 if t.value_parts == 2 and rank_p >= 32 else 1
     query_rows = pow2(max(1, max_query_len))
     head_rows = min(pow2(heads), max(1, t.decode_rows // query_rows))
     head_rows = max(head_rows, 16 // min(16, query_rows))
-    items = max(1, requests) * -(-heads // head_rows)
+    items = max(1, requests) * -(-heads // head_rows) * parts
     want = max(1, t.programs_per_sm * num_sms // items)
     cap = max(1, min(t.max_splits, max_seq_len // t.min_keys_per_split))
     splits = 1
@@ -319,7 +325,7 @@ def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len
             stages -= 1
         else:
             keys //= 2
-    return MLADecodeLaunch(splits, query_rows, head_rows, keys, warps, stages)
+    return MLADecodeLaunch(splits, query_rows, head_rows, keys, warps, stages, parts)
 
 
 def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Kernel:

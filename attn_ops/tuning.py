@@ -188,6 +188,9 @@ class MLATuning:
     programs_per_sm: int = 2
     max_splits: int = 128
     min_keys_per_split: int = 256
+    # 2: two programs per head block, each accumulating half the value columns (both compute
+    # the whole score). Unmeasured; to be swept against the accumulator's register pressure.
+    value_parts: int = 1
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla")

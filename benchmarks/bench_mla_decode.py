@@ -54,8 +54,8 @@ class MLABatch:
 
 def triton_mla(b: MLABatch, tile: str | None = None):
     """TRITON_MLA's absorbed launch on ``b``: this machine's tuning, or with ``tile``
-    (``ROWSxKEYSxWARPSxSTAGES``, optionally ``xMAX_SPLITSxMIN_KEYS_PER_SPLIT``) replacing its
-    decode tile (and split bounds; the split rule follows them)."""
+    (``ROWSxKEYSxWARPSxSTAGES``, optionally ``xMAX_SPLITSxMIN_KEYS_PER_SPLIT[xVALUE_PARTS]``)
+    replacing its decode tile (and split bounds, value parts; the split rule follows them)."""
     from attn_ops import AttentionSpec
     from attn_ops.backends.mla.triton_mla import absorbed_triton, triton_mla_launch
     from attn_ops.tuning import default_tuning
@@ -66,7 +66,7 @@ def triton_mla(b: MLABatch, tile: str | None = None):
         t = default_tuning().with_(mla={
             "decode_rows": rows, "decode_keys": keys, "decode_warps": warps,
             "decode_stages": stages, "narrow_warps": warps, "narrow_stages": stages,
-            **dict(zip(("max_splits", "min_keys_per_split"), bounds))}).mla
+            **dict(zip(("max_splits", "min_keys_per_split", "value_parts"), bounds))}).mla
     spec = AttentionSpec.mla(b.heads, dtype=DTYPE, block_size=b.page)
     launch = triton_mla_launch(spec, b.batch, 1, b.ctx, b.cache.device, t)
     return lambda: absorbed_triton(b.ql, b.q_pe, b.cache, b.qsl, b.seq_lens, b.block_table,
@@ -127,9 +127,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--ctxs", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
     parser.add_argument("--tiles", nargs="*", default=[],
-                        help="extra TRITON_MLA tiles ROWSxKEYSxWARPSxSTAGES[xMAX_SPLITSxMIN_KEYS] "
-                             "to time beside the tuned one (a sweep), e.g. 32x64x4x2 "
-                             "64x32x8x2x128x256")
+                        help="extra TRITON_MLA tiles ROWSxKEYSxWARPSxSTAGES[xMAX_SPLITSxMIN_KEYS"
+                             "[xVALUE_PARTS]] to time beside the tuned one (a sweep), e.g. "
+                             "32x64x4x2 64x32x8x2x128x256 64x64x8x2x128x256x2")
     parser.add_argument("--no-ops", action="store_true", help="kernels only (a sweep)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)

@@ -419,6 +419,15 @@ def test_triton_mla_launch_splits_short_batches_and_shrinks_the_split_as_the_bat
     assert mla_decode_launch(16, 8, 1, 4096, 132, narrow, 576, 1152, 163 << 10).stages == 2
     wide = mla_decode_launch(128, 8, 1, 4096, 132, t)
     assert (wide.warps, wide.stages) == (t.decode_warps, t.decode_stages)
+    # two value parts double the programs a split count is judged by; tiles under 32 wide
+    # cannot be halved for the MMA
+    halves = dataclasses.replace(t, value_parts=2)
+    assert mla_decode_launch(128, 2, 1, 32768, 132, halves, rank_p=512).value_parts == 2
+    assert mla_decode_launch(128, 2, 1, 32768, 132, halves, rank_p=512).splits * 2 == \
+        mla_decode_launch(128, 2, 1, 32768, 132, t, rank_p=512).splits
+    assert mla_decode_launch(4, 2, 1, 64, 132, halves, rank_p=16).value_parts == 1
+    with pytest.raises(ValueError, match="value_parts=3 must be 1 or 2"):
+        mla_decode_launch(4, 2, 1, 64, 132, dataclasses.replace(t, value_parts=3))
 
 
 def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
@@ -772,12 +781,13 @@ def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, ro
     want = torch.zeros(t, heads, rank, device=DEVICE)
     absorbed_torch(ql, q_pe, cache, qsl, seq, table, want, scale, 0.3)
     for splits in (1, 2, 8):
-        for query_rows, head_rows in ((4, 4), (4, 16), (8, 2)):
+        for query_rows, head_rows, parts in ((4, 4, 1), (4, 16, 1), (8, 2, 1), (4, 4, 2)):
             out = torch.full((t, heads, rank), float("nan"), device=DEVICE)
             absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, scale, 0.3,
-                            MLADecodeLaunch(splits, query_rows, head_rows, 16, 4, 1))
-            torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5,
-                                       msg=f"splits={splits} rows={query_rows}x{head_rows}")
+                            MLADecodeLaunch(splits, query_rows, head_rows, 16, 4, 1, parts))
+            torch.testing.assert_close(
+                out, want, atol=2e-5, rtol=2e-5,
+                msg=f"splits={splits} rows={query_rows}x{head_rows} value parts={parts}")
     monkeypatch.setattr(triton_mla, "combine_split_block", lambda splits, width: 2)
     out = torch.full((t, heads, rank), float("nan"), device=DEVICE)
     absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, scale, 0.3,

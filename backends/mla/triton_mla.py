@@ -47,7 +47,7 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
     if splits > 1:
         part_o = torch.empty(rows, heads, splits, rank_p, dtype=torch.float32, device=ql.device)
         part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=ql.device)
-    grid = (num_reqs, -(-heads // launch.heads), splits)
+    grid = (num_reqs, -(-heads // launch.heads) * launch.value_parts, splits)
     kernel = mla_decode_kernel[grid](
         ql, q_pe, latent_cache, out, part_o, part_lse, query_start_loc, seq_lens, block_table,
         kv_scale if fp8 else dummy, num_reqs, scale,
@@ -57,6 +57,7 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
         ROPE=rope, ROPE_P=rope_p, PAGE=latent_cache.shape[1], BLOCK_N=launch.keys,
         NUM_SPLITS=splits, FP8=fp8,
         PRECISION="ieee" if ql.dtype == torch.float32 else "tf32",
+        VALUE_PARTS=launch.value_parts,
         num_warps=launch.warps, num_stages=launch.stages)
     if splits > 1:
         combine_splits_kernel[(rows, heads)](
@@ -79,7 +80,7 @@ def triton_mla_launch(spec: AttentionSpec, requests: int, max_query_len: int, ma
     return mla_decode_launch(spec.num_heads, requests, max_query_len, max_seq_len,
                              DeviceFacts.of(device).num_sms, t, row * itemsize,
                              row * spec.dtype.itemsize if itemsize < spec.dtype.itemsize else 0,
-                             smem)
+                             smem, rank_p)
 
 
 def _check(*args) -> None:

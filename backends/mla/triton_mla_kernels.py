@@ -19,6 +19,11 @@ With one split a program writes its rows' latent output; with more it writes fp3
 (``combine_splits_kernel``) merges. Splits of a request cover ``ceil(s / splits)`` keys each
 (rounded up to ``BLOCK_N``); an empty split writes LSE -inf. Programs past a request's rows or
 heads return: a CUDA graph launches the grid of its capture size.
+
+``VALUE_PARTS = 2`` gives each (head block, split) two programs, one per half of the value
+columns: both compute the whole score (the other half's columns enter ``s`` only) and each
+accumulates its half, ``[M, RANK_P / 2]`` -- half the accumulator registers and twice the
+programs, for twice the score MMAs.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ def mla_decode_kernel(
     H: tl.constexpr, HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
     RANK: tl.constexpr, RANK_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, VALUE_PARTS: tl.constexpr,
 ):
     req = tl.program_id(0)
-    head_block = tl.program_id(1)
+    head_block = tl.program_id(1) // VALUE_PARTS
     split = tl.program_id(2)
     if req >= num_reqs:
         return
@@ -57,13 +62,21 @@ def mla_decode_kernel(
     h = head_block * HEADS + offs_m % HEADS
     row_ok = (t < n) & (h < H)
     pos = seq - n + t
-    offs_r = tl.arange(0, RANK_P)
+    # this program's value columns ("mine": all of them, or one half) and, with two parts, the
+    # other half, which only enters the scores
+    VW: tl.constexpr = RANK_P // VALUE_PARTS
+    mine = (tl.program_id(1) % VALUE_PARTS) * VW
+    offs_r = mine + tl.arange(0, VW)
     offs_p = tl.arange(0, ROPE_P)
     r_ok = offs_r < RANK
     p_ok = offs_p < ROPE
     row = (q0 + t).to(tl.int64)
-    ql = tl.load(ql_ptr + row[:, None] * stride_lt + h[:, None] * stride_lh + offs_r[None, :],
-                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    q_rows = ql_ptr + row[:, None] * stride_lt + h[:, None] * stride_lh
+    ql = tl.load(q_rows + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    if VALUE_PARTS == 2:
+        offs_o = (VW - mine) + tl.arange(0, VW)
+        o_ok = offs_o < RANK
+        ql_o = tl.load(q_rows + offs_o[None, :], mask=row_ok[:, None] & o_ok[None, :], other=0.0)
     qpe = tl.load(qpe_ptr + row[:, None] * stride_pt + h[:, None] * stride_ph + offs_p[None, :],
                   mask=row_ok[:, None] & p_ok[None, :], other=0.0)
     qk_scale = sm_scale * LOG2E
@@ -75,7 +88,7 @@ def mla_decode_kernel(
     hi = tl.minimum(seq, lo + per_split)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, RANK_P], tl.float32)
+    acc = tl.zeros([M, VW], tl.float32)
     table = block_table_ptr + req.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -87,6 +100,10 @@ def mla_decode_kernel(
         kpe = tl.load(rows[:, None] + RANK + offs_p[None, :],
                       mask=n_ok[:, None] & p_ok[None, :], other=0.0).to(qpe.dtype)
         s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
+        if VALUE_PARTS == 2:
+            c_o = tl.load(rows[:, None] + offs_o[None, :], mask=n_ok[:, None] & o_ok[None, :],
+                          other=0.0).to(ql.dtype)
+            s = tl.dot(ql_o, tl.trans(c_o), s, input_precision=PRECISION)
         s = tl.dot(qpe, tl.trans(kpe), s, input_precision=PRECISION)
         visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -109,4 +126,4 @@ def mla_decode_kernel(
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
         tl.store(part_o_ptr + part[:, None] * RANK_P + offs_r[None, :], o,
                  mask=row_ok[:, None])
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok & (offs_m * 0 + mine == 0))
