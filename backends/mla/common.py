@@ -240,11 +240,16 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     na, nat, nt = p.num_absorbed, p.num_absorbed_tokens, p.num_tokens
     out[nt:].zero_()
     if nat:
-        ql = torch.einsum("thn,hnl->thl", q[:nat, :, :nope], w_uk)
+        # the absorption as per-head GEMMs over strided [t, h, .] views (no permuting copies)
+        ql = q.new_empty(nat, heads, rank)
+        torch.bmm(q[:nat, :, :nope].transpose(0, 1), w_uk, out=ql.transpose(0, 1))
         latent_out = ql.new_zeros(nat, heads, rank)  # (graph padding rows: no kernel writes them)
         absorbed(ql, q[:nat, :, nope:], latent_cache, query_start_loc[:na + 1], seq_lens[:na],
                  block_table[:na], latent_out, kv_scale, scale, p)
-        out[:nat] = torch.einsum("thl,hlv->thv", latent_out, w_uv).to(out.dtype)
+        if out.dtype == latent_out.dtype:
+            torch.bmm(latent_out.transpose(0, 1), w_uv, out=out[:nat].transpose(0, 1))
+        else:
+            out[:nat] = torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1)
     if nt == nat:
         return
     if mha is None:
