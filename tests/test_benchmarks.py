@@ -22,3 +22,21 @@ def test_benchmark_quick_run_writes_json(script, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["torch"] and result["commit"]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for pattern in ("bench_*.py", "profile_*.py",
+                                                                  "sweep_*.py")
+                                          for p in BENCHMARKS.glob(pattern)))
+def test_every_benchmark_parses_its_flags(script, monkeypatch, capsys):
+    """Every script, the GPU-only ones included, imports and answers --help here (a GPU round
+    must not be where a broken script shows)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    spec = importlib.util.spec_from_file_location(script[:-3], BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0 and "usage" in capsys.readouterr().out
