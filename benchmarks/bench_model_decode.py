@@ -184,8 +184,7 @@ def top_kernels(fn, n=10) -> list:
 
 def hf_deepseek(cfg, batch, ctx, device):
     """HF's DeepseekV3ForCausalLM with our shapes (dense MLPs, random weights) and a dynamic
-    cache holding ``ctx - 1`` random tokens per request (HF caches the up-projected K [192]
-    and V [128] of every head)."""
+    cache holding ``ctx - 1`` random tokens per request (:func:`random_cache`)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     hf_cfg = DeepseekV3Config(
