@@ -93,7 +93,10 @@ def mla_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        if PAGE % BLOCK_N == 0:  # (steps start at multiples of BLOCK_N: one page per step)
+            page = tl.load(table + start // PAGE).to(tl.int64)
+        else:
+            page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         rows = cache_ptr + page * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cp
         c = tl.load(rows[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                     other=0.0).to(ql.dtype)
