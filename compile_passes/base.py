@@ -172,6 +172,19 @@ def insert_call(graph: Graph, before: Node, target, args: tuple, kwargs: dict) -
     return node
 
 
+def retire_write(graph: Graph, write: Node, fused: Node, cache: str) -> None:
+    """Erase functionalized cache write ``write``, which ``fused`` (functionalized too) does
+    now: readers of the written ``cache`` read ``fused``'s new value of it instead, and the
+    write's unread getitem (of its empty result) goes with it."""
+    written = mutated_value(write, cache)
+    if written is not None:
+        written.replace_all_uses_with(getitem(graph, fused, mutated_index(fused, cache)))
+        graph.erase_node(written)
+    for user in list(write.users):
+        graph.erase_node(user)
+    graph.erase_node(write)
+
+
 def getitem(graph: Graph, source: Node, index: int) -> Node:
     """``source[index]`` right after ``source``, with its fake value."""
     with graph.inserting_after(source):

@@ -18,8 +18,8 @@ from torch.fx import Graph, Node
 from attn_ops.backends.mla.common import mla_cache_update
 from attn_ops.backends.mla.rope import mla_rope, mla_rope_cache_update
 from attn_ops.compile_passes.base import (AttnGraphPass, functionalized_op, getitem, inputs_of,
-                                          insert_call, is_call, mutated_index, mutated_value,
-                                          position)
+                                          insert_call, is_call, mutated_value, position,
+                                          retire_write)
 
 __all__ = ["MLARopeCacheFusion", "MLARopeMatch"]
 
@@ -79,14 +79,7 @@ class MLARopeCacheFusion(AttnGraphPass):
                   **rest}  # the cache: v1 passes it by name, v2 as a base index + bases
         at = min(_readers(m.write, m.rope), key=order.get)
         fused = insert_call(graph, at, m.write.target, (mla_rope_cache_update,), kwargs)
-        written = mutated_value(m.write, "latent_cache")
-        if written is not None:
-            written.replace_all_uses_with(
-                getitem(graph, fused, mutated_index(fused, "latent_cache")))
-            graph.erase_node(written)
-        for user in list(m.write.users):  # (an unread getitem of the write's empty result)
-            graph.erase_node(user)
-        graph.erase_node(m.write)
+        retire_write(graph, m.write, fused, "latent_cache")
         for index, old in _outputs(m.rope).items():
             old.replace_all_uses_with(getitem(graph, fused, index))
             graph.erase_node(old)

@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 from attn_ops.glue import rope, rope_kv_cache_update
 from attn_ops.kv_cache import kv_cache_update
 from attn_ops.compile_passes.base import (AttnGraphPass, functionalized_op, getitem, inputs_of,
-                                 insert_call, is_call, mutated_index, mutated_value, position)
+                                 insert_call, is_call, mutated_value, position, retire_write)
 
 __all__ = ["RopeKVCacheFusion", "RopeKVMatch"]
 
@@ -76,12 +76,7 @@ class RopeKVCacheFusion(AttnGraphPass):
                   **rest}  # the cache: v1 passes it by name, v2 as a base index + bases
         at = _first_reader(m.write, m.query_rope, order)
         fused = insert_call(graph, at, m.write.target, (rope_kv_cache_update,), kwargs)
-        written = mutated_value(m.write, "kv_cache")
-        if written is not None:
-            written.replace_all_uses_with(getitem(graph, fused, mutated_index(fused, "kv_cache")))
-            graph.erase_node(written)
+        retire_write(graph, m.write, fused, "kv_cache")
         m.query_rope.replace_all_uses_with(getitem(graph, fused, 0))
-        for user in list(m.write.users):  # (an unread getitem of the op's empty result)
-            graph.erase_node(user)
-        for node in (m.write, m.key_rope, m.query_rope):
+        for node in (m.key_rope, m.query_rope):
             graph.erase_node(node)
