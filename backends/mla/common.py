@@ -42,7 +42,7 @@ from attn_ops.spec import AttentionSpec
 __all__ = [
     "MLA_SCHEMA", "MLABackend", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
     "check_mla_inputs", "chunk_tables", "context_chunks",
-    "merge_attn_states", "mla_cache_update", "run_mla",
+    "define_mla_op", "merge_attn_states", "mla_cache_update", "run_mla",
 ]
 
 
@@ -351,6 +351,17 @@ def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, s
     if len(chunk_slots) != len(chunk_cu_k):
         raise ValueError(f"chunk_slots and chunk_cu_k need one tensor per context chunk each, "
                          f"got {len(chunk_slots)} and {len(chunk_cu_k)}")
+
+
+def define_mla_op(name: str, absorbed: AbsorbedKernel, *, mha: MHAKernel | None = None,
+                  check: Callable[..., None] = check_mla_inputs, tags=()):
+    """A backend's MLA op (:data:`MLA_SCHEMA`): ``check`` its inputs, then :func:`run_mla`
+    with its kernels; the fake runs the check alone."""
+    def impl(*args) -> None:
+        check(*args)
+        run_mla(*args, absorbed=absorbed, mha=mha)
+
+    return define_op(name, MLA_SCHEMA, impl, lambda *args: check(*args), tags=tags)
 
 
 class MLABackend(AttentionBackend):

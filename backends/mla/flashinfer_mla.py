@@ -23,14 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attn_ops.backends.mla.common import (MLA_SCHEMA, PLAN, MLABackend, MLAMetadata, MLAPlan,
-                                          check_mla_inputs, run_mla)
+from attn_ops.backends.mla.common import (PLAN, MLABackend, MLAMetadata, MLAPlan,
+                                          define_mla_op)
 from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
 from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    Reason)
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import define_op
 from attn_ops.platforms import PlatformKind
 from attn_ops.routing import Kernel, flashinfer_mla_kernel
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
@@ -72,13 +71,7 @@ def absorbed_flashinfer(ql, q_pe, latent_cache, query_start_loc, seq_lens, block
         out.masked_fill_(padding[:, None, None], 0.0)  # (what the kernel left there: anything)
 
 
-def _flashinfer_mla(*args) -> None:
-    check_mla_inputs(*args)
-    run_mla(*args, absorbed=absorbed_flashinfer)
-
-
-flashinfer_mla_attention = define_op("flashinfer_mla_attention", MLA_SCHEMA, _flashinfer_mla,
-                                     lambda *args: check_mla_inputs(*args))
+flashinfer_mla_attention = define_mla_op("flashinfer_mla_attention", absorbed_flashinfer)
 
 
 class FlashInferMLABackend(MLABackend):

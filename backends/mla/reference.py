@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.mla.common import (MLA_SCHEMA, MLABackend, check_mla_inputs,
-                                          run_mla)
+from attn_ops.backends.mla.common import MLABackend, define_mla_op
 from attn_ops.backends.reference import UNCAPTURABLE, dequantize
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.kv_cache import gather_tokens
-from attn_ops.ops import define_op
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import Feature, KVCacheDType
 
@@ -77,13 +75,8 @@ def mha_torch(q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, out, lse, scale, causal
         lse[q0:q1] = row_lse.transpose(0, 1).to(lse.dtype)
 
 
-def _reference_mla(*args) -> None:
-    check_mla_inputs(*args)
-    run_mla(*args, absorbed=absorbed_torch, mha=mha_torch)
-
-
-reference_mla_attention = define_op("reference_mla_attention", MLA_SCHEMA, _reference_mla,
-                                    lambda *args: check_mla_inputs(*args), tags=UNCAPTURABLE)
+reference_mla_attention = define_mla_op("reference_mla_attention", absorbed_torch,
+                                        mha=mha_torch, tags=UNCAPTURABLE)
 
 
 class ReferenceMLABackend(MLABackend):

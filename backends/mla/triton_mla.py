@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.mla.common import (MLA_SCHEMA, PLAN, MLABackend, MLAMetadata, MLAPlan,
-                                          check_mla_inputs, run_mla)
+from attn_ops.backends.mla.common import (PLAN, MLABackend, MLAMetadata, MLAPlan,
+                                          check_mla_inputs, define_mla_op)
 from attn_ops.backends.triton_attn import TritonAttnBackend, interpreter_reasons
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    Reason)
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
 from attn_ops.routing import (DeviceFacts, MLADecodeLaunch, combine_split_block,
                               mla_decode_launch, pow2, triton_head_tiles)
@@ -98,13 +97,7 @@ def _absorbed(*args) -> None:
     absorbed_triton(*args[:-1], args[-1].decode)
 
 
-def _triton_mla(*args) -> None:
-    _check(*args)
-    run_mla(*args, absorbed=_absorbed)
-
-
-triton_mla_attention = define_op("triton_mla_attention", MLA_SCHEMA, _triton_mla,
-                                 lambda *args: _check(*args))
+triton_mla_attention = define_mla_op("triton_mla_attention", _absorbed, check=_check)
 
 
 class TritonMLABackend(MLABackend):
