@@ -742,12 +742,10 @@ def test_graph_replays_of_random_decode_batches_match_eager(backend, heads, qlen
 @pytest.mark.parametrize("heads,rank,rope,page", [(4, 32, 16, 8), (5, 24, 8, 3), (16, 64, 16, 16)],
                          ids=["pow2", "odd_dims_and_page", "head_blocks"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8_e4m3"])
-def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, rope, page, fp8,
-                                                                 monkeypatch):
+def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, rope, page, fp8):
     """Every split count, query-row and head tile, latents and heads not powers of two, pages
     in random order with NaN in the rows no request owns: TRITON_MLA's kernel (and its split
-    combine, also reading the splits two at a time) equals REFERENCE_MLA's absorbed form."""
-    from attn_ops.backends.mla import triton_mla
+    combine) equals REFERENCE_MLA's absorbed form."""
     from attn_ops.backends.mla.reference import absorbed_torch
     from attn_ops.backends.mla.triton_mla import absorbed_triton
     from attn_ops.routing import MLADecodeLaunch
@@ -788,10 +786,35 @@ def test_triton_mla_kernel_matches_the_reference_in_every_launch(heads, rank, ro
             torch.testing.assert_close(
                 out, want, atol=2e-5, rtol=2e-5,
                 msg=f"splits={splits} rows={query_rows}x{head_rows} value parts={parts}")
-    monkeypatch.setattr(triton_mla, "combine_split_block", lambda splits, width: 2)
-    out = torch.full((t, heads, rank), float("nan"), device=DEVICE)
-    absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, scale, 0.3,
-                    MLADecodeLaunch(8, 4, 4, 16, 4, 1))
+
+
+@pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="TRITON_MLA does not run here")
+def test_triton_mla_combines_wide_splits_a_block_at_a_time():
+    """DeepSeek's 512-wide latent over 32 splits: the split combine reads the partials in
+    blocks (``routing.combine_split_block``: 8 splits of 512 at a time) and still equals
+    REFERENCE_MLA's absorbed form."""
+    from attn_ops.backends.mla.reference import absorbed_torch
+    from attn_ops.backends.mla.triton_mla import absorbed_triton
+    from attn_ops.routing import MLADecodeLaunch, combine_split_block
+
+    rank, rope, page, lens = 512, 64, 16, [70, 9]
+    assert combine_split_block(32, rank) < 32  # (the blocked path is what runs)
+    g = torch.Generator().manual_seed(0)
+    pages = [-(-n // page) for n in lens]
+    cache = torch.randn(sum(pages), page, rank + rope, generator=g)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    for i, start in enumerate((0, pages[0])):
+        table[i, :pages[i]] = torch.arange(start, start + pages[i])
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    ql = torch.randn(len(lens), 2, rank, generator=g)
+    q_pe = torch.randn(len(lens), 2, rope, generator=g)
+    cache, qsl, seq, table, ql, q_pe = (x.to(DEVICE) for x in (cache, qsl, seq, table, ql, q_pe))
+    want = torch.zeros(len(lens), 2, rank, device=DEVICE)
+    absorbed_torch(ql, q_pe, cache, qsl, seq, table, want, None, 0.05)
+    out = torch.full_like(want, float("nan"))
+    absorbed_triton(ql, q_pe, cache, qsl, seq, table, out, None, 0.05,
+                    MLADecodeLaunch(32, 1, 16, 16, 4, 1))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
