@@ -28,6 +28,7 @@
 #            at most its page: 16 keys at page 16), JSON bench_triton_attention_page128_h200.json
 #   kvwrite  benchmarks/bench_kv_write.py (the cost of clearing entered pages' tails)
 #   ops      tests/test_ops.py (opcheck of every op on the GPU)
+#   tattn    tests/test_triton_attn.py alone (TRITON_ATTN's kernels, the split combine included)
 #   memcheck compute-sanitizer memcheck over a subset of the TRITON_ATTN / TREE_ATTN tests
 # A round with FA4 on a fresh machine is two calls (the 64 MiB carry limit): the first carries
 # .gpu/bootstrap.sh, .gpu/site.tar.xz and .gpu-fa4-a and only sources bootstrap.sh -- importing
@@ -96,6 +97,8 @@ for spec in "$@"; do
     triton) stage triton "$limit" python benchmarks/bench_triton_attention.py --rounds 1 ;;
     kvwrite) stage kvwrite "$limit" python benchmarks/bench_kv_write.py \
         --out "$OUT/bench_kv_write_h200.json" ;;
+    tattn) stage tattn "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_triton_attn.py ;;
     ops) stage ops "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE tests/test_ops.py ;;
     builder) stage builder "$limit" python benchmarks/profile_builder.py ;;
     eager) stage eager "$limit" python benchmarks/profile_eager_op.py ;;
