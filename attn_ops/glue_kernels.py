@@ -30,9 +30,10 @@ from attn_ops.kv_cache import FP8_MAX, split_kv_cache
 
 @triton.jit
 def _rotate(ptr, stride_h, offs_h, offs_d, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half of the rows at ``ptr`` in ``cos``'s precision."""
     x1 = tl.load(ptr + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask, other=0.0)
     x2 = tl.load(ptr + offs_h[:, None] * stride_h + HALF + offs_d[None, :], mask=mask, other=0.0)
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    x1, x2 = x1.to(cos.dtype), x2.to(cos.dtype)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
@@ -111,7 +112,7 @@ def kv_write_kernel(
         HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_HKV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
-        FK: tl.constexpr, FV: tl.constexpr):
+        FK: tl.constexpr, FV: tl.constexpr, ACC: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // block_size
@@ -164,7 +165,7 @@ def rope_kv_write_kernel(
         BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NOPE: tl.constexpr,
         HAS_SLOTS: tl.constexpr, KEY_OUT: tl.constexpr, FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
-        FK: tl.constexpr, FV: tl.constexpr):
+        FK: tl.constexpr, FV: tl.constexpr, ACC: tl.constexpr):
     t = tl.program_id(0)
     first_column = tl.program_id(1) == 0
     if HAS_SLOTS:
@@ -205,7 +206,7 @@ def rope_kv_write_kernel(
                         stride_vt, stride_vh, stride_cs, stride_ot, stride_oh, stride_kot,
                         stride_koh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
                         stride_vch, HQ, HKV, HALF, DV, NOPE, BLOCK_HQ, BLOCK_HKV, BLOCK_HALF,
-                        BLOCK_DV, BLOCK_NOPE, KEY_OUT, FP8, FP8_LIMIT)
+                        BLOCK_DV, BLOCK_NOPE, KEY_OUT, FP8, FP8_LIMIT, ACC)
 
 
 @triton.jit
@@ -216,15 +217,16 @@ def _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr,
                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DV: tl.constexpr,
                     NOPE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NOPE: tl.constexpr,
-                    KEY_OUT: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+                    KEY_OUT: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                    ACC: tl.constexpr):
     """Token ``t``'s query with its dims past the first ``NOPE`` rotated (those passed
     through), its rotated key (also to ``ko`` with ``KEY_OUT``), and key and value written at
-    ``slot`` (none for -1)."""
+    ``slot`` (none for -1). The rotation runs in ``ACC`` (fp32; fp64 for fp64 inputs, whose
+    results must not round to fp32)."""
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
-    cos = tl.load(cs_ptr + t * stride_cs + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + t * stride_cs + HALF + offs_d, mask=d_ok, other=0.0).to(
-        tl.float32)[None, :]
+    cos = tl.load(cs_ptr + t * stride_cs + offs_d, mask=d_ok, other=0.0).to(ACC)[None, :]
+    sin = tl.load(cs_ptr + t * stride_cs + HALF + offs_d, mask=d_ok, other=0.0).to(ACC)[None, :]
     offs_hq = tl.arange(0, BLOCK_HQ)
     if NOPE > 0:
         offs_n = tl.arange(0, BLOCK_NOPE)
@@ -309,5 +311,6 @@ def rope_write_paged(query, key, value, cos_sin, k_cache, v_cache, slots, positi
         BLOCK_DV=triton.next_power_of_2(dv), BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)),
         HAS_SLOTS=has_slots, KEY_OUT=key_out, FP8=fp8,
         FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), **clear,
+        ACC=tl.float64 if query.dtype == torch.float64 else tl.float32,
         num_warps=4 if hq * d >= 2048 else 1)
     return q_out, k_out

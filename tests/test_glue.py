@@ -153,19 +153,20 @@ def test_bad_inputs_name_the_value_and_the_fix():
 
 @pytest.mark.parametrize("block", [BLOCK, 64])
 @pytest.mark.parametrize("case", ["fp32_slots", "fp32_positions", "fp16_packed_diffv",
-                                  "fp8_e4m3", "fp8_e5m2"])
+                                  "fp64", "fp8_e4m3", "fp8_e5m2"])
 def test_fused_triton_kernel_matches_the_torch_implementation(case, block):
     """The GPU kernel of rope_kv_cache_update against its torch implementation, padding rows
     included: on the GPU at random values; on the CPU in Triton's interpreter, whose fp8
     conversion rounds wrongly at binade edges (31.9 -> 16 in e4m3), so there the fp8 cases
-    use values exact in fp8 after scaling (and some that saturate) and no rotation."""
+    use values exact in fp8 after scaling (and some that saturate) and no rotation. fp64
+    inputs are rotated in fp64 (an oracle's precision, not fp32's)."""
     pytest.importorskip("triton")
     from attn_ops.glue import fused_torch
     from attn_ops.glue_kernels import rope_kv_cache_update_triton
 
     meta = _batch(pad=2, block=block)
     t = meta.slot_mapping.shape[0]
-    dtype = torch.float16 if case == "fp16_packed_diffv" else torch.float32
+    dtype = {"fp16_packed_diffv": torch.float16, "fp64": torch.float64}.get(case, torch.float32)
     dv = 12 if case == "fp16_packed_diffv" else 8
     fp8 = case.startswith("fp8")
     g = torch.Generator().manual_seed(0)
@@ -181,7 +182,7 @@ def test_fused_triton_kernel_matches_the_torch_implementation(case, block):
         grid = torch.tensor([0.0, 0.5, -1.5, 3.0, 20.0, -96.0, 1e9, -1e9])  # exact, saturating
         k = grid[torch.randint(0, 8, (t, 3, 8), generator=g)] * scales[0]
         v = grid[torch.randint(0, 8, (t, 3, dv), generator=g)] * scales[1]
-    cos_sin = rope_cache(8, 256, 10000.0)[positions]
+    cos_sin = rope_cache(8, 256, 10000.0)[positions].to(dtype)
     nan = float("nan")  # (pages start poisoned: a row the kernel should clear and does not shows)
     if case == "fp16_packed_diffv":
         cache = torch.full((24, block, 3, 8 + dv), nan, dtype=dtype)
@@ -195,11 +196,12 @@ def test_fused_triton_kernel_matches_the_torch_implementation(case, block):
     want_cache = args[4].clone()
     want_q = fused_torch(*args[:4], want_cache, *args[5:])
     got_q = rope_kv_cache_update_triton(*args)
-    torch.testing.assert_close(got_q, want_q)
+    tol = {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(got_q, want_q, **tol)
     if fp8:  # the same rounding, bit for bit
         assert torch.equal(args[4].view(torch.uint8), want_cache.view(torch.uint8))
     else:  # (on the GPU the kernel's fused multiply-adds round the rotation differently)
-        torch.testing.assert_close(args[4], want_cache, equal_nan=True)
+        torch.testing.assert_close(args[4], want_cache, equal_nan=True, **tol)
 
 
 @pytest.mark.parametrize("block", [BLOCK, 64])
