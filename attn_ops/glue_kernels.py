@@ -314,3 +314,68 @@ def rope_write_paged(query, key, value, cos_sin, k_cache, v_cache, slots, positi
         ACC=tl.float64 if query.dtype == torch.float64 else tl.float32,
         num_warps=4 if hq * d >= 2048 else 1)
     return q_out, k_out
+
+
+@triton.jit
+def merge_states_kernel(out_ptr, out_lse_ptr, po_ptr, pl_ptr, so_ptr, sl_ptr, num_heads,
+                        stride_ot, stride_oh, stride_pt, stride_ph, stride_st, stride_sh,
+                        stride_olt, stride_plt, stride_slt, D: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
+                        ACC: tl.constexpr):
+    """One token's ``BLOCK_H`` heads of ``merge_attn_states``: both sides read once, weighted
+    by their LSEs (+inf read as empty, like -inf), written once; rows empty on both sides get
+    0 and an LSE of -inf."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_heads
+    p = tl.load(pl_ptr + t * stride_plt + offs_h, mask=h_ok, other=float("-inf")).to(ACC)
+    s = tl.load(sl_ptr + t * stride_slt + offs_h, mask=h_ok, other=float("-inf")).to(ACC)
+    p = tl.where(p == float("inf"), float("-inf"), p)
+    s = tl.where(s == float("inf"), float("-inf"), s)
+    m = tl.maximum(p, s)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    wp = tl.exp(p - safe)
+    ws = tl.exp(s - safe)
+    total = wp + ws
+    denom = tl.where(total > 0, total, 1.0)
+    mask = h_ok[:, None] & (offs_d[None, :] < D)
+    po = tl.load(po_ptr + t * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :],
+                 mask=mask, other=0.0).to(ACC)
+    so = tl.load(so_ptr + t * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :],
+                 mask=mask, other=0.0).to(ACC)
+    merged = po * (wp / denom)[:, None] + so * (ws / denom)[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_OUT_LSE:
+        lse = tl.where(total > 0, safe + tl.log(denom), float("-inf"))
+        tl.store(out_lse_ptr + t * stride_olt + offs_h, lse.to(out_lse_ptr.dtype.element_ty),
+                 mask=h_ok)
+
+
+def merge_states_triton(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
+    """One launch of :func:`merge_states_kernel` over ``[T, H, D]`` results and ``[T, H]``
+    LSEs (inputs already checked by the op; any strides, rows without a unit last stride go
+    through a contiguous copy)."""
+    t, h, d = out.shape
+    if t == 0 or h == 0:
+        return
+    unit = lambda x: x if x.stride(-1) == 1 else x.contiguous()  # noqa: E731
+    prefix_out, suffix_out, prefix_lse, suffix_lse = (
+        unit(x) for x in (prefix_out, suffix_out, prefix_lse, suffix_lse))
+    target = unit(out)
+    target_lse = unit(out_lse) if out_lse is not None else prefix_lse  # (unwritten when None)
+    block_d = triton.next_power_of_2(d)
+    block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_d))
+    merge_states_kernel[(t, triton.cdiv(h, block_h))](
+        target, target_lse, prefix_out, prefix_lse, suffix_out, suffix_lse, h,
+        target.stride(0), target.stride(1), prefix_out.stride(0), prefix_out.stride(1),
+        suffix_out.stride(0), suffix_out.stride(1), target_lse.stride(0), prefix_lse.stride(0),
+        suffix_lse.stride(0), D=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        HAS_OUT_LSE=out_lse is not None,
+        ACC=tl.float64 if out.dtype == torch.float64 else tl.float32,
+        num_warps=4 if block_h * block_d >= 2048 else 1)
+    if target is not out:
+        out.copy_(target)
+    if out_lse is not None and target_lse is not out_lse:
+        out_lse.copy_(target_lse)

@@ -8,7 +8,9 @@ prefills 1x8k, 4x4k, 16x1k without context, and one request of 4k new tokens ove
   kernel alone; for the context case one call over all 32k keys);
 * ``flashinfer_ragged`` -- FlashInfer's ``BatchPrefillWithRaggedKVCacheWrapper`` (fa3), planned
   before timing, on the same tensors;
-* ``ours_mha``      -- our MHA kernel glue (``backends.mla.prefill.mha_kernel``) on them;
+* ``glue_fa4`` / ``glue_flashinfer`` -- our MHA kernel glue (``backends.mla.prefill``:
+  ``mha_fa4``; ``mha_flashinfer``, its host plan at each call included) on them, with the LSE;
+  the row's ``routing_pick`` is the one ``mha_kernel`` picks here;
 * ``layer_op``      -- the whole TRITON_MLA op of the step (up-projection of the new tokens,
   the context gathered and up-projected in chunks of ``Tuning.mla.context_chunk_tokens``,
   merged through the LSE); ``layer_op_one_chunk`` the same with the context in one chunk --
@@ -79,7 +81,8 @@ def main() -> None:
     from triton.testing import do_bench
 
     from attn_ops.backends.mla.common import _up_project
-    from attn_ops.backends.mla.prefill import mha_kernel
+    from attn_ops.backends.mla.prefill import (_fa4_usable, _flashinfer_usable, mha_fa4,
+                                               mha_flashinfer, mha_kernel)
 
     parser = gpu_parser(__doc__, "bench_mla_prefill_h200.json", page=64, rounds=3, quick=False)
     args = parser.parse_args()
@@ -108,9 +111,12 @@ def main() -> None:
         cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
         cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
         scale = layer.impl.scale
-        mha = mha_kernel(q.device, NOPE + ROPE, V)
-        fns = {"ours_mha": lambda: mha(q, k_all, v_all, cu_q_t, cu_k_t, cu_q, cu_k, out, lse,
-                                       scale, True),
+        pick = mha_kernel(q.device, NOPE + ROPE, V).__name__
+        glue = lambda mha: lambda: mha(q, k_all, v_all, cu_q_t, cu_k_t, cu_q, cu_k,  # noqa: E731
+                                       out, lse, scale, True)
+        fns = {**({"glue_fa4": glue(mha_fa4)} if _fa4_usable(q.device, NOPE + ROPE, V) else {}),
+               **({"glue_flashinfer": glue(mha_flashinfer)}
+                  if _flashinfer_usable(q.device, NOPE + ROPE, V) else {}),
                "layer_op": lambda: layer.impl.forward(q, kv_c, k_pe, cache, meta, out,
                                                       w_uk=layer.w_uk, w_uv=layer.w_uv),
                "layer_op_one_chunk": lambda: one_chunk.forward(
@@ -142,7 +148,8 @@ def main() -> None:
                 samples[k].append(do_bench(fns[k], rep=100, return_mode="median"))
         ms = {k: statistics.median(v) for k, v in samples.items()}
         amount = flops(new, ctx)
-        row = {"case": name, "new": new, "ctx": ctx, **{f"{k}_ms": v for k, v in ms.items()},
+        row = {"case": name, "new": new, "ctx": ctx, "routing_pick": pick,
+               **{f"{k}_ms": v for k, v in ms.items()},
                **{f"{k}_tflops": amount / v / 1e9 for k, v in ms.items()}}
         if "layer_op_one_chunk" in ms and sum(ctx):
             row["chunk_merge_overhead"] = ms["layer_op"] / ms["layer_op_one_chunk"] - 1

@@ -150,6 +150,39 @@ def test_merge_equals_one_softmax_over_both_key_sets_and_keeps_empty_rows_zero()
                                               so, sl))
 
 
+@pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="Triton does not run here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_merge_gpu_kernel_matches_its_torch_form(dtype):
+    """merge_attn_states' one-pass GPU kernel (on the CPU in Triton's interpreter) against the
+    torch form: empty sides (-inf and +inf LSEs), rows empty on both, heads that do not fill the
+    kernel's head block, strided inputs, and no out_lse."""
+    from attn_ops.backends.mla.common import merge_torch
+    from attn_ops.glue_kernels import merge_states_triton
+
+    device = "cuda" if PLATFORM.is_gpu else "cpu"
+    g = torch.Generator().manual_seed(3)
+    t, h, d = 7, 5, 24
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    po = torch.randn(t, h, d, generator=g).to(dtype).to(device)
+    so = torch.randn(t, 2 * h, d, generator=g).to(dtype).to(device)[:, ::2]  # strided heads
+    pl = (torch.randn(t, h, generator=g) * 4).to(lse_dtype).to(device)
+    sl = (torch.randn(t, h, generator=g) * 4).to(lse_dtype).to(device)
+    pl[0], sl[1], sl[2, 1] = -math.inf, math.inf, -math.inf
+    pl[3], sl[3] = -math.inf, -math.inf
+    po[0], so[1], so[3], po[3] = 0.0, 0.0, 0.0, 0.0  # (what kernels leave in empty rows)
+    for with_lse in (True, False):
+        want, got = torch.empty_like(po), torch.full_like(po, math.nan)
+        want_lse, got_lse = torch.empty_like(pl), torch.full_like(pl, math.nan)
+        merge_torch(want, want_lse if with_lse else None, po, pl, so, sl)
+        merge_states_triton(got, got_lse if with_lse else None, po, pl, so, sl)
+        torch.testing.assert_close(got, want)
+        if with_lse:
+            torch.testing.assert_close(got_lse, want_lse)
+            assert (got[3] == 0).all() and (got_lse[3] == -math.inf).all()
+        else:
+            assert got_lse.isnan().all()
+
+
 def test_context_chunks_are_taken_across_requests_in_order():
     chunks = context_chunks(torch.tensor([10, 0, 3, 60]).numpy(), 16)
     assert len(chunks) == 5  # 73 tokens in chunks of 16, whatever their distribution

@@ -107,6 +107,16 @@ def _lse_dtypes(out: torch.Tensor) -> tuple[torch.dtype, ...]:
 
 def _merge_attn_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
     _check_merge(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    if out.is_cuda:  # one pass over both sides (the torch form below is ~10 kernels)
+        from attn_ops.glue_kernels import merge_states_triton
+
+        merge_states_triton(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+        return
+    merge_torch(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+
+
+def merge_torch(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
+    """:data:`merge_attn_states` in torch ops (the CPU path, and the GPU kernel's oracle)."""
     inf = float("inf")
     # +inf marks a row some kernels leave undefined; it is an empty side, like -inf
     p = prefix_lse.masked_fill(prefix_lse == inf, -inf)
@@ -289,11 +299,12 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
 
 def _up_project(c: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
     """K ``[n, H, nope + rope]`` (the rope part shared by every head) and V ``[n, H, v]`` of
-    latent rows ``c`` [n, rank] and their ``k_pe`` [n, rope]."""
-    k_nope = torch.einsum("tl,hnl->thn", c, w_uk)
-    v = torch.einsum("tl,hlv->thv", c, w_uv)
-    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, w_uk.shape[0], -1).to(k_nope.dtype)],
-                  dim=-1)
+    latent rows ``c`` [n, rank] and their ``k_pe`` [n, rope]: one GEMM each, into row-major
+    results (no permuted copies of the products)."""
+    heads, nope, rank = w_uk.shape
+    k_nope = torch.mm(c, w_uk.reshape(heads * nope, rank).t()).view(-1, heads, nope)
+    v = torch.mm(c, w_uv.transpose(0, 1).reshape(rank, -1)).view(-1, heads, w_uv.shape[2])
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1).to(k_nope.dtype)], dim=-1)
     return k, v
 
 
