@@ -112,7 +112,7 @@ def kv_write_kernel(
         HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_HKV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
-        FK: tl.constexpr, FV: tl.constexpr, ACC: tl.constexpr):
+        FK: tl.constexpr, FV: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // block_size
