@@ -337,15 +337,17 @@ def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Ker
     return Kernel.FLASHINFER_MLA_FA2
 
 
-def mla_prefill_kernel(fa4_usable: bool, flashinfer_usable: bool = False) -> Kernel:
-    """The kernel of an MLA step's MHA part (QK nope + rope, V v_head_dim, ragged, with LSE):
-    FlashAttention 4 where it can run (CUDA, installed, the head dims), measured ahead of
-    FlashInfer's ragged sm90 prefill at 1x8k and within 1-2% of it at 4x4k and 16x1k
-    (128 heads, 192 / 128); else FlashInfer's ragged prefill; else PyTorch, slow, for the
-    CPU and tests."""
-    if fa4_usable:
-        return Kernel.FA4
-    return Kernel.FLASHINFER_RAGGED if flashinfer_usable else Kernel.TORCH_MHA
+def mla_prefill_kernel(fa4_usable: bool, flashinfer_usable: bool = False, requests: int = 0,
+                       flashinfer_max_requests: int = 0) -> Kernel:
+    """The kernel of an MLA step's MHA part (QK nope + rope, V v_head_dim, ragged, with LSE)
+    for ``requests`` MHA-form requests: FlashInfer's ragged prefill where it can run and FA4
+    cannot, or for at most ``flashinfer_max_requests`` (``Tuning.mla.
+    flashinfer_prefill_max_requests``: its host plan at each call costs little against few
+    long requests and much against many short ones); else FlashAttention 4 where it can run
+    (CUDA, installed, the head dims); else PyTorch, slow, for the CPU and tests."""
+    if flashinfer_usable and (not fa4_usable or requests <= flashinfer_max_requests):
+        return Kernel.FLASHINFER_RAGGED
+    return Kernel.FA4 if fa4_usable else Kernel.TORCH_MHA
 
 
 def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning: Tuning,
@@ -375,7 +377,8 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
         new = sum(n * q for n, _, q in mha)
         context = sum(n * (s - q) for n, s, q in mha)
         chunks = -(-context // t.context_chunk_tokens)
-        kernel = (mla_prefill_kernel(fa4_usable, flashinfer_usable).value
+        kernel = (mla_prefill_kernel(fa4_usable, flashinfer_usable, sum(n for n, _, _ in mha),
+                                     t.flashinfer_prefill_max_requests).value
                   if backend in ("TRITON_MLA", "FLASHINFER_MLA") else f"{backend}'s")
         lines.append(f"MHA form: {sum(n for n, _, _ in mha)} request(s), {new} new token(s) on "
                      f"{kernel}; {context} context row(s) in {chunks} chunk(s) of at most "

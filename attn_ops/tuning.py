@@ -173,6 +173,11 @@ class MLATuning:
     # gathered and up-projected into a workspace of chunk x heads x (nope + v) values, chunks
     # taken across requests in order (a long request beside short ones does not multiply them).
     context_chunk_tokens: int = 4096
+    # The MHA form runs FlashInfer's ragged prefill (planned on the host at each call) for at
+    # most this many requests where both it and FA4 can run, FA4 above: H200, 128 heads, 192 /
+    # 128, with its plan FlashInfer is 1-2% ahead at 1 x 8k and 4 x 4k and 17% ahead over
+    # 28k of context in 4k chunks, but its plan puts it 16% behind at 16 x 1k.
+    flashinfer_prefill_max_requests: int = 4
     # TRITON_MLA's absorbed launch (routing.mla_decode_launch): (query x head) rows a program,
     # latent rows a step, warps and stages of a program of decode_rows rows, and of a narrower
     # one (fewer heads x query rows: a 16-head decode); split-KV like TRITON_ATTN's decode.

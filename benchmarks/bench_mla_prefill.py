@@ -111,7 +111,8 @@ def main() -> None:
         cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
         cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
         scale = layer.impl.scale
-        pick = mha_kernel(q.device, NOPE + ROPE, V).__name__
+        pick = mha_kernel(q.device, NOPE + ROPE, V, len(new),
+                          layer.tuning.mla.flashinfer_prefill_max_requests).__name__
         glue = lambda mha: lambda: mha(q, k_all, v_all, cu_q_t, cu_k_t, cu_q, cu_k,  # noqa: E731
                                        out, lse, scale, True)
         fns = {**({"glue_fa4": glue(mha_fa4)} if _fa4_usable(q.device, NOPE + ROPE, V) else {}),

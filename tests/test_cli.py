@@ -155,5 +155,5 @@ def test_select_mla_prints_the_step_split_and_each_forms_kernel(capsys):
     assert code == 0, out
     assert ("absorbed form: 1 request(s), 1 row(s) over the latent cache -- TRITON_MLA kernel, "
             "128 split(s) of each request's keys, 1 query x 64 head rows a program") in out
-    assert ("MHA form: 2 request(s), 8192 new token(s) on FlashAttention 4; 51808 context "
+    assert ("MHA form: 2 request(s), 8192 new token(s) on FlashInfer ragged prefill; 51808 context "
             "row(s) in 13 chunk(s) of at most 4096") in out

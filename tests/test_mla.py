@@ -463,15 +463,17 @@ def test_triton_mla_launch_splits_short_batches_and_shrinks_the_split_as_the_bat
         mla_decode_launch(4, 2, 1, 64, 132, dataclasses.replace(t, value_parts=3))
 
 
-def test_the_mha_part_runs_fa4_where_it_can_and_torch_on_the_cpu():
+def test_the_mha_part_runs_flashinfer_for_few_requests_fa4_for_many_and_torch_on_the_cpu():
     from attn_ops.backends.mla.prefill import mha_kernel
     from attn_ops.backends.mla.reference import mha_torch
     from attn_ops.routing import Kernel, mla_prefill_kernel
 
-    assert mla_prefill_kernel(True, True) is Kernel.FA4
-    assert mla_prefill_kernel(False, True) is Kernel.FLASHINFER_RAGGED
-    assert mla_prefill_kernel(False, False) is Kernel.TORCH_MHA
-    assert mha_kernel(torch.device("cpu"), 192, 128) is mha_torch
+    assert mla_prefill_kernel(True, True, 4, 4) is Kernel.FLASHINFER_RAGGED
+    assert mla_prefill_kernel(True, True, 5, 4) is Kernel.FA4
+    assert mla_prefill_kernel(True, False, 1, 4) is Kernel.FA4
+    assert mla_prefill_kernel(False, True, 64, 4) is Kernel.FLASHINFER_RAGGED
+    assert mla_prefill_kernel(False, False, 1, 4) is Kernel.TORCH_MHA
+    assert mha_kernel(torch.device("cpu"), 192, 128, 1, 4) is mha_torch
 
 
 # --- FLASHINFER_MLA's glue against a stand-in of FlashInfer's MLA wrapper ---------------------

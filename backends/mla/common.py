@@ -158,6 +158,7 @@ class MLAPlan:
     num_absorbed_tokens: int
     num_tokens: int
     chunk_tokens: int
+    flashinfer_prefill_max_requests: int = 0
     decode: MLADecodeLaunch | None = None
     library: int | None = None
 
@@ -262,12 +263,13 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
             out[:nat] = torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1)
     if nt == nat:
         return
+    qsl = query_start_loc[na:] - query_start_loc[na]
+    lens = mha_lens.numpy()
     if mha is None:
         from attn_ops.backends.mla.prefill import mha_kernel
 
-        mha = mha_kernel(q.device, q.shape[2], w_uv.shape[2])
-    qsl = query_start_loc[na:] - query_start_loc[na]
-    lens = mha_lens.numpy()
+        mha = mha_kernel(q.device, q.shape[2], w_uv.shape[2], lens.shape[0],
+                         p.flashinfer_prefill_max_requests)
     qsl_host = [0, *np.cumsum(lens[:, 0]).tolist()]
     q_mha = q[nat:nt]
     o_new = out.new_empty(nt - nat, heads, w_uv.shape[2])
@@ -404,7 +406,10 @@ class MLABackend(AttentionBackend):
                                     int(seq[:na].max()) if na else 0, common.seq_lens.device)
         chunk = self.tuning.mla.context_chunk_tokens
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
-                                   num_tokens=int(qsl[-1]), chunk_tokens=chunk, decode=decode,
+                                   num_tokens=int(qsl[-1]), chunk_tokens=chunk,
+                                   flashinfer_prefill_max_requests=(
+                                       self.tuning.mla.flashinfer_prefill_max_requests),
+                                   decode=decode,
                                    library=self.plan_library(common, na) if na else None))
         table_cpu = common.block_table_cpu[na:] if common.block_table_cpu is not None else None
         slots, offsets = chunk_tables(mha_lens[:, 1], chunk, common.block_table[na:], table_cpu,

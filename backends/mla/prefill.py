@@ -105,9 +105,12 @@ def _flashinfer_usable(device: torch.device, head_dim: int, v_head_dim: int) -> 
     return FLASHINFER_PACKAGE.reason("", current_platform()) is None
 
 
-def mha_kernel(device: torch.device, head_dim: int, v_head_dim: int):
-    """The MHA-part kernel for ``device`` and the (QK, V) head dims."""
+def mha_kernel(device: torch.device, head_dim: int, v_head_dim: int, requests: int = 0,
+               flashinfer_max_requests: int = 0):
+    """The MHA-part kernel for ``device``, the (QK, V) head dims and ``requests`` MHA-form
+    requests (:func:`attn_ops.routing.mla_prefill_kernel`)."""
     kernel = mla_prefill_kernel(_fa4_usable(device, head_dim, v_head_dim),
-                                _flashinfer_usable(device, head_dim, v_head_dim))
+                                _flashinfer_usable(device, head_dim, v_head_dim), requests,
+                                flashinfer_max_requests)
     return {Kernel.FA4: mha_fa4, Kernel.FLASHINFER_RAGGED: mha_flashinfer,
             Kernel.TORCH_MHA: mha_torch}[kernel]
