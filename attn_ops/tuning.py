@@ -194,7 +194,7 @@ class MLATuning:
     max_splits: int = 128
     min_keys_per_split: int = 256
     # 2: two programs per head block, each accumulating half the value columns (both compute
-    # the whole score). Unmeasured; to be swept against the accumulator's register pressure.
+    # the whole score). H200: 0.5-0.6x of one part at 128 heads and at 16 (docs/tuning.md).
     value_parts: int = 1
 
 

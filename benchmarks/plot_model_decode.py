@@ -25,6 +25,8 @@ MODES = {"eager_ms": "eager", "compiled_no_passes_ms": "compiled, no passes",
 def main(path: str) -> None:
     result = json.loads(Path(path).read_text())
     rows = result["rows"]
+    shape, hf_name = (("DeepSeek-V2-Lite-shaped MLA", "DeepseekV3ForCausalLM")
+                      if result.get("mla") else ("Llama-3-8B", "LlamaForCausalLM"))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(MODES)
     for i, (key, label) in enumerate(MODES.items()):
@@ -36,12 +38,12 @@ def main(path: str) -> None:
                label=f"floor: weights + KV at 4.27 TB/s ({rows[0]['floor_ms']:.2f} ms)")
     hf = result.get("hf", {}).get("eager_dynamic_cache_ms")
     if hf:
-        ax.axhline(hf, color="r", ls=":", label=f"HF LlamaForCausalLM eager ({hf:.1f} ms)")
+        ax.axhline(hf, color="r", ls=":", label=f"HF {hf_name} eager ({hf:.1f} ms)")
     ax.set_xticks(range(len(rows)), [r["backend"] for r in rows])
     ax.set_ylabel("ms per decode step")
     ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    save(fig, result, path, f"{result['layers']} Llama-3-8B layers, batch {result['batch']}, "
+    save(fig, result, path, f"{result['layers']} {shape} layers, batch {result['batch']}, "
                             f"ctx {result['ctx']}, bf16")
 
 if __name__ == "__main__":
