@@ -224,17 +224,32 @@ class BlockAllocator:
     """A small paged allocator: hands out cache blocks to requests and builds block tables.
 
     ``shuffle=True`` hands blocks out in random order so tests exercise non-contiguous pages.
-    Block 0..num_blocks-1 are all usable; freed blocks return to the pool. Each request's
+    Block 0..num_blocks-1 are all usable; freed blocks return to the pool.
+
+    ``num_state_slots``: the recurrent-state slots of a hybrid model's state layers
+    (``backends/ssm``), one per running request, from the same allocator so one model has one.
+    Slot 0 is the null slot no request owns (CUDA-graph padding rows read and write it); a
+    request takes one of ``1..num_state_slots`` with its first blocks and gives it back with
+    them. States are slots, not blocks: a state is a request's whole history (a 1 MiB GDN
+    state does not shrink with a page), so slots per block would size every state layer by
+    the KV pool. Each request's
     blocks are also kept as a row of a numpy table, written as blocks are added, so a step's
     block table is one gather (:meth:`block_table`), not a conversion of every block id from
     Python (which cost ~0.3 ms for 64 requests of 2k tokens).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, shuffle: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, num_state_slots: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots={num_state_slots} must be >= 0")
         self.num_blocks = num_blocks
+        self.num_state_slots = num_state_slots
+        self._free_states = list(range(num_state_slots, 0, -1))
+        if shuffle:
+            random.Random(seed + 1).shuffle(self._free_states)
+        self._states: dict[object, int] = {}
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         if shuffle:
@@ -255,8 +270,14 @@ class BlockAllocator:
         """Make sure ``request_id`` owns enough blocks for ``num_tokens`` tokens in total."""
         owned = self._blocks.get(request_id)
         if owned is None:
+            if self.num_state_slots and not self._free_states:
+                raise RuntimeError(f"out of state slots: request {request_id!r} needs one, all "
+                                   f"{self.num_state_slots} are taken; allocate more "
+                                   "(num_state_slots >= the most requests running at once)")
             owned = self._blocks[request_id] = []
             self._rows[request_id] = self._free_rows.pop() if self._free_rows else len(self._rows)
+            if self.num_state_slots:
+                self._states[request_id] = self._free_states.pop()
         needed = -(-num_tokens // self.block_size) - len(owned)
         if needed <= 0:
             return owned
@@ -289,10 +310,25 @@ class BlockAllocator:
         table[:, :self._table.shape[1]] = self._table[rows]
         return table
 
+    def state_slot(self, request_id: object) -> int:
+        """The request's recurrent-state slot (``1..num_state_slots``; 0 is the null slot)."""
+        slot = self._states.get(request_id)
+        if slot is None:
+            raise KeyError(f"request {request_id!r} has no state slot: reserve it first, with "
+                           "an allocator made with num_state_slots > 0")
+        return slot
+
+    def state_slots(self, request_ids) -> np.ndarray:
+        """``[len(request_ids)]`` int32 state slots of these requests."""
+        return np.fromiter((self.state_slot(r) for r in request_ids), dtype=np.int32,
+                           count=len(request_ids))
+
     def free(self, request_id: object) -> None:
         owned = self._blocks.pop(request_id, None)
         if owned is None:
             return
+        if request_id in self._states:
+            self._free_states.append(self._states.pop(request_id))
         self._free.extend(reversed(owned))
         row = self._rows.pop(request_id)
         self._table[row, :len(owned)] = 0

@@ -1,0 +1,191 @@
+"""Model-facing recurrent-state layers, as HF transformers builds them, over our state caches:
+
+* :class:`GatedDeltaNet` -- Qwen3-Next / Qwen3.5's linear-attention layer (``in_proj_qkvz``,
+  ``in_proj_ba``, a SiLU causal conv over ``[q | k | v]``, the gated delta rule with q / k
+  L2-normalized, a gated RMSNorm per value head, ``out_proj``);
+* :class:`Mamba2Mixer` -- Mamba2 (``in_proj`` to ``[z | x B C | dt]``, a SiLU causal conv,
+  the SSD recurrence with D, the gated grouped RMSNorm, ``out_proj``);
+* :class:`ShortConv` -- LFM2's gated short convolution (``in_proj`` to ``[B | C | x]``,
+  ``out_proj``).
+
+Each takes a step's tokens flattened ``[T, hidden]`` (decode-first, padding rows last), its
+layer's :class:`~attn_ops.backends.ssm.spec.StateCache` and the step's
+:class:`~attn_ops.backends.ssm.metadata.StateMetadata`, and updates the states in place through
+``torch.ops.attn.*`` ops; ``from_hf`` copies an HF module's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn_ops.backends.ssm.conv import causal_conv1d
+from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
+from attn_ops.backends.ssm.mamba2 import mamba2_ssd
+from attn_ops.backends.ssm.metadata import StateMetadata
+from attn_ops.backends.ssm.short_conv import short_conv
+from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvSpec, StateCache
+
+__all__ = ["GatedDeltaNet", "Mamba2Mixer", "ShortConv", "gated_rms_norm"]
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   group_size: int | None = None, norm_before_gate: bool = True) -> torch.Tensor:
+    """RMSNorm over groups of ``group_size`` of the last dim (all of it by default) with a SiLU
+    gate: applied after the norm (Qwen3-Next) or to its input (``norm_before_gate=False``,
+    Mamba2), in fp32; ``weight`` times the result in ``x``'s dtype, as HF computes them."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    if not norm_before_gate:
+        h = h * F.silu(gate.to(torch.float32))
+    size = group_size or h.shape[-1]
+    grouped = h.view(*h.shape[:-1], h.shape[-1] // size, size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    h = grouped.view(h.shape)
+    if norm_before_gate:
+        return (weight * h.to(dtype) * F.silu(gate.to(torch.float32))).to(dtype)
+    return weight * h.to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.spec, self.hidden_size, self.eps = spec, hidden_size, eps
+        s = spec
+        key_dim, value_dim = s.num_k_heads * s.head_k_dim, s.num_v_heads * s.head_v_dim
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * s.num_v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(s.conv_dim, s.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
+        self.norm_weight = nn.Parameter(torch.ones(s.head_v_dim))
+        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    @classmethod
+    def from_hf(cls, module, spec: GatedDeltaNetSpec) -> GatedDeltaNet:
+        """Ours with the weights of HF's ``Qwen3NextGatedDeltaNet`` ``module``."""
+        layer = cls(spec, module.hidden_size, module.layer_norm_epsilon)
+        with torch.no_grad():
+            layer.in_proj_qkvz.weight.copy_(module.in_proj_qkvz.weight)
+            layer.in_proj_ba.weight.copy_(module.in_proj_ba.weight)
+            layer.conv_weight.copy_(module.conv1d.weight[:, 0])
+            layer.dt_bias.copy_(module.dt_bias)
+            layer.A_log.copy_(module.A_log)
+            layer.norm_weight.copy_(module.norm.weight)
+            layer.out_proj.weight.copy_(module.out_proj.weight)
+        return layer.to(module.out_proj.weight.dtype)
+
+    def forward(self, hidden: torch.Tensor, states: StateCache,
+                meta: StateMetadata) -> torch.Tensor:
+        s = self.spec
+        t = hidden.shape[0]
+        per_k = s.num_v_heads // s.num_k_heads
+        # in_proj_qkvz's rows are grouped by key head: [q | k | v (per_k heads) | z (per_k)]
+        qkvz = self.in_proj_qkvz(hidden).view(t, s.num_k_heads, -1)
+        q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, per_k * s.head_v_dim,
+                                 per_k * s.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(hidden).view(t, s.num_k_heads, 2 * per_k).split(per_k, dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        mixed = causal_conv1d(mixed, self.conv_weight, None, states.conv, meta.query_start_loc,
+                              meta.state_indices, meta.has_initial_state, "silu")
+        key_dim = s.num_k_heads * s.head_k_dim
+        q, k, v = mixed.split([key_dim, key_dim, s.num_v_heads * s.head_v_dim], dim=-1)
+        beta = b.reshape(t, s.num_v_heads).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, s.num_v_heads).float()
+                                                   + self.dt_bias)
+        o = gated_delta_rule(q.reshape(t, s.num_k_heads, s.head_k_dim),
+                             k.reshape(t, s.num_k_heads, s.head_k_dim),
+                             v.reshape(t, s.num_v_heads, s.head_v_dim), g, beta, states.recurrent,
+                             meta.query_start_loc, meta.state_indices, meta.has_initial_state,
+                             meta.max_query_len, s.head_k_dim ** -0.5, True)
+        o = gated_rms_norm(o, z.reshape(t, s.num_v_heads, s.head_v_dim), self.norm_weight,
+                           self.eps)
+        return self.out_proj(o.reshape(t, -1))
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, spec: Mamba2Spec, hidden_size: int, eps: float = 1e-6, *,
+                 conv_bias: bool = True, bias: bool = False,
+                 dt_limit: tuple[float, float] = (0.0, float("inf"))) -> None:
+        super().__init__()
+        self.spec, self.hidden_size, self.eps, self.dt_limit = spec, hidden_size, eps, dt_limit
+        s = spec
+        inner = s.num_heads * s.head_dim
+        self.in_proj = nn.Linear(hidden_size, inner + s.conv_dim + s.num_heads, bias=bias)
+        self.conv_weight = nn.Parameter(torch.zeros(s.conv_dim, s.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.zeros(s.conv_dim)) if conv_bias else None
+        self.dt_bias = nn.Parameter(torch.ones(s.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_heads))
+        self.D = nn.Parameter(torch.ones(s.num_heads))
+        self.norm_weight = nn.Parameter(torch.ones(inner))
+        self.out_proj = nn.Linear(inner, hidden_size, bias=bias)
+
+    @classmethod
+    def from_hf(cls, module, spec: Mamba2Spec) -> Mamba2Mixer:
+        """Ours with the weights of HF's ``Mamba2Mixer`` ``module`` (and its dt limits)."""
+        layer = cls(spec, module.hidden_size, module.layer_norm_epsilon,
+                    conv_bias=module.conv1d.bias is not None, bias=module.in_proj.bias is not None,
+                    dt_limit=tuple(module.time_step_limit))
+        with torch.no_grad():
+            for ours, theirs in ((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)):
+                ours.weight.copy_(theirs.weight)
+                if ours.bias is not None:
+                    ours.bias.copy_(theirs.bias)
+            layer.conv_weight.copy_(module.conv1d.weight[:, 0])
+            if layer.conv_bias is not None:
+                layer.conv_bias.copy_(module.conv1d.bias)
+            for name in ("dt_bias", "A_log", "D"):
+                getattr(layer, name).copy_(getattr(module, name))
+            layer.norm_weight.copy_(module.norm.weight)
+        return layer.to(module.out_proj.weight.dtype)
+
+    def forward(self, hidden: torch.Tensor, states: StateCache,
+                meta: StateMetadata) -> torch.Tensor:
+        s = self.spec
+        t = hidden.shape[0]
+        inner = s.num_heads * s.head_dim
+        gate, xbc, dt = self.in_proj(hidden).split([inner, s.conv_dim, s.num_heads], dim=-1)
+        xbc = causal_conv1d(xbc, self.conv_weight, self.conv_bias, states.conv,
+                            meta.query_start_loc, meta.state_indices, meta.has_initial_state,
+                            "silu")
+        gn = s.n_groups * s.d_state
+        x, B, C = xbc.split([inner, gn, gn], dim=-1)
+        y = mamba2_ssd(x.reshape(t, s.num_heads, s.head_dim), dt, -self.A_log.float().exp(),
+                       B.reshape(t, s.n_groups, s.d_state), C.reshape(t, s.n_groups, s.d_state),
+                       self.D, None, self.dt_bias, states.recurrent, meta.query_start_loc,
+                       meta.state_indices, meta.has_initial_state, meta.max_query_len, True,
+                       float(self.dt_limit[0]), float(self.dt_limit[1]))
+        y = gated_rms_norm(y.reshape(t, inner), gate, self.norm_weight, self.eps,
+                           group_size=inner // s.n_groups, norm_before_gate=False)
+        return self.out_proj(y.to(hidden.dtype))
+
+
+class ShortConv(nn.Module):
+    def __init__(self, spec: ShortConvSpec, *, bias: bool = False) -> None:
+        super().__init__()
+        self.spec = spec
+        self.in_proj = nn.Linear(spec.dim, 3 * spec.dim, bias=bias)
+        self.conv_weight = nn.Parameter(torch.zeros(spec.dim, spec.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.zeros(spec.dim)) if bias else None
+        self.out_proj = nn.Linear(spec.dim, spec.dim, bias=bias)
+
+    @classmethod
+    def from_hf(cls, module, spec: ShortConvSpec) -> ShortConv:
+        """Ours with the weights of HF's ``Lfm2ShortConv`` ``module``."""
+        layer = cls(spec, bias=module.bias)
+        with torch.no_grad():
+            for ours, theirs in ((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)):
+                ours.weight.copy_(theirs.weight)
+                if ours.bias is not None:
+                    ours.bias.copy_(theirs.bias)
+            layer.conv_weight.copy_(module.conv.weight[:, 0])
+            if layer.conv_bias is not None:
+                layer.conv_bias.copy_(module.conv.bias)
+        return layer.to(module.out_proj.weight.dtype)
+
+    def forward(self, hidden: torch.Tensor, states: StateCache,
+                meta: StateMetadata) -> torch.Tensor:
+        y = short_conv(self.in_proj(hidden), self.conv_weight, self.conv_bias, states.conv,
+                       meta.query_start_loc, meta.state_indices, meta.has_initial_state)
+        return self.out_proj(y)

@@ -1,0 +1,56 @@
+"""What the recurrent ops share: the varlen batch as token -> request maps and as a padded
+``[requests, max_query_len]`` gather, both computed on the device from ``query_start_loc``
+(no host reads, so the ops capture in CUDA graphs), and the checks of the step tensors."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_step", "compute_dtype", "padded_tokens", "token_requests"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs (the oracle), else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_step(op: str, num_tokens: int, query_start_loc, state_indices, has_initial_state,
+               state: torch.Tensor, state_name: str) -> None:
+    b = state_indices.shape[0] if state_indices.dim() == 1 else -1
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1:
+        raise ValueError(f"{op}: query_start_loc must be [num_reqs + 1] and state_indices "
+                         f"[num_reqs], got {tuple(query_start_loc.shape)} and "
+                         f"{tuple(state_indices.shape)}")
+    if has_initial_state.shape != (b,) or has_initial_state.dtype != torch.bool:
+        raise ValueError(f"{op}: has_initial_state must be bool [num_reqs={b}], got "
+                         f"{has_initial_state.dtype} {tuple(has_initial_state.shape)}")
+    for name, t in (("query_start_loc", query_start_loc), ("state_indices", state_indices)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{op}: {name} must be int32 or int64, got {t.dtype}")
+    if state.dim() < 2:
+        raise ValueError(f"{op}: {state_name} must be [num_slots, ...], got "
+                         f"{tuple(state.shape)}")
+    del num_tokens
+
+
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int):
+    """``(request, position, real)`` of each of ``num_tokens`` rows: its request (rows past the
+    last request's tokens -- padding -- get the last request, and ``real`` False) and its
+    offset among that request's new tokens."""
+    qsl = query_start_loc.long()
+    num_reqs = qsl.shape[0] - 1
+    tok = torch.arange(num_tokens, device=qsl.device)
+    req = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=max(num_reqs - 1, 0))
+    real = tok < qsl[-1]
+    return req, tok - qsl[req], real
+
+
+def padded_tokens(query_start_loc: torch.Tensor, max_query_len: int):
+    """``(rows, valid)``, both ``[num_reqs, max_query_len]``: the batch row of each request's
+    ``i``-th new token (clamped into range where it has none) and whether it has one."""
+    qsl = query_start_loc.long()
+    offs = torch.arange(max_query_len, device=qsl.device)
+    lens = qsl[1:] - qsl[:-1]
+    valid = offs[None, :] < lens[:, None]
+    rows = torch.where(valid, qsl[:-1, None] + offs[None, :], 0)
+    return rows, valid

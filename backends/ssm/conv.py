@@ -1,0 +1,123 @@
+"""``torch.ops.attn.causal_conv1d``: the causal depthwise convolution of a step's new tokens,
+each request continuing from its conv state, and the state update -- one op for prefills,
+decodes and mixed batches.
+
+``x`` ``[T, D]`` (rows past ``query_start_loc[-1]`` are padding: output 0), ``weight``
+``[D, K]``, ``bias`` ``[D]`` or None, ``conv_state`` ``[slots, K - 1, D]`` (the last ``K - 1``
+inputs of each slot's request, oldest first), ``activation`` ``"silu"`` or ``""``. Token ``i`` of
+a request sees its ``K - 1`` predecessors: earlier new tokens, then the conv state where the
+request ``has_initial_state``, else zeros. Afterwards each request's slot holds its last
+``K - 1`` inputs (a request with no new tokens keeps its state). The torch body here is the
+reference and the CPU path; it computes in fp32 (fp64 for fp64 inputs) and reads nothing on
+the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_ops.backends.ssm.common import check_step, compute_dtype, token_requests
+from attn_ops.ops import define_op
+
+__all__ = ["ACTIVATIONS", "causal_conv1d", "conv_windows", "conv_reference"]
+
+ACTIVATIONS = ("", "silu")
+
+
+def _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+           activation) -> None:
+    op = "causal_conv1d"
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: x must be [num_tokens, dim] and weight [dim, kernel], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    d, k = weight.shape
+    if k < 2:
+        raise ValueError(f"{op}: the kernel width {k} must be >= 2")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (k - 1, d):
+        raise ValueError(f"{op}: conv_state must be [num_slots, kernel - 1 = {k - 1}, dim = {d}]"
+                         f", got {tuple(conv_state.shape)}")
+    if bias is not None and tuple(bias.shape) != (d,):
+        raise ValueError(f"{op}: bias must be [dim={d}], got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation={activation!r} must be one of {ACTIVATIONS}")
+    check_step(op, x.shape[0], query_start_loc, state_indices, has_initial_state, conv_state,
+               "conv_state")
+
+
+def conv_windows(x, conv_state, query_start_loc, state_indices, has_initial_state, kernel):
+    """``[T, K, D]``: each row's ``K`` inputs, oldest first (the row itself last), in the
+    compute dtype, and ``real`` ``[T]``."""
+    dtype = compute_dtype(x)
+    t, d = x.shape
+    req, pos, real = token_requests(query_start_loc, t)
+    lags = torch.arange(kernel - 1, -1, -1, device=x.device)
+    p = pos[:, None] - lags[None, :]  # [T, K]: position of each window entry in the request
+    rows = (torch.arange(t, device=x.device)[:, None] - lags[None, :]).clamp(min=0)
+    from_x = x.to(dtype)[rows]  # [T, K, D]
+    states = conv_state[state_indices.long()].to(dtype)  # [B, K - 1, D]
+    idx = (kernel - 1 + p).clamp(0, kernel - 2)
+    from_state = states[req[:, None], idx]  # [T, K, D]
+    init = has_initial_state[req][:, None, None]
+    window = torch.where((p >= 0)[..., None], from_x,
+                         torch.where(init, from_state, torch.zeros_like(from_state)))
+    return window, real
+
+
+def _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state, kernel):
+    """``[B, K - 1, D]``: each request's last ``K - 1`` inputs after this step."""
+    dtype = compute_dtype(x)
+    qsl = query_start_loc.long()
+    lens = qsl[1:] - qsl[:-1]
+    i = torch.arange(kernel - 1, device=x.device)
+    p = lens[:, None] - (kernel - 1) + i[None, :]  # [B, K - 1]
+    from_x = x.to(dtype)[(qsl[:-1, None] + p).clamp(0, max(x.shape[0] - 1, 0))]
+    states = conv_state[state_indices.long()].to(dtype)
+    from_state = states.gather(1, (kernel - 1 + p).clamp(0, kernel - 2)[..., None].expand(
+        -1, -1, x.shape[1]))
+    init = has_initial_state[:, None, None]
+    return torch.where((p >= 0)[..., None], from_x,
+                       torch.where(init, from_state, torch.zeros_like(from_state)))
+
+
+def conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
+                   has_initial_state, activation):
+    """The op's torch body, returning ``(y, new_states)`` in the compute dtype (no writes)."""
+    _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+           activation)
+    kernel = weight.shape[1]
+    dtype = compute_dtype(x)
+    if x.shape[0] == 0:
+        return x.new_zeros(0, x.shape[1], dtype=dtype), conv_state[state_indices.long()].to(dtype)
+    window, real = conv_windows(x, conv_state, query_start_loc, state_indices,
+                                has_initial_state, kernel)
+    y = (window * weight.to(dtype).t()[None]).sum(1)
+    if bias is not None:
+        y = y + bias.to(dtype)
+    if activation == "silu":
+        y = F.silu(y)
+    y = torch.where(real[:, None], y, torch.zeros_like(y))
+    return y, _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state,
+                          kernel)
+
+
+def _impl(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+          activation):
+    y, new = conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
+                            has_initial_state, activation)
+    conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))
+    return y.to(x.dtype)
+
+
+def _fake(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+          activation):
+    _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+           activation)
+    return torch.empty_like(x)
+
+
+causal_conv1d = define_op(
+    "causal_conv1d",
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor query_start_loc, "
+    "Tensor state_indices, Tensor has_initial_state, str activation) -> Tensor",
+    _impl, _fake)

@@ -1,0 +1,109 @@
+"""``torch.ops.attn.mamba2_ssd``: Mamba2's selective state space (SSD) recurrence over a step's
+new tokens, each request continuing from its SSM state, and the state update.
+
+Per head ``h`` (group ``h / (H / G)`` of B and C), with ``dt' = clamp(softplus(dt + dt_bias),
+dt_min, dt_max)`` (softplus with ``dt_softplus``): ``state_t = exp(dt' A_h) state_{t-1} +
+dt' x_t B_t^T`` (``[head_dim, d_state]``), ``y_t = state_t C_t + D_h x_t``, times ``silu(z_t)``
+where ``z`` is given.
+
+``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A`` ``[H]``, ``B`` / ``C`` ``[T, G, N]``, ``D`` ``[H]`` or
+None, ``z`` ``[T, H, P]`` or None, ``dt_bias`` ``[H]`` or None, ``state`` ``[slots, H, P, N]``.
+Padding rows, initial states and the final write as in
+:data:`~attn_ops.backends.ssm.gated_deltanet.gated_delta_rule`. The torch body is the reference
+and the CPU path (token by token over all requests at once, fp32; fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens
+from attn_ops.ops import define_op
+
+__all__ = ["mamba2_reference", "mamba2_ssd"]
+
+
+def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len) -> None:
+    op = "mamba2_ssd"
+    if x.dim() != 3:
+        raise ValueError(f"{op}: x must be [num_tokens, num_heads, head_dim], got "
+                         f"{tuple(x.shape)}")
+    t, h, p = x.shape
+    if B.dim() != 3 or C.shape != B.shape or B.shape[0] != t:
+        raise ValueError(f"{op}: B and C must be [num_tokens={t}, n_groups, d_state], got "
+                         f"{tuple(B.shape)} and {tuple(C.shape)}")
+    g, n = B.shape[1:]
+    if h % g:
+        raise ValueError(f"{op}: num_heads={h} must be a multiple of n_groups={g}")
+    for name, val, want in (("dt", dt, (t, h)), ("A", A, (h,)), ("D", D, (h,)),
+                            ("z", z, (t, h, p)), ("dt_bias", dt_bias, (h,))):
+        if val is not None and tuple(val.shape) != want:
+            raise ValueError(f"{op}: {name} must be {list(want)}, got {tuple(val.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (h, p, n):
+        raise ValueError(f"{op}: state must be [num_slots, num_heads={h}, head_dim={p}, "
+                         f"d_state={n}], got {tuple(state.shape)}")
+    if max_query_len < 0:
+        raise ValueError(f"{op}: max_query_len={max_query_len} must be >= 0")
+    check_step(op, t, query_start_loc, state_indices, has_initial_state, state, "state")
+
+
+def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                     has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+    """The op's torch body, returning ``(y, final_states)`` in the compute dtype (no
+    writes)."""
+    _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len)
+    dtype = compute_dtype(x)
+    t, h, _ = x.shape
+    rep = h // B.shape[1]
+    x, dt, A, B, C = (u.to(dtype) for u in (x, dt, A, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(dt_min, dt_max)
+    B, C = (u.repeat_interleave(rep, dim=1) for u in (B, C))  # [T, H, N]
+    init = has_initial_state[:, None, None, None]
+    s = state[state_indices.long()].to(dtype)
+    s = torch.where(init, s, torch.zeros_like(s))  # [B, H, P, N]
+    out = x.new_zeros(t + 1, h, x.shape[2])
+    rows, valid = padded_tokens(query_start_loc, max_query_len)
+    for i in range(max_query_len):
+        r, ok = rows[:, i], valid[:, i]
+        decay = (dt[r] * A).exp()[..., None, None]
+        updated = s * decay + (dt[r][..., None] * x[r])[..., None] * B[r][:, :, None, :]
+        s = torch.where(ok[:, None, None, None], updated, s)
+        out.index_copy_(0, torch.where(ok, r, t), (s * C[r][:, :, None, :]).sum(-1))
+    y = out[:t]
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    rows_real = torch.arange(t, device=x.device) < query_start_loc[-1]
+    return torch.where(rows_real[:, None, None], y, torch.zeros_like(y)), s
+
+
+def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+          has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+    y, s = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                            state_indices, has_initial_state, max_query_len, dt_softplus,
+                            dt_min, dt_max)
+    state.index_copy_(0, state_indices.long(), s.to(state.dtype))
+    return y.to(x.dtype)
+
+
+def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+          has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+    _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len)
+    return torch.empty_like(x)
+
+
+mamba2_ssd = define_op(
+    "mamba2_ssd",
+    "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, "
+    "Tensor(a!) state, Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
+    "int max_query_len, bool dt_softplus, float dt_min, float dt_max) -> Tensor",
+    _impl, _fake)

@@ -1,0 +1,112 @@
+"""A step's metadata for the recurrent-state layers, built once a step on the host and shared
+by every state layer of a hybrid model (as :class:`~attn_ops.metadata.CommonAttentionMetadata`
+is by its attention layers).
+
+* ``state_indices`` ``[B]`` int32: each request's state slot (the allocator's; padding
+  requests the null slot 0, which no request owns);
+* ``has_initial_state`` ``[B]`` bool: the request has computed tokens, so its conv and
+  recurrent states are read; else it starts from zeros (the slot's old contents are never
+  read, whoever left them);
+* chunks for the chunked scans: each request's new tokens cut at absolute multiples of the
+  kind's chunk size, so a prefill resumed mid-chunk first tops up to the next boundary --
+  ``chunk_starts`` ``[C + 1]`` token offsets in the batch, ``chunk_requests`` ``[C]``, and
+  ``last_chunks`` ``[B]`` each request's last chunk (a request with no new tokens: -1).
+
+Requests are decode-first, as for attention; ``num_decodes`` leads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["NULL_STATE_SLOT", "StateMetadata", "build_state_metadata", "chunk_boundaries"]
+
+NULL_STATE_SLOT = 0
+
+
+def chunk_boundaries(context_lens: np.ndarray, query_lens: np.ndarray,
+                     chunk_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(chunk_starts, chunk_requests, last_chunks)`` of requests with ``context_lens`` computed
+    and ``query_lens`` new tokens: chunk edges at the multiples of ``chunk_size`` of each
+    request's own positions."""
+    starts, owners, last = [0], [], np.full(query_lens.shape[0], -1, dtype=np.int64)
+    offset = 0
+    for r, (ctx, n) in enumerate(zip(context_lens.tolist(), query_lens.tolist())):
+        pos, end = ctx, ctx + n
+        while pos < end:
+            step = min(end, (pos // chunk_size + 1) * chunk_size) - pos
+            offset += step
+            pos += step
+            starts.append(offset)
+            owners.append(r)
+        if n:
+            last[r] = len(owners) - 1
+    return (np.asarray(starts, dtype=np.int64), np.asarray(owners, dtype=np.int64), last)
+
+
+@dataclass(frozen=True, eq=False)
+class StateMetadata:
+    """See the module docstring. Host copies end in ``_cpu``; ``max_query_len`` is a host int
+    (a decode-only step has 1: its kernels take no host data)."""
+
+    query_start_loc: torch.Tensor
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    context_lens_cpu: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    chunk_size: int
+    chunk_starts: torch.Tensor
+    chunk_requests: torch.Tensor
+    last_chunks: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return self.state_indices.shape[0]
+
+
+def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.ndarray,
+                         state_slots: np.ndarray, chunk_size: int, *,
+                         device: torch.device | str = "cpu",
+                         num_decodes: int | None = None) -> StateMetadata:
+    """The state metadata of a step: ``query_start_loc_cpu`` ``[B + 1]`` and ``context_lens``
+    ``[B]`` of its requests, ``state_slots`` ``[B]`` their slots (0 for padding requests).
+    Raises ``ValueError`` naming the request when a value is out of range."""
+    qsl = query_start_loc_cpu.numpy().astype(np.int64)
+    query_lens = qsl[1:] - qsl[:-1]
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    slots = np.asarray(state_slots, dtype=np.int64)
+    n = query_lens.shape[0]
+    for name, arr in (("context_lens", context_lens), ("state_slots", slots)):
+        if arr.shape != (n,):
+            raise ValueError(f"{name} must have one entry per request ({n}), got shape "
+                             f"{arr.shape}")
+    for name, arr in (("query length", query_lens), ("context length", context_lens),
+                      ("state slot", slots)):
+        if (arr < 0).any():
+            r = int((arr < 0).argmax())
+            raise ValueError(f"request {r}: {name} must be >= 0, got {int(arr[r])}")
+    real = slots != NULL_STATE_SLOT
+    taken, counts = np.unique(slots[real], return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"state slot {int(taken[counts.argmax()])} is given to "
+                         f"{int(counts.max())} requests of the step: each request owns its slot")
+    if (~real & ((query_lens > 0) | (context_lens > 0))).any():
+        r = int((~real & ((query_lens > 0) | (context_lens > 0))).argmax())
+        raise ValueError(f"request {r} has tokens but the null state slot 0; give it its own "
+                         "slot (BlockAllocator.state_slot)")
+    starts, owners, last = chunk_boundaries(context_lens, query_lens, chunk_size)
+    if num_decodes is None:
+        num_decodes = int(np.argmax(query_lens > 1)) if (query_lens > 1).any() else n
+    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
+    return StateMetadata(
+        query_start_loc=i32(qsl), state_indices=i32(slots),
+        has_initial_state=torch.from_numpy(context_lens > 0).to(device),
+        query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int32)),
+        context_lens_cpu=torch.from_numpy(context_lens), num_decodes=num_decodes,
+        max_query_len=int(query_lens.max()) if n else 0, chunk_size=chunk_size,
+        chunk_starts=i32(starts), chunk_requests=i32(owners), last_chunks=i32(last))

@@ -1,0 +1,42 @@
+"""``torch.ops.attn.short_conv``: LFM2's gated short convolution, ``y = C * conv(B * x)`` with
+``[B | C | x] = bcx`` ``[T, 3 D]``, the convolution (no activation) continuing each request from
+its conv state as :data:`~attn_ops.backends.ssm.conv.causal_conv1d` does; its torch body is the
+reference and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.backends.ssm.conv import _check, conv_reference
+from attn_ops.ops import define_op
+
+__all__ = ["short_conv"]
+
+
+def _split(bcx: torch.Tensor):
+    if bcx.dim() != 2 or bcx.shape[1] % 3:
+        raise ValueError(f"short_conv: bcx must be [num_tokens, 3 * dim] ([B | C | x]), got "
+                         f"{tuple(bcx.shape)}")
+    return bcx.chunk(3, dim=1)
+
+
+def _impl(bcx, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state):
+    b, c, x = _split(bcx)
+    y, new = conv_reference(b * x, weight, bias, conv_state, query_start_loc, state_indices,
+                            has_initial_state, "")
+    conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))
+    real = torch.arange(bcx.shape[0], device=bcx.device) < query_start_loc[-1]
+    return torch.where(real[:, None], c.to(y.dtype) * y, 0.0).to(bcx.dtype)
+
+
+def _fake(bcx, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state):
+    b, _, _ = _split(bcx)
+    _check(b, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state, "")
+    return torch.empty_like(b)
+
+
+short_conv = define_op(
+    "short_conv",
+    "(Tensor bcx, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor query_start_loc, "
+    "Tensor state_indices, Tensor has_initial_state) -> Tensor",
+    _impl, _fake)

@@ -1,0 +1,161 @@
+"""State specs: what each recurrent layer kind keeps per request, and its state cache.
+
+A state cache holds ``num_slots`` rows (:class:`~attn_ops.kv_cache.BlockAllocator`'s
+``num_state_slots + 1``: slot 0 is the null slot of padding rows). Layouts:
+
+* conv state ``[slots, kernel - 1, conv_dim]``: the last ``kernel - 1`` inputs of the
+  convolution, oldest first, channels contiguous (a decode reads a row of channels at a time);
+* Gated DeltaNet recurrent state ``[slots, num_v_heads, head_k_dim, head_v_dim]`` (``S`` with
+  ``o = S^T q``: HF's and fla's layout);
+* Mamba2 SSM state ``[slots, num_heads, head_dim, d_state]``.
+
+The conv state is in the model dtype; the recurrent state in ``state_dtype`` (fp32 by default:
+a state integrates every token of a request, and bf16 rounding of it compounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["GatedDeltaNetSpec", "Mamba2Spec", "ShortConvSpec", "StateCache", "StateSpec"]
+
+
+class StateCache(NamedTuple):
+    """One layer's states: ``conv`` and, for kinds with one, ``recurrent`` (else None)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What every kind declares: its conv width and kernel, its dtypes and its chunk size."""
+
+    conv_kernel: int
+    dtype: torch.dtype
+    state_dtype: torch.dtype
+    chunk_size: int
+
+    kind = "state"
+
+    @property
+    def conv_dim(self) -> int:
+        raise NotImplementedError
+
+    def recurrent_shape(self) -> tuple[int, ...] | None:
+        return None
+
+    def __post_init__(self) -> None:
+        if self.conv_kernel < 2:
+            raise ValueError(f"{self.kind}: conv_kernel={self.conv_kernel} must be >= 2 (a "
+                             "causal convolution over at least one earlier token)")
+        if self.chunk_size <= 0 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"{self.kind}: chunk_size={self.chunk_size} must be a power of two")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+                raise ValueError(f"{self.kind}: {field.name}={value} must be > 0")
+
+    def state_shapes(self, num_slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        shapes = {"conv": ((num_slots, self.conv_kernel - 1, self.conv_dim), self.dtype)}
+        if self.recurrent_shape() is not None:
+            shapes["recurrent"] = ((num_slots, *self.recurrent_shape()), self.state_dtype)
+        return shapes
+
+    def state_bytes(self) -> int:
+        """Bytes of one slot's states."""
+        return sum(torch.Size(shape[1:]).numel() * dtype.itemsize
+                   for shape, dtype in self.state_shapes(1).values())
+
+    def allocate(self, num_slots: int, device: torch.device | str = "cpu") -> StateCache:
+        """Zeroed states for ``num_slots`` slots (a slot is written whole before it is read:
+        a request without an initial state starts from zeros, not from the slot)."""
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: a state cache needs the null slot 0 and "
+                             "at least one request slot (BlockAllocator.num_state_slots + 1)")
+        shapes = self.state_shapes(num_slots)
+        conv = torch.zeros(shapes["conv"][0], dtype=shapes["conv"][1], device=device)
+        rec = shapes.get("recurrent")
+        return StateCache(conv, torch.zeros(rec[0], dtype=rec[1], device=device) if rec else None)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec(StateSpec):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): q, k with ``num_k_heads`` x ``head_k_dim``, v with
+    ``num_v_heads`` x ``head_v_dim`` (each k head serves ``num_v_heads / num_k_heads``
+    consecutive v heads), one convolution over ``[q | k | v]``."""
+
+    num_k_heads: int = 16
+    num_v_heads: int = 32
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_kernel: int = 4
+    dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
+    chunk_size: int = 64
+
+    kind = "gated_deltanet"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"gated_deltanet: num_v_heads={self.num_v_heads} must be a multiple "
+                             f"of num_k_heads={self.num_k_heads}")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+@dataclass(frozen=True)
+class Mamba2Spec(StateSpec):
+    """Mamba2 (SSD): ``num_heads`` x ``head_dim`` channels, ``n_groups`` groups of B / C with
+    ``d_state`` each; one convolution over ``[x | B | C]``."""
+
+    num_heads: int = 80
+    head_dim: int = 64
+    d_state: int = 128
+    n_groups: int = 1
+    conv_kernel: int = 4
+    dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
+    chunk_size: int = 256
+
+    kind = "mamba2"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba2: num_heads={self.num_heads} must be a multiple of "
+                             f"n_groups={self.n_groups}")
+
+    @property
+    def conv_dim(self) -> int:
+        return self.num_heads * self.head_dim + 2 * self.n_groups * self.d_state
+
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, self.head_dim, self.d_state)
+
+
+@dataclass(frozen=True)
+class ShortConvSpec(StateSpec):
+    """LFM2's gated short convolution over ``dim`` channels: a conv state only."""
+
+    dim: int = 1024
+    conv_kernel: int = 3
+    dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.bfloat16
+    chunk_size: int = 1
+
+    kind = "short_conv"
+
+    @property
+    def conv_dim(self) -> int:
+        return self.dim

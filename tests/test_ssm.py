@@ -1,0 +1,377 @@
+"""The recurrent-state family: state specs and slots, the step metadata (chunks on absolute
+boundaries), each kind's op against a plain fp64 recurrence written here per request (the
+reference's varlen, slot and initial-state handling is what is under test), over multi-step
+schedules -- decode-only, prefill-only, mixed, chunked prefill resuming mid-chunk and at a
+boundary, one-token prefills, padded batches, permuted slots, NaN-poisoned unused slots --
+opcheck and torch.compile, and the layers against HF transformers' own modules."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn_ops.backends.ssm.conv import causal_conv1d
+from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule, l2norm
+from attn_ops.backends.ssm.mamba2 import mamba2_ssd
+from attn_ops.backends.ssm.metadata import (NULL_STATE_SLOT, build_state_metadata,
+                                            chunk_boundaries)
+from attn_ops.backends.ssm.short_conv import short_conv
+from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvSpec
+from attn_ops.kv_cache import BlockAllocator
+
+F64 = torch.float64
+
+
+# --- slots, specs, metadata --------------------------------------------------------------------
+
+def test_state_slots_come_from_the_block_allocator_and_skip_the_null_slot():
+    alloc = BlockAllocator(8, 4, num_state_slots=3, shuffle=True)
+    for r in "abc":
+        alloc.reserve(r, 5)
+    slots = {r: alloc.state_slot(r) for r in "abc"}
+    assert sorted(slots.values()) == [1, 2, 3] and NULL_STATE_SLOT not in slots.values()
+    with pytest.raises(RuntimeError, match="out of state slots.*num_state_slots"):
+        alloc.reserve("d", 1)
+    alloc.free("b")
+    alloc.reserve("d", 1)
+    assert alloc.state_slot("d") == slots["b"]  # (the freed slot, reused)
+    assert alloc.state_slots(["a", "d"]).tolist() == [slots["a"], slots["b"]]
+    with pytest.raises(KeyError, match="no state slot"):
+        alloc.state_slot("b")
+    assert BlockAllocator(4, 4).num_state_slots == 0
+
+
+def test_specs_declare_their_states_and_reject_bad_values():
+    gdn = GatedDeltaNetSpec(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6)
+    cache = gdn.allocate(3)
+    assert cache.conv.shape == (3, 3, 2 * 2 * 8 + 4 * 6) and cache.conv.dtype == torch.bfloat16
+    assert cache.recurrent.shape == (3, 4, 8, 6) and cache.recurrent.dtype == torch.float32
+    m2 = Mamba2Spec(num_heads=4, head_dim=2, d_state=3, n_groups=2, conv_kernel=3)
+    assert m2.allocate(2).recurrent.shape == (2, 4, 2, 3)
+    assert m2.conv_dim == 4 * 2 + 2 * 2 * 3
+    assert ShortConvSpec(dim=5).allocate(2).recurrent is None
+    # Qwen3-Next's GDN layer: 16 + 16 key heads of 128, 32 value heads of 128 in the conv,
+    # a 32 x 128 x 128 fp32 state
+    assert GatedDeltaNetSpec().state_bytes() == 3 * 8192 * 2 + 32 * 128 * 128 * 4
+    with pytest.raises(ValueError, match="num_v_heads=3 must be a multiple of num_k_heads=2"):
+        GatedDeltaNetSpec(num_k_heads=2, num_v_heads=3)
+    with pytest.raises(ValueError, match="conv_kernel=1 must be >= 2"):
+        ShortConvSpec(conv_kernel=1)
+    with pytest.raises(ValueError, match="chunk_size=48 must be a power of two"):
+        Mamba2Spec(chunk_size=48)
+    with pytest.raises(ValueError, match="null slot 0"):
+        gdn.allocate(1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_chunks_sit_on_absolute_boundaries_of_each_request(chunk):
+    rng = np.random.default_rng(chunk)
+    ctx = rng.integers(0, 3 * chunk + 3, 9)
+    new = rng.integers(0, 3 * chunk + 3, 9)
+    ctx[0], new[0] = chunk, chunk  # resumes exactly at a boundary
+    ctx[1], new[1] = chunk - 1 if chunk > 1 else 0, 1
+    starts, owners, last = chunk_boundaries(ctx, new, chunk)
+    offsets = np.concatenate([[0], np.cumsum(new)])
+    for r in range(9):  # brute force: token i of request r is at position ctx + i
+        pos = ctx[r] + np.arange(new[r])
+        mine = np.flatnonzero(owners == r)
+        got = np.concatenate([np.full(starts[c + 1] - starts[c], c) for c in mine]) \
+            if mine.size else np.zeros(0, int)
+        # tokens share a chunk exactly when their positions share a multiple of `chunk`
+        assert np.array_equal(np.unique(pos // chunk, return_inverse=True)[1],
+                              np.unique(got, return_inverse=True)[1])
+        assert starts[mine[0]] == offsets[r] if mine.size else new[r] == 0
+        assert last[r] == (mine[-1] if mine.size else -1)
+    assert starts[-1] == new.sum()
+
+
+def test_state_metadata_checks_slots_and_flags_initial_states():
+    qsl = torch.tensor([0, 1, 2, 6, 6])
+    meta = build_state_metadata(qsl, np.array([5, 3, 0, 0]), np.array([2, 5, 1, 0]), 4)
+    assert meta.has_initial_state.tolist() == [True, True, False, False]
+    assert meta.num_decodes == 2 and meta.max_query_len == 4
+    assert meta.state_indices.dtype == torch.int32
+    with pytest.raises(ValueError, match="state slot 2 is given to 2 requests"):
+        build_state_metadata(qsl, np.array([5, 3, 0, 0]), np.array([2, 2, 1, 0]), 4)
+    with pytest.raises(ValueError, match="request 1 has tokens but the null state slot 0"):
+        build_state_metadata(qsl, np.array([5, 3, 0, 0]), np.array([2, 0, 1, 3]), 4)
+    with pytest.raises(ValueError, match="context_lens must have one entry per request"):
+        build_state_metadata(qsl, np.array([5, 3]), np.array([2, 5, 1, 0]), 4)
+
+
+# --- the kinds: inputs, the op, and a plain per-request recurrence --------------------------
+
+class Kind:
+    """One layer kind in the op tests: per-token inputs, the op on a step, and the oracle (a
+    plain fp64 recurrence over one request's whole sequence from zero states)."""
+
+    name = ""
+    chunk = 4
+
+    def __init__(self, g: torch.Generator):
+        self.g = g
+
+    def rand(self, *shape, scale=1.0):
+        return torch.randn(*shape, generator=self.g, dtype=F64) * scale
+
+    def run(self, inp, states, m):
+        return type(self).op(*self.args(inp, states, m))
+
+
+class Conv(Kind):
+    name, D, K = "causal_conv1d", 6, 4
+
+    def __init__(self, g):
+        super().__init__(g)
+        self.w, self.b = self.rand(self.D, self.K), self.rand(self.D)
+
+    def tokens(self, n):
+        return {"x": self.rand(n, self.D)}
+
+    def states(self, slots):
+        return [torch.full((slots, self.K - 1, self.D), math.nan, dtype=F64)]
+
+    op = causal_conv1d
+
+    def args(self, inp, states, m):
+        return (inp["x"], self.w, self.b, states[0], m.query_start_loc, m.state_indices,
+                m.has_initial_state, "silu")
+
+    def conv(self, x, w, b, act):
+        y = F.conv1d(x.t()[None], w[:, None, :], b, padding=self.K - 1,
+                     groups=x.shape[1])[0, :, :x.shape[0]].t()
+        return F.silu(y) if act else y
+
+    def last_inputs(self, x):
+        return torch.cat([torch.zeros(self.K - 1, x.shape[1], dtype=F64), x])[-(self.K - 1):]
+
+    def oracle(self, seq):
+        return self.conv(seq["x"], self.w, self.b, True), [self.last_inputs(seq["x"])]
+
+
+class ShortConvKind(Conv):
+    name, D, K = "short_conv", 5, 3
+
+    def tokens(self, n):
+        return {"bcx": self.rand(n, 3 * self.D)}
+
+    op = short_conv
+
+    def args(self, inp, states, m):
+        return (inp["bcx"], self.w, self.b, states[0], m.query_start_loc, m.state_indices,
+                m.has_initial_state)
+
+    def oracle(self, seq):
+        b, c, x = seq["bcx"].chunk(3, dim=1)
+        return c * self.conv(b * x, self.w, self.b, False), [self.last_inputs(b * x)]
+
+
+class GDN(Kind):
+    name, HK, HV, DK, DV = "gated_delta_rule", 2, 4, 5, 3
+
+    def tokens(self, n):
+        return {"q": self.rand(n, self.HK, self.DK), "k": self.rand(n, self.HK, self.DK),
+                "v": self.rand(n, self.HV, self.DV),
+                "g": -F.softplus(self.rand(n, self.HV)),
+                "beta": torch.sigmoid(self.rand(n, self.HV))}
+
+    def states(self, slots):
+        return [torch.full((slots, self.HV, self.DK, self.DV), math.nan, dtype=F64)]
+
+    op = gated_delta_rule
+
+    def args(self, inp, states, m):
+        return (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states[0],
+                m.query_start_loc, m.state_indices, m.has_initial_state, m.max_query_len,
+                self.DK ** -0.5, True)
+
+    def oracle(self, seq):
+        rep = self.HV // self.HK
+        q = l2norm(seq["q"]).repeat_interleave(rep, 1) * self.DK ** -0.5
+        k = l2norm(seq["k"]).repeat_interleave(rep, 1)
+        s = torch.zeros(self.HV, self.DK, self.DV, dtype=F64)
+        out = []
+        for t in range(q.shape[0]):
+            for h in range(self.HV):
+                a = math.exp(seq["g"][t, h])
+                err = seq["v"][t, h] - (a * s[h]).t() @ k[t, h]
+                s[h] = a * s[h] + torch.outer(k[t, h], seq["beta"][t, h] * err)
+            out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+        return torch.stack(out) if out else seq["v"][:0], [s]
+
+
+class Mamba2Kind(Kind):
+    name, H, P, G, N = "mamba2_ssd", 4, 3, 2, 5
+    dt_min, dt_max = 0.01, 2.0
+
+    def __init__(self, g):
+        super().__init__(g)
+        self.A, self.D, self.dt_bias = -self.rand(self.H).exp(), self.rand(self.H), self.rand(self.H)
+
+    def tokens(self, n):
+        return {"x": self.rand(n, self.H, self.P), "dt": self.rand(n, self.H),
+                "B": self.rand(n, self.G, self.N), "C": self.rand(n, self.G, self.N),
+                "z": self.rand(n, self.H, self.P)}
+
+    def states(self, slots):
+        return [torch.full((slots, self.H, self.P, self.N), math.nan, dtype=F64)]
+
+    op = mamba2_ssd
+
+    def args(self, inp, states, m):
+        return (inp["x"], inp["dt"], self.A, inp["B"], inp["C"], self.D, inp["z"],
+                self.dt_bias, states[0], m.query_start_loc, m.state_indices,
+                m.has_initial_state, m.max_query_len, True, self.dt_min, self.dt_max)
+
+    def oracle(self, seq):
+        s = torch.zeros(self.H, self.P, self.N, dtype=F64)
+        out = []
+        for t in range(seq["x"].shape[0]):
+            y = torch.zeros(self.H, self.P, dtype=F64)
+            for h in range(self.H):
+                grp = h // (self.H // self.G)
+                dt = float(F.softplus(seq["dt"][t, h] + self.dt_bias[h]).clamp(self.dt_min,
+                                                                                 self.dt_max))
+                s[h] = math.exp(dt * self.A[h]) * s[h] + dt * torch.outer(seq["x"][t, h],
+                                                                          seq["B"][t, grp])
+                y[h] = (s[h] @ seq["C"][t, grp] + self.D[h] * seq["x"][t, h]) \
+                    * F.silu(seq["z"][t, h])
+            out.append(y)
+        return torch.stack(out) if out else seq["x"][:0], [s]
+
+
+KINDS = {k.name: k for k in (Conv, ShortConvKind, GDN, Mamba2Kind)}
+
+# Schedules: each step lists (request, new tokens); request r's whole length is the sum.
+SCENARIOS = {
+    "prefill_only": [[(0, 7), (1, 3), (2, 1), (3, 12)]],
+    "decode_only": [[(0, 3), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(1, 1), (0, 1)]],
+    "mixed": [[(0, 2), (1, 6)], [(0, 1), (1, 1), (2, 9)], [(2, 1), (0, 1), (1, 4), (3, 5)]],
+    # chunk 4: 5 tokens leave request 0 mid-chunk (position 5), the next 7 top up to 8 first;
+    # request 1 resumes exactly at a boundary
+    "chunked_prefill": [[(0, 5), (1, 4)], [(0, 7), (1, 4)], [(0, 3), (1, 1)]],
+    "one_token_prefill": [[(0, 1), (1, 1)], [(0, 1), (1, 1), (2, 1)], [(2, 6)]],
+}
+
+
+def _run_schedule(kind: Kind, schedule, *, pad_tokens=0, pad_requests=0, num_slots=9,
+                  compiled=False):
+    lengths = {}
+    for step in schedule:
+        for r, n in step:
+            lengths[r] = lengths.get(r, 0) + n
+    seqs = {r: kind.tokens(n) for r, n in sorted(lengths.items())}
+    slots = dict(zip(sorted(lengths), random.Random(len(schedule)).sample(range(1, num_slots),
+                                                                          len(lengths))))
+    states = kind.states(num_slots)
+    done = {r: 0 for r in lengths}
+    outs = {r: [] for r in lengths}
+    run = torch.compile(kind.run, fullgraph=True, dynamic=False) if compiled else kind.run
+    for step in schedule:
+        step = sorted(step, key=lambda e: not (done[e[0]] and e[1] == 1))  # decodes first
+        qsl = [0]
+        parts = {name: [] for name in seqs[step[0][0]]}
+        for r, n in step:
+            for name in parts:
+                parts[name].append(seqs[r][name][done[r]:done[r] + n])
+            qsl.append(qsl[-1] + n)
+        inp = {}
+        for name, chunks in parts.items():
+            x = torch.cat(chunks)
+            pad = torch.full((pad_tokens, *x.shape[1:]), math.nan, dtype=F64)
+            inp[name] = torch.cat([x, pad])  # (padding rows: NaN, must reach nothing)
+        req_slots = [slots[r] for r, _ in step] + [NULL_STATE_SLOT] * pad_requests
+        ctx = [done[r] for r, _ in step] + [0] * pad_requests
+        meta = build_state_metadata(torch.tensor(qsl + [qsl[-1]] * pad_requests),
+                                    np.array(ctx), np.array(req_slots), kind.chunk)
+        y = run(inp, states, meta)
+        assert torch.equal(y[qsl[-1]:], torch.zeros_like(y[qsl[-1]:])), "padding rows"
+        for i, (r, n) in enumerate(step):
+            outs[r].append(y[qsl[i]:qsl[i + 1]])
+            done[r] += n
+    return seqs, slots, states, outs
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_op_matches_the_per_request_recurrence(kind, scenario):
+    k = KINDS[kind](torch.Generator().manual_seed(0))
+    seqs, slots, states, outs = _run_schedule(k, SCENARIOS[scenario])
+    for r, seq in seqs.items():
+        want, want_states = k.oracle(seq)
+        torch.testing.assert_close(torch.cat(outs[r]), want, atol=1e-10, rtol=1e-10)
+        for state, w in zip(states, want_states):
+            torch.testing.assert_close(state[slots[r]], w, atol=1e-10, rtol=1e-10)
+    untouched = sorted(set(range(1, states[0].shape[0])) - set(slots.values()))
+    for state in states:  # nobody's slot is written but its owner's (NaN stays NaN)
+        assert state[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_padded_batches_write_only_the_null_slot(kind):
+    k = KINDS[kind](torch.Generator().manual_seed(1))
+    seqs, slots, states, outs = _run_schedule(k, SCENARIOS["mixed"], pad_tokens=3,
+                                              pad_requests=2)
+    for r, seq in seqs.items():
+        torch.testing.assert_close(torch.cat(outs[r]), k.oracle(seq)[0], atol=1e-10,
+                                   rtol=1e-10)
+    untouched = sorted(set(range(1, states[0].shape[0])) - set(slots.values()))
+    for state in states:
+        assert state[untouched].isnan().all()
+        assert not state[NULL_STATE_SLOT].isnan().any()  # (padding requests wrote zeros there)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_compiled_op_has_no_graph_break_and_matches(kind):
+    k = KINDS[kind](torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    seqs, slots, states, outs = _run_schedule(k, SCENARIOS["decode_only"], compiled=True)
+    for r, seq in seqs.items():
+        torch.testing.assert_close(torch.cat(outs[r]), k.oracle(seq)[0], atol=1e-10,
+                                   rtol=1e-10)
+
+
+def _opcheck_args(kind: Kind):
+    seqs = {r: kind.tokens(n) for r, n in ((0, 1), (1, 3))}
+    inp = {name: torch.cat([seqs[0][name], seqs[1][name]]) for name in seqs[0]}
+    states = [torch.randn(s.shape, dtype=F64) for s in kind.states(4)]
+    meta = build_state_metadata(torch.tensor([0, 1, 4]), np.array([2, 0]), np.array([3, 1]),
+                                kind.chunk)
+    return inp, states, meta
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_opcheck(kind):
+    k = KINDS[kind](torch.Generator().manual_seed(3))
+    torch.library.opcheck(type(k).op, k.args(*_opcheck_args(k)))
+
+
+def test_ops_reject_bad_inputs_naming_the_value():
+    x, w = torch.randn(4, 6), torch.randn(6, 3)
+    state = torch.zeros(3, 2, 6)
+    qsl, slots, init = torch.tensor([0, 4]), torch.tensor([1]), torch.tensor([False])
+    with pytest.raises(ValueError, match=r"conv_state must be \[num_slots, kernel - 1 = 2"):
+        causal_conv1d(x, w, None, torch.zeros(3, 3, 6), qsl, slots, init, "silu")
+    with pytest.raises(ValueError, match="activation='gelu' must be one of"):
+        causal_conv1d(x, w, None, state, qsl, slots, init, "gelu")
+    with pytest.raises(ValueError, match="has_initial_state must be bool"):
+        causal_conv1d(x, w, None, state, qsl, slots, torch.tensor([0]), "silu")
+    q = torch.randn(4, 2, 5)
+    with pytest.raises(ValueError, match="num_v_heads=3 must be a multiple of num_k_heads=2"):
+        gated_delta_rule(q, q, torch.randn(4, 3, 2), torch.randn(4, 3), torch.randn(4, 3),
+                         torch.zeros(2, 3, 5, 2), qsl, slots, init, 4, 1.0, True)
+    with pytest.raises(ValueError, match=r"g must be \[num_tokens=4, num_v_heads=4\]"):
+        gated_delta_rule(q, q, torch.randn(4, 4, 2), torch.randn(4, 2), torch.randn(4, 4),
+                         torch.zeros(2, 4, 5, 2), qsl, slots, init, 4, 1.0, True)
+    with pytest.raises(ValueError, match=r"state must be \[num_slots, num_heads=2, head_dim=3, "
+                                         r"d_state=5\]"):
+        mamba2_ssd(torch.randn(4, 2, 3), torch.randn(4, 2), torch.randn(2), torch.randn(4, 1, 5),
+                   torch.randn(4, 1, 5), None, None, None, torch.zeros(2, 2, 3, 4), qsl, slots,
+                   init, 4, True, 0.0, math.inf)
+    with pytest.raises(ValueError, match=r"bcx must be \[num_tokens, 3 \* dim\]"):
+        short_conv(torch.randn(4, 7), w, None, state, qsl, slots, init)
