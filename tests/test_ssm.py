@@ -375,3 +375,91 @@ def test_ops_reject_bad_inputs_naming_the_value():
                    init, 4, True, 0.0, math.inf)
     with pytest.raises(ValueError, match=r"bcx must be \[num_tokens, 3 \* dim\]"):
         short_conv(torch.randn(4, 7), w, None, state, qsl, slots, init)
+
+
+# --- the layers against HF transformers' modules -----------------------------------------------
+
+def _hf_gdn():
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    cfg = Qwen3NextConfig(hidden_size=24, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=8, linear_value_head_dim=6,
+                          linear_conv_kernel_dim=4, num_hidden_layers=1,
+                          layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    hf = Qwen3NextGatedDeltaNet(cfg, 0)
+    spec = GatedDeltaNetSpec(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6,
+                             conv_kernel=4, dtype=torch.float32, chunk_size=4)
+    return hf, spec
+
+
+def _hf_mamba2():
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
+
+    cfg = Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, expand=2, state_size=5,
+                       n_groups=2, conv_kernel=4, chunk_size=4, num_hidden_layers=1,
+                       time_step_limit=(0.001, 5.0))
+    hf = HFMamba2Mixer(cfg, 0)
+    spec = Mamba2Spec(num_heads=4, head_dim=8, d_state=5, n_groups=2, conv_kernel=4,
+                      dtype=torch.float32, chunk_size=4)
+    return hf, spec
+
+
+def _hf_short_conv():
+    from transformers import Lfm2Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    cfg = Lfm2Config(hidden_size=16, conv_L_cache=3, conv_bias=True, num_hidden_layers=1,
+                     layer_types=["conv"])
+    return Lfm2ShortConv(cfg, 0), ShortConvSpec(dim=16, conv_kernel=3, dtype=torch.float32,
+                                                state_dtype=torch.float32)
+
+
+PEERS = {"gated_deltanet": _hf_gdn, "mamba2": _hf_mamba2, "short_conv": _hf_short_conv}
+LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one token)
+                  [(1, 1), (0, 5), (2, 3)],          # a decode, prefills resuming mid-chunk
+                  [(0, 1), (1, 1), (2, 1)], [(2, 1), (0, 1), (1, 1)]]  # decodes
+
+
+@pytest.mark.parametrize("kind", sorted(PEERS))
+def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(kind):
+    """HF's module on each request's whole sequence at once (its torch path) against our layer
+    fed the same tokens over four steps of mixed batches, its states in permuted slots."""
+    from attn_ops.ssm_layers import GatedDeltaNet, Mamba2Mixer, ShortConv
+
+    torch.manual_seed(0)
+    hf, spec = PEERS[kind]()
+    with torch.no_grad():  # (random weights everywhere, HF's zero / one inits included)
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        if kind == "mamba2":
+            hf.A_log.copy_(torch.randn_like(hf.A_log) * 0.5)
+    hf.eval()
+    ours = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2Mixer,
+            "short_conv": ShortConv}[kind].from_hf(hf, spec)
+    hidden = hf.out_proj.out_features
+    lengths = {}
+    for step in LAYER_SCHEDULE:
+        for r, n in step:
+            lengths[r] = lengths.get(r, 0) + n
+    seqs = {r: torch.randn(n, hidden) for r, n in lengths.items()}
+    with torch.no_grad():
+        want = {r: hf(x[None])[0] for r, x in seqs.items()}
+    states = spec.allocate(6)
+    states.conv.fill_(math.nan)
+    if states.recurrent is not None:
+        states.recurrent.fill_(math.nan)
+    slots, done, got = {0: 4, 1: 2, 2: 5}, dict.fromkeys(lengths, 0), {r: [] for r in lengths}
+    for step in LAYER_SCHEDULE:
+        x = torch.cat([seqs[r][done[r]:done[r] + n] for r, n in step])
+        qsl = np.concatenate([[0], np.cumsum([n for _, n in step])])
+        meta = build_state_metadata(torch.from_numpy(qsl), np.array([done[r] for r, _ in step]),
+                                    np.array([slots[r] for r, _ in step]), spec.chunk_size)
+        with torch.no_grad():
+            y = ours(x, states, meta)
+        for i, (r, n) in enumerate(step):
+            got[r].append(y[qsl[i]:qsl[i + 1]])
+            done[r] += n
+    for r in lengths:
+        torch.testing.assert_close(torch.cat(got[r]), want[r], atol=2e-4, rtol=2e-4)
