@@ -1,0 +1,191 @@
+"""A small hybrid decoder: attention layers (:class:`attn_ops.model.DecoderLayer`) between
+recurrent-state layers (Gated DeltaNet, as Qwen3-Next lays them out, or Mamba2, as the Mamba2
+hybrids do), each recurrent layer a pre-norm mixer then an MLP -- on one allocator, whose
+blocks page the attention layers' KV caches and whose state slots hold the recurrent layers'
+states. Used by the demo, the tests and the benchmarks.
+
+``forward(input_ids [T], positions [T], kv_caches, states, metadata, state_metadata)`` takes a
+step's flattened tokens (decodes first), one KV cache per attention layer and one
+:class:`~attn_ops.backends.ssm.spec.StateCache` per recurrent layer, the attention layers'
+step metadata and the recurrent layers' :class:`~attn_ops.backends.ssm.metadata.StateMetadata`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attn_ops.backends.ssm.metadata import StateMetadata, build_state_metadata
+from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, StateCache
+from attn_ops.kv_cache import BlockAllocator
+from attn_ops.layer import build_step_metadata, step_backends
+from attn_ops.metadata import build_batch
+from attn_ops.model import DecoderLayer, ModelConfig, RMSNorm, rope_cache, shared_block_size
+from attn_ops.selector import AttentionConfig
+from attn_ops.ssm_layers import GatedDeltaNet, Mamba2Mixer
+
+__all__ = ["HybridConfig", "HybridGenerator", "HybridModel"]
+
+
+@dataclass(frozen=True)
+class HybridConfig(ModelConfig):
+    """``ModelConfig`` plus the recurrent layers: ``linear_kind`` (``"gated_deltanet"`` or
+    ``"mamba2"``) and every ``full_attention_every``-th layer (3, 7, ... for 4: Qwen3-Next's
+    3 : 1) an attention layer."""
+
+    linear_kind: str = "gated_deltanet"
+    full_attention_every: int = 4
+    gdn: GatedDeltaNetSpec = GatedDeltaNetSpec(num_k_heads=2, num_v_heads=4, head_k_dim=32,
+                                               head_v_dim=32, dtype=torch.float32)
+    mamba2: Mamba2Spec = Mamba2Spec(num_heads=8, head_dim=32, d_state=16, n_groups=2,
+                                    dtype=torch.float32)
+
+    def __post_init__(self) -> None:
+        if self.linear_kind not in ("gated_deltanet", "mamba2"):
+            raise ValueError(f"linear_kind={self.linear_kind!r} must be 'gated_deltanet' or "
+                             "'mamba2'")
+        if self.full_attention_every < 1:
+            raise ValueError(f"full_attention_every={self.full_attention_every} must be >= 1")
+
+    def is_attention(self, layer: int) -> bool:
+        return layer % self.full_attention_every == self.full_attention_every - 1
+
+    @property
+    def state_spec(self):
+        spec = self.gdn if self.linear_kind == "gated_deltanet" else self.mamba2
+        return dataclasses.replace(spec, dtype=self.dtype)
+
+
+class RecurrentLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        mixer = GatedDeltaNet if cfg.linear_kind == "gated_deltanet" else Mamba2Mixer
+        self.mixer = mixer(cfg.state_spec, h, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, states: StateCache, state_metadata: StateMetadata):
+        x = x + self.mixer(self.input_norm(x), states, state_metadata)
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: HybridConfig, attn_config: AttentionConfig | None = None,
+                 platform=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, attn_config, platform) if cfg.is_attention(i)
+            else RecurrentLayer(cfg) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_position, cfg.rope_theta),
+                             persistent=False)
+        with torch.no_grad():  # (random recurrent parameters: the zero / one inits are inert)
+            for layer in self.recurrent_layers:
+                for name, p in layer.mixer.named_parameters():
+                    if "proj" not in name:
+                        p.copy_(torch.randn_like(p) * 0.3)
+
+    @property
+    def attention_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+    @property
+    def recurrent_layers(self) -> list[RecurrentLayer]:
+        return [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
+
+    @property
+    def block_size(self) -> int:
+        return shared_block_size(self.attention_layers)
+
+    def compile_layers(self, **options) -> HybridModel:
+        """Each layer through ``torch.compile(fullgraph=True)`` (one graph per layer kind)."""
+        for layer in self.layers:
+            layer.compile(**{"fullgraph": True, "dynamic": True, **options})
+        return self
+
+    def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
+        return [layer.attn.allocate_kv_cache(num_blocks, device)
+                for layer in self.attention_layers]
+
+    def allocate_states(self, num_state_slots: int, device=None) -> list[StateCache]:
+        """One state cache per recurrent layer: ``num_state_slots`` request slots + the null
+        slot."""
+        spec = self.cfg.state_spec
+        return [spec.allocate(num_state_slots + 1, device or "cpu")
+                for _ in self.recurrent_layers]
+
+    def forward(self, input_ids, positions, kv_caches, states, metadata, state_metadata):
+        x = self.embed(input_ids)
+        cos_sin = self.rope[positions]
+        caches, recurrent = iter(kv_caches), iter(states)
+        for layer in self.layers:
+            if isinstance(layer, DecoderLayer):
+                x = layer(x, cos_sin, positions, next(caches), metadata)
+            else:
+                x = layer(x, next(recurrent), state_metadata)
+        return self.lm_head(self.norm(x)).float()
+
+
+class HybridGenerator:
+    """Greedy generation over one allocator (KV blocks and state slots), one mixed batch a
+    step, decodes first; ``forward`` is the model or a compiled version of it."""
+
+    def __init__(self, model: HybridModel, num_blocks: int, num_state_slots: int, forward=None,
+                 *, max_model_len: int = 1024, device="cpu") -> None:
+        self.model = model
+        self.backends = step_backends(model)
+        self.forward = model if forward is None else forward
+        self.device = device
+        self.max_blocks_per_req = -(-max_model_len // model.block_size)
+        self.allocator = BlockAllocator(num_blocks, model.block_size, shuffle=True,
+                                        num_state_slots=num_state_slots)
+        self.kv_caches = model.allocate_kv_caches(num_blocks, device)
+        self.states = model.allocate_states(num_state_slots, device)
+        self.requests: dict[int, list] = {}  # request -> [tokens, num_computed]
+
+    def add(self, request_id: int, prompt: list[int]) -> None:
+        self.requests[request_id] = [list(prompt), 0]
+
+    def free(self, request_id: int) -> None:
+        self.requests.pop(request_id)
+        self.allocator.free(request_id)
+
+    @torch.inference_mode()
+    def step(self, max_new_tokens: int | None = None) -> torch.Tensor:
+        """One step over every request (at most ``max_new_tokens`` of a prompt at once: chunked
+        prefill); returns the last-token logits ``[B, vocab]``."""
+        reqs = self.requests
+        todo = {r: len(t) - n for r, (t, n) in reqs.items()}
+        if max_new_tokens is not None:
+            todo = {r: min(n, max_new_tokens) for r, n in todo.items()}
+        ids = sorted(reqs, key=lambda r: not (reqs[r][1] and todo[r] == 1))
+        context = [reqs[r][1] for r in ids]
+        new = [todo[r] for r in ids]
+        meta = build_batch(self.allocator, ids, context, new, device=self.device,
+                           max_blocks_per_req=self.max_blocks_per_req)
+        state_meta = build_state_metadata(meta.query_start_loc_cpu, context,
+                                          self.allocator.state_slots(ids),
+                                          self.model.cfg.state_spec.chunk_size,
+                                          device=self.device)
+        input_ids = torch.tensor([t for r in ids
+                                  for t in reqs[r][0][reqs[r][1]:reqs[r][1] + todo[r]]],
+                                 device=self.device)
+        step = build_step_metadata(self.backends, meta)
+        logits = self.forward(input_ids, meta.positions, self.kv_caches, self.states, step,
+                              state_meta)
+        last = logits[meta.query_start_loc_cpu[1:].long() - 1]
+        for r, n, row in zip(ids, new, last.argmax(-1).tolist()):
+            reqs[r][1] += n
+            if reqs[r][1] == len(reqs[r][0]):
+                reqs[r][0].append(row)
+        return last
