@@ -463,3 +463,85 @@ def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(
             done[r] += n
     for r in lengths:
         torch.testing.assert_close(torch.cat(got[r]), want[r], atol=2e-4, rtol=2e-4)
+
+
+# --- the Triton kernels (GPU; the interpreter here) against the reference ------------------
+
+triton = pytest.importorskip("triton")
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill"])
+def test_triton_kernels_match_the_reference(kind, scenario):
+    """Each op's Triton launch (fp32) against its torch body on the same step, padding rows and
+    a padding request on the null slot included, on the schedule's every step."""
+    from attn_ops.backends.ssm import triton_kernels as tk
+    from attn_ops.backends.ssm.conv import conv_reference
+    from attn_ops.backends.ssm.gated_deltanet import gdn_reference
+    from attn_ops.backends.ssm.mamba2 import mamba2_reference
+
+    k = KINDS[kind](torch.Generator().manual_seed(4))
+    dev = _device()
+    for name, value in vars(k).items():  # (the kind's parameters, in fp32 on the device)
+        if torch.is_tensor(value):
+            setattr(k, name, value.float().to(dev))
+
+    def launch(args):
+        if kind == "causal_conv1d":
+            return tk.conv_triton(*args)
+        if kind == "short_conv":
+            bcx, w, b, st, qsl, slots, init = args
+            bb, c, x = bcx.chunk(3, dim=1)
+            return c * tk.conv_triton(bb * x, w, b, st, qsl, slots, init, "")
+        if kind == "gated_delta_rule":
+            *head, mql, scale, l2 = args
+            return tk.gdn_recurrent_triton(*head, scale, l2)
+        *head, mql, soft, lo, hi = args
+        return tk.ssd_recurrent_triton(*head, soft, lo, hi)
+
+    def reference(args):
+        if kind == "causal_conv1d":
+            return conv_reference(*args)
+        if kind == "short_conv":
+            bcx, w, b, st, qsl, slots, init = args
+            bb, c, x = bcx.chunk(3, dim=1)
+            y, new = conv_reference(bb * x, w, b, st, qsl, slots, init, "")
+            return c * y, new
+        return (gdn_reference if kind == "gated_delta_rule" else mamba2_reference)(*args)
+
+    lengths = {}
+    for step in SCENARIOS[scenario]:
+        for r, n in step:
+            lengths[r] = lengths.get(r, 0) + n
+    seqs = {r: {n_: v.float().to(dev) for n_, v in k.tokens(n).items()}
+            for r, n in lengths.items()}
+    slots = {r: 1 + r for r in lengths}
+    ours = [s.float().to(dev).normal_() for s in k.states(8)]
+    done = dict.fromkeys(lengths, 0)
+    for step in SCENARIOS[scenario]:
+        step = sorted(step, key=lambda e: not (done[e[0]] and e[1] == 1))
+        qsl = np.concatenate([[0], np.cumsum([n for _, n in step])])
+        inp = {name: torch.cat([*(seqs[r][name][done[r]:done[r] + n] for r, n in step),
+                                torch.randn(2, *seqs[step[0][0]][name].shape[1:], device=dev)])
+               for name in seqs[step[0][0]]}
+        meta = build_state_metadata(torch.from_numpy(np.concatenate([qsl, qsl[-1:]])),
+                                    np.array([done[r] for r, _ in step] + [0]),
+                                    np.array([slots[r] for r, _ in step] + [0]), k.chunk,
+                                    device=dev)
+        before = [s.clone() for s in ours]
+        want_y, want_state = reference(k.args(inp, before, meta))
+        got_y = launch(k.args(inp, ours, meta))
+        torch.testing.assert_close(got_y, want_y.float(), atol=1e-5, rtol=1e-5)
+        idx = meta.state_indices.long()
+        torch.testing.assert_close(ours[0][idx[:-1]], want_state[:-1].float(), atol=1e-5,
+                                   rtol=1e-5)
+        others = [s for s in range(8) if s not in idx.tolist()]
+        assert torch.equal(ours[0][others], before[0][others])  # nobody else's slot written
+        for r, n in step:
+            done[r] += n

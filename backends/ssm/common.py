@@ -6,7 +6,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_step", "compute_dtype", "padded_tokens", "token_requests"]
+__all__ = ["check_step", "compute_dtype", "padded_tokens", "token_requests", "use_triton"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op runs its Triton kernels: on GPUs, for 16- and 32-bit inputs (they compute
+    in fp32, so fp64 -- the oracle's precision -- keeps the torch body)."""
+    if not x.is_cuda or x.dtype == torch.float64:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

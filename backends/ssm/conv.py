@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import check_step, compute_dtype, token_requests
+from attn_ops.backends.ssm.common import check_step, compute_dtype, token_requests, use_triton
 from attn_ops.ops import define_op
 
 __all__ = ["ACTIVATIONS", "causal_conv1d", "conv_windows", "conv_reference"]
@@ -103,6 +103,13 @@ def conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
 
 def _impl(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
           activation):
+    if use_triton(x):
+        from attn_ops.backends.ssm.triton_kernels import conv_triton
+
+        _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+               activation)
+        return conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices,
+                           has_initial_state, activation)
     y, new = conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
                             has_initial_state, activation)
     conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))

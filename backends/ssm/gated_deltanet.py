@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens
+from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens, use_triton
 from attn_ops.ops import define_op
 
 __all__ = ["gated_delta_rule", "gdn_reference", "l2norm"]
@@ -87,6 +87,13 @@ def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_i
 
 def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
           max_query_len, scale, qk_l2norm):
+    if use_triton(v):
+        from attn_ops.backends.ssm.triton_kernels import gdn_recurrent_triton
+
+        _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
+               max_query_len)
+        return gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
+                                    has_initial_state, scale, qk_l2norm)
     o, s = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,
                          has_initial_state, max_query_len, scale, qk_l2norm)
     state.index_copy_(0, state_indices.long(), s.to(state.dtype))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens
+from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens, use_triton
 from attn_ops.ops import define_op
 
 __all__ = ["mamba2_reference", "mamba2_ssd"]
@@ -87,6 +87,14 @@ def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, stat
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
           has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+    if use_triton(x):
+        from attn_ops.backends.ssm.triton_kernels import ssd_recurrent_triton
+
+        _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+               has_initial_state, max_query_len)
+        return ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                                    state_indices, has_initial_state, dt_softplus, dt_min,
+                                    dt_max)
     y, s = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, max_query_len, dt_softplus,
                             dt_min, dt_max)

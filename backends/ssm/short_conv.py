@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from attn_ops.backends.ssm.common import use_triton
 from attn_ops.backends.ssm.conv import _check, conv_reference
 from attn_ops.ops import define_op
 
@@ -22,9 +23,16 @@ def _split(bcx: torch.Tensor):
 
 def _impl(bcx, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state):
     b, c, x = _split(bcx)
-    y, new = conv_reference(b * x, weight, bias, conv_state, query_start_loc, state_indices,
-                            has_initial_state, "")
-    conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))
+    if use_triton(bcx):
+        from attn_ops.backends.ssm.triton_kernels import conv_triton
+
+        _check(b, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state, "")
+        y = conv_triton(b * x, weight, bias, conv_state, query_start_loc, state_indices,
+                        has_initial_state, "")
+    else:
+        y, new = conv_reference(b * x, weight, bias, conv_state, query_start_loc, state_indices,
+                                has_initial_state, "")
+        conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))
     real = torch.arange(bcx.shape[0], device=bcx.device) < query_start_loc[-1]
     return torch.where(real[:, None], c.to(y.dtype) * y, 0.0).to(bcx.dtype)
 

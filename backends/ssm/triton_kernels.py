@@ -1,0 +1,250 @@
+"""Triton kernels of the recurrent-state ops on GPUs (on the CPU, Triton's interpreter runs
+them in the tests):
+
+* :func:`conv_kernel` / :func:`conv_state_kernel` -- the causal depthwise convolution, one
+  program per block of tokens and channels (each tap from the batch or from the request's
+  conv state), then each request's last ``K - 1`` inputs into its slot;
+* :func:`gdn_recurrent_kernel` -- the gated delta rule, one program per request, value head and
+  block of value columns, the state block held in registers over the request's tokens: one
+  read and one write of the state per step (a decode's whole cost);
+* :func:`ssd_recurrent_kernel` -- Mamba2's state update the same way, per request, head and
+  block of head channels.
+
+The recurrences step token by token: the decode form, right for any batch (speculative and
+short prefills included); long prefills are their chunked kernels' work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["conv_triton", "gdn_recurrent_triton", "ssd_recurrent_triton"]
+
+
+@triton.jit
+def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, slot_ptr, init_ptr,
+                num_tokens, num_reqs, dim, stride_xt, stride_yt, stride_ss, stride_sk,
+                K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < dim
+    real = offs_t < tl.load(qsl_ptr + num_reqs)  # (rows past the last request's: padding)
+    req = tl.load(req_ptr + offs_t, mask=offs_t < num_tokens, other=0)
+    pos = offs_t - tl.load(qsl_ptr + req, mask=offs_t < num_tokens, other=0)
+    slot = tl.load(slot_ptr + req, mask=offs_t < num_tokens, other=0).to(tl.int64)
+    init = tl.load(init_ptr + req, mask=offs_t < num_tokens, other=0) != 0
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        lag = K - 1 - j
+        p = pos - lag
+        w = tl.load(w_ptr + offs_d * K + j, mask=d_ok, other=0.0).to(tl.float32)
+        in_x = real & (p >= 0)
+        vx = tl.load(x_ptr + (offs_t - lag)[:, None] * stride_xt + offs_d[None, :],
+                     mask=in_x[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        in_s = real & (p < 0) & init
+        vs = tl.load(state_ptr + slot[:, None] * stride_ss + (K - 1 + p)[:, None] * stride_sk
+                     + offs_d[None, :], mask=in_s[:, None] & d_ok[None, :], other=0.0).to(
+                         tl.float32)
+        acc += (vx + vs) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    acc = tl.where(real[:, None], acc, 0.0)
+    tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_d[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=(offs_t < num_tokens)[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def conv_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, dim, stride_xt,
+                      stride_ss, stride_sk, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """Request ``program_id(0)``'s last ``K - 1`` inputs into its slot: the whole block is
+    loaded (old state rows included) before any row is stored."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    d_ok = offs_d < dim
+    k_ok = offs_k < K - 1
+    start = tl.load(qsl_ptr + r)
+    n = tl.load(qsl_ptr + r + 1) - start
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
+    p = n - (K - 1) + offs_k
+    vx = tl.load(x_ptr + (start + p)[:, None] * stride_xt + offs_d[None, :],
+                 mask=(k_ok & (p >= 0))[:, None] & d_ok[None, :], other=0.0)
+    vs = tl.load(state_ptr + slot * stride_ss + (K - 1 + p)[:, None] * stride_sk
+                 + offs_d[None, :], mask=(k_ok & (p < 0) & init)[:, None] & d_ok[None, :],
+                 other=0.0)
+    new = vx.to(tl.float32) + vs.to(tl.float32)
+    tl.store(state_ptr + slot * stride_ss + offs_k[:, None] * stride_sk + offs_d[None, :],
+             new.to(state_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+
+
+def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+                activation) -> torch.Tensor:
+    """``torch.ops.attn.causal_conv1d`` in two launches (inputs already checked by the op)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    t, d = x.shape
+    k = weight.shape[1]
+    y = torch.empty_like(x)
+    b = query_start_loc.shape[0] - 1
+    if t and b:
+        req = torch.searchsorted(query_start_loc[1:].long(),
+                                 torch.arange(t, device=x.device), right=True).clamp_(max=b - 1)
+        block_d = min(triton.next_power_of_2(d), 128)
+        conv_kernel[(triton.cdiv(t, 16), triton.cdiv(d, block_d))](
+            x, weight, bias if bias is not None else weight, conv_state, y, req,
+            query_start_loc, state_indices, has_initial_state, t, b, d, x.stride(0), y.stride(0),
+            conv_state.stride(0), conv_state.stride(1), K=k, HAS_BIAS=bias is not None,
+            SILU=activation == "silu", BLOCK_T=16, BLOCK_D=block_d)
+    elif t:
+        y.zero_()
+    if b:
+        block_d = min(triton.next_power_of_2(d), 256)
+        conv_state_kernel[(b, triton.cdiv(d, block_d))](
+            x, conv_state, query_start_loc, state_indices, has_initial_state, d, x.stride(0),
+            conv_state.stride(0), conv_state.stride(1), K=k,
+            BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
+    return y
+
+
+@triton.jit
+def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
+                         slot_ptr, init_ptr, scale, stride_qt, stride_qh, stride_vt, stride_vh,
+                         stride_gt, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+                         GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+    r = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    start = tl.load(qsl_ptr + r)
+    end = tl.load(qsl_ptr + r + 1)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk \
+        + offs_v[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
+                    other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=v_ok,
+                    other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
+        beta = tl.load(beta_ptr + t * stride_gt + hv).to(tl.float32)
+        s = s * decay
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
+                 mask=v_ok)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
+                         has_initial_state, scale, qk_l2norm) -> torch.Tensor:
+    """``torch.ops.attn.gated_delta_rule`` token by token (inputs already checked)."""
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    if k.stride() != q.stride():
+        k = k.contiguous()
+        q = q.contiguous()
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.zeros_like(v)  # (padding rows: no program writes them)
+    b = query_start_loc.shape[0] - 1
+    if b == 0:
+        return out
+    block_v = min(triton.next_power_of_2(dv), 32)
+    gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), state.stride(0),
+        state.stride(1), state.stride(2), out.stride(0), out.stride(1), GROUP=hv // hk, DK=dk,
+        DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
+        num_warps=4)
+    return out
+
+
+@triton.jit
+def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, state_ptr,
+                         y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max, stride_xt,
+                         stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
+                         stride_sp, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
+                         N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                         SOFTPLUS: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    grp = h // HEADS_PER_GROUP
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    p_ok = offs_p < P
+    n_ok = offs_n < N
+    start = tl.load(qsl_ptr + r)
+    end = tl.load(qsl_ptr + r + 1)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r + offs_p * 0) != 0  # (a vector: scalar masks fail interpreted)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_p[:, None] * stride_sp \
+        + offs_n[None, :]
+    s_mask = p_ok[:, None] & n_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    for t in range(start, end):
+        dt = tl.load(dt_ptr + t * stride_dtt + h).to(tl.float32) + dt_bias
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        x = tl.load(x_ptr + t * stride_xt + h * stride_xh + offs_p, mask=p_ok,
+                    other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + t * stride_bt + grp * stride_bg + offs_n, mask=n_ok,
+                     other=0.0).to(tl.float32)
+        cc = tl.load(c_ptr + t * stride_bt + grp * stride_bg + offs_n, mask=n_ok,
+                     other=0.0).to(tl.float32)
+        s = s * tl.exp(dt * a) + (dt * x)[:, None] * bb[None, :]
+        y = tl.sum(s * cc[None, :], axis=1) + d_skip * x
+        if HAS_Z:
+            z = tl.load(z_ptr + t * stride_xt + h * stride_xh + offs_p, mask=p_ok,
+                        other=0.0).to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + t * stride_xt + h * stride_xh + offs_p, y.to(y_ptr.dtype.element_ty),
+                 mask=p_ok)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                         has_initial_state, dt_softplus, dt_min, dt_max) -> torch.Tensor:
+    """``torch.ops.attn.mamba2_ssd`` token by token (inputs already checked)."""
+    x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
+    z = z.contiguous() if z is not None else None
+    t, h, p = x.shape
+    g, n = B.shape[1:]
+    y = torch.zeros_like(x)
+    b = query_start_loc.shape[0] - 1
+    if b == 0:
+        return y
+    block_p = min(triton.next_power_of_2(p), 32)
+    ssd_recurrent_kernel[(b, h, triton.cdiv(p, block_p))](
+        x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
+        dt_bias if dt_bias is not None else A, state, y, query_start_loc, state_indices,
+        has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)), x.stride(0), x.stride(1),
+        dt.stride(0), B.stride(0), B.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), HEADS_PER_GROUP=h // g, P=p, N=n, BLOCK_P=block_p,
+        BLOCK_N=triton.next_power_of_2(n), HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, num_warps=4)
+    return y
