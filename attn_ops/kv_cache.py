@@ -232,24 +232,28 @@ class BlockAllocator:
     request takes one of ``1..num_state_slots`` with its first blocks and gives it back with
     them. States are slots, not blocks: a state is a request's whole history (a 1 MiB GDN
     state does not shrink with a page), so slots per block would size every state layer by
-    the KV pool. Each request's
+    the KV pool. ``state_slots_per_request`` ``1 + K`` gives each request a slot per position of
+    a speculative decode of ``K`` drafts (the state after each, until acceptance picks one). Each request's
     blocks are also kept as a row of a numpy table, written as blocks are added, so a step's
     block table is one gather (:meth:`block_table`), not a conversion of every block id from
     Python (which cost ~0.3 ms for 64 requests of 2k tokens).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, shuffle: bool = False,
-                 seed: int = 0, num_state_slots: int = 0) -> None:
+                 seed: int = 0, num_state_slots: int = 0,
+                 state_slots_per_request: int = 1) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
-        if num_state_slots < 0:
-            raise ValueError(f"num_state_slots={num_state_slots} must be >= 0")
+        if num_state_slots < 0 or state_slots_per_request < 1:
+            raise ValueError(f"num_state_slots={num_state_slots} must be >= 0 and "
+                             f"state_slots_per_request={state_slots_per_request} >= 1")
+        self.state_slots_per_request = state_slots_per_request
         self.num_blocks = num_blocks
         self.num_state_slots = num_state_slots
         self._free_states = list(range(num_state_slots, 0, -1))
         if shuffle:
             random.Random(seed + 1).shuffle(self._free_states)
-        self._states: dict[object, int] = {}
+        self._states: dict[object, list[int]] = {}
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         if shuffle:
@@ -270,14 +274,16 @@ class BlockAllocator:
         """Make sure ``request_id`` owns enough blocks for ``num_tokens`` tokens in total."""
         owned = self._blocks.get(request_id)
         if owned is None:
-            if self.num_state_slots and not self._free_states:
-                raise RuntimeError(f"out of state slots: request {request_id!r} needs one, all "
-                                   f"{self.num_state_slots} are taken; allocate more "
-                                   "(num_state_slots >= the most requests running at once)")
+            per = self.state_slots_per_request
+            if self.num_state_slots and len(self._free_states) < per:
+                raise RuntimeError(f"out of state slots: request {request_id!r} needs {per}, "
+                                   f"{len(self._free_states)} of {self.num_state_slots} are "
+                                   "free; allocate more (num_state_slots >= the most requests "
+                                   "running at once x state_slots_per_request)")
             owned = self._blocks[request_id] = []
             self._rows[request_id] = self._free_rows.pop() if self._free_rows else len(self._rows)
             if self.num_state_slots:
-                self._states[request_id] = self._free_states.pop()
+                self._states[request_id] = [self._free_states.pop() for _ in range(per)]
         needed = -(-num_tokens // self.block_size) - len(owned)
         if needed <= 0:
             return owned
@@ -310,25 +316,32 @@ class BlockAllocator:
         table[:, :self._table.shape[1]] = self._table[rows]
         return table
 
-    def state_slot(self, request_id: object) -> int:
-        """The request's recurrent-state slot (``1..num_state_slots``; 0 is the null slot)."""
-        slot = self._states.get(request_id)
-        if slot is None:
+    def request_state_slots(self, request_id: object) -> list[int]:
+        """The request's ``state_slots_per_request`` slots (``1..num_state_slots``; 0 is the
+        null slot)."""
+        slots = self._states.get(request_id)
+        if slots is None:
             raise KeyError(f"request {request_id!r} has no state slot: reserve it first, with "
                            "an allocator made with num_state_slots > 0")
-        return slot
+        return slots
+
+    def state_slot(self, request_id: object) -> int:
+        """The request's (first) recurrent-state slot."""
+        return self.request_state_slots(request_id)[0]
 
     def state_slots(self, request_ids) -> np.ndarray:
-        """``[len(request_ids)]`` int32 state slots of these requests."""
-        return np.fromiter((self.state_slot(r) for r in request_ids), dtype=np.int32,
-                           count=len(request_ids))
+        """int32 state slots of these requests: ``[B]``, or ``[B, state_slots_per_request]``
+        where requests own several."""
+        table = np.array([self.request_state_slots(r) for r in request_ids],
+                         dtype=np.int32).reshape(len(request_ids), self.state_slots_per_request)
+        return table[:, 0] if self.state_slots_per_request == 1 else table
 
     def free(self, request_id: object) -> None:
         owned = self._blocks.pop(request_id, None)
         if owned is None:
             return
         if request_id in self._states:
-            self._free_states.append(self._states.pop(request_id))
+            self._free_states.extend(reversed(self._states.pop(request_id)))
         self._free.extend(reversed(owned))
         row = self._rows.pop(request_id)
         self._table[row, :len(owned)] = 0

@@ -511,8 +511,8 @@ def test_triton_kernels_match_the_reference(kind, scenario):
         if kind == "short_conv":
             bcx, w, b, st, qsl, slots, init = args
             bb, c, x = bcx.chunk(3, dim=1)
-            y, new = conv_reference(bb * x, w, b, st, qsl, slots, init, "")
-            return c * y, new
+            y, new, where = conv_reference(bb * x, w, b, st, qsl, slots, init, "")
+            return c * y, new, where
         return (gdn_reference if kind == "gated_delta_rule" else mamba2_reference)(*args)
 
     lengths = {}
@@ -535,13 +535,55 @@ def test_triton_kernels_match_the_reference(kind, scenario):
                                     np.array([slots[r] for r, _ in step] + [0]), k.chunk,
                                     device=dev)
         before = [s.clone() for s in ours]
-        want_y, want_state = reference(k.args(inp, before, meta))
+        want_y, want_state, where = reference(k.args(inp, before, meta))
         got_y = launch(k.args(inp, ours, meta))
         torch.testing.assert_close(got_y, want_y.float(), atol=1e-5, rtol=1e-5)
         idx = meta.state_indices.long()
-        torch.testing.assert_close(ours[0][idx[:-1]], want_state[:-1].float(), atol=1e-5,
+        mine = where != NULL_STATE_SLOT
+        torch.testing.assert_close(ours[0][where[mine]], want_state[mine].float(), atol=1e-5,
                                    rtol=1e-5)
         others = [s for s in range(8) if s not in idx.tolist()]
         assert torch.equal(ours[0][others], before[0][others])  # nobody else's slot written
         for r, n in step:
             done[r] += n
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_speculative_decodes_continue_from_the_accepted_position(kind):
+    """Each request owns 1 + K = 3 slots: a prefill leaves its final state in the last, each
+    speculative step writes the state after every draft position, and the next step continues
+    from the position acceptance kept -- the kept tokens' outputs and the final states are the
+    plain recurrence's over the accepted sequence. One request accepts everything, one only
+    the first token, one alternates."""
+    k = KINDS[kind](torch.Generator().manual_seed(5))
+    spec_len, slots = 3, np.array([[2, 5, 7], [1, 8, 3], [6, 4, 9]])
+    accept = {0: [3, 3, 3], 1: [1, 1, 1], 2: [1, 3, 2]}
+    prompts = {0: 6, 1: 2, 2: 1}
+    kept = {r: k.tokens(n) for r, n in prompts.items()}  # the accepted sequence so far
+    states = k.states(10)
+    got = {r: [] for r in prompts}
+    done = dict.fromkeys(prompts, 0)
+    last_accepted = dict.fromkeys(prompts, 1)
+    steps = [prompts] + [{r: spec_len for r in prompts}] * 3
+    for s, step in enumerate(steps):
+        new = {r: kept[r] if s == 0 else k.tokens(n) for r, n in step.items()}
+        qsl = np.concatenate([[0], np.cumsum([step[r] for r in prompts])])
+        inp = {name: torch.cat([new[r][name] for r in prompts]) for name in new[0]}
+        meta = build_state_metadata(torch.from_numpy(qsl), np.array([done[r] for r in prompts]),
+                                    slots, k.chunk,
+                                    num_accepted_tokens=np.array([last_accepted[r]
+                                                                  for r in prompts]))
+        y = k.run(inp, states, meta)
+        for i, r in enumerate(prompts):
+            a = step[r] if s == 0 else accept[r][s - 1]
+            got[r].append(y[qsl[i]:qsl[i] + a])
+            if s:
+                kept[r] = {name: torch.cat([kept[r][name], new[r][name][:a]]) for name in kept[r]}
+            done[r] += a
+            last_accepted[r] = a
+    for i, r in enumerate(prompts):
+        want, want_states = k.oracle(kept[r])
+        torch.testing.assert_close(torch.cat(got[r]), want, atol=1e-10, rtol=1e-10)
+        slot = slots[i][min(last_accepted[r], spec_len) - 1]
+        for state, w in zip(states, want_states):
+            torch.testing.assert_close(state[slot], w, atol=1e-10, rtol=1e-10)

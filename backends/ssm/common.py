@@ -6,7 +6,28 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_step", "compute_dtype", "padded_tokens", "token_requests", "use_triton"]
+__all__ = ["check_step", "compute_dtype", "padded_tokens", "split_slots", "step_writes",
+           "token_requests", "use_triton"]
+
+
+def split_slots(state_indices: torch.Tensor):
+    """``(read, writes)`` of ``state_indices``: ``[B]`` -- each request reads and writes its
+    final state at one slot (``writes`` None); ``[B, 1 + W]`` (speculative decoding) -- it
+    reads column 0 (the slot of its last accepted position) and writes its state after its
+    ``i``-th new token to column ``1 + min(i, W - 1)``: a decode of ``1 + K <= W`` tokens keeps
+    the state of every position, a longer request (a prefill, ``W = 1``) its final state."""
+    idx = state_indices.long()
+    if idx.dim() == 1:
+        return idx, None
+    return idx[:, 0], idx[:, 1:]
+
+
+def step_writes(writes: torch.Tensor, lens: torch.Tensor, i: int) -> torch.Tensor:
+    """``[B]``: where the state after each request's ``i``-th new token goes (see
+    :func:`split_slots`; the null slot 0 where it is not kept)."""
+    w = writes.shape[1]
+    kept = (lens > i) & ((i < w - 1) | (lens == i + 1))
+    return torch.where(kept, writes[:, min(i, w - 1)], 0)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -28,11 +49,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def check_step(op: str, num_tokens: int, query_start_loc, state_indices, has_initial_state,
                state: torch.Tensor, state_name: str) -> None:
-    b = state_indices.shape[0] if state_indices.dim() == 1 else -1
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1:
+    b = state_indices.shape[0] if state_indices.dim() in (1, 2) else -1
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1 or (
+            state_indices.dim() == 2 and state_indices.shape[1] < 2):
         raise ValueError(f"{op}: query_start_loc must be [num_reqs + 1] and state_indices "
-                         f"[num_reqs], got {tuple(query_start_loc.shape)} and "
-                         f"{tuple(state_indices.shape)}")
+                         f"[num_reqs] (or [num_reqs, 1 + tokens] with speculative decodes), got "
+                         f"{tuple(query_start_loc.shape)} and {tuple(state_indices.shape)}")
     if has_initial_state.shape != (b,) or has_initial_state.dtype != torch.bool:
         raise ValueError(f"{op}: has_initial_state must be bool [num_reqs={b}], got "
                          f"{has_initial_state.dtype} {tuple(has_initial_state.shape)}")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import check_step, compute_dtype, token_requests, use_triton
+from attn_ops.backends.ssm.common import (check_step, compute_dtype, split_slots, step_writes,
+                                          token_requests, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["ACTIVATIONS", "causal_conv1d", "conv_windows", "conv_reference"]
@@ -55,7 +56,7 @@ def conv_windows(x, conv_state, query_start_loc, state_indices, has_initial_stat
     p = pos[:, None] - lags[None, :]  # [T, K]: position of each window entry in the request
     rows = (torch.arange(t, device=x.device)[:, None] - lags[None, :]).clamp(min=0)
     from_x = x.to(dtype)[rows]  # [T, K, D]
-    states = conv_state[state_indices.long()].to(dtype)  # [B, K - 1, D]
+    states = conv_state[split_slots(state_indices)[0]].to(dtype)  # [B, K - 1, D]
     idx = (kernel - 1 + p).clamp(0, kernel - 2)
     from_state = states[req[:, None], idx]  # [T, K, D]
     init = has_initial_state[req][:, None, None]
@@ -64,15 +65,14 @@ def conv_windows(x, conv_state, query_start_loc, state_indices, has_initial_stat
     return window, real
 
 
-def _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state, kernel):
-    """``[B, K - 1, D]``: each request's last ``K - 1`` inputs after this step."""
+def _states_after(x, states, query_start_loc, has_initial_state, kernel, ends):
+    """``[B, K - 1, D]``: each request's last ``K - 1`` inputs after its first ``ends`` new
+    tokens, from ``states`` (its conv states read before the step, compute dtype)."""
     dtype = compute_dtype(x)
     qsl = query_start_loc.long()
-    lens = qsl[1:] - qsl[:-1]
     i = torch.arange(kernel - 1, device=x.device)
-    p = lens[:, None] - (kernel - 1) + i[None, :]  # [B, K - 1]
+    p = ends[:, None] - (kernel - 1) + i[None, :]  # [B, K - 1]
     from_x = x.to(dtype)[(qsl[:-1, None] + p).clamp(0, max(x.shape[0] - 1, 0))]
-    states = conv_state[state_indices.long()].to(dtype)
     from_state = states.gather(1, (kernel - 1 + p).clamp(0, kernel - 2)[..., None].expand(
         -1, -1, x.shape[1]))
     init = has_initial_state[:, None, None]
@@ -80,15 +80,35 @@ def _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state
                        torch.where(init, from_state, torch.zeros_like(from_state)))
 
 
+def _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state, kernel):
+    """``(states [N, K - 1, D], slots [N])``: the conv states this step writes and where."""
+    read, writes = split_slots(state_indices)
+    states = conv_state[read].to(compute_dtype(x))
+    qsl = query_start_loc.long()
+    lens = qsl[1:] - qsl[:-1]
+    if writes is None:
+        return _states_after(x, states, query_start_loc, has_initial_state, kernel, lens), read
+    w = writes.shape[1]
+    new = [_states_after(x, states, query_start_loc, has_initial_state, kernel,
+                         torch.clamp(lens, max=i + 1)) for i in range(w - 1)]
+    slots = [step_writes(writes, lens, i) for i in range(w - 1)]
+    new.append(_states_after(x, states, query_start_loc, has_initial_state, kernel, lens))
+    slots.append(torch.where(lens >= w, writes[:, w - 1], 0))  # (the final state of longer ones)
+    return torch.cat(new), torch.cat(slots)
+
+
 def conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
                    has_initial_state, activation):
-    """The op's torch body, returning ``(y, new_states)`` in the compute dtype (no writes)."""
+    """The op's torch body, returning ``(y, states, slots)`` in the compute dtype: the output
+    and the conv states the step writes at ``slots`` (nothing written here)."""
     _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
            activation)
     kernel = weight.shape[1]
     dtype = compute_dtype(x)
     if x.shape[0] == 0:
-        return x.new_zeros(0, x.shape[1], dtype=dtype), conv_state[state_indices.long()].to(dtype)
+        return (x.new_zeros(0, x.shape[1], dtype=dtype),
+                *_new_states(x, conv_state, query_start_loc, state_indices, has_initial_state,
+                             kernel))
     window, real = conv_windows(x, conv_state, query_start_loc, state_indices,
                                 has_initial_state, kernel)
     y = (window * weight.to(dtype).t()[None]).sum(1)
@@ -97,8 +117,8 @@ def conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
     if activation == "silu":
         y = F.silu(y)
     y = torch.where(real[:, None], y, torch.zeros_like(y))
-    return y, _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state,
-                          kernel)
+    return (y, *_new_states(x, conv_state, query_start_loc, state_indices, has_initial_state,
+                            kernel))
 
 
 def _impl(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
@@ -110,9 +130,9 @@ def _impl(x, weight, bias, conv_state, query_start_loc, state_indices, has_initi
                activation)
         return conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices,
                            has_initial_state, activation)
-    y, new = conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
-                            has_initial_state, activation)
-    conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))
+    y, new, slots = conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
+                                   has_initial_state, activation)
+    conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
     return y.to(x.dtype)
 
 

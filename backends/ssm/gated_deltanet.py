@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens, use_triton
+from attn_ops.backends.ssm.common import (check_step, compute_dtype, padded_tokens, split_slots,
+                                          step_writes, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["gated_delta_rule", "gdn_reference", "l2norm"]
@@ -55,8 +56,8 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_
 
 def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
                   max_query_len, scale, qk_l2norm):
-    """The op's torch body, returning ``(o, final_states)`` in the compute dtype (no
-    writes)."""
+    """The op's torch body, returning ``(o, states, slots)`` in the compute dtype: the output
+    and the states the step writes at ``slots`` (nothing written here)."""
     _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
            max_query_len)
     dtype = compute_dtype(v)
@@ -69,10 +70,13 @@ def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_i
     if hv != hk:
         q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
     init = has_initial_state[:, None, None, None]
-    s = state[state_indices.long()].to(dtype)
+    read, writes = split_slots(state_indices)
+    s = state[read].to(dtype)
     s = torch.where(init, s, torch.zeros_like(s))  # [B, Hv, Dk, Dv]
     out = v.new_zeros(t + 1, hv, v.shape[2])  # (row t: where steps without a token write)
     rows, valid = padded_tokens(query_start_loc, max_query_len)
+    lens = valid.sum(1)
+    written, slots = [], []
     for i in range(max_query_len):
         r, ok = rows[:, i], valid[:, i]
         decayed = s * g[r].exp()[..., None, None]
@@ -82,7 +86,12 @@ def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_i
         s = torch.where(ok[:, None, None, None], updated, s)
         o = (s * q[r][..., None]).sum(-2)
         out.index_copy_(0, torch.where(ok, r, t), o)
-    return out[:t], s
+        if writes is not None:
+            written.append(s)
+            slots.append(step_writes(writes, lens, i))
+    if writes is None:
+        return out[:t], s, read
+    return out[:t], torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
 
 
 def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
@@ -94,9 +103,9 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
                max_query_len)
         return gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                     has_initial_state, scale, qk_l2norm)
-    o, s = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,
-                         has_initial_state, max_query_len, scale, qk_l2norm)
-    state.index_copy_(0, state_indices.long(), s.to(state.dtype))
+    o, s, slots = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,
+                                has_initial_state, max_query_len, scale, qk_l2norm)
+    state.index_copy_(0, slots, s.to(state.dtype))
     return o.to(v.dtype)
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import check_step, compute_dtype, padded_tokens, use_triton
+from attn_ops.backends.ssm.common import (check_step, compute_dtype, padded_tokens, split_slots,
+                                          step_writes, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["mamba2_reference", "mamba2_ssd"]
@@ -51,8 +52,8 @@ def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
 
 def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                      has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
-    """The op's torch body, returning ``(y, final_states)`` in the compute dtype (no
-    writes)."""
+    """The op's torch body, returning ``(y, states, slots)`` in the compute dtype: the output
+    and the states the step writes at ``slots`` (nothing written here)."""
     _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
     dtype = compute_dtype(x)
@@ -66,23 +67,32 @@ def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, stat
     dt = dt.clamp(dt_min, dt_max)
     B, C = (u.repeat_interleave(rep, dim=1) for u in (B, C))  # [T, H, N]
     init = has_initial_state[:, None, None, None]
-    s = state[state_indices.long()].to(dtype)
+    read, writes = split_slots(state_indices)
+    s = state[read].to(dtype)
     s = torch.where(init, s, torch.zeros_like(s))  # [B, H, P, N]
     out = x.new_zeros(t + 1, h, x.shape[2])
     rows, valid = padded_tokens(query_start_loc, max_query_len)
+    lens = valid.sum(1)
+    written, slots = [], []
     for i in range(max_query_len):
         r, ok = rows[:, i], valid[:, i]
         decay = (dt[r] * A).exp()[..., None, None]
         updated = s * decay + (dt[r][..., None] * x[r])[..., None] * B[r][:, :, None, :]
         s = torch.where(ok[:, None, None, None], updated, s)
         out.index_copy_(0, torch.where(ok, r, t), (s * C[r][:, :, None, :]).sum(-1))
+        if writes is not None:
+            written.append(s)
+            slots.append(step_writes(writes, lens, i))
     y = out[:t]
     if D is not None:
         y = y + D.to(dtype)[:, None] * x
     if z is not None:
         y = y * F.silu(z.to(dtype))
     rows_real = torch.arange(t, device=x.device) < query_start_loc[-1]
-    return torch.where(rows_real[:, None, None], y, torch.zeros_like(y)), s
+    y = torch.where(rows_real[:, None, None], y, torch.zeros_like(y))
+    if writes is None:
+        return y, s, read
+    return y, torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
 
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
@@ -95,10 +105,10 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
         return ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                                     state_indices, has_initial_state, dt_softplus, dt_min,
                                     dt_max)
-    y, s = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
-                            state_indices, has_initial_state, max_query_len, dt_softplus,
-                            dt_min, dt_max)
-    state.index_copy_(0, state_indices.long(), s.to(state.dtype))
+    y, s, slots = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                                   state_indices, has_initial_state, max_query_len, dt_softplus,
+                                   dt_min, dt_max)
+    state.index_copy_(0, slots, s.to(state.dtype))
     return y.to(x.dtype)
 
 

@@ -3,7 +3,10 @@ by every state layer of a hybrid model (as :class:`~attn_ops.metadata.CommonAtte
 is by its attention layers).
 
 * ``state_indices`` ``[B]`` int32: each request's state slot (the allocator's; padding
-  requests the null slot 0, which no request owns);
+  requests the null slot 0, which no request owns); with speculative decoding ``[B, 1 + S]``:
+  the slot to continue from (of the previous step's last accepted position), then the
+  request's ``S`` slots, which receive the state after each new token
+  (:func:`~attn_ops.backends.ssm.common.split_slots`);
 * ``has_initial_state`` ``[B]`` bool: the request has computed tokens, so its conv and
   recurrent states are read; else it starts from zeros (the slot's old contents are never
   read, whoever left them);
@@ -72,15 +75,35 @@ class StateMetadata:
 def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.ndarray,
                          state_slots: np.ndarray, chunk_size: int, *,
                          device: torch.device | str = "cpu",
-                         num_decodes: int | None = None) -> StateMetadata:
+                         num_decodes: int | None = None,
+                         num_accepted_tokens: np.ndarray | None = None) -> StateMetadata:
     """The state metadata of a step: ``query_start_loc_cpu`` ``[B + 1]`` and ``context_lens``
-    ``[B]`` of its requests, ``state_slots`` ``[B]`` their slots (0 for padding requests).
-    Raises ``ValueError`` naming the request when a value is out of range."""
+    ``[B]`` of its requests, ``state_slots`` ``[B]`` their slots (0 for padding requests) --
+    or ``[B, S]`` (:attr:`BlockAllocator.state_slots_per_request` ``S``) with
+    ``num_accepted_tokens`` ``[B]``: how many of each request's new tokens of the previous step
+    were kept, whose state (at slot ``min(accepted, S) - 1`` of the request's) this step
+    continues from. Raises ``ValueError`` naming the request when a value is out of range."""
     qsl = query_start_loc_cpu.numpy().astype(np.int64)
     query_lens = qsl[1:] - qsl[:-1]
     context_lens = np.asarray(context_lens, dtype=np.int64)
-    slots = np.asarray(state_slots, dtype=np.int64)
+    table = np.asarray(state_slots, dtype=np.int64)
     n = query_lens.shape[0]
+    if table.ndim == 2:
+        if num_accepted_tokens is None:
+            raise ValueError("state_slots [num_reqs, S] (several slots a request) needs "
+                             "num_accepted_tokens [num_reqs]: which slot each continues from")
+        accepted = np.asarray(num_accepted_tokens, dtype=np.int64)
+        if accepted.shape != (n,) or ((accepted < 1) & (context_lens > 0)).any():
+            raise ValueError(f"num_accepted_tokens must be [num_reqs={n}], >= 1 for requests "
+                             f"with context, got {accepted.tolist()}")
+        col = np.clip(accepted, 1, table.shape[1]) - 1
+        read = table[np.arange(n), col] if n else table[:, 0]
+        slots = table[:, 0]
+    elif num_accepted_tokens is not None:
+        raise ValueError("num_accepted_tokens needs state_slots [num_reqs, S] (a slot per "
+                         "speculative position: BlockAllocator(state_slots_per_request=1 + K))")
+    else:
+        slots = table
     for name, arr in (("context_lens", context_lens), ("state_slots", slots)):
         if arr.shape != (n,):
             raise ValueError(f"{name} must have one entry per request ({n}), got shape "
@@ -91,7 +114,8 @@ def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.nda
             r = int((arr < 0).argmax())
             raise ValueError(f"request {r}: {name} must be >= 0, got {int(arr[r])}")
     real = slots != NULL_STATE_SLOT
-    taken, counts = np.unique(slots[real], return_counts=True)
+    owned = table[real].ravel()
+    taken, counts = np.unique(owned[owned != NULL_STATE_SLOT], return_counts=True)
     if (counts > 1).any():
         raise ValueError(f"state slot {int(taken[counts.argmax()])} is given to "
                          f"{int(counts.max())} requests of the step: each request owns its slot")
@@ -103,8 +127,9 @@ def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.nda
     if num_decodes is None:
         num_decodes = int(np.argmax(query_lens > 1)) if (query_lens > 1).any() else n
     i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
+    indices = np.concatenate([read[:, None], table], axis=1) if table.ndim == 2 else slots
     return StateMetadata(
-        query_start_loc=i32(qsl), state_indices=i32(slots),
+        query_start_loc=i32(qsl), state_indices=i32(indices),
         has_initial_state=torch.from_numpy(context_lens > 0).to(device),
         query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int32)),
         context_lens_cpu=torch.from_numpy(context_lens), num_decodes=num_decodes,

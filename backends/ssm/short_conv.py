@@ -30,9 +30,9 @@ def _impl(bcx, weight, bias, conv_state, query_start_loc, state_indices, has_ini
         y = conv_triton(b * x, weight, bias, conv_state, query_start_loc, state_indices,
                         has_initial_state, "")
     else:
-        y, new = conv_reference(b * x, weight, bias, conv_state, query_start_loc, state_indices,
-                                has_initial_state, "")
-        conv_state.index_copy_(0, state_indices.long(), new.to(conv_state.dtype))
+        y, new, slots = conv_reference(b * x, weight, bias, conv_state, query_start_loc,
+                                       state_indices, has_initial_state, "")
+        conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
     real = torch.arange(bcx.shape[0], device=bcx.device) < query_start_loc[-1]
     return torch.where(real[:, None], c.to(y.dtype) * y, 0.0).to(bcx.dtype)
 
