@@ -477,10 +477,12 @@ def _device():
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill"])
+@pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill", "speculative"])
 def test_triton_kernels_match_the_reference(kind, scenario):
     """Each op's Triton launch (fp32) against its torch body on the same step, padding rows and
-    a padding request on the null slot included, on the schedule's every step."""
+    a padding request on the null slot included, on the schedule's every step; "speculative":
+    the mixed schedule with 3 slots a request (the state after every position kept) and
+    random acceptances."""
     from attn_ops.backends.ssm import triton_kernels as tk
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
@@ -515,25 +517,31 @@ def test_triton_kernels_match_the_reference(kind, scenario):
             return c * y, new, where
         return (gdn_reference if kind == "gated_delta_rule" else mamba2_reference)(*args)
 
+    spec = scenario == "speculative"
+    schedule = SCENARIOS["mixed" if spec else scenario]
     lengths = {}
-    for step in SCENARIOS[scenario]:
+    for step in schedule:
         for r, n in step:
             lengths[r] = lengths.get(r, 0) + n
     seqs = {r: {n_: v.float().to(dev) for n_, v in k.tokens(n).items()}
             for r, n in lengths.items()}
-    slots = {r: 1 + r for r in lengths}
-    ours = [s.float().to(dev).normal_() for s in k.states(8)]
+    slots = {r: [1 + 3 * r, 2 + 3 * r, 3 + 3 * r] if spec else 1 + r for r in lengths}
+    ours = [s.float().to(dev).normal_() for s in k.states(14)]
     done = dict.fromkeys(lengths, 0)
-    for step in SCENARIOS[scenario]:
+    rng = random.Random(0)
+    for step in schedule:
         step = sorted(step, key=lambda e: not (done[e[0]] and e[1] == 1))
         qsl = np.concatenate([[0], np.cumsum([n for _, n in step])])
         inp = {name: torch.cat([*(seqs[r][name][done[r]:done[r] + n] for r, n in step),
                                 torch.randn(2, *seqs[step[0][0]][name].shape[1:], device=dev)])
                for name in seqs[step[0][0]]}
+        pad = [[0, 0, 0]] if spec else [0]
         meta = build_state_metadata(torch.from_numpy(np.concatenate([qsl, qsl[-1:]])),
                                     np.array([done[r] for r, _ in step] + [0]),
-                                    np.array([slots[r] for r, _ in step] + [0]), k.chunk,
-                                    device=dev)
+                                    np.array([slots[r] for r, _ in step] + pad), k.chunk,
+                                    device=dev, num_accepted_tokens=np.array(
+                                        [rng.randint(1, 3) for _ in range(len(step) + 1)])
+                                    if spec else None)
         before = [s.clone() for s in ours]
         want_y, want_state, where = reference(k.args(inp, before, meta))
         got_y = launch(k.args(inp, ours, meta))
@@ -542,7 +550,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
         mine = where != NULL_STATE_SLOT
         torch.testing.assert_close(ours[0][where[mine]], want_state[mine].float(), atol=1e-5,
                                    rtol=1e-5)
-        others = [s for s in range(8) if s not in idx.tolist()]
+        others = [s for s in range(14) if s not in idx.flatten().tolist()]
         assert torch.equal(ours[0][others], before[0][others])  # nobody else's slot written
         for r, n in step:
             done[r] += n

@@ -24,7 +24,7 @@ __all__ = ["conv_triton", "gdn_recurrent_triton", "ssd_recurrent_triton"]
 
 
 @triton.jit
-def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, slot_ptr, init_ptr,
+def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, read_ptr, init_ptr,
                 num_tokens, num_reqs, dim, stride_xt, stride_yt, stride_ss, stride_sk,
                 K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -34,7 +34,7 @@ def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, slot_pt
     real = offs_t < tl.load(qsl_ptr + num_reqs)  # (rows past the last request's: padding)
     req = tl.load(req_ptr + offs_t, mask=offs_t < num_tokens, other=0)
     pos = offs_t - tl.load(qsl_ptr + req, mask=offs_t < num_tokens, other=0)
-    slot = tl.load(slot_ptr + req, mask=offs_t < num_tokens, other=0).to(tl.int64)
+    slot = tl.load(read_ptr + req, mask=offs_t < num_tokens, other=0).to(tl.int64)
     init = tl.load(init_ptr + req, mask=offs_t < num_tokens, other=0) != 0
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
@@ -59,11 +59,14 @@ def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, slot_pt
 
 
 @triton.jit
-def conv_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, dim, stride_xt,
-                      stride_ss, stride_sk, K: tl.constexpr, BLOCK_K: tl.constexpr,
+def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, init_ptr, dim,
+                      num_writes, stride_xt, stride_src, stride_srck, stride_ss, stride_sk,
+                      stride_idx, K: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-    """Request ``program_id(0)``'s last ``K - 1`` inputs into its slot: the whole block is
-    loaded (old state rows included) before any row is stored."""
+    """Request ``program_id(0)``'s last ``K - 1`` inputs into its slot -- the whole block
+    loaded (old state rows from ``src`` at ``read``) before any row is stored -- or, with
+    ``num_writes`` W > 0 (speculative decoding; ``src`` then a copy of the read states), its
+    state after each new token into columns ``1 + min(i, W - 1)`` of its ``slot`` row."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
@@ -71,17 +74,26 @@ def conv_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, dim, stride
     k_ok = offs_k < K - 1
     start = tl.load(qsl_ptr + r)
     n = tl.load(qsl_ptr + r + 1) - start
-    slot = tl.load(slot_ptr + r).to(tl.int64)
+    read = tl.load(read_ptr + r).to(tl.int64)
     init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
-    p = n - (K - 1) + offs_k
-    vx = tl.load(x_ptr + (start + p)[:, None] * stride_xt + offs_d[None, :],
-                 mask=(k_ok & (p >= 0))[:, None] & d_ok[None, :], other=0.0)
-    vs = tl.load(state_ptr + slot * stride_ss + (K - 1 + p)[:, None] * stride_sk
-                 + offs_d[None, :], mask=(k_ok & (p < 0) & init)[:, None] & d_ok[None, :],
-                 other=0.0)
-    new = vx.to(tl.float32) + vs.to(tl.float32)
-    tl.store(state_ptr + slot * stride_ss + offs_k[:, None] * stride_sk + offs_d[None, :],
-             new.to(state_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+    for c in range(tl.maximum(num_writes, 1)):
+        # inputs consumed: all (one slot), or c + 1 for the first W - 1 columns, all for the last
+        ends = tl.where((num_writes == 0) | (c == num_writes - 1), n, tl.minimum(c + 1, n))
+        kept = (num_writes == 0) | ((c < num_writes - 1) & (c < n)) | (
+            (c == num_writes - 1) & (n >= num_writes))
+        slot = tl.load(slot_ptr + r * stride_idx
+                       + tl.where(num_writes == 0, 0, 1 + c)).to(tl.int64)
+        p = ends - (K - 1) + offs_k
+        vx = tl.load(x_ptr + (start + p)[:, None] * stride_xt + offs_d[None, :],
+                     mask=(k_ok & (p >= 0))[:, None] & d_ok[None, :], other=0.0)
+        vs = tl.load(src_ptr + read * stride_src + (K - 1 + p)[:, None] * stride_srck
+                     + offs_d[None, :], mask=(k_ok & (p < 0) & init)[:, None] & d_ok[None, :],
+                     other=0.0)
+        new = vx.to(tl.float32) + vs.to(tl.float32)
+        keep = (offs_k * 0 + kept.to(tl.int32)) != 0
+        tl.store(state_ptr + slot * stride_ss + offs_k[:, None] * stride_sk + offs_d[None, :],
+                 new.to(state_ptr.dtype.element_ty),
+                 mask=(k_ok & keep)[:, None] & d_ok[None, :])
 
 
 def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
@@ -93,31 +105,37 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
     k = weight.shape[1]
     y = torch.empty_like(x)
     b = query_start_loc.shape[0] - 1
+    if state_indices.dim() == 2:  # (speculative: read a copy, the writes may hit read slots)
+        src = conv_state[state_indices[:, 0].long()]
+        read = torch.arange(b, device=x.device, dtype=torch.int32)
+    else:
+        src, read = conv_state, state_indices
     if t and b:
         req = torch.searchsorted(query_start_loc[1:].long(),
                                  torch.arange(t, device=x.device), right=True).clamp_(max=b - 1)
         block_d = min(triton.next_power_of_2(d), 128)
         conv_kernel[(triton.cdiv(t, 16), triton.cdiv(d, block_d))](
-            x, weight, bias if bias is not None else weight, conv_state, y, req,
-            query_start_loc, state_indices, has_initial_state, t, b, d, x.stride(0), y.stride(0),
-            conv_state.stride(0), conv_state.stride(1), K=k, HAS_BIAS=bias is not None,
+            x, weight, bias if bias is not None else weight, src, y, req,
+            query_start_loc, read, has_initial_state, t, b, d, x.stride(0), y.stride(0),
+            src.stride(0), src.stride(1), K=k, HAS_BIAS=bias is not None,
             SILU=activation == "silu", BLOCK_T=16, BLOCK_D=block_d)
     elif t:
         y.zero_()
     if b:
         block_d = min(triton.next_power_of_2(d), 256)
         conv_state_kernel[(b, triton.cdiv(d, block_d))](
-            x, conv_state, query_start_loc, state_indices, has_initial_state, d, x.stride(0),
-            conv_state.stride(0), conv_state.stride(1), K=k,
-            BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
+            x, src, conv_state, query_start_loc, read, state_indices, has_initial_state, d,
+            state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0, x.stride(0),
+            src.stride(0), src.stride(1), conv_state.stride(0), conv_state.stride(1),
+            state_indices.stride(0), K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
     return y
 
 
 @triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
-                         slot_ptr, init_ptr, scale, stride_qt, stride_qh, stride_vt, stride_vh,
-                         stride_gt, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
-                         GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         slot_ptr, init_ptr, scale, num_writes, stride_idx, stride_qt, stride_qh,
+                         stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
+                         stride_ot, stride_oh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
@@ -128,10 +146,10 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     v_ok = offs_v < DV
     start = tl.load(qsl_ptr + r)
     end = tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
     init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
-    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk \
-        + offs_v[None, :]
+    s_offs = hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    s_ptrs = state_ptr + slot * stride_ss + s_offs
     s_mask = k_ok[:, None] & v_ok[None, :]
     s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
     for t in range(start, end):
@@ -153,7 +171,29 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
                  mask=v_ok)
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+        _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
+                   num_writes, stride_idx, stride_ss, offs_k)
+    _keep_final(state_ptr, s_ptrs, s, s_mask, num_writes, offs_k)
+
+
+@triton.jit
+def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, num_writes, stride_idx,
+               stride_ss, offs):
+    """Speculative decoding (``num_writes`` W > 0): the state after new token ``i`` of ``n``
+    into column ``1 + min(i, W - 1)`` of the request's slots, if that column keeps it."""
+    kept = (num_writes > 0) & ((i < num_writes - 1) | (i == n - 1))
+    keep = (offs * 0 + kept.to(tl.int32)) != 0  # (vectors: scalar masks fail interpreted)
+    col = 1 + tl.minimum(i, tl.maximum(num_writes - 1, 0))
+    slot = tl.load(slot_ptr + r * stride_idx + col + offs * 0, mask=keep, other=0).to(tl.int64)
+    tl.store(state_ptr + tl.max(slot) * stride_ss + s_offs, s.to(state_ptr.dtype.element_ty),
+             mask=s_mask & keep[:, None])
+
+
+@triton.jit
+def _keep_final(state_ptr, s_ptrs, s, s_mask, num_writes, offs):
+    """One slot a request (``num_writes`` 0): its final state back into it."""
+    keep = (offs * 0 + (num_writes == 0).to(tl.int32)) != 0
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask & keep[:, None])
 
 
 def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
@@ -172,6 +212,7 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
     block_v = min(triton.next_power_of_2(dv), 32)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
+        state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0, state_indices.stride(0),
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), state.stride(0),
         state.stride(1), state.stride(2), out.stride(0), out.stride(1), GROUP=hv // hk, DK=dk,
         DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
@@ -181,7 +222,8 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
 
 @triton.jit
 def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, state_ptr,
-                         y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max, stride_xt,
+                         y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max, num_writes,
+                         stride_idx, stride_xt,
                          stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
                          stride_sp, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
                          N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -196,10 +238,10 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
     n_ok = offs_n < N
     start = tl.load(qsl_ptr + r)
     end = tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
     init = tl.load(init_ptr + r + offs_p * 0) != 0  # (a vector: scalar masks fail interpreted)
-    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_p[:, None] * stride_sp \
-        + offs_n[None, :]
+    s_offs = h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :]
+    s_ptrs = state_ptr + slot * stride_ss + s_offs
     s_mask = p_ok[:, None] & n_ok[None, :]
     s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
@@ -224,7 +266,9 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
             y = y * z / (1.0 + tl.exp(-z))
         tl.store(y_ptr + t * stride_xt + h * stride_xh + offs_p, y.to(y_ptr.dtype.element_ty),
                  mask=p_ok)
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+        _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
+                   num_writes, stride_idx, stride_ss, offs_p)
+    _keep_final(state_ptr, s_ptrs, s, s_mask, num_writes, offs_p)
 
 
 def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
@@ -242,7 +286,9 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
     ssd_recurrent_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
         dt_bias if dt_bias is not None else A, state, y, query_start_loc, state_indices,
-        has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)), x.stride(0), x.stride(1),
+        has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)),
+        state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0, state_indices.stride(0),
+        x.stride(0), x.stride(1),
         dt.stride(0), B.stride(0), B.stride(1), state.stride(0), state.stride(1),
         state.stride(2), HEADS_PER_GROUP=h // g, P=p, N=n, BLOCK_P=block_p,
         BLOCK_N=triton.next_power_of_2(n), HAS_D=D is not None, HAS_Z=z is not None,
