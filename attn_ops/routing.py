@@ -33,7 +33,7 @@ __all__ = [
     "fa4_decode_wins", "fa4_tile", "flashinfer_decode_split", "flashinfer_graph_colocated_ctas",
     "flashinfer_mla_kernel", "flashinfer_split_budget", "flex_decode_splits",
     "flex_decode_stages", "flex_gathers",
-    "mla_decode_launch", "mla_prefill_kernel", "pow2",
+    "mla_decode_launch", "mla_prefill_kernel", "pow2", "ssm_kernel",
     "triton_decode_tile", "triton_fit_tile", "triton_fused_combine", "triton_num_splits",
     "triton_prefill_tile", "triton_short_and_many",
 ]
@@ -91,6 +91,8 @@ class Kernel(enum.Enum):
     TORCH_MHA = "PyTorch MHA (REFERENCE_MLA's, one request at a time)"
     FLASHINFER_MLA_FA3 = "FlashInfer MLA fa3 (sm90)"
     FLASHINFER_MLA_FA2 = "FlashInfer MLA fa2"
+    SSM_TORCH = "PyTorch recurrences (the reference, token by token)"
+    SSM_TRITON = "our Triton recurrent kernels"
 
 
 class SplitMode(enum.Enum):
@@ -335,6 +337,15 @@ def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Ker
     if capability[0] == 9 and kv_lora_rank in (128, 256, 512):
         return Kernel.FLASHINFER_MLA_FA3
     return Kernel.FLASHINFER_MLA_FA2
+
+
+def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool) -> Kernel:
+    """The kernels of a recurrent-state op (``backends/ssm``): Triton on GPUs for 16- and
+    32-bit inputs (they compute in fp32), else the torch body -- on the CPU, and for fp64, the
+    oracle's precision, which fp32 kernels must not round."""
+    if on_gpu and triton_available and dtype != torch.float64:
+        return Kernel.SSM_TRITON
+    return Kernel.SSM_TORCH
 
 
 def mla_prefill_kernel(fa4_usable: bool, flashinfer_usable: bool = False, requests: int = 0,

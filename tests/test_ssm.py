@@ -406,6 +406,21 @@ def _hf_mamba2():
     return hf, spec
 
 
+def _hf_bamba():
+    """A Mamba2 hybrid's mixer (IBM's Bamba: the Mamba2 layers between its attention layers)."""
+    from transformers import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+
+    cfg = BambaConfig(hidden_size=16, mamba_n_heads=4, mamba_d_head=8, mamba_expand=2,
+                      mamba_d_state=5, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=4,
+                      num_hidden_layers=1, attn_layer_indices=[], mamba_conv_bias=True,
+                      time_step_limit=(0.0, float("inf")))
+    hf = BambaMixer(cfg, 0)
+    spec = Mamba2Spec(num_heads=4, head_dim=8, d_state=5, n_groups=2, conv_kernel=4,
+                      dtype=torch.float32, chunk_size=4)
+    return hf, spec
+
+
 def _hf_short_conv():
     from transformers import Lfm2Config
     from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
@@ -416,7 +431,8 @@ def _hf_short_conv():
                                                 state_dtype=torch.float32)
 
 
-PEERS = {"gated_deltanet": _hf_gdn, "mamba2": _hf_mamba2, "short_conv": _hf_short_conv}
+PEERS = {"gated_deltanet": _hf_gdn, "mamba2": _hf_mamba2, "bamba_mamba2": _hf_bamba,
+         "short_conv": _hf_short_conv}
 LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one token)
                   [(1, 1), (0, 5), (2, 3)],          # a decode, prefills resuming mid-chunk
                   [(0, 1), (1, 1), (2, 1)], [(2, 1), (0, 1), (1, 1)]]  # decodes
@@ -433,10 +449,10 @@ def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(
     with torch.no_grad():  # (random weights everywhere, HF's zero / one inits included)
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-        if kind == "mamba2":
+        if kind.endswith("mamba2"):
             hf.A_log.copy_(torch.randn_like(hf.A_log) * 0.5)
     hf.eval()
-    ours = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2Mixer,
+    ours = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2Mixer, "bamba_mamba2": Mamba2Mixer,
             "short_conv": ShortConv}[kind].from_hf(hf, spec)
     hidden = hf.out_proj.out_features
     lengths = {}
@@ -595,3 +611,13 @@ def test_speculative_decodes_continue_from_the_accepted_position(kind):
         slot = slots[i][min(last_accepted[r], spec_len) - 1]
         for state, w in zip(states, want_states):
             torch.testing.assert_close(state[slot], w, atol=1e-10, rtol=1e-10)
+
+
+def test_routing_gives_gpus_the_triton_kernels_and_keeps_fp64_on_the_reference():
+    from attn_ops.routing import Kernel, ssm_kernel
+
+    assert ssm_kernel(True, torch.bfloat16, True) is Kernel.SSM_TRITON
+    assert ssm_kernel(True, torch.float32, True) is Kernel.SSM_TRITON
+    assert ssm_kernel(True, torch.float64, True) is Kernel.SSM_TORCH
+    assert ssm_kernel(False, torch.bfloat16, True) is Kernel.SSM_TORCH
+    assert ssm_kernel(True, torch.bfloat16, False) is Kernel.SSM_TORCH

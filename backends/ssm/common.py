@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["check_step", "compute_dtype", "padded_tokens", "split_slots", "step_writes",
@@ -31,10 +33,14 @@ def step_writes(writes: torch.Tensor, lens: torch.Tensor, i: int) -> torch.Tenso
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether an op runs its Triton kernels: on GPUs, for 16- and 32-bit inputs (they compute
-    in fp32, so fp64 -- the oracle's precision -- keeps the torch body)."""
-    if not x.is_cuda or x.dtype == torch.float64:
-        return False
+    """Whether an op on ``x`` runs its Triton kernels (:func:`attn_ops.routing.ssm_kernel`)."""
+    from attn_ops.routing import Kernel, ssm_kernel
+
+    return ssm_kernel(x.is_cuda, x.dtype, _triton_available()) is Kernel.SSM_TRITON
+
+
+@functools.cache
+def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
