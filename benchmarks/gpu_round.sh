@@ -42,6 +42,10 @@
 #            FlashInfer's ragged prefill called directly; the chunked merge's cost)
 #   mlamodel benchmarks/bench_model_decode.py --mla --ctx 4096 (DeepSeek-V2-Lite-shaped decoder
 #            against HF's DeepseekV3ForCausalLM)
+#   ssm      tests/test_ssm.py and tests/test_hybrid_model.py (the recurrent-state family; its
+#            Triton kernels compiled, 200-batch CUDA-graph replays)
+#   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
+#            mamba-ssm; SSM_ARGS)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
 #            and the base-size matrix (SUITE_K selects; default: not the real-size cases)
 # PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
@@ -134,6 +138,10 @@ for spec in "$@"; do
         --out "$OUT/bench_mla_prefill_h200.json" ;;
     mlamodel) stage mlamodel "$limit" python benchmarks/bench_model_decode.py --mla --ctx 4096 \
         --out "$OUT/bench_model_decode_mla_h200.json" ;;
+    ssm) stage ssm "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_ssm.py tests/test_hybrid_model.py ;;
+    ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
+        --out "$OUT/bench_ssm_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;
