@@ -53,8 +53,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def check_step(op: str, num_tokens: int, query_start_loc, state_indices, has_initial_state,
-               state: torch.Tensor, state_name: str) -> None:
+def check_step(op: str, query_start_loc, state_indices, has_initial_state, state: torch.Tensor,
+               state_name: str) -> None:
     b = state_indices.shape[0] if state_indices.dim() in (1, 2) else -1
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1 or (
             state_indices.dim() == 2 and state_indices.shape[1] < 2):
@@ -70,7 +70,6 @@ def check_step(op: str, num_tokens: int, query_start_loc, state_indices, has_ini
     if state.dim() < 2:
         raise ValueError(f"{op}: {state_name} must be [num_slots, ...], got "
                          f"{tuple(state.shape)}")
-    del num_tokens
 
 
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int):

@@ -42,7 +42,7 @@ def _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_init
         raise ValueError(f"{op}: bias must be [dim={d}], got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation={activation!r} must be one of {ACTIVATIONS}")
-    check_step(op, x.shape[0], query_start_loc, state_indices, has_initial_state, conv_state,
+    check_step(op, query_start_loc, state_indices, has_initial_state, conv_state,
                "conv_state")
 
 

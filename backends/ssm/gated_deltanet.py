@@ -51,7 +51,7 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_
                          f"head_v_dim={dv}], got {tuple(state.shape)}")
     if max_query_len < 0:
         raise ValueError(f"{op}: max_query_len={max_query_len} must be >= 0")
-    check_step(op, t, query_start_loc, state_indices, has_initial_state, state, "state")
+    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state")
 
 
 def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,

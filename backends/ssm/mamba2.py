@@ -47,7 +47,7 @@ def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                          f"d_state={n}], got {tuple(state.shape)}")
     if max_query_len < 0:
         raise ValueError(f"{op}: max_query_len={max_query_len} must be >= 0")
-    check_step(op, t, query_start_loc, state_indices, has_initial_state, state, "state")
+    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state")
 
 
 def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
