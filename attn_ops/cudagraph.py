@@ -271,8 +271,13 @@ class CUDAGraphRunner:
         graph.replay()
         return out[:n]
 
+    def forward_args(self, rows: int, step: dict) -> tuple:
+        """The arguments ``forward`` is captured with for ``rows`` token rows (a model with
+        other inputs overrides this)."""
+        return (self.input_ids[:rows], self.positions[:rows], self.kv_caches, step)
+
     def _capture(self, rows: int, step: dict):
-        args = (self.input_ids[:rows], self.positions[:rows], self.kv_caches, step)
+        args = self.forward_args(rows, step)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

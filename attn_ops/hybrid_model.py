@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attn_ops.backends.ssm.metadata import StateMetadata, build_state_metadata
+from attn_ops.backends.ssm.metadata import StateGraphBatch, StateMetadata, build_state_metadata
+from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
 from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, StateCache
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.layer import build_step_metadata, step_backends
@@ -27,7 +28,7 @@ from attn_ops.model import DecoderLayer, ModelConfig, RMSNorm, rope_cache, share
 from attn_ops.selector import AttentionConfig
 from attn_ops.ssm_layers import GatedDeltaNet, Mamba2Mixer
 
-__all__ = ["HybridConfig", "HybridGenerator", "HybridModel"]
+__all__ = ["HybridConfig", "HybridGenerator", "HybridGraphRunner", "HybridModel"]
 
 
 @dataclass(frozen=True)
@@ -136,12 +137,40 @@ class HybridModel(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+class HybridGraphRunner(CUDAGraphRunner):
+    """:class:`~attn_ops.cudagraph.CUDAGraphRunner` for :class:`HybridModel`: the step's state
+    metadata is padded into :class:`~attn_ops.backends.ssm.metadata.StateGraphBatch`'s
+    persistent buffers too (padding requests on the null slot), and the graph is captured with
+    the state caches and those buffers."""
+
+    def __init__(self, model: HybridModel, forward, graphs: CUDAGraphBatch,
+                 kv_caches: list, states: list[StateCache]) -> None:
+        super().__init__(model, forward, graphs, kv_caches)
+        self.states = states
+        self.state_graphs = StateGraphBatch(graphs, model.cfg.state_spec.chunk_size)
+        self._state_meta: dict[int, StateMetadata] = {}
+
+    def __call__(self, input_ids, common, state_metadata: StateMetadata):
+        size = self.graphs.size_for(common.num_reqs)
+        padded = self.state_graphs.pad(state_metadata)
+        self._state_meta.setdefault(size, padded)  # (the views the graph of this size reads)
+        return super().__call__(input_ids, common)
+
+    def forward_args(self, rows: int, step: dict) -> tuple:
+        size = rows // self.graphs.query_len
+        return (self.input_ids[:rows], self.positions[:rows], self.kv_caches, self.states, step,
+                self._state_meta[size])
+
+
 class HybridGenerator:
     """Greedy generation over one allocator (KV blocks and state slots), one mixed batch a
-    step, decodes first; ``forward`` is the model or a compiled version of it."""
+    step, decodes first; ``forward`` is the model or a compiled version of it. With
+    ``capture_sizes`` (GPUs), decode-only steps of at most the largest size replay CUDA graphs
+    (:class:`HybridGraphRunner`); other steps run ``forward``."""
 
     def __init__(self, model: HybridModel, num_blocks: int, num_state_slots: int, forward=None,
-                 *, max_model_len: int = 1024, device="cpu") -> None:
+                 *, max_model_len: int = 1024, device="cpu",
+                 capture_sizes: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.backends = step_backends(model)
         self.forward = model if forward is None else forward
@@ -152,6 +181,12 @@ class HybridGenerator:
         self.kv_caches = model.allocate_kv_caches(num_blocks, device)
         self.states = model.allocate_states(num_state_slots, device)
         self.requests: dict[int, list] = {}  # request -> [tokens, num_computed]
+        self.runner = None
+        if capture_sizes:
+            graphs = CUDAGraphBatch(capture_sizes, self.max_blocks_per_req, model.block_size,
+                                    device)
+            self.runner = HybridGraphRunner(model, self.forward, graphs, self.kv_caches,
+                                            self.states)
 
     def add(self, request_id: int, prompt: list[int]) -> None:
         self.requests[request_id] = [list(prompt), 0]
@@ -180,9 +215,13 @@ class HybridGenerator:
         input_ids = torch.tensor([t for r in ids
                                   for t in reqs[r][0][reqs[r][1]:reqs[r][1] + todo[r]]],
                                  device=self.device)
-        step = build_step_metadata(self.backends, meta)
-        logits = self.forward(input_ids, meta.positions, self.kv_caches, self.states, step,
-                              state_meta)
+        if (self.runner is not None and all(n == 1 for n in new) and all(context)
+                and len(ids) <= self.runner.graphs.capture_sizes[-1]):
+            logits = self.runner(input_ids, meta, state_meta)
+        else:
+            step = build_step_metadata(self.backends, meta)
+            logits = self.forward(input_ids, meta.positions, self.kv_caches, self.states, step,
+                                  state_meta)
         last = logits[meta.query_start_loc_cpu[1:].long() - 1]
         for r, n, row in zip(ids, new, last.argmax(-1).tolist()):
             reqs[r][1] += n

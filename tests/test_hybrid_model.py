@@ -14,12 +14,12 @@ from attn_ops.selector import AttentionConfig
 PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], 1: [26, 43], 2: [83, 27, 95, 2, 88]}
 
 
-def _model(kind: str) -> HybridModel:
+def _model(kind: str, backend: str = "REFERENCE", platform=None) -> HybridModel:
     torch.manual_seed(0)
     cfg = HybridConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=96, vocab_size=100, linear_kind=kind)
-    return HybridModel(cfg, AttentionConfig(backend="REFERENCE"),
-                       platform=Platform.parse("cpu")).eval()
+    return HybridModel(cfg, AttentionConfig(backend=backend),
+                       platform=platform or Platform.parse("cpu")).eval()
 
 
 def _generate(model, forward=None, steps=6):
@@ -57,3 +57,46 @@ def test_compiled_model_with_fullgraph_matches_eager(kind):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     assert {r: t for r, (t, _) in eager_gen.requests.items()} == \
         {r: t for r, (t, _) in comp_gen.requests.items()}
+
+
+def test_state_graph_batches_pad_with_the_null_slot_and_clear_what_a_larger_step_left():
+    import numpy as np
+
+    from attn_ops.backends.ssm.metadata import StateGraphBatch, build_state_metadata
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    graphs = CUDAGraphBatch((2, 4), 8, 16, "cpu")
+    states = StateGraphBatch(graphs, 64)
+    big = build_state_metadata(torch.arange(4), np.array([5, 6, 7]), np.array([3, 1, 2]), 64)
+    padded = states.pad(big)
+    assert padded.state_indices.tolist() == [3, 1, 2, 0]
+    assert padded.has_initial_state.tolist() == [True, True, True, False]
+    small = build_state_metadata(torch.arange(2), np.array([9]), np.array([4]), 64)
+    padded = states.pad(small)
+    assert padded.state_indices.tolist() == [4, 0]
+    assert states.state_indices.tolist() == [4, 0, 0, 0]  # (the larger step's rows cleared)
+    assert padded.num_reqs == 2 and padded.max_query_len == 1
+    prefill = build_state_metadata(torch.tensor([0, 3]), np.array([0]), np.array([1]), 64)
+    with pytest.raises(ValueError, match="1 query token"):
+        states.pad(prefill)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_graphed_decode_steps_match_eager(kind):
+    """Generation with decode steps replayed from CUDA graphs (capture sizes 2 and 4: 3
+    requests pad one row onto the null slot) against the same generation run eagerly."""
+    from attn_ops.platforms import current_platform
+
+    model = _model(kind, "TRITON_ATTN", current_platform()).cuda()
+    eager = HybridGenerator(model, 48, 5, device="cuda")
+    graphed = HybridGenerator(model, 48, 5, device="cuda", capture_sizes=(2, 4))
+    for gen in (eager, graphed):
+        for r, p in PROMPTS.items():
+            gen.add(r, p)
+    for _ in range(8):
+        want, got = eager.step(max_new_tokens=4), graphed.step(max_new_tokens=4)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert graphed.runner.captured, "no step replayed a graph"
+    assert {r: t for r, (t, _) in eager.requests.items()} == \
+        {r: t for r, (t, _) in graphed.requests.items()}

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["NULL_STATE_SLOT", "StateMetadata", "build_state_metadata", "chunk_boundaries"]
+__all__ = ["NULL_STATE_SLOT", "StateGraphBatch", "StateMetadata", "build_state_metadata",
+           "chunk_boundaries"]
 
 NULL_STATE_SLOT = 0
 
@@ -135,3 +136,52 @@ def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.nda
         context_lens_cpu=torch.from_numpy(context_lens), num_decodes=num_decodes,
         max_query_len=int(query_lens.max()) if n else 0, chunk_size=chunk_size,
         chunk_starts=i32(starts), chunk_requests=i32(owners), last_chunks=i32(last))
+
+
+class StateGraphBatch:
+    """Persistent state metadata of uniform decode batches padded to CUDA-graph capture sizes
+    (the state layers' counterpart of :class:`attn_ops.cudagraph.CUDAGraphBatch`, whose
+    ``query_start_loc`` buffer it shares): padding requests get the null slot and no initial
+    state, so a replay reads and writes no request's state but the real ones'. :meth:`pad`
+    returns, per capture size, views of the same buffers (what a captured graph reads). Its
+    chunk fields take each request's tokens as one chunk (the decode kernels read none)."""
+
+    def __init__(self, graphs, chunk_size: int) -> None:
+        largest = graphs.capture_sizes[-1]
+        self.graphs, self.chunk_size = graphs, chunk_size
+        i32 = dict(dtype=torch.int32, device=graphs.device)
+        self.state_indices = torch.zeros(largest, **i32)
+        self.has_initial_state = torch.zeros(largest, dtype=torch.bool, device=graphs.device)
+        self.chunk_requests = torch.arange(largest * graphs.query_len, **i32) // graphs.query_len
+        self.last_chunks = torch.arange(largest, **i32)
+        self._rows = 0
+
+    def pad(self, meta: StateMetadata) -> StateMetadata:
+        """``meta`` (the step's, unpadded) written into the buffers, padded to its capture
+        size; the graphs' ``query_start_loc`` must already hold the padded step
+        (``CUDAGraphBatch.pad``, which :class:`~attn_ops.cudagraph.CUDAGraphRunner` runs)."""
+        n, q = meta.num_reqs, self.graphs.query_len
+        if meta.state_indices.dim() != 1:
+            raise ValueError("CUDA-graph state batches take one slot a request; speculative "
+                             "decodes (a slot per position) run eagerly")
+        if meta.max_query_len != q or meta.query_start_loc_cpu[-1] != n * q:
+            raise ValueError(f"CUDA-graph batches have {q} query token(s) per request; this "
+                             f"step has max_query_len={meta.max_query_len} -- run it eagerly")
+        size = self.graphs.size_for(n)
+        self.state_indices[:n].copy_(meta.state_indices, non_blocking=True)
+        self.has_initial_state[:n].copy_(meta.has_initial_state, non_blocking=True)
+        if self._rows > n:
+            self.state_indices[n:self._rows].zero_()
+            self.has_initial_state[n:self._rows].zero_()
+        self._rows = n
+        qsl_cpu = torch.from_numpy(np.minimum(np.arange(size + 1, dtype=np.int32) * q, n * q))
+        ctx = np.zeros(size, dtype=np.int64)
+        ctx[:n] = meta.context_lens_cpu.numpy()
+        return StateMetadata(
+            query_start_loc=self.graphs.query_start_loc[:size + 1],
+            state_indices=self.state_indices[:size],
+            has_initial_state=self.has_initial_state[:size],
+            query_start_loc_cpu=qsl_cpu, context_lens_cpu=torch.from_numpy(ctx),
+            num_decodes=size, max_query_len=q, chunk_size=self.chunk_size,
+            chunk_starts=self.graphs.query_start_loc[:size + 1],
+            chunk_requests=self.chunk_requests[:size * q], last_chunks=self.last_chunks[:size])
