@@ -46,6 +46,8 @@
 #            Triton kernels compiled, 200-batch CUDA-graph replays)
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
 #            mamba-ssm; SSM_ARGS)
+#   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
+#            graphed, against HF's Qwen3NextForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
 #            and the base-size matrix (SUITE_K selects; default: not the real-size cases)
 # PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
@@ -142,6 +144,8 @@ for spec in "$@"; do
         tests/test_ssm.py tests/test_hybrid_model.py ;;
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
         --out "$OUT/bench_ssm_h200.json" ;;
+    hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
+        --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
         tests/test_model_graphs.py ;;
     *) echo "unknown stage $name" ;;
