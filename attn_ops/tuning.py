@@ -198,7 +198,20 @@ class MLATuning:
     value_parts: int = 1
 
 
-_SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla")
+@dataclass(frozen=True)
+class SSMTuning:
+    """The recurrent-state family (``backends/ssm``)."""
+
+    # Gated DeltaNet requests run chunked (the WY form, tensor-core products over chunks of
+    # gdn_chunk tokens) on GPUs in steps whose longest request has at least this many new
+    # tokens, token by token below (decodes, speculative decodes, short prefills): the
+    # recurrence reads the state once a token per program, the chunked form once a chunk.
+    # Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
+    chunked_min_query_len: int = 64
+    gdn_chunk: int = 64
+
+
+_SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla", "ssm")
 
 
 @dataclass(frozen=True)
@@ -214,6 +227,7 @@ class Tuning:
     flashinfer: FlashInferTuning = field(default_factory=FlashInferTuning)
     composite: CompositeTuning = field(default_factory=CompositeTuning)
     mla: MLATuning = field(default_factory=MLATuning)
+    ssm: SSMTuning = field(default_factory=SSMTuning)
 
     @functools.cached_property
     def key(self) -> str:

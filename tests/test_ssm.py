@@ -660,3 +660,53 @@ def test_graph_replays_of_random_decode_batches_match_eager(kind):
         torch.testing.assert_close(out[:real], want[:real], atol=1e-5, rtol=1e-5)
         for s, w in zip(states, eager_states):
             torch.testing.assert_close(s[1:], w[1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("heads", [(2, 4), (3, 3)])
+def test_gdn_chunked_kernel_matches_the_reference(heads):
+    """The chunked (WY-form) GDN kernel against the reference: requests over several chunks
+    with partial last chunks, initial states or none, a request without new tokens, padding
+    rows; 16-token chunks (tensor-core tiles need 16)."""
+    from attn_ops.backends.ssm import triton_kernels as tk
+    from attn_ops.backends.ssm.gated_deltanet import gdn_reference
+
+    dev = _device()
+    hk, hv = heads
+    dk, dv = 16, 24
+    g = torch.Generator().manual_seed(8)
+    lens, ctx = [37, 1, 16, 0, 50], [3, 5, 0, 0, 9]
+    t = sum(lens) + 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    q, k, v = rand(t, hk, dk), rand(t, hk, dk), rand(t, hv, dv)
+    gate = -F.softplus(rand(t, hv))
+    beta = torch.sigmoid(rand(t, hv))
+    state = rand(7, hv, dk, dv)
+    meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
+                                np.array(ctx), np.array([2, 4, 1, 6, 5]), 16, device=dev)
+    want, want_states, slots = gdn_reference(q, k, v, gate, beta, state.clone(),
+                                             meta.query_start_loc, meta.state_indices,
+                                             meta.has_initial_state, meta.max_query_len,
+                                             dk ** -0.5, True)
+    got_states = state.clone()
+    got = tk.gdn_chunked_triton(q, k, v, gate, beta, got_states, meta.query_start_loc,
+                                meta.state_indices, meta.has_initial_state, dk ** -0.5, True,
+                                chunk=16)
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_states[slots], want_states.float(), atol=1e-4, rtol=1e-4)
+    untouched = [s for s in range(7) if s not in slots.tolist()]
+    assert torch.equal(got_states[untouched], state[untouched])
+
+
+def test_routing_runs_long_prefills_chunked_and_speculative_steps_recurrent():
+    from attn_ops.routing import Kernel, ssm_kernel
+
+    assert ssm_kernel(True, torch.bfloat16, True, 64, True, 64) is Kernel.SSM_TRITON_CHUNKED
+    assert ssm_kernel(True, torch.bfloat16, True, 63, True, 64) is Kernel.SSM_TRITON
+    assert ssm_kernel(True, torch.bfloat16, True, 512, False, 64) is Kernel.SSM_TRITON
+    assert ssm_kernel(True, torch.bfloat16, True, 512, True, None) is Kernel.SSM_TRITON
+    assert ssm_kernel(False, torch.bfloat16, True, 512, True, 64) is Kernel.SSM_TORCH

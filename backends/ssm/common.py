@@ -9,7 +9,7 @@ import functools
 import torch
 
 __all__ = ["check_step", "compute_dtype", "padded_tokens", "split_slots", "step_writes",
-           "token_requests", "use_triton"]
+           "token_requests", "triton_available", "use_triton"]
 
 
 def split_slots(state_indices: torch.Tensor):
@@ -36,11 +36,11 @@ def use_triton(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` runs its Triton kernels (:func:`attn_ops.routing.ssm_kernel`)."""
     from attn_ops.routing import Kernel, ssm_kernel
 
-    return ssm_kernel(x.is_cuda, x.dtype, _triton_available()) is Kernel.SSM_TRITON
+    return ssm_kernel(x.is_cuda, x.dtype, triton_available()) is Kernel.SSM_TRITON
 
 
 @functools.cache
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

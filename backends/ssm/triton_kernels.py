@@ -294,3 +294,97 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
         BLOCK_N=triton.next_power_of_2(n), HAS_D=D is not None, HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, num_warps=4)
     return y
+
+
+@triton.jit
+def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
+                       slot_ptr, init_ptr, scale, stride_qt, stride_qh, stride_vt, stride_vh,
+                       stride_gt, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+    """The gated delta rule over a request's tokens ``CHUNK`` at a time (WY form): per chunk,
+    with ``G`` the cumulative log decay, ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and
+    ``T = (I + A)^-1`` (the product of ``I + (-A)^(2^i)``: A is nilpotent), the corrected
+    values ``D = T (beta v) - T (beta e^G k) S``, the output ``(e^G q) S + tril(q k^T
+    e^(G_i - G_j)) D`` and the state ``e^(G_last) S + (e^(G_last - G) k)^T D`` -- the state
+    block in registers across chunks, as the recurrent kernel's across tokens."""
+    r = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_c = tl.arange(0, CHUNK)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    start = tl.load(qsl_ptr + r)
+    end = tl.load(qsl_ptr + r + 1)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk \
+        + offs_v[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+    below = offs_c[:, None] > offs_c[None, :]
+    for c0 in range(start, end, CHUNK):
+        rows = c0 + offs_c
+        ok = rows < end
+        qk_mask = ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+            k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        q = q * scale
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + hv * stride_vh + offs_v[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, axis=0)
+        last = tl.sum(g, axis=0)
+        decay = tl.exp(cum[:, None] - cum[None, :])
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        a = tl.where(below, beta[:, None] * kk * decay, 0.0)
+        # T = (I - N)^-1 with N = -A strictly lower: (I + N)(I + N^2)(I + N^4)...
+        n = -a
+        t = eye + n
+        for _ in tl.static_range(LOG2_CHUNK - 1):
+            n = tl.dot(n, n, input_precision="ieee")
+            t = tl.dot(t, eye + n, input_precision="ieee")
+        w = tl.dot(t, (beta * tl.exp(cum))[:, None] * k, input_precision="ieee")
+        u = tl.dot(t, beta[:, None] * v, input_precision="ieee")
+        d = u - tl.dot(w, s, input_precision="ieee")
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        causal = tl.where(offs_c[:, None] >= offs_c[None, :], qk * decay, 0.0)
+        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="ieee") \
+            + tl.dot(causal, d, input_precision="ieee")
+        tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + offs_v[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+        s = tl.exp(last) * s + tl.dot(tl.trans(k * tl.exp(last - cum)[:, None]), d,
+                                      input_precision="ieee")
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
+                       has_initial_state, scale, qk_l2norm, chunk: int = 64) -> torch.Tensor:
+    """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` tokens (one slot a request;
+    inputs already checked)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.zeros_like(v)
+    b = query_start_loc.shape[0] - 1
+    if b == 0:
+        return out
+    block_v = min(triton.next_power_of_2(dv), 32)
+    gdn_chunked_kernel[(b, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), state.stride(0),
+        state.stride(1), state.stride(2), out.stride(0), out.stride(1), GROUP=hv // hk, DK=dk,
+        DV=dv, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1,
+        BLOCK_K=max(triton.next_power_of_2(dk), 16), BLOCK_V=max(block_v, 16),
+        L2NORM=qk_l2norm, num_warps=4)
+    return out
