@@ -202,13 +202,14 @@ class MLATuning:
 class SSMTuning:
     """The recurrent-state family (``backends/ssm``)."""
 
-    # Gated DeltaNet requests run chunked (the WY form, tensor-core products over chunks of
-    # gdn_chunk tokens) on GPUs in steps whose longest request has at least this many new
-    # tokens, token by token below (decodes, speculative decodes, short prefills): the
-    # recurrence reads the state once a token per program, the chunked form once a chunk.
-    # Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
+    # Gated DeltaNet and Mamba2 steps run chunked (tensor-core products over chunks of
+    # gdn_chunk / mamba2_chunk tokens; GDN in the WY form) on GPUs when their longest request
+    # has at least this many new tokens, token by token below (decodes, speculative decodes,
+    # short prefills): the recurrence reads the inputs one token at a time, the chunked form a
+    # chunk. Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
     chunked_min_query_len: int = 64
     gdn_chunk: int = 64
+    mamba2_chunk: int = 64
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla", "ssm")

@@ -710,3 +710,41 @@ def test_routing_runs_long_prefills_chunked_and_speculative_steps_recurrent():
     assert ssm_kernel(True, torch.bfloat16, True, 512, False, 64) is Kernel.SSM_TRITON
     assert ssm_kernel(True, torch.bfloat16, True, 512, True, None) is Kernel.SSM_TRITON
     assert ssm_kernel(False, torch.bfloat16, True, 512, True, 64) is Kernel.SSM_TORCH
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("gated", [True, False])
+def test_ssd_chunked_kernel_matches_the_reference(gated):
+    """The chunked SSD kernel against the reference: several chunks with partial last ones,
+    initial states or none, a request without new tokens, padding rows, two groups, dt
+    limits, with and without the z gate, D and dt_bias."""
+    from attn_ops.backends.ssm import triton_kernels as tk
+    from attn_ops.backends.ssm.mamba2 import mamba2_reference
+
+    dev = _device()
+    h, p, grp, n = 4, 20, 2, 16
+    g = torch.Generator().manual_seed(9)
+    lens, ctx = [37, 1, 16, 0, 50], [3, 5, 0, 0, 9]
+    t = sum(lens) + 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    x, dt, B, C = rand(t, h, p), rand(t, h), rand(t, grp, n), rand(t, grp, n)
+    A = -rand(h).exp()
+    D, z, dt_bias = (rand(h), rand(t, h, p), rand(h)) if gated else (None, None, None)
+    state = rand(7, h, p, n)
+    meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
+                                np.array(ctx), np.array([2, 4, 1, 6, 5]), 16, device=dev)
+    args = (x, dt, A, B, C, D, z, dt_bias)
+    want, want_states, slots = mamba2_reference(*args, state.clone(), meta.query_start_loc,
+                                                meta.state_indices, meta.has_initial_state,
+                                                meta.max_query_len, True, 0.01, 3.0)
+    got_states = state.clone()
+    got = tk.ssd_chunked_triton(*args, got_states, meta.query_start_loc, meta.state_indices,
+                                meta.has_initial_state, True, 0.01, 3.0, chunk=16)
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_states[slots], want_states.float(), atol=1e-4, rtol=1e-4)
+    untouched = [s for s in range(7) if s not in slots.tolist()]
+    assert torch.equal(got_states[untouched], state[untouched])

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from attn_ops.backends.ssm.common import (check_step, compute_dtype, padded_tokens, split_slots,
-                                          step_writes, use_triton)
+                                          step_writes, triton_available)
+from attn_ops.routing import Kernel, ssm_kernel
+from attn_ops.tuning import default_tuning
 from attn_ops.ops import define_op
 
 __all__ = ["mamba2_reference", "mamba2_ssd"]
@@ -97,14 +99,19 @@ def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, stat
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
           has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
-    if use_triton(x):
-        from attn_ops.backends.ssm.triton_kernels import ssd_recurrent_triton
+    tuning = default_tuning().ssm
+    kernel = ssm_kernel(x.is_cuda, x.dtype, triton_available(), max_query_len,
+                        state_indices.dim() == 1, tuning.chunked_min_query_len)
+    if kernel is not Kernel.SSM_TORCH:
+        from attn_ops.backends.ssm import triton_kernels as tk
 
         _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                has_initial_state, max_query_len)
-        return ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
-                                    state_indices, has_initial_state, dt_softplus, dt_min,
-                                    dt_max)
+        args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                has_initial_state, dt_softplus, dt_min, dt_max)
+        if kernel is Kernel.SSM_TRITON_CHUNKED:
+            return tk.ssd_chunked_triton(*args, chunk=tuning.mamba2_chunk)
+        return tk.ssd_recurrent_triton(*args)
     y, s, slots = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                                    state_indices, has_initial_state, max_query_len, dt_softplus,
                                    dt_min, dt_max)

@@ -388,3 +388,93 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         BLOCK_K=max(triton.next_power_of_2(dk), 16), BLOCK_V=max(block_v, 16),
         L2NORM=qk_l2norm, num_warps=4)
     return out
+
+
+@triton.jit
+def ssd_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, state_ptr,
+                       y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max, stride_xt,
+                       stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
+                       stride_sp, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
+                       N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                       HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """Mamba2's SSD over a request's tokens ``CHUNK`` at a time: with ``cum`` the cumulative
+    ``dt A`` of the chunk, ``y = e^cum (C S^T) + (tril(C B^T e^(cum_i - cum_j)) dt) x`` and
+    ``S = e^(cum_last) S + (e^(cum_last - cum) dt x)^T B`` -- the state block in registers
+    across chunks."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    grp = h // HEADS_PER_GROUP
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, CHUNK)
+    p_ok = offs_p < P
+    n_ok = offs_n < N
+    start = tl.load(qsl_ptr + r)
+    end = tl.load(qsl_ptr + r + 1)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r + offs_p * 0) != 0  # (a vector: scalar masks fail interpreted)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_p[:, None] * stride_sp \
+        + offs_n[None, :]
+    s_mask = p_ok[:, None] & n_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)  # [P, N]
+    a = tl.load(a_ptr + h).to(tl.float32)
+    d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    causal = offs_c[:, None] >= offs_c[None, :]
+    for c0 in range(start, end, CHUNK):
+        rows = c0 + offs_c
+        ok = rows < end
+        dt = tl.load(dt_ptr + rows * stride_dtt + h, mask=ok, other=0.0).to(tl.float32) + dt_bias
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = tl.where(ok, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
+        cum = tl.cumsum(dt * a, axis=0)
+        last = tl.sum(dt * a, axis=0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                    mask=ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)  # [C, P]
+        bc_mask = ok[:, None] & n_ok[None, :]
+        bb = tl.load(b_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                     mask=bc_mask, other=0.0).to(tl.float32)  # [C, N]
+        cc = tl.load(c_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                     mask=bc_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(cc, tl.trans(bb), input_precision="ieee")  # [C, C]
+        weights = tl.where(causal, scores * tl.exp(cum[:, None] - cum[None, :]), 0.0) \
+            * dt[None, :]
+        y = tl.exp(cum)[:, None] * tl.dot(cc, tl.trans(s), input_precision="ieee") \
+            + tl.dot(weights, x, input_precision="ieee")  # [C, P]
+        y += d_skip * x
+        if HAS_Z:
+            z = tl.load(z_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                        mask=ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=ok[:, None] & p_ok[None, :])
+        xs = x * (dt * tl.exp(last - cum))[:, None]
+        s = tl.exp(last) * s + tl.dot(tl.trans(xs), bb, input_precision="ieee")
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                       has_initial_state, dt_softplus, dt_min, dt_max,
+                       chunk: int = 64) -> torch.Tensor:
+    """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` tokens (one slot a request;
+    inputs already checked)."""
+    x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
+    z = z.contiguous() if z is not None else None
+    t, h, p = x.shape
+    g, n = B.shape[1:]
+    y = torch.zeros_like(x)
+    b = query_start_loc.shape[0] - 1
+    if b == 0:
+        return y
+    block_p = max(min(triton.next_power_of_2(p), 32), 16)
+    ssd_chunked_kernel[(b, h, triton.cdiv(p, block_p))](
+        x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
+        dt_bias if dt_bias is not None else A, state, y, query_start_loc, state_indices,
+        has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)), x.stride(0), x.stride(1),
+        dt.stride(0), B.stride(0), B.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), HEADS_PER_GROUP=h // g, P=p, N=n, CHUNK=chunk, BLOCK_P=block_p,
+        BLOCK_N=max(triton.next_power_of_2(n), 16), HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, num_warps=4)
+    return y
