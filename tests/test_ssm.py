@@ -748,3 +748,49 @@ def test_ssd_chunked_kernel_matches_the_reference(gated):
     torch.testing.assert_close(got_states[slots], want_states.float(), atol=1e-4, rtol=1e-4)
     untouched = [s for s in range(7) if s not in slots.tolist()]
     assert torch.equal(got_states[untouched], state[untouched])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_real_sizes_match_the_fp64_reference(kind, dtype):
+    """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128) and Mamba2-2.7B's (80 heads x
+    64, d_state 128) on the device: a step of 6 decodes, a 300-token prefill resuming at 37
+    (chunked kernel) and a fresh 5-token one, with fp32 states -- the routed Triton kernels
+    against the fp64 reference on the same states."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(10)
+    lens, ctx = [1] * 6 + [300, 5], [40] * 6 + [37, 0]
+    t = sum(lens)
+    slots = np.arange(1, len(lens) + 1)
+    meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
+                                np.array(ctx), slots, 64, device=dev)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
+
+    if kind == "gated_deltanet":
+        hk, hv, d = 16, 32, 128
+        q, k, v = rand(t, hk, d), rand(t, hk, d), rand(t, hv, d)
+        gate = -F.softplus(torch.randn(t, hv, generator=g, device=dev)).to(dtype)
+        beta = torch.sigmoid(torch.randn(t, hv, generator=g, device=dev)).to(dtype)
+        state = torch.randn(len(lens) + 1, hv, d, d, generator=g, device=dev) * 0.05
+        tail = (meta.max_query_len, d ** -0.5, True)
+        args = (q, k, v, gate, beta)
+        op = gated_delta_rule
+    else:
+        h, p, n = 80, 64, 128
+        args = (rand(t, h, p), rand(t, h), -torch.rand(h, generator=g, device=dev),
+                rand(t, 1, n, scale=0.3), rand(t, 1, n, scale=0.3),
+                torch.randn(h, generator=g, device=dev), rand(t, h, p),
+                torch.randn(h, generator=g, device=dev))
+        state = torch.randn(len(lens) + 1, h, p, n, generator=g, device=dev) * 0.05
+        tail = (meta.max_query_len, True, 0.0, math.inf)
+        op = mamba2_ssd
+    want_state = state.double()
+    step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
+    want = op(*(a.double() for a in args), want_state, *step, *tail)
+    got = op(*args, state, *step, *tail)
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(state.double(), want_state, atol=tol, rtol=tol)
