@@ -59,6 +59,15 @@ def test_demo_eager_checks_against_reference(capsys):
     assert "-> PASS" in out and "tokens/s decode" in out
 
 
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_hybrid_demo_checks_chunked_steps_against_one_prefill(capsys, kind):
+    code, out, _ = run(capsys, "demo", "--hybrid", kind, "--no-compile", "--steps", "2",
+                       "--prompt-lens", "20", "3")
+    assert code == 0, out
+    assert f"4 layers ({kind}, {kind}, {kind}, attention)" in out
+    assert "-> PASS" in out and "state slot" in out
+
+
 @pytest.mark.slow
 def test_demo_compiled_subprocess():
     res = subprocess.run([sys.executable, "-m", "attn_ops", "demo", "--layers", "2", "--steps",
