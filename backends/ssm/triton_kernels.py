@@ -60,12 +60,12 @@ def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, read_pt
 
 @triton.jit
 def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, init_ptr, dim,
-                      num_writes, stride_xt, stride_src, stride_srck, stride_ss, stride_sk,
-                      stride_idx, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      stride_xt, stride_src, stride_srck, stride_ss, stride_sk, stride_idx,
+                      NUM_WRITES: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_D: tl.constexpr):
     """Request ``program_id(0)``'s last ``K - 1`` inputs into its slot -- the whole block
     loaded (old state rows from ``src`` at ``read``) before any row is stored -- or, with
-    ``num_writes`` W > 0 (speculative decoding; ``src`` then a copy of the read states), its
+    ``NUM_WRITES`` W > 0 (speculative decoding; ``src`` then a copy of the read states), its
     state after each new token into columns ``1 + min(i, W - 1)`` of its ``slot`` row."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -76,13 +76,21 @@ def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, in
     n = tl.load(qsl_ptr + r + 1) - start
     read = tl.load(read_ptr + r).to(tl.int64)
     init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
-    for c in range(tl.maximum(num_writes, 1)):
-        # inputs consumed: all (one slot), or c + 1 for the first W - 1 columns, all for the last
-        ends = tl.where((num_writes == 0) | (c == num_writes - 1), n, tl.minimum(c + 1, n))
-        kept = (num_writes == 0) | ((c < num_writes - 1) & (c < n)) | (
-            (c == num_writes - 1) & (n >= num_writes))
-        slot = tl.load(slot_ptr + r * stride_idx
-                       + tl.where(num_writes == 0, 0, 1 + c)).to(tl.int64)
+    for c in tl.static_range(max(NUM_WRITES, 1)):
+        # inputs consumed: all (one slot, or the last column), else c + 1; where the column
+        # keeps a state: always with one slot; the first W - 1 if the request has token c; the
+        # last if it has at least W tokens
+        if (NUM_WRITES == 0) | (c == NUM_WRITES - 1):
+            ends = n + offs_k * 0
+        else:
+            ends = tl.minimum(c + 1, n) + offs_k * 0
+        if NUM_WRITES == 0:
+            keep = offs_k >= 0
+        elif c < NUM_WRITES - 1:
+            keep = (offs_k * 0 + c) < n
+        else:
+            keep = (offs_k * 0 + NUM_WRITES) <= n
+        slot = tl.load(slot_ptr + r * stride_idx + (0 if NUM_WRITES == 0 else 1 + c)).to(tl.int64)
         p = ends - (K - 1) + offs_k
         vx = tl.load(x_ptr + (start + p)[:, None] * stride_xt + offs_d[None, :],
                      mask=(k_ok & (p >= 0))[:, None] & d_ok[None, :], other=0.0)
@@ -90,7 +98,6 @@ def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, in
                      + offs_d[None, :], mask=(k_ok & (p < 0) & init)[:, None] & d_ok[None, :],
                      other=0.0)
         new = vx.to(tl.float32) + vs.to(tl.float32)
-        keep = (offs_k * 0 + kept.to(tl.int32)) != 0
         tl.store(state_ptr + slot * stride_ss + offs_k[:, None] * stride_sk + offs_d[None, :],
                  new.to(state_ptr.dtype.element_ty),
                  mask=(k_ok & keep)[:, None] & d_ok[None, :])
@@ -125,17 +132,17 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
         block_d = min(triton.next_power_of_2(d), 256)
         conv_state_kernel[(b, triton.cdiv(d, block_d))](
             x, src, conv_state, query_start_loc, read, state_indices, has_initial_state, d,
-            state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0, x.stride(0),
-            src.stride(0), src.stride(1), conv_state.stride(0), conv_state.stride(1),
-            state_indices.stride(0), K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
+            x.stride(0), src.stride(0), src.stride(1), conv_state.stride(0),
+            conv_state.stride(1), state_indices.stride(0), NUM_WRITES=_num_writes(state_indices),
+            K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
     return y
 
 
 @triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
-                         slot_ptr, init_ptr, scale, num_writes, stride_idx, stride_qt, stride_qh,
+                         slot_ptr, init_ptr, scale, stride_idx, stride_qt, stride_qh,
                          stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
-                         stride_ot, stride_oh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         stride_ot, stride_oh, NUM_WRITES: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
@@ -172,28 +179,34 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
         tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
                  mask=v_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
-                   num_writes, stride_idx, stride_ss, offs_k)
-    _keep_final(state_ptr, s_ptrs, s, s_mask, num_writes, offs_k)
+                   stride_idx, stride_ss, offs_k, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
+
+
+def _num_writes(state_indices: torch.Tensor) -> int:
+    """W: the slots a request's states go to with speculative decoding (0: one slot)."""
+    return state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0
 
 
 @triton.jit
-def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, num_writes, stride_idx,
-               stride_ss, offs):
-    """Speculative decoding (``num_writes`` W > 0): the state after new token ``i`` of ``n``
+def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, stride_idx, stride_ss, offs,
+               NUM_WRITES: tl.constexpr):
+    """Speculative decoding (``NUM_WRITES`` W > 0): the state after new token ``i`` of ``n``
     into column ``1 + min(i, W - 1)`` of the request's slots, if that column keeps it."""
-    kept = (num_writes > 0) & ((i < num_writes - 1) | (i == n - 1))
-    keep = (offs * 0 + kept.to(tl.int32)) != 0  # (vectors: scalar masks fail interpreted)
-    col = 1 + tl.minimum(i, tl.maximum(num_writes - 1, 0))
-    slot = tl.load(slot_ptr + r * stride_idx + col + offs * 0, mask=keep, other=0).to(tl.int64)
-    tl.store(state_ptr + tl.max(slot) * stride_ss + s_offs, s.to(state_ptr.dtype.element_ty),
-             mask=s_mask & keep[:, None])
+    if NUM_WRITES > 0:
+        ii = offs * 0 + i  # (vectors: scalar masks fail interpreted)
+        keep = (ii < NUM_WRITES - 1) | (ii == n - 1)
+        col = 1 + tl.minimum(ii, NUM_WRITES - 1)
+        slot = tl.load(slot_ptr + r * stride_idx + col, mask=keep, other=0).to(tl.int64)
+        tl.store(state_ptr + tl.max(slot) * stride_ss + s_offs,
+                 s.to(state_ptr.dtype.element_ty), mask=s_mask & keep[:, None])
 
 
 @triton.jit
-def _keep_final(state_ptr, s_ptrs, s, s_mask, num_writes, offs):
-    """One slot a request (``num_writes`` 0): its final state back into it."""
-    keep = (offs * 0 + (num_writes == 0).to(tl.int32)) != 0
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask & keep[:, None])
+def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr):
+    """One slot a request (``NUM_WRITES`` 0): its final state back into it."""
+    if NUM_WRITES == 0:
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
 def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
@@ -212,23 +225,21 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
     block_v = min(triton.next_power_of_2(dv), 32)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
-        state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0, state_indices.stride(0),
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), state.stride(0),
-        state.stride(1), state.stride(2), out.stride(0), out.stride(1), GROUP=hv // hk, DK=dk,
-        DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
-        num_warps=4)
+        state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
+        out.stride(1), NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk, DK=dk, DV=dv,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm, num_warps=4)
     return out
 
 
 @triton.jit
 def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, state_ptr,
-                         y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max, num_writes,
+                         y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max,
                          stride_idx, stride_xt,
                          stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
-                         stride_sp, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
-                         N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                         SOFTPLUS: tl.constexpr):
+                         stride_sp, NUM_WRITES: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+                         P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     grp = h // HEADS_PER_GROUP
@@ -245,8 +256,8 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
     s_mask = p_ok[:, None] & n_ok[None, :]
     s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
-    d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
-    dt_bias = tl.load(dtb_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    d_skip = tl.load(d_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(start, end):
         dt = tl.load(dt_ptr + t * stride_dtt + h).to(tl.float32) + dt_bias
         if SOFTPLUS:
@@ -267,8 +278,8 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
         tl.store(y_ptr + t * stride_xt + h * stride_xh + offs_p, y.to(y_ptr.dtype.element_ty),
                  mask=p_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
-                   num_writes, stride_idx, stride_ss, offs_p)
-    _keep_final(state_ptr, s_ptrs, s, s_mask, num_writes, offs_p)
+                   stride_idx, stride_ss, offs_p, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
 
 
 def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
@@ -283,17 +294,21 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
     if b == 0:
         return y
     block_p = min(triton.next_power_of_2(p), 32)
+    D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
     ssd_recurrent_kernel[(b, h, triton.cdiv(p, block_p))](
-        x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
-        dt_bias if dt_bias is not None else A, state, y, query_start_loc, state_indices,
-        has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)),
-        state_indices.shape[1] - 1 if state_indices.dim() == 2 else 0, state_indices.stride(0),
-        x.stride(0), x.stride(1),
-        dt.stride(0), B.stride(0), B.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), HEADS_PER_GROUP=h // g, P=p, N=n, BLOCK_P=block_p,
-        BLOCK_N=triton.next_power_of_2(n), HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, num_warps=4)
+        x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
+        state_indices, has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)),
+        state_indices.stride(0), x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
+        B.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
+        SOFTPLUS=dt_softplus, num_warps=4)
     return y
+
+
+def _or_zeros(x: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """``x``, or ``n`` fp32 zeros where it is absent (a skip term D, a dt bias: adding 0)."""
+    return x if x is not None else torch.zeros(n, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -396,8 +411,7 @@ def ssd_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr
                        stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
                        stride_sp, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
                        N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                       HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr):
     """Mamba2's SSD over a request's tokens ``CHUNK`` at a time: with ``cum`` the cumulative
     ``dt A`` of the chunk, ``y = e^cum (C S^T) + (tril(C B^T e^(cum_i - cum_j)) dt) x`` and
     ``S = e^(cum_last) S + (e^(cum_last - cum) dt x)^T B`` -- the state block in registers
@@ -419,8 +433,8 @@ def ssd_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr
     s_mask = p_ok[:, None] & n_ok[None, :]
     s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)  # [P, N]
     a = tl.load(a_ptr + h).to(tl.float32)
-    d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
-    dt_bias = tl.load(dtb_ptr + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    d_skip = tl.load(d_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     causal = offs_c[:, None] >= offs_c[None, :]
     for c0 in range(start, end, CHUNK):
         rows = c0 + offs_c
@@ -469,12 +483,13 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     if b == 0:
         return y
     block_p = max(min(triton.next_power_of_2(p), 32), 16)
+    D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
     ssd_chunked_kernel[(b, h, triton.cdiv(p, block_p))](
-        x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
-        dt_bias if dt_bias is not None else A, state, y, query_start_loc, state_indices,
+        x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
+        state_indices,
         has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)), x.stride(0), x.stride(1),
         dt.stride(0), B.stride(0), B.stride(1), state.stride(0), state.stride(1),
         state.stride(2), HEADS_PER_GROUP=h // g, P=p, N=n, CHUNK=chunk, BLOCK_P=block_p,
-        BLOCK_N=max(triton.next_power_of_2(n), 16), HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, num_warps=4)
+        BLOCK_N=max(triton.next_power_of_2(n), 16), HAS_Z=z is not None,
+        SOFTPLUS=dt_softplus, num_warps=4)
     return y
