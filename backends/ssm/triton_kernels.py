@@ -139,10 +139,28 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
 
 
 @triton.jit
+def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, head_offs,
+                   offs_row, offs_col, row_ok, col_ok, stride_row):
+    """Request ``r``'s new-token range and its state block ``[rows, cols]`` (at
+    ``head_offs`` in a slot) read in fp32 -- zeros without an initial state -- with the
+    block's offsets in a slot, its pointers in the read slot and its mask."""
+    start = tl.load(qsl_ptr + r)
+    end = tl.load(qsl_ptr + r + 1)
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
+    init = tl.load(init_ptr + r + offs_row * 0) != 0  # (a vector: scalar masks fail interpreted)
+    s_offs = head_offs + offs_row[:, None] * stride_row + offs_col[None, :]
+    s_ptrs = state_ptr + slot * stride_ss + s_offs
+    s_mask = row_ok[:, None] & col_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    return start, end, s, s_offs, s_ptrs, s_mask
+
+
+@triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
                          slot_ptr, init_ptr, scale, stride_idx, stride_qt, stride_qh,
                          stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
-                         stride_ot, stride_oh, NUM_WRITES: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         stride_ot, stride_oh, NUM_WRITES: tl.constexpr, GROUP: tl.constexpr,
+                         DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
@@ -151,14 +169,9 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
-    start = tl.load(qsl_ptr + r)
-    end = tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
-    s_offs = hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    s_ptrs = state_ptr + slot * stride_ss + s_offs
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    start, end, s, s_offs, s_ptrs, s_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, hv * stride_sh, offs_k,
+        offs_v, k_ok, v_ok, stride_sk)
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
                     other=0.0).to(tl.float32)
@@ -247,14 +260,9 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
     offs_n = tl.arange(0, BLOCK_N)
     p_ok = offs_p < P
     n_ok = offs_n < N
-    start = tl.load(qsl_ptr + r)
-    end = tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_p * 0) != 0  # (a vector: scalar masks fail interpreted)
-    s_offs = h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :]
-    s_ptrs = state_ptr + slot * stride_ss + s_offs
-    s_mask = p_ok[:, None] & n_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    start, end, s, s_offs, s_ptrs, s_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, h * stride_sh, offs_p,
+        offs_n, p_ok, n_ok, stride_sp)
     a = tl.load(a_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
@@ -332,14 +340,9 @@ def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, q
     offs_c = tl.arange(0, CHUNK)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
-    start = tl.load(qsl_ptr + r)
-    end = tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
-    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk \
-        + offs_v[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    start, end, s, s_offs, s_ptrs, s_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, hv * stride_sh, offs_k, offs_v,
+        k_ok, v_ok, stride_sk)
     eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
     below = offs_c[:, None] > offs_c[None, :]
     for c0 in range(start, end, CHUNK):
@@ -424,14 +427,9 @@ def ssd_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr
     offs_c = tl.arange(0, CHUNK)
     p_ok = offs_p < P
     n_ok = offs_n < N
-    start = tl.load(qsl_ptr + r)
-    end = tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_p * 0) != 0  # (a vector: scalar masks fail interpreted)
-    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_p[:, None] * stride_sp \
-        + offs_n[None, :]
-    s_mask = p_ok[:, None] & n_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)  # [P, N]
+    start, end, s, s_offs, s_ptrs, s_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, h * stride_sh, offs_p, offs_n,
+        p_ok, n_ok, stride_sp)  # s: [P, N]
     a = tl.load(a_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
