@@ -30,6 +30,21 @@ from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvS
 __all__ = ["GatedDeltaNet", "Mamba2Mixer", "ShortConv", "gated_rms_norm"]
 
 
+def _load(layer: nn.Module, module: nn.Module, pairs) -> nn.Module:
+    """``layer`` with HF ``module``'s tensors copied in, ``pairs`` of (ours, theirs); ours None
+    (a bias the layer has not) is skipped; in the module's dtype."""
+    with torch.no_grad():
+        for ours, theirs in pairs:
+            if ours is not None:
+                ours.copy_(theirs)
+    return layer.to(module.out_proj.weight.dtype)
+
+
+def _linears(*pairs) -> list:
+    """The (weight, bias) pairs of (ours, theirs) ``nn.Linear`` pairs."""
+    return [(getattr(a, n), getattr(b, n)) for a, b in pairs for n in ("weight", "bias")]
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
                    group_size: int | None = None, norm_before_gate: bool = True) -> torch.Tensor:
     """RMSNorm over groups of ``group_size`` of the last dim (all of it by default) with a SiLU
@@ -66,15 +81,12 @@ class GatedDeltaNet(nn.Module):
     def from_hf(cls, module, spec: GatedDeltaNetSpec) -> GatedDeltaNet:
         """Ours with the weights of HF's ``Qwen3NextGatedDeltaNet`` ``module``."""
         layer = cls(spec, module.hidden_size, module.layer_norm_epsilon)
-        with torch.no_grad():
-            layer.in_proj_qkvz.weight.copy_(module.in_proj_qkvz.weight)
-            layer.in_proj_ba.weight.copy_(module.in_proj_ba.weight)
-            layer.conv_weight.copy_(module.conv1d.weight[:, 0])
-            layer.dt_bias.copy_(module.dt_bias)
-            layer.A_log.copy_(module.A_log)
-            layer.norm_weight.copy_(module.norm.weight)
-            layer.out_proj.weight.copy_(module.out_proj.weight)
-        return layer.to(module.out_proj.weight.dtype)
+        return _load(layer, module, [
+            (layer.in_proj_qkvz.weight, module.in_proj_qkvz.weight),
+            (layer.in_proj_ba.weight, module.in_proj_ba.weight),
+            (layer.conv_weight, module.conv1d.weight[:, 0]), (layer.dt_bias, module.dt_bias),
+            (layer.A_log, module.A_log), (layer.norm_weight, module.norm.weight),
+            (layer.out_proj.weight, module.out_proj.weight)])
 
     def forward(self, hidden: torch.Tensor, states: StateCache,
                 meta: StateMetadata) -> torch.Tensor:
@@ -125,20 +137,14 @@ class Mamba2Mixer(nn.Module):
     def from_hf(cls, module, spec: Mamba2Spec) -> Mamba2Mixer:
         """Ours with the weights of HF's ``Mamba2Mixer`` ``module`` (and its dt limits)."""
         layer = cls(spec, module.hidden_size, module.layer_norm_epsilon,
-                    conv_bias=module.conv1d.bias is not None, bias=module.in_proj.bias is not None,
-                    dt_limit=tuple(module.time_step_limit))
-        with torch.no_grad():
-            for ours, theirs in ((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)):
-                ours.weight.copy_(theirs.weight)
-                if ours.bias is not None:
-                    ours.bias.copy_(theirs.bias)
-            layer.conv_weight.copy_(module.conv1d.weight[:, 0])
-            if layer.conv_bias is not None:
-                layer.conv_bias.copy_(module.conv1d.bias)
-            for name in ("dt_bias", "A_log", "D"):
-                getattr(layer, name).copy_(getattr(module, name))
-            layer.norm_weight.copy_(module.norm.weight)
-        return layer.to(module.out_proj.weight.dtype)
+                    conv_bias=module.conv1d.bias is not None,
+                    bias=module.in_proj.bias is not None, dt_limit=tuple(module.time_step_limit))
+        return _load(layer, module, [
+            *_linears((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)),
+            (layer.conv_weight, module.conv1d.weight[:, 0]),
+            (layer.conv_bias, module.conv1d.bias), (layer.dt_bias, module.dt_bias),
+            (layer.A_log, module.A_log), (layer.D, module.D),
+            (layer.norm_weight, module.norm.weight)])
 
     def forward(self, hidden: torch.Tensor, states: StateCache,
                 meta: StateMetadata) -> torch.Tensor:
@@ -174,15 +180,9 @@ class ShortConv(nn.Module):
     def from_hf(cls, module, spec: ShortConvSpec) -> ShortConv:
         """Ours with the weights of HF's ``Lfm2ShortConv`` ``module``."""
         layer = cls(spec, bias=module.bias)
-        with torch.no_grad():
-            for ours, theirs in ((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)):
-                ours.weight.copy_(theirs.weight)
-                if ours.bias is not None:
-                    ours.bias.copy_(theirs.bias)
-            layer.conv_weight.copy_(module.conv.weight[:, 0])
-            if layer.conv_bias is not None:
-                layer.conv_bias.copy_(module.conv.bias)
-        return layer.to(module.out_proj.weight.dtype)
+        return _load(layer, module, [
+            *_linears((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)),
+            (layer.conv_weight, module.conv.weight[:, 0]), (layer.conv_bias, module.conv.bias)])
 
     def forward(self, hidden: torch.Tensor, states: StateCache,
                 meta: StateMetadata) -> torch.Tensor:

@@ -54,7 +54,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def check_step(op: str, query_start_loc, state_indices, has_initial_state, state: torch.Tensor,
-               state_name: str) -> None:
+               state_name: str, dims: dict[str, int] | None = None,
+               max_query_len: int | None = None) -> None:
+    """The step tensors' shapes and dtypes; with ``dims``, ``state`` must be
+    ``[num_slots, *dims.values()]`` (named by ``dims``' keys); ``max_query_len`` >= 0."""
+    if dims is not None and (state.dim() != 1 + len(dims)
+                             or tuple(state.shape[1:]) != tuple(dims.values())):
+        named = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise ValueError(f"{op}: {state_name} must be [num_slots, {named}], got "
+                         f"{tuple(state.shape)}")
+    if max_query_len is not None and max_query_len < 0:
+        raise ValueError(f"{op}: max_query_len={max_query_len} must be >= 0")
     b = state_indices.shape[0] if state_indices.dim() in (1, 2) else -1
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1 or (
             state_indices.dim() == 2 and state_indices.shape[1] < 2):

@@ -48,12 +48,8 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_
         if tuple(x.shape) != (t, hv):
             raise ValueError(f"{op}: {name} must be [num_tokens={t}, num_v_heads={hv}], got "
                              f"{tuple(x.shape)}")
-    if state.dim() != 4 or tuple(state.shape[1:]) != (hv, dk, dv):
-        raise ValueError(f"{op}: state must be [num_slots, num_v_heads={hv}, head_k_dim={dk}, "
-                         f"head_v_dim={dv}], got {tuple(state.shape)}")
-    if max_query_len < 0:
-        raise ValueError(f"{op}: max_query_len={max_query_len} must be >= 0")
-    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state")
+    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state",
+               {"num_v_heads": hv, "head_k_dim": dk, "head_v_dim": dv}, max_query_len)
 
 
 def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,

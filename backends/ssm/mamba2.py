@@ -44,12 +44,8 @@ def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                             ("z", z, (t, h, p)), ("dt_bias", dt_bias, (h,))):
         if val is not None and tuple(val.shape) != want:
             raise ValueError(f"{op}: {name} must be {list(want)}, got {tuple(val.shape)}")
-    if state.dim() != 4 or tuple(state.shape[1:]) != (h, p, n):
-        raise ValueError(f"{op}: state must be [num_slots, num_heads={h}, head_dim={p}, "
-                         f"d_state={n}], got {tuple(state.shape)}")
-    if max_query_len < 0:
-        raise ValueError(f"{op}: max_query_len={max_query_len} must be >= 0")
-    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state")
+    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state",
+               {"num_heads": h, "head_dim": p, "d_state": n}, max_query_len)
 
 
 def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
