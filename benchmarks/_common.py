@@ -167,6 +167,26 @@ def back_to_back_us(fn, n: int = 200, warmup: int = 10) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def time_steps(fn, steps, device) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on GPUs, wall clock on the CPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import back_to_back_us, run_info, write_json  # noqa: E402
+from _common import back_to_back_us, run_info, time_steps, write_json  # noqa: E402
 
 COPY_TBS = 4.27
 
@@ -45,25 +43,6 @@ def config(args, dtype):
                         dtype=dtype, max_position=args.ctx + 8,
                         gdn=GatedDeltaNetSpec(num_k_heads=16, num_v_heads=32, head_k_dim=128,
                                               head_v_dim=128, dtype=dtype))
-
-
-def time_ms(fn, steps, device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def ours(cfg, args, device) -> dict:
@@ -106,16 +85,17 @@ def ours(cfg, args, device) -> dict:
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     n_attn, n_rec = len(model.attention_layers), len(model.recurrent_layers)
-    kv = args.batch * args.ctx * n_attn * cfg.num_kv_heads * cfg.head_dim * 2 * caches[0].element_size()
+    kv = (args.batch * args.ctx * n_attn * cfg.num_kv_heads * cfg.head_dim * 2
+          * caches[0].element_size())
     state_bytes = args.batch * n_rec * cfg.state_spec.state_bytes() * 2
     row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
            "state_bytes_read_and_written": state_bytes,
            "floor_ms": (weights + kv + state_bytes) / COPY_TBS / 1e9}
     with torch.no_grad():
-        row["eager_ms"] = time_ms(lambda: step(model), args.steps, device)
+        row["eager_ms"] = time_steps(lambda: step(model), args.steps, device)
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
-        row["compiled_ms"] = time_ms(lambda: step(compiled), args.steps, device)
+        row["compiled_ms"] = time_steps(lambda: step(compiled), args.steps, device)
         if device == "cuda":
             graphs = CUDAGraphBatch((args.batch,), max_blocks, block, device)
             runner = HybridGraphRunner(model, compiled, graphs, caches, states)
@@ -124,11 +104,11 @@ def ours(cfg, args, device) -> dict:
                 common, state = metas()
                 return runner(ids, common, state)
 
-            row["graphed_ms"] = time_ms(graphed, args.steps, device)
+            row["graphed_ms"] = time_steps(graphed, args.steps, device)
             row["graphed_pipelined_ms"] = back_to_back_us(graphed, args.steps, 1) / 1e3
             graph, _ = runner.captured[args.batch]
-            row["replay_only_ms"] = time_ms(graph.replay, args.steps, device)
-            row["host_prep_ms"] = time_ms(metas, args.steps, "cpu")
+            row["replay_only_ms"] = time_steps(graph.replay, args.steps, device)
+            row["host_prep_ms"] = time_steps(metas, args.steps, "cpu")
             row["fraction_of_floor"] = row["floor_ms"] / min(row["graphed_ms"],
                                                             row["graphed_pipelined_ms"])
     return row
@@ -161,7 +141,7 @@ def hf(cfg, args, device) -> dict:
             res = model(input_ids=prompt, use_cache=True)
             cache = res.past_key_values
             ids = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
-            out["eager_dynamic_cache_ms"] = time_ms(
+            out["eager_dynamic_cache_ms"] = time_steps(
                 lambda: model(input_ids=ids, past_key_values=cache, use_cache=True),
                 args.steps, device)
         except Exception as e:  # noqa: BLE001 -- an anchor that fails is a result too

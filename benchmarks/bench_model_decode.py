@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import back_to_back_us, run_info, write_json  # noqa: E402
+from _common import back_to_back_us, run_info, time_steps, write_json  # noqa: E402
 
 COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md)
 
@@ -109,26 +107,6 @@ class Engine:
         common = self.common()
         return forward(self.ids, common.positions, self.caches,
                        build_step_metadata(self.backends, common))
-
-
-def time_steps(fn, steps, device) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on GPUs, wall clock on the CPU)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_counts(fn, layers) -> dict:

@@ -32,25 +32,36 @@ GDN = {"hk": 16, "hv": 32, "dk": 128, "dv": 128, "kernel": 4}
 M2 = {"h": 80, "p": 64, "n": 128, "g": 1, "kernel": 4}
 
 
-def _step(batch, lens, device="cuda"):
-    qsl = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    qsl[1:] = torch.tensor(lens, device=device).cumsum(0)
-    slots = torch.arange(1, batch + 1, dtype=torch.int32, device=device)
-    return qsl, slots
+def _step(batch, lens, initial, conv_dim, kernel):
+    """A step of ``batch`` requests with ``lens`` new tokens on slots 1..batch (initial states
+    or not): ``(qsl, slots, init, conv, conv_bytes)``, ``conv()`` its causal conv update over
+    ``conv_dim`` channels and the bytes that moves."""
+    from attn_ops.backends.ssm.conv import causal_conv1d
+
+    t = sum(lens)
+    qsl = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    qsl[1:] = torch.tensor(lens, device="cuda").cumsum(0)
+    slots = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
+    init = torch.full((batch,), initial, dtype=torch.bool, device="cuda")
+    x = torch.randn(t, conv_dim, dtype=BF16, device="cuda")
+    w = torch.randn(conv_dim, kernel, dtype=BF16, device="cuda") * 0.3
+    conv_state = torch.randn(batch + 1, kernel - 1, conv_dim, dtype=BF16, device="cuda")
+
+    def conv():
+        causal_conv1d(x, w, None, conv_state, qsl, slots, init, "silu")
+
+    conv_bytes = batch * (kernel - 1) * conv_dim * 2 * 2 + t * conv_dim * 2 * 2
+    return qsl, slots, init, conv, conv_bytes
 
 
 def gdn_case(batch, lens, initial=True):
-    from attn_ops.backends.ssm.conv import causal_conv1d
     from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
 
     c = GDN
     t = sum(lens)
-    conv_dim = 2 * c["hk"] * c["dk"] + c["hv"] * c["dv"]
-    qsl, slots = _step(batch, lens)
-    init = torch.full((batch,), initial, dtype=torch.bool, device="cuda")
-    x = torch.randn(t, conv_dim, dtype=BF16, device="cuda")
-    w = torch.randn(conv_dim, c["kernel"], dtype=BF16, device="cuda") * 0.3
-    conv_state = torch.randn(batch + 1, c["kernel"] - 1, conv_dim, dtype=BF16, device="cuda")
+    qsl, slots, init, conv, conv_bytes = _step(batch, lens, initial,
+                                               2 * c["hk"] * c["dk"] + c["hv"] * c["dv"],
+                                               c["kernel"])
     q = torch.randn(t, c["hk"], c["dk"], dtype=BF16, device="cuda")
     k = torch.randn(t, c["hk"], c["dk"], dtype=BF16, device="cuda")
     v = torch.randn(t, c["hv"], c["dv"], dtype=BF16, device="cuda")
@@ -59,19 +70,17 @@ def gdn_case(batch, lens, initial=True):
     state = torch.randn(batch + 1, c["hv"], c["dk"], c["dv"], dtype=F32, device="cuda") * 0.1
     mql = max(lens)
 
-    def ours():
-        causal_conv1d(x, w, None, conv_state, qsl, slots, init, "silu")
-        return gated_delta_rule(q, k, v, g, beta, state, qsl, slots, init, mql,
-                                c["dk"] ** -0.5, True)
-
     def ours_recurrence():
         return gated_delta_rule(q, k, v, g, beta, state, qsl, slots, init, mql,
                                 c["dk"] ** -0.5, True)
 
+    def ours():
+        conv()
+        return ours_recurrence()
+
     fns = {"ours_with_conv": ours, "ours": ours_recurrence}
     state_bytes = batch * c["hv"] * c["dk"] * c["dv"] * 4 * 2
     io = t * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
-    conv_bytes = batch * (c["kernel"] - 1) * conv_dim * 2 * 2 + t * conv_dim * 2 * 2
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, \
             fused_recurrent_gated_delta_rule
@@ -95,17 +104,12 @@ def gdn_case(batch, lens, initial=True):
 
 
 def mamba2_case(batch, lens, initial=True):
-    from attn_ops.backends.ssm.conv import causal_conv1d
     from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 
     c = M2
     t = sum(lens)
-    conv_dim = c["h"] * c["p"] + 2 * c["g"] * c["n"]
-    qsl, slots = _step(batch, lens)
-    init = torch.full((batch,), initial, dtype=torch.bool, device="cuda")
-    xbc = torch.randn(t, conv_dim, dtype=BF16, device="cuda")
-    w = torch.randn(conv_dim, c["kernel"], dtype=BF16, device="cuda") * 0.3
-    conv_state = torch.randn(batch + 1, c["kernel"] - 1, conv_dim, dtype=BF16, device="cuda")
+    qsl, slots, init, conv, conv_bytes = _step(batch, lens, initial,
+                                               c["h"] * c["p"] + 2 * c["g"] * c["n"], c["kernel"])
     x = torch.randn(t, c["h"], c["p"], dtype=BF16, device="cuda")
     dt = torch.randn(t, c["h"], dtype=BF16, device="cuda")
     A = -torch.rand(c["h"], device="cuda")
@@ -121,13 +125,12 @@ def mamba2_case(batch, lens, initial=True):
                           0.0, float("inf"))
 
     def ours():
-        causal_conv1d(xbc, w, None, conv_state, qsl, slots, init, "silu")
+        conv()
         return ours_recurrence()
 
     fns = {"ours_with_conv": ours, "ours": ours_recurrence}
     state_bytes = batch * c["h"] * c["p"] * c["n"] * 4 * 2
     io = t * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
-    conv_bytes = batch * (c["kernel"] - 1) * conv_dim * 2 * 2 + t * conv_dim * 2 * 2
     try:
         if mql == 1:
             from mamba_ssm.ops.triton.selective_state_update import selective_state_update
