@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -41,6 +41,7 @@ class StateSpec:
     chunk_size: int
 
     kind = "state"
+    multiples: ClassVar[tuple[tuple[str, str], ...]] = ()  # (a, b): a must be a multiple of b
 
     @property
     def conv_dim(self) -> int:
@@ -59,6 +60,10 @@ class StateSpec:
             value = getattr(self, field.name)
             if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
                 raise ValueError(f"{self.kind}: {field.name}={value} must be > 0")
+        for a, b in self.multiples:
+            if getattr(self, a) % getattr(self, b):
+                raise ValueError(f"{self.kind}: {a}={getattr(self, a)} must be a multiple of "
+                                 f"{b}={getattr(self, b)}")
 
     def state_shapes(self, num_slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         shapes = {"conv": ((num_slots, self.conv_kernel - 1, self.conv_dim), self.dtype)}
@@ -99,12 +104,7 @@ class GatedDeltaNetSpec(StateSpec):
     chunk_size: int = 64
 
     kind = "gated_deltanet"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"gated_deltanet: num_v_heads={self.num_v_heads} must be a multiple "
-                             f"of num_k_heads={self.num_k_heads}")
+    multiples = (("num_v_heads", "num_k_heads"),)
 
     @property
     def conv_dim(self) -> int:
@@ -129,12 +129,7 @@ class Mamba2Spec(StateSpec):
     chunk_size: int = 256
 
     kind = "mamba2"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_heads % self.n_groups:
-            raise ValueError(f"mamba2: num_heads={self.num_heads} must be a multiple of "
-                             f"n_groups={self.n_groups}")
+    multiples = (("num_heads", "n_groups"),)
 
     @property
     def conv_dim(self) -> int:
