@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-__all__ = ["check_step", "compute_dtype", "padded_tokens", "split_slots", "step_writes",
+__all__ = ["check_step", "chunked_step_kernel", "compute_dtype", "padded_tokens", "split_slots", "step_writes",
            "token_requests", "triton_available", "use_triton"]
 
 
@@ -37,6 +37,17 @@ def use_triton(x: torch.Tensor) -> bool:
     from attn_ops.routing import Kernel, ssm_kernel
 
     return ssm_kernel(x.is_cuda, x.dtype, triton_available()) is Kernel.SSM_TRITON
+
+
+def chunked_step_kernel(x: torch.Tensor, max_query_len: int, state_indices: torch.Tensor):
+    """``(kernel, Tuning.ssm)`` of an op with a chunked kernel for a step
+    (:func:`attn_ops.routing.ssm_kernel`)."""
+    from attn_ops.routing import ssm_kernel
+    from attn_ops.tuning import default_tuning
+
+    tuning = default_tuning().ssm
+    return ssm_kernel(x.is_cuda, x.dtype, triton_available(), max_query_len,
+                      state_indices.dim() == 1, tuning.chunked_min_query_len), tuning
 
 
 @functools.cache

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.ssm.common import (check_step, compute_dtype, padded_tokens, split_slots,
-                                          step_writes, triton_available)
-from attn_ops.routing import Kernel, ssm_kernel
-from attn_ops.tuning import default_tuning
+from attn_ops.backends.ssm.common import (check_step, chunked_step_kernel, compute_dtype,
+                                          padded_tokens, split_slots, step_writes)
+from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
 __all__ = ["gated_delta_rule", "gdn_reference", "l2norm"]
@@ -92,15 +91,9 @@ def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_i
     return out[:t], torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
 
 
-def gdn_kernel(v: torch.Tensor, max_query_len: int, one_slot: bool) -> Kernel:
-    """The kernel this op runs for a step (:func:`attn_ops.routing.ssm_kernel`)."""
-    return ssm_kernel(v.is_cuda, v.dtype, triton_available(), max_query_len, one_slot,
-                      default_tuning().ssm.chunked_min_query_len)
-
-
 def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
           max_query_len, scale, qk_l2norm):
-    kernel = gdn_kernel(v, max_query_len, state_indices.dim() == 1)
+    kernel, tuning = chunked_step_kernel(v, max_query_len, state_indices)
     if kernel is not Kernel.SSM_TORCH:
         from attn_ops.backends.ssm import triton_kernels as tk
 
@@ -109,7 +102,7 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
         if kernel is Kernel.SSM_TRITON_CHUNKED:
             return tk.gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc,
                                          state_indices, has_initial_state, scale, qk_l2norm,
-                                         default_tuning().ssm.gdn_chunk)
+                                         tuning.gdn_chunk)
         return tk.gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                        has_initial_state, scale, qk_l2norm)
     o, s, slots = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,

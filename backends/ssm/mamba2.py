@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import (check_step, compute_dtype, padded_tokens, split_slots,
-                                          step_writes, triton_available)
-from attn_ops.routing import Kernel, ssm_kernel
-from attn_ops.tuning import default_tuning
+from attn_ops.backends.ssm.common import (check_step, chunked_step_kernel, compute_dtype,
+                                          padded_tokens, split_slots, step_writes)
+from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
 __all__ = ["mamba2_reference", "mamba2_ssd"]
@@ -95,9 +94,7 @@ def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, stat
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
           has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
-    tuning = default_tuning().ssm
-    kernel = ssm_kernel(x.is_cuda, x.dtype, triton_available(), max_query_len,
-                        state_indices.dim() == 1, tuning.chunked_min_query_len)
+    kernel, tuning = chunked_step_kernel(x, max_query_len, state_indices)
     if kernel is not Kernel.SSM_TORCH:
         from attn_ops.backends.ssm import triton_kernels as tk
 
