@@ -156,6 +156,17 @@ def mamba2_case(batch, lens, initial=True):
                  "mamba_ssm": state_bytes + io}
 
 
+def _agreement(fns):
+    """Relative L2 distance between our prefill output and the anchor's (zero initial states,
+    so both compute the same thing): the anchors double as a real-size cross-check."""
+    anchor = [n for n in fns if n != "ours"]
+    if not anchor:
+        return float("nan")
+    ours = fns["ours"]().float().flatten()
+    theirs = fns[anchor[0]]()[0].float().flatten()
+    return ((ours - theirs).norm() / theirs.norm()).item()
+
+
 def main() -> None:
     from triton.testing import do_bench
 
@@ -190,12 +201,14 @@ def main() -> None:
                         samples[n].append(do_bench(fn, rep=50, return_mode="median"))
                 ms = {n: statistics.median(v) for n, v in samples.items()}
                 tokens = batch * length
+                agree = _agreement(fns)
                 rows.append({"mode": "prefill", "kind": kind, "batch": batch, "len": length,
                              **{f"{n}_ms": v for n, v in ms.items()},
-                             **{f"{n}_mtoks": tokens / v / 1e3 for n, v in ms.items()}})
+                             **{f"{n}_mtoks": tokens / v / 1e3 for n, v in ms.items()},
+                             "rel_err_vs_anchor": agree})
                 print(f"prefill {kind:14s} {batch}x{length:<6d} " + "  ".join(
-                    f"{n} {v:8.3f} ms {tokens / v / 1e3:7.1f} Mtok/s" for n, v in ms.items()),
-                    flush=True)
+                    f"{n} {v:8.3f} ms {tokens / v / 1e3:7.1f} Mtok/s" for n, v in ms.items())
+                    + f"  rel err vs anchor {agree:.1e}", flush=True)
                 write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False)
     write_result("bench_ssm", args.out, rows=rows, complete=True)
 

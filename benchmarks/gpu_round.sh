@@ -44,6 +44,8 @@
 #            against HF's DeepseekV3ForCausalLM)
 #   ssm      tests/test_ssm.py and tests/test_hybrid_model.py (the recurrent-state family; its
 #            Triton kernels compiled, 200-batch CUDA-graph replays)
+#   ssmcheck compute-sanitizer memcheck over the recurrent-state kernels' real-size, mixed-step
+#            and graph-replay tests
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
 #            mamba-ssm; SSM_ARGS)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
@@ -142,6 +144,9 @@ for spec in "$@"; do
         --out "$OUT/bench_model_decode_mla_h200.json" ;;
     ssm) stage ssm "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_ssm.py tests/test_hybrid_model.py ;;
+    ssmcheck) stage ssmcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
+        python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
+        -k "(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays" ;;
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
         --out "$OUT/bench_ssm_h200.json" ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
