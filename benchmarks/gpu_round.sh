@@ -43,7 +43,7 @@
 #   mlamodel benchmarks/bench_model_decode.py --mla --ctx 4096 (DeepSeek-V2-Lite-shaped decoder
 #            against HF's DeepseekV3ForCausalLM)
 #   ssm      tests/test_ssm.py and tests/test_hybrid_model.py (the recurrent-state family; its
-#            Triton kernels compiled, 200-batch CUDA-graph replays)
+#            Triton kernels compiled, 200-batch CUDA-graph replays; SSM_K selects)
 #   ssmcheck compute-sanitizer memcheck over the recurrent-state kernels' real-size, mixed-step
 #            and graph-replay tests
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
@@ -143,7 +143,7 @@ for spec in "$@"; do
     mlamodel) stage mlamodel "$limit" python benchmarks/bench_model_decode.py --mla --ctx 4096 \
         --out "$OUT/bench_model_decode_mla_h200.json" ;;
     ssm) stage ssm "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
-        tests/test_ssm.py tests/test_hybrid_model.py ;;
+        tests/test_ssm.py tests/test_hybrid_model.py -k "${SSM_K:-}" ;;
     ssmcheck) stage ssmcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
         -k "(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays" ;;
