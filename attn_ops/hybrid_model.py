@@ -161,6 +161,18 @@ class HybridGraphRunner(CUDAGraphRunner):
         return (self.input_ids[:rows], self.positions[:rows], self.kv_caches, self.states, step,
                 self._state_meta[size])
 
+    def _capture(self, rows: int, step: dict):
+        """The base's warm-up runs advance the batch's states in place (a KV write is
+        idempotent, a recurrence is not): the batch's slots are saved before and put back
+        after, so the first replay starts from the states the step was given."""
+        slots = self._state_meta[rows // self.graphs.query_len].state_indices.long()
+        tensors = [t for cache in self.states for t in cache if t is not None]
+        saved = [t[slots].clone() for t in tensors]
+        captured = super()._capture(rows, step)
+        for t, s in zip(tensors, saved):
+            t.index_copy_(0, slots, s)
+        return captured
+
 
 class HybridGenerator:
     """Greedy generation over one allocator (KV blocks and state slots), one mixed batch a

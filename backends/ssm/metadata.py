@@ -122,8 +122,9 @@ def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.nda
                          f"{int(counts.max())} requests of the step: each request owns its slot")
     if (~real & ((query_lens > 0) | (context_lens > 0))).any():
         r = int((~real & ((query_lens > 0) | (context_lens > 0))).argmax())
-        raise ValueError(f"request {r} has tokens but the null state slot 0; give it its own "
-                         "slot (BlockAllocator.state_slot)")
+        raise ValueError(f"request {r} has {int(query_lens[r])} new and {int(context_lens[r])} "
+                         "computed tokens but the null state slot 0; give it its own slot "
+                         "(BlockAllocator.state_slot), or 0 and 0 tokens to pad the batch")
     starts, owners, last = chunk_boundaries(context_lens, query_lens, chunk_size)
     if num_decodes is None:
         num_decodes = int(np.argmax(query_lens > 1)) if (query_lens > 1).any() else n
