@@ -206,10 +206,21 @@ class SSMTuning:
     # gdn_chunk / mamba2_chunk tokens; GDN in the WY form) on GPUs when their longest request
     # has at least this many new tokens, token by token below (decodes, speculative decodes,
     # short prefills): the recurrence reads the inputs one token at a time, the chunked form a
-    # chunk. Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
+    # chunk. GDN's chunk is the side of the WY inverse, a [chunk, chunk] product chain held
+    # in registers (64 is the largest that fits); Mamba2's chunk sets how many [heads, P, N]
+    # fp32 states the prefill writes and reads back between its launches (one a chunk), its
+    # outputs are products over 64-row blocks of a chunk, so larger chunks move fewer bytes.
+    # Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
     chunked_min_query_len: int = 64
     gdn_chunk: int = 64
-    mamba2_chunk: int = 64
+    mamba2_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("gdn_chunk", "mamba2_chunk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= 16 (the "
+                                 "chunked kernels' tensor-core tiles)")
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla", "ssm")

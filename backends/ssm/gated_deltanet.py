@@ -100,9 +100,10 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
         _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
                max_query_len)
         if kernel is Kernel.SSM_TRITON_CHUNKED:
-            return tk.gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc,
-                                         state_indices, has_initial_state, scale, qk_l2norm,
-                                         tuning.gdn_chunk)
+            from attn_ops.backends.ssm.chunked_kernels import gdn_chunked_triton
+
+            return gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
+                                      has_initial_state, scale, qk_l2norm, tuning.gdn_chunk)
         return tk.gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                        has_initial_state, scale, qk_l2norm)
     o, s, slots = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,

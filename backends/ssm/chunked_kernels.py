@@ -1,0 +1,451 @@
+"""Chunked Triton kernels of the recurrent-state prefills: each request's new tokens cut into
+chunks from its first new token (the chunk size is the caller's; the math does not depend on
+where the cuts fall), three launches per op so that only the state hand-off between chunks is
+sequential:
+
+1. per chunk, in parallel: what a chunk computes from its own tokens -- Gated DeltaNet's WY
+   factors (``w``, ``u``), Mamba2's state contribution;
+2. per request, head and block of state columns, chunk after chunk: the state at every chunk
+   start (into a ``[chunks, ...]`` buffer) and the final state into the request's slot -- GDN
+   a pair of small products per chunk, Mamba2 an elementwise update;
+3. per chunk, in parallel: the outputs from the chunk's start state and its tokens.
+
+Products run on the tensor cores in the inputs' dtype with fp32 accumulation; fp32 inputs
+(the tests' oracle runs) keep every product in exact fp32 (``IEEE``).
+
+The chunk table (:func:`chunk_table`) is built on the device from ``query_start_loc``
+with a size known from the shapes (``num_tokens // chunk + num_reqs`` entries bound the real
+chunks; the rest are empty and their programs return at once), so the ops capture in CUDA
+graphs and read nothing on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_ops.backends.ssm.triton_kernels import _or_zeros, _request_state
+
+__all__ = ["chunk_table", "gdn_chunked_triton", "ssd_chunked_triton"]
+
+
+def chunk_table(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
+    """``(offsets [B + 1], starts [M], ends [M])``: request ``r``'s chunks are entries
+    ``offsets[r]:offsets[r + 1]``, chunk ``j`` its rows ``qsl[r] + j * chunk`` up to the next
+    boundary or its end; ``M = num_tokens // chunk + B`` bounds the chunks of any batch of
+    ``num_tokens`` rows, the entries past the real ones are empty (``start == end``)."""
+    qsl = query_start_loc.long()
+    b = qsl.shape[0] - 1
+    lens = qsl[1:] - qsl[:-1]
+    offsets = torch.cat([qsl.new_zeros(1), ((lens + chunk - 1) // chunk).cumsum(0)])
+    m = num_tokens // chunk + b
+    idx = torch.arange(m, device=qsl.device)
+    req = torch.searchsorted(offsets[1:], idx, right=True).clamp(max=max(b - 1, 0))
+    starts = qsl[req] + (idx - offsets[req]) * chunk
+    ends = torch.minimum(starts + chunk, qsl[req + 1])
+    real = idx < offsets[-1]
+    return (offsets.to(torch.int32), torch.where(real, starts, 0).to(torch.int32),
+            torch.where(real, ends, 0).to(torch.int32))
+
+
+@triton.jit
+def _dot(a, b, like, IEEE: tl.constexpr):
+    """``a @ b`` in fp32: exact fp32 products (``IEEE``) or operands in ``like``'s element
+    dtype (the inputs' bf16 / fp16) on the tensor cores."""
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a.to(like.dtype.element_ty), b.to(like.dtype.element_ty))
+    return c
+
+
+@triton.jit
+def _dot32(a, b, IEEE: tl.constexpr):
+    """``a @ b`` of fp32 operands: exact (``IEEE``) or in tf32 on the tensor cores."""
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision="tf32")
+    return c
+
+
+@triton.jit
+def _rows(ptr, rows, ok, stride_t, head_off, offs, offs_ok, L2NORM: tl.constexpr):
+    """``[rows, cols]`` of one head in fp32 (0 outside), each row L2-normalised if
+    ``L2NORM``."""
+    x = tl.load(ptr + rows[:, None] * stride_t + head_off + offs[None, :],
+                mask=ok[:, None] & offs_ok[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        x = x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    return x
+
+
+# --- Gated DeltaNet -------------------------------------------------------------------------
+
+@triton.jit
+def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_ptr, stride_kt,
+                  stride_kh, stride_vt, stride_vh, stride_gt, stride_wt, stride_wh, stride_ut,
+                  stride_uh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """Per chunk and value head: with ``G`` the chunk's cumulative log decay,
+    ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and ``T = (I + A)^-1`` -- the product of
+    ``I + (-A)^(2^i)`` (A is nilpotent) -- the WY factors ``w = T (beta e^G k)`` and
+    ``u = T (beta v)``."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        offs_c = tl.arange(0, CHUNK)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = tl.arange(0, BLOCK_V)
+        rows = start + offs_c
+        ok = rows < end
+        k = _rows(k_ptr, rows, ok, stride_kt, (hv // GROUP) * stride_kh, offs_k, offs_k < DK,
+                  L2NORM)
+        v = _rows(v_ptr, rows, ok, stride_vt, hv * stride_vh, offs_v, offs_v < DV, False)
+        g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, axis=0)
+        below = offs_c[:, None] > offs_c[None, :]
+        decay = tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0))
+        n = tl.where(below, -beta[:, None] * _dot(k, tl.trans(k), w_ptr, IEEE) * decay, 0.0)
+        eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+        t = eye + n
+        for _ in tl.static_range(LOG2_CHUNK - 1):
+            n = _dot32(n, n, IEEE)
+            t = _dot32(t, eye + n, IEEE)
+        w = _dot(t, (beta * tl.exp(cum))[:, None] * k, w_ptr, IEEE)
+        u = _dot(t, beta[:, None] * v, w_ptr, IEEE)
+        tl.store(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + offs_k[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=ok[:, None] & (offs_k < DK)[None, :])
+        tl.store(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :],
+                 u.to(u_ptr.dtype.element_ty), mask=ok[:, None] & (offs_v < DV)[None, :])
+
+
+@triton.jit
+def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr,
+                     init_ptr, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut,
+                     stride_uh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
+                     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                     L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """Per request, value head and block of value columns, chunk after chunk: the state at
+    the chunk's start into ``h``, the corrected values ``d = u - w S`` over ``u``, then
+    ``S = e^(G_last) S + (e^(G_last - G) k)^T d``; the final state into the slot."""
+    r = tl.program_id(0)
+    hv = tl.program_id(1)
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    start, end, s, _, s_ptrs, s_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, hv * stride_sh, offs_k,
+        offs_v, k_ok, v_ok, stride_sk)
+    h_offs = hv * stride_hh + offs_k[:, None] * DV + offs_v[None, :]
+    c = tl.load(coff_ptr + r).to(tl.int64)
+    for c0 in range(start, end, CHUNK):
+        tl.store(h_ptr + c * stride_hc + h_offs, s.to(h_ptr.dtype.element_ty), mask=s_mask)
+        rows = c0 + offs_c
+        ok = rows < end
+        w = tl.load(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + offs_k[None, :],
+                    mask=ok[:, None] & k_ok[None, :], other=0.0)
+        u_ptrs = u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :]
+        uv_mask = ok[:, None] & v_ok[None, :]
+        d = tl.load(u_ptrs, mask=uv_mask, other=0.0).to(tl.float32) - _dot(w, s, w_ptr, IEEE)
+        tl.store(u_ptrs, d.to(u_ptr.dtype.element_ty), mask=uv_mask)
+        k = _rows(k_ptr, rows, ok, stride_kt, (hv // GROUP) * stride_kh, offs_k, k_ok, L2NORM)
+        g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, axis=0)
+        last = tl.sum(g, axis=0)
+        s = tl.exp(last) * s + _dot(tl.trans(k * tl.exp(last - cum)[:, None]), d, w_ptr, IEEE)
+        c += 1
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+@triton.jit
+def gdn_output_kernel(q_ptr, k_ptr, g_ptr, u_ptr, h_ptr, o_ptr, start_ptr, end_ptr, scale,
+                      stride_kt, stride_kh, stride_gt, stride_ut, stride_uh, stride_hc,
+                      stride_hh, stride_ot, stride_oh, GROUP: tl.constexpr, DK: tl.constexpr,
+                      DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """Per chunk, value head and block of value columns: ``o = (e^G q) S + tril(q k^T
+    e^(G_i - G_j)) d`` from the chunk's start state ``S`` and corrected values ``d``."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        offs_c = tl.arange(0, CHUNK)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        k_ok = offs_k < DK
+        v_ok = offs_v < DV
+        rows = start + offs_c
+        ok = rows < end
+        head = (hv // GROUP) * stride_kh
+        q = _rows(q_ptr, rows, ok, stride_kt, head, offs_k, k_ok, L2NORM) * scale
+        k = _rows(k_ptr, rows, ok, stride_kt, head, offs_k, k_ok, L2NORM)
+        g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, axis=0)
+        s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hv * stride_hh
+                    + offs_k[:, None] * DV + offs_v[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        d = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        decay = tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0))
+        causal = tl.where(offs_c[:, None] >= offs_c[None, :],
+                          _dot(q, tl.trans(k), u_ptr, IEEE) * decay, 0.0)
+        o = _dot(q * tl.exp(cum)[:, None], s, u_ptr, IEEE) + _dot(causal, d, u_ptr, IEEE)
+        tl.store(o_ptr + rows[:, None] * stride_ot + hv * stride_oh + offs_v[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the intermediates and of the products' operands: the inputs' (fp32 for
+    fp32 inputs: exact products)."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
+                       has_initial_state, scale, qk_l2norm, chunk: int = 64) -> torch.Tensor:
+    """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
+    tokens, one slot a request (inputs already checked)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.zeros_like(v)  # (padding rows: no program writes them)
+    b = query_start_loc.shape[0] - 1
+    if b == 0 or t == 0:
+        return out
+    offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
+    m = starts.shape[0]
+    wdt = _work_dtype(q)
+    ieee = wdt == torch.float32
+    block_k, block_v = max(triton.next_power_of_2(dk), 16), max(triton.next_power_of_2(dv), 16)
+    w = torch.empty(t, hv, dk, dtype=wdt, device=q.device)
+    u = torch.empty(t, hv, dv, dtype=wdt, device=q.device)
+    h = torch.empty(m, hv, dk, dv, dtype=wdt, device=q.device)
+    common = dict(GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, L2NORM=qk_l2norm,
+                  IEEE=ieee)
+    gdn_wy_kernel[(m, hv)](
+        k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=8, **common)
+    state_bv = min(block_v, 32)
+    gdn_state_kernel[(b, hv, triton.cdiv(dv, state_bv))](
+        k, g, w, u, h, state, query_start_loc, offsets, state_indices, has_initial_state,
+        k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
+        u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), BLOCK_V=state_bv, num_warps=4, num_stages=2, **common)
+    out_bv = min(block_v, 64)
+    gdn_output_kernel[(m, hv, triton.cdiv(dv, out_bv))](
+        q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
+        u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
+        BLOCK_V=out_bv, num_warps=8, **common)
+    return out
+
+
+# --- Mamba2 (SSD) ---------------------------------------------------------------------------
+
+@triton.jit
+def _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS: tl.constexpr):
+    """The step sizes of ``rows`` of head ``h``: dt + bias, softplus, clamped; 0 outside."""
+    dt = tl.load(dt_ptr + rows * stride_dtt + h, mask=ok, other=0.0).to(tl.float32) + dt_bias
+    if SOFTPLUS:
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    return tl.where(ok, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
+
+
+@triton.jit
+def _ssd_log_decay(dt_ptr, lo, hi, stride_dtt, h, a, dt_bias, dt_min, dt_max,
+                   CHUNK: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """``sum dt * A`` over rows ``lo:hi`` (at most ``CHUNK`` of them)."""
+    rows = lo + tl.arange(0, CHUNK)
+    ok = rows < hi
+    return tl.sum(_ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
+                  * a, axis=0)
+
+
+@triton.jit
+def ssd_contrib_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, dtb_ptr, st_ptr, start_ptr, end_ptr, dt_min,
+                       dt_max, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg,
+                       stride_sc, stride_sh, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
+                       N: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SOFTPLUS: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """Per chunk, head and block of head channels: the chunk's own contribution to the state
+    at its end, ``(e^(cum_last - cum) dt x)^T B``, over the chunk ``BLOCK`` rows at a time."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        grp = h // HEADS_PER_GROUP
+        offs_b = tl.arange(0, BLOCK)
+        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        p_ok = offs_p < P
+        n_ok = offs_n < N
+        a = tl.load(a_ptr + h).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        last = _ssd_log_decay(dt_ptr, start, end, stride_dtt, h, a, dt_bias, dt_min, dt_max,
+                              CHUNK, SOFTPLUS)
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        before = last * 0.0
+        for b0 in tl.static_range(0, CHUNK, BLOCK):
+            rows = start + b0 + offs_b
+            ok = rows < end
+            dt = _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
+            cum = before + tl.cumsum(dt * a, axis=0)
+            before += tl.sum(dt * a, axis=0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                        mask=ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+            bb = tl.load(b_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                         mask=ok[:, None] & n_ok[None, :], other=0.0)
+            xs = x * (dt * tl.exp(last - cum))[:, None]
+            acc += _dot(tl.trans(xs), bb, x_ptr, IEEE)
+        tl.store(st_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
+                 + offs_n[None, :], acc, mask=p_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def ssd_state_kernel(dt_ptr, a_ptr, dtb_ptr, st_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr,
+                     init_ptr, dt_min, dt_max, stride_dtt, stride_sc, stride_sh, stride_ss,
+                     stride_slot_h, stride_slot_p, P: tl.constexpr, N: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SOFTPLUS: tl.constexpr):
+    """Per request, head and block of head channels, chunk after chunk: the state at the
+    chunk's start over its contribution in ``st``, then ``S = e^(cum_last) S +
+    contribution``; the final state into the slot."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    p_ok = offs_p < P
+    n_ok = offs_n < N
+    start, end, s, _, s_ptrs, s_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, h * stride_slot_h, offs_p,
+        offs_n, p_ok, n_ok, stride_slot_p)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    st_offs = h * stride_sh + offs_p[:, None] * N + offs_n[None, :]
+    c = tl.load(coff_ptr + r).to(tl.int64)
+    for c0 in range(start, end, CHUNK):
+        last = _ssd_log_decay(dt_ptr, c0, tl.minimum(c0 + CHUNK, end), stride_dtt, h, a,
+                              dt_bias, dt_min, dt_max, CHUNK, SOFTPLUS)
+        ptrs = st_ptr + c * stride_sc + st_offs
+        contrib = tl.load(ptrs, mask=s_mask, other=0.0)
+        tl.store(ptrs, s, mask=s_mask)
+        s = tl.exp(last) * s + contrib
+        c += 1
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+@triton.jit
+def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, st_ptr, y_ptr,
+                      start_ptr, end_ptr, dt_min, dt_max, stride_xt, stride_xh, stride_dtt,
+                      stride_bt, stride_bg, stride_sc, stride_sh,
+                      HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """Per ``BLOCK`` rows of a chunk, head and block of head channels: ``y = e^cum (C S^T) +
+    sum over the chunk's earlier key blocks of (tril(C B^T e^(cum_i - cum_j)) dt) x``, then
+    ``+ D x`` and the ``z`` gate."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    c = pid // (CHUNK // BLOCK)
+    m0_rel = (pid % (CHUNK // BLOCK)) * BLOCK
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    m0 = start + m0_rel
+    if m0 < end:
+        grp = h // HEADS_PER_GROUP
+        offs_b = tl.arange(0, BLOCK)
+        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        p_ok = offs_p < P
+        n_ok = offs_n < N
+        a = tl.load(a_ptr + h).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        rows = m0 + offs_b
+        ok = rows < end
+        dt = _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
+        cum = _ssd_log_decay(dt_ptr, start, m0, stride_dtt, h, a, dt_bias, dt_min, dt_max,
+                             CHUNK, SOFTPLUS) + tl.cumsum(dt * a, axis=0)
+        cc = tl.load(c_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                     mask=ok[:, None] & n_ok[None, :], other=0.0)
+        s = tl.load(st_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
+                    + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        y = tl.exp(cum)[:, None] * _dot(cc, tl.trans(s), x_ptr, IEEE)  # [BLOCK, BLOCK_P]
+        before = a * 0.0
+        for k0 in range(0, m0_rel + BLOCK, BLOCK):
+            keys = start + k0 + offs_b
+            k_ok = keys < end
+            dt_k = _ssd_dt(dt_ptr, keys, k_ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
+            cum_k = before + tl.cumsum(dt_k * a, axis=0)
+            before += tl.sum(dt_k * a, axis=0)
+            bb = tl.load(b_ptr + keys[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            xk = tl.load(x_ptr + keys[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                         mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+            wts = tl.where(rows[:, None] >= keys[None, :],
+                           _dot(cc, tl.trans(bb), x_ptr, IEEE)
+                           * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
+                           * dt_k[None, :], 0.0)
+            y += _dot(wts, xk, x_ptr, IEEE)
+        x_ptrs = rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :]
+        xp_mask = ok[:, None] & p_ok[None, :]
+        y += tl.load(d_ptr + h).to(tl.float32) * tl.load(x_ptr + x_ptrs, mask=xp_mask,
+                                                         other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + x_ptrs, mask=xp_mask, other=0.0).to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + x_ptrs, y.to(y_ptr.dtype.element_ty), mask=xp_mask)
+
+
+def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                       has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
+                       block: int | None = None) -> torch.Tensor:
+    """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
+    ``block`` (default ``min(chunk, 64)``) rows of a chunk a program, one slot a request
+    (inputs already checked)."""
+    x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
+    z = z.contiguous() if z is not None else None
+    t, h, p = x.shape
+    g, n = B.shape[1:]
+    y = torch.zeros_like(x)
+    b = query_start_loc.shape[0] - 1
+    if b == 0 or t == 0:
+        return y
+    offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
+    m = starts.shape[0]
+    ieee = _work_dtype(x) == torch.float32
+    block = block or min(chunk, 64)
+    block_p = max(min(triton.next_power_of_2(p), 64), 16)
+    block_n = max(triton.next_power_of_2(n), 16)
+    D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
+    st = torch.empty(m, h, p, n, dtype=torch.float32, device=x.device)
+    lims = (float(dt_min), float(min(dt_max, 3.0e38)))
+    ssd_contrib_kernel[(m, h, triton.cdiv(p, block_p))](
+        x, dt, A, B, dt_bias, st, starts, ends, *lims, x.stride(0), x.stride(1), dt.stride(0),
+        B.stride(0), B.stride(1), st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, P=p, N=n,
+        CHUNK=chunk, BLOCK=block, BLOCK_P=block_p, BLOCK_N=block_n, SOFTPLUS=dt_softplus,
+        IEEE=ieee, num_warps=8)
+    state_bp = min(block_p, 16)
+    ssd_state_kernel[(b, h, triton.cdiv(p, state_bp))](
+        dt, A, dt_bias, st, state, query_start_loc, offsets, state_indices, has_initial_state,
+        *lims, dt.stride(0), st.stride(0), st.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), P=p, N=n, CHUNK=chunk, BLOCK_P=state_bp, BLOCK_N=block_n,
+        SOFTPLUS=dt_softplus, num_warps=4)
+    ssd_output_kernel[(m * (chunk // block), h, triton.cdiv(p, block_p))](
+        x, dt, A, B, C, D, z if z is not None else x, dt_bias, st, y, starts, ends, *lims,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), st.stride(0),
+        st.stride(1), HEADS_PER_GROUP=h // g, P=p, N=n, CHUNK=chunk, BLOCK=block,
+        BLOCK_P=block_p, BLOCK_N=block_n, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
+        IEEE=ieee, num_warps=8)
+    return y
