@@ -1,0 +1,48 @@
+"""Where a chunked recurrent-state prefill spends its time on the GPU: the CUDA time of each
+launch of our GDN and Mamba2 prefills (``torch.profiler``), per case.
+
+    python benchmarks/profile_ssm_prefill.py [--cases gdn:1x8192 mamba2:64x512 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ssm import gdn_case, mamba2_case  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", nargs="+",
+                        default=["gdn:1x8192", "gdn:64x512", "mamba2:1x8192", "mamba2:64x512"])
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    for case in args.cases:
+        kind, shape = case.split(":")
+        batch, length = (int(v) for v in shape.split("x"))
+        make = gdn_case if kind == "gdn" else mamba2_case
+        fns, _ = make(batch, [length] * batch, initial=False)
+        fn = fns["ours"]
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / args.iters, e.count // args.iters)
+                for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(t for _, t, _ in rows)
+        print(f"== {case}: {total / 1e3:.3f} ms of device time a call")
+        for key, t, n in sorted(rows, key=lambda r: -r[1])[:8]:
+            print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
