@@ -809,6 +809,15 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
     step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
     want = op(*(a.double() for a in args), want_state, *step, *tail)
     got = op(*args, state, *step, *tail)
-    tol = 3e-2 if dtype == torch.bfloat16 else 2e-3
-    torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
-    torch.testing.assert_close(state.double(), want_state, atol=tol, rtol=tol)
+    if dtype == torch.float32:  # (exact fp32 products: element by element)
+        torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(state.double(), want_state, atol=2e-3, rtol=2e-3)
+        return
+    # bf16 tensor-core products round each operand to 8 bits: the bound is on the whole
+    # tensor (relative L2) and on the worst element against the tensor's scale -- the fp32
+    # case above runs the same kernels' indexing element by element.
+    for name, a, b in (("output", got.double(), want), ("state", state.double(), want_state)):
+        rel = ((a - b).norm() / b.norm()).item()
+        worst = ((a - b).abs().max() / b.abs().max()).item()
+        assert rel < 1e-2 and worst < 3e-2, f"{name}: relative L2 {rel:.1e}, worst {worst:.1e}"
+

@@ -24,15 +24,28 @@ __all__ = ["conv_triton", "gdn_recurrent_triton", "ssd_recurrent_triton"]
 
 
 @triton.jit
-def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, req_ptr, qsl_ptr, read_ptr, init_ptr,
+def _token_requests(qsl_ptr, offs_t, num_reqs, SEARCH_STEPS: tl.constexpr):
+    """Each row's request: the last ``r < num_reqs`` with ``qsl[r] <= row`` (a binary search
+    over ``query_start_loc`` in ``SEARCH_STEPS`` = ``num_reqs.bit_length()`` halvings)."""
+    req = offs_t * 0
+    for i in tl.static_range(SEARCH_STEPS):
+        cand = req + (1 << (SEARCH_STEPS - 1 - i))
+        inside = cand < num_reqs
+        start = tl.load(qsl_ptr + cand, mask=inside, other=0)
+        req = tl.where(inside & (start <= offs_t), cand, req)
+    return req
+
+
+@triton.jit
+def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, qsl_ptr, read_ptr, init_ptr,
                 num_tokens, num_reqs, dim, stride_xt, stride_yt, stride_ss, stride_sk,
                 K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
     real = offs_t < tl.load(qsl_ptr + num_reqs)  # (rows past the last request's: padding)
-    req = tl.load(req_ptr + offs_t, mask=offs_t < num_tokens, other=0)
+    req = _token_requests(qsl_ptr, offs_t, num_reqs, SEARCH_STEPS)
     pos = offs_t - tl.load(qsl_ptr + req, mask=offs_t < num_tokens, other=0)
     slot = tl.load(read_ptr + req, mask=offs_t < num_tokens, other=0).to(tl.int64)
     init = tl.load(init_ptr + req, mask=offs_t < num_tokens, other=0) != 0
@@ -118,14 +131,12 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
     else:
         src, read = conv_state, state_indices
     if t and b:
-        req = torch.searchsorted(query_start_loc[1:].long(),
-                                 torch.arange(t, device=x.device), right=True).clamp_(max=b - 1)
         block_d = min(triton.next_power_of_2(d), 128)
         conv_kernel[(triton.cdiv(t, 16), triton.cdiv(d, block_d))](
-            x, weight, bias if bias is not None else weight, src, y, req,
-            query_start_loc, read, has_initial_state, t, b, d, x.stride(0), y.stride(0),
-            src.stride(0), src.stride(1), K=k, HAS_BIAS=bias is not None,
-            SILU=activation == "silu", BLOCK_T=16, BLOCK_D=block_d)
+            x, weight, bias if bias is not None else weight, src, y, query_start_loc, read,
+            has_initial_state, t, b, d, x.stride(0), y.stride(0), src.stride(0), src.stride(1),
+            K=k, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=16,
+            BLOCK_D=block_d, SEARCH_STEPS=b.bit_length())
     elif t:
         y.zero_()
     if b:
@@ -159,7 +170,8 @@ def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
                          slot_ptr, init_ptr, scale, stride_idx, stride_qt, stride_qh,
                          stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
-                         stride_ot, stride_oh, NUM_WRITES: tl.constexpr, GROUP: tl.constexpr,
+                         stride_ot, stride_oh, num_tokens, NUM_WRITES: tl.constexpr,
+                         GROUP: tl.constexpr,
                          DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
     r = tl.program_id(0)
@@ -194,6 +206,17 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, offs_k, NUM_WRITES)
     _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
+    _zero_padding_rows(o_ptr, r, end, num_tokens, stride_ot, hv * stride_oh + offs_v, v_ok)
+
+
+@triton.jit
+def _zero_padding_rows(o_ptr, r, end, num_tokens, stride_ot, offs, ok):
+    """The last request's programs write zeros to the rows past its end (padding), so the
+    output needs no memset before the launch."""
+    first = tl.where(r == tl.num_programs(0) - 1, end, num_tokens)
+    for t in range(first, num_tokens):
+        tl.store(o_ptr + t * stride_ot + offs, tl.zeros_like(offs).to(o_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 def _num_writes(state_indices: torch.Tensor) -> int:
@@ -231,16 +254,16 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
         q = q.contiguous()
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    out = torch.zeros_like(v)  # (padding rows: no program writes them)
     b = query_start_loc.shape[0] - 1
     if b == 0:
-        return out
+        return torch.zeros_like(v)
+    out = torch.empty_like(v)
     block_v = min(triton.next_power_of_2(dv), 32)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
         state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
-        out.stride(1), NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk, DK=dk, DV=dv,
+        out.stride(1), t, NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk, DK=dk, DV=dv,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm, num_warps=4)
     return out
 
@@ -250,7 +273,8 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
                          y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max,
                          stride_idx, stride_xt,
                          stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
-                         stride_sp, NUM_WRITES: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+                         stride_sp, num_tokens, NUM_WRITES: tl.constexpr,
+                         HEADS_PER_GROUP: tl.constexpr,
                          P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr):
     r = tl.program_id(0)
@@ -288,6 +312,7 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, offs_p, NUM_WRITES)
     _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
+    _zero_padding_rows(y_ptr, r, end, num_tokens, stride_xt, h * stride_xh + offs_p, p_ok)
 
 
 def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
@@ -297,17 +322,17 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
     g, n = B.shape[1:]
-    y = torch.zeros_like(x)
     b = query_start_loc.shape[0] - 1
     if b == 0:
-        return y
+        return torch.zeros_like(x)
+    y = torch.empty_like(x)
     block_p = min(triton.next_power_of_2(p), 32)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
     ssd_recurrent_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)),
         state_indices.stride(0), x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
-        B.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        B.stride(1), state.stride(0), state.stride(1), state.stride(2), t,
         NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
         SOFTPLUS=dt_softplus, num_warps=4)
