@@ -208,19 +208,28 @@ class SSMTuning:
     # short prefills): the recurrence reads the inputs one token at a time, the chunked form a
     # chunk. GDN's chunk is the side of the WY inverse, a [chunk, chunk] product chain held
     # in registers (64 is the largest that fits); Mamba2's chunk sets how many [heads, P, N]
-    # fp32 states the prefill writes and reads back between its launches (one a chunk), its
+    # fp32 states the prefill writes and reads back between its launches (one a chunk); its
     # outputs are products over 64-row blocks of a chunk, so larger chunks move fewer bytes.
     # Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
     chunked_min_query_len: int = 64
     gdn_chunk: int = 64
     mamba2_chunk: int = 256
+    # The token-by-token kernels (decodes): one program a request, head and block of state
+    # columns (GDN: value columns; Mamba2: head channels), the block in registers over the
+    # request's tokens. Smaller blocks give small batches more programs; larger ones give
+    # each program more bytes in flight. Unmeasured beyond the defaults.
+    decode_block_v: int = 32
+    decode_block_p: int = 32
+    decode_num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("gdn_chunk", "mamba2_chunk"):
+        for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
+                          ("decode_block_p", 1), ("decode_num_warps", 1)):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= 16 (the "
-                                 "chunked kernels' tensor-core tiles)")
+            if v < low or v & (v - 1):
+                raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
+                                 + (" (the chunked kernels' tensor-core tiles)" if low == 16
+                                    else ""))
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla", "ssm")

@@ -18,6 +18,7 @@ and mamba-ssm (Mamba2), side by side in one run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -175,6 +176,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 8, 32, 64, 128, 256, 512, 1024])
     args = parser.parse_args()
+    from attn_ops.tuning import default_tuning
+
+    tuning = dataclasses.asdict(default_tuning().ssm)  # (ATTN_OPS_TUNING applied: the sweeps)
     rows = []
     cases = {"gated_deltanet": gdn_case, "mamba2": mamba2_case}
     if "decode" in args.only:
@@ -189,7 +193,8 @@ def main() -> None:
                 print(f"decode {kind:14s} B={batch:<5d} " + "  ".join(
                     f"{n} {v * 1e3:7.1f} us {nbytes[n] / v / 1e9:5.2f} TB/s"
                     for n, v in ms.items()), flush=True)
-                write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False)
+                write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False,
+                             tuning=tuning)
     if "prefill" in args.only:
         for kind, make in cases.items():
             for batch, length in ((1, 8192), (8, 2048), (64, 512)):
@@ -209,8 +214,9 @@ def main() -> None:
                 print(f"prefill {kind:14s} {batch}x{length:<6d} " + "  ".join(
                     f"{n} {v:8.3f} ms {tokens / v / 1e3:7.1f} Mtok/s" for n, v in ms.items())
                     + f"  rel err vs anchor {agree:.1e}", flush=True)
-                write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False)
-    write_result("bench_ssm", args.out, rows=rows, complete=True)
+                write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False,
+                             tuning=tuning)
+    write_result("bench_ssm", args.out, rows=rows, complete=True, tuning=tuning)
 
 
 if __name__ == "__main__":

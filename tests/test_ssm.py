@@ -503,7 +503,8 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     """Each op's Triton launch (fp32) against its torch body on the same step, padding rows and
     a padding request on the null slot included, on the schedule's every step; "speculative":
     the mixed schedule with 3 slots a request (the state after every position kept) and
-    random acceptances."""
+    random acceptances; "mixed" with blocks of 2 state columns a program (several programs a
+    head, the last one partial)."""
     from attn_ops.backends.ssm import triton_kernels as tk
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
@@ -511,6 +512,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
 
     k = KINDS[kind](torch.Generator().manual_seed(4))
     dev = _device()
+    block = 2 if scenario == "mixed" else 32
     for name, value in vars(k).items():  # (the kind's parameters, in fp32 on the device)
         if torch.is_tensor(value):
             setattr(k, name, value.float().to(dev))
@@ -524,9 +526,9 @@ def test_triton_kernels_match_the_reference(kind, scenario):
             return c * tk.conv_triton(bb * x, w, b, st, qsl, slots, init, "")
         if kind == "gated_delta_rule":
             *head, mql, scale, l2 = args
-            return tk.gdn_recurrent_triton(*head, scale, l2)
+            return tk.gdn_recurrent_triton(*head, scale, l2, block)
         *head, mql, soft, lo, hi = args
-        return tk.ssd_recurrent_triton(*head, soft, lo, hi)
+        return tk.ssd_recurrent_triton(*head, soft, lo, hi, block)
 
     def reference(args):
         if kind == "causal_conv1d":

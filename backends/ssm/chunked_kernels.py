@@ -1,10 +1,11 @@
 """Chunked Triton kernels of the recurrent-state prefills: each request's new tokens cut into
 chunks from its first new token (the chunk size is the caller's; the math does not depend on
-where the cuts fall), three launches per op so that only the state hand-off between chunks is
+where the cuts fall), in launches of which only the state hand-off between chunks is
 sequential:
 
 1. per chunk, in parallel: what a chunk computes from its own tokens -- Gated DeltaNet's WY
-   factors (``w``, ``u``), Mamba2's state contribution;
+   factors (``w``, ``u``), Mamba2's state contribution (and, once per group of heads, its
+   ``C B^T``);
 2. per request, head and block of state columns, chunk after chunk: the state at every chunk
    start (into a ``[chunks, ...]`` buffer) and the final state into the request's slot -- GDN
    a pair of small products per chunk, Mamba2 an elementwise update;
@@ -346,16 +347,44 @@ def ssd_state_kernel(dt_ptr, a_ptr, dtb_ptr, st_ptr, state_ptr, qsl_ptr, coff_pt
 
 
 @triton.jit
-def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, st_ptr, y_ptr,
-                      start_ptr, end_ptr, dt_min, dt_max, stride_xt, stride_xh, stride_dtt,
-                      stride_bt, stride_bg, stride_sc, stride_sh,
+def ssd_cb_kernel(b_ptr, c_ptr, cb_ptr, start_ptr, end_ptr, stride_bt, stride_bg, stride_cbc,
+                  stride_cbg, N: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Per chunk, ``BLOCK`` rows of it and group: ``C B^T`` against the chunk's keys up to
+    those rows (the causal part), once for all the group's heads."""
+    c = tl.program_id(0)
+    m0_rel = tl.program_id(1) * BLOCK
+    grp = tl.program_id(2)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start + m0_rel < end:
+        offs_b = tl.arange(0, BLOCK)
+        offs_n = tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = start + m0_rel + offs_b
+        cc = tl.load(c_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                     mask=(rows < end)[:, None] & n_ok[None, :], other=0.0)
+        out = cb_ptr + c.to(tl.int64) * stride_cbc + grp * stride_cbg \
+            + (m0_rel + offs_b)[:, None] * CHUNK
+        for k0 in range(0, m0_rel + BLOCK, BLOCK):
+            keys = start + k0 + offs_b
+            bb = tl.load(b_ptr + keys[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
+                         mask=(keys < end)[:, None] & n_ok[None, :], other=0.0)
+            tl.store(out + (k0 + offs_b)[None, :], _dot(cc, tl.trans(bb), c_ptr, IEEE))
+
+
+@triton.jit
+def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, st_ptr,
+                      y_ptr, start_ptr, end_ptr, dt_min, dt_max, stride_xt, stride_xh,
+                      stride_dtt, stride_bt, stride_bg, stride_cbc, stride_cbg, stride_sc,
+                      stride_sh,
                       HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
                       IEEE: tl.constexpr):
     """Per ``BLOCK`` rows of a chunk, head and block of head channels: ``y = e^cum (C S^T) +
-    sum over the chunk's earlier key blocks of (tril(C B^T e^(cum_i - cum_j)) dt) x``, then
-    ``+ D x`` and the ``z`` gate."""
+    sum over the chunk's earlier key blocks of (tril(C B^T e^(cum_i - cum_j)) dt) x`` (``C B^T``
+    from :func:`ssd_cb_kernel`), then ``+ D x`` and the ``z`` gate."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     c = pid // (CHUNK // BLOCK)
@@ -382,6 +411,8 @@ def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
         s = tl.load(st_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
                     + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         y = tl.exp(cum)[:, None] * _dot(cc, tl.trans(s), x_ptr, IEEE)  # [BLOCK, BLOCK_P]
+        cb_rows = cb_ptr + c.to(tl.int64) * stride_cbc + grp * stride_cbg \
+            + (m0_rel + offs_b)[:, None] * CHUNK
         before = a * 0.0
         for k0 in range(0, m0_rel + BLOCK, BLOCK):
             keys = start + k0 + offs_b
@@ -389,13 +420,11 @@ def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
             dt_k = _ssd_dt(dt_ptr, keys, k_ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
             cum_k = before + tl.cumsum(dt_k * a, axis=0)
             before += tl.sum(dt_k * a, axis=0)
-            bb = tl.load(b_ptr + keys[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
-                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             xk = tl.load(x_ptr + keys[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
                          mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-            wts = tl.where(rows[:, None] >= keys[None, :],
-                           _dot(cc, tl.trans(bb), x_ptr, IEEE)
-                           * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
+            causal = (rows[:, None] >= keys[None, :]) & k_ok[None, :]
+            cb = tl.load(cb_rows + (k0 + offs_b)[None, :], mask=causal & ok[:, None], other=0.0)
+            wts = tl.where(causal, cb * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
                            * dt_k[None, :], 0.0)
             y += _dot(wts, xk, x_ptr, IEEE)
         x_ptrs = rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :]
@@ -442,10 +471,15 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
         *lims, dt.stride(0), st.stride(0), st.stride(1), state.stride(0), state.stride(1),
         state.stride(2), P=p, N=n, CHUNK=chunk, BLOCK_P=state_bp, BLOCK_N=block_n,
         SOFTPLUS=dt_softplus, num_warps=4)
+    cb = torch.empty(m, g, chunk, chunk, dtype=torch.float32, device=x.device)
+    ssd_cb_kernel[(m, chunk // block, g)](
+        B, C, cb, starts, ends, B.stride(0), B.stride(1), cb.stride(0), cb.stride(1), N=n,
+        CHUNK=chunk, BLOCK=block, BLOCK_N=block_n, IEEE=ieee, num_warps=4)
     ssd_output_kernel[(m * (chunk // block), h, triton.cdiv(p, block_p))](
-        x, dt, A, B, C, D, z if z is not None else x, dt_bias, st, y, starts, ends, *lims,
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), st.stride(0),
-        st.stride(1), HEADS_PER_GROUP=h // g, P=p, N=n, CHUNK=chunk, BLOCK=block,
+        x, dt, A, cb, C, D, z if z is not None else x, dt_bias, st, y, starts, ends, *lims,
+        x.stride(0), x.stride(1), dt.stride(0), C.stride(0), C.stride(1), cb.stride(0),
+        cb.stride(1), st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, P=p, N=n,
+        CHUNK=chunk, BLOCK=block,
         BLOCK_P=block_p, BLOCK_N=block_n, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
         IEEE=ieee, num_warps=8)
     return y

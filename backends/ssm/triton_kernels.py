@@ -246,8 +246,10 @@ def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr):
 
 
 def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
-                         has_initial_state, scale, qk_l2norm) -> torch.Tensor:
-    """``torch.ops.attn.gated_delta_rule`` token by token (inputs already checked)."""
+                         has_initial_state, scale, qk_l2norm, block_v: int = 32,
+                         num_warps: int = 4) -> torch.Tensor:
+    """``torch.ops.attn.gated_delta_rule`` token by token, ``block_v`` value columns a
+    program (inputs already checked)."""
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     if k.stride() != q.stride():
         k = k.contiguous()
@@ -258,13 +260,14 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
     if b == 0:
         return torch.zeros_like(v)
     out = torch.empty_like(v)
-    block_v = min(triton.next_power_of_2(dv), 32)
+    block_v = min(triton.next_power_of_2(dv), block_v)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
         state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
         out.stride(1), t, NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk, DK=dk, DV=dv,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm, num_warps=4)
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
+        num_warps=num_warps)
     return out
 
 
@@ -316,8 +319,10 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
 
 
 def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
-                         has_initial_state, dt_softplus, dt_min, dt_max) -> torch.Tensor:
-    """``torch.ops.attn.mamba2_ssd`` token by token (inputs already checked)."""
+                         has_initial_state, dt_softplus, dt_min, dt_max, block_p: int = 32,
+                         num_warps: int = 4) -> torch.Tensor:
+    """``torch.ops.attn.mamba2_ssd`` token by token, ``block_p`` head channels a program
+    (inputs already checked)."""
     x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
@@ -326,7 +331,7 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
     if b == 0:
         return torch.zeros_like(x)
     y = torch.empty_like(x)
-    block_p = min(triton.next_power_of_2(p), 32)
+    block_p = min(triton.next_power_of_2(p), block_p)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
     ssd_recurrent_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
@@ -335,7 +340,7 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
         B.stride(1), state.stride(0), state.stride(1), state.stride(2), t,
         NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
-        SOFTPLUS=dt_softplus, num_warps=4)
+        SOFTPLUS=dt_softplus, num_warps=num_warps)
     return y
 
 
