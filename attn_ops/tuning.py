@@ -221,10 +221,16 @@ class SSMTuning:
     decode_block_v: int = 32
     decode_block_p: int = 32
     decode_num_warps: int = 4
+    # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
+    # programs for few requests; more: each chunk's w and k read fewer times) and of its
+    # output launch (more: q k^T computed fewer times). Unmeasured beyond the defaults.
+    gdn_state_block_v: int = 32
+    gdn_output_block_v: int = 64
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
-                          ("decode_block_p", 1), ("decode_num_warps", 1)):
+                          ("decode_block_p", 1), ("decode_num_warps", 1),
+                          ("gdn_state_block_v", 16), ("gdn_output_block_v", 16)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"

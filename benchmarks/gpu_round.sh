@@ -46,9 +46,10 @@
 #            Triton kernels compiled, 200-batch CUDA-graph replays; SSM_K selects)
 #   ssmcheck compute-sanitizer memcheck over the recurrent-state kernels' real-size, mixed-step
 #            and graph-replay tests
-#   ssmsweep benchmarks/bench_ssm.py --only decode under each Tuning.ssm decode block (GDN value
-#            columns / Mamba2 head channels / warps a program; SSM_SWEEP="v/p/w ...", each run
-#            under the stage's limit), JSON sweep_ssm_decode_V_P_W.json
+#   ssmsweep benchmarks/bench_ssm.py under each of SSM_SWEEP's ATTN_OPS_TUNING strings (space-
+#            separated; default: the decode blocks and warps), SSM_SWEEP_ARGS its arguments
+#            (default: decode, 5 batches), each run under the stage's limit; JSON sweep_ssm_N.json
+#            (N-th string; the JSON records the tuning)
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
 #            mamba-ssm; SSM_ARGS)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
@@ -150,11 +151,13 @@ for spec in "$@"; do
     ssmcheck) stage ssmcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
         -k "(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays" ;;
-    ssmsweep) for cfg in ${SSM_SWEEP:-32/32/4 16/16/4 64/64/4 32/32/2 64/64/8 16/8/2}; do
-        IFS=/ read -r bv bp nw <<< "$cfg"
-        ATTN_OPS_TUNING="ssm.decode_block_v=$bv,ssm.decode_block_p=$bp,ssm.decode_num_warps=$nw" \
-          stage "ssmsweep_${bv}_${bp}_${nw}" "$limit" python benchmarks/bench_ssm.py --only decode \
-          --batches 1 8 64 256 1024 --rounds 1 --out "$OUT/sweep_ssm_decode_${bv}_${bp}_${nw}.json"
+    ssmsweep) i=0
+      for cfg in ${SSM_SWEEP:-ssm.decode_block_v=32,ssm.decode_block_p=32 ssm.decode_block_v=16,ssm.decode_block_p=16 ssm.decode_block_v=64,ssm.decode_block_p=64 ssm.decode_num_warps=2 ssm.decode_num_warps=8}; do
+        i=$((i + 1))
+        echo "ssmsweep $i: $cfg" >> "$LOG"
+        ATTN_OPS_TUNING="$cfg" stage "ssmsweep_$i" "$limit" python benchmarks/bench_ssm.py \
+          ${SSM_SWEEP_ARGS:---only decode --batches 1 8 64 256 1024 --rounds 1} \
+          --out "$OUT/sweep_ssm_$i.json"
       done ;;
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
         --out "$OUT/bench_ssm_h200.json" ;;

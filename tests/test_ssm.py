@@ -678,7 +678,8 @@ def test_graph_replays_of_random_decode_batches_match_eager(kind):
 def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype):
     """The chunked (WY-form) GDN kernel against the reference: requests over several chunks
     with partial last chunks, initial states or none, a request without new tokens, padding
-    rows; chunks of 16 and 32 tokens (tensor-core tiles need 16); fp32 (exact products) and
+    rows; chunks of 16 and 32 tokens (tensor-core tiles need 16; at 32, 16 value columns a
+    program: two blocks, the last partial); fp32 (exact products) and
     fp16 inputs (tensor-core products; bf16 at real sizes on the GPU: the interpreter's bf16
     products are wrong)."""
     from attn_ops.backends.ssm import chunked_kernels as ck
@@ -707,7 +708,8 @@ def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype):
     got_states = state.clone()
     got = ck.gdn_chunked_triton(q, k, v, gate, beta, got_states, meta.query_start_loc,
                                 meta.state_indices, meta.has_initial_state, dk ** -0.5, True,
-                                chunk=chunk)
+                                chunk=chunk, state_block_v=16 if chunk == 32 else 32,
+                                output_block_v=16 if chunk == 32 else 64)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got_states[slots], want_states.float(), atol=tol, rtol=tol)

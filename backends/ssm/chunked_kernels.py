@@ -212,9 +212,11 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
-                       has_initial_state, scale, qk_l2norm, chunk: int = 64) -> torch.Tensor:
+                       has_initial_state, scale, qk_l2norm, chunk: int = 64,
+                       state_block_v: int = 32, output_block_v: int = 64) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
-    tokens, one slot a request (inputs already checked)."""
+    tokens, one slot a request, the state hand-off and the outputs over blocks of
+    ``state_block_v`` / ``output_block_v`` value columns (inputs already checked)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -236,13 +238,13 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=8, **common)
-    state_bv = min(block_v, 32)
+    state_bv = min(block_v, state_block_v)
     gdn_state_kernel[(b, hv, triton.cdiv(dv, state_bv))](
         k, g, w, u, h, state, query_start_loc, offsets, state_indices, has_initial_state,
         k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
         u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
         state.stride(2), BLOCK_V=state_bv, num_warps=4, num_stages=2, **common)
-    out_bv = min(block_v, 64)
+    out_bv = min(block_v, output_block_v)
     gdn_output_kernel[(m, hv, triton.cdiv(dv, out_bv))](
         q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
