@@ -274,6 +274,20 @@ def _ssd_log_decay(dt_ptr, lo, hi, stride_dtt, h, a, dt_bias, dt_min, dt_max,
 
 
 @triton.jit
+def _ssd_block(x_ptr, dt_ptr, rows, end, before, h, a, dt_bias, dt_min, dt_max, stride_xt,
+               stride_xh, stride_dtt, offs_p, p_ok, SOFTPLUS: tl.constexpr):
+    """A block of a chunk's ``rows`` of head ``h``, ``before`` the chunk's log decay up to the
+    block: ``(valid, dt, cum, after, x)`` -- the step sizes, the chunk's log decay through each
+    row, through the block's end, and the rows' inputs (0 outside)."""
+    ok = rows < end
+    dt = _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
+    cum = before + tl.cumsum(dt * a, axis=0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                mask=ok[:, None] & p_ok[None, :], other=0.0)
+    return ok, dt, cum, before + tl.sum(dt * a, axis=0), x
+
+
+@triton.jit
 def ssd_contrib_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, dtb_ptr, st_ptr, start_ptr, end_ptr, dt_min,
                        dt_max, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg,
                        stride_sc, stride_sh, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
@@ -301,15 +315,12 @@ def ssd_contrib_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, dtb_ptr, st_ptr, start_ptr, 
         before = last * 0.0
         for b0 in tl.static_range(0, CHUNK, BLOCK):
             rows = start + b0 + offs_b
-            ok = rows < end
-            dt = _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
-            cum = before + tl.cumsum(dt * a, axis=0)
-            before += tl.sum(dt * a, axis=0)
-            x = tl.load(x_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
-                        mask=ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+            ok, dt, cum, before, x = _ssd_block(x_ptr, dt_ptr, rows, end, before, h, a, dt_bias,
+                                                dt_min, dt_max, stride_xt, stride_xh,
+                                                stride_dtt, offs_p, p_ok, SOFTPLUS)
             bb = tl.load(b_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
                          mask=ok[:, None] & n_ok[None, :], other=0.0)
-            xs = x * (dt * tl.exp(last - cum))[:, None]
+            xs = x.to(tl.float32) * (dt * tl.exp(last - cum))[:, None]
             acc += _dot(tl.trans(xs), bb, x_ptr, IEEE)
         tl.store(st_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
                  + offs_n[None, :], acc, mask=p_ok[:, None] & n_ok[None, :])
@@ -418,12 +429,10 @@ def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr
         before = a * 0.0
         for k0 in range(0, m0_rel + BLOCK, BLOCK):
             keys = start + k0 + offs_b
-            k_ok = keys < end
-            dt_k = _ssd_dt(dt_ptr, keys, k_ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
-            cum_k = before + tl.cumsum(dt_k * a, axis=0)
-            before += tl.sum(dt_k * a, axis=0)
-            xk = tl.load(x_ptr + keys[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
-                         mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+            k_ok, dt_k, cum_k, before, xk = _ssd_block(x_ptr, dt_ptr, keys, end, before, h, a,
+                                                       dt_bias, dt_min, dt_max, stride_xt,
+                                                       stride_xh, stride_dtt, offs_p, p_ok,
+                                                       SOFTPLUS)
             causal = (rows[:, None] >= keys[None, :]) & k_ok[None, :]
             cb = tl.load(cb_rows + (k0 + offs_b)[None, :], mask=causal & ok[:, None], other=0.0)
             wts = tl.where(causal, cb * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
