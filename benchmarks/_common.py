@@ -187,6 +187,32 @@ def time_steps(fn, steps, device) -> float:
     return statistics.median(times)
 
 
+def decode_step_parser(doc: str, ctx: int, out_name: str):
+    """The arguments of the whole-decode-step benchmarks (``bench_model_decode``,
+    ``bench_hybrid_decode``): model depth, batch, context, timed steps, ``--quick`` (a CPU
+    smoke run), ``--no-hf`` and the JSON path."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ctx", type=int, default=ctx)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), out_name))
+    return parser
+
+
+def decode_step_device(args) -> tuple[str, torch.dtype]:
+    """``(device, dtype)`` of a whole-step run: the GPU in bf16 where there is one, else (and
+    with ``--quick``, which also shrinks batch, context and steps) the CPU in fp32."""
+    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    if args.quick:
+        args.batch, args.ctx, args.steps = 4, 64, 3
+    return device, torch.float32 if device == "cpu" else torch.bfloat16
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -15,7 +15,6 @@ value heads of 128, conv 4, fp32 states; dense MLP 5120 (no MoE); vocab 151936; 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -23,7 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import back_to_back_us, run_info, time_steps, write_json  # noqa: E402
+from _common import (back_to_back_us, decode_step_device, decode_step_parser,  # noqa: E402
+                     run_info, time_steps, write_json)
 
 COPY_TBS = 4.27
 
@@ -150,22 +150,11 @@ def hf(cfg, args, device) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=20)
+    parser = decode_step_parser(__doc__, 4096, "bench_hybrid_decode.json")
     parser.add_argument("--backend", default="TRITON_ATTN",
                         help="the attention layers' backend on the GPU")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "bench_hybrid_decode.json"))
     args = parser.parse_args()
-    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
-    if args.quick:
-        args.batch, args.ctx, args.steps = 4, 64, 3
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    device, dtype = decode_step_device(args)
     cfg = config(args, dtype)
     row = ours(cfg, args, device)
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -29,14 +29,14 @@ FLASHINFER_MLA, against HF's ``DeepseekV3ForCausalLM`` of the same shape.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import back_to_back_us, run_info, time_steps, write_json  # noqa: E402
+from _common import (back_to_back_us, decode_step_device, decode_step_parser,  # noqa: E402
+                     run_info, time_steps, write_json)
 
 COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md)
 
@@ -284,26 +284,15 @@ def measure_backend(cfg, backend, args, device, manager) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = decode_step_parser(__doc__, 2048, "bench_model_decode.json")
     parser.add_argument("--backends", nargs="*", default=None)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--ctx", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--mla", action="store_true",
                         help="a DeepSeek-V2-Lite-shaped MLA decoder (16 heads, latent 512 + 64,"
                              " dense MLP 10944) against HF's DeepseekV3ForCausalLM")
-    parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                      "bench_model_decode.json"))
     args = parser.parse_args()
     from attn_ops import compile_passes
 
-    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
-    if args.quick:
-        args.batch, args.ctx, args.steps = 4, 64, 3
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    device, dtype = decode_step_device(args)
     cfg = model_config(args, dtype)
     if args.mla:
         backends = args.backends or (["REFERENCE_MLA"] if device == "cpu"
