@@ -212,7 +212,7 @@ class SSMTuning:
     # outputs are products over 64-row blocks of a chunk, so larger chunks move fewer bytes.
     # Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
     chunked_min_query_len: int = 64
-    gdn_chunk: int = 64
+    gdn_chunk: int = 32
     mamba2_chunk: int = 256
     # The token-by-token kernels (decodes): one program a request, head and block of state
     # columns (GDN: value columns; Mamba2: head channels), the block in registers over the

@@ -82,20 +82,30 @@ def _rows(ptr, rows, ok, stride_t, head_off, offs, offs_ok, L2NORM: tl.constexpr
     return x
 
 
+@triton.jit
+def _split_pid(HEADS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """``(outer, head, column block)`` of a flattened launch axis, column blocks fastest then
+    heads: programs reading the same rows and heads run side by side and share them in L2 (and
+    one axis holds any number of chunks or requests)."""
+    pid = tl.program_id(0)
+    nb = (COLS + BLOCK - 1) // BLOCK
+    return pid // (HEADS * nb), (pid // nb) % HEADS, pid % nb
+
+
 # --- Gated DeltaNet -------------------------------------------------------------------------
 
 @triton.jit
 def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_ptr, stride_kt,
                   stride_kh, stride_vt, stride_vh, stride_gt, stride_wt, stride_wh, stride_ut,
-                  stride_uh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                  stride_uh, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                  IEEE: tl.constexpr):
     """Per chunk and value head: with ``G`` the chunk's cumulative log decay,
     ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and ``T = (I + A)^-1`` -- the product of
     ``I + (-A)^(2^i)`` (A is nilpotent) -- the WY factors ``w = T (beta e^G k)`` and
     ``u = T (beta v)``."""
-    c = tl.program_id(0)
-    hv = tl.program_id(1)
+    c, hv, _ = _split_pid(HV, 1, 1)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
@@ -130,17 +140,16 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
 def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr,
                      init_ptr, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut,
                      stride_uh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
-                     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                     L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+                     DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
     """Per request, value head and block of value columns, chunk after chunk: the state at
     the chunk's start into ``h``, the corrected values ``d = u - w S`` over ``u``, then
     ``S = e^(G_last) S + (e^(G_last - G) k)^T d``; the final state into the slot."""
-    r = tl.program_id(0)
-    hv = tl.program_id(1)
+    r, hv, vb = _split_pid(HV, DV, BLOCK_V)
     offs_c = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
     start, end, s, _, s_ptrs, s_mask = _request_state(
@@ -170,19 +179,19 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, qsl_ptr, coff
 @triton.jit
 def gdn_output_kernel(q_ptr, k_ptr, g_ptr, u_ptr, h_ptr, o_ptr, start_ptr, end_ptr, scale,
                       stride_kt, stride_kh, stride_gt, stride_ut, stride_uh, stride_hc,
-                      stride_hh, stride_ot, stride_oh, GROUP: tl.constexpr, DK: tl.constexpr,
-                      DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                      stride_hh, stride_ot, stride_oh, HV: tl.constexpr, GROUP: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                      IEEE: tl.constexpr):
     """Per chunk, value head and block of value columns: ``o = (e^G q) S + tril(q k^T
     e^(G_i - G_j)) d`` from the chunk's start state ``S`` and corrected values ``d``."""
-    c = tl.program_id(0)
-    hv = tl.program_id(1)
+    c, hv, vb = _split_pid(HV, DV, BLOCK_V)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
         offs_c = tl.arange(0, CHUNK)
         offs_k = tl.arange(0, BLOCK_K)
-        offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         k_ok = offs_k < DK
         v_ok = offs_v < DV
         rows = start + offs_c
@@ -212,7 +221,7 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
-                       has_initial_state, scale, qk_l2norm, chunk: int = 64,
+                       has_initial_state, scale, qk_l2norm, chunk: int = 32,
                        state_block_v: int = 32, output_block_v: int = 64) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
     tokens, one slot a request, the state hand-off and the outputs over blocks of
@@ -232,20 +241,20 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     w = torch.empty(t, hv, dk, dtype=wdt, device=q.device)
     u = torch.empty(t, hv, dv, dtype=wdt, device=q.device)
     h = torch.empty(m, hv, dk, dv, dtype=wdt, device=q.device)
-    common = dict(GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, L2NORM=qk_l2norm,
+    common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, L2NORM=qk_l2norm,
                   IEEE=ieee)
-    gdn_wy_kernel[(m, hv)](
+    gdn_wy_kernel[(m * hv,)](
         k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=8, **common)
     state_bv = min(block_v, state_block_v)
-    gdn_state_kernel[(b, hv, triton.cdiv(dv, state_bv))](
+    gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
         k, g, w, u, h, state, query_start_loc, offsets, state_indices, has_initial_state,
         k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
         u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
         state.stride(2), BLOCK_V=state_bv, num_warps=4, num_stages=2, **common)
     out_bv = min(block_v, output_block_v)
-    gdn_output_kernel[(m, hv, triton.cdiv(dv, out_bv))](
+    gdn_output_kernel[(m * hv * triton.cdiv(dv, out_bv),)](
         q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
         BLOCK_V=out_bv, num_warps=8, **common)
@@ -255,69 +264,71 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
 # --- Mamba2 (SSD) ---------------------------------------------------------------------------
 
 @triton.jit
-def _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS: tl.constexpr):
-    """The step sizes of ``rows`` of head ``h``: dt + bias, softplus, clamped; 0 outside."""
-    dt = tl.load(dt_ptr + rows * stride_dtt + h, mask=ok, other=0.0).to(tl.float32) + dt_bias
-    if SOFTPLUS:
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-    return tl.where(ok, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
+def ssd_dt_kernel(dt_ptr, a_ptr, dtb_ptr, dtc_ptr, cum_ptr, start_ptr, end_ptr, dt_min, dt_max,
+                  stride_dtt, num_tokens, H: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_H: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """Per chunk and block of heads: the step sizes (dt + bias, softplus, clamped) and the
+    chunk's log decay through each row, ``cum = cumsum(dt * A)``, into ``[heads, tokens]``
+    fp32 rows that the later launches read whole instead of recomputing."""
+    c = tl.program_id(0)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        rows = start + tl.arange(0, CHUNK)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < H
+        ok = (rows < end)[:, None] & h_ok[None, :]
+        dt = tl.load(dt_ptr + rows[:, None] * stride_dtt + heads[None, :], mask=ok,
+                     other=0.0).to(tl.float32)
+        dt += tl.load(dtb_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = tl.where(ok, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
+        cum = tl.cumsum(dt * tl.load(a_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)[None, :],
+                        axis=0)
+        offs = heads[None, :].to(tl.int64) * num_tokens + rows[:, None]
+        tl.store(dtc_ptr + offs, dt, mask=ok)
+        tl.store(cum_ptr + offs, cum, mask=ok)
 
 
 @triton.jit
-def _ssd_log_decay(dt_ptr, lo, hi, stride_dtt, h, a, dt_bias, dt_min, dt_max,
-                   CHUNK: tl.constexpr, SOFTPLUS: tl.constexpr):
-    """``sum dt * A`` over rows ``lo:hi`` (at most ``CHUNK`` of them)."""
-    rows = lo + tl.arange(0, CHUNK)
-    ok = rows < hi
-    return tl.sum(_ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
-                  * a, axis=0)
-
-
-@triton.jit
-def _ssd_block(x_ptr, dt_ptr, rows, end, before, h, a, dt_bias, dt_min, dt_max, stride_xt,
-               stride_xh, stride_dtt, offs_p, p_ok, SOFTPLUS: tl.constexpr):
-    """A block of a chunk's ``rows`` of head ``h``, ``before`` the chunk's log decay up to the
-    block: ``(valid, dt, cum, after, x)`` -- the step sizes, the chunk's log decay through each
-    row, through the block's end, and the rows' inputs (0 outside)."""
+def _ssd_rows(dtc_ptr, cum_ptr, x_ptr, rows, end, h, num_tokens, stride_xt, stride_xh, offs_p,
+              p_ok):
+    """Rows of a chunk for head ``h``: ``(valid, dt, cum, x)`` -- their step sizes, the chunk's
+    log decay through each and their inputs (0 outside)."""
     ok = rows < end
-    dt = _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
-    cum = before + tl.cumsum(dt * a, axis=0)
+    at = h.to(tl.int64) * num_tokens + rows
+    dt = tl.load(dtc_ptr + at, mask=ok, other=0.0)
+    cum = tl.load(cum_ptr + at, mask=ok, other=0.0)
     x = tl.load(x_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
                 mask=ok[:, None] & p_ok[None, :], other=0.0)
-    return ok, dt, cum, before + tl.sum(dt * a, axis=0), x
+    return ok, dt, cum, x
 
 
 @triton.jit
-def ssd_contrib_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, dtb_ptr, st_ptr, start_ptr, end_ptr, dt_min,
-                       dt_max, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg,
-                       stride_sc, stride_sh, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
+def ssd_contrib_kernel(x_ptr, dtc_ptr, cum_ptr, b_ptr, st_ptr, start_ptr, end_ptr, num_tokens,
+                       stride_xt, stride_xh, stride_bt, stride_bg, stride_sc, stride_sh,
+                       H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
                        N: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SOFTPLUS: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """Per chunk, head and block of head channels: the chunk's own contribution to the state
     at its end, ``(e^(cum_last - cum) dt x)^T B``, over the chunk ``BLOCK`` rows at a time."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+    c, h, pb = _split_pid(H, P, BLOCK_P)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
         grp = h // HEADS_PER_GROUP
         offs_b = tl.arange(0, BLOCK)
-        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         p_ok = offs_p < P
         n_ok = offs_n < N
-        a = tl.load(a_ptr + h).to(tl.float32)
-        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-        last = _ssd_log_decay(dt_ptr, start, end, stride_dtt, h, a, dt_bias, dt_min, dt_max,
-                              CHUNK, SOFTPLUS)
+        last = tl.load(cum_ptr + h.to(tl.int64) * num_tokens + end - 1)
         acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        before = last * 0.0
         for b0 in tl.static_range(0, CHUNK, BLOCK):
             rows = start + b0 + offs_b
-            ok, dt, cum, before, x = _ssd_block(x_ptr, dt_ptr, rows, end, before, h, a, dt_bias,
-                                                dt_min, dt_max, stride_xt, stride_xh,
-                                                stride_dtt, offs_p, p_ok, SOFTPLUS)
+            ok, dt, cum, x = _ssd_rows(dtc_ptr, cum_ptr, x_ptr, rows, end, h, num_tokens,
+                                       stride_xt, stride_xh, offs_p, p_ok)
             bb = tl.load(b_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
                          mask=ok[:, None] & n_ok[None, :], other=0.0)
             xs = x.to(tl.float32) * (dt * tl.exp(last - cum))[:, None]
@@ -327,30 +338,26 @@ def ssd_contrib_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, dtb_ptr, st_ptr, start_ptr, 
 
 
 @triton.jit
-def ssd_state_kernel(dt_ptr, a_ptr, dtb_ptr, st_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr,
-                     init_ptr, dt_min, dt_max, stride_dtt, stride_sc, stride_sh, stride_ss,
-                     stride_slot_h, stride_slot_p, P: tl.constexpr, N: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SOFTPLUS: tl.constexpr):
+def ssd_state_kernel(cum_ptr, st_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr, init_ptr,
+                     num_tokens, stride_sc, stride_sh, stride_ss, stride_slot_h, stride_slot_p,
+                     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per request, head and block of head channels, chunk after chunk: the state at the
     chunk's start over its contribution in ``st``, then ``S = e^(cum_last) S +
     contribution``; the final state into the slot."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    r, h, pb = _split_pid(H, P, BLOCK_P)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     p_ok = offs_p < P
     n_ok = offs_n < N
     start, end, s, _, s_ptrs, s_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, h * stride_slot_h, offs_p,
         offs_n, p_ok, n_ok, stride_slot_p)
-    a = tl.load(a_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    cum_h = cum_ptr + h.to(tl.int64) * num_tokens
     st_offs = h * stride_sh + offs_p[:, None] * N + offs_n[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)
     for c0 in range(start, end, CHUNK):
-        last = _ssd_log_decay(dt_ptr, c0, tl.minimum(c0 + CHUNK, end), stride_dtt, h, a,
-                              dt_bias, dt_min, dt_max, CHUNK, SOFTPLUS)
+        last = tl.load(cum_h + tl.minimum(c0 + CHUNK, end) - 1)
         ptrs = st_ptr + c * stride_sc + st_offs
         contrib = tl.load(ptrs, mask=s_mask, other=0.0)
         tl.store(ptrs, s, mask=s_mask)
@@ -387,38 +394,33 @@ def ssd_cb_kernel(b_ptr, c_ptr, cb_ptr, start_ptr, end_ptr, stride_bt, stride_bg
 
 
 @triton.jit
-def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, st_ptr,
-                      y_ptr, start_ptr, end_ptr, dt_min, dt_max, stride_xt, stride_xh,
-                      stride_dtt, stride_bt, stride_bg, stride_cbc, stride_cbg, stride_sc,
-                      stride_sh,
-                      HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, st_ptr, y_ptr,
+                      start_ptr, end_ptr, num_tokens, stride_xt, stride_xh, stride_bt,
+                      stride_bg, stride_cbc, stride_cbg, stride_sc, stride_sh,
+                      H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
+                      N: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                       IEEE: tl.constexpr):
     """Per ``BLOCK`` rows of a chunk, head and block of head channels: ``y = e^cum (C S^T) +
     sum over the chunk's earlier key blocks of (tril(C B^T e^(cum_i - cum_j)) dt) x`` (``C B^T``
-    from :func:`ssd_cb_kernel`), then ``+ D x`` and the ``z`` gate."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    c = pid // (CHUNK // BLOCK)
-    m0_rel = (pid % (CHUNK // BLOCK)) * BLOCK
+    from :func:`ssd_cb_kernel`), then ``+ D x`` and the ``z`` gate. A group's heads run side
+    by side: they read the same ``C B^T`` and ``C``."""
+    blk, h, pb = _split_pid(H, P, BLOCK_P)
+    c = blk // (CHUNK // BLOCK)
+    m0_rel = (blk % (CHUNK // BLOCK)) * BLOCK
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     m0 = start + m0_rel
     if m0 < end:
         grp = h // HEADS_PER_GROUP
         offs_b = tl.arange(0, BLOCK)
-        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         p_ok = offs_p < P
         n_ok = offs_n < N
-        a = tl.load(a_ptr + h).to(tl.float32)
-        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         rows = m0 + offs_b
-        ok = rows < end
-        dt = _ssd_dt(dt_ptr, rows, ok, stride_dtt, h, dt_bias, dt_min, dt_max, SOFTPLUS)
-        cum = _ssd_log_decay(dt_ptr, start, m0, stride_dtt, h, a, dt_bias, dt_min, dt_max,
-                             CHUNK, SOFTPLUS) + tl.cumsum(dt * a, axis=0)
+        ok, _, cum, x = _ssd_rows(dtc_ptr, cum_ptr, x_ptr, rows, end, h, num_tokens, stride_xt,
+                                  stride_xh, offs_p, p_ok)
         cc = tl.load(c_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
                      mask=ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.load(st_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
@@ -426,22 +428,18 @@ def ssd_output_kernel(x_ptr, dt_ptr, a_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr
         y = tl.exp(cum)[:, None] * _dot(cc, tl.trans(s), x_ptr, IEEE)  # [BLOCK, BLOCK_P]
         cb_rows = cb_ptr + c.to(tl.int64) * stride_cbc + grp * stride_cbg \
             + (m0_rel + offs_b)[:, None] * CHUNK
-        before = a * 0.0
         for k0 in range(0, m0_rel + BLOCK, BLOCK):
             keys = start + k0 + offs_b
-            k_ok, dt_k, cum_k, before, xk = _ssd_block(x_ptr, dt_ptr, keys, end, before, h, a,
-                                                       dt_bias, dt_min, dt_max, stride_xt,
-                                                       stride_xh, stride_dtt, offs_p, p_ok,
-                                                       SOFTPLUS)
+            k_ok, dt_k, cum_k, xk = _ssd_rows(dtc_ptr, cum_ptr, x_ptr, keys, end, h, num_tokens,
+                                              stride_xt, stride_xh, offs_p, p_ok)
             causal = (rows[:, None] >= keys[None, :]) & k_ok[None, :]
             cb = tl.load(cb_rows + (k0 + offs_b)[None, :], mask=causal & ok[:, None], other=0.0)
             wts = tl.where(causal, cb * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
                            * dt_k[None, :], 0.0)
             y += _dot(wts, xk, x_ptr, IEEE)
+        y += tl.load(d_ptr + h).to(tl.float32) * x.to(tl.float32)
         x_ptrs = rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :]
         xp_mask = ok[:, None] & p_ok[None, :]
-        y += tl.load(d_ptr + h).to(tl.float32) * tl.load(x_ptr + x_ptrs, mask=xp_mask,
-                                                         other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + x_ptrs, mask=xp_mask, other=0.0).to(tl.float32)
             y = y * z / (1.0 + tl.exp(-z))
@@ -469,28 +467,31 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     block_p = max(min(triton.next_power_of_2(p), 64), 16)
     block_n = max(triton.next_power_of_2(n), 16)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
+    dtc = torch.empty(h, t, dtype=torch.float32, device=x.device)
+    cum = torch.empty_like(dtc)
+    block_h = min(triton.next_power_of_2(h), max(4096 // chunk, 1))
+    ssd_dt_kernel[(m, triton.cdiv(h, block_h))](
+        dt, A, dt_bias, dtc, cum, starts, ends, float(dt_min), float(min(dt_max, 3.0e38)),
+        dt.stride(0), t, H=h, CHUNK=chunk, BLOCK_H=block_h, SOFTPLUS=dt_softplus, num_warps=4)
     st = torch.empty(m, h, p, n, dtype=torch.float32, device=x.device)
-    lims = (float(dt_min), float(min(dt_max, 3.0e38)))
-    ssd_contrib_kernel[(m, h, triton.cdiv(p, block_p))](
-        x, dt, A, B, dt_bias, st, starts, ends, *lims, x.stride(0), x.stride(1), dt.stride(0),
-        B.stride(0), B.stride(1), st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, P=p, N=n,
-        CHUNK=chunk, BLOCK=block, BLOCK_P=block_p, BLOCK_N=block_n, SOFTPLUS=dt_softplus,
-        IEEE=ieee, num_warps=8)
+    shape = dict(H=h, P=p, N=n, CHUNK=chunk)
+    n_pb = triton.cdiv(p, block_p)
+    ssd_contrib_kernel[(m * h * n_pb,)](
+        x, dtc, cum, B, st, starts, ends, t, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
+        st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p,
+        BLOCK_N=block_n, IEEE=ieee, num_warps=8, **shape)
     state_bp = min(block_p, 16)
-    ssd_state_kernel[(b, h, triton.cdiv(p, state_bp))](
-        dt, A, dt_bias, st, state, query_start_loc, offsets, state_indices, has_initial_state,
-        *lims, dt.stride(0), st.stride(0), st.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), P=p, N=n, CHUNK=chunk, BLOCK_P=state_bp, BLOCK_N=block_n,
-        SOFTPLUS=dt_softplus, num_warps=4)
+    ssd_state_kernel[(b * h * triton.cdiv(p, state_bp),)](
+        cum, st, state, query_start_loc, offsets, state_indices, has_initial_state, t,
+        st.stride(0), st.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        BLOCK_P=state_bp, BLOCK_N=block_n, num_warps=4, **shape)
     cb = torch.empty(m, g, chunk, chunk, dtype=torch.float32, device=x.device)
     ssd_cb_kernel[(m, chunk // block, g)](
         B, C, cb, starts, ends, B.stride(0), B.stride(1), cb.stride(0), cb.stride(1), N=n,
         CHUNK=chunk, BLOCK=block, BLOCK_N=block_n, IEEE=ieee, num_warps=4)
-    ssd_output_kernel[(m * (chunk // block), h, triton.cdiv(p, block_p))](
-        x, dt, A, cb, C, D, z if z is not None else x, dt_bias, st, y, starts, ends, *lims,
-        x.stride(0), x.stride(1), dt.stride(0), C.stride(0), C.stride(1), cb.stride(0),
-        cb.stride(1), st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, P=p, N=n,
-        CHUNK=chunk, BLOCK=block,
-        BLOCK_P=block_p, BLOCK_N=block_n, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
-        IEEE=ieee, num_warps=8)
+    ssd_output_kernel[(m * (chunk // block) * h * n_pb,)](
+        x, dtc, cum, cb, C, D, z if z is not None else x, st, y, starts, ends, t, x.stride(0),
+        x.stride(1), C.stride(0), C.stride(1), cb.stride(0), cb.stride(1), st.stride(0),
+        st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p, BLOCK_N=block_n,
+        HAS_Z=z is not None, IEEE=ieee, num_warps=8, **shape)
     return y
