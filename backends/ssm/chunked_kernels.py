@@ -105,7 +105,7 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
     ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and ``T = (I + A)^-1`` -- the product of
     ``I + (-A)^(2^i)`` (A is nilpotent) -- the WY factors ``w = T (beta e^G k)`` and
     ``u = T (beta v)``."""
-    c, hv, _ = _split_pid(HV, 1, 1)
+    c, hv, _col = _split_pid(HV, 1, 1)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
