@@ -226,11 +226,16 @@ class SSMTuning:
     # output launch (more: q k^T computed fewer times). Unmeasured beyond the defaults.
     gdn_state_block_v: int = 32
     gdn_output_block_v: int = 64
+    # Mamba2's chunked output launch: rows of a chunk a program (at most the chunk) and its
+    # warps.
+    mamba2_block: int = 64
+    mamba2_num_warps: int = 8
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
                           ("decode_block_p", 1), ("decode_num_warps", 1),
-                          ("gdn_state_block_v", 16), ("gdn_output_block_v", 16)):
+                          ("gdn_state_block_v", 16), ("gdn_output_block_v", 16),
+                          ("mamba2_block", 16), ("mamba2_num_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"

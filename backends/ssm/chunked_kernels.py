@@ -448,10 +448,10 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, st_p
 
 def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                        has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
-                       block: int | None = None) -> torch.Tensor:
+                       block: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
-    ``block`` (default ``min(chunk, 64)``) rows of a chunk a program, one slot a request
-    (inputs already checked)."""
+    ``block`` (default ``min(chunk, 64)``) rows of a chunk an output program of
+    ``num_warps`` warps, one slot a request (inputs already checked)."""
     x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
@@ -493,5 +493,5 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
         x, dtc, cum, cb, C, D, z if z is not None else x, st, y, starts, ends, t, x.stride(0),
         x.stride(1), C.stride(0), C.stride(1), cb.stride(0), cb.stride(1), st.stride(0),
         st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p, BLOCK_N=block_n,
-        HAS_Z=z is not None, IEEE=ieee, num_warps=8, **shape)
+        HAS_Z=z is not None, IEEE=ieee, num_warps=num_warps, **shape)
     return y
