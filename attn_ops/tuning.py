@@ -226,16 +226,18 @@ class SSMTuning:
     # output launch (more: q k^T computed fewer times). Unmeasured beyond the defaults.
     gdn_state_block_v: int = 32
     gdn_output_block_v: int = 64
-    # Mamba2's chunked output launch: rows of a chunk a program (at most the chunk) and its
-    # warps.
-    mamba2_block: int = 64
-    mamba2_num_warps: int = 8
+    # Mamba2's chunked prefill: rows of a chunk an output program (at most the chunk; 16-64)
+    # and its warps; head channels a program of the state hand-off.
+    mamba2_block: int = 32
+    mamba2_num_warps: int = 4
+    mamba2_state_block_p: int = 16
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
                           ("decode_block_p", 1), ("decode_num_warps", 1),
                           ("gdn_state_block_v", 16), ("gdn_output_block_v", 16),
-                          ("mamba2_block", 16), ("mamba2_num_warps", 1)):
+                          ("mamba2_block", 16), ("mamba2_num_warps", 1),
+                          ("mamba2_state_block_p", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"

@@ -448,10 +448,12 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, st_p
 
 def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                        has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
-                       block: int | None = None, num_warps: int = 8) -> torch.Tensor:
+                       block: int | None = None, num_warps: int = 4,
+                       state_block_p: int = 16) -> torch.Tensor:
     """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
-    ``block`` (default ``min(chunk, 64)``) rows of a chunk an output program of
-    ``num_warps`` warps, one slot a request (inputs already checked)."""
+    ``block`` (default ``min(chunk, 32)``) rows of a chunk an output program of
+    ``num_warps`` warps, ``state_block_p`` head channels a program of the state hand-off, one
+    slot a request (inputs already checked)."""
     x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
@@ -463,7 +465,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
     m = starts.shape[0]
     ieee = _work_dtype(x) == torch.float32
-    block = block or min(chunk, 64)
+    block = block or min(chunk, 32)
     block_p = max(min(triton.next_power_of_2(p), 64), 16)
     block_n = max(triton.next_power_of_2(n), 16)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
@@ -480,7 +482,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
         x, dtc, cum, B, st, starts, ends, t, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
         st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p,
         BLOCK_N=block_n, IEEE=ieee, num_warps=8, **shape)
-    state_bp = min(block_p, 16)
+    state_bp = min(block_p, state_block_p)
     ssd_state_kernel[(b * h * triton.cdiv(p, state_bp),)](
         cum, st, state, query_start_loc, offsets, state_indices, has_initial_state, t,
         st.stride(0), st.stride(1), state.stride(0), state.stride(1), state.stride(2),
