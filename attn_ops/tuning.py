@@ -206,11 +206,10 @@ class SSMTuning:
     # gdn_chunk / mamba2_chunk tokens; GDN in the WY form) on GPUs when their longest request
     # has at least this many new tokens, token by token below (decodes, speculative decodes,
     # short prefills): the recurrence reads the inputs one token at a time, the chunked form a
-    # chunk. GDN's chunk is the side of the WY inverse, a [chunk, chunk] product chain held
-    # in registers (64 is the largest that fits); Mamba2's chunk sets how many [heads, P, N]
-    # fp32 states the prefill writes and reads back between its launches (one a chunk); its
-    # outputs are products over 64-row blocks of a chunk, so larger chunks move fewer bytes.
-    # Unmeasured: both are to be timed on the H200 (benchmarks/bench_ssm.py).
+    # chunk. GDN's chunk is the side of the WY inverse, a chain of log2(chunk) - 1 squarings
+    # of [chunk, chunk] (H200: 32 beats 64 by 1.15-1.2x); Mamba2's chunk sets how many
+    # [heads, P, N] fp32 states the prefill writes and reads back between its launches (one a
+    # chunk; H200: 128 is slower than 256). The crossover length is unmeasured.
     chunked_min_query_len: int = 64
     gdn_chunk: int = 32
     mamba2_chunk: int = 256
@@ -223,14 +222,16 @@ class SSMTuning:
     decode_num_warps: int = 4
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
     # programs for few requests; more: each chunk's w and k read fewer times) and of its
-    # output launch (more: q k^T computed fewer times). Unmeasured beyond the defaults.
+    # output launch (more: q k^T computed fewer times). H200: 64 / 32 and 16 / 128 were
+    # slower than 32 / 64.
     gdn_state_block_v: int = 32
     gdn_output_block_v: int = 64
     # Mamba2's chunked prefill: rows of a chunk an output program (at most the chunk; 16-64)
-    # and its warps; head channels a program of the state hand-off.
+    # and its warps, head channels a program of the state hand-off (H200: 32 rows on 4 warps
+    # 1.9x faster than 64 on 8; 64 channels 1.6x faster than 16 at 64 x 512).
     mamba2_block: int = 32
     mamba2_num_warps: int = 4
-    mamba2_state_block_p: int = 16
+    mamba2_state_block_p: int = 64
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
@@ -243,6 +244,9 @@ class SSMTuning:
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
+        if self.mamba2_block > 64:
+            raise ValueError(f"tuning.ssm.mamba2_block={self.mamba2_block} must be <= 64 "
+                             "(the output launch at 128 rows failed to launch on the H200)")
 
 
 _SECTIONS = ("triton", "flex", "flash_attn", "flashinfer", "composite", "mla", "ssm")

@@ -116,7 +116,8 @@ def ours(cfg, args, device) -> dict:
 
 def hf(cfg, args, device) -> dict:
     """HF's Qwen3NextForCausalLM of the same shape (dense MLPs), its cache filled by one
-    prefill of ``ctx - 1`` random tokens a request; then decode steps (eager)."""
+    prefill of ``ctx - 1`` random tokens a request (logits of the last position only: all
+    of them would be batch x ctx x vocab); then decode steps (eager)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     s = cfg.state_spec
@@ -138,7 +139,7 @@ def hf(cfg, args, device) -> dict:
     with torch.no_grad():
         try:
             prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.ctx - 1), device=device)
-            res = model(input_ids=prompt, use_cache=True)
+            res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
             cache = res.past_key_values
             ids = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
             out["eager_dynamic_cache_ms"] = time_steps(

@@ -193,7 +193,9 @@ def test_tuning_overrides_parse_by_field_type_and_name_what_is_wrong():
     for bad, message in (("triton.max_splits", "section.field=value"),
                          ("nope.x=1", "no section 'nope'"),
                          ("triton.nope=1", "has no field 'nope'"),
-                         ("triton.max_splits=many", "'many' is not")):
+                         ("triton.max_splits=many", "'many' is not"),
+                         ("ssm.gdn_chunk=48", r"gdn_chunk=48 must be a power of two >= 16"),
+                         ("ssm.mamba2_block=128", r"mamba2_block=128 must be <= 64")):
         with pytest.raises(ValueError, match=message):
             apply_overrides(Tuning(), bad)
 

@@ -449,7 +449,7 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, st_p
 def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                        has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
                        block: int | None = None, num_warps: int = 4,
-                       state_block_p: int = 16) -> torch.Tensor:
+                       state_block_p: int = 64) -> torch.Tensor:
     """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
     ``block`` (default ``min(chunk, 32)``) rows of a chunk an output program of
     ``num_warps`` warps, ``state_block_p`` head channels a program of the state hand-off, one
