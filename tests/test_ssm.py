@@ -736,8 +736,9 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, dtype):
     """The chunked SSD kernel against the reference: several chunks with partial last ones,
     initial states or none, a request without new tokens, padding rows, two groups, dt
     limits, with and without the z gate, D and dt_bias; chunks of one and of two row blocks
-    (the output's earlier key blocks); fp32 (exact products) and fp16 inputs (tensor-core
-    products; bf16 at real sizes on the GPU: the interpreter's bf16 products are wrong)."""
+    (the output's earlier key blocks), the state hand-off over one and two channel blocks;
+    fp32 (exact products) and fp16 inputs (tensor-core products; bf16 at real sizes on the
+    GPU: the interpreter's bf16 products are wrong)."""
     from attn_ops.backends.ssm import chunked_kernels as ck
     from attn_ops.backends.ssm.mamba2 import mamba2_reference
 
@@ -764,7 +765,7 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, dtype):
     got_states = state.clone()
     got = ck.ssd_chunked_triton(*args, got_states, meta.query_start_loc, meta.state_indices,
                                 meta.has_initial_state, True, 0.01, 3.0, chunk=chunk,
-                                block=block)
+                                block=block, state_block_p=16 if chunk == 32 else 64)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got_states[slots], want_states.float(), atol=tol, rtol=tol)
