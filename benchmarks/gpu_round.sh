@@ -52,6 +52,9 @@
 #            (N-th string; the JSON records the tuning)
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
 #            mamba-ssm; SSM_ARGS)
+#   ssmprof  benchmarks/profile_ssm_prefill.py (each chunked-prefill launch's device time) under
+#            each of SSM_SWEEP's ATTN_OPS_TUNING strings (default: one run at the defaults),
+#            SSM_PROF_CASES its cases (default: the script's)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
@@ -152,7 +155,7 @@ for spec in "$@"; do
         python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
         -k "(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays" ;;
     ssmsweep) i=0
-      for cfg in ${SSM_SWEEP:-ssm.decode_block_v=32,ssm.decode_block_p=32 ssm.decode_block_v=16,ssm.decode_block_p=16 ssm.decode_block_v=64,ssm.decode_block_p=64 ssm.decode_num_warps=2 ssm.decode_num_warps=8}; do
+      for cfg in ${SSM_SWEEP:-ssm.decode_block_v=32,ssm.decode_block_p=32 ssm.decode_block_v=16,ssm.decode_block_p=16 ssm.decode_block_v=64,ssm.decode_block_p=64 ssm.decode_num_warps=2 ssm.decode_num_warps=8 ssm.decode_block_v=64,ssm.decode_block_p=64,ssm.decode_num_warps=8 ssm.decode_block_v=128,ssm.decode_num_warps=8}; do
         i=$((i + 1))
         echo "ssmsweep $i: $cfg" >> "$LOG"
         ATTN_OPS_TUNING="$cfg" stage "ssmsweep_$i" "$limit" python benchmarks/bench_ssm.py \
@@ -161,6 +164,13 @@ for spec in "$@"; do
       done ;;
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
         --out "$OUT/bench_ssm_h200.json" ;;
+    ssmprof) i=0
+      for cfg in ${SSM_SWEEP:-defaults}; do
+        i=$((i + 1))
+        echo "## ssmprof $i: $cfg" | tee -a "$LOG" >> "$SUMMARY"
+        ATTN_OPS_TUNING="${cfg#defaults}" stage "ssmprof_$i" "$limit" python benchmarks/profile_ssm_prefill.py \
+          ${SSM_PROF_CASES:+--cases $SSM_PROF_CASES}
+      done ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
         --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
@@ -171,6 +181,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: " \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_" \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80
