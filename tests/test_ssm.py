@@ -212,7 +212,8 @@ class Mamba2Kind(Kind):
 
     def __init__(self, g):
         super().__init__(g)
-        self.A, self.D, self.dt_bias = -self.rand(self.H).exp(), self.rand(self.H), self.rand(self.H)
+        self.A = -self.rand(self.H).exp()
+        self.D, self.dt_bias = self.rand(self.H), self.rand(self.H)
 
     def tokens(self, n):
         return {"x": self.rand(n, self.H, self.P), "dt": self.rand(n, self.H),

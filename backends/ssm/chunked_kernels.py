@@ -241,8 +241,8 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     w = torch.empty(t, hv, dk, dtype=wdt, device=q.device)
     u = torch.empty(t, hv, dv, dtype=wdt, device=q.device)
     h = torch.empty(m, hv, dk, dv, dtype=wdt, device=q.device)
-    common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, L2NORM=qk_l2norm,
-                  IEEE=ieee)
+    common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k,
+                  L2NORM=qk_l2norm, IEEE=ieee)
     gdn_wy_kernel[(m * hv,)](
         k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),

@@ -8,8 +8,8 @@ import functools
 
 import torch
 
-__all__ = ["check_step", "chunked_step_kernel", "compute_dtype", "padded_tokens", "split_slots", "step_writes",
-           "token_requests", "triton_available", "use_triton"]
+__all__ = ["check_step", "chunked_step_kernel", "compute_dtype", "padded_tokens", "split_slots",
+           "step_writes", "token_requests", "triton_available", "use_triton"]
 
 
 def split_slots(state_indices: torch.Tensor):
