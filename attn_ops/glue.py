@@ -32,7 +32,7 @@ from attn_ops.kv_cache import (FP8_MAX, _kv_cache_update_fake, kv_cache_update, 
                                split_kv_cache)
 from attn_ops.ops import define_op
 
-__all__ = ["quantize_fp8_op", "rope", "rope_kv_cache_update", "slot_mapping"]
+__all__ = ["paged_slots", "quantize_fp8_op", "rope", "rope_kv_cache_update", "slot_mapping"]
 
 
 def _check_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -73,18 +73,25 @@ def _check_slots(positions, query_start_loc, block_table, block_size):
         raise ValueError(f"slot_mapping: block_size={block_size} must be >= 1")
 
 
-def _slot_mapping_impl(positions, query_start_loc, block_table, block_size):
-    _check_slots(positions, query_start_loc, block_table, block_size)
+def paged_slots(req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+                block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``block_table[req, pos // block_size] * block_size + pos % block_size`` (int64) where
+    ``valid``, -1 elsewhere; ``req`` / ``pos`` / ``valid`` broadcast, and entries outside the
+    table read it clamped (their result is masked)."""
     num_reqs, width = block_table.shape
-    t = torch.arange(positions.shape[0], device=positions.device,
-                     dtype=query_start_loc.dtype)
-    req = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
-    valid = req < num_reqs
-    row = req.clamp(max=max(num_reqs - 1, 0))
-    pos = positions.long()
+    row = req.clamp(0, max(num_reqs - 1, 0))
+    pos = pos.long()
     col = (pos // block_size).clamp(0, max(width - 1, 0))
     block = block_table[row, col].long() if num_reqs else torch.zeros_like(pos)
     return torch.where(valid, block * block_size + pos % block_size, -1)
+
+
+def _slot_mapping_impl(positions, query_start_loc, block_table, block_size):
+    _check_slots(positions, query_start_loc, block_table, block_size)
+    t = torch.arange(positions.shape[0], device=positions.device,
+                     dtype=query_start_loc.dtype)
+    req = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
+    return paged_slots(req, positions, req < block_table.shape[0], block_table, block_size)
 
 
 def _slot_mapping_fake(positions, query_start_loc, block_table, block_size):

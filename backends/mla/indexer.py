@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from attn_ops.glue import paged_slots
 from attn_ops.ops import define_op
 
 __all__ = ["allocate_index_cache", "indexer_k_write", "indexer_slots", "indexer_topk"]
@@ -114,12 +115,6 @@ def _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc
         raise ValueError(f"topk={topk} must be >= 1")
 
 
-def _token_requests(query_start_loc: torch.Tensor, t: int) -> torch.Tensor:
-    """Each of ``t`` rows' request (``num_reqs`` for padding rows)."""
-    rows = torch.arange(t, device=query_start_loc.device)
-    return torch.searchsorted(query_start_loc[1:].long(), rows, right=True)
-
-
 def _topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk):
     _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk)
     t, _, d = q.shape
@@ -184,15 +179,10 @@ def _check_slots(positions, block_table, query_start_loc, page):
 
 def _slots(positions, block_table, query_start_loc, page):
     _check_slots(positions, block_table, query_start_loc, page)
-    b = query_start_loc.shape[0] - 1
-    req = _token_requests(query_start_loc, positions.shape[0])
-    real = req < b
-    pos = positions.long()
-    valid = (pos >= 0) & real[:, None]
-    safe = torch.where(valid, pos, 0)
-    pages = block_table[req.clamp(max=max(b - 1, 0))[:, None].expand_as(safe), safe // page]
-    slots = pages.long() * page + safe % page
-    return torch.where(valid, slots, -1).to(torch.int32)
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    req = torch.searchsorted(query_start_loc[1:].long(), rows, right=True)[:, None]
+    valid = (positions >= 0) & (req < query_start_loc.shape[0] - 1)  # (padding rows: -1)
+    return paged_slots(req, positions, valid, block_table, page).to(torch.int32)
 
 
 def _slots_fake(positions, block_table, query_start_loc, page):
