@@ -197,10 +197,14 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
                     other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
         beta = tl.load(beta_ptr + t * stride_gt + hv).to(tl.float32)
-        s = s * decay
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
+        # both products with the state read as loaded (S^T k, S^T q): one pass over it, and
+        # the new state's store waits on one reduction, not two;
+        # o = (decay S + k delta^T)^T q = decay S^T q + (k . q) delta
+        s_k = tl.sum(s * k[:, None], axis=0)
+        s_q = tl.sum(s * q[:, None], axis=0)
+        delta = (v - decay * s_k) * beta
+        o = decay * s_q + tl.sum(k * q) * delta
+        s = s * decay + k[:, None] * delta[None, :]
         tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
                  mask=v_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
