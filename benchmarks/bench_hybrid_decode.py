@@ -26,6 +26,7 @@ from _common import (back_to_back_us, decode_step_device, decode_step_parser,  #
                      run_info, time_steps, write_json)
 
 COPY_TBS = 4.27
+PREFILL_CHUNK = 256  # the HF anchor's cache-filling prefill, tokens a call
 
 
 def config(args, dtype):
@@ -115,9 +116,10 @@ def ours(cfg, args, device) -> dict:
 
 
 def hf(cfg, args, device) -> dict:
-    """HF's Qwen3NextForCausalLM of the same shape (dense MLPs), its cache filled by one
-    prefill of ``ctx - 1`` random tokens a request (logits of the last position only: all
-    of them would be batch x ctx x vocab); then decode steps (eager)."""
+    """HF's Qwen3NextForCausalLM of the same shape (dense MLPs), its cache filled with
+    ``ctx - 1`` random tokens a request by prefills of ``PREFILL_CHUNK`` tokens (logits of the
+    last position only; one prefill of the whole context needs a batch x heads x ctx x ctx
+    attention mask, past 32-bit indexing); then decode steps (eager)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     s = cfg.state_spec
@@ -139,8 +141,11 @@ def hf(cfg, args, device) -> dict:
     with torch.no_grad():
         try:
             prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.ctx - 1), device=device)
-            res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            cache = res.past_key_values
+            cache = None
+            for first in range(0, args.ctx - 1, PREFILL_CHUNK):
+                cache = model(input_ids=prompt[:, first:first + PREFILL_CHUNK],
+                              past_key_values=cache, use_cache=True,
+                              logits_to_keep=1).past_key_values
             ids = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
             out["eager_dynamic_cache_ms"] = time_steps(
                 lambda: model(input_ids=ids, past_key_values=cache, use_cache=True),
