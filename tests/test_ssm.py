@@ -675,12 +675,16 @@ def test_graph_replays_of_random_decode_batches_match_eager(kind):
 @pytest.mark.parametrize("heads,chunk,dtype", [((2, 4), 16, torch.float32),
                                                ((3, 3), 16, torch.float32),
                                                ((2, 4), 32, torch.float32),
+                                               ((2, 4), 64, torch.float32),
+                                               ((3, 3), 64, torch.float16),
                                                ((2, 4), 16, torch.float16)])
 def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype):
     """The chunked (WY-form) GDN kernel against the reference: requests over several chunks
     with partial last chunks, initial states or none, a request without new tokens, padding
     rows; chunks of 16 and 32 tokens (tensor-core tiles need 16; at 32, 16 value columns a
-    program: two blocks, the last partial); fp32 (exact products) and
+    program: two blocks, the last partial) and of 64 (the inverse by halves; a request over
+    three chunks, a second half partly and one wholly past a request's end); fp32 (exact
+    products) and
     fp16 inputs (tensor-core products; bf16 at real sizes on the GPU: the interpreter's bf16
     products are wrong)."""
     from attn_ops.backends.ssm import chunked_kernels as ck
@@ -690,7 +694,9 @@ def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype):
     hk, hv = heads
     dk, dv = 16, 24
     g = torch.Generator().manual_seed(8)
-    lens, ctx = [37, 1, 16, 0, 50], [3, 5, 0, 0, 9]
+    lens, ctx, slots = [37, 1, 16, 0, 50], [3, 5, 0, 0, 9], [2, 4, 1, 6, 5]
+    if chunk == 64:
+        lens, ctx, slots = lens + [140], ctx + [7], slots + [3]
     t = sum(lens) + 3
 
     def rand(*shape):
@@ -701,7 +707,7 @@ def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype):
     beta = torch.sigmoid(rand(t, hv)).to(dtype)
     state = rand(7, hv, dk, dv)
     meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
-                                np.array(ctx), np.array([2, 4, 1, 6, 5]), chunk, device=dev)
+                                np.array(ctx), np.array(slots), chunk, device=dev)
     want, want_states, slots = gdn_reference(q, k, v, gate, beta, state.clone(),
                                              meta.query_start_loc, meta.state_indices,
                                              meta.has_initial_state, meta.max_query_len,
@@ -746,7 +752,9 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, dtype):
     dev = _device()
     h, p, grp, n = 4, 20, 2, 16
     g = torch.Generator().manual_seed(9)
-    lens, ctx = [37, 1, 16, 0, 50], [3, 5, 0, 0, 9]
+    lens, ctx, slots = [37, 1, 16, 0, 50], [3, 5, 0, 0, 9], [2, 4, 1, 6, 5]
+    if chunk == 64:
+        lens, ctx, slots = lens + [140], ctx + [7], slots + [3]
     t = sum(lens) + 3
 
     def rand(*shape):

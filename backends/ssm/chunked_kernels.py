@@ -95,6 +95,41 @@ def _split_pid(HEADS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
 # --- Gated DeltaNet -------------------------------------------------------------------------
 
 @triton.jit
+def _unit_lower_inverse(a, eye, LOG2_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    """``(I + a)^-1`` of a strictly lower triangular ``[n, n]`` ``a`` (nilpotent: ``a^n =
+    0``), as the product of ``I + (-a)^(2^i)``: ``log2(n) - 1`` squarings."""
+    n = -a
+    t = eye + n
+    for _i in tl.static_range(LOG2_SIZE - 1):
+        n = _dot32(n, n, IEEE)
+        t = _dot32(t, eye + n, IEEE)
+    return t
+
+
+@triton.jit
+def _wy_rows(k_ptr, v_ptr, g_ptr, beta_ptr, rows, end, hv, stride_kt, stride_kh, stride_vt,
+             stride_vh, stride_gt, offs_k, offs_v, GROUP: tl.constexpr, DK: tl.constexpr,
+             DV: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows of a chunk for value head ``hv``: ``(valid, k, v, beta, g)`` (0 outside)."""
+    ok = rows < end
+    k = _rows(k_ptr, rows, ok, stride_kt, (hv // GROUP) * stride_kh, offs_k, offs_k < DK,
+              L2NORM)
+    v = _rows(v_ptr, rows, ok, stride_vt, hv * stride_vh, offs_v, offs_v < DV, False)
+    g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
+    return ok, k, v, beta, g
+
+
+@triton.jit
+def _wy_store(w_ptr, u_ptr, w, u, rows, ok, hv, stride_wt, stride_wh, stride_ut, stride_uh,
+              offs_k, offs_v, DK: tl.constexpr, DV: tl.constexpr):
+    tl.store(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + offs_k[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=ok[:, None] & (offs_k < DK)[None, :])
+    tl.store(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :],
+             u.to(u_ptr.dtype.element_ty), mask=ok[:, None] & (offs_v < DV)[None, :])
+
+
+@triton.jit
 def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_ptr, stride_kt,
                   stride_kh, stride_vt, stride_vh, stride_gt, stride_wt, stride_wh, stride_ut,
                   stride_uh, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
@@ -102,38 +137,67 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                   IEEE: tl.constexpr):
     """Per chunk and value head: with ``G`` the chunk's cumulative log decay,
-    ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and ``T = (I + A)^-1`` -- the product of
-    ``I + (-A)^(2^i)`` (A is nilpotent) -- the WY factors ``w = T (beta e^G k)`` and
-    ``u = T (beta v)``."""
+    ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and ``T = (I + A)^-1``, the WY factors
+    ``w = T (beta e^G k)`` and ``u = T (beta v)``. Chunks of 64 tokens and more invert by
+    halves -- ``T_11``, ``T_22`` by squarings (two independent chains of one squaring fewer)
+    and ``T_21 = -T_22 A_21 T_11`` -- instead of squaring the whole ``[chunk, chunk]``."""
     c, hv, _col = _split_pid(HV, 1, 1)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
-        offs_c = tl.arange(0, CHUNK)
         offs_k = tl.arange(0, BLOCK_K)
         offs_v = tl.arange(0, BLOCK_V)
-        rows = start + offs_c
-        ok = rows < end
-        k = _rows(k_ptr, rows, ok, stride_kt, (hv // GROUP) * stride_kh, offs_k, offs_k < DK,
-                  L2NORM)
-        v = _rows(v_ptr, rows, ok, stride_vt, hv * stride_vh, offs_v, offs_v < DV, False)
-        g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
-        cum = tl.cumsum(g, axis=0)
-        below = offs_c[:, None] > offs_c[None, :]
-        decay = tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0))
-        n = tl.where(below, -beta[:, None] * _dot(k, tl.trans(k), w_ptr, IEEE) * decay, 0.0)
-        eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
-        t = eye + n
-        for _ in tl.static_range(LOG2_CHUNK - 1):
-            n = _dot32(n, n, IEEE)
-            t = _dot32(t, eye + n, IEEE)
-        w = _dot(t, (beta * tl.exp(cum))[:, None] * k, w_ptr, IEEE)
-        u = _dot(t, beta[:, None] * v, w_ptr, IEEE)
-        tl.store(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + offs_k[None, :],
-                 w.to(w_ptr.dtype.element_ty), mask=ok[:, None] & (offs_k < DK)[None, :])
-        tl.store(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :],
-                 u.to(u_ptr.dtype.element_ty), mask=ok[:, None] & (offs_v < DV)[None, :])
+        if CHUNK < 64:
+            offs_c = tl.arange(0, CHUNK)
+            rows = start + offs_c
+            ok, k, v, beta, g = _wy_rows(
+                k_ptr, v_ptr, g_ptr, beta_ptr, rows, end, hv, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_gt, offs_k, offs_v, GROUP, DK, DV, L2NORM)
+            cum = tl.cumsum(g, axis=0)
+            below = offs_c[:, None] > offs_c[None, :]
+            decay = tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0))
+            a = tl.where(below, beta[:, None] * _dot(k, tl.trans(k), w_ptr, IEEE) * decay, 0.0)
+            eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+            t = _unit_lower_inverse(a, eye, LOG2_CHUNK, IEEE)
+            w = _dot(t, (beta * tl.exp(cum))[:, None] * k, w_ptr, IEEE)
+            u = _dot(t, beta[:, None] * v, w_ptr, IEEE)
+            _wy_store(w_ptr, u_ptr, w, u, rows, ok, hv, stride_wt, stride_wh, stride_ut,
+                      stride_uh, offs_k, offs_v, DK, DV)
+        else:
+            offs_c = tl.arange(0, CHUNK // 2)
+            rows1 = start + offs_c
+            rows2 = rows1 + CHUNK // 2
+            ok1, k1, v1, beta1, g1 = _wy_rows(
+                k_ptr, v_ptr, g_ptr, beta_ptr, rows1, end, hv, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_gt, offs_k, offs_v, GROUP, DK, DV, L2NORM)
+            ok2, k2, v2, beta2, g2 = _wy_rows(
+                k_ptr, v_ptr, g_ptr, beta_ptr, rows2, end, hv, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_gt, offs_k, offs_v, GROUP, DK, DV, L2NORM)
+            cum1 = tl.cumsum(g1, axis=0)
+            cum2 = tl.cumsum(g2, axis=0) + tl.sum(g1, axis=0)
+            below = offs_c[:, None] > offs_c[None, :]
+            eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+            a11 = tl.where(below, beta1[:, None] * _dot(k1, tl.trans(k1), w_ptr, IEEE)
+                           * tl.exp(tl.minimum(cum1[:, None] - cum1[None, :], 0.0)), 0.0)
+            a22 = tl.where(below, beta2[:, None] * _dot(k2, tl.trans(k2), w_ptr, IEEE)
+                           * tl.exp(tl.minimum(cum2[:, None] - cum2[None, :], 0.0)), 0.0)
+            a21 = beta2[:, None] * _dot(k2, tl.trans(k1), w_ptr, IEEE) \
+                * tl.exp(tl.minimum(cum2[:, None] - cum1[None, :], 0.0))
+            t11 = _unit_lower_inverse(a11, eye, LOG2_CHUNK - 1, IEEE)
+            t22 = _unit_lower_inverse(a22, eye, LOG2_CHUNK - 1, IEEE)
+            t21 = -_dot32(t22, _dot32(a21, t11, IEEE), IEEE)
+            x1 = (beta1 * tl.exp(cum1))[:, None] * k1
+            x2 = (beta2 * tl.exp(cum2))[:, None] * k2
+            y1 = beta1[:, None] * v1
+            y2 = beta2[:, None] * v2
+            w1 = _dot(t11, x1, w_ptr, IEEE)
+            u1 = _dot(t11, y1, w_ptr, IEEE)
+            w2 = _dot(t21, x1, w_ptr, IEEE) + _dot(t22, x2, w_ptr, IEEE)
+            u2 = _dot(t21, y1, w_ptr, IEEE) + _dot(t22, y2, w_ptr, IEEE)
+            _wy_store(w_ptr, u_ptr, w1, u1, rows1, ok1, hv, stride_wt, stride_wh, stride_ut,
+                      stride_uh, offs_k, offs_v, DK, DV)
+            _wy_store(w_ptr, u_ptr, w2, u2, rows2, ok2, hv, stride_wt, stride_wh, stride_ut,
+                      stride_uh, offs_k, offs_v, DK, DV)
 
 
 @triton.jit
@@ -338,12 +402,13 @@ def ssd_contrib_kernel(x_ptr, dtc_ptr, cum_ptr, b_ptr, st_ptr, start_ptr, end_pt
 
 
 @triton.jit
-def ssd_state_kernel(cum_ptr, st_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr, init_ptr,
+def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr, init_ptr,
                      num_tokens, stride_sc, stride_sh, stride_ss, stride_slot_h, stride_slot_p,
                      H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per request, head and block of head channels, chunk after chunk: the state at the
-    chunk's start over its contribution in ``st``, then ``S = e^(cum_last) S +
+    chunk's start into ``hs`` (in the inputs' dtype: the output launch's product operand,
+    half the bytes of the fp32 contribution ``st``), then ``S = e^(cum_last) S +
     contribution``; the final state into the slot."""
     r, h, pb = _split_pid(H, P, BLOCK_P)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -358,9 +423,9 @@ def ssd_state_kernel(cum_ptr, st_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr, in
     c = tl.load(coff_ptr + r).to(tl.int64)
     for c0 in range(start, end, CHUNK):
         last = tl.load(cum_h + tl.minimum(c0 + CHUNK, end) - 1)
-        ptrs = st_ptr + c * stride_sc + st_offs
-        contrib = tl.load(ptrs, mask=s_mask, other=0.0)
-        tl.store(ptrs, s, mask=s_mask)
+        at = c * stride_sc + st_offs
+        contrib = tl.load(st_ptr + at, mask=s_mask, other=0.0)
+        tl.store(hs_ptr + at, s.to(hs_ptr.dtype.element_ty), mask=s_mask)
         s = tl.exp(last) * s + contrib
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
@@ -394,7 +459,7 @@ def ssd_cb_kernel(b_ptr, c_ptr, cb_ptr, start_ptr, end_ptr, stride_bt, stride_bg
 
 
 @triton.jit
-def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, st_ptr, y_ptr,
+def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, hs_ptr, y_ptr,
                       start_ptr, end_ptr, num_tokens, stride_xt, stride_xh, stride_bt,
                       stride_bg, stride_cbc, stride_cbg, stride_sc, stride_sh,
                       H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
@@ -423,7 +488,7 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, st_p
                                   stride_xh, offs_p, p_ok)
         cc = tl.load(c_ptr + rows[:, None] * stride_bt + grp * stride_bg + offs_n[None, :],
                      mask=ok[:, None] & n_ok[None, :], other=0.0)
-        s = tl.load(st_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
+        s = tl.load(hs_ptr + c.to(tl.int64) * stride_sc + h * stride_sh + offs_p[:, None] * N
                     + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         y = tl.exp(cum)[:, None] * _dot(cc, tl.trans(s), x_ptr, IEEE)  # [BLOCK, BLOCK_P]
         cb_rows = cb_ptr + c.to(tl.int64) * stride_cbc + grp * stride_cbg \
@@ -483,8 +548,9 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
         st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p,
         BLOCK_N=block_n, IEEE=ieee, num_warps=8, **shape)
     state_bp = min(block_p, state_block_p)
+    hs = torch.empty(st.shape, dtype=_work_dtype(x), device=x.device)
     ssd_state_kernel[(b * h * triton.cdiv(p, state_bp),)](
-        cum, st, state, query_start_loc, offsets, state_indices, has_initial_state, t,
+        cum, st, hs, state, query_start_loc, offsets, state_indices, has_initial_state, t,
         st.stride(0), st.stride(1), state.stride(0), state.stride(1), state.stride(2),
         BLOCK_P=state_bp, BLOCK_N=block_n, num_warps=4, **shape)
     cb = torch.empty(m, g, chunk, chunk, dtype=torch.float32, device=x.device)
@@ -492,7 +558,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
         B, C, cb, starts, ends, B.stride(0), B.stride(1), cb.stride(0), cb.stride(1), N=n,
         CHUNK=chunk, BLOCK=block, BLOCK_N=block_n, IEEE=ieee, num_warps=4)
     ssd_output_kernel[(m * (chunk // block) * h * n_pb,)](
-        x, dtc, cum, cb, C, D, z if z is not None else x, st, y, starts, ends, t, x.stride(0),
+        x, dtc, cum, cb, C, D, z if z is not None else x, hs, y, starts, ends, t, x.stride(0),
         x.stride(1), C.stride(0), C.stride(1), cb.stride(0), cb.stride(1), st.stride(0),
         st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_Z=z is not None, IEEE=ieee, num_warps=num_warps, **shape)
