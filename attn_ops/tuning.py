@@ -215,9 +215,13 @@ class SSMTuning:
     mamba2_chunk: int = 256
     # The token-by-token kernels (decodes): one program a request, head and block of state
     # columns (GDN: value columns; Mamba2: head channels), the block in registers over the
-    # request's tokens. Smaller blocks give small batches more programs; larger ones give
-    # each program more bytes in flight. Unmeasured beyond the defaults.
-    decode_block_v: int = 32
+    # request's tokens. Larger blocks give each program more bytes in flight, smaller ones
+    # give small batches more programs: GDN's block is decode_block_v, halved (not below 32)
+    # while its launch has fewer than decode_min_programs programs. H200, 4 warps: 128
+    # columns 3.50 against 3.19 TB/s (64) at batch 1024, equal at 64; 8 warps and 2 warps
+    # slower; Mamba2's 32 and 64 channels equal.
+    decode_block_v: int = 128
+    decode_min_programs: int = 4096
     decode_block_p: int = 32
     decode_num_warps: int = 4
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
@@ -244,6 +248,9 @@ class SSMTuning:
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
+        if self.decode_min_programs < 1:
+            raise ValueError(f"tuning.ssm.decode_min_programs={self.decode_min_programs} "
+                             "must be >= 1")
         if self.mamba2_block > 64:
             raise ValueError(f"tuning.ssm.mamba2_block={self.mamba2_block} must be <= 64 "
                              "(the output launch at 128 rows failed to launch on the H200)")

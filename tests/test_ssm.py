@@ -670,6 +670,17 @@ def test_graph_replays_of_random_decode_batches_match_eager(kind):
             torch.testing.assert_close(s[1:], w[1:], atol=1e-5, rtol=1e-5)
 
 
+def test_decode_blocks_halve_for_small_batches_down_to_32_columns():
+    from attn_ops.backends.ssm.triton_kernels import decode_block
+
+    assert decode_block(256 * 32, 128, 128, 4096) == 128  # (8192 programs)
+    assert decode_block(64 * 32, 128, 128, 4096) == 64
+    assert decode_block(1 * 32, 128, 128, 4096) == 32  # (not below 32)
+    assert decode_block(1, 24, 128, 4096) == 32  # (the columns' power of two)
+    assert decode_block(1, 128, 16, 4096) == 16  # (a block below 32 as asked)
+    assert decode_block(1, 100, 128, 1) == 128
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("heads,chunk,dtype", [((2, 4), 16, torch.float32),

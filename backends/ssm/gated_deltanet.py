@@ -107,7 +107,8 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
                                       tuning.gdn_state_block_v, tuning.gdn_output_block_v)
         return tk.gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                        has_initial_state, scale, qk_l2norm,
-                                       tuning.decode_block_v, tuning.decode_num_warps)
+                                       tuning.decode_block_v, tuning.decode_num_warps,
+                                       tuning.decode_min_programs)
     o, s, slots = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,
                                 has_initial_state, max_query_len, scale, qk_l2norm)
     state.index_copy_(0, slots, s.to(state.dtype))

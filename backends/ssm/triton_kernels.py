@@ -249,11 +249,23 @@ def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr):
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
+def decode_block(rows: int, cols: int, block: int, min_programs: int) -> int:
+    """State columns a decode program of ``rows`` (requests x heads) state rows of ``cols``
+    columns: ``block`` (at most the columns' power of two), halved -- not below 32 or the
+    block asked for -- while the launch has fewer than ``min_programs`` programs."""
+    block = min(triton.next_power_of_2(cols), block)
+    floor = min(block, 32)
+    while block > floor and rows * triton.cdiv(cols, block) < min_programs:
+        block //= 2
+    return block
+
+
 def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                          has_initial_state, scale, qk_l2norm, block_v: int = 32,
-                         num_warps: int = 4) -> torch.Tensor:
+                         num_warps: int = 4, min_programs: int = 1) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` token by token, ``block_v`` value columns a
-    program (inputs already checked)."""
+    program, halved (not below 32) while the launch has fewer than ``min_programs`` programs
+    (inputs already checked)."""
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     if k.stride() != q.stride():
         k = k.contiguous()
@@ -264,7 +276,7 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
     if b == 0:
         return torch.zeros_like(v)
     out = torch.empty_like(v)
-    block_v = min(triton.next_power_of_2(dv), block_v)
+    block_v = decode_block(b * hv, dv, block_v, min_programs)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
         state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
