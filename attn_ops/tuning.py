@@ -207,9 +207,10 @@ class SSMTuning:
     # has at least this many new tokens, token by token below (decodes, speculative decodes,
     # short prefills): the recurrence reads the inputs one token at a time, the chunked form a
     # chunk. GDN's chunk is the side of the WY inverse, a chain of log2(chunk) - 1 squarings
-    # of [chunk, chunk] (H200: 32 beats 64 by 1.15-1.2x); Mamba2's chunk sets how many
-    # [heads, P, N] fp32 states the prefill writes and reads back between its launches (one a
-    # chunk; H200: 128 is slower than 256). The crossover length is unmeasured.
+    # of [chunk, chunk] (from 64 on, two chains over the halves; H200: 32 beats 64 by
+    # 1.1-1.2x either way); Mamba2's chunk sets how many [heads, P, N] states the prefill
+    # writes and reads back between its launches (one a chunk; H200: 128 is slower than 256).
+    # The crossover length is unmeasured.
     chunked_min_query_len: int = 64
     gdn_chunk: int = 32
     mamba2_chunk: int = 256
