@@ -79,12 +79,16 @@ class MLAAttention(BackendLayer):
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                 cache: torch.Tensor, metadata: CommonAttentionMetadata | Any,
-                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+                cos_sin: torch.Tensor | None = None,
+                topk_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``metadata``: the step's common metadata, what ``self.impl.build_metadata`` made of
         it, or the dict of :func:`attn_ops.build_step_metadata` (plan outside compiled code).
         ``cos_sin`` ``[T, rope]`` (cos | sin halves): RoPE of ``q``'s rope part and of ``k_pe``
         is applied here (``torch.ops.attn.mla_rope``; compiled with our passes it fuses into
-        the latent write); without it they come rotated."""
+        the latent write); without it they come rotated. ``topk_slots`` ``[T, index_topk]``
+        int32: a sparse layer's (``spec.index_topk`` set) selected cache slots per token, -1
+        padded (:class:`attn_ops.mla_indexer.MLAIndexer`'s second output); dense layers take
+        none."""
         from attn_ops.backends.mla.common import mla_cache_update
         from attn_ops.backends.mla.rope import mla_rope
 
@@ -98,10 +102,20 @@ class MLAAttention(BackendLayer):
             if tuple(x.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)} for {spec.describe()}, got "
                                  f"{list(x.shape)}")
+        sparse = {}
+        if spec.index_topk is not None:
+            if topk_slots is None or tuple(topk_slots.shape) != (t, spec.index_topk):
+                raise ValueError(f"a sparse MLA layer ({spec.describe()}) needs topk_slots "
+                                 f"[{t}, {spec.index_topk}] (MLAIndexer's slots), got "
+                                 f"{None if topk_slots is None else list(topk_slots.shape)}")
+            sparse["topk_slots"] = topk_slots
+        elif topk_slots is not None:
+            raise ValueError(f"topk_slots given to a dense MLA layer ({spec.describe()}); "
+                             "build the spec with AttentionSpec.mla(..., index_topk=K)")
         if cos_sin is not None:
             q, k_pe = mla_rope(q, k_pe, cos_sin)
         mla_cache_update(kv_c, k_pe, cache, metadata.slot_mapping, self.kv_scale)
         out = q.new_empty(t, spec.num_heads, spec.v_head_dim)
         self.impl.forward(q, kv_c, k_pe, cache, metadata, out, w_uk=self.w_uk, w_uv=self.w_uv,
-                          kv_scale=self.kv_scale)
+                          kv_scale=self.kv_scale, **sparse)
         return out

@@ -50,6 +50,8 @@ class AttentionConfig:
 def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform."""
     if spec.use_mla:
+        if spec.index_topk is not None:
+            return [b.value for b in _sparse_mla_priority(platform)]
         return [b.value for b in _mla_priority(platform)]
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
@@ -85,6 +87,18 @@ def _mla_priority(platform: Platform) -> list[Backend]:
     if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
         return [B.TRITON_MLA]
     return [B.REFERENCE_MLA]
+
+
+def _sparse_mla_priority(platform: Platform) -> list[Backend]:
+    """Sparse MLA layers: FlashMLA's sparse kernels where they exist (sm90 / sm100), then our
+    Triton kernel over each token's selected rows; on CPUs the reference."""
+    if platform.kind is PlatformKind.CUDA:
+        major = platform.capability[0] if platform.capability else 0
+        vendor = [B.FLASHMLA_SPARSE] if major in (9, 10) else []
+        return [*vendor, B.TRITON_MLA_SPARSE]
+    if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
+        return [B.TRITON_MLA_SPARSE]
+    return [B.REFERENCE_MLA_SPARSE]
 
 
 def _same_family(name: str, spec: AttentionSpec) -> bool:

@@ -68,6 +68,7 @@ class Feature(enum.Enum):
     CROSS_ATTENTION = "cross_attention"
     CUSTOM_MODS = "custom_mask_or_score_mod"
     TREE = "tree_speculation"
+    SPARSE_MLA = "sparse_mla"
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -113,6 +114,10 @@ class AttentionSpec:
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
     q_lora_rank: int | None = None
+    # Sparse MLA (DeepSeek-V3.2's DSA): each query token attends to the index_topk cached
+    # tokens its lightning indexer scores highest (all visible ones when it sees no more);
+    # None: dense MLA.
+    index_topk: int | None = None
     # Arbitrary patterns (prefix-LM, document masking, ...), in request coordinates, written as
     # elementwise torch ops on index tensors (FlexAttention traces them; REFERENCE broadcasts):
     #   mask_mod(request, head, q_pos, kv_pos) -> bool       (and-ed with causal / window)
@@ -135,7 +140,8 @@ class AttentionSpec:
         for name in ("num_heads", "head_dim"):
             _check_positive(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim_v", "block_size", "sliding_window",
-                     "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank"):
+                     "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank",
+                     "index_topk"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.num_heads % self.kv_heads:
@@ -161,6 +167,8 @@ class AttentionSpec:
                                  "for the root (first), each other parent an earlier node")
         if self.kv_lora_rank is not None or self.qk_nope_head_dim is not None:
             _check_mla(self)
+        if self.index_topk is not None:
+            _check_sparse(self)
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
             raise ValueError(f"scale={self.scale} must be a finite positive number; use None "
                              "for 1/sqrt(head_dim)")
@@ -243,6 +251,7 @@ class AttentionSpec:
             Feature.CROSS_ATTENTION: self.attn_type is AttentionType.ENCODER_DECODER,
             Feature.CUSTOM_MODS: self.mask_mod is not None or self.score_mod is not None,
             Feature.TREE: self.spec_tree is not None,
+            Feature.SPARSE_MLA: self.index_topk is not None,
         }
         return frozenset(f for f, on in wanted.items() if on)
 
@@ -260,6 +269,8 @@ class AttentionSpec:
             parts = [f"mla heads={self.num_heads}", f"kv_lora_rank={self.kv_lora_rank}",
                      f"qk_nope={self.qk_nope_head_dim}", f"qk_rope={self.qk_rope_head_dim}",
                      f"v_head_dim={self.v_head_dim}"]
+            if self.index_topk is not None:
+                parts.append(f"index_topk={self.index_topk}")
         else:
             parts = [f"heads={self.num_heads}/{self.kv_heads}", f"head_dim={self.head_dim}"]
         if self.v_head_dim != self.head_dim and not self.use_mla:
@@ -333,6 +344,13 @@ def _check_mla(spec: AttentionSpec) -> None:
     if spec.kv_heads != spec.num_heads:
         raise ValueError(f"num_kv_heads={spec.num_kv_heads} must be None for MLA: every head "
                          "reads the one shared latent (its MHA form has num_heads K/V heads)")
+
+
+def _check_sparse(spec: AttentionSpec) -> None:
+    if not spec.use_mla:
+        raise ValueError(f"index_topk={spec.index_topk} needs an MLA spec: sparse attention "
+                         "here is DeepSeek-V3.2's sparse MLA; build it with "
+                         "AttentionSpec.mla(..., index_topk=2048)")
 
 
 def _check_positive(name: str, value: object) -> None:

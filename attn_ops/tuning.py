@@ -196,6 +196,12 @@ class MLATuning:
     # 2: two programs per head block, each accumulating half the value columns (both compute
     # the whole score). H200: 0.5-0.6x of one part at 128 heads and at 16 (docs/tuning.md).
     value_parts: int = 1
+    # TRITON_MLA_SPARSE: heads of one token a program, selected slots a step (each a gathered
+    # latent row), warps and stages. Unmeasured.
+    sparse_heads: int = 16
+    sparse_keys: int = 32
+    sparse_warps: int = 4
+    sparse_stages: int = 2
 
 
 @dataclass(frozen=True)

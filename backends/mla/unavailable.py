@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from attn_ops.backends.mla.common import MLABackend
+from attn_ops.backends.mla.sparse import sparse_reasons
 from attn_ops.capabilities import BackendCapabilities, HeadDims, Reason
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
@@ -31,16 +32,24 @@ class _Unavailable(MLABackend):
         return reasons + [Reason(cls.name, "kernels_unavailable", cls.cause, cls.hint)]
 
 
+class _UnavailableSparse(_Unavailable):
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        return super().not_supported_reasons(spec, platform) + sparse_reasons(cls.name, spec)
+
+
 def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
-                 max_capability=None) -> type[MLABackend]:
+                 max_capability=None, sparse: bool = False) -> type[MLABackend]:
+    features = {Feature.MLA, Feature.DIFF_HEAD_DIM_V, Feature.FP8_KV}
     caps = BackendCapabilities(platforms=frozenset({PlatformKind.CUDA}),
                                dtypes=frozenset({torch.bfloat16, torch.float16}),
                                head_dims=HeadDims(), kv_cache_dtypes=frozenset(KVCacheDType),
-                               features=frozenset({Feature.MLA, Feature.DIFF_HEAD_DIM_V,
-                                                   Feature.FP8_KV}),
+                               features=frozenset(features | {Feature.SPARSE_MLA} if sparse
+                                                  else features),
                                min_capability=min_capability, max_capability=max_capability)
-    return type(name, (_Unavailable,), {"name": name, "capabilities": caps, "cause": cause,
-                                        "hint": hint, "__doc__": cause})
+    base = _UnavailableSparse if sparse else _Unavailable
+    return type(name, (base,), {"name": name, "capabilities": caps, "cause": cause,
+                                "hint": hint, "__doc__": cause})
 
 
 _FI = "FLASHINFER_MLA (sm90: FlashInfer's fa3 MLA) or TRITON_MLA"
@@ -53,8 +62,8 @@ FLASHMLA = _unavailable(
 
 FLASHMLA_SPARSE = _unavailable(
     "FLASHMLA_SPARSE", "FlashMLA's sparse kernels ship in the same packages as FLASHMLA "
-    "(none installable with torch 2.11 + CUDA 13)", "sparse MLA runs through FlashInfer's "
-    "MLA kernel with top-k indices", min_capability=(9, 0))
+    "(none installable with torch 2.11 + CUDA 13)", "use TRITON_MLA_SPARSE",
+    min_capability=(9, 0), sparse=True)
 
 CUTLASS_MLA = _unavailable(
     "CUTLASS_MLA", "CUTLASS MLA is a Blackwell (sm100) kernel compiled into vLLM's own "

@@ -1,0 +1,100 @@
+"""TRITON_MLA_SPARSE's kernel: the absorbed form over each token's selected latent rows.
+
+One program takes one query token and ``HEADS`` of its heads (every head of a token reads the
+same selected rows). Per ``BLOCK_N`` entries of the token's slot list it gathers those rows,
+``c`` [BLOCK_N, RANK] and ``k_pe`` [BLOCK_N, ROPE] (slot ``s`` is row ``s % PAGE`` of page
+``s // PAGE``; ``-1`` entries load nothing and are masked), and runs
+
+    s   = (ql @ c^T + q_pe @ k_pe^T) * scale        (ql: q_nope @ W_UK, RANK wide)
+    acc = acc * alpha + softmax_part(s) @ c          (online softmax in base 2)
+
+so K and V are the same tile. fp8 latents: the per-tensor scale goes into the score scale and
+into the final store. A token with no slot selected writes zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_ops.backends.triton_attn_kernels import LOG2E
+from attn_ops.routing import triton_head_tiles
+
+__all__ = ["sparse_mla_kernel", "sparse_mla_triton"]
+
+
+@triton.jit
+def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, kv_scale_ptr, sm_scale,
+                      num_slots, stride_lt, stride_lh, stride_pt, stride_ph, stride_cb,
+                      stride_cp, stride_st, stride_ot, stride_oh,
+                      H: tl.constexpr, HEADS: tl.constexpr, RANK: tl.constexpr,
+                      RANK_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = h < H
+    offs_r = tl.arange(0, RANK_P)
+    offs_p = tl.arange(0, ROPE_P)
+    r_ok = offs_r < RANK
+    p_ok = offs_p < ROPE
+    ql = tl.load(ql_ptr + t * stride_lt + h[:, None] * stride_lh + offs_r[None, :],
+                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    qpe = tl.load(qpe_ptr + t * stride_pt + h[:, None] * stride_ph + offs_p[None, :],
+                  mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    qk_scale = sm_scale * LOG2E
+    if FP8:
+        kv_scale = tl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
+    m_i = tl.full([HEADS], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS], tl.float32)
+    acc = tl.zeros([HEADS, RANK_P], tl.float32)
+    for start in range(0, num_slots, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(slots_ptr + t * stride_st + offs_n, mask=offs_n < num_slots, other=-1)
+        ok = slot >= 0
+        slot = tl.where(ok, slot, 0).to(tl.int64)
+        rows = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cp
+        c = tl.load(rows[:, None] + offs_r[None, :], mask=ok[:, None] & r_ok[None, :],
+                    other=0.0).to(ql.dtype)
+        kpe = tl.load(rows[:, None] + RANK + offs_p[None, :], mask=ok[:, None] & p_ok[None, :],
+                      other=0.0).to(qpe.dtype)
+        s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
+        s = tl.dot(qpe, tl.trans(kpe), s, input_precision=PRECISION)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8:
+        o = o * kv_scale
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + offs_r[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
+                      launch) -> None:
+    """Latent outputs ``out`` [T, H, rank] of the selected rows; ``launch``: (heads a
+    program, slots a step, warps, stages)."""
+    tokens, heads, rank = ql.shape
+    if tokens == 0:
+        return
+    rope = q_pe.shape[2]
+    block_h, block_n, warps, stages = launch
+    block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # (tl.dot: M >= 16)
+    rank_p, rope_p = triton_head_tiles(rank, rope, latent_cache.dtype.itemsize)
+    fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    slots = topk_slots if topk_slots.stride(1) == 1 else topk_slots.contiguous()
+    sparse_mla_kernel[(tokens, triton.cdiv(heads, block_h))](
+        ql, q_pe, latent_cache, slots, out, kv_scale if fp8 else out, scale, slots.shape[1],
+        ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
+        latent_cache.stride(1), slots.stride(0), out.stride(0), out.stride(1),
+        H=heads, HEADS=block_h, RANK=rank, RANK_P=rank_p, ROPE=rope, ROPE_P=rope_p,
+        PAGE=latent_cache.shape[1], BLOCK_N=max(16, block_n), FP8=fp8,
+        PRECISION="ieee" if ql.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)

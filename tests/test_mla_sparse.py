@@ -1,0 +1,281 @@
+"""Sparse MLA: the selection-restricted absorbed attention against a naive dense fp64 MLA with
+an explicit mask of the selected positions (NaN-poisoned pages in random order, -1 holes
+anywhere in a token's slot list, tokens with nothing selected, padding rows), the full
+selection against REFERENCE_MLA's dense layer, fp8 latents, selection and its reasons,
+opcheck and torch.compile of the indexer + sparse layer chain."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn_ops import (AttentionConfig, AttentionSpec, BlockAllocator, MLAAttention,
+                      build_batch, get_backend_class)
+from attn_ops.backends.mla.common import mla_cache_update
+from attn_ops.backends.mla.indexer import indexer_slots
+from attn_ops.platforms import current_platform
+from attn_ops.registry import MLA_BACKENDS
+from attn_ops.selector import candidates_for, select_backend
+from attn_ops.spec import KVCacheDType
+
+PAGE = 4
+NUM_BLOCKS = 64
+TOPK = 8
+PLATFORM = current_platform()
+DEVICE = PLATFORM.device_type
+SPEC = AttentionSpec.mla(4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                         v_head_dim=12, dtype=torch.float32, block_size=PAGE, index_topk=TOPK)
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-2}
+SCENARIOS = {  # (context, new tokens) per request, decode-first
+    "decode_only": [(9, 1), (17, 1), (2, 1)],
+    "mixed": [(7, 1), (12, 1), (0, 6), (9, 21)],
+    "speculative": [(10, 2), (6, 4), (20, 3), (0, 3)],
+}
+# every sparse MLA backend that runs here, with the widest dtype it runs: a new one enrolls
+SPARSE_HERE = {}
+for _b in sorted(MLA_BACKENDS, key=lambda b: b.value):
+    for _dt in (torch.float64, torch.float32, torch.float16):
+        if not get_backend_class(_b.value).not_supported_reasons(SPEC.with_(dtype=_dt),
+                                                                 PLATFORM):
+            SPARSE_HERE[_b.value] = _dt
+            break
+
+
+def _case(spec, reqs, *, seed=0, padded=2):
+    """One step: the contexts already in a NaN-poisoned latent cache with pages in random
+    order; fp64 latents, queries and weights; the step's metadata."""
+    g = torch.Generator().manual_seed(seed)
+    h, nope, rank, v = spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank, spec.v_head_dim
+    w = torch.randn(h * (nope + v), rank, generator=g, dtype=torch.float64) / rank ** 0.5
+    fp8 = spec.kv_cache_dtype.is_fp8
+    kv_scale = torch.full((1,), 0.05, device=DEVICE) if fp8 else None
+    cache = torch.full((NUM_BLOCKS, PAGE, spec.latent_dim), float("nan"), dtype=torch.float64,
+                       device=DEVICE).to(spec.cache_dtype if fp8 else torch.float64)
+    alloc = BlockAllocator(NUM_BLOCKS, PAGE, shuffle=True, seed=seed)
+    lat = [torch.randn(c + n, rank + spec.qk_rope_head_dim, generator=g, dtype=torch.float64)
+           for c, n in reqs]
+    with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
+    if with_ctx:
+        pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
+                          decode_threshold=0, device=DEVICE)
+        rows = torch.cat([lat[i][:reqs[i][0]] for i in with_ctx]).to(DEVICE)
+        mla_cache_update(rows[:, :rank], rows[:, rank:], cache, pre.slot_mapping, kv_scale)
+    total = sum(n for _, n in reqs)
+    meta = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs], [n for _, n in reqs],
+                       num_tokens_padded=total + padded, device=DEVICE, decode_threshold=4)
+    q = torch.randn(total + padded, h, spec.head_dim, generator=g, dtype=torch.float64)
+    q[total:] = 0
+    new = torch.cat([lt[c:] for lt, (c, _) in zip(lat, reqs)])
+    new = torch.cat([new, torch.zeros(padded, new.shape[1], dtype=new.dtype)])
+    return dict(w=w, cache=cache, kv_scale=kv_scale, meta=meta, q=q, new=new, lat=lat,
+                total=total)
+
+
+def _selection(g, reqs, total, padded, topk, *, full=False):
+    """Request-local positions [T, topk] per token: all it sees (``full``), or a random subset
+    of what it sees of at most ``topk``, in random order with -1 holes anywhere; every fifth
+    token selects nothing; padding rows select nothing."""
+    rows = []
+    for c, n in reqs:
+        for i in range(n):
+            p = c + i
+            if full:
+                assert p + 1 <= topk
+                chosen = list(range(p + 1))
+            elif len(rows) % 5 == 4:
+                chosen = []
+            else:
+                k = int(torch.randint(1, min(topk, p + 1) + 1, (1,), generator=g))
+                chosen = torch.randperm(p + 1, generator=g)[:k].tolist()
+            row = chosen + [-1] * (topk - len(chosen))
+            rows.append([row[j] for j in torch.randperm(topk, generator=g).tolist()])
+    rows += [[-1] * topk] * padded
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _masked_dense(spec, w, q, lat, reqs, positions, kv_scale):
+    """Naive MLA per token, every key up-projected, over the positions it selected only (an
+    explicit mask; nothing selected: 0); fp8: the latents the cache holds."""
+    h, nope, v, rank = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+    out, row = [], 0
+    for lt, (c, n) in zip(lat, reqs):
+        if kv_scale is not None:
+            s = kv_scale.double().cpu()
+            lt = (lt.float() / kv_scale.cpu()).clamp(-448, 448).to(spec.cache_dtype).double() * s
+        kv = (lt[:, :rank] @ w.T).view(-1, h, nope + v)
+        k = torch.cat([kv[..., :nope], lt[:, None, rank:].expand(-1, h, -1)], -1)
+        for i in range(n):
+            allowed = torch.zeros(lt.shape[0], dtype=torch.bool)
+            sel = positions[row][positions[row] >= 0].long()
+            allowed[sel] = True
+            assert not allowed[c + i + 1:].any()  # (the selection is causal)
+            score = torch.einsum("hd,jhd->hj", q[row], k) * spec.softmax_scale
+            score = score.masked_fill(~allowed[None], -math.inf)
+            probs = torch.softmax(score, -1).nan_to_num(0.0)
+            out.append(torch.einsum("hj,jhd->hd", probs, kv[..., nope:]))
+            row += 1
+    return torch.stack(out)
+
+
+def _layer(spec, case, backend, dtype):
+    spec = spec.with_(dtype=dtype)
+    layer = MLAAttention(spec, AttentionConfig(backend=backend)).to(DEVICE)
+    assert layer.impl.name == backend
+    layer.load_kv_b_proj(case["w"].to(dtype))
+    if case["kv_scale"] is not None:
+        layer.kv_scale.copy_(case["kv_scale"])
+    cache = case["cache"].clone() if spec.kv_cache_dtype.is_fp8 else case["cache"].to(dtype)
+    return layer, cache
+
+
+def _run(spec, case, backend, dtype, slots):
+    layer, cache = _layer(spec, case, backend, dtype)
+    rank = spec.kv_lora_rank
+    new = case["new"].to(DEVICE, dtype)
+    return layer(case["q"].to(DEVICE, dtype), new[:, :rank], new[:, rank:], cache, case["meta"],
+                 topk_slots=slots)
+
+
+def _slots(positions, meta):
+    return indexer_slots(positions.to(DEVICE), meta.block_table, meta.query_start_loc, PAGE)
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("heads", [4, 20])
+def test_sparse_layer_matches_dense_mla_masked_to_the_selection(backend, scenario, heads):
+    """20 heads: two head blocks of TRITON_MLA_SPARSE, the last partial."""
+    spec = SPEC.with_(num_heads=heads)
+    reqs = SCENARIOS[scenario]
+    case = _case(spec, reqs, seed=heads)
+    positions = _selection(torch.Generator().manual_seed(1), reqs, case["total"], 2, TOPK)
+    dtype = SPARSE_HERE[backend]
+    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]))
+    want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions, None)
+    t = case["total"]
+    assert (got[t:] == 0).all()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got[:t].double().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+def test_fp8_latents_match_the_dense_mla_of_what_the_cache_holds(backend):
+    spec = SPEC.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3)
+    reqs = SCENARIOS["mixed"]
+    case = _case(spec, reqs, seed=3)
+    positions = _selection(torch.Generator().manual_seed(2), reqs, case["total"], 2, TOPK)
+    got = _run(spec, case, backend, SPARSE_HERE[backend], _slots(positions, case["meta"]))
+    want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions,
+                         case["kv_scale"])
+    torch.testing.assert_close(got[:case["total"]].double().cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+def test_selecting_everything_a_token_sees_is_reference_mlas_dense_layer(backend):
+    spec = SPEC.with_(index_topk=32)
+    reqs = SCENARIOS["speculative"]  # (every token sees at most 23 positions)
+    case = _case(spec, reqs, seed=5)
+    positions = _selection(None, reqs, case["total"], 2, 32, full=True)
+    got = _run(spec, case, backend, torch.float32, _slots(positions, case["meta"]))
+    dense = spec.with_(index_topk=None, dtype=torch.float32)
+    layer, cache = _layer(dense, case, "REFERENCE_MLA", torch.float32)
+    new = case["new"].to(DEVICE, torch.float32)
+    want = layer(case["q"].to(DEVICE, torch.float32), new[:, :32], new[:, 32:], cache,
+                 case["meta"])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_sparse_specs_select_sparse_backends_and_each_rejection_says_why():
+    sparse = {c.name: c for c in candidates_for(SPEC, PLATFORM)}
+    assert select_backend(SPEC, PLATFORM).backend in SPARSE_HERE
+    for dense in ("REFERENCE_MLA", "TRITON_MLA", "FLASHINFER_MLA"):
+        assert any(r.code == "feature" or "sparse_mla" in str(r)
+                   for r in sparse[dense].reasons), dense
+    assert any("FlashMLA's sparse kernels" in str(r) for r in sparse["FLASHMLA_SPARSE"].reasons)
+    dense = {c.name: c for c in candidates_for(SPEC.with_(index_topk=None), PLATFORM)}
+    for name in ("REFERENCE_MLA_SPARSE", "TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"):
+        assert any("serves sparse MLA layers only" in str(r) for r in dense[name].reasons)
+    with pytest.raises(ValueError, match="index_topk=8 needs an MLA spec"):
+        AttentionSpec(num_heads=4, head_dim=16, index_topk=8)
+    with pytest.raises(ValueError, match="index_topk=0 must be a positive int"):
+        SPEC.with_(index_topk=0)
+
+
+def test_bad_slot_inputs_name_the_shape_and_the_fix():
+    case = _case(SPEC, SCENARIOS["decode_only"])
+    backend = next(iter(SPARSE_HERE))
+    layer, cache = _layer(SPEC, case, backend, SPARSE_HERE[backend])
+    q = case["q"].to(DEVICE, SPARSE_HERE[backend])
+    new = case["new"].to(DEVICE, q.dtype)
+    args = (q, new[:, :32], new[:, 32:], cache, case["meta"])
+    with pytest.raises(ValueError, match=r"needs topk_slots \[5, 8\] \(MLAIndexer's slots\)"):
+        layer(*args)
+    with pytest.raises(ValueError, match=r"needs topk_slots \[5, 8\]"):
+        layer(*args, topk_slots=torch.zeros(5, 4, dtype=torch.int32, device=DEVICE))
+    dense, cache_d = _layer(SPEC.with_(index_topk=None), case, "REFERENCE_MLA", q.dtype)
+    with pytest.raises(ValueError, match="topk_slots given to a dense MLA layer"):
+        dense(q, new[:, :32], new[:, 32:], cache_d, case["meta"],
+              topk_slots=torch.zeros(5, 8, dtype=torch.int32, device=DEVICE))
+    op = layer.impl.op
+    out = q.new_empty(5, 4, 12)
+    with pytest.raises(ValueError, match=r"topk_slots must be int32 \[num_tokens=5, topk\]"):
+        op(q, cache, layer.w_uk, layer.w_uv, torch.zeros(5, 8, device=DEVICE), out, None, 0.1,
+           [16, 32, 4, 2])
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+def test_sparse_op_passes_opcheck(backend):
+    reqs = SCENARIOS["mixed"]
+    case = _case(SPEC, reqs)
+    dtype = SPARSE_HERE[backend]
+    layer, cache = _layer(SPEC, case, backend, dtype)
+    positions = _selection(torch.Generator().manual_seed(0), reqs, case["total"], 2, TOPK)
+    q = case["q"].to(DEVICE, dtype)
+    out = q.new_empty(q.shape[0], 4, 12)
+    torch.library.opcheck(layer.impl.op, (q, cache, layer.w_uk, layer.w_uv,
+                                          _slots(positions, case["meta"]), out, None, 0.1,
+                                          [16, 32, 4, 2]))
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+def test_indexer_then_sparse_layer_compiles_with_no_graph_break(backend):
+    """MLAIndexer (index-key write, top-k, slots) then the sparse layer (latent write,
+    attention), one compiled fullgraph function, equal to eager."""
+    from attn_ops.mla_indexer import MLAIndexer
+
+    dtype = torch.float32  # (the index-key cache's widest dtype)
+    reqs = SCENARIOS["mixed"]
+    case = _case(SPEC, reqs)
+    meta = case["meta"]
+    g = torch.Generator().manual_seed(9)
+    hidden, q_lora, rope = 24, 20, SPEC.qk_rope_head_dim
+    indexer = MLAIndexer(hidden, q_lora, num_heads=2, head_dim=16, rope_dim=rope,
+                         topk=TOPK).to(DEVICE, dtype)
+    for p in indexer.parameters():
+        p.data = torch.randn(p.shape, generator=g).to(p)
+    t = case["q"].shape[0]
+    x = torch.randn(t, hidden, generator=g).to(DEVICE, dtype)
+    q_resid = torch.randn(t, q_lora, generator=g).to(DEVICE, dtype)
+    angle = torch.randn(t, rope // 2, generator=g).repeat(1, 2)
+    cos, sin = angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
+    layer, cache = _layer(SPEC, case, backend, dtype)
+    rank = SPEC.kv_lora_rank
+    new = case["new"].to(DEVICE, dtype)
+    q = case["q"].to(DEVICE, dtype)
+
+    def step(keys, cache):
+        _, slots = indexer(x, q_resid, cos, sin, keys, None, meta.slot_mapping,
+                           meta.block_table, meta.seq_lens, meta.query_start_loc)
+        return layer(q, new[:, :rank], new[:, rank:], cache, meta, topk_slots=slots), slots
+
+    from attn_ops.backends.mla.indexer import allocate_index_cache
+
+    keys, _ = allocate_index_cache(NUM_BLOCKS, PAGE, 16, dtype, device=DEVICE)
+    want, want_slots = step(keys.clone(), cache.clone())
+    torch._dynamo.reset()
+    got, got_slots = torch.compile(step, fullgraph=True)(keys.clone(), cache.clone())
+    assert torch.equal(got_slots, want_slots)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (want_slots[case["total"]:] == -1).all()
