@@ -279,3 +279,81 @@ def test_indexer_then_sparse_layer_compiles_with_no_graph_break(backend):
     assert torch.equal(got_slots, want_slots)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (want_slots[case["total"]:] == -1).all()
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+def test_hf_deepseek_v32_attention_is_reproduced_over_prefill_chunks_and_decode(backend):
+    """HF's ``DeepseekV32Attention`` (small random config, fp32, eager: the indexer's
+    selection folded into its mask) over each request's whole sequence, against its
+    projections run around MLAIndexer and the sparse layer over a paged cache in three steps
+    -- a prefill, a prefill resuming mid-prompt, a decode -- every token's output compared
+    (top-k 6 of up to 23 positions: the selection is sparse). 8 index heads: with 2, some
+    tokens' scores tie at exactly 0 (every ReLU term zero) across the top-k boundary, where
+    HF's torch.topk picks any of them and ours the lower positions."""
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+        DeepseekV32Attention, DeepseekV32RotaryEmbedding)
+
+    from attn_ops.backends.mla.indexer import allocate_index_cache
+    from attn_ops.mla_indexer import MLAIndexer
+
+    torch.manual_seed(6)
+    heads, nope, rope, rank, v, topk = 4, 16, 8, 32, 12, 6
+    cfg = DeepseekV32Config(hidden_size=48, num_attention_heads=heads, num_key_value_heads=heads,
+                            q_lora_rank=24, kv_lora_rank=rank, qk_nope_head_dim=nope,
+                            qk_rope_head_dim=rope, v_head_dim=v, index_n_heads=8,
+                            index_head_dim=16, index_topk=topk)
+    cfg._attn_implementation = "eager"
+    hf = DeepseekV32Attention(cfg, 0).eval()
+    rotary = DeepseekV32RotaryEmbedding(cfg)
+    lens, steps = [23, 14], [(15, 6), (7, 7), (1, 1)]
+    xs = [torch.randn(n, 48) for n in lens]
+    want = []
+    for x in xs:
+        n = x.shape[0]
+        cos, sin = rotary(x[None], torch.arange(n)[None])
+        mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+        with torch.no_grad():
+            want.append(hf(x[None], (cos, sin), mask, position_ids=torch.arange(n)[None])[0][0])
+
+    spec = AttentionSpec.mla(heads, kv_lora_rank=rank, qk_nope_head_dim=nope,
+                             qk_rope_head_dim=rope, v_head_dim=v, dtype=torch.float32,
+                             block_size=PAGE, index_topk=topk)
+    layer = MLAAttention(spec, AttentionConfig(backend=backend)).to(DEVICE)
+    layer.load_kv_b_proj(hf.kv_b_proj.weight.detach().to(DEVICE))
+    indexer = MLAIndexer(48, 24, num_heads=8, head_dim=16, rope_dim=rope, topk=topk)
+    indexer.load_state_dict(hf.indexer.state_dict())
+    hf.to(DEVICE)
+    indexer.to(DEVICE)
+    latent = layer.allocate_cache(NUM_BLOCKS)
+    keys, _ = allocate_index_cache(NUM_BLOCKS, PAGE, 16, torch.float32, device=DEVICE)
+    alloc = BlockAllocator(NUM_BLOCKS, PAGE, shuffle=True, seed=1)
+
+    def half(y, cos, sin):  # half-split RoPE on [even | odd] channels: HF's interleaved RoPE
+        y = torch.cat([y[..., 0::2], y[..., 1::2]], -1)
+        a, b = y.chunk(2, -1)
+        return y * cos + torch.cat([-b, a], -1) * sin
+
+    done, got = [0, 0], [[], []]
+    for new in steps:
+        pos = torch.cat([torch.arange(d, d + n) for d, n in zip(done, new)])
+        x = torch.cat([xs[r][done[r]:done[r] + n] for r, n in enumerate(new)]).to(DEVICE)
+        meta = build_batch(alloc, [0, 1], list(done), list(new), device=DEVICE)
+        cos, sin = (c[0].to(DEVICE) for c in rotary(x[None].cpu(), pos[None]))
+        with torch.no_grad():
+            q_resid = hf.q_a_layernorm(hf.q_a_proj(x))
+            q = hf.q_b_proj(q_resid).view(-1, heads, nope + rope)
+            kv_pass, k_rot = hf.kv_a_proj_with_mqa(x).split([rank, rope], -1)
+            q = torch.cat([q[..., :nope], half(q[..., nope:], cos[:, None], sin[:, None])], -1)
+            _, slots = indexer(x, q_resid, cos, sin, keys, None, meta.slot_mapping,
+                               meta.block_table, meta.seq_lens, meta.query_start_loc)
+            out = layer(q, hf.kv_a_layernorm(kv_pass), half(k_rot, cos, sin), latent, meta,
+                        topk_slots=slots)
+            out = hf.o_proj(out.reshape(out.shape[0], -1)).cpu()
+        first = 0
+        for r, n in enumerate(new):
+            got[r].append(out[first:first + n])
+            first += n
+            done[r] += n
+    for r in range(2):
+        torch.testing.assert_close(torch.cat(got[r]), want[r], atol=2e-5, rtol=2e-5)
