@@ -216,3 +216,38 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
     else:
         inter = sum(len(set(a) & set(b)) for r in range(2) for a, b in zip(got[r], want[r]))
         assert inter / sum(len(b) for r in range(2) for b in want[r]) >= 0.99
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("cache", ["fp32", "fp8_token", "fp8_block"])
+def test_device_topk_selects_what_the_reference_does(cache):
+    """The GPU path (Triton scores, int64 keys, torch.topk; the interpreter here) against the
+    torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
+    padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
+    lower position), fp8 with per-token and per-128-channel scales, the position axis in
+    several programs."""
+    from attn_ops.backends.mla.indexer import topk_reference
+    from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    lens, new, h, topk = [70, 9, 130, 12], [1, 9, 6, 3], 5, 12
+    d = 256 if cache == "fp8_block" else 32
+    dtype = torch.float32 if cache == "fp32" else FP8
+    table, seq_lens, qsl = _batch(g, lens, new, pages_per_req=36, num_blocks=160)
+    keys, scales, ks = _fill(g, table, seq_lens, d, dtype,
+                             scale_block=128 if cache == "fp8_block" else None,
+                             num_blocks=160)
+    pos = torch.arange(5)  # request 2: positions 100-104 repeat position 0's key
+    dup = table[2, (100 + pos) // PAGE].long() * PAGE + (100 + pos) % PAGE
+    indexer_k_write(ks[2][:1].expand(5, -1), keys, scales, dup)
+    t = sum(new) + 3
+    q = torch.randn(t, h, d, generator=g)
+    w = torch.randn(t, h, generator=g)
+    args = [x.to(dev) if x is not None else None
+            for x in (q, w, keys, scales, table, seq_lens, qsl)]
+    got = indexer_topk_device(*args, topk, block_n=32)
+    want = topk_reference(*args, topk)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert (got[sum(new):] == -1).all()

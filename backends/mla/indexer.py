@@ -117,6 +117,17 @@ def _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc
 
 def _topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk):
     _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk)
+    if q.is_cuda:  # (Triton scores and a device top-k: no host read, graph-capturable)
+        from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
+
+        return indexer_topk_device(q, weights, keys, scales, block_table, seq_lens,
+                                   query_start_loc, topk)
+    return topk_reference(q, weights, keys, scales, block_table, seq_lens, query_start_loc,
+                          topk)
+
+
+def topk_reference(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk):
+    """The top-k in torch, one request at a time (the CPU path and the oracle)."""
     t, _, d = q.shape
     page = keys.shape[1]
     out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
