@@ -55,6 +55,8 @@
 #   ssmprof  benchmarks/profile_ssm_prefill.py (each chunked-prefill launch's device time) under
 #            each of SSM_SWEEP's ATTN_OPS_TUNING strings (default: one run at the defaults),
 #            SSM_PROF_CASES its cases (default: the script's)
+#   sparse   tests/test_mla_sparse.py and tests/test_indexer.py (sparse MLA and its indexer: the
+#            Triton kernels compiled, real sizes, CUDA-graph replays; SPARSE_K selects)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
@@ -171,6 +173,8 @@ for spec in "$@"; do
         ATTN_OPS_TUNING="${cfg#defaults}" stage "ssmprof_$i" "$limit" python benchmarks/profile_ssm_prefill.py \
           ${SSM_PROF_CASES:+--cases $SSM_PROF_CASES}
       done ;;
+    sparse) stage sparse "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_mla_sparse.py tests/test_indexer.py -k "${SPARSE_K:-}" ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
         --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \

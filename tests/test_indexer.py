@@ -251,3 +251,33 @@ def test_device_topk_selects_what_the_reference_does(cache):
     want = topk_reference(*args, topk)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[sum(new):] == -1).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("cache", ["bf16", pytest.param("fp8_token", marks=pytest.mark.gpu),
+                                   pytest.param("fp8_block", marks=pytest.mark.gpu)])
+def test_device_key_write_stores_what_the_reference_does(cache):
+    """The GPU write (a Triton launch; bf16 in the interpreter too) against the torch one: the
+    same bytes and scales, padding rows (-1) skipped, other slots untouched. fp8 on the GPU
+    only: the interpreter's fp8 conversion rounds values just under a power of two down a
+    whole binade (127.5 -> 64)."""
+    if cache != "bf16" and not torch.cuda.is_available():
+        pytest.skip("fp8 conversion: GPU only (the interpreter's rounding is wrong)")
+    from attn_ops.backends.mla.indexer import FP8_MAX, k_write_reference
+    from attn_ops.backends.mla.indexer_kernels import indexer_k_write_device
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    d = 256 if cache == "fp8_block" else 48
+    dtype = torch.bfloat16 if cache == "bf16" else FP8
+    k = (torch.randn(9, d, generator=g) * 3).to(torch.bfloat16).to(dev)
+    slots = torch.tensor([5, -1, 0, 17, 33, -1, 2, 40, 9], device=dev)
+    want = allocate_index_cache(12, PAGE, d, dtype, 128 if cache == "fp8_block" else None,
+                                device=dev)
+    got = tuple(x.clone() if x is not None else None for x in want)
+    k_write_reference(k, *want, slots)
+    indexer_k_write_device(k, *got, slots, FP8_MAX)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    if dtype == FP8:
+        assert torch.equal(got[1], want[1])

@@ -357,3 +357,105 @@ def test_hf_deepseek_v32_attention_is_reproduced_over_prefill_chunks_and_decode(
             done[r] += n
     for r in range(2):
         torch.testing.assert_close(torch.cat(got[r]), want[r], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
+def test_real_sizes_replay_in_cuda_graphs_as_eager(cache):
+    """DeepSeek-V3.2 sizes: 128 heads, 512 + 64 latent, QK 192 / V 128; the indexer's 64
+    heads x 128, top-k 2048; page 64, bf16 (fp8 latents and index keys: the fp8 case). One
+    step of 8 decodes at contexts of 100 to 9000 tokens (sparse above 2048) through MLAIndexer
+    and TRITON_MLA_SPARSE: eager against REFERENCE_MLA_SPARSE in fp32 on the same selection,
+    then the step captured in a CUDA graph and replayed over 20 random batches of the same
+    shape, each against eager on copies of the caches."""
+    from attn_ops.backends.mla.indexer import FP8
+    from attn_ops.backends.mla.sparse import sparse_mla_torch
+    from attn_ops.mla_indexer import MLAIndexer
+
+    torch.manual_seed(0)
+    dev, dt, page, batch, blocks = "cuda", torch.bfloat16, 64, 8, 8 * 150
+    fp8 = cache == "fp8_e4m3"
+    spec = AttentionSpec.mla(128, dtype=dt, block_size=page, index_topk=2048,
+                             kv_cache_dtype=KVCacheDType.FP8_E4M3 if fp8 else
+                             KVCacheDType.AUTO)
+    layer = MLAAttention(spec, AttentionConfig(backend="TRITON_MLA_SPARSE")).to(dev)
+    layer.load_kv_b_proj((torch.randn(128 * 256, 512) / 512 ** 0.5).to(dev, dt))
+    if fp8:
+        layer.kv_scale.fill_(0.05)
+    indexer = MLAIndexer(1024, 256, num_heads=64, head_dim=128, rope_dim=64,
+                         topk=2048).to(dev, dt)
+    latent = layer.allocate_cache(blocks, dev)
+    latent.copy_((torch.randn(latent.shape, device=dev) * (20 if fp8 else 1)).to(latent.dtype))
+    keys, scales = indexer.allocate_cache(blocks, page, FP8 if fp8 else dt, device=dev)
+    keys.copy_(torch.randn(keys.shape, device=dev).to(keys.dtype))
+    if scales is not None:
+        scales.fill_(0.1)
+    table = torch.randperm(blocks, device=dev).view(batch, -1).to(torch.int32)
+    qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+
+    def batch_inputs():
+        seq = torch.randint(100, 9000, (batch,), device=dev, dtype=torch.int32)
+        slot = (table[torch.arange(batch, device=dev), (seq - 1) // page].long() * page
+                + (seq - 1) % page)
+        return dict(x=torch.randn(batch, 1024, device=dev, dtype=dt),
+                    q_resid=torch.randn(batch, 256, device=dev, dtype=dt),
+                    q=torch.randn(batch, 128, 192, device=dev, dtype=dt),
+                    kv_c=torch.randn(batch, 512, device=dev, dtype=dt),
+                    k_pe=torch.randn(batch, 64, device=dev, dtype=dt),
+                    angle=torch.randn(batch, 32, device=dev).repeat(1, 2),
+                    seq_lens=seq, slot_mapping=slot)
+
+    def step(inp, latent, keys, scales):
+        meta = SimpleNs(inp, table, qsl)
+        cos, sin = inp["angle"].cos().to(dt), inp["angle"].sin().to(dt)
+        _, slots = indexer(inp["x"], inp["q_resid"], cos, sin, keys, scales,
+                           meta.slot_mapping, table, meta.seq_lens, qsl)
+        out = layer(inp["q"], inp["kv_c"], inp["k_pe"], latent, meta, topk_slots=slots)
+        return out, slots
+
+    with torch.no_grad():
+        first = batch_inputs()
+        out, slots = step(first, latent.clone(), keys.clone(),
+                          scales.clone() if scales is not None else None)
+        assert ((slots >= 0).sum(1) == first["seq_lens"].clamp(max=2048)).all()
+        # the attention alone against the reference, on the caches the step wrote
+        lat2 = latent.clone()
+        layer(first["q"], first["kv_c"], first["k_pe"], lat2, SimpleNs(first, table, qsl),
+              topk_slots=slots)
+        nope = first["q"][..., :128].transpose(0, 1)
+        ql = torch.bmm(nope.float(), layer.w_uk.float()).transpose(0, 1)
+        ref = torch.empty(batch, 128, 512, device=dev)
+        sparse_mla_torch(ql, first["q"][..., 128:].float(), lat2, slots, ref,
+                         layer.kv_scale, spec.softmax_scale)
+        ref = torch.bmm(ref.transpose(0, 1), layer.w_uv.float()).transpose(0, 1)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, err
+
+        static = batch_inputs()
+        caches = (latent.clone(), keys.clone(), scales.clone() if scales is not None else None)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(static, *caches)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_slots = step(static, *caches)
+        for _ in range(20):
+            new = batch_inputs()
+            for name, value in new.items():
+                static[name].copy_(value)
+            before = tuple(c.clone() if c is not None else None for c in caches)
+            graph.replay()
+            want, want_slots = step(new, *before)
+            assert torch.equal(g_slots, want_slots)
+            torch.testing.assert_close(g_out, want, atol=1e-3, rtol=1.6e-2)
+
+
+class SimpleNs:
+    """A step's metadata fields the sparse layer and indexer read (the GPU test's batches)."""
+
+    def __init__(self, inp, table, qsl):
+        self.slot_mapping, self.block_table = inp["slot_mapping"], table
+        self.seq_lens, self.query_start_loc = inp["seq_lens"], qsl

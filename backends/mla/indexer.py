@@ -73,6 +73,16 @@ def _check_write(k, keys, scales, slot_mapping) -> None:
 
 def _k_write(k, keys, scales, slot_mapping) -> None:
     _check_write(k, keys, scales, slot_mapping)
+    if k.is_cuda:  # (one launch, no host read: graph-capturable)
+        from attn_ops.backends.mla.indexer_kernels import indexer_k_write_device
+
+        indexer_k_write_device(k, keys, scales, slot_mapping, FP8_MAX)
+        return
+    k_write_reference(k, keys, scales, slot_mapping)
+
+
+def k_write_reference(k, keys, scales, slot_mapping) -> None:
+    """The index-key write in torch (the CPU path and the oracle)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     rows = k[keep].float()

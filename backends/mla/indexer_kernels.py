@@ -1,5 +1,5 @@
-"""The sparse-MLA indexer's top-k on the device, reading no host value (so it captures in CUDA
-graphs):
+"""The sparse-MLA indexer's ops on the device, reading no host value (so they capture in CUDA
+graphs): the index-key write (:func:`index_k_write_kernel`, a token a program) and the top-k:
 
 1. :func:`index_score_kernel` (Triton) -- one program per query row and block of ``BLOCK_N``
    positions of its request: the keys gathered through the block table and dequantized
@@ -23,7 +23,8 @@ import triton.language as tl
 
 from attn_ops.routing import pow2
 
-__all__ = ["ROWS_A_PASS", "index_score_kernel", "indexer_topk_device"]
+__all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
+           "indexer_k_write_device", "indexer_topk_device"]
 
 ROWS_A_PASS = 2048
 
@@ -111,3 +112,46 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         chosen = torch.where(seen, best, num_positions).sort(dim=1).values
         out[r0:r0 + n, :k] = torch.where(chosen < num_positions, chosen, -1).to(torch.int32)
     return out
+
+
+@triton.jit
+def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, stride_kt, stride_kb,
+                         stride_kp, stride_sb, stride_sp, D: tl.constexpr, GROUPS: tl.constexpr,
+                         GROUPS_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                         PAGE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Token ``program_id(0)``'s index key into its slot (-1: none): as it is, or in fp8 with
+    each group of ``GROUP`` channels over its amax / ``FP8_MAX`` and that scale beside it."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        offs_g = tl.arange(0, GROUPS_P)
+        offs_c = tl.arange(0, GROUP_P)
+        ok = (offs_g < GROUPS)[:, None] & (offs_c < GROUP)[None, :]
+        channel = offs_g[:, None] * GROUP + offs_c[None, :]
+        x = tl.load(k_ptr + t.to(tl.int64) * stride_kt + channel, mask=ok, other=0.0)
+        row = keys_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kp
+        if FP8:
+            x = x.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+            tl.store(row + channel, q.to(keys_ptr.dtype.element_ty), mask=ok)
+            tl.store(scales_ptr + (slot // PAGE) * stride_sb + (slot % PAGE) * stride_sp
+                     + offs_g, scale, mask=offs_g < GROUPS)
+        else:
+            tl.store(row + channel, x.to(keys_ptr.dtype.element_ty), mask=ok)
+
+
+def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float) -> None:
+    """``torch.ops.attn.indexer_k_write`` in one launch, no host read (inputs checked)."""
+    t, d = k.shape
+    if t == 0:
+        return
+    k = k if k.stride(1) == 1 else k.contiguous()
+    groups = scales.shape[2] if scales is not None else 1
+    group = d // groups
+    index_k_write_kernel[(t,)](
+        k, keys, scales if scales is not None else keys, slot_mapping, k.stride(0),
+        keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
+        scales.stride(1) if scales is not None else 0, D=d, GROUPS=groups,
+        GROUPS_P=pow2(groups), GROUP=group, GROUP_P=pow2(group), PAGE=keys.shape[1],
+        FP8=scales is not None, FP8_MAX=fp8_max)
