@@ -276,7 +276,8 @@ class Planner:
         args = [torch.from_numpy(qo), torch.from_numpy(kv_indptr), torch.from_numpy(seq),
                 int(qo[-1]), qo.shape[0] - 1, spec.num_heads, spec.kv_heads, block_size, graph,
                 spec.head_dim, spec.v_head_dim, causal, self.window]
-        if kernel is Kernel.FLASHINFER_FA2:  # fixed_split_size, disable_split_kv, colocated, uniform_q
+        # FA2's extra plan arguments: fixed_split_size, disable_split_kv, colocated, uniform_q
+        if kernel is Kernel.FLASHINFER_FA2:
             args += [chunk, no_split, colocated, 0]
         plan = ws.plan(mod, *args)
         ws.last = (key, plan) if key is not None else None

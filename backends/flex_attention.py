@@ -507,7 +507,8 @@ class FlexAttentionBackend(AttentionBackend):
                 common.seq_lens, common.block_table, batch, common.num_blocks, bs, period,
                 causal, window, full and splits is None), causal=common.causal, decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
-        if _gathers(common, self.tuning.flex):  # the tables over the gathered pages, GATHER_PAGE keys each
+        # the tables over the gathered pages, GATHER_PAGE keys each
+        if _gathers(common, self.tuning.flex):
             table, page_map = gather_map(common.block_table, common.seq_lens, bs)
             num_pages = shape_bucket(page_map.shape[0])  # (the gathered cache's pages)
             period = bs = GATHER_PAGE  # (K and V apart)

@@ -325,8 +325,9 @@ def main() -> None:
                 hf["eager_dynamic_cache_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print({"hf": hf}, flush=True)
     info = run_info("bench_model_decode")
-    info.update(quick=args.quick, mla=args.mla, device=torch.cuda.get_device_name() if device == "cuda"
-                else "cpu", layers=cfg.num_layers, batch=args.batch, ctx=args.ctx,
+    info.update(quick=args.quick, mla=args.mla,
+                device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                layers=cfg.num_layers, batch=args.batch, ctx=args.ctx,
                 dtype=str(dtype), rows=rows, hf=hf)
     write_json(args.out, info)
 

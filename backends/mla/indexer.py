@@ -148,6 +148,13 @@ def topk_reference(q, weights, keys, scales, block_table, seq_lens, query_start_
         lo, hi = qsl[r], qsl[r + 1]
         if hi == lo:
             continue
+        first = length - (hi - lo)  # the first new token's position
+        if length <= topk:  # (every row selects all it sees: no scores needed)
+            seen = torch.arange(topk, device=q.device)[None, :] \
+                <= first + torch.arange(hi - lo, device=q.device)[:, None]
+            out[lo:hi] = torch.where(seen, torch.arange(topk, device=q.device), -1).to(
+                torch.int32)
+            continue
         pos = torch.arange(length, device=q.device)
         slots = block_table[r, pos // page].long() * page + pos % page
         k = flat[slots].to(work)
@@ -156,7 +163,6 @@ def topk_reference(q, weights, keys, scales, block_table, seq_lens, query_start_
             k = (k.view(length, s.shape[1], -1) * s[:, :, None]).view(length, d)
         score = torch.einsum("th,thj->tj", weights[lo:hi].to(work),
                              torch.relu(torch.einsum("thd,jd->thj", q[lo:hi].to(work), k)))
-        first = length - (hi - lo)  # the first new token's position
         visible = first + 1 + torch.arange(hi - lo, device=q.device)  # keys each query sees
         seen = pos[None, :] < visible[:, None]
         score = torch.where(seen, score, float("-inf"))

@@ -5,7 +5,8 @@ graphs): the index-key write (:func:`index_k_write_kernel`, a token a program) a
    positions of its request: the keys gathered through the block table and dequantized
    (fp8: each group of channels times its scale), ``score_j = sum_h w_h relu(q_h . k_j)``
    over the index heads as one product, into ``[rows, positions]`` fp32 with ``-inf`` where
-   the row does not see ``j`` (past its position, or a padding row);
+   the row does not see ``j`` (past its position, or a padding row); rows of requests of at
+   most ``topk`` tokens read no key and score 0 (they select everything they see);
 2. the scores as int64 keys ``order(score) * 2^32 + (2^32 - 1 - j)`` -- ``order`` an
    order-preserving int32 of the fp32 score, zero of either sign as +0 -- so equal scores
    keep the lower position first, as the reference's stable sort does; ``torch.topk`` of the
@@ -31,7 +32,8 @@ ROWS_A_PASS = 2048
 
 @triton.jit
 def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, seq_ptr,
-                       qsl_ptr, out_ptr, row0, num_reqs, num_positions, stride_qt, stride_qh,
+                       qsl_ptr, out_ptr, row0, num_reqs, num_positions, topk, stride_qt,
+                       stride_qh,
                        stride_wt, stride_kb, stride_kp, stride_sb, stride_sp, stride_bt,
                        stride_ot, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr,
                        D_P: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
@@ -46,19 +48,21 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, s
     pos = tl.load(seq_ptr + req) - (tl.load(qsl_ptr + req + 1) - start) + (t - start)
     # (rows past the last request's are padding; a vector: scalar masks fail interpreted)
     seen = (offs_n <= pos) & (offs_n * 0 + t < tl.load(qsl_ptr + num_reqs))
+    # a request of at most top-k tokens selects them all: its keys are not read or scored
+    scored = seen & (offs_n * 0 + tl.load(seq_ptr + req) > topk)
     offs_h = tl.arange(0, H_P)
     offs_d = tl.arange(0, D_P)
     h_ok = offs_h < H
     d_ok = offs_d < D
-    page = tl.load(table_ptr + req.to(tl.int64) * stride_bt + offs_n // PAGE, mask=seen,
+    page = tl.load(table_ptr + req.to(tl.int64) * stride_bt + offs_n // PAGE, mask=scored,
                    other=0).to(tl.int64)
     row = page * stride_kb + (offs_n % PAGE) * stride_kp
-    k = tl.load(keys_ptr + row[:, None] + offs_d[None, :], mask=seen[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)
+    k = tl.load(keys_ptr + row[:, None] + offs_d[None, :],
+                mask=scored[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     if HAS_SCALES:
         srow = page * stride_sb + (offs_n % PAGE) * stride_sp
         s = tl.load(scales_ptr + srow[:, None] + (offs_d // GROUP)[None, :],
-                    mask=seen[:, None] & d_ok[None, :], other=0.0)
+                    mask=scored[:, None] & d_ok[None, :], other=0.0)
         k = k * s
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
                 + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
@@ -102,7 +106,8 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         scores = torch.empty(n, num_positions, dtype=torch.float32, device=q.device)
         index_score_kernel[(n, triton.cdiv(num_positions, block_n))](
             q, w, keys, scales if scales is not None else w, block_table, req,
-            seq_lens, qsl, scores, r0, b, num_positions, q.stride(0), q.stride(1), w.stride(0),
+            seq_lens, qsl, scores, r0, b, num_positions, topk, q.stride(0), q.stride(1),
+            w.stride(0),
             keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
             scales.stride(1) if scales is not None else 0, block_table.stride(0),
             scores.stride(0), H=h, H_P=pow2(h, 16), D=d, D_P=pow2(d, 16), PAGE=page,

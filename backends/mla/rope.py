@@ -6,8 +6,9 @@
   ``rope_interleave``) is this on dims permuted to ``[0, 2, 4, ..., 1, 3, 5, ...]``, which a
   model folds into the ``q_b_proj`` / ``kv_a_proj`` rows once.
 * ``torch.ops.attn.mla_rope_cache_update(q, kv_c, k_pe, cos_sin, latent_cache, slot_mapping,
-  scale) -> (q, k_pe)``: both of the above and :data:`~attn_ops.backends.mla.common.mla_cache_update`
-  of ``[kv_c | rotated k_pe]`` in one op -- on the GPU one Triton launch (the KV write's kernel,
+  scale) -> (q, k_pe)``: both of the above and
+  :data:`~attn_ops.backends.mla.common.mla_cache_update` of ``[kv_c | rotated k_pe]`` in one
+  op -- on the GPU one Triton launch (the KV write's kernel,
   :func:`attn_ops.glue_kernels.rope_write_paged`, page tails cleared in it). The MLA RoPE pass
   (:mod:`attn_ops.compile_passes.mla_rope_fusion`) folds a layer's ``mla_rope`` and cache write
   into it.
