@@ -51,6 +51,7 @@ class Backend(str, enum.Enum):
     FLASHINFER_MLA = "FLASHINFER_MLA"
     TRITON_MLA = "TRITON_MLA"
     REFERENCE_MLA = "REFERENCE_MLA"
+    FLASHINFER_MLA_SPARSE = "FLASHINFER_MLA_SPARSE"
     TRITON_MLA_SPARSE = "TRITON_MLA_SPARSE"
     REFERENCE_MLA_SPARSE = "REFERENCE_MLA_SPARSE"
 
@@ -62,7 +63,7 @@ class Backend(str, enum.Enum):
 MLA_BACKENDS = frozenset({
     Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA, Backend.FLASHINFER_MLA_TRTLLM,
     Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA, Backend.TRITON_MLA, Backend.REFERENCE_MLA,
-    Backend.TRITON_MLA_SPARSE, Backend.REFERENCE_MLA_SPARSE})
+    Backend.FLASHINFER_MLA_SPARSE, Backend.TRITON_MLA_SPARSE, Backend.REFERENCE_MLA_SPARSE})
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
@@ -88,6 +89,8 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
     Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
     Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",
+    Backend.FLASHINFER_MLA_SPARSE:
+        "attn_ops.backends.mla.flashinfer_mla_sparse:FlashInferSparseMLABackend",
     Backend.TRITON_MLA_SPARSE: "attn_ops.backends.mla.sparse:TritonSparseMLABackend",
     Backend.REFERENCE_MLA_SPARSE: "attn_ops.backends.mla.sparse:ReferenceSparseMLABackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (

@@ -91,11 +91,13 @@ def _mla_priority(platform: Platform) -> list[Backend]:
 
 def _sparse_mla_priority(platform: Platform) -> list[Backend]:
     """Sparse MLA layers: FlashMLA's sparse kernels where they exist (sm90 / sm100), then our
-    Triton kernel over each token's selected rows; on CPUs the reference."""
+    Triton kernel over each token's selected rows (tested on the H200), then FlashInfer's MLA
+    kernel over them as pages of one token (not yet run on a GPU: last until measured); on
+    CPUs the reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
         vendor = [B.FLASHMLA_SPARSE] if major in (9, 10) else []
-        return [*vendor, B.TRITON_MLA_SPARSE]
+        return [*vendor, B.TRITON_MLA_SPARSE, B.FLASHINFER_MLA_SPARSE]
     if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
         return [B.TRITON_MLA_SPARSE]
     return [B.REFERENCE_MLA_SPARSE]

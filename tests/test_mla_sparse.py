@@ -459,3 +459,138 @@ class SimpleNs:
     def __init__(self, inp, table, qsl):
         self.slot_mapping, self.block_table = inp["slot_mapping"], table
         self.seq_lens, self.query_start_loc = inp["seq_lens"], qsl
+
+
+# --- FLASHINFER_MLA_SPARSE's glue against a stand-in of FlashInfer's wrapper ---------------------
+
+class _StandinSparseWrapper:
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in torch with the contract the sparse
+    glue relies on (FlashInfer 0.7.2's ``_stage_metadata``): host int32 ``qo_indptr`` /
+    ``kv_indptr`` / ``kv_len``; ``kv_indices`` a device tensor read when ``run`` runs -- kept
+    by reference eagerly, copied at plan into the buffer given at construction in graph mode;
+    page size 1, not causal; rows of a request without keys get NaN."""
+
+    def __init__(self, float_workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        assert backend in ("fa2", "fa3")
+        self.graph, self.reserved = use_cuda_graph, kv_indices
+        assert not use_cuda_graph or kv_indices is not None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
+             head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type):
+        for a in (qo_indptr, kv_indptr, kv_len_arr):
+            assert a.dtype == torch.int32 and a.device.type == "cpu"
+        assert page_size == 1 and not causal and kv_indices.dtype == torch.int32
+        if self.graph:
+            self.reserved[:kv_indices.numel()].copy_(kv_indices.clone())
+            self.indices = self.reserved
+        else:
+            self.indices = kv_indices  # (the same device tensor: read at run)
+        self.qo, self.indptr, self.lens = (a.tolist() for a in (qo_indptr, kv_indptr,
+                                                                 kv_len_arr))
+        self.args = (num_heads, head_dim_ckv, head_dim_kpe, sm_scale)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None):
+        heads, ckv, kpe, scale = self.args
+        assert q_nope.shape[1:] == (heads, ckv) and ckv_cache.shape[1] == 1
+        for r, s in enumerate(self.lens):
+            q0, q1 = self.qo[r], self.qo[r + 1]
+            if s == 0:
+                out[q0:q1] = float("nan")
+                continue
+            idx = self.indices[self.indptr[r]:self.indptr[r] + s].long()
+            c, pe = ckv_cache[idx, 0].double(), kpe_cache[idx, 0].double()
+            score = (torch.einsum("thl,jl->htj", q_nope[q0:q1].double(), c)
+                     + torch.einsum("thr,jr->htj", q_pe[q0:q1].double(), pe)) * scale
+            out[q0:q1] = torch.einsum("htj,jl->thl", torch.softmax(score, -1), c).to(out.dtype)
+
+
+@pytest.fixture
+def standin_flashinfer_sparse(monkeypatch):
+    import dataclasses
+
+    from attn_ops.backends.mla import flashinfer_mla_sparse
+    from attn_ops.platforms import Platform
+
+    monkeypatch.setattr(flashinfer_mla_sparse, "_wrapper_class", lambda: _StandinSparseWrapper)
+    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+
+
+FI_SPEC = AttentionSpec.mla(4, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=64,
+                            v_head_dim=12, dtype=torch.float16, block_size=PAGE,
+                            index_topk=TOPK)
+
+
+def _indexer_layout(g, reqs, padded, topk):
+    """Positions as the indexer gives them: each token's min(topk, position + 1) selected
+    positions ascending, then -1."""
+    rows = []
+    for c, n in reqs:
+        for i in range(n):
+            p = c + i
+            chosen = sorted(torch.randperm(p + 1, generator=g)[:min(topk, p + 1)].tolist())
+            rows.append(chosen + [-1] * (topk - len(chosen)))
+    return torch.tensor(rows + [[-1] * topk] * padded, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_flashinfer_sparse_plans_the_selection_counts_and_runs_the_masked_dense_mla(
+        standin_flashinfer_sparse, scenario):
+    """Our side of FLASHINFER_MLA_SPARSE: per-token counts planned on the host, the index
+    buffer filled on the device after the plan, the cache as pages of one token, padding rows
+    zeroed -- against dense MLA masked to the selection."""
+    reqs = SCENARIOS[scenario]
+    case = _case(FI_SPEC, reqs, seed=2)
+    positions = _indexer_layout(torch.Generator().manual_seed(3), reqs, 2, TOPK)
+    layer = MLAAttention(FI_SPEC, AttentionConfig(backend="FLASHINFER_MLA_SPARSE"),
+                         platform=standin_flashinfer_sparse)
+    layer.load_kv_b_proj(case["w"].half())
+    new = case["new"].half()
+    got = layer(case["q"].half(), new[:, :128], new[:, 128:], case["cache"].half(),
+                case["meta"], topk_slots=_slots(positions, case["meta"]))
+    want = _masked_dense(FI_SPEC, case["w"], case["q"], case["lat"], reqs, positions, None)
+    t = case["total"]
+    assert (got[t:] == 0).all()
+    torch.testing.assert_close(got[:t].double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_flashinfer_sparse_graph_plans_one_wrapper_per_capture_size(standin_flashinfer_sparse,
+                                                                    monkeypatch):
+    """The graph path's metadata, run eagerly: a wrapper per capture size over persistent
+    buffers (the index buffer its own), replanned per batch; padding rows zeroed."""
+    from attn_ops import build_step_metadata, platforms
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    monkeypatch.setattr(platforms, "current_platform", lambda: standin_flashinfer_sparse)
+    graphs = CUDAGraphBatch((2, 8), 12, PAGE, "cpu")
+    layer = MLAAttention(FI_SPEC, AttentionConfig(backend="FLASHINFER_MLA_SPARSE"),
+                         platform=standin_flashinfer_sparse)
+    oracle = MLAAttention(FI_SPEC.with_(dtype=torch.float32),
+                          AttentionConfig(backend="REFERENCE_MLA_SPARSE"))
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4 * 28, 128, generator=g) / 128 ** 0.5
+    layer.load_kv_b_proj(w.half())
+    oracle.load_kv_b_proj(w.half().float())
+    cache = torch.randn(NUM_BLOCKS, PAGE, 192, generator=g).half()
+    alloc = BlockAllocator(NUM_BLOCKS, PAGE, shuffle=True, seed=3)
+    handles = set()
+    for n, ctx in ((5, [3, 9, 1, 20, 7]), (2, [4, 11]), (7, [2] * 7)):
+        common = build_batch(alloc, list(range(10 * n, 11 * n)), ctx, [1] * n)
+        step = build_step_metadata(layer, common, graphs)
+        meta = step[layer._metadata_key]
+        handles.add(meta.launch)
+        size = graphs.size_for(n)
+        reqs = [(c, 1) for c in ctx]
+        positions = _indexer_layout(g, reqs, size - n, TOPK)
+        slots = _slots(positions, meta)
+        q = torch.randn(size, 4, 80, generator=g).half()
+        kv_c = torch.randn(size, 128, generator=g).half()
+        k_pe = torch.randn(size, 64, generator=g).half()
+        got = layer(q, kv_c, k_pe, cache.clone(), step, topk_slots=slots)
+        want = oracle(q[:n].float(), kv_c[:n].float(), k_pe[:n].float(), cache.clone().float(),
+                      common, topk_slots=slots[:n])
+        torch.testing.assert_close(got[:n].float(), want, atol=2e-2, rtol=2e-2)
+        assert (got[n:] == 0).all()
+        for r in range(n):
+            alloc.free(10 * n + r)
+    assert len(handles) == 2  # one wrapper per capture size

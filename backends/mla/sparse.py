@@ -171,9 +171,15 @@ class SparseMLABackend(MLABackend):
         if topk_slots is None:
             raise ValueError(f"{self.name} needs each token's selected slots: pass "
                              "topk_slots (MLAIndexer's second output) to MLAAttention")
-        t = self.tuning.mla
+        if isinstance(metadata, CommonAttentionMetadata):
+            metadata = self.build_metadata(metadata)
         self.op(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_scale, self.scale,
-                [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages])
+                self.launch(metadata))
+
+    def launch(self, metadata) -> list[int]:
+        """The op's launch argument (default: TRITON_MLA_SPARSE's tile from the tuning)."""
+        t = self.tuning.mla
+        return [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages]
 
 
 _FEATURES = frozenset({Feature.MLA, Feature.SPARSE_MLA, Feature.DIFF_HEAD_DIM_V, Feature.FP8_KV})
