@@ -15,8 +15,16 @@ the projections are the model's and are not timed on either side):
 * ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA and
   FLASHINFER_MLA, the dense MLA family's best at 128 heads), metadata planned before capture.
 
-    python benchmarks/bench_mla_sparse.py [--batches 1 8 64 128] [--ctxs 8192 ...]
-        [--dense TRITON_MLA FLASHINFER_MLA] [--rounds R] [--out PATH]
+``--only prefill``: one request's prefill of ``--prefills`` tokens from an empty cache -- the
+sparse step (every token over its ``min(2048, position + 1)`` selected rows, absorbed) against
+the dense layer's (the MHA form, routed to FA4 / FlashInfer's ragged prefill), timed with
+``do_bench`` (the dense MHA part plans on the host at each call). TFLOP/s: the selected
+tokens' attention, ``sum_t count_t * H * 2 * (576 + 512)``, and the dense causal MHA's,
+``n^2 / 2 * H * 2 * (192 + 128)``.
+
+    python benchmarks/bench_mla_sparse.py [--only decode prefill] [--batches 1 8 64 128]
+        [--ctxs 8192 ...] [--prefills 4096 16384] [--dense TRITON_MLA FLASHINFER_MLA]
+        [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
@@ -33,24 +41,31 @@ HEADS, PAGE, TOPK, INDEX_HEADS, INDEX_DIM = 128, 64, 2048, 64, 128
 BF16 = torch.bfloat16
 
 
-def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator) -> dict:
-    """The contenders of one point, over one latent cache and one index-key cache."""
+def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator,
+         new_tokens: int = 1) -> dict:
+    """The contenders of one point -- ``batch`` requests of ``ctx`` cached tokens and
+    ``new_tokens`` new ones each -- over one latent cache and one index-key cache."""
     from attn_ops import AttentionConfig, AttentionSpec, MLAAttention
     from attn_ops.backends.mla.indexer import (FP8, allocate_index_cache, indexer_k_write,
                                                indexer_slots, indexer_topk)
     from attn_ops.metadata import CommonAttentionMetadata
 
-    pages = -(-(ctx + 1) // PAGE)
+    n, length = new_tokens, ctx + new_tokens
+    t = batch * n
+    pages = -(-length // PAGE)
     blocks = batch * pages
     table = torch.randperm(blocks, generator=gen).to(torch.int32).view(batch, pages).cuda()
-    seq = torch.full((batch,), ctx + 1, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    slot = (table[:, ctx // PAGE].long() * PAGE + ctx % PAGE).contiguous()
+    seq = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * n
+    pos = ctx + torch.arange(n, device="cuda")
+    slot = (table[:, pos // PAGE].long() * PAGE + pos % PAGE).reshape(-1)
+    decode = n == 1
     common = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq, seq_lens_cpu=seq.cpu(),
-        block_table=table, slot_mapping=slot, num_actual_tokens=batch, max_query_len=1,
-        max_seq_len=ctx + 1, num_decodes=batch, num_decode_tokens=batch, block_size=PAGE,
-        block_table_cpu=table.cpu(), num_blocks=blocks)
+        block_table=table, slot_mapping=slot, num_actual_tokens=t, max_query_len=n,
+        max_seq_len=length, num_decodes=batch if decode else 0,
+        num_decode_tokens=t if decode else 0, block_size=PAGE, block_table_cpu=table.cpu(),
+        num_blocks=blocks)
     sparse_spec = AttentionSpec.mla(HEADS, dtype=BF16, block_size=PAGE, index_topk=TOPK)
     layers = {"sparse": MLAAttention(sparse_spec, AttentionConfig(
         backend="TRITON_MLA_SPARSE")).cuda()}
@@ -64,12 +79,12 @@ def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator) -> dict:
     keys, scales = allocate_index_cache(blocks, PAGE, INDEX_DIM, FP8, device="cuda")
     keys.copy_(torch.randn(keys.shape, device="cuda").to(FP8))
     scales.uniform_(0.01, 0.1)
-    q_idx = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device="cuda", dtype=BF16)
-    k_idx = torch.randn(batch, INDEX_DIM, device="cuda", dtype=BF16)
-    weights = torch.randn(batch, INDEX_HEADS, device="cuda")
-    q = torch.randn(batch, HEADS, 192, device="cuda", dtype=BF16)
-    kv_c = torch.randn(batch, 512, device="cuda", dtype=BF16)
-    k_pe = torch.randn(batch, 64, device="cuda", dtype=BF16)
+    q_idx = torch.randn(t, INDEX_HEADS, INDEX_DIM, device="cuda", dtype=BF16)
+    k_idx = torch.randn(t, INDEX_DIM, device="cuda", dtype=BF16)
+    weights = torch.randn(t, INDEX_HEADS, device="cuda")
+    q = torch.randn(t, HEADS, 192, device="cuda", dtype=BF16)
+    kv_c = torch.randn(t, 512, device="cuda", dtype=BF16)
+    k_pe = torch.randn(t, 64, device="cuda", dtype=BF16)
     chosen = {}
 
     def indexer():
@@ -92,16 +107,48 @@ def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator) -> dict:
     return fns
 
 
+def prefill_rows(n: int, args, gen) -> dict:
+    """One request's prefill of ``n`` tokens: sparse step against each dense layer."""
+    from triton.testing import do_bench
+
+    fns = case(1, 0, args.dense, gen, new_tokens=n)
+    fns.pop("sparse_attn")
+    ms, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            ms[name] = do_bench(fn, rep=100, return_mode="median")
+        except Exception as e:  # noqa: BLE001 -- a contender that cannot run here is recorded
+            errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"{name}: {errors[name]}", flush=True)
+    counts = torch.arange(1, n + 1).clamp(max=TOPK).sum().item()
+    flops = {"sparse_step": counts * HEADS * 2 * (576 + 512),
+             **{k: n * n / 2 * HEADS * 2 * (192 + 128) for k in ms if k.startswith("dense_")}}
+    row = {"mode": "prefill", "tokens": n, **{f"{k}_ms": v for k, v in ms.items()},
+           **{f"{k}_tflops": flops[k] / (v * 1e-3) / 1e12 for k, v in ms.items() if k in flops},
+           "errors": errors}
+    print(f"prefill {n:<6d} " + "  ".join(
+        f"{k} {v:7.3f} ms" + (f" {row[k + '_tflops']:5.0f} TFLOP/s" if k in flops else "")
+        for k, v in ms.items()), flush=True)
+    return row
+
+
 def main() -> None:
     parser = gpu_parser(__doc__, "bench_mla_sparse_h200.json", page=PAGE, rounds=1,
                         quick=False)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128])
     parser.add_argument("--ctxs", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     parser.add_argument("--dense", nargs="*", default=["TRITON_MLA", "FLASHINFER_MLA"])
+    parser.add_argument("--prefills", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--only", nargs="*", default=["decode", "prefill"])
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for batch in args.batches:
+    for n in args.prefills if "prefill" in args.only else []:
+        rows.append(prefill_rows(n, args, gen))
+        write_result("bench_mla_sparse", args.out, quiet=True, rows=rows, complete=False,
+                     dense=args.dense)
+        torch.cuda.empty_cache()
+    for batch in args.batches if "decode" in args.only else []:
         for ctx in args.ctxs:
             fns = case(batch, ctx, args.dense, gen)
             ms, errors = {}, {}
@@ -111,7 +158,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001
                     errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
                     print(f"{name}: {errors[name]}", flush=True)
-            row = {"batch": batch, "ctx": ctx, **{f"{n}_us": v * 1e3 for n, v in ms.items()},
+            row = {"mode": "decode", "batch": batch, "ctx": ctx,
+                   **{f"{n}_us": v * 1e3 for n, v in ms.items()},
                    "errors": errors}
             best_dense = min((v for n, v in ms.items() if n.startswith("dense_")),
                              default=float("nan"))
