@@ -29,8 +29,8 @@ import torch
 from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
 from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.backends.mla.flashinfer_mla import FlashInferMLABackend
-from attn_ops.backends.mla.sparse import (_FEATURES, SparseMLABackend, check_sparse_mla_inputs,
-                                          define_sparse_mla_op)
+from attn_ops.backends.mla.sparse import (SPARSE_FEATURES, SparseMLABackend,
+                                          check_sparse_mla_inputs, define_sparse_mla_op)
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import PlatformKind
@@ -123,7 +123,7 @@ class FlashInferSparseMLABackend(SparseMLABackend):
         kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),
         block_sizes=(MultipleOf(1),),
         preferred_block_size=64,
-        features=_FEATURES - {Feature.FP8_KV},
+        features=SPARSE_FEATURES - {Feature.FP8_KV},
         min_capability=(8, 0),
         cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
         packages=(FLASHINFER_PACKAGE,),

@@ -14,7 +14,8 @@ Causality is the selection's: the indexer only selects positions a token sees. R
 see at most ``top-k`` tokens get all of them selected, which is dense attention.
 
 Backends: REFERENCE_MLA_SPARSE (torch; the oracle and the CPU path), TRITON_MLA_SPARSE (one
-Triton program per token and block of heads, an online softmax over the selected rows).
+Triton program per token and block of heads, an online softmax over the selected rows) and
+FLASHINFER_MLA_SPARSE (``attn_ops.backends.mla.flashinfer_mla_sparse``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["SPARSE_MLA_SCHEMA", "ReferenceSparseMLABackend", "SparseMLABackend",
+__all__ = ["SPARSE_FEATURES", "SPARSE_MLA_SCHEMA", "ReferenceSparseMLABackend",
+           "SparseMLABackend",
            "TritonSparseMLABackend", "check_sparse_mla_inputs", "sparse_mla_torch",
            "sparse_reasons"]
 
@@ -182,7 +184,8 @@ class SparseMLABackend(MLABackend):
         return [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages]
 
 
-_FEATURES = frozenset({Feature.MLA, Feature.SPARSE_MLA, Feature.DIFF_HEAD_DIM_V, Feature.FP8_KV})
+SPARSE_FEATURES = frozenset({Feature.MLA, Feature.SPARSE_MLA, Feature.DIFF_HEAD_DIM_V,
+                             Feature.FP8_KV})
 
 reference_mla_sparse = define_sparse_mla_op("reference_mla_sparse", sparse_mla_torch,
                                             tags=UNCAPTURABLE)
@@ -197,7 +200,7 @@ class ReferenceSparseMLABackend(SparseMLABackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         head_dims=HeadDims(),
         kv_cache_dtypes=frozenset({KVCacheDType.AUTO, KVCacheDType.FP8_E4M3}),
-        features=_FEATURES,
+        features=SPARSE_FEATURES,
         cudagraph_support=CUDAGraphSupport.NEVER,
     )
     op = reference_mla_sparse
@@ -231,7 +234,7 @@ class TritonSparseMLABackend(SparseMLABackend):
         kv_cache_dtypes=frozenset({KVCacheDType.AUTO, KVCacheDType.FP8_E4M3}),
         block_sizes=(MultipleOf(1),),
         preferred_block_size=64,
-        features=_FEATURES,
+        features=SPARSE_FEATURES,
         min_capability=(8, 0),
         cudagraph_support=CUDAGraphSupport.ALWAYS,
         packages=TritonAttnBackend.capabilities.packages,
