@@ -64,7 +64,15 @@ class MLAIndexer(nn.Module):
         return q, k, w
 
     def forward(self, x, q_resid, cos, sin, keys, scales, slot_mapping, block_table, seq_lens,
-                query_start_loc):
+                query_start_loc, block_size: int | None = None):
+        """``block_size``: the page size of the block table (the attention layer's); the
+        index-key cache must have it -- its slots and the latent cache's are the same."""
+        if block_size is not None and keys.shape[1] != block_size:
+            raise ValueError(
+                f"the index-key cache has pages of {keys.shape[1]} tokens, the block table "
+                f"{block_size}: the indexer's slots address the latent cache through the same "
+                f"table, so allocate it with MLAIndexer.allocate_cache(num_blocks, "
+                f"{block_size}) (the attention layer's block_size)")
         q, k, w = self.project(x, q_resid, cos, sin)
         indexer_k_write(k, keys, scales, slot_mapping)
         positions = indexer_topk(q, w, keys, scales, block_table, seq_lens, query_start_loc,

@@ -218,6 +218,15 @@ def test_bad_slot_inputs_name_the_shape_and_the_fix():
     with pytest.raises(ValueError, match="topk_slots given to a dense MLA layer"):
         dense(q, new[:, :32], new[:, 32:], cache_d, case["meta"],
               topk_slots=torch.zeros(5, 8, dtype=torch.int32, device=DEVICE))
+    from attn_ops.mla_indexer import MLAIndexer
+
+    indexer = MLAIndexer(24, 20, num_heads=2, head_dim=16, rope_dim=8, topk=TOPK)
+    keys, scales = indexer.allocate_cache(NUM_BLOCKS, 2 * PAGE, torch.float32)
+    with pytest.raises(ValueError, match=r"index-key cache has pages of 8 tokens, the block "
+                       r"table 4.*MLAIndexer.allocate_cache\(num_blocks, 4\)"):
+        indexer(torch.zeros(5, 24), torch.zeros(5, 20), torch.ones(5, 8), torch.zeros(5, 8),
+                keys, scales, case["meta"].slot_mapping, case["meta"].block_table,
+                case["meta"].seq_lens, case["meta"].query_start_loc, block_size=layer.block_size)
     op = layer.impl.op
     out = q.new_empty(5, 4, 12)
     with pytest.raises(ValueError, match=r"topk_slots must be int32 \[num_tokens=5, topk\]"):
@@ -267,7 +276,8 @@ def test_indexer_then_sparse_layer_compiles_with_no_graph_break(backend):
 
     def step(keys, cache):
         _, slots = indexer(x, q_resid, cos, sin, keys, None, meta.slot_mapping,
-                           meta.block_table, meta.seq_lens, meta.query_start_loc)
+                           meta.block_table, meta.seq_lens, meta.query_start_loc,
+                           block_size=PAGE)
         return layer(q, new[:, :rank], new[:, rank:], cache, meta, topk_slots=slots), slots
 
     from attn_ops.backends.mla.indexer import allocate_index_cache
@@ -346,7 +356,8 @@ def test_hf_deepseek_v32_attention_is_reproduced_over_prefill_chunks_and_decode(
             kv_pass, k_rot = hf.kv_a_proj_with_mqa(x).split([rank, rope], -1)
             q = torch.cat([q[..., :nope], half(q[..., nope:], cos[:, None], sin[:, None])], -1)
             _, slots = indexer(x, q_resid, cos, sin, keys, None, meta.slot_mapping,
-                               meta.block_table, meta.seq_lens, meta.query_start_loc)
+                               meta.block_table, meta.seq_lens, meta.query_start_loc,
+                               block_size=PAGE)
             out = layer(q, hf.kv_a_layernorm(kv_pass), half(k_rot, cos, sin), latent, meta,
                         topk_slots=slots)
             out = hf.o_proj(out.reshape(out.shape[0], -1)).cpu()
