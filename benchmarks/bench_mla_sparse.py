@@ -167,7 +167,7 @@ def main() -> None:
             row["speedup_vs_dense"] = best_dense / step
             row["indexer_share"] = ms.get("indexer", float("nan")) / step
             rows.append(row)
-            print(f"B={batch:<4d} ctx={ctx:<7d} " + "  ".join(
+            print(f"decode B={batch:<4d} ctx={ctx:<7d} " + "  ".join(
                 f"{n} {v * 1e3:8.1f} us" for n, v in ms.items())
                 + f"  x{row['speedup_vs_dense']:.2f} vs dense, indexer "
                 f"{100 * row['indexer_share']:.0f}%", flush=True)

@@ -57,6 +57,12 @@
 #            SSM_PROF_CASES its cases (default: the script's)
 #   sparse   tests/test_mla_sparse.py and tests/test_indexer.py (sparse MLA and its indexer: the
 #            Triton kernels compiled, real sizes, CUDA-graph replays; SPARSE_K selects)
+#   sparsebench benchmarks/bench_mla_sparse.py (a sparse MLA layer's decode step and prefill
+#            against dense MLA; SPARSE_ARGS)
+#   sparsesweep benchmarks/bench_mla_sparse.py under each of SPARSE_SWEEP's ATTN_OPS_TUNING
+#            strings (default: TRITON_MLA_SPARSE tiles), SPARSE_SWEEP_ARGS its arguments
+#            (default: decode at batch 8 and 128, 32k, TRITON_MLA as the dense contender);
+#            JSON sweep_mla_sparse_N.json
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
@@ -175,6 +181,16 @@ for spec in "$@"; do
       done ;;
     sparse) stage sparse "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_mla_sparse.py tests/test_indexer.py -k "${SPARSE_K:-}" ;;
+    sparsebench) stage sparsebench "$limit" python benchmarks/bench_mla_sparse.py \
+        ${SPARSE_ARGS:-} --out "$OUT/bench_mla_sparse_h200.json" ;;
+    sparsesweep) i=0
+      for cfg in ${SPARSE_SWEEP:-mla.sparse_heads=16 mla.sparse_heads=64,mla.sparse_keys=64,mla.sparse_warps=8 mla.sparse_heads=32,mla.sparse_keys=64,mla.sparse_warps=4 mla.sparse_heads=64,mla.sparse_keys=32,mla.sparse_warps=8,mla.sparse_stages=3}; do
+        i=$((i + 1))
+        echo "sparsesweep $i: $cfg" >> "$LOG"
+        ATTN_OPS_TUNING="$cfg" stage "sparsesweep_$i" "$limit" python benchmarks/bench_mla_sparse.py \
+          ${SPARSE_SWEEP_ARGS:---only decode --batches 8 128 --ctxs 32768 --dense TRITON_MLA} \
+          --out "$OUT/sweep_mla_sparse_$i.json"
+      done ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
         --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
