@@ -1,7 +1,11 @@
 """A small DeepSeek-style decoder built on :class:`attn_ops.MLAAttention` (dense MLP), with
 the :class:`~attn_ops.model.TinyLlama` calling convention: ``forward(input_ids [T], positions
 [T], latent_caches, metadata) -> logits``. Used by the tests (against HF transformers'
-``DeepseekV3ForCausalLM``, :func:`load_hf_deepseek`) and the whole-step benchmark.
+``DeepseekV3ForCausalLM`` and, sparse, ``DeepseekV32ForCausalLM``: :func:`load_hf_deepseek`)
+and the whole-step benchmark. With ``MLAModelConfig.index_topk`` set every layer is sparse
+(DeepSeek-V3.2): an :class:`~attn_ops.mla_indexer.MLAIndexer` picks each token's positions and
+the layer attends to those only; each layer's cache is then ``(latent, index_keys,
+index_scales)``.
 
 RoPE is rotate-half on the rope dims; DeepSeek-V3's interleaved RoPE is that on deinterleaved
 dims, so :func:`load_hf_deepseek` permutes the rope rows of ``q_proj`` / ``q_b_proj`` and
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 from attn_ops.mla import MLAAttention
+from attn_ops.mla_indexer import MLAIndexer
 from attn_ops.model import RMSNorm, rope_cache, shared_block_size
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
@@ -43,13 +48,19 @@ class MLAModelConfig:
     rms_norm_eps: float = 1e-6
     max_position: int = 4096
     dtype: torch.dtype = torch.float32
+    # sparse MLA (DeepSeek-V3.2): top-k positions a token, the indexer's heads and head dim,
+    # its key cache's dtype (fp8 e4m3 with per-token scales, or bf16 / fp32)
+    index_topk: int | None = None
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_cache_dtype: torch.dtype = torch.float8_e4m3fn
 
     def attention_spec(self) -> AttentionSpec:
         return AttentionSpec.mla(self.num_heads, kv_lora_rank=self.kv_lora_rank,
                                  qk_nope_head_dim=self.qk_nope_head_dim,
                                  qk_rope_head_dim=self.qk_rope_head_dim,
                                  v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
-                                 dtype=self.dtype)
+                                 dtype=self.dtype, index_topk=self.index_topk)
 
 
 class MLADecoderLayer(nn.Module):
@@ -69,6 +80,13 @@ class MLADecoderLayer(nn.Module):
         self.kv_a_proj = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.attn = MLAAttention(cfg.attention_spec(), attn_config, platform=platform)
+        self.indexer = None
+        if cfg.index_topk is not None:
+            if cfg.q_lora_rank is None:
+                raise ValueError("a sparse MLA model (index_topk set) needs q_lora_rank: the "
+                                 "indexer's queries come from the query latent")
+            self.indexer = MLAIndexer(h, cfg.q_lora_rank, cfg.index_n_heads,
+                                      cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk)
         kv_b = torch.randn(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         self.attn.load_kv_b_proj(kv_b / cfg.kv_lora_rank ** 0.5)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
@@ -79,12 +97,23 @@ class MLADecoderLayer(nn.Module):
     def forward(self, x, cos_sin, cache, metadata):
         cfg = self.cfg
         hidden = self.input_norm(x)
-        q = self.q_proj(hidden) if cfg.q_lora_rank is None else \
-            self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q_resid = self.q_a_norm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q = q.view(x.shape[0], cfg.num_heads, -1)
         kv_c, k_pe = self.kv_a_proj(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        sparse = {}
+        if self.indexer is not None:
+            cache, keys, scales = cache
+            m = metadata[self.attn._metadata_key] if isinstance(metadata, dict) else metadata
+            cos, sin = (c.repeat(1, 2) for c in cos_sin.chunk(2, dim=-1))  # (HF's layout)
+            _, sparse["topk_slots"] = self.indexer(
+                hidden, q_resid, cos, sin, keys, scales, m.slot_mapping, m.block_table,
+                m.seq_lens, m.query_start_loc, block_size=self.attn.block_size)
         # RoPE runs in the layer (torch.ops.attn.mla_rope): the passes fuse it with the write
-        attn = self.attn(q, self.kv_a_norm(kv_c), k_pe, cache, metadata, cos_sin)
+        attn = self.attn(q, self.kv_a_norm(kv_c), k_pe, cache, metadata, cos_sin, **sparse)
         x = x + self.o_proj(attn.flatten(1))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
@@ -109,9 +138,18 @@ class TinyDeepseek(nn.Module):
     def block_size(self) -> int:
         return shared_block_size(self.layers)
 
-    def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
-        """One latent cache per layer."""
-        return [layer.attn.allocate_cache(num_blocks, device) for layer in self.layers]
+    def allocate_kv_caches(self, num_blocks: int, device=None) -> list:
+        """One latent cache per layer (sparse: with its index keys and scales)."""
+        caches = []
+        for layer in self.layers:
+            latent = layer.attn.allocate_cache(num_blocks, device)
+            if layer.indexer is None:
+                caches.append(latent)
+                continue
+            caches.append((latent, *layer.indexer.allocate_cache(
+                num_blocks, layer.attn.block_size, self.cfg.index_cache_dtype,
+                device=latent.device)))
+        return caches
 
     def forward(self, input_ids, positions, kv_caches, metadata):
         x = self.embed(input_ids)
@@ -132,8 +170,9 @@ def _deinterleave_rows(weight: torch.Tensor, heads: int, nope: int, rope: int) -
 
 @torch.no_grad()
 def load_hf_deepseek(model: TinyDeepseek, hf) -> None:
-    """Copy a ``transformers`` ``DeepseekV3ForCausalLM`` (dense MLPs, ``rope_interleave``)
-    into ``model`` of the same shapes."""
+    """Copy a ``transformers`` ``DeepseekV3ForCausalLM`` (dense MLPs, ``rope_interleave``) or,
+    into a sparse model, a ``DeepseekV32ForCausalLM`` (its indexers too) into ``model`` of the
+    same shapes."""
     cfg = model.cfg
     heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     model.embed.weight.copy_(hf.model.embed_tokens.weight)
@@ -154,6 +193,8 @@ def load_hf_deepseek(model: TinyDeepseek, hf) -> None:
         ours.kv_a_norm.weight.copy_(a.kv_a_layernorm.weight)
         ours.attn.load_kv_b_proj(a.kv_b_proj.weight)
         ours.o_proj.weight.copy_(a.o_proj.weight)
+        if ours.indexer is not None:
+            ours.indexer.load_state_dict(a.indexer.state_dict())
         mlp = theirs.mlp
         ours.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         ours.down.weight.copy_(mlp.down_proj.weight)

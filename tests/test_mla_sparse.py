@@ -605,3 +605,48 @@ def test_flashinfer_sparse_graph_plans_one_wrapper_per_capture_size(standin_flas
         for r in range(n):
             alloc.free(10 * n + r)
     assert len(handles) == 2  # one wrapper per capture size
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+def test_sparse_tiny_deepseek_reproduces_hf_deepseek_v32_for_causal_lm(backend):
+    """The whole sparse decoder: HF's DeepseekV32ForCausalLM (dense MLPs, eager, fp32) loaded
+    into TinyDeepseek with index_topk; a prefill of two requests, a prefill resuming
+    mid-prompt, then a decode, through our paged latent and index-key caches (fp32 keys),
+    against HF's logits over each whole sequence (top-k 5 of up to 17 positions)."""
+    transformers = pytest.importorskip("transformers")
+    from attn_ops.mla_model import MLAModelConfig, TinyDeepseek, load_hf_deepseek
+
+    hf_cfg = transformers.DeepseekV32Config(
+        vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, index_n_heads=8,
+        index_head_dim=16, index_topk=5, mlp_layer_types=["dense", "dense"],
+        first_k_dense_replace=2, max_position_embeddings=64)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV32ForCausalLM(hf_cfg).eval()
+    cfg = MLAModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
+                         q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=12, intermediate_size=80,
+                         max_position=64, rms_norm_eps=hf_cfg.rms_norm_eps, index_topk=5,
+                         index_n_heads=8, index_head_dim=16, index_cache_dtype=torch.float32)
+    model = TinyDeepseek(cfg, AttentionConfig(backend=backend)).eval()
+    load_hf_deepseek(model, hf)
+    model.to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 96, (n,), generator=g) for n in (13, 17)]
+    with torch.no_grad():
+        want = [hf(s[None]).logits[0] for s in seqs]
+        alloc = BlockAllocator(NUM_BLOCKS, model.block_size, shuffle=True, seed=1)
+        caches = model.allocate_kv_caches(NUM_BLOCKS)
+        for latent, _, _ in caches:
+            latent.fill_(float("nan"))
+        for start, stop in ((0, 6), (6, 12), (12, 13)):
+            meta = build_batch(alloc, [0, 1], [start, start], [stop - start] * 2,
+                               device=DEVICE)
+            ids = torch.cat([s[start:stop] for s in seqs]).to(DEVICE)
+            logits = model(ids, meta.positions, caches, meta).cpu()
+            n = stop - start
+            for r in range(2):
+                torch.testing.assert_close(logits[r * n:(r + 1) * n], want[r][start:stop],
+                                           atol=2e-4, rtol=2e-4)
