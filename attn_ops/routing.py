@@ -331,6 +331,22 @@ def mla_decode_launch(heads: int, requests: int, max_query_len: int, max_seq_len
     return MLADecodeLaunch(splits, query_rows, head_rows, keys, warps, stages, parts)
 
 
+def sparse_mla_splits(rows: int, heads: int, topk: int, num_sms: int, t: MLATuning) -> int:
+    """TRITON_MLA_SPARSE's splits of each token's selected slots: with few tokens a program
+    per (token, head block) leaves SMs idle, so the slots split (a power of two) until the
+    programs near ``programs_per_sm x SMs``, each split at least ``min_keys_per_split``
+    slots, at most ``max_splits``; ``Tuning.mla.sparse_splits`` > 0 fixes the count."""
+    if t.sparse_splits > 0:
+        return t.sparse_splits
+    head_blocks = -(-heads // max(16, min(t.sparse_heads, pow2(heads))))
+    want = max(1, t.programs_per_sm * num_sms // max(1, rows * head_blocks))
+    cap = max(1, min(t.max_splits, topk // t.min_keys_per_split))
+    splits = 1
+    while splits * 2 <= min(want, cap):
+        splits *= 2
+    return splits
+
+
 def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Kernel:
     """FLASHINFER_MLA's absorbed kernel: fa3 on sm90 for latent widths 128 / 256 / 512 (its
     templates), fa2 elsewhere. Measured on the H200 at 512 + 64: fa3 471-503 TFLOP/s at 128

@@ -197,11 +197,14 @@ class MLATuning:
     # the whole score). H200: 0.5-0.6x of one part at 128 heads and at 16 (docs/tuning.md).
     value_parts: int = 1
     # TRITON_MLA_SPARSE: heads of one token a program, selected slots a step (each a gathered
-    # latent row), warps and stages. Unmeasured.
+    # latent row), warps and stages; splits of each token's slots (0: routing.
+    # sparse_mla_splits, from programs_per_sm, min_keys_per_split and max_splits above).
+    # Unmeasured.
     sparse_heads: int = 16
     sparse_keys: int = 32
     sparse_warps: int = 4
     sparse_stages: int = 2
+    sparse_splits: int = 0
 
 
 @dataclass(frozen=True)

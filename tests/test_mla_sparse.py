@@ -119,9 +119,9 @@ def _masked_dense(spec, w, q, lat, reqs, positions, kv_scale):
     return torch.stack(out)
 
 
-def _layer(spec, case, backend, dtype):
+def _layer(spec, case, backend, dtype, tuning=None):
     spec = spec.with_(dtype=dtype)
-    layer = MLAAttention(spec, AttentionConfig(backend=backend)).to(DEVICE)
+    layer = MLAAttention(spec, AttentionConfig(backend=backend, tuning=tuning)).to(DEVICE)
     assert layer.impl.name == backend
     layer.load_kv_b_proj(case["w"].to(dtype))
     if case["kv_scale"] is not None:
@@ -130,8 +130,8 @@ def _layer(spec, case, backend, dtype):
     return layer, cache
 
 
-def _run(spec, case, backend, dtype, slots):
-    layer, cache = _layer(spec, case, backend, dtype)
+def _run(spec, case, backend, dtype, slots, tuning=None):
+    layer, cache = _layer(spec, case, backend, dtype, tuning)
     rank = spec.kv_lora_rank
     new = case["new"].to(DEVICE, dtype)
     return layer(case["q"].to(DEVICE, dtype), new[:, :rank], new[:, rank:], cache, case["meta"],
@@ -158,6 +158,43 @@ def test_sparse_layer_matches_dense_mla_masked_to_the_selection(backend, scenari
     assert (got[t:] == 0).all()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got[:t].double().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif("TRITON_MLA_SPARSE" not in SPARSE_HERE, reason="needs Triton here")
+@pytest.mark.parametrize("splits,cache", [(3, "auto"), (2, "fp8_e4m3"), (4, "auto")])
+def test_triton_sparse_splits_of_the_slots_combine_to_the_same_attention(splits, cache):
+    """TRITON_MLA_SPARSE with each token's 64 slot entries (selections spread over them, -1
+    holes between) in ``splits`` programs of 16-slot steps -- 3: splits of 32, 32 and none;
+    4: of 16 each -- merged by the split combine; 20 heads (two head blocks), fp8 latents in
+    one case."""
+    from attn_ops.tuning import Tuning
+
+    spec = SPEC.with_(num_heads=20, kv_cache_dtype=KVCacheDType(cache), index_topk=64)
+    reqs = SCENARIOS["mixed"]
+    case = _case(spec, reqs, seed=splits)
+    positions = _selection(torch.Generator().manual_seed(4), reqs, case["total"], 2, 64)
+    tuning = Tuning().with_(mla={"sparse_splits": splits, "sparse_keys": 16})
+    got = _run(spec, case, "TRITON_MLA_SPARSE", torch.float32, _slots(positions, case["meta"]),
+               tuning)
+    want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions,
+                         case["kv_scale"])
+    assert (got[case["total"]:] == 0).all()
+    tol = 1e-4 if cache == "fp8_e4m3" else 2e-5
+    torch.testing.assert_close(got[:case["total"]].double().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_sparse_splits_fill_the_sms_for_few_tokens_and_none_for_many():
+    from attn_ops.routing import sparse_mla_splits
+    from attn_ops.tuning import Tuning
+
+    t = Tuning().mla
+    assert sparse_mla_splits(8, 128, 2048, 132, t) == 4  # (8 x 8 programs; 264 wanted)
+    assert sparse_mla_splits(1, 128, 2048, 132, t) == 8  # (at least 256 slots a split)
+    assert sparse_mla_splits(128, 128, 2048, 132, t) == 1
+    assert sparse_mla_splits(1, 16, 2048, 132, t) == 8
+    assert sparse_mla_splits(4, 16, 300, 132, t) == 1  # (one split's worth of slots)
+    assert sparse_mla_splits(1, 128, 2048, 132, Tuning().with_(
+        mla={"sparse_splits": 3}).mla) == 3
 
 
 @pytest.mark.parametrize("backend", SPARSE_HERE)
@@ -231,7 +268,7 @@ def test_bad_slot_inputs_name_the_shape_and_the_fix():
     out = q.new_empty(5, 4, 12)
     with pytest.raises(ValueError, match=r"topk_slots must be int32 \[num_tokens=5, topk\]"):
         op(q, cache, layer.w_uk, layer.w_uv, torch.zeros(5, 8, device=DEVICE), out, None, 0.1,
-           [16, 32, 4, 2])
+           [16, 32, 4, 2, 1])
 
 
 @pytest.mark.parametrize("backend", SPARSE_HERE)
@@ -245,7 +282,7 @@ def test_sparse_op_passes_opcheck(backend):
     out = q.new_empty(q.shape[0], 4, 12)
     torch.library.opcheck(layer.impl.op, (q, cache, layer.w_uk, layer.w_uv,
                                           _slots(positions, case["meta"]), out, None, 0.1,
-                                          [16, 32, 4, 2]))
+                                          [16, 32, 4, 2, 1]))
 
 
 @pytest.mark.parametrize("backend", SPARSE_HERE)

@@ -49,7 +49,7 @@ latent_cache [blocks, page, rank + rope] (the step's latents already written), w
 [H, nope, rank], w_uv [H, rank, v], topk_slots [T, K] int32 (each token's selected global
 slots, ``block * page + offset``; -1 entries skipped), out [T, H, v], kv_scale (fp8 cache),
 the softmax scale, the kernel's launch (TRITON_MLA_SPARSE: heads a program, slots a step,
-warps, stages from ``Tuning.mla``; others ignore it)."""
+warps, stages, splits; FLASHINFER_MLA_SPARSE: its plan's handle; the reference ignores it)."""
 
 
 def check_sparse_mla_inputs(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_scale, scale,
@@ -179,9 +179,14 @@ class SparseMLABackend(MLABackend):
                 self.launch(metadata))
 
     def launch(self, metadata) -> list[int]:
-        """The op's launch argument (default: TRITON_MLA_SPARSE's tile from the tuning)."""
-        t = self.tuning.mla
-        return [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages]
+        """The op's launch argument (default: TRITON_MLA_SPARSE's tile from the tuning and
+        its split count for the step's rows on their device)."""
+        from attn_ops.routing import DeviceFacts, sparse_mla_splits
+
+        t, rows = self.tuning.mla, metadata.slot_mapping.shape[0]
+        splits = sparse_mla_splits(rows, self.spec.num_heads, self.spec.index_topk,
+                                   DeviceFacts.of(metadata.slot_mapping.device).num_sms, t)
+        return [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages, splits]
 
 
 SPARSE_FEATURES = frozenset({Feature.MLA, Feature.SPARSE_MLA, Feature.DIFF_HEAD_DIM_V,

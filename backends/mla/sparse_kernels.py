@@ -10,6 +10,11 @@ same selected rows). Per ``BLOCK_N`` entries of the token's slot list it gathers
 
 so K and V are the same tile. fp8 latents: the per-tensor scale goes into the score scale and
 into the final store. A token with no slot selected writes zeros.
+
+With ``SPLITS`` > 1 (few tokens: more programs than one per token and head block) split ``s``
+of a token takes its slots ``[s * per, (s + 1) * per)`` and writes fp32 partials
+``[tokens, heads, splits, RANK_P]`` and their natural-log LSEs (-inf: nothing selected there),
+which TRITON_ATTN's split combine merges (applying the fp8 scale).
 """
 
 from __future__ import annotations
@@ -18,20 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.triton_attn_kernels import LOG2E
-from attn_ops.routing import triton_head_tiles
+from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
+from attn_ops.routing import combine_split_block, pow2, triton_head_tiles
 
 __all__ = ["sparse_mla_kernel", "sparse_mla_triton"]
 
 
 @triton.jit
-def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, kv_scale_ptr, sm_scale,
-                      num_slots, stride_lt, stride_lh, stride_pt, stride_ph, stride_cb,
-                      stride_cp, stride_st, stride_ot, stride_oh,
-                      H: tl.constexpr, HEADS: tl.constexpr, RANK: tl.constexpr,
+def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, part_o_ptr,
+                      part_lse_ptr, kv_scale_ptr, sm_scale, num_slots, stride_lt, stride_lh,
+                      stride_pt, stride_ph, stride_cb, stride_cp, stride_st, stride_ot,
+                      stride_oh, H: tl.constexpr, HEADS: tl.constexpr, RANK: tl.constexpr,
                       RANK_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
-                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                      FP8: tl.constexpr, PRECISION: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     h_ok = h < H
@@ -50,9 +55,12 @@ def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, kv_scale_p
     m_i = tl.full([HEADS], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS], tl.float32)
     acc = tl.zeros([HEADS, RANK_P], tl.float32)
-    for start in range(0, num_slots, BLOCK_N):
+    per_split = tl.cdiv(tl.cdiv(num_slots, SPLITS), BLOCK_N) * BLOCK_N
+    lo = tl.program_id(2) * per_split
+    hi = tl.minimum(num_slots, lo + per_split)
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        slot = tl.load(slots_ptr + t * stride_st + offs_n, mask=offs_n < num_slots, other=-1)
+        slot = tl.load(slots_ptr + t * stride_st + offs_n, mask=offs_n < hi, other=-1)
         ok = slot >= 0
         slot = tl.where(ok, slot, 0).to(tl.int64)
         rows = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cp
@@ -70,31 +78,52 @@ def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, kv_scale_p
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if FP8:
-        o = o * kv_scale
-    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + offs_r[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        if FP8:
+            o = o * kv_scale
+        tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + offs_r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    else:
+        part = (t * H + h) * SPLITS + tl.program_id(2)
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+        tl.store(part_o_ptr + part[:, None] * RANK_P + offs_r[None, :], o, mask=h_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=h_ok)
 
 
 def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
                       launch) -> None:
     """Latent outputs ``out`` [T, H, rank] of the selected rows; ``launch``: (heads a
-    program, slots a step, warps, stages)."""
+    program, slots a step, warps, stages, splits of a token's slots)."""
+    from attn_ops.backends.triton_attn_kernels import combine_splits_kernel
+
     tokens, heads, rank = ql.shape
     if tokens == 0:
         return
     rope = q_pe.shape[2]
-    block_h, block_n, warps, stages = launch
+    block_h, block_n, warps, stages, splits = launch
     block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # (tl.dot: M >= 16)
     rank_p, rope_p = triton_head_tiles(rank, rope, latent_cache.dtype.itemsize)
     fp8 = latent_cache.dtype == torch.float8_e4m3fn
     slots = topk_slots if topk_slots.stride(1) == 1 else topk_slots.contiguous()
-    sparse_mla_kernel[(tokens, triton.cdiv(heads, block_h))](
-        ql, q_pe, latent_cache, slots, out, kv_scale if fp8 else out, scale, slots.shape[1],
-        ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
-        latent_cache.stride(1), slots.stride(0), out.stride(0), out.stride(1),
-        H=heads, HEADS=block_h, RANK=rank, RANK_P=rank_p, ROPE=rope, ROPE_P=rope_p,
-        PAGE=latent_cache.shape[1], BLOCK_N=max(16, block_n), FP8=fp8,
-        PRECISION="ieee" if ql.dtype == torch.float32 else "tf32",
+    part_o = part_lse = out
+    if splits > 1:
+        part_o = torch.empty(tokens, heads, splits, rank_p, dtype=torch.float32,
+                             device=ql.device)
+        part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=ql.device)
+    sparse_mla_kernel[(tokens, triton.cdiv(heads, block_h), splits)](
+        ql, q_pe, latent_cache, slots, out, part_o, part_lse, kv_scale if fp8 else out, scale,
+        slots.shape[1], ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), slots.stride(0), out.stride(0),
+        out.stride(1), H=heads, HEADS=block_h, RANK=rank, RANK_P=rank_p, ROPE=rope,
+        ROPE_P=rope_p, PAGE=latent_cache.shape[1], BLOCK_N=max(16, block_n), SPLITS=splits,
+        FP8=fp8, PRECISION="ieee" if ql.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages)
+    if splits > 1:  # (every row a token: one "request" of all of them)
+        rows = torch.arange(2, device=ql.device, dtype=torch.int32) * tokens
+        combine_splits_kernel[(tokens, heads)](
+            out, out, part_o, part_lse, rows, out, kv_scale if fp8 else out, 1, out.stride(0),
+            out.stride(1), 0, HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank,
+            DV_P=rank_p, HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
+            SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
