@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_ops.backends.mla.triton_mla_kernels import online_softmax_step
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 from attn_ops.routing import combine_split_block, pow2, triton_head_tiles
 
@@ -71,13 +72,7 @@ def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, part_o_ptr
         s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
         s = tl.dot(qpe, tl.trans(kpe), s, input_precision=PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, c, m_i, l_i, acc, PRECISION)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLITS == 1:

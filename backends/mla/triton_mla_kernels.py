@@ -34,6 +34,20 @@ import triton.language as tl
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 
 
+@triton.jit
+def online_softmax_step(s, c, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One block of keys into a running softmax (base 2): scores ``s`` [M, N] (already
+    scaled by log2(e); -inf where masked), the block's values ``c`` [N, width]; returns
+    ``(m_i, l_i, acc)`` -- a row with no key yet keeps m -inf, l 0, acc 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def mla_decode_kernel(
     ql_ptr, qpe_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -110,13 +124,7 @@ def mla_decode_kernel(
         s = tl.dot(qpe, tl.trans(kpe), s, input_precision=PRECISION)
         visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, c, m_i, l_i, acc, PRECISION)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
