@@ -41,7 +41,7 @@ from attn_ops.spec import AttentionSpec
 
 __all__ = [
     "MLA_SCHEMA", "MLABackend", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
-    "check_mla_inputs", "chunk_tables", "context_chunks",
+    "check_latent_weights", "check_mla_inputs", "chunk_tables", "context_chunks",
     "define_mla_op", "merge_attn_states", "mla_cache_update", "run_mla",
 ]
 
@@ -335,15 +335,20 @@ key offsets, :func:`chunk_tables`), out [T, H, v] (padding rows zeroed), kv_scal
 the softmax scale."""
 
 
-def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens,
-                     block_table, plan, mha_lens, chunk_slots, chunk_cu_k, out, kv_scale,
-                     scale) -> None:
-    """Shape checks of the MLA ops (no tensor data read)."""
+def check_latent_weights(w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[int, int, int]:
+    """``(heads, qk_nope_head_dim, kv_lora_rank)`` of the absorption weights, checked."""
     if w_uk.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[:2] != (w_uk.shape[0], w_uk.shape[2]):
         raise ValueError(f"w_uk must be [heads, qk_nope_head_dim, kv_lora_rank] and w_uv "
                          f"[heads, kv_lora_rank, v_head_dim], got {tuple(w_uk.shape)} and "
                          f"{tuple(w_uv.shape)}")
-    heads, nope, rank = w_uk.shape
+    return tuple(w_uk.shape)
+
+
+def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens,
+                     block_table, plan, mha_lens, chunk_slots, chunk_cu_k, out, kv_scale,
+                     scale) -> None:
+    """Shape checks of the MLA ops (no tensor data read)."""
+    heads, nope, rank = check_latent_weights(w_uk, w_uv)
     rope = latent_cache.shape[-1] - rank
     t = q.shape[0]
     want = {"q": (q, (t, heads, nope + rope)), "kv_c": (kv_c, (t, rank)),

@@ -26,16 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
 from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.backends.mla.flashinfer_mla import FlashInferMLABackend
-from attn_ops.backends.mla.sparse import (SPARSE_FEATURES, SparseMLABackend,
-                                          check_sparse_mla_inputs, define_sparse_mla_op)
-from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf
+from attn_ops.backends.mla.sparse import (SparseMLABackend, check_sparse_mla_inputs,
+                                          define_sparse_mla_op, sparse_capabilities)
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.platforms import PlatformKind
 from attn_ops.routing import Kernel, flashinfer_mla_kernel
-from attn_ops.spec import Feature, KVCacheDType
 
 __all__ = ["FlashInferSparseMLABackend", "SparseMLAMetadata", "selection_counts"]
 
@@ -116,18 +112,7 @@ class FlashInferSparseMLABackend(SparseMLABackend):
     fp16 latents (fp8: TRITON_MLA_SPARSE)."""
 
     name = "FLASHINFER_MLA_SPARSE"
-    capabilities = BackendCapabilities(
-        platforms=frozenset({PlatformKind.CUDA}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_dims=HeadDims(),
-        kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),
-        block_sizes=(MultipleOf(1),),
-        preferred_block_size=64,
-        features=SPARSE_FEATURES - {Feature.FP8_KV},
-        min_capability=(8, 0),
-        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
-        packages=(FLASHINFER_PACKAGE,),
-    )
+    capabilities = sparse_capabilities(FlashInferMLABackend.capabilities)
     op = flashinfer_mla_sparse
 
     @classmethod

@@ -20,26 +20,27 @@ FLASHINFER_MLA_SPARSE (``attn_ops.backends.mla.flashinfer_mla_sparse``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from attn_ops.backends.mla.common import MLABackend
+from attn_ops.backends.mla.common import MLABackend, check_latent_weights
+from attn_ops.backends.mla.reference import ReferenceMLABackend
+from attn_ops.backends.mla.triton_mla import TritonMLABackend
 from attn_ops.backends.reference import UNCAPTURABLE, dequantize
-from attn_ops.backends.triton_attn import TritonAttnBackend, interpreter_reasons
-from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
-                                   Reason)
+from attn_ops.backends.triton_attn import interpreter_reasons
+from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, Reason
 from attn_ops.kv_cache import FP8_MAX
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import define_op
-from attn_ops.platforms import Platform, PlatformKind
-from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
+from attn_ops.platforms import Platform
+from attn_ops.spec import AttentionSpec, Feature
 
-__all__ = ["SPARSE_FEATURES", "SPARSE_MLA_SCHEMA", "ReferenceSparseMLABackend",
-           "SparseMLABackend",
-           "TritonSparseMLABackend", "check_sparse_mla_inputs", "sparse_mla_torch",
-           "sparse_reasons"]
+__all__ = ["SPARSE_MLA_SCHEMA", "ReferenceSparseMLABackend", "SparseMLABackend",
+           "TritonSparseMLABackend", "check_sparse_mla_inputs", "sparse_capabilities",
+           "sparse_mla_torch", "sparse_reasons"]
 
 SPARSE_MLA_SCHEMA = (
     "(Tensor q, Tensor latent_cache, Tensor w_uk, Tensor w_uv, Tensor topk_slots, "
@@ -55,11 +56,7 @@ warps, stages, splits; FLASHINFER_MLA_SPARSE: its plan's handle; the reference i
 def check_sparse_mla_inputs(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_scale, scale,
                             launch) -> None:
     """Shape and dtype checks of the sparse MLA ops (no tensor data read)."""
-    if w_uk.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[:2] != (w_uk.shape[0], w_uk.shape[2]):
-        raise ValueError(f"w_uk must be [heads, qk_nope_head_dim, kv_lora_rank] and w_uv "
-                         f"[heads, kv_lora_rank, v_head_dim], got {tuple(w_uk.shape)} and "
-                         f"{tuple(w_uv.shape)}")
-    heads, nope, rank = w_uk.shape
+    heads, nope, rank = check_latent_weights(w_uk, w_uv)
     if latent_cache.dim() != 3 or latent_cache.shape[2] <= rank:
         raise ValueError(f"latent_cache must be [num_blocks, block_size, kv_lora_rank={rank} + "
                          f"qk_rope_head_dim], got {tuple(latent_cache.shape)}")
@@ -189,8 +186,12 @@ class SparseMLABackend(MLABackend):
         return [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages, splits]
 
 
-SPARSE_FEATURES = frozenset({Feature.MLA, Feature.SPARSE_MLA, Feature.DIFF_HEAD_DIM_V,
-                             Feature.FP8_KV})
+def sparse_capabilities(dense: BackendCapabilities, **changes) -> BackendCapabilities:
+    """A sparse backend's capabilities: those of the dense MLA backend whose kernels and
+    constraints it shares, serving sparse specs too (``changes``: what differs)."""
+    return dataclasses.replace(dense, features=dense.features | {Feature.SPARSE_MLA},
+                               **changes)
+
 
 reference_mla_sparse = define_sparse_mla_op("reference_mla_sparse", sparse_mla_torch,
                                             tags=UNCAPTURABLE)
@@ -200,14 +201,7 @@ class ReferenceSparseMLABackend(SparseMLABackend):
     """Any latent dims, page size and platform; simple rather than fast."""
 
     name = "REFERENCE_MLA_SPARSE"
-    capabilities = BackendCapabilities(
-        platforms=frozenset(PlatformKind),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-        head_dims=HeadDims(),
-        kv_cache_dtypes=frozenset({KVCacheDType.AUTO, KVCacheDType.FP8_E4M3}),
-        features=SPARSE_FEATURES,
-        cudagraph_support=CUDAGraphSupport.NEVER,
-    )
+    capabilities = sparse_capabilities(ReferenceMLABackend.capabilities)
     op = reference_mla_sparse
 
 
@@ -232,18 +226,8 @@ class TritonSparseMLABackend(SparseMLABackend):
     host value; its work is each token's ``top-k`` slots)."""
 
     name = "TRITON_MLA_SPARSE"
-    capabilities = BackendCapabilities(
-        platforms=frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.CPU}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        head_dims=HeadDims(),
-        kv_cache_dtypes=frozenset({KVCacheDType.AUTO, KVCacheDType.FP8_E4M3}),
-        block_sizes=(MultipleOf(1),),
-        preferred_block_size=64,
-        features=SPARSE_FEATURES,
-        min_capability=(8, 0),
-        cudagraph_support=CUDAGraphSupport.ALWAYS,
-        packages=TritonAttnBackend.capabilities.packages,
-    )
+    capabilities = sparse_capabilities(TritonMLABackend.capabilities,
+                                       cudagraph_support=CUDAGraphSupport.ALWAYS)
     op = triton_mla_sparse
 
     @classmethod
