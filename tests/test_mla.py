@@ -478,11 +478,14 @@ def test_the_mha_part_runs_flashinfer_for_few_requests_fa4_for_many_and_torch_on
 
 # --- FLASHINFER_MLA's glue against a stand-in of FlashInfer's MLA wrapper ---------------------
 
-class _StandinMLAWrapper:
-    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in torch with its contract: host int32
-    plan arrays; graph mode copies them into the persistent buffers it was given; ``run``
-    reads the pages of the (strided) ``ckv`` / ``kpe`` caches by ``kv_indices``, causal
-    bottom-right; a row of a request without keys gets NaN (the backend must zero padding)."""
+class StandinMLAWrapper:
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in torch with its contract (FlashInfer
+    0.7.2's ``_stage_metadata``): host int32 plan arrays; ``kv_indices`` read when ``run``
+    runs -- kept by reference eagerly, copied at plan into the persistent buffers it was
+    given in graph mode (the other arrays too); ``run`` reads the pages of the (strided)
+    ``ckv`` / ``kpe`` caches by them, causal bottom-right; a row of a request without keys
+    gets NaN (the backend must zero padding). Also the sparse glue's stand-in
+    (tests/test_mla_sparse.py)."""
 
     def __init__(self, float_workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
                  kv_indices=None, kv_len_arr=None, backend="auto"):
@@ -495,15 +498,17 @@ class _StandinMLAWrapper:
              head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type):
         arrays = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         assert all(a.dtype == torch.int32 and a.device.type == "cpu" for a in arrays)
+        self.indices = kv_indices
         if self.graph:  # (same shapes as the buffers, indices within capacity)
             for buf, a in zip(self.buffers, arrays):
                 assert a.shape == buf.shape or (buf is self.buffers[2] and a.numel() <= buf.numel())
-                buf[:a.numel()].copy_(a)
-        self.lists = [a.tolist() for a in arrays]
+                buf[:a.numel()].copy_(a.clone())  # (the glue may pass a view of the buffer)
+            self.indices = self.buffers[2]
+        self.lists = [a.tolist() for a in (qo_indptr, kv_indptr, kv_len_arr)]
         self.args = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None):
-        qo, kv_indptr, kv_indices, kv_len = self.lists
+        qo, kv_indptr, kv_len = self.lists
         heads, ckv, kpe, page, causal, scale = self.args
         assert q_nope.shape[1:] == (heads, ckv) and q_pe.shape[2] == kpe and out is not None
         assert ckv_cache.shape[1] == kpe_cache.shape[1] == page
@@ -514,7 +519,7 @@ class _StandinMLAWrapper:
             if s == 0:
                 out[q0:q1] = float("nan")
                 continue
-            pages = torch.tensor(kv_indices[kv_indptr[r]:kv_indptr[r + 1]])
+            pages = self.indices[kv_indptr[r]:kv_indptr[r + 1]].long()
             c = ckv_cache[pages].flatten(0, 1)[:s].double()
             pe = kpe_cache[pages].flatten(0, 1)[:s].double()
             score = (torch.einsum("thl,jl->htj", q_nope[q0:q1].double(), c)
@@ -526,12 +531,18 @@ class _StandinMLAWrapper:
             out[q0:q1] = torch.einsum("htj,jl->thl", torch.softmax(score, -1), c).to(out.dtype)
 
 
+def simulated_h200(monkeypatch, module, wrapper) -> Platform:
+    """``module``'s FlashInfer wrapper class replaced by ``wrapper``, and an H200-like
+    platform (sm90, the packages assumed present) for the layer."""
+    monkeypatch.setattr(module, "_wrapper_class", lambda: wrapper)
+    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+
+
 @pytest.fixture
 def standin_flashinfer_mla(monkeypatch):
     from attn_ops.backends.mla import flashinfer_mla
 
-    monkeypatch.setattr(flashinfer_mla, "_wrapper_class", lambda: _StandinMLAWrapper)
-    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    return simulated_h200(monkeypatch, flashinfer_mla, StandinMLAWrapper)
 
 
 FI_SPEC = AttentionSpec.mla(4, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=64,

@@ -19,6 +19,7 @@ from attn_ops.platforms import current_platform
 from attn_ops.registry import MLA_BACKENDS
 from attn_ops.selector import candidates_for, select_backend
 from attn_ops.spec import KVCacheDType
+from test_mla import StandinMLAWrapper, simulated_h200
 
 PAGE = 4
 NUM_BLOCKS = 64
@@ -511,57 +512,22 @@ class SimpleNs:
 
 # --- FLASHINFER_MLA_SPARSE's glue against a stand-in of FlashInfer's wrapper ---------------------
 
-class _StandinSparseWrapper:
-    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in torch with the contract the sparse
-    glue relies on (FlashInfer 0.7.2's ``_stage_metadata``): host int32 ``qo_indptr`` /
-    ``kv_indptr`` / ``kv_len``; ``kv_indices`` a device tensor read when ``run`` runs -- kept
-    by reference eagerly, copied at plan into the buffer given at construction in graph mode;
-    page size 1, not causal; rows of a request without keys get NaN."""
+class _StandinSparseWrapper(StandinMLAWrapper):
+    """FlashInfer's MLA wrapper as test_mla's stand-in models it (plan arrays on the host,
+    ``kv_indices`` read at run), planned the way the sparse glue must: pages of one token,
+    not causal."""
 
-    def __init__(self, float_workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
-                 kv_indices=None, kv_len_arr=None, backend="auto"):
-        assert backend in ("fa2", "fa3")
-        self.graph, self.reserved = use_cuda_graph, kv_indices
-        assert not use_cuda_graph or kv_indices is not None
-
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
-             head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type):
-        for a in (qo_indptr, kv_indptr, kv_len_arr):
-            assert a.dtype == torch.int32 and a.device.type == "cpu"
-        assert page_size == 1 and not causal and kv_indices.dtype == torch.int32
-        if self.graph:
-            self.reserved[:kv_indices.numel()].copy_(kv_indices.clone())
-            self.indices = self.reserved
-        else:
-            self.indices = kv_indices  # (the same device tensor: read at run)
-        self.qo, self.indptr, self.lens = (a.tolist() for a in (qo_indptr, kv_indptr,
-                                                                 kv_len_arr))
-        self.args = (num_heads, head_dim_ckv, head_dim_kpe, sm_scale)
-
-    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None):
-        heads, ckv, kpe, scale = self.args
-        assert q_nope.shape[1:] == (heads, ckv) and ckv_cache.shape[1] == 1
-        for r, s in enumerate(self.lens):
-            q0, q1 = self.qo[r], self.qo[r + 1]
-            if s == 0:
-                out[q0:q1] = float("nan")
-                continue
-            idx = self.indices[self.indptr[r]:self.indptr[r] + s].long()
-            c, pe = ckv_cache[idx, 0].double(), kpe_cache[idx, 0].double()
-            score = (torch.einsum("thl,jl->htj", q_nope[q0:q1].double(), c)
-                     + torch.einsum("thr,jr->htj", q_pe[q0:q1].double(), pe)) * scale
-            out[q0:q1] = torch.einsum("htj,jl->thl", torch.softmax(score, -1), c).to(out.dtype)
+    def plan(self, *args):
+        page_size, causal = args[7], args[8]
+        assert page_size == 1 and not causal
+        super().plan(*args)
 
 
 @pytest.fixture
 def standin_flashinfer_sparse(monkeypatch):
-    import dataclasses
-
     from attn_ops.backends.mla import flashinfer_mla_sparse
-    from attn_ops.platforms import Platform
 
-    monkeypatch.setattr(flashinfer_mla_sparse, "_wrapper_class", lambda: _StandinSparseWrapper)
-    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    return simulated_h200(monkeypatch, flashinfer_mla_sparse, _StandinSparseWrapper)
 
 
 FI_SPEC = AttentionSpec.mla(4, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=64,
