@@ -9,21 +9,26 @@ Contenders, each as CUDA-graph replays (``do_bench_cudagraph`` medians, contende
 the projections are the model's and are not timed on either side):
 
 * ``indexer``     -- ``attn.indexer_k_write`` + ``attn.indexer_topk`` + ``attn.indexer_slots``;
-* ``sparse_attn`` -- the sparse layer (latent write, absorption, TRITON_MLA_SPARSE over the
-  2048 selected rows, ``W_UV``) on slots the indexer chose;
-* ``sparse_step`` -- both, as a sparse layer's step runs them;
+* ``sparse_attn_<B>`` -- the sparse layer on backend ``B`` (``--sparse``; default
+  TRITON_MLA_SPARSE and FLASHINFER_MLA_SPARSE): latent write, absorption, attention over the
+  2048 selected rows, ``W_UV``, on slots the indexer chose;
+* ``sparse_step_<B>`` -- the indexer and ``sparse_attn_<B>``, as a sparse layer's step runs them;
 * ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA and
   FLASHINFER_MLA, the dense MLA family's best at 128 heads), metadata planned before capture.
 
 ``--only prefill``: one request's prefill of ``--prefills`` tokens from an empty cache -- the
-sparse step (every token over its ``min(2048, position + 1)`` selected rows, absorbed) against
+sparse steps (every token over its ``min(2048, position + 1)`` selected rows, absorbed) against
 the dense layer's (the MHA form, routed to FA4 / FlashInfer's ragged prefill), timed with
 ``do_bench`` (the dense MHA part plans on the host at each call). TFLOP/s: the selected
 tokens' attention, ``sum_t count_t * H * 2 * (576 + 512)``, and the dense causal MHA's,
 ``n^2 / 2 * H * 2 * (192 + 128)``.
 
+The sparse backends' outputs are compared at every point (``max_diff_<B>``: the largest
+difference from the first sparse backend's that ran).
+
     python benchmarks/bench_mla_sparse.py [--only decode prefill] [--batches 1 8 64 128]
         [--ctxs 8192 ...] [--prefills 4096 16384] [--dense TRITON_MLA FLASHINFER_MLA]
+        [--sparse TRITON_MLA_SPARSE FLASHINFER_MLA_SPARSE]
         [--rounds R] [--out PATH]
 """
 
@@ -41,10 +46,11 @@ HEADS, PAGE, TOPK, INDEX_HEADS, INDEX_DIM = 128, 64, 2048, 64, 128
 BF16 = torch.bfloat16
 
 
-def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator,
-         new_tokens: int = 1) -> dict:
+def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.Generator,
+         new_tokens: int = 1) -> tuple[dict, dict]:
     """The contenders of one point -- ``batch`` requests of ``ctx`` cached tokens and
-    ``new_tokens`` new ones each -- over one latent cache and one index-key cache."""
+    ``new_tokens`` new ones each -- over one latent cache and one index-key cache, and the
+    sparse backends' largest output differences from the first's."""
     from attn_ops import AttentionConfig, AttentionSpec, MLAAttention
     from attn_ops.backends.mla.indexer import (FP8, allocate_index_cache, indexer_k_write,
                                                indexer_slots, indexer_topk)
@@ -67,11 +73,11 @@ def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator,
         num_decode_tokens=t if decode else 0, block_size=PAGE, block_table_cpu=table.cpu(),
         num_blocks=blocks)
     sparse_spec = AttentionSpec.mla(HEADS, dtype=BF16, block_size=PAGE, index_topk=TOPK)
-    layers = {"sparse": MLAAttention(sparse_spec, AttentionConfig(
-        backend="TRITON_MLA_SPARSE")).cuda()}
+    layers = {f"sparse_{name}": MLAAttention(sparse_spec, AttentionConfig(backend=name)).cuda()
+              for name in sparse}
     for name in dense:
-        layers[name] = MLAAttention(sparse_spec.with_(index_topk=None),
-                                    AttentionConfig(backend=name)).cuda()
+        layers[f"dense_{name}"] = MLAAttention(sparse_spec.with_(index_topk=None),
+                                               AttentionConfig(backend=name)).cuda()
     w = (torch.randn(HEADS * 256, 512, device="cuda") / 512 ** 0.5).to(BF16)
     for layer in layers.values():
         layer.load_kv_b_proj(w)
@@ -95,24 +101,33 @@ def case(batch: int, ctx: int, dense: list[str], gen: torch.Generator,
 
     indexer()
     slots = chosen["slots"].clone()
-    sparse = layers["sparse"]
-    fns = {"indexer": indexer,
-           "sparse_attn": lambda: sparse(q, kv_c, k_pe, latent, common, topk_slots=slots),
-           "sparse_step": lambda: sparse(q, kv_c, k_pe, latent, common, topk_slots=indexer())}
-    for name in dense:
-        layer = layers[name]
+    fns, outputs = {"indexer": indexer}, {}
+    for key, layer in layers.items():
         built = layer.impl.build_metadata(common)  # (host planning outside the capture)
-        fns[f"dense_{name}"] = (lambda layer=layer, built=built:
-                                layer(q, kv_c, k_pe, latent, built))
-    return fns
+        if key.startswith("dense_"):
+            fns[key] = lambda layer=layer, built=built: layer(q, kv_c, k_pe, latent, built)
+            continue
+        name = key[len("sparse_"):]
+        fns[f"sparse_attn_{name}"] = (lambda layer=layer, built=built:
+                                      layer(q, kv_c, k_pe, latent, built, topk_slots=slots))
+        fns[f"sparse_step_{name}"] = (lambda layer=layer, built=built:
+                                      layer(q, kv_c, k_pe, latent, built,
+                                            topk_slots=indexer()))
+        try:
+            outputs[name] = fns[f"sparse_attn_{name}"]().float()
+        except Exception as e:  # noqa: BLE001 -- recorded again when it is timed
+            print(f"sparse_attn_{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    first = next(iter(outputs.values()), None)
+    diffs = {f"max_diff_{n}": (o - first).abs().max().item() for n, o in outputs.items()}
+    return fns, diffs
 
 
 def prefill_rows(n: int, args, gen) -> dict:
     """One request's prefill of ``n`` tokens: sparse step against each dense layer."""
     from triton.testing import do_bench
 
-    fns = case(1, 0, args.dense, gen, new_tokens=n)
-    fns.pop("sparse_attn")
+    fns, diffs = case(1, 0, args.sparse, args.dense, gen, new_tokens=n)
+    fns = {k: v for k, v in fns.items() if not k.startswith("sparse_attn_")}
     ms, errors = {}, {}
     for name, fn in fns.items():
         try:
@@ -121,9 +136,10 @@ def prefill_rows(n: int, args, gen) -> dict:
             errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
             print(f"{name}: {errors[name]}", flush=True)
     counts = torch.arange(1, n + 1).clamp(max=TOPK).sum().item()
-    flops = {"sparse_step": counts * HEADS * 2 * (576 + 512),
-             **{k: n * n / 2 * HEADS * 2 * (192 + 128) for k in ms if k.startswith("dense_")}}
-    row = {"mode": "prefill", "tokens": n, **{f"{k}_ms": v for k, v in ms.items()},
+    flops = {k: (counts * HEADS * 2 * (576 + 512) if k.startswith("sparse_step_")
+                 else n * n / 2 * HEADS * 2 * (192 + 128))
+             for k in ms if k.startswith(("sparse_step_", "dense_"))}
+    row = {"mode": "prefill", "tokens": n, **{f"{k}_ms": v for k, v in ms.items()}, **diffs,
            **{f"{k}_tflops": flops[k] / (v * 1e-3) / 1e12 for k, v in ms.items() if k in flops},
            "errors": errors}
     print(f"prefill {n:<6d} " + "  ".join(
@@ -138,6 +154,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128])
     parser.add_argument("--ctxs", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     parser.add_argument("--dense", nargs="*", default=["TRITON_MLA", "FLASHINFER_MLA"])
+    parser.add_argument("--sparse", nargs="+",
+                        default=["TRITON_MLA_SPARSE", "FLASHINFER_MLA_SPARSE"])
     parser.add_argument("--prefills", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--only", nargs="*", default=["decode", "prefill"])
     args = parser.parse_args()
@@ -150,7 +168,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     for batch in args.batches if "decode" in args.only else []:
         for ctx in args.ctxs:
-            fns = case(batch, ctx, args.dense, gen)
+            fns, diffs = case(batch, ctx, args.sparse, args.dense, gen)
             ms, errors = {}, {}
             for name, fn in fns.items():  # (a contender that cannot run here is recorded)
                 try:
@@ -159,18 +177,20 @@ def main() -> None:
                     errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
                     print(f"{name}: {errors[name]}", flush=True)
             row = {"mode": "decode", "batch": batch, "ctx": ctx,
-                   **{f"{n}_us": v * 1e3 for n, v in ms.items()},
+                   **{f"{n}_us": v * 1e3 for n, v in ms.items()}, **diffs,
                    "errors": errors}
             best_dense = min((v for n, v in ms.items() if n.startswith("dense_")),
                              default=float("nan"))
-            step = ms.get("sparse_step", float("nan"))
+            step = min((v for n, v in ms.items() if n.startswith("sparse_step_")),
+                       default=float("nan"))
             row["speedup_vs_dense"] = best_dense / step
             row["indexer_share"] = ms.get("indexer", float("nan")) / step
             rows.append(row)
             print(f"decode B={batch:<4d} ctx={ctx:<7d} " + "  ".join(
                 f"{n} {v * 1e3:8.1f} us" for n, v in ms.items())
                 + f"  x{row['speedup_vs_dense']:.2f} vs dense, indexer "
-                f"{100 * row['indexer_share']:.0f}%", flush=True)
+                f"{100 * row['indexer_share']:.0f}%, "
+                + " ".join(f"{k} {v:.1e}" for k, v in diffs.items()), flush=True)
             write_result("bench_mla_sparse", args.out, quiet=True, rows=rows, complete=False,
                          dense=args.dense)
             del fns

@@ -57,6 +57,8 @@
 #            SSM_PROF_CASES its cases (default: the script's)
 #   sparse   tests/test_mla_sparse.py and tests/test_indexer.py (sparse MLA and its indexer: the
 #            Triton kernels compiled, real sizes, CUDA-graph replays; SPARSE_K selects)
+#   sparsecheck compute-sanitizer memcheck over the sparse MLA kernels' and the indexer's
+#            real-size and device top-k tests
 #   sparsebench benchmarks/bench_mla_sparse.py (a sparse MLA layer's decode step and prefill
 #            against dense MLA; SPARSE_ARGS)
 #   sparsesweep benchmarks/bench_mla_sparse.py under each of SPARSE_SWEEP's ATTN_OPS_TUNING
@@ -181,6 +183,9 @@ for spec in "$@"; do
       done ;;
     sparse) stage sparse "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_mla_sparse.py tests/test_indexer.py -k "${SPARSE_K:-}" ;;
+    sparsecheck) stage sparsecheck "$limit" compute-sanitizer --tool memcheck \
+        --report-api-errors no python -m pytest -q -p no:cacheprovider tests/test_mla_sparse.py \
+        tests/test_indexer.py -k "(real_sizes and bf16) or device or flashinfer_sparse_at" ;;
     sparsebench) stage sparsebench "$limit" python benchmarks/bench_mla_sparse.py \
         ${SPARSE_ARGS:-} --out "$OUT/bench_mla_sparse_h200.json" ;;
     sparsesweep) i=0
