@@ -347,6 +347,34 @@ def sparse_mla_splits(rows: int, heads: int, topk: int, num_sms: int, t: MLATuni
     return splits
 
 
+def indexer_score_chunk(rows: int, positions: int, block_n: int, num_sms: int,
+                        t: MLATuning) -> int:
+    """Positions a program of the indexer's scoring covers: ``Tuning.mla.index_chunk``, halved
+    (a power of two, not below 256 nor ``block_n``) while the step's programs
+    (rows x chunks) stay under ``programs_per_sm x SMs`` -- few decode rows over a long
+    context split their positions over the SMs, many rows keep long programs (the row's
+    query heads are loaded once a program)."""
+    chunk = max(block_n, pow2(t.index_chunk))
+    floor = max(block_n, 256)
+    want = t.programs_per_sm * num_sms
+    while chunk // 2 >= floor and rows * -(-positions // chunk) < want:
+        chunk //= 2
+    return chunk
+
+
+def indexer_select_chunks(rows: int, positions: int, topk: int, num_sms: int,
+                          t: MLATuning) -> int:
+    """Chunks of a row's scores the top-k select splits into (1: one launch, a program a row):
+    a power of two, at most sqrt(positions / topk) (each chunk keeps ``topk`` candidates; the
+    second pass reads chunks x topk of them) and at most what brings the rows x chunks
+    programs to ``programs_per_sm x SMs``."""
+    want = max(1, t.programs_per_sm * num_sms // max(1, rows))
+    chunks = 1
+    while (chunks * 2) ** 2 * topk <= positions and chunks * 2 <= want:
+        chunks *= 2
+    return chunks
+
+
 def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Kernel:
     """FLASHINFER_MLA's absorbed kernel: fa3 on sm90 for latent widths 128 / 256 / 512 (its
     templates), fa2 elsewhere. Measured on the H200 at 512 + 64: fa3 471-503 TFLOP/s at 128

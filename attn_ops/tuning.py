@@ -205,6 +205,13 @@ class MLATuning:
     sparse_warps: int = 4
     sparse_stages: int = 2
     sparse_splits: int = 0
+    # The sparse indexer's scoring (backends/mla/indexer_kernels.py): positions a step of a
+    # program (all index heads of one query row at once), and the most positions of one program
+    # (routing.indexer_score_chunk shortens it so a step's programs fill
+    # programs_per_sm x SMs); the top-k select's block of scores a step. Unmeasured.
+    index_block_n: int = 64
+    index_chunk: int = 2048
+    index_select_block: int = 1024
 
 
 @dataclass(frozen=True)

@@ -220,13 +220,17 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("cache", ["fp32", "fp8_token", "fp8_block"])
-def test_device_topk_selects_what_the_reference_does(cache):
-    """The GPU path (Triton scores, int64 keys, torch.topk; the interpreter here) against the
+@pytest.mark.parametrize("launch", [dict(block_n=32), dict(block_n=16, chunk=32,
+                                                          select_chunks=4)],
+                         ids=["one-select", "split-select"])
+@pytest.mark.parametrize("cache", ["fp32", "fp8_token", "fp8_token_half", "fp8_block"])
+def test_device_topk_selects_what_the_reference_does(cache, launch):
+    """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
-    lower position), fp8 with per-token and per-128-channel scales, the position axis in
-    several programs."""
+    lower position), fp8 with per-token and per-128-channel scales (an fp16 query over
+    per-token fp8 keys: the product in fp16, the scale after the ReLU), the position axis in
+    one program or several, the select in one launch or two (chunks, then candidates)."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
 
@@ -244,13 +248,42 @@ def test_device_topk_selects_what_the_reference_does(cache):
     indexer_k_write(ks[2][:1].expand(5, -1), keys, scales, dup)
     t = sum(new) + 3
     q = torch.randn(t, h, d, generator=g)
+    if cache == "fp8_token_half":
+        q = q.half()
     w = torch.randn(t, h, generator=g)
     args = [x.to(dev) if x is not None else None
             for x in (q, w, keys, scales, table, seq_lens, qsl)]
-    got = indexer_topk_device(*args, topk, block_n=32)
+    got = indexer_topk_device(*args, topk, **launch)
     want = topk_reference(*args, topk)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[sum(new):] == -1).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_device_select_breaks_ties_by_position(chunks):
+    """The radix select alone on scores drawn from five values (-0.0 and +0.0 among them: one
+    value), so the top-k threshold falls inside a run of equal scores in every row: positions
+    above it and the lowest-positioned equal ones, ascending, as a stable sort gives; rows
+    seeing fewer than top-k positions take them all, padding rows none."""
+    from attn_ops.backends.mla.indexer_kernels import _select
+    from attn_ops.tuning import default_tuning
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    rows, width, topk = 6, 200, 24
+    values = torch.tensor([-1.5, -0.0, 0.0, 0.75, 2.0])
+    scores = values[torch.randint(0, 5, (rows, width), generator=g)]
+    vis = torch.tensor([200, 150, 25, 24, 7, 0], dtype=torch.int32)
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
+    _select(scores.to(dev), vis.to(dev), out, 0, topk, width, 1, default_tuning().mla, chunks)
+    for r in range(rows):
+        n = int(vis[r])
+        order = torch.sort(-scores[r, :n], stable=True).indices[:topk]
+        want = torch.full((topk,), -1, dtype=torch.int32)
+        want[:order.numel()] = order.sort().values.to(torch.int32)
+        assert torch.equal(out[r].cpu(), want), r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
@@ -281,3 +314,88 @@ def test_device_key_write_stores_what_the_reference_does(cache):
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     if dtype == FP8:
         assert torch.equal(got[1], want[1])
+
+
+def test_indexer_launch_fills_the_sms_for_few_rows_and_keeps_long_programs_for_many():
+    from attn_ops.routing import indexer_score_chunk, indexer_select_chunks
+    from attn_ops.tuning import Tuning
+
+    t = Tuning().mla
+    # scoring: 1 decode row over 128k positions -> 256-position programs (512 of them);
+    # 128 rows -> 2048 (8k programs); a short context never below 256 positions
+    assert indexer_score_chunk(1, 131072, 64, 132, t) == 256
+    assert indexer_score_chunk(8, 32768, 64, 132, t) == 512  # (8 x 64 >= 264)
+    assert indexer_score_chunk(128, 131072, 64, 132, t) == 2048
+    assert indexer_score_chunk(1, 300, 64, 132, t) == 256
+    assert indexer_score_chunk(1, 4096, 512, 132, t) == 512  # (never below block_n)
+    # the select: at most sqrt(positions / topk) chunks, at most 2 x SMs programs
+    assert indexer_select_chunks(1, 131072, 2048, 132, t) == 8
+    assert indexer_select_chunks(1, 8192, 2048, 132, t) == 2
+    assert indexer_select_chunks(128, 131072, 2048, 132, t) == 2
+    assert indexer_select_chunks(2048, 131072, 2048, 132, t) == 1
+    assert indexer_select_chunks(1, 4096, 2048, 132, t) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cache", ["bf16", "fp8_token"])
+def test_device_topk_at_real_sizes_selects_the_best_scores(cache):
+    """DeepSeek-V3.2's indexer sizes: 64 heads x 128, top-k 2048, page 64, bf16 queries; a
+    step of 6 decodes at 2048 (dense) to 40k positions and a 48-token prefill at 20k, each
+    under the tuning's launch (few rows: positions over many programs, a two-stage select).
+    The rows' selections against fp32 scores of the same cache: every row takes top-k
+    positions (all it sees below that), and any position where it differs from the exact
+    top-k scores within 1e-5 of the row's top-k-th score (products in bf16 with fp32 sums:
+    only near-ties may swap)."""
+    from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
+
+    torch.manual_seed(1)
+    dev, page, h, d, topk = "cuda", 64, 64, 128, 2048
+    lens = [2048, 2049, 9000, 17000, 33000, 40960, 20000]
+    new = [1, 1, 1, 1, 1, 1, 48]
+    blocks = sum(-(-n // page) for n in lens) + 8
+    dtype = FP8 if cache == "fp8_token" else torch.bfloat16
+    keys, scales = allocate_index_cache(blocks, page, d, dtype, device=dev)
+    keys.copy_(torch.randn(keys.shape, device=dev).to(dtype))
+    if scales is not None:
+        scales.copy_(torch.rand(scales.shape, device=dev) + 0.05)
+    width = max(-(-n // page) for n in lens)
+    perm = torch.randperm(blocks, device=dev)
+    table = torch.zeros(len(lens), width, dtype=torch.int32, device=dev)
+    at = 0
+    for r, n in enumerate(lens):
+        table[r, :-(-n // page)] = perm[at:at + -(-n // page)].to(torch.int32)
+        at += -(-n // page)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device=dev)
+    t = sum(new)
+    q = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(t, h, device=dev) / h
+    got = indexer_topk_device(q, w, keys, scales, table, seq_lens, qsl, topk)
+    row = 0
+    for r, (n, m) in enumerate(zip(lens, new)):
+        pos = torch.arange(n, device=dev)
+        slots = table[r, pos // page].long() * page + pos % page
+        k = keys.view(-1, d)[slots].float()
+        if scales is not None:
+            k = k * scales.view(-1, 1)[slots]
+        score = torch.einsum("th,thj->tj", w[row:row + m],
+                             torch.relu(torch.einsum("thd,jd->thj", q[row:row + m].float(), k)))
+        for i in range(m):
+            vis = n - m + i + 1
+            sel = got[row + i]
+            if vis <= topk:
+                assert torch.equal(sel[:vis].cpu(), torch.arange(vis, dtype=torch.int32))
+                assert (sel[vis:] == -1).all()
+                continue
+            assert (sel >= 0).all() and (sel < vis).all() and (sel.diff() > 0).all(), (r, i)
+            s = score[i, :vis]
+            kth = s.topk(topk).values[-1]
+            best = torch.zeros(vis, dtype=torch.bool, device=dev)
+            best[s.topk(topk).indices] = True
+            mine = torch.zeros(vis, dtype=torch.bool, device=dev)
+            mine[sel.long()] = True
+            differ = best ^ mine
+            tol = 1e-5 * max(1.0, float(kth.abs()))
+            assert ((s[differ] - kth).abs() <= tol).all(), (r, i, int(differ.sum()))
+        row += m

@@ -44,28 +44,28 @@ for _b in sorted(MLA_BACKENDS, key=lambda b: b.value):
             break
 
 
-def _case(spec, reqs, *, seed=0, padded=2):
+def _case(spec, reqs, *, seed=0, padded=2, device=DEVICE):
     """One step: the contexts already in a NaN-poisoned latent cache with pages in random
     order; fp64 latents, queries and weights; the step's metadata."""
     g = torch.Generator().manual_seed(seed)
     h, nope, rank, v = spec.num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank, spec.v_head_dim
     w = torch.randn(h * (nope + v), rank, generator=g, dtype=torch.float64) / rank ** 0.5
     fp8 = spec.kv_cache_dtype.is_fp8
-    kv_scale = torch.full((1,), 0.05, device=DEVICE) if fp8 else None
+    kv_scale = torch.full((1,), 0.05, device=device) if fp8 else None
     cache = torch.full((NUM_BLOCKS, PAGE, spec.latent_dim), float("nan"), dtype=torch.float64,
-                       device=DEVICE).to(spec.cache_dtype if fp8 else torch.float64)
+                       device=device).to(spec.cache_dtype if fp8 else torch.float64)
     alloc = BlockAllocator(NUM_BLOCKS, PAGE, shuffle=True, seed=seed)
     lat = [torch.randn(c + n, rank + spec.qk_rope_head_dim, generator=g, dtype=torch.float64)
            for c, n in reqs]
     with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
     if with_ctx:
         pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
-                          decode_threshold=0, device=DEVICE)
-        rows = torch.cat([lat[i][:reqs[i][0]] for i in with_ctx]).to(DEVICE)
+                          decode_threshold=0, device=device)
+        rows = torch.cat([lat[i][:reqs[i][0]] for i in with_ctx]).to(device)
         mla_cache_update(rows[:, :rank], rows[:, rank:], cache, pre.slot_mapping, kv_scale)
     total = sum(n for _, n in reqs)
     meta = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs], [n for _, n in reqs],
-                       num_tokens_padded=total + padded, device=DEVICE, decode_threshold=4)
+                       num_tokens_padded=total + padded, device=device, decode_threshold=4)
     q = torch.randn(total + padded, h, spec.head_dim, generator=g, dtype=torch.float64)
     q[total:] = 0
     new = torch.cat([lt[c:] for lt, (c, _) in zip(lat, reqs)])
@@ -140,7 +140,8 @@ def _run(spec, case, backend, dtype, slots, tuning=None):
 
 
 def _slots(positions, meta):
-    return indexer_slots(positions.to(DEVICE), meta.block_table, meta.query_start_loc, PAGE)
+    return indexer_slots(positions.to(meta.block_table.device), meta.block_table,
+                         meta.query_start_loc, PAGE)
 
 
 @pytest.mark.parametrize("backend", SPARSE_HERE)
@@ -554,7 +555,7 @@ def test_flashinfer_sparse_plans_the_selection_counts_and_runs_the_masked_dense_
     buffer filled on the device after the plan, the cache as pages of one token, padding rows
     zeroed -- against dense MLA masked to the selection."""
     reqs = SCENARIOS[scenario]
-    case = _case(FI_SPEC, reqs, seed=2)
+    case = _case(FI_SPEC, reqs, seed=2, device="cpu")  # (the stand-in runs on the host)
     positions = _indexer_layout(torch.Generator().manual_seed(3), reqs, 2, TOPK)
     layer = MLAAttention(FI_SPEC, AttentionConfig(backend="FLASHINFER_MLA_SPARSE"),
                          platform=standin_flashinfer_sparse)
