@@ -362,17 +362,17 @@ def indexer_score_chunk(rows: int, positions: int, block_n: int, num_sms: int,
     return chunk
 
 
-def indexer_select_chunks(rows: int, positions: int, topk: int, num_sms: int,
-                          t: MLATuning) -> int:
-    """Chunks of a row's scores the top-k select splits into (1: one launch, a program a row):
-    a power of two, at most sqrt(positions / topk) (each chunk keeps ``topk`` candidates; the
-    second pass reads chunks x topk of them) and at most what brings the rows x chunks
-    programs to ``programs_per_sm x SMs``."""
-    want = max(1, t.programs_per_sm * num_sms // max(1, rows))
-    chunks = 1
-    while (chunks * 2) ** 2 * topk <= positions and chunks * 2 <= want:
-        chunks *= 2
-    return chunks
+def indexer_select_span(rows: int, positions: int, block: int, num_sms: int,
+                        t: MLATuning) -> int:
+    """Positions a program of the indexer's top-k select covers (each launch runs rows x
+    spans programs): ``block``, doubled while the programs exceed ``index_select_programs_per_sm
+    x SMs`` (each program re-reads its row's histograms: longer spans for many rows) and the
+    span is short of the positions."""
+    span = block
+    want = t.index_select_programs_per_sm * num_sms
+    while span < positions and rows * -(-positions // span) > want:
+        span *= 2
+    return span
 
 
 def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Kernel:

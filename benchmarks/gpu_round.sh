@@ -61,6 +61,7 @@
 #            real-size and device top-k tests
 #   sparsebench benchmarks/bench_mla_sparse.py (a sparse MLA layer's decode step and prefill
 #            against dense MLA; SPARSE_ARGS)
+#   indexprof benchmarks/profile_indexer.py (each indexer launch's device time; INDEX_PROF_CASES)
 #   sparsesweep benchmarks/bench_mla_sparse.py under each of SPARSE_SWEEP's ATTN_OPS_TUNING
 #            strings (default: TRITON_MLA_SPARSE tiles), SPARSE_SWEEP_ARGS its arguments
 #            (default: decode at batch 8 and 128, 32k, TRITON_MLA as the dense contender);
@@ -188,6 +189,8 @@ for spec in "$@"; do
         tests/test_indexer.py -k "(real_sizes and bf16) or device or flashinfer_sparse_at" ;;
     sparsebench) stage sparsebench "$limit" python benchmarks/bench_mla_sparse.py \
         ${SPARSE_ARGS:-} --out "$OUT/bench_mla_sparse_h200.json" ;;
+    indexprof) stage indexprof "$limit" python benchmarks/profile_indexer.py \
+        ${INDEX_PROF_CASES:+--cases $INDEX_PROF_CASES} ;;
     sparsesweep) i=0
       for cfg in ${SPARSE_SWEEP:-mla.sparse_heads=16 mla.sparse_heads=64,mla.sparse_keys=64,mla.sparse_warps=8 mla.sparse_heads=32,mla.sparse_keys=64,mla.sparse_warps=4 mla.sparse_heads=64,mla.sparse_keys=32,mla.sparse_warps=8,mla.sparse_stages=3}; do
         i=$((i + 1))
@@ -206,6 +209,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_" \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ " \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

@@ -221,7 +221,7 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("launch", [dict(block_n=32), dict(block_n=16, chunk=32,
-                                                          select_chunks=4)],
+                                                          select_span=32, select_block=16)],
                          ids=["one-select", "split-select"])
 @pytest.mark.parametrize("cache", ["fp32", "fp8_token", "fp8_token_half", "fp8_block"])
 def test_device_topk_selects_what_the_reference_does(cache, launch):
@@ -230,7 +230,7 @@ def test_device_topk_selects_what_the_reference_does(cache, launch):
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
     lower position), fp8 with per-token and per-128-channel scales (an fp16 query over
     per-token fp8 keys: the product in fp16, the scale after the ReLU), the position axis in
-    one program or several, the select in one launch or two (chunks, then candidates)."""
+    one program or several, the select's spans of positions in one program or several."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
 
@@ -261,8 +261,8 @@ def test_device_topk_selects_what_the_reference_does(cache, launch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("chunks", [1, 2, 4])
-def test_device_select_breaks_ties_by_position(chunks):
+@pytest.mark.parametrize("span", [256, 64, 16])
+def test_device_select_breaks_ties_by_position(span):
     """The radix select alone on scores drawn from five values (-0.0 and +0.0 among them: one
     value), so the top-k threshold falls inside a run of equal scores in every row: positions
     above it and the lowest-positioned equal ones, ascending, as a stable sort gives; rows
@@ -276,8 +276,8 @@ def test_device_select_breaks_ties_by_position(chunks):
     values = torch.tensor([-1.5, -0.0, 0.0, 0.75, 2.0])
     scores = values[torch.randint(0, 5, (rows, width), generator=g)]
     vis = torch.tensor([200, 150, 25, 24, 7, 0], dtype=torch.int32)
-    out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)
-    _select(scores.to(dev), vis.to(dev), out, 0, topk, width, 1, default_tuning().mla, chunks)
+    out = torch.full((rows, topk), -1, dtype=torch.int32, device=dev)
+    _select(scores.to(dev), vis.to(dev), out, 0, topk, 1, default_tuning().mla, span, 16)
     for r in range(rows):
         n = int(vis[r])
         order = torch.sort(-scores[r, :n], stable=True).indices[:topk]
@@ -317,7 +317,7 @@ def test_device_key_write_stores_what_the_reference_does(cache):
 
 
 def test_indexer_launch_fills_the_sms_for_few_rows_and_keeps_long_programs_for_many():
-    from attn_ops.routing import indexer_score_chunk, indexer_select_chunks
+    from attn_ops.routing import indexer_score_chunk, indexer_select_span
     from attn_ops.tuning import Tuning
 
     t = Tuning().mla
@@ -328,12 +328,10 @@ def test_indexer_launch_fills_the_sms_for_few_rows_and_keeps_long_programs_for_m
     assert indexer_score_chunk(128, 131072, 64, 132, t) == 2048
     assert indexer_score_chunk(1, 300, 64, 132, t) == 256
     assert indexer_score_chunk(1, 4096, 512, 132, t) == 512  # (never below block_n)
-    # the select: at most sqrt(positions / topk) chunks, at most 2 x SMs programs
-    assert indexer_select_chunks(1, 131072, 2048, 132, t) == 8
-    assert indexer_select_chunks(1, 8192, 2048, 132, t) == 2
-    assert indexer_select_chunks(128, 131072, 2048, 132, t) == 2
-    assert indexer_select_chunks(2048, 131072, 2048, 132, t) == 1
-    assert indexer_select_chunks(1, 4096, 2048, 132, t) == 1
+    # the select: spans of 1024 until the programs exceed 8 x SMs
+    assert indexer_select_span(1, 131072, 1024, 132, t) == 1024  # (128 programs)
+    assert indexer_select_span(128, 32768, 1024, 132, t) == 4096  # (1024 programs)
+    assert indexer_select_span(2048, 16384, 1024, 132, t) == 16384  # (a row a program)
 
 
 @pytest.mark.gpu

@@ -9,15 +9,17 @@ for each query row of ``vis`` visible positions (its position + 1; 0 for padding
    exactly: fp8 with one scale a token -- applied after the ReLU, ``relu(s x) = s relu(x)``
    for ``s > 0`` -- or keys of the query's dtype; fp32 otherwise), into ``[rows, positions]``
    fp32 scores;
-2. :func:`topk_select_kernel` -- the ``topk`` best of a row's scores by a radix select on
-   order-preserving 32-bit keys (four passes of 8-bit histograms find the ``topk``-th key
-   ``T`` and how many keys equal to ``T`` it takes), then one pass in position order that
-   writes the positions above ``T`` and the first of those equal to it: ascending, equal
-   scores keeping the lower position (the reference's stable sort), -1 after. A row that
-   sees at most ``topk`` positions takes them all without a score. Few long rows split in
-   two stages (``routing.indexer_select_chunks``): each chunk of a row selects its own
-   ``topk`` (every row's top-``topk`` is in its chunks' -- at most ``topk - 1`` beat it in
-   its chunk), and a second launch selects from those candidates, still in position order.
+2. the ``topk`` best of a row's scores by a radix select on order-preserving 32-bit keys:
+   three :func:`topk_hist_kernel` launches (11-, 11- and 10-bit digits, from the top) each
+   add the histogram of the next digit among the keys sharing the digits decided so far
+   into the row's, so the three give the ``topk``-th key ``T`` and how many keys equal to it
+   the row takes; :func:`topk_count_kernel` counts each span's keys above and equal to
+   ``T``, their exclusive prefix sums place each span's output, and
+   :func:`topk_write_kernel` writes the positions above ``T`` and the first of those equal
+   to it: ascending, equal scores keeping the lower position (the reference's stable sort).
+   Every launch runs rows x spans programs (``routing.indexer_select_span``), so one long
+   row fills the GPU as many short ones do. A row that sees at most ``topk`` positions takes
+   them all without a score; -1 fills the rest.
 
 The position axis is the block table's capacity (pages x page), a shape; long steps run in
 groups of :data:`ROWS_A_PASS` rows to bound the ``[rows, positions]`` buffers.
@@ -29,10 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.routing import indexer_score_chunk, indexer_select_chunks, pow2
+from attn_ops.routing import indexer_score_chunk, indexer_select_span, pow2
 
 __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
-           "indexer_k_write_device", "indexer_topk_device", "topk_select_kernel"]
+           "indexer_k_write_device", "indexer_topk_device", "topk_count_kernel",
+           "topk_hist_kernel", "topk_write_kernel"]
 
 ROWS_A_PASS = 2048
 _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
@@ -88,80 +91,135 @@ def _order_key(s):
 
 
 @triton.jit
-def topk_select_kernel(scores_ptr, cand_ptr, vis_ptr, out_ptr, out_score_ptr, row0, width,
-                       topk, stride_s, stride_c, stride_o, stride_os, CAND: tl.constexpr,
-                       WRITE_SCORES: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``(i, c)``: the ``topk`` best of row ``i``'s entries ``[c * width, (c + 1) *
-    width)`` -- its scores (``CAND`` False: the first ``vis`` of the row's; none computed
-    when ``vis <= topk``, all taken) or its candidates (``scores_ptr`` their scores,
-    ``cand_ptr`` their positions, -inf entries none) -- as positions in order, -1 after, into
-    ``out[i, c * topk:]`` (and their scores into ``out_score``, ``WRITE_SCORES``)."""
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    lo = c * width
-    if CAND:
-        n = width
-        stored = width  # (entries with a score)
+def _digit(u, PASS: tl.constexpr):
+    """Pass ``PASS``'s digit of key ``u``: bits 31-21, 20-10, 9-0."""
+    if PASS == 0:
+        return (u >> 21) & 2047
+    elif PASS == 1:
+        return (u >> 10) & 2047
     else:
-        vis = tl.load(vis_ptr + row0 + i)
-        n = tl.minimum(vis - lo, width)
-        stored = tl.where(vis > topk, n, 0)
-    src = scores_ptr + i.to(tl.int64) * stride_s + lo
-    all_in = n <= topk  # (every entry taken: no select)
-    scan = tl.where(all_in, 0, n)
-    bins = tl.arange(0, 512)
+        return u & 1023
+
+
+@triton.jit
+def _above(u, PASS: tl.constexpr):
+    """The bits of ``u`` the passes before ``PASS`` decided (compared for equality only)."""
+    if PASS == 1:
+        return u >> 21
+    else:
+        return u >> 10
+
+
+@triton.jit
+def _descend(hist_ptr, topk, PASSES: tl.constexpr):
+    """From a row's first ``PASSES`` histograms: the decided high bits of its ``topk``-th key
+    and how many keys sharing them it still takes."""
+    bins = tl.arange(0, 2048)
     prefix = tl.full([], 0, tl.int32)
     remaining = tl.full([], 0, tl.int32) + topk
-    for p in tl.static_range(4):  # the topk-th key, 8 bits a pass from the top
-        hist = tl.zeros([512], tl.int32)
-        for start in range(0, scan, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            s = tl.load(src + offs, mask=offs < scan, other=float("-inf"))
-            u = _order_key(s)
-            match = (offs < scan) & (s > float("-inf"))
-            if p > 0:
-                match = match & ((u >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-            hist += tl.histogram(tl.where(match, (u >> (24 - 8 * p)) & 255, 256), 512)
-        hist = tl.where(bins < 256, hist, 0)
+    for p in tl.static_range(PASSES):
+        hist = tl.load(hist_ptr + p * 2048 + bins)
+        total = tl.sum(hist, axis=0)
         if p == 0:
-            remaining = tl.minimum(remaining, tl.sum(hist, axis=0))
-        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        digit = tl.max(tl.where((suffix >= remaining) & (bins < 256), bins, 0), axis=0)
+            remaining = tl.minimum(remaining, total)
+        suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
+        digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
         remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        prefix = prefix | (digit << (24 - 8 * p))
-    threshold = prefix ^ _SIGN  # (the same order as a signed int32)
-    taken = tl.full([], 0, tl.int32)
-    ties = tl.full([], 0, tl.int32)
-    dst = out_ptr + i.to(tl.int64) * stride_o + c * topk
-    dst_s = out_score_ptr + i.to(tl.int64) * stride_os + c * topk
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < n
-        # (an unscored row's entries load as 0: all valid, equal, taken in position order)
-        s = tl.load(src + offs, mask=offs < stored, other=0.0)
-        valid = inside & (s > float("-inf"))
-        o = _order_key(s) ^ _SIGN
-        eq = valid & (o == threshold)
-        tie_rank = ties + tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)
-        chosen = (valid & (o > threshold)) | (eq & (tie_rank < remaining))
-        chosen = tl.where(all_in, valid, chosen)
-        at = taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        if CAND:
-            pos = tl.load(cand_ptr + i.to(tl.int64) * stride_c + lo + offs, mask=chosen,
-                          other=-1)
+        if p == 0:
+            prefix = digit << 21
+        elif p == 1:
+            prefix = prefix | (digit << 10)
         else:
-            pos = lo + offs
-        tl.store(dst + at, pos, mask=chosen)
-        if WRITE_SCORES:
-            tl.store(dst_s + at, s, mask=chosen)
+            prefix = prefix | digit
+    return prefix, remaining
+
+
+@triton.jit
+def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
+                     PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(i, b)``: pass ``PASS``'s digit histogram of row ``i``'s keys in ``[b * span,
+    (b + 1) * span)`` that share the digits decided so far, added into ``hist[i, PASS]``
+    (rows seeing at most ``topk`` positions: none)."""
+    i = tl.program_id(0)
+    vis = tl.load(vis_ptr + row0 + i)
+    n = tl.where(vis > topk, vis, 0)
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(lo + span, n)
+    hrow = hist_ptr + i.to(tl.int64) * (3 * 2048)
+    prefix, _ = _descend(hrow, topk, PASS)
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    local = tl.zeros([4096], tl.int32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < hi
+        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        if PASS > 0:
+            ok = ok & (_above(u, PASS) == _above(prefix, PASS))
+        local += tl.histogram(tl.where(ok, _digit(u, PASS), 2048), 4096)  # (2048: none)
+    bins = tl.arange(0, 4096)
+    tl.atomic_add(hrow + PASS * 2048 + bins, local, mask=(bins < 2048) & (local > 0))
+
+
+@triton.jit
+def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, span, blocks,
+                      stride_s, BLOCK: tl.constexpr):
+    """Program ``(i, b)``: how many of row ``i``'s keys in its ``b``-th span are above its
+    ``topk``-th key and how many equal it, into ``counts[i, 0, b]`` and ``counts[i, 1, b]``."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    vis = tl.load(vis_ptr + row0 + i)
+    n = tl.where(vis > topk, vis, 0)
+    lo = b * span
+    hi = tl.minimum(lo + span, n)
+    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * (3 * 2048), topk, 3)
+    threshold = prefix ^ _SIGN  # (compared as a signed int32: the same order)
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    above = tl.full([], 0, tl.int32)
+    equal = tl.full([], 0, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < hi
+        o = _order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN
+        above += tl.sum((ok & (o > threshold)).to(tl.int32), axis=0)
+        equal += tl.sum((ok & (o == threshold)).to(tl.int32), axis=0)
+    tl.store(counts_ptr + i.to(tl.int64) * 2 * blocks + b, above)
+    tl.store(counts_ptr + i.to(tl.int64) * 2 * blocks + blocks + b, equal)
+
+
+@triton.jit
+def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, base_ptr, out_ptr, row0, topk, span,
+                      blocks, stride_s, stride_o, BLOCK: tl.constexpr):
+    """Program ``(i, b)``: row ``i``'s chosen positions in its ``b``-th span -- those above
+    its ``topk``-th key and the first of those equal to it -- at their ranks in position order
+    (``base``: the exclusive prefix sums of the counts); a row seeing at most ``topk``
+    positions writes them all, in place."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    vis = tl.load(vis_ptr + row0 + i)
+    n = tl.where(vis > topk, vis, 0)
+    lo = b * span
+    hi = tl.minimum(lo + span, n)
+    prefix, remaining = _descend(hist_ptr + i.to(tl.int64) * (3 * 2048), topk, 3)
+    threshold = prefix ^ _SIGN
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    dst = out_ptr + i.to(tl.int64) * stride_o
+    ties = tl.load(base_ptr + i.to(tl.int64) * 2 * blocks + blocks + b)
+    taken = tl.load(base_ptr + i.to(tl.int64) * 2 * blocks + b) + tl.minimum(ties, remaining)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < hi
+        o = _order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN
+        eq = ok & (o == threshold)
+        rank = ties + tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)
+        chosen = (ok & (o > threshold)) | (eq & (rank < remaining))
+        at = taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        tl.store(dst + at, offs, mask=chosen)
         taken += tl.sum(chosen.to(tl.int32), axis=0)
         ties += tl.sum(eq.to(tl.int32), axis=0)
-    for start in range(0, topk, BLOCK):
+    every = tl.where(vis > topk, 0, vis)  # (a row that takes all it sees)
+    for start in range(lo, tl.minimum(lo + span, every), BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        rest = (offs >= taken) & (offs < topk)
-        tl.store(dst + offs, offs * 0 - 1, mask=rest)
-        if WRITE_SCORES:
-            tl.store(dst_s + offs, tl.full([BLOCK], float("-inf"), tl.float32), mask=rest)
+        tl.store(dst + offs, offs, mask=offs < every)
 
 
 def _visible(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,9 +236,11 @@ def _visible(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Ten
 
 def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_start_loc,
                         topk: int, block_n: int | None = None, chunk: int | None = None,
-                        select_chunks: int | None = None) -> torch.Tensor:
+                        select_span: int | None = None,
+                        select_block: int | None = None) -> torch.Tensor:
     """``torch.ops.attn.indexer_topk`` without host reads (inputs already checked);
-    ``block_n`` / ``chunk`` / ``select_chunks`` override the tuning's launch (tests)."""
+    ``block_n`` / ``chunk`` / ``select_span`` / ``select_block`` override the tuning's
+    launch (tests)."""
     from attn_ops.routing import DeviceFacts
     from attn_ops.tuning import default_tuning
 
@@ -213,30 +273,30 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             scores.stride(0), H=h, H_P=pow2(h, 16), D=d, D_P=pow2(d, 16), PAGE=page,
             GROUP=group, HAS_SCALES=scales is not None, SCALE_AFTER=low and scales is not None,
             COMPUTE=compute, BLOCK_N=block_n, PRECISION=precision)
-        _select(scores, vis, out[r0:r0 + n], r0, topk, num_positions, sms, tuning,
-                select_chunks)
+        _select(scores, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
+                select_block)
     return out
 
 
-def _select(scores, vis, out, row0, topk, num_positions, sms, tuning, chunks) -> None:
-    """``out`` [rows, topk]: each row's top-k of ``scores`` (its first ``vis`` entries), in
-    one launch or, for few long rows, two (a chunk's own top-k, then of those)."""
-    rows, block = scores.shape[0], tuning.index_select_block
-    chunks = chunks or indexer_select_chunks(rows, num_positions, topk, sms, tuning)
-    if chunks == 1:
-        topk_select_kernel[(rows, 1)](
-            scores, scores, vis, out, scores, row0, num_positions, topk, scores.stride(0), 0,
-            out.stride(0), 0, CAND=False, WRITE_SCORES=False, BLOCK=block)
-        return
-    width = triton.cdiv(num_positions, chunks)
-    cand = torch.empty(rows, chunks * topk, dtype=torch.int32, device=scores.device)
-    cand_s = torch.empty(rows, chunks * topk, dtype=torch.float32, device=scores.device)
-    topk_select_kernel[(rows, chunks)](
-        scores, scores, vis, cand, cand_s, row0, width, topk, scores.stride(0), 0,
-        cand.stride(0), cand_s.stride(0), CAND=False, WRITE_SCORES=True, BLOCK=block)
-    topk_select_kernel[(rows, 1)](
-        cand_s, cand, vis, out, cand_s, row0, chunks * topk, topk, cand_s.stride(0),
-        cand.stride(0), out.stride(0), 0, CAND=True, WRITE_SCORES=False, BLOCK=block)
+def _select(scores, vis, out, row0, topk, sms, tuning, span=None, block=None) -> None:
+    """``out`` [rows, topk] (-1 filled): each row's top-k of ``scores`` (its first ``vis``
+    entries) -- three histogram launches, the counts, their prefix sums, the write; each
+    launch over (rows x spans of the positions) programs."""
+    rows, positions = scores.shape
+    block = block or tuning.index_select_block
+    span = span or indexer_select_span(rows, positions, block, sms, tuning)
+    blocks = triton.cdiv(positions, span)
+    grid = (rows, blocks)
+    hist = torch.zeros(rows, 3, 2048, dtype=torch.int32, device=scores.device)
+    for p in range(3):
+        topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
+                               BLOCK=block)
+    counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
+    topk_count_kernel[grid](scores, vis, hist, counts, row0, topk, span, blocks,
+                            scores.stride(0), BLOCK=block)
+    base = counts.cumsum(2, dtype=torch.int32) - counts
+    topk_write_kernel[grid](scores, vis, hist, base, out, row0, topk, span, blocks,
+                            scores.stride(0), out.stride(0), BLOCK=block)
 
 
 @triton.jit
