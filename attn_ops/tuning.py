@@ -206,11 +206,14 @@ class MLATuning:
     sparse_stages: int = 2
     sparse_splits: int = 0
     # The sparse indexer's scoring (backends/mla/indexer_kernels.py): positions a step of a
-    # program (all index heads of one query row at once), and the most positions of one program
+    # program (all index heads of one query row at once), its warps and pipeline stages, and
+    # the most positions of one program
     # (routing.indexer_score_chunk shortens it so a step's programs fill
     # programs_per_sm x SMs); the top-k select's scores a step, and the programs an SM its
     # launches aim at (routing.indexer_select_span). Unmeasured.
     index_block_n: int = 64
+    index_warps: int = 4
+    index_stages: int = 3
     index_chunk: int = 2048
     index_select_block: int = 1024
     index_select_programs_per_sm: int = 8

@@ -61,7 +61,8 @@
 #            real-size and device top-k tests
 #   sparsebench benchmarks/bench_mla_sparse.py (a sparse MLA layer's decode step and prefill
 #            against dense MLA; SPARSE_ARGS)
-#   indexprof benchmarks/profile_indexer.py (each indexer launch's device time; INDEX_PROF_CASES)
+#   indexprof benchmarks/profile_indexer.py (each indexer launch's device time) under each of
+#            INDEX_SWEEP's ATTN_OPS_TUNING strings (default: the defaults), INDEX_PROF_CASES
 #   sparsesweep benchmarks/bench_mla_sparse.py under each of SPARSE_SWEEP's ATTN_OPS_TUNING
 #            strings (default: TRITON_MLA_SPARSE tiles), SPARSE_SWEEP_ARGS its arguments
 #            (default: decode at batch 8 and 128, 32k, TRITON_MLA as the dense contender);
@@ -189,8 +190,13 @@ for spec in "$@"; do
         tests/test_indexer.py -k "(real_sizes and bf16) or device or flashinfer_sparse_at" ;;
     sparsebench) stage sparsebench "$limit" python benchmarks/bench_mla_sparse.py \
         ${SPARSE_ARGS:-} --out "$OUT/bench_mla_sparse_h200.json" ;;
-    indexprof) stage indexprof "$limit" python benchmarks/profile_indexer.py \
-        ${INDEX_PROF_CASES:+--cases $INDEX_PROF_CASES} ;;
+    indexprof) i=0
+      for cfg in ${INDEX_SWEEP:-defaults}; do
+        i=$((i + 1))
+        echo "## indexprof $i: $cfg" | tee -a "$LOG" >> "$SUMMARY"
+        ATTN_OPS_TUNING="${cfg#defaults}" stage "indexprof_$i" "$limit" \
+          python benchmarks/profile_indexer.py ${INDEX_PROF_CASES:+--cases $INDEX_PROF_CASES}
+      done ;;
     sparsesweep) i=0
       for cfg in ${SPARSE_SWEEP:-mla.sparse_heads=16 mla.sparse_heads=64,mla.sparse_keys=64,mla.sparse_warps=8 mla.sparse_heads=32,mla.sparse_keys=64,mla.sparse_warps=4 mla.sparse_heads=64,mla.sparse_keys=32,mla.sparse_warps=8,mla.sparse_stages=3}; do
         i=$((i + 1))

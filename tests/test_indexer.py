@@ -277,7 +277,7 @@ def test_device_select_breaks_ties_by_position(span):
     scores = values[torch.randint(0, 5, (rows, width), generator=g)]
     vis = torch.tensor([200, 150, 25, 24, 7, 0], dtype=torch.int32)
     out = torch.full((rows, topk), -1, dtype=torch.int32, device=dev)
-    _select(scores.to(dev), vis.to(dev), out, 0, topk, 1, default_tuning().mla, span, 16)
+    _select(scores.to(dev), None, vis.to(dev), out, 0, topk, 1, default_tuning().mla, span, 16)
     for r in range(rows):
         n = int(vis[r])
         order = torch.sort(-scores[r, :n], stable=True).indices[:topk]

@@ -10,11 +10,12 @@ for each query row of ``vis`` visible positions (its position + 1; 0 for padding
    for ``s > 0`` -- or keys of the query's dtype; fp32 otherwise), into ``[rows, positions]``
    fp32 scores;
 2. the ``topk`` best of a row's scores by a radix select on order-preserving 32-bit keys:
-   three :func:`topk_hist_kernel` launches (11-, 11- and 10-bit digits, from the top) each
-   add the histogram of the next digit among the keys sharing the digits decided so far
-   into the row's, so the three give the ``topk``-th key ``T`` and how many keys equal to it
-   the row takes; :func:`topk_count_kernel` counts each span's keys above and equal to
-   ``T``, their exclusive prefix sums place each span's output, and
+   four 256-bin histograms of 8-bit digits from the top, each of the next digit among the
+   keys sharing the digits decided so far (the first added by the scoring as it stores the
+   scores, the others by :func:`topk_hist_kernel` launches), give the ``topk``-th key ``T``
+   and how many keys equal to it the row takes; :func:`topk_count_kernel` counts each
+   span's keys above and equal to ``T``, their exclusive prefix sums place each span's
+   output, and
    :func:`topk_write_kernel` writes the positions above ``T`` and the first of those equal
    to it: ascending, equal scores keeping the lower position (the reference's stable sort).
    Every launch runs rows x spans programs (``routing.indexer_select_span``), so one long
@@ -42,10 +43,51 @@ _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
 
 
 @triton.jit
+def _order_key(s):
+    """An int32 of fp32 ``s`` whose unsigned order is the scores' (-inf lowest; -0 as +0, one
+    key for equal scores)."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) | _SIGN)
+
+
+@triton.jit
+def _descend(hist_ptr, topk, PASSES: tl.constexpr):
+    """From a row's first ``PASSES`` 8-bit digit histograms: the decided high bits of its
+    ``topk``-th key and how many keys sharing them it still takes."""
+    bins = tl.arange(0, 256)
+    prefix = tl.full([], 0, tl.int32)
+    remaining = tl.full([], 0, tl.int32) + topk
+    for p in tl.static_range(PASSES):
+        hist = tl.load(hist_ptr + p * 256 + bins)
+        total = tl.sum(hist, axis=0)
+        if p == 0:
+            remaining = tl.minimum(remaining, total)
+        suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
+        digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
+        remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+        prefix = prefix | (digit << (24 - 8 * p))
+    return prefix, remaining
+
+
+@triton.jit
+def _histogram(u, ok, PASS: tl.constexpr):
+    """The 256-bin histogram of pass ``PASS``'s digit (bits ``31 - 8 PASS`` down) of the keys
+    ``u`` where ``ok`` (the others counted in bin 0, then taken out of it)."""
+    local = tl.histogram(tl.where(ok, (u >> (24 - 8 * PASS)) & 255, 0), 256)
+    return local - tl.where(tl.arange(0, 256) == 0, tl.sum((ok == 0).to(tl.int32), axis=0), 0)
+
+
+@triton.jit
+def _flush_histogram(hist_ptr, local, PASS: tl.constexpr):
+    """Add a program's histogram into its row's pass ``PASS`` bins."""
+    tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), local, mask=local > 0)
+
+
+@triton.jit
 def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, vis_ptr,
-                       out_ptr, row0, topk, chunk, stride_qt, stride_qh, stride_wt, stride_kb,
-                       stride_kp, stride_sb, stride_sp, stride_bt, stride_ot, H: tl.constexpr,
-                       H_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                       out_ptr, hist_ptr, row0, topk, chunk, stride_qt, stride_qh, stride_wt,
+                       stride_kb, stride_kp, stride_sb, stride_sp, stride_bt, stride_ot,
+                       H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        PAGE: tl.constexpr, GROUP: tl.constexpr, HAS_SCALES: tl.constexpr,
                        SCALE_AFTER: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -63,6 +105,7 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
                 + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0)
+    local = tl.zeros([256], tl.int32)  # (the select's first digit histogram)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
@@ -80,58 +123,8 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
         if SCALE_AFTER:
             score = score * tl.load(scales_ptr + srow, mask=ok, other=0.0)
         tl.store(out_ptr + i.to(tl.int64) * stride_ot + offs_n, score, mask=ok)
-
-
-@triton.jit
-def _order_key(s):
-    """An int32 of fp32 ``s`` whose unsigned order is the scores' (-inf lowest; -0 as +0, one
-    key for equal scores)."""
-    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) | _SIGN)
-
-
-@triton.jit
-def _digit(u, PASS: tl.constexpr):
-    """Pass ``PASS``'s digit of key ``u``: bits 31-21, 20-10, 9-0."""
-    if PASS == 0:
-        return (u >> 21) & 2047
-    elif PASS == 1:
-        return (u >> 10) & 2047
-    else:
-        return u & 1023
-
-
-@triton.jit
-def _above(u, PASS: tl.constexpr):
-    """The bits of ``u`` the passes before ``PASS`` decided (compared for equality only)."""
-    if PASS == 1:
-        return u >> 21
-    else:
-        return u >> 10
-
-
-@triton.jit
-def _descend(hist_ptr, topk, PASSES: tl.constexpr):
-    """From a row's first ``PASSES`` histograms: the decided high bits of its ``topk``-th key
-    and how many keys sharing them it still takes."""
-    bins = tl.arange(0, 2048)
-    prefix = tl.full([], 0, tl.int32)
-    remaining = tl.full([], 0, tl.int32) + topk
-    for p in tl.static_range(PASSES):
-        hist = tl.load(hist_ptr + p * 2048 + bins)
-        total = tl.sum(hist, axis=0)
-        if p == 0:
-            remaining = tl.minimum(remaining, total)
-        suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
-        digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
-        remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        if p == 0:
-            prefix = digit << 21
-        elif p == 1:
-            prefix = prefix | (digit << 10)
-        else:
-            prefix = prefix | digit
-    return prefix, remaining
+        local += _histogram(_order_key(score), ok, 0)
+    _flush_histogram(hist_ptr + i.to(tl.int64) * (4 * 256), local, 0)
 
 
 @triton.jit
@@ -145,19 +138,18 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
     n = tl.where(vis > topk, vis, 0)
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, n)
-    hrow = hist_ptr + i.to(tl.int64) * (3 * 2048)
+    hrow = hist_ptr + i.to(tl.int64) * (4 * 256)
     prefix, _ = _descend(hrow, topk, PASS)
     src = scores_ptr + i.to(tl.int64) * stride_s
-    local = tl.zeros([4096], tl.int32)
+    local = tl.zeros([256], tl.int32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
         u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
         if PASS > 0:
-            ok = ok & (_above(u, PASS) == _above(prefix, PASS))
-        local += tl.histogram(tl.where(ok, _digit(u, PASS), 2048), 4096)  # (2048: none)
-    bins = tl.arange(0, 4096)
-    tl.atomic_add(hrow + PASS * 2048 + bins, local, mask=(bins < 2048) & (local > 0))
+            ok = ok & ((u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+        local += _histogram(u, ok, PASS)
+    _flush_histogram(hrow, local, PASS)
 
 
 @triton.jit
@@ -171,7 +163,7 @@ def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, spa
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
-    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * (3 * 2048), topk, 3)
+    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * (4 * 256), topk, 4)
     threshold = prefix ^ _SIGN  # (compared as a signed int32: the same order)
     src = scores_ptr + i.to(tl.int64) * stride_s
     above = tl.full([], 0, tl.int32)
@@ -199,7 +191,7 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, base_ptr, out_ptr, row0, to
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
-    prefix, remaining = _descend(hist_ptr + i.to(tl.int64) * (3 * 2048), topk, 3)
+    prefix, remaining = _descend(hist_ptr + i.to(tl.int64) * (4 * 256), topk, 4)
     threshold = prefix ^ _SIGN
     src = scores_ptr + i.to(tl.int64) * stride_s
     dst = out_ptr + i.to(tl.int64) * stride_o
@@ -265,30 +257,35 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         n = min(ROWS_A_PASS, t - r0)
         span = chunk or indexer_score_chunk(n, num_positions, block_n, sms, tuning)
         scores = torch.empty(n, num_positions, dtype=torch.float32, device=q.device)
+        hist = torch.zeros(n, 4, 256, dtype=torch.int32, device=q.device)
         index_score_kernel[(n, triton.cdiv(num_positions, span))](
             q, w, keys, scales if scales is not None else w, block_table, req, vis, scores,
-            r0, topk, span, q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
+            hist, r0, topk, span, q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
             keys.stride(1), scales.stride(0) if scales is not None else 0,
             scales.stride(1) if scales is not None else 0, block_table.stride(0),
             scores.stride(0), H=h, H_P=pow2(h, 16), D=d, D_P=pow2(d, 16), PAGE=page,
             GROUP=group, HAS_SCALES=scales is not None, SCALE_AFTER=low and scales is not None,
-            COMPUTE=compute, BLOCK_N=block_n, PRECISION=precision)
-        _select(scores, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
+            COMPUTE=compute, BLOCK_N=block_n, PRECISION=precision,
+            num_warps=tuning.index_warps, num_stages=tuning.index_stages)
+        _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
                 select_block)
     return out
 
 
-def _select(scores, vis, out, row0, topk, sms, tuning, span=None, block=None) -> None:
+def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None) -> None:
     """``out`` [rows, topk] (-1 filled): each row's top-k of ``scores`` (its first ``vis``
-    entries) -- three histogram launches, the counts, their prefix sums, the write; each
-    launch over (rows x spans of the positions) programs."""
+    entries) -- four digit histograms into ``hist`` [rows, 4, 256] (the first already there
+    when ``hist`` is given: the scoring adds it), the counts, their prefix sums, the write;
+    each launch over (rows x spans of the positions) programs."""
     rows, positions = scores.shape
     block = block or tuning.index_select_block
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
     blocks = triton.cdiv(positions, span)
     grid = (rows, blocks)
-    hist = torch.zeros(rows, 3, 2048, dtype=torch.int32, device=scores.device)
-    for p in range(3):
+    first = 1 if hist is not None else 0
+    if hist is None:
+        hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
+    for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
                                BLOCK=block)
     counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
