@@ -148,13 +148,16 @@ def _slots(positions, meta):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("heads", [4, 20])
 def test_sparse_layer_matches_dense_mla_masked_to_the_selection(backend, scenario, heads):
-    """20 heads: two head blocks of TRITON_MLA_SPARSE, the last partial."""
+    """20 heads: two 16-head blocks of TRITON_MLA_SPARSE, the last partial."""
+    from attn_ops.tuning import Tuning
+
     spec = SPEC.with_(num_heads=heads)
     reqs = SCENARIOS[scenario]
     case = _case(spec, reqs, seed=heads)
     positions = _selection(torch.Generator().manual_seed(1), reqs, case["total"], 2, TOPK)
     dtype = SPARSE_HERE[backend]
-    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]))
+    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]),
+               Tuning().with_(mla={"sparse_heads": 16}))
     want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions, None)
     t = case["total"]
     assert (got[t:] == 0).all()
@@ -175,7 +178,7 @@ def test_triton_sparse_splits_of_the_slots_combine_to_the_same_attention(splits,
     reqs = SCENARIOS["mixed"]
     case = _case(spec, reqs, seed=splits)
     positions = _selection(torch.Generator().manual_seed(4), reqs, case["total"], 2, 64)
-    tuning = Tuning().with_(mla={"sparse_splits": splits, "sparse_keys": 16})
+    tuning = Tuning().with_(mla={"sparse_splits": splits, "sparse_keys": 16, "sparse_heads": 16})
     got = _run(spec, case, "TRITON_MLA_SPARSE", torch.float32, _slots(positions, case["meta"]),
                tuning)
     want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions,
@@ -190,7 +193,8 @@ def test_sparse_splits_fill_the_sms_for_few_tokens_and_none_for_many():
     from attn_ops.tuning import Tuning
 
     t = Tuning().mla
-    assert sparse_mla_splits(8, 128, 2048, 132, t) == 4  # (8 x 8 programs; 264 wanted)
+    assert sparse_mla_splits(8, 128, 2048, 132, t) == 8  # (8 x 2 programs; 264 wanted)
+    assert sparse_mla_splits(64, 128, 2048, 132, t) == 2
     assert sparse_mla_splits(1, 128, 2048, 132, t) == 8  # (at least 256 slots a split)
     assert sparse_mla_splits(128, 128, 2048, 132, t) == 1
     assert sparse_mla_splits(1, 16, 2048, 132, t) == 8
@@ -711,3 +715,89 @@ def test_flashinfer_sparse_at_real_sizes_matches_triton_sparse():
         outs[backend] = layer(q, kv_c, k_pe, latent.clone(), common, topk_slots=slots).float()
     a, b = outs["FLASHINFER_MLA_SPARSE"], outs["TRITON_MLA_SPARSE"]
     assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def _sparse_graph_backends():
+    from attn_ops.capabilities import CUDAGraphSupport
+
+    spec = AttentionSpec.mla(128, dtype=torch.bfloat16, block_size=64, index_topk=2048)
+    return [b.value for b in sorted(MLA_BACKENDS, key=lambda b: b.value)
+            if not get_backend_class(b.value).not_supported_reasons(spec, PLATFORM)
+            and get_backend_class(b.value).cudagraph_support(spec, PLATFORM)
+            >= CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", _sparse_graph_backends() if PLATFORM.is_gpu else [])
+def test_sparse_graph_replays_of_random_decode_batches_match_eager(backend):
+    """Through the graph path's metadata (CUDAGraphBatch): capture once per size (1, 8, 32
+    decodes; 128 heads, top-k 2048, page 64, bf16), then replay 100 random batches (sizes up
+    and down, contexts 1-6000 tokens, dense and sparse, pages in random order, each token's
+    selection random in the indexer's layout): each replay equals the eager layer on the same
+    step and its padding rows stay zero."""
+    import random
+
+    from attn_ops import build_step_metadata
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+
+    sizes, width, page, topk = (1, 8, 32), 94, 64, 2048
+    rng, gen = random.Random(7), torch.Generator(device="cuda").manual_seed(7)
+    spec = AttentionSpec.mla(128, dtype=torch.bfloat16, block_size=page, index_topk=topk)
+    graphs = CUDAGraphBatch(sizes, width, page, "cuda")
+    layer = MLAAttention(spec, AttentionConfig(backend=backend)).cuda()
+    layer.load_kv_b_proj((torch.randn(128 * 256, 512, device="cuda") / 512 ** 0.5)
+                         .to(spec.dtype))
+    num_blocks = sizes[-1] * width + 1
+    cache = layer.allocate_cache(num_blocks, "cuda")
+    cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
+    rows_max = sizes[-1]
+    q = torch.randn(rows_max, 128, spec.head_dim, generator=gen, device="cuda").to(spec.dtype)
+    kv_c = torch.randn(rows_max, 512, device="cuda").to(spec.dtype)
+    k_pe = torch.randn(rows_max, 64, device="cuda").to(spec.dtype)
+    slots = torch.full((rows_max, topk), -1, dtype=torch.int32, device="cuda")
+
+    def batch(n):
+        pages = list(range(1, num_blocks))
+        rng.shuffle(pages)
+        seq = [rng.randint(1, 6000) for _ in range(n)]
+        tables, at = [], 0
+        for length in seq:
+            count = -(-length // page)
+            tables.append(pages[at:at + count])
+            at += count
+        common = build_common_metadata([1] * n, seq, tables, page, num_blocks, device="cuda")
+        rows = torch.full((n, topk), -1, dtype=torch.int32)
+        for r, length in enumerate(seq):
+            k = min(topk, length)
+            rows[r, :k] = torch.randperm(length)[:k].sort().values.to(torch.int32)
+        slots.fill_(-1)
+        slots[:n] = indexer_slots(rows.cuda(), common.block_table, common.query_start_loc, page)
+        return common
+
+    captured, results = {}, {}
+    for size in sizes:
+        step = build_step_metadata(layer, batch(size), graphs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(q[:size], kv_c[:size], k_pe[:size], cache, step, topk_slots=slots[:size])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results[size] = layer(q[:size], kv_c[:size], k_pe[:size], cache, step,
+                                  topk_slots=slots[:size])
+        captured[size] = graph
+    for i in range(100):
+        n = rng.choice([1, 2, 5, 8, 13, 32, 31, 17])
+        common = batch(n)
+        build_step_metadata(layer, common, graphs)  # (fills the graphs' persistent tensors)
+        size = graphs.size_for(n)
+        q.normal_(generator=gen)
+        kv_c.normal_(generator=gen)
+        captured[size].replay()
+        got = results[size]
+        eager = layer(q[:n], kv_c[:n], k_pe[:n], cache, common, topk_slots=slots[:n])
+        assert (got[n:size] == 0).all(), "padding rows must be zero on replay"
+        torch.testing.assert_close(got[:n], eager, atol=1e-2, rtol=1e-2,
+                                   msg=f"replay {i}: {n} requests in the graph of {size}")
