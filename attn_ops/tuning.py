@@ -253,19 +253,29 @@ class SSMTuning:
     # slower than 32 / 64.
     gdn_state_block_v: int = 32
     gdn_output_block_v: int = 64
+    # Warps of GDN's three chunked launches (WY factors, state hand-off, outputs): chains of
+    # small [chunk, chunk] / [chunk, 128] products, bound by their latency -- fewer warps a
+    # program let more programs share an SM.
+    gdn_wy_warps: int = 8
+    gdn_state_warps: int = 4
+    gdn_output_warps: int = 8
     # Mamba2's chunked prefill: rows of a chunk an output program (at most the chunk; 16-64)
     # and its warps, head channels a program of the state hand-off (H200: 32 rows on 4 warps
     # 1.9x faster than 64 on 8; 64 channels 1.6x faster than 16 at 64 x 512).
     mamba2_block: int = 32
     mamba2_num_warps: int = 4
     mamba2_state_block_p: int = 64
+    # Keys of the chunk an output program steps at a time (0: mamba2_block): wider steps
+    # halve the loop's dependent products.
+    mamba2_key_block: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
                           ("decode_block_p", 1), ("decode_num_warps", 1),
                           ("gdn_state_block_v", 16), ("gdn_output_block_v", 16),
                           ("mamba2_block", 16), ("mamba2_num_warps", 1),
-                          ("mamba2_state_block_p", 1)):
+                          ("mamba2_state_block_p", 1), ("gdn_wy_warps", 1),
+                          ("gdn_state_warps", 1), ("gdn_output_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
@@ -274,6 +284,10 @@ class SSMTuning:
         if self.decode_min_programs < 1:
             raise ValueError(f"tuning.ssm.decode_min_programs={self.decode_min_programs} "
                              "must be >= 1")
+        k = self.mamba2_key_block
+        if k and (k < 16 or k & (k - 1)):
+            raise ValueError(f"tuning.ssm.mamba2_key_block={k} must be 0 (mamba2_block) or a "
+                             "power of two >= 16 (the output launch's tensor-core tiles)")
         if self.mamba2_block > 64:
             raise ValueError(f"tuning.ssm.mamba2_block={self.mamba2_block} must be <= 64 "
                              "(the output launch at 128 rows failed to launch on the H200)")

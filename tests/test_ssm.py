@@ -747,14 +747,16 @@ def test_routing_runs_long_prefills_chunked_and_speculative_steps_recurrent():
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("gated,chunk,block,dtype", [
-    (True, 16, 16, torch.float32), (False, 16, 16, torch.float32),
-    (True, 32, 16, torch.float32), (True, 32, 16, torch.float16)])
-def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, dtype):
+@pytest.mark.parametrize("gated,chunk,block,keys,dtype", [
+    (True, 16, 16, 16, torch.float32), (False, 16, 16, 16, torch.float32),
+    (True, 32, 16, 16, torch.float32), (True, 32, 16, 16, torch.float16),
+    (True, 32, 16, 32, torch.float32), (True, 32, 32, 16, torch.float32)])
+def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dtype):
     """The chunked SSD kernel against the reference: several chunks with partial last ones,
     initial states or none, a request without new tokens, padding rows, two groups, dt
     limits, with and without the z gate, D and dt_bias; chunks of one and of two row blocks
-    (the output's earlier key blocks), the state hand-off over one and two channel blocks;
+    (the output's earlier key blocks), key steps wider and narrower than the row blocks, the
+    state hand-off over one and two channel blocks;
     fp32 (exact products) and fp16 inputs (tensor-core products; bf16 at real sizes on the
     GPU: the interpreter's bf16 products are wrong)."""
     from attn_ops.backends.ssm import chunked_kernels as ck
@@ -785,7 +787,8 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, dtype):
     got_states = state.clone()
     got = ck.ssd_chunked_triton(*args, got_states, meta.query_start_loc, meta.state_indices,
                                 meta.has_initial_state, True, 0.01, 3.0, chunk=chunk,
-                                block=block, state_block_p=16 if chunk == 32 else 64)
+                                block=block, state_block_p=16 if chunk == 32 else 64,
+                                key_block=keys)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got_states[slots], want_states.float(), atol=tol, rtol=tol)

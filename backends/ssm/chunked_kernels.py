@@ -286,10 +286,12 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                        has_initial_state, scale, qk_l2norm, chunk: int = 32,
-                       state_block_v: int = 32, output_block_v: int = 64) -> torch.Tensor:
+                       state_block_v: int = 32, output_block_v: int = 64,
+                       warps: tuple[int, int, int] = (8, 4, 8)) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
     tokens, one slot a request, the state hand-off and the outputs over blocks of
-    ``state_block_v`` / ``output_block_v`` value columns (inputs already checked)."""
+    ``state_block_v`` / ``output_block_v`` value columns; ``warps``: of the WY, hand-off and
+    output launches (inputs already checked)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -310,18 +312,18 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     gdn_wy_kernel[(m * hv,)](
         k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=8, **common)
+        LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=warps[0], **common)
     state_bv = min(block_v, state_block_v)
     gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
         k, g, w, u, h, state, query_start_loc, offsets, state_indices, has_initial_state,
         k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
         u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), BLOCK_V=state_bv, num_warps=4, num_stages=2, **common)
+        state.stride(2), BLOCK_V=state_bv, num_warps=warps[1], num_stages=2, **common)
     out_bv = min(block_v, output_block_v)
     gdn_output_kernel[(m * hv * triton.cdiv(dv, out_bv),)](
         q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
-        BLOCK_V=out_bv, num_warps=8, **common)
+        BLOCK_V=out_bv, num_warps=warps[2], **common)
     return out
 
 
@@ -464,12 +466,13 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, hs_p
                       stride_bg, stride_cbc, stride_cbg, stride_sc, stride_sh,
                       H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr,
                       N: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      KEY_BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_Z: tl.constexpr, IEEE: tl.constexpr):
     """Per ``BLOCK`` rows of a chunk, head and block of head channels: ``y = e^cum (C S^T) +
-    sum over the chunk's earlier key blocks of (tril(C B^T e^(cum_i - cum_j)) dt) x`` (``C B^T``
-    from :func:`ssd_cb_kernel`), then ``+ D x`` and the ``z`` gate. A group's heads run side
-    by side: they read the same ``C B^T`` and ``C``."""
+    sum over the chunk's earlier keys, KEY_BLOCK at a time, of (tril(C B^T e^(cum_i - cum_j))
+    dt) x`` (``C B^T`` from :func:`ssd_cb_kernel`, which wrote every entry a row reads:
+    ``KEY_BLOCK`` divides the chunk), then ``+ D x`` and the ``z`` gate. A group's heads run
+    side by side: they read the same ``C B^T`` and ``C``."""
     blk, h, pb = _split_pid(H, P, BLOCK_P)
     c = blk // (CHUNK // BLOCK)
     m0_rel = (blk % (CHUNK // BLOCK)) * BLOCK
@@ -493,12 +496,14 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, hs_p
         y = tl.exp(cum)[:, None] * _dot(cc, tl.trans(s), x_ptr, IEEE)  # [BLOCK, BLOCK_P]
         cb_rows = cb_ptr + c.to(tl.int64) * stride_cbc + grp * stride_cbg \
             + (m0_rel + offs_b)[:, None] * CHUNK
-        for k0 in range(0, m0_rel + BLOCK, BLOCK):
-            keys = start + k0 + offs_b
+        offs_kb = tl.arange(0, KEY_BLOCK)
+        for k0 in range(0, m0_rel + BLOCK, KEY_BLOCK):
+            keys = start + k0 + offs_kb
             k_ok, dt_k, cum_k, xk = _ssd_rows(dtc_ptr, cum_ptr, x_ptr, keys, end, h, num_tokens,
                                               stride_xt, stride_xh, offs_p, p_ok)
             causal = (rows[:, None] >= keys[None, :]) & k_ok[None, :]
-            cb = tl.load(cb_rows + (k0 + offs_b)[None, :], mask=causal & ok[:, None], other=0.0)
+            cb = tl.load(cb_rows + (k0 + offs_kb)[None, :], mask=causal & ok[:, None],
+                         other=0.0)
             wts = tl.where(causal, cb * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
                            * dt_k[None, :], 0.0)
             y += _dot(wts, xk, x_ptr, IEEE)
@@ -514,11 +519,12 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, hs_p
 def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                        has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
                        block: int | None = None, num_warps: int = 4,
-                       state_block_p: int = 64) -> torch.Tensor:
+                       state_block_p: int = 64, key_block: int | None = None) -> torch.Tensor:
     """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
     ``block`` (default ``min(chunk, 32)``) rows of a chunk an output program of
-    ``num_warps`` warps, ``state_block_p`` head channels a program of the state hand-off, one
-    slot a request (inputs already checked)."""
+    ``num_warps`` warps stepping ``key_block`` (default ``block``; at most the chunk) of its
+    keys at a time, ``state_block_p`` head channels a program of the state hand-off, one slot
+    a request (inputs already checked)."""
     x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
@@ -531,6 +537,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     m = starts.shape[0]
     ieee = _work_dtype(x) == torch.float32
     block = block or min(chunk, 32)
+    key_block = min(key_block or block, chunk)
     block_p = max(min(triton.next_power_of_2(p), 64), 16)
     block_n = max(triton.next_power_of_2(n), 16)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
@@ -560,6 +567,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     ssd_output_kernel[(m * (chunk // block) * h * n_pb,)](
         x, dtc, cum, cb, C, D, z if z is not None else x, hs, y, starts, ends, t, x.stride(0),
         x.stride(1), C.stride(0), C.stride(1), cb.stride(0), cb.stride(1), st.stride(0),
-        st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p, BLOCK_N=block_n,
-        HAS_Z=z is not None, IEEE=ieee, num_warps=num_warps, **shape)
+        st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, KEY_BLOCK=key_block,
+        BLOCK_P=block_p, BLOCK_N=block_n, HAS_Z=z is not None, IEEE=ieee, num_warps=num_warps,
+        **shape)
     return y

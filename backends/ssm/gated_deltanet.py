@@ -104,7 +104,9 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
 
             return gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                       has_initial_state, scale, qk_l2norm, tuning.gdn_chunk,
-                                      tuning.gdn_state_block_v, tuning.gdn_output_block_v)
+                                      tuning.gdn_state_block_v, tuning.gdn_output_block_v,
+                                      (tuning.gdn_wy_warps, tuning.gdn_state_warps,
+                                       tuning.gdn_output_warps))
         return tk.gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                        has_initial_state, scale, qk_l2norm,
                                        tuning.decode_block_v, tuning.decode_num_warps,

@@ -108,7 +108,8 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             return ssd_chunked_triton(*args, chunk=tuning.mamba2_chunk,
                                       block=min(tuning.mamba2_block, tuning.mamba2_chunk),
                                       num_warps=tuning.mamba2_num_warps,
-                                      state_block_p=tuning.mamba2_state_block_p)
+                                      state_block_p=tuning.mamba2_state_block_p,
+                                      key_block=tuning.mamba2_key_block or None)
         return tk.ssd_recurrent_triton(*args, tuning.decode_block_p, tuning.decode_num_warps)
     y, s, slots = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                                    state_indices, has_initial_state, max_query_len, dt_softplus,
