@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attn_ops.metadata import pack_upload
+
 __all__ = ["NULL_STATE_SLOT", "StateGraphBatch", "StateMetadata", "build_state_metadata",
            "chunk_boundaries"]
 
@@ -128,15 +130,19 @@ def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.nda
     starts, owners, last = chunk_boundaries(context_lens, query_lens, chunk_size)
     if num_decodes is None:
         num_decodes = int(np.argmax(query_lens > 1)) if (query_lens > 1).any() else n
-    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
     indices = np.concatenate([read[:, None], table], axis=1) if table.ndim == 2 else slots
+    arrays = [qsl, indices, context_lens > 0, starts, owners, last]
+    # (one pinned upload: a copy from pageable memory waits for the stream to drain, which
+    # would keep the host from preparing the next step while the GPU runs this one)
+    packed, offsets = pack_upload([], arrays, device)
+    qsl_d, indices_d, initial, starts_d, owners_d, last_d = (
+        packed[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets))
     return StateMetadata(
-        query_start_loc=i32(qsl), state_indices=i32(indices),
-        has_initial_state=torch.from_numpy(context_lens > 0).to(device),
+        query_start_loc=qsl_d, state_indices=indices_d, has_initial_state=initial != 0,
         query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int32)),
         context_lens_cpu=torch.from_numpy(context_lens), num_decodes=num_decodes,
         max_query_len=int(query_lens.max()) if n else 0, chunk_size=chunk_size,
-        chunk_starts=i32(starts), chunk_requests=i32(owners), last_chunks=i32(last))
+        chunk_starts=starts_d, chunk_requests=owners_d, last_chunks=last_d)
 
 
 class StateGraphBatch:
