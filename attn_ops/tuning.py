@@ -210,12 +210,16 @@ class MLATuning:
     # program (all index heads of one query row at once), its warps and pipeline stages, and
     # the most positions of one program
     # (routing.indexer_score_chunk shortens it so a step's programs fill
-    # programs_per_sm x SMs); the top-k select's scores a step, and the programs an SM its
-    # launches aim at (routing.indexer_select_span). Unmeasured.
-    index_block_n: int = 64
+    # programs_per_sm x SMs); whether it also adds the select's first digit histogram as it
+    # stores the scores (else the select's own launch reads them back for it); the top-k
+    # select's scores a step, and the programs an SM its launches aim at
+    # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 128
+    # positions a step on 4 warps score 2.2-2.7x faster than 64 with the histogram fused.
+    index_block_n: int = 128
     index_warps: int = 4
     index_stages: int = 3
     index_chunk: int = 2048
+    index_fused_histogram: bool = True
     index_select_block: int = 1024
     index_select_programs_per_sm: int = 8
 

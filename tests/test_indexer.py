@@ -220,20 +220,23 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("launch", [dict(block_n=32), dict(block_n=16, chunk=32,
-                                                          select_span=32, select_block=16)],
-                         ids=["one-select", "split-select"])
+@pytest.mark.parametrize("launch,fused", [
+    (dict(block_n=32), "true"), (dict(block_n=16, chunk=32, select_span=32, select_block=16),
+                                 "true"), (dict(block_n=16, chunk=32), "false")],
+    ids=["one-select", "split-select", "select-histograms-all"])
 @pytest.mark.parametrize("cache", ["fp32", "fp8_token", "fp8_token_half", "fp8_block"])
-def test_device_topk_selects_what_the_reference_does(cache, launch):
+def test_device_topk_selects_what_the_reference_does(cache, launch, fused, monkeypatch):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
     lower position), fp8 with per-token and per-128-channel scales (an fp16 query over
     per-token fp8 keys: the product in fp16, the scale after the ReLU), the position axis in
-    one program or several, the select's spans of positions in one program or several."""
+    one program or several, the select's spans of positions in one program or several, its
+    first digit histogram added by the scoring or by its own launch."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
 
+    monkeypatch.setenv("ATTN_OPS_TUNING", f"mla.index_fused_histogram={fused}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(7)
     lens, new, h, topk = [70, 9, 130, 12], [1, 9, 6, 3], 5, 12

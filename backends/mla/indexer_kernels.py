@@ -90,7 +90,7 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
                        H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        PAGE: tl.constexpr, GROUP: tl.constexpr, HAS_SCALES: tl.constexpr,
                        SCALE_AFTER: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, HIST: tl.constexpr):
     i = tl.program_id(0)  # (a row of this pass)
     t = row0 + i
     vis = tl.load(vis_ptr + t)
@@ -123,8 +123,10 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
         if SCALE_AFTER:
             score = score * tl.load(scales_ptr + srow, mask=ok, other=0.0)
         tl.store(out_ptr + i.to(tl.int64) * stride_ot + offs_n, score, mask=ok)
-        local += _histogram(_order_key(score), ok, 0)
-    _flush_histogram(hist_ptr + i.to(tl.int64) * (4 * 256), local, 0)
+        if HIST:
+            local += _histogram(_order_key(score), ok, 0)
+    if HIST:
+        _flush_histogram(hist_ptr + i.to(tl.int64) * (4 * 256), local, 0)
 
 
 @triton.jit
@@ -253,6 +255,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         else tl.float32
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
     block_n = block_n or tuning.index_block_n
+    fused = tuning.index_fused_histogram
     for r0 in range(0, t, ROWS_A_PASS):
         n = min(ROWS_A_PASS, t - r0)
         span = chunk or indexer_score_chunk(n, num_positions, block_n, sms, tuning)
@@ -265,24 +268,24 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             scales.stride(1) if scales is not None else 0, block_table.stride(0),
             scores.stride(0), H=h, H_P=pow2(h, 16), D=d, D_P=pow2(d, 16), PAGE=page,
             GROUP=group, HAS_SCALES=scales is not None, SCALE_AFTER=low and scales is not None,
-            COMPUTE=compute, BLOCK_N=block_n, PRECISION=precision,
+            COMPUTE=compute, BLOCK_N=block_n, PRECISION=precision, HIST=fused,
             num_warps=tuning.index_warps, num_stages=tuning.index_stages)
         _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
-                select_block)
+                select_block, first=1 if fused else 0)
     return out
 
 
-def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None) -> None:
+def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None,
+            first: int = 0) -> None:
     """``out`` [rows, topk] (-1 filled): each row's top-k of ``scores`` (its first ``vis``
-    entries) -- four digit histograms into ``hist`` [rows, 4, 256] (the first already there
-    when ``hist`` is given: the scoring adds it), the counts, their prefix sums, the write;
-    each launch over (rows x spans of the positions) programs."""
+    entries) -- four digit histograms into ``hist`` [rows, 4, 256] (zeroed; or with the first
+    ``first`` passes' already there: the scoring may add the first), the counts, their prefix
+    sums, the write; each launch over (rows x spans of the positions) programs."""
     rows, positions = scores.shape
     block = block or tuning.index_select_block
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
     blocks = triton.cdiv(positions, span)
     grid = (rows, blocks)
-    first = 1 if hist is not None else 0
     if hist is None:
         hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
     for p in range(first, 4):
