@@ -215,8 +215,8 @@ class MLATuning:
     # select's scores a step, and the programs an SM its launches aim at
     # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 128
     # positions a step on 4 warps score 2.2-2.7x faster than 64 with the histogram fused.
-    index_block_n: int = 128
-    index_warps: int = 4
+    index_block_n: int = 256
+    index_warps: int = 8
     index_stages: int = 3
     index_chunk: int = 2048
     index_fused_histogram: bool = True
@@ -260,9 +260,9 @@ class SSMTuning:
     # Warps of GDN's three chunked launches (WY factors, state hand-off, outputs): chains of
     # small [chunk, chunk] / [chunk, 128] products, bound by their latency -- fewer warps a
     # program let more programs share an SM.
-    gdn_wy_warps: int = 8
+    gdn_wy_warps: int = 4
     gdn_state_warps: int = 4
-    gdn_output_warps: int = 8
+    gdn_output_warps: int = 4
     # Mamba2's chunked prefill: rows of a chunk an output program (at most the chunk; 16-64)
     # and its warps, head channels a program of the state hand-off (H200: 32 rows on 4 warps
     # 1.9x faster than 64 on 8; 64 channels 1.6x faster than 16 at 64 x 512).
