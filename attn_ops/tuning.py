@@ -213,8 +213,8 @@ class MLATuning:
     # programs_per_sm x SMs); whether it also adds the select's first digit histogram as it
     # stores the scores (else the select's own launch reads them back for it); the top-k
     # select's scores a step, and the programs an SM its launches aim at
-    # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 128
-    # positions a step on 4 warps score 2.2-2.7x faster than 64 with the histogram fused.
+    # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 256
+    # positions a step on 8 warps is the fastest swept, 2.7x 64 on 4 at batch 128 x 32k.
     index_block_n: int = 256
     index_warps: int = 8
     index_stages: int = 3
@@ -259,7 +259,8 @@ class SSMTuning:
     gdn_output_block_v: int = 64
     # Warps of GDN's three chunked launches (WY factors, state hand-off, outputs): chains of
     # small [chunk, chunk] / [chunk, 128] products, bound by their latency -- fewer warps a
-    # program let more programs share an SM.
+    # program let more programs share an SM (H200: 4 warps 1.3-1.7x faster than 8 for the WY
+    # and output launches; the hand-off slower on 8).
     gdn_wy_warps: int = 4
     gdn_state_warps: int = 4
     gdn_output_warps: int = 4

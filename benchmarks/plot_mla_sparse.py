@@ -40,7 +40,7 @@ def main(path: str) -> None:
         ax.tick_params(labelsize=7)
     axes.flat[0].legend(fontsize=6)
     save(fig, result, path, "sparse MLA decode, 128 heads, 512 + 64 latent, top-k 2048, "
-         f"bf16 latents, fp8 index keys, page {result['page']}")
+         "bf16 latents, fp8 index keys, page 64")
 
 
 if __name__ == "__main__":
