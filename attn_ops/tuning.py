@@ -270,8 +270,8 @@ class SSMTuning:
     mamba2_block: int = 32
     mamba2_num_warps: int = 4
     mamba2_state_block_p: int = 64
-    # Keys of the chunk an output program steps at a time (0: mamba2_block): wider steps
-    # halve the loop's dependent products.
+    # Keys of the chunk an output program steps at a time (0: mamba2_block). H200, 64 x 512:
+    # 64 with 32 rows was 1.5x slower than 32 (docs/tuning.md).
     mamba2_key_block: int = 0
 
     def __post_init__(self) -> None:

@@ -218,13 +218,19 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
         assert inter / sum(len(b) for r in range(2) for b in want[r]) >= 0.99
 
 
+_ONE = (dict(block_n=32), "true")
+_SPLIT = (dict(block_n=16, chunk=32, select_span=32, select_block=16), "true")
+_UNFUSED = (dict(block_n=16, chunk=32), "false")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("launch,fused", [
-    (dict(block_n=32), "true"), (dict(block_n=16, chunk=32, select_span=32, select_block=16),
-                                 "true"), (dict(block_n=16, chunk=32), "false")],
-    ids=["one-select", "split-select", "select-histograms-all"])
-@pytest.mark.parametrize("cache", ["fp32", "fp8_token", "fp8_token_half", "fp8_block"])
+@pytest.mark.parametrize("cache,launch,fused", [
+    ("fp32", *_ONE), ("fp8_token", *_ONE), ("fp8_token_half", *_ONE), ("fp8_block", *_ONE),
+    ("fp32", *_SPLIT), ("fp8_block", *_SPLIT), ("fp8_token", *_UNFUSED)],
+    ids=["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-select",
+         "fp8_block-one-select", "fp32-split-select", "fp8_block-split-select",
+         "fp8_token-select-histograms-all"])
 def test_device_topk_selects_what_the_reference_does(cache, launch, fused, monkeypatch):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,

@@ -287,7 +287,7 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                        has_initial_state, scale, qk_l2norm, chunk: int = 32,
                        state_block_v: int = 32, output_block_v: int = 64,
-                       warps: tuple[int, int, int] = (8, 4, 8)) -> torch.Tensor:
+                       warps: tuple[int, int, int] = (4, 4, 4)) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
     tokens, one slot a request, the state hand-off and the outputs over blocks of
     ``state_block_v`` / ``output_block_v`` value columns; ``warps``: of the WY, hand-off and
