@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from attn_ops.kv_cache import BlockAllocator, allocate_kv_cache, kv_cache_update
-from attn_ops.metadata import CommonAttentionMetadata, build_batch
+from attn_ops.metadata import CommonAttentionMetadata, build_batch, build_common_metadata
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
            "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "option_variants",
-           "compiled_and_eager_layer", "assert_matches_reference"]
+           "compiled_and_eager_layer", "assert_matches_reference", "random_decode_batch",
+           "capture_graph"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
@@ -181,6 +182,37 @@ def assert_matches_reference(out: torch.Tensor, case: PagedCase,
     allowed = tolerance((base[:n].double() - truth[:n]).abs().max().item(), case.spec.dtype)
     assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
     return truth, truth_lse
+
+
+def random_decode_batch(n: int, num_blocks: int, rng, block_size: int, max_len: int, *,
+                        qlen: int = 1, device="cpu") -> CommonAttentionMetadata:
+    """``n`` requests of ``qlen`` new tokens, lengths drawn from ``rng`` (a
+    :class:`random.Random`) in ``[qlen, max_len]``, each over distinct pages in random order;
+    page 0 stays unused (CUDA-graph padding rows point at it)."""
+    pages = list(range(1, num_blocks))
+    rng.shuffle(pages)
+    seq = [rng.randint(qlen, max_len) for _ in range(n)]
+    tables, at = [], 0
+    for length in seq:
+        count = -(-length // block_size)
+        tables.append(pages[at:at + count])
+        at += count
+    return build_common_metadata([qlen] * n, seq, tables, block_size, num_blocks, device=device)
+
+
+def capture_graph(fn):
+    """``(graph, out)``: ``fn()`` run once on a side stream (lazy compiles, plans and
+    allocations stay out of the capture), then captured in a CUDA graph; ``out`` is what the
+    captured call returned (its tensors are the graph's outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def tolerance(baseline_error: float, dtype: torch.dtype) -> float:

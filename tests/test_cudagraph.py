@@ -15,7 +15,7 @@ from attn_ops import (Attention, AttentionConfig, AttentionSpec, CUDAGraphSuppor
 from attn_ops.cudagraph import CUDAGraphBatch
 from attn_ops.registry import list_backends
 from attn_ops.spec import Feature
-from attn_ops.testing import FEATURE_SPECS, tolerance
+from attn_ops.testing import FEATURE_SPECS, capture_graph, random_decode_batch, tolerance
 
 PLATFORM = current_platform()
 DEVICE = PLATFORM.device_type
@@ -24,16 +24,7 @@ BLOCK, WIDTH, SIZES = 16, 12, (1, 4, 16)  # page size, max pages per request, ca
 
 
 def _random_batch(n, num_blocks, rng, device, max_len=WIDTH * BLOCK, qlen=1):
-    """``n`` requests of ``qlen`` new tokens with random lengths and random distinct pages."""
-    pages = list(range(1, num_blocks))  # page 0 stays unused: padding rows point at it
-    rng.shuffle(pages)
-    seq = [rng.randint(qlen, max_len) for _ in range(n)]
-    tables, at = [], 0
-    for s in seq:
-        k = -(-s // BLOCK)
-        tables.append(pages[at:at + k])
-        at += k
-    return build_common_metadata([qlen] * n, seq, tables, BLOCK, num_blocks, device=device)
+    return random_decode_batch(n, num_blocks, rng, BLOCK, max_len, qlen=qlen, device=device)
 
 
 def _reference(spec, q, cache, common, **optional):
@@ -219,15 +210,7 @@ def test_capture_once_per_size_then_replay_changing_batches(backend, spec, mode,
     for size in SIZES:  # capture: a batch of exactly that size, warmed up on a side stream
         batch = _random_batch(size, num_blocks, rng, "cuda", qlen=qlen)
         step = build_step_metadata(layer, batch, graphs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run(size, step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            results[size] = run(size, step)
-        captured[size] = graph
+        captured[size], results[size] = capture_graph(lambda: run(size, step))
     for n in (3, 16, 1, 9, 2, 4, 16, 5):  # sizes up and down, lengths new every time
         common = _random_batch(n, num_blocks, rng, "cuda", qlen=qlen)
         step = build_step_metadata(layer, common, graphs)
@@ -308,14 +291,8 @@ def test_flashinfer_graphs_on_one_cta_per_sm_replay_against_reference():
         size = graphs.size_for(n)
         colocated.add(graphs.backend_state[layer._metadata_key].decode_ws.last[0][3])
         if size not in captured:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                layer.impl.forward(q[:size], cache, meta, out[:size], lse=lse[:size])
-            torch.cuda.current_stream().wait_stream(side)
-            captured[size] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(captured[size]):
-                layer.impl.forward(q[:size], cache, meta, out[:size], lse=lse[:size])
+            captured[size], _ = capture_graph(lambda: layer.impl.forward(
+                q[:size], cache, meta, out[:size], lse=lse[:size]))
         q.normal_(generator=gen)
         captured[size].replay()
         _check(GPU_GQA, out, lse, q, cache, common, n, size)
@@ -351,14 +328,7 @@ def test_flashinfer_graphs_past_the_split_budget_replay_on_one_plan():
         meta = build_step_metadata(layer, common, graphs)[layer._metadata_key]
         plans.append(meta.decode_plan)
         if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                layer.impl.forward(q, cache, meta, out, lse=lse)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layer.impl.forward(q, cache, meta, out, lse=lse)
+            graph, _ = capture_graph(lambda: layer.impl.forward(q, cache, meta, out, lse=lse))
         q.normal_(generator=gen)
         graph.replay()
         _check(GPU_BASE, out, lse, q, cache, common, n, size)

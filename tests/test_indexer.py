@@ -218,9 +218,9 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
         assert inter / sum(len(b) for r in range(2) for b in want[r]) >= 0.99
 
 
-_ONE = (dict(block_n=32), "true")
-_SPLIT = (dict(block_n=16, chunk=32, select_span=32, select_block=16), "true")
-_UNFUSED = (dict(block_n=16, chunk=32), "false")
+_ONE = (dict(block_n=32), True)
+_SPLIT = (dict(block_n=16, chunk=32, select_span=32, select_block=16), True)
+_UNFUSED = (dict(block_n=16, chunk=32), False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
@@ -231,7 +231,7 @@ _UNFUSED = (dict(block_n=16, chunk=32), "false")
     ids=["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-select",
          "fp8_block-one-select", "fp32-split-select", "fp8_block-split-select",
          "fp8_token-select-histograms-all"])
-def test_device_topk_selects_what_the_reference_does(cache, launch, fused, monkeypatch):
+def test_device_topk_selects_what_the_reference_does(cache, launch, fused):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
@@ -241,8 +241,8 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, monke
     first digit histogram added by the scoring or by its own launch."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
+    from attn_ops.tuning import Tuning
 
-    monkeypatch.setenv("ATTN_OPS_TUNING", f"mla.index_fused_histogram={fused}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(7)
     lens, new, h, topk = [70, 9, 130, 12], [1, 9, 6, 3], 5, 12
@@ -262,7 +262,8 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, monke
     w = torch.randn(t, h, generator=g)
     args = [x.to(dev) if x is not None else None
             for x in (q, w, keys, scales, table, seq_lens, qsl)]
-    got = indexer_topk_device(*args, topk, **launch)
+    got = indexer_topk_device(*args, topk, **launch,
+                              tuning=Tuning().with_(mla={"index_fused_histogram": fused}))
     want = topk_reference(*args, topk)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[sum(new):] == -1).all()

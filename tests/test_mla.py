@@ -708,8 +708,7 @@ def test_graph_replays_of_random_decode_batches_match_eager(backend, heads, qlen
     import random
 
     from attn_ops.cudagraph import CUDAGraphBatch
-    from attn_ops.metadata import build_common_metadata
-    from attn_ops.testing import tolerance
+    from attn_ops.testing import capture_graph, random_decode_batch, tolerance
 
     sizes, width, page = (1, 8, 32), 16, 64
     rng, gen = random.Random(heads + qlen), torch.Generator(device="cuda").manual_seed(heads)
@@ -731,29 +730,15 @@ def test_graph_replays_of_random_decode_batches_match_eager(backend, heads, qlen
         run = torch.compile(layer, fullgraph=True, dynamic=False)
 
     def batch(n):
-        pages = list(range(1, num_blocks))
-        rng.shuffle(pages)
-        seq = [rng.randint(qlen, width * page) for _ in range(n)]
-        tables, at = [], 0
-        for length in seq:
-            count = -(-length // page)
-            tables.append(pages[at:at + count])
-            at += count
-        return build_common_metadata([qlen] * n, seq, tables, page, num_blocks, device="cuda")
+        return random_decode_batch(n, num_blocks, rng, page, width * page, qlen=qlen,
+                                   device="cuda")
 
     captured, results = {}, {}
     for size in sizes:
         step = build_step_metadata(layer, batch(size), graphs)
         rows = size * qlen
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run(q[:rows], kv_c[:rows], k_pe[:rows], cache, step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            results[size] = run(q[:rows], kv_c[:rows], k_pe[:rows], cache, step)
-        captured[size] = graph
+        captured[size], results[size] = capture_graph(
+            lambda: run(q[:rows], kv_c[:rows], k_pe[:rows], cache, step))
     oracles = {}
     for dtype in (torch.float64, torch.bfloat16):
         oracles[dtype] = MLAAttention(spec.with_(dtype=dtype),

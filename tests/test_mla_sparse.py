@@ -426,6 +426,7 @@ def test_real_sizes_replay_in_cuda_graphs_as_eager(cache):
     from attn_ops.backends.mla.indexer import FP8
     from attn_ops.backends.mla.sparse import sparse_mla_torch
     from attn_ops.mla_indexer import MLAIndexer
+    from attn_ops.testing import capture_graph
 
     torch.manual_seed(0)
     dev, dt, page, batch, blocks = "cuda", torch.bfloat16, 64, 8, 8 * 150
@@ -488,14 +489,7 @@ def test_real_sizes_replay_in_cuda_graphs_as_eager(cache):
 
         static = batch_inputs()
         caches = (latent.clone(), keys.clone(), scales.clone() if scales is not None else None)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step(static, *caches)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_out, g_slots = step(static, *caches)
+        graph, (g_out, g_slots) = capture_graph(lambda: step(static, *caches))
         for _ in range(20):
             new = batch_inputs()
             for name, value in new.items():
@@ -739,7 +733,7 @@ def test_sparse_graph_replays_of_random_decode_batches_match_eager(backend):
 
     from attn_ops import build_step_metadata
     from attn_ops.cudagraph import CUDAGraphBatch
-    from attn_ops.metadata import build_common_metadata
+    from attn_ops.testing import capture_graph, random_decode_batch
 
     sizes, width, page, topk = (1, 8, 32), 94, 64, 2048
     rng, gen = random.Random(7), torch.Generator(device="cuda").manual_seed(7)
@@ -758,17 +752,9 @@ def test_sparse_graph_replays_of_random_decode_batches_match_eager(backend):
     slots = torch.full((rows_max, topk), -1, dtype=torch.int32, device="cuda")
 
     def batch(n):
-        pages = list(range(1, num_blocks))
-        rng.shuffle(pages)
-        seq = [rng.randint(1, 6000) for _ in range(n)]
-        tables, at = [], 0
-        for length in seq:
-            count = -(-length // page)
-            tables.append(pages[at:at + count])
-            at += count
-        common = build_common_metadata([1] * n, seq, tables, page, num_blocks, device="cuda")
+        common = random_decode_batch(n, num_blocks, rng, page, 6000, device="cuda")
         rows = torch.full((n, topk), -1, dtype=torch.int32)
-        for r, length in enumerate(seq):
+        for r, length in enumerate(common.seq_lens_cpu.tolist()):
             k = min(topk, length)
             rows[r, :k] = torch.randperm(length)[:k].sort().values.to(torch.int32)
         slots.fill_(-1)
@@ -778,16 +764,8 @@ def test_sparse_graph_replays_of_random_decode_batches_match_eager(backend):
     captured, results = {}, {}
     for size in sizes:
         step = build_step_metadata(layer, batch(size), graphs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer(q[:size], kv_c[:size], k_pe[:size], cache, step, topk_slots=slots[:size])
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            results[size] = layer(q[:size], kv_c[:size], k_pe[:size], cache, step,
-                                  topk_slots=slots[:size])
-        captured[size] = graph
+        captured[size], results[size] = capture_graph(lambda: layer(
+            q[:size], kv_c[:size], k_pe[:size], cache, step, topk_slots=slots[:size]))
     for i in range(100):
         n = rng.choice([1, 2, 5, 8, 13, 32, 31, 17])
         common = batch(n)

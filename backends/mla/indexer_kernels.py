@@ -231,10 +231,10 @@ def _visible(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Ten
 def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_start_loc,
                         topk: int, block_n: int | None = None, chunk: int | None = None,
                         select_span: int | None = None,
-                        select_block: int | None = None) -> torch.Tensor:
-    """``torch.ops.attn.indexer_topk`` without host reads (inputs already checked);
-    ``block_n`` / ``chunk`` / ``select_span`` / ``select_block`` override the tuning's
-    launch (tests)."""
+                        select_block: int | None = None, tuning=None) -> torch.Tensor:
+    """``torch.ops.attn.indexer_topk`` without host reads (inputs already checked), under
+    ``tuning`` (a :class:`~attn_ops.tuning.Tuning`; default: this machine's); ``block_n`` /
+    ``chunk`` / ``select_span`` / ``select_block`` override its launch (tests)."""
     from attn_ops.routing import DeviceFacts
     from attn_ops.tuning import default_tuning
 
@@ -243,7 +243,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
     out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
     if t == 0 or seq_lens.shape[0] == 0:
         return out
-    tuning, sms = default_tuning().mla, DeviceFacts.of(q.device).num_sms
+    tuning, sms = (tuning or default_tuning()).mla, DeviceFacts.of(q.device).num_sms
     num_positions = block_table.shape[1] * page
     req, vis = _visible(t, seq_lens, query_start_loc)
     q = q if q.stride(2) == 1 else q.contiguous()
