@@ -273,6 +273,11 @@ class SSMTuning:
     # Keys of the chunk an output program steps at a time (0: mamba2_block). H200, 64 x 512:
     # 64 with 32 rows was 1.5x slower than 32 (docs/tuning.md).
     mamba2_key_block: int = 0
+    # Software-pipeline stages of the output programs' key loop, and the contribution
+    # launch's rows a step (16 up to the chunk) and warps.
+    mamba2_num_stages: int = 3
+    mamba2_contrib_block: int = 32
+    mamba2_contrib_warps: int = 8
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
@@ -280,12 +285,16 @@ class SSMTuning:
                           ("gdn_state_block_v", 16), ("gdn_output_block_v", 16),
                           ("mamba2_block", 16), ("mamba2_num_warps", 1),
                           ("mamba2_state_block_p", 1), ("gdn_wy_warps", 1),
-                          ("gdn_state_warps", 1), ("gdn_output_warps", 1)):
+                          ("gdn_state_warps", 1), ("gdn_output_warps", 1),
+                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
+        if self.mamba2_num_stages < 1:
+            raise ValueError(f"tuning.ssm.mamba2_num_stages={self.mamba2_num_stages} must be "
+                             ">= 1")
         if self.decode_min_programs < 1:
             raise ValueError(f"tuning.ssm.decode_min_programs={self.decode_min_programs} "
                              "must be >= 1")

@@ -7,7 +7,8 @@ and mamba-ssm (Mamba2), side by side in one run.
   with its conv update (conv width 5376). Anchors: fla's ``fused_recurrent_gated_delta_rule``
   (q / k repeated to the value heads) and mamba-ssm's Triton ``selective_state_update`` on the
   same states (recurrence only). Bytes = every state read and written once (+ the step's
-  inputs and outputs) -> TB/s against the 4.27 TB/s copy bandwidth; CUDA-graph replays.
+  inputs and outputs) -> TB/s against the 4.27 TB/s copy bandwidth and against ``copy``, a
+  device-to-device copy of the same state bytes in the same run; CUDA-graph replays.
 * ``prefill`` -- 1 x 8k, 8 x 2k, 64 x 512 tokens from zero states: the GDN op against fla's
   ``chunk_gated_delta_rule``, the Mamba2 op against mamba-ssm's ``mamba_chunk_scan_combined``
   (chunk 256), in M tokens/s; ``triton.testing.do_bench`` medians.
@@ -55,6 +56,14 @@ def _step(batch, lens, initial, conv_dim, kernel):
     return qsl, slots, init, conv, conv_bytes
 
 
+def _copy(state_bytes):
+    """A device-to-device copy of ``state_bytes`` (read + written): the bandwidth this size
+    reaches, timed in the same run as the state updates."""
+    src = torch.empty(state_bytes // 8, dtype=F32, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def gdn_case(batch, lens, initial=True):
     from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
 
@@ -82,6 +91,8 @@ def gdn_case(batch, lens, initial=True):
     fns = {"ours_with_conv": ours, "ours": ours_recurrence}
     state_bytes = batch * c["hv"] * c["dk"] * c["dv"] * 4 * 2
     io = t * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
+    if mql == 1:
+        fns["copy"] = _copy(state_bytes)
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, \
             fused_recurrent_gated_delta_rule
@@ -101,7 +112,7 @@ def gdn_case(batch, lens, initial=True):
     except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here is recorded
         print(f"fla: {type(e).__name__}: {e}"[:200])
     return fns, {"ours_with_conv": state_bytes + io + conv_bytes, "ours": state_bytes + io,
-                 "fla": state_bytes + io}
+                 "fla": state_bytes + io, "copy": state_bytes}
 
 
 def mamba2_case(batch, lens, initial=True):
@@ -132,6 +143,8 @@ def mamba2_case(batch, lens, initial=True):
     fns = {"ours_with_conv": ours, "ours": ours_recurrence}
     state_bytes = batch * c["h"] * c["p"] * c["n"] * 4 * 2
     io = t * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
+    if mql == 1:
+        fns["copy"] = _copy(state_bytes)
     try:
         if mql == 1:
             from mamba_ssm.ops.triton.selective_state_update import selective_state_update
@@ -154,7 +167,7 @@ def mamba2_case(batch, lens, initial=True):
     except Exception as e:  # noqa: BLE001
         print(f"mamba_ssm: {type(e).__name__}: {e}"[:200])
     return fns, {"ours_with_conv": state_bytes + io + conv_bytes, "ours": state_bytes + io,
-                 "mamba_ssm": state_bytes + io}
+                 "mamba_ssm": state_bytes + io, "copy": state_bytes}
 
 
 def _agreement(fns):

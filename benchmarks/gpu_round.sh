@@ -53,7 +53,7 @@
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
 #            mamba-ssm; SSM_ARGS)
 #   ssmprof  benchmarks/profile_ssm_prefill.py (each chunked-prefill launch's device time) under
-#            each of SSM_SWEEP's ATTN_OPS_TUNING strings (default: one run at the defaults),
+#            each of SSM_SWEEP's ATTN_OPS_TUNING strings in one process (default: the defaults),
 #            SSM_PROF_CASES its cases (default: the script's)
 #   sparse   tests/test_mla_sparse.py and tests/test_indexer.py (sparse MLA and its indexer: the
 #            Triton kernels compiled, real sizes, CUDA-graph replays; SPARSE_K selects)
@@ -176,13 +176,8 @@ for spec in "$@"; do
       done ;;
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
         --out "$OUT/bench_ssm_h200.json" ;;
-    ssmprof) i=0
-      for cfg in ${SSM_SWEEP:-defaults}; do
-        i=$((i + 1))
-        echo "## ssmprof $i: $cfg" | tee -a "$LOG" >> "$SUMMARY"
-        ATTN_OPS_TUNING="${cfg#defaults}" stage "ssmprof_$i" "$limit" python benchmarks/profile_ssm_prefill.py \
-          ${SSM_PROF_CASES:+--cases $SSM_PROF_CASES}
-      done ;;
+    ssmprof) stage ssmprof "$limit" python benchmarks/profile_ssm_prefill.py \
+        --tunings ${SSM_SWEEP:-defaults} ${SSM_PROF_CASES:+--cases $SSM_PROF_CASES} ;;
     sparse) stage sparse "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_mla_sparse.py tests/test_indexer.py -k "${SPARSE_K:-}" ;;
     sparsecheck) stage sparsecheck "$limit" compute-sanitizer --tool memcheck \
@@ -215,6 +210,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ " \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ " \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

@@ -37,6 +37,9 @@ def main(path: str) -> None:
             for key in ("ours", "ours_with_conv", anchor):
                 ax.plot([r["batch"] for r in mine], [r.get(f"{key}_tbs") for r in mine],
                         marker="o", label=LABELS[key])
+            if any("copy_tbs" in r for r in mine):
+                ax.plot([r["batch"] for r in mine], [r.get("copy_tbs") for r in mine],
+                        color="grey", ls="--", label="copy of the state bytes")
             ax.axhline(4.27 * 0.8, color="grey", ls=":", label="80% of 4.27 TB/s")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch (one token a request)")

@@ -1,7 +1,9 @@
 """Where a chunked recurrent-state prefill spends its time on the GPU: the CUDA time of each
-launch of our GDN and Mamba2 prefills (``torch.profiler``), per case.
+launch of our GDN and Mamba2 prefills (``torch.profiler``), per case, under each of
+``--tunings`` (``ATTN_OPS_TUNING`` strings, applied in this one process; ``defaults``: none).
 
     python benchmarks/profile_ssm_prefill.py [--cases gdn:1x8192 mamba2:64x512 ...]
+        [--tunings defaults ssm.mamba2_num_stages=2 ...]
 """
 
 from __future__ import annotations
@@ -21,10 +23,23 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+",
                         default=["gdn:1x8192", "gdn:64x512", "mamba2:1x8192", "mamba2:64x512"])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--tunings", nargs="+", default=["defaults"])
     args = parser.parse_args()
+    from attn_ops.tuning import ENV_TUNING
+
+    for cfg in args.tunings:
+        os.environ[ENV_TUNING] = "" if cfg == "defaults" else cfg
+        print(f"## {cfg}", flush=True)
+        try:
+            profile_cases(args.cases, args.iters)
+        except Exception as e:  # noqa: BLE001 -- a configuration that fails is recorded
+            print(f"   failed: {type(e).__name__}: {e}"[:300], flush=True)
+
+
+def profile_cases(cases, iters: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for case in args.cases:
+    for case in cases:
         kind, shape = case.split(":")
         batch, length = (int(v) for v in shape.split("x"))
         make = gdn_case if kind == "gdn" else mamba2_case
@@ -33,15 +48,15 @@ def main() -> None:
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
+            for _ in range(iters):
                 fn()
             torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / args.iters, e.count // args.iters)
+        rows = [(e.key, e.device_time_total / iters, e.count // iters)
                 for e in prof.key_averages() if e.device_time_total > 0]
         total = sum(t for _, t, _ in rows)
         print(f"== {case}: {total / 1e3:.3f} ms of device time a call")
         for key, t, n in sorted(rows, key=lambda r: -r[1])[:8]:
-            print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}")
+            print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -681,6 +681,21 @@ def test_decode_blocks_halve_for_small_batches_down_to_32_columns():
     assert decode_block(1, 100, 128, 1) == 128
 
 
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """``torch.empty`` / ``empty_like`` floating buffers filled with NaN while the test runs:
+    a chunked launch must write every output row (padding rows as zeros) and read nothing an
+    earlier launch left unwritten, or drop it."""
+    def poisoned(make):
+        def wrapper(*args, **kwargs):
+            out = make(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+        return wrapper
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("heads,chunk,dtype", [((2, 4), 16, torch.float32),
@@ -689,10 +704,10 @@ def test_decode_blocks_halve_for_small_batches_down_to_32_columns():
                                                ((2, 4), 64, torch.float32),
                                                ((3, 3), 64, torch.float16),
                                                ((2, 4), 16, torch.float16)])
-def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype):
+def test_gdn_chunked_kernel_matches_the_reference(heads, chunk, dtype, poisoned_buffers):
     """The chunked (WY-form) GDN kernel against the reference: requests over several chunks
     with partial last chunks, initial states or none, a request without new tokens, padding
-    rows; chunks of 16 and 32 tokens (tensor-core tiles need 16; at 32, 16 value columns a
+    rows, its buffers NaN-poisoned; chunks of 16 and 32 tokens (tensor-core tiles need 16; at 32, 16 value columns a
     program: two blocks, the last partial) and of 64 (the inverse by halves; a request over
     three chunks, a second half partly and one wholly past a request's end); fp32 (exact
     products) and
@@ -751,9 +766,11 @@ def test_routing_runs_long_prefills_chunked_and_speculative_steps_recurrent():
     (True, 16, 16, 16, torch.float32), (False, 16, 16, 16, torch.float32),
     (True, 32, 16, 16, torch.float32), (True, 32, 16, 16, torch.float16),
     (True, 32, 16, 32, torch.float32), (True, 32, 32, 16, torch.float32)])
-def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dtype):
+def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dtype,
+                                                  poisoned_buffers):
     """The chunked SSD kernel against the reference: several chunks with partial last ones,
-    initial states or none, a request without new tokens, padding rows, two groups, dt
+    initial states or none, a request without new tokens, padding rows, its buffers
+    NaN-poisoned, two groups, dt
     limits, with and without the z gate, D and dt_bias; chunks of one and of two row blocks
     (the output's earlier key blocks), key steps wider and narrower than the row blocks, the
     state hand-off over one and two channel blocks;

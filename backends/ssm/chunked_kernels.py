@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.ssm.triton_kernels import _or_zeros, _request_state
+from attn_ops.backends.ssm.triton_kernels import _or_zeros, _request_state, _zero_padding_rows
 
 __all__ = ["chunk_table", "gdn_chunked_triton", "ssd_chunked_triton"]
 
@@ -90,6 +90,13 @@ def _split_pid(HEADS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nb = (COLS + BLOCK - 1) // BLOCK
     return pid // (HEADS * nb), (pid // nb) % HEADS, pid % nb
+
+
+@triton.jit
+def _last_outer(HEADS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Whether this program of a :func:`_split_pid` launch is one of the last outer index's
+    (the last request's)."""
+    return tl.program_id(0) >= tl.num_programs(0) - HEADS * ((COLS + BLOCK - 1) // BLOCK)
 
 
 # --- Gated DeltaNet -------------------------------------------------------------------------
@@ -201,15 +208,16 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
 
 
 @triton.jit
-def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr,
-                     init_ptr, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut,
-                     stride_uh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
-                     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
-                     DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_ptr, coff_ptr,
+                     slot_ptr, init_ptr, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh,
+                     stride_ut, stride_uh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
+                     stride_ot, stride_oh, num_tokens, HV: tl.constexpr, GROUP: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
     """Per request, value head and block of value columns, chunk after chunk: the state at
     the chunk's start into ``h``, the corrected values ``d = u - w S`` over ``u``, then
-    ``S = e^(G_last) S + (e^(G_last - G) k)^T d``; the final state into the slot."""
+    ``S = e^(G_last) S + (e^(G_last - G) k)^T d``; the final state into the slot, and the
+    last request's programs zero the output rows past its end."""
     r, hv, vb = _split_pid(HV, DV, BLOCK_V)
     offs_c = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BLOCK_K)
@@ -238,6 +246,8 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, qsl_ptr, coff
         s = tl.exp(last) * s + _dot(tl.trans(k * tl.exp(last - cum)[:, None]), d, w_ptr, IEEE)
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    _zero_padding_rows(o_ptr, _last_outer(HV, DV, BLOCK_V), end, num_tokens, stride_ot,
+                       hv * stride_oh + offs_v, v_ok)
 
 
 @triton.jit
@@ -295,10 +305,10 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    out = torch.zeros_like(v)  # (padding rows: no program writes them)
     b = query_start_loc.shape[0] - 1
     if b == 0 or t == 0:
-        return out
+        return torch.zeros_like(v)
+    out = torch.empty_like(v)
     offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
     m = starts.shape[0]
     wdt = _work_dtype(q)
@@ -315,10 +325,11 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=warps[0], **common)
     state_bv = min(block_v, state_block_v)
     gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
-        k, g, w, u, h, state, query_start_loc, offsets, state_indices, has_initial_state,
-        k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
-        u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), BLOCK_V=state_bv, num_warps=warps[1], num_stages=2, **common)
+        k, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
+        has_initial_state, k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
+        u.stride(0), u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), out.stride(0), out.stride(1), t, BLOCK_V=state_bv, num_warps=warps[1],
+        num_stages=2, **common)
     out_bv = min(block_v, output_block_v)
     gdn_output_kernel[(m * hv * triton.cdiv(dv, out_bv),)](
         q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
@@ -404,14 +415,16 @@ def ssd_contrib_kernel(x_ptr, dtc_ptr, cum_ptr, b_ptr, st_ptr, start_ptr, end_pt
 
 
 @triton.jit
-def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, qsl_ptr, coff_ptr, slot_ptr, init_ptr,
-                     num_tokens, stride_sc, stride_sh, stride_ss, stride_slot_h, stride_slot_p,
-                     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, y_ptr, qsl_ptr, coff_ptr, slot_ptr,
+                     init_ptr, num_tokens, stride_sc, stride_sh, stride_ss, stride_slot_h,
+                     stride_slot_p, stride_yt, stride_yh, H: tl.constexpr, P: tl.constexpr,
+                     N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     """Per request, head and block of head channels, chunk after chunk: the state at the
     chunk's start into ``hs`` (in the inputs' dtype: the output launch's product operand,
     half the bytes of the fp32 contribution ``st``), then ``S = e^(cum_last) S +
-    contribution``; the final state into the slot."""
+    contribution``; the final state into the slot, and the last request's programs zero the
+    output rows past its end."""
     r, h, pb = _split_pid(H, P, BLOCK_P)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -431,6 +444,8 @@ def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, qsl_ptr, coff_ptr, slot
         s = tl.exp(last) * s + contrib
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    _zero_padding_rows(y_ptr, _last_outer(H, P, BLOCK_P), end, num_tokens, stride_yt,
+                       h * stride_yh + offs_p, p_ok)
 
 
 @triton.jit
@@ -502,8 +517,10 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, hs_p
             k_ok, dt_k, cum_k, xk = _ssd_rows(dtc_ptr, cum_ptr, x_ptr, keys, end, h, num_tokens,
                                               stride_xt, stride_xh, offs_p, p_ok)
             causal = (rows[:, None] >= keys[None, :]) & k_ok[None, :]
-            cb = tl.load(cb_rows + (k0 + offs_kb)[None, :], mask=causal & ok[:, None],
-                         other=0.0)
+            # unmasked (vectorised) -- every entry is inside the buffer, and those the C B^T
+            # launch left unwritten (above the diagonal, past the chunk's end) are dropped
+            # by the select below or land in rows that are not stored
+            cb = tl.load(cb_rows + (k0 + offs_kb)[None, :])
             wts = tl.where(causal, cb * tl.exp(tl.minimum(cum[:, None] - cum_k[None, :], 0.0))
                            * dt_k[None, :], 0.0)
             y += _dot(wts, xk, x_ptr, IEEE)
@@ -519,20 +536,23 @@ def ssd_output_kernel(x_ptr, dtc_ptr, cum_ptr, cb_ptr, c_ptr, d_ptr, z_ptr, hs_p
 def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                        has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
                        block: int | None = None, num_warps: int = 4,
-                       state_block_p: int = 64, key_block: int | None = None) -> torch.Tensor:
+                       state_block_p: int = 64, key_block: int | None = None,
+                       num_stages: int = 3, contrib_block: int = 32,
+                       contrib_warps: int = 8) -> torch.Tensor:
     """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
     ``block`` (default ``min(chunk, 32)``) rows of a chunk an output program of
-    ``num_warps`` warps stepping ``key_block`` (default ``block``; at most the chunk) of its
-    keys at a time, ``state_block_p`` head channels a program of the state hand-off, one slot
-    a request (inputs already checked)."""
+    ``num_warps`` warps and ``num_stages`` pipeline stages stepping ``key_block`` (default
+    ``block``; at most the chunk) of its keys at a time, ``contrib_block`` rows a step of a
+    contribution program of ``contrib_warps`` warps, ``state_block_p`` head channels a
+    program of the state hand-off, one slot a request (inputs already checked)."""
     x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
     g, n = B.shape[1:]
-    y = torch.zeros_like(x)
     b = query_start_loc.shape[0] - 1
     if b == 0 or t == 0:
-        return y
+        return torch.zeros_like(x)
+    y = torch.empty_like(x)
     offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
     m = starts.shape[0]
     ieee = _work_dtype(x) == torch.float32
@@ -552,14 +572,14 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     n_pb = triton.cdiv(p, block_p)
     ssd_contrib_kernel[(m * h * n_pb,)](
         x, dtc, cum, B, st, starts, ends, t, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
-        st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, BLOCK_P=block_p,
-        BLOCK_N=block_n, IEEE=ieee, num_warps=8, **shape)
+        st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=min(contrib_block, chunk),
+        BLOCK_P=block_p, BLOCK_N=block_n, IEEE=ieee, num_warps=contrib_warps, **shape)
     state_bp = min(block_p, state_block_p)
     hs = torch.empty(st.shape, dtype=_work_dtype(x), device=x.device)
     ssd_state_kernel[(b * h * triton.cdiv(p, state_bp),)](
-        cum, st, hs, state, query_start_loc, offsets, state_indices, has_initial_state, t,
+        cum, st, hs, state, y, query_start_loc, offsets, state_indices, has_initial_state, t,
         st.stride(0), st.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        BLOCK_P=state_bp, BLOCK_N=block_n, num_warps=4, **shape)
+        y.stride(0), y.stride(1), BLOCK_P=state_bp, BLOCK_N=block_n, num_warps=4, **shape)
     cb = torch.empty(m, g, chunk, chunk, dtype=torch.float32, device=x.device)
     ssd_cb_kernel[(m, chunk // block, g)](
         B, C, cb, starts, ends, B.stride(0), B.stride(1), cb.stride(0), cb.stride(1), N=n,
@@ -569,5 +589,5 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
         x.stride(1), C.stride(0), C.stride(1), cb.stride(0), cb.stride(1), st.stride(0),
         st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=block, KEY_BLOCK=key_block,
         BLOCK_P=block_p, BLOCK_N=block_n, HAS_Z=z is not None, IEEE=ieee, num_warps=num_warps,
-        **shape)
+        num_stages=num_stages, **shape)
     return y

@@ -109,7 +109,10 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                                       block=min(tuning.mamba2_block, tuning.mamba2_chunk),
                                       num_warps=tuning.mamba2_num_warps,
                                       state_block_p=tuning.mamba2_state_block_p,
-                                      key_block=tuning.mamba2_key_block or None)
+                                      key_block=tuning.mamba2_key_block or None,
+                                      num_stages=tuning.mamba2_num_stages,
+                                      contrib_block=tuning.mamba2_contrib_block,
+                                      contrib_warps=tuning.mamba2_contrib_warps)
         return tk.ssd_recurrent_triton(*args, tuning.decode_block_p, tuning.decode_num_warps)
     y, s, slots = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                                    state_indices, has_initial_state, max_query_len, dt_softplus,

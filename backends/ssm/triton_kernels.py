@@ -210,14 +210,15 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, offs_k, NUM_WRITES)
     _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
-    _zero_padding_rows(o_ptr, r, end, num_tokens, stride_ot, hv * stride_oh + offs_v, v_ok)
+    _zero_padding_rows(o_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_ot,
+                       hv * stride_oh + offs_v, v_ok)
 
 
 @triton.jit
-def _zero_padding_rows(o_ptr, r, end, num_tokens, stride_ot, offs, ok):
-    """The last request's programs write zeros to the rows past its end (padding), so the
-    output needs no memset before the launch."""
-    first = tl.where(r == tl.num_programs(0) - 1, end, num_tokens)
+def _zero_padding_rows(o_ptr, last, end, num_tokens, stride_ot, offs, ok):
+    """The last request's programs (``last``) write zeros to the rows past its end (padding),
+    so the output needs no memset before the launch."""
+    first = tl.where(last, end, num_tokens)
     for t in range(first, num_tokens):
         tl.store(o_ptr + t * stride_ot + offs, tl.zeros_like(offs).to(o_ptr.dtype.element_ty),
                  mask=ok)
@@ -331,7 +332,8 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, offs_p, NUM_WRITES)
     _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
-    _zero_padding_rows(y_ptr, r, end, num_tokens, stride_xt, h * stride_xh + offs_p, p_ok)
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_xt,
+                       h * stride_xh + offs_p, p_ok)
 
 
 def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
