@@ -249,6 +249,12 @@ class SSMTuning:
     # slower; Mamba2's 32 and 64 channels equal.
     decode_block_v: int = 128
     decode_min_programs: int = 4096
+    # GDN decodes (one token a request, one slot) as a persistent launch of this many
+    # programs an SM (0: one program an item), each stepping over items of
+    # decode_item_block_v value columns and loading the next item's state before storing the
+    # current one's.
+    decode_programs_per_sm: int = 0
+    decode_item_block_v: int = 32
     decode_block_p: int = 32
     decode_num_warps: int = 4
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
@@ -286,12 +292,16 @@ class SSMTuning:
                           ("mamba2_block", 16), ("mamba2_num_warps", 1),
                           ("mamba2_state_block_p", 1), ("gdn_wy_warps", 1),
                           ("gdn_state_warps", 1), ("gdn_output_warps", 1),
-                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1)):
+                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1),
+                          ("decode_item_block_v", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
+        if self.decode_programs_per_sm < 0:
+            raise ValueError(f"tuning.ssm.decode_programs_per_sm={self.decode_programs_per_sm}"
+                             " must be >= 0 (0: one program an item)")
         if self.mamba2_num_stages < 1:
             raise ValueError(f"tuning.ssm.mamba2_num_stages={self.mamba2_num_stages} must be "
                              ">= 1")

@@ -13,8 +13,8 @@ and mamba-ssm (Mamba2), side by side in one run.
   ``chunk_gated_delta_rule``, the Mamba2 op against mamba-ssm's ``mamba_chunk_scan_combined``
   (chunk 256), in M tokens/s; ``triton.testing.do_bench`` medians.
 
-    python benchmarks/bench_ssm.py [--only decode prefill] [--batches ...] [--rounds R]
-        [--out PATH]
+    python benchmarks/bench_ssm.py [--only decode prefill] [--batches ...]
+        [--kinds gated_deltanet mamba2] [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
@@ -188,12 +188,14 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["decode", "prefill"])
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 8, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--kinds", nargs="+", default=["gated_deltanet", "mamba2"])
     args = parser.parse_args()
     from attn_ops.tuning import default_tuning
 
     tuning = dataclasses.asdict(default_tuning().ssm)  # (ATTN_OPS_TUNING applied: the sweeps)
     rows = []
-    cases = {"gated_deltanet": gdn_case, "mamba2": mamba2_case}
+    cases = {kind: make for kind, make in
+             (("gated_deltanet", gdn_case), ("mamba2", mamba2_case)) if kind in args.kinds}
     if "decode" in args.only:
         for kind, make in cases.items():
             for batch in args.batches:
