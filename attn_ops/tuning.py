@@ -249,12 +249,6 @@ class SSMTuning:
     # slower; Mamba2's 32 and 64 channels equal.
     decode_block_v: int = 128
     decode_min_programs: int = 4096
-    # GDN decodes (one token a request, one slot) as a persistent launch of this many
-    # programs an SM (0: one program an item), each stepping over items of
-    # decode_item_block_v value columns and loading the next item's state before storing the
-    # current one's.
-    decode_programs_per_sm: int = 0
-    decode_item_block_v: int = 32
     decode_block_p: int = 32
     decode_num_warps: int = 4
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
@@ -279,11 +273,13 @@ class SSMTuning:
     # Keys of the chunk an output program steps at a time (0: mamba2_block). H200, 64 x 512:
     # 64 with 32 rows was 1.5x slower than 32 (docs/tuning.md).
     mamba2_key_block: int = 0
-    # Software-pipeline stages of the output programs' key loop, and the contribution
-    # launch's rows a step (16 up to the chunk) and warps.
-    mamba2_num_stages: int = 3
-    mamba2_contrib_block: int = 32
-    mamba2_contrib_warps: int = 8
+    # Software-pipeline stages of the output programs' key loop (H200, 64 x 512: 1 stage
+    # 0.93 ms against 1.14 at 3 (Triton's default), 1.20 at 4), and the contribution launch's
+    # rows a step (16 up to the chunk) and warps (64 rows on 4 warps 0.26 ms against 0.39 for
+    # 32 on 8, 0.50 for 128 on 8, 0.30 for 16 on 4).
+    mamba2_num_stages: int = 1
+    mamba2_contrib_block: int = 64
+    mamba2_contrib_warps: int = 4
 
     def __post_init__(self) -> None:
         for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
@@ -292,16 +288,12 @@ class SSMTuning:
                           ("mamba2_block", 16), ("mamba2_num_warps", 1),
                           ("mamba2_state_block_p", 1), ("gdn_wy_warps", 1),
                           ("gdn_state_warps", 1), ("gdn_output_warps", 1),
-                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1),
-                          ("decode_item_block_v", 1)):
+                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
-        if self.decode_programs_per_sm < 0:
-            raise ValueError(f"tuning.ssm.decode_programs_per_sm={self.decode_programs_per_sm}"
-                             " must be >= 0 (0: one program an item)")
         if self.mamba2_num_stages < 1:
             raise ValueError(f"tuning.ssm.mamba2_num_stages={self.mamba2_num_stages} must be "
                              ">= 1")

@@ -498,18 +498,14 @@ def _device():
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("kind,scenario", [
-    (kind, scenario) for kind in sorted(KINDS)
-    for scenario in ("mixed", "chunked_prefill", "speculative")] + [
-    ("gated_delta_rule", "persistent_decode")])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill", "speculative"])
 def test_triton_kernels_match_the_reference(kind, scenario):
     """Each op's Triton launch (fp32) against its torch body on the same step, padding rows and
     a padding request on the null slot included, on the schedule's every step; "speculative":
     the mixed schedule with 3 slots a request (the state after every position kept) and
     random acceptances; "mixed" with blocks of 2 state columns a program (several programs a
-    head, the last one partial); "persistent_decode": GDN's persistent decode launch over
-    one-token steps (from no state, then from the states), two programs stepping over items
-    of 2 value columns (several a head, the last partial)."""
+    head, the last one partial)."""
     from attn_ops.backends.ssm import triton_kernels as tk
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
@@ -517,8 +513,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
 
     k = KINDS[kind](torch.Generator().manual_seed(4))
     dev = _device()
-    block = 2 if scenario in ("mixed", "persistent_decode") else 32
-    persistent = scenario == "persistent_decode"
+    block = 2 if scenario == "mixed" else 32
     for name, value in vars(k).items():  # (the kind's parameters, in fp32 on the device)
         if torch.is_tensor(value):
             setattr(k, name, value.float().to(dev))
@@ -532,10 +527,6 @@ def test_triton_kernels_match_the_reference(kind, scenario):
             return c * tk.conv_triton(bb * x, w, b, st, qsl, slots, init, "")
         if kind == "gated_delta_rule":
             *head, mql, scale, l2 = args
-            if persistent:
-                assert mql == 1
-                return tk.gdn_recurrent_triton(*head, scale, l2, max_query_len=mql,
-                                               programs_per_sm=1, item_block_v=block)
             return tk.gdn_recurrent_triton(*head, scale, l2, block)
         *head, mql, soft, lo, hi = args
         return tk.ssd_recurrent_triton(*head, soft, lo, hi, block)
@@ -551,9 +542,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
         return (gdn_reference if kind == "gated_delta_rule" else mamba2_reference)(*args)
 
     spec = scenario == "speculative"
-    schedule = SCENARIOS["mixed" if spec else "one_token_prefill" if persistent else scenario]
-    if persistent:
-        schedule = schedule[:2] + [[(0, 1), (2, 1), (1, 1)]] * 2
+    schedule = SCENARIOS["mixed" if spec else scenario]
     lengths = {}
     for step in schedule:
         for r, n in step:

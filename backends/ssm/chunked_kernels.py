@@ -537,8 +537,8 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
                        has_initial_state, dt_softplus, dt_min, dt_max, chunk: int = 256,
                        block: int | None = None, num_warps: int = 4,
                        state_block_p: int = 64, key_block: int | None = None,
-                       num_stages: int = 3, contrib_block: int = 32,
-                       contrib_warps: int = 8) -> torch.Tensor:
+                       num_stages: int = 1, contrib_block: int = 64,
+                       contrib_warps: int = 4) -> torch.Tensor:
     """``torch.ops.attn.mamba2_ssd`` in chunks of ``chunk`` (a power of two >= 16) tokens,
     ``block`` (default ``min(chunk, 32)``) rows of a chunk an output program of
     ``num_warps`` warps and ``num_stages`` pipeline stages stepping ``key_block`` (default

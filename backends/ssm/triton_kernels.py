@@ -16,8 +16,6 @@ short prefills included); long prefills are their chunked kernels' work.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -217,97 +215,6 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
 
 
 @triton.jit
-def _decode_item(item, num_items, qsl_ptr, slot_ptr, init_ptr, offs_k, HV: tl.constexpr,
-                 DV: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Item ``item`` of a persistent decode launch (clamped into it, so every load is in
-    bounds): ``(request, value head, column block, its token row, the request's end, slot,
-    initial-state flag and whether it is a real item)``, the flags vectors over ``offs_k``
-    (scalar masks fail interpreted)."""
-    nb = (DV + BLOCK_V - 1) // BLOCK_V
-    real = (offs_k * 0 + item) < num_items
-    item = tl.minimum(item, num_items - 1)
-    r = item // (HV * nb)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_k * 0) != 0
-    return (r, (item // nb) % HV, item % nb, tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1),
-            slot, init & real, real)
-
-
-@triton.jit
-def _decode_state(state_ptr, slot, hv, vb, init, offs_k, offs_b, k_ok, stride_ss, stride_sh,
-                  stride_sk, DV: tl.constexpr, BLOCK_V: tl.constexpr):
-    """An item's ``[keys, BLOCK_V]`` state block in fp32 (zeros without an initial state or
-    past the launch's items: nothing read) and its pointers and mask."""
-    offs_v = vb * BLOCK_V + offs_b
-    ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk \
-        + offs_v[None, :]
-    mask = k_ok[:, None] & (offs_v < DV)[None, :]
-    return tl.load(ptrs, mask=mask & init[:, None], other=0.0).to(tl.float32), ptrs, mask
-
-
-@triton.jit
-def gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slot_ptr,
-                      init_ptr, scale, num_items, num_reqs, num_tokens, stride_qt, stride_qh,
-                      stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
-                      stride_ot, stride_oh, HV: tl.constexpr, GROUP: tl.constexpr,
-                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
-    """The gated delta rule for decodes (at most one token a request, one slot each) as a
-    persistent launch: each program steps over (request, value head, column block) items
-    ``num_programs`` apart, and loads the next item's state -- with the metadata of the one
-    after it, whose slot that load needs -- before it updates and stores the current one, so
-    an SM's reads of one item overlap its writes of the last and no load waits on the one
-    before it. A request without a token keeps its state (zeros without an initial one)."""
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_b = tl.arange(0, BLOCK_V)
-    k_ok = offs_k < DK
-    r, hv, vb, tok, end, slot, init, _ = _decode_item(pid, num_items, qsl_ptr, slot_ptr,
-                                                      init_ptr, offs_k, HV, DV, BLOCK_V)
-    s, s_ptrs, s_mask = _decode_state(state_ptr, slot, hv, vb, init, offs_k, offs_b, k_ok,
-                                      stride_ss, stride_sh, stride_sk, DV, BLOCK_V)
-    rn, hvn, vbn, tokn, endn, slotn, initn, _ = _decode_item(
-        pid + step, num_items, qsl_ptr, slot_ptr, init_ptr, offs_k, HV, DV, BLOCK_V)
-    for it in range(pid, num_items, step):
-        s_next, ptrs_next, mask_next = _decode_state(state_ptr, slotn, hvn, vbn, initn, offs_k,
-                                                     offs_b, k_ok, stride_ss, stride_sh,
-                                                     stride_sk, DV, BLOCK_V)
-        r2, hv2, vb2, tok2, end2, slot2, init2, _ = _decode_item(
-            it + 2 * step, num_items, qsl_ptr, slot_ptr, init_ptr, offs_k, HV, DV, BLOCK_V)
-        t = tl.minimum(tok, num_tokens - 1)
-        hk = hv // GROUP
-        offs_v = vb * BLOCK_V + offs_b
-        v_ok = offs_v < DV
-        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
-                    other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
-                    other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        q = q * scale
-        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=v_ok,
-                    other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
-        beta = tl.load(beta_ptr + t * stride_gt + hv).to(tl.float32)
-        s_k = tl.sum(s * k[:, None], axis=0)
-        s_q = tl.sum(s * q[:, None], axis=0)
-        delta = (v - decay * s_k) * beta
-        has = (offs_k * 0 + tok) < end
-        tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v,
-                 (decay * s_q + tl.sum(k * q) * delta).to(o_ptr.dtype.element_ty),
-                 mask=v_ok & ((offs_b * 0 + tok) < end))
-        s = tl.where(has[:, None], s * decay + k[:, None] * delta[None, :], s)
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
-        _zero_padding_rows(o_ptr, r == num_reqs - 1, end, num_tokens, stride_ot,
-                           hv * stride_oh + offs_v, v_ok)
-        s, s_ptrs, s_mask = s_next, ptrs_next, mask_next
-        r, hv, vb, tok, end = rn, hvn, vbn, tokn, endn
-        rn, hvn, vbn, tokn, endn, slotn, initn = r2, hv2, vb2, tok2, end2, slot2, init2
-
-
-@triton.jit
 def _zero_padding_rows(o_ptr, last, end, num_tokens, stride_ot, offs, ok):
     """The last request's programs (``last``) write zeros to the rows past its end (padding),
     so the output needs no memset before the launch."""
@@ -354,23 +261,12 @@ def decode_block(rows: int, cols: int, block: int, min_programs: int) -> int:
     return block
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs (the interpreter's launches: 2)."""
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                          has_initial_state, scale, qk_l2norm, block_v: int = 32,
-                         num_warps: int = 4, min_programs: int = 1, max_query_len: int = 0,
-                         programs_per_sm: int = 0, item_block_v: int = 32) -> torch.Tensor:
+                         num_warps: int = 4, min_programs: int = 1) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` token by token, ``block_v`` value columns a
     program, halved (not below 32) while the launch has fewer than ``min_programs`` programs
-    (inputs already checked). Decodes (``max_query_len`` 1, one slot a request) with
-    ``programs_per_sm`` run persistent (:func:`gdn_decode_kernel`), ``item_block_v`` value
-    columns an item."""
+    (inputs already checked)."""
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     if k.stride() != q.stride():
         k = k.contiguous()
@@ -381,17 +277,6 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
     if b == 0:
         return torch.zeros_like(v)
     out = torch.empty_like(v)
-    if programs_per_sm and max_query_len == 1 and _num_writes(state_indices) == 0 and t:
-        block_v = min(triton.next_power_of_2(dv), item_block_v)
-        items = b * hv * triton.cdiv(dv, block_v)
-        gdn_decode_kernel[(min(items, programs_per_sm * _sm_count(q.device)),)](
-            q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state,
-            scale, items, b, t, q.stride(0), q.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
-            out.stride(1), HV=hv, GROUP=hv // hk, DK=dk, DV=dv,
-            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
-            num_warps=num_warps)
-        return out
     block_v = decode_block(b * hv, dv, block_v, min_programs)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
