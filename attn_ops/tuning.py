@@ -251,6 +251,8 @@ class SSMTuning:
     decode_min_programs: int = 4096
     decode_block_p: int = 32
     decode_num_warps: int = 4
+    # The decode kernels' state read evict-first and its write a streaming store (.cs).
+    decode_streaming: bool = False
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
     # programs for few requests; more: each chunk's w and k read fewer times) and of its
     # output launch (more: q k^T computed fewer times). H200: 64 / 32 and 16 / 128 were

@@ -151,10 +151,11 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
 
 @triton.jit
 def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, head_offs,
-                   offs_row, offs_col, row_ok, col_ok, stride_row):
+                   offs_row, offs_col, row_ok, col_ok, stride_row, EVICT: tl.constexpr = ""):
     """Request ``r``'s new-token range and its state block ``[rows, cols]`` (at
     ``head_offs`` in a slot) read in fp32 -- zeros without an initial state -- with the
-    block's offsets in a slot, its pointers in the read slot and its mask."""
+    block's offsets in a slot, its pointers in the read slot and its mask; ``EVICT``: the
+    read's L2 eviction policy."""
     start = tl.load(qsl_ptr + r)
     end = tl.load(qsl_ptr + r + 1)
     slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
@@ -162,7 +163,8 @@ def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride
     s_offs = head_offs + offs_row[:, None] * stride_row + offs_col[None, :]
     s_ptrs = state_ptr + slot * stride_ss + s_offs
     s_mask = row_ok[:, None] & col_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0).to(tl.float32)
+    s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0,
+                eviction_policy=EVICT).to(tl.float32)
     return start, end, s, s_offs, s_ptrs, s_mask
 
 
@@ -173,7 +175,8 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
                          stride_ot, stride_oh, num_tokens, NUM_WRITES: tl.constexpr,
                          GROUP: tl.constexpr,
                          DK: tl.constexpr, DV: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                         EVICT: tl.constexpr, STORE: tl.constexpr):
     r = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
@@ -183,7 +186,7 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     v_ok = offs_v < DV
     start, end, s, s_offs, s_ptrs, s_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, hv * stride_sh, offs_k,
-        offs_v, k_ok, v_ok, stride_sk)
+        offs_v, k_ok, v_ok, stride_sk, EVICT)
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
                     other=0.0).to(tl.float32)
@@ -209,7 +212,7 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
                  mask=v_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, offs_k, NUM_WRITES)
-    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES, STORE)
     _zero_padding_rows(o_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_ot,
                        hv * stride_oh + offs_v, v_ok)
 
@@ -244,10 +247,18 @@ def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, stride_idx, stri
 
 
 @triton.jit
-def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr):
-    """One slot a request (``NUM_WRITES`` 0): its final state back into it."""
+def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr,
+                STORE: tl.constexpr = ""):
+    """One slot a request (``NUM_WRITES`` 0): its final state back into it (``STORE``: the
+    store's cache modifier)."""
     if NUM_WRITES == 0:
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask, cache_modifier=STORE)
+
+
+def _state_cache_hints(streaming: bool) -> dict:
+    """The decode kernels' state read / write cache hints: a state is read once and written
+    once a step, so ``streaming`` keeps it from displacing what L2 holds for the step."""
+    return {"EVICT": "evict_first", "STORE": ".cs"} if streaming else {"EVICT": "", "STORE": ""}
 
 
 def decode_block(rows: int, cols: int, block: int, min_programs: int) -> int:
@@ -263,10 +274,12 @@ def decode_block(rows: int, cols: int, block: int, min_programs: int) -> int:
 
 def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                          has_initial_state, scale, qk_l2norm, block_v: int = 32,
-                         num_warps: int = 4, min_programs: int = 1) -> torch.Tensor:
+                         num_warps: int = 4, min_programs: int = 1,
+                         streaming: bool = False) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` token by token, ``block_v`` value columns a
-    program, halved (not below 32) while the launch has fewer than ``min_programs`` programs
-    (inputs already checked)."""
+    program, halved (not below 32) while the launch has fewer than ``min_programs`` programs;
+    ``streaming``: the state read evict-first, written as a streaming store (inputs already
+    checked)."""
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     if k.stride() != q.stride():
         k = k.contiguous()
@@ -284,7 +297,7 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
         g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
         out.stride(1), t, NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk, DK=dk, DV=dv,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
-        num_warps=num_warps)
+        **_state_cache_hints(streaming), num_warps=num_warps)
     return out
 
 
@@ -296,7 +309,8 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
                          stride_sp, num_tokens, NUM_WRITES: tl.constexpr,
                          HEADS_PER_GROUP: tl.constexpr,
                          P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+                         EVICT: tl.constexpr, STORE: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     grp = h // HEADS_PER_GROUP
@@ -306,7 +320,7 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
     n_ok = offs_n < N
     start, end, s, s_offs, s_ptrs, s_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, h * stride_sh, offs_p,
-        offs_n, p_ok, n_ok, stride_sp)
+        offs_n, p_ok, n_ok, stride_sp, EVICT)
     a = tl.load(a_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
@@ -331,16 +345,16 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
                  mask=p_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, offs_p, NUM_WRITES)
-    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES, STORE)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_xt,
                        h * stride_xh + offs_p, p_ok)
 
 
 def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                          has_initial_state, dt_softplus, dt_min, dt_max, block_p: int = 32,
-                         num_warps: int = 4) -> torch.Tensor:
-    """``torch.ops.attn.mamba2_ssd`` token by token, ``block_p`` head channels a program
-    (inputs already checked)."""
+                         num_warps: int = 4, streaming: bool = False) -> torch.Tensor:
+    """``torch.ops.attn.mamba2_ssd`` token by token, ``block_p`` head channels a program;
+    ``streaming`` as :func:`gdn_recurrent_triton`'s (inputs already checked)."""
     x, dt, B, C = (u.contiguous() for u in (x, dt, B, C))
     z = z.contiguous() if z is not None else None
     t, h, p = x.shape
@@ -358,7 +372,7 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
         B.stride(1), state.stride(0), state.stride(1), state.stride(2), t,
         NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
-        SOFTPLUS=dt_softplus, num_warps=num_warps)
+        SOFTPLUS=dt_softplus, **_state_cache_hints(streaming), num_warps=num_warps)
     return y
 
 
