@@ -226,7 +226,7 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
     v_ok = offs_v < DV
     start, end, s, _, s_ptrs, s_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, hv * stride_sh, offs_k,
-        offs_v, k_ok, v_ok, stride_sk)
+        offs_v, k_ok, v_ok, stride_sk, "")
     h_offs = hv * stride_hh + offs_k[:, None] * DV + offs_v[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)
     for c0 in range(start, end, CHUNK):
@@ -432,7 +432,7 @@ def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, y_ptr, qsl_ptr, coff_pt
     n_ok = offs_n < N
     start, end, s, _, s_ptrs, s_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, h * stride_slot_h, offs_p,
-        offs_n, p_ok, n_ok, stride_slot_p)
+        offs_n, p_ok, n_ok, stride_slot_p, "")
     cum_h = cum_ptr + h.to(tl.int64) * num_tokens
     st_offs = h * stride_sh + offs_p[:, None] * N + offs_n[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)

@@ -151,7 +151,7 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
 
 @triton.jit
 def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, head_offs,
-                   offs_row, offs_col, row_ok, col_ok, stride_row, EVICT: tl.constexpr = ""):
+                   offs_row, offs_col, row_ok, col_ok, stride_row, EVICT: tl.constexpr):
     """Request ``r``'s new-token range and its state block ``[rows, cols]`` (at
     ``head_offs`` in a slot) read in fp32 -- zeros without an initial state -- with the
     block's offsets in a slot, its pointers in the read slot and its mask; ``EVICT``: the
@@ -247,8 +247,7 @@ def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, stride_idx, stri
 
 
 @triton.jit
-def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr,
-                STORE: tl.constexpr = ""):
+def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr, STORE: tl.constexpr):
     """One slot a request (``NUM_WRITES`` 0): its final state back into it (``STORE``: the
     store's cache modifier)."""
     if NUM_WRITES == 0:
