@@ -505,7 +505,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     a padding request on the null slot included, on the schedule's every step; "speculative":
     the mixed schedule with 3 slots a request (the state after every position kept) and
     random acceptances; "mixed" with blocks of 2 state columns a program (several programs a
-    head, the last one partial)."""
+    head, the last one partial) and without the decode kernels' state cache hints."""
     from attn_ops.backends.ssm import triton_kernels as tk
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
@@ -514,6 +514,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     k = KINDS[kind](torch.Generator().manual_seed(4))
     dev = _device()
     block = 2 if scenario == "mixed" else 32
+    streaming = scenario != "mixed"  # (the state cache hints: one setting or the other)
     for name, value in vars(k).items():  # (the kind's parameters, in fp32 on the device)
         if torch.is_tensor(value):
             setattr(k, name, value.float().to(dev))
@@ -527,9 +528,9 @@ def test_triton_kernels_match_the_reference(kind, scenario):
             return c * tk.conv_triton(bb * x, w, b, st, qsl, slots, init, "")
         if kind == "gated_delta_rule":
             *head, mql, scale, l2 = args
-            return tk.gdn_recurrent_triton(*head, scale, l2, block)
+            return tk.gdn_recurrent_triton(*head, scale, l2, block, streaming=streaming)
         *head, mql, soft, lo, hi = args
-        return tk.ssd_recurrent_triton(*head, soft, lo, hi, block)
+        return tk.ssd_recurrent_triton(*head, soft, lo, hi, block, streaming=streaming)
 
     def reference(args):
         if kind == "causal_conv1d":
