@@ -14,7 +14,7 @@ and mamba-ssm (Mamba2), side by side in one run.
   (chunk 256), in M tokens/s; ``triton.testing.do_bench`` medians.
 
     python benchmarks/bench_ssm.py [--only decode prefill] [--batches ...]
-        [--kinds gated_deltanet mamba2] [--rounds R] [--out PATH]
+        [--kinds gated_deltanet mamba2] [--without fla copy ...] [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
@@ -189,6 +189,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 8, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--kinds", nargs="+", default=["gated_deltanet", "mamba2"])
+    parser.add_argument("--without", nargs="*", default=[],
+                        help="columns not to time (e.g. fla: its decode faults at batch 1024)")
     args = parser.parse_args()
     from attn_ops.tuning import default_tuning
 
@@ -200,6 +202,7 @@ def main() -> None:
         for kind, make in cases.items():
             for batch in args.batches:
                 fns, nbytes = make(batch, [1] * batch)
+                fns = {n: f for n, f in fns.items() if n not in args.without}
                 ms = time_graph(fns, args.rounds)
                 row = {"mode": "decode", "kind": kind, "batch": batch,
                        **{f"{n}_us": v * 1e3 for n, v in ms.items()},
@@ -214,7 +217,8 @@ def main() -> None:
         for kind, make in cases.items():
             for batch, length in ((1, 8192), (8, 2048), (64, 512)):
                 fns, _ = make(batch, [length] * batch, initial=False)
-                fns.pop("ours_with_conv")
+                fns = {n: f for n, f in fns.items() if n not in args.without}
+                fns.pop("ours_with_conv", None)
                 samples = {n: [] for n in fns}
                 for _ in range(args.rounds):
                     for n, fn in fns.items():
