@@ -223,11 +223,14 @@ def test_compiled_layer_matches_eager():
     torch.testing.assert_close(got, expected)
 
 
-def test_every_triton_kernel_reads_only_constexpr_globals():
+def test_every_triton_kernel_keeps_to_what_compiled_triton_accepts():
     """Compiled Triton refuses a kernel that reads a plain module-level number (only
-    ``tl.constexpr`` globals are allowed); the interpreter these CPU tests run does not, so this
-    checks every ``@triton.jit`` function of the package for it."""
+    ``tl.constexpr`` globals are allowed), and passes a defaulted argument of a nested
+    ``@triton.jit`` call as a bare Python value (a defaulted ``tl.constexpr`` string fails to
+    compile); the interpreter these CPU tests run accepts both, so this checks every
+    ``@triton.jit`` function of the package for them."""
     import importlib
+    import inspect
     import pkgutil
 
     import triton
@@ -235,14 +238,23 @@ def test_every_triton_kernel_reads_only_constexpr_globals():
     import attn_ops
     import attn_ops.backends
 
-    bad = []
+    from triton.runtime.interpreter import InterpretedFunction
+
+    bad, seen = [], 0
     for pkg in (attn_ops, attn_ops.backends):
         for module in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             if not module.name.endswith("_kernels"):
                 continue
             for name, obj in vars(importlib.import_module(module.name)).items():
-                if isinstance(obj, triton.runtime.JITFunction):
+                # (under TRITON_INTERPRET=1 @triton.jit makes InterpretedFunctions)
+                if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)):
+                    seen += 1
                     fn = obj.fn
-                    bad += [f"{module.name}.{name} reads {g}" for g in fn.__code__.co_names
+                    bad += [f"{module.name}.{name} reads {g}: declare it tl.constexpr(...)"
+                            for g in fn.__code__.co_names
                             if type(fn.__globals__.get(g)) in (int, float)]
-    assert not bad, f"{bad}: declare them tl.constexpr(...)"
+                    bad += [f"{module.name}.{name} defaults {p.name}: pass it at every call"
+                            for p in inspect.signature(fn).parameters.values()
+                            if p.default is not inspect.Parameter.empty]
+    assert seen > 50, f"found {seen} @triton.jit functions: the scan misses the kernels"
+    assert not bad, bad
