@@ -227,18 +227,21 @@ _UNFUSED = (dict(block_n=16, chunk=32), False)
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("cache,launch,fused", [
     ("fp32", *_ONE), ("fp8_token", *_ONE), ("fp8_token_half", *_ONE), ("fp8_block", *_ONE),
-    ("fp32", *_SPLIT), ("fp8_block", *_SPLIT), ("fp8_token", *_UNFUSED)],
+    ("fp32", *_SPLIT), ("fp8_block", *_SPLIT), ("fp8_token", *_UNFUSED),
+    ("fp8_token_fp8_query", *_SPLIT)],
     ids=["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-select",
          "fp8_block-one-select", "fp32-split-select", "fp8_block-split-select",
-         "fp8_token-select-histograms-all"])
+         "fp8_token-select-histograms-all", "fp8_token-fp8-query-split-select"])
 def test_device_topk_selects_what_the_reference_does(cache, launch, fused):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
     lower position), fp8 with per-token and per-128-channel scales (an fp16 query over
-    per-token fp8 keys: the product in fp16, the scale after the ReLU), the position axis in
-    one program or several, the select's spans of positions in one program or several, its
-    first digit histogram added by the scoring or by its own launch."""
+    per-token fp8 keys: the product in fp16, the scale after the ReLU; the query quantized to
+    fp8 per head, ``index_fp8_query``, against the reference over the query it quantizes to),
+    the position axis in one program or several, the select's spans of positions in one
+    program or several, its first digit histogram added by the scoring or by its own
+    launch."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
     from attn_ops.tuning import Tuning
@@ -262,8 +265,12 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused):
     w = torch.randn(t, h, generator=g)
     args = [x.to(dev) if x is not None else None
             for x in (q, w, keys, scales, table, seq_lens, qsl)]
-    got = indexer_topk_device(*args, topk, **launch,
-                              tuning=Tuning().with_(mla={"index_fused_histogram": fused}))
+    fp8_query = cache == "fp8_token_fp8_query"
+    got = indexer_topk_device(*args, topk, **launch, tuning=Tuning().with_(
+        mla={"index_fused_histogram": fused, "index_fp8_query": fp8_query}))
+    if fp8_query:  # the reference over the query as the scoring quantizes it
+        scale = q.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
+        args[0] = ((q / scale).to(FP8).float() * scale).to(dev)
     want = topk_reference(*args, topk)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[sum(new):] == -1).all()
@@ -346,7 +353,7 @@ def test_indexer_launch_fills_the_sms_for_few_rows_and_keeps_long_programs_for_m
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cache", ["bf16", "fp8_token"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8_token", "fp8_token_fp8_query"])
 def test_device_topk_at_real_sizes_selects_the_best_scores(cache):
     """DeepSeek-V3.2's indexer sizes: 64 heads x 128, top-k 2048, page 64, bf16 queries; a
     step of 6 decodes at 2048 (dense) to 40k positions and a 48-token prefill at 20k, each
@@ -354,15 +361,17 @@ def test_device_topk_at_real_sizes_selects_the_best_scores(cache):
     The rows' selections against fp32 scores of the same cache: every row takes top-k
     positions (all it sees below that), and any position where it differs from the exact
     top-k scores within 1e-5 of the row's top-k-th score (products in bf16 with fp32 sums:
-    only near-ties may swap)."""
+    only near-ties may swap); with ``index_fp8_query`` the exact scores are those of the query
+    as it is quantized (per head, e4m3 at amax / 448)."""
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
+    from attn_ops.tuning import default_tuning
 
     torch.manual_seed(1)
     dev, page, h, d, topk = "cuda", 64, 64, 128, 2048
     lens = [2048, 2049, 9000, 17000, 33000, 40960, 20000]
     new = [1, 1, 1, 1, 1, 1, 48]
     blocks = sum(-(-n // page) for n in lens) + 8
-    dtype = FP8 if cache == "fp8_token" else torch.bfloat16
+    dtype = FP8 if cache.startswith("fp8_token") else torch.bfloat16
     keys, scales = allocate_index_cache(blocks, page, d, dtype, device=dev)
     keys.copy_(torch.randn(keys.shape, device=dev).to(dtype))
     if scales is not None:
@@ -379,7 +388,12 @@ def test_device_topk_at_real_sizes_selects_the_best_scores(cache):
     t = sum(new)
     q = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16)
     w = torch.randn(t, h, device=dev) / h
-    got = indexer_topk_device(q, w, keys, scales, table, seq_lens, qsl, topk)
+    fp8_query = cache == "fp8_token_fp8_query"
+    got = indexer_topk_device(q, w, keys, scales, table, seq_lens, qsl, topk,
+                              tuning=default_tuning().with_(mla={"index_fp8_query": fp8_query}))
+    if fp8_query:
+        scale = q.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
+        q = (q.float() / scale).to(FP8).float() * scale
     row = 0
     for r, (n, m) in enumerate(zip(lens, new)):
         pos = torch.arange(n, device=dev)

@@ -84,13 +84,27 @@ def _flush_histogram(hist_ptr, local, PASS: tl.constexpr):
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32, ``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, by exact
+    arithmetic on its exponent bits (3 mantissa bits; below 2^-6 the subnormals' step 2^-9):
+    the conversion after it is then exact everywhere -- Triton's interpreter mis-rounds values
+    whose rounding crosses a power of two."""
+    e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    y = x * inv  # (exact: a power of two; |y| <= 16)
+    y = (y + 12582912.0) - 12582912.0  # (1.5 * 2^23: to the nearest integer, ties to even)
+    return y * step
+
+
+@triton.jit
 def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, vis_ptr,
                        out_ptr, hist_ptr, row0, topk, chunk, stride_qt, stride_qh, stride_wt,
                        stride_kb, stride_kp, stride_sb, stride_sp, stride_bt, stride_ot,
                        H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        PAGE: tl.constexpr, GROUP: tl.constexpr, HAS_SCALES: tl.constexpr,
                        SCALE_AFTER: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, HIST: tl.constexpr):
+                       PRECISION: tl.constexpr, HIST: tl.constexpr, FP8_Q: tl.constexpr):
     i = tl.program_id(0)  # (a row of this pass)
     t = row0 + i
     vis = tl.load(vis_ptr + t)
@@ -103,8 +117,14 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
     h_ok = offs_h < H
     d_ok = offs_d < D
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-                + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+                + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0)
+    if FP8_Q:  # each head in e4m3 at its own scale, folded into its weight (relu(s x) = s relu(x))
+        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), axis=1), 1e-30) / 448.0
+        q = _round_to_e4m3(q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
+        w = w * q_scale
+    else:
+        q = q.to(COMPUTE)
     local = tl.zeros([256], tl.int32)  # (the select's first digit histogram)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -113,12 +133,16 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
                        other=0).to(tl.int64)
         row = page * stride_kb + (offs_n % PAGE) * stride_kp
         k = tl.load(keys_ptr + row[:, None] + offs_d[None, :],
-                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
         srow = page * stride_sb + (offs_n % PAGE) * stride_sp
-        if HAS_SCALES and not SCALE_AFTER:
-            k = k * tl.load(scales_ptr + srow[:, None] + (offs_d // GROUP)[None, :],
-                            mask=ok[:, None] & d_ok[None, :], other=0.0)
-        dots = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)  # [H_P, BLOCK_N]
+        if FP8_Q:  # (fp8 keys as stored)
+            dots = tl.dot(q, tl.trans(k))  # [H_P, BLOCK_N]
+        else:
+            k = k.to(tl.float32)
+            if HAS_SCALES and not SCALE_AFTER:
+                k = k * tl.load(scales_ptr + srow[:, None] + (offs_d // GROUP)[None, :],
+                                mask=ok[:, None] & d_ok[None, :], other=0.0)
+            dots = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
         score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
         if SCALE_AFTER:
             score = score * tl.load(scales_ptr + srow, mask=ok, other=0.0)
@@ -249,6 +273,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
     q = q if q.stride(2) == 1 else q.contiguous()
     w = weights.float().contiguous()
     group = d // scales.shape[2] if scales is not None else d
+    fp8_query = tuning.index_fp8_query and keys.dtype == torch.float8_e4m3fn and group == d
     low = q.dtype in (torch.bfloat16, torch.float16) and (
         keys.dtype == q.dtype or (keys.dtype == torch.float8_e4m3fn and group == d))
     compute = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low \
@@ -267,8 +292,9 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             keys.stride(1), scales.stride(0) if scales is not None else 0,
             scales.stride(1) if scales is not None else 0, block_table.stride(0),
             scores.stride(0), H=h, H_P=pow2(h, 16), D=d, D_P=pow2(d, 16), PAGE=page,
-            GROUP=group, HAS_SCALES=scales is not None, SCALE_AFTER=low and scales is not None,
-            COMPUTE=compute, BLOCK_N=block_n, PRECISION=precision, HIST=fused,
+            GROUP=group, HAS_SCALES=scales is not None,
+            SCALE_AFTER=(low or fp8_query) and scales is not None, COMPUTE=compute,
+            BLOCK_N=block_n, PRECISION=precision, HIST=fused, FP8_Q=fp8_query,
             num_warps=tuning.index_warps, num_stages=tuning.index_stages)
         _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
                 select_block, first=1 if fused else 0)
