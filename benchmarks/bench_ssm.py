@@ -91,8 +91,6 @@ def gdn_case(batch, lens, initial=True):
     fns = {"ours_with_conv": ours, "ours": ours_recurrence}
     state_bytes = batch * c["hv"] * c["dk"] * c["dv"] * 4 * 2
     io = t * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
-    if mql == 1:
-        fns["copy"] = _copy(state_bytes)
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, \
             fused_recurrent_gated_delta_rule
@@ -143,8 +141,6 @@ def mamba2_case(batch, lens, initial=True):
     fns = {"ours_with_conv": ours, "ours": ours_recurrence}
     state_bytes = batch * c["h"] * c["p"] * c["n"] * 4 * 2
     io = t * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
-    if mql == 1:
-        fns["copy"] = _copy(state_bytes)
     try:
         if mql == 1:
             from mamba_ssm.ops.triton.selective_state_update import selective_state_update
@@ -202,6 +198,8 @@ def main() -> None:
         for kind, make in cases.items():
             for batch in args.batches:
                 fns, nbytes = make(batch, [1] * batch)
+                if "copy" not in args.without:
+                    fns["copy"] = _copy(nbytes["copy"])
                 fns = {n: f for n, f in fns.items() if n not in args.without}
                 ms = time_graph(fns, args.rounds)
                 row = {"mode": "decode", "kind": kind, "batch": batch,

@@ -218,6 +218,13 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
         assert inter / sum(len(b) for r in range(2) for b in want[r]) >= 0.99
 
 
+def _fp8_query(q):
+    """``q`` as ``mla.index_fp8_query`` scores it: each head in e4m3 at amax / 448, back in
+    fp32."""
+    scale = q.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
+    return (q.float() / scale).to(FP8).float() * scale
+
+
 _ONE = (dict(block_n=32), True)
 _SPLIT = (dict(block_n=16, chunk=32, select_span=32, select_block=16), True)
 _UNFUSED = (dict(block_n=16, chunk=32), False)
@@ -269,8 +276,7 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused):
     got = indexer_topk_device(*args, topk, **launch, tuning=Tuning().with_(
         mla={"index_fused_histogram": fused, "index_fp8_query": fp8_query}))
     if fp8_query:  # the reference over the query as the scoring quantizes it
-        scale = q.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
-        args[0] = ((q / scale).to(FP8).float() * scale).to(dev)
+        args[0] = _fp8_query(q).to(dev)
     want = topk_reference(*args, topk)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[sum(new):] == -1).all()
@@ -392,8 +398,7 @@ def test_device_topk_at_real_sizes_selects_the_best_scores(cache):
     got = indexer_topk_device(q, w, keys, scales, table, seq_lens, qsl, topk,
                               tuning=default_tuning().with_(mla={"index_fp8_query": fp8_query}))
     if fp8_query:
-        scale = q.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
-        q = (q.float() / scale).to(FP8).float() * scale
+        q = _fp8_query(q)
     row = 0
     for r, (n, m) in enumerate(zip(lens, new)):
         pos = torch.arange(n, device=dev)

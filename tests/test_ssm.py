@@ -24,6 +24,7 @@ from attn_ops.backends.ssm.metadata import (NULL_STATE_SLOT, build_state_metadat
 from attn_ops.backends.ssm.short_conv import short_conv
 from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvSpec
 from attn_ops.kv_cache import BlockAllocator
+from attn_ops.testing import capture_graph
 
 F64 = torch.float64
 
@@ -649,11 +650,7 @@ def test_graph_replays_of_random_decode_batches_match_eager(kind):
                                 (np.arange(batch) < real).astype(np.int64),
                                 np.arange(1, batch + 1) * (np.arange(batch) < real), k.chunk,
                                 device="cuda")
-    k.run(inp, states, meta)  # (warm-up: Triton compiles outside the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = k.run(inp, states, meta)
+    graph, out = capture_graph(lambda: k.run(inp, states, meta))  # (Triton compiles outside)
     gen = torch.Generator().manual_seed(7)
     for _ in range(200):
         perm = torch.randperm(slots_total - 1, generator=gen)[:real] + 1

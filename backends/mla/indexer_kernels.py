@@ -120,8 +120,9 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
                 + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0)
     if FP8_Q:  # each head in e4m3 at its own scale, folded into its weight (relu(s x) = s relu(x))
-        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), axis=1), 1e-30) / 448.0
-        q = _round_to_e4m3(q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
+        q = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / 448.0
+        q = _round_to_e4m3(q / q_scale[:, None]).to(tl.float8e4nv)
         w = w * q_scale
     else:
         q = q.to(COMPUTE)
@@ -273,9 +274,9 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
     q = q if q.stride(2) == 1 else q.contiguous()
     w = weights.float().contiguous()
     group = d // scales.shape[2] if scales is not None else d
-    fp8_query = tuning.index_fp8_query and keys.dtype == torch.float8_e4m3fn and group == d
-    low = q.dtype in (torch.bfloat16, torch.float16) and (
-        keys.dtype == q.dtype or (keys.dtype == torch.float8_e4m3fn and group == d))
+    token_fp8 = keys.dtype == torch.float8_e4m3fn and group == d  # (per-token scales)
+    fp8_query = tuning.index_fp8_query and token_fp8
+    low = q.dtype in (torch.bfloat16, torch.float16) and (keys.dtype == q.dtype or token_fp8)
     compute = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low \
         else tl.float32
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
