@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -54,9 +56,35 @@ def profile_cases(cases, iters: int) -> None:
         rows = [(e.key, e.device_time_total / iters, e.count // iters)
                 for e in prof.key_averages() if e.device_time_total > 0]
         total = sum(t for _, t, _ in rows)
-        print(f"== {case}: {total / 1e3:.3f} ms of device time a call")
+        host, wall = _host_and_wall(fn, iters)
+        print(f"== {case}: {total / 1e3:.3f} ms of device time a call, {host:.3f} ms on the "
+              f"host to launch it, {wall:.3f} ms a call back to back")
+        for name in [n for n in fns if n not in ("ours", "ours_with_conv")]:
+            host, wall = _host_and_wall(fns[name], iters)
+            print(f"   {name}: {host:.3f} ms on the host, {wall:.3f} ms a call back to back")
         for key, t, n in sorted(rows, key=lambda r: -r[1])[:8]:
             print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}", flush=True)
+
+
+def _host_and_wall(fn, iters: int) -> tuple[float, float]:
+    """``(host, wall)`` ms of a call: the median time the host takes to launch it from an idle
+    GPU (nothing to wait for), and the event-timed time a call of ``iters`` back to back (the
+    larger of the host and the device time when one hides the other)."""
+    fn()  # (an anchor's autotuning)
+    host = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return statistics.median(host), start.elapsed_time(end) / iters
 
 
 if __name__ == "__main__":
