@@ -257,10 +257,12 @@ class SSMTuning:
     decode_min_programs: int = 4096
     decode_block_p: int = 32
     decode_num_warps: int = 4
-    # The decode kernels' state read evict-first and its write a streaming store (.cs): a
-    # state is read once and written once a step (H200, GDN batch 64 / 128: 3.53 / 3.58
-    # against 3.26 / 3.45 TB/s).
-    decode_streaming: bool = True
+    # A decode kernel's state read evict-first and its write a streaming store (.cs): a
+    # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
+    # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68
+    # at batch 64 / 256), so only GDN's are on.
+    gdn_decode_streaming: bool = True
+    mamba2_decode_streaming: bool = False
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
     # programs for few requests; more: each chunk's w and k read fewer times) and of its
     # output launch (more: q k^T computed fewer times). H200: 64 / 32 and 16 / 128 were

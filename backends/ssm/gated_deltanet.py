@@ -110,7 +110,7 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
         return tk.gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                        has_initial_state, scale, qk_l2norm,
                                        tuning.decode_block_v, tuning.decode_num_warps,
-                                       tuning.decode_min_programs, tuning.decode_streaming)
+                                       tuning.decode_min_programs, tuning.gdn_decode_streaming)
     o, s, slots = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,
                                 has_initial_state, max_query_len, scale, qk_l2norm)
     state.index_copy_(0, slots, s.to(state.dtype))

@@ -114,7 +114,7 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                                       contrib_block=tuning.mamba2_contrib_block,
                                       contrib_warps=tuning.mamba2_contrib_warps)
         return tk.ssd_recurrent_triton(*args, tuning.decode_block_p, tuning.decode_num_warps,
-                                       tuning.decode_streaming)
+                                       tuning.mamba2_decode_streaming)
     y, s, slots = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                                    state_indices, has_initial_state, max_query_len, dt_softplus,
                                    dt_min, dt_max)
