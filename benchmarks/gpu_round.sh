@@ -54,7 +54,7 @@
 #            mamba-ssm; SSM_ARGS)
 #   ssmprof  benchmarks/profile_ssm_prefill.py (each chunked-prefill launch's device time) under
 #            each of SSM_SWEEP's ATTN_OPS_TUNING strings in one process (default: the defaults),
-#            SSM_PROF_CASES its cases (default: the script's)
+#            SSM_PROF_CASES its cases (default: the script's), SSM_PROF_ARGS more arguments
 #   sparse   tests/test_mla_sparse.py and tests/test_indexer.py (sparse MLA and its indexer: the
 #            Triton kernels compiled, real sizes, CUDA-graph replays; SPARSE_K selects)
 #   sparsecheck compute-sanitizer memcheck over the sparse MLA kernels' and the indexer's
@@ -177,7 +177,7 @@ for spec in "$@"; do
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \
         --out "$OUT/bench_ssm_h200.json" ;;
     ssmprof) stage ssmprof "$limit" python benchmarks/profile_ssm_prefill.py \
-        --tunings ${SSM_SWEEP:-defaults} ${SSM_PROF_CASES:+--cases $SSM_PROF_CASES} ;;
+        --tunings ${SSM_SWEEP:-defaults} ${SSM_PROF_CASES:+--cases $SSM_PROF_CASES} ${SSM_PROF_ARGS:-} ;;
     sparse) stage sparse "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_mla_sparse.py tests/test_indexer.py -k "${SPARSE_K:-}" ;;
     sparsecheck) stage sparsecheck "$limit" compute-sanitizer --tool memcheck \

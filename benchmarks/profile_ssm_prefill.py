@@ -1,9 +1,11 @@
 """Where a chunked recurrent-state prefill spends its time on the GPU: the CUDA time of each
 launch of our GDN and Mamba2 prefills (``torch.profiler``), per case, under each of
-``--tunings`` (``ATTN_OPS_TUNING`` strings, applied in this one process; ``defaults``: none).
+``--tunings`` (``ATTN_OPS_TUNING`` strings, applied in this one process; ``defaults``: none);
+beside it, ours and the anchor's (fla, mamba-ssm) device time, host launch time and
+back-to-back time a call, and with ``--host-profile`` where our host time goes.
 
     python benchmarks/profile_ssm_prefill.py [--cases gdn:1x8192 mamba2:64x512 ...]
-        [--tunings defaults ssm.mamba2_num_stages=2 ...]
+        [--tunings defaults ssm.mamba2_num_stages=2 ...] [--host-profile]
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def main() -> None:
                         default=["gdn:1x8192", "gdn:64x512", "mamba2:1x8192", "mamba2:64x512"])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tunings", nargs="+", default=["defaults"])
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also where our call's host time goes (cProfile)")
     args = parser.parse_args()
     from attn_ops.tuning import ENV_TUNING
 
@@ -33,44 +37,64 @@ def main() -> None:
         os.environ[ENV_TUNING] = "" if cfg == "defaults" else cfg
         print(f"## {cfg}", flush=True)
         try:
-            profile_cases(args.cases, args.iters)
+            profile_cases(args.cases, args.iters, args.host_profile)
         except Exception as e:  # noqa: BLE001 -- a configuration that fails is recorded
             print(f"   failed: {type(e).__name__}: {e}"[:300], flush=True)
 
 
-def profile_cases(cases, iters: int) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_cases(cases, iters: int, host_profile: bool = False) -> None:
     for case in cases:
         kind, shape = case.split(":")
         batch, length = (int(v) for v in shape.split("x"))
         make = gdn_case if kind == "gdn" else mamba2_case
         fns, _ = make(batch, [length] * batch, initial=False)
-        fn = fns["ours"]
-        fn()
+        fns.pop("ours_with_conv", None)
+        for name, fn in fns.items():
+            rows = _device_times(fn, iters)
+            total = sum(t for _, t, _ in rows)
+            host, wall = _host_and_wall(fn, iters)
+            print(f"== {case} {name}: {total / 1e3:.3f} ms of device time a call, {host:.3f} ms "
+                  f"on the host to launch it, {wall:.3f} ms a call back to back")
+            if name == "ours":
+                for key, t, n in sorted(rows, key=lambda r: -r[1])[:8]:
+                    print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}", flush=True)
+                if host_profile:
+                    _print_host_profile(fn, iters)
+
+
+def _device_times(fn, iters: int) -> list[tuple[str, float, int]]:
+    """``(kernel, device us a call, launches a call)`` of ``fn`` (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # (compiles; an anchor's autotuning)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / iters, e.count // iters)
-                for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(t for _, t, _ in rows)
-        host, wall = _host_and_wall(fn, iters)
-        print(f"== {case}: {total / 1e3:.3f} ms of device time a call, {host:.3f} ms on the "
-              f"host to launch it, {wall:.3f} ms a call back to back")
-        for name in [n for n in fns if n not in ("ours", "ours_with_conv")]:
-            host, wall = _host_and_wall(fns[name], iters)
-            print(f"   {name}: {host:.3f} ms on the host, {wall:.3f} ms a call back to back")
-        for key, t, n in sorted(rows, key=lambda r: -r[1])[:8]:
-            print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}", flush=True)
+    return [(e.key, e.device_time_total / iters, e.count // iters)
+            for e in prof.key_averages() if e.device_time_total > 0]
+
+
+def _print_host_profile(fn, iters: int) -> None:
+    """The host's time in ``fn``, by function (``cProfile``, the 15 largest own times)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
 def _host_and_wall(fn, iters: int) -> tuple[float, float]:
     """``(host, wall)`` ms of a call: the median time the host takes to launch it from an idle
     GPU (nothing to wait for), and the event-timed time a call of ``iters`` back to back (the
     larger of the host and the device time when one hides the other)."""
-    fn()  # (an anchor's autotuning)
     host = []
     for _ in range(iters):
         torch.cuda.synchronize()
