@@ -264,10 +264,13 @@ class SSMTuning:
     gdn_decode_streaming: bool = True
     mamba2_decode_streaming: bool = False
     # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
-    # programs for few requests; more: each chunk's w and k read fewer times) and of its
-    # output launch (more: q k^T computed fewer times). H200: 64 / 32 and 16 / 128 were
-    # slower than 32 / 64.
-    gdn_state_block_v: int = 32
+    # programs for few requests; more: each chunk's w and k read fewer times), halved (not
+    # below 32) while the hand-off has fewer than gdn_state_min_programs programs, and of its
+    # output launch (more: q k^T computed fewer times). H200, hand-off device time at 1 x 8k /
+    # 8 x 2k / 64 x 512: 64 columns 0.45 / 0.36 / 0.76 ms, 32 0.41 / 0.55 / 0.97, 16 0.52 /
+    # 0.78 / 1.53; outputs at 128 columns slower than 64.
+    gdn_state_block_v: int = 64
+    gdn_state_min_programs: int = 256
     gdn_output_block_v: int = 64
     # Warps of GDN's three chunked launches (WY factors, state hand-off, outputs): chains of
     # small [chunk, chunk] / [chunk, 128] products, bound by their latency -- fewer warps a
@@ -309,9 +312,9 @@ class SSMTuning:
         if self.mamba2_num_stages < 1:
             raise ValueError(f"tuning.ssm.mamba2_num_stages={self.mamba2_num_stages} must be "
                              ">= 1")
-        if self.decode_min_programs < 1:
-            raise ValueError(f"tuning.ssm.decode_min_programs={self.decode_min_programs} "
-                             "must be >= 1")
+        for name in ("decode_min_programs", "gdn_state_min_programs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
         k = self.mamba2_key_block
         if k and (k < 16 or k & (k - 1)):
             raise ValueError(f"tuning.ssm.mamba2_key_block={k} must be 0 (mamba2_block) or a "

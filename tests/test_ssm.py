@@ -696,6 +696,32 @@ def poisoned_buffers(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("num_reqs,chunk,index", [(1, 16, torch.int32), (5, 16, torch.int64),
+                                                  (300, 32, torch.int32)])
+def test_chunk_table_in_one_launch_equals_its_torch_definition(num_reqs, chunk, index,
+                                                                monkeypatch):
+    """The chunked prefills' one-launch chunk table against :func:`chunk_table` (torch ops):
+    requests of 0 to 3 chunks and more (empty ones, the last one empty too), padding rows
+    past the last request, more requests than one block of the kernel's prefix sum; every
+    entry written (the buffer starts at -7)."""
+    from attn_ops.backends.ssm.chunked_kernels import chunk_table, chunk_table_triton
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
+    gen = torch.Generator().manual_seed(num_reqs)
+    lens = torch.randint(0, 3 * chunk + 2, (num_reqs,), generator=gen)
+    lens[::4] = 0
+    lens[-1] = 0 if num_reqs > 1 else lens[-1]
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(index).to(_device())
+    num_tokens = int(qsl[-1]) + 3
+    got = chunk_table_triton(qsl, num_tokens, chunk)
+    want = chunk_table(qsl, num_tokens, chunk)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("heads,chunk,dtype", [((2, 4), 16, torch.float32),
                                                ((3, 3), 16, torch.float32),
                                                ((2, 4), 32, torch.float32),

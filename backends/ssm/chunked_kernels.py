@@ -14,10 +14,13 @@ sequential:
 Products run on the tensor cores in the inputs' dtype with fp32 accumulation; fp32 inputs
 (the tests' oracle runs) keep every product in exact fp32 (``IEEE``).
 
-The chunk table (:func:`chunk_table`) is built on the device from ``query_start_loc``
-with a size known from the shapes (``num_tokens // chunk + num_reqs`` entries bound the real
-chunks; the rest are empty and their programs return at once), so the ops capture in CUDA
-graphs and read nothing on the host.
+The chunk table is built on the device from ``query_start_loc`` with a size known from the
+shapes (``num_tokens // chunk + num_reqs`` entries bound the real chunks; the rest are empty
+and their programs return at once), so the ops capture in CUDA graphs and read nothing on the
+host. It is one launch (:func:`chunk_table_triton`; :func:`chunk_table` is its definition in
+torch ops, the tests' oracle): an eager prefill's host time is its launches (tens of us each
+on the H200's host, more than its kernels take below a few thousand tokens), and the table in
+torch ops is about 20 of them.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.ssm.triton_kernels import _or_zeros, _request_state, _zero_padding_rows
+from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
+                                                  decode_block)
 
-__all__ = ["chunk_table", "gdn_chunked_triton", "ssd_chunked_triton"]
+__all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "ssd_chunked_triton"]
 
 
 def chunk_table(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
@@ -48,6 +52,51 @@ def chunk_table(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
     real = idx < offsets[-1]
     return (offsets.to(torch.int32), torch.where(real, starts, 0).to(torch.int32),
             torch.where(real, ends, 0).to(torch.int32))
+
+
+@triton.jit
+def chunk_table_kernel(qsl_ptr, offsets_ptr, starts_ptr, ends_ptr, num_reqs, num_chunks,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Per request: its first chunk's entry (the chunks of the requests before it, summed
+    ``BLOCK`` requests at a time), its chunks' rows and ``offsets[r + 1]``; the last request's
+    program also empties the entries past the real chunks."""
+    r = tl.program_id(0)
+    before = r * 0
+    for r0 in range(0, r, BLOCK):
+        i = r0 + tl.arange(0, BLOCK)
+        ok = i < r
+        lens = tl.load(qsl_ptr + i + 1, mask=ok, other=0) - tl.load(qsl_ptr + i, mask=ok,
+                                                                     other=0)
+        before += tl.sum((lens + CHUNK - 1) // CHUNK, axis=0).to(tl.int32)
+    start = tl.load(qsl_ptr + r).to(tl.int32)
+    end = tl.load(qsl_ptr + r + 1).to(tl.int32)
+    n = (end - start + CHUNK - 1) // CHUNK
+    if r == 0:
+        tl.store(offsets_ptr, before)
+    tl.store(offsets_ptr + r + 1, before + n)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ok = j < n
+        rows = start + j * CHUNK
+        tl.store(starts_ptr + before + j, rows, mask=ok)
+        tl.store(ends_ptr + before + j, tl.minimum(rows + CHUNK, end), mask=ok)
+    if r == num_reqs - 1:
+        for j0 in range(before + n, num_chunks, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            ok = j < num_chunks
+            tl.store(starts_ptr + j, j * 0, mask=ok)
+            tl.store(ends_ptr + j, j * 0, mask=ok)
+
+
+def chunk_table_triton(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
+    """:func:`chunk_table` in one launch."""
+    b = query_start_loc.shape[0] - 1
+    m = num_tokens // chunk + b
+    table = torch.empty(b + 1 + 2 * m, dtype=torch.int32, device=query_start_loc.device)
+    offsets, starts, ends = table[:b + 1], table[b + 1:b + 1 + m], table[b + 1 + m:]
+    chunk_table_kernel[(b,)](query_start_loc, offsets, starts, ends, b, m, CHUNK=chunk,
+                             BLOCK=256, num_warps=1)
+    return offsets, starts, ends
 
 
 @triton.jit
@@ -298,11 +347,13 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                        has_initial_state, scale, qk_l2norm, chunk: int = 32,
                        state_block_v: int = 32, output_block_v: int = 64,
-                       warps: tuple[int, int, int] = (4, 4, 4)) -> torch.Tensor:
+                       warps: tuple[int, int, int] = (4, 4, 4),
+                       state_min_programs: int = 1) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
     tokens, one slot a request, the state hand-off and the outputs over blocks of
-    ``state_block_v`` / ``output_block_v`` value columns; ``warps``: of the WY, hand-off and
-    output launches (inputs already checked)."""
+    ``state_block_v`` (halved, not below 32, while the hand-off has fewer than
+    ``state_min_programs`` programs) / ``output_block_v`` value columns; ``warps``: of the
+    WY, hand-off and output launches (inputs already checked)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -310,7 +361,7 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     if b == 0 or t == 0:
         return torch.zeros_like(v)
     out = torch.empty_like(v)
-    offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
     m = starts.shape[0]
     wdt = _work_dtype(q)
     ieee = wdt == torch.float32
@@ -324,7 +375,7 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=warps[0], **common)
-    state_bv = min(block_v, state_block_v)
+    state_bv = decode_block(b * hv, dv, state_block_v, state_min_programs)
     gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
         k, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
         has_initial_state, k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
@@ -554,7 +605,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     if b == 0 or t == 0:
         return torch.zeros_like(x)
     y = torch.empty_like(x)
-    offsets, starts, ends = chunk_table(query_start_loc, t, chunk)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
     m = starts.shape[0]
     ieee = _work_dtype(x) == torch.float32
     block = block or min(chunk, 32)
