@@ -284,6 +284,31 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("num_reqs,index", [(1, torch.int32), (3, torch.int64),
+                                            (37, torch.int32)])
+def test_visible_rows_in_one_launch_equal_their_torch_definition(num_reqs, index):
+    """Each row's request and visible positions from the one-launch binary search against
+    the torch definition: requests of 0 to 40 new tokens (empty ones among them, first and
+    last too) over longer contexts, padding rows past the last request, more rows than one
+    program's block."""
+    from attn_ops.backends.mla.indexer_kernels import visible_rows, visible_rows_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(num_reqs)
+    new = torch.randint(0, 41, (num_reqs,), generator=gen)
+    new[::5] = 0
+    new[-1] = 0 if num_reqs > 2 else new[-1]
+    seq = new + torch.randint(0, 300, (num_reqs,), generator=gen)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(index).to(dev)
+    t = int(qsl[-1]) + 5
+    got = visible_rows_triton(t, seq.to(index).to(dev), qsl)
+    want = visible_rows(t, seq.to(index).to(dev), qsl)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("span", [256, 64, 16])
 def test_device_select_breaks_ties_by_position(span):
     """The radix select alone on scores drawn from five values (-0.0 and +0.0 among them: one

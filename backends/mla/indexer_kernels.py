@@ -36,7 +36,7 @@ from attn_ops.routing import indexer_score_chunk, indexer_select_span, pow2
 
 __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
            "indexer_k_write_device", "indexer_topk_device", "topk_count_kernel",
-           "topk_hist_kernel", "topk_write_kernel"]
+           "topk_hist_kernel", "topk_write_kernel", "visible_rows", "visible_rows_triton"]
 
 ROWS_A_PASS = 2048
 _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
@@ -241,8 +241,44 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, base_ptr, out_ptr, row0, to
         tl.store(dst + offs, offs, mask=offs < every)
 
 
-def _visible(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's request and its visible positions (its position + 1; 0 for padding)."""
+@triton.jit
+def visible_rows_kernel(qsl_ptr, seq_ptr, req_ptr, vis_ptr, num_rows, num_reqs, steps,
+                        BLOCK: tl.constexpr):
+    """``BLOCK`` rows a program: each row's request (a binary search of ``steps`` halvings
+    over the requests' ends) and its visible positions, as :func:`visible_rows`."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = rows * 0
+    hi = lo + num_reqs
+    for _ in range(steps):  # (the first request whose end is past the row)
+        mid = (lo + hi) // 2
+        live = lo < hi
+        past = tl.load(qsl_ptr + 1 + mid, mask=mid < num_reqs, other=0) > rows
+        hi = tl.where(live & past, mid, hi)
+        lo = tl.where(live & ~past, mid + 1, lo)
+    req = tl.minimum(lo, num_reqs - 1)
+    start = tl.load(qsl_ptr + req)
+    end = tl.load(qsl_ptr + req + 1)
+    pos = tl.load(seq_ptr + req) - (end - start) + (rows - start)
+    vis = tl.where(rows < tl.load(qsl_ptr + num_reqs), tl.maximum(pos + 1, 0), 0)
+    ok = rows < num_rows
+    tl.store(req_ptr + rows, req, mask=ok)
+    tl.store(vis_ptr + rows, vis, mask=ok)
+
+
+def visible_rows_triton(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`visible_rows` in one launch (the torch form is about 15; they are most of a
+    small decode step's indexer launches)."""
+    b = seq_lens.shape[0]
+    out = torch.empty(2, t, dtype=torch.int32, device=seq_lens.device)
+    block = 128
+    visible_rows_kernel[(triton.cdiv(t, block),)](query_start_loc, seq_lens, out[0], out[1], t,
+                                                  b, b.bit_length(), BLOCK=block, num_warps=4)
+    return out[0], out[1]
+
+
+def visible_rows(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's request and its visible positions (its position + 1; 0 for padding): the
+    definition in torch ops (the tests' oracle of :func:`visible_rows_triton`)."""
     b = seq_lens.shape[0]
     qsl = query_start_loc.to(torch.int32)
     rows = torch.arange(t, device=seq_lens.device, dtype=torch.int32)
@@ -270,7 +306,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         return out
     tuning, sms = (tuning or default_tuning()).mla, DeviceFacts.of(q.device).num_sms
     num_positions = block_table.shape[1] * page
-    req, vis = _visible(t, seq_lens, query_start_loc)
+    req, vis = visible_rows_triton(t, seq_lens, query_start_loc)
     q = q if q.stride(2) == 1 else q.contiguous()
     w = weights.float().contiguous()
     group = d // scales.shape[2] if scales is not None else d
