@@ -284,6 +284,36 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("num_reqs,topk,index", [(1, 16, torch.int32), (4, 48, torch.int64),
+                                                 (21, 2048, torch.int32)])
+def test_slots_in_one_launch_equal_their_torch_definition(num_reqs, topk, index):
+    """``indexer_slots``' one-launch device path against its torch body: -1 positions kept,
+    requests of 0 to 5 rows (empty ones first and last), a permuted block table with more rows
+    than requests, padding rows past the last request (all -1), int64 positions, top-k over
+    more than one program's block."""
+    from attn_ops.backends.mla.indexer import slots_reference
+    from attn_ops.backends.mla.indexer_kernels import indexer_slots_device
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(topk)
+    page, width = 16, 9
+    new = torch.randint(0, 6, (num_reqs,), generator=gen)
+    new[0] = 0 if num_reqs > 2 else new[0]
+    new[-1] = 0 if num_reqs > 2 else new[-1]
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(index)
+    t = int(qsl[-1]) + 3
+    table = torch.randperm((num_reqs + 2) * width, generator=gen).view(num_reqs + 2, width)
+    pos = torch.randint(-1, width * page, (t, topk), generator=gen)
+    pos[:, -3:] = -1
+    args = (pos.to(index).to(dev), table.to(torch.int32).to(dev), qsl.to(dev), page)
+    got = indexer_slots_device(*args)
+    want = slots_reference(*args)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu())
+    assert (got[int(qsl[-1]):] == -1).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("num_reqs,index", [(1, torch.int32), (3, torch.int64),
                                             (37, torch.int32)])
 def test_visible_rows_in_one_launch_equal_their_torch_definition(num_reqs, index):

@@ -206,6 +206,15 @@ def _check_slots(positions, block_table, query_start_loc, page):
 
 def _slots(positions, block_table, query_start_loc, page):
     _check_slots(positions, block_table, query_start_loc, page)
+    if positions.is_cuda:  # (one launch, no host read)
+        from attn_ops.backends.mla.indexer_kernels import indexer_slots_device
+
+        return indexer_slots_device(positions, block_table, query_start_loc, page)
+    return slots_reference(positions, block_table, query_start_loc, page)
+
+
+def slots_reference(positions, block_table, query_start_loc, page):
+    """``indexer_slots`` in torch ops: its CPU path and the device launch's oracle."""
     rows = torch.arange(positions.shape[0], device=positions.device)
     req = torch.searchsorted(query_start_loc[1:].long(), rows, right=True)[:, None]
     valid = (positions >= 0) & (req < query_start_loc.shape[0] - 1)  # (padding rows: -1)

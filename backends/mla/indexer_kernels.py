@@ -36,7 +36,8 @@ from attn_ops.routing import indexer_score_chunk, indexer_select_span, pow2
 
 __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
            "indexer_k_write_device", "indexer_topk_device", "topk_count_kernel",
-           "topk_hist_kernel", "topk_write_kernel", "visible_rows", "visible_rows_triton"]
+           "indexer_slots_device", "topk_hist_kernel", "topk_write_kernel", "visible_rows",
+           "visible_rows_triton"]
 
 ROWS_A_PASS = 2048
 _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
@@ -274,6 +275,52 @@ def visible_rows_triton(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor
     visible_rows_kernel[(triton.cdiv(t, block),)](query_start_loc, seq_lens, out[0], out[1], t,
                                                   b, b.bit_length(), BLOCK=block, num_warps=4)
     return out[0], out[1]
+
+
+@triton.jit
+def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, out_ptr, num_reqs, table_rows, width,
+                       topk, steps, stride_p, stride_b, stride_o, PAGE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Program ``(t, b)``: row ``t``'s positions ``b * BLOCK`` on as global slots of its
+    request (a binary search of ``steps`` halvings over the requests' ends), -1 kept; a row
+    past the last request's tokens gets -1 throughout, as ``indexer_slots``' torch body."""
+    t = tl.program_id(0)
+    lo = t * 0
+    hi = lo + num_reqs
+    for _ in range(steps):  # (the number of requests that end at or before row t)
+        mid = (lo + hi) // 2
+        past = tl.load(qsl_ptr + 1 + tl.minimum(mid, num_reqs - 1)) > t
+        live = lo < hi
+        hi = tl.where(live & past, mid, hi)
+        lo = tl.where(live & (past == 0), mid + 1, lo)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < topk
+    pos = tl.load(pos_ptr + t.to(tl.int64) * stride_p + offs, mask=ok, other=-1).to(tl.int64)
+    # (the row's scalars spread over the block: the interpreter takes no scalar-bool masks)
+    req = lo + offs * 0
+    valid = ok & (pos >= 0) & (req < num_reqs) & (offs * 0 + width > 0)
+    # (the torch body's clamps: rows and pages outside the table read its edge)
+    row = tl.minimum(req, table_rows - 1).to(tl.int64)
+    col = tl.minimum(tl.maximum(pos // PAGE, 0), width - 1)
+    block = tl.load(table_ptr + row * stride_b + col, mask=valid, other=0).to(tl.int64)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs,
+             tl.where(valid, block * PAGE + pos % PAGE, -1), mask=ok)
+
+
+def indexer_slots_device(positions, block_table, query_start_loc, page: int) -> torch.Tensor:
+    """``torch.ops.attn.indexer_slots`` in one launch (its torch body is about 18: most of a
+    small decode step's conversion), no host read (inputs checked)."""
+    t, topk = positions.shape
+    out = torch.empty(t, topk, dtype=torch.int32, device=positions.device)
+    if t == 0 or topk == 0:
+        return out
+    b = query_start_loc.shape[0] - 1
+    block = min(pow2(topk), 1024)
+    index_slots_kernel[(t, triton.cdiv(topk, block))](
+        positions, block_table, query_start_loc, out, b, block_table.shape[0],
+        block_table.shape[1], topk, b.bit_length(), positions.stride(0),
+        block_table.stride(0), out.stride(0), PAGE=page, BLOCK=block, num_warps=4)
+    return out
 
 
 def visible_rows(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
