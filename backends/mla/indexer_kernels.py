@@ -243,20 +243,28 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, base_ptr, out_ptr, row0, to
 
 
 @triton.jit
+def _requests_before(qsl_ptr, rows, num_reqs, steps):
+    """How many requests end at or before each of ``rows`` (a row or a block of them;
+    ``searchsorted(qsl[1:], rows, right=True)``): a binary search of ``steps`` halvings over
+    the requests' ends, ``steps`` at least ``num_reqs.bit_length()``."""
+    lo = rows * 0
+    hi = lo + num_reqs
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        past = tl.load(qsl_ptr + 1 + tl.minimum(mid, num_reqs - 1)) > rows
+        live = lo < hi
+        hi = tl.where(live & past, mid, hi)
+        lo = tl.where(live & (past == 0), mid + 1, lo)
+    return lo
+
+
+@triton.jit
 def visible_rows_kernel(qsl_ptr, seq_ptr, req_ptr, vis_ptr, num_rows, num_reqs, steps,
                         BLOCK: tl.constexpr):
     """``BLOCK`` rows a program: each row's request (a binary search of ``steps`` halvings
     over the requests' ends) and its visible positions, as :func:`visible_rows`."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lo = rows * 0
-    hi = lo + num_reqs
-    for _ in range(steps):  # (the first request whose end is past the row)
-        mid = (lo + hi) // 2
-        live = lo < hi
-        past = tl.load(qsl_ptr + 1 + mid, mask=mid < num_reqs, other=0) > rows
-        hi = tl.where(live & past, mid, hi)
-        lo = tl.where(live & ~past, mid + 1, lo)
-    req = tl.minimum(lo, num_reqs - 1)
+    req = tl.minimum(_requests_before(qsl_ptr, rows, num_reqs, steps), num_reqs - 1)
     start = tl.load(qsl_ptr + req)
     end = tl.load(qsl_ptr + req + 1)
     pos = tl.load(seq_ptr + req) - (end - start) + (rows - start)
@@ -285,14 +293,7 @@ def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, out_ptr, num_reqs, table_row
     request (a binary search of ``steps`` halvings over the requests' ends), -1 kept; a row
     past the last request's tokens gets -1 throughout, as ``indexer_slots``' torch body."""
     t = tl.program_id(0)
-    lo = t * 0
-    hi = lo + num_reqs
-    for _ in range(steps):  # (the number of requests that end at or before row t)
-        mid = (lo + hi) // 2
-        past = tl.load(qsl_ptr + 1 + tl.minimum(mid, num_reqs - 1)) > t
-        live = lo < hi
-        hi = tl.where(live & past, mid, hi)
-        lo = tl.where(live & (past == 0), mid + 1, lo)
+    lo = _requests_before(qsl_ptr, t, num_reqs, steps)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < topk
     pos = tl.load(pos_ptr + t.to(tl.int64) * stride_p + offs, mask=ok, other=-1).to(tl.int64)
