@@ -669,14 +669,14 @@ def test_graph_replays_of_random_decode_batches_match_eager(kind):
 
 
 def test_decode_blocks_halve_for_small_batches_down_to_32_columns():
-    from attn_ops.backends.ssm.triton_kernels import decode_block
+    from attn_ops.backends.ssm.triton_kernels import state_block
 
-    assert decode_block(256 * 32, 128, 128, 4096) == 128  # (8192 programs)
-    assert decode_block(64 * 32, 128, 128, 4096) == 64
-    assert decode_block(1 * 32, 128, 128, 4096) == 32  # (not below 32)
-    assert decode_block(1, 24, 128, 4096) == 32  # (the columns' power of two)
-    assert decode_block(1, 128, 16, 4096) == 16  # (a block below 32 as asked)
-    assert decode_block(1, 100, 128, 1) == 128
+    assert state_block(256 * 32, 128, 128, 4096) == 128  # (8192 programs)
+    assert state_block(64 * 32, 128, 128, 4096) == 64
+    assert state_block(1 * 32, 128, 128, 4096) == 32  # (not below 32)
+    assert state_block(1, 24, 128, 4096) == 32  # (the columns' power of two)
+    assert state_block(1, 128, 16, 4096) == 16  # (a block below 32 as asked)
+    assert state_block(1, 100, 128, 1) == 128
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
-                                                  decode_block)
+                                                  state_block)
 
 __all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "ssd_chunked_triton"]
 
@@ -375,7 +375,7 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=warps[0], **common)
-    state_bv = decode_block(b * hv, dv, state_block_v, state_min_programs)
+    state_bv = state_block(b * hv, dv, state_block_v, state_min_programs)
     gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
         k, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
         has_initial_state, k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),

@@ -260,10 +260,11 @@ def _state_cache_hints(streaming: bool) -> dict:
     return {"EVICT": "evict_first", "STORE": ".cs"} if streaming else {"EVICT": "", "STORE": ""}
 
 
-def decode_block(rows: int, cols: int, block: int, min_programs: int) -> int:
-    """State columns a decode program of ``rows`` (requests x heads) state rows of ``cols``
-    columns: ``block`` (at most the columns' power of two), halved -- not below 32 or the
-    block asked for -- while the launch has fewer than ``min_programs`` programs."""
+def state_block(rows: int, cols: int, block: int, min_programs: int) -> int:
+    """State columns a program of a launch over ``rows`` (requests x heads) state rows of
+    ``cols`` columns (the decodes', the chunked GDN hand-off's): ``block`` (at most the
+    columns' power of two), halved -- not below 32 or the block asked for -- while the launch
+    has fewer than ``min_programs`` programs."""
     block = min(triton.next_power_of_2(cols), block)
     floor = min(block, 32)
     while block > floor and rows * triton.cdiv(cols, block) < min_programs:
@@ -289,7 +290,7 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
     if b == 0:
         return torch.zeros_like(v)
     out = torch.empty_like(v)
-    block_v = decode_block(b * hv, dv, block_v, min_programs)
+    block_v = state_block(b * hv, dv, block_v, min_programs)
     gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
         state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
