@@ -681,13 +681,16 @@ def test_decode_blocks_halve_for_small_batches_down_to_32_columns():
 
 @pytest.fixture
 def poisoned_buffers(monkeypatch):
-    """``torch.empty`` / ``empty_like`` floating buffers filled with NaN while the test runs:
-    a chunked launch must write every output row (padding rows as zeros) and read nothing an
-    earlier launch left unwritten, or drop it."""
+    """``torch.empty`` / ``empty_like`` buffers poisoned while the test runs -- floating ones
+    with NaN, integer ones with -7: a chunked launch must write every output row (padding
+    rows as zeros) and every entry of its chunk table, and read nothing an earlier launch left
+    unwritten, or drop it."""
     def poisoned(make):
         def wrapper(*args, **kwargs):
             out = make(*args, **kwargs)
-            return out.fill_(float("nan")) if out.is_floating_point() else out
+            if out.is_floating_point():
+                return out.fill_(float("nan"))
+            return out if out.dtype == torch.bool else out.fill_(-7)
         return wrapper
 
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
@@ -699,15 +702,13 @@ def poisoned_buffers(monkeypatch):
 @pytest.mark.parametrize("num_reqs,chunk,index", [(1, 16, torch.int32), (5, 16, torch.int64),
                                                   (300, 32, torch.int32)])
 def test_chunk_table_in_one_launch_equals_its_torch_definition(num_reqs, chunk, index,
-                                                                monkeypatch):
+                                                                poisoned_buffers):
     """The chunked prefills' one-launch chunk table against :func:`chunk_table` (torch ops):
     requests of 0 to 3 chunks and more (empty ones, the last one empty too), padding rows
     past the last request, more requests than one block of the kernel's prefix sum; every
     entry written (the buffer starts at -7)."""
     from attn_ops.backends.ssm.chunked_kernels import chunk_table, chunk_table_triton
 
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
     gen = torch.Generator().manual_seed(num_reqs)
     lens = torch.randint(0, 3 * chunk + 2, (num_reqs,), generator=gen)
     lens[::4] = 0
