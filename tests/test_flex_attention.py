@@ -422,8 +422,9 @@ def test_small_decode_batches_split_each_request_own_pages_without_full_blocks(m
     case = make_case(BASE, Scenario(((30, 1), (9, 1), (47, 1))), block_size=16, device=DEVICE,
                      seed=5)
     full_idx = 9  # (tables: ..., kv_num, kv_idx, full_num, full_idx)
-    monkeypatch.setattr(fa, "flex_decode_splits", lambda *args: None)  # the rule's answer
-    assert FLEX(BASE).build_metadata(case.metadata).tables[full_idx].shape[-1] > 0
+    no_splits = Tuning().with_(flex={"decode_programs_per_sm": None})
+    assert FLEX(BASE, tuning=no_splits).build_metadata(
+        case.metadata).tables[full_idx].shape[-1] > 0
     monkeypatch.setattr(fa, "flex_decode_splits", lambda *args: 4)
     meta = FLEX(BASE).build_metadata(case.metadata)
     assert meta.decode and meta.tables[full_idx].shape[-1] == 0
