@@ -220,6 +220,10 @@ class MLATuning:
     index_stages: int = 3
     index_chunk: int = 2048
     index_fused_histogram: bool = True
+    # The scoring's product with the step's positions as its rows and the heads as its columns
+    # (``keys @ q^T``): the sum over heads is then a thread's own registers and a lane quad's
+    # shuffles, where ``q @ keys^T`` sums across warps through shared memory.
+    index_keys_as_rows: bool = False
     index_select_block: int = 1024
     index_select_programs_per_sm: int = 8
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to

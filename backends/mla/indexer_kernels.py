@@ -105,7 +105,8 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
                        H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        PAGE: tl.constexpr, GROUP: tl.constexpr, HAS_SCALES: tl.constexpr,
                        SCALE_AFTER: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, HIST: tl.constexpr, FP8_Q: tl.constexpr):
+                       PRECISION: tl.constexpr, HIST: tl.constexpr, FP8_Q: tl.constexpr,
+                       KEYS_M: tl.constexpr):
     i = tl.program_id(0)  # (a row of this pass)
     t = row0 + i
     vis = tl.load(vis_ptr + t)
@@ -137,15 +138,18 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
         k = tl.load(keys_ptr + row[:, None] + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
         srow = page * stride_sb + (offs_n % PAGE) * stride_sp
-        if FP8_Q:  # (fp8 keys as stored)
-            dots = tl.dot(q, tl.trans(k))  # [H_P, BLOCK_N]
-        else:
+        if not FP8_Q:  # (else the fp8 keys as stored)
             k = k.to(tl.float32)
             if HAS_SCALES and not SCALE_AFTER:
                 k = k * tl.load(scales_ptr + srow[:, None] + (offs_d // GROUP)[None, :],
                                 mask=ok[:, None] & d_ok[None, :], other=0.0)
-            dots = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)
-        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+            k = k.to(COMPUTE)
+        if KEYS_M:  # [BLOCK_N, H_P]: the head sum stays within a thread and its lane quad
+            dots = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+            score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
+        else:  # [H_P, BLOCK_N]: the head sum crosses the warps
+            dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
         if SCALE_AFTER:
             score = score * tl.load(scales_ptr + srow, mask=ok, other=0.0)
         tl.store(out_ptr + i.to(tl.int64) * stride_ot + offs_n, score, mask=ok)
@@ -380,7 +384,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             GROUP=group, HAS_SCALES=scales is not None,
             SCALE_AFTER=(low or fp8_query) and scales is not None, COMPUTE=compute,
             BLOCK_N=block_n, PRECISION=precision, HIST=fused, FP8_Q=fp8_query,
-            num_warps=tuning.index_warps, num_stages=tuning.index_stages)
+            KEYS_M=tuning.index_keys_as_rows, num_warps=tuning.index_warps, num_stages=tuning.index_stages)
         _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
                 select_block, first=1 if fused else 0)
     return out
