@@ -223,8 +223,11 @@ class MLATuning:
     # The scoring's product with the step's positions as its rows and the heads as its columns
     # (``keys @ q^T``): the sum over heads is then a thread's own registers and a lane quad's
     # shuffles, where ``q @ keys^T`` sums across warps through shared memory.
-    index_keys_as_rows: bool = False
+    index_keys_as_rows: bool = True
     index_select_block: int = 1024
+    # The select's passes from this one on (0-3; 4: none) count each key sharing the decided
+    # digits by its own atomic add instead of a block histogram (few keys share three digits).
+    index_atomic_from_pass: int = 4
     index_select_programs_per_sm: int = 8
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of

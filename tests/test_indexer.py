@@ -239,8 +239,10 @@ _UNFUSED = (dict(block_n=16, chunk=32), False)
     ids=["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-select",
          "fp8_block-one-select", "fp32-split-select", "fp8_block-split-select",
          "fp8_token-select-histograms-all", "fp8_token-fp8-query-split-select"])
-@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["heads-rows", "keys-rows"])
-def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_as_rows):
+@pytest.mark.parametrize("keys_as_rows,atomic_from", [(False, 4), (True, 0)],
+                         ids=["heads-rows-histograms", "keys-rows-atomics"])
+def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_as_rows,
+                                                     atomic_from):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
@@ -249,7 +251,8 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     fp8 per head, ``index_fp8_query``, against the reference over the query it quantizes to),
     the position axis in one program or several, the select's spans of positions in one
     program or several, its first digit histogram added by the scoring or by its own
-    launch, the product with the heads or the positions as its rows."""
+    launch, the product with the heads or the positions as its rows, the select's passes
+    counted by block histograms or by each key's atomic add."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
     from attn_ops.tuning import Tuning
@@ -276,7 +279,7 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     fp8_query = cache == "fp8_token_fp8_query"
     got = indexer_topk_device(*args, topk, **launch, tuning=Tuning().with_(
         mla={"index_fused_histogram": fused, "index_fp8_query": fp8_query,
-             "index_keys_as_rows": keys_as_rows}))
+             "index_keys_as_rows": keys_as_rows, "index_atomic_from_pass": atomic_from}))
     if fp8_query:  # the reference over the query as the scoring quantizes it
         args[0] = _fp8_query(q).to(dev)
     want = topk_reference(*args, topk)

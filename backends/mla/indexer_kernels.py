@@ -161,10 +161,12 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
 
 @triton.jit
 def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
-                     PASS: tl.constexpr, BLOCK: tl.constexpr):
+                     PASS: tl.constexpr, BLOCK: tl.constexpr, ATOMIC: tl.constexpr):
     """Program ``(i, b)``: pass ``PASS``'s digit histogram of row ``i``'s keys in ``[b * span,
     (b + 1) * span)`` that share the digits decided so far, added into ``hist[i, PASS]``
-    (rows seeing at most ``topk`` positions: none)."""
+    (rows seeing at most ``topk`` positions: none). ``ATOMIC``: each such key adds its own
+    count to the row's bins -- for the later passes, where few keys still share the decided
+    digits, cheaper than a block's histogram (about a hundred integer operations a key)."""
     i = tl.program_id(0)
     vis = tl.load(vis_ptr + row0 + i)
     n = tl.where(vis > topk, vis, 0)
@@ -180,8 +182,13 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
         u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
         if PASS > 0:
             ok = ok & ((u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
-        local += _histogram(u, ok, PASS)
-    _flush_histogram(hrow, local, PASS)
+        if ATOMIC:
+            tl.atomic_add(hrow + PASS * 256 + ((u >> (24 - 8 * PASS)) & 255), 1, mask=ok,
+                          sem="relaxed")
+        else:
+            local += _histogram(u, ok, PASS)
+    if not ATOMIC:
+        _flush_histogram(hrow, local, PASS)
 
 
 @triton.jit
@@ -405,7 +412,7 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
         hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
     for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
-                               BLOCK=block)
+                               BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass)
     counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
     topk_count_kernel[grid](scores, vis, hist, counts, row0, topk, span, blocks,
                             scores.stride(0), BLOCK=block)
