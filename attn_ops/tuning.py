@@ -214,20 +214,24 @@ class MLATuning:
     # stores the scores (else the select's own launch reads them back for it); the top-k
     # select's scores a step, and the programs an SM its launches aim at
     # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 256
-    # positions a step on 8 warps is the fastest swept, 2.7x 64 on 4 at batch 128 x 32k.
+    # positions a step on 4 warps over chunks of 4096, the first histogram in the select's own
+    # launch (in the scoring it cost 2.5x that launch), is the fastest swept.
     index_block_n: int = 256
-    index_warps: int = 8
+    index_warps: int = 4
     index_stages: int = 3
-    index_chunk: int = 2048
-    index_fused_histogram: bool = True
+    index_chunk: int = 4096
+    index_fused_histogram: bool = False
     # The scoring's product with the step's positions as its rows and the heads as its columns
     # (``keys @ q^T``): the sum over heads is then a thread's own registers and a lane quad's
-    # shuffles, where ``q @ keys^T`` sums across warps through shared memory.
+    # shuffles, where ``q @ keys^T`` sums across warps through shared memory (H200: the
+    # scoring 1.4x faster at 128 x 32k).
     index_keys_as_rows: bool = True
     index_select_block: int = 1024
     # The select's passes from this one on (0-3; 4: none) count each key sharing the decided
-    # digits by its own atomic add instead of a block histogram (few keys share three digits).
-    index_atomic_from_pass: int = 4
+    # digits by its own atomic add instead of a block histogram (about a hundred integer
+    # operations a key): from the second pass few keys share the decided digits (H200: the
+    # three later passes 72 -> 38 µs at 128 x 32k); the first pass counts every key.
+    index_atomic_from_pass: int = 1
     index_select_programs_per_sm: int = 8
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of

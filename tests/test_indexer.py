@@ -403,9 +403,9 @@ def test_indexer_launch_fills_the_sms_for_few_rows_and_keeps_long_programs_for_m
     from attn_ops.routing import indexer_score_chunk, indexer_select_span
     from attn_ops.tuning import Tuning
 
-    t = Tuning().mla
+    t = Tuning().with_(mla={"index_chunk": 2048}).mla
     # scoring: 1 decode row over 128k positions -> 256-position programs (512 of them);
-    # 128 rows -> 2048 (8k programs); a short context never below 256 positions
+    # 128 rows -> the whole chunk of 2048 (8k programs); a short context never below 256
     assert indexer_score_chunk(1, 131072, 64, 132, t) == 256
     assert indexer_score_chunk(8, 32768, 64, 132, t) == 512  # (8 x 64 >= 264)
     assert indexer_score_chunk(128, 131072, 64, 132, t) == 2048
