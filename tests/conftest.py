@@ -43,3 +43,20 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_teardown(item, nextitem):
     if item.config.stash.get(_FAULTED, False):
         os._exit(3)
+
+
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """``torch.empty`` / ``empty_like`` buffers poisoned while the test runs -- floating ones
+    with NaN, integer ones with -7: a launch must write every entry of its outputs (padding
+    rows included) and read nothing an earlier launch left unwritten, or drop it."""
+    def poisoned(make):
+        def wrapper(*args, **kwargs):
+            out = make(*args, **kwargs)
+            if out.is_floating_point():
+                return out.fill_(float("nan"))
+            return out if out.dtype == torch.bool else out.fill_(-7)
+        return wrapper
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))

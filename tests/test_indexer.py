@@ -242,7 +242,7 @@ _UNFUSED = (dict(block_n=16, chunk=32), False)
 @pytest.mark.parametrize("keys_as_rows,atomic_from", [(False, 4), (True, 0)],
                          ids=["heads-rows-histograms", "keys-rows-atomics"])
 def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_as_rows,
-                                                     atomic_from):
+                                                     atomic_from, poisoned_buffers):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
@@ -252,7 +252,8 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     the position axis in one program or several, the select's spans of positions in one
     program or several, its first digit histogram added by the scoring or by its own
     launch, the product with the heads or the positions as its rows, the select's passes
-    counted by block histograms or by each key's atomic add."""
+    counted by block histograms or by each key's atomic add; every buffer poisoned (the
+    output's -1 tail written by the select)."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
     from attn_ops.tuning import Tuning
@@ -359,7 +360,7 @@ def test_device_select_breaks_ties_by_position(span):
     values = torch.tensor([-1.5, -0.0, 0.0, 0.75, 2.0])
     scores = values[torch.randint(0, 5, (rows, width), generator=g)]
     vis = torch.tensor([200, 150, 25, 24, 7, 0], dtype=torch.int32)
-    out = torch.full((rows, topk), -1, dtype=torch.int32, device=dev)
+    out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)  # (the select fills -1)
     _select(scores.to(dev), None, vis.to(dev), out, 0, topk, 1, default_tuning().mla, span, 16)
     for r in range(rows):
         n = int(vis[r])

@@ -11,16 +11,16 @@ for each query row of ``vis`` visible positions (its position + 1; 0 for padding
    fp32 scores;
 2. the ``topk`` best of a row's scores by a radix select on order-preserving 32-bit keys:
    four 256-bin histograms of 8-bit digits from the top, each of the next digit among the
-   keys sharing the digits decided so far (the first added by the scoring as it stores the
-   scores, the others by :func:`topk_hist_kernel` launches), give the ``topk``-th key ``T``
+   keys sharing the digits decided so far (:func:`topk_hist_kernel` launches, the later
+   ones by an atomic add a key; or the first added by the scoring as it stores the scores),
+   give the ``topk``-th key ``T``
    and how many keys equal to it the row takes; :func:`topk_count_kernel` counts each
-   span's keys above and equal to ``T``, their exclusive prefix sums place each span's
-   output, and
-   :func:`topk_write_kernel` writes the positions above ``T`` and the first of those equal
+   span's keys above and equal to ``T``, and :func:`topk_write_kernel`, from the counts of
+   the spans before its own, writes the positions above ``T`` and the first of those equal
    to it: ascending, equal scores keeping the lower position (the reference's stable sort).
    Every launch runs rows x spans programs (``routing.indexer_select_span``), so one long
    row fills the GPU as many short ones do. A row that sees at most ``topk`` positions takes
-   them all without a score; -1 fills the rest.
+   them all without a score; the write fills the rest with -1.
 
 The position axis is the block table's capacity (pages x page), a shape; long steps run in
 groups of :data:`ROWS_A_PASS` rows to bound the ``[rows, positions]`` buffers.
@@ -218,12 +218,12 @@ def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, spa
 
 
 @triton.jit
-def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, base_ptr, out_ptr, row0, topk, span,
-                      blocks, stride_s, stride_o, BLOCK: tl.constexpr):
+def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, topk, span,
+                      blocks, stride_s, stride_o, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr):
     """Program ``(i, b)``: row ``i``'s chosen positions in its ``b``-th span -- those above
     its ``topk``-th key and the first of those equal to it -- at their ranks in position order
-    (``base``: the exclusive prefix sums of the counts); a row seeing at most ``topk``
-    positions writes them all, in place."""
+    (from the counts of the spans before it); a row seeing at most ``topk`` positions writes
+    them all, in place, and -1 from there to ``topk`` (the part of it in this span)."""
     i = tl.program_id(0)
     b = tl.program_id(1)
     vis = tl.load(vis_ptr + row0 + i)
@@ -234,23 +234,31 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, base_ptr, out_ptr, row0, to
     threshold = prefix ^ _SIGN
     src = scores_ptr + i.to(tl.int64) * stride_s
     dst = out_ptr + i.to(tl.int64) * stride_o
-    ties = tl.load(base_ptr + i.to(tl.int64) * 2 * blocks + blocks + b)
-    taken = tl.load(base_ptr + i.to(tl.int64) * 2 * blocks + b) + tl.minimum(ties, remaining)
+    spans = tl.arange(0, BLOCKS_P)
+    before = spans < b
+    counts = counts_ptr + i.to(tl.int64) * 2 * blocks + spans
+    ties = tl.sum(tl.load(counts + blocks, mask=before, other=0), axis=0)
+    taken = tl.sum(tl.load(counts, mask=before, other=0), axis=0) + tl.minimum(ties, remaining)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
         o = _order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN
+        above = ok & (o > threshold)
         eq = ok & (o == threshold)
-        rank = ties + tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)
-        chosen = (ok & (o > threshold)) | (eq & (rank < remaining))
-        at = taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        # one scan for both: the keys above (low 16 bits) and the equal ones (high), inclusive
+        both = tl.cumsum(above.to(tl.int32) | (eq.to(tl.int32) << 16), axis=0)
+        eq_upto = ties + (both >> 16)  # (equal keys so far, this one included)
+        chosen = above | (eq & (eq_upto <= remaining))
+        at = taken + (both & 0xFFFF) + tl.minimum(eq_upto, remaining) \
+            - tl.minimum(ties, remaining) - 1
         tl.store(dst + at, offs, mask=chosen)
         taken += tl.sum(chosen.to(tl.int32), axis=0)
         ties += tl.sum(eq.to(tl.int32), axis=0)
     every = tl.where(vis > topk, 0, vis)  # (a row that takes all it sees)
-    for start in range(lo, tl.minimum(lo + span, every), BLOCK):
+    fill_hi = tl.where(vis > topk, 0, tl.minimum(lo + span, topk))
+    for start in range(lo, fill_hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        tl.store(dst + offs, offs, mask=offs < every)
+        tl.store(dst + offs, tl.where(offs < every, offs, -1), mask=offs < fill_hi)
 
 
 @triton.jit
@@ -360,9 +368,9 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
 
     t, h, d = q.shape
     page = keys.shape[1]
-    out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
     if t == 0 or seq_lens.shape[0] == 0:
-        return out
+        return torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    out = torch.empty(t, topk, dtype=torch.int32, device=q.device)  # (the select writes it all)
     tuning, sms = (tuning or default_tuning()).mla, DeviceFacts.of(q.device).num_sms
     num_positions = block_table.shape[1] * page
     req, vis = visible_rows_triton(t, seq_lens, query_start_loc)
@@ -391,7 +399,8 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             GROUP=group, HAS_SCALES=scales is not None,
             SCALE_AFTER=(low or fp8_query) and scales is not None, COMPUTE=compute,
             BLOCK_N=block_n, PRECISION=precision, HIST=fused, FP8_Q=fp8_query,
-            KEYS_M=tuning.index_keys_as_rows, num_warps=tuning.index_warps, num_stages=tuning.index_stages)
+            KEYS_M=tuning.index_keys_as_rows, num_warps=tuning.index_warps,
+            num_stages=tuning.index_stages)
         _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
                 select_block, first=1 if fused else 0)
     return out
@@ -399,14 +408,20 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
 
 def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None,
             first: int = 0) -> None:
-    """``out`` [rows, topk] (-1 filled): each row's top-k of ``scores`` (its first ``vis``
-    entries) -- four digit histograms into ``hist`` [rows, 4, 256] (zeroed; or with the first
-    ``first`` passes' already there: the scoring may add the first), the counts, their prefix
-    sums, the write; each launch over (rows x spans of the positions) programs."""
+    """``out`` [rows, topk] (any contents): each row's top-k of ``scores`` (its first ``vis``
+    entries), -1 after a row's last -- four digit histograms into ``hist`` [rows, 4, 256]
+    (zeroed; or with the first ``first`` passes' already there: the scoring may add the
+    first), the counts, the write; each launch over (rows x spans of the positions)
+    programs."""
     rows, positions = scores.shape
     block = block or tuning.index_select_block
+    if block >= 1 << 16:
+        raise ValueError(f"mla.index_select_block={block}: the write packs two counts of a "
+                         "block in one int32 scan; use fewer than 65536 scores a step")
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
     blocks = triton.cdiv(positions, span)
+    if blocks * span < topk:  # (columns no span's program reaches)
+        out[:, blocks * span:].fill_(-1)
     grid = (rows, blocks)
     if hist is None:
         hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
@@ -416,9 +431,9 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
     topk_count_kernel[grid](scores, vis, hist, counts, row0, topk, span, blocks,
                             scores.stride(0), BLOCK=block)
-    base = counts.cumsum(2, dtype=torch.int32) - counts
-    topk_write_kernel[grid](scores, vis, hist, base, out, row0, topk, span, blocks,
-                            scores.stride(0), out.stride(0), BLOCK=block)
+    topk_write_kernel[grid](scores, vis, hist, counts, out, row0, topk, span, blocks,
+                            scores.stride(0), out.stride(0), BLOCK=block,
+                            BLOCKS_P=pow2(blocks, 1))
 
 
 @triton.jit
