@@ -543,8 +543,10 @@ def flex_gathers(prefill_pairs: int, copied_keys: int, on_gpu: bool, t: FlexTuni
 def flex_decode_splits(batch: int, kv_heads: int, num_sms: int | None,
                        t: FlexTuning) -> int | None:
     """FlexAttention's split count for a decode-layout step of ``batch`` elements: a power of
-    two near ``decode_programs_per_sm x SMs / (batch x kv_heads)``, or None (FlexAttention's
-    own, with full KV blocks) where that is below 2 or off the GPU."""
+    two near ``decode_programs_per_sm x SMs / (batch x kv_heads)`` (SMs: ``t.decode_num_sms``,
+    else the device's ``num_sms``), or None (FlexAttention's own, with full KV blocks) where
+    that is below 2 or off the GPU without ``decode_num_sms``."""
+    num_sms = t.decode_num_sms or num_sms
     if not t.decode_programs_per_sm or num_sms is None:
         return None
     want = t.decode_programs_per_sm * num_sms / (batch * kv_heads)

@@ -102,6 +102,9 @@ class FlexTuning:
     # Decode-layout steps with fewer (request, KV head) pairs than this many per SM split each
     # request's pages so that about that many programs run (None: FlexAttention's own split).
     decode_programs_per_sm: int | None = 4
+    # SMs that split rule spreads the programs over (None: the device's; set it where the
+    # step runs on part of a GPU, as under MPS or green contexts).
+    decode_num_sms: int | None = None
     # Extra FlexAttention kernel options on GPUs, merged over the rules' (for experiments).
     gpu_kernel_options: tuple[tuple[str, int], ...] = ()
 
@@ -239,6 +242,15 @@ class MLATuning:
     # (twice bf16's rate, no key conversion; H200: the top-k 17-20% faster from 64 rows x 32k
     # up, docs/tuning.md). Off: the query in its dtype, the keys converted to it.
     index_fp8_query: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.index_select_block < 1 << 16:
+            raise ValueError(f"tuning.mla.index_select_block={self.index_select_block} must be "
+                             "in [1, 65536): the select's write packs two counts of a block in "
+                             "one int32 scan")
+        if not 0 <= self.index_atomic_from_pass <= 4:
+            raise ValueError(f"tuning.mla.index_atomic_from_pass={self.index_atomic_from_pass} "
+                             "must be 0-3 (a pass of the select) or 4 (none)")
 
 
 @dataclass(frozen=True)

@@ -402,7 +402,7 @@ def test_decode_steps_run_one_batch_element_per_request_like_the_packed_layout(n
     assert (outs[0][3:] == 0).all()  # the padding rows
 
 
-def test_small_decode_batches_split_each_request_own_pages_without_full_blocks(monkeypatch):
+def test_small_decode_batches_split_each_request_own_pages_without_full_blocks():
     """Decode steps of few (request, KV head) pairs on GPUs take about decode_programs_per_sm
     programs per SM in splits (FlexAttention's SPLIT_KV) and list no full KV blocks -- with
     full blocks FlexAttention cuts the whole cache's length into the splits, not each request's
@@ -425,10 +425,12 @@ def test_small_decode_batches_split_each_request_own_pages_without_full_blocks(m
     no_splits = Tuning().with_(flex={"decode_programs_per_sm": None})
     assert FLEX(BASE, tuning=no_splits).build_metadata(
         case.metadata).tables[full_idx].shape[-1] > 0
-    monkeypatch.setattr(fa, "flex_decode_splits", lambda *args: 4)
-    meta = FLEX(BASE).build_metadata(case.metadata)
+    # 4 x 8 programs over 4 (the batch's power of two) x KV heads: splits of 2 and more
+    splits = Tuning().with_(flex={"decode_num_sms": 8 * BASE.kv_heads})
+    assert flex_decode_splits(4, BASE.kv_heads, None, splits.flex) >= 2
+    meta = FLEX(BASE, tuning=splits).build_metadata(case.metadata)
     assert meta.decode and meta.tables[full_idx].shape[-1] == 0
-    out, _ = run_backend(FLEX, case, with_lse=FLEX.returns_lse(PLATFORM))
+    out, _ = run_backend(FLEX, case, tuning=splits, with_lse=FLEX.returns_lse(PLATFORM))
     assert_matches_reference(out, case)
 
 

@@ -196,7 +196,11 @@ def test_tuning_overrides_parse_by_field_type_and_name_what_is_wrong():
                          ("triton.max_splits=many", "'many' is not"),
                          ("ssm.gdn_chunk=48", r"gdn_chunk=48 must be a power of two >= 16"),
                          ("ssm.mamba2_block=128", r"mamba2_block=128 must be <= 64"),
-                         ("ssm.decode_min_programs=0", r"decode_min_programs=0 must be >= 1")):
+                         ("ssm.decode_min_programs=0", r"decode_min_programs=0 must be >= 1"),
+                         ("mla.index_select_block=65536",
+                          r"index_select_block=65536 must be in \[1, 65536\)"),
+                         ("mla.index_atomic_from_pass=5",
+                          r"index_atomic_from_pass=5 must be 0-3")):
         with pytest.raises(ValueError, match=message):
             apply_overrides(Tuning(), bad)
 

@@ -414,10 +414,7 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     first), the counts, the write; each launch over (rows x spans of the positions)
     programs."""
     rows, positions = scores.shape
-    block = block or tuning.index_select_block
-    if block >= 1 << 16:
-        raise ValueError(f"mla.index_select_block={block}: the write packs two counts of a "
-                         "block in one int32 scan; use fewer than 65536 scores a step")
+    block = block or tuning.index_select_block  # (below 2^16: MLATuning checks it)
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
     blocks = triton.cdiv(positions, span)
     if blocks * span < topk:  # (columns no span's program reaches)
