@@ -76,13 +76,16 @@ def _check_slots(positions, query_start_loc, block_table, block_size):
 def paged_slots(req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
                 block_table: torch.Tensor, block_size: int) -> torch.Tensor:
     """``block_table[req, pos // block_size] * block_size + pos % block_size`` (int64) where
-    ``valid``, -1 elsewhere; ``req`` / ``pos`` / ``valid`` broadcast, and entries outside the
-    table read it clamped (their result is masked)."""
+    ``valid``, -1 elsewhere; ``req`` / ``pos`` / ``valid`` broadcast. A request or a page
+    outside the table (or a negative position) is absent, -1: the table is read clamped and
+    the result masked, never a neighbour's page."""
     num_reqs, width = block_table.shape
-    row = req.clamp(0, max(num_reqs - 1, 0))
     pos = pos.long()
-    col = (pos // block_size).clamp(0, max(width - 1, 0))
-    block = block_table[row, col].long() if num_reqs else torch.zeros_like(pos)
+    col = pos // block_size
+    valid = valid & (req >= 0) & (req < num_reqs) & (pos >= 0) & (col < width)
+    row = req.clamp(0, max(num_reqs - 1, 0))
+    col = col.clamp(0, max(width - 1, 0))
+    block = block_table[row, col].long() if num_reqs and width else torch.zeros_like(pos)
     return torch.where(valid, block * block_size + pos % block_size, -1)
 
 

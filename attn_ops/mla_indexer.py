@@ -77,4 +77,5 @@ class MLAIndexer(nn.Module):
         indexer_k_write(k, keys, scales, slot_mapping)
         positions = indexer_topk(q, w, keys, scales, block_table, seq_lens, query_start_loc,
                                  self.topk)
-        return positions, indexer_slots(positions, block_table, query_start_loc, keys.shape[1])
+        return positions, indexer_slots(positions, block_table, query_start_loc, keys.shape[1],
+                                        seq_lens)

@@ -290,13 +290,15 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("with_lens", [False, True])
 @pytest.mark.parametrize("num_reqs,topk,index", [(1, 16, torch.int32), (4, 48, torch.int64),
                                                  (21, 2048, torch.int32)])
-def test_slots_in_one_launch_equal_their_torch_definition(num_reqs, topk, index):
+def test_slots_in_one_launch_equal_their_torch_definition(num_reqs, topk, index, with_lens):
     """``indexer_slots``' one-launch device path against its torch body: -1 positions kept,
     requests of 0 to 5 rows (empty ones first and last), a permuted block table with more rows
     than requests, padding rows past the last request (all -1), int64 positions, top-k over
-    more than one program's block."""
+    more than one program's block; positions past the table's columns (and, with
+    ``seq_lens``, past the request's length) are -1, never a clamped page."""
     from attn_ops.backends.mla.indexer import slots_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_slots_device
 
@@ -309,13 +311,20 @@ def test_slots_in_one_launch_equal_their_torch_definition(num_reqs, topk, index)
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(index)
     t = int(qsl[-1]) + 3
     table = torch.randperm((num_reqs + 2) * width, generator=gen).view(num_reqs + 2, width)
-    pos = torch.randint(-1, width * page, (t, topk), generator=gen)
+    pos = torch.randint(-1, (width + 2) * page, (t, topk), generator=gen)
     pos[:, -3:] = -1
-    args = (pos.to(index).to(dev), table.to(torch.int32).to(dev), qsl.to(dev), page)
+    lens = torch.randint(0, width * page + 1, (num_reqs,), generator=gen)
+    args = (pos.to(index).to(dev), table.to(torch.int32).to(dev), qsl.to(dev), page,
+            lens.to(index).to(dev) if with_lens else None)
     got = indexer_slots_device(*args)
     want = slots_reference(*args)
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu())
     assert (got[int(qsl[-1]):] == -1).all()
+    assert (got[pos.to(dev) >= width * page] == -1).all()
+    if with_lens:  # (each row against its own request's length)
+        rows = torch.arange(int(qsl[-1]))
+        req = torch.searchsorted(qsl[1:].cpu().long(), rows, right=True)
+        assert (got[:int(qsl[-1])].cpu()[pos[:int(qsl[-1])] >= lens[req][:, None]] == -1).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
@@ -337,10 +346,12 @@ def test_visible_rows_in_one_launch_equal_their_torch_definition(num_reqs, index
     seq = new + torch.randint(0, 300, (num_reqs,), generator=gen)
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(index).to(dev)
     t = int(qsl[-1]) + 5
-    got = visible_rows_triton(t, seq.to(index).to(dev), qsl)
-    want = visible_rows(t, seq.to(index).to(dev), qsl)
-    for g, w in zip(got, want):
-        assert g.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
+    for limit in (2 ** 20, 200):  # (200: some requests reach past their block table)
+        got = visible_rows_triton(t, seq.to(index).to(dev), qsl, limit)
+        want = visible_rows(t, seq.to(index).to(dev), qsl, limit)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
+        assert int(want[1].max()) <= limit
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(

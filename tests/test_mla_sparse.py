@@ -246,6 +246,53 @@ def test_sparse_specs_select_sparse_backends_and_each_rejection_says_why():
         SPEC.with_(index_topk=0)
 
 
+def _corrupt(slots, capacity, g):
+    """The same selection as ``slots`` with its -1 entries turned into other entries every
+    sparse backend must skip: slots past the cache (its capacity, far past it), negative ones,
+    and each row's order shuffled."""
+    out = slots.clone().cpu().long()
+    junk = torch.tensor([capacity, capacity + 7, 2 ** 30, -5, -1, -(2 ** 30)])
+    holes = out < 0
+    out[holes] = junk[torch.randint(0, junk.numel(), (int(holes.sum()),), generator=g)]
+    for r in range(out.shape[0]):
+        out[r] = out[r, torch.randperm(out.shape[1], generator=g)]
+    return out.to(torch.int32).to(slots.device)
+
+
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+@pytest.mark.parametrize("scenario", ["mixed", "decode_only"])
+def test_every_sparse_backend_skips_out_of_range_and_padding_entries_anywhere(backend,
+                                                                             scenario):
+    """One selection contract: entries outside the cache (past its end, far past it,
+    negative) and -1 anywhere in a row are skipped, never read -- the output equals the clean
+    selection's and the masked dense MLA; with debug checks on, the first such entry raises."""
+    from attn_ops import set_debug_checks
+
+    reqs = SCENARIOS[scenario]
+    case = _case(SPEC, reqs, seed=5)
+    positions = _selection(torch.Generator().manual_seed(6), reqs, case["total"], 2, TOPK)
+    dtype = SPARSE_HERE[backend]
+    clean = _slots(positions, case["meta"])
+    bad = _corrupt(clean, NUM_BLOCKS * PAGE, torch.Generator().manual_seed(7))
+    assert ((bad >= NUM_BLOCKS * PAGE) | (bad < -1)).any()
+    got = _run(SPEC, case, backend, dtype, bad)
+    torch.testing.assert_close(got, _run(SPEC, case, backend, dtype, clean),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    want = _masked_dense(SPEC, case["w"], case["q"], case["lat"], reqs, positions, None)
+    t = case["total"]
+    assert torch.isfinite(got).all() and (got[t:] == 0).all()
+    torch.testing.assert_close(got[:t].double().cpu(), want, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"topk_slots\[\d+, \d+\]=-?\d+ is outside the "
+                           r"latent cache's slots 0\.\.255"):
+            _run(SPEC, case, backend, dtype, bad)
+        _run(SPEC, case, backend, dtype, clean)  # (-1 padding is not an offender)
+    finally:
+        set_debug_checks(False)
+
+
 def test_bad_slot_inputs_name_the_shape_and_the_fix():
     case = _case(SPEC, SCENARIOS["decode_only"])
     backend = next(iter(SPARSE_HERE))
@@ -565,6 +612,57 @@ def test_flashinfer_sparse_plans_the_selection_counts_and_runs_the_masked_dense_
     t = case["total"]
     assert (got[t:] == 0).all()
     torch.testing.assert_close(got[:t].double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_flashinfer_sparse_repairs_rows_whose_entries_are_not_the_indexer_layout(
+        standin_flashinfer_sparse):
+    """FlashInfer reads every planned entry: a row with -1 or an out-of-range slot among its
+    first ``min(topk, position + 1)`` entries, a valid one after them, or nothing valid is
+    flagged by the packing and recomputed, so FLASHINFER_MLA_SPARSE gives what every other
+    sparse backend gives for the same tensor."""
+    reqs = SCENARIOS["mixed"]
+    case = _case(FI_SPEC, reqs, seed=4, device="cpu")
+    positions = _selection(torch.Generator().manual_seed(8), reqs, case["total"], 2, TOPK)
+    slots = _corrupt(_slots(positions, case["meta"]), NUM_BLOCKS * PAGE,
+                     torch.Generator().manual_seed(9))
+    layer = MLAAttention(FI_SPEC, AttentionConfig(backend="FLASHINFER_MLA_SPARSE"),
+                         platform=standin_flashinfer_sparse)
+    layer.load_kv_b_proj(case["w"].half())
+    new = case["new"].half()
+    got = layer(case["q"].half(), new[:, :128], new[:, 128:], case["cache"].half(),
+                case["meta"], topk_slots=slots)
+    want = _masked_dense(FI_SPEC, case["w"], case["q"], case["lat"], reqs, positions, None)
+    t = case["total"]
+    assert torch.isfinite(got).all() and (got[t:] == 0).all()
+    torch.testing.assert_close(got[:t].double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+def test_selection_packing_in_one_launch_equals_its_torch_definition():
+    """The packing FLASHINFER_MLA_SPARSE runs before its kernel against its torch body: each
+    row's first ``count`` entries packed at its offset (invalid ones as slot 0), and the
+    flags of rows whose packed entries are not their selection."""
+    from attn_ops.backends.mla.sparse_kernels import pack_selection, pack_selection_torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    rows, topk, capacity = 37, 1500, 5000
+    slots = torch.randint(-3, capacity + 3, (rows, topk), generator=g, dtype=torch.int32)
+    counts = torch.randint(0, topk + 1, (rows,), generator=g, dtype=torch.int32)
+    for r in range(0, rows, 3):  # (the indexer's layout: count valid entries, -1 after)
+        slots[r, :counts[r]] = torch.randint(0, capacity, (int(counts[r]),), generator=g)
+        slots[r, counts[r]:] = -1
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.long().cumsum(0)[:-1]])
+    got = [torch.full((int(counts.sum()),), -7, dtype=torch.int32, device=dev),
+           torch.full((rows,), -7, dtype=torch.int32, device=dev)]
+    want = [x.clone() for x in got]
+    args = (slots.to(dev), counts.to(dev), indptr.to(torch.int32).to(dev))
+    pack_selection(*args, *got, capacity)
+    pack_selection_torch(*args, *want, capacity)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[0] >= 0).all() and (got[0] < capacity).all()
+    assert (got[1][::3] == 0).all() and got[1].sum() > 0
 
 
 def test_flashinfer_sparse_graph_plans_one_wrapper_per_capture_size(standin_flashinfer_sparse,

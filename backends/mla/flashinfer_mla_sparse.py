@@ -7,11 +7,15 @@ a token selects ``min(top-k, position + 1)`` slots (what the indexer selects), w
 knows from the step's lengths. So the metadata builder plans once a step -- ``kv_indptr`` /
 ``kv_len`` from those counts, ``kv_indices`` our persistent index buffer -- and the op, once the
 step's ``topk_slots`` exist, fills that buffer on the device (each token's first ``count``
-slots, packed by a gather index planned with the counts) and runs the kernel, which reads the
-buffer then. Tokens with no slot (padding rows) are zeroed after the kernel.
+entries, packed in one launch) and runs the kernel, which reads the buffer then. Tokens with
+no slot (padding rows) are zeroed after the kernel.
 
-Contract: ``topk_slots`` as the indexer gives them -- each token's ``count`` selected slots
-first, -1 after (a -1 among the first ``count`` reads slot 0).
+The selection contract is the sparse family's (:mod:`attn_ops.backends.mla.sparse`): the
+packing flags every row whose packed entries are not its selection (an entry outside the
+cache or -1 among the first ``count``, a valid one after them, as the indexer never writes
+but a caller may), and TRITON_MLA_SPARSE recomputes just those rows after the kernel -- one
+launch whose programs of unflagged rows return at once. An entry outside the cache is packed
+as slot 0, so FlashInfer never reads outside it.
 
 CUDA graphs: uniform batches of a capture size, one wrapper per size over persistent buffers,
 replanned before every replay.
@@ -29,7 +33,8 @@ import torch
 from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.backends.mla.flashinfer_mla import FlashInferMLABackend
 from attn_ops.backends.mla.sparse import (SparseMLABackend, check_sparse_mla_inputs,
-                                          define_sparse_mla_op, sparse_capabilities)
+                                          define_sparse_mla_op, sparse_capabilities,
+                                          sparse_mla_torch)
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.routing import Kernel, flashinfer_mla_kernel
 
@@ -42,8 +47,11 @@ _LIBRARY_BACKEND = {Kernel.FLASHINFER_MLA_FA3: "fa3", Kernel.FLASHINFER_MLA_FA2:
 class _Planned:
     wrapper: object
     indices: torch.Tensor  # [capacity] int32: the kv_indices FlashInfer's plan reads
-    gather: torch.Tensor  # [capacity] int64: where each entry sits in topk_slots.flatten()
+    counts: torch.Tensor  # [rows] int32: the entries each row's plan reads
+    indptr: torch.Tensor  # [rows] int32: where each row's entries start in ``indices``
+    flags: torch.Tensor  # [rows] int32: rows whose packed entries are not their selection
     empty: torch.Tensor  # [rows] bool: rows without a slot (zeroed after the kernel)
+    repair: tuple[int, ...] = ()  # TRITON_MLA_SPARSE's launch for the flagged rows
 
 
 _PLANNED: dict[int, _Planned] = {}  # launch handle -> the planned wrapper and its buffers
@@ -87,12 +95,26 @@ def sparse_flashinfer(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale, 
     if planned.empty.shape[0] != ql.shape[0]:
         raise ValueError(f"FLASHINFER_MLA_SPARSE: the plan is for {planned.empty.shape[0]} "
                          f"rows, the step has {ql.shape[0]}; build its metadata again")
-    flat = topk_slots.reshape(-1)
-    planned.indices.copy_(flat.index_select(0, planned.gather).clamp(min=0))
+    from attn_ops.backends.mla.sparse_kernels import (pack_selection, pack_selection_torch,
+                                                      sparse_mla_triton)
+
+    capacity = latent_cache.shape[0] * latent_cache.shape[1]
+    pack = pack_selection if ql.is_cuda else pack_selection_torch
+    pack(topk_slots, planned.counts, planned.indptr, planned.indices, planned.flags, capacity)
     rank = ql.shape[2]
     rows = latent_cache.view(-1, 1, latent_cache.shape[2])
     planned.wrapper.run(ql, q_pe, rows[:, :, :rank], rows[:, :, rank:], out=out)
     out.masked_fill_(planned.empty[:, None, None], 0.0)  # (what the kernel left: anything)
+    if ql.is_cuda:  # (no host read: the flagged rows' programs run, the others return)
+        sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
+                          planned.repair, row_flags=planned.flags)
+        return
+    redo = planned.flags.nonzero()[:, 0]
+    if redo.numel():
+        fixed = out[redo]
+        sparse_mla_torch(ql[redo], q_pe[redo], latent_cache, topk_slots[redo], fixed, kv_scale,
+                         scale)
+        out[redo] = fixed
 
 
 def _check(*args) -> None:
@@ -128,7 +150,8 @@ class FlashInferSparseMLABackend(SparseMLABackend):
         works over them: persistent) and its handle."""
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
         backend = _LIBRARY_BACKEND[flashinfer_mla_kernel(cap, self.spec.kv_lora_rank)]
-        planned = _Planned(None, *self._buffers(device, rows))
+        planned = _Planned(None, *self._buffers(device, rows),
+                           repair=tuple(self.triton_launch(rows, device)))
         kwargs = {}
         if graph:
             i32 = dict(dtype=torch.int32, device=device)
@@ -141,25 +164,23 @@ class FlashInferSparseMLABackend(SparseMLABackend):
         return handle
 
     def _buffers(self, device: torch.device, rows: int):
-        """``(indices, gather, empty)`` for ``rows`` query rows."""
-        capacity = max(1, rows * self.spec.index_topk)
-        return (torch.zeros(capacity, dtype=torch.int32, device=device),
-                torch.zeros(capacity, dtype=torch.int64, device=device),
+        """``(indices, counts, indptr, flags, empty)`` for ``rows`` query rows."""
+        i32 = dict(dtype=torch.int32, device=device)
+        return (torch.zeros(max(1, rows * self.spec.index_topk), **i32),
+                torch.zeros(rows, **i32), torch.zeros(rows, **i32), torch.zeros(rows, **i32),
                 torch.zeros(rows, dtype=torch.bool, device=device))
 
     def _plan(self, handle: int, counts: np.ndarray) -> None:
-        """Plan ``counts`` (slots per query row) on ``handle``'s wrapper and fill its gather
-        index and empty-row mask."""
+        """Plan ``counts`` (slots per query row) on ``handle``'s wrapper and fill its
+        per-row counts, offsets and empty-row mask."""
         spec, planned = self.spec, _PLANNED[handle]
-        rows, topk = counts.shape[0], spec.index_topk
+        rows = counts.shape[0]
         indptr = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        gather = np.zeros(planned.gather.shape[0], dtype=np.int64)
-        row_of = np.repeat(np.arange(rows), counts)
-        gather[:indptr[-1]] = row_of * topk + (np.arange(indptr[-1]) - indptr[row_of])
-        planned.gather.copy_(torch.from_numpy(gather), non_blocking=True)
-        planned.empty.copy_(torch.from_numpy(counts == 0), non_blocking=True)
         host = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        planned.counts.copy_(host(counts), non_blocking=True)
+        planned.indptr.copy_(host(indptr[:-1]), non_blocking=True)
+        planned.empty.copy_(torch.from_numpy(counts == 0), non_blocking=True)
         with warnings.catch_warnings():  # (0.7's flat-argument plan is deprecated, not gone)
             warnings.simplefilter("ignore", DeprecationWarning)
             planned.wrapper.plan(
@@ -185,7 +206,9 @@ class FlashInferSparseMLABackend(SparseMLABackend):
             handle = self._eager[device] = self._new(device, rows, graph=False)
         planned = _PLANNED[handle]
         if planned.empty.shape[0] != rows:
-            planned.indices, planned.gather, planned.empty = self._buffers(device, rows)
+            (planned.indices, planned.counts, planned.indptr, planned.flags,
+             planned.empty) = self._buffers(device, rows)
+            planned.repair = tuple(self.triton_launch(rows, device))
         return self._metadata(common, handle, rows)
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> SparseMLAMetadata:

@@ -14,7 +14,9 @@ with float32 scales ``[num_blocks, page, dim // scale_block]``: one scale a toke
 so a per-token scale is DeepSeek's ``k_scale[j] * sum_h w_h relu(q_h . k_j)``.
 
 Only positions below a request's length are gathered: unused and freed slots never reach the
-arithmetic. The bodies here are the reference and the CPU path.
+arithmetic. A position past the block table's columns is not visible, and one whose page is
+outside the key cache (a stale or corrupt block-table entry) scores lowest (-inf): nothing
+outside either tensor is ever read. The bodies here are the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from attn_ops.glue import paged_slots
-from attn_ops.ops import define_op
+from attn_ops.ops import (check_paged_attention_values, debug_checks_enabled,
+                          define_op)
 
 __all__ = ["allocate_index_cache", "indexer_k_write", "indexer_slots", "indexer_topk"]
 
@@ -127,6 +130,10 @@ def _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc
 
 def _topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk):
     _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk)
+    if debug_checks_enabled():  # (reads the metadata: a device sync)
+        check_paged_attention_values(q.shape[0], keys.shape[0], keys.shape[1],
+                                     query_start_loc.tolist(), seq_lens.tolist(), block_table,
+                                     True)
     if q.is_cuda:  # (Triton scores and a device top-k: no host read, graph-capturable)
         from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
 
@@ -143,27 +150,32 @@ def topk_reference(q, weights, keys, scales, block_table, seq_lens, query_start_
     out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     flat = keys.view(-1, d)
+    limit = block_table.shape[1] * page  # (positions past the table: not visible)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r, length in enumerate(lens):
         lo, hi = qsl[r], qsl[r + 1]
         if hi == lo:
             continue
         first = length - (hi - lo)  # the first new token's position
+        # keys each query sees
+        visible = (first + 1 + torch.arange(hi - lo, device=q.device)).clamp(0, limit)
+        length = min(length, limit)
         if length <= topk:  # (every row selects all it sees: no scores needed)
-            seen = torch.arange(topk, device=q.device)[None, :] \
-                <= first + torch.arange(hi - lo, device=q.device)[:, None]
+            seen = torch.arange(topk, device=q.device)[None, :] < visible[:, None]
             out[lo:hi] = torch.where(seen, torch.arange(topk, device=q.device), -1).to(
                 torch.int32)
             continue
         pos = torch.arange(length, device=q.device)
-        slots = block_table[r, pos // page].long() * page + pos % page
+        blocks = block_table[r, pos // page].long()
+        cached = (blocks >= 0) & (blocks < keys.shape[0])
+        slots = blocks.where(cached, 0) * page + pos % page
         k = flat[slots].to(work)
         if scales is not None:
             s = scales.view(-1, scales.shape[2])[slots].to(work)
             k = (k.view(length, s.shape[1], -1) * s[:, :, None]).view(length, d)
         score = torch.einsum("th,thj->tj", weights[lo:hi].to(work),
                              torch.relu(torch.einsum("thd,jd->thj", q[lo:hi].to(work), k)))
-        visible = first + 1 + torch.arange(hi - lo, device=q.device)  # keys each query sees
+        score = score.masked_fill(~cached[None, :], float("-inf"))
         seen = pos[None, :] < visible[:, None]
         score = torch.where(seen, score, float("-inf"))
         # a stable sort on -score: equal scores keep the lower position first
@@ -193,43 +205,52 @@ the request's index keys through ``block_table`` up to ``seq_lens``; rows past
 ``query_start_loc[-1]`` are all -1."""
 
 
-def _check_slots(positions, block_table, query_start_loc, page):
+def _check_slots(positions, block_table, query_start_loc, page, seq_lens=None):
     if positions.dim() != 2 or positions.is_floating_point():
         raise ValueError(f"positions must be an integer [num_tokens, topk] tensor, got "
                          f"{positions.dtype} {tuple(positions.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] < query_start_loc.shape[0] - 1:
-        raise ValueError(f"block_table must be [>= num_reqs = {query_start_loc.shape[0] - 1}, "
-                         f"pages], got {tuple(block_table.shape)}")
+    b = query_start_loc.shape[0] - 1
+    if block_table.dim() != 2 or block_table.shape[0] < b:
+        raise ValueError(f"block_table must be [>= num_reqs = {b}, pages], got "
+                         f"{tuple(block_table.shape)}")
+    if seq_lens is not None and (seq_lens.shape != (b,) or seq_lens.is_floating_point()):
+        raise ValueError(f"seq_lens must be an integer [num_reqs={b}] tensor (query_start_loc "
+                         f"has {b + 1} entries), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if page < 1:
         raise ValueError(f"page_size={page} must be >= 1")
 
 
-def _slots(positions, block_table, query_start_loc, page):
-    _check_slots(positions, block_table, query_start_loc, page)
+def _slots(positions, block_table, query_start_loc, page, seq_lens=None):
+    _check_slots(positions, block_table, query_start_loc, page, seq_lens)
     if positions.is_cuda:  # (one launch, no host read)
         from attn_ops.backends.mla.indexer_kernels import indexer_slots_device
 
-        return indexer_slots_device(positions, block_table, query_start_loc, page)
-    return slots_reference(positions, block_table, query_start_loc, page)
+        return indexer_slots_device(positions, block_table, query_start_loc, page, seq_lens)
+    return slots_reference(positions, block_table, query_start_loc, page, seq_lens)
 
 
-def slots_reference(positions, block_table, query_start_loc, page):
+def slots_reference(positions, block_table, query_start_loc, page, seq_lens=None):
     """``indexer_slots`` in torch ops: its CPU path and the device launch's oracle."""
     rows = torch.arange(positions.shape[0], device=positions.device)
+    b = query_start_loc.shape[0] - 1
     req = torch.searchsorted(query_start_loc[1:].long(), rows, right=True)[:, None]
-    valid = (positions >= 0) & (req < query_start_loc.shape[0] - 1)  # (padding rows: -1)
+    valid = (positions >= 0) & (req < b)  # (padding rows: -1)
+    if seq_lens is not None and b:
+        valid &= positions < seq_lens.long()[req.clamp(max=b - 1)]
     return paged_slots(req, positions, valid, block_table, page).to(torch.int32)
 
 
-def _slots_fake(positions, block_table, query_start_loc, page):
-    _check_slots(positions, block_table, query_start_loc, page)
+def _slots_fake(positions, block_table, query_start_loc, page, seq_lens=None):
+    _check_slots(positions, block_table, query_start_loc, page, seq_lens)
     return torch.empty_like(positions, dtype=torch.int32)
 
 
 indexer_slots = define_op(
     "indexer_slots",
-    "(Tensor positions, Tensor block_table, Tensor query_start_loc, int page_size) -> Tensor",
+    "(Tensor positions, Tensor block_table, Tensor query_start_loc, int page_size, "
+    "Tensor? seq_lens=None) -> Tensor",
     _slots, _slots_fake)
 indexer_slots.__doc__ = """Request-local ``positions`` [T, topk] (-1: none) as global cache
-slots ``block_table[req, p // page] * page + p % page`` of each row's request (-1 kept; rows
-past ``query_start_loc[-1]`` all -1)."""
+slots ``block_table[req, p // page] * page + p % page`` of each row's request. A position that
+is not the request's is -1: negative, past the block table's columns, or (given ``seq_lens``)
+at or past the request's length; rows past ``query_start_loc[-1]`` are all -1."""

@@ -100,7 +100,8 @@ def _round_to_e4m3(x):
 
 @triton.jit
 def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, vis_ptr,
-                       out_ptr, hist_ptr, row0, topk, chunk, stride_qt, stride_qh, stride_wt,
+                       out_ptr, hist_ptr, row0, topk, chunk, num_blocks, stride_qt, stride_qh,
+                       stride_wt,
                        stride_kb, stride_kp, stride_sb, stride_sp, stride_bt, stride_ot,
                        H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                        PAGE: tl.constexpr, GROUP: tl.constexpr, HAS_SCALES: tl.constexpr,
@@ -134,15 +135,17 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
         ok = offs_n < hi
         page = tl.load(table_ptr + req * stride_bt + offs_n // PAGE, mask=ok,
                        other=0).to(tl.int64)
+        cached = ok & (page >= 0) & (page < num_blocks)  # (a page outside the cache: absent)
+        page = tl.where(cached, page, 0)
         row = page * stride_kb + (offs_n % PAGE) * stride_kp
         k = tl.load(keys_ptr + row[:, None] + offs_d[None, :],
-                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=cached[:, None] & d_ok[None, :], other=0.0)
         srow = page * stride_sb + (offs_n % PAGE) * stride_sp
         if not FP8_Q:  # (else the fp8 keys as stored)
             k = k.to(tl.float32)
             if HAS_SCALES and not SCALE_AFTER:
                 k = k * tl.load(scales_ptr + srow[:, None] + (offs_d // GROUP)[None, :],
-                                mask=ok[:, None] & d_ok[None, :], other=0.0)
+                                mask=cached[:, None] & d_ok[None, :], other=0.0)
             k = k.to(COMPUTE)
         if KEYS_M:  # [BLOCK_N, H_P]: the head sum stays within a thread and its lane quad
             dots = tl.dot(k, tl.trans(q), input_precision=PRECISION)
@@ -151,7 +154,8 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
             dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
         if SCALE_AFTER:
-            score = score * tl.load(scales_ptr + srow, mask=ok, other=0.0)
+            score = score * tl.load(scales_ptr + srow, mask=cached, other=0.0)
+        score = tl.where(cached, score, float("-inf"))
         tl.store(out_ptr + i.to(tl.int64) * stride_ot + offs_n, score, mask=ok)
         if HIST:
             local += _histogram(_order_key(score), ok, 0)
@@ -279,7 +283,7 @@ def _requests_before(qsl_ptr, rows, num_reqs, steps):
 
 @triton.jit
 def visible_rows_kernel(qsl_ptr, seq_ptr, req_ptr, vis_ptr, num_rows, num_reqs, steps,
-                        BLOCK: tl.constexpr):
+                        limit, BLOCK: tl.constexpr):
     """``BLOCK`` rows a program: each row's request (a binary search of ``steps`` halvings
     over the requests' ends) and its visible positions, as :func:`visible_rows`."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -287,27 +291,30 @@ def visible_rows_kernel(qsl_ptr, seq_ptr, req_ptr, vis_ptr, num_rows, num_reqs, 
     start = tl.load(qsl_ptr + req)
     end = tl.load(qsl_ptr + req + 1)
     pos = tl.load(seq_ptr + req) - (end - start) + (rows - start)
-    vis = tl.where(rows < tl.load(qsl_ptr + num_reqs), tl.maximum(pos + 1, 0), 0)
+    vis = tl.where(rows < tl.load(qsl_ptr + num_reqs),
+                   tl.minimum(tl.maximum(pos + 1, 0), limit), 0)
     ok = rows < num_rows
     tl.store(req_ptr + rows, req, mask=ok)
     tl.store(vis_ptr + rows, vis, mask=ok)
 
 
-def visible_rows_triton(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
+def visible_rows_triton(t: int, seq_lens, query_start_loc,
+                        limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`visible_rows` in one launch (the torch form is about 15; they are most of a
     small decode step's indexer launches)."""
     b = seq_lens.shape[0]
     out = torch.empty(2, t, dtype=torch.int32, device=seq_lens.device)
     block = 128
     visible_rows_kernel[(triton.cdiv(t, block),)](query_start_loc, seq_lens, out[0], out[1], t,
-                                                  b, b.bit_length(), BLOCK=block, num_warps=4)
+                                                  b, b.bit_length(), limit, BLOCK=block,
+                                                  num_warps=4)
     return out[0], out[1]
 
 
 @triton.jit
-def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, out_ptr, num_reqs, table_rows, width,
-                       topk, steps, stride_p, stride_b, stride_o, PAGE: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, seq_ptr, out_ptr, num_reqs, table_rows,
+                       width, topk, steps, stride_p, stride_b, stride_o, PAGE: tl.constexpr,
+                       BLOCK: tl.constexpr, HAS_LENS: tl.constexpr):
     """Program ``(t, b)``: row ``t``'s positions ``b * BLOCK`` on as global slots of its
     request (a binary search of ``steps`` halvings over the requests' ends), -1 kept; a row
     past the last request's tokens gets -1 throughout, as ``indexer_slots``' torch body."""
@@ -318,8 +325,11 @@ def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, out_ptr, num_reqs, table_row
     pos = tl.load(pos_ptr + t.to(tl.int64) * stride_p + offs, mask=ok, other=-1).to(tl.int64)
     # (the row's scalars spread over the block: the interpreter takes no scalar-bool masks)
     req = lo + offs * 0
-    valid = ok & (pos >= 0) & (req < num_reqs) & (offs * 0 + width > 0)
-    # (the torch body's clamps: rows and pages outside the table read its edge)
+    # (a position outside its request's table columns, or its length, is absent)
+    valid = ok & (pos >= 0) & (req < num_reqs) & (pos // PAGE < width)
+    if HAS_LENS:
+        valid = valid & (pos < tl.load(seq_ptr + tl.minimum(req, num_reqs - 1), mask=ok,
+                                       other=0))
     row = tl.minimum(req, table_rows - 1).to(tl.int64)
     col = tl.minimum(tl.maximum(pos // PAGE, 0), width - 1)
     block = tl.load(table_ptr + row * stride_b + col, mask=valid, other=0).to(tl.int64)
@@ -327,7 +337,8 @@ def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, out_ptr, num_reqs, table_row
              tl.where(valid, block * PAGE + pos % PAGE, -1), mask=ok)
 
 
-def indexer_slots_device(positions, block_table, query_start_loc, page: int) -> torch.Tensor:
+def indexer_slots_device(positions, block_table, query_start_loc, page: int,
+                         seq_lens=None) -> torch.Tensor:
     """``torch.ops.attn.indexer_slots`` in one launch (its torch body is about 18: most of a
     small decode step's conversion), no host read (inputs checked)."""
     t, topk = positions.shape
@@ -337,22 +348,26 @@ def indexer_slots_device(positions, block_table, query_start_loc, page: int) -> 
     b = query_start_loc.shape[0] - 1
     block = min(pow2(topk), 1024)
     index_slots_kernel[(t, triton.cdiv(topk, block))](
-        positions, block_table, query_start_loc, out, b, block_table.shape[0],
+        positions, block_table, query_start_loc,
+        seq_lens if seq_lens is not None else query_start_loc, out, b, block_table.shape[0],
         block_table.shape[1], topk, b.bit_length(), positions.stride(0),
-        block_table.stride(0), out.stride(0), PAGE=page, BLOCK=block, num_warps=4)
+        block_table.stride(0), out.stride(0), PAGE=page, BLOCK=block,
+        HAS_LENS=seq_lens is not None, num_warps=4)
     return out
 
 
-def visible_rows(t: int, seq_lens, query_start_loc) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's request and its visible positions (its position + 1; 0 for padding): the
-    definition in torch ops (the tests' oracle of :func:`visible_rows_triton`)."""
+def visible_rows(t: int, seq_lens, query_start_loc,
+                 limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's request and its visible positions (its position + 1, at most ``limit``:
+    the block table's positions; 0 for padding): the definition in torch ops (the tests'
+    oracle of :func:`visible_rows_triton`)."""
     b = seq_lens.shape[0]
     qsl = query_start_loc.to(torch.int32)
     rows = torch.arange(t, device=seq_lens.device, dtype=torch.int32)
     req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=b - 1)
     start = qsl[req]
     pos = seq_lens[req] - (qsl[req + 1] - start) + (rows - start)
-    vis = torch.where(rows < qsl[-1], pos + 1, 0).clamp(min=0)
+    vis = torch.where(rows < qsl[-1], pos + 1, 0).clamp(0, limit)
     return req.to(torch.int32), vis.to(torch.int32)
 
 
@@ -373,7 +388,8 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
     out = torch.empty(t, topk, dtype=torch.int32, device=q.device)  # (the select writes it all)
     tuning, sms = (tuning or default_tuning()).mla, DeviceFacts.of(q.device).num_sms
     num_positions = block_table.shape[1] * page
-    req, vis = visible_rows_triton(t, seq_lens, query_start_loc)
+    # (positions past the block table are absent: a row sees at most the table's positions)
+    req, vis = visible_rows_triton(t, seq_lens, query_start_loc, num_positions)
     q = q if q.stride(2) == 1 else q.contiguous()
     w = weights.float().contiguous()
     group = d // scales.shape[2] if scales is not None else d
@@ -392,8 +408,8 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         hist = torch.zeros(n, 4, 256, dtype=torch.int32, device=q.device)
         index_score_kernel[(n, triton.cdiv(num_positions, span))](
             q, w, keys, scales if scales is not None else w, block_table, req, vis, scores,
-            hist, r0, topk, span, q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
-            keys.stride(1), scales.stride(0) if scales is not None else 0,
+            hist, r0, topk, span, keys.shape[0], q.stride(0), q.stride(1), w.stride(0),
+            keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
             scales.stride(1) if scales is not None else 0, block_table.stride(0),
             scores.stride(0), H=h, H_P=pow2(h, 16), D=d, D_P=pow2(d, 16), PAGE=page,
             GROUP=group, HAS_SCALES=scales is not None,

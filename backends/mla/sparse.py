@@ -5,13 +5,20 @@ context, so a step's attention cost stops growing with the context.
 
 Every token runs the absorbed form, prefills included (the cost is ``top-k`` rows per token
 whatever the context): ``ql = q_nope @ W_UK`` per head, then for token ``t`` with selected
-slots ``S_t`` (``-1`` entries skipped wherever they are)::
+slots ``S_t`` (the selection contract below)::
 
     score[h, j] = scale * (ql[t, h] . c[j] + q_pe[t, h] . k_pe[j]),   j in S_t
     out[t, h]   = (softmax_j(score) @ c) @ W_UV[h]          (no slot selected: 0)
 
 Causality is the selection's: the indexer only selects positions a token sees. Requests that
 see at most ``top-k`` tokens get all of them selected, which is dense attention.
+
+The selection contract, the same for every sparse backend: row ``t`` of ``topk_slots`` [T, K]
+selects its entries in ``0 <= slot < num_blocks * page`` wherever they sit in the row; every
+other entry (-1 padding, a negative or an out-of-range slot) is skipped, never read; a row
+that selects nothing gives zeros. Where and in what order the valid entries sit changes the
+result by rounding only. With ``attn_ops.set_debug_checks(True)`` an out-of-range entry (other than
+-1) raises instead, naming the first one.
 
 Backends: REFERENCE_MLA_SPARSE (torch; the oracle and the CPU path), TRITON_MLA_SPARSE (one
 Triton program per token and block of heads, an online softmax over the selected rows) and
@@ -34,7 +41,7 @@ from attn_ops.backends.triton_attn import interpreter_reasons
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, Reason
 from attn_ops.kv_cache import FP8_MAX
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import define_op
+from attn_ops.ops import debug_checks_enabled, define_op
 from attn_ops.platforms import Platform
 from attn_ops.spec import AttentionSpec, Feature
 
@@ -101,12 +108,26 @@ def run_sparse_mla(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_scale, scale
         out.copy_(torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1))
 
 
+def check_selection_values(topk_slots: torch.Tensor, capacity: int) -> None:
+    """The debug check of a selection: every entry -1 or a slot of the cache (reads the
+    tensor: a device sync; only with :func:`attn_ops.set_debug_checks`)."""
+    bad = (topk_slots < -1) | (topk_slots >= capacity)
+    if bool(bad.any()):
+        t, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"topk_slots[{t}, {k}]={int(topk_slots[t, k])} is outside the latent "
+                         f"cache's slots 0..{capacity - 1} (and not -1, the padding); a "
+                         "selection holds global slots block * page + offset "
+                         "(torch.ops.attn.indexer_slots)")
+
+
 def define_sparse_mla_op(name: str, kernel: SparseKernel, *,
                          check: Callable[..., None] = check_sparse_mla_inputs, tags=()):
     """A backend's sparse MLA op (:data:`SPARSE_MLA_SCHEMA`): ``check``, then
     :func:`run_sparse_mla` with its kernel; the fake runs the check alone."""
     def impl(*args) -> None:
         check(*args)
+        if debug_checks_enabled():
+            check_selection_values(args[4], args[1].shape[0] * args[1].shape[1])
         run_sparse_mla(*args, kernel=kernel)
 
     return define_op(name, SPARSE_MLA_SCHEMA, impl, lambda *args: check(*args), tags=tags)
@@ -124,9 +145,9 @@ def sparse_mla_torch(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
     for t0 in range(0, ql.shape[0], _TOKENS_A_PASS):
         t1 = min(t0 + _TOKENS_A_PASS, ql.shape[0])
         slots = topk_slots[t0:t1].long()
-        valid = slots >= 0
-        rows = dequantize(flat[slots.clamp(min=0)], kv_scale, compute)  # [n, K, rank + rope]
-        rows = rows.masked_fill(~valid[..., None], 0.0)  # (-1 read slot 0: whatever it holds)
+        valid = (slots >= 0) & (slots < flat.shape[0])
+        rows = dequantize(flat[slots.where(valid, 0)], kv_scale, compute)  # [n, K, rank + rope]
+        rows = rows.masked_fill(~valid[..., None], 0.0)  # (skipped entries read slot 0)
         c, k_pe = rows[..., :rank], rows[..., rank:]
         score = (torch.einsum("thl,tkl->thk", ql[t0:t1].to(compute), c)
                  + torch.einsum("thr,tkr->thk", q_pe[t0:t1].to(compute), k_pe)) * scale
@@ -176,13 +197,17 @@ class SparseMLABackend(MLABackend):
                 self.launch(metadata))
 
     def launch(self, metadata) -> list[int]:
-        """The op's launch argument (default: TRITON_MLA_SPARSE's tile from the tuning and
-        its split count for the step's rows on their device)."""
+        """The op's launch argument (default: :meth:`triton_launch` for the step's rows)."""
+        return self.triton_launch(metadata.slot_mapping.shape[0], metadata.slot_mapping.device)
+
+    def triton_launch(self, rows: int, device: torch.device) -> list[int]:
+        """TRITON_MLA_SPARSE's launch for ``rows`` query rows on ``device``: its tile from
+        the tuning and its split count."""
         from attn_ops.routing import DeviceFacts, sparse_mla_splits
 
-        t, rows = self.tuning.mla, metadata.slot_mapping.shape[0]
+        t = self.tuning.mla
         splits = sparse_mla_splits(rows, self.spec.num_heads, self.spec.index_topk,
-                                   DeviceFacts.of(metadata.slot_mapping.device).num_sms, t)
+                                   DeviceFacts.of(device).num_sms, t)
         return [t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages, splits]
 
 

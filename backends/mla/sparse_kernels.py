@@ -3,7 +3,8 @@
 One program takes one query token and ``HEADS`` of its heads (every head of a token reads the
 same selected rows). Per ``BLOCK_N`` entries of the token's slot list it gathers those rows,
 ``c`` [BLOCK_N, RANK] and ``k_pe`` [BLOCK_N, ROPE] (slot ``s`` is row ``s % PAGE`` of page
-``s // PAGE``; ``-1`` entries load nothing and are masked), and runs
+``s // PAGE``; a negative slot or one past the cache's ``capacity`` rows loads nothing and is
+masked), and runs
 
     s   = (ql @ c^T + q_pe @ k_pe^T) * scale        (ql: q_nope @ W_UK, RANK wide)
     acc = acc * alpha + softmax_part(s) @ c          (online softmax in base 2)
@@ -27,18 +28,22 @@ from attn_ops.backends.mla.triton_mla_kernels import online_softmax_step
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 from attn_ops.routing import combine_split_block, pow2, triton_head_tiles
 
-__all__ = ["sparse_mla_kernel", "sparse_mla_triton"]
+__all__ = ["pack_selection", "pack_selection_torch", "sparse_mla_kernel", "sparse_mla_triton"]
 
 
 @triton.jit
 def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, part_o_ptr,
-                      part_lse_ptr, kv_scale_ptr, sm_scale, num_slots, stride_lt, stride_lh,
+                      part_lse_ptr, kv_scale_ptr, flags_ptr, sm_scale, num_slots, capacity,
+                      stride_lt, stride_lh,
                       stride_pt, stride_ph, stride_cb, stride_cp, stride_st, stride_ot,
                       stride_oh, H: tl.constexpr, HEADS: tl.constexpr, RANK: tl.constexpr,
                       RANK_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                      FP8: tl.constexpr, PRECISION: tl.constexpr):
+                      FP8: tl.constexpr, PRECISION: tl.constexpr, FLAGGED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    if FLAGGED:  # (a repair launch: only the rows flagged need this kernel)
+        if tl.load(flags_ptr + t) == 0:
+            return
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     h_ok = h < H
     offs_r = tl.arange(0, RANK_P)
@@ -61,9 +66,10 @@ def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, part_o_ptr
     hi = tl.minimum(num_slots, lo + per_split)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        slot = tl.load(slots_ptr + t * stride_st + offs_n, mask=offs_n < hi, other=-1)
-        ok = slot >= 0
-        slot = tl.where(ok, slot, 0).to(tl.int64)
+        slot = tl.load(slots_ptr + t * stride_st + offs_n, mask=offs_n < hi,
+                       other=-1).to(tl.int64)
+        ok = (slot >= 0) & (slot < capacity)
+        slot = tl.where(ok, slot, 0)
         rows = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cp
         c = tl.load(rows[:, None] + offs_r[None, :], mask=ok[:, None] & r_ok[None, :],
                     other=0.0).to(ql.dtype)
@@ -88,9 +94,11 @@ def sparse_mla_kernel(ql_ptr, qpe_ptr, cache_ptr, slots_ptr, out_ptr, part_o_ptr
 
 
 def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
-                      launch) -> None:
+                      launch, row_flags=None) -> None:
     """Latent outputs ``out`` [T, H, rank] of the selected rows; ``launch``: (heads a
-    program, slots a step, warps, stages, splits of a token's slots)."""
+    program, slots a step, warps, stages, splits of a token's slots). ``row_flags`` [T]
+    (int32): only the rows flagged non-zero are computed (one split), the others left as they
+    are."""
     from attn_ops.backends.triton_attn_kernels import combine_splits_kernel
 
     tokens, heads, rank = ql.shape
@@ -98,6 +106,8 @@ def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
         return
     rope = q_pe.shape[2]
     block_h, block_n, warps, stages, splits = launch
+    if row_flags is not None:
+        splits = 1
     block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # (tl.dot: M >= 16)
     rank_p, rope_p = triton_head_tiles(rank, rope, latent_cache.dtype.itemsize)
     fp8 = latent_cache.dtype == torch.float8_e4m3fn
@@ -108,13 +118,14 @@ def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
                              device=ql.device)
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=ql.device)
     sparse_mla_kernel[(tokens, triton.cdiv(heads, block_h), splits)](
-        ql, q_pe, latent_cache, slots, out, part_o, part_lse, kv_scale if fp8 else out, scale,
-        slots.shape[1], ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1),
+        ql, q_pe, latent_cache, slots, out, part_o, part_lse, kv_scale if fp8 else out,
+        row_flags if row_flags is not None else slots, scale, slots.shape[1],
+        latent_cache.shape[0] * latent_cache.shape[1], ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), slots.stride(0), out.stride(0),
         out.stride(1), H=heads, HEADS=block_h, RANK=rank, RANK_P=rank_p, ROPE=rope,
         ROPE_P=rope_p, PAGE=latent_cache.shape[1], BLOCK_N=max(16, block_n), SPLITS=splits,
         FP8=fp8, PRECISION="ieee" if ql.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        FLAGGED=row_flags is not None, num_warps=warps, num_stages=stages)
     if splits > 1:  # (every row a token: one "request" of all of them)
         rows = torch.arange(2, device=ql.device, dtype=torch.int32) * tokens
         combine_splits_kernel[(tokens, heads)](
@@ -122,3 +133,48 @@ def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
             out.stride(1), 0, HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank,
             DV_P=rank_p, HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
             SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
+
+
+@triton.jit
+def pack_selection_kernel(slots_ptr, counts_ptr, indptr_ptr, indices_ptr, flags_ptr, topk,
+                          capacity, stride_st, BLOCK: tl.constexpr):
+    """Row ``t``'s first ``counts[t]`` entries into ``indices[indptr[t]:]`` (an entry outside
+    the cache as slot 0: the packed kernel reads every index it is given) and ``flags[t]``:
+    1 where the packed entries are not the row's selection -- an invalid entry among the
+    first ``counts[t]``, or a valid one after them."""
+    t = tl.program_id(0).to(tl.int64)
+    count = tl.load(counts_ptr + t)
+    base = tl.load(indptr_ptr + t).to(tl.int64)
+    wrong = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, topk, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < topk
+        slot = tl.load(slots_ptr + t * stride_st + offs, mask=inside, other=-1).to(tl.int64)
+        valid = (slot >= 0) & (slot < capacity)
+        packed = inside & (offs < count)
+        tl.store(indices_ptr + base + offs, tl.where(valid, slot, 0).to(tl.int32), mask=packed)
+        wrong = wrong | (inside & (valid != packed)).to(tl.int32)
+    tl.store(flags_ptr + t, tl.max(wrong, axis=0))
+
+
+def pack_selection(topk_slots, counts, indptr, indices, flags, capacity: int) -> None:
+    """:func:`pack_selection_kernel` over every row (``counts`` / ``indptr`` int32 [T] on the
+    device; ``flags`` int32 [T] written)."""
+    t, topk = topk_slots.shape
+    if t == 0:
+        return
+    slots = topk_slots if topk_slots.stride(1) == 1 else topk_slots.contiguous()
+    pack_selection_kernel[(t,)](slots, counts, indptr, indices, flags, topk, capacity,
+                                slots.stride(0), BLOCK=min(pow2(topk), 1024), num_warps=4)
+
+
+def pack_selection_torch(topk_slots, counts, indptr, indices, flags, capacity: int) -> None:
+    """:func:`pack_selection` in torch ops (its test oracle)."""
+    t, topk = topk_slots.shape
+    slots = topk_slots.long()
+    valid = (slots >= 0) & (slots < capacity)
+    cols = torch.arange(topk, device=slots.device)
+    packed = cols[None, :] < counts.long()[:, None]
+    where = (indptr.long()[:, None] + cols[None, :])[packed]
+    indices[where] = slots.where(valid, 0)[packed].to(indices.dtype)
+    flags.copy_((valid != packed).any(dim=1).to(flags.dtype))
