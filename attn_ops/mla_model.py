@@ -11,11 +11,20 @@ RoPE is rotate-half on the rope dims; DeepSeek-V3's interleaved RoPE is that on 
 dims, so :func:`load_hf_deepseek` permutes the rope rows of ``q_proj`` / ``q_b_proj`` and
 ``kv_a_proj_with_mqa`` once (the cache then holds ``k_pe`` deinterleaved: attention scores are
 unchanged).
+
+RoPE scaling: ``MLAModelConfig.rope_scaling`` (a :class:`YarnScaling`, the ``"yarn"`` type every
+released DeepSeek-V2/V3 config uses) changes three things, all as HF transformers applies them:
+the rotary frequencies, a factor on cos/sin (both baked into the model's ``cos_sin`` cache, which
+every RoPE path -- :data:`~attn_ops.backends.mla.rope.mla_rope`, its fused cache-write form and
+the sparse indexer -- takes as given) and the softmax scale (the spec's ``mscale``).
+:func:`hf_rope_config` reads a ``transformers`` config's RoPE into those fields and
+:func:`load_hf_deepseek` refuses a model built with different ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -25,9 +34,77 @@ from attn_ops.mla_indexer import MLAIndexer
 from attn_ops.model import RMSNorm, rope_cache, shared_block_size
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
-from attn_ops.spec import AttentionSpec
+from attn_ops.spec import AttentionSpec, yarn_mscale
 
-__all__ = ["MLAModelConfig", "TinyDeepseek", "load_hf_deepseek"]
+__all__ = ["MLAModelConfig", "TinyDeepseek", "YarnScaling", "hf_rope_config",
+           "load_hf_deepseek", "mla_rope_cache"]
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (a config's ``rope_scaling`` / ``rope_parameters`` of type ``"yarn"``),
+    computed as HF transformers' ``_compute_yarn_parameters`` and ``yarn_apply_mscale`` do.
+
+    * Frequencies: dims rotating fewer than ``beta_slow`` times over ``original_max_position``
+      positions are interpolated (``inv_freq / factor``), those rotating more than
+      ``beta_fast`` times keep their frequency, and a linear ramp blends the dims in between.
+    * cos/sin are multiplied by :attr:`cos_sin_factor`: the given ``attention_factor``, else
+      ``yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)`` when both
+      are set (non-zero), else ``yarn_get_mscale(factor)`` -- HF's rule, which with DeepSeek's
+      defaults (``mscale`` 1, ``mscale_all_dim`` 0) equals DeepSeek's reference code.
+    * The softmax scale takes :attr:`softmax_mscale` squared (``yarn_mscale(factor,
+      mscale_all_dim)``, 1 when ``mscale_all_dim`` is unset or 0): DeepSeek scales the whole
+      ``q @ k^T``, nope dims included, not only the rotary dims that cos/sin reach.
+    """
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = 1.0
+    mscale_all_dim: float | None = 0.0
+    attention_factor: float | None = None  # (None: derived from factor and the mscales)
+    truncate: bool = True  # round the ramp's ends outward to whole dims
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """The factor on cos and sin (so on the rope dims' part of each score, squared)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return (_yarn_get_mscale(self.factor, self.mscale)
+                    / _yarn_get_mscale(self.factor, self.mscale_all_dim))
+        return _yarn_get_mscale(self.factor, 1.0)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The spec's ``mscale`` (:meth:`AttentionSpec.mla` squares it into the scale)."""
+        return yarn_mscale(self.factor, self.mscale_all_dim or 0.0)
+
+    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
+        """``[dim // 2]`` float32 inverse frequencies (HF's arithmetic, so its rounding)."""
+        pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+
+        def correction_dim(rotations: float) -> float:  # the dim turning `rotations` times
+            return (dim * math.log(self.original_max_position / (rotations * 2 * math.pi))
+                    / (2 * math.log(theta)))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # (a zero-width ramp would divide by zero)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: the dim keeps its frequency, 0: interpolated
+        return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _yarn_get_mscale(factor: float, mscale: float) -> float:
+    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor`` <= 1), ``mscale`` taken as
+    given (HF's ``yarn_get_mscale``; :func:`attn_ops.spec.yarn_mscale` maps 0 to 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -54,13 +131,27 @@ class MLAModelConfig:
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_cache_dtype: torch.dtype = torch.float8_e4m3fn
+    # RoPE scaling (None: plain RoPE of base rope_theta); hf_rope_config reads it off HF's
+    rope_scaling: YarnScaling | None = None
 
     def attention_spec(self) -> AttentionSpec:
+        mscale = 1.0 if self.rope_scaling is None else self.rope_scaling.softmax_mscale
         return AttentionSpec.mla(self.num_heads, kv_lora_rank=self.kv_lora_rank,
                                  qk_nope_head_dim=self.qk_nope_head_dim,
                                  qk_rope_head_dim=self.qk_rope_head_dim,
                                  v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
-                                 dtype=self.dtype, index_topk=self.index_topk)
+                                 mscale=mscale, dtype=self.dtype, index_topk=self.index_topk)
+
+
+def mla_rope_cache(cfg: MLAModelConfig) -> torch.Tensor:
+    """``[max_position, qk_rope_head_dim]`` float32, cos in the first half and sin in the
+    second, with ``cfg.rope_scaling``'s frequencies and cos/sin factor when set."""
+    if cfg.rope_scaling is None:
+        return rope_cache(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope_theta)
+    yarn = cfg.rope_scaling
+    inv_freq = yarn.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+    freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * yarn.cos_sin_factor
 
 
 class MLADecoderLayer(nn.Module):
@@ -131,8 +222,7 @@ class TinyDeepseek(nn.Module):
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("rope", rope_cache(cfg.qk_rope_head_dim, cfg.max_position,
-                                                cfg.rope_theta), persistent=False)
+        self.register_buffer("rope", mla_rope_cache(cfg), persistent=False)
 
     @property
     def block_size(self) -> int:
@@ -168,12 +258,70 @@ def _deinterleave_rows(weight: torch.Tensor, heads: int, nope: int, rope: int) -
     return w.view(heads * (nope + rope), -1)
 
 
+def _rope_effect(cfg: MLAModelConfig) -> tuple:
+    """What a config's RoPE does: the frequencies, the cos/sin factor, the softmax mscale."""
+    dim = cfg.qk_rope_head_dim
+    if cfg.rope_scaling is None:
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        return tuple(inv_freq.tolist()), 1.0, 1.0
+    yarn = cfg.rope_scaling
+    return (tuple(yarn.inv_freq(dim, cfg.rope_theta).tolist()), yarn.cos_sin_factor,
+            yarn.softmax_mscale)
+
+
+def hf_rope_config(hf_config) -> dict:
+    """``{"rope_theta": ..., "rope_scaling": YarnScaling | None}`` of a ``transformers``
+    DeepSeek config, for :class:`MLAModelConfig`. Reads ``rope_parameters`` (transformers 5)
+    or ``rope_scaling`` + ``rope_theta`` (transformers 4, and the checkpoints' config.json),
+    with the type under ``rope_type`` or ``type``; a RoPE type other than plain RoPE
+    (``"default"``) or ``"yarn"`` -- ``"linear"``, ``"dynamic"``, ... -- is a ValueError, not
+    silently plain RoPE."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    theta = 10000.0 if theta is None else float(theta)
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not "
+                         "supported: MLA rotates all qk_rope_head_dim dims")
+    if rope_type == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    if rope_type != "yarn":
+        raise ValueError(f"RoPE type {rope_type!r} is not supported by TinyDeepseek (plain "
+                         f"RoPE and 'yarn' are); the config's RoPE parameters: {params}")
+    # (HF's order: the config's own original_max_position_embeddings, then the parameters',
+    # then max_position_embeddings; a missing factor is the context extension ratio)
+    original = (getattr(hf_config, "original_max_position_embeddings", None)
+                or params.get("original_max_position_embeddings")
+                or hf_config.max_position_embeddings)
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf_config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    return {"rope_theta": theta, "rope_scaling": YarnScaling(
+        factor=float(factor), original_max_position=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)))}
+
+
 @torch.no_grad()
 def load_hf_deepseek(model: TinyDeepseek, hf) -> None:
     """Copy a ``transformers`` ``DeepseekV3ForCausalLM`` (dense MLPs, ``rope_interleave``) or,
     into a sparse model, a ``DeepseekV32ForCausalLM`` (its indexers too) into ``model`` of the
-    same shapes."""
+    same shapes. ``model`` must have HF's RoPE (:func:`hf_rope_config`): its frequencies and the
+    softmax scale are fixed when the model is built, so a model built with other ones is a
+    ValueError rather than silently different logits."""
     cfg = model.cfg
+    want = hf_rope_config(hf.config)
+    if _rope_effect(cfg) != _rope_effect(replace(cfg, **want)):
+        have = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling}
+        raise ValueError(f"the model's RoPE {have} is not the HF config's {want}: build it "
+                         "with MLAModelConfig(..., **hf_rope_config(hf.config))")
     heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     model.embed.weight.copy_(hf.model.embed_tokens.weight)
     model.norm.weight.copy_(hf.model.norm.weight)
