@@ -2,7 +2,8 @@
 
 Importing this package has no side effects on torch or Inductor settings and imports no kernel
 package: names below are loaded on first use, and a backend's op is registered when the registry
-first loads that backend.
+first loads that backend. It imports torch and makes every ``torch.ops.attn.<name>`` resolvable:
+the first lookup of an op imports the module that defines it (:data:`attn_ops.ops.OP_MODULES`).
 
 Quick start::
 
@@ -16,7 +17,13 @@ from __future__ import annotations
 
 import importlib
 
+from attn_ops.ops import resolve_ops_on_lookup as _resolve_ops_on_lookup
+
 __version__ = "0.1.0"
+
+# An op must not depend on which module happened to be imported first: torch.ops.attn.<name>
+# imports its defining module on lookup. Only the ops module (torch and no backend) is loaded.
+_resolve_ops_on_lookup()
 
 _EXPORTS = {
     "AttentionSpec": "spec", "AttentionType": "spec", "KVCacheDType": "spec",

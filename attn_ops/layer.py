@@ -18,6 +18,7 @@ from torch import nn
 from attn_ops.glue import rope, rope_kv_cache_update, slot_mapping
 from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
 from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.ops import check_layer_inputs
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec
@@ -126,6 +127,12 @@ class Attention(BackendLayer):
             metadata = metadata[self._metadata_key]
         spec = self.spec
         query = _as_heads("query", query, None, spec.num_heads, spec.head_dim, spec)
+        check_layer_inputs("Attention", kv_cache.device,
+                           [("query", query, spec.dtype), ("key", key, spec.dtype),
+                            ("value", value, spec.dtype), ("kv_cache", kv_cache, spec.cache_dtype),
+                            ("positions", positions,
+                             positions.dtype if positions is not None else None)],
+                           tokens=query.shape[0], metadata=metadata)
         if (key is None) != (value is None):
             raise ValueError("pass key and value together (or neither, when the cache already "
                              f"holds them); got key={_shape(key)}, value={_shape(value)}")

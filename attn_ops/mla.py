@@ -91,6 +91,7 @@ class MLAAttention(BackendLayer):
         none."""
         from attn_ops.backends.mla.common import mla_cache_update
         from attn_ops.backends.mla.rope import mla_rope
+        from attn_ops.ops import check_layer_inputs
 
         if isinstance(metadata, dict):
             metadata = metadata[self._metadata_key]
@@ -102,6 +103,17 @@ class MLAAttention(BackendLayer):
             if tuple(x.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)} for {spec.describe()}, got "
                                  f"{list(x.shape)}")
+        if cache.dim() != 3 or cache.shape[2] != spec.latent_dim:
+            raise ValueError(f"cache must be [num_blocks, block_size, kv_lora_rank + "
+                             f"qk_rope_head_dim = {spec.latent_dim}] for {spec.describe()}, "
+                             f"got {list(cache.shape)}; allocate it with allocate_cache")
+        check_layer_inputs("MLAAttention", cache.device,
+                           [("q", q, spec.dtype), ("kv_c", kv_c, spec.dtype),
+                            ("k_pe", k_pe, spec.dtype), ("cache", cache, spec.cache_dtype),
+                            ("cos_sin", cos_sin, cos_sin.dtype if cos_sin is not None else None),
+                            ("topk_slots", topk_slots,
+                             topk_slots.dtype if topk_slots is not None else None)],
+                           tokens=t, metadata=metadata, page=cache.shape[1])
         sparse = {}
         if spec.index_topk is not None:
             if topk_slots is None or tuple(topk_slots.shape) != (t, spec.index_topk):

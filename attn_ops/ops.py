@@ -14,6 +14,7 @@ and there are no per-layer strings, so Inductor can reuse one compiled layer for
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -21,9 +22,10 @@ import torch
 
 __all__ = [
     "PAGED_ATTENTION_SCHEMA", "apply_sinks", "check_nhd_attention_inputs",
-    "check_paged_attention_inputs", "check_paged_attention_values",
+    "check_layer_inputs", "check_paged_attention_inputs", "check_paged_attention_values",
     "debug_checks_enabled",
     "define_op", "library", "set_debug_checks", "with_fp8_output",
+    "OP_MODULES", "resolve_ops_on_lookup",
 ]
 
 _LIB: torch.library.Library | None = None
@@ -93,6 +95,86 @@ def define_op(
     return _DEFINED[name]
 
 
+
+# Every op of the namespace and the module whose import defines it. ``torch.ops.attn.<name>``
+# imports that module on first lookup (:func:`resolve_ops_on_lookup`), so an op resolves after
+# ``import attn_ops`` alone -- in a fresh process unpickling a graph, say -- while importing the
+# package still defines no op and imports no backend. tests/test_package.py checks this table
+# against the ``define_op`` calls in the sources.
+OP_MODULES: dict[str, str] = {
+    "kv_cache_update": "attn_ops.kv_cache",
+    "rope": "attn_ops.glue",
+    "slot_mapping": "attn_ops.glue",
+    "rope_kv_cache_update": "attn_ops.glue",
+    "quantize_fp8": "attn_ops.glue",
+    "reference_attention": "attn_ops.backends.reference",
+    "reference_attention_mods": "attn_ops.backends.reference",
+    "cpu_attention": "attn_ops.backends.cpu_attn",
+    "triton_attention": "attn_ops.backends.triton_attn",
+    "flex_attention": "attn_ops.backends.flex_attention",
+    "flex_attention_prepared": "attn_ops.backends.flex_attention",
+    "flex_attention_decode": "attn_ops.backends.flex_attention",
+    "flex_attention_gathered": "attn_ops.backends.flex_attention",
+    "flashinfer_attention": "attn_ops.backends.flashinfer",
+    "flash_attn_attention": "attn_ops.backends.flash_attn",
+    "flash_attn_diffkv_attention": "attn_ops.backends.flash_attn_diffkv",
+    "composite_sm90_attention": "attn_ops.backends.composite_sm90",
+    "tree_attention": "attn_ops.backends.tree_attn",
+    "mla_cache_update": "attn_ops.backends.mla.common",
+    "merge_attn_states": "attn_ops.backends.mla.common",
+    "mla_rope": "attn_ops.backends.mla.rope",
+    "mla_rope_cache_update": "attn_ops.backends.mla.rope",
+    "reference_mla_attention": "attn_ops.backends.mla.reference",
+    "triton_mla_attention": "attn_ops.backends.mla.triton_mla",
+    "flashinfer_mla_attention": "attn_ops.backends.mla.flashinfer_mla",
+    "reference_mla_sparse": "attn_ops.backends.mla.sparse",
+    "triton_mla_sparse": "attn_ops.backends.mla.sparse",
+    "flashinfer_mla_sparse": "attn_ops.backends.mla.flashinfer_mla_sparse",
+    "indexer_k_write": "attn_ops.backends.mla.indexer",
+    "indexer_topk": "attn_ops.backends.mla.indexer",
+    "indexer_slots": "attn_ops.backends.mla.indexer",
+    "causal_conv1d": "attn_ops.backends.ssm.conv",
+    "gated_delta_rule": "attn_ops.backends.ssm.gated_deltanet",
+    "mamba2_ssd": "attn_ops.backends.ssm.mamba2",
+    "short_conv": "attn_ops.backends.ssm.short_conv",
+}
+
+
+def resolve_ops_on_lookup() -> None:
+    """Let a lookup of ``torch.ops.attn.<name>`` that finds no op import the module defining it
+    (:data:`OP_MODULES`), then look again. Idempotent.
+
+    torch binds an op to its namespace object on the first lookup that finds it, and raises
+    ``AttributeError`` when none is registered; the namespace object is kept (its class is
+    switched to a subclass that adds the import), so ops already bound and references to it
+    stay valid. A hit never reaches this code: it is served from the object's attributes."""
+    namespace = torch.ops.attn
+    base = type(namespace)
+    if getattr(base, "_attn_ops_resolves", False):
+        return
+
+    class _AttnNamespace(base):
+        # torch names a bound op's module after its namespace's class ("torch._ops.attn"). FX
+        # code generation writes an op of a torch module as torch.ops.attn.<name> and any other
+        # as a global, which Inductor's cache key then fails to pickle: keep torch's name.
+        __module__ = base.__module__
+        _attn_ops_resolves = True
+
+        def __getattr__(self, op_name: str):
+            try:
+                return super().__getattr__(op_name)
+            except AttributeError:
+                module = OP_MODULES.get(op_name)
+                if module is None:
+                    raise
+            importlib.import_module(module)
+            # define_op has bound the op; binding it again would make a second packet whose
+            # overloads are not the ones define_op returned (passes compare them by identity).
+            bound = self.__dict__.get(op_name)
+            return bound if bound is not None else super().__getattr__(op_name)
+
+    namespace.__class__ = _AttnNamespace
+
 def with_fp8_output(kernel: Callable, out_index: int, num_args: int, *,
                     quantize: bool) -> Callable:
     """``kernel`` with a trailing ``output_scale`` argument (the op's ``num_args``-th; the
@@ -141,6 +223,40 @@ def debug_checks_enabled() -> bool:
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+def check_layer_inputs(owner: str, device: torch.device, tensors, *, tokens: int | None = None,
+                       metadata=None, page: int | None = None) -> None:
+    """A layer's inputs before its ops (shapes and host values only: no device sync).
+
+    ``tensors``: ``(name, tensor or None, expected dtype)``; each must have that dtype and sit
+    on ``device`` (the cache's). ``tokens``: the step's rows, which ``metadata``'s slot
+    mapping must have; ``page``: the cache's page size, which the metadata must have been
+    built for (its slots and block ranges are computed with it). Raises ``ValueError`` naming
+    the argument, the expected and the actual value."""
+    for name, x, dtype in tensors:
+        if x is None:
+            continue
+        if x.dtype != dtype:
+            _fail(f"{owner}: {name}.dtype={x.dtype}, expected {dtype} (the layer's spec); "
+                  f"convert it with .to({dtype})")
+        if x.device != device:
+            _fail(f"{owner}: {name} is on {x.device}, expected {device} (the cache's device)")
+    if metadata is None:
+        return
+    slots = getattr(metadata, "slot_mapping", None)
+    if tokens is not None and slots is not None and slots.shape[0] != tokens:
+        _fail(f"{owner}: the inputs have {tokens} tokens but the metadata was built for "
+              f"{slots.shape[0]} (its slot_mapping); build the step's metadata for these "
+              "tokens (num_tokens_padded= covers padding rows)")
+    if slots is not None and slots.device != device:
+        _fail(f"{owner}: the metadata is on {slots.device}, expected {device} (the cache's "
+              "device); build it with device=")
+    built = getattr(metadata, "block_size", 0)
+    if page is not None and built and built != page:
+        _fail(f"{owner}: the metadata was built for pages of block_size={built} tokens but the "
+              f"cache has pages of {page}; build the metadata with the cache's block_size "
+              f"({page}: the layer's .block_size when it allocated the cache)")
 
 
 def check_paged_attention_inputs(

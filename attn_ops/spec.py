@@ -344,6 +344,9 @@ def _check_mla(spec: AttentionSpec) -> None:
     if spec.kv_heads != spec.num_heads:
         raise ValueError(f"num_kv_heads={spec.num_kv_heads} must be None for MLA: every head "
                          "reads the one shared latent (its MHA form has num_heads K/V heads)")
+    if spec.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={spec.qk_rope_head_dim} must be even: RoPE rotates "
+                         "pairs of channels (DeepSeek's is 64)")
 
 
 def _check_sparse(spec: AttentionSpec) -> None:

@@ -107,20 +107,20 @@ def test_passes_fold_each_layers_glue_into_one_cache_write_op():
     _, _, (_, before), (_, after) = _run(model, meta, ids, fusion_passes())
     expecttest.assert_expected_inline(before, """\
 rope0 = rope(_, _)
-slot_mapping0 = slot_mapping(in3, in7, in6, 16)
+slot_mapping0 = slot_mapping(in3, in8, in7, 16)
 kv_cache_update0 = kv_cache_update(key=rope0, value=_, slot_mapping=slot_mapping0) (functionalized)
 rope1 = rope(_, _)
-cpu_attention0 = cpu_attention(query=rope1, kv_cache=kv_cache_update0[1], query_start_loc=in7, seq_lens=in9, block_table=in6, scale=0.3535533905932738, causal=True) (functionalized)
+cpu_attention0 = cpu_attention(query=rope1, kv_cache=kv_cache_update0[1], query_start_loc=in8, seq_lens=in9, block_table=in7, scale=0.3535533905932738, causal=True) (functionalized)
 rope2 = rope(_, _)
-slot_mapping1 = slot_mapping(in3, in7, in6, 16)
+slot_mapping1 = slot_mapping(in3, in8, in7, 16)
 kv_cache_update1 = kv_cache_update(key=rope2, value=_, slot_mapping=slot_mapping1) (functionalized)
 rope3 = rope(_, _)
-cpu_attention1 = cpu_attention(query=rope3, kv_cache=kv_cache_update1[1], query_start_loc=in7, seq_lens=in9, block_table=in6, scale=0.3535533905932738, causal=True) (functionalized)""")
+cpu_attention1 = cpu_attention(query=rope3, kv_cache=kv_cache_update1[1], query_start_loc=in8, seq_lens=in9, block_table=in7, scale=0.3535533905932738, causal=True) (functionalized)""")
     expecttest.assert_expected_inline(after, """\
-rope_kv_cache_update0 = rope_kv_cache_update(query=_, key=_, value=_, cos_sin=_, positions=in3, query_start_loc=in7, block_table=in6) (functionalized)
-cpu_attention0 = cpu_attention(query=rope_kv_cache_update0[0], kv_cache=rope_kv_cache_update0[1], query_start_loc=in7, seq_lens=in9, block_table=in6, scale=0.3535533905932738, causal=True) (functionalized)
-rope_kv_cache_update1 = rope_kv_cache_update(query=_, key=_, value=_, cos_sin=_, positions=in3, query_start_loc=in7, block_table=in6) (functionalized)
-cpu_attention1 = cpu_attention(query=rope_kv_cache_update1[0], kv_cache=rope_kv_cache_update1[1], query_start_loc=in7, seq_lens=in9, block_table=in6, scale=0.3535533905932738, causal=True) (functionalized)""")
+rope_kv_cache_update0 = rope_kv_cache_update(query=_, key=_, value=_, cos_sin=_, positions=in3, query_start_loc=in8, block_table=in7) (functionalized)
+cpu_attention0 = cpu_attention(query=rope_kv_cache_update0[0], kv_cache=rope_kv_cache_update0[1], query_start_loc=in8, seq_lens=in9, block_table=in7, scale=0.3535533905932738, causal=True) (functionalized)
+rope_kv_cache_update1 = rope_kv_cache_update(query=_, key=_, value=_, cos_sin=_, positions=in3, query_start_loc=in8, block_table=in7) (functionalized)
+cpu_attention1 = cpu_attention(query=rope_kv_cache_update1[0], kv_cache=rope_kv_cache_update1[1], query_start_loc=in8, seq_lens=in9, block_table=in7, scale=0.3535533905932738, causal=True) (functionalized)""")
 
 
 @pytest.mark.parametrize("v2", [True, False], ids=["functionalized_v2", "functionalized_v1"])

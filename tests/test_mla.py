@@ -372,6 +372,67 @@ def test_bad_inputs_name_the_shape():
         MLAAttention(AttentionSpec(num_heads=4, head_dim=16))
 
 
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_inputs_of_another_dtype_page_or_token_count_are_refused_naming_them(backend):
+    """What the layer is handed is checked against its spec, its cache and the step's
+    metadata before any op runs: a ValueError names the argument, the expected and the
+    actual value (never a torch error from inside an op, never a wrong answer)."""
+    import dataclasses
+
+    spec = MLA_HERE[backend]
+    case = _case(spec, SCENARIOS["mixed"])
+    layer = MLAAttention(spec, AttentionConfig(backend=backend)).to(DEVICE)
+    cache = case.cache.to(spec.dtype)
+    other = torch.float32 if spec.dtype == torch.float64 else torch.float64
+    args = tuple(x.to(spec.dtype) for x in (case.q, case.kv_c, case.k_pe))
+    with pytest.raises(ValueError, match=rf"q.dtype={other}, expected {spec.dtype}"):
+        layer(case.q.to(other), *args[1:], cache, case.meta)
+    with pytest.raises(ValueError, match=rf"cache.dtype={other}, expected {spec.dtype}"):
+        layer(*args, cache.to(other), case.meta)
+    with pytest.raises(ValueError, match=r"the metadata was built for pages of block_size=8 "
+                       r"tokens but the cache has pages of 4"):
+        layer(*args, cache, dataclasses.replace(case.meta, block_size=8))
+    t = case.q.shape[0]
+    with pytest.raises(ValueError, match=rf"the inputs have {t - 1} tokens but the metadata "
+                       rf"was built for {t}"):
+        layer(*(x[1:] for x in args), cache, case.meta)
+    with pytest.raises(ValueError, match=r"cache must be \[num_blocks, block_size, "
+                       r"kv_lora_rank \+ qk_rope_head_dim = 40\]"):
+        layer(*args, cache[..., :32], case.meta)
+
+
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_mla_layers_of_different_specs_in_one_step_each_get_their_own_plan(backend):
+    """Two MLA layers of one model with different heads and latent ranks, one step's
+    metadata built once for both: each gets a plan of its own (its metadata key holds what
+    a plan is sized to) and each matches its dense MLA."""
+    base = MLA_HERE[backend]
+    specs = [base, base.with_(num_heads=8, kv_lora_rank=64)]
+    specs = [s for s in specs if not get_backend_class(backend).not_supported_reasons(
+        s, PLATFORM)]
+    if len(specs) < 2:
+        pytest.skip(f"{backend} runs one of the two specs here")
+    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, **SPLITTING})
+    reqs = SCENARIOS["mixed"]
+    cases = [_case(s, reqs, seed=3) for s in specs]
+    assert torch.equal(cases[0].meta.block_table, cases[1].meta.block_table)
+    layers = []
+    for s, c in zip(specs, cases):
+        layer = MLAAttention(s, AttentionConfig(backend=backend, tuning=tuning)).to(DEVICE)
+        layer.load_kv_b_proj(c.w.to(s.dtype))
+        layers.append(layer)
+    assert layers[0]._metadata_key != layers[1]._metadata_key
+    step = build_step_metadata(torch.nn.ModuleList(layers), cases[0].meta)
+    assert len(step) == 2
+    for s, c, layer in zip(specs, cases, layers):
+        out = layer(c.q.to(s.dtype), c.kv_c.to(s.dtype), c.k_pe.to(s.dtype), c.cache.to(s.dtype),
+                    step)
+        want = torch.cat([_dense(s, c.w, c.q_rows[i], c.latents[i][:, :s.kv_lora_rank],
+                                 c.latents[i][:, s.kv_lora_rank:], n)
+                          for i, (_, n) in enumerate(reqs)])
+        _close(out[:c.total], want, s.dtype)
+
+
 def _op_args(backend, reqs=SCENARIOS["mixed"]):
     spec = MLA_HERE[backend]
     g = torch.Generator().manual_seed(3)
@@ -1028,7 +1089,7 @@ def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
     assert seen["after"][0] == ["mla_rope_cache_update", attention]
     if backend == "REFERENCE_MLA":  # the graph's attn ops and their inputs, after the passes
         expecttest.assert_expected_inline(seen["after"][1], """\
-mla_rope_cache_update0 = mla_rope_cache_update(q=in0, kv_c=in1, k_pe=in2, cos_sin=in3, slot_mapping=in5) (functionalized)
+mla_rope_cache_update0 = mla_rope_cache_update(q=in0, kv_c=in1, k_pe=in2, cos_sin=in4, slot_mapping=in5) (functionalized)
 reference_mla_attention0 = reference_mla_attention(q=mla_rope_cache_update0[0], kv_c=in1, k_pe=mla_rope_cache_update0[1], latent_cache=mla_rope_cache_update0[2], w_uk=in6, w_uv=in7, query_start_loc=in8, seq_lens=in9, block_table=in10, plan=in11, mha_lens=in12, chunk_slots=[in13, in14], chunk_cu_k=[in15, in16], scale=0.2646422579642267) (functionalized)""")
     tol = TOLERANCE[layer.spec.dtype]
     torch.testing.assert_close(compiled, eager, atol=tol, rtol=tol)

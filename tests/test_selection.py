@@ -227,7 +227,7 @@ keys = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "custom_shoul
 config_before = [getattr(ic, k) for k in keys]
 modules_before = set(sys.modules)
 import attn_ops
-ops_after_import = hasattr(torch.ops.attn, "kv_cache_update")
+ops_after_import = bool(attn_ops.ops._DEFINED)  # (resolvable on lookup, none defined yet)
 spec = attn_ops.AttentionSpec(num_heads=4, head_dim=16)
 for p in ("cpu", "cuda:9.0", "cuda:10.0", "rocm"):
     attn_ops.select_backend(spec, attn_ops.Platform.parse(p),

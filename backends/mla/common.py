@@ -182,6 +182,7 @@ class MLAMetadata:
     mha_lens_cpu: torch.Tensor
     chunk_slots: tuple[torch.Tensor, ...] = ()
     chunk_cu_k: tuple[torch.Tensor, ...] = ()
+    block_size: int = 0  # the page size the slots and chunks were computed for (0: unknown)
 
 
 def absorbed_split(query_lens: np.ndarray, max_query_len: int) -> int:
@@ -400,6 +401,15 @@ class MLABackend(AttentionBackend):
         """Reasons about the latent dims (default: none)."""
         return []
 
+    def metadata_key(self) -> tuple:
+        """A step plan holds the decode launch (sized to the heads and latent dims), the
+        library's plan (heads, dims, scale, dtypes) and the prefill chunks: layers share one
+        only where all of those agree."""
+        s = self.spec
+        return (self.name, s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim, s.qk_nope_head_dim,
+                s.v_head_dim, s.softmax_scale, s.dtype, s.cache_dtype, s.index_topk,
+                self.tuning.key)
+
     def build_metadata(self, common: CommonAttentionMetadata) -> MLAMetadata:
         qsl = common.query_start_loc_cpu.numpy()
         query_lens = qsl[1:] - qsl[:-1]
@@ -421,7 +431,7 @@ class MLABackend(AttentionBackend):
                                       common.block_size)
         return MLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
                            common.block_table, plan, torch.from_numpy(mha_lens), slots,
-                           offsets)
+                           offsets, common.block_size)
 
     def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
                       device: torch.device) -> MLADecodeLaunch | None:

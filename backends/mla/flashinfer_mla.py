@@ -165,4 +165,5 @@ class FlashInferMLABackend(MLABackend):
         self._plan(handle, np.arange(size + 1) * q, padded.seq_lens_cpu.numpy(), indptr,
                    indices, padded.block_size, q > 1)
         return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
-                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64))
+                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64),
+                           block_size=padded.block_size)

@@ -74,6 +74,7 @@ class SparseMLAMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     launch: tuple[int, ...]
+    block_size: int = 0  # the page size the step was built for
 
 
 def selection_counts(qsl: np.ndarray, seq: np.ndarray, rows: int, topk: int) -> np.ndarray:
@@ -193,7 +194,7 @@ class FlashInferSparseMLABackend(SparseMLABackend):
         self._plan(handle, selection_counts(qsl, common.seq_lens_cpu.numpy(), rows,
                                             self.spec.index_topk))
         return SparseMLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
-                                 common.block_table, (handle,))
+                                 common.block_table, (handle,), common.block_size)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SparseMLAMetadata:
         """Plan the step (every row of it, padding included) on the eager wrapper of its

@@ -118,6 +118,18 @@ def _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc
     if weights.shape != (t, h):
         raise ValueError(f"weights must be [num_tokens={t}, index_heads={h}], got "
                          f"{tuple(weights.shape)}")
+    if keys.dim() == 3 and keys.shape[2] != d:
+        raise ValueError(f"q's index head dim is {d} but the index-key cache holds keys of "
+                         f"{keys.shape[2]}: q must be [num_tokens, index_heads, "
+                         f"{keys.shape[2]}] (the indexer's head_dim)")
+    for name, x in (("weights", weights), ("keys", keys), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, expected {q.device} (q's device)")
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        if x.is_floating_point():
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
     _check_cache(keys, scales, d)
     b = seq_lens.shape[0]
     if query_start_loc.shape != (b + 1,) or block_table.dim() != 2 or block_table.shape[0] < b:

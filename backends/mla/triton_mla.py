@@ -148,4 +148,5 @@ class TritonMLABackend(MLABackend):
                 decode=self.decode_launch(size, graphs.query_len, graphs.max_seq_len,
                                           graphs.device)))
         return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
-                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64))
+                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64),
+                           block_size=padded.block_size)
