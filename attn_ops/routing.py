@@ -31,7 +31,7 @@ __all__ = [
     "composite_decode_route", "composite_graph_decode_runs_fa4", "explain", "explain_mla",
     "fa4_batch",
     "fa4_decode_wins", "fa4_tile", "flashinfer_decode_split", "flashinfer_graph_colocated_ctas",
-    "flashinfer_mla_kernel", "flashinfer_split_budget", "flex_decode_splits",
+    "flashinfer_mla_kernel", "flashinfer_mla_shared_bytes", "flashinfer_split_budget", "flex_decode_splits",
     "flex_decode_stages", "flex_gathers",
     "mla_decode_launch", "mla_prefill_kernel", "pow2", "ssm_kernel",
     "triton_decode_tile", "triton_fit_tile", "triton_fused_combine", "triton_num_splits",
@@ -42,6 +42,11 @@ __all__ = [
 # device's count is read from it.
 _SMS_BY_CAPABILITY = {(8, 0): 108, (8, 6): 84, (8, 9): 128, (9, 0): 132, (10, 0): 148,
                       (12, 0): 170}
+# (shared memory per SM, the most one block may opt into), bytes, of each capability's GPUs
+_SHARED_MEMORY_BY_CAPABILITY = {(8, 0): (167936, 166912), (8, 6): (102400, 101376),
+                                (8, 7): (167936, 166912), (8, 9): (102400, 101376),
+                                (9, 0): (233472, 232448), (10, 0): (233472, 232448),
+                                (12, 0): (102400, 101376)}
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class DeviceFacts:
 
     num_sms: int
     capability: tuple[int, int] | None = None
+    shared_memory: tuple[int, int] | None = None  # (per SM, per block opted in), bytes
 
     @property
     def major(self) -> int:
@@ -71,13 +77,19 @@ class DeviceFacts:
         cap = platform.capability
         if not platform.simulated and platform.is_gpu and torch.cuda.is_available():
             return cls.of(torch.device("cuda"))
-        return cls(_SMS_BY_CAPABILITY.get(cap, 132 if cap else 8), cap)
+        return cls(_SMS_BY_CAPABILITY.get(cap, 132 if cap else 8), cap,
+                   _SHARED_MEMORY_BY_CAPABILITY.get(cap))
 
 
 @functools.cache
 def _cuda_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
-    return DeviceFacts(props.multi_processor_count, (props.major, props.minor))
+    cap = (props.major, props.minor)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    per_block = getattr(props, "shared_memory_per_block_optin", None)
+    shared = (int(per_sm), int(per_block)) if per_sm and per_block \
+        else _SHARED_MEMORY_BY_CAPABILITY.get(cap)
+    return DeviceFacts(props.multi_processor_count, cap, shared)
 
 
 class Kernel(enum.Enum):
@@ -382,6 +394,35 @@ def flashinfer_mla_kernel(capability: tuple[int, int], kv_lora_rank: int) -> Ker
     if capability[0] == 9 and kv_lora_rank in (128, 256, 512):
         return Kernel.FLASHINFER_MLA_FA3
     return Kernel.FLASHINFER_MLA_FA2
+
+
+def flashinfer_mla_shared_bytes(kernel: Kernel, rank: int, rope: int, fp8: bool,
+                                shared_per_sm: int) -> int | None:
+    """Shared memory one block of FlashInfer 0.7's MLA kernel takes for latent width ``rank``
+    and rope width ``rope`` (its templates' storage: the query tile, the KV stages, the
+    output staging), or None where the fa2 kernel has no tiling for an SM of
+    ``shared_per_sm`` bytes. fa3 at 512 + 64 takes 222,048 of the H200's 232,448; at
+    512 + 128 it would take 246,624, which FlashInfer refuses at plan time."""
+    align16 = lambda size: -(-size // 16) * 16  # noqa: E731
+    q_bytes = 64 * (rank + rope) * 2
+    elem = 1 if fp8 else 2
+    if kernel is Kernel.FLASHINFER_MLA_FA3:
+        stage = 64 * rank * elem + max(64 * rope * elem, 64 * 64 * 2)
+        repack = align16(64 * rank * 2) + align16(max(64 * rope, 1) * 2) if fp8 else 32
+        return q_bytes + max(2 * stage + repack, 64 * rank * 2) + 3 * 64 * 4 + 64
+    if shared_per_sm >= 221696:
+        stages, tile = 2, 64
+    elif shared_per_sm >= 147968:
+        stages, tile = 2, 32
+    elif shared_per_sm >= 92672:
+        stages, tile = 1, 16
+    else:
+        return None
+    tile = 32 if fp8 else tile
+    kv_bytes = stages * tile * (rank + max(rope, 64)) * elem
+    repack = align16(stages * tile * rank * 2) + align16(stages * tile * max(rope, 1) * 2) \
+        if fp8 else 32
+    return max(q_bytes + kv_bytes + repack + 2 * 64 * 4, 64 * rank * 2)
 
 
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,

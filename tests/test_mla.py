@@ -93,6 +93,27 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     assert by_name["REFERENCE_MLA"].priority is None
 
 
+@pytest.mark.parametrize("index_topk", [None, 2048], ids=["dense", "sparse"])
+def test_a_latent_width_flashinfers_block_cannot_hold_is_refused_naming_its_shared_memory(
+        index_topk):
+    """FlashInfer's fa3 MLA block at 512 + 128 needs 246,624 bytes of shared memory, more than
+    an H200 block's 232,448 (FlashInfer refuses that plan at the first step): the selector
+    rejects it with the bytes and picks TRITON_MLA; 512 + 64 and 256 + 128 fit."""
+    h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    fi = "FLASHINFER_MLA" if index_topk is None else "FLASHINFER_MLA_SPARSE"
+    wide = AttentionSpec.mla(16, qk_rope_head_dim=128, dtype=torch.bfloat16, block_size=64,
+                             index_topk=index_topk)
+    reasons = {c.name: c for c in candidates_for(wide, h200)}[fi].reasons
+    assert [r.code for r in reasons] == ["shared_memory"]
+    assert "needs 246,624 bytes of shared memory a block at kv_lora_rank=512 + " \
+        "qk_rope_head_dim=128; sm90 gives a block 232,448" in str(reasons[0])
+    assert select_backend(wide, h200).backend.startswith("TRITON_MLA")
+    for rank, rope in ((512, 64), (256, 128)):
+        fits = wide.with_(kv_lora_rank=rank, qk_rope_head_dim=rope,
+                          head_dim=128 + rope)
+        assert select_backend(fits, h200).backend == fi
+
+
 # --- the latent cache write -------------------------------------------------------------------
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_e4m3"])

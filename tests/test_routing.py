@@ -178,7 +178,9 @@ def test_step_shapes_parse_and_name_what_is_wrong():
 
 
 def test_facts_of_simulated_platforms():
-    assert DeviceFacts.for_platform(Platform.parse("cuda:9.0")) == SM90
+    h200 = DeviceFacts.for_platform(Platform.parse("cuda:9.0"))
+    assert (h200.num_sms, h200.capability) == (SM90.num_sms, SM90.capability)
+    assert h200.shared_memory == (233472, 232448)
     assert DeviceFacts.for_platform(Platform.parse("cuda:8.0")).num_sms == 108
 
 

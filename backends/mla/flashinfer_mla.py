@@ -30,8 +30,9 @@ from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    Reason)
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.platforms import PlatformKind
-from attn_ops.routing import Kernel, flashinfer_mla_kernel
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.routing import (DeviceFacts, Kernel, flashinfer_mla_kernel,
+                             flashinfer_mla_shared_bytes)
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["FlashInferMLABackend"]
@@ -74,6 +75,30 @@ def absorbed_flashinfer(ql, q_pe, latent_cache, query_start_loc, seq_lens, block
 flashinfer_mla_attention = define_mla_op("flashinfer_mla_attention", absorbed_flashinfer)
 
 
+def shared_memory_reasons(name: str, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    """FlashInfer's MLA kernel for ``spec``'s latent widths on ``platform``: refused where its
+    block needs more shared memory than the GPU gives one (FlashInfer would refuse the plan
+    at the first step)."""
+    if platform.capability is None:
+        return []
+    facts = DeviceFacts.for_platform(platform)
+    if facts.shared_memory is None:
+        return []
+    per_sm, per_block = facts.shared_memory
+    kernel = flashinfer_mla_kernel(platform.capability, spec.kv_lora_rank)
+    need = flashinfer_mla_shared_bytes(kernel, spec.kv_lora_rank, spec.qk_rope_head_dim,
+                                       spec.kv_cache_dtype.is_fp8, per_sm)
+    if need is not None and need <= per_block:
+        return []
+    what = "has no tiling for" if need is None else f"needs {need:,} bytes of"
+    major, minor = platform.capability
+    return [Reason(name, "shared_memory",
+                   f"{kernel.value} {what} shared memory a block at kv_lora_rank="
+                   f"{spec.kv_lora_rank} + qk_rope_head_dim={spec.qk_rope_head_dim}; sm"
+                   f"{major}{minor} gives a block {per_block:,}",
+                   "use TRITON_MLA (any widths)")]
+
+
 class FlashInferMLABackend(MLABackend):
     """FlashInfer's MLA kernels (fa3 / fa2) on CUDA; bf16 / fp16 latents (fp8: TRITON_MLA)."""
 
@@ -101,9 +126,15 @@ class FlashInferMLABackend(MLABackend):
                            "rope widths of multiples of 64", "use TRITON_MLA (any widths)")]
         return []
 
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        return reasons or shared_memory_reasons(cls.name, spec, platform)
+
     def __init__(self, spec: AttentionSpec, **kw) -> None:
         super().__init__(spec, **kw)
         self._eager: dict[torch.device, int] = {}  # device -> handle of its eager wrapper
+
 
     def _new(self, device: torch.device, graph_size: int | None = None, width: int = 0) -> int:
         """A new wrapper (for a CUDA-graph size: over persistent index buffers) and its handle."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from attn_ops.backends.flashinfer_plan import float_workspace
-from attn_ops.backends.mla.flashinfer_mla import FlashInferMLABackend
+from attn_ops.backends.mla.flashinfer_mla import FlashInferMLABackend, shared_memory_reasons
 from attn_ops.backends.mla.sparse import (SparseMLABackend, check_sparse_mla_inputs,
                                           define_sparse_mla_op, sparse_capabilities,
                                           sparse_mla_torch)
@@ -141,6 +141,11 @@ class FlashInferSparseMLABackend(SparseMLABackend):
     @classmethod
     def latent_reasons(cls, spec):
         return FlashInferMLABackend.latent_reasons.__func__(cls, spec)  # (FlashInfer's widths)
+
+    @classmethod
+    def not_supported_reasons(cls, spec, platform):
+        reasons = super().not_supported_reasons(spec, platform)
+        return reasons or shared_memory_reasons(cls.name, spec, platform)
 
     def __init__(self, spec, **kw) -> None:
         super().__init__(spec, **kw)
