@@ -298,3 +298,178 @@ def time_quietly(fns: dict[str, Callable[[], object]], *, rounds: int, target_s:
             return samples, {"calls_per_sample": number, "others_cpu_fraction": others,
                              "attempts": attempts}
         print(f"  {label}: other processes used {others:.0%} of the CPUs, retrying")
+
+
+# --- cross-checks: a ratio to an anchor only where it computed what we computed ---------------
+#
+# Every benchmark runs its anchors (the third-party kernels and modules it compares against) on
+# the same inputs as ours in the same run, called by keyword -- a positional argument that lands
+# in another parameter after a library's signature changes computes something else, silently,
+# at some speed. Each anchor's outputs (and final recurrent states where there are any) are
+# compared with ours against a stated tolerance; where they disagree no ratio is printed or
+# recorded, only "mismatch" and the errors, since a speed ratio between two different
+# computations means nothing.
+
+
+def max_errors(ours: torch.Tensor, anchor: torch.Tensor) -> dict[str, float]:
+    """``max_abs_err`` = max |ours - anchor|, ``max_rel_err`` = that over max |anchor| (the
+    error measured against the size of the values: robust where many values are near zero),
+    ``rel_l2_err`` = ||ours - anchor|| / ||anchor||, and ``nonfinite`` (elements not finite on
+    either side), computed in fp32 (fp64 for fp64 inputs)."""
+    dtype = torch.float64 if torch.float64 in (ours.dtype, anchor.dtype) else torch.float32
+    a, b = ours.detach().to(dtype).flatten(), anchor.detach().to(dtype).flatten()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    nonfinite = int((~finite).sum().item())
+    a, b = torch.where(finite, a, 0), torch.where(finite, b, 0)
+    diff = (a - b).abs()
+    err = diff.max().item() if diff.numel() else 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    norm = b.norm().item()
+    return {"max_abs_err": err, "max_rel_err": err / scale if scale else (0.0 if not err
+                                                                           else float("inf")),
+            "rel_l2_err": diff.norm().item() / norm if norm else (0.0 if not err
+                                                                   else float("inf")),
+            "anchor_max_abs": scale, "nonfinite": nonfinite}
+
+
+def cross_check(ours, anchor, tol) -> dict:
+    """Whether ``anchor`` computed what ``ours`` did: both a tensor, or dicts of named parts
+    (``{"out": ..., "state": ...}``); ``tol`` the largest ``max_rel_err`` (see
+    :func:`max_errors`) each part may have, one float for all or ``{part: float}``.
+
+    Every part ``tol`` names (or, with one float, every part either side has) is compared; a
+    part missing on one side, of another element count, or not finite disagrees (parts of the
+    same element count are compared flattened: a layout the caller did not undo shows as a
+    disagreement, never as agreement). Returns ``{"agree", "max_abs_err", "max_rel_err",
+    "parts": {part: errors + "tolerance" + "agree" (or "error")}}``, JSON-ready."""
+    if torch.is_tensor(ours) or torch.is_tensor(anchor):
+        ours, anchor = {"out": ours}, {"out": anchor}
+    names = list(tol) if isinstance(tol, dict) else sorted(set(ours) | set(anchor))
+    parts, agree = {}, True
+    for name in names:
+        limit = tol[name] if isinstance(tol, dict) else tol
+        a, b = ours.get(name), anchor.get(name)
+        if a is None or b is None:
+            parts[name] = {"agree": False, "tolerance": limit,
+                           "error": f"{'ours' if a is None else 'the anchor'} has no {name!r}"}
+        elif a.numel() != b.numel():
+            parts[name] = {"agree": False, "tolerance": limit,
+                           "error": f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"}
+        else:
+            e = max_errors(a, b)
+            parts[name] = {**e, "tolerance": limit,
+                           "agree": e["nonfinite"] == 0 and e["max_rel_err"] <= limit}
+        agree = agree and parts[name]["agree"]
+    worst = [p for p in parts.values() if "max_abs_err" in p]
+    inf = float("inf")
+    return {"agree": agree and bool(parts),
+            "max_abs_err": max((p["max_abs_err"] for p in worst), default=inf),
+            "max_rel_err": max((p["max_rel_err"] for p in worst), default=inf),
+            "parts": parts}
+
+
+def check_text(check: dict | None) -> str:
+    """``agree (max rel err out 1.2e-03, state 3.0e-06)`` / ``MISMATCH (...)`` / ``unchecked``."""
+    if check is None:
+        return "unchecked"
+    errs = ", ".join(f"{n} {p['max_rel_err']:.1e}" if "max_rel_err" in p else f"{n}: {p['error']}"
+                     for n, p in check["parts"].items())
+    return f"{'agree' if check['agree'] else 'MISMATCH'} (max rel err {errs})"
+
+
+def checked_ratio(ours_time: float | None, anchor_time: float | None,
+                  check: dict | None) -> float | None:
+    """``anchor_time / ours_time`` (above 1: ours is faster); None -- no ratio -- where the
+    anchor's cross-check is missing or disagreed; NaN where it agreed but a time is missing
+    (a contender that could not be timed that way)."""
+    if check is None or not check.get("agree"):
+        return None
+    if not ours_time or not anchor_time:
+        return float("nan")
+    return anchor_time / ours_time
+
+
+def ratio_text(ratio: float | None) -> str:
+    """``1.23x``; ``mismatch`` where :func:`checked_ratio` refused the ratio, ``n/a`` where a
+    time is missing."""
+    if ratio is None:
+        return "mismatch"
+    return "n/a" if ratio != ratio else f"{ratio:.2f}x"
+
+
+def anchor_ratios(times: dict[str, float], ours: str, checks: dict[str, dict],
+                  families: dict[str, list[str]] | None = None) -> dict[str, float | None]:
+    """Guarded ratios (:func:`checked_ratio`) of ``ours`` against every checked anchor, and
+    per family (``{"fla": ["fla_varlen", "fla_batch"]}``: one library's layouts of the same
+    computation) against its fastest layout, as ``best_<family>``: the anchor's best layout
+    counts, and only if every layout of it agreed with ours -- a family with a disagreeing
+    layout gets no ratio."""
+    out = {name: checked_ratio(times.get(ours), times.get(name), check)
+           for name, check in checks.items()}
+    for family, names in (families or {}).items():
+        checked = [n for n in names if n in checks]
+        if checked:
+            best = min((n for n in checked if n in times), key=times.get, default=None)
+            agree = all(checks[n]["agree"] for n in checked)
+            out[f"best_{family}"] = checked_ratio(times.get(ours), times.get(best),
+                                                  {"agree": agree})
+    return out
+
+
+def ratios_text(ratios: dict[str, float | None]) -> str:
+    """``vs fla_varlen 1.23x, vs best_fla mismatch``."""
+    return ", ".join(f"vs {name} {ratio_text(r)}" for name, r in ratios.items())
+
+
+# --- GPU timing: device time (CUDA-graph replays) and eager time, side by side --------------
+
+
+def eager_ms(fn, budget_s: float = 0.05, warmup: int = 3) -> float:
+    """Milliseconds a call of ``fn`` issued back to back (:func:`back_to_back_us`: the device
+    synchronized only around the batch), as an eager caller runs it: the host's launch work
+    counts wherever it is slower than the device's. The call count fills about ``budget_s``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(10, min(1000, int(budget_s / max(time.perf_counter() - t0, 1e-6))))
+    return back_to_back_us(fn, n=n, warmup=0) / 1e3
+
+
+def graph_ms(fn, rep_ms: int = 30) -> float:
+    """Median milliseconds of ``fn`` as CUDA-graph replays (``do_bench_cudagraph``): device
+    time, the host's launch work left out."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
+def time_graph_and_eager(fns: dict, rounds: int, eager: bool = True
+                         ) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """``(graph_ms, eager_ms, errors)`` of every contender: medians over ``rounds`` rounds,
+    the contenders in a rotating order each round so drift hits all alike. A contender that
+    fails (a capture it does not support, say) is dropped from that timing with its error
+    recorded (``errors["<name> graph"]``), the others go on."""
+    graph, eager_t, errors = {n: [] for n in fns}, {n: [] for n in fns}, {}
+    names = list(fns)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            for label, timer, samples in (("graph", graph_ms, graph),
+                                          ("eager", eager_ms, eager_t if eager else None)):
+                key = f"{n} {label}"
+                if samples is None or key in errors:
+                    continue
+                try:
+                    samples[n].append(timer(fns[n]))
+                except Exception as e:  # noqa: BLE001 -- recorded; the other contenders go on
+                    errors[key] = f"{type(e).__name__}: {str(e)[:300]}"
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001 -- (the next timing reports it)
+                        pass
+    med = {label: {n: statistics.median(v) for n, v in samples.items() if v}
+           for label, samples in (("graph", graph), ("eager", eager_t))}
+    return med["graph"], med["eager"], errors

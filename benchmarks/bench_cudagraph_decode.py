@@ -11,7 +11,9 @@ KV head) items and FlashInfer's graph decode elsewhere
 its split-KV kernel, split count fixed per capture size) is timed beside them, and FLASHINFER's
 graph decode with ``Tuning.flashinfer.graph_one_cta_per_sm`` off (``ours_graph_fi_rule``:
 FlashInfer's own graph split rule, two CTAs per SM). Same shapes and method as
-``bench_gpu_attention.py``.
+``bench_gpu_attention.py``: every output cross-checked against FlashInfer's tensor-core decode
+first (a contender that disagrees is printed ``name(MISMATCH)``), graph replays and eager calls
+timed, FlashInfer called by keyword.
 
     python benchmarks/bench_cudagraph_decode.py [--page N] [--out PATH] [--points BxCTX ...]
         [--only NAME ...]
@@ -25,9 +27,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import eager_ms  # noqa: E402
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, check_outputs,  # noqa: E402
-                                 decode_bytes, flashinfer_direct, gpu_parser, ours, time_graph,
-                                 tuned, write_result)
+                                 decode_bytes, flashinfer_direct, gpu_parser, mismatches, ours,
+                                 shown, time_graph, tuned, write_result)
 
 POINTS = ((1, 4096), (1, 32768), (4, 1024), (8, 8192), (64, 4096), (256, 8192))
 
@@ -42,10 +45,13 @@ def flashinfer_graph_mode(b: Batch):
                                                             b.meta.block_table_cpu, b.page))
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-    w.plan(indptr, indices, last, HQ, HKV, D, b.page, q_data_type=DTYPE, kv_data_type=DTYPE)
-    return lambda: w.run(b.q, b.cache, out=b.out)
+        float_workspace_buffer=ws, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+        paged_kv_last_page_len_buffer=last)
+    w.plan(indptr=indptr, indices=indices, last_page_len=last, num_qo_heads=HQ,
+           num_kv_heads=HKV, head_dim=D, page_size=b.page, q_data_type=DTYPE,
+           kv_data_type=DTYPE)
+    return lambda: w.run(q=b.q, paged_kv_cache=b.cache, out=b.out)
 
 
 def graph_flashinfer_rule(b: Batch):
@@ -84,14 +90,18 @@ def main() -> None:
         truth = fns["flashinfer_tc"]
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only}
-        diff = max(check_outputs(b, {"flashinfer_tc": truth, **fns}, "flashinfer_tc").values())
+        checks = check_outputs(b, {"flashinfer_tc": truth, **fns}, "flashinfer_tc")
         ms = time_graph(fns, args.rounds)
         nbytes = decode_bytes(bsz, ctx)
-        rows.append({"batch": bsz, "ctx": ctx, "max_abs_diff": diff,
-                     **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()}})
+        worst = max(c["max_rel_err"] for c in checks.values())
+        rows.append({"batch": bsz, "ctx": ctx, "cross_check_vs_flashinfer_tc": checks,
+                     "mismatch": mismatches(checks),
+                     **{f"{k}_tbs": nbytes / v / 1e9 for k, v in ms.items()},
+                     "eager_us": {k: eager_ms(fn) * 1e3 for k, fn in fns.items()}})
         print(f"B={bsz:<4} ctx={ctx:<6} " + "  ".join(
-            f"{k} {nbytes / v / 1e9:.2f}" for k, v in ms.items()) + f" TB/s (max diff {diff:.2g})",
-            flush=True)
+            f"{shown(k, checks)} {nbytes / v / 1e9:.2f}" for k, v in ms.items())
+            + f" TB/s (graph; max rel err {worst:.2g}); eager us: " + "  ".join(
+                f"{k} {v:.1f}" for k, v in rows[-1]["eager_us"].items()), flush=True)
         del b, fns, truth
     write_result("bench_cudagraph_decode", args.out, page=args.page, rows=rows,
                  method="median over rotating rounds of triton.testing.do_bench_cudagraph")

@@ -8,6 +8,8 @@ one run, per decode batch (one new token per request; 8 KV heads x 128, bf16):
 * ``ours_all_enter``   -- our op, every token at row 0 (worst case: a page cleared per token);
 * ``index_put``        -- the same write as a torch ``index_put_`` without the rule (anchor).
 
+Every contender's written rows are first checked against the step's K and V (exactly; a
+contender that wrote other values is reported with its errors and listed in ``mismatch``).
 Timed as CUDA-graph replays (``triton.testing.do_bench_cudagraph`` medians), contenders of a
 point interleaved over ``--rounds``.
 
@@ -24,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info, write_json  # noqa: E402
+from _common import check_text, cross_check, run_info, write_json  # noqa: E402
 
 HKV, D, DTYPE = 8, 128, torch.bfloat16
 POINTS = ((64, 16), (256, 16), (64, 128), (256, 128), (1024, 128))  # (batch, page)
@@ -61,9 +63,22 @@ def main() -> None:
             k_cache[b, o] = k
             v_cache[b, o] = v
 
-        fns = {f"ours_{n}": (lambda s=s: kv_cache_update(k, v, cache, s, None, None))
+        fns = {f"ours_{n}": (lambda s=s: kv_cache_update(key=k, value=v, kv_cache=cache,
+                                                         slot_mapping=s, k_scale=None,
+                                                         v_scale=None))
                for n, s in slots.items()}
         fns["index_put"] = index_put
+        # every contender must write k and v at its slots (ours also clears entered pages'
+        # tails, which index_put does not: only the written rows are compared, exactly)
+        checks = {}
+        for n, fn in fns.items():
+            s = slots[n[len("ours_"):]] if n.startswith("ours_") else slots["typical"]
+            cache.zero_()
+            fn()
+            written = torch.stack([k_cache[s // page, s % page], v_cache[s // page, s % page]])
+            checks[n] = cross_check(written, torch.stack([k, v]), 0.0)
+            if not checks[n]["agree"]:
+                print(f"B={batch} page={page} {n}: {check_text(checks[n])}", flush=True)
         samples = {n: [] for n in fns}
         names = list(fns)
         for r in range(args.rounds):
@@ -71,7 +86,9 @@ def main() -> None:
                 samples[n].append(do_bench_cudagraph(fns[n], rep=20, return_mode="median"))
         us = {n: statistics.median(v) * 1e3 for n, v in samples.items()}
         written = 2 * batch * HKV * D * 2  # K and V rows, bytes
-        rows.append({"batch": batch, "page": page, "us": us, "bytes_written": written})
+        rows.append({"batch": batch, "page": page, "us": us, "bytes_written": written,
+                     "cross_check": checks,
+                     "mismatch": [n for n, c in checks.items() if not c["agree"]]})
         print(f"B={batch:<5} page={page:<4} " + "  ".join(f"{n} {t:.2f} us" for n, t in
                                                      us.items()), flush=True)
     write_json(args.out, {**run_info("bench_kv_write"), "device": torch.cuda.get_device_name(),

@@ -16,9 +16,15 @@ prefills 1x8k, 4x4k, 16x1k without context, and one request of 4k new tokens ove
   merged through the LSE); ``layer_op_one_chunk`` the same with the context in one chunk --
   their difference is the chunked merge's cost.
 
+Every contender's output is cross-checked against ``layer_op``'s on the same tensors first
+(``cross_check_vs_layer_op``, ``bench_gpu_attention.TOLERANCE``); one that disagrees is printed
+``name(MISMATCH)`` with its errors and listed in ``mismatch``, and the merge overhead is left
+out where the two layer ops disagree. FA4 and FlashInfer are called by keyword.
+
 FLOPs: causal 4 * H * sum_r(n_r * (c_r + (n_r + 1) / 2)) * (192 + 128) / 2 per request with
-``n`` new and ``c`` cached tokens. ``triton.testing.do_bench`` medians (ms), contenders
-interleaved over ``--rounds``.
+``n`` new and ``c`` cached tokens. Eager times: ``triton.testing.do_bench`` medians (ms; at these
+sizes device time; ``glue_flashinfer`` plans on the host at each call, so it is not captured
+in CUDA graphs), contenders interleaved over ``--rounds``.
 
     python benchmarks/bench_mla_prefill.py [--rounds R] [--out PATH]
 """
@@ -32,7 +38,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu_attention import gpu_parser, write_result  # noqa: E402
+from _common import check_text, checked_ratio, cross_check  # noqa: E402
+from bench_gpu_attention import TOLERANCE, gpu_parser, write_result  # noqa: E402
 
 HEADS, RANK, ROPE, NOPE, V = 128, 512, 64, 128, 128
 DTYPE = torch.bfloat16
@@ -126,7 +133,7 @@ def main() -> None:
             from flash_attn.cute.interface import _flash_attn_fwd
 
             fns["fa4_direct"] = lambda: _flash_attn_fwd(
-                q, k_all, v_all, cu_seqlens_q=cu_q_t, cu_seqlens_k=cu_k_t,
+                q=q, k=k_all, v=v_all, cu_seqlens_q=cu_q_t, cu_seqlens_k=cu_k_t,
                 max_seqlen_q=max(new), max_seqlen_k=max(n + c for n, c in zip(new, ctx)),
                 softmax_scale=scale, causal=True)
         except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here
@@ -135,13 +142,27 @@ def main() -> None:
             import flashinfer
 
             ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-            wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD",
-                                                                              backend="fa3")
-            wrapper.plan(cu_q_t, cu_k_t, HEADS, HEADS, NOPE + ROPE, head_dim_vo=V, causal=True,
-                         sm_scale=scale, q_data_type=DTYPE)
-            fns["flashinfer_ragged"] = lambda: wrapper.run(q, k_all, v_all)
+            wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(
+                float_workspace_buffer=ws, kv_layout="NHD", backend="fa3")
+            wrapper.plan(qo_indptr=cu_q_t, kv_indptr=cu_k_t, num_qo_heads=HEADS,
+                         num_kv_heads=HEADS, head_dim_qk=NOPE + ROPE, head_dim_vo=V,
+                         causal=True, sm_scale=scale, q_data_type=DTYPE)
+            fns["flashinfer_ragged"] = lambda: wrapper.run(q=q, k=k_all, v=v_all)
         except Exception as e:  # noqa: BLE001
             print(f"flashinfer ragged: {type(e).__name__}: {e}"[:200])
+        # every contender's output against the layer's on the same tensors: the kernels
+        # called directly must compute the layer's attention for their times to compare
+        def output(fn):
+            out.zero_()
+            res = fn()
+            got = res[0] if isinstance(res, tuple) else (res if torch.is_tensor(res) else out)
+            return got.float().clone()
+
+        ref = output(fns["layer_op"])
+        checks = {k: cross_check(output(fn), ref, TOLERANCE) for k, fn in fns.items()
+                  if k != "layer_op"}
+        del ref
+        bad = [k for k, c in checks.items() if not c["agree"]]
         samples = {k: [] for k in fns}
         for r in range(args.rounds):
             names = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
@@ -150,12 +171,18 @@ def main() -> None:
         ms = {k: statistics.median(v) for k, v in samples.items()}
         amount = flops(new, ctx)
         row = {"case": name, "new": new, "ctx": ctx, "routing_pick": pick,
+               "cross_check_vs_layer_op": checks, "mismatch": bad,
                **{f"{k}_ms": v for k, v in ms.items()},
                **{f"{k}_tflops": amount / v / 1e9 for k, v in ms.items()}}
-        if "layer_op_one_chunk" in ms and sum(ctx):
-            row["chunk_merge_overhead"] = ms["layer_op"] / ms["layer_op_one_chunk"] - 1
+        if "layer_op_one_chunk" in ms and sum(ctx):  # (only where both computed the same)
+            merge = checked_ratio(ms["layer_op_one_chunk"], ms["layer_op"],
+                                  checks["layer_op_one_chunk"])
+            row["chunk_merge_overhead"] = None if merge is None else merge - 1
         rows.append(row)
-        print(f"{name:12s} " + "  ".join(f"{k} {amount / v / 1e9:6.1f} TF" for k, v in ms.items()))
+        print(f"{name:12s} " + "  ".join(f"{k}{'(MISMATCH)' if k in bad else ''} "
+                                         f"{amount / v / 1e9:6.1f} TF" for k, v in ms.items()))
+        for k in bad:
+            print(f"    {k}: {check_text(checks[k])}")
         write_result("bench_mla_prefill", args.out, quiet=True, rows=rows, complete=False)
     write_result("bench_mla_prefill", args.out, rows=rows, complete=True)
 

@@ -6,7 +6,8 @@ DeepSeek-V3.2 shapes: 128 heads, latent 512 + rope 64, QK 192 / V 128, bf16 late
 (pages in random order); the indexer's 64 heads x 128 over an fp8 e4m3 index-key cache with
 per-token scales, top-k 2048. ``batch`` requests of ``ctx`` cached tokens, one new token each.
 Contenders, each as CUDA-graph replays (``do_bench_cudagraph`` medians, contenders in turn;
-the projections are the model's and are not timed on either side):
+``eager_us``: calls back to back; the projections are the model's and are not timed on either
+side):
 
 * ``indexer``     -- ``attn.indexer_k_write`` + ``attn.indexer_topk`` + ``attn.indexer_slots``;
 * ``sparse_attn_<B>`` -- the sparse layer on backend ``B`` (``--sparse``; default
@@ -23,8 +24,11 @@ the dense layer's (the MHA form, routed to FA4 / FlashInfer's ragged prefill), t
 tokens' attention, ``sum_t count_t * H * 2 * (576 + 512)``, and the dense causal MHA's,
 ``n^2 / 2 * H * 2 * (192 + 128)``.
 
-The sparse backends' outputs are compared at every point (``max_diff_<B>``: the largest
-difference from the first sparse backend's that ran).
+The sparse backends' outputs are cross-checked at every point against the first sparse
+backend's that ran (``cross_check``, ``bench_gpu_attention.TOLERANCE``); where they disagree
+the point's ``speedup_vs_dense`` is refused ("mismatch"). The dense layers compute attention
+over every row, so their outputs cannot be checked against the sparse ones: that ratio is the
+cost a sparse step saves, not a comparison of one computation.
 
     python benchmarks/bench_mla_sparse.py [--only decode prefill] [--batches 1 8 64 128]
         [--ctxs 8192 ...] [--prefills 4096 16384] [--dense TRITON_MLA FLASHINFER_MLA]
@@ -40,7 +44,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu_attention import gpu_parser, time_graph, write_result  # noqa: E402
+from _common import cross_check, eager_ms, ratio_text  # noqa: E402
+from bench_gpu_attention import TOLERANCE, gpu_parser, time_graph, write_result  # noqa: E402
 
 HEADS, PAGE, TOPK, INDEX_HEADS, INDEX_DIM = 128, 64, 2048, 64, 128
 BF16 = torch.bfloat16
@@ -50,7 +55,7 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
          new_tokens: int = 1) -> tuple[dict, dict]:
     """The contenders of one point -- ``batch`` requests of ``ctx`` cached tokens and
     ``new_tokens`` new ones each -- over one latent cache and one index-key cache, and the
-    sparse backends' largest output differences from the first's."""
+    sparse backends' outputs cross-checked against the first's (``{backend: check}``)."""
     from attn_ops import AttentionConfig, AttentionSpec, MLAAttention
     from attn_ops.backends.mla.indexer import (FP8, allocate_index_cache, indexer_k_write,
                                                indexer_slots, indexer_topk)
@@ -117,16 +122,18 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
             outputs[name] = fns[f"sparse_attn_{name}"]().float()
         except Exception as e:  # noqa: BLE001 -- recorded again when it is timed
             print(f"sparse_attn_{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # the sparse backends against the first one on the same selection: they must compute the
+    # same attention over the same rows for their times to compare
     first = next(iter(outputs.values()), None)
-    diffs = {f"max_diff_{n}": (o - first).abs().max().item() for n, o in outputs.items()}
-    return fns, diffs
+    checks = {n: cross_check(o, first, TOLERANCE) for n, o in outputs.items()}
+    return fns, checks
 
 
 def prefill_rows(n: int, args, gen) -> dict:
     """One request's prefill of ``n`` tokens: sparse step against each dense layer."""
     from triton.testing import do_bench
 
-    fns, diffs = case(1, 0, args.sparse, args.dense, gen, new_tokens=n)
+    fns, checks = case(1, 0, args.sparse, args.dense, gen, new_tokens=n)
     fns = {k: v for k, v in fns.items() if not k.startswith("sparse_attn_")}
     ms, errors = {}, {}
     for name, fn in fns.items():
@@ -139,7 +146,8 @@ def prefill_rows(n: int, args, gen) -> dict:
     flops = {k: (counts * HEADS * 2 * (576 + 512) if k.startswith("sparse_step_")
                  else n * n / 2 * HEADS * 2 * (192 + 128))
              for k in ms if k.startswith(("sparse_step_", "dense_"))}
-    row = {"mode": "prefill", "tokens": n, **{f"{k}_ms": v for k, v in ms.items()}, **diffs,
+    row = {"mode": "prefill", "tokens": n, **{f"{k}_ms": v for k, v in ms.items()},
+           "cross_check": checks, "mismatch": [k for k, c in checks.items() if not c["agree"]],
            **{f"{k}_tflops": flops[k] / (v * 1e-3) / 1e12 for k, v in ms.items() if k in flops},
            "errors": errors}
     print(f"prefill {n:<6d} " + "  ".join(
@@ -168,29 +176,37 @@ def main() -> None:
         torch.cuda.empty_cache()
     for batch in args.batches if "decode" in args.only else []:
         for ctx in args.ctxs:
-            fns, diffs = case(batch, ctx, args.sparse, args.dense, gen)
-            ms, errors = {}, {}
+            fns, checks = case(batch, ctx, args.sparse, args.dense, gen)
+            ms, eager, errors = {}, {}, {}
             for name, fn in fns.items():  # (a contender that cannot run here is recorded)
                 try:
                     ms.update(time_graph({name: fn}, args.rounds))
+                    eager[name] = eager_ms(fn) * 1e3
                 except Exception as e:  # noqa: BLE001
                     errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
                     print(f"{name}: {errors[name]}", flush=True)
+            bad = [k for k, c in checks.items() if not c["agree"]]
             row = {"mode": "decode", "batch": batch, "ctx": ctx,
-                   **{f"{n}_us": v * 1e3 for n, v in ms.items()}, **diffs,
-                   "errors": errors}
+                   **{f"{n}_us": v * 1e3 for n, v in ms.items()},
+                   "eager_us": eager, "cross_check": checks,
+                   "mismatch": bad, "errors": errors}
             best_dense = min((v for n, v in ms.items() if n.startswith("dense_")),
                              default=float("nan"))
             step = min((v for n, v in ms.items() if n.startswith("sparse_step_")),
                        default=float("nan"))
-            row["speedup_vs_dense"] = best_dense / step
+            # The dense layers attend to every row, the sparse ones to the selected rows: no
+            # output check can hold between them, the ratio is the cost a sparse step saves.
+            # It is refused when the sparse backends disagree with each other (one of them
+            # computes something else, and the fastest may be that one).
+            row["speedup_vs_dense"] = None if bad else best_dense / step
             row["indexer_share"] = ms.get("indexer", float("nan")) / step
             rows.append(row)
             print(f"decode B={batch:<4d} ctx={ctx:<7d} " + "  ".join(
                 f"{n} {v * 1e3:8.1f} us" for n, v in ms.items())
-                + f"  x{row['speedup_vs_dense']:.2f} vs dense, indexer "
-                f"{100 * row['indexer_share']:.0f}%, "
-                + " ".join(f"{k} {v:.1e}" for k, v in diffs.items()), flush=True)
+                + f"  {ratio_text(row['speedup_vs_dense'])} vs dense, indexer "
+                f"{100 * row['indexer_share']:.0f}%, max rel err "
+                + " ".join(f"{k} {c['max_rel_err']:.1e}{'' if c['agree'] else ' MISMATCH'}"
+                           for k, c in checks.items()), flush=True)
             write_result("bench_mla_sparse", args.out, quiet=True, rows=rows, complete=False,
                          dense=args.dense)
             del fns

@@ -24,19 +24,26 @@ glue).
 V 128, dense MLP 10944, vocab 102400; run it with ``--ctx 4096``), TRITON_MLA and
 FLASHINFER_MLA, against HF's ``DeepseekV3ForCausalLM`` of the same shape.
 
-``--quick``: CPU, tiny shapes, eager and compiled only (keeps the script working in CI).
+Before timing, each backend's model takes the HF model's weights and both run the same prompt
+(a prefill of 2 x 16 tokens, then one decode step; ``hf_cross_check``): their last-token logits
+must agree (``HF_TOL``), else HF's step time is reported as "mismatch" -- it would be of
+another computation -- and the plot leaves it out. ``--no-hf`` skips HF altogether.
+
+``--quick``: CPU, tiny shapes, eager and compiled only, the HF cross-check included (keeps the
+script and its weight mapping working in CI).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (back_to_back_us, decode_step_device, decode_step_parser,  # noqa: E402
-                     run_info, time_steps, write_json)
+from _common import (back_to_back_us, check_text, cross_check,  # noqa: E402
+                     decode_step_device, decode_step_parser, run_info, time_steps, write_json)
 
 COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md)
 
@@ -160,9 +167,8 @@ def top_kernels(fn, n=10) -> list:
     return [[name[:90], calls, round(us, 1)] for name, (calls, us) in ranked]
 
 
-def hf_deepseek(cfg, batch, ctx, device):
-    """HF's DeepseekV3ForCausalLM with our shapes (dense MLPs, random weights) and a dynamic
-    cache holding ``ctx - 1`` random tokens per request (:func:`random_cache`)."""
+def hf_deepseek(cfg, ctx, device):
+    """HF's DeepseekV3ForCausalLM with our shapes (dense MLPs, random weights)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     hf_cfg = DeepseekV3Config(
@@ -175,8 +181,7 @@ def hf_deepseek(cfg, batch, ctx, device):
         max_position_embeddings=ctx + 8, torch_dtype=cfg.dtype, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
-        model = DeepseekV3ForCausalLM(hf_cfg).to(cfg.dtype).eval()
-    return model, random_cache(model, batch, ctx - 1, device)
+        return DeepseekV3ForCausalLM(hf_cfg).to(cfg.dtype).eval()
 
 
 def random_cache(model, batch: int, tokens: int, device):
@@ -198,15 +203,15 @@ def random_cache(model, batch: int, tokens: int, device):
     return cache
 
 
-def hf_model(cfg, batch, ctx, device):
-    """HF's LlamaForCausalLM with our shapes (random weights) and a dynamic cache holding
-    ``ctx - 1`` random tokens per request."""
+def hf_model(cfg, ctx, device):
+    """HF's LlamaForCausalLM (DeepseekV3ForCausalLM for an MLA config) with our shapes
+    (random weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from attn_ops.mla_model import MLAModelConfig
 
     if isinstance(cfg, MLAModelConfig):
-        return hf_deepseek(cfg, batch, ctx, device)
+        return hf_deepseek(cfg, ctx, device)
 
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size,
@@ -216,22 +221,86 @@ def hf_model(cfg, batch, ctx, device):
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(hf_cfg).to(cfg.dtype).eval()
-    return model, random_cache(model, batch, ctx - 1, device)
+        return LlamaForCausalLM(hf_cfg).to(cfg.dtype).eval()
 
 
-def measure_backend(cfg, backend, args, device, manager) -> dict:
-    """Eager, compiled without and with our passes, and (GPU) compiled + CUDA graph."""
+def load_hf_llama(model, hf) -> None:
+    """Copy ``transformers``' ``LlamaForCausalLM`` ``hf`` into our TinyLlama ``model`` of the
+    same shapes (q / k / v into the fused ``qkv_proj``, gate / up into ``gate_up``)."""
+    model.embed.weight.copy_(hf.model.embed_tokens.weight)
+    model.norm.weight.copy_(hf.model.norm.weight)
+    model.lm_head.weight.copy_(hf.lm_head.weight)
+    for ours, theirs in zip(model.layers, hf.model.layers, strict=True):
+        a, mlp = theirs.self_attn, theirs.mlp
+        ours.input_norm.weight.copy_(theirs.input_layernorm.weight)
+        ours.post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+        ours.qkv_proj.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight,
+                                              a.v_proj.weight]))
+        ours.o_proj.weight.copy_(a.o_proj.weight)
+        ours.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        ours.down.weight.copy_(mlp.down_proj.weight)
+
+
+# The HF cross-check's prompt (requests, tokens), and the largest max |ours - HF| / max |HF| of
+# its last-token logits: fp32 differs by summation order; bf16 rounds every layer's
+# activations (and HF its cos / sin) on both sides in different places, a few ulps through
+# the layers. A missing mask, RoPE or cache write is off by O(1).
+HF_PROMPT = (2, 16)
+HF_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+
+
+def hf_cross_check(model, hf, device) -> dict:
+    """Our model with ``hf``'s weights loaded against ``hf`` on the same prompt, in the same
+    run: the last-token logits of a prefill of ``HF_PROMPT`` random tokens (fresh caches on
+    both sides) and of one decode step after it (:func:`_common.cross_check`, ``HF_TOL``).
+    The anchor's times are of the same computation only where this agrees."""
+    from transformers import DynamicCache
+
+    from attn_ops import build_step_metadata, step_backends
+    from attn_ops.kv_cache import BlockAllocator
+    from attn_ops.metadata import build_batch
+    from attn_ops.mla_model import TinyDeepseek, load_hf_deepseek
+
+    (load_hf_deepseek if isinstance(model, TinyDeepseek) else load_hf_llama)(model, hf)
+    n, t = HF_PROMPT
+    gen = torch.Generator().manual_seed(1)
+    steps = [torch.randint(0, hf.config.vocab_size, (n, t), generator=gen).to(device),
+             torch.randint(0, hf.config.vocab_size, (n, 1), generator=gen).to(device)]
+    block = model.block_size
+    alloc = BlockAllocator(n * -(-(t + 1) // block) + 1, block, shuffle=True)
+    caches = model.allocate_kv_caches(alloc.num_blocks, device)
+    backends, reqs = step_backends(model), list(range(n))
+    ours, theirs, cache = {}, {}, DynamicCache()
+    for name, ctx, ids in (("prefill", 0, steps[0]), ("decode", t, steps[1])):
+        common = build_batch(alloc, reqs, [ctx] * n, [ids.shape[1]] * n, device=device)
+        logits = model(ids.reshape(-1), common.positions, caches,
+                       build_step_metadata(backends, common))
+        ours[name] = logits.view(n, ids.shape[1], -1)[:, -1].float()
+        theirs[name] = hf(input_ids=ids, past_key_values=cache,
+                          use_cache=True).logits[:, -1].float()
+    tol = HF_TOL.get(next(hf.parameters()).dtype, HF_TOL[torch.bfloat16])
+    return cross_check(ours, theirs, {"prefill": tol, "decode": tol})
+
+
+def measure_backend(cfg, backend, args, device, manager, hf=None) -> dict:
+    """Eager, compiled without and with our passes, and (GPU) compiled + CUDA graph; first,
+    with ``hf`` (HF's model of the same shapes), our model takes its weights and is
+    cross-checked against it (``hf_cross_check``)."""
     import torch._inductor.config as inductor_config
 
     engine = Engine(cfg, backend, args.batch, args.ctx, device)
+    check = None
+    if hf is not None:
+        with torch.no_grad():
+            check = hf_cross_check(engine.model, hf, device)
+        print(f"{backend} against HF: {check_text(check)}", flush=True)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     # K and V (MLA: the latent row) of every context token, once
     row_elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim if args.mla else \
         cfg.num_kv_heads * cfg.head_dim * 2
     kv = args.batch * args.ctx * cfg.num_layers * row_elems * engine.caches[0].element_size()
     row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
-           "floor_ms": (weights + kv) / COPY_TBS / 1e9}
+           "floor_ms": (weights + kv) / COPY_TBS / 1e9, "hf_cross_check": check}
     with torch.no_grad():
         row["eager_ms"] = time_steps(lambda: engine.eager_step(engine.model), args.steps,
                                      device)
@@ -294,6 +363,16 @@ def main() -> None:
 
     device, dtype = decode_step_device(args)
     cfg = model_config(args, dtype)
+    hf_anchor, hf = None, {}
+    if not args.no_hf:  # (built first: our models take its weights for the cross-check)
+        try:
+            hf_anchor = hf_model(cfg, args.ctx, device)
+        except Exception as e:  # noqa: BLE001 -- recorded: an anchor that fails is a result
+            hf["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if args.mla and hf_anchor is not None:  # (our RoPE must be the HF config's)
+            from attn_ops.mla_model import hf_rope_config
+
+            cfg = dataclasses.replace(cfg, **hf_rope_config(hf_anchor.config))
     if args.mla:
         backends = args.backends or (["REFERENCE_MLA"] if device == "cpu"
                                      else ["TRITON_MLA", "FLASHINFER_MLA"])
@@ -303,13 +382,20 @@ def main() -> None:
     manager = compile_passes.install()
     rows = []
     for backend in backends:  # (each measured in a function: its models and graphs go with it)
-        row = measure_backend(cfg, backend, args, device, manager)
+        row = measure_backend(cfg, backend, args, device, manager, hf_anchor)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
         rows.append(row)
-    hf = {}
-    if device == "cuda" and not args.no_hf:
-        model, cache = hf_model(cfg, args.batch, args.ctx, device)
+    if rows and hf_anchor is not None:
+        # HF's step time means something beside ours only where every backend agreed with it
+        hf["cross_check"] = {r["backend"]: r["hf_cross_check"] for r in rows}
+        hf["agree"] = all(c["agree"] for c in hf["cross_check"].values())
+        if not hf["agree"]:
+            print("HF: mismatch (its step time is not of our computation)", flush=True)
+    if device == "cuda" and hf_anchor is not None:
+        model = hf_anchor
+        with torch.no_grad():
+            cache = random_cache(model, args.batch, args.ctx - 1, device)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
 
         def hf_step():

@@ -1,37 +1,107 @@
 """Recurrent-state layers on the H200: our ops against flash-linear-attention (Gated DeltaNet)
-and mamba-ssm (Mamba2), side by side in one run.
+and mamba-ssm (Mamba2), side by side in one run, on the same inputs and states, each anchor's
+outputs and final states cross-checked against ours.
 
-* ``decode`` -- one token per request, every request continuing from its state: the GDN op
-  (Qwen3-Next shapes: 16 key / 32 value heads of 128, fp32 state) with its conv update (conv
-  width 8192, kernel 4), and the Mamba2 op (80 heads x 64, d_state 128, 1 group, fp32 state)
-  with its conv update (conv width 5376). Anchors: fla's ``fused_recurrent_gated_delta_rule``
-  (q / k repeated to the value heads) and mamba-ssm's Triton ``selective_state_update`` on the
-  same states (recurrence only). Bytes = every state read and written once (+ the step's
-  inputs and outputs) -> TB/s against the 4.27 TB/s copy bandwidth and against ``copy``, a
-  device-to-device copy of the same state bytes in the same run; CUDA-graph replays.
-* ``prefill`` -- 1 x 8k, 8 x 2k, 64 x 512 tokens from zero states: the GDN op against fla's
-  ``chunk_gated_delta_rule``, the Mamba2 op against mamba-ssm's ``mamba_chunk_scan_combined``
-  (chunk 256), in M tokens/s; ``triton.testing.do_bench`` medians.
+* ``decode`` -- one token per request, every request continuing from its state, at
+  ``--batches`` (default B = 1, 64, 256, 1024): the GDN op (Qwen3-Next shapes: 16 key / 32
+  value heads of 128, fp32 state) with its conv update (conv width 8192, kernel 4) and without,
+  the Mamba2 op (80 heads x 64, d_state 128, 1 group, fp32 state) with its conv update (conv
+  width 5376) and without. Bytes = every state read and written once (+ the step's inputs and
+  outputs) -> TB/s; ``copy``: a device-to-device copy of the same state bytes in the same run.
+* ``prefill`` -- ``--prefills`` (default 1 x 8k, 4 x 4k, 32 x 1k tokens) from zero states, in
+  M tokens/s.
 
-    python benchmarks/bench_ssm.py [--only decode prefill] [--batches ...]
-        [--kinds gated_deltanet mamba2] [--without fla copy ...] [--rounds R] [--out PATH]
+Anchors, called by keyword, every layout of each timed (the anchor's best layout counts):
+
+* GDN decode: fla's ``fused_recurrent_gated_delta_rule`` -- ``fla_varlen`` (``[1, B, H, D]``
+  with ``cu_seqlens``), ``fla_batch`` (``[B, 1, H, D]``); q / k at their 16 heads (fla maps
+  each key head to 2 value heads, as ours does); states read from a contiguous copy of ours.
+* GDN prefill: fla's ``chunk_gated_delta_rule`` -- ``fla_chunk_varlen`` (``cu_seqlens``, its
+  host copy and chunk indices made once, outside the timing, as a serving engine does),
+  ``fla_chunk_batch`` (``[B, L, H, D]``).
+* Mamba2 decode: mamba-ssm's Triton ``selective_state_update`` (A, dt, dt_bias, D broadcast
+  over the head dim: its tied-head-dim path) -- ``mamba_ssm`` (contiguous states ``[B, ...]``),
+  ``mamba_ssm_indexed`` (``state_batch_indices`` into a copy of our slot pool, updated in
+  place as ours is).
+* Mamba2 prefill: mamba-ssm's ``mamba_chunk_scan_combined`` (chunk 256) --
+  ``mamba_ssm_varlen`` (``seq_idx`` + ``cu_seqlens``, ``return_varlen_states``),
+  ``mamba_ssm_batch`` (``[B, L, H, P]``, ``return_final_states``).
+
+Cross-check (``_common.cross_check``): ours and every anchor run once from the same initial
+states before timing; outputs and final states must agree within ``TOLERANCE`` (max |ours -
+anchor| over max |anchor|, per part). An anchor that disagrees gets no ratio: the row prints
+"mismatch" and the JSON keeps its errors (``cross_check``) with ``null`` ratios.
+
+Timing: every contender as CUDA-graph replays (device time, ``do_bench_cudagraph`` medians)
+and eagerly (calls back to back: the host's launch work counts where it is slower than the
+device), contenders interleaved over ``--rounds`` rounds, medians. Ratios = anchor time / our
+time (above 1: ours is faster), for each timing, per anchor layout and against the anchor's
+fastest layout (``best_fla`` / ``best_mamba_ssm``, only when every layout of it agreed).
+
+    python benchmarks/bench_ssm.py [--only decode prefill] [--batches 1 64 256 1024]
+        [--prefills 1x8192 4x4096 32x1024] [--kinds gated_deltanet mamba2]
+        [--without fla_varlen copy ...] [--no-eager] [--rounds R] [--out PATH]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu_attention import gpu_parser, time_graph, write_result  # noqa: E402
+from _common import (anchor_ratios, check_text, cross_check, ratios_text,  # noqa: E402
+                     time_graph_and_eager)
+from bench_gpu_attention import gpu_parser, write_result  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
+DEVICE = "cuda"  # (the cross-checks also run on the CPU, Triton's interpreter running anchors)
 GDN = {"hk": 16, "hv": 32, "dk": 128, "dv": 128, "kernel": 4}
 M2 = {"h": 80, "p": 64, "n": 128, "g": 1, "kernel": 4}
+DECODE_BATCHES = (1, 64, 256, 1024)
+PREFILLS = ((1, 8192), (4, 4096), (32, 1024))
+MAMBA_CHUNK = 256
+# Largest max |ours - anchor| / max |anchor| each part may show. Decode: one step from the same
+# fp32 states in fp32 arithmetic on both sides; the outputs are rounded to bf16 (one ulp is up
+# to 2^-7 of the largest value: allow about two), the states stay fp32 (only summation order
+# differs). Prefill: both sides run chunked algorithms whose products take bf16 operands (and
+# mamba-ssm's varlen states are bf16), so outputs and states carry a few bf16 ulps of error. A
+# different computation (an argument in the wrong parameter, say) is off by O(1).
+TOLERANCE = {"decode": {"out": 2e-2, "state": 1e-3}, "prefill": {"out": 5e-2, "state": 5e-2}}
+
+
+def state_bytes(kind: str, batch: int) -> int:
+    """Every state of ``batch`` requests read and written once, bytes (fp32)."""
+    c = GDN if kind == "gated_deltanet" else M2
+    elems = c["hv"] * c["dk"] * c["dv"] if kind == "gated_deltanet" else c["h"] * c["p"] * c["n"]
+    return batch * elems * 4 * 2
+
+
+def io_bytes(kind: str, tokens: int) -> int:
+    """The inputs and outputs of a step of ``tokens`` tokens, bytes (bf16)."""
+    if kind == "gated_deltanet":
+        c = GDN
+        return tokens * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
+    c = M2
+    return tokens * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
+
+
+class Contender:
+    """A timed callable ``run`` moving ``nbytes``. ``parts`` reads what a call computed as
+    ``{"out": [T, H, D], "state": [B, H, ., .]}`` (request order) from its return value;
+    ``reset`` restores the states it updates in place, so the cross-check starts every
+    contender from the same states; ``family``: the anchor library (None: ours, or a
+    reference such as the copy)."""
+
+    def __init__(self, run: Callable[[], object], nbytes: int = 0,
+                 parts: Callable[[object], dict[str, torch.Tensor]] | None = None,
+                 reset: Callable[[], object] = lambda: None, family: str | None = None):
+        self.run, self.nbytes, self.parts, self.reset, self.family = (run, nbytes, parts,
+                                                                      reset, family)
 
 
 def _step(batch, lens, initial, conv_dim, kernel):
@@ -41,152 +111,313 @@ def _step(batch, lens, initial, conv_dim, kernel):
     from attn_ops.backends.ssm.conv import causal_conv1d
 
     t = sum(lens)
-    qsl = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
-    qsl[1:] = torch.tensor(lens, device="cuda").cumsum(0)
-    slots = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
-    init = torch.full((batch,), initial, dtype=torch.bool, device="cuda")
-    x = torch.randn(t, conv_dim, dtype=BF16, device="cuda")
-    w = torch.randn(conv_dim, kernel, dtype=BF16, device="cuda") * 0.3
-    conv_state = torch.randn(batch + 1, kernel - 1, conv_dim, dtype=BF16, device="cuda")
+    qsl = torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE)
+    qsl[1:] = torch.tensor(lens, device=DEVICE).cumsum(0)
+    slots = torch.arange(1, batch + 1, dtype=torch.int32, device=DEVICE)
+    init = torch.full((batch,), initial, dtype=torch.bool, device=DEVICE)
+    x = torch.randn(t, conv_dim, dtype=BF16, device=DEVICE)
+    w = torch.randn(conv_dim, kernel, dtype=BF16, device=DEVICE) * 0.3
+    conv_state = torch.randn(batch + 1, kernel - 1, conv_dim, dtype=BF16, device=DEVICE)
 
     def conv():
-        causal_conv1d(x, w, None, conv_state, qsl, slots, init, "silu")
+        return causal_conv1d(x=x, weight=w, bias=None, conv_state=conv_state,
+                             query_start_loc=qsl, state_indices=slots, has_initial_state=init,
+                             activation="silu")
 
     conv_bytes = batch * (kernel - 1) * conv_dim * 2 * 2 + t * conv_dim * 2 * 2
     return qsl, slots, init, conv, conv_bytes
 
 
-def _copy(state_bytes):
-    """A device-to-device copy of ``state_bytes`` (read + written): the bandwidth this size
+def _copy(nbytes):
+    """A device-to-device copy of ``nbytes`` (read + written): the bandwidth this size
     reaches, timed in the same run as the state updates."""
-    src = torch.empty(state_bytes // 8, dtype=F32, device="cuda")
+    src = torch.empty(nbytes // 8, dtype=F32, device=DEVICE)
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+    return Contender(lambda: dst.copy_(src), nbytes=nbytes)
 
 
-def gdn_case(batch, lens, initial=True):
+def _cu_seqlens(lens):
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=DEVICE)
+
+
+def _ours(run, state, state0, batch, nbytes):
+    """Our op: it reads and writes slots 1..batch of ``state`` in place."""
+    return Contender(run, nbytes, parts=lambda o: {"out": o, "state": state[1:batch + 1]},
+                     reset=lambda: state.copy_(state0))
+
+
+def gdn_case(batch, lens, initial=True) -> tuple[dict[str, Contender], dict[str, str]]:
+    """The contenders of a GDN step (ours, with its conv update for decodes, fla's layouts)
+    and the anchors that could not be built here."""
     from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
 
     c = GDN
-    t = sum(lens)
+    t, mql = sum(lens), max(lens)
     qsl, slots, init, conv, conv_bytes = _step(batch, lens, initial,
                                                2 * c["hk"] * c["dk"] + c["hv"] * c["dv"],
                                                c["kernel"])
-    q = torch.randn(t, c["hk"], c["dk"], dtype=BF16, device="cuda")
-    k = torch.randn(t, c["hk"], c["dk"], dtype=BF16, device="cuda")
-    v = torch.randn(t, c["hv"], c["dv"], dtype=BF16, device="cuda")
-    g = -torch.rand(t, c["hv"], device="cuda") * 0.1
-    beta = torch.rand(t, c["hv"], device="cuda")
-    state = torch.randn(batch + 1, c["hv"], c["dk"], c["dv"], dtype=F32, device="cuda") * 0.1
-    mql = max(lens)
-
-    def ours_recurrence():
-        return gated_delta_rule(q, k, v, g, beta, state, qsl, slots, init, mql,
-                                c["dk"] ** -0.5, True)
+    q = torch.randn(t, c["hk"], c["dk"], dtype=BF16, device=DEVICE)
+    k = torch.randn(t, c["hk"], c["dk"], dtype=BF16, device=DEVICE)
+    v = torch.randn(t, c["hv"], c["dv"], dtype=BF16, device=DEVICE)
+    g = -torch.rand(t, c["hv"], device=DEVICE) * 0.1
+    beta = torch.rand(t, c["hv"], device=DEVICE)
+    state = torch.randn(batch + 1, c["hv"], c["dk"], c["dv"], dtype=F32, device=DEVICE) * 0.1
+    state0 = state.clone()
+    scale = c["dk"] ** -0.5
 
     def ours():
-        conv()
-        return ours_recurrence()
+        return gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, state=state, query_start_loc=qsl,
+                                state_indices=slots, has_initial_state=init, max_query_len=mql,
+                                scale=scale, qk_l2norm=True)
 
-    fns = {"ours_with_conv": ours, "ours": ours_recurrence}
-    state_bytes = batch * c["hv"] * c["dk"] * c["dv"] * 4 * 2
-    io = t * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
+    nbytes = state_bytes("gated_deltanet", batch) + io_bytes("gated_deltanet", t)
+    found = {"ours": _ours(ours, state, state0, batch, nbytes)}
+    if mql == 1:
+        found["ours_with_conv"] = Contender(lambda: (conv(), ours())[1], nbytes + conv_bytes)
+    errors = {}
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, \
-            fused_recurrent_gated_delta_rule
-
-        rep = c["hv"] // c["hk"]
-        cu = qsl.long()
-        qf, kf = (a.repeat_interleave(rep, 1)[None] for a in (q, k))
-        s0 = state[1:].clone()
-        fla = fused_recurrent_gated_delta_rule if mql == 1 else chunk_gated_delta_rule
-
-        def anchor():
-            return fla(qf, kf, v[None], g[None], beta[None], scale=c["dk"] ** -0.5,
-                       initial_state=s0 if initial else None, output_final_state=True,
-                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-
-        fns["fla"] = anchor
+        found.update(_fla(q, k, v, g, beta, state0[1:batch + 1].clone() if initial else None,
+                          lens, scale, nbytes))
     except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here is recorded
-        print(f"fla: {type(e).__name__}: {e}"[:200])
-    return fns, {"ours_with_conv": state_bytes + io + conv_bytes, "ours": state_bytes + io,
-                 "fla": state_bytes + io, "copy": state_bytes}
+        errors["fla"] = f"{type(e).__name__}: {e}"[:300]
+    return found, errors
 
 
-def mamba2_case(batch, lens, initial=True):
+def _fla(q, k, v, g, beta, initial_state, lens, scale, nbytes) -> dict[str, Contender]:
+    """fla's GDN on the step, in its varlen and batch layouts (equal lengths): the fused
+    recurrent kernel for decodes, the chunked one for prefills. fla reads ``initial_state``
+    (or zeros) and returns new final states, in request order."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    t, hv, dv = v.shape
+    n, length = len(lens), lens[0]
+    cu = _cu_seqlens(lens)
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+
+    def parts(res):
+        o, final = res
+        return {"out": o.reshape(t, hv, dv), "state": final}
+
+    def varlen(x):
+        return x[None]
+
+    def batched(x):
+        return x.view(n, length, *x.shape[1:])
+
+    if max(lens) == 1:
+        fn, extra = fused_recurrent_gated_delta_rule, {}
+    else:
+        fn = chunk_gated_delta_rule
+        cu_cpu = cu.cpu()
+        extra = {"cu_seqlens_cpu": cu_cpu}
+        try:  # (fla computes them itself when this helper moves)
+            from fla.ops.utils.index import prepare_chunk_indices
+
+            extra["chunk_indices"] = prepare_chunk_indices(cu, 64, cu_seqlens_cpu=cu_cpu)
+        except ImportError:
+            pass
+    found = {}
+    name = "fla" if max(lens) == 1 else "fla_chunk"
+    found[f"{name}_varlen"] = Contender(
+        lambda: fn(q=varlen(q), k=varlen(k), v=varlen(v), g=varlen(g), beta=varlen(beta),
+                   cu_seqlens=cu, **extra, **common), nbytes, parts, family="fla")
+    if len(set(lens)) == 1:
+        found[f"{name}_batch"] = Contender(
+            lambda: fn(q=batched(q), k=batched(k), v=batched(v), g=batched(g),
+                       beta=batched(beta), **common), nbytes, parts, family="fla")
+    return found
+
+
+def mamba2_case(batch, lens, initial=True) -> tuple[dict[str, Contender], dict[str, str]]:
+    """The contenders of a Mamba2 step (ours, with its conv update for decodes, mamba-ssm's
+    layouts) and the anchors that could not be built here."""
     from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 
     c = M2
-    t = sum(lens)
+    t, mql = sum(lens), max(lens)
     qsl, slots, init, conv, conv_bytes = _step(batch, lens, initial,
                                                c["h"] * c["p"] + 2 * c["g"] * c["n"], c["kernel"])
-    x = torch.randn(t, c["h"], c["p"], dtype=BF16, device="cuda")
-    dt = torch.randn(t, c["h"], dtype=BF16, device="cuda")
-    A = -torch.rand(c["h"], device="cuda")
-    B = torch.randn(t, c["g"], c["n"], dtype=BF16, device="cuda")
-    C = torch.randn(t, c["g"], c["n"], dtype=BF16, device="cuda")
-    D = torch.randn(c["h"], device="cuda")
-    dt_bias = torch.randn(c["h"], device="cuda")
-    state = torch.randn(batch + 1, c["h"], c["p"], c["n"], dtype=F32, device="cuda") * 0.1
-    mql = max(lens)
-
-    def ours_recurrence():
-        return mamba2_ssd(x, dt, A, B, C, D, None, dt_bias, state, qsl, slots, init, mql, True,
-                          0.0, float("inf"))
+    x = torch.randn(t, c["h"], c["p"], dtype=BF16, device=DEVICE)
+    dt = torch.randn(t, c["h"], dtype=BF16, device=DEVICE)
+    A = -torch.rand(c["h"], device=DEVICE)
+    B = torch.randn(t, c["g"], c["n"], dtype=BF16, device=DEVICE)
+    C = torch.randn(t, c["g"], c["n"], dtype=BF16, device=DEVICE)
+    D = torch.randn(c["h"], device=DEVICE)
+    dt_bias = torch.randn(c["h"], device=DEVICE)
+    state = torch.randn(batch + 1, c["h"], c["p"], c["n"], dtype=F32, device=DEVICE) * 0.1
+    state0 = state.clone()
 
     def ours():
-        conv()
-        return ours_recurrence()
+        return mamba2_ssd(x=x, dt=dt, A=A, B=B, C=C, D=D, z=None, dt_bias=dt_bias, state=state,
+                          query_start_loc=qsl, state_indices=slots, has_initial_state=init,
+                          max_query_len=mql, dt_softplus=True, dt_min=0.0, dt_max=float("inf"))
 
-    fns = {"ours_with_conv": ours, "ours": ours_recurrence}
-    state_bytes = batch * c["h"] * c["p"] * c["n"] * 4 * 2
-    io = t * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
+    nbytes = state_bytes("mamba2", batch) + io_bytes("mamba2", t)
+    found = {"ours": _ours(ours, state, state0, batch, nbytes)}
+    if mql == 1:
+        found["ours_with_conv"] = Contender(lambda: (conv(), ours())[1], nbytes + conv_bytes)
+    errors = {}
     try:
+        inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
         if mql == 1:
-            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-
-            s0 = state[1:].clone()
-            args = (x, dt[..., None].expand(-1, -1, c["p"]),
-                    A[:, None, None].expand(-1, c["p"], c["n"]), B, C)
-            kw = {"D": D[:, None].expand(-1, c["p"]),
-                  "dt_bias": dt_bias[:, None].expand(-1, c["p"]), "dt_softplus": True}
-            fns["mamba_ssm"] = lambda: selective_state_update(s0, *args, **kw)
+            found.update(_mamba_decode(inputs, state0, slots, batch, nbytes))
         else:
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-            seq_idx = torch.repeat_interleave(torch.arange(batch, device="cuda", dtype=torch.int32),
-                                              torch.tensor(lens, device="cuda"))[None]
-            fns["mamba_ssm"] = lambda: mamba_chunk_scan_combined(
-                x[None], dt[None], A, B[None], C[None], 256, D=D, dt_bias=dt_bias,
-                seq_idx=seq_idx, cu_seqlens=qsl.long(), dt_softplus=True,
-                return_varlen_states=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"mamba_ssm: {type(e).__name__}: {e}"[:200])
-    return fns, {"ours_with_conv": state_bytes + io + conv_bytes, "ours": state_bytes + io,
-                 "mamba_ssm": state_bytes + io, "copy": state_bytes}
+            found.update(_mamba_prefill(inputs, lens, nbytes))
+    except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here is recorded
+        errors["mamba_ssm"] = f"{type(e).__name__}: {e}"[:300]
+    return found, errors
 
 
-def _agreement(fns):
-    """Relative L2 distance between our prefill output and the anchor's (zero initial states,
-    so both compute the same thing): the anchors double as a real-size cross-check."""
-    anchor = [n for n in fns if n != "ours"]
-    if not anchor:
-        return float("nan")
-    ours = fns["ours"]().float().flatten()
-    theirs = fns[anchor[0]]()[0].float().flatten()
-    return ((ours - theirs).norm() / theirs.norm()).item()
+def _mamba_decode(inputs, state0, slots, batch, nbytes) -> dict[str, Contender]:
+    """mamba-ssm's ``selective_state_update`` on the step: on contiguous states in request
+    order, and through ``state_batch_indices`` on a copy of our slot pool."""
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+    p, n = M2["p"], M2["n"]
+    x, dt, A = inputs["x"], inputs["dt"], inputs["A"]
+    kw = dict(x=x, dt=dt[..., None].expand(-1, -1, p), A=A[:, None, None].expand(-1, p, n),
+              B=inputs["B"], C=inputs["C"], D=inputs["D"][:, None].expand(-1, p),
+              dt_bias=inputs["dt_bias"][:, None].expand(-1, p), dt_softplus=True)
+    states = state0[1:batch + 1].clone()
+    pool = state0.clone()
+    return {
+        "mamba_ssm": Contender(
+            lambda: selective_state_update(state=states, **kw), nbytes,
+            parts=lambda out: {"out": out, "state": states},
+            reset=lambda: states.copy_(state0[1:batch + 1]), family="mamba_ssm"),
+        "mamba_ssm_indexed": Contender(
+            lambda: selective_state_update(state=pool, state_batch_indices=slots, **kw), nbytes,
+            parts=lambda out: {"out": out, "state": pool[1:batch + 1]},
+            reset=lambda: pool.copy_(state0), family="mamba_ssm")}
+
+
+def _mamba_prefill(inputs, lens, nbytes) -> dict[str, Contender]:
+    """mamba-ssm's ``mamba_chunk_scan_combined`` from zero states, in its varlen layout
+    (``seq_idx`` marks each token's request) and its batch layout (equal lengths)."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    x, dt, B, C = inputs["x"], inputs["dt"], inputs["B"], inputs["C"]
+    t, h, p = x.shape
+    n, length = len(lens), lens[0]
+    common = dict(A=inputs["A"], chunk_size=MAMBA_CHUNK, D=inputs["D"],
+                  dt_bias=inputs["dt_bias"], dt_softplus=True)
+    seq_idx = torch.repeat_interleave(torch.arange(n, dtype=torch.int32, device=DEVICE),
+                                      torch.tensor(lens, device=DEVICE))[None]
+    cu = _cu_seqlens(lens)
+
+    def parts(res):
+        out, final = res
+        return {"out": out.reshape(t, h, p), "state": final}
+
+    found = {"mamba_ssm_varlen": Contender(
+        lambda: mamba_chunk_scan_combined(x=x[None], dt=dt[None], B=B[None], C=C[None],
+                                          seq_idx=seq_idx, cu_seqlens=cu,
+                                          return_varlen_states=True, **common),
+        nbytes, parts, family="mamba_ssm")}
+    if len(set(lens)) == 1:
+        def batched(u):
+            return u.view(n, length, *u.shape[1:])
+
+        found["mamba_ssm_batch"] = Contender(
+            lambda: mamba_chunk_scan_combined(x=batched(x), dt=batched(dt), B=batched(B),
+                                              C=batched(C), return_final_states=True,
+                                              **common),
+            nbytes, parts, family="mamba_ssm")
+    return found
+
+
+def cross_checks(contenders: dict[str, Contender], tol: dict[str, float]
+                 ) -> tuple[dict[str, dict], dict[str, str]]:
+    """Ours and every anchor once, each from the same initial states: each anchor's output and
+    final states against ours (:func:`_common.cross_check`). An anchor that fails to run is
+    dropped from ``contenders`` with its error."""
+    ours = contenders["ours"]
+    ours.reset()
+    ref = {k: v.clone() for k, v in ours.parts(ours.run()).items()}
+    checks, errors = {}, {}
+    for name, c in list(contenders.items()):
+        if c.family is None:
+            continue
+        try:
+            c.reset()
+            got = {k: v.clone() for k, v in c.parts(c.run()).items()}
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here is recorded
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+            del contenders[name]
+            continue
+        checks[name] = cross_check(ref, got, tol)
+        del got
+    del ref
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return checks, errors
+
+
+def measure(mode, kind, contenders, errors, args, **shape) -> dict:
+    """One point: cross-checks, then graph and eager timings, ratios guarded by the checks; the
+    result row, and one printed line per contender and one of the ratios."""
+    checks, run_errors = cross_checks(contenders, TOLERANCE[mode])
+    errors.update(run_errors)
+    fns = {n: c.run for n, c in contenders.items()}
+    graph, eager, timing_errors = time_graph_and_eager(fns, args.rounds, eager=not args.no_eager)
+    errors.update(timing_errors)
+    families = {}
+    for n, c in contenders.items():
+        if c.family:
+            families.setdefault(c.family, []).append(n)
+    ratios = {"graph": anchor_ratios(graph, "ours", checks, families),
+              "eager": anchor_ratios(eager, "ours", checks, families)}
+
+    unit = "tbs" if mode == "decode" else "mtoks"
+    tokens = shape["batch"] * shape.get("len", 1)
+
+    def rate(name, ms):  # TB/s from the contender's bytes, M tokens/s from the step's tokens
+        return contenders[name].nbytes / ms / 1e9 if unit == "tbs" else tokens / ms / 1e3
+
+    row = {"mode": mode, "kind": kind, **shape,
+           "graph_ms": graph, "eager_ms": eager,
+           f"graph_{unit}": {n: rate(n, v) for n, v in graph.items()},
+           f"eager_{unit}": {n: rate(n, v) for n, v in eager.items()},
+           "speedup": ratios, "cross_check": checks, "errors": errors,
+           "tolerance": TOLERANCE[mode]}
+    if unit == "tbs":
+        row["bytes"] = {n: c.nbytes for n, c in contenders.items()}
+    label = f"{mode:7s} {kind:14s} " + " ".join(f"{k}={v}" for k, v in shape.items())
+    shown = "{:6.2f} TB/s" if unit == "tbs" else "{:7.2f} Mtok/s"
+    time_unit, scale = ("us", 1e3) if mode == "decode" else ("ms", 1.0)
+
+    def timed(name, ms):
+        if name not in ms:
+            return f"{'-':>10s} {'':>12s}"
+        return f"{ms[name] * scale:7.3f} {time_unit} " + shown.format(rate(name, ms[name]))
+
+    for name, c in contenders.items():
+        check = checks.get(name)
+        print(f"{label} {name:18s} graph {timed(name, graph)} | eager {timed(name, eager)}"
+              + (f" | {check_text(check)}" if c.family else ""), flush=True)
+    if checks:
+        print(f"{label} ours: graph {ratios_text(ratios['graph'])} | eager "
+              f"{ratios_text(ratios['eager'])}", flush=True)
+    for name, err in errors.items():
+        print(f"{label} {name}: {err}", flush=True)
+    return row
 
 
 def main() -> None:
-    from triton.testing import do_bench
-
     parser = gpu_parser(__doc__, "bench_ssm_h200.json", page=16, rounds=3, quick=False)
     parser.add_argument("--only", nargs="*", default=["decode", "prefill"])
-    parser.add_argument("--batches", type=int, nargs="+",
-                        default=[1, 8, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
+    parser.add_argument("--prefills", nargs="+", default=[f"{b}x{s}" for b, s in PREFILLS],
+                        metavar="BxL", help="prefill points: B requests of L tokens")
     parser.add_argument("--kinds", nargs="+", default=["gated_deltanet", "mamba2"])
     parser.add_argument("--without", nargs="*", default=[],
-                        help="columns not to time (e.g. fla: its decode faults at batch 1024)")
+                        help="contenders not to run, by name or anchor family (fla, mamba_ssm, "
+                             "copy, ours_with_conv, ...)")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="CUDA-graph replays only (a tuning sweep)")
     args = parser.parse_args()
     from attn_ops.tuning import default_tuning
 
@@ -194,46 +425,41 @@ def main() -> None:
     rows = []
     cases = {kind: make for kind, make in
              (("gated_deltanet", gdn_case), ("mamba2", mamba2_case)) if kind in args.kinds}
-    if "decode" in args.only:
-        for kind, make in cases.items():
-            for batch in args.batches:
-                fns, nbytes = make(batch, [1] * batch)
-                if "copy" not in args.without:
-                    fns["copy"] = _copy(nbytes["copy"])
-                fns = {n: f for n, f in fns.items() if n not in args.without}
-                ms = time_graph(fns, args.rounds)
-                row = {"mode": "decode", "kind": kind, "batch": batch,
-                       **{f"{n}_us": v * 1e3 for n, v in ms.items()},
-                       **{f"{n}_tbs": nbytes[n] / v / 1e9 for n, v in ms.items()}}
-                rows.append(row)
-                print(f"decode {kind:14s} B={batch:<5d} " + "  ".join(
-                    f"{n} {v * 1e3:7.1f} us {nbytes[n] / v / 1e9:5.2f} TB/s"
-                    for n, v in ms.items()), flush=True)
-                write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False,
-                             tuning=tuning)
-    if "prefill" in args.only:
-        for kind, make in cases.items():
-            for batch, length in ((1, 8192), (8, 2048), (64, 512)):
-                fns, _ = make(batch, [length] * batch, initial=False)
-                fns = {n: f for n, f in fns.items() if n not in args.without}
-                fns.pop("ours_with_conv", None)
-                samples = {n: [] for n in fns}
-                for _ in range(args.rounds):
-                    for n, fn in fns.items():
-                        samples[n].append(do_bench(fn, rep=50, return_mode="median"))
-                ms = {n: statistics.median(v) for n, v in samples.items()}
-                tokens = batch * length
-                agree = _agreement(fns)
-                rows.append({"mode": "prefill", "kind": kind, "batch": batch, "len": length,
-                             **{f"{n}_ms": v for n, v in ms.items()},
-                             **{f"{n}_mtoks": tokens / v / 1e3 for n, v in ms.items()},
-                             "rel_err_vs_anchor": agree})
-                print(f"prefill {kind:14s} {batch}x{length:<6d} " + "  ".join(
-                    f"{n} {v:8.3f} ms {tokens / v / 1e3:7.1f} Mtok/s" for n, v in ms.items())
-                    + f"  rel err vs anchor {agree:.1e}", flush=True)
-                write_result("bench_ssm", args.out, quiet=True, rows=rows, complete=False,
-                             tuning=tuning)
-    write_result("bench_ssm", args.out, rows=rows, complete=True, tuning=tuning)
+
+    def kept(contenders):
+        return {n: c for n, c in contenders.items()
+                if n == "ours" or (n not in args.without and c.family not in args.without)}
+
+    def save(complete=False):
+        write_result("bench_ssm", args.out, quiet=not complete, rows=rows, complete=complete,
+                     tuning=tuning, tolerance=TOLERANCE,
+                     method="per point: ours and each anchor run once from the same states and "
+                            "cross-checked; then CUDA-graph replays (do_bench_cudagraph "
+                            "medians) and eager back-to-back calls, contenders interleaved "
+                            "over rotating rounds, medians; ratios = anchor / ours time, only "
+                            "where the anchor agreed")
+
+    points = [("decode", kind, batch, 1) for kind in cases for batch in args.batches
+              if "decode" in args.only]
+    points += [("prefill", kind, *(int(v) for v in p.split("x"))) for kind in cases
+               for p in args.prefills if "prefill" in args.only]
+    for mode, kind, batch, length in points:
+        shape = {"batch": batch} if mode == "decode" else {"batch": batch, "len": length}
+        try:
+            with torch.no_grad():
+                contenders, errors = cases[kind](batch, [length] * batch,
+                                                 initial=mode == "decode")
+                if mode == "decode":
+                    contenders["copy"] = _copy(state_bytes(kind, batch))
+                rows.append(measure(mode, kind, kept(contenders), errors, args, **shape))
+            del contenders
+        except Exception as e:  # noqa: BLE001 -- a point that fails is recorded, the rest run
+            error = f"{type(e).__name__}: {e}"[:300]
+            rows.append({"mode": mode, "kind": kind, **shape, "failed": error})
+            print(f"{mode:7s} {kind:14s} {shape}: failed: {error}", flush=True)
+        save()
+        torch.cuda.empty_cache()
+    save(complete=True)
 
 
 if __name__ == "__main__":

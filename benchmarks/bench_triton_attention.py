@@ -21,7 +21,10 @@ pages, key tiles of one page (``flex.gather_min_pairs_per_key_gpu=None``).
 Decode: batch 1-256 at ctx 32k (latency must not jump up as the batch grows: the split-KV
 cliff users hit in vLLM's Triton backend) and batch 1/8/64/256 at ctx 1k and 8k. Prefill:
 causal 1x1k .. 1x16k. Same method as ``bench_gpu_attention.py`` (CUDA-graph replays, rotating
-rounds, medians); prints time, TB/s or TFLOP/s and the ratio to FlashInfer, writes JSON.
+rounds, medians, eager calls back to back beside them in ``eager_us``; every output
+cross-checked against FlashInfer's first); prints time, TB/s or
+TFLOP/s and the ratio to FlashInfer -- "mismatch" instead where the outputs disagreed -- and
+writes JSON. Anchors are called by keyword.
 
     python benchmarks/bench_triton_attention.py [--quick] [--page N] [--out PATH]
 """
@@ -34,9 +37,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import checked_ratio, eager_ms, ratio_text  # noqa: E402
 from bench_gpu_attention import (HKV, HQ, Batch, D, check_outputs,  # noqa: E402
-                                 decode_bytes, flashinfer_direct, gpu_parser, ours,
-                                 prefill_flops, time_graph, timed_fields, tuned, write_result)
+                                 decode_bytes, flashinfer_direct, gpu_parser, mismatches, ours,
+                                 prefill_flops, shown, time_graph, timed_fields, tuned,
+                                 write_result)
 
 DECODE = [(b, 32768) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)] + \
     [(b, c) for c in (1024, 8192) for b in (1, 8, 64, 256)]
@@ -56,8 +61,9 @@ def flex_dense(b: Batch, prefill: bool):
     k = b.cache[pages, 0].reshape(n, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
     v = b.cache[pages, 1].reshape(n, -1, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
     q = b.q.view(n, qlen, HQ, D).transpose(1, 2)
-    mask = create_block_mask(lambda b_, h, qi, ki: qi + (ctx - qlen) >= ki, None, None, qlen,
-                             ctx, device=b.q.device) if prefill else None
+    mask = create_block_mask(mask_mod=lambda b_, h, qi, ki: qi + (ctx - qlen) >= ki, B=None,
+                             H=None, Q_LEN=qlen, KV_LEN=ctx, device=b.q.device) \
+        if prefill else None
     # Static shapes, each point compiled for its own: after a first recompile Dynamo would
     # compile flex_attention shape-generic, which runs the anchor far below its best (dense
     # decode at B=64 ctx 8k: 2.8 ms instead of 0.5).
@@ -65,7 +71,7 @@ def flex_dense(b: Batch, prefill: bool):
 
     def run():  # (every point is another shape of one code object: more than Dynamo's 8)
         with torch._dynamo.config.patch(recompile_limit=256):
-            o = fn(q, k, v, block_mask=mask, enable_gqa=True)
+            o = fn(query=q, key=k, value=v, block_mask=mask, enable_gqa=True)
         b.out.copy_(o.transpose(1, 2).reshape(n * qlen, HQ, D))
     return run
 
@@ -94,9 +100,9 @@ def time_flex(fns: dict, rounds: int) -> tuple[dict[str, float], str]:
 
 def measure(kind: str, b: Batch, fns: dict, rounds: int, amount: float, unit: str,
             flex: dict | None = None, **shape) -> dict:
-    """One point: outputs checked against FlashInfer's, contenders timed, a result row. A FLEX
-    contender that fails to run (say, a kernel option past shared memory) is left out of the
-    point with its error in the row."""
+    """One point: outputs cross-checked against FlashInfer's, contenders timed, a result row
+    (ratios only where the outputs agreed). A FLEX contender that fails to run (say, a kernel
+    option past shared memory) is left out of the point with its error in the row."""
     errors = {}
     for name, fn in list((flex or {}).items()):
         try:
@@ -108,20 +114,30 @@ def measure(kind: str, b: Batch, fns: dict, rounds: int, amount: float, unit: st
             del flex[name]
     if flex and ("flex" not in flex or "flex_dense" not in flex):
         flex = None  # (the pair is timed together or not at all)
-    diffs = check_outputs(b, {**fns, **(flex or {})}, "flashinfer")
+    checks = check_outputs(b, {**fns, **(flex or {})}, "flashinfer")
     ms = time_graph(fns, rounds)
-    row = {"kind": kind, **shape, "max_abs_diff": diffs, "errors": errors}
+    row = {"kind": kind, **shape, "cross_check_vs_flashinfer": checks,
+           "mismatch": mismatches(checks), "errors": errors}
     if flex:
         flex_ms, row["flex_timing"] = time_flex(flex, rounds)
         ms.update(flex_ms)
     row.update(timed_fields(ms, amount, unit))
+    row["eager_us"] = {k: eager_ms(fn) * 1e3 for k, fn in fns.items()}
+    # Ratios only between contenders that computed FlashInfer's output: TRITON_ATTN against
+    # FlashInfer; FLEX_ATTENTION against its dense anchor when both agreed with it.
+    row["flashinfer_over_triton"] = checked_ratio(ms["triton"], ms["flashinfer"],
+                                                  checks["triton"])
+    if flex:
+        pair = checks["flex_dense"] if checks["flex"]["agree"] else checks["flex"]
+        row["flex_dense_over_flex"] = checked_ratio(ms["flex"], ms["flex_dense"], pair)
     label = " ".join(f"{k}={v}" for k, v in shape.items())
-    shown = {"tbs": "{:.2f}TB/s", "tflops": "{:.0f}TFLOP/s"}[unit]
-    extra = f"  flex/dense {ms['flex_dense'] / ms['flex']:.2f}" if flex else ""
+    rate = {"tbs": "{:.2f}TB/s", "tflops": "{:.0f}TFLOP/s"}[unit]
+    extra = f"  flex/dense {ratio_text(row['flex_dense_over_flex'])}" if flex else ""
     print(f"{kind:7s} {label:18s} " + "  ".join(
-        f"{k} {row[k + '_ms'] * 1e3:.1f}us " + shown.format(row[f"{k}_{unit}"]) for k in ms)
-        + f"  triton/flashinfer {ms['flashinfer'] / ms['triton']:.2f}{extra}  diff "
-        f"{diffs['triton']:.2g}", flush=True)
+        f"{shown(k, checks)} {row[k + '_ms'] * 1e3:.1f}us " + rate.format(row[f"{k}_{unit}"])
+        for k in ms)
+        + f"  triton/flashinfer {ratio_text(row['flashinfer_over_triton'])}{extra}  max rel "
+        f"err {checks['triton']['max_rel_err']:.2g}", flush=True)
     return row
 
 

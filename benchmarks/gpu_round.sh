@@ -48,10 +48,12 @@
 #            and graph-replay tests
 #   ssmsweep benchmarks/bench_ssm.py under each of SSM_SWEEP's ATTN_OPS_TUNING strings (space-
 #            separated; default: the decode blocks and warps), SSM_SWEEP_ARGS its arguments
-#            (default: decode, 5 batches), each run under the stage's limit; JSON sweep_ssm_N.json
+#            (default: decode, 5 batches, graph replays only), each run under the stage's limit;
+#            JSON sweep_ssm_N.json
 #            (N-th string; the JSON records the tuning)
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
-#            mamba-ssm; SSM_ARGS)
+#            mamba-ssm in each of their layouts, outputs and final states cross-checked, CUDA
+#            graphs and eager; SSM_ARGS, e.g. "--only decode")
 #   ssmprof  benchmarks/profile_ssm_prefill.py (each chunked-prefill launch's device time) under
 #            each of SSM_SWEEP's ATTN_OPS_TUNING strings in one process (default: the defaults),
 #            SSM_PROF_CASES its cases (default: the script's), SSM_PROF_ARGS more arguments
@@ -171,7 +173,7 @@ for spec in "$@"; do
         i=$((i + 1))
         echo "ssmsweep $i: $cfg" >> "$LOG"
         ATTN_OPS_TUNING="$cfg" stage "ssmsweep_$i" "$limit" python benchmarks/bench_ssm.py \
-          ${SSM_SWEEP_ARGS:---only decode --batches 1 8 64 256 1024 --rounds 1} \
+          ${SSM_SWEEP_ARGS:---only decode --batches 1 8 64 256 1024 --rounds 1 --no-eager} \
           --out "$OUT/sweep_ssm_$i.json"
       done ;;
     ssmbench) stage ssmbench "$limit" python benchmarks/bench_ssm.py ${SSM_ARGS:-} \

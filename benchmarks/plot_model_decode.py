@@ -1,5 +1,6 @@
 """Plot a ``bench_model_decode.py`` result: milliseconds per decode step of each backend in each
-mode, against the byte floor and HF transformers' eager step.
+mode, against the byte floor and HF transformers' eager step (shown only where HF's logits
+agreed with ours in the run's cross-check).
 
     python benchmarks/plot_model_decode.py benchmarks/results/bench_model_decode_h200.json
 """
@@ -37,7 +38,7 @@ def main(path: str) -> None:
     ax.axhline(rows[0]["floor_ms"], color="k", ls="--",
                label=f"floor: weights + KV at 4.27 TB/s ({rows[0]['floor_ms']:.2f} ms)")
     hf = result.get("hf", {}).get("eager_dynamic_cache_ms")
-    if hf:
+    if hf and result["hf"].get("agree", True):  # (left out where its outputs disagreed)
         ax.axhline(hf, color="r", ls=":", label=f"HF {hf_name} eager ({hf:.1f} ms)")
     ax.set_xticks(range(len(rows)), [r["backend"] for r in rows])
     ax.set_ylabel("ms per decode step")

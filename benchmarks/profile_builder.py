@@ -82,6 +82,8 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
             False, 0, 0]
     ws = planner.decode_ws
     float_ws = flashinfer_plan.float_workspace(ws.device.device)
+    # (FlashInfer's compiled module takes positional arguments only: ``args`` are the ones our
+    # builder passes it)
     raw = mod.plan(float_ws, ws.device, ws.hosts[0], *args)
     metas = [m, other.meta]
 
@@ -102,7 +104,9 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
     table = m.block_table_cpu.numpy()
     common_host = [qsl.numpy(), seq.numpy(), table, indptr, last, indices]
     ws_f = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_f, "NHD", use_tensor_cores=True)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer=ws_f,
+                                                            kv_layout="NHD",
+                                                            use_tensor_cores=True)
     d_indptr, d_indices, d_last = (torch.from_numpy(a).cuda() for a in (indptr, indices, last))
     return {
         "build_metadata, a page more every other step": mean_us(step),
@@ -124,9 +128,10 @@ def stages(b: Batch, other: Batch) -> dict[str, float]:
         "common metadata as five uploads": mean_us(
             lambda: five_uploads([qsl.numpy(), seq.numpy(), table, slots, positions])),
         "anchor: FlashInfer wrapper.plan (tensor cores, device CSR given)": mean_us(
-            lambda: wrapper.plan(d_indptr, d_indices, d_last, SPEC.num_heads, SPEC.kv_heads,
-                                 SPEC.head_dim, m.block_size, q_data_type=SPEC.dtype,
-                                 kv_data_type=SPEC.dtype)),
+            lambda: wrapper.plan(indptr=d_indptr, indices=d_indices, last_page_len=d_last,
+                                 num_qo_heads=SPEC.num_heads, num_kv_heads=SPEC.kv_heads,
+                                 head_dim=SPEC.head_dim, page_size=m.block_size,
+                                 q_data_type=SPEC.dtype, kv_data_type=SPEC.dtype)),
     }
 
 

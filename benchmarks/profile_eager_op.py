@@ -15,7 +15,10 @@ queue has room), and the GPU time of one call (a CUDA-graph replay) beside them:
 * ``direct``             -- FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.run`` (the
   tensor-core decode our op runs), planned the same way.
 
-Then a cProfile of ``flashinfer.forward`` (the Python functions with the most own time).
+Every contender's output is cross-checked against ``direct``'s first (a contender that
+disagrees is reported as MISMATCH and listed in the row); FlashInfer's wrapper is called by
+keyword. Then a cProfile of ``flashinfer.forward`` (the Python functions with the most own
+time).
 
     python benchmarks/profile_eager_op.py [--out PATH]
 """
@@ -31,8 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import host_us  # noqa: E402
-from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch, gpu_parser,  # noqa: E402
-                                 time_graph, write_result)
+from bench_gpu_attention import (D, DTYPE, HKV, HQ, SPEC, Batch,  # noqa: E402
+                                 check_outputs, gpu_parser, mismatches, time_graph,
+                                 write_result)
 
 
 def host_per_call_us(fn, n=200) -> float:
@@ -65,11 +69,16 @@ def contenders(b: Batch) -> dict:
     kernel_plan = list(part.library_plan)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     csr = (x.cuda() for x in paged_kv_csr(b.meta.seq_lens_cpu, b.meta.block_table_cpu, b.page))
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-    w.plan(b.meta.query_start_loc, *csr, HQ, HKV, D, b.page, causal=True,
-           q_data_type=DTYPE, kv_data_type=DTYPE)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer=ws,
+                                                       kv_layout="NHD", backend="fa2")
+    indptr, indices, last_len = csr
+    w.plan(qo_indptr=b.meta.query_start_loc, paged_kv_indptr=indptr, paged_kv_indices=indices,
+           paged_kv_last_page_len=last_len, num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
+           page_size=b.page, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
 
     def paged_run():
+        # (FlashInfer's compiled module takes positional arguments only: these are the ones
+        # our op passes it, and the cross-check below holds its output to the wrapper's)
         mod.paged_run(fi_meta.float_workspace, fi_meta.decode_workspace, kernel_plan, b.q, k, v,
                       qo, kv_indptr, kv_indices, last, b.out,
                       None, 1, 0, -1, True, None, None, None, None, None, None, 0.0,
@@ -80,7 +89,7 @@ def contenders(b: Batch) -> dict:
             "torch.ops": lambda: torch.ops.attn.flashinfer_attention(*args),
             "op body": lambda: fi._flashinfer_attention(*args),
             "paged_run": paged_run,
-            "direct": lambda: w.run(b.q, b.cache, out=b.out)}, fib, fi_meta
+            "direct": lambda: w.run(q=b.q, paged_kv_cache=b.cache, out=b.out)}, fib, fi_meta
 
 
 def main() -> None:
@@ -91,6 +100,10 @@ def main() -> None:
     for bsz, ctx in ((1, 4096), (64, 4096)):
         b = Batch(bsz, ctx, 1, args.page, gen)
         fns, fib, fi_meta = contenders(b)
+        checks = check_outputs(b, fns, "direct")
+        bad = mismatches(checks)
+        if bad:
+            print(f"B={bsz} ctx={ctx}  MISMATCH with FlashInfer's wrapper: {bad}", flush=True)
         host = {name: host_per_call_us(fn) for name, fn in fns.items()}
         gpu = {name: ms * 1e3 for name, ms in time_graph(fns, args.rounds).items()}
         prof = cProfile.Profile()
@@ -102,6 +115,7 @@ def main() -> None:
         top = sorted(((f"{func[0].split('/')[-1]}:{func[1]}({func[2]})", row[2] / 500 * 1e6)
                       for func, row in stats.stats.items()), key=lambda x: -x[1])[:15]
         rows.append({"batch": bsz, "ctx": ctx, "host_us": host, "gpu_us": gpu,
+                     "cross_check_vs_direct": checks, "mismatch": bad,
                      "cprofile_own_us_per_call": top})
         print(f"B={bsz} ctx={ctx}  host us/call: " + "  ".join(
             f"{k} {v:.1f}" for k, v in host.items()) + "\n  gpu us/call: " + "  ".join(

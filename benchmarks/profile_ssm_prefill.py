@@ -1,8 +1,14 @@
 """Where a chunked recurrent-state prefill spends its time on the GPU: the CUDA time of each
 launch of our GDN and Mamba2 prefills (``torch.profiler``), per case, under each of
 ``--tunings`` (``ATTN_OPS_TUNING`` strings, applied in this one process; ``defaults``: none);
-beside it, ours and the anchor's (fla, mamba-ssm) device time, host launch time and
-back-to-back time a call, and with ``--host-profile`` where our host time goes.
+beside it, ours and the anchors' (fla's ``chunk_gated_delta_rule``, mamba-ssm's
+``mamba_chunk_scan_combined``, each in its varlen and batch layouts, called by keyword as
+``bench_ssm.py`` builds them) device time, host launch time and back-to-back time a call, and
+with ``--host-profile`` where our host time goes.
+
+Every anchor's outputs and final states are first cross-checked against ours on the same
+inputs (``bench_ssm.cross_checks``, ``bench_ssm.TOLERANCE``); an anchor that disagrees is
+marked MISMATCH on its line, with its errors: its times are of another computation.
 
     python benchmarks/profile_ssm_prefill.py [--cases gdn:1x8192 mamba2:64x512 ...]
         [--tunings defaults ssm.mamba2_num_stages=2 ...] [--host-profile]
@@ -19,7 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ssm import gdn_case, mamba2_case  # noqa: E402
+from _common import check_text  # noqa: E402
+from bench_ssm import TOLERANCE, cross_checks, gdn_case, mamba2_case  # noqa: E402
 
 
 def main() -> None:
@@ -47,14 +54,21 @@ def profile_cases(cases, iters: int, host_profile: bool = False) -> None:
         kind, shape = case.split(":")
         batch, length = (int(v) for v in shape.split("x"))
         make = gdn_case if kind == "gdn" else mamba2_case
-        fns, _ = make(batch, [length] * batch, initial=False)
-        fns.pop("ours_with_conv", None)
-        for name, fn in fns.items():
+        with torch.no_grad():
+            contenders, errors = make(batch, [length] * batch, initial=False)
+            contenders.pop("ours_with_conv", None)
+            checks, failed = cross_checks(contenders, TOLERANCE["prefill" if length > 1
+                                                                else "decode"])
+        for name, err in {**errors, **failed}.items():
+            print(f"== {case} {name}: failed: {err}", flush=True)
+        for name, contender in contenders.items():
+            fn = contender.run
             rows = _device_times(fn, iters)
             total = sum(t for _, t, _ in rows)
             host, wall = _host_and_wall(fn, iters)
+            check = f"; {check_text(checks.get(name))}" if contender.family else ""
             print(f"== {case} {name}: {total / 1e3:.3f} ms of device time a call, {host:.3f} ms "
-                  f"on the host to launch it, {wall:.3f} ms a call back to back")
+                  f"on the host to launch it, {wall:.3f} ms a call back to back{check}")
             if name == "ours":
                 for key, t, n in sorted(rows, key=lambda r: -r[1])[:8]:
                     print(f"   {t / 1e3:8.3f} ms  x{n:<3d} {key[:90]}", flush=True)

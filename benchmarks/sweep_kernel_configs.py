@@ -23,8 +23,10 @@ their rules from data rather than from defaults.
   ``--variants REGEX`` keeps only the matching variants, ``--prefill BxS ...`` sets the
   points.
 
-Every variant's output is compared with the default's before timing (``max_abs_diff``); a
-variant that fails to build is recorded with its error. Timing: ``do_bench_cudagraph``
+Every variant's output is cross-checked against the reference's before timing
+(``cross_check``, ``bench_gpu_attention.TOLERANCE``); a variant that disagrees is listed in
+``mismatch`` and takes no part in "best" or a ratio; a variant that fails to build is recorded
+with its error. Libraries are called by keyword. Timing: ``do_bench_cudagraph``
 medians, variants of a point interleaved over rotating rounds (``time_graph``).
 
     python benchmarks/sweep_kernel_configs.py [--only decode|prefill|triton-prefill] [--rounds R]
@@ -41,9 +43,11 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import checked_ratio, ratio_text  # noqa: E402
 from bench_gpu_attention import (D, DTYPE, HKV, HQ, Batch, check_outputs,  # noqa: E402
-                                 decode_bytes, fa4_direct, flashinfer_direct, gpu_parser, ours,
-                                 prefill_flops, time_graph, timed_fields, tuned, write_result)
+                                 decode_bytes, fa4_direct, flashinfer_direct, gpu_parser,
+                                 mismatches, ours, prefill_flops, time_graph, timed_fields,
+                                 tuned, write_result)
 
 DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -72,11 +76,13 @@ def flashinfer_tc(b: Batch, fixed: int = -1, nosplit: bool = False):
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     indptr, indices, last = (t.cuda() for t in paged_kv_csr(b.meta.seq_lens_cpu,
                                                             b.meta.block_table_cpu, b.page))
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-    w.plan(b.meta.query_start_loc, indptr, indices, last, HQ, HKV, D, b.page, causal=True,
-           q_data_type=DTYPE, kv_data_type=DTYPE, fixed_split_size=fixed,
-           disable_split_kv=nosplit)
-    return lambda: w.run(b.q, b.cache, out=b.out)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer=ws,
+                                                       kv_layout="NHD", backend="fa2")
+    w.plan(qo_indptr=b.meta.query_start_loc, paged_kv_indptr=indptr, paged_kv_indices=indices,
+           paged_kv_last_page_len=last, num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
+           page_size=b.page, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE,
+           fixed_split_size=fixed, disable_split_kv=nosplit)
+    return lambda: w.run(q=b.q, paged_kv_cache=b.cache, out=b.out)
 
 
 def try_variant(fns: dict, errors: dict, name: str, fn) -> None:
@@ -92,11 +98,17 @@ def try_variant(fns: dict, errors: dict, name: str, fn) -> None:
 
 def timed_row(b: Batch, fns: dict, reference: str, rounds: int, amount: float, unit: str,
               **fields) -> tuple[dict, dict[str, float]]:
-    """One point: outputs checked against ``reference``'s, then timed; the result row (with
-    ``fields``) and the milliseconds."""
-    diffs = check_outputs(b, fns, reference)
+    """One point: outputs cross-checked against ``reference``'s, then timed; the result row
+    (with ``fields``) and the milliseconds of the variants that agreed with the reference --
+    one that disagreed computes something else, so it can be neither "best" nor in a ratio
+    (its time stays in the row, beside its errors)."""
+    checks = check_outputs(b, fns, reference)
     ms = time_graph(fns, rounds)
-    return {**fields, "max_abs_diff": diffs, **timed_fields(ms, amount, unit)}, ms
+    bad = mismatches(checks)
+    if bad:
+        print(f"  MISMATCH (left out of best and ratios): {bad}", flush=True)
+    return ({**fields, "cross_check": checks, "mismatch": bad, **timed_fields(ms, amount, unit)},
+            {k: v for k, v in ms.items() if k not in bad})
 
 
 def sweep_decode(args, gen) -> list[dict]:
@@ -144,7 +156,7 @@ def fa4_variant(q, k, v, tile, **kw):
 
     extra = {} if tile is None else dict(tile_mn=tile[:2], mma_pv_is_rs=tile[2],
                                          intra_wg_overlap=tile[3])
-    return lambda: _flash_attn_fwd(q, k, v, causal=True, **kw, **extra)[0]
+    return lambda: _flash_attn_fwd(q=q, k=k, v=v, causal=True, **kw, **extra)[0]
 
 
 def tile_name(tile) -> str:
@@ -210,7 +222,8 @@ def sweep_prefill(args, gen) -> list[dict]:
                               ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
             def sdpa(backend=backend):
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) \
+                    return F.scaled_dot_product_attention(query=qd, key=kd, value=vd,
+                                                          is_causal=True) \
                         .transpose(1, 2).reshape(bsz * s, HQ, D)
             if re.search(args.variants, name):
                 try_variant(fns, errors, name, sdpa)
@@ -254,11 +267,15 @@ def sweep_triton_prefill(args, gen) -> list[dict]:
                             kind="triton_prefill", batch=bsz, seq=s, page=args.page,
                             errors=errors)
         rows.append(row)
-        best = min((k for k in ms if k != "flashinfer"), key=ms.get)
-        print(f"triton prefill {bsz}x{s:<6} best {best} {ms['flashinfer'] / ms[best]:.2f}x "
-              f"flashinfer ({flops / ms['flashinfer'] / 1e9:.0f} TFLOP/s)  " + " ".join(
-                  f"{k[7:]} {ms['flashinfer'] / v:.2f}" for k, v in ms.items()
-                  if k != "flashinfer"), flush=True)
+        # (ms holds only the tiles whose output agreed with FlashInfer's: ratios are guarded)
+        ratios = {k: checked_ratio(ms[k], ms["flashinfer"], row["cross_check"][k])
+                  for k in row["cross_check"] if k != "flashinfer"}
+        row["flashinfer_over_tile"] = ratios
+        best = min((k for k in ms if k != "flashinfer"), key=ms.get, default=None)
+        print(f"triton prefill {bsz}x{s:<6} best {best} "
+              f"{ratio_text(ratios.get(best))} flashinfer "
+              f"({flops / ms['flashinfer'] / 1e9:.0f} TFLOP/s)  " + " ".join(
+                  f"{k[7:]} {ratio_text(r)}" for k, r in ratios.items()), flush=True)
         if errors:
             print("  not built:", errors, flush=True)
         del b, fns
