@@ -7,6 +7,7 @@ opcheck and torch.compile, and the layers against HF transformers' own modules."
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import random
@@ -24,6 +25,7 @@ from attn_ops.backends.ssm.metadata import (NULL_STATE_SLOT, build_state_metadat
 from attn_ops.backends.ssm.short_conv import short_conv
 from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvSpec
 from attn_ops.kv_cache import BlockAllocator
+from attn_ops.ops import set_debug_checks
 from attn_ops.testing import capture_graph
 
 F64 = torch.float64
@@ -106,6 +108,37 @@ def test_state_metadata_checks_slots_and_flags_initial_states():
         build_state_metadata(qsl, np.array([5, 3]), np.array([2, 5, 1, 0]), 4)
 
 
+def test_state_metadata_takes_tensors_arrays_and_lists_alike():
+    want = build_state_metadata(torch.tensor([0, 1, 2, 6]), torch.tensor([5, 3, 0]),
+                                torch.tensor([2, 5, 1]), 4)
+    for qsl, ctx, slots in ((np.array([0, 1, 2, 6]), np.array([5, 3, 0]), np.array([2, 5, 1])),
+                            ([0, 1, 2, 6], [5, 3, 0], [2, 5, 1]),
+                            (np.array([0, 1, 2, 6], dtype=np.int32), [5, 3, 0],
+                             torch.tensor([2, 5, 1], dtype=torch.int32))):
+        got = build_state_metadata(qsl, ctx, slots, 4)
+        for field in ("query_start_loc", "state_indices", "has_initial_state",
+                      "query_start_loc_cpu", "chunk_starts", "last_chunks"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert got.max_query_len == want.max_query_len == 4 and got.num_decodes == 2
+    with pytest.raises(ValueError, match="query_start_loc_cpu must hold integers, got dtype "
+                                         "float64"):
+        build_state_metadata(np.array([0.0, 1.5]), [0], [1], 4)
+    with pytest.raises(ValueError, match=r"query_start_loc_cpu must be \[num_reqs \+ 1\] from 0"
+                                         r", got shape \(2,\) starting \[3\]"):
+        build_state_metadata([3, 4], [0], [1], 4)
+
+
+def test_state_metadata_checks_max_query_len_against_query_start_loc():
+    """``max_query_len`` is the ops' bound on every request's new tokens: metadata whose bound
+    is below a request's (a hand-built or edited one) is refused where it is built, naming
+    both."""
+    meta = build_state_metadata([0, 1, 2, 6], [5, 3, 0], [2, 5, 1], 4)
+    assert dataclasses.replace(meta, max_query_len=9).max_query_len == 9  # (a bound: above ok)
+    with pytest.raises(ValueError, match=r"max_query_len=1 is below request 2's 4 new tokens "
+                                         r"\(query_start_loc_cpu\[2:4\]=\[2, 6\]\)"):
+        dataclasses.replace(meta, max_query_len=1)
+
+
 # --- the kinds: inputs, the op, and a plain per-request recurrence --------------------------
 
 class Kind:
@@ -145,8 +178,10 @@ class Conv(Kind):
                 m.has_initial_state, "silu")
 
     def conv(self, x, w, b, act):
-        y = F.conv1d(x.t()[None], w[:, None, :], b, padding=self.K - 1,
-                     groups=x.shape[1])[0, :, :x.shape[0]].t()
+        # y_t = sum_j w[:, j] x_{t - (K - 1) + j} (zeros before the sequence) + b, tap by tap
+        # (F.conv1d's depthwise fp64 path takes ~40 ms a call at 8192 channels on the CPU)
+        padded = torch.cat([x.new_zeros(self.K - 1, x.shape[1]), x])
+        y = (padded.unfold(0, self.K, 1) * w).sum(-1) + b
         return F.silu(y) if act else y
 
     def last_inputs(self, x):
@@ -260,6 +295,12 @@ SCENARIOS = {
     "chunked_prefill": [[(0, 5), (1, 4)], [(0, 7), (1, 4)], [(0, 3), (1, 1)]],
     "one_token_prefill": [[(0, 1), (1, 1)], [(0, 1), (1, 1), (2, 1)], [(2, 6)]],
 }
+# 300 requests of 1-4 new tokens (a prefill-like step of many short requests), then two decode
+# steps of all of them: many programs over the in-place conv state update of one launch
+SHORT_PREFILL_REQUESTS = 300
+SCENARIOS["short_prefills_then_decodes"] = [
+    [(r, random.Random(r).randint(1, 4)) for r in range(SHORT_PREFILL_REQUESTS)],
+    *[[(r, 1) for r in range(SHORT_PREFILL_REQUESTS)]] * 2]
 
 
 def _run_schedule(kind: Kind, schedule, *, pad_tokens=0, pad_requests=0, num_slots=9,
@@ -269,6 +310,7 @@ def _run_schedule(kind: Kind, schedule, *, pad_tokens=0, pad_requests=0, num_slo
         for r, n in step:
             lengths[r] = lengths.get(r, 0) + n
     seqs = {r: kind.tokens(n) for r, n in sorted(lengths.items())}
+    num_slots = max(num_slots, len(lengths) + 1)
     slots = dict(zip(sorted(lengths), random.Random(len(schedule)).sample(range(1, num_slots),
                                                                           len(lengths))))
     states = kind.states(num_slots)
@@ -378,6 +420,184 @@ def test_ops_reject_bad_inputs_naming_the_value():
                    init, 4, True, 0.0, math.inf)
     with pytest.raises(ValueError, match=r"bcx must be \[num_tokens, 3 \* dim\]"):
         short_conv(torch.randn(4, 7), w, None, state, qsl, slots, init)
+
+
+def _step_of(kind: Kind, lens, ctx, slots, num_slots=9, dtype=F64, device="cpu"):
+    """``(inputs, states, meta)`` of one step of ``kind``: requests of ``lens`` new tokens
+    after ``ctx`` computed ones on ``slots`` (``[B, S]``: speculative, each continuing from its
+    first), random states in ``num_slots`` slots, in ``dtype`` on ``device`` (the kind's
+    parameters too)."""
+    for name, value in vars(kind).items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            setattr(kind, name, value.to(dtype).to(device))
+    inp = {n: v.to(dtype).to(device) for n, v in kind.tokens(sum(lens)).items()}
+    states = [torch.randn(s.shape, generator=kind.g, dtype=F64).to(dtype).to(device)
+              for s in kind.states(num_slots)]
+    meta = build_state_metadata(torch.tensor([0, *np.cumsum(lens)]), np.array(ctx),
+                                np.array(slots), kind.chunk, device=device,
+                                num_accepted_tokens=np.ones(len(lens), int)
+                                if np.ndim(slots) == 2 else None)
+    return inp, states, meta
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_ops_refuse_bad_dtypes_and_devices_naming_the_argument(kind):
+    """A state of a non-floating dtype (an int32 one would be truncated), inputs of one family
+    in mixed dtypes, a tensor on another device: a ValueError naming the argument, the
+    expected and the actual value."""
+    k = KINDS[kind](torch.Generator().manual_seed(12))
+    inp, states, meta = _step_of(k, [1, 3], [2, 0], [3, 1])
+    args = list(k.args(inp, states, meta))
+    state_at = next(i for i, a in enumerate(args) if a is states[0])
+    name = "conv_state" if kind in ("causal_conv1d", "short_conv") else "state"
+    with pytest.raises(ValueError, match=rf"{name}.dtype must be one of float16, bfloat16, "
+                                         r"float32, float64, got int32"):
+        type(k).op(*args[:state_at], states[0].int(), *args[state_at + 1:])
+    with pytest.raises(ValueError, match=rf"{name} must be on cpu \(the inputs' device\), got "
+                                         "meta"):
+        type(k).op(*args[:state_at], states[0].to("meta"), *args[state_at + 1:])
+    with pytest.raises(ValueError, match=r"has_initial_state must be on cpu .*, got meta"):
+        type(k).op(*args[:state_at + 3], args[state_at + 3].to("meta"), *args[state_at + 4:])
+    first = args[0]
+    with pytest.raises(ValueError, match=r"(x|bcx|q).dtype must be one of float16, bfloat16, "
+                                         r"float32, float64, got int64"):
+        type(k).op((first * 8).long(), *args[1:])
+    if kind == "gated_delta_rule":
+        with pytest.raises(ValueError, match=r"k.dtype must be float64 \(q's\), got float32"):
+            type(k).op(args[0], args[1].float(), *args[2:])
+    if kind == "mamba2_ssd":
+        with pytest.raises(ValueError, match=r"C.dtype must be float64 \(x's\), got float16"):
+            type(k).op(*args[:4], args[4].half(), *args[5:])
+        with pytest.raises(ValueError, match=r"A must be on cpu .*, got meta"):
+            type(k).op(*args[:2], args[2].to("meta"), *args[3:])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_query_start_loc_past_the_tokens_is_refused_naming_the_values(kind):
+    k = KINDS[kind](torch.Generator().manual_seed(13))
+    inp, states, meta = _step_of(k, [2, 3], [0, 0], [3, 1])
+    for bad, message in (([0, 2, 9], r"query_start_loc\[2\]=9 is past num_tokens=5"),
+                         ([0, 3, 2], r"query_start_loc\[2\]=2 is below query_start_loc\[1\]=3"),
+                         ([1, 2, 5], r"query_start_loc\[0\]=1 must be 0")):
+        step = dataclasses.replace(meta, query_start_loc=torch.tensor(bad))
+        with pytest.raises(ValueError, match=message):
+            k.run(inp, states, step)
+
+
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "mamba2_ssd"])
+def test_ops_refuse_a_max_query_len_below_the_longest_query_on_the_host(kind):
+    """Where ``query_start_loc`` is on the host the op checks ``max_query_len`` (the bound the
+    kernel choice reads) against it: a bound below a request's new tokens is a ValueError
+    naming both."""
+    k = KINDS[kind](torch.Generator().manual_seed(14))
+    inp, states, meta = _step_of(k, [1, 4, 2], [3, 0, 5], [3, 1, 6])
+    args = list(k.args(inp, states, meta))
+    at = next(i for i, a in enumerate(args) if type(a) is int)  # (max_query_len)
+    with pytest.raises(ValueError, match=r"max_query_len=1 is below request 1's 4 new tokens "
+                                         r"\(query_start_loc\[1:3\]=\[1, 5\]\)"):
+        type(k).op(*args[:at], 1, *args[at + 1:])
+
+
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "mamba2_ssd"])
+def test_torch_body_and_kernels_drop_no_token_whatever_max_query_len_says(kind):
+    """Where the op holds only device tensors nothing checks ``max_query_len``: the torch body
+    (the reference, called here as such; on a GPU the fp64 op) and the Triton kernels (the
+    fp32 op on a GPU) both step through every request's new tokens -- the outputs and states
+    of a step given ``max_query_len=1`` are those of the step given its longest query."""
+    from attn_ops.backends.ssm.gated_deltanet import gdn_reference
+    from attn_ops.backends.ssm.mamba2 import mamba2_reference
+
+    k = KINDS[kind](torch.Generator().manual_seed(15))
+    inp, states, meta = _step_of(k, [1, 4, 2], [3, 0, 5], [3, 1, 6])
+    args = list(k.args(inp, states, meta))
+    at = next(i for i, a in enumerate(args) if type(a) is int)  # (max_query_len)
+    reference = gdn_reference if kind == "gated_delta_rule" else mamba2_reference
+    want = reference(*args)
+    got = reference(*args[:at], 1, *args[at + 1:])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    if not torch.cuda.is_available():
+        if triton_interpretable():
+            f32 = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+            launched = _triton_launch(kind, f32[:at] + [1] + f32[at + 1:])
+            torch.testing.assert_close(launched, want[0].float(), atol=1e-5, rtol=1e-5)
+    else:
+        for dtype in (F64, torch.float32):  # (the torch body, the Triton kernels)
+            on = [a.to(dtype).cuda() if torch.is_tensor(a) and a.is_floating_point() else
+                  a.cuda() if torch.is_tensor(a) else a for a in args]
+            got = type(k).op(*on[:at], 1, *on[at + 1:])
+            tol = 1e-12 if dtype == F64 else 1e-5
+            torch.testing.assert_close(got.cpu().double(), want[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("layout", ["one_slot", "speculative"])
+@pytest.mark.parametrize("path", ["torch", "triton", "chunked"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_slot_outside_the_state_is_absent(kind, path, layout):
+    """State slots are device-side indices: one outside the state tensor (past its slots, or
+    negative: -1) is absent -- its request runs from zero states (as without an initial
+    state) and none of its states is written -- in the torch body and the Triton kernels
+    alike. The step equals one where each such slot is replaced by an unused one and the
+    request has no initial state; every slot but those is the same, those untouched."""
+    if path == "chunked" and (kind not in ("gated_delta_rule", "mamba2_ssd")
+                              or layout == "speculative"):
+        pytest.skip("chunked kernels: GDN and Mamba2, one slot a request")
+    if path != "torch" and not triton_interpretable():
+        pytest.skip("Triton needs a GPU or its interpreter")
+    k = KINDS[kind](torch.Generator().manual_seed(16))
+    dtype, dev = (F64, "cpu") if path == "torch" else (torch.float32, _device())
+    spec = layout == "speculative"
+    lens, ctx = [1, 2, 3, 2], [4, 6, 2, 3]
+    table = [[1, 2], [3, 4], [5, 6], [7, 8]] if spec else [1, 3, 5, 7]
+    inp, states, meta = _step_of(k, lens, ctx, table, num_slots=12, dtype=dtype, device=dev)
+    # requests 1 and 2: slots 99 (past the 12) and -1; with speculative slots, request 1's
+    # read slot and request 2's first write column
+    bad = meta.state_indices.clone()
+    stand_in = meta.state_indices.clone()
+    init = meta.has_initial_state.clone()
+    if spec:
+        bad[1, 0], bad[2, 1] = 99, -1
+        stand_in[1, 0], stand_in[2, 1] = 10, 11
+        init[1] = False
+    else:
+        bad[1], bad[2] = 99, -1
+        stand_in[1], stand_in[2] = 10, 11
+        init[1] = init[2] = False
+    before = [s.clone() for s in states]
+
+    def run(indices, initial, st):
+        step = dataclasses.replace(meta, state_indices=indices, has_initial_state=initial)
+        args = k.args(inp, st, step)
+        if path == "torch":
+            return type(k).op(*args)
+        return _triton_launch(kind, list(args), chunked=path == "chunked")
+
+    want_states = [s.clone() for s in states]
+    want = run(stand_in, init, want_states)
+    got = run(bad, meta.has_initial_state, states)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for s, w, b in zip(states, want_states, before):
+        torch.testing.assert_close(s[:10], w[:10], atol=1e-6, rtol=1e-6)
+        assert torch.equal(s[10:], b[10:])  # (the stand-ins' slots: nobody's here)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_debug_checks_refuse_a_slot_outside_the_state(kind):
+    k = KINDS[kind](torch.Generator().manual_seed(17))
+    inp, states, meta = _step_of(k, [1, 2], [3, 0], [3, 1])
+    meta.state_indices[1] = 9
+    k.run(inp, [s.clone() for s in states], meta)  # (absent without debug checks)
+    set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"state_indices\[1\]=9 is outside the state's "
+                                             r"slots \[0, 9\)"):
+            k.run(inp, states, meta)
+        meta.state_indices[1] = -1
+        with pytest.raises(ValueError, match=r"state_indices\[1\]=-1 is outside"):
+            k.run(inp, states, meta)
+    finally:
+        set_debug_checks(False)
 
 
 # --- the layers against HF transformers' modules -----------------------------------------------
@@ -497,6 +717,36 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def triton_interpretable() -> bool:
+    """Whether the Triton kernels run here: on a GPU, or in Triton's interpreter."""
+    return torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
+                   chunked: bool = False):
+    """``kind``'s Triton launch on its op arguments ``args``: the conv kernels, the recurrent
+    ones (``block`` state columns a program, ``streaming`` cache hints) or, with ``chunked``,
+    the chunked ones (chunks of 16 tokens)."""
+    from attn_ops.backends.ssm import chunked_kernels as ck
+    from attn_ops.backends.ssm import triton_kernels as tk
+
+    if kind == "causal_conv1d":
+        return tk.conv_triton(*args)
+    if kind == "short_conv":
+        bcx, w, b, st, qsl, slots, init = args
+        bb, c, x = bcx.chunk(3, dim=1)
+        return c * tk.conv_triton(bb * x, w, b, st, qsl, slots, init, "")
+    if kind == "gated_delta_rule":
+        *head, _, scale, l2 = args
+        if chunked:
+            return ck.gdn_chunked_triton(*head, scale, l2, chunk=16)
+        return tk.gdn_recurrent_triton(*head, scale, l2, block, streaming=streaming)
+    *head, _, soft, lo, hi = args
+    if chunked:
+        return ck.ssd_chunked_triton(*head, soft, lo, hi, chunk=16)
+    return tk.ssd_recurrent_triton(*head, soft, lo, hi, block, streaming=streaming)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -507,7 +757,6 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     the mixed schedule with 3 slots a request (the state after every position kept) and
     random acceptances; "mixed" with blocks of 2 state columns a program (several programs a
     head, the last one partial) and without the decode kernels' state cache hints."""
-    from attn_ops.backends.ssm import triton_kernels as tk
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
     from attn_ops.backends.ssm.mamba2 import mamba2_reference
@@ -519,19 +768,6 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     for name, value in vars(k).items():  # (the kind's parameters, in fp32 on the device)
         if torch.is_tensor(value):
             setattr(k, name, value.float().to(dev))
-
-    def launch(args):
-        if kind == "causal_conv1d":
-            return tk.conv_triton(*args)
-        if kind == "short_conv":
-            bcx, w, b, st, qsl, slots, init = args
-            bb, c, x = bcx.chunk(3, dim=1)
-            return c * tk.conv_triton(bb * x, w, b, st, qsl, slots, init, "")
-        if kind == "gated_delta_rule":
-            *head, mql, scale, l2 = args
-            return tk.gdn_recurrent_triton(*head, scale, l2, block, streaming=streaming)
-        *head, mql, soft, lo, hi = args
-        return tk.ssd_recurrent_triton(*head, soft, lo, hi, block, streaming=streaming)
 
     def reference(args):
         if kind == "causal_conv1d":
@@ -570,7 +806,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
                                     if spec else None)
         before = [s.clone() for s in ours]
         want_y, want_state, where = reference(k.args(inp, before, meta))
-        got_y = launch(k.args(inp, ours, meta))
+        got_y = _triton_launch(kind, k.args(inp, ours, meta), block, streaming)
         torch.testing.assert_close(got_y, want_y.float(), atol=1e-5, rtol=1e-5)
         idx = meta.state_indices.long()
         mine = where != NULL_STATE_SLOT
@@ -580,6 +816,62 @@ def test_triton_kernels_match_the_reference(kind, scenario):
         assert torch.equal(ours[0][others], before[0][others])  # nobody else's slot written
         for r, n in step:
             done[r] += n
+
+
+@pytest.mark.parametrize("dim,dtype,seeds", [
+    pytest.param(160, torch.float32, 1, id="cpu_sized"),
+    pytest.param(8192, torch.float32, 4, marks=pytest.mark.gpu, id="8192_fp32"),
+    pytest.param(8192, torch.bfloat16, 4, marks=pytest.mark.gpu, id="8192_bf16")])
+@pytest.mark.parametrize("kind", ["causal_conv1d", "short_conv"])
+def test_conv_kernels_over_short_prefills_then_decodes(kind, dim, dtype, seeds):
+    """The short_prefills_then_decodes schedule (300 requests of 1-4 new tokens, then two
+    decodes of all of them) through the conv kernels -- the routed op on a GPU at 8192
+    channels (Qwen3-Next's conv is 8192 wide), the launch in the interpreter here at 160 --
+    against the fp64 per-request conv, each run's states in permuted slots, NaN elsewhere.
+    Each request's state update reads the rows it rewrites (in place): on the GPU a few seeds,
+    as a race between a program's threads shows at random."""
+    if not triton_interpretable():
+        pytest.skip("Triton needs a GPU or its interpreter")
+    dev = _device()
+    schedule = SCENARIOS["short_prefills_then_decodes"]
+    n = SHORT_PREFILL_REQUESTS
+    for seed in range(seeds):
+        k = type(kind, (KINDS[kind],), {"D": dim})(torch.Generator().manual_seed(20 + seed))
+        k.w, k.b = (p.to(dtype).double() for p in (k.w, k.b))  # (as the kernels see them)
+        lengths = [sum(m for r_, m in (e for step in schedule for e in step) if r_ == r)
+                   for r in range(n)]
+        seqs = [{name: v.to(dtype).double() for name, v in k.tokens(m).items()}
+                for m in lengths]
+        want = [k.oracle(seq) for seq in seqs]
+        k.w, k.b = (p.to(dtype).to(dev) for p in (k.w, k.b))
+        slots = np.array(random.Random(seed).sample(range(1, n + 1), n))
+        states = [s.to(dtype).to(dev) for s in k.states(n + 1)]
+        done, got = np.zeros(n, int), [[] for _ in range(n)]
+        for step in schedule:
+            lens = np.array([m for _, m in step])
+            qsl = np.concatenate([[0], np.cumsum(lens)])
+            inp = {name: torch.cat([seqs[r][name][done[r]:done[r] + m] for r, m in step]).to(
+                dtype).to(dev) for name in seqs[0]}
+            meta = build_state_metadata(torch.from_numpy(qsl), done.copy(), slots, k.chunk,
+                                        device=dev)
+            y = k.run(inp, states, meta) if dev == "cuda" else _triton_launch(
+                kind, k.args(inp, states, meta))
+            y = y.double().cpu()
+            for r, m in step:
+                got[r].append(y[qsl[r]:qsl[r + 1]])
+            done += lens
+        # (bf16: B * x, the conv's output and C * y each rounded to 8 bits -- up to 0.06 off
+        # where they cancel; a request that read another's rows is off by units)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.5e-1,
+                                                                              rtol=2e-2)
+        # (causal_conv1d's states are its inputs, copied; short_conv's B * x, rounded)
+        state_tol = dict(atol=0, rtol=0) if kind == "causal_conv1d" else tol
+        for r in range(n):
+            torch.testing.assert_close(torch.cat(got[r]), want[r][0], **tol,
+                                       msg=lambda m: f"seed {seed}, request {r}: {m}")
+            torch.testing.assert_close(states[0][slots[r]].double().cpu(), want[r][1][0],
+                                       **state_tol,
+                                       msg=lambda m: f"seed {seed}, request {r}'s state: {m}")
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

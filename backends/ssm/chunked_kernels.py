@@ -260,7 +260,8 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
 def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_ptr, coff_ptr,
                      slot_ptr, init_ptr, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh,
                      stride_ut, stride_uh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
-                     stride_ot, stride_oh, num_tokens, HV: tl.constexpr, GROUP: tl.constexpr,
+                     stride_ot, stride_oh, num_tokens, num_slots, HV: tl.constexpr,
+                     GROUP: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
                      EVICT: tl.constexpr):
@@ -274,9 +275,9 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
-    start, end, s, _, s_ptrs, s_mask = _request_state(
-        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, hv * stride_sh, offs_k,
-        offs_v, k_ok, v_ok, stride_sk, EVICT)
+    start, end, s, _, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, num_slots, hv * stride_sh,
+        offs_k, offs_v, k_ok, v_ok, stride_sk, EVICT)
     h_offs = hv * stride_hh + offs_k[:, None] * DV + offs_v[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)
     for c0 in range(start, end, CHUNK):
@@ -295,7 +296,7 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
         last = tl.sum(g, axis=0)
         s = tl.exp(last) * s + _dot(tl.trans(k * tl.exp(last - cum)[:, None]), d, w_ptr, IEEE)
         c += 1
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
     _zero_padding_rows(o_ptr, _last_outer(HV, DV, BLOCK_V), end, num_tokens, stride_ot,
                        hv * stride_oh + offs_v, v_ok)
 
@@ -380,8 +381,8 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         k, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
         has_initial_state, k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), out.stride(0), out.stride(1), t, BLOCK_V=state_bv, EVICT="",
-        num_warps=warps[1], num_stages=2, **common)
+        state.stride(2), out.stride(0), out.stride(1), t, state.shape[0], BLOCK_V=state_bv,
+        EVICT="", num_warps=warps[1], num_stages=2, **common)
     out_bv = min(block_v, output_block_v)
     gdn_output_kernel[(m * hv * triton.cdiv(dv, out_bv),)](
         q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
@@ -468,10 +469,10 @@ def ssd_contrib_kernel(x_ptr, dtc_ptr, cum_ptr, b_ptr, st_ptr, start_ptr, end_pt
 
 @triton.jit
 def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, y_ptr, qsl_ptr, coff_ptr, slot_ptr,
-                     init_ptr, num_tokens, stride_sc, stride_sh, stride_ss, stride_slot_h,
-                     stride_slot_p, stride_yt, stride_yh, H: tl.constexpr, P: tl.constexpr,
-                     N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+                     init_ptr, num_tokens, num_slots, stride_sc, stride_sh, stride_ss,
+                     stride_slot_h, stride_slot_p, stride_yt, stride_yh, H: tl.constexpr,
+                     P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
     """Per request, head and block of head channels, chunk after chunk: the state at the
     chunk's start into ``hs`` (in the inputs' dtype: the output launch's product operand,
     half the bytes of the fp32 contribution ``st``), then ``S = e^(cum_last) S +
@@ -482,9 +483,9 @@ def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, y_ptr, qsl_ptr, coff_pt
     offs_n = tl.arange(0, BLOCK_N)
     p_ok = offs_p < P
     n_ok = offs_n < N
-    start, end, s, _, s_ptrs, s_mask = _request_state(
-        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, h * stride_slot_h, offs_p,
-        offs_n, p_ok, n_ok, stride_slot_p, EVICT)
+    start, end, s, _, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, num_slots, h * stride_slot_h,
+        offs_p, offs_n, p_ok, n_ok, stride_slot_p, EVICT)
     cum_h = cum_ptr + h.to(tl.int64) * num_tokens
     st_offs = h * stride_sh + offs_p[:, None] * N + offs_n[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)
@@ -495,7 +496,7 @@ def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, y_ptr, qsl_ptr, coff_pt
         tl.store(hs_ptr + at, s.to(hs_ptr.dtype.element_ty), mask=s_mask)
         s = tl.exp(last) * s + contrib
         c += 1
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
     _zero_padding_rows(y_ptr, _last_outer(H, P, BLOCK_P), end, num_tokens, stride_yt,
                        h * stride_yh + offs_p, p_ok)
 
@@ -630,8 +631,9 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     hs = torch.empty(st.shape, dtype=_work_dtype(x), device=x.device)
     ssd_state_kernel[(b * h * triton.cdiv(p, state_bp),)](
         cum, st, hs, state, y, query_start_loc, offsets, state_indices, has_initial_state, t,
-        st.stride(0), st.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        y.stride(0), y.stride(1), EVICT="", BLOCK_P=state_bp, BLOCK_N=block_n, num_warps=4, **shape)
+        state.shape[0], st.stride(0), st.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), y.stride(0), y.stride(1), EVICT="", BLOCK_P=state_bp, BLOCK_N=block_n,
+        num_warps=4, **shape)
     cb = torch.empty(m, g, chunk, chunk, dtype=torch.float32, device=x.device)
     ssd_cb_kernel[(m, chunk // block, g)](
         B, C, cb, starts, ends, B.stride(0), B.stride(1), cb.stride(0), cb.stride(1), N=n,

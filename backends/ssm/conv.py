@@ -10,6 +10,14 @@ request ``has_initial_state``, else zeros. Afterwards each request's slot holds 
 ``K - 1`` inputs (a request with no new tokens keeps its state). The torch body here is the
 reference and the CPU path; it computes in fp32 (fp64 for fp64 inputs) and reads nothing on
 the host.
+
+Inputs served or refused: shapes, dtypes (floating; ``conv_state`` too) and devices are checked
+at every call, ``query_start_loc``'s values where they are on the host (from 0, never
+decreasing, at most ``T``), all with a ``ValueError`` naming the value. A state slot is a
+device-side index: one outside ``conv_state`` (``< 0`` or ``>= slots``) is absent -- its
+request starts from zeros, as without an initial state, and its slot is not written -- in the
+torch body and the kernels alike, with no host sync; with debug checks
+(:func:`attn_ops.set_debug_checks`) the op raises on the first one instead.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import (check_step, compute_dtype, split_slots, step_writes,
-                                          token_requests, use_triton)
+from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
+                                          compute_dtype, read_states, split_slots, step_writes,
+                                          store_states, token_requests, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["ACTIVATIONS", "causal_conv1d", "conv_windows", "conv_reference"]
@@ -32,6 +41,8 @@ def _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_init
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"{op}: x must be [num_tokens, dim] and weight [dim, kernel], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    check_inputs(op, x.device, {"x": x, "weight": weight, "bias": bias,
+                                "conv_state": conv_state})
     d, k = weight.shape
     if k < 2:
         raise ValueError(f"{op}: the kernel width {k} must be >= 2")
@@ -56,18 +67,18 @@ def conv_windows(x, conv_state, query_start_loc, state_indices, has_initial_stat
     p = pos[:, None] - lags[None, :]  # [T, K]: position of each window entry in the request
     rows = (torch.arange(t, device=x.device)[:, None] - lags[None, :]).clamp(min=0)
     from_x = x.to(dtype)[rows]  # [T, K, D]
-    states = conv_state[split_slots(state_indices)[0]].to(dtype)  # [B, K - 1, D]
+    states = read_states(conv_state, split_slots(state_indices)[0], has_initial_state,
+                         dtype)  # [B, K - 1, D]: zeros without an initial state or a slot
     idx = (kernel - 1 + p).clamp(0, kernel - 2)
     from_state = states[req[:, None], idx]  # [T, K, D]
-    init = has_initial_state[req][:, None, None]
-    window = torch.where((p >= 0)[..., None], from_x,
-                         torch.where(init, from_state, torch.zeros_like(from_state)))
+    window = torch.where((p >= 0)[..., None], from_x, from_state)
     return window, real
 
 
-def _states_after(x, states, query_start_loc, has_initial_state, kernel, ends):
+def _states_after(x, states, query_start_loc, kernel, ends):
     """``[B, K - 1, D]``: each request's last ``K - 1`` inputs after its first ``ends`` new
-    tokens, from ``states`` (its conv states read before the step, compute dtype)."""
+    tokens, from ``states`` (its conv states read before the step, compute dtype: zeros
+    without an initial state)."""
     dtype = compute_dtype(x)
     qsl = query_start_loc.long()
     i = torch.arange(kernel - 1, device=x.device)
@@ -75,24 +86,22 @@ def _states_after(x, states, query_start_loc, has_initial_state, kernel, ends):
     from_x = x.to(dtype)[(qsl[:-1, None] + p).clamp(0, max(x.shape[0] - 1, 0))]
     from_state = states.gather(1, (kernel - 1 + p).clamp(0, kernel - 2)[..., None].expand(
         -1, -1, x.shape[1]))
-    init = has_initial_state[:, None, None]
-    return torch.where((p >= 0)[..., None], from_x,
-                       torch.where(init, from_state, torch.zeros_like(from_state)))
+    return torch.where((p >= 0)[..., None], from_x, from_state)
 
 
 def _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state, kernel):
     """``(states [N, K - 1, D], slots [N])``: the conv states this step writes and where."""
     read, writes = split_slots(state_indices)
-    states = conv_state[read].to(compute_dtype(x))
+    states = read_states(conv_state, read, has_initial_state, compute_dtype(x))
     qsl = query_start_loc.long()
     lens = qsl[1:] - qsl[:-1]
     if writes is None:
-        return _states_after(x, states, query_start_loc, has_initial_state, kernel, lens), read
+        return _states_after(x, states, query_start_loc, kernel, lens), read
     w = writes.shape[1]
-    new = [_states_after(x, states, query_start_loc, has_initial_state, kernel,
-                         torch.clamp(lens, max=i + 1)) for i in range(w - 1)]
+    new = [_states_after(x, states, query_start_loc, kernel, torch.clamp(lens, max=i + 1))
+           for i in range(w - 1)]
     slots = [step_writes(writes, lens, i) for i in range(w - 1)]
-    new.append(_states_after(x, states, query_start_loc, has_initial_state, kernel, lens))
+    new.append(_states_after(x, states, query_start_loc, kernel, lens))
     slots.append(torch.where(lens >= w, writes[:, w - 1], 0))  # (the final state of longer ones)
     return torch.cat(new), torch.cat(slots)
 
@@ -100,9 +109,16 @@ def _new_states(x, conv_state, query_start_loc, state_indices, has_initial_state
 def conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
                    has_initial_state, activation):
     """The op's torch body, returning ``(y, states, slots)`` in the compute dtype: the output
-    and the conv states the step writes at ``slots`` (nothing written here)."""
+    and the conv states the step writes at ``slots`` (nothing written here; slots outside
+    ``conv_state`` are absent: :func:`~attn_ops.backends.ssm.common.store_states`)."""
     _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
            activation)
+    return _reference(x, weight, bias, conv_state, query_start_loc, state_indices,
+                      has_initial_state, activation)
+
+
+def _reference(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+               activation):
     kernel = weight.shape[1]
     dtype = compute_dtype(x)
     if x.shape[0] == 0:
@@ -123,16 +139,18 @@ def conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
 
 def _impl(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
           activation):
+    _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+           activation)
+    check_step_values("causal_conv1d", query_start_loc, state_indices, x.shape[0],
+                      conv_state.shape[0])
     if use_triton(x):
         from attn_ops.backends.ssm.triton_kernels import conv_triton
 
-        _check(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
-               activation)
         return conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices,
                            has_initial_state, activation)
-    y, new, slots = conv_reference(x, weight, bias, conv_state, query_start_loc, state_indices,
-                                   has_initial_state, activation)
-    conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
+    y, new, slots = _reference(x, weight, bias, conv_state, query_start_loc, state_indices,
+                               has_initial_state, activation)
+    store_states(conv_state, slots, new)
     return y.to(x.dtype)
 
 

@@ -8,19 +8,30 @@ Per value head, with ``S`` ``[head_k_dim, head_v_dim]``, ``a_t = exp(g_t)``:
 
 ``q`` / ``k`` ``[T, Hk, Dk]``, ``v`` ``[T, Hv, Dv]``, ``g`` / ``beta`` ``[T, Hv]`` (the log
 decay and the write strength, gating already applied), ``state`` ``[slots, Hv, Dk, Dv]``;
-``max_query_len`` bounds the new tokens of any request (a host int: a decode-only step's is 1).
-Rows past ``query_start_loc[-1]`` are padding (output 0); a request without
-``has_initial_state`` starts from zeros; every request's slot receives its final state. The
-torch body is the reference and the CPU path: a token-by-token recurrence over all requests at
-once, in fp32 (fp64 for fp64 inputs).
+``max_query_len`` bounds the new tokens of any request (a host int: a decode-only step's is 1;
+it picks the kernel, and no token is dropped by it). Rows past ``query_start_loc[-1]`` are
+padding (output 0); a request without ``has_initial_state`` starts from zeros; every request's
+slot receives its final state. The torch body is the reference and the CPU path: a
+token-by-token recurrence over all requests at once, in fp32 (fp64 for fp64 inputs).
+
+Inputs served or refused: shapes, dtypes (q, k, v of one floating dtype; g, beta and ``state``
+floating) and devices are checked at every call; ``query_start_loc``'s values where they are
+on the host (from 0, never decreasing, at most ``T``) and ``max_query_len`` against them, all
+with a ``ValueError`` naming the values. A state slot is a device-side index: one outside
+``state`` (``< 0`` or ``>= slots``) is absent -- its request runs from a zero state, as without
+an initial state, and no state of it is written -- in the torch body and the kernels alike,
+with no host sync; with debug checks (:func:`attn_ops.set_debug_checks`) the op raises on the
+first one instead.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.ssm.common import (check_step, chunked_step_kernel, compute_dtype,
-                                          padded_tokens, split_slots, step_writes)
+from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
+                                          chunked_step_kernel, compute_dtype, padded_steps,
+                                          padded_tokens, read_states, split_slots, step_writes,
+                                          store_states)
 from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
@@ -39,6 +50,8 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_
         raise ValueError(f"{op}: q and k must be [num_tokens, num_k_heads, head_k_dim] and v "
                          f"[num_tokens, num_v_heads, head_v_dim], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    check_inputs(op, q.device, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state},
+                 same_dtype=("q", "k", "v"))
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hv % hk:
@@ -54,9 +67,18 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_
 def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
                   max_query_len, scale, qk_l2norm):
     """The op's torch body, returning ``(o, states, slots)`` in the compute dtype: the output
-    and the states the step writes at ``slots`` (nothing written here)."""
+    and the states the step writes at ``slots`` (nothing written here; slots outside ``state``
+    are absent: :func:`~attn_ops.backends.ssm.common.store_states`). It steps through every
+    request's new tokens whatever ``max_query_len`` says
+    (:func:`~attn_ops.backends.ssm.common.padded_steps`)."""
     _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
            max_query_len)
+    return _reference(q, k, v, g, beta, state, query_start_loc, state_indices,
+                      has_initial_state, scale, qk_l2norm)
+
+
+def _reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
+               scale, qk_l2norm):
     dtype = compute_dtype(v)
     t, hk, _ = q.shape
     hv = v.shape[1]
@@ -66,15 +88,14 @@ def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_i
     q = q * scale
     if hv != hk:
         q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
-    init = has_initial_state[:, None, None, None]
     read, writes = split_slots(state_indices)
-    s = state[read].to(dtype)
-    s = torch.where(init, s, torch.zeros_like(s))  # [B, Hv, Dk, Dv]
+    s = read_states(state, read, has_initial_state, dtype)  # [B, Hv, Dk, Dv]
     out = v.new_zeros(t + 1, hv, v.shape[2])  # (row t: where steps without a token write)
-    rows, valid = padded_tokens(query_start_loc, max_query_len)
+    steps = padded_steps(query_start_loc, t)
+    rows, valid = padded_tokens(query_start_loc, steps)
     lens = valid.sum(1)
     written, slots = [], []
-    for i in range(max_query_len):
+    for i in range(steps):
         r, ok = rows[:, i], valid[:, i]
         decayed = s * g[r].exp()[..., None, None]
         kv = (decayed * k[r][..., None]).sum(-2)  # (a S)^T k: [B, Hv, Dv]
@@ -93,12 +114,14 @@ def gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_i
 
 def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
           max_query_len, scale, qk_l2norm):
+    _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
+           max_query_len)
+    check_step_values("gated_delta_rule", query_start_loc, state_indices, q.shape[0],
+                      state.shape[0], max_query_len)
     kernel, tuning = chunked_step_kernel(v, max_query_len, state_indices)
     if kernel is not Kernel.SSM_TORCH:
         from attn_ops.backends.ssm import triton_kernels as tk
 
-        _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
-               max_query_len)
         if kernel is Kernel.SSM_TRITON_CHUNKED:
             from attn_ops.backends.ssm.chunked_kernels import gdn_chunked_triton
 
@@ -111,9 +134,9 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
                                        has_initial_state, scale, qk_l2norm,
                                        tuning.decode_block_v, tuning.decode_num_warps,
                                        tuning.decode_min_programs, tuning.gdn_decode_streaming)
-    o, s, slots = gdn_reference(q, k, v, g, beta, state, query_start_loc, state_indices,
-                                has_initial_state, max_query_len, scale, qk_l2norm)
-    state.index_copy_(0, slots, s.to(state.dtype))
+    o, s, slots = _reference(q, k, v, g, beta, state, query_start_loc, state_indices,
+                             has_initial_state, scale, qk_l2norm)
+    store_states(state, slots, s)
     return o.to(v.dtype)
 
 

@@ -8,9 +8,11 @@ where ``z`` is given.
 
 ``x`` ``[T, H, P]``, ``dt`` ``[T, H]``, ``A`` ``[H]``, ``B`` / ``C`` ``[T, G, N]``, ``D`` ``[H]`` or
 None, ``z`` ``[T, H, P]`` or None, ``dt_bias`` ``[H]`` or None, ``state`` ``[slots, H, P, N]``.
-Padding rows, initial states and the final write as in
-:data:`~attn_ops.backends.ssm.gated_deltanet.gated_delta_rule`. The torch body is the reference
-and the CPU path (token by token over all requests at once, fp32; fp64 for fp64 inputs).
+Padding rows, initial states, the final write, ``max_query_len`` and the checks as in
+:data:`~attn_ops.backends.ssm.gated_deltanet.gated_delta_rule` (x, B, C and z of one floating
+dtype; a state slot outside ``state`` absent: the request runs from a zero state, no state of
+it written). The torch body is the reference and the CPU path (token by token over all
+requests at once, fp32; fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_ops.backends.ssm.common import (check_step, chunked_step_kernel, compute_dtype,
-                                          padded_tokens, split_slots, step_writes)
+from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
+                                          chunked_step_kernel, compute_dtype, padded_steps,
+                                          padded_tokens, read_states, split_slots, step_writes,
+                                          store_states)
 from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
@@ -32,6 +36,9 @@ def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
     if x.dim() != 3:
         raise ValueError(f"{op}: x must be [num_tokens, num_heads, head_dim], got "
                          f"{tuple(x.shape)}")
+    check_inputs(op, x.device, {"x": x, "B": B, "C": C, "z": z, "dt": dt, "A": A, "D": D,
+                                "dt_bias": dt_bias, "state": state},
+                 same_dtype=("x", "B", "C", "z"))
     t, h, p = x.shape
     if B.dim() != 3 or C.shape != B.shape or B.shape[0] != t:
         raise ValueError(f"{op}: B and C must be [num_tokens={t}, n_groups, d_state], got "
@@ -50,9 +57,17 @@ def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
 def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                      has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
     """The op's torch body, returning ``(y, states, slots)`` in the compute dtype: the output
-    and the states the step writes at ``slots`` (nothing written here)."""
+    and the states the step writes at ``slots`` (nothing written here; slots outside ``state``
+    are absent), every request's new tokens whatever ``max_query_len`` says (as
+    :func:`~attn_ops.backends.ssm.gated_deltanet.gdn_reference`)."""
     _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
+    return _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                      has_initial_state, dt_softplus, dt_min, dt_max)
+
+
+def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+               has_initial_state, dt_softplus, dt_min, dt_max):
     dtype = compute_dtype(x)
     t, h, _ = x.shape
     rep = h // B.shape[1]
@@ -63,15 +78,14 @@ def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, stat
         dt = F.softplus(dt)
     dt = dt.clamp(dt_min, dt_max)
     B, C = (u.repeat_interleave(rep, dim=1) for u in (B, C))  # [T, H, N]
-    init = has_initial_state[:, None, None, None]
     read, writes = split_slots(state_indices)
-    s = state[read].to(dtype)
-    s = torch.where(init, s, torch.zeros_like(s))  # [B, H, P, N]
+    s = read_states(state, read, has_initial_state, dtype)  # [B, H, P, N]
     out = x.new_zeros(t + 1, h, x.shape[2])
-    rows, valid = padded_tokens(query_start_loc, max_query_len)
+    steps = padded_steps(query_start_loc, t)
+    rows, valid = padded_tokens(query_start_loc, steps)
     lens = valid.sum(1)
     written, slots = [], []
-    for i in range(max_query_len):
+    for i in range(steps):
         r, ok = rows[:, i], valid[:, i]
         decay = (dt[r] * A).exp()[..., None, None]
         updated = s * decay + (dt[r][..., None] * x[r])[..., None] * B[r][:, :, None, :]
@@ -94,12 +108,14 @@ def mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, stat
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
           has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+    _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len)
+    check_step_values("mamba2_ssd", query_start_loc, state_indices, x.shape[0], state.shape[0],
+                      max_query_len)
     kernel, tuning = chunked_step_kernel(x, max_query_len, state_indices)
     if kernel is not Kernel.SSM_TORCH:
         from attn_ops.backends.ssm import triton_kernels as tk
 
-        _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
-               has_initial_state, max_query_len)
         args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                 has_initial_state, dt_softplus, dt_min, dt_max)
         if kernel is Kernel.SSM_TRITON_CHUNKED:
@@ -115,10 +131,9 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                                       contrib_warps=tuning.mamba2_contrib_warps)
         return tk.ssd_recurrent_triton(*args, tuning.decode_block_p, tuning.decode_num_warps,
                                        tuning.mamba2_decode_streaming)
-    y, s, slots = mamba2_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
-                                   state_indices, has_initial_state, max_query_len, dt_softplus,
-                                   dt_min, dt_max)
-    state.index_copy_(0, slots, s.to(state.dtype))
+    y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                             state_indices, has_initial_state, dt_softplus, dt_min, dt_max)
+    store_states(state, slots, s)
     return y.to(x.dtype)
 
 

@@ -53,10 +53,21 @@ def chunk_boundaries(context_lens: np.ndarray, query_lens: np.ndarray,
     return (np.asarray(starts, dtype=np.int64), np.asarray(owners, dtype=np.int64), last)
 
 
+def _host_ints(name: str, values) -> np.ndarray:
+    """``values`` -- a tensor (any device), an array or a list -- as an int64 host array;
+    floating values are refused rather than truncated."""
+    arr = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class StateMetadata:
     """See the module docstring. Host copies end in ``_cpu``; ``max_query_len`` is a host int
-    (a decode-only step has 1: its kernels take no host data)."""
+    (a decode-only step has 1: its kernels take no host data) bounding every request's new
+    tokens in ``query_start_loc_cpu`` -- checked here, where it is built: the ops take it as
+    that bound."""
 
     query_start_loc: torch.Tensor
     state_indices: torch.Tensor
@@ -70,32 +81,44 @@ class StateMetadata:
     chunk_requests: torch.Tensor
     last_chunks: torch.Tensor
 
+    def __post_init__(self) -> None:
+        qsl = self.query_start_loc_cpu.numpy()
+        lens = qsl[1:] - qsl[:-1]
+        if lens.size and int(lens.max()) > self.max_query_len:
+            r = int(lens.argmax())
+            raise ValueError(f"max_query_len={self.max_query_len} is below request {r}'s "
+                             f"{int(lens[r])} new tokens (query_start_loc_cpu[{r}:{r + 2}]="
+                             f"{qsl[r:r + 2].tolist()}); it must bound every request's")
+
     @property
     def num_reqs(self) -> int:
         return self.state_indices.shape[0]
 
 
-def build_state_metadata(query_start_loc_cpu: torch.Tensor, context_lens: np.ndarray,
-                         state_slots: np.ndarray, chunk_size: int, *,
+def build_state_metadata(query_start_loc_cpu, context_lens, state_slots, chunk_size: int, *,
                          device: torch.device | str = "cpu",
                          num_decodes: int | None = None,
                          num_accepted_tokens: np.ndarray | None = None) -> StateMetadata:
-    """The state metadata of a step: ``query_start_loc_cpu`` ``[B + 1]`` and ``context_lens``
-    ``[B]`` of its requests, ``state_slots`` ``[B]`` their slots (0 for padding requests) --
-    or ``[B, S]`` (:attr:`BlockAllocator.state_slots_per_request` ``S``) with
-    ``num_accepted_tokens`` ``[B]``: how many of each request's new tokens of the previous step
-    were kept, whose state (at slot ``min(accepted, S) - 1`` of the request's) this step
-    continues from. Raises ``ValueError`` naming the request when a value is out of range."""
-    qsl = query_start_loc_cpu.numpy().astype(np.int64)
+    """The state metadata of a step: ``query_start_loc_cpu`` ``[B + 1]`` (from 0) and
+    ``context_lens`` ``[B]`` of its requests, ``state_slots`` ``[B]`` their slots (0 for
+    padding requests) -- or ``[B, S]`` (:attr:`BlockAllocator.state_slots_per_request` ``S``)
+    with ``num_accepted_tokens`` ``[B]``: how many of each request's new tokens of the previous
+    step were kept, whose state (at slot ``min(accepted, S) - 1`` of the request's) this step
+    continues from. Each takes a tensor, a numpy array or a list. Raises ``ValueError`` naming
+    the request when a value is out of range."""
+    qsl = _host_ints("query_start_loc_cpu", query_start_loc_cpu)
+    if qsl.ndim != 1 or qsl.shape[0] < 1 or qsl[0] != 0:
+        raise ValueError(f"query_start_loc_cpu must be [num_reqs + 1] from 0, got shape "
+                         f"{qsl.shape} starting {qsl.ravel()[:1].tolist()}")
     query_lens = qsl[1:] - qsl[:-1]
-    context_lens = np.asarray(context_lens, dtype=np.int64)
-    table = np.asarray(state_slots, dtype=np.int64)
+    context_lens = _host_ints("context_lens", context_lens)
+    table = _host_ints("state_slots", state_slots)
     n = query_lens.shape[0]
     if table.ndim == 2:
         if num_accepted_tokens is None:
             raise ValueError("state_slots [num_reqs, S] (several slots a request) needs "
                              "num_accepted_tokens [num_reqs]: which slot each continues from")
-        accepted = np.asarray(num_accepted_tokens, dtype=np.int64)
+        accepted = _host_ints("num_accepted_tokens", num_accepted_tokens)
         if accepted.shape != (n,) or ((accepted < 1) & (context_lens > 0)).any():
             raise ValueError(f"num_accepted_tokens must be [num_reqs={n}], >= 1 for requests "
                              f"with context, got {accepted.tolist()}")

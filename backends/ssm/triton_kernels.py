@@ -12,6 +12,12 @@ them in the tests):
 
 The recurrences step token by token: the decode form, right for any batch (speculative and
 short prefills included); long prefills are their chunked kernels' work.
+
+A state slot is a device-side index, never trusted: one outside the state tensor
+(``< 0`` or ``>= num_slots``) is absent -- its request reads zeros (as without an initial
+state) and none of its states is stored -- by masks on the loads and stores, with the pointer
+clamped into the tensor (the torch bodies' rule: :func:`~attn_ops.backends.ssm.common.
+read_states`, :func:`~attn_ops.backends.ssm.common.store_states`).
 """
 
 from __future__ import annotations
@@ -37,18 +43,34 @@ def _token_requests(qsl_ptr, offs_t, num_reqs, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, qsl_ptr, read_ptr, init_ptr,
-                num_tokens, num_reqs, dim, stride_xt, stride_yt, stride_ss, stride_sk,
-                K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+def _inside(slot, num_slots):
+    """Whether each of ``slot`` is a slot of the state (``[0, num_slots)``): else absent."""
+    return (slot >= 0) & (slot < num_slots)
+
+
+@triton.jit
+def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr,
+                num_tokens, num_reqs, num_slots, dim, stride_xt, stride_yt, stride_ss, stride_sk,
+                stride_idx, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                COPIED: tl.constexpr):
+    """Rows ``BLOCK_T`` at a time, ``BLOCK_D`` channels: each tap from the batch or from the
+    request's conv state -- ``state`` row ``slot_ptr[req * stride_idx]``, or with ``COPIED``
+    row ``req`` (a copy of the read states), the slot then only telling whether it is
+    present."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
     real = offs_t < tl.load(qsl_ptr + num_reqs)  # (rows past the last request's: padding)
     req = _token_requests(qsl_ptr, offs_t, num_reqs, SEARCH_STEPS)
     pos = offs_t - tl.load(qsl_ptr + req, mask=offs_t < num_tokens, other=0)
-    slot = tl.load(read_ptr + req, mask=offs_t < num_tokens, other=0).to(tl.int64)
-    init = tl.load(init_ptr + req, mask=offs_t < num_tokens, other=0) != 0
+    slot = tl.load(slot_ptr + req * stride_idx, mask=offs_t < num_tokens, other=0).to(tl.int64)
+    present = _inside(slot, num_slots)
+    init = (tl.load(init_ptr + req, mask=offs_t < num_tokens, other=0) != 0) & present
+    if COPIED:
+        slot = req.to(tl.int64)
+    else:
+        slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
         lag = K - 1 - j
@@ -72,14 +94,14 @@ def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, qsl_ptr, read_ptr, init_p
 
 
 @triton.jit
-def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, init_ptr, dim,
+def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, num_slots, dim,
                       stride_xt, stride_src, stride_srck, stride_ss, stride_sk, stride_idx,
                       NUM_WRITES: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-    """Request ``program_id(0)``'s last ``K - 1`` inputs into its slot -- the whole block
-    loaded (old state rows from ``src`` at ``read``) before any row is stored -- or, with
-    ``NUM_WRITES`` W > 0 (speculative decoding; ``src`` then a copy of the read states), its
-    state after each new token into columns ``1 + min(i, W - 1)`` of its ``slot`` row."""
+    """Request ``program_id(0)``'s last ``K - 1`` inputs into its slot -- old state rows read
+    in place, from ``src`` (the state itself) at the slot -- or, with ``NUM_WRITES`` W > 0
+    (speculative decoding; ``src`` then a copy of the read states, row ``r``), its state after
+    each new token into columns ``1 + min(i, W - 1)`` of its ``slot`` row."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
@@ -87,8 +109,13 @@ def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, in
     k_ok = offs_k < K - 1
     start = tl.load(qsl_ptr + r)
     n = tl.load(qsl_ptr + r + 1) - start
-    read = tl.load(read_ptr + r).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_k * 0) != 0  # (a vector: scalar masks fail interpreted)
+    read = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
+    present = _inside(read + offs_k * 0, num_slots)  # (vectors: scalar masks fail interpreted)
+    init = (tl.load(init_ptr + r + offs_k * 0) != 0) & present
+    if NUM_WRITES == 0:
+        read = tl.minimum(tl.maximum(read, 0), num_slots - 1)
+    else:
+        read = r.to(tl.int64)
     for c in tl.static_range(max(NUM_WRITES, 1)):
         # inputs consumed: all (one slot, or the last column), else c + 1; where the column
         # keeps a state: always with one slot; the first W - 1 if the request has token c; the
@@ -104,6 +131,8 @@ def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, in
         else:
             keep = (offs_k * 0 + NUM_WRITES) <= n
         slot = tl.load(slot_ptr + r * stride_idx + (0 if NUM_WRITES == 0 else 1 + c)).to(tl.int64)
+        keep = keep & _inside(slot + offs_k * 0, num_slots)  # (an absent slot: not written)
+        slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
         p = ends - (K - 1) + offs_k
         vx = tl.load(x_ptr + (start + p)[:, None] * stride_xt + offs_d[None, :],
                      mask=(k_ok & (p >= 0))[:, None] & d_ok[None, :], other=0.0)
@@ -111,6 +140,13 @@ def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, read_ptr, slot_ptr, in
                      + offs_d[None, :], mask=(k_ok & (p < 0) & init)[:, None] & d_ok[None, :],
                      other=0.0)
         new = vx.to(tl.float32) + vs.to(tl.float32)
+        if NUM_WRITES == 0:
+            # In place, a row's new value is a later row's old one (after n new tokens, row i
+            # takes row i + n), loaded by other threads of this program: every thread's loads
+            # complete before any thread stores. Without the barrier a warp that runs ahead
+            # overwrites rows another has not read yet -- wrong states at the whim of warp
+            # scheduling (more often with more programs and wider elements).
+            tl.debug_barrier()
         tl.store(state_ptr + slot * stride_ss + offs_k[:, None] * stride_sk + offs_d[None, :],
                  new.to(state_ptr.dtype.element_ty),
                  mask=(k_ok & keep)[:, None] & d_ok[None, :])
@@ -125,24 +161,26 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
     k = weight.shape[1]
     y = torch.empty_like(x)
     b = query_start_loc.shape[0] - 1
-    if state_indices.dim() == 2:  # (speculative: read a copy, the writes may hit read slots)
-        src = conv_state[state_indices[:, 0].long()]
-        read = torch.arange(b, device=x.device, dtype=torch.int32)
+    slots = conv_state.shape[0]
+    copied = state_indices.dim() == 2
+    if copied:  # (speculative: read a copy, the writes may hit read slots)
+        src = conv_state[state_indices[:, 0].long().clamp(0, slots - 1)]
     else:
-        src, read = conv_state, state_indices
+        src = conv_state
     if t and b:
         block_d = min(triton.next_power_of_2(d), 128)
         conv_kernel[(triton.cdiv(t, 16), triton.cdiv(d, block_d))](
-            x, weight, bias if bias is not None else weight, src, y, query_start_loc, read,
-            has_initial_state, t, b, d, x.stride(0), y.stride(0), src.stride(0), src.stride(1),
-            K=k, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=16,
-            BLOCK_D=block_d, SEARCH_STEPS=b.bit_length())
+            x, weight, bias if bias is not None else weight, src, y, query_start_loc,
+            state_indices, has_initial_state, t, b, slots, d, x.stride(0), y.stride(0),
+            src.stride(0), src.stride(1), state_indices.stride(0), K=k,
+            HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=16, BLOCK_D=block_d,
+            SEARCH_STEPS=b.bit_length(), COPIED=copied)
     elif t:
         y.zero_()
     if b:
         block_d = min(triton.next_power_of_2(d), 256)
         conv_state_kernel[(b, triton.cdiv(d, block_d))](
-            x, src, conv_state, query_start_loc, read, state_indices, has_initial_state, d,
+            x, src, conv_state, query_start_loc, state_indices, has_initial_state, slots, d,
             x.stride(0), src.stride(0), src.stride(1), conv_state.stride(0),
             conv_state.stride(1), state_indices.stride(0), NUM_WRITES=_num_writes(state_indices),
             K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
@@ -150,29 +188,33 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
 
 
 @triton.jit
-def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, head_offs,
-                   offs_row, offs_col, row_ok, col_ok, stride_row, EVICT: tl.constexpr):
+def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
+                   head_offs, offs_row, offs_col, row_ok, col_ok, stride_row,
+                   EVICT: tl.constexpr):
     """Request ``r``'s new-token range and its state block ``[rows, cols]`` (at
-    ``head_offs`` in a slot) read in fp32 -- zeros without an initial state -- with the
-    block's offsets in a slot, its pointers in the read slot and its mask; ``EVICT``: the
-    read's L2 eviction policy."""
+    ``head_offs`` in a slot) read in fp32 -- zeros without an initial state or with an absent
+    slot -- with the block's offsets in a slot, its pointers in the read slot, its mask and
+    the mask of a store back into that slot (empty where it is absent); ``EVICT``: the read's
+    L2 eviction policy."""
     start = tl.load(qsl_ptr + r)
     end = tl.load(qsl_ptr + r + 1)
     slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
-    init = tl.load(init_ptr + r + offs_row * 0) != 0  # (a vector: scalar masks fail interpreted)
+    present = _inside(slot + offs_row * 0, num_slots)  # (vectors: scalar masks fail interpreted)
+    init = (tl.load(init_ptr + r + offs_row * 0) != 0) & present
+    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
     s_offs = head_offs + offs_row[:, None] * stride_row + offs_col[None, :]
     s_ptrs = state_ptr + slot * stride_ss + s_offs
     s_mask = row_ok[:, None] & col_ok[None, :]
     s = tl.load(s_ptrs, mask=s_mask & init[:, None], other=0.0,
                 eviction_policy=EVICT).to(tl.float32)
-    return start, end, s, s_offs, s_ptrs, s_mask
+    return start, end, s, s_offs, s_ptrs, s_mask, s_mask & present[:, None]
 
 
 @triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
                          slot_ptr, init_ptr, scale, stride_idx, stride_qt, stride_qh,
                          stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
-                         stride_ot, stride_oh, num_tokens, NUM_WRITES: tl.constexpr,
+                         stride_ot, stride_oh, num_tokens, num_slots, NUM_WRITES: tl.constexpr,
                          GROUP: tl.constexpr,
                          DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
@@ -184,9 +226,9 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
-    start, end, s, s_offs, s_ptrs, s_mask = _request_state(
-        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, hv * stride_sh, offs_k,
-        offs_v, k_ok, v_ok, stride_sk, EVICT)
+    start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
+        hv * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, EVICT)
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
                     other=0.0).to(tl.float32)
@@ -211,8 +253,8 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
         tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
                  mask=v_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
-                   stride_idx, stride_ss, offs_k, NUM_WRITES)
-    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES, STORE)
+                   stride_idx, stride_ss, num_slots, offs_k, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, STORE)
     _zero_padding_rows(o_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_ot,
                        hv * stride_oh + offs_v, v_ok)
 
@@ -233,23 +275,25 @@ def _num_writes(state_indices: torch.Tensor) -> int:
 
 
 @triton.jit
-def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, stride_idx, stride_ss, offs,
-               NUM_WRITES: tl.constexpr):
+def _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, i, n, stride_idx, stride_ss,
+               num_slots, offs, NUM_WRITES: tl.constexpr):
     """Speculative decoding (``NUM_WRITES`` W > 0): the state after new token ``i`` of ``n``
-    into column ``1 + min(i, W - 1)`` of the request's slots, if that column keeps it."""
+    into column ``1 + min(i, W - 1)`` of the request's slots, if that column keeps it (and
+    its slot is present)."""
     if NUM_WRITES > 0:
         ii = offs * 0 + i  # (vectors: scalar masks fail interpreted)
         keep = (ii < NUM_WRITES - 1) | (ii == n - 1)
         col = 1 + tl.minimum(ii, NUM_WRITES - 1)
         slot = tl.load(slot_ptr + r * stride_idx + col, mask=keep, other=0).to(tl.int64)
-        tl.store(state_ptr + tl.max(slot) * stride_ss + s_offs,
+        keep = keep & _inside(slot, num_slots)
+        tl.store(state_ptr + tl.max(tl.where(keep, slot, 0)) * stride_ss + s_offs,
                  s.to(state_ptr.dtype.element_ty), mask=s_mask & keep[:, None])
 
 
 @triton.jit
 def _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES: tl.constexpr, STORE: tl.constexpr):
-    """One slot a request (``NUM_WRITES`` 0): its final state back into it (``STORE``: the
-    store's cache modifier)."""
+    """One slot a request (``NUM_WRITES`` 0): its final state back into it (``s_mask``: the
+    store's, empty where the slot is absent; ``STORE``: its cache modifier)."""
     if NUM_WRITES == 0:
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask, cache_modifier=STORE)
 
@@ -295,7 +339,8 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
         state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
-        out.stride(1), t, NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk, DK=dk, DV=dv,
+        out.stride(1), t, state.shape[0], NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk,
+        DK=dk, DV=dv,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
         **_state_cache_hints(streaming), num_warps=num_warps)
     return out
@@ -306,7 +351,7 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
                          y_ptr, qsl_ptr, slot_ptr, init_ptr, dt_min, dt_max,
                          stride_idx, stride_xt,
                          stride_xh, stride_dtt, stride_bt, stride_bg, stride_ss, stride_sh,
-                         stride_sp, num_tokens, NUM_WRITES: tl.constexpr,
+                         stride_sp, num_tokens, num_slots, NUM_WRITES: tl.constexpr,
                          HEADS_PER_GROUP: tl.constexpr,
                          P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
@@ -318,9 +363,9 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
     offs_n = tl.arange(0, BLOCK_N)
     p_ok = offs_p < P
     n_ok = offs_n < N
-    start, end, s, s_offs, s_ptrs, s_mask = _request_state(
-        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, h * stride_sh, offs_p,
-        offs_n, p_ok, n_ok, stride_sp, EVICT)
+    start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
+        h * stride_sh, offs_p, offs_n, p_ok, n_ok, stride_sp, EVICT)
     a = tl.load(a_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
@@ -344,8 +389,8 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
         tl.store(y_ptr + t * stride_xt + h * stride_xh + offs_p, y.to(y_ptr.dtype.element_ty),
                  mask=p_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
-                   stride_idx, stride_ss, offs_p, NUM_WRITES)
-    _keep_final(state_ptr, s_ptrs, s, s_mask, NUM_WRITES, STORE)
+                   stride_idx, stride_ss, num_slots, offs_p, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, STORE)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_xt,
                        h * stride_xh + offs_p, p_ok)
 
@@ -369,7 +414,7 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)),
         state_indices.stride(0), x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
-        B.stride(1), state.stride(0), state.stride(1), state.stride(2), t,
+        B.stride(1), state.stride(0), state.stride(1), state.stride(2), t, state.shape[0],
         NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
         SOFTPLUS=dt_softplus, **_state_cache_hints(streaming), num_warps=num_warps)
