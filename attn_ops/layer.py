@@ -132,7 +132,8 @@ class Attention(BackendLayer):
                             ("value", value, spec.dtype), ("kv_cache", kv_cache, spec.cache_dtype),
                             ("positions", positions,
                              positions.dtype if positions is not None else None)],
-                           tokens=query.shape[0], metadata=metadata)
+                           tokens=query.shape[0], metadata=metadata,
+                           page=_cache_page(kv_cache))
         if (key is None) != (value is None):
             raise ValueError("pass key and value together (or neither, when the cache already "
                              f"holds them); got key={_shape(key)}, value={_shape(value)}")
@@ -171,6 +172,13 @@ class Attention(BackendLayer):
                           alibi_slopes=self.alibi_slopes, k_scale=self.k_scale,
                           v_scale=self.v_scale)
         return (out, lse) if return_lse else out
+
+
+def _cache_page(kv_cache: torch.Tensor) -> int | None:
+    """Tokens a page of a paged KV cache holds: ``[blocks, 2, page, heads, dim]`` (NHD) or
+    ``[blocks, page, heads, dim_k + dim_v]`` (packed); None for another layout."""
+    dim = {5: 2, 4: 1}.get(kv_cache.dim())
+    return None if dim is None else kv_cache.shape[dim]
 
 
 def _shape(x) -> object:

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "PAGED_ATTENTION_SCHEMA", "apply_sinks", "check_nhd_attention_inputs",
     "check_layer_inputs", "check_paged_attention_inputs", "check_paged_attention_values",
+    "check_query_start_loc",
     "debug_checks_enabled",
     "define_op", "library", "set_debug_checks", "with_fp8_output",
     "OP_MODULES", "resolve_ops_on_lookup",
@@ -341,6 +342,14 @@ def check_paged_attention_inputs(
             _fail(f"{name} must be [num_heads={num_heads}], got {tuple(t.shape)}")
 
 
+def check_query_start_loc(starts: list[int], num_tokens: int) -> None:
+    """Host values of ``query_start_loc``: from 0, never decreasing, within the tokens."""
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
+            or starts[-1] > num_tokens:
+        _fail(f"query_start_loc={starts} must start at 0, never decrease and end at most at "
+              f"num_tokens={num_tokens}")
+
+
 def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: int,
                                  starts: list[int], lens: list[int], block_table: torch.Tensor,
                                  check_block_ids: bool) -> None:
@@ -353,10 +362,7 @@ def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: i
     runs only with debug checks on (:func:`set_debug_checks`) -- the metadata builder checks
     the same ids on the host once per step. Nothing here is ever a hidden device sync.
     """
-    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
-            or starts[-1] > num_tokens:
-        _fail(f"query_start_loc={starts} must start at 0, never decrease and end at most at "
-              f"num_tokens={num_tokens}")
+    check_query_start_loc(starts, num_tokens)
     width = block_table.shape[1]
     for i, s in enumerate(lens):
         n = starts[i + 1] - starts[i]

@@ -24,13 +24,14 @@ from __future__ import annotations
 import torch
 
 from attn_ops.glue import paged_slots
-from attn_ops.ops import (check_paged_attention_values, debug_checks_enabled,
-                          define_op)
+from attn_ops.ops import (check_paged_attention_values, check_query_start_loc,
+                          debug_checks_enabled, define_op)
 
 __all__ = ["allocate_index_cache", "indexer_k_write", "indexer_slots", "indexer_topk"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_INT32_MAX = 2 ** 31 - 1
 
 
 def allocate_index_cache(num_blocks: int, page: int, dim: int, dtype: torch.dtype = FP8,
@@ -86,7 +87,7 @@ def _k_write(k, keys, scales, slot_mapping) -> None:
 
 def k_write_reference(k, keys, scales, slot_mapping) -> None:
     """The index-key write in torch (the CPU path and the oracle)."""
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < keys.shape[0] * keys.shape[1])  # (else absent)
     slots = slot_mapping[keep].long()
     rows = k[keep].float()
     flat = keys.view(-1, keys.shape[2])
@@ -106,7 +107,7 @@ indexer_k_write = define_op(
     "(Tensor k, Tensor(a!) keys, Tensor(b!)? scales, Tensor slot_mapping) -> ()",
     _k_write, lambda *args: _check_write(*args))
 indexer_k_write.__doc__ = """Write index keys ``k`` [T, dim] at ``slot_mapping`` [T] (-1:
-padding, skipped); an fp8 cache stores each group of channels over its amax / 448 and the
+padding, and any slot outside the cache, skipped); an fp8 cache stores each group of channels over its amax / 448 and the
 scale beside it."""
 
 
@@ -164,6 +165,7 @@ def topk_reference(q, weights, keys, scales, block_table, seq_lens, query_start_
     flat = keys.view(-1, d)
     limit = block_table.shape[1] * page  # (positions past the table: not visible)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    check_query_start_loc(qsl, t)
     for r, length in enumerate(lens):
         lo, hi = qsl[r], qsl[r + 1]
         if hi == lo:
@@ -249,7 +251,10 @@ def slots_reference(positions, block_table, query_start_loc, page, seq_lens=None
     valid = (positions >= 0) & (req < b)  # (padding rows: -1)
     if seq_lens is not None and b:
         valid &= positions < seq_lens.long()[req.clamp(max=b - 1)]
-    return paged_slots(req, positions, valid, block_table, page).to(torch.int32)
+    slots = paged_slots(req, positions, valid, block_table, page)
+    # (a block id no int32 slot can address -- a corrupt table entry -- is absent, not wrapped
+    # onto another request's page)
+    return torch.where((slots >= 0) & (slots <= _INT32_MAX), slots, -1).to(torch.int32)
 
 
 def _slots_fake(positions, block_table, query_start_loc, page, seq_lens=None):

@@ -333,8 +333,10 @@ def index_slots_kernel(pos_ptr, table_ptr, qsl_ptr, seq_ptr, out_ptr, num_reqs, 
     row = tl.minimum(req, table_rows - 1).to(tl.int64)
     col = tl.minimum(tl.maximum(pos // PAGE, 0), width - 1)
     block = tl.load(table_ptr + row * stride_b + col, mask=valid, other=0).to(tl.int64)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs,
-             tl.where(valid, block * PAGE + pos % PAGE, -1), mask=ok)
+    slot = block * PAGE + pos % PAGE
+    # (a slot no int32 can hold -- a corrupt block id -- is absent, not wrapped onto a page)
+    valid = valid & (slot >= 0) & (slot <= 2147483647)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, tl.where(valid, slot, -1), mask=ok)
 
 
 def indexer_slots_device(positions, block_table, query_start_loc, page: int,
@@ -450,15 +452,17 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
 
 
 @triton.jit
-def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, stride_kt, stride_kb,
-                         stride_kp, stride_sb, stride_sp, D: tl.constexpr, GROUPS: tl.constexpr,
-                         GROUPS_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                         PAGE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Token ``program_id(0)``'s index key into its slot (-1: none): as it is, or in fp8 with
-    each group of ``GROUP`` channels over its amax / ``FP8_MAX`` and that scale beside it."""
+def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride_kt,
+                         stride_kb, stride_kp, stride_sb, stride_sp, D: tl.constexpr,
+                         GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_P: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                         FP8_MAX: tl.constexpr):
+    """Token ``program_id(0)``'s index key into its slot (-1, or any slot outside the
+    ``capacity`` rows: none): as it is, or in fp8 with each group of ``GROUP`` channels over
+    its amax / ``FP8_MAX`` and that scale beside it."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
+    if (slot >= 0) & (slot < capacity):
         offs_g = tl.arange(0, GROUPS_P)
         offs_c = tl.arange(0, GROUP_P)
         ok = (offs_g < GROUPS)[:, None] & (offs_c < GROUP)[None, :]
@@ -485,7 +489,8 @@ def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float) -> Non
     groups = scales.shape[2] if scales is not None else 1
     group = d // groups
     index_k_write_kernel[(t,)](
-        k, keys, scales if scales is not None else keys, slot_mapping, k.stride(0),
+        k, keys, scales if scales is not None else keys, slot_mapping,
+        keys.shape[0] * keys.shape[1], k.stride(0),
         keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
         scales.stride(1) if scales is not None else 0, D=d, GROUPS=groups,
         GROUPS_P=pow2(groups), GROUP=group, GROUP_P=pow2(group), PAGE=keys.shape[1],
