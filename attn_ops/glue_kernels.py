@@ -8,6 +8,10 @@ table -- and, unless the token is padding (slot -1, or a row past ``query_start_
 writes the (rotated) key and the value there, quantized to an fp8 cache with the per-tensor
 scales (``x / scale`` saturated). No host reads: capturable in CUDA graphs.
 
+Slots, positions and block ids arrive on the device and are never trusted: a slot outside the
+cache, a position past the block-table row or a block id outside the cache makes the token
+padding -- nothing written, no page tail cleared -- for a comparison per token, no host sync.
+
 Requests are isolated: the token that writes row 0 of a page -- a request entering a page,
 which may hold anything an earlier request left there, NaN included -- also zeroes the rows of
 that page this call does not write (:func:`_clear_page_tail`), so a page's unused tail is always
@@ -104,24 +108,25 @@ def _clear_meta(num_tokens: int, block_size: int, k_row: int, v_row: int) -> tup
     return (num_tokens, columns), dict(CLEAR_ROWS=rows, RB=tile_rows, FK=fk, FV=fv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def kv_write_kernel(
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, num_tokens, block_size,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch,
-        stride_vcb, stride_vcs, stride_vch,
+        num_slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kcs,
+        stride_kch, stride_vcb, stride_vcs, stride_vch,
         HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_HKV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr, CLEAR_ROWS: tl.constexpr, RB: tl.constexpr,
         FK: tl.constexpr, FV: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    ok = (slot >= 0) & (slot < num_slots)  # (outside the cache: skipped like -1)
     page = slot // block_size
     row = slot % block_size
-    if (slot >= 0) & (row == 0):
+    if ok & (row == 0):
         _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr, slot_ptr,
                          stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                          block_size, HKV, D, DV, True, CLEAR_ROWS, RB, FK, FV)
-    if (slot >= 0) & (tl.program_id(1) == 0):
+    if ok & (tl.program_id(1) == 0):
         offs_h = tl.arange(0, BLOCK_HKV)
         offs_d = tl.arange(0, BLOCK_D)
         k_ok = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
@@ -144,7 +149,8 @@ def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale
     grid, clear = _clear_meta(t, k_cache.shape[1], hkv * d, hkv * dv)
     kv_write_kernel[grid](
         key, value, k_cache, v_cache, slots, k_scale if fp8 else key, v_scale if fp8 else key,
-        t, k_cache.shape[1], key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        t, k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1], key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2),
         HKV=hkv, D=d, DV=dv, BLOCK_HKV=triton.next_power_of_2(hkv),
@@ -153,10 +159,10 @@ def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale
         num_warps=4 if hkv * d >= 2048 else 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pages", "bt_width"])
 def rope_kv_write_kernel(
         q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, qsl_ptr,
-        bt_ptr, ks_ptr, vs_ptr, num_reqs, num_tokens, block_size,
+        bt_ptr, ks_ptr, vs_ptr, num_reqs, num_tokens, block_size, num_pages, bt_width,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
         stride_ot, stride_oh, stride_kot, stride_koh, stride_kcb, stride_kcs, stride_kch,
         stride_vcb, stride_vcs, stride_vch, stride_bt,
@@ -170,6 +176,7 @@ def rope_kv_write_kernel(
     first_column = tl.program_id(1) == 0
     if HAS_SLOTS:
         slot = tl.load(slot_ptr + t).to(tl.int64)
+        slot = tl.where((slot >= 0) & (slot < num_pages.to(tl.int64) * block_size), slot, -1)
         enters = (slot >= 0) & (slot % block_size == 0)
     else:
         real = t < tl.load(qsl_ptr + num_reqs)  # (padding rows' positions are not read)
@@ -186,20 +193,25 @@ def rope_kv_write_kernel(
                     lo = mid
                 else:
                     hi = mid
-            block = tl.load(bt_ptr + lo * stride_bt + pos // block_size, mask=real, other=0)
-            slot = tl.where(real, block.to(tl.int64) * block_size + pos % block_size, -1)
+            # (a position past the table's row, or a block id outside the cache: padding)
+            col = pos // block_size
+            in_row = real & (pos >= 0) & (col < bt_width)
+            block = tl.load(bt_ptr + lo * stride_bt + col, mask=in_row, other=-1).to(tl.int64)
+            ok = in_row & (block >= 0) & (block < num_pages)
+            slot = tl.where(ok, block * block_size + pos % block_size, -1)
         page = slot // block_size
-        if enters:
+        if enters & (slot >= 0):
             if HAS_SLOTS:
                 _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, slot, num_tokens, slot_ptr,
                                  slot_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
                                  stride_vcs, stride_vch, block_size, HKV, 2 * HALF, DV, True,
                                  CLEAR_ROWS, RB, FK, FV)
             else:
-                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, tl.load(qsl_ptr + lo + 1),
-                                 slot_ptr, pos_ptr, stride_kcb, stride_kcs, stride_kch,
-                                 stride_vcb, stride_vcs, stride_vch, block_size, HKV, 2 * HALF,
-                                 DV, False, CLEAR_ROWS, RB, FK, FV)
+                end = tl.minimum(tl.load(qsl_ptr + lo + 1), num_tokens)
+                _clear_page_tail(kc_ptr, vc_ptr, page, t, slot, pos, end, slot_ptr, pos_ptr,
+                                 stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+                                 stride_vch, block_size, HKV, 2 * HALF, DV, False, CLEAR_ROWS,
+                                 RB, FK, FV)
     if first_column:
         _rope_and_write(q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, ks_ptr,
                         vs_ptr, t, slot, block_size, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -301,10 +313,11 @@ def rope_write_paged(query, key, value, cos_sin, k_cache, v_cache, slots, positi
         slots if has_slots else dummy, positions if positions is not None else dummy,
         query_start_loc if query_start_loc is not None else dummy, table,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        0 if has_slots else block_table.shape[0], t, k_cache.shape[1],
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), cos_sin.stride(0), q_out.stride(0), q_out.stride(1), ko.stride(0),
-        ko.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        0 if has_slots else block_table.shape[0], t, k_cache.shape[1], k_cache.shape[0],
+        table.shape[1] if table.dim() == 2 else 0, query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0),
+        q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         HQ=hq, HKV=hkv, HALF=rot // 2, DV=dv, NOPE=nope, BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(rot // 2),

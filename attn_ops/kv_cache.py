@@ -153,7 +153,11 @@ def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
     """Write ``key`` / ``value`` ``[T, H, D]`` at ``slot_mapping`` into the paged views
     ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, H, D]`` (any strides: halves of one
     cache, or the two column ranges of an MLA latent cache), skipping -1, quantizing to fp8
-    caches, and zeroing the rows the write leaves unfilled in every page it enters."""
+    caches, and zeroing the rows the write leaves unfilled in every page it enters.
+
+    Slots arrive on the device and are never trusted: one outside the cache (``>= num_blocks x
+    block_size``, or below -1) is skipped like -1 -- nothing written, no page tail cleared
+    (``set_debug_checks(True)`` makes the op raise on it instead)."""
     block_size = k_cache.shape[1]
     if slot_mapping.numel() == 0:
         return
@@ -163,7 +167,7 @@ def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
         return kv_cache_update_triton(key, value, k_cache, v_cache, slot_mapping, k_scale,
                                       v_scale)
     clear_entered_page_tails(slot_mapping, k_cache, v_cache)
-    valid = slot_mapping >= 0
+    valid = (slot_mapping >= 0) & (slot_mapping < k_cache.shape[0] * block_size)
     rows = valid.nonzero().squeeze(1)  # (the host's own tensors: no device to sync with)
     slots = slot_mapping.long().index_select(0, rows)
     blocks, offsets = slots // block_size, slots % block_size
@@ -180,13 +184,15 @@ def clear_entered_page_tails(slot_mapping: torch.Tensor, *caches: torch.Tensor) 
     hold anything an earlier request left, NaN included), the rows the write does not fill --
     so a page's unused tail is always finite, and no kernel that loads whole pages multiplies a
     zero probability by a NaN. The rows a write fills are the following tokens' (a request's
-    new tokens are consecutive, in position order). Host tensors (the GPU does this inside
-    its write kernel). ``caches``: paged views ``[num_blocks, block_size, ...]`` the write
-    fills (K and V; an MLA latent cache)."""
-    block_size = caches[0].shape[1]
+    new tokens are consecutive, in position order). A slot outside the caches enters no page
+    (the write skips it). Host tensors (the GPU does this inside its write kernel).
+    ``caches``: paged views ``[num_blocks, block_size, ...]`` the write fills (K and V; an MLA
+    latent cache)."""
+    num_blocks, block_size = caches[0].shape[:2]
     slots = slot_mapping.numpy() if slot_mapping.dtype == torch.int64 else \
         slot_mapping.long().numpy()
-    for t in np.flatnonzero((slots >= 0) & (slots % block_size == 0)):
+    entering = (slots >= 0) & (slots < num_blocks * block_size) & (slots % block_size == 0)
+    for t in np.flatnonzero(entering):
         run = slots[t:t + block_size]
         filled = int(np.argmin(np.append(run == slots[t] + np.arange(run.shape[0]), False)))
         if filled < block_size:
@@ -209,10 +215,13 @@ kv_cache_update = define_op(
 )
 kv_cache_update.__doc__ = """Write key/value [T, Hkv, D] into the paged cache at slot_mapping [T].
 
-Slots of -1 are skipped. An fp8 cache stores ``key / k_scale`` (and ``value / v_scale``)
-saturated to the fp8 range. A token writing row 0 of a page also zeroes the page's rows that
-the tokens after it do not fill: a page's tokens come in slot order, the entering one first (a
-request's new tokens are consecutive, in position order), as any paged engine lays them out.
+Slots of -1 are skipped, and so is a slot outside the cache (``>= num_blocks x block_size``
+or below -1: slots arrive on the device and are never trusted; with
+``attn_ops.set_debug_checks(True)`` the op raises on one instead). An fp8 cache stores
+``key / k_scale`` (and ``value / v_scale``) saturated to the fp8 range. A token writing row 0
+of a page also zeroes the page's rows that the tokens after it do not fill: a page's tokens
+come in slot order, the entering one first (a request's new tokens are consecutive, in
+position order), as any paged engine lays them out.
 """
 
 
@@ -365,3 +374,26 @@ def gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, end: int,
     used = blocks[first: -(-end // block_size)].long()
     offset = start - first * block_size
     return cache.index_select(0, used).flatten(0, 1)[offset: offset + end - start]
+
+
+def gather_present_tokens(cache: torch.Tensor, blocks: torch.Tensor, end: int,
+                          start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_tokens` over block ids that arrive on the device, never trusted:
+    ``(tokens [n, H, D], present [n] bool)`` for tokens ``start .. start + n - 1``. Tokens past
+    the end of ``blocks`` (the request's block-table row, when its ``seq_len`` needs more pages
+    than the row holds) are absent and not returned (``n`` stops at the row's end); a token
+    whose block id is outside the cache's ``[0, num_blocks)`` is absent too: nothing outside
+    the cache is read for it, its row is zero and ``present`` False, for the caller to mask
+    it out of its softmax."""
+    num_blocks, block_size = cache.shape[:2]
+    end = min(end, blocks.shape[0] * block_size)
+    first = start // block_size
+    ids = blocks[first: max(-(-end // block_size), first)].long()
+    ok = (ids >= 0) & (ids < num_blocks)
+    pages = cache.index_select(0, torch.where(ok, ids, 0))  # (an absent id reads page 0 ...)
+    raw = pages.view(torch.uint8) if pages.dtype in FP8_MAX else pages
+    raw.masked_fill_(~ok.view(-1, *(1,) * (pages.dim() - 1)), 0)  # (... and keeps none of it)
+    offset = start - first * block_size
+    n = max(end - start, 0)
+    return (pages.flatten(0, 1)[offset: offset + n],
+            ok.repeat_interleave(block_size)[offset: offset + n])

@@ -6,7 +6,8 @@ arithmetic, is the time. So CPU_ATTN is one call into a small C kernel
 (``cpu_attn_kernels.c``) for the whole mixed batch. For every (request, KV head, chunk of query
 tokens) it packs the query rows of all query heads sharing that KV head (GQA/MQA read K/V once),
 walks only the request's visible keys page by page straight from the cache -- a sliding window
-skips whole pages, unused and NaN-poisoned slots are never touched -- converts each K/V row to
+skips whole pages, unused and NaN-poisoned slots are never touched, and a key whose block id is
+outside the cache is absent (never read, out of the softmax) -- converts each K/V row to
 float once (fp32, fp16, bf16, or fp8 e4m3/e5m2 through a table with the per-tensor scale folded
 in), and runs an online softmax in float32 with soft-cap, ALiBi, sinks and the natural-log LSE
 of REFERENCE. Work items are spread over ``torch.get_num_threads()`` threads.
@@ -62,7 +63,7 @@ class _Args(ctypes.Structure):
         ("hq", ctypes.c_int), ("hkv", ctypes.c_int), ("d", ctypes.c_int), ("dv", ctypes.c_int),
         ("block_size", ctypes.c_int), ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float),
         ("window", ctypes.c_int), ("causal", ctypes.c_int),
-        ("num_blocks", ctypes.c_int64), ("bad_block", ctypes.c_void_p),
+        ("num_blocks", ctypes.c_int64), ("bt_width", ctypes.c_int64),
     ]
 
 
@@ -154,7 +155,6 @@ def cpu_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table,
     def ptr(t):
         return t.data_ptr() if t is not None else None
 
-    bad_block = (ctypes.c_int64 * 2)()
     args = _Args(
         ptr(q), q.stride(0), q.stride(1), k_addr, v_addr, block_stride, token_stride,
         head_stride, _CACHE_KIND[kv_cache.dtype], ptr(lut),
@@ -162,11 +162,10 @@ def cpu_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table,
         table.stride(0), ptr(qsl), ptr(seq), len(lens), ptr(o), o.stride(0), o.stride(1),
         ptr(lse_buf), ptr(sinks_f), ptr(slopes_f), num_heads, num_kv_heads, head_dim,
         head_dim_v, block_size, scale, soft_cap or 0.0, sliding_window or 0, int(causal),
-        num_blocks, ctypes.addressof(bad_block))
+        num_blocks, table.shape[1])
+    # (the kernel treats a block id outside the cache, or a key past the table's row, as
+    # absent: block ids come from a tensor and are never trusted)
     rc = _kernel()(ctypes.byref(args), torch.get_num_threads())
-    if rc == 3:  # the kernel checks every block id it follows: no out-of-bounds read
-        raise ValueError(f"block_table row {bad_block[0]} holds block {bad_block[1]}, outside "
-                         f"the cache's [0, {num_blocks}) blocks")
     if rc:
         raise RuntimeError(f"CPU_ATTN kernel failed (code {rc}: "
                            f"{'out of memory' if rc == 1 else 'bad arguments'})")

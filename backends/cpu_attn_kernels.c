@@ -12,6 +12,11 @@
  * ALiBi slope * (j - p); causal / sliding-window visibility; sinks add probability mass only;
  * lse = natural log over the visible keys (sinks excluded).
  *
+ * Block ids and lengths come from tensors and are never trusted: a key whose block id is
+ * outside the cache is absent (its K/V are not read, it is masked out of the softmax like an
+ * invisible key), and so are the keys past the end of the request's block-table row. A row
+ * that sees no key gets out 0 and lse -inf.
+ *
  * Where the time goes (benchmarks/bench_cpu_attn.py): at decode sizes, in staging K/V rows
  * (the K tile is transposed with scalar stores so that scores vectorize over keys) -- the
  * demo's decode step runs within 1.2x of dense SDPA on pre-gathered data; at prefill sizes and
@@ -59,8 +64,8 @@ typedef struct {
     float scale, soft_cap;     /* soft_cap <= 0: off */
     int window;                /* <= 0: off */
     int causal;
-    int64_t num_blocks;        /* block ids outside [0, num_blocks) are reported, not read */
-    int64_t *bad_block;        /* out: {request, block id} of an invalid block-table entry */
+    int64_t num_blocks;        /* block ids outside [0, num_blocks): keys absent, never read */
+    int64_t bt_width;          /* block-table columns: keys past a row's end are absent */
 } Args;
 
 typedef struct { int32_t req, head, t0, tokens; } Item;
@@ -140,8 +145,8 @@ static size_t scratch_floats(const Args *a) {
 }
 
 /* One work item: `it->tokens` query tokens from `it->t0` of request `it->req`, all query
- * heads of KV head `it->head`. Returns nonzero (and records it) on an invalid block id. */
-static int run_item(const Args *a, const Item *it, float *buf) {
+ * heads of KV head `it->head`. */
+static void run_item(const Args *a, const Item *it, float *buf) {
     const int group = a->hq / a->hkv, d = a->d, dv = a->dv, r = it->req, h = it->head;
     const int64_t t0_rel = it->t0;
     const int64_t q0 = a->qsl[r], n = a->qsl[r + 1] - q0, s = a->seq_lens[r];
@@ -171,6 +176,7 @@ static int run_item(const Args *a, const Item *it, float *buf) {
             lo = p - a->window + 1 > 0 ? p - a->window + 1 : 0;
             if (!a->causal && p + a->window - 1 < hi) hi = p + a->window - 1;
         }
+        if (hi > a->bt_width * a->block_size - 1) hi = a->bt_width * a->block_size - 1;
         lo_row[i] = lo;
         hi_row[i] = hi;
         slope[i] = a->alibi ? a->alibi[head] : 0.f;
@@ -188,17 +194,20 @@ static int run_item(const Args *a, const Item *it, float *buf) {
          * sums); columns past nk stay zero and are masked below. */
         if (nk < KEY_TILE) memset(kt, 0, sizeof(float) * KEY_TILE * d);
         const float *vrow[KEY_TILE];  /* fp32 caches are read in place, others converted */
+        unsigned char present[KEY_TILE] = {0};  /* 0: its block id is outside the cache */
         for (int jj = 0; jj < nk; jj++) {
             const int64_t block = table[page];
-            if (block < 0 || block >= a->num_blocks) {
-                a->bad_block[0] = r;
-                a->bad_block[1] = block;
-                return 1;
-            }
             const int64_t off = block * a->c_sb + slot * a->c_st + (int64_t)h * a->c_sh;
             if (++slot == a->block_size) {
                 slot = 0;
                 page++;
+            }
+            present[jj] = block >= 0 && block < a->num_blocks;
+            if (!present[jj]) {  /* zeros, masked below: never read */
+                memset(vt + jj * dv, 0, sizeof(float) * dv);
+                vrow[jj] = vt + jj * dv;
+                for (int c = 0; c < d; c++) kt[c * KEY_TILE + jj] = 0.f;
+                continue;
             }
             const float *kj = (const float *)a->k_cache + off;
             if (a->cache_kind != CACHE_F32) {
@@ -238,7 +247,7 @@ static int run_item(const Args *a, const Item *it, float *buf) {
             float tile_max = -INFINITY;
             for (int jj = 0; jj < KEY_TILE; jj++) {
                 float x = srow[jj] + base + sl * (float)jj;
-                x = (jj >= vis_lo && jj <= vis_hi && jj < nk) ? x : -INFINITY;
+                x = (jj >= vis_lo && jj <= vis_hi && jj < nk && present[jj]) ? x : -INFINITY;
                 srow[jj] = x;
                 tile_max = x > tile_max ? x : tile_max;
             }
@@ -278,14 +287,18 @@ static int run_item(const Args *a, const Item *it, float *buf) {
     for (int i = 0; i < rows; i++) {
         const int64_t t = q0 + t0_rel + i / group;
         const int head = h * group + i % group;
+        float *dst = a->out + t * a->o_st + head * a->o_sh;
+        if (l[i] == 0.f) {  /* no key (all absent): out 0, lse -inf */
+            for (int c = 0; c < dv; c++) dst[c] = 0.f;
+            if (a->lse) a->lse[t * a->hq + head] = -INFINITY;
+            continue;
+        }
         float denom = l[i];
         if (a->sinks) denom += expf(a->sinks[head] - m[i]);
         const float inv = 1.f / denom;
-        float *dst = a->out + t * a->o_st + head * a->o_sh;
         for (int c = 0; c < dv; c++) dst[c] = acc[i * dv + c] * inv;
         if (a->lse) a->lse[t * a->hq + head] = m[i] + logf(l[i]);
     }
-    return 0;
 }
 
 /* Per-thread scratch, grown on demand and kept across calls (no malloc in the hot path). */
@@ -305,8 +318,7 @@ static float *get_scratch(size_t floats) {
  * dynamically to the OpenMP threads. Linked against libgomp.so.1, the kernel joins the thread
  * pool torch already runs (the loader resolves that soname to torch's copy), so it neither
  * creates threads nor competes with torch's spinning workers. Small batches run on the calling
- * thread. Returns 0 on success, 1 when out of memory, 2 on bad arguments, 3 on an invalid
- * block id (written to a->bad_block). */
+ * thread. Returns 0 on success, 1 when out of memory, 2 on bad arguments. */
 int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
     if (a->hkv <= 0 || a->hq % a->hkv) return 2;
     const int tpi = tokens_per_item(a), group = a->hq / a->hkv;
@@ -325,6 +337,7 @@ int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
             const int tokens = (int)(n - t0 < tpi ? n - t0 : tpi);
             int64_t keys = a->causal ? s - n + t0 + tokens : s;
             if (a->window > 0 && keys > a->window + tokens) keys = a->window + tokens;
+            if (keys > a->bt_width * a->block_size) keys = a->bt_width * a->block_size;
             /* staging a K/V row costs about as much as 8 query rows using it */
             total += keys * ((int64_t)tokens * group + 8);
             for (int h = 0; h < a->hkv; h++) items[w++] = (Item){r, h, (int32_t)t0, tokens};
@@ -342,8 +355,8 @@ int attn_ops_cpu_paged_attention(Args *a, int num_threads) {
         float *buf = get_scratch(floats);
         if (!buf)
             rc = 1;
-        else if (run_item(a, &items[i], buf))
-            rc = 3;
+        else
+            run_item(a, &items[i], buf);
     }
     free(items);
     return rc;

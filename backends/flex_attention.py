@@ -21,6 +21,11 @@ key (their query blocks get no full KV blocks), so FlexAttention writes them as 
 rows are copied into ``out`` as they are. Query blocks and gathered pages are padded to shape
 buckets (:func:`shape_bucket`), so that steps of new token counts reuse compiled kernels.
 
+Block ids and lengths arrive on the device and are never trusted: a table entry whose block id
+is outside the cache lists no KV block and owns no page, so its keys are absent (in the
+gathered layout, the whole gathered page holding it: over-masking, for that request only), and
+keys past the request's block-table row are none; nothing outside the cache is read.
+
 ``mask_mod`` and ``score_mod`` carry the semantics (REFERENCE's): causal, sliding window,
 soft-cap, ALiBi, and the spec's own ``mask_mod`` / ``score_mod`` in request coordinates
 (``AttentionSpec``: prefix-LM, document masking, any elementwise pattern) -- what vLLM users ask
@@ -508,14 +513,17 @@ class FlexAttentionBackend(AttentionBackend):
                 causal, window, full and splits is None), causal=common.causal, decode=True)
         table, num_pages, page_map = common.block_table, common.num_blocks, None
         # the tables over the gathered pages, GATHER_PAGE keys each
+        row_keys = None
         if _gathers(common, self.tuning.flex):
-            table, page_map = gather_map(common.block_table, common.seq_lens, bs)
+            table, page_map = gather_map(common.block_table, common.seq_lens, bs,
+                                         common.num_blocks)
             num_pages = shape_bucket(page_map.shape[0])  # (the gathered cache's pages)
+            row_keys = common.block_table.shape[1] * bs  # (keys past the row: none)
             period = bs = GATHER_PAGE  # (K and V apart)
         return FlexMetadata(common.slot_mapping, step_tensors(
             common.query_start_loc, common.seq_lens, table, tokens, num_pages, bs, period, causal,
-            window, full, gathered=page_map is not None), causal=common.causal,
-            page_map=page_map)
+            window, full, gathered=page_map is not None, row_keys=row_keys),
+            causal=common.causal, page_map=page_map)
 
     def metadata_key(self) -> tuple:
         # (the tables depend on what the spec hides: causality, window, its own mask_mod)

@@ -15,20 +15,27 @@ import torch
 GATHER_PAGE = 128
 
 
-def gather_map(block_table, seq_lens, block_size):
+def gather_map(block_table, seq_lens, block_size, num_blocks=None):
     """The gathered layout's tables: a virtual block table giving request ``r`` the consecutive
     virtual pages ``r * W .. r * W + W - 1`` (``W``: its table width in virtual pages) and
     ``page_map [B * W, GATHER_PAGE // block_size]``, the physical pages each virtual page
-    copies -- the request's own pages in order, past its last page its first page again (so
-    no copied slot holds another request's data or a never-written page's)."""
+    copies -- the request's own pages in order, past its last page (or its row's end) its
+    first page again (so no copied slot holds another request's data or a never-written
+    page's). Block ids arrive on the device and are never trusted: a virtual page holding one
+    outside the cache's ``num_blocks`` (when given) is left out of the virtual table (-1: no KV
+    block, its keys absent) and its copy holds zeros (:func:`gather_pages`)."""
     f = GATHER_PAGE // block_size
     b, width = block_table.shape
     w = -(-width // f)
     pages = (seq_lens.long() + block_size - 1) // block_size
     cols = torch.arange(w * f, device=block_table.device)
     table = torch.nn.functional.pad(block_table, (0, w * f - width))
-    table = torch.where(cols[None, :] < pages[:, None], table, block_table[:, :1])
+    own = (cols[None, :] < pages[:, None]) & (cols[None, :] < width)
+    table = torch.where(own, table, block_table[:, :1])
     vtable = torch.arange(b * w, device=block_table.device, dtype=block_table.dtype).view(b, w)
+    if num_blocks is not None:
+        bad = own & ((table < 0) | (table >= num_blocks))
+        vtable = torch.where(bad.view(b, w, f).any(2), -1, vtable)
     return vtable, table.reshape(b * w, f)
 
 
@@ -36,7 +43,8 @@ def gather_pages(kv_cache, page_map, pages):
     """The pages ``page_map [V, f]`` names, copied head-major into ``[C, heads, slots, DC]``
     (:func:`gathered_shape`, room for ``pages >= V`` virtual pages) -- an interleaved cache's
     K and V (``C = 2``, ``DC = head_dim``) each as FlexAttention's dense ``[heads, slots,
-    dim]``, a packed cache's slots whole (``C = 1``).
+    dim]``, a packed cache's slots whole (``C = 1``). ``page_map`` arrives on the device: an
+    id outside the cache is copied as zeros, never read.
     One pass on GPUs (:func:`_copy_with_kernel`); :func:`gather_pages_torch` elsewhere."""
     if not kv_cache.is_cuda:
         return gather_pages_torch(kv_cache, page_map, pages)
@@ -49,7 +57,10 @@ def gather_pages(kv_cache, page_map, pages):
 def gather_pages_torch(kv_cache, page_map, pages):
     """:func:`gather_pages` in torch ops: the pages selected, then moved head-major."""
     slots = slot_major(kv_cache)
-    picked = torch.index_select(slots, 0, page_map.flatten())
+    ids = page_map.flatten()
+    ok = (ids >= 0) & (ids < slots.shape[0])
+    picked = torch.index_select(slots, 0, torch.where(ok, ids, 0))
+    picked = picked.masked_fill(~ok.view(-1, *(1,) * (picked.dim() - 1)), 0)
     if picked.dim() == 4:  # (packed: one part per slot)
         picked = picked.unsqueeze(3)
     c, h, total, dc = gathered_shape(slots, page_map, pages)
@@ -69,8 +80,8 @@ def _copy_with_kernel(slots, page_map, out):
     bs = slots.shape[1]
     assert slots.stride(-1) == 1, slots.stride()
     gather_pages_kernel[(page_map.numel(), bs)](
-        slots, page_map.contiguous(), out, slots.stride(0), slots.stride(1), slots.stride(2),
-        slots.stride(3) if c > 1 else 0, total, BLOCK_SIZE=bs, H=h,
+        slots, page_map.contiguous(), out, slots.shape[0], slots.stride(0), slots.stride(1),
+        slots.stride(2), slots.stride(3) if c > 1 else 0, total, BLOCK_SIZE=bs, H=h,
         H_P=triton.next_power_of_2(h), C=c, DC=dc, DC_P=triton.next_power_of_2(dc))
 
 

@@ -19,15 +19,18 @@ SHAPE_BUCKET_STEP = 64
 
 
 def step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, block_size,
-                  period, causal=True, window=None, full=False, gathered=False):
+                  period, causal=True, window=None, full=False, gathered=False, row_keys=None):
     """Per row (``tokens`` padded to a bucket of query blocks, :func:`shape_bucket`): request
     (``B`` for padding), position, visible-key limit; per page: owner and logical index -- or,
     ``gathered`` (``block_table`` is :func:`gather_map`'s virtual table: request ``r``'s keys
-    are the slots from ``r * width * block_size`` on), per row the first slot of its request
-    and one past the last slot it may see (padding: 0, 0), so that ``mask_mod`` reads no
-    per-key table; and the BlockMask's partial and full KV blocks (:func:`kv_blocks`). A
+    are the slots from ``r * width * block_size`` on, of which the first ``row_keys`` -- its
+    physical row's reach; default all -- may be visible), per row the first slot of its
+    request and one past the last slot it may see (padding: 0, 0), so that ``mask_mod`` reads
+    no per-key table; and the BlockMask's partial and full KV blocks (:func:`kv_blocks`). A
     query block with padding rows below ``tokens`` (rows the op copies out) has no full KV
-    blocks, so those rows see no key and FlexAttention writes them as zeros. Device only."""
+    blocks, so those rows see no key and FlexAttention writes them as zeros. Block ids and
+    lengths are device values, never trusted (:func:`page_maps`): a page whose block id is
+    outside the cache is no KV block and keys past the table's row are none. Device only."""
     dev = seq_lens.device
     b, width = block_table.shape
     qsl = query_start_loc.long()
@@ -66,9 +69,11 @@ def step_tensors(query_start_loc, seq_lens, block_table, tokens, num_pages, bloc
         one_request[:, None] if full else None,
         (block_table.flatten() * (period // block_size))[None, :],
         (num_pages - 1) * (period // block_size) + 1)
-    if gathered:
+    if gathered:  # (never past the request's own row: its reach in its virtual pages)
         owner = torch.where(valid, r * (width * block_size), 0)
-        logical = torch.where(valid, owner + (qpos + 1 if causal else kv_limit), 0)
+        reach = width * block_size if row_keys is None else min(row_keys, width * block_size)
+        logical = torch.where(valid, owner + (qpos + 1 if causal else kv_limit).clamp(max=reach),
+                              0)
     return (*int32(req, qpos, kv_limit, owner, logical), valid, kv_num[None, None],
             kv_idx[None, None], full_num[None, None], full_idx[None, None])
 
@@ -120,11 +125,15 @@ def compact(mask, values, cols):
 
 def page_maps(seq, block_table, num_pages, block_size):
     """Per request its page count and used table entries; per table entry its request; per
-    cache page its owner request (-1: none) and logical index. Device only."""
+    cache page its owner request (-1: none) and logical index. Device only. Block ids and
+    lengths arrive on the device and are never trusted: an entry whose block id is outside
+    the cache's ``num_pages`` is not used (its page is no KV block and has no owner, so its
+    keys are absent), and a request needing more pages than its row holds uses its row."""
     dev = seq.device
     b, width = block_table.shape
     pages = (seq + block_size - 1) // block_size
-    used = torch.arange(width, device=dev)[None, :] < pages[:, None]
+    used = (torch.arange(width, device=dev)[None, :] < pages[:, None]) \
+        & (block_table >= 0) & (block_table < num_pages)
     page_req = torch.arange(b, device=dev).repeat_interleave(width)
     idx = torch.where(used, block_table.long(), num_pages).flatten()
     owner = torch.full((num_pages + 1,), -1, dtype=torch.long, device=dev)

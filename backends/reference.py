@@ -16,6 +16,10 @@ queries, query ``t`` sitting at position ``p = s - n + t`` and key ``j`` in ``0.
     lse[t, h]   = logsumexp_j(score over visible j)                 # natural log, no sink
     denom       = lse (or logaddexp(lse, sinks[h]) with sinks)      # a sink takes probability
     out[t, h]   = sum_j exp(score - denom) * v[j, h // group]       #   mass but adds no value
+
+Block ids arrive on the device and are never trusted: a key whose page's block id is outside
+the cache is absent (not visible, never read). A row that sees no key gets ``out`` 0 and
+``lse`` -inf. (A ``seq_len`` past the block table is refused: the lengths are on the host.)
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
-from attn_ops.kv_cache import gather_tokens, split_kv_cache
+from attn_ops.kv_cache import gather_present_tokens, split_kv_cache
 from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, PAGED_ATTENTION_SCHEMA,
                           check_paged_attention_inputs, check_paged_attention_values,
                           debug_checks_enabled, define_op, register_mods, registered_mods)
@@ -64,22 +68,24 @@ def reference_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_
         n = q1 - q0
         if n == 0:
             continue
-        k = dequantize(gather_tokens(k_cache, block_table[i], s), k_scale, compute)
-        v = dequantize(gather_tokens(v_cache, block_table[i], s), v_scale, compute)
+        # (block ids come from the device: a key whose block id is outside the cache is absent)
+        k, present = gather_present_tokens(k_cache, block_table[i], s)
+        v = gather_present_tokens(v_cache, block_table[i], s)[0]
+        k, v = dequantize(k, k_scale, compute), dequantize(v, v_scale, compute)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q = query[q0:q1].to(compute)
         score = torch.einsum("thd,jhd->htj", q, k) * scale
         if soft_cap is not None:
             score = soft_cap * torch.tanh(score / soft_cap)
         p = torch.arange(s - n, s, device=q.device)[:, None]
-        j = torch.arange(s, device=q.device)[None, :]
+        j = torch.arange(k.shape[0], device=q.device)[None, :]
         if alibi_slopes is not None:
             score = score + alibi_slopes.to(compute)[:, None, None] * (j - p)
         request = torch.tensor(i, device=q.device)
         heads = torch.arange(num_heads, device=q.device)[:, None, None]
         if score_mod is not None:
             score = score_mod(score, request, heads, p[None], j[None])
-        visible = torch.ones(n, s, dtype=torch.bool, device=q.device)
+        visible = present[None, :].repeat(n, 1)  # [n, keys]
         if mask_mod is not None:
             visible = visible & mask_mod(request, heads, p[None], j[None])
         if causal:
@@ -92,6 +98,7 @@ def reference_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_
         row_lse = torch.logsumexp(score, dim=-1)  # [H, n]
         denom = row_lse if sinks is None else torch.logaddexp(
             row_lse, sinks.to(compute)[:, None])
+        denom = denom.masked_fill(denom == float("-inf"), 0.0)  # a row with no key: out 0
         probs = torch.exp(score - denom[..., None])
         out[q0:q1] = torch.einsum("htj,jhd->thd", probs, v).to(out.dtype)
         if lse is not None:

@@ -24,6 +24,14 @@ counter to 0 for the next launch (no second kernel; one stream at a time per cou
 Semantics are REFERENCE's (``backends/reference.py``): scale, soft-cap ``c * tanh(s / c)``,
 ALiBi ``slope * (j - p)``, causal / sliding-window visibility, LSE in natural log without the
 sink, ``out *= sigmoid(lse - sink)``, fp8 K/V times their per-tensor scales.
+
+Block ids and lengths arrive on the device and are never trusted. Keys past the end of the
+request's block-table row (a ``seq_len`` needing more pages than the table holds) are absent:
+the key range stops at the row's end, once per program. A key whose block id is outside the
+cache is absent too (never read, out of the softmax): masked blocks fold the id's range check
+into their key mask; whole blocks, whose loads are unmasked, have the pages they span checked
+once per program before the loop, and a program that finds a bad id runs every block masked.
+No host sync, and nothing added to the unmasked loop.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+SCAN = tl.constexpr(128)  # block-table entries checked per load before the whole blocks
 
 
 @triton.jit
@@ -60,16 +69,18 @@ def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
-            slope, ancestors, not_tree, bt_ptr, k_ptr, v_ptr, stride_bt, stride_kb, stride_ks,
-            stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
+            slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt, stride_kb,
+            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
             offs_dv, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
             MASKED: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
-    page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)`` and are visible to every row
-    of the tile whole: their loads and scores need no mask, and no row's maximum is -inf."""
+    page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)``, are visible to every row
+    of the tile whole and span only pages inside the cache (checked by the caller): their loads
+    and scores need no mask, and no row's maximum is -inf. In masked blocks a key whose block
+    id is outside ``[0, num_pages)`` is masked like one past ``hi``."""
     qk_scale = logit_scale * LOG2E  # the scale and base 2 in one multiply
     bt_row = bt_ptr + r * stride_bt
     if not MASKED:  # whole blocks' page numbers are loaded one block ahead (below)
@@ -81,6 +92,7 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         if MASKED:
             n_ok = offs_n < hi
             page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0)
+            n_ok = n_ok & (page >= 0) & (page < num_pages)  # (a block id outside: absent)
         else:
             # The K/V addresses must not wait on the block table: loaded in the same iteration,
             # the lookup's latency is exposed every block (the next block's pages prefetched).
@@ -189,12 +201,12 @@ def _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, h
         tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "window"])
+@triton.jit(do_not_specialize=["num_reqs", "window", "num_pages", "bt_width"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, tree_ptr,
     counter_ptr,
-    num_reqs, scale, soft_cap, window, tree_size,
+    num_reqs, scale, soft_cap, window, tree_size, num_pages, bt_width,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr, PAGE: tl.constexpr,
@@ -253,6 +265,7 @@ def paged_attention_kernel(
         lo = tl.maximum(0, context + t0 - window + 1)
         if not CAUSAL:
             hi = tl.minimum(seq_len, last + window)
+    hi = tl.minimum(hi, bt_width * PAGE)  # (keys past the block-table row are absent)
     if NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
@@ -290,6 +303,18 @@ def paged_attention_kernel(
     num_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), num_blocks)
     end_full = tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, first_full)
+    # Whole blocks load K/V unmasked: the block ids of the pages they span are checked here,
+    # once (SCAN table entries a load, one reduction at the end); one outside the cache turns
+    # them all into masked blocks, which mask its keys.
+    bt_row = bt_ptr + r * stride_bt
+    page_lo = (lo + first_full * BLOCK_N) // PAGE
+    page_hi = tl.cdiv(lo + end_full * BLOCK_N, PAGE)
+    bad = tl.zeros([SCAN], tl.int32)
+    for c0 in range(page_lo, page_hi, SCAN):
+        cols = c0 + tl.arange(0, SCAN)
+        ids = tl.load(bt_row + cols, mask=cols < page_hi, other=0)
+        bad = bad | ((ids < 0) | (ids >= num_pages)).to(tl.int32)
+    end_full = tl.where(tl.max(bad, 0) > 0, first_full, end_full)
     for phase in tl.static_range(3):  # masked blocks, whole blocks, masked blocks
         if phase == 0:
             b0, b1 = 0, first_full
@@ -298,11 +323,12 @@ def paged_attention_kernel(
         else:
             b0, b1 = end_full, num_blocks
         acc, l_i, m_i = _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context,
-                                kv_head, logit_scale, slope, ancestors, not_tree, bt_ptr, k_ptr,
-                                v_ptr, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb,
-                                stride_vs, stride_vh, window, soft_cap, offs_d, offs_dv, PAGE,
-                                BLOCK_N, D, D_P, DV, DV_P, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-                                HAS_ALIBI, HAS_TREE, PRECISION, phase != 1)
+                                kv_head, logit_scale, slope, ancestors, not_tree, bt_ptr,
+                                num_pages, k_ptr, v_ptr, stride_bt, stride_kb, stride_ks,
+                                stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
+                                offs_d, offs_dv, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL,
+                                USE_WINDOW, USE_SOFTCAP, HAS_ALIBI, HAS_TREE, PRECISION,
+                                phase != 1)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]

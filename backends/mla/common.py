@@ -313,8 +313,13 @@ def _up_project(c: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: t
 
 def _gather_chunk(flat, slots, kv_scale, dtype, rank):
     """One context chunk's latent rows at ``slots`` (dequantized to ``dtype``) as ``kv_c``
-    [n, rank] and ``k_pe`` [n, rope]."""
-    rows = flat.index_select(0, slots)
+    [n, rank] and ``k_pe`` [n, rope]. The slots arrive on the device and are never trusted: one
+    outside the cache is read as a zero row (nothing outside the cache is read; the MHA
+    kernels take no key mask, so its key scores 0 and carries a zero value)."""
+    ok = (slots >= 0) & (slots < flat.shape[0])
+    rows = flat.index_select(0, torch.where(ok, slots, 0))
+    raw = rows.view(torch.uint8) if rows.dtype in FP8_MAX else rows
+    raw.masked_fill_(~ok[:, None], 0)
     if flat.dtype in FP8_MAX:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         rows = rows.to(wide) * kv_scale.to(wide)

@@ -19,7 +19,7 @@ import torch
 from attn_ops.backends.mla.common import MLABackend, define_mla_op
 from attn_ops.backends.reference import UNCAPTURABLE, dequantize
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
-from attn_ops.kv_cache import gather_tokens
+from attn_ops.kv_cache import gather_present_tokens
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import Feature, KVCacheDType
 
@@ -42,13 +42,19 @@ def absorbed_torch(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tabl
         n = q1 - q0
         if n == 0:
             continue
-        latent = dequantize(gather_tokens(rows, block_table[i], s)[:, 0], kv_scale, compute)
+        # (block ids and lengths come from the device: a key whose block id is outside the
+        # cache is absent, and so are the keys past the block-table row, never gathered)
+        latent, present = gather_present_tokens(rows, block_table[i], s)
+        latent = dequantize(latent[:, 0], kv_scale, compute)
         c, k_pe = latent[:, :rank], latent[:, rank:]
         score = (torch.einsum("thl,jl->htj", ql[q0:q1].to(compute), c)
                  + torch.einsum("thr,jr->htj", q_pe[q0:q1].to(compute), k_pe)) * scale
         p = torch.arange(s - n, s, device=ql.device)[:, None]
-        j = torch.arange(s, device=ql.device)[None, :]
-        probs = torch.softmax(score.masked_fill(j > p, float("-inf")), dim=-1)
+        j = torch.arange(c.shape[0], device=ql.device)[None, :]
+        hidden = (j > p) | ~present[None, :]
+        empty = hidden.all(1)[None, :, None]  # a query that sees no key: out 0
+        score = score.masked_fill(hidden, float("-inf")).masked_fill(empty, 0.0)
+        probs = torch.softmax(score, dim=-1).masked_fill(empty, 0.0)
         out[q0:q1] = torch.einsum("htj,jl->thl", probs, c).to(out.dtype)
 
 

@@ -20,6 +20,11 @@ With one split a program writes its rows' latent output; with more it writes fp3
 (rounded up to ``BLOCK_N``); an empty split writes LSE -inf. Programs past a request's rows or
 heads return: a CUDA graph launches the grid of its capture size.
 
+Block ids and lengths arrive on the device and are never trusted: the keys past the end of
+the request's block-table row are absent (the key range stops there) and so is a key whose
+block id is outside the cache (its range check is folded into the key mask: never read, out of
+the softmax).
+
 ``VALUE_PARTS = 2`` gives each (head block, split) two programs, one per half of the value
 columns: both compute the whole score (the other half's columns enter ``s`` only) and each
 accumulates its half, ``[M, RANK_P / 2]`` -- half the accumulator registers and twice the
@@ -48,11 +53,11 @@ def online_softmax_step(s, c, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs", "num_pages", "bt_width"])
 def mla_decode_kernel(
     ql_ptr, qpe_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr, kv_scale_ptr,
-    num_reqs, sm_scale,
+    num_reqs, sm_scale, num_pages, bt_width,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_bt,
     H: tl.constexpr, HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
@@ -97,9 +102,10 @@ def mla_decode_kernel(
     if FP8:
         kv_scale = tl.load(kv_scale_ptr)
         qk_scale = qk_scale * kv_scale
-    per_split = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    keys = tl.minimum(seq, bt_width * PAGE)  # (keys past the block-table row are absent)
+    per_split = tl.cdiv(tl.cdiv(keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
-    hi = tl.minimum(seq, lo + per_split)
+    hi = tl.minimum(keys, lo + per_split)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, VW], tl.float32)
@@ -109,8 +115,10 @@ def mla_decode_kernel(
         n_ok = offs_n < hi
         if PAGE % BLOCK_N == 0:  # (steps start at multiples of BLOCK_N: one page per step)
             page = tl.load(table + start // PAGE).to(tl.int64)
+            n_ok = tl.where((page >= 0) & (page < num_pages), n_ok, False)  # (outside: absent)
         else:
             page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            n_ok = n_ok & (page >= 0) & (page < num_pages)  # (a block id outside: absent)
         rows = cache_ptr + page * stride_cb + (offs_n % PAGE).to(tl.int64) * stride_cp
         c = tl.load(rows[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                     other=0.0).to(ql.dtype)
