@@ -32,7 +32,7 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
 from attn_ops.kv_cache import KVCacheLayout, split_kv_cache
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import (check_paged_attention_inputs, check_paged_attention_values,
-                          debug_checks_enabled, define_op)
+                          check_query_start_loc, debug_checks_enabled, define_op)
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
 from attn_ops.routing import (DeviceFacts, combine_split_block, pow2, triton_decode_tile,
@@ -171,7 +171,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         v_scale if fp8 else dummy, tree if tree is not None else dummy,
         _counters(query.device, grid[0] * grid[1]) if fused else dummy,
         num_reqs, scale, soft_cap or 0.0, window or 0, tree.shape[0] if tree is not None else 0,
-        k_cache.shape[0], block_table.shape[1], query.stride(0), query.stride(1),
+        k_cache.shape[0], block_table.shape[1], query.shape[0], query.stride(0), query.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
@@ -221,6 +221,8 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
         check_paged_attention_values(rows, k_cache.shape[0], k_cache.shape[1],
                                      query_start_loc.tolist(), seq_lens.tolist(), block_table,
                                      True)
+    elif query_start_loc.device.type == "cpu":  # (host values: checking them costs nothing)
+        check_query_start_loc(query_start_loc.tolist(), rows)
     args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, tree=tree,
                 scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal)
     if p.num_decodes:

@@ -201,12 +201,12 @@ def _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, h
         tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "window", "num_pages", "bt_width"])
+@triton.jit(do_not_specialize=["num_reqs", "window", "num_pages", "bt_width", "num_tokens"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, tree_ptr,
     counter_ptr,
-    num_reqs, scale, soft_cap, window, tree_size, num_pages, bt_width,
+    num_reqs, scale, soft_cap, window, tree_size, num_pages, bt_width, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr, PAGE: tl.constexpr,
@@ -248,7 +248,10 @@ def paged_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     tok = t0 + offs_m // GROUP_P  # query index within the request
     head = kv_head * GROUP + offs_m % GROUP_P
-    row_ok = (tok < q_len) & (offs_m % GROUP_P < GROUP)
+    # (a query_start_loc pointing outside the tokens -- a corrupt device value -- reads and
+    # writes no row outside them)
+    row_ok = (tok < q_len) & (offs_m % GROUP_P < GROUP) & (q_start + tok >= 0) \
+        & (q_start + tok < num_tokens)
     pos = context + tok  # the query's position
     offs_d = tl.arange(0, D_P)
     offs_dv = tl.arange(0, DV_P)

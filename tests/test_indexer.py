@@ -504,3 +504,33 @@ def test_device_topk_at_real_sizes_selects_the_best_scores(cache):
                 tol = tol + terms[i, :vis][differ] * 2.0 ** -10
             assert ((s[differ] - kth).abs() <= tol).all(), (r, i, int(differ.sum()))
         row += m
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows,ctx", [(4, 3000), (4, 70000), (300, 20000)])
+def test_fp8_index_keys_compile_and_run_at_every_page_size_and_topk(rows, ctx):
+    """Every page size a block table may have (16-256) x the top-k of released configs
+    (512-2048) x bf16 and fp32 queries over fp8 keys with per-token scales, decodes and a
+    prefill chunk: each launch compiles within the device's shared memory and selects only
+    visible positions, ascending."""
+    from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
+
+    dev, h, d = "cuda", 64, 128
+    for page in (16, 32, 64, 128, 256):
+        width = -(-ctx // page)
+        keys, scales = allocate_index_cache(width + 2, page, d, FP8, device=dev)
+        keys.copy_(torch.randn(keys.shape, device=dev).to(FP8))
+        scales.copy_(torch.rand(scales.shape, device=dev) + 0.05)
+        table = torch.randperm(width + 2, device=dev)[:width].to(torch.int32)[None]
+        seq = torch.tensor([ctx], dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+        for topk in (512, 1024, 2048):
+            for qdtype in (torch.bfloat16, torch.float32):
+                q = torch.randn(rows, h, d, device=dev, dtype=qdtype)
+                w = torch.randn(rows, h, device=dev) / h
+                got = indexer_topk_device(q, w, keys, scales, table, seq, qsl, topk)
+                vis = ctx - rows + 1 + torch.arange(rows, device=dev)
+                assert ((got >= 0) & (got < vis[:, None])).all(), (page, topk, qdtype)
+                assert (got.diff(dim=1) > 0).all(), (page, topk, qdtype)

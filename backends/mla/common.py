@@ -33,7 +33,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.capabilities import Reason
 from attn_ops.kv_cache import FP8_MAX, write_paged
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.ops import define_op
+from attn_ops.ops import check_query_start_loc, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform
 from attn_ops.routing import MLADecodeLaunch
@@ -250,6 +250,8 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     p = PLAN.decode(plan)
     heads, nope, rank = w_uk.shape
     na, nat, nt = p.num_absorbed, p.num_absorbed_tokens, p.num_tokens
+    if query_start_loc.device.type == "cpu":  # (host values: checking them costs nothing)
+        check_query_start_loc(query_start_loc.tolist(), q.shape[0])
     out[nt:].zero_()
     if nat:
         # the absorption as per-head GEMMs over strided [t, h, .] views (no permuting copies)

@@ -50,7 +50,7 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
     kernel = mla_decode_kernel[grid](
         ql, q_pe, latent_cache, out, part_o, part_lse, query_start_loc, seq_lens, block_table,
         kv_scale if fp8 else dummy, num_reqs, scale, latent_cache.shape[0],
-        block_table.shape[1],
+        block_table.shape[1], ql.shape[0],
         ql.stride(0), ql.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
         out.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
         H=heads, HEADS=launch.heads, Q_ROWS=launch.query_rows, RANK=rank, RANK_P=rank_p,

@@ -53,11 +53,11 @@ def online_softmax_step(s, c, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_pages", "bt_width"])
+@triton.jit(do_not_specialize=["num_reqs", "num_pages", "bt_width", "num_rows"])
 def mla_decode_kernel(
     ql_ptr, qpe_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr, kv_scale_ptr,
-    num_reqs, sm_scale, num_pages, bt_width,
+    num_reqs, sm_scale, num_pages, bt_width, num_rows,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_bt,
     H: tl.constexpr, HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
@@ -79,7 +79,8 @@ def mla_decode_kernel(
     offs_m = tl.arange(0, M)
     t = offs_m // HEADS
     h = head_block * HEADS + offs_m % HEADS
-    row_ok = (t < n) & (h < H)
+    # (a query_start_loc pointing outside the rows -- a corrupt device value -- touches none)
+    row_ok = (t < n) & (h < H) & (q0 + t >= 0) & (q0 + t < num_rows)
     pos = seq - n + t
     # this program's value columns ("mine": all of them, or one half) and, with two parts, the
     # other half, which only enters the scores
