@@ -530,6 +530,41 @@ def test_torch_body_and_kernels_drop_no_token_whatever_max_query_len_says(kind):
             torch.testing.assert_close(got.cpu().double(), want[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("path", ["triton", "chunked"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_kernels_read_no_row_outside_the_batch_whatever_query_start_loc_says(kind, path):
+    """``query_start_loc`` as the kernels see it on a device, past the tokens and
+    decreasing (the host checks it only where it holds it): each request's span is clamped
+    into the batch, so the launch writes no slot but the requests', its outputs are finite,
+    and request 0, whose span the first two corruptions leave alone, ends in the clean
+    step's state."""
+    if path == "chunked" and kind not in ("gated_delta_rule", "mamba2_ssd"):
+        pytest.skip("chunked kernels: GDN and Mamba2")
+    if not triton_interpretable():
+        pytest.skip("Triton needs a GPU or its interpreter")
+    k = KINDS[kind](torch.Generator().manual_seed(17))
+    dtype, dev = torch.float32, _device()
+    inp, states, meta = _step_of(k, [1, 2, 3, 2], [4, 6, 2, 3], [1, 3, 5, 7], num_slots=12,
+                                 dtype=dtype, device=dev)
+    t = int(meta.query_start_loc[-1])
+
+    def run(qsl, st):
+        args = k.args(inp, st, dataclasses.replace(meta, query_start_loc=qsl))
+        return _triton_launch(kind, list(args), chunked=path == "chunked")
+
+    clean_states = [s.clone() for s in states]
+    run(meta.query_start_loc, clean_states)
+    others = [i for i in range(12) if i not in (1, 3, 5, 7)]  # (slots no request owns)
+    for n, bad in enumerate(([0, 1, 3, t + 5, t + 40], [0, 1, 5, 2, t], [0, -3, 3, 6, t])):
+        st = [s.clone() for s in states]
+        out = run(torch.tensor(bad, dtype=meta.query_start_loc.dtype, device=dev), st)
+        assert out.isfinite().all(), bad
+        for s, c, b in zip(st, clean_states, states):
+            assert torch.equal(s[others].nan_to_num(), b[others].nan_to_num()), bad
+            if n < 2:
+                torch.testing.assert_close(s[1], c[1], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("layout", ["one_slot", "speculative"])
 @pytest.mark.parametrize("path", ["torch", "triton", "chunked"])
 @pytest.mark.parametrize("kind", sorted(KINDS))

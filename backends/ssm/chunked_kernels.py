@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
-                                                  state_block)
+                                                  request_span, state_block)
 
 __all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "ssd_chunked_triton"]
 
@@ -56,7 +56,7 @@ def chunk_table(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
 
 @triton.jit
 def chunk_table_kernel(qsl_ptr, offsets_ptr, starts_ptr, ends_ptr, num_reqs, num_chunks,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                       num_tokens, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Per request: its first chunk's entry (the chunks of the requests before it, summed
     ``BLOCK`` requests at a time), its chunks' rows and ``offsets[r + 1]``; the last request's
     program also empties the entries past the real chunks."""
@@ -65,11 +65,12 @@ def chunk_table_kernel(qsl_ptr, offsets_ptr, starts_ptr, ends_ptr, num_reqs, num
     for r0 in range(0, r, BLOCK):
         i = r0 + tl.arange(0, BLOCK)
         ok = i < r
-        lens = tl.load(qsl_ptr + i + 1, mask=ok, other=0) - tl.load(qsl_ptr + i, mask=ok,
-                                                                     other=0)
-        before += tl.sum((lens + CHUNK - 1) // CHUNK, axis=0).to(tl.int32)
-    start = tl.load(qsl_ptr + r).to(tl.int32)
-    end = tl.load(qsl_ptr + r + 1).to(tl.int32)
+        lo = tl.minimum(tl.maximum(tl.load(qsl_ptr + i, mask=ok, other=0), 0), num_tokens)
+        hi = tl.minimum(tl.maximum(tl.load(qsl_ptr + i + 1, mask=ok, other=0), lo), num_tokens)
+        before += tl.sum((hi - lo + CHUNK - 1) // CHUNK, axis=0).to(tl.int32)
+    start, end = request_span(qsl_ptr, r, num_tokens)
+    start = start.to(tl.int32)
+    end = end.to(tl.int32)
     n = (end - start + CHUNK - 1) // CHUNK
     if r == 0:
         tl.store(offsets_ptr, before)
@@ -94,8 +95,8 @@ def chunk_table_triton(query_start_loc: torch.Tensor, num_tokens: int, chunk: in
     m = num_tokens // chunk + b
     table = torch.empty(b + 1 + 2 * m, dtype=torch.int32, device=query_start_loc.device)
     offsets, starts, ends = table[:b + 1], table[b + 1:b + 1 + m], table[b + 1 + m:]
-    chunk_table_kernel[(b,)](query_start_loc, offsets, starts, ends, b, m, CHUNK=chunk,
-                             BLOCK=256, num_warps=1)
+    chunk_table_kernel[(b,)](query_start_loc, offsets, starts, ends, b, m, num_tokens,
+                             CHUNK=chunk, BLOCK=256, num_warps=1)
     return offsets, starts, ends
 
 
@@ -277,7 +278,7 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
     v_ok = offs_v < DV
     start, end, s, _, s_ptrs, s_mask, w_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, num_slots, hv * stride_sh,
-        offs_k, offs_v, k_ok, v_ok, stride_sk, EVICT)
+        offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, EVICT)
     h_offs = hv * stride_hh + offs_k[:, None] * DV + offs_v[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)
     for c0 in range(start, end, CHUNK):
@@ -485,7 +486,7 @@ def ssd_state_kernel(cum_ptr, st_ptr, hs_ptr, state_ptr, y_ptr, qsl_ptr, coff_pt
     n_ok = offs_n < N
     start, end, s, _, s_ptrs, s_mask, w_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, 1, stride_ss, num_slots, h * stride_slot_h,
-        offs_p, offs_n, p_ok, n_ok, stride_slot_p, EVICT)
+        offs_p, offs_n, p_ok, n_ok, stride_slot_p, num_tokens, EVICT)
     cum_h = cum_ptr + h.to(tl.int64) * num_tokens
     st_offs = h * stride_sh + offs_p[:, None] * N + offs_n[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)

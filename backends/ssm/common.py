@@ -216,11 +216,19 @@ def padded_steps(query_start_loc: torch.Tensor, num_tokens: int) -> int:
     return max(int((query_start_loc[1:] - query_start_loc[:-1]).max()), 0)
 
 
+def sanitized_starts(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``query_start_loc`` (int64) clamped into ``[0, num_tokens]`` and never decreasing: the
+    torch paths read no row outside the batch whatever a corrupt device value says (the
+    kernels clamp each request's span the same way; the host checks the values where it
+    holds them)."""
+    return torch.cummax(query_start_loc.long().clamp(0, num_tokens), 0).values
+
+
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int):
     """``(request, position, real)`` of each of ``num_tokens`` rows: its request (rows past the
     last request's tokens -- padding -- get the last request, and ``real`` False) and its
     offset among that request's new tokens."""
-    qsl = query_start_loc.long()
+    qsl = sanitized_starts(query_start_loc, num_tokens)
     num_reqs = qsl.shape[0] - 1
     tok = torch.arange(num_tokens, device=qsl.device)
     req = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=max(num_reqs - 1, 0))

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          compute_dtype, read_states, split_slots, step_writes,
-                                          store_states, token_requests, use_triton)
+                                          compute_dtype, read_states, sanitized_starts,
+                                          split_slots, step_writes, store_states,
+                                          token_requests, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["ACTIVATIONS", "causal_conv1d", "conv_windows", "conv_reference"]
@@ -121,6 +122,7 @@ def _reference(x, weight, bias, conv_state, query_start_loc, state_indices, has_
                activation):
     kernel = weight.shape[1]
     dtype = compute_dtype(x)
+    query_start_loc = sanitized_starts(query_start_loc, x.shape[0])  # (no row outside the batch)
     if x.shape[0] == 0:
         return (x.new_zeros(0, x.shape[1], dtype=dtype),
                 *_new_states(x, conv_state, query_start_loc, state_indices, has_initial_state,

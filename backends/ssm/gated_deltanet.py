@@ -30,8 +30,8 @@ import torch
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
                                           chunked_step_kernel, compute_dtype, padded_steps,
-                                          padded_tokens, read_states, split_slots, step_writes,
-                                          store_states)
+                                          padded_tokens, read_states, sanitized_starts,
+                                          split_slots, step_writes, store_states)
 from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
@@ -91,6 +91,7 @@ def _reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_init
     read, writes = split_slots(state_indices)
     s = read_states(state, read, has_initial_state, dtype)  # [B, Hv, Dk, Dv]
     out = v.new_zeros(t + 1, hv, v.shape[2])  # (row t: where steps without a token write)
+    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
     steps = padded_steps(query_start_loc, t)
     rows, valid = padded_tokens(query_start_loc, steps)
     lens = valid.sum(1)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
                                           chunked_step_kernel, compute_dtype, padded_steps,
-                                          padded_tokens, read_states, split_slots, step_writes,
-                                          store_states)
+                                          padded_tokens, read_states, sanitized_starts,
+                                          split_slots, step_writes, store_states)
 from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
@@ -81,6 +81,7 @@ def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indi
     read, writes = split_slots(state_indices)
     s = read_states(state, read, has_initial_state, dtype)  # [B, H, P, N]
     out = x.new_zeros(t + 1, h, x.shape[2])
+    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
     steps = padded_steps(query_start_loc, t)
     rows, valid = padded_tokens(query_start_loc, steps)
     lens = valid.sum(1)

@@ -43,6 +43,16 @@ def _token_requests(qsl_ptr, offs_t, num_reqs, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
+def request_span(qsl_ptr, r, num_tokens):
+    """Request ``r``'s rows ``[start, end)`` from ``query_start_loc``, clamped into the
+    ``num_tokens`` rows and never decreasing: a corrupt device value reads and writes no row
+    outside the batch (the host checks the values where it holds them)."""
+    start = tl.minimum(tl.maximum(tl.load(qsl_ptr + r), 0), num_tokens)
+    end = tl.minimum(tl.maximum(tl.load(qsl_ptr + r + 1), start), num_tokens)
+    return start, end
+
+
+@triton.jit
 def _inside(slot, num_slots):
     """Whether each of ``slot`` is a slot of the state (``[0, num_slots)``): else absent."""
     return (slot >= 0) & (slot < num_slots)
@@ -63,7 +73,8 @@ def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_p
     d_ok = offs_d < dim
     real = offs_t < tl.load(qsl_ptr + num_reqs)  # (rows past the last request's: padding)
     req = _token_requests(qsl_ptr, offs_t, num_reqs, SEARCH_STEPS)
-    pos = offs_t - tl.load(qsl_ptr + req, mask=offs_t < num_tokens, other=0)
+    pos = offs_t - tl.minimum(tl.maximum(tl.load(qsl_ptr + req, mask=offs_t < num_tokens,
+                                                 other=0), 0), num_tokens)
     slot = tl.load(slot_ptr + req * stride_idx, mask=offs_t < num_tokens, other=0).to(tl.int64)
     present = _inside(slot, num_slots)
     init = (tl.load(init_ptr + req, mask=offs_t < num_tokens, other=0) != 0) & present
@@ -95,6 +106,7 @@ def conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_p
 
 @triton.jit
 def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, num_slots, dim,
+                      num_tokens,
                       stride_xt, stride_src, stride_srck, stride_ss, stride_sk, stride_idx,
                       NUM_WRITES: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_D: tl.constexpr):
@@ -107,8 +119,8 @@ def conv_state_kernel(x_ptr, src_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, nu
     offs_k = tl.arange(0, BLOCK_K)
     d_ok = offs_d < dim
     k_ok = offs_k < K - 1
-    start = tl.load(qsl_ptr + r)
-    n = tl.load(qsl_ptr + r + 1) - start
+    start, end = request_span(qsl_ptr, r, num_tokens)
+    n = end - start
     read = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
     present = _inside(read + offs_k * 0, num_slots)  # (vectors: scalar masks fail interpreted)
     init = (tl.load(init_ptr + r + offs_k * 0) != 0) & present
@@ -180,7 +192,7 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
     if b:
         block_d = min(triton.next_power_of_2(d), 256)
         conv_state_kernel[(b, triton.cdiv(d, block_d))](
-            x, src, conv_state, query_start_loc, state_indices, has_initial_state, slots, d,
+            x, src, conv_state, query_start_loc, state_indices, has_initial_state, slots, d, t,
             x.stride(0), src.stride(0), src.stride(1), conv_state.stride(0),
             conv_state.stride(1), state_indices.stride(0), NUM_WRITES=_num_writes(state_indices),
             K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
@@ -189,15 +201,14 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
 
 @triton.jit
 def _request_state(qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
-                   head_offs, offs_row, offs_col, row_ok, col_ok, stride_row,
+                   head_offs, offs_row, offs_col, row_ok, col_ok, stride_row, num_tokens,
                    EVICT: tl.constexpr):
     """Request ``r``'s new-token range and its state block ``[rows, cols]`` (at
     ``head_offs`` in a slot) read in fp32 -- zeros without an initial state or with an absent
     slot -- with the block's offsets in a slot, its pointers in the read slot, its mask and
     the mask of a store back into that slot (empty where it is absent); ``EVICT``: the read's
     L2 eviction policy."""
-    start = tl.load(qsl_ptr + r)
-    end = tl.load(qsl_ptr + r + 1)
+    start, end = request_span(qsl_ptr, r, num_tokens)
     slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
     present = _inside(slot + offs_row * 0, num_slots)  # (vectors: scalar masks fail interpreted)
     init = (tl.load(init_ptr + r + offs_row * 0) != 0) & present
@@ -228,7 +239,7 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr,
     v_ok = offs_v < DV
     start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
-        hv * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, EVICT)
+        hv * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, EVICT)
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=k_ok,
                     other=0.0).to(tl.float32)
@@ -365,7 +376,7 @@ def ssd_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_p
     n_ok = offs_n < N
     start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
-        h * stride_sh, offs_p, offs_n, p_ok, n_ok, stride_sp, EVICT)
+        h * stride_sh, offs_p, offs_n, p_ok, n_ok, stride_sp, num_tokens, EVICT)
     a = tl.load(a_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
