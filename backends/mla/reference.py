@@ -20,6 +20,7 @@ from attn_ops.backends.mla.common import MLABackend, define_mla_op
 from attn_ops.backends.reference import UNCAPTURABLE, dequantize
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.kv_cache import gather_present_tokens
+from attn_ops.ops import check_query_start_loc
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import Feature, KVCacheDType
 
@@ -37,6 +38,7 @@ def absorbed_torch(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tabl
     rank = ql.shape[2]
     rows = latent_cache[:, :, None, :]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    check_query_start_loc(starts, ql.shape[0])  # (read here anyway: the check is free)
     for i, s in enumerate(lens):
         q0, q1 = starts[i], starts[i + 1]
         n = q1 - q0
