@@ -176,6 +176,7 @@ def resolve_ops_on_lookup() -> None:
 
     namespace.__class__ = _AttnNamespace
 
+
 def with_fp8_output(kernel: Callable, out_index: int, num_args: int, *,
                     quantize: bool) -> Callable:
     """``kernel`` with a trailing ``output_scale`` argument (the op's ``num_args``-th; the

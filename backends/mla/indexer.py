@@ -107,8 +107,8 @@ indexer_k_write = define_op(
     "(Tensor k, Tensor(a!) keys, Tensor(b!)? scales, Tensor slot_mapping) -> ()",
     _k_write, lambda *args: _check_write(*args))
 indexer_k_write.__doc__ = """Write index keys ``k`` [T, dim] at ``slot_mapping`` [T] (-1:
-padding, and any slot outside the cache, skipped); an fp8 cache stores each group of channels over its amax / 448 and the
-scale beside it."""
+padding, and any slot outside the cache, skipped); an fp8 cache stores each group of channels
+over its amax / 448 and the scale beside it."""
 
 
 def _check_topk(q, weights, keys, scales, block_table, seq_lens, query_start_loc, topk):
