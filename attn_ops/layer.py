@@ -130,8 +130,7 @@ class Attention(BackendLayer):
         check_layer_inputs("Attention", kv_cache.device,
                            [("query", query, spec.dtype), ("key", key, spec.dtype),
                             ("value", value, spec.dtype), ("kv_cache", kv_cache, spec.cache_dtype),
-                            ("positions", positions,
-                             positions.dtype if positions is not None else None)],
+                            ("positions", positions, None)],
                            tokens=query.shape[0], metadata=metadata,
                            page=_cache_page(kv_cache))
         if (key is None) != (value is None):

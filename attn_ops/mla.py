@@ -110,9 +110,7 @@ class MLAAttention(BackendLayer):
         check_layer_inputs("MLAAttention", cache.device,
                            [("q", q, spec.dtype), ("kv_c", kv_c, spec.dtype),
                             ("k_pe", k_pe, spec.dtype), ("cache", cache, spec.cache_dtype),
-                            ("cos_sin", cos_sin, cos_sin.dtype if cos_sin is not None else None),
-                            ("topk_slots", topk_slots,
-                             topk_slots.dtype if topk_slots is not None else None)],
+                            ("cos_sin", cos_sin, None), ("topk_slots", topk_slots, None)],
                            tokens=t, metadata=metadata, page=cache.shape[1])
         sparse = {}
         if spec.index_topk is not None:

@@ -96,7 +96,6 @@ def define_op(
     return _DEFINED[name]
 
 
-
 # Every op of the namespace and the module whose import defines it. ``torch.ops.attn.<name>``
 # imports that module on first lookup (:func:`resolve_ops_on_lookup`), so an op resolves after
 # ``import attn_ops`` alone -- in a fresh process unpickling a graph, say -- while importing the
@@ -231,15 +230,15 @@ def check_layer_inputs(owner: str, device: torch.device, tensors, *, tokens: int
                        metadata=None, page: int | None = None) -> None:
     """A layer's inputs before its ops (shapes and host values only: no device sync).
 
-    ``tensors``: ``(name, tensor or None, expected dtype)``; each must have that dtype and sit
-    on ``device`` (the cache's). ``tokens``: the step's rows, which ``metadata``'s slot
+    ``tensors``: ``(name, tensor or None, expected dtype or None)``; each must have that dtype
+    (None: any) and sit on ``device`` (the cache's). ``tokens``: the step's rows, which ``metadata``'s slot
     mapping must have; ``page``: the cache's page size, which the metadata must have been
     built for (its slots and block ranges are computed with it). Raises ``ValueError`` naming
     the argument, the expected and the actual value."""
     for name, x, dtype in tensors:
         if x is None:
             continue
-        if x.dtype != dtype:
+        if dtype is not None and x.dtype != dtype:
             _fail(f"{owner}: {name}.dtype={x.dtype}, expected {dtype} (the layer's spec); "
                   f"convert it with .to({dtype})")
         if x.device != device:
@@ -343,12 +342,20 @@ def check_paged_attention_inputs(
             _fail(f"{name} must be [num_heads={num_heads}], got {tuple(t.shape)}")
 
 
-def check_query_start_loc(starts: list[int], num_tokens: int) -> None:
-    """Host values of ``query_start_loc``: from 0, never decreasing, within the tokens."""
-    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) \
-            or starts[-1] > num_tokens:
-        _fail(f"query_start_loc={starts} must start at 0, never decrease and end at most at "
-              f"num_tokens={num_tokens}")
+def check_query_start_loc(starts: list[int], num_tokens: int, owner: str = "") -> None:
+    """Host values of ``query_start_loc``: from 0, never decreasing, within the tokens; a
+    ``ValueError`` names the first entry that is not (prefixed with ``owner``, the op)."""
+    prefix = f"{owner}: " if owner else ""
+    if starts[0] != 0:
+        _fail(f"{prefix}query_start_loc[0]={starts[0]} must be 0")
+    for r in range(len(starts) - 1):
+        if starts[r + 1] < starts[r]:
+            _fail(f"{prefix}query_start_loc[{r + 1}]={starts[r + 1]} is below "
+                  f"query_start_loc[{r}]={starts[r]}: it never decreases")
+    if starts[-1] > num_tokens:
+        r = next(i for i, v in enumerate(starts) if v > num_tokens)
+        _fail(f"{prefix}query_start_loc[{r}]={starts[r]} is past num_tokens={num_tokens} (the "
+              "rows of the step's inputs)")
 
 
 def check_paged_attention_values(num_tokens: int, num_blocks: int, block_size: int,

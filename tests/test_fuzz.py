@@ -1209,6 +1209,15 @@ def test_every_family_has_targets_here():
     assert {"REFERENCE", "CPU_ATTN"} <= {t for f, t in _targets() if f == "attention"} or ON_GPU
 
 
+def _tampered(h, change):
+    """``h``'s run, then ``change(out, the first cache or state)``: a wrong answer to judge."""
+    def run(args, meta, states):
+        out = h.run(args, meta, states)
+        change(out, states[0])
+        return out
+    return run
+
+
 def test_the_judge_catches_silent_wrong_answers():
     """The checks fail where they must: a bit changed in an untouched request's output, a write
     into a page no request owns or into another request's page, a write just past the cache,
@@ -1216,12 +1225,6 @@ def test_the_judge_catches_silent_wrong_answers():
     ValueError -- and pass the clean step and a refusal naming the input."""
     h = harness("attention", "REFERENCE")
 
-    def tamper(change):
-        def run(args, meta, states):
-            out = h.run(args, meta, states)
-            change(out, states[0])
-            return out
-        return run
 
     def bump(out, cache):
         row = out[h.out_rows[0]]
@@ -1253,9 +1256,9 @@ def test_the_judge_catches_silent_wrong_answers():
     assert verdict(refuse("something is wrong")) == "fail"
     assert verdict(refuse("slot_mapping out of range", IndexError)) == "fail"
     for change in (bump, write_unowned, write_other, past_the_end, nan_touched):
-        assert verdict(tamper(change)) == "fail", change.__name__
-    assert verdict(tamper(bump), touched=h.all_owners, kind="dtype") == "served"  # (1 ulp)
-    assert verdict(tamper(nan_touched), touched=h.all_owners, kind="dtype") == "fail"
+        assert verdict(_tampered(h, change)) == "fail", change.__name__
+    assert verdict(_tampered(h, bump), touched=h.all_owners, kind="dtype") == "served"  # (1 ulp)
+    assert verdict(_tampered(h, nan_touched), touched=h.all_owners, kind="dtype") == "fail"
 
 
 def test_the_judge_catches_stray_state_writes(monkeypatch):
@@ -1268,15 +1271,9 @@ def test_the_judge_catches_stray_state_writes(monkeypatch):
     (r,) = t.touched
     other = next(o for o in h.out_rows if o != r and o != PADDING)
 
-    def tamper(change):
-        def run(args, meta, states):
-            out = h.run(args, meta, states)
-            change(out, states[0])
-            return out
-        return run
 
     def check(change):
-        return judge(h, dataclasses.replace(t, run=tamper(change))).outcome
+        return judge(h, dataclasses.replace(t, run=_tampered(h, change))).outcome
 
     assert check(lambda out, s: None) == "served"
     assert check(lambda out, s: s[int(h.regions[UNOWNED][0][1][0])].add_(1)) == "fail"

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from attn_ops.ops import debug_checks_enabled
+from attn_ops.ops import check_query_start_loc, debug_checks_enabled
 
 __all__ = ["FLOAT_DTYPES", "check_inputs", "check_step", "check_step_values",
            "chunked_step_kernel", "compute_dtype", "padded_steps", "padded_tokens",
@@ -151,16 +151,7 @@ def check_step_values(op: str, query_start_loc: torch.Tensor, state_indices: tor
     debug = debug_checks_enabled()
     if query_start_loc.device.type == "cpu" or debug:
         qsl = query_start_loc.tolist()
-        if qsl[0] != 0:
-            raise ValueError(f"{op}: query_start_loc[0]={qsl[0]} must be 0")
-        for r in range(len(qsl) - 1):
-            if qsl[r + 1] < qsl[r]:
-                raise ValueError(f"{op}: query_start_loc[{r + 1}]={qsl[r + 1]} is below "
-                                 f"query_start_loc[{r}]={qsl[r]}: it never decreases")
-        if qsl[-1] > num_tokens:
-            r = next(i for i, v in enumerate(qsl) if v > num_tokens)
-            raise ValueError(f"{op}: query_start_loc[{r}]={qsl[r]} is past num_tokens="
-                             f"{num_tokens} (the rows of the step's inputs)")
+        check_query_start_loc(qsl, num_tokens, op)
         lens = [b - a for a, b in zip(qsl, qsl[1:])]
         if max_query_len is not None and lens and max(lens) > max_query_len:
             r = lens.index(max(lens))
