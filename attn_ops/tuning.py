@@ -302,6 +302,8 @@ class SSMTuning:
     gdn_wy_warps: int = 4
     gdn_state_warps: int = 4
     gdn_output_warps: int = 4
+    # Loads of the hand-off's next chunks issued ahead of its chain (Triton num_stages).
+    gdn_state_stages: int = 2
     # Mamba2's chunked prefill: rows of a chunk an output program (at most the chunk; 16-64)
     # and its warps, head channels a program of the state hand-off (H200: 32 rows on 4 warps
     # 1.9x faster than 64 on 8; 64 channels 1.6x faster than 16 at 64 x 512).
@@ -332,9 +334,9 @@ class SSMTuning:
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
-        if self.mamba2_num_stages < 1:
-            raise ValueError(f"tuning.ssm.mamba2_num_stages={self.mamba2_num_stages} must be "
-                             ">= 1")
+        for name in ("mamba2_num_stages", "gdn_state_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
         for name in ("decode_min_programs", "gdn_state_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")

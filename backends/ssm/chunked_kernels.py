@@ -187,9 +187,19 @@ def _wy_store(w_ptr, u_ptr, w, u, rows, ok, hv, stride_wt, stride_wh, stride_ut,
 
 
 @triton.jit
-def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_ptr, stride_kt,
-                  stride_kh, stride_vt, stride_vh, stride_gt, stride_wt, stride_wh, stride_ut,
-                  stride_uh, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+def _store_keys(kn_ptr, k, rows, ok, hv, stride_kt, stride_kh, offs_k, GROUP: tl.constexpr,
+                DK: tl.constexpr, L2NORM: tl.constexpr):
+    if L2NORM:
+        if hv % GROUP == 0:
+            tl.store(kn_ptr + rows[:, None] * stride_kt + (hv // GROUP) * stride_kh
+                     + offs_k[None, :], k.to(kn_ptr.dtype.element_ty),
+                     mask=ok[:, None] & (offs_k < DK)[None, :])
+
+
+@triton.jit
+def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, kn_ptr, start_ptr, end_ptr,
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_wt, stride_wh,
+                  stride_ut, stride_uh, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
                   DV: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                   IEEE: tl.constexpr):
@@ -197,7 +207,10 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
     ``A = tril_-1(beta k k^T e^(G_i - G_j))`` and ``T = (I + A)^-1``, the WY factors
     ``w = T (beta e^G k)`` and ``u = T (beta v)``. Chunks of 64 tokens and more invert by
     halves -- ``T_11``, ``T_22`` by squarings (two independent chains of one squaring fewer)
-    and ``T_21 = -T_22 A_21 T_11`` -- instead of squaring the whole ``[chunk, chunk]``."""
+    and ``T_21 = -T_22 A_21 T_11`` -- instead of squaring the whole ``[chunk, chunk]``.
+    With ``L2NORM`` the first value head of each key head also writes the normalised keys
+    into ``kn`` (the key layout), so the later launches -- the sequential hand-off above
+    all -- load them ready instead of reducing every row again."""
     c, hv, _col = _split_pid(HV, 1, 1)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
@@ -220,6 +233,8 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
             u = _dot(t, beta[:, None] * v, w_ptr, IEEE)
             _wy_store(w_ptr, u_ptr, w, u, rows, ok, hv, stride_wt, stride_wh, stride_ut,
                       stride_uh, offs_k, offs_v, DK, DV)
+            _store_keys(kn_ptr, k, rows, ok, hv, stride_kt, stride_kh, offs_k, GROUP, DK,
+                        L2NORM)
         else:
             offs_c = tl.arange(0, CHUNK // 2)
             rows1 = start + offs_c
@@ -255,6 +270,10 @@ def gdn_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, start_ptr, end_pt
                       stride_uh, offs_k, offs_v, DK, DV)
             _wy_store(w_ptr, u_ptr, w2, u2, rows2, ok2, hv, stride_wt, stride_wh, stride_ut,
                       stride_uh, offs_k, offs_v, DK, DV)
+            _store_keys(kn_ptr, k1, rows1, ok1, hv, stride_kt, stride_kh, offs_k, GROUP, DK,
+                        L2NORM)
+            _store_keys(kn_ptr, k2, rows2, ok2, hv, stride_kt, stride_kh, offs_k, GROUP, DK,
+                        L2NORM)
 
 
 @triton.jit
@@ -264,12 +283,14 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
                      stride_ot, stride_oh, num_tokens, num_slots, HV: tl.constexpr,
                      GROUP: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
-                     EVICT: tl.constexpr):
+                     BLOCK_V: tl.constexpr, IEEE: tl.constexpr, EVICT: tl.constexpr):
     """Per request, value head and block of value columns, chunk after chunk: the state at
     the chunk's start into ``h``, the corrected values ``d = u - w S`` over ``u``, then
-    ``S = e^(G_last) S + (e^(G_last - G) k)^T d``; the final state into the slot, and the
-    last request's programs zero the output rows past its end."""
+    ``S = e^(G_last) S + k^T (e^(G_last - G) d)``; the final state into the slot, and the
+    last request's programs zero the output rows past its end. ``k``: the normalised keys.
+    Only ``S`` carries from chunk to chunk, so each step's loads are issued ahead
+    (``num_stages``) and its chain is two small products; the decay scales ``d`` (a block
+    of value columns), not the keys' full rows."""
     r, hv, vb = _split_pid(HV, DV, BLOCK_V)
     offs_c = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BLOCK_K)
@@ -291,11 +312,12 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
         uv_mask = ok[:, None] & v_ok[None, :]
         d = tl.load(u_ptrs, mask=uv_mask, other=0.0).to(tl.float32) - _dot(w, s, w_ptr, IEEE)
         tl.store(u_ptrs, d.to(u_ptr.dtype.element_ty), mask=uv_mask)
-        k = _rows(k_ptr, rows, ok, stride_kt, (hv // GROUP) * stride_kh, offs_k, k_ok, L2NORM)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + (hv // GROUP) * stride_kh
+                    + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, axis=0)
         last = tl.sum(g, axis=0)
-        s = tl.exp(last) * s + _dot(tl.trans(k * tl.exp(last - cum)[:, None]), d, w_ptr, IEEE)
+        s = tl.exp(last) * s + _dot(tl.trans(k), d * tl.exp(last - cum)[:, None], w_ptr, IEEE)
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
     _zero_padding_rows(o_ptr, _last_outer(HV, DV, BLOCK_V), end, num_tokens, stride_ot,
@@ -310,7 +332,8 @@ def gdn_output_kernel(q_ptr, k_ptr, g_ptr, u_ptr, h_ptr, o_ptr, start_ptr, end_p
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                       IEEE: tl.constexpr):
     """Per chunk, value head and block of value columns: ``o = (e^G q) S + tril(q k^T
-    e^(G_i - G_j)) d`` from the chunk's start state ``S`` and corrected values ``d``."""
+    e^(G_i - G_j)) d`` from the chunk's start state ``S`` and corrected values ``d``
+    (``k``: the normalised keys; ``q`` normalised here with ``L2NORM``)."""
     c, hv, vb = _split_pid(HV, DV, BLOCK_V)
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
@@ -324,7 +347,7 @@ def gdn_output_kernel(q_ptr, k_ptr, g_ptr, u_ptr, h_ptr, o_ptr, start_ptr, end_p
         ok = rows < end
         head = (hv // GROUP) * stride_kh
         q = _rows(q_ptr, rows, ok, stride_kt, head, offs_k, k_ok, L2NORM) * scale
-        k = _rows(k_ptr, rows, ok, stride_kt, head, offs_k, k_ok, L2NORM)
+        k = _rows(k_ptr, rows, ok, stride_kt, head, offs_k, k_ok, False)
         g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, axis=0)
         s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hv * stride_hh
@@ -350,12 +373,13 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                        has_initial_state, scale, qk_l2norm, chunk: int = 32,
                        state_block_v: int = 32, output_block_v: int = 64,
                        warps: tuple[int, int, int] = (4, 4, 4),
-                       state_min_programs: int = 1) -> torch.Tensor:
+                       state_min_programs: int = 1, state_stages: int = 2) -> torch.Tensor:
     """``torch.ops.attn.gated_delta_rule`` in chunks of ``chunk`` (a power of two >= 16)
     tokens, one slot a request, the state hand-off and the outputs over blocks of
     ``state_block_v`` (halved, not below 32, while the hand-off has fewer than
     ``state_min_programs`` programs) / ``output_block_v`` value columns; ``warps``: of the
-    WY, hand-off and output launches (inputs already checked)."""
+    WY, hand-off and output launches; ``state_stages``: the hand-off's software-pipelined
+    loads (inputs already checked)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -371,24 +395,25 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     w = torch.empty(t, hv, dk, dtype=wdt, device=q.device)
     u = torch.empty(t, hv, dv, dtype=wdt, device=q.device)
     h = torch.empty(m, hv, dk, dv, dtype=wdt, device=q.device)
-    common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k,
-                  L2NORM=qk_l2norm, IEEE=ieee)
+    kn = torch.empty(t, hk, dk, dtype=wdt, device=q.device) if qk_l2norm else k
+    common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, IEEE=ieee)
     gdn_wy_kernel[(m * hv,)](
-        k, v, g, beta, w, u, starts, ends, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, num_warps=warps[0], **common)
+        k, v, g, beta, w, u, kn, starts, ends, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, L2NORM=qk_l2norm,
+        num_warps=warps[0], **common)
     state_bv = state_block(b * hv, dv, state_block_v, state_min_programs)
     gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
-        k, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
-        has_initial_state, k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
+        kn, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
+        has_initial_state, kn.stride(0), kn.stride(1), g.stride(0), w.stride(0), w.stride(1),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
         state.stride(2), out.stride(0), out.stride(1), t, state.shape[0], BLOCK_V=state_bv,
-        EVICT="", num_warps=warps[1], num_stages=2, **common)
+        EVICT="", num_warps=warps[1], num_stages=state_stages, **common)
     out_bv = min(block_v, output_block_v)
     gdn_output_kernel[(m * hv * triton.cdiv(dv, out_bv),)](
-        q, k, g, u, h, out, starts, ends, scale, k.stride(0), k.stride(1), g.stride(0),
+        q, kn, g, u, h, out, starts, ends, scale, kn.stride(0), kn.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
-        BLOCK_V=out_bv, num_warps=warps[2], **common)
+        BLOCK_V=out_bv, L2NORM=qk_l2norm, num_warps=warps[2], **common)
     return out
 
 

@@ -130,7 +130,8 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
                                       has_initial_state, scale, qk_l2norm, tuning.gdn_chunk,
                                       tuning.gdn_state_block_v, tuning.gdn_output_block_v,
                                       (tuning.gdn_wy_warps, tuning.gdn_state_warps,
-                                       tuning.gdn_output_warps), tuning.gdn_state_min_programs)
+                                       tuning.gdn_output_warps), tuning.gdn_state_min_programs,
+                                      tuning.gdn_state_stages)
         return tk.gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
                                        has_initial_state, scale, qk_l2norm,
                                        tuning.decode_block_v, tuning.decode_num_warps,
