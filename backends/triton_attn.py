@@ -139,11 +139,12 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
-            prefill, tile, fused, heads_fastest=False):
+            prefill, tile, fused, heads_fastest=False, first_row=0):
     """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
-    them) whose queries are at most ``num_tokens`` rows, in ``tile`` (rows, keys, warps,
-    stages), with ``splits`` splits of each request's keys (combined in the kernel if
-    ``fused``)."""
+    them) whose queries are at most ``num_tokens`` rows, from row ``first_row`` of the batch
+    (what the host planned: the rows the launch's row check answers for), in ``tile`` (rows,
+    keys, warps, stages), with ``splits`` splits of each request's keys (combined in the kernel
+    if ``fused``)."""
     from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
                                                        paged_attention_kernel)
 
@@ -162,7 +163,10 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         part_lse = torch.empty(out.shape[0], hq, splits, dtype=torch.float32,
                                device=query.device)
     one_row = not prefill and num_tokens == num_reqs  # single-row decodes: a tile each
-    grid = (num_reqs if one_row else num_tokens // block_q + num_reqs, k_cache.shape[2], splits)
+    attn_tiles = num_reqs if one_row else num_tokens // block_q + num_reqs
+    # (one tile more: the row check, which zeroes the rows a corrupt query_start_loc leaves
+    # to no tile)
+    grid = (attn_tiles + 1, k_cache.shape[2], splits)
     fused = splits > 1 and fused
     paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
@@ -171,7 +175,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         v_scale if fp8 else dummy, tree if tree is not None else dummy,
         _counters(query.device, grid[0] * grid[1]) if fused else dummy,
         num_reqs, scale, soft_cap or 0.0, window or 0, tree.shape[0] if tree is not None else 0,
-        k_cache.shape[0], block_table.shape[1], query.shape[0], query.stride(0), query.stride(1),
+        k_cache.shape[0], block_table.shape[1], query.shape[0], attn_tiles, first_row,
+        num_tokens, num_reqs.bit_length(), query.stride(0), query.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
@@ -191,7 +196,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
             out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
             HQ=hq, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=dv, DV_P=dv_p,
             HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None,
-            SPLIT_BLOCK=combine_split_block(splits, dv_p), num_warps=4)
+            SPLIT_BLOCK=combine_split_block(splits, dv_p), ALL_ROWS=True, num_warps=4)
 
 
 def unsplit_decode(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
@@ -236,7 +241,7 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
         _launch(query, k_cache, v_cache, out, lse, query_start_loc[d:], seq_lens[d:],
                 block_table[d:], num_reqs=num_reqs - d, num_tokens=prefill_tokens, splits=1,
                 prefill=True, tile=p.prefill_tile, fused=False, heads_fastest=p.heads_fastest,
-                **args)
+                first_row=p.num_decode_tokens, **args)
     if p.num_tokens is not None and p.num_tokens < rows:  # padding rows are zero
         out[p.num_tokens:].zero_()
         if lse is not None:

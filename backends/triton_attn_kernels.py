@@ -32,6 +32,16 @@ cache is absent too (never read, out of the softmax): masked blocks fold the id'
 into their key mask; whole blocks, whose loads are unmasked, have the pages they span checked
 once per program before the loop, and a program that finds a bad id runs every block masked.
 No host sync, and nothing added to the unmasked loop.
+
+``query_start_loc`` arrives on the device too. Each request's rows are clamped into the
+launch's tokens and never decrease (``_span``), so a corrupt entry reads and writes no row
+outside them; a corrupt entry can still leave rows no tile writes (a request pushed past the
+rows, starts out of order). One more tile per launch, the row check (``_clear_uncovered``),
+scans the offsets: in order, and within what the grid covers, the tiles write every row of
+``[qsl[0], qsl[num_reqs])`` and it zeroes the launch's rows outside that (none but padding);
+otherwise it works out, row by row, which tile the routing sends each row to and zeroes the
+rows no tile writes (and, split, their partials), so every output row is finite. Rows it
+zeroes are ones no tile writes, except where corrupt requests overlap.
 """
 
 from __future__ import annotations
@@ -52,19 +62,170 @@ def _tanh(x):
 
 
 @triton.jit
-def _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q: tl.constexpr):
-    """The largest ``r`` in ``[0, num_reqs)`` with ``(qsl[r] - qsl[0]) // BLOCK_Q + r <= tile``."""
-    base = tl.load(qsl_ptr)
+def _clamp(x, lo, hi):
+    """``x`` (an offset of ``query_start_loc``, any int dtype) clamped into ``[lo, hi]``, as
+    int32 (clamped first: a far value never wraps)."""
+    return tl.minimum(tl.maximum(x, lo), hi).to(tl.int32)
+
+
+@triton.jit
+def _span(qsl_ptr, r, floor, num_tokens):
+    """Request ``r``'s rows ``[start, end)``: ``query_start_loc`` clamped into
+    ``[floor, num_tokens]``, the end never below the start."""
+    start = _clamp(tl.load(qsl_ptr + r), floor, num_tokens)
+    end = _clamp(tl.load(qsl_ptr + r + 1), start, num_tokens)
+    return start, end
+
+
+@triton.jit
+def _request_of_tile(tile, qsl_ptr, num_reqs, base, num_tokens, BLOCK_Q: tl.constexpr):
+    """The largest ``r`` in ``[0, num_reqs)`` with ``tile_start(r) <= tile`` found by binary
+    search, ``tile_start(r) = (start(r) - base) // BLOCK_Q + r`` over the clamped starts
+    (never below ``base``: no negative division, whose rounding the interpreter and the GPU
+    disagree on)."""
     lo = num_reqs * 0
     hi = num_reqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        start = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + mid
+        start = (_clamp(tl.load(qsl_ptr + mid), base, num_tokens) - base) // BLOCK_Q + mid
         if start <= tile:
             lo = mid
         else:
             hi = mid
     return lo
+
+
+@triton.jit
+def _tiles_requests(tiles, ok, qsl_ptr, num_reqs, base, num_tokens, steps,
+                    BLOCK_Q: tl.constexpr):
+    """:func:`_request_of_tile` of each of ``tiles`` (where ``ok``), the same halvings:
+    ``steps`` >= ``ceil(log2(num_reqs))``."""
+    lo = tiles * 0
+    hi = lo + num_reqs
+    for _ in range(steps):
+        act = ok & (hi - lo > 1)
+        mid = (lo + hi) // 2
+        start = (_clamp(tl.load(qsl_ptr + mid, mask=act, other=0), base, num_tokens) - base) \
+            // BLOCK_Q + mid
+        go = start <= tiles
+        lo = tl.where(act & go, mid, lo)
+        hi = tl.where(act & ~go, mid, hi)
+    return lo
+
+
+@triton.jit
+def _rows_requests(rows, ok, qsl_ptr, num_reqs, floor, num_tokens, steps):
+    """For each of ``rows`` (``ok``, at or past the first start): the ``r`` in
+    ``[0, num_reqs]`` a binary search over the clamped starts ends at, ``start(r) <= row <
+    start(r + 1)`` (``r == num_reqs``: past the last start), and ``start(r)``; ``steps`` >=
+    ``ceil(log2(num_reqs + 1))``."""
+    lo = rows * 0
+    hi = lo + num_reqs + 1
+    start_lo = lo + _clamp(tl.load(qsl_ptr), floor, num_tokens)
+    for _ in range(steps):
+        act = ok & (hi - lo > 1)
+        mid = (lo + hi) // 2
+        start = _clamp(tl.load(qsl_ptr + mid, mask=act, other=0), floor, num_tokens)
+        go = start <= rows
+        lo = tl.where(act & go, mid, lo)
+        start_lo = tl.where(act & go, start, start_lo)
+        hi = tl.where(act & ~go, mid, hi)
+    return lo, start_lo
+
+
+@triton.jit
+def _clear_rows(rows, clear, head, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, offs_dv,
+                stride_ot, stride_oh, stride_lt, HQ: tl.constexpr, DV: tl.constexpr,
+                DV_P: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Rows no tile writes: output (and LSE) 0, as padding rows; split partials empty (LSE
+    -inf, output 0), which the combine turns into 0."""
+    zeros = tl.zeros([BLOCK_M, DV_P], tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+             zeros.to(out_ptr.dtype.element_ty), mask=clear[:, None] & (offs_dv[None, :] < DV))
+    if WRITE_LSE:
+        tl.store(lse_ptr + rows * stride_lt + head, tl.zeros([BLOCK_M], tl.float32),
+                 mask=clear)
+    if NUM_SPLITS > 1:
+        for s in range(NUM_SPLITS):
+            part = (rows * HQ + head) * NUM_SPLITS + s
+            tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                     mask=clear)
+            tl.store(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], zeros,
+                     mask=clear[:, None])
+
+
+@triton.jit
+def _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_head, num_reqs,
+                     num_tokens, attn_tiles, home_lo, home_rows, search_steps, stride_ot,
+                     stride_oh, stride_lt, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                     HQ: tl.constexpr, BLOCK_Q: tl.constexpr, DV: tl.constexpr,
+                     DV_P: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+                     ONE_ROW: tl.constexpr):
+    """The row check of a launch (its extra tile; KV head ``kv_head``'s query heads): zero
+    the rows ``[home_lo, home_lo + home_rows)`` -- the launch's share of the batch, known on
+    the host -- that no tile of the launch writes. Offsets in order (and, one row a request,
+    requests of at most ``BLOCK_Q`` rows; else spanning at most the rows the grid covers):
+    the tiles write ``[start(0), start(num_reqs))``, the rest is cleared (padding). Otherwise
+    each row's request and tile are worked out as the tiles' routing does, and the rows whose
+    tile is not routed to their request (or not launched) are cleared."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // GROUP_P
+    head = kv_head * GROUP + offs_m % GROUP_P
+    h_ok = offs_m % GROUP_P < GROUP
+    offs_dv = tl.arange(0, DV_P)
+    first = _clamp(tl.load(qsl_ptr), 0, num_tokens)
+    floor = first
+    if ONE_ROW:  # (its tiles clamp into [0, rows): they read no qsl[0])
+        floor = first * 0
+    offs = tl.arange(0, SCAN)
+    bad = tl.zeros([SCAN], tl.int32)
+    for c0 in range(0, num_reqs, SCAN):
+        i = c0 + offs
+        m = i < num_reqs
+        a = _clamp(tl.load(qsl_ptr + i, mask=m, other=0), floor, num_tokens)
+        b = _clamp(tl.load(qsl_ptr + i + 1, mask=m, other=0), floor, num_tokens)
+        wrong = b < a
+        if ONE_ROW:
+            wrong = wrong | (b - a > BLOCK_Q)
+        bad = bad | (m & wrong).to(tl.int32)
+    last = _clamp(tl.load(qsl_ptr + num_reqs), floor, num_tokens)
+    in_order = tl.max(bad, 0) == 0
+    if not ONE_ROW:
+        in_order = in_order & (last - first <= home_rows)
+    home_hi = home_lo + home_rows
+    if in_order:
+        for y0 in range(home_lo, tl.minimum(first, home_hi), BLOCK_Q):
+            rows = y0 + tok
+            clear = h_ok & (rows < tl.minimum(first, home_hi))
+            _clear_rows(rows, clear, head, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, offs_dv,
+                        stride_ot, stride_oh, stride_lt, HQ, DV, DV_P, NUM_SPLITS, WRITE_LSE,
+                        BLOCK_M)
+        for y0 in range(tl.maximum(last, home_lo), home_hi, BLOCK_Q):
+            rows = y0 + tok
+            clear = h_ok & (rows < home_hi)
+            _clear_rows(rows, clear, head, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, offs_dv,
+                        stride_ot, stride_oh, stride_lt, HQ, DV, DV_P, NUM_SPLITS, WRITE_LSE,
+                        BLOCK_M)
+    else:
+        for y0 in range(home_lo, home_hi, BLOCK_Q):
+            rows = y0 + tok
+            ok = h_ok & (rows < home_hi) & (rows >= first)
+            r, start = _rows_requests(rows, ok, qsl_ptr, num_reqs, floor, num_tokens,
+                                      search_steps)
+            ok = ok & (r < num_reqs)
+            if ONE_ROW:  # tile r writes the first BLOCK_Q rows of request r
+                covered = ok & (rows - start < BLOCK_Q)
+            else:
+                tile = (start - first) // BLOCK_Q + r + (tl.maximum(rows - start, 0)) // BLOCK_Q
+                ok = ok & (tile < attn_tiles)
+                covered = ok & (_tiles_requests(tile, ok, qsl_ptr, num_reqs, first, num_tokens,
+                                                search_steps, BLOCK_Q) == r)
+            clear = h_ok & (rows < home_hi) & ~covered
+            _clear_rows(rows, clear, head, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, offs_dv,
+                        stride_ot, stride_oh, stride_lt, HQ, DV, DV_P, NUM_SPLITS, WRITE_LSE,
+                        BLOCK_M)
 
 
 @triton.jit
@@ -201,12 +362,14 @@ def _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, h
         tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "window", "num_pages", "bt_width", "num_tokens"])
+@triton.jit(do_not_specialize=["num_reqs", "window", "num_pages", "bt_width", "num_tokens",
+                               "attn_tiles", "home_lo", "home_rows", "search_steps"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_ptr, bt_ptr, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, tree_ptr,
     counter_ptr,
     num_reqs, scale, soft_cap, window, tree_size, num_pages, bt_width, num_tokens,
+    attn_tiles, home_lo, home_rows, search_steps,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HQ: tl.constexpr, PAGE: tl.constexpr,
@@ -231,15 +394,26 @@ def paged_attention_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    if tile >= attn_tiles:  # the launch's row check (one tile, each KV head's query heads)
+        if split == 0:
+            _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_head,
+                             num_reqs, num_tokens, attn_tiles, home_lo, home_rows,
+                             search_steps, stride_ot, stride_oh, stride_lt, GROUP, GROUP_P, HQ,
+                             BLOCK_Q, DV, DV_P, NUM_SPLITS, WRITE_LSE, ONE_ROW)
+        return
+    # The request's rows clamped into the tokens (a corrupt query_start_loc reads and writes
+    # no row outside them); tiles are numbered from the clamped first start.
     if ONE_ROW:
         r = tile
+        q_start, q_end = _span(qsl_ptr, r, 0, num_tokens)
     else:
-        r = _request_of_tile(tile, qsl_ptr, num_reqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + r)
-    q_len = tl.load(qsl_ptr + r + 1) - q_start
+        base = _clamp(tl.load(qsl_ptr), 0, num_tokens)
+        r = _request_of_tile(tile, qsl_ptr, num_reqs, base, num_tokens, BLOCK_Q)
+        q_start, q_end = _span(qsl_ptr, r, base, num_tokens)
+    q_len = q_end - q_start
     t0 = q_len * 0  # first query of the tile (ONE_ROW: the request's only one)
     if not ONE_ROW:
-        t0 = (tile - ((q_start - tl.load(qsl_ptr)) // BLOCK_Q + r)) * BLOCK_Q
+        t0 = (tile - ((q_start - base) // BLOCK_Q + r)) * BLOCK_Q
     if t0 >= q_len:
         return
     seq_len = tl.load(seq_ptr + r)
@@ -248,10 +422,7 @@ def paged_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     tok = t0 + offs_m // GROUP_P  # query index within the request
     head = kv_head * GROUP + offs_m % GROUP_P
-    # (a query_start_loc pointing outside the tokens -- a corrupt device value -- reads and
-    # writes no row outside them)
-    row_ok = (tok < q_len) & (offs_m % GROUP_P < GROUP) & (q_start + tok >= 0) \
-        & (q_start + tok < num_tokens)
+    row_ok = (tok < q_len) & (offs_m % GROUP_P < GROUP)  # (the span is inside the tokens)
     pos = context + tok  # the query's position
     offs_d = tl.arange(0, D_P)
     offs_dv = tl.arange(0, DV_P)
@@ -366,16 +537,22 @@ def combine_splits_kernel(
     HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
     DV: tl.constexpr, DV_P: tl.constexpr,
     HAS_SINKS: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr,
 ):
     """One program per (token, head): the splits' outputs weighted by ``exp(lse_s - lse)``,
     ``SPLIT_BLOCK`` splits' rows at a time (wide values over many splits would not fit in
-    registers at once)."""
+    registers at once). The rows: those of ``query_start_loc`` or, with ``ALL_ROWS``, every
+    row of the grid (TRITON_ATTN: its row check leaves every row of the launch partials, its
+    tiles' or empty ones, whatever the device offsets hold)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    if row >= tl.load(qsl_ptr + num_reqs) - tl.load(qsl_ptr):
-        return
-    row = row + tl.load(qsl_ptr)
+    if not ALL_ROWS:
+        # the rows of query_start_loc clamped into the grid's (the partials' rows): a corrupt
+        # device value reads and writes no row outside them
+        first = _clamp(tl.load(qsl_ptr), 0, tl.num_programs(0))
+        if row >= _clamp(tl.load(qsl_ptr + num_reqs), first, tl.num_programs(0)) - first:
+            return
+        row = row + first
     offs_s = tl.arange(0, SPLITS_P)
     offs_dv = tl.arange(0, DV_P)
     part = (row * HQ + head) * NUM_SPLITS + offs_s

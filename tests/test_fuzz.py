@@ -1282,6 +1282,61 @@ def test_the_judge_catches_stray_state_writes(monkeypatch):
     assert check(lambda out, s: out[h.out_rows[other]].add_(1)) == "fail"
 
 
+class _TritonSplitHarness(AttentionHarness):
+    """TRITON_ATTN's harness with the decodes' keys split (``combine``: the split combine as a
+    second kernel, or fused into the attention launch) or not (``None``)."""
+
+    def __init__(self, combine: str | None) -> None:
+        self.combine = combine
+        super().__init__("TRITON_ATTN")
+
+    def build_layer(self):
+        from attn_ops.tuning import Tuning
+
+        super().build_layer()
+        if self.combine is not None:
+            tuning = Tuning().with_(triton={"min_keys_per_split": 2,
+                                            "fused_combine": self.combine == "fused"})
+            self.layer = Attention(self.spec, AttentionConfig(backend=self.target,
+                                                              tuning=tuning)).to(DEVICE)
+
+
+@pytest.mark.skipif(ON_GPU or not TRITON_HERE, reason="the GPU runs these trials itself (the "
+                    "op reads query_start_loc on the device); needs Triton's interpreter")
+@pytest.mark.parametrize("combine", [None, "kernel", "fused"], ids=["unsplit", "split_combine",
+                                                                     "split_fused"])
+def test_triton_attn_serves_a_corrupt_device_query_start_loc(combine, monkeypatch):
+    """On a GPU TRITON_ATTN's kernels take query_start_loc as the device holds it; on the CPU
+    the op checks it (a host tensor there) and refuses, so the query_start_loc trials never
+    reach the kernels. With that check off they do, as on a GPU, in the interpreter with the
+    memcheck, the layer's output buffer NaN until written: every output row comes back finite
+    (a row no request covers as 0), every untouched request's bit-identical, nothing read or
+    written outside the tensors."""
+    from attn_ops.backends import triton_attn
+    from attn_ops.backends.triton_attn import PLAN
+
+    h = _TritonSplitHarness(combine)
+    splits = PLAN.decode(h.layer.impl.build_metadata(h.meta).plan).splits
+    assert (splits > 1) == (combine is not None), splits
+    monkeypatch.setattr(triton_attn, "check_query_start_loc", lambda *args, **kwargs: None)
+    new_empty = torch.Tensor.new_empty
+
+    def nan_empty(self, *args, **kwargs):
+        out = new_empty(self, *args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_empty)
+    rng = _rng_for("triton_device_qsl", combine)
+    failures = []
+    for kind in ("qsl_beyond", "qsl_nonmonotone"):
+        for i in range(8):
+            trial = h.trial(kind, i, rng)
+            verdict = judge(h, trial)
+            if verdict.outcome != "served":
+                failures.append(f"{trial.desc}: {verdict.outcome}: {verdict.detail}")
+    assert not failures, "\n".join(failures)
+
+
 if TRITON_HERE and not ON_GPU:
     import triton
     import triton.language as tl

@@ -211,6 +211,18 @@ def test_context_chunks_are_taken_across_requests_in_order():
     assert chunks[4].tolist() == [[10, 10], [0, 0], [3, 3], [51, 60]]
 
 
+def test_a_negative_context_length_shifts_no_other_requests_chunks():
+    """A request whose length is below its new tokens has no context: its negative length
+    must not enter the running offsets of the other requests' chunks."""
+    import numpy as np
+
+    for chunk in (4096, 16):
+        got = context_chunks(np.array([-45, 70, 3]), chunk)
+        want = context_chunks(np.array([0, 70, 3]), chunk)
+        assert [c[1:].tolist() for c in got] == [c[1:].tolist() for c in want]
+        assert all((c[0] == 0).all() for c in got)
+
+
 # --- the layer against a naive dense MLA ------------------------------------------------------
 
 def test_chunk_tables_from_the_host_table_equal_the_device_gather():
@@ -420,6 +432,58 @@ def test_inputs_of_another_dtype_page_or_token_count_are_refused_naming_them(bac
     with pytest.raises(ValueError, match=r"cache must be \[num_blocks, block_size, "
                        r"kv_lora_rank \+ qk_rope_head_dim = 40\]"):
         layer(*args, cache[..., :32], case.meta)
+
+
+@pytest.mark.parametrize("backend", MLA_HERE)
+def test_a_zero_length_request_is_refused_in_the_mha_form_and_isolated_in_the_absorbed(
+        backend):
+    """seq_lens[r] = 0 (host and device copies) for a request with new tokens. In the MHA form
+    its cached context would be negative, and the context chunks run across requests: it would
+    move (or drop) the keys of the requests after it -- refused, naming seq_lens, as is a
+    length past the block table (which has no slots for it). In the absorbed form the kernels
+    read the length on the device: the request sees no key (its rows 0) and every other
+    request's output is bit-identical to the clean step's."""
+    spec = MLA_HERE[backend]
+    tuning = Tuning().with_(mla={"context_chunk_tokens": 7, "absorbed_max_query_len": 4,
+                                 **SPLITTING})
+    # absorbed: request 0 (3 + 1); MHA: requests 1 (70 + 5) and 2 (41 + 33)
+    case = _case(spec, [(3, 1), (70, 5), (41, 33)], padded=2)
+    clean = _run(case, backend, tuning=tuning)
+    qsl = case.meta.query_start_loc_cpu.tolist()
+    width = case.meta.block_table.shape[1] * spec.block_size
+
+    def with_length(r, v):
+        lens, lens_cpu = case.meta.seq_lens.clone(), case.meta.seq_lens_cpu.clone()
+        lens[r] = lens_cpu[r] = v
+        meta = dataclasses.replace(case.meta, seq_lens=lens, seq_lens_cpu=lens_cpu,
+                                   block_indptr_cpu=None, block_indices_cpu=None,
+                                   device_tables=None)
+        return _run(dataclasses.replace(case, meta=meta), backend, tuning=tuning)
+
+    for r, v, match in ((1, 0, r"seq_lens\[1\]=0 is shorter than the request's query length 5"),
+                        (1, width + 6, rf"seq_lens\[1\]={width + 6} needs"),
+                        (2, 0, r"seq_lens\[2\]=0 is shorter")):
+        with pytest.raises(ValueError, match=match):
+            with_length(r, v)
+    out = with_length(0, 0)
+    assert (out[qsl[0]:qsl[1]] == 0).all()
+    assert torch.equal(out[qsl[1]:], clean[qsl[1]:])
+
+
+def test_the_host_query_start_loc_is_checked_where_the_mla_step_is_planned():
+    """The builder plans the step from the host copy of query_start_loc: a copy that
+    decreases or runs past the rows is refused naming it, before any op runs."""
+    reqs = SCENARIOS["mixed"]
+    layer = MLAAttention(SPEC, AttentionConfig(backend="REFERENCE_MLA"), platform=CPU)
+    common = build_batch(BlockAllocator(NUM_BLOCKS, 4), list(range(len(reqs))),
+                         [c for c, _ in reqs], [n for _, n in reqs])
+    good = common.query_start_loc_cpu
+    for bad, match in (([0, 1, 9, 8, 29], r"query_start_loc\[3\]=8 is below"),
+                       ([0, 1, 2, 8, 30], r"query_start_loc\[4\]=30 is past num_tokens=29")):
+        corrupt = dataclasses.replace(common, query_start_loc_cpu=torch.tensor(
+            bad, dtype=good.dtype))
+        with pytest.raises(ValueError, match=match):
+            layer.impl.build_metadata(corrupt)
 
 
 @pytest.mark.parametrize("backend", MLA_HERE)
@@ -1013,6 +1077,60 @@ def test_mha_kernel_glue_matches_the_reference_mha(monkeypatch, causal, kernel):
     torch.testing.assert_close(results[0], results[1])
     if not causal:
         assert (results[0][0][3:8] == 0).all() and (results[0][1][3:8] == float("-inf")).all()
+
+
+def test_fa4_gets_the_mha_parts_query_offsets_from_the_host_copy(monkeypatch):
+    """The MHA part's FA4 calls index q and out with offsets from the metadata's host copy
+    (what the step was planned and checked with), whatever the device query_start_loc holds:
+    a device copy that disagrees -- here running into the padding rows, past the MHA part's
+    rows -- reaches no kernel, and the step equals the clean one."""
+    import sys
+    import types
+
+    from attn_ops.backends.mla.common import run_mla
+    from attn_ops.backends.mla.prefill import mha_fa4
+    from attn_ops.backends.mla.reference import absorbed_torch
+
+    calls = []
+
+    def bounded_fa4(q, k, v, *, cu_seqlens_q, cu_seqlens_k, **kw):
+        # FA4 reads rows [cu[i], cu[i + 1]) of q / k and writes them to out, unchecked
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        calls.append(cq)
+        for cu, x in ((cq, q), (ck, k)):
+            assert cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) \
+                and cu[-1] <= x.shape[0], f"offsets {cu} outside the {x.shape[0]} rows"
+        _fa4_varlen_standin(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            **kw)
+
+    module = types.ModuleType("flash_attn.cute.interface")
+    module._flash_attn_fwd = bounded_fa4
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", module)
+    spec = SPEC.with_(dtype=torch.float32)
+    layer = MLAAttention(spec, AttentionConfig(backend="REFERENCE_MLA", tuning=Tuning().with_(
+        mla={"absorbed_max_query_len": 1, "context_chunk_tokens": 7})), platform=CPU)
+    case = _case(spec, SCENARIOS["mixed"], padded=3, device="cpu")
+    layer.load_kv_b_proj(case.w.float())
+    meta = layer.impl.build_metadata(case.meta)
+    cache = case.cache.float()
+    q, kv_c, k_pe = case.q.float(), case.kv_c.float(), case.k_pe.float()
+    mla_cache_update(kv_c, k_pe, cache, meta.slot_mapping, None)
+
+    def step(query_start_loc):
+        out = torch.full((q.shape[0], 4, 12), float("nan"))
+        run_mla(q, kv_c, k_pe, cache, layer.w_uk, layer.w_uv, query_start_loc, meta.seq_lens,
+                meta.block_table, meta.plan, meta.mha_lens_cpu, list(meta.chunk_slots),
+                list(meta.chunk_cu_k), out, None, spec.softmax_scale, absorbed=absorbed_torch,
+                mha=mha_fa4)
+        return out
+
+    clean = step(meta.query_start_loc)
+    assert calls and all(c == [0, 6, 27] for c in calls)
+    calls.clear()
+    device_copy = meta.query_start_loc.clone()
+    device_copy[-1] = q.shape[0]  # (monotone, inside the rows: only the host copy can tell)
+    assert torch.equal(step(device_copy), clean)
+    assert calls and all(c == [0, 6, 27] for c in calls)
 
 
 # --- RoPE of the rope parts, fused with the latent write ----------------------------------------

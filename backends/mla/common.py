@@ -195,7 +195,12 @@ def absorbed_split(query_lens: np.ndarray, max_query_len: int) -> int:
 def context_chunks(context_lens: np.ndarray, chunk_tokens: int) -> list[np.ndarray]:
     """The context chunks of the MHA-form requests: chunk ``c`` holds the requests' cached
     tokens ``[c * chunk, (c + 1) * chunk)`` of their concatenation, as ``[R, 2]`` ranges
-    ``(start, end)`` per request in its own positions (empty where it has none there)."""
+    ``(start, end)`` per request in its own positions (empty where it has none there). A
+    negative length counts as none: the concatenation's offsets are running sums, so one
+    request's negative length would shift every later request's chunks and drop keys it does
+    not own (``build_metadata`` refuses the lengths that give one; ``mha_lens`` handed to the
+    op directly are not checked for it)."""
+    context_lens = np.maximum(context_lens, 0)
     ends = np.cumsum(context_lens)
     starts = ends - context_lens
     total = int(ends[-1]) if ends.size else 0
@@ -252,6 +257,8 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     na, nat, nt = p.num_absorbed, p.num_absorbed_tokens, p.num_tokens
     if query_start_loc.device.type == "cpu":  # (host values: checking them costs nothing)
         check_query_start_loc(query_start_loc.tolist(), q.shape[0])
+    lens = mha_lens.numpy()
+    _check_mha_lens(lens, nat, nt, q.shape[0])
     out[nt:].zero_()
     if nat:
         # the absorption as per-head GEMMs over strided [t, h, .] views (no permuting copies)
@@ -266,14 +273,17 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
             out[:nat] = torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1)
     if nt == nat:
         return
-    qsl = query_start_loc[na:] - query_start_loc[na]
-    lens = mha_lens.numpy()
     if mha is None:
         from attn_ops.backends.mla.prefill import mha_kernel
 
         mha = mha_kernel(q.device, q.shape[2], w_uv.shape[2], lens.shape[0],
                          p.flashinfer_prefill_max_requests)
     qsl_host = [0, *np.cumsum(lens[:, 0]).tolist()]
+    # The MHA kernels' query offsets come from the host copy (checked when the metadata was
+    # built, and against the plan above), never from the device query_start_loc: FA4 indexes
+    # its rows with them, so a corrupt device value would have it read and write outside q and
+    # out. One pinned upload without blocking, no device sync.
+    qsl = _upload_offsets(qsl_host, q.device)
     q_mha = q[nat:nt]
     o_new = out.new_empty(nt - nat, heads, w_uv.shape[2])
     lse_new = torch.empty(nt - nat, heads, device=q.device,  # (fp64 steps keep fp64 LSEs)
@@ -300,6 +310,26 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
             lse_acc, merged_lse = merged_lse, lse_acc
         o_new = o_acc
     out[nat:nt] = o_new
+
+
+def _check_mha_lens(lens: np.ndarray, nat: int, nt: int, rows: int) -> None:
+    """The host lengths the MHA part is planned from (``mha_lens``, the plan's token counts):
+    non-negative new tokens that fill rows ``[nat, nt)`` of the ``rows`` inputs exactly."""
+    new = lens[:, 0]
+    if (new < 0).any() or nat + int(new.sum()) != nt or not 0 <= nat <= nt <= rows:
+        raise ValueError(f"mha_lens' new tokens {new.tolist()} must be non-negative and fill "
+                         f"rows [{nat}, {nt}) of the {rows} query rows (the plan's absorbed and "
+                         "total tokens); pass MLAMetadata.mha_lens_cpu and .plan of the same "
+                         "build_metadata")
+
+
+def _upload_offsets(offsets: list[int], device: torch.device) -> torch.Tensor:
+    """Host offsets as an int32 tensor on ``device`` (pinned staging, one copy that does not
+    block: :func:`attn_ops.metadata.pack_upload`)."""
+    from attn_ops.metadata import pack_upload
+
+    buffer, _ = pack_upload((), [np.asarray(offsets, dtype=np.int32)], device)
+    return buffer[:len(offsets)]
 
 
 def _up_project(c: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
@@ -390,6 +420,27 @@ def define_mla_op(name: str, absorbed: AbsorbedKernel, *, mha: MHAKernel | None 
     return define_op(name, MLA_SCHEMA, impl, lambda *args: check(*args), tags=tags)
 
 
+def _check_mha_seq_lens(seq: np.ndarray, new: np.ndarray, na: int, width: int,
+                        block_size: int) -> None:
+    """The host lengths of the MHA-form requests (from ``na`` on), which plan their cached
+    context: at least the new tokens, within the block table. The context chunks run across
+    requests, so one request's context of another length moves the chunks of every later
+    request (and one past the table has no slots): refused, naming ``seq_lens``. (The absorbed
+    form reads lengths on the device only, where its kernels mask what a length gets wrong.)"""
+    mha_seq = seq[na:]
+    short, long = mha_seq < new, mha_seq > width * block_size
+    if short.any():
+        i = int(np.argmax(short))
+        raise ValueError(f"seq_lens[{na + i}]={int(mha_seq[i])} is shorter than the request's "
+                         f"query length {int(new[i])}; seq_lens counts the cached context plus "
+                         "the new tokens")
+    if long.any():
+        i = int(np.argmax(long))
+        raise ValueError(f"seq_lens[{na + i}]={int(mha_seq[i])} needs "
+                         f"{-(-int(mha_seq[i]) // block_size)} blocks but block_table has "
+                         f"{width} columns of {block_size} tokens")
+
+
 class MLABackend(AttentionBackend):
     """Base of the MLA backends: MLA specs only, the latent cache, the step plan."""
 
@@ -419,10 +470,17 @@ class MLABackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> MLAMetadata:
         qsl = common.query_start_loc_cpu.numpy()
+        rows = common.slot_mapping.shape[0]
+        # The host copy of query_start_loc plans the step (the split, the MHA part's offsets,
+        # its context chunks): checked here, where it is read (numpy first; the message only
+        # when it fails).
+        if qsl[0] != 0 or (qsl[1:] < qsl[:-1]).any() or qsl[-1] > rows:
+            check_query_start_loc(qsl.tolist(), rows)
         query_lens = qsl[1:] - qsl[:-1]
         na = absorbed_split(query_lens, self.tuning.mla.absorbed_max_query_len)
         seq = common.seq_lens_cpu.numpy().astype(np.int64)
         new = query_lens[na:].astype(np.int64)
+        _check_mha_seq_lens(seq, new, na, common.block_table.shape[1], common.block_size)
         mha_lens = np.stack([new, seq[na:] - new], axis=1)
         decode = self.decode_launch(na, int(query_lens[:na].max()) if na else 0,
                                     int(seq[:na].max()) if na else 0, common.seq_lens.device)

@@ -133,7 +133,8 @@ def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
             out, out, part_o, part_lse, rows, out, kv_scale if fp8 else out, 1, out.stride(0),
             out.stride(1), 0, HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank,
             DV_P=rank_p, HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
-            SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
+            SPLIT_BLOCK=combine_split_block(splits, rank_p), ALL_ROWS=False,
+            num_warps=4)
 
 
 @triton.jit

@@ -65,7 +65,8 @@ def absorbed_triton(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_tab
             num_reqs, out.stride(0), out.stride(1), 0,
             HQ=heads, NUM_SPLITS=splits, SPLITS_P=pow2(splits), DV=rank, DV_P=rank_p,
             HAS_SINKS=False, FP8=fp8, WRITE_LSE=False,
-            SPLIT_BLOCK=combine_split_block(splits, rank_p), num_warps=4)
+            SPLIT_BLOCK=combine_split_block(splits, rank_p), ALL_ROWS=False,
+            num_warps=4)
     return kernel
 
 
