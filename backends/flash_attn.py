@@ -10,10 +10,10 @@ trails split decodes at small batches -- there the selector prefers COMPOSITE_SM
 FA4's prefills beside FlashInfer's and our decodes. Kernels and semantics:
 :mod:`attn_ops.backends.flash_attn_kernels`.
 
-FA2 and FA3 cannot be installed on the H200 machine (FA2 is source-only on PyPI, FA3 not on
-PyPI): their glue is tested on the CPU against stand-in modules with the same call signatures
-that implement FlashAttention's documented semantics (``tests/test_flash_attn_glue.py``); their
-GPU execution is untested.
+FA3 comes from FlashAttention's hopper build or vLLM's ``vllm_flash_attn``
+(:data:`attn_ops.providers.FA3`, whichever is usable here). FA2 and both FA3 providers' glue is
+tested on the CPU against stand-in modules with the same call signatures that implement
+FlashAttention's documented semantics (``tests/test_flash_attn_glue.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import check_nhd_attention_inputs, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform, PlatformKind, current_platform
+from attn_ops.providers import FA3, KernelProviders
 from attn_ops.routing import DeviceFacts, fa4_tile
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 from attn_ops.tuning import FA4Tile
@@ -96,7 +97,7 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                          tile=p.tile, padded=padded)
     elif p.version == 3:
         lse_hm = run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
-                         p.max_query, scale, left, right, soft_cap, causal, need_lse)
+                         p.max_query, p.max_keys, scale, left, right, soft_cap, causal, need_lse)
     else:
         lse_hm = run_fa2(query, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, page_table,
                          p.max_query, p.max_keys, scale, left, right, soft_cap, alibi_slopes,
@@ -126,7 +127,7 @@ flash_attn_attention = define_op(
 # capabilities it runs on, page-size rule, whether it takes ALiBi slopes.
 @dataclass(frozen=True)
 class _Generation:
-    package: PackageRequirement
+    package: PackageRequirement | KernelProviders
     min_capability: tuple[int, int]
     max_capability: tuple[int, int]
     block_multiple: int
@@ -137,8 +138,7 @@ class _Generation:
 GENERATIONS = {
     4: _Generation(PackageRequirement("flash-attn-4", "flash_attn", "4.0.0b1"), (8, 0), (12, 9),
                    1, 128, False),  # FA4 reads pages of its KV tile by TMA
-    3: _Generation(PackageRequirement("flash-attn-3", "flash_attn_interface", "3.0.0b1"),
-                   (9, 0), (9, 0), 1, 16, False),
+    3: _Generation(FA3, (9, 0), (9, 0), 1, 16, False),  # its hopper build or vLLM's
     2: _Generation(PackageRequirement("flash-attn", "flash_attn", "2.6", max_version="3"),
                    (8, 0), (12, 9), 256, 256, True),  # paged KV needs pages of k x 256
 }
@@ -184,8 +184,9 @@ class FlashAttnBackend(AttentionBackend):
         if version is None:
             reasons.append(Reason(cls.name, "package_missing",
                                   "no FlashAttention is installed that runs here (flash-attn-4 "
-                                  "for sm80-sm12x, flash-attn-3 for sm90, flash-attn 2.x for "
-                                  "sm80+)", "pip install flash-attn-4"))
+                                  "for sm80-sm12x, FlashAttention 3 for sm90 from flash-attn-3 "
+                                  "or vLLM's vllm_flash_attn, flash-attn 2.x for sm80+)",
+                                  "pip install flash-attn-4"))
             return reasons
         gen = GENERATIONS[version]
         if version == 4:

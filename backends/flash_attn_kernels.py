@@ -1,5 +1,6 @@
 """FlashAttention's kernels called on the paged cache: FA4 (``flash_attn.cute``), FA3
-(``flash_attn_interface``) and FA2 (``flash_attn``), with REFERENCE's semantics.
+(``flash_attn_interface`` or vLLM's ``vllm_flash_attn``) and FA2 (``flash_attn``), with
+REFERENCE's semantics.
 
 Shared by the backends that run FlashAttention (FLASH_ATTN, FLASH_ATTN_DIFFKV, COMPOSITE_SM90):
 they route (tile, batch mode: :mod:`attn_ops.routing`) and these run what they were told.
@@ -80,15 +81,33 @@ def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
     return lse
 
 
-def run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, scale,
-             left, right, soft_cap, causal, need_lse):
-    from flash_attn_interface import flash_attn_with_kvcache
+def run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
+            scale, left, right, soft_cap, causal, need_lse):
+    """FA3's forward into ``out`` from whichever provider serves it here
+    (:data:`attn_ops.providers.FA3`): FlashAttention's hopper build (``flash_attn_with_kvcache``
+    over the pages) or vLLM's ``vllm_flash_attn`` (``flash_attn_varlen_func`` with a block
+    table, ``fa_version=3``). Returns its LSE ``[heads, tokens]`` if asked."""
+    from attn_ops.providers import FA3
 
-    result = flash_attn_with_kvcache(
+    provider = FA3.found()
+    if provider is None:
+        raise RuntimeError(str(FA3.reason("FLASH_ATTN")))
+    window = (-1 if left is None else left, -1 if right is None else right)
+    fa3 = provider.module_object()
+    if provider.distribution == "vllm":
+        result = fa3.flash_attn_varlen_func(
+            q=query, k=k_cache, v=v_cache, max_seqlen_q=max_q, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_k=max_k, seqused_k=seqused_k, block_table=page_table,
+            softmax_scale=scale, causal=causal, window_size=list(window),
+            softcap=soft_cap or 0.0, return_softmax_lse=need_lse, out=out, fa_version=3)
+        o, lse_hm = result if need_lse else (result, None)
+        if o.data_ptr() != out.data_ptr():
+            out.copy_(o)
+        return lse_hm
+    result = fa3.flash_attn_with_kvcache(
         query, k_cache, v_cache, cache_seqlens=seqused_k, page_table=page_table,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, softmax_scale=scale, causal=causal,
-        window_size=(-1 if left is None else left, -1 if right is None else right),
-        softcap=soft_cap or 0.0, num_splits=0, return_softmax_lse=need_lse)
+        window_size=window, softcap=soft_cap or 0.0, num_splits=0, return_softmax_lse=need_lse)
     o, lse_hm = result if need_lse else (result, None)
     out.copy_(o)
     return lse_hm

@@ -11,6 +11,7 @@ the argument mapping, layouts and metadata of our glue are really checked. Their
 is untested (README).
 """
 
+import dataclasses
 import functools
 import math
 import sys
@@ -98,6 +99,42 @@ def fa3_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=No
     return (out, lse) if return_softmax_lse else out
 
 
+def vllm_fa3_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
+                    seqused_k=None, q_v=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=None, softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, block_table=None, return_softmax_lse=False,
+                    out=None, scheduler_metadata=None, q_descale=None, k_descale=None,
+                    v_descale=None, num_splits=0, output_scale=None, fa_version=2, s_aux=None,
+                    cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, mask_mod=None,
+                    aux_tensors=None, dynamic_causal=None):
+    """vLLM's ``vllm_flash_attn.flash_attn_varlen_func`` as its FA3 path takes a paged cache:
+    keys counted by ``seqused_k``, a block table, ``window_size`` as a list, the result
+    written into ``out`` when given."""
+    assert fa_version == 3 and block_table is not None and cu_seqlens_k is None
+    assert isinstance(window_size, list) and len(window_size) == 2
+    q_starts, kv_lens = cu_seqlens_q.tolist(), seqused_k.tolist()
+    assert max_seqlen_q >= max(b - a for a, b in zip(q_starts, q_starts[1:]))
+    assert max_seqlen_k >= max(kv_lens)
+    o, lse = _fa_semantics(q, k, v, q_starts, kv_lens, block_table.tolist(), softmax_scale,
+                           causal, tuple(window_size), softcap, None)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if return_softmax_lse else o
+
+
+@pytest.fixture
+def vllm_fa3(monkeypatch):
+    """vLLM's FA3 as the only FA3 provider: a minimal ``vllm`` package (no distribution
+    metadata, as the kernels packed without the engine)."""
+    vllm, fa = types.ModuleType("vllm"), types.ModuleType("vllm.vllm_flash_attn")
+    vllm.vllm_flash_attn = fa
+    fa.flash_attn_varlen_func, fa.FA3_AVAILABLE = vllm_fa3_varlen, True
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # (not importable)
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
     fa2 = types.ModuleType("flash_attn")
@@ -144,6 +181,76 @@ def test_glue_matches_reference(stand_ins, version, block_size, spec, scenario):
     assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
     assert (out[n:] == 0).all() and (lse[n:] == 0).all()
     assert err(lse, truth_lse) <= tolerance(err(base_lse, truth_lse), spec.dtype)
+
+
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed", "padded_batch", "spec_decodes"])
+@pytest.mark.parametrize("vid", ["gqa", "window", "softcap", "sinks", "non_causal_window"])
+def test_fa3_from_vllm_matches_reference(vllm_fa3, vid, scenario):
+    from attn_ops.providers import FA3
+
+    assert FA3.found().distribution == "vllm"
+    spec = VARIANTS[vid]
+    case = make_case(spec, SCENARIOS[scenario], block_size=16, seed=5)
+    n = case.metadata.num_actual_tokens
+    out, lse = run_backend(lambda s: FLASH_ATTN(s, version=3), case)
+    truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
+    base, _ = run_backend(REFERENCE, case)
+
+    def err(a, b):
+        return (a[:n].double() - b[:n].double()).abs().max().item()
+
+    assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
+    assert (out[n:] == 0).all() and (lse[n:] == 0).all()
+    assert err(lse, truth_lse) <= 1e-3
+
+
+def test_fa3_provider_reasons_name_each_provider_and_how_to_get_one(monkeypatch):
+    from attn_ops.providers import FA3
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", None)
+    reason = FA3.reason("FLASH_ATTN")
+    assert reason.code == "package_missing"
+    assert str(reason).startswith(
+        "no provider of FlashAttention 3 is usable here (flash-attn-3 (FlashAttention's hopper "
+        "build): flash_attn_interface is not installed; vLLM's vllm_flash_attn: "
+        "vllm.vllm_flash_attn is not installed)")
+    assert "vLLM's wheel built for this torch" in reason.hint
+    assumed = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    assert FA3.reason("FLASH_ATTN", assumed) is None
+
+
+def test_a_provider_built_for_another_torch_is_a_reason_not_a_crash(monkeypatch):
+    import importlib.metadata
+
+    from attn_ops import capabilities
+    from attn_ops.providers import FLASHMLA
+
+    vllm = FLASHMLA.providers[1]
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+    monkeypatch.setitem(sys.modules, vllm.module, types.ModuleType(vllm.module))
+    monkeypatch.setattr(capabilities, "package_version",
+                        lambda d: "0.26.0" if d == "vllm" else None)
+    monkeypatch.setattr(importlib.metadata, "requires",
+                        lambda d: ["torch==1.0.0", "numpy"] if d == "vllm" else [])
+    assert vllm.problem() == f"vllm==0.26.0 is built for torch 1.0.0, this is torch " \
+        f"{torch.__version__}"
+    assert FLASHMLA.found() is None
+    # A copy without metadata is judged by its import: an undefined symbol is the reason.
+    monkeypatch.setattr(capabilities, "package_version", lambda d: None)
+    monkeypatch.delitem(sys.modules, vllm.module)
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: object() if name == vllm.module else real_find(name))
+
+    def broken(name, *args):
+        raise ImportError("vllm/_flashmla_C.abi3.so: undefined symbol: _ZN3c10")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    problem = vllm.problem()
+    assert problem.startswith(f"{vllm.module} fails to import (ImportError: vllm/_flashmla_C"
+                              ".abi3.so: undefined symbol")
+    assert problem.endswith(f"a compiled build must match torch {torch.__version__}")
 
 
 def test_generation_reasons_on_simulated_platforms(monkeypatch):

@@ -77,10 +77,18 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     by_name = {c.name: c for c in candidates_for(spec, h200)}
     assert [n for n in by_name][:4] == ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA",
                                         "TRITON_MLA"]
-    assert any("empty placeholder" in str(r) for r in by_name["FLASHMLA"].reasons)
+    assert any("attn_ops does not run it yet (no glue for its kernels: the tile-scheduler"
+               in str(r) for r in by_name["FLASHMLA"].reasons)
     assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
                for r in by_name["CUTLASS_MLA"].reasons)
     assert any("V width 512" in str(r) for r in by_name["FLASH_ATTN_MLA"].reasons)
+    # Without the packages assumed, the reasons say which provider of the kernel was looked
+    # for and why none serves here.
+    bare = {c.name: c for c in candidates_for(spec, Platform.parse("cuda:9.0"))}
+    assert any(str(r).startswith("no provider of FlashMLA is usable here (DeepSeek's flash_mla:")
+               for r in bare["FLASHMLA"].reasons)
+    assert any(str(r).startswith("no provider of FlashAttention 3 is usable here")
+               for r in bare["FLASH_ATTN_MLA"].reasons)
     # FlashInfer's MLA first, then ours; REFERENCE_MLA runs anywhere but is not in a GPU's
     # priority list (a silent 100x slowdown)
     assert [c.name for c in by_name.values() if c.ok] == ["FLASHINFER_MLA", "TRITON_MLA",

@@ -1,9 +1,12 @@
-"""MLA backends other engines ship whose kernels cannot run on this stack: listed by the
-selector and the CLI so a user sees each one with its exact cause, never selected.
+"""MLA backends other engines ship that attn_ops does not run: listed by the selector and the
+CLI so a user sees each one with its exact cause, never selected.
 
 Each is an MLA-only backend whose reasons are the platform and compute-capability mismatch
-(where there is one) and the cause its kernels are out of reach. The causes are facts about the
-packages as published (``../shared/reference/mla_study.md``): re-check them when upgrading.
+(where there is one) and its cause. Where the kernel has providers
+(:mod:`attn_ops.providers`: FlashMLA, FlashAttention 3) the reasons also say which provider
+was found here or why none is usable; the cause is then that attn_ops has no glue for it yet.
+The other causes are facts about the packages as published
+(``../shared/reference/mla_study.md``): re-check them when upgrading.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from attn_ops.backends.mla.common import MLABackend
 from attn_ops.backends.mla.sparse import sparse_reasons
 from attn_ops.capabilities import BackendCapabilities, HeadDims, Reason
 from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.providers import FA3, FLASHMLA as FLASHMLA_PROVIDERS, KernelProviders
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA", "FLASHMLA_SPARSE",
@@ -25,11 +29,19 @@ __all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA", "FLASHMLA_SPARSE"
 class _Unavailable(MLABackend):
     cause: ClassVar[str]
     hint: ClassVar[str] = ""
+    providers: ClassVar[KernelProviders | None] = None
 
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         reasons = super().not_supported_reasons(spec, platform)
-        return reasons + [Reason(cls.name, "kernels_unavailable", cls.cause, cls.hint)]
+        cause = cls.cause
+        if cls.providers is not None:
+            missing = cls.providers.reason(cls.name, platform)
+            if missing is not None:
+                reasons.append(missing)
+            elif not platform.assume_packages:
+                cause = f"{cls.providers.describe()} is usable here, but {cause}"
+        return reasons + [Reason(cls.name, "kernels_unavailable", cause, cls.hint)]
 
 
 class _UnavailableSparse(_Unavailable):
@@ -39,7 +51,8 @@ class _UnavailableSparse(_Unavailable):
 
 
 def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
-                 max_capability=None, sparse: bool = False) -> type[MLABackend]:
+                 max_capability=None, sparse: bool = False,
+                 providers: KernelProviders | None = None) -> type[MLABackend]:
     features = {Feature.MLA, Feature.DIFF_HEAD_DIM_V, Feature.FP8_KV}
     caps = BackendCapabilities(platforms=frozenset({PlatformKind.CUDA}),
                                dtypes=frozenset({torch.bfloat16, torch.float16}),
@@ -49,21 +62,23 @@ def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
                                min_capability=min_capability, max_capability=max_capability)
     base = _UnavailableSparse if sparse else _Unavailable
     return type(name, (base,), {"name": name, "capabilities": caps, "cause": cause,
-                                "hint": hint, "__doc__": cause})
+                                "hint": hint, "providers": providers, "__doc__": cause})
 
 
 _FI = "FLASHINFER_MLA (sm90: FlashInfer's fa3 MLA) or TRITON_MLA"
 
+_NO_GLUE = "attn_ops does not run it yet (no glue for its kernels: {})"
+
 FLASHMLA = _unavailable(
-    "FLASHMLA", "FlashMLA is not installable with torch 2.11 + CUDA 13: 'flash-mla' on PyPI "
-    "is an empty placeholder, 'sgl-flash-mla' and 'tokenspeed-flashmla' need torch 2.14, "
-    "and FlashMLA's own 2026-09 release dropped Hopper", f"use {_FI}",
-    min_capability=(9, 0))
+    "FLASHMLA", _NO_GLUE.format("the tile-scheduler metadata and the absorbed decode over the "
+                                "latent cache"), f"use {_FI}",
+    min_capability=(9, 0), providers=FLASHMLA_PROVIDERS)
 
 FLASHMLA_SPARSE = _unavailable(
-    "FLASHMLA_SPARSE", "FlashMLA's sparse kernels ship in the same packages as FLASHMLA "
-    "(none installable with torch 2.11 + CUDA 13)", "use TRITON_MLA_SPARSE",
-    min_capability=(9, 0), sparse=True)
+    "FLASHMLA_SPARSE", _NO_GLUE.format("sparse decode and prefill over FlashMLA's fp8 cache "
+                                       "layout of 656 bytes a token"),
+    "use FLASHINFER_MLA_SPARSE or TRITON_MLA_SPARSE", min_capability=(9, 0), sparse=True,
+    providers=FLASHMLA_PROVIDERS)
 
 CUTLASS_MLA = _unavailable(
     "CUTLASS_MLA", "CUTLASS MLA is a Blackwell (sm100) kernel compiled into vLLM's own "
@@ -75,7 +90,8 @@ FLASHINFER_MLA_TRTLLM = _unavailable(
     "only", f"on Hopper use {_FI}", min_capability=(10, 0))
 
 FLASH_ATTN_MLA = _unavailable(
-    "FLASH_ATTN_MLA", "FlashAttention 3 (its q_v path runs the absorbed form) is not on "
-    "PyPI for torch 2.11 + CUDA 13, and FlashAttention 4 on sm90 takes head dims <= 256, "
-    "not the absorbed form's V width 512", f"use {_FI}; FA4 serves the MHA prefill",
-    min_capability=(9, 0), max_capability=(9, 0))
+    "FLASH_ATTN_MLA", _NO_GLUE.format("FlashAttention 3's q_v path, which runs the absorbed "
+                                      "form; FlashAttention 4 on sm90 takes head dims <= 256, "
+                                      "not its V width 512"),
+    f"use {_FI}; FA4 serves the MHA prefill", min_capability=(9, 0), max_capability=(9, 0),
+    providers=FA3)
