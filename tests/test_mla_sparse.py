@@ -236,7 +236,8 @@ def test_sparse_specs_select_sparse_backends_and_each_rejection_says_why():
     for dense in ("REFERENCE_MLA", "TRITON_MLA", "FLASHINFER_MLA"):
         assert any(r.code == "feature" or "sparse_mla" in str(r)
                    for r in sparse[dense].reasons), dense
-    assert any("FlashMLA's sparse kernels" in str(r) for r in sparse["FLASHMLA_SPARSE"].reasons)
+    assert any("sparse decode and prefill over FlashMLA's fp8 cache layout" in str(r)
+               for r in sparse["FLASHMLA_SPARSE"].reasons)
     dense = {c.name: c for c in candidates_for(SPEC.with_(index_topk=None), PLATFORM)}
     for name in ("REFERENCE_MLA_SPARSE", "TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"):
         assert any("serves sparse MLA layers only" in str(r) for r in dense[name].reasons)
