@@ -139,6 +139,14 @@ def cmd_info(args) -> int:
                  "transformers"):
         version = torch.__version__ if dist == "torch" else package_version(dist)
         print(f"  {dist:<18} {version or 'not installed'}")
+    from attn_ops.providers import FA3, FLASHMLA
+
+    for kernel in (FA3, FLASHMLA):  # kernels several packages ship: which one serves here
+        found = kernel.found()
+        print(f"  {kernel.kernel:<18} " + (f"from {found.label} ({found.module})" if found else
+                                           "no provider ("
+                                           + "; ".join(p.problem() for p in kernel.providers)
+                                           + ")"))
     spec = _spec_from(args)
     print(f"\nbackends for {spec.describe()}:", *_assumed(platform))
     for c in candidates_for(spec, platform):

@@ -23,6 +23,21 @@ def test_info_lists_platform_versions_and_every_backend(capsys):
     assert "selected: CPU_ATTN" in out
 
 
+def test_info_says_which_provider_serves_each_kernel(capsys, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+    monkeypatch.setitem(sys.modules, "vllm.third_party.flashmla.flash_mla_interface", None)
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+    fa.FA3_AVAILABLE = True
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fa)
+    _, out, _ = run(capsys, "info")
+    assert "  FlashAttention 3   from vLLM's vllm_flash_attn (vllm.vllm_flash_attn)\n" in out
+    assert ("  FlashMLA           no provider (flash_mla is not installed; "
+            "vllm.third_party.flashmla.flash_mla_interface is not installed)\n") in out
+
+
 def test_select_on_a_simulated_platform_prints_the_ranked_table(capsys):
     code, out, _ = run(capsys, "select", "--platform", "cpu", "--heads", "8", "--kv-heads", "2",
                        "--head-dim", "72", "--sliding-window", "128", "--dtype", "float32")
