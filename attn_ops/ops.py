@@ -127,6 +127,7 @@ OP_MODULES: dict[str, str] = {
     "reference_mla_attention": "attn_ops.backends.mla.reference",
     "triton_mla_attention": "attn_ops.backends.mla.triton_mla",
     "flashinfer_mla_attention": "attn_ops.backends.mla.flashinfer_mla",
+    "flashmla_attention": "attn_ops.backends.mla.flashmla",
     "reference_mla_sparse": "attn_ops.backends.mla.sparse",
     "triton_mla_sparse": "attn_ops.backends.mla.sparse",
     "flashinfer_mla_sparse": "attn_ops.backends.mla.flashinfer_mla_sparse",

@@ -89,12 +89,13 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
     Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
     Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",
+    Backend.FLASHMLA: "attn_ops.backends.mla.flashmla:FlashMLABackend",
     Backend.FLASHINFER_MLA_SPARSE:
         "attn_ops.backends.mla.flashinfer_mla_sparse:FlashInferSparseMLABackend",
     Backend.TRITON_MLA_SPARSE: "attn_ops.backends.mla.sparse:TritonSparseMLABackend",
     Backend.REFERENCE_MLA_SPARSE: "attn_ops.backends.mla.sparse:ReferenceSparseMLABackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
-        Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
+        Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA)},
 }
 

@@ -81,9 +81,12 @@ def _mla_priority(platform: Platform) -> list[Backend]:
     and context measured), then our Triton kernel (fp8 latents); on CPUs the reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
-        vendor = {10: [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM, B.FLASHMLA],
-                  9: [B.FLASH_ATTN_MLA, B.FLASHMLA]}.get(major, [])
-        return [*vendor, B.FLASHINFER_MLA, B.TRITON_MLA]
+        vendor = {10: [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM],
+                  9: [B.FLASH_ATTN_MLA]}.get(major, [])
+        # FLASHMLA after FlashInfer's MLA until its glue is measured on the GPU (its kernel
+        # alone led FlashInfer's at 128 heads and trailed it at batch 1 on the H200).
+        flashmla = [B.FLASHMLA] if major in (9, 10) else []
+        return [*vendor, B.FLASHINFER_MLA, *flashmla, B.TRITON_MLA]
     if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
         return [B.TRITON_MLA]
     return [B.REFERENCE_MLA]

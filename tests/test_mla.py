@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -75,10 +76,9 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     spec = AttentionSpec.mla(128, block_size=64)
     by_name = {c.name: c for c in candidates_for(spec, h200)}
-    assert [n for n in by_name][:4] == ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA",
+    assert [n for n in by_name][:4] == ["FLASH_ATTN_MLA", "FLASHINFER_MLA", "FLASHMLA",
                                         "TRITON_MLA"]
-    assert any("attn_ops does not run it yet (no glue for its kernels: the tile-scheduler"
-               in str(r) for r in by_name["FLASHMLA"].reasons)
+    assert by_name["FLASHMLA"].ok  # (its packages assumed; ranked after FLASHINFER_MLA)
     assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
                for r in by_name["CUTLASS_MLA"].reasons)
     assert any("V width 512" in str(r) for r in by_name["FLASH_ATTN_MLA"].reasons)
@@ -91,8 +91,8 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
                for r in bare["FLASH_ATTN_MLA"].reasons)
     # FlashInfer's MLA first, then ours; REFERENCE_MLA runs anywhere but is not in a GPU's
     # priority list (a silent 100x slowdown)
-    assert [c.name for c in by_name.values() if c.ok] == ["FLASHINFER_MLA", "TRITON_MLA",
-                                                          "REFERENCE_MLA"]
+    assert [c.name for c in by_name.values() if c.ok] == ["FLASHINFER_MLA", "FLASHMLA",
+                                                          "TRITON_MLA", "REFERENCE_MLA"]
     fp8 = {c.name: c for c in candidates_for(spec.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
                                              h200)}
     assert [n for n, c in fp8.items() if c.ok][0] == "TRITON_MLA"
@@ -757,6 +757,167 @@ def test_flashinfer_mla_graph_plans_cover_the_capture_size_and_zero_its_padding(
         for r in range(n):
             alloc.free(10 * n + r)
     assert len(handles) == 2  # one wrapper per capture size
+
+
+# --- FLASHMLA's glue against a stand-in of FlashMLA's interface -----------------------------
+
+def standin_flashmla(current: bool) -> types.ModuleType:
+    """FlashMLA's dense decode in torch with its contract (``flash_mla_interface``): q
+    ``[batch, queries, heads, 576]``, the cache ``[blocks, 64, 1, 576]``, int32 block table
+    and lengths, ``head_dim_v`` 512, causal bottom-right; ``current``: the interface whose
+    ``get_mla_metadata()`` returns an empty ``FlashMLASchedMeta`` that the first call fills
+    (one object per call here), else the older one whose ``get_mla_metadata(cache_seqlens,
+    queries x heads, 1)`` returns the metadata tensors. A row without keys gets NaN."""
+    mod = types.ModuleType("flash_mla")
+    calls = mod.calls = []
+
+    @dataclasses.dataclass
+    class FlashMLASchedMeta:
+        have_initialized: bool = False
+
+    if current:
+        mod.FlashMLASchedMeta = FlashMLASchedMeta
+        mod.get_mla_metadata = lambda *a, **k: (FlashMLASchedMeta(), None)
+    else:
+        def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k):
+            assert cache_seqlens.dtype == torch.int32 and num_heads_k == 1
+            return torch.zeros(8, 8, dtype=torch.int32), torch.zeros(
+                cache_seqlens.shape[0] + 1, dtype=torch.int32)
+        mod.get_mla_metadata = get_mla_metadata
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                               tile_scheduler_metadata, num_splits=None, softmax_scale=None,
+                               causal=False, is_fp8_kvcache=False, indices=None, out=None):
+        b, s_q, heads, d = q.shape
+        assert k_cache.shape[1:] == (64, 1, d) and d == 576 and head_dim_v == 512
+        assert q.dtype == k_cache.dtype and block_table.dtype == cache_seqlens.dtype == torch.int32
+        assert block_table.shape[0] == cache_seqlens.shape[0] == b
+        if current:
+            assert isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and num_splits is None
+            assert not tile_scheduler_metadata.have_initialized  # (a fresh object a step)
+            tile_scheduler_metadata.have_initialized = True
+        else:
+            assert num_splits.shape == (b + 1,)
+        calls.append((b, s_q, causal))
+        o = torch.full((b, s_q, heads, head_dim_v), float("nan"), dtype=q.dtype)
+        for r in range(b):
+            n = int(cache_seqlens[r])
+            if n == 0:
+                continue
+            pages = block_table[r, :-(-n // 64)].long()
+            kv = k_cache[pages, :, 0].flatten(0, 1)[:n].double()
+            score = torch.einsum("qhd,jd->hqj", q[r].double(), kv) * softmax_scale
+            if causal:
+                pos = torch.arange(n - s_q, n)[:, None]
+                score = score.masked_fill(torch.arange(n)[None] > pos, float("-inf"))
+            o[r] = torch.einsum("hqj,jd->qhd", torch.softmax(score, -1),
+                                kv[:, :head_dim_v]).to(q.dtype)
+        return o, torch.zeros(b, heads, s_q)
+
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    return mod
+
+
+FM_SPEC = AttentionSpec.mla(4, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
+                            v_head_dim=12, dtype=torch.float16, block_size=64)
+
+
+@pytest.fixture(params=[True, False], ids=["sched_meta", "metadata_tensors"])
+def flashmla_h200(request, monkeypatch):
+    from attn_ops.backends.mla import flashmla
+
+    mod = standin_flashmla(request.param)
+    monkeypatch.setattr(flashmla, "_interface", lambda: mod)
+    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True), mod
+
+
+@pytest.mark.parametrize("reqs", [
+    [(70, 1), (130, 1), (5, 1)],  # decodes: one query each
+    [(130, 1), (64, 1), (70, 3), (5, 2), (0, 4)],  # speculative decodes, a short prefill
+    [(40, 1), (3, 2), (0, 9), (100, 12)],  # with an MHA part
+], ids=["decodes", "mixed_lengths", "with_mha"])
+def test_flashmla_runs_what_reference_mla_does(flashmla_h200, reqs):
+    """Our side of FlashMLA (the latent cache as its one-head k_cache, queries laid out
+    right-aligned in [batch, longest query] where lengths differ, causal only with several,
+    its scheduler metadata a step, padding rows zero) against REFERENCE_MLA."""
+    from attn_ops.testing import tolerance
+
+    platform, mod = flashmla_h200
+    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})
+    case = _case(FM_SPEC, reqs, padded=3, num_blocks=16)
+    ours = _run(case, "FLASHMLA", tuning=tuning, platform=platform)
+    truth = _run(case, "REFERENCE_MLA", torch.float64, tuning=tuning)
+    base = _run(case, "REFERENCE_MLA", torch.float16, tuning=tuning).double()
+    err = (ours.double() - truth).abs().max().item()
+    assert err <= tolerance((base - truth).abs().max().item(), torch.float16), err
+    assert (ours[case.total:] == 0).all()
+    absorbed = [n for _, n in reqs if n <= 4]
+    assert mod.calls == [(len(absorbed), max(absorbed), max(absorbed) > 1)]
+
+
+def test_flashmla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding(
+        flashmla_h200, monkeypatch):
+    """The graph path's metadata run eagerly: a plan fixed per capture size (every request a
+    decode, padding requests without keys, NaN from the kernel), the padding rows zeroed."""
+    from attn_ops import platforms
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    platform, mod = flashmla_h200
+    monkeypatch.setattr(platforms, "current_platform", lambda: platform)
+    graphs = CUDAGraphBatch((2, 8), 4, 64, "cpu")
+    layer = MLAAttention(FM_SPEC, AttentionConfig(backend="FLASHMLA"), platform=platform)
+    oracle = MLAAttention(FM_SPEC, AttentionConfig(backend="REFERENCE_MLA"))
+    w = _weights(FM_SPEC, torch.Generator().manual_seed(0)).half()
+    layer.load_kv_b_proj(w)
+    oracle.load_kv_b_proj(w)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(24, 64, FM_SPEC.latent_dim, generator=g).half()
+    alloc = BlockAllocator(24, 64, shuffle=True, seed=3)
+    for n, ctx in ((5, [3, 90, 1, 200, 7]), (2, [64, 11])):
+        common = build_batch(alloc, list(range(10 * n, 11 * n)), ctx, [1] * n)
+        step = build_step_metadata(layer, common, graphs)
+        size = graphs.size_for(n)
+        q = torch.randn(size, 4, FM_SPEC.head_dim, generator=g).half()
+        kv_c = torch.randn(size, 512, generator=g).half()
+        k_pe = torch.randn(size, 64, generator=g).half()
+        got = layer(q, kv_c, k_pe, cache.clone(), step)
+        want = oracle(q[:n], kv_c[:n], k_pe[:n], cache.clone(), common)
+        torch.testing.assert_close(got[:n], want, atol=2e-3, rtol=2e-3)
+        assert (got[n:] == 0).all() and mod.calls[-1] == (size, 1, False)
+        for r in range(n):
+            alloc.free(10 * n + r)
+
+
+def test_flashmla_op_passes_opcheck(flashmla_h200):
+    platform, _ = flashmla_h200
+    g = torch.Generator().manual_seed(3)
+    layer = MLAAttention(FM_SPEC, AttentionConfig(backend="FLASHMLA", tuning=Tuning().with_(
+        mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})), platform=platform)
+    layer.load_kv_b_proj(_weights(FM_SPEC, g).half())
+    reqs = [(70, 1), (5, 3), (40, 9)]
+    meta = layer.impl.build_metadata(build_batch(BlockAllocator(8, 64, shuffle=True), [0, 1, 2],
+                                                 [c for c, _ in reqs], [n for _, n in reqs]))
+    t = sum(n for _, n in reqs)
+    rand = lambda *shape: torch.randn(*shape, generator=g).half()  # noqa: E731
+    torch.library.opcheck(layer.impl.op, (
+        rand(t, 4, FM_SPEC.head_dim), rand(t, 512), rand(t, 64), rand(8, 64, 576), layer.w_uk,
+        layer.w_uv, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.plan,
+        meta.mha_lens_cpu, list(meta.chunk_slots), list(meta.chunk_cu_k),
+        torch.empty(t, 4, 12, dtype=torch.float16), None, FM_SPEC.softmax_scale))
+
+
+def test_flashmla_is_selected_only_where_it_runs_and_after_flashinfer_mla():
+    h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    ranked = [c.name for c in candidates_for(FM_SPEC.with_(dtype=torch.bfloat16), h200)
+              if c.ok]
+    assert ranked[:3] == ["FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA"]
+    narrow = {c.name: c for c in candidates_for(FI_SPEC, h200)}["FLASHMLA"]
+    assert any("FlashMLA's dense kernel takes latents of 512 + 64" in str(r)
+               for r in narrow.reasons)
+    paged = {c.name: c for c in candidates_for(FM_SPEC.with_(block_size=16), h200)}["FLASHMLA"]
+    assert any(r.code == "block_size" for r in paged.reasons), paged.reasons
+    bare = {c.name: c for c in candidates_for(FM_SPEC, Platform.parse("cuda:9.0"))}["FLASHMLA"]
+    assert any(str(r).startswith("no provider of FlashMLA is usable here") for r in bare.reasons)
 
 
 @pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="TRITON_MLA does not run here")

@@ -152,7 +152,9 @@ class MLAPlan:
     the absorbed form, the rest up to row ``num_tokens`` in the MHA form (later rows are
     padding), its context in chunks of at most ``chunk_tokens`` latent rows; ``decode``: the
     absorbed part's launch where the backend's kernel takes one; ``library``: the handle of a
-    library's host-planned state the absorbed kernel runs (FLASHINFER_MLA's wrapper)."""
+    library's host-planned state the absorbed kernel runs (FLASHINFER_MLA's wrapper);
+    ``absorbed_max_query_len``: the absorbed part's longest query (FLASHMLA's ``[batch,
+    queries]`` layout)."""
 
     num_absorbed: int
     num_absorbed_tokens: int
@@ -161,6 +163,7 @@ class MLAPlan:
     flashinfer_prefill_max_requests: int = 0
     decode: MLADecodeLaunch | None = None
     library: int | None = None
+    absorbed_max_query_len: int = 0
 
 
 PLAN = PlanCodec(MLAPlan)
@@ -490,7 +493,9 @@ class MLABackend(AttentionBackend):
                                    flashinfer_prefill_max_requests=(
                                        self.tuning.mla.flashinfer_prefill_max_requests),
                                    decode=decode,
-                                   library=self.plan_library(common, na) if na else None))
+                                   library=self.plan_library(common, na) if na else None,
+                                   absorbed_max_query_len=int(query_lens[:na].max()) if na
+                                   else 0))
         table_cpu = common.block_table_cpu[na:] if common.block_table_cpu is not None else None
         slots, offsets = chunk_tables(mha_lens[:, 1], chunk, common.block_table[na:], table_cpu,
                                       common.block_size)

@@ -22,8 +22,7 @@ from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.providers import FA3, FLASHMLA as FLASHMLA_PROVIDERS, KernelProviders
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA", "FLASHMLA_SPARSE",
-           "FLASH_ATTN_MLA"]
+__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA_SPARSE", "FLASH_ATTN_MLA"]
 
 
 class _Unavailable(MLABackend):
@@ -68,11 +67,6 @@ def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
 _FI = "FLASHINFER_MLA (sm90: FlashInfer's fa3 MLA) or TRITON_MLA"
 
 _NO_GLUE = "attn_ops does not run it yet (no glue for its kernels: {})"
-
-FLASHMLA = _unavailable(
-    "FLASHMLA", _NO_GLUE.format("the tile-scheduler metadata and the absorbed decode over the "
-                                "latent cache"), f"use {_FI}",
-    min_capability=(9, 0), providers=FLASHMLA_PROVIDERS)
 
 FLASHMLA_SPARSE = _unavailable(
     "FLASHMLA_SPARSE", _NO_GLUE.format("sparse decode and prefill over FlashMLA's fp8 cache "
