@@ -76,9 +76,10 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
 
 def _mla_priority(platform: Platform) -> list[Backend]:
     """MLA layers: the vendor kernels first where they exist (Blackwell's CUTLASS and
-    trtllm-gen MLA; FlashMLA on sm90/sm100; FA3's absorbed path on sm90), then FlashInfer's
-    MLA kernel (fa3 on sm90, fa2 elsewhere; on the H200 1.6-3.2x TRITON_MLA's op at every batch
-    and context measured), then our Triton kernel (fp8 latents); on CPUs the reference."""
+    trtllm-gen MLA; FA3's absorbed path on sm90), then FlashInfer's MLA kernel (fa3 on sm90,
+    fa2 elsewhere; on the H200 1.6-3.2x TRITON_MLA's op at every batch and context measured),
+    then FlashMLA on sm90/sm100, then our Triton kernel (fp8 latents); on CPUs the
+    reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
         vendor = {10: [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM],
