@@ -90,13 +90,14 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
     Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",
     Backend.FLASHMLA: "attn_ops.backends.mla.flashmla:FlashMLABackend",
+    Backend.FLASH_ATTN_MLA: "attn_ops.backends.mla.flash_attn_mla:FlashAttnMLABackend",
     Backend.FLASHINFER_MLA_SPARSE:
         "attn_ops.backends.mla.flashinfer_mla_sparse:FlashInferSparseMLABackend",
     Backend.TRITON_MLA_SPARSE: "attn_ops.backends.mla.sparse:TritonSparseMLABackend",
     Backend.REFERENCE_MLA_SPARSE: "attn_ops.backends.mla.sparse:ReferenceSparseMLABackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
-        Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA)},
+        Backend.FLASHINFER_MLA_TRTLLM)},
 }
 
 _PLANNED: dict[str, _Planned] = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 
 import pytest
@@ -76,12 +77,12 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     spec = AttentionSpec.mla(128, block_size=64)
     by_name = {c.name: c for c in candidates_for(spec, h200)}
-    assert [n for n in by_name][:4] == ["FLASH_ATTN_MLA", "FLASHINFER_MLA", "FLASHMLA",
+    assert [n for n in by_name][:4] == ["FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA",
                                         "TRITON_MLA"]
     assert by_name["FLASHMLA"].ok  # (its packages assumed; ranked after FLASHINFER_MLA)
     assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
                for r in by_name["CUTLASS_MLA"].reasons)
-    assert any("V width 512" in str(r) for r in by_name["FLASH_ATTN_MLA"].reasons)
+    assert by_name["FLASH_ATTN_MLA"].ok  # (FA3 assumed; ranked after FLASHINFER_MLA)
     # Without the packages assumed, the reasons say which provider of the kernel was looked
     # for and why none serves here.
     bare = {c.name: c for c in candidates_for(spec, Platform.parse("cuda:9.0"))}
@@ -91,8 +92,8 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
                for r in bare["FLASH_ATTN_MLA"].reasons)
     # FlashInfer's MLA first, then ours; REFERENCE_MLA runs anywhere but is not in a GPU's
     # priority list (a silent 100x slowdown)
-    assert [c.name for c in by_name.values() if c.ok] == ["FLASHINFER_MLA", "FLASHMLA",
-                                                          "TRITON_MLA", "REFERENCE_MLA"]
+    assert [c.name for c in by_name.values() if c.ok] == [
+        "FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "REFERENCE_MLA"]
     fp8 = {c.name: c for c in candidates_for(spec.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
                                              h200)}
     assert [n for n, c in fp8.items() if c.ok][0] == "TRITON_MLA"
@@ -888,10 +889,11 @@ def test_flashmla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding(
             alloc.free(10 * n + r)
 
 
-def test_flashmla_op_passes_opcheck(flashmla_h200):
-    platform, _ = flashmla_h200
+def _opcheck_fm_spec(backend: str, platform: Platform) -> None:
+    """opcheck of ``backend``'s op on a step of decodes, a speculative decode and an MHA-form
+    prefill at FlashMLA's widths."""
     g = torch.Generator().manual_seed(3)
-    layer = MLAAttention(FM_SPEC, AttentionConfig(backend="FLASHMLA", tuning=Tuning().with_(
+    layer = MLAAttention(FM_SPEC, AttentionConfig(backend=backend, tuning=Tuning().with_(
         mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})), platform=platform)
     layer.load_kv_b_proj(_weights(FM_SPEC, g).half())
     reqs = [(70, 1), (5, 3), (40, 9)]
@@ -906,18 +908,118 @@ def test_flashmla_op_passes_opcheck(flashmla_h200):
         torch.empty(t, 4, 12, dtype=torch.float16), None, FM_SPEC.softmax_scale))
 
 
-def test_flashmla_is_selected_only_where_it_runs_and_after_flashinfer_mla():
+def test_flashmla_op_passes_opcheck(flashmla_h200):
+    _opcheck_fm_spec("FLASHMLA", flashmla_h200[0])
+
+
+def standin_fa3_mla(vllm: bool) -> types.ModuleType:
+    """FA3's MLA path in torch with its contract: ``q`` the rope part against ``k`` (the
+    cache's rope columns), ``q_v`` the latent part against ``v`` (its latent columns), one KV
+    head, varlen rows, keys counted by the lengths through an int32 block table, causal
+    bottom-right; ``vllm``: vLLM's ``flash_attn_varlen_func(..., q_v=, fa_version=3)``, else
+    the hopper build's ``flash_attn_with_kvcache(..., qv=)``."""
+    mod = types.ModuleType("vllm.vllm_flash_attn" if vllm else "flash_attn_interface")
+    calls = mod.calls = []
+
+    def run(q, k, v, qv, qsl, lens, table, scale, causal, max_q):
+        assert causal and k.shape[2] == v.shape[2] == 1 and k.shape[:2] == v.shape[:2]
+        assert q.shape[2] == k.shape[3] == 64 and qv.shape[2] == v.shape[3] == 512
+        assert qsl.dtype == lens.dtype == table.dtype == torch.int32
+        starts = qsl.tolist()
+        assert max_q >= max(b - a for a, b in zip(starts, starts[1:]))
+        calls.append(len(starts) - 1)
+        page = k.shape[1]
+        o = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=q.dtype)
+        for r, n in enumerate(lens.tolist()):
+            q0, q1 = starts[r], starts[r + 1]
+            if n == 0 or q1 == q0:
+                continue
+            pages = table[r, :-(-n // page)].long()
+            kr = k[pages, :, 0].flatten(0, 1)[:n].double()
+            vr = v[pages, :, 0].flatten(0, 1)[:n].double()
+            score = (torch.einsum("thd,jd->htj", q[q0:q1].double(), kr)
+                     + torch.einsum("thd,jd->htj", qv[q0:q1].double(), vr)) * scale
+            pos = torch.arange(n - (q1 - q0), n)[:, None]
+            score = score.masked_fill(torch.arange(n)[None] > pos, float("-inf"))
+            o[q0:q1] = torch.einsum("htj,jd->thd", torch.softmax(score, -1), vr).to(q.dtype)
+        return o
+
+    if vllm:
+        def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
+                                   cu_seqlens_k=None, seqused_k=None, q_v=None,
+                                   softmax_scale=None, causal=False, block_table=None,
+                                   fa_version=2, **unused):
+            assert fa_version == 3 and cu_seqlens_k is None and not unused
+            assert max_seqlen_k >= int(seqused_k.max())
+            return run(q, k, v, q_v, cu_seqlens_q, seqused_k, block_table, softmax_scale,
+                       causal, max_seqlen_q)
+        mod.flash_attn_varlen_func, mod.FA3_AVAILABLE = flash_attn_varlen_func, True
+    else:
+        def flash_attn_with_kvcache(q, k_cache, v_cache, qv=None, cache_seqlens=None,
+                                    page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
+                                    softmax_scale=None, causal=False):
+            return run(q, k_cache, v_cache, qv, cu_seqlens_q, cache_seqlens, page_table,
+                       softmax_scale, causal, max_seqlen_q)
+        mod.flash_attn_with_kvcache = flash_attn_with_kvcache
+    return mod
+
+
+@pytest.fixture(params=[True, False], ids=["vllm", "hopper_build"])
+def fa3_mla_h200(request, monkeypatch):
+    mod = standin_fa3_mla(request.param)
+    names = ("vllm.vllm_flash_attn", "flash_attn_interface")
+    monkeypatch.setitem(sys.modules, names[0], mod if request.param else None)
+    monkeypatch.setitem(sys.modules, names[1], None if request.param else mod)
+    if request.param:
+        monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True), mod
+
+
+@pytest.mark.parametrize("reqs", [
+    [(70, 1), (130, 1), (5, 1)],
+    [(130, 1), (64, 1), (70, 3), (5, 2), (0, 4)],
+    [(40, 1), (3, 2), (0, 9), (100, 12)],
+], ids=["decodes", "mixed_lengths", "with_mha"])
+def test_fa3_mla_runs_what_reference_mla_does(fa3_mla_h200, reqs):
+    """Our side of FA3's MLA path (the rope and latent columns of the cache as k and v, the
+    latent query as q_v, varlen rows, causal, padding rows zero) against REFERENCE_MLA, through
+    either FA3 provider."""
+    from attn_ops.testing import tolerance
+
+    platform, mod = fa3_mla_h200
+    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})
+    case = _case(FM_SPEC, reqs, padded=3, num_blocks=16)
+    ours = _run(case, "FLASH_ATTN_MLA", tuning=tuning, platform=platform)
+    truth = _run(case, "REFERENCE_MLA", torch.float64, tuning=tuning)
+    base = _run(case, "REFERENCE_MLA", torch.float16, tuning=tuning).double()
+    err = (ours.double() - truth).abs().max().item()
+    assert err <= tolerance((base - truth).abs().max().item(), torch.float16), err
+    assert (ours[case.total:] == 0).all()
+    assert mod.calls == [sum(n <= 4 for _, n in reqs)]
+
+
+def test_fa3_mla_op_passes_opcheck(fa3_mla_h200):
+    _opcheck_fm_spec("FLASH_ATTN_MLA", fa3_mla_h200[0])
+
+
+def test_flashmla_and_fa3_mla_are_selected_only_where_they_run_after_flashinfer_mla():
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     ranked = [c.name for c in candidates_for(FM_SPEC.with_(dtype=torch.bfloat16), h200)
               if c.ok]
-    assert ranked[:3] == ["FLASHINFER_MLA", "FLASHMLA", "TRITON_MLA"]
+    assert ranked[:4] == ["FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
     narrow = {c.name: c for c in candidates_for(FI_SPEC, h200)}["FLASHMLA"]
     assert any("FlashMLA's dense kernel takes latents of 512 + 64" in str(r)
                for r in narrow.reasons)
     paged = {c.name: c for c in candidates_for(FM_SPEC.with_(block_size=16), h200)}["FLASHMLA"]
     assert any(r.code == "block_size" for r in paged.reasons), paged.reasons
-    bare = {c.name: c for c in candidates_for(FM_SPEC, Platform.parse("cuda:9.0"))}["FLASHMLA"]
-    assert any(str(r).startswith("no provider of FlashMLA is usable here") for r in bare.reasons)
+    bare = {c.name: c for c in candidates_for(FM_SPEC, Platform.parse("cuda:9.0"))}
+    assert any(str(r).startswith("no provider of FlashMLA is usable here")
+               for r in bare["FLASHMLA"].reasons)
+    assert any(str(r).startswith("no provider of FlashAttention 3 is usable here")
+               for r in bare["FLASH_ATTN_MLA"].reasons)
+    fa3_narrow = {c.name: c for c in candidates_for(FI_SPEC, h200)}["FLASH_ATTN_MLA"]
+    assert any("FlashAttention 3's MLA path takes latents of 512 + 64" in str(r)
+               for r in fa3_narrow.reasons)
 
 
 @pytest.mark.skipif("TRITON_MLA" not in MLA_HERE, reason="TRITON_MLA does not run here")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import check_query_start_loc, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform
+from attn_ops.providers import KernelProviders
 from attn_ops.routing import MLADecodeLaunch
 from attn_ops.spec import AttentionSpec
 
@@ -448,6 +450,12 @@ class MLABackend(AttentionBackend):
     """Base of the MLA backends: MLA specs only, the latent cache, the step plan."""
 
     serves_mla = True
+    # A vendor kernel built for one pair of latent widths: (kv_lora_rank, qk_rope_head_dim)
+    # and the kernel's name for the reason; None: any widths.
+    latent_widths: ClassVar[tuple[int, int] | None] = None
+    latent_kernel: ClassVar[str] = ""
+    # Where the backend's kernel comes from (attn_ops.providers); None: this package.
+    kernel_providers: ClassVar[KernelProviders | None] = None
 
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
@@ -455,12 +463,20 @@ class MLABackend(AttentionBackend):
             return [Reason(cls.name, "not_mla", f"{cls.name} serves MLA layers only, "
                            f"{spec.describe()} is not one",
                            "describe MLA layers with AttentionSpec.mla(...)")]
-        return cls.capabilities.check(cls.name, spec, platform) + cls.latent_reasons(spec)
+        reasons = cls.capabilities.check(cls.name, spec, platform) + cls.latent_reasons(spec)
+        missing = cls.kernel_providers and cls.kernel_providers.reason(cls.name, platform)
+        return reasons + ([missing] if missing else [])
 
     @classmethod
     def latent_reasons(cls, spec: AttentionSpec) -> list[Reason]:
-        """Reasons about the latent dims (default: none)."""
-        return []
+        """Reasons about the latent dims (default: those outside :attr:`latent_widths`)."""
+        widths = (spec.kv_lora_rank, spec.qk_rope_head_dim)
+        if cls.latent_widths is None or widths == cls.latent_widths:
+            return []
+        return [Reason(cls.name, "head_dim", f"kv_lora_rank={widths[0]}, qk_rope_head_dim="
+                       f"{widths[1]}: {cls.latent_kernel} takes latents of "
+                       f"{cls.latent_widths[0]} + {cls.latent_widths[1]}",
+                       "use FLASHINFER_MLA or TRITON_MLA")]
 
     def metadata_key(self) -> tuple:
         """A step plan holds the decode launch (sized to the heads and latent dims), the
@@ -507,6 +523,27 @@ class MLABackend(AttentionBackend):
                       device: torch.device) -> MLADecodeLaunch | None:
         """The absorbed part's launch (default: none, the kernel plans nothing)."""
         return None
+
+    def fixed_graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
+        """Graph metadata for a kernel that plans nothing on the host per batch: the padded
+        common tensors (persistent) and a plan fixed per capture size -- every request a
+        decode of ``graphs.query_len`` rows, the launch (:meth:`decode_launch`) from the
+        graphs' longest request; the real lengths stay on the device."""
+        super().graph_metadata(padded, graphs)
+        size = padded.num_reqs
+        key = (*self.metadata_key(), "plan", size)
+        plan = graphs.backend_state.get(key)
+        if plan is None:
+            rows = size * graphs.query_len
+            plan = graphs.backend_state[key] = PLAN.encode(MLAPlan(
+                num_absorbed=size, num_absorbed_tokens=rows, num_tokens=rows,
+                chunk_tokens=self.tuning.mla.context_chunk_tokens,
+                decode=self.decode_launch(size, graphs.query_len, graphs.max_seq_len,
+                                          graphs.device),
+                absorbed_max_query_len=graphs.query_len))
+        return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
+                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64),
+                           block_size=padded.block_size)
 
     def plan_library(self, common: CommonAttentionMetadata, num_absorbed: int) -> int | None:
         """Plan a library kernel for the first ``num_absorbed`` requests on the host; returns

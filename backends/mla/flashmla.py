@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.mla.common import (PLAN, MLABackend, MLAMetadata, MLAPlan,
-                                          check_mla_inputs, define_mla_op)
-from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, Reason
+from attn_ops.backends.mla.common import (MLABackend, MLAMetadata, MLAPlan, check_mla_inputs,
+                                          define_mla_op)
+from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.platforms import PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
-from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
+from attn_ops.spec import Feature, KVCacheDType
 
 __all__ = ["FlashMLABackend", "absorbed_flashmla"]
 
@@ -120,36 +120,11 @@ class FlashMLABackend(MLABackend):
     )
     op = flashmla_attention
 
-    @classmethod
-    def latent_reasons(cls, spec: AttentionSpec) -> list[Reason]:
-        if (spec.kv_lora_rank, spec.qk_rope_head_dim) != (RANK, ROPE):
-            return [Reason(cls.name, "head_dim",
-                           f"kv_lora_rank={spec.kv_lora_rank}, qk_rope_head_dim="
-                           f"{spec.qk_rope_head_dim}: FlashMLA's dense kernel takes latents of "
-                           f"{RANK} + {ROPE} (DeepSeek-V2/V3)",
-                           "use FLASHINFER_MLA or TRITON_MLA")]
-        return []
-
-    @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-        reasons = super().not_supported_reasons(spec, platform)
-        missing = PROVIDERS.reason(cls.name, platform)
-        return reasons + ([missing] if missing is not None else [])
+    latent_widths = (RANK, ROPE)
+    latent_kernel = "FlashMLA's dense kernel"
+    kernel_providers = PROVIDERS
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
-        """The padded common tensors (persistent) and a plan fixed per capture size: every
-        request a decode of ``graphs.query_len`` rows; the lengths stay on the device, where
-        each replay's scheduler metadata is computed from them."""
-        super().graph_metadata(padded, graphs)
-        size = padded.num_reqs
-        key = (*self.metadata_key(), "plan", size)
-        plan = graphs.backend_state.get(key)
-        if plan is None:
-            rows = size * graphs.query_len
-            plan = graphs.backend_state[key] = PLAN.encode(MLAPlan(
-                num_absorbed=size, num_absorbed_tokens=rows, num_tokens=rows,
-                chunk_tokens=self.tuning.mla.context_chunk_tokens,
-                absorbed_max_query_len=graphs.query_len))
-        return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
-                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64),
-                           block_size=padded.block_size)
+        """The plan fixed per capture size (:meth:`MLABackend.fixed_graph_metadata`); each
+        replay's scheduler metadata is computed from its lengths on the device."""
+        return self.fixed_graph_metadata(padded, graphs)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.mla.common import (PLAN, MLABackend, MLAMetadata, MLAPlan,
-                                          check_mla_inputs, define_mla_op)
+from attn_ops.backends.mla.common import (MLABackend, MLAMetadata, check_mla_inputs,
+                                          define_mla_op)
 from attn_ops.backends.triton_attn import TritonAttnBackend, interpreter_reasons
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    Reason)
@@ -135,20 +135,6 @@ class TritonMLABackend(MLABackend):
                                  self.tuning.mla)
 
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
-        """The padded common tensors (persistent) and a plan fixed per capture size: every
-        request a decode of ``graphs.query_len`` rows, the launch from the graphs' longest
-        request; the real lengths stay on the device."""
-        super().graph_metadata(padded, graphs)
-        size = padded.num_reqs
-        key = (*self.metadata_key(), "plan", size)
-        plan = graphs.backend_state.get(key)
-        if plan is None:
-            rows = size * graphs.query_len
-            plan = graphs.backend_state[key] = PLAN.encode(MLAPlan(
-                num_absorbed=size, num_absorbed_tokens=rows, num_tokens=rows,
-                chunk_tokens=self.tuning.mla.context_chunk_tokens,
-                decode=self.decode_launch(size, graphs.query_len, graphs.max_seq_len,
-                                          graphs.device)))
-        return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
-                           padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64),
-                           block_size=padded.block_size)
+        """The plan fixed per capture size, the launch from the graphs' longest request
+        (:meth:`MLABackend.fixed_graph_metadata`)."""
+        return self.fixed_graph_metadata(padded, graphs)

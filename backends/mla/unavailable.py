@@ -19,10 +19,10 @@ from attn_ops.backends.mla.common import MLABackend
 from attn_ops.backends.mla.sparse import sparse_reasons
 from attn_ops.capabilities import BackendCapabilities, HeadDims, Reason
 from attn_ops.platforms import Platform, PlatformKind
-from attn_ops.providers import FA3, FLASHMLA as FLASHMLA_PROVIDERS, KernelProviders
+from attn_ops.providers import FLASHMLA as FLASHMLA_PROVIDERS, KernelProviders
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA_SPARSE", "FLASH_ATTN_MLA"]
+__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA_SPARSE"]
 
 
 class _Unavailable(MLABackend):
@@ -82,10 +82,3 @@ CUTLASS_MLA = _unavailable(
 FLASHINFER_MLA_TRTLLM = _unavailable(
     "FLASHINFER_MLA_TRTLLM", "FlashInfer's trtllm-gen MLA decode runs on Blackwell (sm100) "
     "only", f"on Hopper use {_FI}", min_capability=(10, 0))
-
-FLASH_ATTN_MLA = _unavailable(
-    "FLASH_ATTN_MLA", _NO_GLUE.format("FlashAttention 3's q_v path, which runs the absorbed "
-                                      "form; FlashAttention 4 on sm90 takes head dims <= 256, "
-                                      "not its V width 512"),
-    f"use {_FI}; FA4 serves the MHA prefill", min_capability=(9, 0), max_capability=(9, 0),
-    providers=FA3)
