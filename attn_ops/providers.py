@@ -103,9 +103,6 @@ class Provider:
                 return f"{self.module}.{self.ready} is false (built without the kernel)"
         return None
 
-    def module_object(self) -> ModuleType:
-        return importlib.import_module(self.module)
-
 
 @dataclass(frozen=True)
 class KernelProviders:
@@ -131,11 +128,26 @@ class KernelProviders:
         return Reason(backend, "package_missing",
                       f"no provider of {self.kernel} is usable here ({tried})", hint)
 
+    def require(self, backend: str) -> tuple[Provider, ModuleType]:
+        """The provider that serves here and its module, for a kernel call; raises with
+        :meth:`reason` when none does. Resolved once and reused while that module stays
+        imported as it was: the check reads package metadata, too slow for every call."""
+        hit = _RESOLVED.get(self)
+        if hit is not None and sys.modules.get(hit[0].module) is hit[1]:
+            return hit
+        provider = self.found()
+        if provider is None:
+            raise RuntimeError(str(self.reason(backend)))
+        hit = _RESOLVED[self] = (provider, importlib.import_module(provider.module))
+        return hit
+
     def describe(self) -> str:
         """Which provider serves the kernel here, or that none does."""
         p = self.found()
         return f"{self.kernel} from {p.label} ({p.module})" if p else f"{self.kernel}: none"
 
+
+_RESOLVED: dict[KernelProviders, tuple[Provider, ModuleType]] = {}
 
 _VLLM_GET = ("vLLM's wheel built for this torch (its compiled kernels; the engine is not "
              "needed)")

@@ -89,11 +89,8 @@ def run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
     table, ``fa_version=3``). Returns its LSE ``[heads, tokens]`` if asked."""
     from attn_ops.providers import FA3
 
-    provider = FA3.found()
-    if provider is None:
-        raise RuntimeError(str(FA3.reason("FLASH_ATTN")))
+    provider, fa3 = FA3.require("FLASH_ATTN")
     window = (-1 if left is None else left, -1 if right is None else right)
-    fa3 = provider.module_object()
     if provider.distribution == "vllm":
         result = fa3.flash_attn_varlen_func(
             q=query, k=k_cache, v=v_cache, max_seqlen_q=max_q, cu_seqlens_q=cu_seqlens_q,

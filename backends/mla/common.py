@@ -501,8 +501,9 @@ class MLABackend(AttentionBackend):
         new = query_lens[na:].astype(np.int64)
         _check_mha_seq_lens(seq, new, na, common.block_table.shape[1], common.block_size)
         mha_lens = np.stack([new, seq[na:] - new], axis=1)
-        decode = self.decode_launch(na, int(query_lens[:na].max()) if na else 0,
-                                    int(seq[:na].max()) if na else 0, common.seq_lens.device)
+        max_query = int(query_lens[:na].max()) if na else 0
+        decode = self.decode_launch(na, max_query, int(seq[:na].max()) if na else 0,
+                                    common.seq_lens.device)
         chunk = self.tuning.mla.context_chunk_tokens
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
                                    num_tokens=int(qsl[-1]), chunk_tokens=chunk,
@@ -510,8 +511,7 @@ class MLABackend(AttentionBackend):
                                        self.tuning.mla.flashinfer_prefill_max_requests),
                                    decode=decode,
                                    library=self.plan_library(common, na) if na else None,
-                                   absorbed_max_query_len=int(query_lens[:na].max()) if na
-                                   else 0))
+                                   absorbed_max_query_len=max_query))
         table_cpu = common.block_table_cpu[na:] if common.block_table_cpu is not None else None
         slots, offsets = chunk_tables(mha_lens[:, 1], chunk, common.block_table[na:], table_cpu,
                                       common.block_size)

@@ -33,19 +33,11 @@ __all__ = ["FlashAttnMLABackend", "absorbed_fa3"]
 RANK, ROPE = 512, 64  # FA3's MLA head dims: q / k 64, q_v / v 512
 
 
-def _provider():
-    provider = FA3.found()
-    if provider is None:
-        raise RuntimeError(str(FA3.reason("FLASH_ATTN_MLA")))
-    return provider
-
-
 def absorbed_fa3(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                  kv_scale, scale, plan: MLAPlan) -> None:
     """FA3's MLA forward into ``out`` [rows, heads, rank]; rows past ``query_start_loc[-1]``
     are zero."""
-    provider = _provider()
-    fa3 = provider.module_object()
+    provider, fa3 = FA3.require("FLASH_ATTN_MLA")
     rows, heads, rank = ql.shape
     k = latent_cache[:, :, rank:].unsqueeze(2)  # [blocks, page, 1, rope]
     v = latent_cache[:, :, :rank].unsqueeze(2)  # [blocks, page, 1, rank]

@@ -41,19 +41,12 @@ PAGE = 64  # FlashMLA's page_block_size
 RANK, ROPE = 512, 64  # the latent widths its dense kernel is built for
 
 
-def _interface():
-    provider = PROVIDERS.found()
-    if provider is None:
-        raise RuntimeError(str(PROVIDERS.reason("FLASHMLA")))
-    return provider.module_object()
-
-
 def absorbed_flashmla(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                       kv_scale, scale, plan: MLAPlan) -> None:
     """FlashMLA's dense decode into ``out`` [rows, heads, rank]: the absorbed part's requests
     as ``[batch, plan.absorbed_max_query_len]`` (right-aligned where lengths differ); rows
     past ``query_start_loc[-1]`` (graph padding) are zero."""
-    fm = _interface()
+    _, fm = PROVIDERS.require("FLASHMLA")
     rows, heads, rank = ql.shape
     b, s_q = seq_lens.shape[0], plan.absorbed_max_query_len
     q = torch.cat([ql.to(latent_cache.dtype), q_pe.to(latent_cache.dtype)], dim=-1)

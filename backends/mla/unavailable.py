@@ -28,18 +28,13 @@ __all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA_SPARSE"]
 class _Unavailable(MLABackend):
     cause: ClassVar[str]
     hint: ClassVar[str] = ""
-    providers: ClassVar[KernelProviders | None] = None
 
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-        reasons = super().not_supported_reasons(spec, platform)
-        cause = cls.cause
-        if cls.providers is not None:
-            missing = cls.providers.reason(cls.name, platform)
-            if missing is not None:
-                reasons.append(missing)
-            elif not platform.assume_packages:
-                cause = f"{cls.providers.describe()} is usable here, but {cause}"
+        reasons = super().not_supported_reasons(spec, platform)  # (a missing provider's too)
+        cause, providers = cls.cause, cls.kernel_providers
+        if providers is not None and not platform.assume_packages and providers.found():
+            cause = f"{providers.describe()} is usable here, but {cause}"
         return reasons + [Reason(cls.name, "kernels_unavailable", cause, cls.hint)]
 
 
@@ -61,7 +56,7 @@ def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
                                min_capability=min_capability, max_capability=max_capability)
     base = _UnavailableSparse if sparse else _Unavailable
     return type(name, (base,), {"name": name, "capabilities": caps, "cause": cause,
-                                "hint": hint, "providers": providers, "__doc__": cause})
+                                "hint": hint, "kernel_providers": providers, "__doc__": cause})
 
 
 _FI = "FLASHINFER_MLA (sm90: FlashInfer's fa3 MLA) or TRITON_MLA"
