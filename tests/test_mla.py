@@ -721,42 +721,49 @@ def test_flashinfer_mla_plans_on_the_host_and_runs_what_reference_mla_does(
     assert err <= tolerance((base - truth).abs().max().item(), torch.float16), err
 
 
+def _graphed_decodes(spec, backend, platform, monkeypatch, num_blocks, max_blocks, batches):
+    """Decode batches of ``(n, contexts)`` through ``backend``'s CUDA-graph metadata run eagerly
+    on ``platform`` (capture sizes 2 and 8), each checked against REFERENCE_MLA on its real rows
+    and for zero padding rows; yields ``(n, capture size, the step's metadata, the layer's
+    key)`` after each."""
+    from attn_ops import platforms
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    # (graph support is judged on the running platform: the simulated H200's here)
+    monkeypatch.setattr(platforms, "current_platform", lambda: platform)
+    graphs = CUDAGraphBatch((2, 8), max_blocks, spec.block_size, "cpu")
+    layer = MLAAttention(spec, AttentionConfig(backend=backend), platform=platform)
+    oracle = MLAAttention(spec, AttentionConfig(backend="REFERENCE_MLA"))
+    w = _weights(spec, torch.Generator().manual_seed(0)).half()
+    layer.load_kv_b_proj(w)
+    oracle.load_kv_b_proj(w)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(num_blocks, spec.block_size, spec.latent_dim, generator=g).half()
+    alloc = BlockAllocator(num_blocks, spec.block_size, shuffle=True, seed=3)
+    for n, ctx in batches:
+        common = build_batch(alloc, list(range(10 * n, 11 * n)), ctx, [1] * n)
+        step = build_step_metadata(layer, common, graphs)
+        size = graphs.size_for(n)
+        q = torch.randn(size, spec.num_heads, spec.head_dim, generator=g).half()
+        kv_c = torch.randn(size, spec.kv_lora_rank, generator=g).half()
+        k_pe = torch.randn(size, spec.qk_rope_head_dim, generator=g).half()
+        got = layer(q, kv_c, k_pe, cache.clone(), step)
+        want = oracle(q[:n], kv_c[:n], k_pe[:n], cache.clone(), common)
+        torch.testing.assert_close(got[:n], want, atol=2e-3, rtol=2e-3)
+        assert (got[n:] == 0).all()
+        yield n, size, step, layer._metadata_key
+        for r in range(n):
+            alloc.free(10 * n + r)
+
+
 def test_flashinfer_mla_graph_plans_cover_the_capture_size_and_zero_its_padding(
         standin_flashinfer_mla, monkeypatch):
     """The graph path's metadata, run eagerly: a wrapper per capture size over persistent
     buffers, replanned per batch with every request of the size holding its rows (padding:
     no keys, NaN from the kernel), the padding rows zeroed after it."""
-    from attn_ops import platforms
-    from attn_ops.cudagraph import CUDAGraphBatch
-
-    # (graph support is judged on the running platform: the simulated H200's here)
-    monkeypatch.setattr(platforms, "current_platform", lambda: standin_flashinfer_mla)
-    graphs = CUDAGraphBatch((2, 8), 6, 4, "cpu")
-    layer = MLAAttention(FI_SPEC, AttentionConfig(backend="FLASHINFER_MLA"),
-                         platform=standin_flashinfer_mla)
-    oracle = MLAAttention(FI_SPEC, AttentionConfig(backend="REFERENCE_MLA"))
-    w = _weights(FI_SPEC, torch.Generator().manual_seed(0)).half()
-    layer.load_kv_b_proj(w)
-    oracle.load_kv_b_proj(w)
-    g = torch.Generator().manual_seed(4)
-    cache = torch.randn(60, 4, FI_SPEC.latent_dim, generator=g).half()
-    alloc = BlockAllocator(60, 4, shuffle=True, seed=3)
-    handles = set()
-    for n, ctx in ((5, [3, 9, 1, 20, 7]), (2, [4, 11]), (7, [2] * 7)):
-        common = build_batch(alloc, list(range(10 * n, 11 * n)), ctx, [1] * n)
-        step = build_step_metadata(layer, common, graphs)
-        size = graphs.size_for(n)
-        meta = step[layer._metadata_key]
-        handles.add(PLAN.decode(meta.plan).library)
-        q = torch.randn(size, 4, FI_SPEC.head_dim, generator=g).half()
-        kv_c = torch.randn(size, 128, generator=g).half()
-        k_pe = torch.randn(size, 64, generator=g).half()
-        got = layer(q, kv_c, k_pe, cache.clone(), step)
-        want = oracle(q[:n], kv_c[:n], k_pe[:n], cache.clone(), common)
-        torch.testing.assert_close(got[:n], want, atol=2e-3, rtol=2e-3)
-        assert (got[n:] == 0).all()
-        for r in range(n):
-            alloc.free(10 * n + r)
+    handles = {PLAN.decode(step[key].plan).library for _, _, step, key in _graphed_decodes(
+        FI_SPEC, "FLASHINFER_MLA", standin_flashinfer_mla, monkeypatch, 60, 6,
+        ((5, [3, 9, 1, 20, 7]), (2, [4, 11]), (7, [2] * 7)))}
     assert len(handles) == 2  # one wrapper per capture size
 
 
@@ -825,33 +832,42 @@ FM_SPEC = AttentionSpec.mla(4, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_he
 
 @pytest.fixture(params=[True, False], ids=["sched_meta", "metadata_tensors"])
 def flashmla_h200(request, monkeypatch):
-    from attn_ops.backends.mla import flashmla
-
+    """The stand-in as DeepSeek's ``flash_mla`` (the first FlashMLA provider), found and
+    imported through the provider lookup, on an H200-like platform."""
     mod = standin_flashmla(request.param)
-    monkeypatch.setattr(flashmla, "_interface", lambda: mod)
+    monkeypatch.setitem(sys.modules, "flash_mla", mod)
     return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True), mod
 
 
-@pytest.mark.parametrize("reqs", [
+FM_STEPS = pytest.mark.parametrize("reqs", [
     [(70, 1), (130, 1), (5, 1)],  # decodes: one query each
     [(130, 1), (64, 1), (70, 3), (5, 2), (0, 4)],  # speculative decodes, a short prefill
     [(40, 1), (3, 2), (0, 9), (100, 12)],  # with an MHA part
 ], ids=["decodes", "mixed_lengths", "with_mha"])
-def test_flashmla_runs_what_reference_mla_does(flashmla_h200, reqs):
-    """Our side of FlashMLA (the latent cache as its one-head k_cache, queries laid out
-    right-aligned in [batch, longest query] where lengths differ, causal only with several,
-    its scheduler metadata a step, padding rows zero) against REFERENCE_MLA."""
+
+
+def _matches_reference_at_fm_widths(backend: str, platform: Platform, reqs) -> None:
+    """``reqs`` (absorbed up to 4 new tokens) through ``backend`` at FlashMLA's widths within
+    fp16's tolerance of fp64 REFERENCE_MLA, padding rows zero."""
     from attn_ops.testing import tolerance
 
-    platform, mod = flashmla_h200
     tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})
     case = _case(FM_SPEC, reqs, padded=3, num_blocks=16)
-    ours = _run(case, "FLASHMLA", tuning=tuning, platform=platform)
+    ours = _run(case, backend, tuning=tuning, platform=platform)
     truth = _run(case, "REFERENCE_MLA", torch.float64, tuning=tuning)
     base = _run(case, "REFERENCE_MLA", torch.float16, tuning=tuning).double()
     err = (ours.double() - truth).abs().max().item()
     assert err <= tolerance((base - truth).abs().max().item(), torch.float16), err
     assert (ours[case.total:] == 0).all()
+
+
+@FM_STEPS
+def test_flashmla_runs_what_reference_mla_does(flashmla_h200, reqs):
+    """Our side of FlashMLA (the latent cache as its one-head k_cache, queries laid out
+    right-aligned in [batch, longest query] where lengths differ, causal only with several,
+    its scheduler metadata a step, padding rows zero) against REFERENCE_MLA."""
+    platform, mod = flashmla_h200
+    _matches_reference_at_fm_widths("FLASHMLA", platform, reqs)
     absorbed = [n for _, n in reqs if n <= 4]
     assert mod.calls == [(len(absorbed), max(absorbed), max(absorbed) > 1)]
 
@@ -860,33 +876,10 @@ def test_flashmla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding(
         flashmla_h200, monkeypatch):
     """The graph path's metadata run eagerly: a plan fixed per capture size (every request a
     decode, padding requests without keys, NaN from the kernel), the padding rows zeroed."""
-    from attn_ops import platforms
-    from attn_ops.cudagraph import CUDAGraphBatch
-
     platform, mod = flashmla_h200
-    monkeypatch.setattr(platforms, "current_platform", lambda: platform)
-    graphs = CUDAGraphBatch((2, 8), 4, 64, "cpu")
-    layer = MLAAttention(FM_SPEC, AttentionConfig(backend="FLASHMLA"), platform=platform)
-    oracle = MLAAttention(FM_SPEC, AttentionConfig(backend="REFERENCE_MLA"))
-    w = _weights(FM_SPEC, torch.Generator().manual_seed(0)).half()
-    layer.load_kv_b_proj(w)
-    oracle.load_kv_b_proj(w)
-    g = torch.Generator().manual_seed(4)
-    cache = torch.randn(24, 64, FM_SPEC.latent_dim, generator=g).half()
-    alloc = BlockAllocator(24, 64, shuffle=True, seed=3)
-    for n, ctx in ((5, [3, 90, 1, 200, 7]), (2, [64, 11])):
-        common = build_batch(alloc, list(range(10 * n, 11 * n)), ctx, [1] * n)
-        step = build_step_metadata(layer, common, graphs)
-        size = graphs.size_for(n)
-        q = torch.randn(size, 4, FM_SPEC.head_dim, generator=g).half()
-        kv_c = torch.randn(size, 512, generator=g).half()
-        k_pe = torch.randn(size, 64, generator=g).half()
-        got = layer(q, kv_c, k_pe, cache.clone(), step)
-        want = oracle(q[:n], kv_c[:n], k_pe[:n], cache.clone(), common)
-        torch.testing.assert_close(got[:n], want, atol=2e-3, rtol=2e-3)
-        assert (got[n:] == 0).all() and mod.calls[-1] == (size, 1, False)
-        for r in range(n):
-            alloc.free(10 * n + r)
+    for _, size, _, _ in _graphed_decodes(FM_SPEC, "FLASHMLA", platform, monkeypatch, 24, 4,
+                                          ((5, [3, 90, 1, 200, 7]), (2, [64, 11]))):
+        assert mod.calls[-1] == (size, 1, False)
 
 
 def _opcheck_fm_spec(backend: str, platform: Platform) -> None:
@@ -975,26 +968,13 @@ def fa3_mla_h200(request, monkeypatch):
     return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True), mod
 
 
-@pytest.mark.parametrize("reqs", [
-    [(70, 1), (130, 1), (5, 1)],
-    [(130, 1), (64, 1), (70, 3), (5, 2), (0, 4)],
-    [(40, 1), (3, 2), (0, 9), (100, 12)],
-], ids=["decodes", "mixed_lengths", "with_mha"])
+@FM_STEPS
 def test_fa3_mla_runs_what_reference_mla_does(fa3_mla_h200, reqs):
     """Our side of FA3's MLA path (the rope and latent columns of the cache as k and v, the
     latent query as q_v, varlen rows, causal, padding rows zero) against REFERENCE_MLA, through
     either FA3 provider."""
-    from attn_ops.testing import tolerance
-
     platform, mod = fa3_mla_h200
-    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})
-    case = _case(FM_SPEC, reqs, padded=3, num_blocks=16)
-    ours = _run(case, "FLASH_ATTN_MLA", tuning=tuning, platform=platform)
-    truth = _run(case, "REFERENCE_MLA", torch.float64, tuning=tuning)
-    base = _run(case, "REFERENCE_MLA", torch.float16, tuning=tuning).double()
-    err = (ours.double() - truth).abs().max().item()
-    assert err <= tolerance((base - truth).abs().max().item(), torch.float16), err
-    assert (ours[case.total:] == 0).all()
+    _matches_reference_at_fm_widths("FLASH_ATTN_MLA", platform, reqs)
     assert mod.calls == [sum(n <= 4 for _, n in reqs)]
 
 
