@@ -43,6 +43,7 @@ class Backend(str, enum.Enum):
     CPU_ATTN = "CPU_ATTN"
     REFERENCE = "REFERENCE"
     # MLA (multi-head latent attention) layers
+    COMPOSITE_MLA_SM90 = "COMPOSITE_MLA_SM90"
     FLASHMLA = "FLASHMLA"
     FLASHMLA_SPARSE = "FLASHMLA_SPARSE"
     CUTLASS_MLA = "CUTLASS_MLA"
@@ -61,8 +62,8 @@ class Backend(str, enum.Enum):
 
 # The backends of MLA layers: an MLA spec is offered these only, any other spec the rest.
 MLA_BACKENDS = frozenset({
-    Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA, Backend.FLASHINFER_MLA_TRTLLM,
-    Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA, Backend.TRITON_MLA, Backend.REFERENCE_MLA,
+    Backend.COMPOSITE_MLA_SM90, Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
+    Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA, Backend.TRITON_MLA, Backend.REFERENCE_MLA,
     Backend.FLASHINFER_MLA_SPARSE, Backend.TRITON_MLA_SPARSE, Backend.REFERENCE_MLA_SPARSE})
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
@@ -90,6 +91,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
     Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",
     Backend.FLASHMLA: "attn_ops.backends.mla.flashmla:FlashMLABackend",
+    Backend.COMPOSITE_MLA_SM90: "attn_ops.backends.mla.composite:CompositeMLABackend",
     Backend.FLASH_ATTN_MLA: "attn_ops.backends.mla.flash_attn_mla:FlashAttnMLABackend",
     Backend.FLASHINFER_MLA_SPARSE:
         "attn_ops.backends.mla.flashinfer_mla_sparse:FlashInferSparseMLABackend",

@@ -103,6 +103,8 @@ class Kernel(enum.Enum):
     TORCH_MHA = "PyTorch MHA (REFERENCE_MLA's, one request at a time)"
     FLASHINFER_MLA_FA3 = "FlashInfer MLA fa3 (sm90)"
     FLASHINFER_MLA_FA2 = "FlashInfer MLA fa2"
+    FLASHMLA = "FlashMLA dense decode"
+    TRITON_MLA = "TRITON_MLA split-KV absorbed kernel"
     SSM_TORCH = "PyTorch recurrences (the reference, token by token)"
     SSM_TRITON = "our Triton recurrent kernels"
     SSM_TRITON_CHUNKED = "our Triton chunked kernels"
@@ -425,6 +427,27 @@ def flashinfer_mla_shared_bytes(kernel: Kernel, rank: int, rope: int, fp8: bool,
     return max(q_bytes + kv_bytes + repack + 2 * 64 * 4, 64 * rank * 2)
 
 
+def mla_absorbed_route(heads: int, requests: int, max_query_len: int, max_seq_len: int,
+                       t: MLATuning) -> PartRoute:
+    """The kernel of an MLA step's absorbed part where FlashMLA, FlashInfer's MLA (fa3) and
+    TRITON_MLA can all run it (COMPOSITE_MLA_SM90): TRITON_MLA's split kernel for a handful of
+    query rows over long contexts (it splits one request's keys over the SMs), FlashMLA for
+    many requests over long contexts, FlashInfer's fa3 kernel elsewhere (the fastest at short
+    contexts and small batches, within a few percent of the best at the rest). H200, 512 + 64
+    latents, bf16 (docs/performance.md): 16 heads x 1 request at 32k, TRITON_MLA 1.35x
+    FlashInfer; 64-128 requests at 32k, FlashMLA 1.07-1.10x it; FlashMLA 0.49-0.93x FlashInfer
+    below 32 requests or at 8k and less."""
+    rows = requests * max_query_len * heads
+    if rows <= t.route_triton_max_rows and max_seq_len >= t.route_triton_min_keys:
+        return PartRoute(Kernel.TRITON_MLA, why=f"{rows} query x head row(s) <= "
+                         f"{t.route_triton_max_rows} over >= {t.route_triton_min_keys} keys")
+    if requests >= t.route_flashmla_min_requests and max_seq_len >= t.route_flashmla_min_keys:
+        return PartRoute(Kernel.FLASHMLA, why=f"{requests} request(s) >= "
+                         f"{t.route_flashmla_min_requests} over >= {t.route_flashmla_min_keys} "
+                         "keys")
+    return PartRoute(Kernel.FLASHINFER_MLA_FA3, why="short contexts or few requests")
+
+
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
                max_query_len: int = 1, one_slot: bool = True,
                chunked_min_query_len: int | None = None) -> Kernel:
@@ -466,15 +489,20 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
         requests = sum(n for n, _, _ in absorbed)
         rows = sum(n * q for n, _, q in absorbed)
         line = f"absorbed form: {requests} request(s), {rows} row(s) over the latent cache"
-        if backend == "FLASHINFER_MLA":
-            kernel = flashinfer_mla_kernel(facts.capability or (0, 0), spec.kv_lora_rank)
-            line += f" -- {kernel.value}"
-        if backend == "TRITON_MLA":
-            launch = mla_decode_launch(spec.num_heads, requests, max(q for _, _, q in absorbed),
-                                       max(s for _, s, _ in absorbed), facts.num_sms, t)
+        max_q, max_seq = max(q for _, _, q in absorbed), max(s for _, s, _ in absorbed)
+        kernel = {"FLASHINFER_MLA": flashinfer_mla_kernel(facts.capability or (0, 0),
+                                                          spec.kv_lora_rank),
+                  "TRITON_MLA": Kernel.TRITON_MLA}.get(backend)
+        if backend == "COMPOSITE_MLA_SM90":
+            route = mla_absorbed_route(spec.num_heads, requests, max_q, max_seq, t)
+            kernel, line = route.kernel, f"{line} -- route: {route.why}"
+        if kernel is Kernel.TRITON_MLA:
+            launch = mla_decode_launch(spec.num_heads, requests, max_q, max_seq, facts.num_sms, t)
             line += (f" -- TRITON_MLA kernel, {launch.splits} split(s) of each request's keys, "
                      f"{launch.query_rows} query x {launch.heads} head rows a program, "
                      f"{launch.keys} keys a step")
+        elif kernel is not None:
+            line += f" -- {kernel.value}"
         lines.append(line)
     if mha:
         new = sum(n * q for n, _, q in mha)
@@ -482,7 +510,7 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
         chunks = -(-context // t.context_chunk_tokens)
         kernel = (mla_prefill_kernel(fa4_usable, flashinfer_usable, sum(n for n, _, _ in mha),
                                      t.flashinfer_prefill_max_requests).value
-                  if backend in ("TRITON_MLA", "FLASHINFER_MLA") else f"{backend}'s")
+                  if backend != "REFERENCE_MLA" else f"{backend}'s")
         lines.append(f"MHA form: {sum(n for n, _, _ in mha)} request(s), {new} new token(s) on "
                      f"{kernel}; {context} context row(s) in {chunks} chunk(s) of at most "
                      f"{t.context_chunk_tokens}, merged through the LSE")

@@ -75,18 +75,18 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
 
 
 def _mla_priority(platform: Platform) -> list[Backend]:
-    """MLA layers: Blackwell's vendor kernels first (CUTLASS and trtllm-gen MLA), then
-    FlashInfer's MLA kernel (fa3 on sm90, fa2 elsewhere; on the H200 1.6-3.2x TRITON_MLA's op
-    at every batch and context measured), then FlashMLA (sm90 / sm100) and FA3's MLA path
-    (sm90), then our Triton kernel (fp8 latents); on CPUs the reference."""
+    """MLA layers: Blackwell's vendor kernels first (CUTLASS and trtllm-gen MLA); on sm90 the
+    composite that routes each step to FlashMLA, FlashInfer's MLA or TRITON_MLA (H200: the
+    fastest of the three differs with batch and context); then FlashInfer's MLA kernel (fa3 on
+    sm90, fa2 elsewhere; on the H200 within 0.93x of the fastest at every batch and context
+    measured, 1.6-3.2x TRITON_MLA's op), then FlashMLA (sm90 / sm100: 1.0x FlashInfer from
+    64 requests over 32k, 0.5-0.9x below) and FA3's MLA path (sm90), then our Triton kernel
+    (fp8 latents); on CPUs the reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
-        vendor = [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM] if major == 10 else []
-        # FLASHMLA and FLASH_ATTN_MLA after FlashInfer's MLA until their glue is measured on
-        # the GPU (FlashMLA's kernel alone led FlashInfer's at 128 heads and trailed it at
-        # batch 1 on the H200).
+        vendor = {10: [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM], 9: [B.COMPOSITE_MLA_SM90]}
         later = {10: [B.FLASHMLA], 9: [B.FLASHMLA, B.FLASH_ATTN_MLA]}.get(major, [])
-        return [*vendor, B.FLASHINFER_MLA, *later, B.TRITON_MLA]
+        return [*vendor.get(major, []), B.FLASHINFER_MLA, *later, B.TRITON_MLA]
     if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
         return [B.TRITON_MLA]
     return [B.REFERENCE_MLA]

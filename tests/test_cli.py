@@ -170,9 +170,18 @@ def test_select_mla_prints_the_step_split_and_each_forms_kernel(capsys):
     code, out, _ = run(capsys, "select", "--mla", "--heads", "128", "--platform", "cuda:9.0",
                        "--assume-installed", "--batch", "1x32768")
     assert code == 0, out
-    assert "selected: FLASHINFER_MLA (auto), block_size=64" in out
-    assert "absorbed form: 1 request(s), 1 row(s) over the latent cache -- FlashInfer MLA fa3 " \
-        "(sm90)" in out
+    assert "selected: COMPOSITE_MLA_SM90 (auto), block_size=64" in out
+    assert "absorbed form: 1 request(s), 1 row(s) over the latent cache -- route: short " \
+        "contexts or few requests -- FlashInfer MLA fa3 (sm90)" in out
+    for heads, batch, kernel in ((128, "64x32768", "FlashMLA dense decode"),
+                                 (16, "1x32768", "TRITON_MLA kernel, ")):
+        code, out, _ = run(capsys, "select", "--mla", "--heads", str(heads), "--platform",
+                           "cuda:9.0", "--assume-installed", "--batch", batch)
+        absorbed = next(line for line in out.splitlines() if "absorbed form:" in line)
+        assert kernel in absorbed, absorbed
+    code, out, _ = run(capsys, "select", "--mla", "--heads", "128", "--platform", "cuda:9.0",
+                       "--assume-installed", "--backend", "FLASHINFER_MLA", "--batch", "1x32768")
+    assert "latent cache -- FlashInfer MLA fa3 (sm90)" in out
     code, out, _ = run(capsys, "select", "--mla", "--heads", "128", "--platform", "cuda:9.0",
                        "--assume-installed", "--backend", "TRITON_MLA", "--batch",
                        "1x32768,2x30000:4096")

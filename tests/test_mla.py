@@ -77,8 +77,8 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     spec = AttentionSpec.mla(128, block_size=64)
     by_name = {c.name: c for c in candidates_for(spec, h200)}
-    assert [n for n in by_name][:4] == ["FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA",
-                                        "TRITON_MLA"]
+    assert [n for n in by_name][:5] == ["COMPOSITE_MLA_SM90", "FLASHINFER_MLA", "FLASHMLA",
+                                        "FLASH_ATTN_MLA", "TRITON_MLA"]
     assert by_name["FLASHMLA"].ok  # (its packages assumed; ranked after FLASHINFER_MLA)
     assert any("compute capability 9.0 is below the minimum 10.0" in str(r)
                for r in by_name["CUTLASS_MLA"].reasons)
@@ -90,10 +90,13 @@ def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
                for r in bare["FLASHMLA"].reasons)
     assert any(str(r).startswith("no provider of FlashAttention 3 is usable here")
                for r in bare["FLASH_ATTN_MLA"].reasons)
-    # FlashInfer's MLA first, then ours; REFERENCE_MLA runs anywhere but is not in a GPU's
-    # priority list (a silent 100x slowdown)
+    assert any(str(r).startswith("no provider of FlashMLA is usable here")
+               for r in bare["COMPOSITE_MLA_SM90"].reasons)
+    # the composite of the three first, then FlashInfer's MLA, then ours; REFERENCE_MLA runs
+    # anywhere but is not in a GPU's priority list (a silent 100x slowdown)
     assert [c.name for c in by_name.values() if c.ok] == [
-        "FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "REFERENCE_MLA"]
+        "COMPOSITE_MLA_SM90", "FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA",
+        "REFERENCE_MLA"]
     fp8 = {c.name: c for c in candidates_for(spec.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
                                              h200)}
     assert [n for n, c in fp8.items() if c.ok][0] == "TRITON_MLA"
@@ -120,7 +123,10 @@ def test_a_latent_width_flashinfers_block_cannot_hold_is_refused_naming_its_shar
     for rank, rope in ((512, 64), (256, 128)):
         fits = wide.with_(kv_lora_rank=rank, qk_rope_head_dim=rope,
                           head_dim=128 + rope)
-        assert select_backend(fits, h200).backend == fi
+        # (512 + 64 dense: the composite of FlashMLA, FlashInfer's MLA and TRITON_MLA first)
+        composite = index_topk is None and (rank, rope) == (512, 64)
+        assert select_backend(fits, h200).backend == ("COMPOSITE_MLA_SM90" if composite
+                                                      else fi)
 
 
 # --- the latent cache write -------------------------------------------------------------------
@@ -778,10 +784,11 @@ def standin_flashmla(current: bool) -> types.ModuleType:
     queries x heads, 1)`` returns the metadata tensors. A row without keys gets NaN."""
     mod = types.ModuleType("flash_mla")
     calls = mod.calls = []
+    schedules = mod.schedules = []  # the lengths each computed schedule was made from
 
     @dataclasses.dataclass
     class FlashMLASchedMeta:
-        have_initialized: bool = False
+        lens: list | None = None
 
     if current:
         mod.FlashMLASchedMeta = FlashMLASchedMeta
@@ -789,7 +796,8 @@ def standin_flashmla(current: bool) -> types.ModuleType:
     else:
         def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k):
             assert cache_seqlens.dtype == torch.int32 and num_heads_k == 1
-            return torch.zeros(8, 8, dtype=torch.int32), torch.zeros(
+            schedules.append(cache_seqlens.tolist())
+            return FlashMLASchedMeta(cache_seqlens.tolist()), torch.zeros(
                 cache_seqlens.shape[0] + 1, dtype=torch.int32)
         mod.get_mla_metadata = get_mla_metadata
 
@@ -800,14 +808,18 @@ def standin_flashmla(current: bool) -> types.ModuleType:
         assert k_cache.shape[1:] == (64, 1, d) and d == 576 and head_dim_v == 512
         assert q.dtype == k_cache.dtype and block_table.dtype == cache_seqlens.dtype == torch.int32
         assert block_table.shape[0] == cache_seqlens.shape[0] == b
+        assert isinstance(tile_scheduler_metadata, FlashMLASchedMeta)
         if current:
-            assert isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and num_splits is None
-            assert not tile_scheduler_metadata.have_initialized  # (a fresh object a step)
-            tile_scheduler_metadata.have_initialized = True
+            assert num_splits is None
+            if tile_scheduler_metadata.lens is None:  # (computed by its first call)
+                tile_scheduler_metadata.lens = cache_seqlens.tolist()
+                schedules.append(tile_scheduler_metadata.lens)
         else:
             assert num_splits.shape == (b + 1,)
+        # a schedule is valid for the lengths it was computed from only
+        assert tile_scheduler_metadata.lens == cache_seqlens.tolist()
         calls.append((b, s_q, causal))
-        o = torch.full((b, s_q, heads, head_dim_v), float("nan"), dtype=q.dtype)
+        o = torch.full((b, s_q, heads, head_dim_v), float("nan"), dtype=q.dtype, device=q.device)
         for r in range(b):
             n = int(cache_seqlens[r])
             if n == 0:
@@ -816,10 +828,14 @@ def standin_flashmla(current: bool) -> types.ModuleType:
             kv = k_cache[pages, :, 0].flatten(0, 1)[:n].double()
             score = torch.einsum("qhd,jd->hqj", q[r].double(), kv) * softmax_scale
             if causal:
-                pos = torch.arange(n - s_q, n)[:, None]
-                score = score.masked_fill(torch.arange(n)[None] > pos, float("-inf"))
+                pos = torch.arange(n - s_q, n, device=q.device)[:, None]
+                score = score.masked_fill(torch.arange(n, device=q.device)[None] > pos,
+                                          float("-inf"))
             o[r] = torch.einsum("hqj,jd->qhd", torch.softmax(score, -1),
                                 kv[:, :head_dim_v]).to(q.dtype)
+        if out is not None:
+            assert out.shape == o.shape and out.dtype == o.dtype and out.is_contiguous()
+            o = out.copy_(o)
         return o, torch.zeros(b, heads, s_q)
 
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
@@ -846,12 +862,14 @@ FM_STEPS = pytest.mark.parametrize("reqs", [
 ], ids=["decodes", "mixed_lengths", "with_mha"])
 
 
-def _matches_reference_at_fm_widths(backend: str, platform: Platform, reqs) -> None:
+def _matches_reference_at_fm_widths(backend: str, platform: Platform, reqs,
+                                    **mla_tuning) -> None:
     """``reqs`` (absorbed up to 4 new tokens) through ``backend`` at FlashMLA's widths within
     fp16's tolerance of fp64 REFERENCE_MLA, padding rows zero."""
     from attn_ops.testing import tolerance
 
-    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64})
+    tuning = Tuning().with_(mla={"absorbed_max_query_len": 4, "context_chunk_tokens": 64,
+                                 **mla_tuning})
     case = _case(FM_SPEC, reqs, padded=3, num_blocks=16)
     ours = _run(case, backend, tuning=tuning, platform=platform)
     truth = _run(case, "REFERENCE_MLA", torch.float64, tuning=tuning)
@@ -877,9 +895,32 @@ def test_flashmla_graph_metadata_runs_any_batch_of_its_size_and_zeroes_padding(
     """The graph path's metadata run eagerly: a plan fixed per capture size (every request a
     decode, padding requests without keys, NaN from the kernel), the padding rows zeroed."""
     platform, mod = flashmla_h200
-    for _, size, _, _ in _graphed_decodes(FM_SPEC, "FLASHMLA", platform, monkeypatch, 24, 4,
-                                          ((5, [3, 90, 1, 200, 7]), (2, [64, 11]))):
+    batches = ((5, [3, 90, 1, 200, 7]), (2, [64, 11]), (4, [9, 130, 2, 77]))
+    for i, (_, size, _, _) in enumerate(_graphed_decodes(FM_SPEC, "FLASHMLA", platform,
+                                                         monkeypatch, 24, 4, batches)):
         assert mod.calls[-1] == (size, 1, False)
+        assert len(mod.schedules) == i + 1  # (a step on a capture size: its own schedule)
+
+
+def test_flashmla_computes_a_steps_schedule_once_for_all_its_layers(flashmla_h200):
+    """FlashMLA's tile schedule depends on the step's lengths only: the step's first layer
+    computes it, the later layers reuse it, the next step computes its own."""
+    platform, mod = flashmla_h200
+    layer = MLAAttention(FM_SPEC, AttentionConfig(backend="FLASHMLA"), platform=platform)
+    layer.load_kv_b_proj(_weights(FM_SPEC, torch.Generator().manual_seed(0)).half())
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(12, 64, 576, generator=g).half()
+    alloc = BlockAllocator(12, 64, shuffle=True)
+    for step, ctx in enumerate(([70, 5, 130], [71, 6, 131])):
+        common = build_batch(alloc, [0, 1, 2], ctx, [1, 1, 1])
+        meta = build_step_metadata(layer, common)
+        args = [torch.randn(3, *shape, generator=g).half()
+                for shape in ((4, FM_SPEC.head_dim), (512,), (64,))]
+        first, second = layer(*args, cache, meta), layer(*args, cache, meta)
+        assert torch.equal(first, second)
+        assert mod.schedules == [[71, 6, 131], [72, 7, 132]][:step + 1]  # (context + 1)
+        for r in range(3):
+            alloc.free(r)
 
 
 def _opcheck_fm_spec(backend: str, platform: Platform) -> None:
@@ -922,7 +963,8 @@ def standin_fa3_mla(vllm: bool) -> types.ModuleType:
         assert max_q >= max(b - a for a, b in zip(starts, starts[1:]))
         calls.append(len(starts) - 1)
         page = k.shape[1]
-        o = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=q.dtype)
+        o = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=q.dtype,
+                       device=q.device)
         for r, n in enumerate(lens.tolist()):
             q0, q1 = starts[r], starts[r + 1]
             if n == 0 or q1 == q0:
@@ -932,8 +974,9 @@ def standin_fa3_mla(vllm: bool) -> types.ModuleType:
             vr = v[pages, :, 0].flatten(0, 1)[:n].double()
             score = (torch.einsum("thd,jd->htj", q[q0:q1].double(), kr)
                      + torch.einsum("thd,jd->htj", qv[q0:q1].double(), vr)) * scale
-            pos = torch.arange(n - (q1 - q0), n)[:, None]
-            score = score.masked_fill(torch.arange(n)[None] > pos, float("-inf"))
+            pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]
+            score = score.masked_fill(torch.arange(n, device=q.device)[None] > pos,
+                                      float("-inf"))
             o[q0:q1] = torch.einsum("htj,jd->thd", torch.softmax(score, -1), vr).to(q.dtype)
         return o
 
@@ -941,11 +984,16 @@ def standin_fa3_mla(vllm: bool) -> types.ModuleType:
         def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
                                    cu_seqlens_k=None, seqused_k=None, q_v=None,
                                    softmax_scale=None, causal=False, block_table=None,
-                                   fa_version=2, **unused):
+                                   fa_version=2, out=None, **unused):
             assert fa_version == 3 and cu_seqlens_k is None and not unused
             assert max_seqlen_k >= int(seqused_k.max())
-            return run(q, k, v, q_v, cu_seqlens_q, seqused_k, block_table, softmax_scale,
-                       causal, max_seqlen_q)
+            o = run(q, k, v, q_v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
+                    max_seqlen_q)
+            if out is None:
+                return o
+            rows = o[:, 0, 0].isfinite()  # (the rows of a request; the kernel writes no other)
+            out[rows] = o[rows]
+            return out
         mod.flash_attn_varlen_func, mod.FA3_AVAILABLE = flash_attn_varlen_func, True
     else:
         def flash_attn_with_kvcache(q, k_cache, v_cache, qv=None, cache_seqlens=None,
@@ -982,11 +1030,48 @@ def test_fa3_mla_op_passes_opcheck(fa3_mla_h200):
     _opcheck_fm_spec("FLASH_ATTN_MLA", fa3_mla_h200[0])
 
 
+# each route of COMPOSITE_MLA_SM90 forced by its thresholds at these small shapes
+COMPOSITE_ROUTES = {
+    "FLASHINFER_MLA_FA3": {"route_triton_max_rows": 0, "route_flashmla_min_requests": 1000},
+    "FLASHMLA": {"route_triton_max_rows": 0, "route_flashmla_min_requests": 2,
+                 "route_flashmla_min_keys": 100},
+    "TRITON_MLA": {"route_triton_max_rows": 64, "route_triton_min_keys": 100},
+}
+
+
+@pytest.mark.parametrize("route", list(COMPOSITE_ROUTES))
+@pytest.mark.parametrize("reqs", [[(70, 1), (130, 1), (5, 1)], [(130, 1), (64, 2), (0, 9)]],
+                         ids=["decodes", "with_spec_and_mha"])
+def test_composite_mla_runs_each_route_as_reference_mla_does(monkeypatch, route, reqs):
+    """COMPOSITE_MLA_SM90 on a simulated H200 (FlashMLA and FlashInfer stand-ins, TRITON_MLA's
+    kernel in the interpreter): the step's absorbed part planned on the route its thresholds
+    pick, run by that kernel alone, the step within tolerance of REFERENCE_MLA."""
+    from attn_ops.backends.mla import flashinfer_mla
+    from attn_ops.backends.mla.composite import ROUTES
+    from attn_ops.routing import Kernel
+
+    if "TRITON_MLA" not in MLA_HERE:
+        pytest.skip("TRITON_MLA does not run here")
+    platform = simulated_h200(monkeypatch, flashinfer_mla, StandinMLAWrapper)
+    fm = standin_flashmla(True)
+    monkeypatch.setitem(sys.modules, "flash_mla", fm)
+    layer = MLAAttention(FM_SPEC, AttentionConfig(backend="COMPOSITE_MLA_SM90", tuning=Tuning()
+                         .with_(mla={"absorbed_max_query_len": 4, **COMPOSITE_ROUTES[route]})),
+                         platform=platform)
+    common = build_batch(BlockAllocator(16, 64, shuffle=True), list(range(len(reqs))),
+                         [c for c, _ in reqs], [n for _, n in reqs])
+    assert ROUTES[PLAN.decode(layer.impl.build_metadata(common).plan).route] is Kernel[route]
+    _matches_reference_at_fm_widths("COMPOSITE_MLA_SM90", platform, reqs,
+                                    **COMPOSITE_ROUTES[route])
+    assert bool(fm.calls) == (route == "FLASHMLA")
+
+
 def test_flashmla_and_fa3_mla_are_selected_only_where_they_run_after_flashinfer_mla():
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     ranked = [c.name for c in candidates_for(FM_SPEC.with_(dtype=torch.bfloat16), h200)
               if c.ok]
-    assert ranked[:4] == ["FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
+    assert ranked[:5] == ["COMPOSITE_MLA_SM90", "FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA",
+                          "TRITON_MLA"]
     narrow = {c.name: c for c in candidates_for(FI_SPEC, h200)}["FLASHMLA"]
     assert any("FlashMLA's dense kernel takes latents of 512 + 64" in str(r)
                for r in narrow.reasons)

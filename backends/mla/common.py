@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from attn_ops.routing import MLADecodeLaunch
 from attn_ops.spec import AttentionSpec
 
 __all__ = [
-    "MLA_SCHEMA", "MLABackend", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
+    "AbsorbedLayout", "MLA_SCHEMA", "MLABackend", "SEPARATE", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
     "check_latent_weights", "check_mla_inputs", "chunk_tables", "context_chunks",
     "define_mla_op", "merge_attn_states", "mla_cache_update", "run_mla",
 ]
@@ -156,7 +156,7 @@ class MLAPlan:
     absorbed part's launch where the backend's kernel takes one; ``library``: the handle of a
     library's host-planned state the absorbed kernel runs (FLASHINFER_MLA's wrapper);
     ``absorbed_max_query_len``: the absorbed part's longest query (FLASHMLA's ``[batch,
-    queries]`` layout)."""
+    queries]`` layout); ``route``: the kernel a composite runs the absorbed part on."""
 
     num_absorbed: int
     num_absorbed_tokens: int
@@ -166,6 +166,8 @@ class MLAPlan:
     decode: MLADecodeLaunch | None = None
     library: int | None = None
     absorbed_max_query_len: int = 0
+    route: int = 0  # a composite's kernel for the absorbed part (its own numbering)
+    graph: bool = False  # a CUDA-graph capture size's plan (padding requests at the end)
 
 
 PLAN = PlanCodec(MLAPlan)
@@ -251,12 +253,29 @@ AbsorbedKernel = Callable[..., None]
 MHAKernel = Callable[..., None]
 
 
+class AbsorbedLayout(NamedTuple):
+    """What an absorbed kernel takes and leaves (per plan: a composite's differ by route).
+    ``joined_query``: it reads ``[ql | q_pe]`` as one row, so the absorption writes ``ql``
+    into the rows' first ``rank`` columns and ``q_pe`` is copied after them (no concatenating
+    copy of ``ql``); ``writes_every_row``: it writes every row of its output from host-planned
+    shapes, so the output needs no zeroing (graph padding rows are zeroed after it) -- else
+    rows it does not write (a request's rows read from device offsets) stay zero."""
+
+    joined_query: bool = False
+    writes_every_row: bool = False
+
+
+SEPARATE = AbsorbedLayout()
+
+
 def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, block_table,
             plan, mha_lens, chunk_slots, chunk_cu_k, out, kv_scale, scale, *,
-            absorbed: AbsorbedKernel, mha: MHAKernel | None = None) -> None:
+            absorbed: AbsorbedKernel, mha: MHAKernel | None = None,
+            layout: Callable[[MLAPlan], AbsorbedLayout] = lambda plan: SEPARATE) -> None:
     """One step of an MLA layer (schema: :data:`MLA_SCHEMA`) with a backend's two kernels;
     ``mha`` None: the MHA-form kernel routing picks for the device and head dims
-    (:func:`~attn_ops.backends.mla.prefill.mha_kernel`)."""
+    (:func:`~attn_ops.backends.mla.prefill.mha_kernel`); ``layout``: the absorbed kernel's
+    :class:`AbsorbedLayout` for a plan."""
     p = PLAN.decode(plan)
     heads, nope, rank = w_uk.shape
     na, nat, nt = p.num_absorbed, p.num_absorbed_tokens, p.num_tokens
@@ -266,16 +285,26 @@ def run_mla(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, seq_lens, 
     _check_mha_lens(lens, nat, nt, q.shape[0])
     out[nt:].zero_()
     if nat:
+        kind = layout(p)
+        q_pe = q[:nat, :, nope:]
         # the absorption as per-head GEMMs over strided [t, h, .] views (no permuting copies)
-        ql = q.new_empty(nat, heads, rank)
+        if kind.joined_query:
+            joined = q.new_empty(nat, heads, rank + q_pe.shape[2])
+            ql, joined[:, :, rank:] = joined[:, :, :rank], q_pe
+            q_pe = joined[:, :, rank:]
+        else:
+            ql = q.new_empty(nat, heads, rank)
         torch.bmm(q[:nat, :, :nope].transpose(0, 1), w_uk, out=ql.transpose(0, 1))
-        latent_out = ql.new_zeros(nat, heads, rank)  # (graph padding rows: no kernel writes them)
-        absorbed(ql, q[:nat, :, nope:], latent_cache, query_start_loc[:na + 1], seq_lens[:na],
+        latent_out = (ql.new_empty if kind.writes_every_row else ql.new_zeros)(nat, heads, rank)
+        absorbed(ql, q_pe, latent_cache, query_start_loc[:na + 1], seq_lens[:na],
                  block_table[:na], latent_out, kv_scale, scale, p)
         if out.dtype == latent_out.dtype:
             torch.bmm(latent_out.transpose(0, 1), w_uv, out=out[:nat].transpose(0, 1))
         else:
             out[:nat] = torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1)
+        if kind.writes_every_row and p.graph:  # (the padding requests' rows: anything)
+            padding = torch.arange(nat, device=out.device) >= query_start_loc[na]
+            out[:nat].masked_fill_(padding[:, None, None], 0.0)
     if nt == nat:
         return
     if mha is None:
@@ -415,12 +444,13 @@ def check_mla_inputs(q, kv_c, k_pe, latent_cache, w_uk, w_uv, query_start_loc, s
 
 
 def define_mla_op(name: str, absorbed: AbsorbedKernel, *, mha: MHAKernel | None = None,
-                  check: Callable[..., None] = check_mla_inputs, tags=()):
+                  check: Callable[..., None] = check_mla_inputs, tags=(),
+                  layout: Callable[[MLAPlan], AbsorbedLayout] = lambda plan: SEPARATE):
     """A backend's MLA op (:data:`MLA_SCHEMA`): ``check`` its inputs, then :func:`run_mla`
     with its kernels; the fake runs the check alone."""
     def impl(*args) -> None:
         check(*args)
-        run_mla(*args, absorbed=absorbed, mha=mha)
+        run_mla(*args, absorbed=absorbed, mha=mha, layout=layout)
 
     return define_op(name, MLA_SCHEMA, impl, lambda *args: check(*args), tags=tags)
 
@@ -502,22 +532,28 @@ class MLABackend(AttentionBackend):
         _check_mha_seq_lens(seq, new, na, common.block_table.shape[1], common.block_size)
         mha_lens = np.stack([new, seq[na:] - new], axis=1)
         max_query = int(query_lens[:na].max()) if na else 0
-        decode = self.decode_launch(na, max_query, int(seq[:na].max()) if na else 0,
-                                    common.seq_lens.device)
         chunk = self.tuning.mla.context_chunk_tokens
         plan = PLAN.encode(MLAPlan(num_absorbed=na, num_absorbed_tokens=int(qsl[na]),
                                    num_tokens=int(qsl[-1]), chunk_tokens=chunk,
                                    flashinfer_prefill_max_requests=(
                                        self.tuning.mla.flashinfer_prefill_max_requests),
-                                   decode=decode,
-                                   library=self.plan_library(common, na) if na else None,
-                                   absorbed_max_query_len=max_query))
+                                   absorbed_max_query_len=max_query,
+                                   **self.plan_absorbed(common, na, max_query,
+                                                        int(seq[:na].max()) if na else 0)))
         table_cpu = common.block_table_cpu[na:] if common.block_table_cpu is not None else None
         slots, offsets = chunk_tables(mha_lens[:, 1], chunk, common.block_table[na:], table_cpu,
                                       common.block_size)
         return MLAMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens,
                            common.block_table, plan, torch.from_numpy(mha_lens), slots,
                            offsets, common.block_size)
+
+    def plan_absorbed(self, common: CommonAttentionMetadata, num_absorbed: int,
+                      max_query_len: int, max_seq_len: int) -> dict:
+        """The absorbed part's :class:`MLAPlan` fields for a step: its launch
+        (:meth:`decode_launch`) and any library plan (:meth:`plan_library`)."""
+        return {"decode": self.decode_launch(num_absorbed, max_query_len, max_seq_len,
+                                             common.seq_lens.device),
+                "library": self.plan_library(common, num_absorbed) if num_absorbed else None}
 
     def decode_launch(self, requests: int, max_query_len: int, max_seq_len: int,
                       device: torch.device) -> MLADecodeLaunch | None:
@@ -540,7 +576,8 @@ class MLABackend(AttentionBackend):
                 chunk_tokens=self.tuning.mla.context_chunk_tokens,
                 decode=self.decode_launch(size, graphs.query_len, graphs.max_seq_len,
                                           graphs.device),
-                absorbed_max_query_len=graphs.query_len))
+                library=self.graph_library(size),
+                absorbed_max_query_len=graphs.query_len, graph=True))
         return MLAMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
                            padded.block_table, plan, torch.zeros(0, 2, dtype=torch.int64),
                            block_size=padded.block_size)
@@ -548,6 +585,11 @@ class MLABackend(AttentionBackend):
     def plan_library(self, common: CommonAttentionMetadata, num_absorbed: int) -> int | None:
         """Plan a library kernel for the first ``num_absorbed`` requests on the host; returns
         its handle for :attr:`MLAPlan.library` (default: none)."""
+        return None
+
+    def graph_library(self, size: int) -> int | None:
+        """The handle of the library state kept for one CUDA-graph capture size, for
+        :meth:`fixed_graph_metadata` (default: none)."""
         return None
 
     def forward(self, q, kv_c, k_pe, latent_cache, metadata, out, *, w_uk, w_uv,

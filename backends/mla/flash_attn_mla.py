@@ -6,14 +6,14 @@ columns) and ``q_v`` (the latent part, against the values themselves) -- so the 
 over our latent cache, read as two strided views (``k`` = the rope columns, ``v`` = the latent
 columns, one KV head). Varlen over the absorbed part's rows (``cu_seqlens_q``,
 ``seqused_k``, the block table), causal bottom-right, so decodes, speculative decodes and short
-prefills run in one call; rows past the batch (graph padding) are zeroed after it.
+prefills run in one call; rows of no request (graph padding) are left as the caller zeroed them
+(vLLM's build writes into the output given) or zeroed after it (the hopper build's returns one).
 
 The kernel comes from whichever FA3 provider is usable (:data:`attn_ops.providers.FA3`):
 FlashAttention's hopper build (``flash_attn_with_kvcache(..., qv=)``) or vLLM's
 ``vllm_flash_attn`` (``flash_attn_varlen_func(..., q_v=, fa_version=3)``). The MHA part runs
-the kernel :func:`attn_ops.routing.mla_prefill_kernel` picks, as in TRITON_MLA. Tested on the
-CPU against stand-ins of both providers' call signatures; not yet run on a GPU, so it ranks
-after FLASHINFER_MLA.
+the kernel :func:`attn_ops.routing.mla_prefill_kernel` picks, as in TRITON_MLA. Run on the H200
+through vLLM's build; the hopper build's glue is tested against a stand-in of its signature.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ RANK, ROPE = 512, 64  # FA3's MLA head dims: q / k 64, q_v / v 512
 
 def absorbed_fa3(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                  kv_scale, scale, plan: MLAPlan) -> None:
-    """FA3's MLA forward into ``out`` [rows, heads, rank]; rows past ``query_start_loc[-1]``
-    are zero."""
+    """FA3's MLA forward into ``out`` [rows, heads, rank]; rows of no request stay zero."""
     provider, fa3 = FA3.require("FLASH_ATTN_MLA")
     rows, heads, rank = ql.shape
     k = latent_cache[:, :, rank:].unsqueeze(2)  # [blocks, page, 1, rope]
@@ -46,15 +45,15 @@ def absorbed_fa3(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table,
     qsl, lens = query_start_loc.to(torch.int32), seq_lens.to(torch.int32)
     table = block_table.to(torch.int32)
     max_q = max(plan.absorbed_max_query_len, 1)
-    if provider.distribution == "vllm":
-        o = fa3.flash_attn_varlen_func(
+    if provider.distribution == "vllm":  # (rows of no request: left as the caller made them)
+        fa3.flash_attn_varlen_func(
             q=q_pe, k=k, v=v, q_v=ql, max_seqlen_q=max_q, cu_seqlens_q=qsl,
             max_seqlen_k=table.shape[1] * latent_cache.shape[1], seqused_k=lens,
-            block_table=table, softmax_scale=scale, causal=True, fa_version=3)
-    else:
-        o = fa3.flash_attn_with_kvcache(
-            q_pe, k, v, qv=ql, cache_seqlens=lens, page_table=table, cu_seqlens_q=qsl,
-            max_seqlen_q=max_q, softmax_scale=scale, causal=True)
+            block_table=table, softmax_scale=scale, causal=True, fa_version=3, out=out)
+        return
+    o = fa3.flash_attn_with_kvcache(
+        q_pe, k, v, qv=ql, cache_seqlens=lens, page_table=table, cu_seqlens_q=qsl,
+        max_seqlen_q=max_q, softmax_scale=scale, causal=True)
     out.copy_(o)
     padding = torch.arange(rows, device=out.device) >= query_start_loc[-1]
     out.masked_fill_(padding[:, None, None], 0.0)

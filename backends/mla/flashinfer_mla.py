@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from attn_ops.backends.mla.common import (PLAN, MLABackend, MLAMetadata, MLAPlan,
-                                          define_mla_op)
+from attn_ops.backends.mla.common import (PLAN, AbsorbedLayout, MLABackend, MLAMetadata,
+                                          MLAPlan, define_mla_op)
 from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
 from attn_ops.backends.flashinfer_plan import float_workspace
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
@@ -35,18 +34,12 @@ from attn_ops.routing import (DeviceFacts, Kernel, flashinfer_mla_kernel,
                              flashinfer_mla_shared_bytes)
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["FlashInferMLABackend"]
+__all__ = ["WRITES_EVERY_ROW", "FlashInferMLABackend"]
 
 _LIBRARY_BACKEND = {Kernel.FLASHINFER_MLA_FA3: "fa3", Kernel.FLASHINFER_MLA_FA2: "fa2"}
 
 
-@dataclass
-class _Planned:
-    wrapper: object
-    graph: bool  # planned for a CUDA-graph size: rows past the real ones are padding
-
-
-_PLANNED: dict[int, _Planned] = {}  # MLAPlan.library -> the planned wrapper
+_PLANNED: dict[int, object] = {}  # MLAPlan.library -> the planned wrapper
 _HANDLES = itertools.count(1)
 
 
@@ -58,21 +51,19 @@ def _wrapper_class():
 
 def absorbed_flashinfer(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                         kv_scale, scale, plan: MLAPlan) -> None:
-    """The planned wrapper's run into ``out`` [rows, heads, rank]; in a graph, the rows past
-    ``query_start_loc[-1]`` (counted on the device) zeroed after it."""
-    planned = _PLANNED.get(plan.library)
-    if planned is None:
+    """The planned wrapper's run into ``out`` [rows, heads, rank]: every row, from the host
+    plan (a graph's padding rows: anything, zeroed by the caller)."""
+    wrapper = _PLANNED.get(plan.library)
+    if wrapper is None:
         raise ValueError(f"FLASHINFER_MLA: no planned kernel {plan.library}; build the step's "
                          "metadata with this backend's build_metadata / graph_metadata")
     rank = ql.shape[2]
-    planned.wrapper.run(ql, q_pe, latent_cache[:, :, :rank], latent_cache[:, :, rank:],
-                        out=out)
-    if planned.graph:
-        padding = torch.arange(out.shape[0], device=out.device) >= query_start_loc[-1]
-        out.masked_fill_(padding[:, None, None], 0.0)  # (what the kernel left there: anything)
+    wrapper.run(ql, q_pe, latent_cache[:, :, :rank], latent_cache[:, :, rank:], out=out)
 
 
-flashinfer_mla_attention = define_mla_op("flashinfer_mla_attention", absorbed_flashinfer)
+WRITES_EVERY_ROW = AbsorbedLayout(writes_every_row=True)
+flashinfer_mla_attention = define_mla_op("flashinfer_mla_attention", absorbed_flashinfer,
+                                         layout=lambda plan: WRITES_EVERY_ROW)
 
 
 def shared_memory_reasons(name: str, spec: AttentionSpec, platform: Platform) -> list[Reason]:
@@ -149,7 +140,7 @@ class FlashInferMLABackend(MLABackend):
                           kv_len_arr=torch.zeros(graph_size, **i32))
         wrapper = _wrapper_class()(float_workspace(device), backend=backend, **kwargs)
         handle = next(_HANDLES)
-        _PLANNED[handle] = _Planned(wrapper, graph_size is not None)
+        _PLANNED[handle] = wrapper
         return handle
 
     def _plan(self, handle: int, qsl: np.ndarray, seq: np.ndarray, indptr: np.ndarray,
@@ -158,7 +149,7 @@ class FlashInferMLABackend(MLABackend):
         host = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
         with warnings.catch_warnings():  # (0.7's flat-argument plan is deprecated, not gone)
             warnings.simplefilter("ignore", DeprecationWarning)
-            _PLANNED[handle].wrapper.plan(
+            _PLANNED[handle].plan(
                 host(qsl), host(indptr), host(indices), host(seq), spec.num_heads,
                 spec.kv_lora_rank, spec.qk_rope_head_dim, page, causal, self.scale, spec.dtype,
                 spec.cache_dtype)
@@ -189,7 +180,7 @@ class FlashInferMLABackend(MLABackend):
             plan = PLAN.encode(MLAPlan(num_absorbed=size, num_absorbed_tokens=rows,
                                        num_tokens=rows,
                                        chunk_tokens=self.tuning.mla.context_chunk_tokens,
-                                       library=handle))
+                                       library=handle, graph=True))
             state = graphs.backend_state[key] = (handle, plan)
         handle, plan = state
         indptr, indices = padded.block_csr()

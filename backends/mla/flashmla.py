@@ -12,44 +12,124 @@ request's queries take the last slots of its row, so FlashMLA's bottom-right cau
 the request's own; the slots before them are read from any row and their outputs dropped. The
 layout is built on the device from ``query_start_loc`` (no host read, graph-safe).
 
-Tile-scheduler metadata: FlashMLA's current interface (``FlashMLASchedMeta``) computes it in
-the first call of a metadata object, from that call's lengths on the device; a fresh object a
-step keeps it that step's (a CUDA graph replays the computation with the replay's lengths).
-The older interface's ``get_mla_metadata(cache_seqlens, ...)`` is the same device computation,
-called the same way.
+Tile-scheduler metadata: a device computation from the step's lengths (FlashMLA's current
+interface runs it in the first kernel call of a ``FlashMLASchedMeta``, the older one in
+``get_mla_metadata(cache_seqlens, ...)``). It is computed once a step, by the step's first
+layer, and reused by every later layer: the step's plan carries a handle
+(:attr:`MLAPlan.library`) to a :class:`_Schedule` made fresh by each ``build_metadata``. A
+CUDA-graph capture size keeps one handle; the schedule is recomputed by the first layer of a
+capture (so the graph holds the computation and each replay redoes it with the replay's
+lengths), never taken from an eager call before it.
 
 The MHA part runs the kernel :func:`attn_ops.routing.mla_prefill_kernel` picks, as in
-TRITON_MLA. Tested on the CPU against a stand-in with FlashMLA's call signature and documented
-semantics; not yet run on a GPU, so it ranks after FLASHINFER_MLA.
+TRITON_MLA.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
 import torch
 
-from attn_ops.backends.mla.common import (MLABackend, MLAMetadata, MLAPlan, check_mla_inputs,
-                                          define_mla_op)
+from attn_ops.backends.mla.common import (PLAN, AbsorbedLayout, MLABackend, MLAMetadata,
+                                          MLAPlan, check_mla_inputs, define_mla_op)
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
 from attn_ops.spec import Feature, KVCacheDType
 
-__all__ = ["FlashMLABackend", "absorbed_flashmla"]
+__all__ = ["JOINED", "FlashMLABackend", "absorbed_flashmla"]
 
 PAGE = 64  # FlashMLA's page_block_size
 RANK, ROPE = 512, 64  # the latent widths its dense kernel is built for
 
 
+@dataclass
+class _Schedule:
+    """One step's (or capture size's) tile-scheduler metadata as ``(meta, splits)``, once the
+    step's first layer computed it: ``eager`` for calls outside a graph capture, ``capture``
+    for calls inside one (``kept``: every captured one, alive as long as the graphs that read
+    them)."""
+
+    eager: tuple | None = None
+    capture: tuple | None = None
+    kept: list = field(default_factory=list)
+
+
+_STEP_SCHEDULES: OrderedDict[int, _Schedule] = OrderedDict()  # eager steps, newest last
+_GRAPH_SCHEDULES: dict[int, _Schedule] = {}  # one a capture size
+_KEPT_STEPS = 64  # an older step's plan recomputes its schedule in every layer: still correct
+_HANDLES = itertools.count(1)
+
+
+def new_schedule(graph: bool) -> int:
+    """A handle for :attr:`MLAPlan.library`: a fresh schedule for one step (``graph``: for a
+    capture size, kept as long as the process)."""
+    handle = next(_HANDLES)
+    if graph:
+        _GRAPH_SCHEDULES[handle] = _Schedule()
+    else:
+        _STEP_SCHEDULES[handle] = _Schedule()
+        while len(_STEP_SCHEDULES) > _KEPT_STEPS:
+            _STEP_SCHEDULES.popitem(last=False)
+    return handle
+
+
+def restart_schedule(handle: int) -> None:
+    """A new step on a capture size's handle (its lengths changed): the next call computes
+    the schedule again, eagerly or inside the next capture."""
+    held = _GRAPH_SCHEDULES[handle]
+    held.eager = held.capture = None
+
+
+def _schedule(fm, handle: int | None, lens: torch.Tensor, q_per_head_k: int) -> tuple:
+    """The step's metadata for this call: computed here where the step has none yet on this
+    side of a graph capture, else the one its first layer computed."""
+    held = _GRAPH_SCHEDULES.get(handle) or _STEP_SCHEDULES.get(handle) or _Schedule()
+    capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
+    got = held.capture if capturing else held.eager
+    if got is None:
+        if hasattr(fm, "FlashMLASchedMeta"):  # (computed by the kernel call it is passed to)
+            got = (fm.get_mla_metadata()[0], None)
+        else:
+            got = tuple(fm.get_mla_metadata(lens, q_per_head_k, 1))
+        if capturing:
+            held.capture = got
+            held.kept.append(got)
+        else:
+            held.eager = got
+    return got
+
+
+_TAKES_OUT: dict[object, bool] = {}
+
+
+def _takes_out(fn) -> bool:
+    """Whether the provider's kernel call writes into a given ``out`` (newer interfaces)."""
+    if fn not in _TAKES_OUT:
+        try:
+            _TAKES_OUT[fn] = "out" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            _TAKES_OUT[fn] = False
+    return _TAKES_OUT[fn]
+
+
 def absorbed_flashmla(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out,
                       kv_scale, scale, plan: MLAPlan) -> None:
     """FlashMLA's dense decode into ``out`` [rows, heads, rank]: the absorbed part's requests
-    as ``[batch, plan.absorbed_max_query_len]`` (right-aligned where lengths differ); rows
-    past ``query_start_loc[-1]`` (graph padding) are zero."""
+    as ``[batch, plan.absorbed_max_query_len]`` (right-aligned where lengths differ), the
+    query rows ``[ql | q_pe]`` read in place where they are one buffer; every row written (a
+    graph's padding rows: anything, zeroed by the caller)."""
     _, fm = PROVIDERS.require("FLASHMLA")
     rows, heads, rank = ql.shape
     b, s_q = seq_lens.shape[0], plan.absorbed_max_query_len
-    q = torch.cat([ql.to(latent_cache.dtype), q_pe.to(latent_cache.dtype)], dim=-1)
+    q = _joined(ql, q_pe)
+    if q is None or q.dtype != latent_cache.dtype:
+        q = torch.cat([ql.to(latent_cache.dtype), q_pe.to(latent_cache.dtype)], dim=-1)
     uniform = rows == b * s_q
     if uniform:
         qb = q.view(b, s_q, heads, -1)
@@ -60,22 +140,40 @@ def absorbed_flashmla(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_t
         qb = q[idx.clamp(0, max(rows - 1, 0)).flatten()].view(b, s_q, heads, -1)
     k_cache = latent_cache.unsqueeze(2)
     lens, table = seq_lens.to(torch.int32), block_table.to(torch.int32)
-    if hasattr(fm, "FlashMLASchedMeta"):
-        meta, splits = fm.get_mla_metadata()[0], None
-    else:
-        meta, splits = fm.get_mla_metadata(lens, s_q * heads, 1)
+    meta, splits = _schedule(fm, plan.library, lens, s_q * heads)
+    # (the kernel's own output buffer where several queries of a request share a row block)
+    direct = uniform and s_q == 1 and out.dtype == q.dtype and out.is_contiguous() \
+        and _takes_out(fm.flash_mla_with_kvcache)
     o, _ = fm.flash_mla_with_kvcache(qb, k_cache, table, lens, rank, meta, splits,
-                                     softmax_scale=scale, causal=s_q > 1)
+                                     softmax_scale=scale, causal=s_q > 1,
+                                     **({"out": out.view(b, s_q, heads, rank)} if direct else {}))
     o = o.view(b * s_q, heads, rank)
     if uniform:
-        out.copy_(o)
+        if not direct:
+            out.copy_(o)
     else:
-        target = torch.where(valid, idx, rows).flatten()  # (dropped slots: one spare row)
-        full = out.new_empty(rows + 1, heads, rank)
+        # (dropped slots: one spare row; a row no slot maps to -- device offsets that do not
+        # cover the rows -- stays zero)
+        target = torch.where(valid, idx, rows).flatten()
+        full = out.new_zeros(rows + 1, heads, rank)
         full.index_copy_(0, target, o.to(out.dtype))
         out.copy_(full[:rows])
-    padding = torch.arange(rows, device=out.device) >= query_start_loc[-1]
-    out.masked_fill_(padding[:, None, None], 0.0)
+
+
+def _joined(ql: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor | None:
+    """``[ql | q_pe]`` as one ``[rows, heads, rank + rope]`` tensor where the two are the
+    column halves of one contiguous buffer (:class:`AbsorbedLayout.joined_query`), else
+    None."""
+    rows, heads, rank = ql.shape
+    width = rank + q_pe.shape[2]
+    if (q_pe.dtype != ql.dtype or ql.stride() != (heads * width, width, 1)
+            or q_pe.stride() != ql.stride()
+            or q_pe.data_ptr() != ql.data_ptr() + rank * ql.element_size()):
+        return None
+    return ql.as_strided((rows, heads, width), ql.stride())
+
+
+JOINED = AbsorbedLayout(joined_query=True, writes_every_row=True)
 
 
 def _check(*args) -> None:
@@ -91,7 +189,8 @@ def _absorbed(*args) -> None:
     absorbed_flashmla(*args)
 
 
-flashmla_attention = define_mla_op("flashmla_attention", _absorbed, check=_check)
+flashmla_attention = define_mla_op("flashmla_attention", _absorbed, check=_check,
+                                   layout=lambda plan: JOINED)
 
 
 class FlashMLABackend(MLABackend):
@@ -117,7 +216,17 @@ class FlashMLABackend(MLABackend):
     latent_kernel = "FlashMLA's dense kernel"
     kernel_providers = PROVIDERS
 
+    def plan_library(self, common: CommonAttentionMetadata, num_absorbed: int) -> int:
+        """A fresh tile schedule for the step, computed by its first layer."""
+        return new_schedule(graph=False)
+
+    def graph_library(self, size: int) -> int:
+        return new_schedule(graph=True)
+
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
-        """The plan fixed per capture size (:meth:`MLABackend.fixed_graph_metadata`); each
-        replay's scheduler metadata is computed from its lengths on the device."""
-        return self.fixed_graph_metadata(padded, graphs)
+        """The plan fixed per capture size (:meth:`MLABackend.fixed_graph_metadata`) with its
+        own tile schedule, computed inside the capture: each replay recomputes it from the
+        replay's lengths on the device, once, in its first layer."""
+        meta = self.fixed_graph_metadata(padded, graphs)
+        restart_schedule(PLAN.decode(meta.plan).library)
+        return meta

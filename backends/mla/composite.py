@@ -1,0 +1,129 @@
+"""COMPOSITE_MLA_SM90: each MLA step's absorbed part on the fastest of three kernels, on Hopper.
+
+No one kernel is fastest at every decode shape (H200, 512 + 64 latents): FlashInfer's fa3 MLA
+kernel leads at short contexts and small batches, FlashMLA at many requests over long contexts,
+TRITON_MLA's split kernel at a handful of query rows over long contexts. This backend runs each
+step's absorbed part on the kernel :func:`attn_ops.routing.mla_absorbed_route` picks for it
+(requests, longest query and context, heads), in one op,
+``torch.ops.attn.composite_mla_sm90_attention``; the plan carries the route
+(:attr:`~attn_ops.backends.mla.common.MLAPlan.route`) and each kernel's own plan (FlashInfer's
+host plan, FlashMLA's tile schedule, TRITON_MLA's launch). The MHA part runs the kernel
+:func:`attn_ops.routing.mla_prefill_kernel` picks, as in the other MLA backends.
+
+CUDA graphs: a capture size's kernel is fixed when it is captured, before the lengths of its
+replays are known, so graphs run FlashInfer's kernel, replanned before each replay from its
+lengths (within a few percent of the fastest at every length; FlashMLA is at half of it at 1k).
+
+Needs FlashMLA (either provider), flashinfer-python and Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
+from attn_ops.backends.mla.common import (SEPARATE, AbsorbedLayout, MLABackend, MLAMetadata,
+                                          MLAPlan, check_mla_inputs, define_mla_op)
+from attn_ops.backends.mla.flashinfer_mla import (WRITES_EVERY_ROW, FlashInferMLABackend,
+                                                  absorbed_flashinfer, shared_memory_reasons)
+from attn_ops.backends.mla.flashmla import (JOINED, PAGE, RANK, ROPE, absorbed_flashmla,
+                                            new_schedule)
+from attn_ops.backends.mla.triton_mla import TritonMLABackend, absorbed_triton
+from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, Reason
+from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.providers import FLASHMLA
+from attn_ops.routing import Kernel, mla_absorbed_route
+from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
+
+__all__ = ["CompositeMLABackend", "ROUTES"]
+
+# MLAPlan.route -> the absorbed part's kernel (0, the default: FlashInfer's, as graphs run it)
+ROUTES = (Kernel.FLASHINFER_MLA_FA3, Kernel.FLASHMLA, Kernel.TRITON_MLA)
+
+
+def _absorbed(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out, kv_scale,
+              scale, plan: MLAPlan) -> None:
+    args = (ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, out, kv_scale, scale)
+    kernel = ROUTES[plan.route]
+    if kernel is Kernel.FLASHMLA:
+        absorbed_flashmla(*args, plan)
+    elif kernel is Kernel.TRITON_MLA:
+        absorbed_triton(*args, plan.decode)
+    else:
+        absorbed_flashinfer(*args, plan)
+
+
+def _check(*args) -> None:
+    check_mla_inputs(*args)
+    q, latent_cache = args[0], args[3]
+    if latent_cache.dtype != q.dtype or latent_cache.shape[1] != PAGE:
+        raise ValueError(f"COMPOSITE_MLA_SM90: latent_cache {tuple(latent_cache.shape)} "
+                         f"{latent_cache.dtype} must hold pages of {PAGE} rows in the query's "
+                         f"dtype ({q.dtype}); build the cache with block_size={PAGE}")
+
+
+def _layout(plan: MLAPlan) -> AbsorbedLayout:
+    return JOINED if ROUTES[plan.route] is Kernel.FLASHMLA else (
+        SEPARATE if ROUTES[plan.route] is Kernel.TRITON_MLA else WRITES_EVERY_ROW)
+
+
+composite_mla_attention = define_mla_op("composite_mla_sm90_attention", _absorbed,
+                                        check=_check, layout=_layout)
+
+
+class CompositeMLABackend(MLABackend):
+    """FlashMLA, FlashInfer's MLA and TRITON_MLA routed per step on sm90; bf16 / fp16 latents
+    of 512 + 64 in pages of 64."""
+
+    name = "COMPOSITE_MLA_SM90"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CUDA}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dims=HeadDims(),
+        kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),
+        block_sizes=(PAGE,),
+        preferred_block_size=PAGE,
+        features=frozenset({Feature.MLA, Feature.DIFF_HEAD_DIM_V}),
+        min_capability=(9, 0),
+        max_capability=(9, 0),
+        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
+        packages=(FLASHINFER_PACKAGE, *TritonMLABackend.capabilities.packages),
+    )
+    op = composite_mla_attention
+
+    latent_widths = (RANK, ROPE)
+    latent_kernel = "FlashMLA's dense kernel"
+    kernel_providers = FLASHMLA
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = super().not_supported_reasons(spec, platform)
+        return reasons or shared_memory_reasons(cls.name, spec, platform)
+
+    def __init__(self, spec: AttentionSpec, **kw) -> None:
+        super().__init__(spec, **kw)
+        self._flashinfer = FlashInferMLABackend(spec, tuning=self.tuning)
+        self._triton = TritonMLABackend(spec, tuning=self.tuning)
+
+    def plan_absorbed(self, common: CommonAttentionMetadata, num_absorbed: int,
+                      max_query_len: int, max_seq_len: int) -> dict:
+        """The route of the step's absorbed part and that kernel's own plan."""
+        if not num_absorbed:
+            return {}
+        kernel = mla_absorbed_route(self.spec.num_heads, num_absorbed, max_query_len,
+                                    max_seq_len, self.tuning.mla).kernel
+        fields = {"route": ROUTES.index(kernel)}
+        if kernel is Kernel.TRITON_MLA:
+            fields["decode"] = self._triton.decode_launch(num_absorbed, max_query_len,
+                                                          max_seq_len, common.seq_lens.device)
+        elif kernel is Kernel.FLASHMLA:
+            fields["library"] = new_schedule(graph=False)
+        else:
+            fields["library"] = self._flashinfer.plan_library(common, num_absorbed)
+        return fields
+
+    def graph_metadata(self, padded: CommonAttentionMetadata, graphs) -> MLAMetadata:
+        """FlashInfer's graph plan of the size (route 0), replanned from each replay's
+        lengths."""
+        return self._flashinfer.graph_metadata(padded, graphs)
