@@ -51,7 +51,8 @@ class MLAAttention(BackendLayer):
                             spec.v_head_dim)
         self.register_buffer("w_uk", torch.zeros(h, nope, rank, dtype=spec.dtype))
         self.register_buffer("w_uv", torch.zeros(h, rank, v, dtype=spec.dtype))
-        self.register_buffer("kv_scale", torch.ones(1) if spec.kv_cache_dtype.is_fp8 else None)
+        self.register_buffer("kv_scale", torch.ones(1) if spec.kv_cache_dtype.is_fp8
+                             and not spec.kv_cache_dtype.inline_scales else None)
 
     @torch.no_grad()
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
@@ -103,10 +104,13 @@ class MLAAttention(BackendLayer):
             if tuple(x.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)} for {spec.describe()}, got "
                                  f"{list(x.shape)}")
-        if cache.dim() != 3 or cache.shape[2] != spec.latent_dim:
-            raise ValueError(f"cache must be [num_blocks, block_size, kv_lora_rank + "
-                             f"qk_rope_head_dim = {spec.latent_dim}] for {spec.describe()}, "
-                             f"got {list(cache.shape)}; allocate it with allocate_cache")
+        if cache.dim() != 3 or cache.shape[2] != spec.latent_row_width:
+            width = (f"FlashMLA's fp8_ds_mla row bytes = {spec.latent_row_width}"
+                     if spec.kv_cache_dtype.inline_scales
+                     else f"kv_lora_rank + qk_rope_head_dim = {spec.latent_dim}")
+            raise ValueError(f"cache must be [num_blocks, block_size, {width}] for "
+                             f"{spec.describe()}, got {list(cache.shape)}; allocate it with "
+                             "allocate_cache")
         check_layer_inputs("MLAAttention", cache.device,
                            [("q", q, spec.dtype), ("kv_c", kv_c, spec.dtype),
                             ("k_pe", k_pe, spec.dtype), ("cache", cache, spec.cache_dtype),

@@ -129,6 +129,7 @@ OP_MODULES: dict[str, str] = {
     "flashinfer_mla_attention": "attn_ops.backends.mla.flashinfer_mla",
     "flashmla_attention": "attn_ops.backends.mla.flashmla",
     "composite_mla_sm90_attention": "attn_ops.backends.mla.composite",
+    "flashmla_sparse": "attn_ops.backends.mla.flashmla_sparse",
     "flash_attn_mla_attention": "attn_ops.backends.mla.flash_attn_mla",
     "reference_mla_sparse": "attn_ops.backends.mla.sparse",
     "triton_mla_sparse": "attn_ops.backends.mla.sparse",

@@ -92,13 +92,14 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",
     Backend.FLASHMLA: "attn_ops.backends.mla.flashmla:FlashMLABackend",
     Backend.COMPOSITE_MLA_SM90: "attn_ops.backends.mla.composite:CompositeMLABackend",
+    Backend.FLASHMLA_SPARSE: "attn_ops.backends.mla.flashmla_sparse:FlashMLASparseBackend",
     Backend.FLASH_ATTN_MLA: "attn_ops.backends.mla.flash_attn_mla:FlashAttnMLABackend",
     Backend.FLASHINFER_MLA_SPARSE:
         "attn_ops.backends.mla.flashinfer_mla_sparse:FlashInferSparseMLABackend",
     Backend.TRITON_MLA_SPARSE: "attn_ops.backends.mla.sparse:TritonSparseMLABackend",
     Backend.REFERENCE_MLA_SPARSE: "attn_ops.backends.mla.sparse:ReferenceSparseMLABackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
-        Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
+        Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM)},
 }
 

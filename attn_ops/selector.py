@@ -99,7 +99,7 @@ def _sparse_mla_priority(platform: Platform) -> list[Backend]:
     latents only), then our Triton kernel (fp8 latents too); on CPUs the reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
-        vendor = [B.FLASHMLA_SPARSE] if major in (9, 10) else []
+        vendor = [B.FLASHMLA_SPARSE] if major == 9 else []
         return [*vendor, B.FLASHINFER_MLA_SPARSE, B.TRITON_MLA_SPARSE]
     if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
         return [B.TRITON_MLA_SPARSE]

@@ -31,6 +31,10 @@ class KVCacheDType(enum.Enum):
     AUTO = "auto"
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
+    # FlashMLA's sparse MLA latent layout (DeepSeek-V3.2; vLLM's "fp8_ds_mla"): per token the
+    # latent in fp8 e4m3 with one fp32 scale a 128 values, the rope part in 16 bits
+    # (attn_ops.backends.mla.ds_cache documents it byte by byte); MLA specs only
+    FP8_DS_MLA = "fp8_ds_mla"
 
     @property
     def is_fp8(self) -> bool:
@@ -41,7 +45,13 @@ class KVCacheDType(enum.Enum):
             KVCacheDType.AUTO: model_dtype,
             KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
             KVCacheDType.FP8_E5M2: torch.float8_e5m2,
+            KVCacheDType.FP8_DS_MLA: torch.float8_e4m3fn,
         }[self]
+
+    @property
+    def inline_scales(self) -> bool:
+        """Whether the cache rows carry their own scales (no per-tensor ``kv_scale``)."""
+        return self is KVCacheDType.FP8_DS_MLA
 
 
 class LayerKind(enum.Enum):
@@ -167,6 +177,8 @@ class AttentionSpec:
                                  "for the root (first), each other parent an earlier node")
         if self.kv_lora_rank is not None or self.qk_nope_head_dim is not None:
             _check_mla(self)
+        if self.kv_cache_dtype is KVCacheDType.FP8_DS_MLA:
+            _check_ds_mla(self)
         if self.index_topk is not None:
             _check_sparse(self)
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
@@ -202,6 +214,15 @@ class AttentionSpec:
         if not self.use_mla:
             raise ValueError(f"{self.describe()} is not an MLA spec (AttentionSpec.mla(...))")
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def latent_row_width(self) -> int:
+        """Elements of :attr:`cache_dtype` a token takes in the latent cache: ``latent_dim``,
+        or in FlashMLA's sparse layout (``FP8_DS_MLA``) its bytes: ``kv_lora_rank`` fp8
+        values, 4 bytes of scale a 128 of them, 2 bytes a rope value (656 at 512 + 64)."""
+        if self.kv_cache_dtype is KVCacheDType.FP8_DS_MLA:
+            return self.kv_lora_rank + self.kv_lora_rank // 32 + 2 * self.qk_rope_head_dim
+        return self.latent_dim
 
     # Resolved views of the "None means default" fields.
     @property
@@ -347,6 +368,13 @@ def _check_mla(spec: AttentionSpec) -> None:
     if spec.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim={spec.qk_rope_head_dim} must be even: RoPE rotates "
                          "pairs of channels (DeepSeek's is 64)")
+
+
+def _check_ds_mla(spec: AttentionSpec) -> None:
+    if not spec.use_mla or spec.kv_lora_rank % 128 or spec.dtype.itemsize != 2:
+        raise ValueError(f"kv_cache_dtype=fp8_ds_mla (FlashMLA's sparse latent layout) needs an "
+                         f"MLA spec with kv_lora_rank a multiple of 128 and a 16-bit dtype, got "
+                         f"{spec.describe()}; use fp8_e4m3 for a per-tensor fp8 cache")
 
 
 def _check_sparse(spec: AttentionSpec) -> None:

@@ -11,11 +11,14 @@ side):
 
 * ``indexer``     -- ``attn.indexer_k_write`` + ``attn.indexer_topk`` + ``attn.indexer_slots``;
 * ``sparse_attn_<B>`` -- the sparse layer on backend ``B`` (``--sparse``; default
-  TRITON_MLA_SPARSE and FLASHINFER_MLA_SPARSE): latent write, absorption, attention over the
-  2048 selected rows, ``W_UV``, on slots the indexer chose;
+  TRITON_MLA_SPARSE, FLASHINFER_MLA_SPARSE and FLASHMLA_SPARSE): latent write, absorption,
+  attention over the 2048 selected rows, ``W_UV``, on slots the indexer chose; FLASHMLA_SPARSE
+  reads FlashMLA's fp8_ds_mla cache (656 bytes a token) holding the same latents (the bf16
+  cache holds what the fp8 one decodes to, so every backend attends over the same values);
 * ``sparse_step_<B>`` -- the indexer and ``sparse_attn_<B>``, as a sparse layer's step runs them;
-* ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA and
-  FLASHINFER_MLA, the dense MLA family's best at 128 heads), metadata planned before capture.
+* ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA,
+  FLASHINFER_MLA and COMPOSITE_MLA_SM90, the dense MLA family's best at 128 heads), metadata
+  planned before capture.
 
 ``--only prefill``: one request's prefill of ``--prefills`` tokens from an empty cache -- the
 sparse steps (every token over its ``min(2048, position + 1)`` selected rows, absorbed) against
@@ -78,8 +81,16 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
         num_decode_tokens=t if decode else 0, block_size=PAGE, block_table_cpu=table.cpu(),
         num_blocks=blocks)
     sparse_spec = AttentionSpec.mla(HEADS, dtype=BF16, block_size=PAGE, index_topk=TOPK)
-    layers = {f"sparse_{name}": MLAAttention(sparse_spec, AttentionConfig(backend=name)).cuda()
-              for name in sparse}
+    ds_spec = sparse_spec.with_(kv_cache_dtype="fp8_ds_mla")
+    layers, ds = {}, set()
+    for name in sparse:
+        try:
+            layers[f"sparse_{name}"] = MLAAttention(sparse_spec, AttentionConfig(
+                backend=name)).cuda()
+        except ValueError:  # (a backend of FlashMLA's fp8 layout only)
+            layers[f"sparse_{name}"] = MLAAttention(ds_spec, AttentionConfig(
+                backend=name)).cuda()
+            ds.add(f"sparse_{name}")
     for name in dense:
         layers[f"dense_{name}"] = MLAAttention(sparse_spec.with_(index_topk=None),
                                                AttentionConfig(backend=name)).cuda()
@@ -87,6 +98,16 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
     for layer in layers.values():
         layer.load_kv_b_proj(w)
     latent = torch.randn(blocks, PAGE, 576, device="cuda", dtype=BF16)
+    latent_ds = None
+    if ds:  # the same latents in FlashMLA's fp8 layout; the bf16 cache then holds their values
+        from attn_ops.backends.mla.ds_cache import ds_rows, ds_write
+
+        latent_ds = torch.zeros(blocks, PAGE, 656, dtype=torch.float8_e4m3fn, device="cuda")
+        flat, flat_ds = latent.view(-1, 576), latent_ds.view(-1, 656)
+        for r0 in range(0, flat.shape[0], 1 << 18):
+            r = torch.arange(r0, min(r0 + (1 << 18), flat.shape[0]), device="cuda")
+            ds_write(flat[r, :512], flat[r, 512:], latent_ds, r)
+            flat[r] = ds_rows(flat_ds[r], 512, BF16, torch.float32).to(BF16)
     keys, scales = allocate_index_cache(blocks, PAGE, INDEX_DIM, FP8, device="cuda")
     keys.copy_(torch.randn(keys.shape, device="cuda").to(FP8))
     scales.uniform_(0.01, 0.1)
@@ -113,10 +134,11 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
             fns[key] = lambda layer=layer, built=built: layer(q, kv_c, k_pe, latent, built)
             continue
         name = key[len("sparse_"):]
-        fns[f"sparse_attn_{name}"] = (lambda layer=layer, built=built:
-                                      layer(q, kv_c, k_pe, latent, built, topk_slots=slots))
-        fns[f"sparse_step_{name}"] = (lambda layer=layer, built=built:
-                                      layer(q, kv_c, k_pe, latent, built,
+        cache = latent_ds if key in ds else latent
+        fns[f"sparse_attn_{name}"] = (lambda layer=layer, built=built, cache=cache:
+                                      layer(q, kv_c, k_pe, cache, built, topk_slots=slots))
+        fns[f"sparse_step_{name}"] = (lambda layer=layer, built=built, cache=cache:
+                                      layer(q, kv_c, k_pe, cache, built,
                                             topk_slots=indexer()))
         try:
             outputs[name] = fns[f"sparse_attn_{name}"]().float()
@@ -161,9 +183,11 @@ def main() -> None:
                         quick=False)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128])
     parser.add_argument("--ctxs", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
-    parser.add_argument("--dense", nargs="*", default=["TRITON_MLA", "FLASHINFER_MLA"])
+    parser.add_argument("--dense", nargs="*",
+                        default=["TRITON_MLA", "FLASHINFER_MLA", "COMPOSITE_MLA_SM90"])
     parser.add_argument("--sparse", nargs="+",
-                        default=["TRITON_MLA_SPARSE", "FLASHINFER_MLA_SPARSE"])
+                        default=["TRITON_MLA_SPARSE", "FLASHINFER_MLA_SPARSE",
+                                 "FLASHMLA_SPARSE"])
     parser.add_argument("--prefills", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--only", nargs="*", default=["decode", "prefill"])
     args = parser.parse_args()

@@ -375,7 +375,8 @@ def main() -> None:
             cfg = dataclasses.replace(cfg, **hf_rope_config(hf_anchor.config))
     if args.mla:
         backends = args.backends or (["REFERENCE_MLA"] if device == "cpu"
-                                     else ["TRITON_MLA", "FLASHINFER_MLA"])
+                                     else ["COMPOSITE_MLA_SM90", "FLASHINFER_MLA",
+                                           "TRITON_MLA"])
     else:
         backends = args.backends or (["CPU_ATTN"] if device == "cpu"
                                      else ["COMPOSITE_SM90", "FLASHINFER", "TRITON_ATTN"])

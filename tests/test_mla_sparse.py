@@ -236,8 +236,7 @@ def test_sparse_specs_select_sparse_backends_and_each_rejection_says_why():
     for dense in ("REFERENCE_MLA", "TRITON_MLA", "FLASHINFER_MLA"):
         assert any(r.code == "feature" or "sparse_mla" in str(r)
                    for r in sparse[dense].reasons), dense
-    assert any("sparse decode and prefill over FlashMLA's fp8 cache layout" in str(r)
-               for r in sparse["FLASHMLA_SPARSE"].reasons)
+    assert any("not in {fp8_ds_mla}" in str(r) for r in sparse["FLASHMLA_SPARSE"].reasons)
     dense = {c.name: c for c in candidates_for(SPEC.with_(index_topk=None), PLATFORM)}
     for name in ("REFERENCE_MLA_SPARSE", "TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"):
         assert any("serves sparse MLA layers only" in str(r) for r in dense[name].reasons)
@@ -878,3 +877,274 @@ def test_sparse_graph_replays_of_random_decode_batches_match_eager(backend):
         assert (got[n:size] == 0).all(), "padding rows must be zero on replay"
         torch.testing.assert_close(got[:n], eager, atol=1e-2, rtol=1e-2,
                                    msg=f"replay {i}: {n} requests in the graph of {size}")
+
+
+# --- FlashMLA's fp8_ds_mla layout and FLASHMLA_SPARSE ------------------------------------------
+
+DS_SPEC = AttentionSpec.mla(16, dtype=torch.bfloat16, block_size=PAGE, index_topk=100,
+                            kv_cache_dtype="fp8_ds_mla")  # (DeepSeek's widths: 512 + 64)
+
+
+def _ds_bytes(c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's documented 656-byte row of each token, built here independently: 512 e4m3
+    values c / s, then 4 little-endian fp32 scales s = amax / 448 of each 128, then 64 bf16
+    rope values."""
+    out = []
+    for row, pe in zip(c.float(), k_pe):
+        parts, scales = [], []
+        for tile in row.view(4, 128):
+            s = float(tile.abs().max()) / 448 or 1.0
+            scales.append(s)
+            parts.append((tile / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+        out.append(torch.cat([*parts, torch.tensor(scales, dtype=torch.float32)
+                              .view(torch.uint8), pe.to(torch.bfloat16).view(torch.uint8)]))
+    return torch.stack(out)
+
+
+def _ds_values(rows: torch.Tensor) -> torch.Tensor:
+    """The [.., 576] fp32 values of 656-byte rows, read by the documented layout."""
+    raw = rows.view(torch.uint8)
+    c = raw[..., :512].view(torch.float8_e4m3fn).float()
+    s = raw[..., 512:528].contiguous().view(torch.float32)
+    pe = raw[..., 528:656].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(c.unflatten(-1, (4, 128)) * s[..., None]).flatten(-2), pe], -1)
+
+
+def test_ds_latent_write_stores_flashmlas_656_byte_rows_and_clears_entered_pages():
+    """``mla_cache_update`` into an fp8_ds_mla cache (and the RoPE-fused write) stores each
+    token's row byte for byte as FlashMLA documents it, skips -1 and out-of-range slots, and
+    zeroes the unused rows of every page it enters (zero bytes read as zeros)."""
+    from attn_ops.backends.mla.rope import mla_rope, mla_rope_cache_update
+
+    g = torch.Generator().manual_seed(0)
+    layer = MLAAttention(DS_SPEC, AttentionConfig(backend="REFERENCE_MLA_SPARSE"))
+    cache = layer.allocate_cache(6, "cpu")
+    assert cache.shape == (6, PAGE, 656) and cache.dtype == torch.float8_e4m3fn
+    cache.view(torch.uint8).fill_(0x7F)  # (NaN bytes everywhere: stale rows)
+    c = torch.randn(5, 512, generator=g).bfloat16() * torch.tensor([1e-3, 1, 30, 0, 2]
+                                                                   ).bfloat16()[:, None]
+    k_pe = torch.randn(5, 64, generator=g).bfloat16()
+    slots = torch.tensor([8, -1, 0, 6 * PAGE, 5])  # (pages 2 and 0 entered, page 1 not)
+    mla_cache_update(c, k_pe, cache, slots, None)
+    flat = cache.view(-1, 656).view(torch.uint8)
+    want = _ds_bytes(c, k_pe)
+    assert torch.equal(flat[8], want[0]) and torch.equal(flat[0], want[2])
+    assert torch.equal(flat[5], want[4])
+    assert (flat[9:12] == 0).all() and (flat[1:4] == 0).all()  # (the entered pages' tails)
+    assert (flat[[4, 6, 7]] == 0x7F).all() and (flat[16:20] == 0x7F).all()  # (untouched)
+    got = _ds_values(flat[[8, 0, 5]])
+    truth = torch.cat([c, k_pe], -1)[[0, 2, 4]].float()
+    assert torch.allclose(got, truth, rtol=0.07, atol=1e-6)  # (e4m3: 3 mantissa bits)
+    # the RoPE-fused write stores what mla_rope then the write store
+    q = torch.randn(5, 16, 192, generator=g).bfloat16()
+    cos_sin = torch.randn(5, 64, generator=g).bfloat16()
+    other = torch.zeros_like(cache)
+    mla_rope_cache_update(q, c, k_pe, cos_sin, other, slots, None)
+    _, k_rot = mla_rope(q, k_pe, cos_sin)
+    assert torch.equal(other.view(-1, 656).view(torch.uint8)[8], _ds_bytes(c, k_rot)[0])
+
+
+def test_fp8_ds_mla_is_an_mla_layout_of_16_bit_models_only():
+    with pytest.raises(ValueError, match="fp8_ds_mla .* kv_lora_rank a multiple of 128"):
+        AttentionSpec.mla(16, kv_lora_rank=96, dtype=torch.bfloat16, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        AttentionSpec.mla(16, dtype=torch.float32, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="needs an MLA spec"):
+        AttentionSpec(num_heads=8, head_dim=128, kv_cache_dtype="fp8_ds_mla")
+    assert DS_SPEC.latent_row_width == 656
+
+
+def standin_flashmla_sparse():
+    """FlashMLA's sparse fp8 decode in torch with its contract: q [b, 1, 64 | 128 heads, 576],
+    the fp8 cache [blocks, page, 1, 656] (rows read by the documented layout), indices [b, 1,
+    a multiple of 64] int32 of global slots, -1 skipped and nothing else outside the cache,
+    no block table or lengths, a schedule object computed by its first call."""
+    import dataclasses as dc
+    import types
+
+    mod = types.ModuleType("flash_mla")
+    mod.calls = []
+
+    @dc.dataclass
+    class FlashMLASchedMeta:
+        shape: tuple | None = None
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                               tile_scheduler_metadata, num_splits=None, softmax_scale=None,
+                               causal=False, is_fp8_kvcache=False, indices=None, out=None):
+        b, s_q, heads, d = q.shape
+        assert heads in (64, 128) and d == 576 and s_q == 1 and head_dim_v == 512
+        assert block_table is None and cache_seqlens is None and is_fp8_kvcache and not causal
+        assert k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[2:] == (1, 656)
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (b, 1)
+        assert indices.shape[2] % 64 == 0
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        assert ((indices == -1) | ((indices >= 0) & (indices < capacity))).all()
+        meta = tile_scheduler_metadata
+        if meta.shape is None:
+            meta.shape = (b, heads, indices.shape[2])
+        assert meta.shape == (b, heads, indices.shape[2])  # (valid for its shape only)
+        mod.calls.append(b)
+        flat = _ds_values(k_cache.view(-1, 656)).double()
+        o = torch.zeros(b, 1, heads, head_dim_v, dtype=q.dtype)
+        for r in range(b):
+            sel = indices[r, 0][indices[r, 0] >= 0].long()
+            if not len(sel):
+                continue
+            kv = flat[sel]
+            score = q[r, 0].double() @ kv.T * softmax_scale
+            o[r, 0] = (torch.softmax(score, -1) @ kv[:, :512]).to(q.dtype)
+        return o, torch.zeros(b, heads, 1)
+
+    mod.FlashMLASchedMeta = FlashMLASchedMeta
+    mod.get_mla_metadata = lambda *a, **k: (FlashMLASchedMeta(), None)
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    return mod
+
+
+@pytest.fixture
+def flashmla_sparse_h200(monkeypatch):
+    import dataclasses as dc
+    import sys
+
+    from attn_ops.platforms import Platform
+
+    mod = standin_flashmla_sparse()
+    monkeypatch.setitem(sys.modules, "flash_mla", mod)
+    return dc.replace(Platform.parse("cuda:9.0"), assume_packages=True), mod
+
+
+def _ds_step(spec, reqs, seed=0):
+    """A step over an fp8_ds_mla cache holding each request's context (written by the layer's
+    write), the new tokens' latents, queries, weights and a selection with -1 holes and
+    out-of-range entries anywhere (every fifth token selects nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    h, nope, v = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim
+    w = (torch.randn(h * (nope + v), 512, generator=g) / 512 ** 0.5).bfloat16()
+    alloc = BlockAllocator(NUM_BLOCKS, PAGE, shuffle=True, seed=seed)
+    cache = torch.zeros(NUM_BLOCKS, PAGE, 656, dtype=torch.float8_e4m3fn)
+    with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
+    pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
+                      decode_threshold=0)
+    rows = torch.randn(pre.slot_mapping.shape[0], 576, generator=g).bfloat16()
+    mla_cache_update(rows[:, :512], rows[:, 512:], cache, pre.slot_mapping, None)
+    total = sum(n for _, n in reqs)
+    meta = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs], [n for _, n in reqs],
+                       num_tokens_padded=total + 2, decode_threshold=4)
+    positions = _selection(g, reqs, total, 2, spec.index_topk)
+    slots = _slots(positions, meta)
+    slots[0, 3] = NUM_BLOCKS * PAGE + 7  # (outside the cache: skipped, never read)
+    slots[1, 0] = -5
+    q = torch.randn(total + 2, h, 192, generator=g).bfloat16()
+    new = torch.randn(total + 2, 576, generator=g).bfloat16()
+    return w, cache, meta, slots, q, new
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_flashmla_sparse_runs_what_reference_mla_sparse_does_on_the_ds_cache(
+        flashmla_sparse_h200, heads):
+    """FLASHMLA_SPARSE (every token one row of FlashMLA's sparse fp8 decode: heads padded to
+    64 / 128, the selection padded to 64-slot blocks, out-of-range entries made -1) against
+    REFERENCE_MLA_SPARSE on the same fp8_ds_mla cache."""
+    platform, mod = flashmla_sparse_h200
+    spec = DS_SPEC.with_(num_heads=heads)
+    w, cache, meta, slots, q, new = _ds_step(spec, SCENARIOS["mixed"])
+    outs = {}
+    for backend in ("FLASHMLA_SPARSE", "REFERENCE_MLA_SPARSE"):
+        layer = MLAAttention(spec, AttentionConfig(backend=backend), platform=platform)
+        layer.load_kv_b_proj(w)
+        outs[backend] = layer(q, new[:, :512], new[:, 512:], cache.clone(), meta,
+                              topk_slots=slots).float()
+    assert mod.calls == [q.shape[0]]
+    ours, ref = outs["FLASHMLA_SPARSE"], outs["REFERENCE_MLA_SPARSE"]
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+    assert ours.isfinite().all()
+
+
+def test_flashmla_sparse_op_passes_opcheck(flashmla_sparse_h200):
+    platform, _ = flashmla_sparse_h200
+    w, cache, meta, slots, q, new = _ds_step(DS_SPEC, SCENARIOS["decode_only"])
+    layer = MLAAttention(DS_SPEC, AttentionConfig(backend="FLASHMLA_SPARSE"), platform=platform)
+    layer.load_kv_b_proj(w)
+    from test_ops import _test_utils  # (test_schema cannot compare fp8 tensors)
+
+    torch.library.opcheck(layer.impl.op, (q, cache, layer.w_uk, layer.w_uv, slots,
+                                          q.new_empty(q.shape[0], 16, 128), None,
+                                          DS_SPEC.softmax_scale, []),
+                          test_utils=_test_utils(cache.dtype))
+
+
+def test_flashmla_sparse_is_selected_for_ds_caches_on_sm90_and_says_why_not_elsewhere():
+    import dataclasses as dc
+
+    from attn_ops.platforms import Platform
+
+    h200 = dc.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    assert select_backend(DS_SPEC.with_(block_size=64), h200).backend == "FLASHMLA_SPARSE"
+    auto = {c.name: c for c in candidates_for(DS_SPEC.with_(kv_cache_dtype="auto"), h200)}
+    assert any("kv_cache_dtype=auto not in {fp8_ds_mla}" in str(r)
+               for r in auto["FLASHMLA_SPARSE"].reasons)
+    wide = {c.name: c for c in candidates_for(DS_SPEC.with_(num_heads=256), h200)}
+    assert any("at most 128 query heads" in str(r) for r in wide["FLASHMLA_SPARSE"].reasons)
+    bare = {c.name: c for c in candidates_for(DS_SPEC, Platform.parse("cuda:9.0"))}
+    assert any(str(r).startswith("no provider of FlashMLA is usable here")
+               for r in bare["FLASHMLA_SPARSE"].reasons)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+def test_flashmla_sparse_at_real_sizes_matches_the_reference_and_replays_in_graphs(heads):
+    """FLASHMLA_SPARSE on the GPU (DeepSeek dims, top-k 2048, page 64, an fp8_ds_mla cache
+    written by the layer's write; decodes, a speculative decode and prefills; selections
+    with -1 holes and out-of-range entries) against REFERENCE_MLA_SPARSE on the same cache;
+    then captured in a CUDA graph and replayed over new queries and selections, each replay
+    equal to the eager layer."""
+    from attn_ops.testing import capture_graph
+
+    spec = AttentionSpec.mla(heads, dtype=torch.bfloat16, block_size=64, index_topk=2048,
+                             kv_cache_dtype="fp8_ds_mla")
+    if not PLATFORM.is_gpu or get_backend_class("FLASHMLA_SPARSE").not_supported_reasons(
+            spec, PLATFORM):
+        pytest.skip("FLASHMLA_SPARSE does not run here (its reasons are tested)")
+    g = torch.Generator().manual_seed(heads)
+    reqs, page, blocks = [(4000, 1), (300, 1), (1, 1), (2500, 3), (0, 700), (1200, 50)], 64, 320
+    alloc = BlockAllocator(blocks, page, shuffle=True, seed=1)
+    cache = torch.zeros(blocks, page, 656, dtype=torch.float8_e4m3fn, device="cuda")
+    with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
+    pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
+                      decode_threshold=0, device="cuda")
+    rows = torch.randn(pre.slot_mapping.shape[0], 576, generator=g).bfloat16().cuda()
+    mla_cache_update(rows[:, :512], rows[:, 512:], cache, pre.slot_mapping, None)
+    total = sum(n for _, n in reqs)
+    meta = build_batch(alloc, list(range(len(reqs))), [c for c, _ in reqs], [n for _, n in reqs],
+                       device="cuda", decode_threshold=4)
+    junk = torch.tensor([blocks * page, blocks * page + 7, 2 ** 30, -5], dtype=torch.int32)
+
+    def selection():
+        positions = _selection(g, reqs, total, 0, 2048)
+        slots = _slots(positions, meta).cpu()
+        holes = (slots < 0).nonzero()[::7]  # (some holes become entries to skip)
+        slots[holes[:, 0], holes[:, 1]] = junk[torch.arange(len(holes)) % 4]
+        return slots.cuda()
+
+    w = (torch.randn(heads * 256, 512, generator=g) / 512 ** 0.5).bfloat16().cuda()
+    layers = {}
+    for backend in ("FLASHMLA_SPARSE", "REFERENCE_MLA_SPARSE"):
+        layers[backend] = MLAAttention(spec, AttentionConfig(backend=backend)).cuda()
+        layers[backend].load_kv_b_proj(w)
+    q = torch.randn(total, heads, 192, generator=g).bfloat16().cuda()
+    new = torch.randn(total, 576, generator=g).bfloat16().cuda()
+    slots = selection()
+
+    def run(backend):
+        return layers[backend](q, new[:, :512], new[:, 512:], cache, meta, topk_slots=slots)
+
+    ours, ref = run("FLASHMLA_SPARSE").float(), run("REFERENCE_MLA_SPARSE").float()
+    assert ours.isfinite().all()
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+    graph, result = capture_graph(lambda: run("FLASHMLA_SPARSE"))
+    for _ in range(5):
+        q.normal_(generator=None)
+        slots.copy_(selection())
+        graph.replay()
+        torch.testing.assert_close(result, run("FLASHMLA_SPARSE"), atol=1e-2, rtol=1e-2)

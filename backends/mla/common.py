@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from attn_ops.backend import AttentionBackend
+from attn_ops.backends.mla.ds_cache import ds_row_width, ds_write, is_ds_cache
 from attn_ops.capabilities import Reason
 from attn_ops.kv_cache import FP8_MAX, write_paged
 from attn_ops.metadata import CommonAttentionMetadata
@@ -42,16 +43,17 @@ from attn_ops.routing import MLADecodeLaunch
 from attn_ops.spec import AttentionSpec
 
 __all__ = [
-    "AbsorbedLayout", "MLA_SCHEMA", "MLABackend", "SEPARATE", "MLAMetadata", "MLAPlan", "PLAN", "allocate_latent_cache",
-    "check_latent_weights", "check_mla_inputs", "chunk_tables", "context_chunks",
-    "define_mla_op", "merge_attn_states", "mla_cache_update", "run_mla",
+    "AbsorbedLayout", "MLA_SCHEMA", "MLABackend", "MLAMetadata", "MLAPlan", "PLAN", "SEPARATE",
+    "allocate_latent_cache", "check_latent_weights", "check_mla_inputs", "chunk_tables",
+    "context_chunks", "define_mla_op", "merge_attn_states", "mla_cache_update", "run_mla",
 ]
 
 
 def allocate_latent_cache(spec: AttentionSpec, num_blocks: int, block_size: int,
                           device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zeroed latent cache for one MLA layer, in ``spec.cache_dtype``."""
-    return torch.zeros(num_blocks, block_size, spec.latent_dim, dtype=spec.cache_dtype,
+    """A zeroed latent cache for one MLA layer, in ``spec.cache_dtype``: rows of
+    ``spec.latent_row_width`` (FlashMLA's 656-byte rows for ``fp8_ds_mla``)."""
+    return torch.zeros(num_blocks, block_size, spec.latent_row_width, dtype=spec.cache_dtype,
                        device=device)
 
 
@@ -60,14 +62,16 @@ def _check_update(kv_c, k_pe, cache, slot_mapping, scale) -> None:
     if kv_c.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != t:
         raise ValueError(f"kv_c must be [num_tokens, kv_lora_rank] and k_pe [num_tokens, "
                          f"qk_rope_head_dim], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
-    if cache.dim() != 3 or cache.shape[2] != kv_c.shape[1] + k_pe.shape[1]:
+    ds = is_ds_cache(cache, kv_c.shape[1], k_pe.shape[1])
+    if cache.dim() != 3 or (cache.shape[2] != kv_c.shape[1] + k_pe.shape[1] and not ds):
         raise ValueError(f"latent_cache must be [num_blocks, block_size, kv_lora_rank + "
-                         f"qk_rope_head_dim = {kv_c.shape[1] + k_pe.shape[1]}], got "
-                         f"{tuple(cache.shape)}; allocate it with MLAAttention.allocate_cache")
+                         f"qk_rope_head_dim = {kv_c.shape[1] + k_pe.shape[1]}] (or FlashMLA's "
+                         f"fp8_ds_mla rows of {ds_row_width(kv_c.shape[1], k_pe.shape[1])} bytes), "
+                         f"got {tuple(cache.shape)}; allocate it with MLAAttention.allocate_cache")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != t or slot_mapping.is_floating_point():
         raise ValueError(f"slot_mapping must be an integer [num_tokens={t}] tensor, got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if cache.dtype in FP8_MAX and (scale is None or scale.numel() != 1):
+    if cache.dtype in FP8_MAX and not ds and (scale is None or scale.numel() != 1):
         raise ValueError(f"an fp8 latent cache ({cache.dtype}) needs a one-element float32 "
                          f"scale, got {None if scale is None else tuple(scale.shape)}")
 
@@ -75,6 +79,9 @@ def _check_update(kv_c, k_pe, cache, slot_mapping, scale) -> None:
 def _mla_cache_update(kv_c, k_pe, latent_cache, slot_mapping, scale) -> None:
     _check_update(kv_c, k_pe, latent_cache, slot_mapping, scale)
     rank = kv_c.shape[1]
+    if is_ds_cache(latent_cache, rank, k_pe.shape[1]):  # (its rows carry their own scales)
+        ds_write(kv_c, k_pe, latent_cache, slot_mapping)
+        return
     # the latent row's two column ranges as one-head paged views: the KV write's kernel (and
     # its page-tail rule) writes them
     write_paged(kv_c[:, None], k_pe[:, None], latent_cache[:, :, None, :rank],

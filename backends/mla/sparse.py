@@ -34,6 +34,7 @@ from typing import ClassVar
 import torch
 
 from attn_ops.backends.mla.common import MLABackend, check_latent_weights
+from attn_ops.backends.mla.ds_cache import ds_rows, is_ds_cache
 from attn_ops.backends.mla.reference import ReferenceMLABackend
 from attn_ops.backends.mla.triton_mla import TritonMLABackend
 from attn_ops.backends.reference import UNCAPTURABLE, dequantize
@@ -43,11 +44,11 @@ from attn_ops.kv_cache import FP8_MAX
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import debug_checks_enabled, define_op
 from attn_ops.platforms import Platform
-from attn_ops.spec import AttentionSpec, Feature
+from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["SPARSE_MLA_SCHEMA", "ReferenceSparseMLABackend", "SparseMLABackend",
            "TritonSparseMLABackend", "check_sparse_mla_inputs", "sparse_capabilities",
-           "sparse_mla_torch", "sparse_reasons"]
+           "latent_rope_width", "sparse_mla_torch", "sparse_reasons"]
 
 SPARSE_MLA_SCHEMA = (
     "(Tensor q, Tensor latent_cache, Tensor w_uk, Tensor w_uv, Tensor topk_slots, "
@@ -67,7 +68,7 @@ def check_sparse_mla_inputs(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_sca
     if latent_cache.dim() != 3 or latent_cache.shape[2] <= rank:
         raise ValueError(f"latent_cache must be [num_blocks, block_size, kv_lora_rank={rank} + "
                          f"qk_rope_head_dim], got {tuple(latent_cache.shape)}")
-    rope = latent_cache.shape[2] - rank
+    rope = latent_rope_width(latent_cache, rank)
     t = q.shape[0]
     for name, x, shape in (("q", q, (t, heads, nope + rope)),
                            ("out", out, (t, heads, w_uv.shape[2]))):
@@ -79,7 +80,8 @@ def check_sparse_mla_inputs(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_sca
         raise ValueError(f"topk_slots must be int32 [num_tokens={t}, topk] (each token's "
                          f"selected cache slots, -1 padded: torch.ops.attn.indexer_slots), got "
                          f"{topk_slots.dtype} {tuple(topk_slots.shape)}")
-    if latent_cache.dtype in FP8_MAX and (kv_scale is None or kv_scale.numel() != 1):
+    if latent_cache.dtype in FP8_MAX and not is_ds_cache(latent_cache, rank, rope) \
+            and (kv_scale is None or kv_scale.numel() != 1):
         raise ValueError(f"an fp8 latent cache ({latent_cache.dtype}) needs a one-element "
                          f"float32 kv_scale, got "
                          f"{None if kv_scale is None else tuple(kv_scale.shape)}")
@@ -106,6 +108,16 @@ def run_sparse_mla(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_scale, scale
         torch.bmm(latent_out.transpose(0, 1), w_uv, out=out.transpose(0, 1))
     else:
         out.copy_(torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1))
+
+
+def latent_rope_width(latent_cache: torch.Tensor, rank: int) -> int:
+    """The rope width of a latent cache's rows: ``width - rank``, or in FlashMLA's fp8_ds_mla
+    layout (fp8 rows of ``rank + rank / 32 + 2 * rope`` bytes) what its bytes hold."""
+    extra = latent_cache.shape[2] - rank - rank // 32
+    if latent_cache.dtype == torch.float8_e4m3fn and rank % 128 == 0 and extra > 0 \
+            and extra % 2 == 0 and is_ds_cache(latent_cache, rank, extra // 2):
+        return extra // 2
+    return latent_cache.shape[2] - rank
 
 
 def check_selection_values(topk_slots: torch.Tensor, capacity: int) -> None:
@@ -142,11 +154,14 @@ def sparse_mla_torch(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
     compute = torch.float64 if ql.dtype == torch.float64 else torch.float32
     rank = ql.shape[2]
     flat = latent_cache.reshape(-1, latent_cache.shape[2])
+    ds = is_ds_cache(latent_cache, rank, q_pe.shape[2])
     for t0 in range(0, ql.shape[0], _TOKENS_A_PASS):
         t1 = min(t0 + _TOKENS_A_PASS, ql.shape[0])
         slots = topk_slots[t0:t1].long()
         valid = (slots >= 0) & (slots < flat.shape[0])
-        rows = dequantize(flat[slots.where(valid, 0)], kv_scale, compute)  # [n, K, rank + rope]
+        rows = flat[slots.where(valid, 0)]
+        rows = (ds_rows(rows, rank, ql.dtype, compute) if ds  # [n, K, rank + rope]
+                else dequantize(rows, kv_scale, compute))
         rows = rows.masked_fill(~valid[..., None], 0.0)  # (skipped entries read slot 0)
         c, k_pe = rows[..., :rank], rows[..., rank:]
         score = (torch.einsum("thl,tkl->thk", ql[t0:t1].to(compute), c)
@@ -226,7 +241,9 @@ class ReferenceSparseMLABackend(SparseMLABackend):
     """Any latent dims, page size and platform; simple rather than fast."""
 
     name = "REFERENCE_MLA_SPARSE"
-    capabilities = sparse_capabilities(ReferenceMLABackend.capabilities)
+    capabilities = sparse_capabilities(
+        ReferenceMLABackend.capabilities, kv_cache_dtypes=(
+            ReferenceMLABackend.capabilities.kv_cache_dtypes | {KVCacheDType.FP8_DS_MLA}))
     op = reference_mla_sparse
 
 

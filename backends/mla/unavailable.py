@@ -22,7 +22,7 @@ from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.providers import FLASHMLA as FLASHMLA_PROVIDERS, KernelProviders
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM", "FLASHMLA_SPARSE"]
+__all__ = ["CUTLASS_MLA", "FLASHINFER_MLA_TRTLLM"]
 
 
 class _Unavailable(MLABackend):
@@ -62,12 +62,6 @@ def _unavailable(name: str, cause: str, hint: str, *, min_capability=None,
 _FI = "FLASHINFER_MLA (sm90: FlashInfer's fa3 MLA) or TRITON_MLA"
 
 _NO_GLUE = "attn_ops does not run it yet (no glue for its kernels: {})"
-
-FLASHMLA_SPARSE = _unavailable(
-    "FLASHMLA_SPARSE", _NO_GLUE.format("sparse decode and prefill over FlashMLA's fp8 cache "
-                                       "layout of 656 bytes a token"),
-    "use FLASHINFER_MLA_SPARSE or TRITON_MLA_SPARSE", min_capability=(9, 0), sparse=True,
-    providers=FLASHMLA_PROVIDERS)
 
 CUTLASS_MLA = _unavailable(
     "CUTLASS_MLA", "CUTLASS MLA is a Blackwell (sm100) kernel compiled into vLLM's own "
