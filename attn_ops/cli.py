@@ -190,8 +190,12 @@ def cmd_select(args) -> int:
 
         flashinfer_usable = (platform.kind is PlatformKind.CUDA
                              and FLASHINFER_PACKAGE.reason("", platform) is None)
+        from attn_ops.providers import FA3
+
+        fa3_usable = (platform.kind is PlatformKind.CUDA and platform.capability == (9, 0)
+                      and FA3.reason("", platform) is None)
         for line in routing.explain_mla(sel.backend, spec, facts, step, tuning, fa4_usable,
-                                        flashinfer_usable):
+                                        flashinfer_usable, fa3_usable):
             print(f"  {line}")
     elif args.batch:
         from attn_ops import routing

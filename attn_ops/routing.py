@@ -104,6 +104,7 @@ class Kernel(enum.Enum):
     FLASHINFER_MLA_FA3 = "FlashInfer MLA fa3 (sm90)"
     FLASHINFER_MLA_FA2 = "FlashInfer MLA fa2"
     FLASHMLA = "FlashMLA dense decode"
+    FA3_MLA = "FlashAttention 3 MLA path (q_v)"
     TRITON_MLA = "TRITON_MLA split-KV absorbed kernel"
     SSM_TORCH = "PyTorch recurrences (the reference, token by token)"
     SSM_TRITON = "our Triton recurrent kernels"
@@ -428,19 +429,25 @@ def flashinfer_mla_shared_bytes(kernel: Kernel, rank: int, rope: int, fp8: bool,
 
 
 def mla_absorbed_route(heads: int, requests: int, max_query_len: int, max_seq_len: int,
-                       t: MLATuning) -> PartRoute:
+                       t: MLATuning, fa3_usable: bool = False) -> PartRoute:
     """The kernel of an MLA step's absorbed part where FlashMLA, FlashInfer's MLA (fa3) and
-    TRITON_MLA can all run it (COMPOSITE_MLA_SM90): TRITON_MLA's split kernel for a handful of
-    query rows over long contexts (it splits one request's keys over the SMs), FlashMLA for
-    many requests over long contexts, FlashInfer's fa3 kernel elsewhere (the fastest at short
-    contexts and small batches, within a few percent of the best at the rest). H200, 512 + 64
-    latents, bf16 (docs/performance.md): 16 heads x 1 request at 32k, TRITON_MLA 1.35x
-    FlashInfer; 64-128 requests at 32k, FlashMLA 1.07-1.10x it; FlashMLA 0.49-0.93x FlashInfer
-    below 32 requests or at 8k and less."""
+    TRITON_MLA can run it, and FlashAttention 3's MLA path where ``fa3_usable``
+    (COMPOSITE_MLA_SM90): for a handful of query rows, FA3's MLA path (it splits one request's
+    keys over the SMs and its op writes in place), else TRITON_MLA's split kernel over long
+    contexts; FlashMLA for many requests over long contexts; FlashInfer's fa3 kernel elsewhere
+    (the fastest at short contexts and mid batches, within a few percent of the best at the
+    rest). H200, 512 + 64 latents, bf16 (docs/performance.md): 16 heads x 1 request, FA3's MLA
+    op 1.06-1.42x the best as vLLM runs it at 1k-32k (TRITON_MLA 0.89-1.34x, FlashInfer's
+    0.99-1.02x); 64-128 requests at 32k, FlashMLA's op 1.07-1.10x FlashInfer's; FlashMLA
+    0.49-0.93x FlashInfer below 32 requests or at 8k and less."""
     rows = requests * max_query_len * heads
-    if rows <= t.route_triton_max_rows and max_seq_len >= t.route_triton_min_keys:
-        return PartRoute(Kernel.TRITON_MLA, why=f"{rows} query x head row(s) <= "
-                         f"{t.route_triton_max_rows} over >= {t.route_triton_min_keys} keys")
+    small = f"{rows} query x head row(s) <= {t.route_small_max_rows}"
+    if rows <= t.route_small_max_rows:
+        if fa3_usable:
+            return PartRoute(Kernel.FA3_MLA, why=small)
+        if max_seq_len >= t.route_triton_min_keys:
+            return PartRoute(Kernel.TRITON_MLA, why=f"{small} over >= "
+                             f"{t.route_triton_min_keys} keys, FA3 not installed")
     if requests >= t.route_flashmla_min_requests and max_seq_len >= t.route_flashmla_min_keys:
         return PartRoute(Kernel.FLASHMLA, why=f"{requests} request(s) >= "
                          f"{t.route_flashmla_min_requests} over >= {t.route_flashmla_min_keys} "
@@ -477,7 +484,8 @@ def mla_prefill_kernel(fa4_usable: bool, flashinfer_usable: bool = False, reques
 
 
 def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning: Tuning,
-                fa4_usable: bool, flashinfer_usable: bool = False) -> list[str]:
+                fa4_usable: bool, flashinfer_usable: bool = False,
+                fa3_usable: bool = False) -> list[str]:
     """The MLA step split of ``step`` and each form's kernel, as the builder would plan it."""
     t = tuning.mla
     groups = list(step.groups)
@@ -494,7 +502,7 @@ def explain_mla(backend: str, spec, facts: DeviceFacts, step: StepShape, tuning:
                                                           spec.kv_lora_rank),
                   "TRITON_MLA": Kernel.TRITON_MLA}.get(backend)
         if backend == "COMPOSITE_MLA_SM90":
-            route = mla_absorbed_route(spec.num_heads, requests, max_q, max_seq, t)
+            route = mla_absorbed_route(spec.num_heads, requests, max_q, max_seq, t, fa3_usable)
             kernel, line = route.kernel, f"{line} -- route: {route.why}"
         if kernel is Kernel.TRITON_MLA:
             launch = mla_decode_launch(spec.num_heads, requests, max_q, max_seq, facts.num_sms, t)

@@ -199,14 +199,15 @@ class MLATuning:
     # 2: two programs per head block, each accumulating half the value columns (both compute
     # the whole score). H200: 0.5-0.6x of one part at 128 heads and at 16 (docs/tuning.md).
     value_parts: int = 1
-    # COMPOSITE_MLA_SM90's absorbed-part route (routing.mla_absorbed_route): TRITON_MLA for at
-    # most route_triton_max_rows (requests x query x heads) rows over at least
-    # route_triton_min_keys keys; FlashMLA from route_flashmla_min_requests requests over at
-    # least route_flashmla_min_keys keys; FlashInfer's MLA elsewhere. H200, 512 + 64, bf16
-    # (docs/performance.md): TRITON_MLA 1.35x FlashInfer at 16 heads x 1 request x 32k, even at
-    # 8k; FlashMLA 1.07-1.10x at 64-128 requests x 32k (32 x 32k: even at 16 heads, 1.06x at
-    # 128), behind it at 8k and less.
-    route_triton_max_rows: int = 16
+    # COMPOSITE_MLA_SM90's absorbed-part route (routing.mla_absorbed_route): at most
+    # route_small_max_rows (requests x query x heads) rows on FA3's MLA path where installed,
+    # else on TRITON_MLA over at least route_triton_min_keys keys; FlashMLA from
+    # route_flashmla_min_requests requests over at least route_flashmla_min_keys keys;
+    # FlashInfer's MLA elsewhere. H200, 512 + 64, bf16 (docs/performance.md): at 16 heads x 1
+    # request FA3's op 1.06-1.42x the best as-vLLM path at 1k-32k, TRITON_MLA's 1.34x at 32k
+    # and even at 8k; FlashMLA 1.07-1.10x FlashInfer at 64-128 requests x 32k (32 x 32k: even
+    # at 16 heads, 1.06x at 128), behind it at 8k and less.
+    route_small_max_rows: int = 16
     route_triton_min_keys: int = 8192
     route_flashmla_min_requests: int = 32
     route_flashmla_min_keys: int = 16384

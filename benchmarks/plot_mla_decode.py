@@ -1,5 +1,5 @@
-"""Plot a ``bench_mla_decode.py`` result: the absorbed MLA decode of TRITON_MLA and FlashInfer's
-MLA kernels by batch, one panel per (heads, context) -- TB/s of latent cache read at 16 heads
+"""Plot a ``bench_mla_decode.py`` result: our MLA ops, FlashMLA and FlashInfer's MLA kernels
+alone and as vLLM runs them, by batch, one panel per (heads, context) -- TB/s of latent cache read at 16 heads
 (memory-bound), TFLOP/s at 128 (compute-bound).
 
     python benchmarks/plot_mla_decode.py benchmarks/results/bench_mla_decode_h200.json
@@ -17,9 +17,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_gpu_attention import save  # noqa: E402
 
-CONTENDERS = {"triton_mla": "TRITON_MLA kernel", "triton_mla_op": "TRITON_MLA op",
-              "flashinfer_mla_op": "FLASHINFER_MLA op", "flashinfer_fa3": "FlashInfer fa3 (direct)",
-              "flashinfer_fa2": "FlashInfer fa2 (direct)"}
+CONTENDERS = {"composite_mla_sm90_op": "COMPOSITE_MLA_SM90 op (selected)",
+              "flashinfer_mla_op": "FLASHINFER_MLA op", "flashmla_op": "FLASHMLA op",
+              "triton_mla_op": "TRITON_MLA op", "vllm_flashmla": "FlashMLA as vLLM runs it",
+              "vllm_flashinfer_fa3": "FlashInfer fa3 as vLLM runs it",
+              "flashmla": "FlashMLA kernel", "flashinfer_fa3": "FlashInfer fa3 kernel",
+              "flashinfer_fa2": "FlashInfer fa2 kernel"}
 
 
 def main(path: str) -> None:

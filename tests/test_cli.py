@@ -174,7 +174,7 @@ def test_select_mla_prints_the_step_split_and_each_forms_kernel(capsys):
     assert "absorbed form: 1 request(s), 1 row(s) over the latent cache -- route: short " \
         "contexts or few requests -- FlashInfer MLA fa3 (sm90)" in out
     for heads, batch, kernel in ((128, "64x32768", "FlashMLA dense decode"),
-                                 (16, "1x32768", "TRITON_MLA kernel, ")):
+                                 (16, "1x32768", "FlashAttention 3 MLA path")):
         code, out, _ = run(capsys, "select", "--mla", "--heads", str(heads), "--platform",
                            "cuda:9.0", "--assume-installed", "--batch", batch)
         absorbed = next(line for line in out.splitlines() if "absorbed form:" in line)

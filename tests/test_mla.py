@@ -73,7 +73,16 @@ def test_mla_specs_are_offered_mla_backends_only_and_others_never_are():
                        config=AttentionConfig(backend="REFERENCE_MLA"))
 
 
-def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause():
+@pytest.fixture
+def no_providers(monkeypatch):
+    """No provider of FlashMLA or FlashAttention 3 importable (whatever this machine has)."""
+    from attn_ops.providers import FA3, FLASHMLA
+
+    for provider in (*FLASHMLA.providers, *FA3.providers):
+        monkeypatch.setitem(sys.modules, provider.module, None)
+
+
+def test_an_h200_user_sees_each_vendor_mla_backend_with_its_exact_cause(no_providers):
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     spec = AttentionSpec.mla(128, block_size=64)
     by_name = {c.name: c for c in candidates_for(spec, h200)}
@@ -1030,12 +1039,14 @@ def test_fa3_mla_op_passes_opcheck(fa3_mla_h200):
     _opcheck_fm_spec("FLASH_ATTN_MLA", fa3_mla_h200[0])
 
 
-# each route of COMPOSITE_MLA_SM90 forced by its thresholds at these small shapes
+# each route of COMPOSITE_MLA_SM90 forced by its thresholds at these small shapes (FA3's MLA
+# path where it is installed, TRITON_MLA where not)
 COMPOSITE_ROUTES = {
-    "FLASHINFER_MLA_FA3": {"route_triton_max_rows": 0, "route_flashmla_min_requests": 1000},
-    "FLASHMLA": {"route_triton_max_rows": 0, "route_flashmla_min_requests": 2,
+    "FLASHINFER_MLA_FA3": {"route_small_max_rows": 0, "route_flashmla_min_requests": 1000},
+    "FLASHMLA": {"route_small_max_rows": 0, "route_flashmla_min_requests": 2,
                  "route_flashmla_min_keys": 100},
-    "TRITON_MLA": {"route_triton_max_rows": 64, "route_triton_min_keys": 100},
+    "TRITON_MLA": {"route_small_max_rows": 64, "route_triton_min_keys": 100},
+    "FA3_MLA": {"route_small_max_rows": 64},
 }
 
 
@@ -1055,6 +1066,10 @@ def test_composite_mla_runs_each_route_as_reference_mla_does(monkeypatch, route,
     platform = simulated_h200(monkeypatch, flashinfer_mla, StandinMLAWrapper)
     fm = standin_flashmla(True)
     monkeypatch.setitem(sys.modules, "flash_mla", fm)
+    fa3 = standin_fa3_mla(vllm=False)  # (installed for the FA3 route only)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface",
+                        fa3 if route == "FA3_MLA" else None)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", None)
     layer = MLAAttention(FM_SPEC, AttentionConfig(backend="COMPOSITE_MLA_SM90", tuning=Tuning()
                          .with_(mla={"absorbed_max_query_len": 4, **COMPOSITE_ROUTES[route]})),
                          platform=platform)
@@ -1063,10 +1078,11 @@ def test_composite_mla_runs_each_route_as_reference_mla_does(monkeypatch, route,
     assert ROUTES[PLAN.decode(layer.impl.build_metadata(common).plan).route] is Kernel[route]
     _matches_reference_at_fm_widths("COMPOSITE_MLA_SM90", platform, reqs,
                                     **COMPOSITE_ROUTES[route])
-    assert bool(fm.calls) == (route == "FLASHMLA")
+    assert bool(fm.calls) == (route == "FLASHMLA") and bool(fa3.calls) == (route == "FA3_MLA")
 
 
-def test_flashmla_and_fa3_mla_are_selected_only_where_they_run_after_flashinfer_mla():
+def test_flashmla_and_fa3_mla_are_selected_only_where_they_run_after_flashinfer_mla(
+        no_providers):
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     ranked = [c.name for c in candidates_for(FM_SPEC.with_(dtype=torch.bfloat16), h200)
               if c.ok]

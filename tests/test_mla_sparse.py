@@ -19,7 +19,7 @@ from attn_ops.platforms import current_platform
 from attn_ops.registry import MLA_BACKENDS
 from attn_ops.selector import candidates_for, select_backend
 from attn_ops.spec import KVCacheDType
-from test_mla import StandinMLAWrapper, simulated_h200
+from test_mla import StandinMLAWrapper, no_providers, simulated_h200  # noqa: F401 (fixture)
 
 PAGE = 4
 NUM_BLOCKS = 64
@@ -1074,7 +1074,8 @@ def test_flashmla_sparse_op_passes_opcheck(flashmla_sparse_h200):
                           test_utils=_test_utils(cache.dtype))
 
 
-def test_flashmla_sparse_is_selected_for_ds_caches_on_sm90_and_says_why_not_elsewhere():
+def test_flashmla_sparse_is_selected_for_ds_caches_on_sm90_and_says_why_not_elsewhere(
+        no_providers):
     import dataclasses as dc
 
     from attn_ops.platforms import Platform
