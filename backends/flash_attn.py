@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from attn_ops.backend import AttentionBackend
-from attn_ops.backends.flash_attn_kernels import (fa4_head_dim_reasons, fa_window, finish_lse,
-                                                  run_fa2, run_fa3, run_fa4)
+from attn_ops.backends.flash_attn_kernels import (fa3_takes_sinks, fa4_head_dim_reasons,
+                                                  fa_window, finish_lse, run_fa2, run_fa3,
+                                                  run_fa4)
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
@@ -89,7 +90,13 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
         if lse is not None:
             lse.zero_()
     k_cache, v_cache = nhd_kv_halves(kv_cache)
-    need_lse = lse is not None or sinks is not None
+    # sinks inside FA3's kernel where its provider takes them (bf16 sinks only: vLLM's build
+    # takes no other dtype, and rounding them would move the output) and no LSE is asked for
+    # (the LSE the op returns is that of the scores alone), else from the LSE after the kernel
+    native_sinks = (p.version == 3 and sinks is not None and lse is None
+                    and sinks.dtype == torch.bfloat16 and fa3_takes_sinks())
+    after = None if native_sinks else sinks
+    need_lse = lse is not None or after is not None
     left, right = fa_window(sliding_window, causal)
     if p.version == 4:
         lse_hm = run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
@@ -97,12 +104,13 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
                          tile=p.tile, padded=padded)
     elif p.version == 3:
         lse_hm = run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
-                         p.max_query, p.max_keys, scale, left, right, soft_cap, causal, need_lse)
+                         p.max_query, p.max_keys, scale, left, right, soft_cap, causal, need_lse,
+                         sinks if native_sinks else None)
     else:
         lse_hm = run_fa2(query, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, page_table,
                          p.max_query, p.max_keys, scale, left, right, soft_cap, alibi_slopes,
                          causal, need_lse)
-    finish_lse(out, lse, sinks, lse_hm)
+    finish_lse(out, lse, after, lse_hm)
     if not padded and p.num_tokens < out.shape[0]:  # padding rows are zero, like REFERENCE's
         out[p.num_tokens:].zero_()
         if lse is not None:

@@ -81,12 +81,22 @@ def run_fa4(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
     return lse
 
 
+def fa3_takes_sinks() -> bool:
+    """Whether the FA3 provider serving here applies attention sinks itself (vLLM's build:
+    ``s_aux``), so no LSE pass is needed for them."""
+    from attn_ops.providers import FA3
+
+    return FA3.require("FLASH_ATTN")[0].distribution == "vllm"
+
+
 def run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, max_q, max_k,
-            scale, left, right, soft_cap, causal, need_lse):
+            scale, left, right, soft_cap, causal, need_lse, sinks=None):
     """FA3's forward into ``out`` from whichever provider serves it here
     (:data:`attn_ops.providers.FA3`): FlashAttention's hopper build (``flash_attn_with_kvcache``
     over the pages) or vLLM's ``vllm_flash_attn`` (``flash_attn_varlen_func`` with a block
-    table, ``fa_version=3``). Returns its LSE ``[heads, tokens]`` if asked."""
+    table, ``fa_version=3``; ``sinks`` applied by it as ``s_aux``, only where
+    :func:`fa3_takes_sinks`, in bf16: the only dtype it takes). Returns its LSE ``[heads,
+    tokens]`` if asked."""
     from attn_ops.providers import FA3
 
     provider, fa3 = FA3.require("FLASH_ATTN")
@@ -96,11 +106,14 @@ def run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, m
             q=query, k=k_cache, v=v_cache, max_seqlen_q=max_q, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_k=max_k, seqused_k=seqused_k, block_table=page_table,
             softmax_scale=scale, causal=causal, window_size=list(window),
-            softcap=soft_cap or 0.0, return_softmax_lse=need_lse, out=out, fa_version=3)
+            softcap=soft_cap or 0.0, return_softmax_lse=need_lse, out=out, fa_version=3,
+            **({"s_aux": sinks} if sinks is not None else {}))
         o, lse_hm = result if need_lse else (result, None)
         if o.data_ptr() != out.data_ptr():
             out.copy_(o)
         return lse_hm
+    if sinks is not None:
+        raise ValueError(f"{provider.label} takes no sinks; apply them from the LSE")
     result = fa3.flash_attn_with_kvcache(
         query, k_cache, v_cache, cache_seqlens=seqused_k, page_table=page_table,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, softmax_scale=scale, causal=causal,

@@ -117,10 +117,17 @@ def vllm_fa3_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     assert max_seqlen_k >= max(kv_lens)
     o, lse = _fa_semantics(q, k, v, q_starts, kv_lens, block_table.tolist(), softmax_scale,
                            causal, tuple(window_size), softcap, None)
+    if s_aux is not None:  # (a sink logit a head: mass exp(s_aux), no value; LSE unchanged)
+        assert s_aux.dtype == torch.bfloat16 and s_aux.shape == (q.shape[1],)  # (vLLM's rule)
+        o = (o.float() * torch.sigmoid(lse.t() - s_aux.float())[..., None]).to(o.dtype)
+        SINK_CALLS.append(q.shape[0])
     if out is not None:
         out.copy_(o)
         o = out
     return (o, lse) if return_softmax_lse else o
+
+
+SINK_CALLS: list[int] = []  # the stand-in's calls that applied s_aux
 
 
 @pytest.fixture
@@ -199,6 +206,30 @@ def test_fa3_from_vllm_matches_reference(vllm_fa3, vid, scenario):
     assert FA3.found().distribution == "vllm"
     lse_err, _ = _glue_lse_errors(3, 16, VARIANTS[vid], scenario, 5)
     assert lse_err <= 1e-3
+
+
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed", "padded_batch"])
+def test_vllm_fa3_applies_sinks_in_its_kernel_where_no_lse_is_asked_for(vllm_fa3, scenario):
+    """Through vLLM's FA3 the sinks go to the kernel as ``s_aux`` (no LSE pass after it)
+    where the caller asks for no LSE; with an LSE asked for they are applied from it."""
+    spec = VARIANTS["sinks"]
+    case = make_case(spec, SCENARIOS[scenario], block_size=16, seed=2)
+    case = dataclasses.replace(case, sinks=case.sinks.to(torch.bfloat16))  # (a model's sinks)
+    n = case.metadata.num_actual_tokens
+    SINK_CALLS.clear()
+    run_backend(lambda s: FLASH_ATTN(s, version=3),
+                dataclasses.replace(case, sinks=case.sinks.float()), with_lse=False)
+    assert not SINK_CALLS, "fp32 sinks: applied from the LSE (the kernel takes bf16 only)"
+    out, _ = run_backend(lambda s: FLASH_ATTN(s, version=3), case, with_lse=False)
+    assert SINK_CALLS, "the sinks must reach the kernel as s_aux"
+    truth, _ = run_backend(REFERENCE, case.to(torch.float64))
+    base, _ = run_backend(REFERENCE, case)
+    err = lambda a, b: (a[:n].double() - b[:n].double()).abs().max().item()  # noqa: E731
+    assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
+    assert (out[n:] == 0).all()
+    SINK_CALLS.clear()
+    run_backend(lambda s: FLASH_ATTN(s, version=3), case, with_lse=True)
+    assert not SINK_CALLS
 
 
 def test_fa3_provider_reasons_name_each_provider_and_how_to_get_one(monkeypatch):
@@ -341,3 +372,26 @@ def test_fa4_sm90_modes_stay_right(monkeypatch, mode, feature):
         assert any(kw.get("cu_seqlens_q") is None for kw in calls)
     else:  # the decode part
         assert tiles.count((t.decode_tile.rows, t.decode_tile.keys)) == 1, tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed", "spec_decodes"])
+def test_vllm_fa3_sinks_in_its_kernel_match_the_reference_on_the_gpu(scenario):
+    """vLLM's FA3 applying the sinks itself (``s_aux``; no LSE asked for) at real head counts
+    (32 / 8 x 128, bf16, page 16, a window), within the policy's tolerance of fp64 REFERENCE."""
+    from attn_ops.providers import FA3
+
+    found = FA3.found()
+    if not current_platform().is_gpu or found is None or found.distribution != "vllm":
+        pytest.skip("vLLM's FA3 does not run here")
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         has_sinks=True, sliding_window=300, block_size=16)
+    case = make_case(spec, SCENARIOS[scenario], block_size=16, device="cuda", seed=4)
+    case = dataclasses.replace(case, sinks=case.sinks.to(torch.bfloat16))  # (a model's sinks)
+    n = case.metadata.num_actual_tokens
+    out, _ = run_backend(lambda s: FLASH_ATTN(s, version=3), case, with_lse=False)
+    truth, _ = run_backend(REFERENCE, case.to(torch.float64))
+    base, _ = run_backend(REFERENCE, case)
+    err = lambda a, b: (a[:n].double() - b[:n].double()).abs().max().item()  # noqa: E731
+    assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
+    assert (out[n:] == 0).all()
