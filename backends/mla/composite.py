@@ -24,12 +24,12 @@ import torch
 
 from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
 from attn_ops.backends.mla.common import (SEPARATE, AbsorbedLayout, MLABackend, MLAMetadata,
-                                          MLAPlan, check_mla_inputs, define_mla_op)
+                                          MLAPlan, define_mla_op)
 from attn_ops.backends.mla.flash_attn_mla import absorbed_fa3
 from attn_ops.backends.mla.flashinfer_mla import (WRITES_EVERY_ROW, FlashInferMLABackend,
                                                   absorbed_flashinfer, shared_memory_reasons)
 from attn_ops.backends.mla.flashmla import (JOINED, PAGE, RANK, ROPE, absorbed_flashmla,
-                                            new_schedule)
+                                            checker, new_schedule)
 from attn_ops.backends.mla.triton_mla import TritonMLABackend, absorbed_triton
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, Reason
 from attn_ops.metadata import CommonAttentionMetadata
@@ -58,15 +58,6 @@ def _absorbed(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_table, ou
         absorbed_flashinfer(*args, plan)
 
 
-def _check(*args) -> None:
-    check_mla_inputs(*args)
-    q, latent_cache = args[0], args[3]
-    if latent_cache.dtype != q.dtype or latent_cache.shape[1] != PAGE:
-        raise ValueError(f"COMPOSITE_MLA_SM90: latent_cache {tuple(latent_cache.shape)} "
-                         f"{latent_cache.dtype} must hold pages of {PAGE} rows in the query's "
-                         f"dtype ({q.dtype}); build the cache with block_size={PAGE}")
-
-
 _LAYOUTS = {Kernel.FLASHINFER_MLA_FA3: WRITES_EVERY_ROW, Kernel.FLASHMLA: JOINED,
             Kernel.TRITON_MLA: SEPARATE, Kernel.FA3_MLA: SEPARATE}
 
@@ -76,7 +67,8 @@ def _layout(plan: MLAPlan) -> AbsorbedLayout:
 
 
 composite_mla_attention = define_mla_op("composite_mla_sm90_attention", _absorbed,
-                                        check=_check, layout=_layout)
+                                        check=checker("COMPOSITE_MLA_SM90"),
+                                        layout=_layout)
 
 
 class CompositeMLABackend(MLABackend):

@@ -42,7 +42,7 @@ from attn_ops.platforms import PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
 from attn_ops.spec import Feature, KVCacheDType
 
-__all__ = ["JOINED", "FlashMLABackend", "absorbed_flashmla"]
+__all__ = ["JOINED", "FlashMLABackend", "absorbed_flashmla", "checker"]
 
 PAGE = 64  # FlashMLA's page_block_size
 RANK, ROPE = 512, 64  # the latent widths its dense kernel is built for
@@ -176,20 +176,25 @@ def _joined(ql: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor | None:
 JOINED = AbsorbedLayout(joined_query=True, writes_every_row=True)
 
 
-def _check(*args) -> None:
-    check_mla_inputs(*args)
-    q, latent_cache = args[0], args[3]
-    if latent_cache.dtype != q.dtype or latent_cache.shape[1] != PAGE:
-        raise ValueError(f"FLASHMLA: latent_cache {tuple(latent_cache.shape)} "
-                         f"{latent_cache.dtype} must hold pages of {PAGE} rows in the query's "
-                         f"dtype ({q.dtype}); build the cache with block_size={PAGE}")
+def checker(name: str):
+    """The op check of a backend running FlashMLA's dense kernel: the MLA inputs, and a latent
+    cache of pages of 64 rows in the query's dtype."""
+    def check(*args) -> None:
+        check_mla_inputs(*args)
+        q, latent_cache = args[0], args[3]
+        if latent_cache.dtype != q.dtype or latent_cache.shape[1] != PAGE:
+            raise ValueError(f"{name}: latent_cache {tuple(latent_cache.shape)} "
+                             f"{latent_cache.dtype} must hold pages of {PAGE} rows in the "
+                             f"query's dtype ({q.dtype}); build the cache with "
+                             f"block_size={PAGE}")
+    return check
 
 
 def _absorbed(*args) -> None:
     absorbed_flashmla(*args)
 
 
-flashmla_attention = define_mla_op("flashmla_attention", _absorbed, check=_check,
+flashmla_attention = define_mla_op("flashmla_attention", _absorbed, check=checker("FLASHMLA"),
                                    layout=lambda plan: JOINED)
 
 
