@@ -63,7 +63,8 @@ class Backend(str, enum.Enum):
 # The backends of MLA layers: an MLA spec is offered these only, any other spec the rest.
 MLA_BACKENDS = frozenset({
     Backend.COMPOSITE_MLA_SM90, Backend.FLASHMLA, Backend.FLASHMLA_SPARSE, Backend.CUTLASS_MLA,
-    Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA, Backend.TRITON_MLA, Backend.REFERENCE_MLA,
+    Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA,
+    Backend.TRITON_MLA, Backend.REFERENCE_MLA,
     Backend.FLASHINFER_MLA_SPARSE, Backend.TRITON_MLA_SPARSE, Backend.REFERENCE_MLA_SPARSE})
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})

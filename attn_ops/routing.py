@@ -438,8 +438,8 @@ def mla_absorbed_route(heads: int, requests: int, max_query_len: int, max_seq_le
     (the fastest at short contexts and mid batches, within a few percent of the best at the
     rest). H200, 512 + 64 latents, bf16 (docs/performance.md): 16 heads x 1 request, FA3's MLA
     op 1.06-1.42x the best as vLLM runs it at 1k-32k (TRITON_MLA 0.89-1.34x, FlashInfer's
-    0.99-1.02x); 64-128 requests at 32k, FlashMLA's op 1.07-1.10x FlashInfer's; FlashMLA
-    0.49-0.93x FlashInfer below 32 requests or at 8k and less."""
+    0.99-1.02x); 64-128 requests at 32k, FlashMLA's op 1.02-1.10x FlashInfer's; FlashMLA
+    0.47-0.93x FlashInfer below 32 requests, 0.89-1.00x at 8k."""
     rows = requests * max_query_len * heads
     small = f"{rows} query x head row(s) <= {t.route_small_max_rows}"
     if rows <= t.route_small_max_rows:

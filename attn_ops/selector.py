@@ -76,12 +76,12 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
 
 def _mla_priority(platform: Platform) -> list[Backend]:
     """MLA layers: Blackwell's vendor kernels first (CUTLASS and trtllm-gen MLA); on sm90 the
-    composite that routes each step to FlashMLA, FlashInfer's MLA or TRITON_MLA (H200: the
-    fastest of the three differs with batch and context); then FlashInfer's MLA kernel (fa3 on
-    sm90, fa2 elsewhere; on the H200 within 0.93x of the fastest at every batch and context
-    measured, 1.6-3.2x TRITON_MLA's op), then FlashMLA (sm90 / sm100: 1.0x FlashInfer from
-    64 requests over 32k, 0.5-0.9x below) and FA3's MLA path (sm90), then our Triton kernel
-    (fp8 latents); on CPUs the reference."""
+    composite that routes each step to FlashMLA, FlashInfer's MLA, FA3's MLA path or
+    TRITON_MLA (H200: the fastest differs with batch, heads and context); then FlashInfer's
+    MLA kernel (fa3 on sm90, fa2 elsewhere; on the H200 within 0.91x of the fastest op at every
+    batch and context measured, 1.6-3.2x TRITON_MLA's op), then FlashMLA (sm90 / sm100: ahead
+    of FlashInfer from 32 requests over 32k, 0.5-0.9x below) and FA3's MLA path (sm90), then
+    our Triton kernel (fp8 latents); on CPUs the reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
         vendor = {10: [B.CUTLASS_MLA, B.FLASHINFER_MLA_TRTLLM], 9: [B.COMPOSITE_MLA_SM90]}

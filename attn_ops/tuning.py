@@ -205,8 +205,8 @@ class MLATuning:
     # route_flashmla_min_requests requests over at least route_flashmla_min_keys keys;
     # FlashInfer's MLA elsewhere. H200, 512 + 64, bf16 (docs/performance.md): at 16 heads x 1
     # request FA3's op 1.06-1.42x the best as-vLLM path at 1k-32k, TRITON_MLA's 1.34x at 32k
-    # and even at 8k; FlashMLA 1.07-1.10x FlashInfer at 64-128 requests x 32k (32 x 32k: even
-    # at 16 heads, 1.06x at 128), behind it at 8k and less.
+    # and even at 8k; FlashMLA's op 1.02-1.10x FlashInfer's at 64-128 requests x 32k over two
+    # runs (32 x 32k: even at 16 heads, 1.06x at 128), behind it at 8k and less.
     route_small_max_rows: int = 16
     route_triton_min_keys: int = 8192
     route_flashmla_min_requests: int = 32

@@ -141,7 +141,8 @@ def absorbed_flashmla(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_t
     k_cache = latent_cache.unsqueeze(2)
     lens, table = seq_lens.to(torch.int32), block_table.to(torch.int32)
     meta, splits = _schedule(fm, plan.library, lens, s_q * heads)
-    # (the kernel's own output buffer where several queries of a request share a row block)
+    # (an output buffer given to the kernel for one query a request only: with two, vLLM's
+    # FlashMLA raised on the H200)
     direct = uniform and s_q == 1 and out.dtype == q.dtype and out.is_contiguous() \
         and _takes_out(fm.flash_mla_with_kvcache)
     o, _ = fm.flash_mla_with_kvcache(qb, k_cache, table, lens, rank, meta, splits,
