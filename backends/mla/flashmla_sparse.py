@@ -64,12 +64,17 @@ def flashmla_sparse_rows(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scal
     capacity = latent_cache.shape[0] * latent_cache.shape[1]
     k = topk_slots.shape[1]
     kp = -(-k // BLOCK_SLOTS) * BLOCK_SLOTS
-    slots = torch.full((t, 1, kp), -1, dtype=torch.int32, device=ql.device)
     valid = (topk_slots >= 0) & (topk_slots < capacity)  # (never trusted: made -1 here)
-    slots[:, 0, :k] = torch.where(valid, topk_slots, -1).to(torch.int32)
-    q = ql.new_zeros(t, 1, hp, rank + q_pe.shape[2])
-    q[:, 0, :heads, :rank] = ql
-    q[:, 0, :heads, rank:] = q_pe
+    slots = torch.where(valid, topk_slots, -1).to(torch.int32)
+    if kp != k:
+        slots = torch.nn.functional.pad(slots, (0, kp - k), value=-1)
+    slots = slots.unsqueeze(1)
+    if hp == heads:
+        q = torch.cat([ql, q_pe.to(ql.dtype)], dim=-1).unsqueeze(1)
+    else:  # (zero queries for the heads FlashMLA runs beyond ours; their rows are dropped)
+        q = ql.new_zeros(t, 1, hp, rank + q_pe.shape[2])
+        q[:, 0, :heads, :rank] = ql
+        q[:, 0, :heads, rank:] = q_pe
     meta, splits = _schedule(fm, (t, hp, kp, str(ql.device),
                                   ql.is_cuda and torch.cuda.is_current_stream_capturing()))
     o, _ = fm.flash_mla_with_kvcache(q, latent_cache.unsqueeze(2), None, None, rank, meta,
