@@ -944,6 +944,22 @@ def test_ds_latent_write_stores_flashmlas_656_byte_rows_and_clears_entered_pages
     assert torch.equal(other.view(-1, 656).view(torch.uint8)[8], _ds_bytes(c, k_rot)[0])
 
 
+def test_a_per_tensor_fp8_cache_of_deepseek_widths_is_not_taken_for_a_ds_cache():
+    """576 fp8 values a row (512 + 64, per-tensor scale) is also the width of an fp8_ds_mla row
+    of rope 24: the sparse ops read the rope width from q, so this cache checks as it is."""
+    from attn_ops.backends.mla.sparse import check_sparse_mla_inputs
+
+    t, bf16 = 3, torch.bfloat16
+    args = [torch.zeros(t, 16, 192, dtype=bf16), torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn),
+            torch.zeros(16, 128, 512, dtype=bf16), torch.zeros(16, 512, 128, dtype=bf16),
+            torch.zeros(t, 8, dtype=torch.int32), torch.zeros(t, 16, 128, dtype=bf16),
+            torch.ones(1), 0.1, []]
+    check_sparse_mla_inputs(*args)
+    args[6] = None  # (a per-tensor fp8 cache still needs its scale)
+    with pytest.raises(ValueError, match="needs a one-element float32 kv_scale"):
+        check_sparse_mla_inputs(*args)
+
+
 def test_fp8_ds_mla_is_an_mla_layout_of_16_bit_models_only():
     with pytest.raises(ValueError, match="fp8_ds_mla .* kv_lora_rank a multiple of 128"):
         AttentionSpec.mla(16, kv_lora_rank=96, dtype=torch.bfloat16, kv_cache_dtype="fp8_ds_mla")

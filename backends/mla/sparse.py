@@ -48,7 +48,7 @@ from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
 __all__ = ["SPARSE_MLA_SCHEMA", "ReferenceSparseMLABackend", "SparseMLABackend",
            "TritonSparseMLABackend", "check_sparse_mla_inputs", "sparse_capabilities",
-           "latent_rope_width", "sparse_mla_torch", "sparse_reasons"]
+           "sparse_mla_torch", "sparse_reasons"]
 
 SPARSE_MLA_SCHEMA = (
     "(Tensor q, Tensor latent_cache, Tensor w_uk, Tensor w_uv, Tensor topk_slots, "
@@ -68,7 +68,12 @@ def check_sparse_mla_inputs(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_sca
     if latent_cache.dim() != 3 or latent_cache.shape[2] <= rank:
         raise ValueError(f"latent_cache must be [num_blocks, block_size, kv_lora_rank={rank} + "
                          f"qk_rope_head_dim], got {tuple(latent_cache.shape)}")
-    rope = latent_rope_width(latent_cache, rank)
+    # a row of rank + rope values, or FlashMLA's fp8_ds_mla row of q's rope width (the row's
+    # width alone does not tell them apart: 576 fp8 values are also a ds row of rope 24)
+    rope = latent_cache.shape[2] - rank
+    ds = q.shape[-1] > nope and is_ds_cache(latent_cache, rank, q.shape[-1] - nope)
+    if ds:
+        rope = q.shape[-1] - nope
     t = q.shape[0]
     for name, x, shape in (("q", q, (t, heads, nope + rope)),
                            ("out", out, (t, heads, w_uv.shape[2]))):
@@ -80,8 +85,7 @@ def check_sparse_mla_inputs(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_sca
         raise ValueError(f"topk_slots must be int32 [num_tokens={t}, topk] (each token's "
                          f"selected cache slots, -1 padded: torch.ops.attn.indexer_slots), got "
                          f"{topk_slots.dtype} {tuple(topk_slots.shape)}")
-    if latent_cache.dtype in FP8_MAX and not is_ds_cache(latent_cache, rank, rope) \
-            and (kv_scale is None or kv_scale.numel() != 1):
+    if latent_cache.dtype in FP8_MAX and not ds and (kv_scale is None or kv_scale.numel() != 1):
         raise ValueError(f"an fp8 latent cache ({latent_cache.dtype}) needs a one-element "
                          f"float32 kv_scale, got "
                          f"{None if kv_scale is None else tuple(kv_scale.shape)}")
@@ -108,16 +112,6 @@ def run_sparse_mla(q, latent_cache, w_uk, w_uv, topk_slots, out, kv_scale, scale
         torch.bmm(latent_out.transpose(0, 1), w_uv, out=out.transpose(0, 1))
     else:
         out.copy_(torch.bmm(latent_out.transpose(0, 1), w_uv).transpose(0, 1))
-
-
-def latent_rope_width(latent_cache: torch.Tensor, rank: int) -> int:
-    """The rope width of a latent cache's rows: ``width - rank``, or in FlashMLA's fp8_ds_mla
-    layout (fp8 rows of ``rank + rank / 32 + 2 * rope`` bytes) what its bytes hold."""
-    extra = latent_cache.shape[2] - rank - rank // 32
-    if latent_cache.dtype == torch.float8_e4m3fn and rank % 128 == 0 and extra > 0 \
-            and extra % 2 == 0 and is_ds_cache(latent_cache, rank, extra // 2):
-        return extra // 2
-    return latent_cache.shape[2] - rank
 
 
 def check_selection_values(topk_slots: torch.Tensor, capacity: int) -> None:
