@@ -57,7 +57,8 @@ def allocate_latent_cache(spec: AttentionSpec, num_blocks: int, block_size: int,
                        device=device)
 
 
-def _check_update(kv_c, k_pe, cache, slot_mapping, scale) -> None:
+def _check_update(kv_c, k_pe, cache, slot_mapping, scale) -> bool:
+    """The latent write's checks; returns whether ``cache`` is FlashMLA's fp8_ds_mla layout."""
     t = kv_c.shape[0]
     if kv_c.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != t:
         raise ValueError(f"kv_c must be [num_tokens, kv_lora_rank] and k_pe [num_tokens, "
@@ -74,12 +75,12 @@ def _check_update(kv_c, k_pe, cache, slot_mapping, scale) -> None:
     if cache.dtype in FP8_MAX and not ds and (scale is None or scale.numel() != 1):
         raise ValueError(f"an fp8 latent cache ({cache.dtype}) needs a one-element float32 "
                          f"scale, got {None if scale is None else tuple(scale.shape)}")
+    return ds
 
 
 def _mla_cache_update(kv_c, k_pe, latent_cache, slot_mapping, scale) -> None:
-    _check_update(kv_c, k_pe, latent_cache, slot_mapping, scale)
     rank = kv_c.shape[1]
-    if is_ds_cache(latent_cache, rank, k_pe.shape[1]):  # (its rows carry their own scales)
+    if _check_update(kv_c, k_pe, latent_cache, slot_mapping, scale):  # (rows with own scales)
         ds_write(kv_c, k_pe, latent_cache, slot_mapping)
         return
     # the latent row's two column ranges as one-head paged views: the KV write's kernel (and
@@ -88,11 +89,15 @@ def _mla_cache_update(kv_c, k_pe, latent_cache, slot_mapping, scale) -> None:
                 latent_cache[:, :, None, rank:], slot_mapping, scale, scale)
 
 
+def _mla_cache_update_fake(*args) -> None:
+    _check_update(*args)
+
+
 mla_cache_update = define_op(
     "mla_cache_update",
     "(Tensor kv_c, Tensor k_pe, Tensor(a!) latent_cache, Tensor slot_mapping, Tensor? scale)"
     " -> ()",
-    _mla_cache_update, lambda *args: _check_update(*args))
+    _mla_cache_update, _mla_cache_update_fake)
 mla_cache_update.__doc__ = """Write ``[kv_c | k_pe]`` rows ([T, kv_lora_rank], [T, rope]) into the
 latent cache at ``slot_mapping`` [T] (-1: padding, skipped); an fp8 cache stores ``x / scale``
 saturated. The unused rows of every page the write enters are zeroed."""

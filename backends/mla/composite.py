@@ -20,7 +20,7 @@ provider) where installed.
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 from attn_ops.backends.flashinfer import FLASHINFER_PACKAGE
 from attn_ops.backends.mla.common import (SEPARATE, AbsorbedLayout, MLABackend, MLAMetadata,
@@ -28,15 +28,15 @@ from attn_ops.backends.mla.common import (SEPARATE, AbsorbedLayout, MLABackend, 
 from attn_ops.backends.mla.flash_attn_mla import absorbed_fa3
 from attn_ops.backends.mla.flashinfer_mla import (WRITES_EVERY_ROW, FlashInferMLABackend,
                                                   absorbed_flashinfer, shared_memory_reasons)
-from attn_ops.backends.mla.flashmla import (JOINED, PAGE, RANK, ROPE, absorbed_flashmla,
-                                            checker, new_schedule)
+from attn_ops.backends.mla.flashmla import (JOINED, FlashMLABackend, absorbed_flashmla, checker,
+                                            new_schedule)
 from attn_ops.backends.mla.triton_mla import TritonMLABackend, absorbed_triton
-from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, Reason
+from attn_ops.capabilities import Reason
 from attn_ops.metadata import CommonAttentionMetadata
-from attn_ops.platforms import Platform, PlatformKind
-from attn_ops.providers import FA3, FLASHMLA
+from attn_ops.platforms import Platform
+from attn_ops.providers import FA3
 from attn_ops.routing import Kernel, mla_absorbed_route
-from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
+from attn_ops.spec import AttentionSpec
 
 __all__ = ["CompositeMLABackend", "ROUTES"]
 
@@ -76,24 +76,16 @@ class CompositeMLABackend(MLABackend):
     of 512 + 64 in pages of 64."""
 
     name = "COMPOSITE_MLA_SM90"
-    capabilities = BackendCapabilities(
-        platforms=frozenset({PlatformKind.CUDA}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_dims=HeadDims(),
-        kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),
-        block_sizes=(PAGE,),
-        preferred_block_size=PAGE,
-        features=frozenset({Feature.MLA, Feature.DIFF_HEAD_DIM_V}),
-        min_capability=(9, 0),
-        max_capability=(9, 0),
-        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
-        packages=(FLASHINFER_PACKAGE, *TritonMLABackend.capabilities.packages),
-    )
+    # FlashMLA's constraints (its pages, widths and dtypes bound every route), on sm90 only
+    # (FlashInfer's fa3 MLA kernel), with FlashInfer's and Triton's packages
+    capabilities = dataclasses.replace(
+        FlashMLABackend.capabilities, max_capability=(9, 0),
+        packages=(FLASHINFER_PACKAGE, *TritonMLABackend.capabilities.packages))
     op = composite_mla_attention
 
-    latent_widths = (RANK, ROPE)
-    latent_kernel = "FlashMLA's dense kernel"
-    kernel_providers = FLASHMLA
+    latent_widths = FlashMLABackend.latent_widths
+    latent_kernel = FlashMLABackend.latent_kernel
+    kernel_providers = FlashMLABackend.kernel_providers
 
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from attn_ops.backends.mla.common import _check_update, _mla_cache_update
-from attn_ops.backends.mla.ds_cache import is_ds_cache
 from attn_ops.glue import _rope_impl
 from attn_ops.ops import define_op
 
@@ -62,8 +61,8 @@ mla_rope = define_op("mla_rope", "(Tensor q, Tensor k_pe, Tensor cos_sin) -> (Te
 
 def _fused_impl(q, kv_c, k_pe, cos_sin, latent_cache, slot_mapping, scale):
     _check_rope(q, k_pe, cos_sin)
-    _check_update(kv_c, k_pe, latent_cache, slot_mapping, scale)
-    if q.is_cuda and not is_ds_cache(latent_cache, kv_c.shape[1], k_pe.shape[1]):
+    ds = _check_update(kv_c, k_pe, latent_cache, slot_mapping, scale)
+    if q.is_cuda and not ds:
         # one launch: rotate, write [kv_c | k_pe], clear entered pages' tails
         from attn_ops.glue_kernels import rope_write_paged
 
