@@ -701,18 +701,19 @@ class StandinMLAWrapper:
             out[q0:q1] = torch.einsum("htj,jl->thl", torch.softmax(score, -1), c).to(out.dtype)
 
 
-def simulated_h200(monkeypatch, module, wrapper) -> Platform:
-    """``module``'s FlashInfer wrapper class replaced by ``wrapper``, and an H200-like
-    platform (sm90, the packages assumed present) for the layer."""
-    monkeypatch.setattr(module, "_wrapper_class", lambda: wrapper)
+def simulated_h200(monkeypatch, wrapper) -> Platform:
+    """``wrapper`` as FlashInfer's MLA wrapper class, found where the backends import it
+    (``flashinfer.mla``, in sys.modules: no backend global patched), and an H200-like platform
+    (sm90, the packages assumed present) for the layer."""
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = wrapper
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
     return dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
 
 
 @pytest.fixture
 def standin_flashinfer_mla(monkeypatch):
-    from attn_ops.backends.mla import flashinfer_mla
-
-    return simulated_h200(monkeypatch, flashinfer_mla, StandinMLAWrapper)
+    return simulated_h200(monkeypatch, StandinMLAWrapper)
 
 
 FI_SPEC = AttentionSpec.mla(4, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=64,
@@ -1057,13 +1058,12 @@ def test_composite_mla_runs_each_route_as_reference_mla_does(monkeypatch, route,
     """COMPOSITE_MLA_SM90 on a simulated H200 (FlashMLA and FlashInfer stand-ins, TRITON_MLA's
     kernel in the interpreter): the step's absorbed part planned on the route its thresholds
     pick, run by that kernel alone, the step within tolerance of REFERENCE_MLA."""
-    from attn_ops.backends.mla import flashinfer_mla
     from attn_ops.backends.mla.composite import ROUTES
     from attn_ops.routing import Kernel
 
     if "TRITON_MLA" not in MLA_HERE:
         pytest.skip("TRITON_MLA does not run here")
-    platform = simulated_h200(monkeypatch, flashinfer_mla, StandinMLAWrapper)
+    platform = simulated_h200(monkeypatch, StandinMLAWrapper)
     fm = standin_flashmla(True)
     monkeypatch.setitem(sys.modules, "flash_mla", fm)
     fa3 = standin_fa3_mla(vllm=False)  # (installed for the FA3 route only)

@@ -571,9 +571,7 @@ class _StandinSparseWrapper(StandinMLAWrapper):
 
 @pytest.fixture
 def standin_flashinfer_sparse(monkeypatch):
-    from attn_ops.backends.mla import flashinfer_mla_sparse
-
-    return simulated_h200(monkeypatch, flashinfer_mla_sparse, _StandinSparseWrapper)
+    return simulated_h200(monkeypatch, _StandinSparseWrapper)
 
 
 FI_SPEC = AttentionSpec.mla(4, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=64,

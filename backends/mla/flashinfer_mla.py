@@ -34,7 +34,7 @@ from attn_ops.routing import (DeviceFacts, Kernel, flashinfer_mla_kernel,
                              flashinfer_mla_shared_bytes)
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 
-__all__ = ["WRITES_EVERY_ROW", "FlashInferMLABackend"]
+__all__ = ["WRITES_EVERY_ROW", "FlashInferMLABackend", "mla_wrapper_class"]
 
 _LIBRARY_BACKEND = {Kernel.FLASHINFER_MLA_FA3: "fa3", Kernel.FLASHINFER_MLA_FA2: "fa2"}
 
@@ -43,7 +43,8 @@ _PLANNED: dict[int, object] = {}  # MLAPlan.library -> the planned wrapper
 _HANDLES = itertools.count(1)
 
 
-def _wrapper_class():
+def mla_wrapper_class():
+    """FlashInfer's MLA wrapper class (imported when first planned: FlashInfer is optional)."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     return BatchMLAPagedAttentionWrapper
@@ -138,7 +139,7 @@ class FlashInferMLABackend(MLABackend):
                           kv_indptr=torch.zeros(graph_size + 1, **i32),
                           kv_indices=torch.zeros(max(1, graph_size * width), **i32),
                           kv_len_arr=torch.zeros(graph_size, **i32))
-        wrapper = _wrapper_class()(float_workspace(device), backend=backend, **kwargs)
+        wrapper = mla_wrapper_class()(float_workspace(device), backend=backend, **kwargs)
         handle = next(_HANDLES)
         _PLANNED[handle] = wrapper
         return handle

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from attn_ops.backends.flashinfer_plan import float_workspace
-from attn_ops.backends.mla.flashinfer_mla import FlashInferMLABackend, shared_memory_reasons
+from attn_ops.backends.mla.flashinfer_mla import (FlashInferMLABackend, mla_wrapper_class,
+                                                  shared_memory_reasons)
 from attn_ops.backends.mla.sparse import (SparseMLABackend, check_sparse_mla_inputs,
                                           define_sparse_mla_op, sparse_capabilities,
                                           sparse_mla_torch)
@@ -56,12 +57,6 @@ class _Planned:
 
 _PLANNED: dict[int, _Planned] = {}  # launch handle -> the planned wrapper and its buffers
 _HANDLES = itertools.count(1)
-
-
-def _wrapper_class():
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
-    return BatchMLAPagedAttentionWrapper
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,7 +159,7 @@ class FlashInferSparseMLABackend(SparseMLABackend):
             kwargs = dict(use_cuda_graph=True, qo_indptr=torch.zeros(rows + 1, **i32),
                           kv_indptr=torch.zeros(rows + 1, **i32), kv_indices=planned.indices,
                           kv_len_arr=torch.zeros(rows, **i32))
-        planned.wrapper = _wrapper_class()(float_workspace(device), backend=backend, **kwargs)
+        planned.wrapper = mla_wrapper_class()(float_workspace(device), backend=backend, **kwargs)
         handle = next(_HANDLES)
         _PLANNED[handle] = planned
         return handle
