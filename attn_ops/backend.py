@@ -80,6 +80,14 @@ class AttentionBackend:
         FLEX_ATTENTION on the CPU)."""
         return True
 
+    def computes_in_fp8(self) -> bool:
+        """Whether the kernel computes the attention itself in fp8 over an fp8 cache -- the
+        query and the probabilities rounded to e4m3, as FA3's fp8 path does -- rather than
+        dequantizing the cache into 16-bit math. Its accuracy is then bounded by the fp8 SQNR
+        against the unquantized ideal (``attn_ops.testing.FP8_MIN_SQNR_DB``), not by the
+        tolerance policy against REFERENCE over the same cache."""
+        return False
+
     @classmethod
     def cudagraph_support(cls, spec: AttentionSpec, platform: Platform) -> CUDAGraphSupport:
         """How much of a batch this backend serves from a captured CUDA graph for ``spec`` on

@@ -130,16 +130,20 @@ class KernelProviders:
 
     def require(self, backend: str) -> tuple[Provider, ModuleType]:
         """The provider that serves here and its module, for a kernel call; raises with
-        :meth:`reason` when none does. Resolved once and reused while that module stays
-        imported as it was: the check reads package metadata, too slow for every call."""
+        :meth:`reason` when none does. Resolved once and reused while every provider's module
+        stays imported as it was (the check reads package metadata, too slow for every call):
+        a preferred provider imported since, or the chosen one replaced, resolves again."""
+        imported = tuple(sys.modules.get(p.module) for p in self.providers)
         hit = _RESOLVED.get(self)
-        if hit is not None and sys.modules.get(hit[0].module) is hit[1]:
-            return hit
+        if hit is not None and all(a is b for a, b in zip(hit[2], imported)):
+            return hit[0], hit[1]
         provider = self.found()
         if provider is None:
             raise RuntimeError(str(self.reason(backend)))
-        hit = _RESOLVED[self] = (provider, importlib.import_module(provider.module))
-        return hit
+        module = importlib.import_module(provider.module)
+        _RESOLVED[self] = (provider, module,
+                           tuple(sys.modules.get(p.module) for p in self.providers))
+        return provider, module
 
     def describe(self) -> str:
         """Which provider serves the kernel here, or that none does."""
@@ -147,7 +151,7 @@ class KernelProviders:
         return f"{self.kernel} from {p.label} ({p.module})" if p else f"{self.kernel}: none"
 
 
-_RESOLVED: dict[KernelProviders, tuple[Provider, ModuleType]] = {}
+_RESOLVED: dict[KernelProviders, tuple[Provider, ModuleType, tuple]] = {}
 
 _VLLM_GET = ("vLLM's wheel built for this torch (its compiled kernels; the engine is not "
              "needed)")

@@ -93,14 +93,15 @@ def _mla_priority(platform: Platform) -> list[Backend]:
 
 
 def _sparse_mla_priority(platform: Platform) -> list[Backend]:
-    """Sparse MLA layers: FlashMLA's sparse kernels where they exist (sm90 / sm100), then
-    FlashInfer's MLA kernel over each token's selected rows as pages of one token (H200, 128
-    heads, top-k 2048: 1.1-2.3x faster than our Triton kernel at batch 1-128; bf16 / fp16
-    latents only), then our Triton kernel (fp8 latents too); on CPUs the reference."""
+    """Sparse MLA layers: FlashInfer's MLA kernel over each token's selected rows as pages of
+    one token (H200, 128 heads, top-k 2048: 1.1-2.3x faster than our Triton kernel at batch
+    1-128; bf16 / fp16 latents only), then FlashMLA's sparse kernels (sm90; the only one of
+    FlashMLA's fp8_ds_mla cache), then our Triton kernel (fp8 latents too); on CPUs the
+    reference."""
     if platform.kind is PlatformKind.CUDA:
         major = platform.capability[0] if platform.capability else 0
         vendor = [B.FLASHMLA_SPARSE] if major == 9 else []
-        return [*vendor, B.FLASHINFER_MLA_SPARSE, B.TRITON_MLA_SPARSE]
+        return [B.FLASHINFER_MLA_SPARSE, *vendor, B.TRITON_MLA_SPARSE]
     if platform.kind in (PlatformKind.ROCM, PlatformKind.XPU):
         return [B.TRITON_MLA_SPARSE]
     return [B.REFERENCE_MLA_SPARSE]

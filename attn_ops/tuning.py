@@ -111,7 +111,7 @@ class FlexTuning:
 
 @dataclass(frozen=True)
 class FlashAttnTuning:
-    """FlashAttention 4's sm90 tiles and modes (``routing.fa4_*``)."""
+    """FlashAttention 4's sm90 tiles and modes (``routing.fa4_*``) and FA3's split count."""
 
     # Single-row decodes in a 64-row tile where the GQA group divides its rows (None: FA4's).
     decode_tile: FA4Tile | None = FA4Tile(64, 128, True)
@@ -123,6 +123,10 @@ class FlashAttnTuning:
     # Prefill parts of one query length of at least this many rows run in FA4's batch mode
     # (its LPT scheduler, no cu_seqlens_q); None: always varlen.
     batch_mode_min_query: int | None = 256
+    # FA3's split-KV count of every call (0: its heuristic, per step on the device from the
+    # lengths; vLLM bounds it for CUDA graphs only to size a persistent buffer, which FA3's
+    # graph-captured allocation does not need here).
+    fa3_num_splits: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from attn_ops.backend import AttentionBackend
-from attn_ops.backends.flash_attn_kernels import (fa3_takes_sinks, fa4_head_dim_reasons,
-                                                  fa_window, finish_lse, run_fa2, run_fa3,
-                                                  run_fa4)
+from attn_ops.backends.step_schedules import new_schedule, restart_schedule
+from attn_ops.backends.flash_attn_kernels import (fa3_fp8_query, fa3_takes_sinks,
+                                                  fa4_head_dim_reasons, fa_window, finish_lse,
+                                                  run_fa2, run_fa3, run_fa4)
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
@@ -46,13 +47,17 @@ __all__ = ["FlashAttnBackend", "FlashAttnMetadata", "FlashAttnPlan", "GENERATION
 class FlashAttnPlan:
     """One call: the FlashAttention ``version``, FA4's ``tile`` (None: its own), the bounds FA
     sizes its grid with, and ``num_tokens`` real rows (None: known on the device only -- a
-    CUDA-graph batch, whose padding rows FA leaves unwritten)."""
+    CUDA-graph batch, whose padding rows FA leaves unwritten). FA3: ``schedule``, the step's
+    handle for its scheduler metadata (:mod:`attn_ops.backends.step_schedules`; 0: none),
+    and its split count ``num_splits`` (0: its heuristic)."""
 
     version: int
     max_query: int
     max_keys: int
     num_tokens: int | None
     tile: FA4Tile | None
+    schedule: int = 0
+    num_splits: int = 0
 
 
 PLAN = PlanCodec(FlashAttnPlan)
@@ -71,8 +76,17 @@ class FlashAttnMetadata:
     causal: bool = True
 
 
-def _check(query, kv_cache, out, lse, plan):
+def _check(query, kv_cache, out, lse, plan, k_scale, v_scale):
     check_nhd_attention_inputs("FLASH_ATTN", query, kv_cache, out, lse)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        if k_scale is None or v_scale is None or query.dtype != torch.bfloat16:
+            raise ValueError(f"FLASH_ATTN: an fp8 cache needs k_scale and v_scale (got "
+                             f"{k_scale is not None} / {v_scale is not None}) and a bfloat16 "
+                             f"query (got {query.dtype}); pass the layer's scales")
+    elif kv_cache.dtype != query.dtype:
+        raise ValueError(f"FLASH_ATTN: kv_cache.dtype={kv_cache.dtype} differs from "
+                         f"query.dtype={query.dtype}; store the cache in the model dtype or in "
+                         "float8_e4m3fn with scales")
     if plan.device.type != "cpu" or plan.dtype != torch.int64 or plan.shape != (PLAN.length,):
         raise ValueError(f"plan must be a CPU int64 [{PLAN.length}] tensor "
                          f"(FlashAttnMetadata.plan), got {plan.dtype} {tuple(plan.shape)} on "
@@ -80,9 +94,9 @@ def _check(query, kv_cache, out, lse, plan):
 
 
 def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          page_table, plan, sinks, alibi_slopes, scale, sliding_window,
-                          soft_cap, causal) -> None:
-    _check(query, kv_cache, out, lse, plan)
+                          page_table, plan, sinks, alibi_slopes, k_scale, v_scale, scale,
+                          sliding_window, soft_cap, causal) -> None:
+    _check(query, kv_cache, out, lse, plan, k_scale, v_scale)
     p = PLAN.decode(plan)
     padded = p.num_tokens is None
     if padded:  # a CUDA-graph batch: its real token count is known on the device only
@@ -105,7 +119,9 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
     elif p.version == 3:
         lse_hm = run_fa3(query, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table,
                          p.max_query, p.max_keys, scale, left, right, soft_cap, causal, need_lse,
-                         sinks if native_sinks else None)
+                         sinks if native_sinks else None, schedule=p.schedule,
+                         num_splits=p.num_splits, k_scale=k_scale, v_scale=v_scale,
+                         padded=padded)
     else:
         lse_hm = run_fa2(query, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, page_table,
                          p.max_query, p.max_keys, scale, left, right, soft_cap, alibi_slopes,
@@ -118,15 +134,16 @@ def _flash_attn_attention(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
 
 
 def _fake(query, kv_cache, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, plan,
-          *args) -> None:
-    _check(query, kv_cache, out, lse, plan)
+          sinks, alibi_slopes, k_scale, v_scale, *args) -> None:
+    _check(query, kv_cache, out, lse, plan, k_scale, v_scale)
 
 
 flash_attn_attention = define_op(
     "flash_attn_attention",
     "(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, Tensor seqused_k, Tensor page_table, Tensor plan, Tensor? sinks, "
-    "Tensor? alibi_slopes, float scale, int? sliding_window, float? soft_cap, bool causal) -> ()",
+    "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, float scale, int? sliding_window, "
+    "float? soft_cap, bool causal) -> ()",
     # CPU too, so that the FA2/FA3 glue can be tested against stand-in modules on the CPU.
     _flash_attn_attention, _fake, dispatch_keys=("CPU", "CUDA"))
 
@@ -167,11 +184,13 @@ class FlashAttnBackend(AttentionBackend):
         platforms=frozenset({PlatformKind.CUDA}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_dims=HeadDims(multiple_of=8, min=8, max=256),
-        kv_cache_dtypes=frozenset({KVCacheDType.AUTO}),  # FA4's fp8 path is sm100-only
+        # fp8: FA3's e4m3 kernel (narrowed per generation in not_supported_reasons; FA4's fp8
+        # path is sm100-only)
+        kv_cache_dtypes=frozenset({KVCacheDType.AUTO, KVCacheDType.FP8_E4M3}),
         block_sizes=(MultipleOf(1),),  # narrowed per generation in not_supported_reasons
         preferred_block_size=128,
         features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,
-                            Feature.NON_CAUSAL, Feature.ALIBI}),
+                            Feature.NON_CAUSAL, Feature.ALIBI, Feature.FP8_KV}),
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         min_capability=(8, 0),
         cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,
@@ -207,6 +226,15 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(Reason(cls.name, "feature:alibi_non_causal",
                                   "non-causal ALiBi is not supported (FlashAttention biases by "
                                   "-slope*|i-j|, REFERENCE by slope*(j-i))"))
+        if spec.kv_cache_dtype.is_fp8 and version != 3:
+            reasons.append(Reason(cls.name, "kv_cache_dtype",
+                                  f"kv_cache_dtype={spec.kv_cache_dtype.value}: FlashAttention "
+                                  f"{version} takes no fp8 cache here (FA3 does, on sm90)",
+                                  "use FLASHINFER or TRITON_ATTN for fp8 caches"))
+        elif spec.kv_cache_dtype.is_fp8 and spec.dtype != torch.bfloat16:
+            reasons.append(Reason(cls.name, "dtype",
+                                  f"dtype={spec.dtype} with an fp8 cache: FA3's fp8 kernel "
+                                  "writes bfloat16 outputs", "run the model in bfloat16"))
         if spec.block_size is not None and spec.block_size % gen.block_multiple:
             reasons.append(Reason(cls.name, "block_size",
                                   f"block_size={spec.block_size} is not a multiple of "
@@ -228,19 +256,21 @@ class FlashAttnBackend(AttentionBackend):
                              "or 4")
 
     def _plan(self, max_query: int, max_keys: int, num_tokens: int | None,
-              device: torch.device) -> torch.Tensor:
+              device: torch.device, schedule: int = 0) -> torch.Tensor:
         spec, tile = self.spec, None
         if self.version == 4:
             tile = fa4_tile(DeviceFacts.of(device).major, spec.head_dim, spec.v_head_dim,
                             spec.dtype, max_query, spec.num_heads // spec.kv_heads,
                             self.tuning.flash_attn)
-        return PLAN.encode(FlashAttnPlan(self.version, max_query, max_keys, num_tokens, tile))
+        return PLAN.encode(FlashAttnPlan(self.version, max_query, max_keys, num_tokens, tile,
+                                         schedule, self.tuning.flash_attn.fa3_num_splits))
 
     def build_metadata(self, common: CommonAttentionMetadata):
         if not isinstance(common, CommonAttentionMetadata):
             return common  # already built
+        schedule = new_schedule(graph=False) if self.version == 3 else 0
         plan = self._plan(common.max_query_len, common.max_seq_len, common.num_actual_tokens,
-                          common.seq_lens.device)
+                          common.seq_lens.device, schedule)
         cu_seqlens_k = torch.nn.functional.pad(
             torch.cumsum(common.seq_lens, 0, dtype=torch.int32), (1, 0))  # device, no sync
         return FlashAttnMetadata(common.slot_mapping, common.query_start_loc, cu_seqlens_k,
@@ -249,7 +279,9 @@ class FlashAttnBackend(AttentionBackend):
     def graph_metadata(self, padded: CommonAttentionMetadata, graphs):
         """A padded batch's metadata for capture/replay: the padded common tensors themselves
         (persistent), a persistent ``cu_seqlens_k``, and a plan fixed per capture size
-        (``max_keys`` the graphs' longest request, the token count on the device)."""
+        (``max_keys`` the graphs' longest request, the token count on the device; FA3: the
+        size's scheduler-metadata handle, restarted for each step so that the first layer of
+        a capture computes it inside the graph)."""
         super().graph_metadata(padded, graphs)
         size = padded.num_reqs
         key = self.metadata_key()
@@ -261,13 +293,29 @@ class FlashAttnBackend(AttentionBackend):
                                             device=graphs.device)}
         plan = state.get(size)
         if plan is None:
+            schedule = new_schedule(graph=True) if self.version == 3 else 0
             plan = state[size] = self._plan(graphs.query_len, graphs.max_seq_len, None,
-                                            graphs.device)
+                                            graphs.device, schedule)
+        if self.version == 3:
+            restart_schedule(PLAN.decode(plan).schedule)
         cu_seqlens_k = state["cu_seqlens_k"][:size + 1]
         if self.version == 2:  # FA2 reads cumulative lengths; FA3/FA4 read seqused_k
             torch.cumsum(padded.seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
         return FlashAttnMetadata(padded.slot_mapping, padded.query_start_loc, cu_seqlens_k,
                                  padded.seq_lens, padded.block_table, plan, padded.causal)
+
+    def computes_in_fp8(self) -> bool:
+        """FA3 over an fp8 cache: q in e4m3 (:func:`fa3_fp8_query`), P rounded to e4m3 for
+        the PV product."""
+        return self.version == 3 and self.spec.kv_cache_dtype.is_fp8
+
+    def kernel_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The query as the kernel computes with it, in the query's dtype (FA3 over an fp8
+        cache: rounded to e4m3 by :func:`fa3_fp8_query`)."""
+        if not self.computes_in_fp8():
+            return query
+        q8, descale = fa3_fp8_query(query)
+        return (q8.float() * descale).to(query.dtype)
 
     def metadata_key(self) -> tuple:
         spec = self.spec
@@ -278,5 +326,5 @@ class FlashAttnBackend(AttentionBackend):
                      alibi_slopes=None, k_scale=None, v_scale=None) -> tuple:
         m = metadata
         return (query, kv_cache, out, lse, m.cu_seqlens_q, m.cu_seqlens_k, m.seqused_k,
-                m.page_table, m.plan, sinks, alibi_slopes, self.scale,
+                m.page_table, m.plan, sinks, alibi_slopes, k_scale, v_scale, self.scale,
                 self.spec.sliding_window, self.spec.logits_soft_cap, self.spec.causal and m.causal)

@@ -13,7 +13,11 @@ batch:
   (tensor-core decode, FA3 prefill);
 * ``flashinfer``     -- FlashInfer's wrapper called directly (CUDA-core decode, FA3 prefill);
 * ``flashinfer_tc``  -- FlashInfer's decode wrapper with ``use_tensor_cores=True``;
-* ``fa4``            -- FlashAttention 4's ``flash_attn_varlen_func`` (default ``num_splits=1``).
+* ``fa4``            -- FlashAttention 4's ``flash_attn_varlen_func`` (default ``num_splits=1``);
+* ``fa3``            -- vLLM's FA3 (``vllm.vllm_flash_attn``) as vLLM calls it, scheduler
+  metadata computed before the capture;
+* ``fa3_op``         -- FLASH_ATTN on FA3 through ``torch.ops.attn.flash_attn_attention`` (its
+  scheduler metadata computed by the step's first layer: inside the graph, in each replay).
 
 Every contender's output is first cross-checked against FlashInfer's (``check_outputs``,
 ``TOLERANCE``); one that disagrees is printed as ``name(MISMATCH)`` and listed in the row's
@@ -78,12 +82,13 @@ def tuned(**sections):
     return default_tuning().with_(**sections)
 
 
-def ours(b: Batch, backend: str, graph: bool = False, tuning=None):
-    """``backend`` through its op on ``b``, built with ``tuning`` (default: this machine's)."""
+def ours(b: Batch, backend: str, graph: bool = False, tuning=None, **options):
+    """``backend`` through its op on ``b``, built with ``tuning`` (default: this machine's)
+    and its ``options``."""
     from attn_ops import get_backend_class
     from attn_ops.cudagraph import CUDAGraphBatch
 
-    impl = get_backend_class(backend)(SPEC, tuning=tuning)
+    impl = get_backend_class(backend)(SPEC, tuning=tuning, **options)
     if graph:
         graphs = CUDAGraphBatch((b.meta.num_reqs,), b.pages, b.page, "cuda")
         meta = impl.graph_metadata(graphs.pad(b.meta), graphs)
@@ -126,6 +131,36 @@ def fa4_direct(b: Batch):
                                           seqused_k=m.seq_lens, max_seqlen_q=m.max_query_len,
                                           max_seqlen_k=m.max_seq_len, page_table=m.block_table,
                                           causal=True)
+
+
+def fa3_direct(b: Batch):
+    """vLLM's FA3 as vLLM's FLASH_ATTN backend calls it: scheduler metadata computed once
+    outside the call (outside the graph), the output written in place."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+    k, v = b.cache.unbind(1)
+    m = b.meta
+    schedule = get_scheduler_metadata(
+        batch_size=m.num_reqs, max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len,
+        num_heads_q=HQ, num_heads_kv=HKV, headdim=D, cache_seqlens=m.seq_lens, qkv_dtype=DTYPE,
+        cu_seqlens_q=m.query_start_loc, page_size=b.page, causal=True)
+    return lambda: flash_attn_varlen_func(
+        q=b.q, k=k, v=v, max_seqlen_q=m.max_query_len, cu_seqlens_q=m.query_start_loc,
+        max_seqlen_k=m.max_seq_len, seqused_k=m.seq_lens, block_table=m.block_table,
+        softmax_scale=D ** -0.5, causal=True, out=b.out, scheduler_metadata=schedule,
+        fa_version=3)
+
+
+def contenders(b: Batch, have_fa4: bool, have_fa3: bool) -> dict:
+    """The FlashAttention contenders of a point: FA4 direct; FA3 direct (as vLLM runs it) and
+    FLASH_ATTN on FA3 through our op."""
+    fns = {}
+    if have_fa4:
+        fns["fa4"] = fa4_direct(b)
+    if have_fa3:
+        fns["fa3"] = fa3_direct(b)
+        fns["fa3_op"] = ours(b, "FLASH_ATTN", version=3)
+    return fns
 
 
 def time_graph(fns: dict, rounds: int) -> dict[str, float]:
@@ -260,10 +295,13 @@ def main() -> None:
     args = parser.parse_args()
     from attn_ops import current_platform, select_backend
     from attn_ops.backends.flashinfer_plan import warmup
+    from attn_ops.providers import FA3
 
     platform = current_platform()
     selected = select_backend(SPEC.with_(block_size=args.page), platform).backend
     have_fa4 = selected in ("COMPOSITE_SM90", "FLASH_ATTN")  # (both run FA4)
+    found = FA3.found()
+    have_fa3 = found is not None and found.distribution == "vllm"
     warmup(SPEC, torch.cuda.get_device_capability()[0])
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -291,8 +329,7 @@ def main() -> None:
                    "flashinfer_op": ours(b, "FLASHINFER"),
                    "flashinfer": flashinfer_direct(b, False),
                    "flashinfer_tc": flashinfer_direct(b, False, tensor_cores=True)}
-            if have_fa4:
-                fns["fa4"] = fa4_direct(b)
+            fns.update(contenders(b, have_fa4, have_fa3))
             checks = check_outputs(b, fns, "flashinfer")
             ms = time_graph(fns, args.rounds)
             nbytes = decode_bytes(bsz, ctx)
@@ -311,8 +348,7 @@ def main() -> None:
         b = Batch(bsz, s, s, args.page, gen)
         fns = {"selected": ours(b, selected), "flashinfer_op": ours(b, "FLASHINFER"),
                "flashinfer": flashinfer_direct(b, True)}
-        if have_fa4:
-            fns["fa4"] = fa4_direct(b)
+        fns.update(contenders(b, have_fa4, have_fa3))
         checks = check_outputs(b, fns, "flashinfer")
         ms = time_graph(fns, args.rounds)
         flops = prefill_flops(bsz, s)

@@ -11,10 +11,11 @@ side):
 
 * ``indexer``     -- ``attn.indexer_k_write`` + ``attn.indexer_topk`` + ``attn.indexer_slots``;
 * ``sparse_attn_<B>`` -- the sparse layer on backend ``B`` (``--sparse``; default
-  TRITON_MLA_SPARSE, FLASHINFER_MLA_SPARSE and FLASHMLA_SPARSE): latent write, absorption,
-  attention over the 2048 selected rows, ``W_UV``, on slots the indexer chose; FLASHMLA_SPARSE
-  reads FlashMLA's fp8_ds_mla cache (656 bytes a token) holding the same latents (the bf16
-  cache holds what the fp8 one decodes to, so every backend attends over the same values);
+  TRITON_MLA_SPARSE, FLASHINFER_MLA_SPARSE, FLASHMLA_SPARSE (its prefill kernel over the bf16
+  cache) and ``FLASHMLA_SPARSE:fp8_ds_mla``): latent write, absorption, attention over the 2048
+  selected rows, ``W_UV``, on slots the indexer chose; ``B:fp8_ds_mla`` reads FlashMLA's
+  fp8_ds_mla cache (656 bytes a token) holding the same latents (the bf16 cache holds what
+  the fp8 one decodes to, so every backend attends over the same values);
 * ``sparse_step_<B>`` -- the indexer and ``sparse_attn_<B>``, as a sparse layer's step runs them;
 * ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA,
   FLASHINFER_MLA and COMPOSITE_MLA_SM90, the dense MLA family's best at 128 heads), metadata
@@ -35,7 +36,7 @@ cost a sparse step saves, not a comparison of one computation.
 
     python benchmarks/bench_mla_sparse.py [--only decode prefill] [--batches 1 8 64 128]
         [--ctxs 8192 ...] [--prefills 4096 16384] [--dense TRITON_MLA FLASHINFER_MLA]
-        [--sparse TRITON_MLA_SPARSE FLASHINFER_MLA_SPARSE]
+        [--sparse TRITON_MLA_SPARSE FLASHINFER_MLA_SPARSE FLASHMLA_SPARSE:fp8_ds_mla]
         [--rounds R] [--out PATH]
 """
 
@@ -83,13 +84,11 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
     sparse_spec = AttentionSpec.mla(HEADS, dtype=BF16, block_size=PAGE, index_topk=TOPK)
     ds_spec = sparse_spec.with_(kv_cache_dtype="fp8_ds_mla")
     layers, ds = {}, set()
-    for name in sparse:
-        try:
-            layers[f"sparse_{name}"] = MLAAttention(sparse_spec, AttentionConfig(
-                backend=name)).cuda()
-        except ValueError:  # (a backend of FlashMLA's fp8 layout only)
-            layers[f"sparse_{name}"] = MLAAttention(ds_spec, AttentionConfig(
-                backend=name)).cuda()
+    for name in sparse:  # ("NAME:fp8_ds_mla": the backend over FlashMLA's fp8 layout)
+        backend, _, layout = name.partition(":")
+        spec = ds_spec if layout == "fp8_ds_mla" else sparse_spec
+        layers[f"sparse_{name}"] = MLAAttention(spec, AttentionConfig(backend=backend)).cuda()
+        if layout == "fp8_ds_mla":
             ds.add(f"sparse_{name}")
     for name in dense:
         layers[f"dense_{name}"] = MLAAttention(sparse_spec.with_(index_topk=None),
@@ -187,7 +186,7 @@ def main() -> None:
                         default=["TRITON_MLA", "FLASHINFER_MLA", "COMPOSITE_MLA_SM90"])
     parser.add_argument("--sparse", nargs="+",
                         default=["TRITON_MLA_SPARSE", "FLASHINFER_MLA_SPARSE",
-                                 "FLASHMLA_SPARSE"])
+                                 "FLASHMLA_SPARSE", "FLASHMLA_SPARSE:fp8_ds_mla"])
     parser.add_argument("--prefills", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--only", nargs="*", default=["decode", "prefill"])
     args = parser.parse_args()

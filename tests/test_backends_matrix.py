@@ -135,12 +135,16 @@ def _check(cls, spec, scenario, options, *, seed, num_blocks=lambda block: None)
     base, base_lse = run_backend(REFERENCE, case)  # plain torch at the test's precision
     assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"
     assert (out[n:] == 0).all(), "padding rows must be zeroed"
+    # (a kernel computing in fp8 itself -- q and P rounded, FA3's fp8 path -- is held to the
+    # fp8 SQNR bound below instead; its glue is checked exactly against stand-ins)
+    in_fp8 = cls(spec, **options).computes_in_fp8()
     err, allowed = _max_err(out, truth, n), tolerance(_max_err(base, truth, n), spec.dtype)
-    assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
+    assert in_fp8 or err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g}"
     if with_lse:  # (FLEX_ATTENTION on the CPU returns none: returns_lse)
         assert (lse[n:] == 0).all(), "padding LSE rows must be zeroed"
         lse_err = _max_err(lse, truth_lse, n)
-        assert lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), lse_err
+        assert in_fp8 or lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), \
+            lse_err
     if spec.kv_cache_dtype.is_fp8:
         ideal, _ = run_backend(REFERENCE, case_for(spec.with_(kv_cache_dtype=KVCacheDType.AUTO,
                                                               dtype=torch.float64)))

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from attn_ops import AttentionSpec, Platform, current_platform, get_backend_class
-from attn_ops.testing import SCENARIOS, make_case, run_backend, tolerance
+from attn_ops.testing import (FP8_MIN_SQNR_DB, SCENARIOS, make_case, run_backend, sqnr_db,
+                              tolerance)
 
 FLASH_ATTN = get_backend_class("FLASH_ATTN")
 REFERENCE = get_backend_class("REFERENCE")
@@ -109,25 +110,77 @@ def vllm_fa3_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
                     aux_tensors=None, dynamic_causal=None):
     """vLLM's ``vllm_flash_attn.flash_attn_varlen_func`` as its FA3 path takes a paged cache:
     keys counted by ``seqused_k``, a block table, ``window_size`` as a list, the result
-    written into ``out`` when given."""
+    written into ``out`` when given; scheduler metadata, where given, computed for this
+    call's lengths and parameters; fp8 q, k and v with descales ``[batch, kv_heads]``, the
+    output in bf16."""
     assert fa_version == 3 and block_table is not None and cu_seqlens_k is None
     assert isinstance(window_size, list) and len(window_size) == 2
     q_starts, kv_lens = cu_seqlens_q.tolist(), seqused_k.tolist()
     assert max_seqlen_q >= max(b - a for a, b in zip(q_starts, q_starts[1:]))
     assert max_seqlen_k >= max(kv_lens)
+    if scheduler_metadata is not None:
+        expected = _schedule_fields(len(kv_lens), max_seqlen_q, max_seqlen_k, q.shape[1],
+                                    k.shape[2], q.dtype, k.shape[1], causal, tuple(window_size),
+                                    softcap > 0, num_splits, seqused_k)
+        assert scheduler_metadata.tolist() == expected, "a schedule of another call"
+    q, k, v = _fp8_dequantized(q, k, v, q_starts, q_descale, k_descale, v_descale)
     o, lse = _fa_semantics(q, k, v, q_starts, kv_lens, block_table.tolist(), softmax_scale,
                            causal, tuple(window_size), softcap, None)
     if s_aux is not None:  # (a sink logit a head: mass exp(s_aux), no value; LSE unchanged)
         assert s_aux.dtype == torch.bfloat16 and s_aux.shape == (q.shape[1],)  # (vLLM's rule)
         o = (o.float() * torch.sigmoid(lse.t() - s_aux.float())[..., None]).to(o.dtype)
         SINK_CALLS.append(q.shape[0])
+    if q_descale is not None:
+        o = o.to(torch.bfloat16)
     if out is not None:
+        assert out.dtype == o.dtype
         out.copy_(o)
         o = out
     return (o, lse) if return_softmax_lse else o
 
 
 SINK_CALLS: list[int] = []  # the stand-in's calls that applied s_aux
+SCHEDULES: list[list[int]] = []  # the lengths each stand-in scheduler metadata was made from
+
+
+def _schedule_fields(batch, max_q, max_k, heads, kv_heads, dtype, page, causal, window,
+                     has_softcap, num_splits, lens):
+    return [batch, max_q, max_k, heads, kv_heads, int(dtype == torch.float8_e4m3fn), page,
+            int(causal), *window, int(has_softcap), num_splits, *lens.tolist()]
+
+
+def fa3_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
+                           headdim, cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None,
+                           cu_seqlens_q=None, cu_seqlens_k_new=None, cache_leftpad=None,
+                           page_size=None, max_seqlen_k_new=0, causal=False,
+                           window_size=(-1, -1), has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0):
+    """vLLM's ``get_scheduler_metadata`` as a record of what it was computed for."""
+    assert cache_seqlens.shape == (batch_size,) and page_size is not None
+    SCHEDULES.append(cache_seqlens.tolist())
+    return torch.tensor(_schedule_fields(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q,
+                                         num_heads_kv, qkv_dtype, page_size, causal,
+                                         tuple(window_size), has_softcap, num_splits,
+                                         cache_seqlens))
+
+
+def _fp8_dequantized(q, k, v, q_starts, q_descale, k_descale, v_descale):
+    """FA3's fp8 inputs in fp32: each token's query heads by its request's descale, the
+    pages by the (batch-uniform) K / V descales of their KV head."""
+    if q.dtype != torch.float8_e4m3fn:
+        assert q_descale is None and k_descale is None and v_descale is None
+        return q, k, v
+    assert k.dtype == v.dtype == torch.float8_e4m3fn
+    batch, kv_heads = len(q_starts) - 1, k.shape[2]
+    group = q.shape[1] // kv_heads
+    for d in (q_descale, k_descale, v_descale):
+        assert d.dtype == torch.float32 and d.shape == (batch, kv_heads)
+    req = torch.repeat_interleave(torch.arange(batch), torch.tensor(q_starts).diff())
+    qd = q_descale.float()[req].repeat_interleave(group, 1)  # [tokens, heads]
+    qd = torch.nn.functional.pad(qd, (0, 0, 0, q.shape[0] - qd.shape[0]))  # (padding rows)
+    assert (k_descale == k_descale[:1]).all() and (v_descale == v_descale[:1]).all()
+    return (q.float() * qd[..., None], k.float() * k_descale[0][:, None],
+            v.float() * v_descale[0][:, None])
 
 
 @pytest.fixture
@@ -137,6 +190,8 @@ def vllm_fa3(monkeypatch):
     vllm, fa = types.ModuleType("vllm"), types.ModuleType("vllm.vllm_flash_attn")
     vllm.vllm_flash_attn = fa
     fa.flash_attn_varlen_func, fa.FA3_AVAILABLE = vllm_fa3_varlen, True
+    fa.get_scheduler_metadata = fa3_scheduler_metadata
+    SCHEDULES.clear()
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fa)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # (not importable)
@@ -230,6 +285,117 @@ def test_vllm_fa3_applies_sinks_in_its_kernel_where_no_lse_is_asked_for(vllm_fa3
     SINK_CALLS.clear()
     run_backend(lambda s: FLASH_ATTN(s, version=3), case, with_lse=True)
     assert not SINK_CALLS
+
+
+def test_fa3_computes_a_steps_scheduler_metadata_once_for_its_layers(vllm_fa3):
+    """FA3's scheduler metadata depends on the step's lengths and the call's shapes: the first
+    layer of a step computes it, later layers of the same shapes reuse it, a layer of other
+    shapes (a window) computes its own, the next step computes its own."""
+    spec = VARIANTS["gqa"].with_(dtype=torch.bfloat16)
+    windowed = spec.with_(sliding_window=7)
+    case = make_case(spec, SCENARIOS["mixed"], block_size=16, seed=1)
+    full, local = FLASH_ATTN(spec, version=3), FLASH_ATTN(windowed, version=3)
+    lens = case.metadata.seq_lens.tolist()
+    for step in range(2):
+        meta = full.build_metadata(case.metadata)
+        outs = []
+        for backend in (full, full, local, full):
+            out = torch.empty(case.query.shape[0], spec.num_heads, spec.head_dim,
+                              dtype=spec.dtype)
+            backend.forward(case.query, case.kv_cache, meta, out)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3])
+        assert SCHEDULES == [lens] * 2 * (step + 1)  # (the full layers', the windowed one's)
+
+
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed", "padded_batch", "spec_decodes"])
+@pytest.mark.parametrize("vid", ["gqa", "window", "sinks"])
+def test_fa3_fp8_cache_matches_reference_on_its_rounded_query(vllm_fa3, vid, scenario):
+    """An fp8 e4m3 cache through FA3: the query quantized at one scale (amax / 448), K and V
+    descaled by the layer's scales; within the policy's tolerance of fp64 REFERENCE computing
+    with the same rounded query, and within the fp8 SQNR bound of the unquantized ideal."""
+    from attn_ops.backends.flash_attn_kernels import fa3_fp8_query
+
+    spec = VARIANTS[vid].with_(dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    case = make_case(spec, SCENARIOS[scenario], block_size=16, seed=6)
+    n = case.metadata.num_actual_tokens
+    backend = FLASH_ATTN(spec, version=3)
+    q8, descale = fa3_fp8_query(case.query)
+    assert q8.dtype == torch.float8_e4m3fn and q8.float().abs().max() == 448.0
+    out, _ = run_backend(lambda s: FLASH_ATTN(s, version=3), case)
+    oracle = dataclasses.replace(case, query=backend.kernel_query(case.query))
+    truth, _ = run_backend(REFERENCE, oracle.to(torch.float64))
+    base, _ = run_backend(REFERENCE, oracle)
+    err = lambda a, b: (a[:n].double() - b[:n].double()).abs().max().item()  # noqa: E731
+    assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
+    assert (out[n:] == 0).all()
+    ideal_case = make_case(spec.with_(kv_cache_dtype="auto", dtype=torch.float64),
+                           SCENARIOS[scenario], block_size=16, seed=6)
+    ideal, _ = run_backend(REFERENCE, ideal_case)
+    assert sqnr_db(out[:n], ideal[:n]) >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
+
+
+@pytest.mark.parametrize("provider", ["vllm", "hopper"])
+@pytest.mark.parametrize("vid", ["gqa", "sinks"])
+def test_fa3_graph_batches_zero_the_padding_rows_fa3_leaves_unwritten(monkeypatch, vid,
+                                                                       provider):
+    """A CUDA-graph batch's metadata (the real token count on the device only) through FA3:
+    the rows past the real tokens -- which FA3 leaves as they were -- are zero in the output
+    and the LSE (and stay finite through the sinks applied from the LSE); the real rows
+    match REFERENCE."""
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    if provider == "vllm":
+        vllm_fa3.__wrapped__(monkeypatch)
+    else:
+        fa3 = types.ModuleType("flash_attn_interface")
+        fa3.flash_attn_with_kvcache = fa3_with_kvcache
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+    monkeypatch.setattr("attn_ops.platforms.current_platform",
+                        lambda: Platform.parse("cuda:9.0"))  # (graphs on the CPU's tensors)
+    spec = VARIANTS[vid].with_(dtype=torch.bfloat16)
+    case = make_case(spec, SCENARIOS["decode_only"], block_size=16, seed=2)
+    n, reqs = case.metadata.num_actual_tokens, case.metadata.num_reqs
+    graphs = CUDAGraphBatch((reqs + 3,), 8, 16, "cpu")
+    backend = FLASH_ATTN(spec, version=3)
+    meta = backend.graph_metadata(graphs.pad(case.metadata), graphs)
+    q = torch.nn.functional.pad(case.query[:n], (0, 0, 0, 0, 0, 3))
+    out = torch.full((n + 3, spec.num_heads, spec.head_dim), float("nan"), dtype=spec.dtype)
+    lse = torch.full((n + 3, spec.num_heads), float("nan"))
+    backend.forward(q, case.kv_cache, meta, out, lse=lse, sinks=case.sinks)
+    assert (out[n:] == 0).all() and (lse[n:] == 0).all()
+    truth, _ = run_backend(REFERENCE, case.to(torch.float64))
+    base, _ = run_backend(REFERENCE, case)
+    err = lambda a, b: (a[:n].double() - b[:n].double()).abs().max().item()  # noqa: E731
+    assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
+
+
+def test_a_preferred_provider_imported_after_the_first_call_serves_the_next(monkeypatch):
+    """The provider a kernel call resolved is reused only while no provider's module changed:
+    FlashAttention's hopper build imported after vLLM's FA3 served a call serves the next."""
+    from attn_ops.providers import FA3
+
+    vllm_fa3.__wrapped__(monkeypatch)
+    assert FA3.require("FLASH_ATTN")[0].distribution == "vllm"
+    hopper = types.ModuleType("flash_attn_interface")
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", hopper)
+    assert FA3.require("FLASH_ATTN") == (FA3.providers[0], hopper)
+
+
+def test_fp8_caches_are_fa3s_only():
+    """fp8 e4m3 only through FA3 and a bf16 model; e5m2 nowhere; the reasons say so."""
+    sm90 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)
+    fp8 = BASE.with_(dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    assert not FLASH_ATTN.not_supported_reasons(fp8, sm90, version=3)
+    for version in (2, 4):
+        codes = [r.code for r in FLASH_ATTN.not_supported_reasons(fp8, sm90, version=version)]
+        assert "kv_cache_dtype" in codes
+    codes = [r.code for r in FLASH_ATTN.not_supported_reasons(
+        fp8.with_(dtype=torch.float16), sm90, version=3)]
+    assert "dtype" in codes
+    codes = [r.code for r in FLASH_ATTN.not_supported_reasons(
+        fp8.with_(kv_cache_dtype="fp8_e5m2"), sm90, version=3)]
+    assert codes
 
 
 def test_fa3_provider_reasons_name_each_provider_and_how_to_get_one(monkeypatch):
@@ -395,3 +561,35 @@ def test_vllm_fa3_sinks_in_its_kernel_match_the_reference_on_the_gpu(scenario):
     err = lambda a, b: (a[:n].double() - b[:n].double()).abs().max().item()  # noqa: E731
     assert err(out, truth) <= tolerance(err(base, truth), spec.dtype)
     assert (out[n:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed"])
+def test_fa3_fp8_on_the_gpu_is_exact_in_its_lse_and_within_the_fp8_bound(scenario):
+    """FA3's fp8 kernel at real head counts (32 / 8 x 128, page 16): its LSE -- computed
+    before the probabilities are rounded -- within the policy's tolerance of fp64 REFERENCE
+    over the kernel's own e4m3 query; its output, whose probabilities FA3 rounds to e4m3 for
+    the PV product, within the fp8 SQNR bound of the unquantized ideal."""
+    from attn_ops.providers import FA3
+
+    if not current_platform().is_gpu or FA3.found() is None:
+        pytest.skip("FA3 does not run here")
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         kv_cache_dtype="fp8_e4m3", block_size=16)
+    case = make_case(spec, SCENARIOS[scenario], block_size=16, device="cuda", seed=8)
+    n = case.metadata.num_actual_tokens
+    backend = FLASH_ATTN(spec, version=3)
+    out, lse = run_backend(lambda s: FLASH_ATTN(s, version=3), case)
+    oracle = dataclasses.replace(case, query=backend.kernel_query(case.query))
+    _, truth_lse = run_backend(REFERENCE, oracle.to(torch.float64))
+    _, base_lse = run_backend(REFERENCE, oracle)
+    err = lambda a, b: (a[:n].double() - b[:n].double()).abs().max().item()  # noqa: E731
+    assert err(lse, truth_lse) <= tolerance(err(base_lse, truth_lse), spec.dtype)
+    ideal_case = make_case(spec.with_(kv_cache_dtype="auto", dtype=torch.float64),
+                           SCENARIOS[scenario], block_size=16, device="cuda", seed=8)
+    ideal, _ = run_backend(REFERENCE, ideal_case)
+    db = sqnr_db(out[:n], ideal[:n])
+    print(f"FA3 fp8 {scenario}: output SQNR {db:.1f} dB")
+    assert db >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
+    assert (out[n:] == 0).all() and (lse[n:] == 0).all()
+

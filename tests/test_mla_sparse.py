@@ -236,7 +236,8 @@ def test_sparse_specs_select_sparse_backends_and_each_rejection_says_why():
     for dense in ("REFERENCE_MLA", "TRITON_MLA", "FLASHINFER_MLA"):
         assert any(r.code == "feature" or "sparse_mla" in str(r)
                    for r in sparse[dense].reasons), dense
-    assert any("not in {fp8_ds_mla}" in str(r) for r in sparse["FLASHMLA_SPARSE"].reasons)
+    assert any("FlashMLA's sparse MLA takes latents of 512 + 64" in str(r)
+               and "TRITON_MLA_SPARSE" in str(r) for r in sparse["FLASHMLA_SPARSE"].reasons)
     dense = {c.name: c for c in candidates_for(SPEC.with_(index_topk=None), PLATFORM)}
     for name in ("REFERENCE_MLA_SPARSE", "TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"):
         assert any("serves sparse MLA layers only" in str(r) for r in dense[name].reasons)
@@ -1010,9 +1011,33 @@ def standin_flashmla_sparse():
             o[r, 0] = (torch.softmax(score, -1) @ kv[:, :512]).to(q.dtype)
         return o, torch.zeros(b, heads, 1)
 
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None,
+                             topk_length=None, out=None):
+        s_q, heads, d = q.shape
+        assert heads in (64, 128) and d == 576 and d_v == 512
+        assert q.dtype == kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, d)
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1)
+        assert indices.shape[2] % 128 == 0
+        mod.prefill_calls.append(s_q)
+        rows = kv[:, 0].double()
+        o = torch.zeros(s_q, heads, d_v, dtype=q.dtype)
+        for r in range(s_q):  # (entries outside [0, s_kv) skipped by the kernel itself)
+            idx = indices[r, 0]
+            sel = idx[(idx >= 0) & (idx < kv.shape[0])].long()
+            if len(sel):
+                score = q[r].double() @ rows[sel].T * sm_scale
+                o[r] = (torch.softmax(score, -1) @ rows[sel, :d_v]).to(q.dtype)
+        if out is not None:
+            assert out.shape == o.shape and out.is_contiguous()
+            out.copy_(o)
+            o = out
+        return o, torch.zeros(s_q, heads), torch.zeros(s_q, heads)
+
+    mod.prefill_calls = []
     mod.FlashMLASchedMeta = FlashMLASchedMeta
     mod.get_mla_metadata = lambda *a, **k: (FlashMLASchedMeta(), None)
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    mod.flash_mla_sparse_fwd = flash_mla_sparse_fwd
     return mod
 
 
@@ -1029,14 +1054,15 @@ def flashmla_sparse_h200(monkeypatch):
 
 
 def _ds_step(spec, reqs, seed=0):
-    """A step over an fp8_ds_mla cache holding each request's context (written by the layer's
-    write), the new tokens' latents, queries, weights and a selection with -1 holes and
-    out-of-range entries anywhere (every fifth token selects nothing)."""
+    """A step over the spec's cache (fp8_ds_mla or bf16) holding each request's context
+    (written by the layer's write), the new tokens' latents, queries, weights and a selection
+    with -1 holes and out-of-range entries anywhere (every fifth token selects nothing)."""
     g = torch.Generator().manual_seed(seed)
     h, nope, v = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim
     w = (torch.randn(h * (nope + v), 512, generator=g) / 512 ** 0.5).bfloat16()
     alloc = BlockAllocator(NUM_BLOCKS, PAGE, shuffle=True, seed=seed)
-    cache = torch.zeros(NUM_BLOCKS, PAGE, 656, dtype=torch.float8_e4m3fn)
+    cache = torch.zeros(NUM_BLOCKS, PAGE, spec.latent_row_width,
+                        dtype=spec.kv_cache_dtype.storage_dtype(spec.dtype))
     with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
     pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
                       decode_threshold=0)
@@ -1054,14 +1080,16 @@ def _ds_step(spec, reqs, seed=0):
     return w, cache, meta, slots, q, new
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-def test_flashmla_sparse_runs_what_reference_mla_sparse_does_on_the_ds_cache(
-        flashmla_sparse_h200, heads):
-    """FLASHMLA_SPARSE (every token one row of FlashMLA's sparse fp8 decode: heads padded to
-    64 / 128, the selection padded to 64-slot blocks, out-of-range entries made -1) against
-    REFERENCE_MLA_SPARSE on the same fp8_ds_mla cache."""
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_flashmla_sparse_runs_what_reference_mla_sparse_does_on_the_cache(
+        flashmla_sparse_h200, heads, cache_dtype):
+    """FLASHMLA_SPARSE against REFERENCE_MLA_SPARSE on the same cache: over fp8_ds_mla every
+    token one row of FlashMLA's sparse fp8 decode (heads padded to 64 / 128, the selection
+    padded to 64-slot blocks, out-of-range entries made -1); over bf16 every token through
+    its sparse prefill kernel in one launch (the selection padded to 128-slot blocks)."""
     platform, mod = flashmla_sparse_h200
-    spec = DS_SPEC.with_(num_heads=heads)
+    spec = DS_SPEC.with_(num_heads=heads, kv_cache_dtype=cache_dtype)
     w, cache, meta, slots, q, new = _ds_step(spec, SCENARIOS["mixed"])
     outs = {}
     for backend in ("FLASHMLA_SPARSE", "REFERENCE_MLA_SPARSE"):
@@ -1069,7 +1097,8 @@ def test_flashmla_sparse_runs_what_reference_mla_sparse_does_on_the_ds_cache(
         layer.load_kv_b_proj(w)
         outs[backend] = layer(q, new[:, :512], new[:, 512:], cache.clone(), meta,
                               topk_slots=slots).float()
-    assert mod.calls == [q.shape[0]]
+    assert (mod.calls, mod.prefill_calls) == (([q.shape[0]], []) if cache_dtype == "fp8_ds_mla"
+                                              else ([], [q.shape[0]]))
     ours, ref = outs["FLASHMLA_SPARSE"], outs["REFERENCE_MLA_SPARSE"]
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
     assert ours.isfinite().all()
@@ -1097,8 +1126,10 @@ def test_flashmla_sparse_is_selected_for_ds_caches_on_sm90_and_says_why_not_else
     h200 = dc.replace(Platform.parse("cuda:9.0"), assume_packages=True)
     assert select_backend(DS_SPEC.with_(block_size=64), h200).backend == "FLASHMLA_SPARSE"
     auto = {c.name: c for c in candidates_for(DS_SPEC.with_(kv_cache_dtype="auto"), h200)}
-    assert any("kv_cache_dtype=auto not in {fp8_ds_mla}" in str(r)
-               for r in auto["FLASHMLA_SPARSE"].reasons)
+    assert not auto["FLASHMLA_SPARSE"].reasons
+    e4m3 = {c.name: c for c in candidates_for(DS_SPEC.with_(kv_cache_dtype="fp8_e4m3"), h200)}
+    assert any("kv_cache_dtype=fp8_e4m3 not in" in str(r)
+               for r in e4m3["FLASHMLA_SPARSE"].reasons)
     wide = {c.name: c for c in candidates_for(DS_SPEC.with_(num_heads=256), h200)}
     assert any("at most 128 query heads" in str(r) for r in wide["FLASHMLA_SPARSE"].reasons)
     bare = {c.name: c for c in candidates_for(DS_SPEC, Platform.parse("cuda:9.0"))}
@@ -1107,24 +1138,27 @@ def test_flashmla_sparse_is_selected_for_ds_caches_on_sm90_and_says_why_not_else
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("heads", [128, 16])
-def test_flashmla_sparse_at_real_sizes_matches_the_reference_and_replays_in_graphs(heads):
-    """FLASHMLA_SPARSE on the GPU (DeepSeek dims, top-k 2048, page 64, an fp8_ds_mla cache
-    written by the layer's write; decodes, a speculative decode and prefills; selections
-    with -1 holes and out-of-range entries) against REFERENCE_MLA_SPARSE on the same cache;
-    then captured in a CUDA graph and replayed over new queries and selections, each replay
-    equal to the eager layer."""
+def test_flashmla_sparse_at_real_sizes_matches_the_reference_and_replays_in_graphs(
+        heads, cache_dtype):
+    """FLASHMLA_SPARSE on the GPU (DeepSeek dims, top-k 2048, page 64, an fp8_ds_mla or bf16
+    cache written by the layer's write; decodes, a speculative decode and prefills;
+    selections with -1 holes and out-of-range entries) against REFERENCE_MLA_SPARSE on the
+    same cache; then captured in a CUDA graph and replayed over new queries and selections,
+    each replay equal to the eager layer."""
     from attn_ops.testing import capture_graph
 
     spec = AttentionSpec.mla(heads, dtype=torch.bfloat16, block_size=64, index_topk=2048,
-                             kv_cache_dtype="fp8_ds_mla")
+                             kv_cache_dtype=cache_dtype)
     if not PLATFORM.is_gpu or get_backend_class("FLASHMLA_SPARSE").not_supported_reasons(
             spec, PLATFORM):
         pytest.skip("FLASHMLA_SPARSE does not run here (its reasons are tested)")
     g = torch.Generator().manual_seed(heads)
     reqs, page, blocks = [(4000, 1), (300, 1), (1, 1), (2500, 3), (0, 700), (1200, 50)], 64, 320
     alloc = BlockAllocator(blocks, page, shuffle=True, seed=1)
-    cache = torch.zeros(blocks, page, 656, dtype=torch.float8_e4m3fn, device="cuda")
+    cache = torch.zeros(blocks, page, spec.latent_row_width, device="cuda",
+                        dtype=spec.kv_cache_dtype.storage_dtype(spec.dtype))
     with_ctx = [i for i, (c, _) in enumerate(reqs) if c]
     pre = build_batch(alloc, with_ctx, [0] * len(with_ctx), [reqs[i][0] for i in with_ctx],
                       decode_threshold=0, device="cuda")

@@ -518,7 +518,8 @@ class MLABackend(AttentionBackend):
         return [Reason(cls.name, "head_dim", f"kv_lora_rank={widths[0]}, qk_rope_head_dim="
                        f"{widths[1]}: {cls.latent_kernel} takes latents of "
                        f"{cls.latent_widths[0]} + {cls.latent_widths[1]}",
-                       "use FLASHINFER_MLA or TRITON_MLA")]
+                       "use TRITON_MLA_SPARSE" if spec.index_topk is not None
+                       else "use FLASHINFER_MLA or TRITON_MLA")]
 
     def metadata_key(self) -> tuple:
         """A step plan holds the decode launch (sized to the heads and latent dims), the

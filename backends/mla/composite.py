@@ -28,9 +28,9 @@ from attn_ops.backends.mla.common import (SEPARATE, AbsorbedLayout, MLABackend, 
 from attn_ops.backends.mla.flash_attn_mla import absorbed_fa3
 from attn_ops.backends.mla.flashinfer_mla import (WRITES_EVERY_ROW, FlashInferMLABackend,
                                                   absorbed_flashinfer, shared_memory_reasons)
-from attn_ops.backends.mla.flashmla import (JOINED, FlashMLABackend, absorbed_flashmla, checker,
-                                            new_schedule)
+from attn_ops.backends.mla.flashmla import JOINED, FlashMLABackend, absorbed_flashmla, checker
 from attn_ops.backends.mla.triton_mla import TritonMLABackend, absorbed_triton
+from attn_ops.backends.step_schedules import new_schedule
 from attn_ops.capabilities import Reason
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform

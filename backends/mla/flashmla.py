@@ -16,10 +16,10 @@ Tile-scheduler metadata: a device computation from the step's lengths (FlashMLA'
 interface runs it in the first kernel call of a ``FlashMLASchedMeta``, the older one in
 ``get_mla_metadata(cache_seqlens, ...)``). It is computed once a step, by the step's first
 layer, and reused by every later layer: the step's plan carries a handle
-(:attr:`MLAPlan.library`) to a :class:`_Schedule` made fresh by each ``build_metadata``. A
-CUDA-graph capture size keeps one handle; the schedule is recomputed by the first layer of a
-capture (so the graph holds the computation and each replay redoes it with the replay's
-lengths), never taken from an eager call before it.
+(:attr:`MLAPlan.library`) made fresh by each ``build_metadata``
+(:mod:`attn_ops.backends.step_schedules`). A CUDA-graph capture size keeps one handle; the
+schedule is recomputed by the first layer of a capture (so the graph holds the computation and
+each replay redoes it with the replay's lengths), never taken from an eager call before it.
 
 The MHA part runs the kernel :func:`attn_ops.routing.mla_prefill_kernel` picks, as in
 TRITON_MLA.
@@ -28,87 +28,39 @@ TRITON_MLA.
 from __future__ import annotations
 
 import inspect
-import itertools
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from attn_ops.backends.mla.common import (PLAN, AbsorbedLayout, MLABackend, MLAMetadata,
                                           MLAPlan, check_mla_inputs, define_mla_op)
+from attn_ops.backends.step_schedules import new_schedule, restart_schedule, step_schedule
 from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
 from attn_ops.spec import Feature, KVCacheDType
 
-__all__ = ["JOINED", "FlashMLABackend", "absorbed_flashmla", "checker"]
+__all__ = ["JOINED", "FlashMLABackend", "absorbed_flashmla", "checker", "takes_out"]
 
 PAGE = 64  # FlashMLA's page_block_size
 RANK, ROPE = 512, 64  # the latent widths its dense kernel is built for
 
 
-@dataclass
-class _Schedule:
-    """One step's (or capture size's) tile-scheduler metadata as ``(meta, splits)``, once the
-    step's first layer computed it: ``eager`` for calls outside a graph capture, ``capture``
-    for calls inside one (``kept``: every captured one, alive as long as the graphs that read
-    them)."""
-
-    eager: tuple | None = None
-    capture: tuple | None = None
-    kept: list = field(default_factory=list)
-
-
-_STEP_SCHEDULES: OrderedDict[int, _Schedule] = OrderedDict()  # eager steps, newest last
-_GRAPH_SCHEDULES: dict[int, _Schedule] = {}  # one a capture size
-_KEPT_STEPS = 64  # an older step's plan recomputes its schedule in every layer: still correct
-_HANDLES = itertools.count(1)
-
-
-def new_schedule(graph: bool) -> int:
-    """A handle for :attr:`MLAPlan.library`: a fresh schedule for one step (``graph``: for a
-    capture size, kept as long as the process)."""
-    handle = next(_HANDLES)
-    if graph:
-        _GRAPH_SCHEDULES[handle] = _Schedule()
-    else:
-        _STEP_SCHEDULES[handle] = _Schedule()
-        while len(_STEP_SCHEDULES) > _KEPT_STEPS:
-            _STEP_SCHEDULES.popitem(last=False)
-    return handle
-
-
-def restart_schedule(handle: int) -> None:
-    """A new step on a capture size's handle (its lengths changed): the next call computes
-    the schedule again, eagerly or inside the next capture."""
-    held = _GRAPH_SCHEDULES[handle]
-    held.eager = held.capture = None
-
-
 def _schedule(fm, handle: int | None, lens: torch.Tensor, q_per_head_k: int) -> tuple:
-    """The step's metadata for this call: computed here where the step has none yet on this
-    side of a graph capture, else the one its first layer computed."""
-    held = _GRAPH_SCHEDULES.get(handle) or _STEP_SCHEDULES.get(handle) or _Schedule()
-    capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
-    got = held.capture if capturing else held.eager
-    if got is None:
+    """The step's tile-scheduler metadata ``(meta, splits)`` for this call
+    (:func:`attn_ops.backends.step_schedules.step_schedule`)."""
+    def compute() -> tuple:
         if hasattr(fm, "FlashMLASchedMeta"):  # (computed by the kernel call it is passed to)
-            got = (fm.get_mla_metadata()[0], None)
-        else:
-            got = tuple(fm.get_mla_metadata(lens, q_per_head_k, 1))
-        if capturing:
-            held.capture = got
-            held.kept.append(got)
-        else:
-            held.eager = got
-    return got
+            return fm.get_mla_metadata()[0], None
+        return tuple(fm.get_mla_metadata(lens, q_per_head_k, 1))
+
+    return step_schedule(handle, q_per_head_k, lens, compute)
 
 
 _TAKES_OUT: dict[object, bool] = {}
 
 
-def _takes_out(fn) -> bool:
+def takes_out(fn) -> bool:
     """Whether the provider's kernel call writes into a given ``out`` (newer interfaces)."""
     if fn not in _TAKES_OUT:
         try:
@@ -144,7 +96,7 @@ def absorbed_flashmla(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_t
     # (an output buffer given to the kernel for one query a request only: with two, vLLM's
     # FlashMLA raised on the H200)
     direct = uniform and s_q == 1 and out.dtype == q.dtype and out.is_contiguous() \
-        and _takes_out(fm.flash_mla_with_kvcache)
+        and takes_out(fm.flash_mla_with_kvcache)
     o, _ = fm.flash_mla_with_kvcache(qb, k_cache, table, lens, rank, meta, splits,
                                      softmax_scale=scale, causal=s_q > 1,
                                      **({"out": out.view(b, s_q, heads, rank)} if direct else {}))
