@@ -428,6 +428,11 @@ def flashinfer_mla_shared_bytes(kernel: Kernel, rank: int, rope: int, fp8: bool,
     return max(q_bytes + kv_bytes + repack + 2 * 64 * 4, 64 * rank * 2)
 
 
+# FlashMLA's tile scheduler (get_decoding_sched_meta) keeps 5 ints a batch row in one block's
+# shared memory: 4 * (5 * rows + 1) bytes of the 232,448 an sm90 / sm100 block may take.
+FLASHMLA_MAX_ROWS = 11622
+
+
 def mla_absorbed_route(heads: int, requests: int, max_query_len: int, max_seq_len: int,
                        t: MLATuning, fa3_usable: bool = False) -> PartRoute:
     """The kernel of an MLA step's absorbed part where FlashMLA, FlashInfer's MLA (fa3) and
@@ -448,7 +453,8 @@ def mla_absorbed_route(heads: int, requests: int, max_query_len: int, max_seq_le
         if max_seq_len >= t.route_triton_min_keys:
             return PartRoute(Kernel.TRITON_MLA, why=f"{small} over >= "
                              f"{t.route_triton_min_keys} keys, FA3 not installed")
-    if requests >= t.route_flashmla_min_requests and max_seq_len >= t.route_flashmla_min_keys:
+    if (t.route_flashmla_min_requests <= requests <= FLASHMLA_MAX_ROWS
+            and max_seq_len >= t.route_flashmla_min_keys):
         return PartRoute(Kernel.FLASHMLA, why=f"{requests} request(s) >= "
                          f"{t.route_flashmla_min_requests} over >= {t.route_flashmla_min_keys} "
                          "keys")

@@ -1081,6 +1081,28 @@ def test_composite_mla_runs_each_route_as_reference_mla_does(monkeypatch, route,
     assert bool(fm.calls) == (route == "FLASHMLA") and bool(fa3.calls) == (route == "FA3_MLA")
 
 
+def test_the_route_keeps_flashmla_to_batches_its_tile_scheduler_takes():
+    """FlashMLA's scheduler holds at most FLASHMLA_MAX_ROWS requests in its shared memory:
+    larger absorbed parts route to FlashInfer's kernel, and FLASHMLA alone refuses them naming
+    the count and the fix."""
+    from attn_ops.routing import FLASHMLA_MAX_ROWS, Kernel, mla_absorbed_route
+
+    t = Tuning().mla
+    assert mla_absorbed_route(128, FLASHMLA_MAX_ROWS, 1, 32768, t).kernel is Kernel.FLASHMLA
+    big = mla_absorbed_route(128, FLASHMLA_MAX_ROWS + 1, 1, 32768, t)
+    assert big.kernel is Kernel.FLASHINFER_MLA_FA3
+
+
+def test_flashmla_refuses_more_requests_than_its_scheduler_takes(flashmla_h200, monkeypatch):
+    from attn_ops.backends.mla import flashmla
+
+    platform, _ = flashmla_h200
+    monkeypatch.setattr(flashmla, "FLASHMLA_MAX_ROWS", 2)
+    with pytest.raises(ValueError, match="3 requests in one step's absorbed part; FlashMLA's "
+                       "tile scheduler takes at most 2"):
+        _matches_reference_at_fm_widths("FLASHMLA", platform, [(70, 1), (130, 1), (5, 1)])
+
+
 def test_flashmla_and_fa3_mla_are_selected_only_where_they_run_after_flashinfer_mla(
         no_providers):
     h200 = dataclasses.replace(Platform.parse("cuda:9.0"), assume_packages=True)

@@ -17,6 +17,7 @@ from attn_ops.backends.mla.common import mla_cache_update
 from attn_ops.backends.mla.indexer import indexer_slots
 from attn_ops.platforms import current_platform
 from attn_ops.registry import MLA_BACKENDS
+from attn_ops.routing import FLASHMLA_MAX_ROWS
 from attn_ops.selector import candidates_for, select_backend
 from attn_ops.spec import KVCacheDType
 from test_mla import StandinMLAWrapper, no_providers, simulated_h200  # noqa: F401 (fixture)
@@ -989,6 +990,7 @@ def standin_flashmla_sparse():
                                causal=False, is_fp8_kvcache=False, indices=None, out=None):
         b, s_q, heads, d = q.shape
         assert heads in (64, 128) and d == 576 and s_q == 1 and head_dim_v == 512
+        assert b <= FLASHMLA_MAX_ROWS  # (its tile scheduler's shared memory)
         assert block_table is None and cache_seqlens is None and is_fp8_kvcache and not causal
         assert k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[2:] == (1, 656)
         assert indices.dtype == torch.int32 and indices.shape[:2] == (b, 1)
@@ -1102,6 +1104,29 @@ def test_flashmla_sparse_runs_what_reference_mla_sparse_does_on_the_cache(
     ours, ref = outs["FLASHMLA_SPARSE"], outs["REFERENCE_MLA_SPARSE"]
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
     assert ours.isfinite().all()
+
+
+def test_flashmla_sparse_runs_long_steps_in_calls_its_scheduler_takes(flashmla_sparse_h200,
+                                                                       monkeypatch):
+    """A step of more tokens than FlashMLA's tile scheduler takes rows (a long prefill over
+    the fp8_ds_mla cache) runs in calls of at most ROWS_A_CALL rows, each with its schedule,
+    with the result of one call."""
+    from attn_ops.backends.mla import flashmla_sparse
+
+    platform, mod = flashmla_sparse_h200
+    w, cache, meta, slots, q, new = _ds_step(DS_SPEC, SCENARIOS["mixed"])
+
+    def run():
+        layer = MLAAttention(DS_SPEC, AttentionConfig(backend="FLASHMLA_SPARSE"),
+                             platform=platform)
+        layer.load_kv_b_proj(w)
+        return layer(q, new[:, :512], new[:, 512:], cache.clone(), meta, topk_slots=slots)
+
+    whole = run()
+    monkeypatch.setattr(flashmla_sparse, "ROWS_A_CALL", 4)
+    mod.calls.clear()
+    assert torch.equal(run(), whole)
+    assert mod.calls == [min(4, q.shape[0] - r) for r in range(0, q.shape[0], 4)]
 
 
 def test_flashmla_sparse_op_passes_opcheck(flashmla_sparse_h200):

@@ -38,6 +38,7 @@ from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDim
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
+from attn_ops.routing import FLASHMLA_MAX_ROWS
 from attn_ops.spec import Feature, KVCacheDType
 
 __all__ = ["JOINED", "FlashMLABackend", "absorbed_flashmla", "checker", "takes_out"]
@@ -79,6 +80,10 @@ def absorbed_flashmla(ql, q_pe, latent_cache, query_start_loc, seq_lens, block_t
     _, fm = PROVIDERS.require("FLASHMLA")
     rows, heads, rank = ql.shape
     b, s_q = seq_lens.shape[0], plan.absorbed_max_query_len
+    if b > FLASHMLA_MAX_ROWS:
+        raise ValueError(f"FLASHMLA: {b} requests in one step's absorbed part; FlashMLA's tile "
+                         f"scheduler takes at most {FLASHMLA_MAX_ROWS} (its shared memory); "
+                         "split the step or use COMPOSITE_MLA_SM90 / FLASHINFER_MLA")
     q = _joined(ql, q_pe)
     if q is None or q.dtype != latent_cache.dtype:
         q = torch.cat([ql.to(latent_cache.dtype), q_pe.to(latent_cache.dtype)], dim=-1)
