@@ -14,8 +14,9 @@ side):
   TRITON_MLA_SPARSE, FLASHINFER_MLA_SPARSE, FLASHMLA_SPARSE (its prefill kernel over the bf16
   cache) and ``FLASHMLA_SPARSE:fp8_ds_mla``): latent write, absorption, attention over the 2048
   selected rows, ``W_UV``, on slots the indexer chose; ``B:fp8_ds_mla`` reads FlashMLA's
-  fp8_ds_mla cache (656 bytes a token) holding the same latents (the bf16 cache holds what
-  the fp8 one decodes to, so every backend attends over the same values);
+  fp8_ds_mla cache (656 bytes a token) holding the same latents (the bf16 cache and the new
+  tokens' latents hold what the fp8 layout decodes to, so every backend attends over the same
+  values);
 * ``sparse_step_<B>`` -- the indexer and ``sparse_attn_<B>``, as a sparse layer's step runs them;
 * ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA,
   FLASHINFER_MLA and COMPOSITE_MLA_SM90, the dense MLA family's best at 128 heads), metadata
@@ -116,6 +117,13 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
     q = torch.randn(t, HEADS, 192, device="cuda", dtype=BF16)
     kv_c = torch.randn(t, 512, device="cuda", dtype=BF16)
     k_pe = torch.randn(t, 64, device="cuda", dtype=BF16)
+    if ds:  # the new tokens' latents at values the fp8 layout holds exactly, like the cache's
+        from attn_ops.backends.mla.ds_cache import ds_rows, ds_write
+
+        rows = torch.zeros(t, 1, 656, dtype=torch.float8_e4m3fn, device="cuda")
+        ds_write(kv_c, k_pe, rows, torch.arange(t, device="cuda"))
+        held = ds_rows(rows.view(t, 656), 512, BF16, torch.float32).to(BF16)
+        kv_c, k_pe = held[:, :512].contiguous(), held[:, 512:].contiguous()
     chosen = {}
 
     def indexer():

@@ -12,17 +12,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SERIES = {  # key in the JSON -> label
-    "selected": "selected (COMPOSITE_SM90) via torch.ops.attn",
+SERIES = {  # key in the JSON -> label ({selected}: the run's selected backend)
+    "selected": "selected ({selected}) via torch.ops.attn",
     "selected_graph": "selected, CUDA-graph metadata",
     "flashinfer_tc": "FlashInfer direct, tensor-core decode",
     "flashinfer": "FlashInfer direct, CUDA-core decode",
     "fa4": "FlashAttention 4 direct",
+    "fa3": "vLLM's FA3 direct",
+    "fa3_op": "FLASH_ATTN on FA3 via torch.ops.attn",
 }
 
 
 def main(path: str) -> None:
     result = json.loads(Path(path).read_text())
+    series = {k: v.format(selected=result.get("selected", "COMPOSITE_SM90"))
+              for k, v in SERIES.items()}
     rows = result["rows"]
     decode = [r for r in rows if r["kind"] == "decode"]
     prefill = [r for r in rows if r["kind"] == "prefill"]
@@ -31,7 +35,7 @@ def main(path: str) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4))
     for ax, ctx in zip(axes, ctxs):
         points = sorted((r for r in decode if r["ctx"] == ctx), key=lambda r: r["batch"])
-        for i, (key, label) in enumerate(SERIES.items()):
+        for i, (key, label) in enumerate(series.items()):
             if f"{key}_tbs" in points[0]:
                 ax.plot([r["batch"] for r in points], [r[f"{key}_tbs"] for r in points],
                         marker="o", label=label, color=f"C{i}")
@@ -41,7 +45,7 @@ def main(path: str) -> None:
         ax.set_xlabel("batch")
         ax.set_ylabel("TB/s (copy bandwidth 4.27 dotted)")
     if prefill:
-        prefill_bars(axes[-1], prefill, SERIES)
+        prefill_bars(axes[-1], prefill, series)
     axes[0].legend(fontsize=7, loc="lower right")
     save(fig, result, path)
 
@@ -69,6 +73,7 @@ def save(fig, result: dict, path: str, shapes: str | None = None) -> None:
     out = Path(path).with_suffix(".png")
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
+
 
 if __name__ == "__main__":
     main(sys.argv[1])
