@@ -18,6 +18,10 @@ side):
   tokens' latents hold what the fp8 layout decodes to, so every backend attends over the same
   values);
 * ``sparse_step_<B>`` -- the indexer and ``sparse_attn_<B>``, as a sparse layer's step runs them;
+* ``kernel_flashmla_sparse_<bf16|fp8>`` / ``vllm_flashmla_sparse_<bf16|fp8>`` (decode, where
+  FLASHMLA_SPARSE runs) -- FlashMLA's sparse prefill kernel over the bf16 cache and its fp8
+  decode over the fp8_ds_mla one, alone and as vLLM runs them (absorption and ``W_UV`` as
+  torch bmm around the kernel), the latter cross-checked with the layers;
 * ``dense_<B>``   -- the dense MLA layer on backend ``B`` (``--dense``; default TRITON_MLA,
   FLASHINFER_MLA and COMPOSITE_MLA_SM90, the dense MLA family's best at 128 heads), metadata
   planned before capture.
@@ -134,6 +138,8 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
 
     indexer()
     slots = chosen["slots"].clone()
+    ql_bench = torch.randn(t, HEADS, 512, device="cuda", dtype=BF16)  # (the kernels alone)
+    q_pe_bench = torch.randn(t, HEADS, 64, device="cuda", dtype=BF16)
     fns, outputs = {"indexer": indexer}, {}
     for key, layer in layers.items():
         built = layer.impl.build_metadata(common)  # (host planning outside the capture)
@@ -148,14 +154,68 @@ def case(batch: int, ctx: int, sparse: list[str], dense: list[str], gen: torch.G
                                       layer(q, kv_c, k_pe, cache, built,
                                             topk_slots=indexer()))
         try:
-            outputs[name] = fns[f"sparse_attn_{name}"]().float()
+            outputs[name] = fns[f"sparse_attn_{name}"]().float().reshape(t, -1)
         except Exception as e:  # noqa: BLE001 -- recorded again when it is timed
             print(f"sparse_attn_{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    # the sparse backends against the first one on the same selection: they must compute the
-    # same attention over the same rows for their times to compare
+    if decode and any(n.startswith("FLASHMLA_SPARSE") for n in sparse):
+        from attn_ops.backends.mla.common import mla_cache_update
+
+        # (the new tokens' latents in both caches, as the layers and vLLM's step write them)
+        for cache in (latent, latent_ds) if latent_ds is not None else (latent,):
+            mla_cache_update(kv_c, k_pe, cache, slot, None)
+        kernels = flashmla_sparse_kernels(latent, latent_ds, slots, sparse_spec.softmax_scale)
+        wkv = w.view(HEADS, 256, 512)
+        w_uk, w_uv = wkv[:, :128], wkv[:, 128:].transpose(1, 2)
+        for cache_kind, kernel in kernels.items():
+            fns[f"kernel_flashmla_sparse_{cache_kind}"] = (
+                lambda kernel=kernel: kernel(ql_bench, q_pe_bench))
+            fns[f"vllm_flashmla_sparse_{cache_kind}"] = as_vllm(kernel, q, w_uk, w_uv)
+            outputs[f"vllm_flashmla_sparse_{cache_kind}"] = \
+                fns[f"vllm_flashmla_sparse_{cache_kind}"]().float().reshape(t, -1)
+    # the sparse backends (and vLLM's steps) against the first one on the same selection: they
+    # must compute the same attention over the same rows for their times to compare
     first = next(iter(outputs.values()), None)
     checks = {n: cross_check(o, first, TOLERANCE) for n, o in outputs.items()}
     return fns, checks
+
+
+def flashmla_sparse_kernels(latent, latent_ds, slots, scale) -> dict:
+    """FlashMLA's sparse kernels alone on ``(ql [T, H, 512], q_pe [T, H, 64])`` as vLLM calls
+    them: ``bf16``, the prefill kernel over the bf16 cache (vLLM's path for bf16 latents);
+    ``fp8``, the fp8 decode over the fp8_ds_mla cache (where it is built), its tile schedule
+    computed by the first call and reused. The slots made -1 outside the cache and padded to
+    the kernels' blocks before timing."""
+    from attn_ops.providers import FLASHMLA
+
+    _, fm = FLASHMLA.require("bench_mla_sparse")
+    capacity = latent.shape[0] * latent.shape[1]
+    idx = torch.where((slots >= 0) & (slots < capacity), slots, -1).to(torch.int32)
+
+    def padded(block: int) -> torch.Tensor:
+        return torch.nn.functional.pad(idx, (0, -(-idx.shape[1] // block) * block
+                                              - idx.shape[1]), value=-1).unsqueeze(1)
+
+    prefill_idx, decode_idx, kv = padded(128), padded(64), latent.view(capacity, 1, 576)
+    kernels = {"bf16": lambda ql, q_pe: fm.flash_mla_sparse_fwd(
+        torch.cat([ql, q_pe], -1), kv, prefill_idx, scale, 512)[0]}
+    if latent_ds is not None:
+        meta = fm.get_mla_metadata()[0]
+        kernels["fp8"] = lambda ql, q_pe: fm.flash_mla_with_kvcache(
+            torch.cat([ql, q_pe], -1).unsqueeze(1), latent_ds.unsqueeze(2), None, None, 512,
+            meta, None, softmax_scale=scale, causal=False, is_fp8_kvcache=True,
+            indices=decode_idx)[0][:, 0]
+    return kernels
+
+
+def as_vllm(kernel, q, w_uk, w_uv):
+    """A sparse step as vLLM runs it around ``kernel(ql, q_pe) -> [T, H, 512]``: the absorption
+    and the value up-projection as torch bmm over the heads (no latent write)."""
+    q_nope, q_pe = q[..., :128], q[..., 128:]
+
+    def step():
+        ql = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        return torch.bmm(kernel(ql, q_pe).transpose(0, 1), w_uv).transpose(0, 1)
+    return step
 
 
 def prefill_rows(n: int, args, gen) -> dict:

@@ -944,6 +944,28 @@ def test_ds_latent_write_stores_flashmlas_656_byte_rows_and_clears_entered_pages
     assert torch.equal(other.view(-1, 656).view(torch.uint8)[8], _ds_bytes(c, k_rot)[0])
 
 
+@pytest.mark.parametrize("rank,rope,dtype", [(512, 64, torch.bfloat16), (256, 32, torch.float16),
+                                             (384, 64, torch.float32)])
+def test_ds_pack_in_one_launch_is_the_torch_pack_byte_for_byte(rank, rope, dtype):
+    """The GPU's one-launch pack of fp8_ds_mla rows (here in Triton's interpreter, or compiled
+    on a GPU) against the torch form, byte for byte: tiles of every magnitude, an all-zero
+    tile (scale 1.0), values at the saturation bound and on rounding ties."""
+    from attn_ops.backends.mla.ds_cache import FP8_MAX, TILE, ds_pack
+    from attn_ops.backends.mla.ds_kernels import ds_pack_triton
+
+    g = torch.Generator().manual_seed(rank)
+    c = torch.randn(7, rank, generator=g) * torch.logspace(-4, 3, 7)[:, None]
+    c[2, :TILE] = 0.0
+    c[3, :9] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, 3.0, -0.0, 2.0 ** -9, 2.0 ** -10,
+                             -(2.0 ** -11)])
+    c, k_pe = c.to(dtype).to(DEVICE), torch.randn(7, rope, generator=g).to(DEVICE)
+    rope_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
+    want = ds_pack(c, k_pe.to(rope_dtype), rope_dtype)
+    got = ds_pack_triton(c, k_pe.to(rope_dtype), rope_dtype, TILE, FP8_MAX)
+    assert got.shape == want.shape == (7, rank + rank // 32 + 2 * rope)
+    assert torch.equal(got, want)
+
+
 def test_a_per_tensor_fp8_cache_of_deepseek_widths_is_not_taken_for_a_ds_cache():
     """576 fp8 values a row (512 + 64, per-tensor scale) is also the width of an fp8_ds_mla row
     of rope 24: the sparse ops read the rope width from q, so this cache checks as it is."""

@@ -58,7 +58,13 @@ def ds_write(kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``[kv_c | k_pe]`` (``k_pe`` kept in its own 16-bit dtype) at ``slot_mapping``."""
     rank = kv_c.shape[1]
-    rows = ds_pack(kv_c, k_pe, k_pe.dtype if k_pe.dtype.itemsize == 2 else torch.bfloat16)
+    rope_dtype = k_pe.dtype if k_pe.dtype.itemsize == 2 else torch.bfloat16
+    if kv_c.is_cuda and ds_row_width(rank, k_pe.shape[1]) % 4 == 0:  # (one launch; the scales
+        from attn_ops.backends.mla.ds_kernels import ds_pack_triton  # 4-byte aligned)
+
+        rows = ds_pack_triton(kv_c, k_pe, rope_dtype, TILE, FP8_MAX)
+    else:
+        rows = ds_pack(kv_c, k_pe, rope_dtype)
     cut = rank + rank // TILE * 4  # (the two column ranges: write_paged's key and value)
     cache = latent_cache.view(torch.uint8)
     write_paged(rows[:, None, :cut], rows[:, None, cut:], cache[:, :, None, :cut],
