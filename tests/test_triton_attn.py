@@ -192,7 +192,8 @@ def test_tiles_fit_the_devices_shared_memory():
     measured = [t.prefill_tile_16bit, t.short_prefill_tile_16bit, t.decode_tile, many]
     assert [fit(x, h200) for x in measured] == measured
     assert fit(many, h200, kv_bytes=1) == many  # fp8 cache
-    assert 4 * routing._smem_bytes(*many[:2], many[3], 128, 128, 2, 2) <= 228 << 10  # 4 per SM
+    smem_bytes = routing.attention._smem_bytes
+    assert 4 * smem_bytes(*many[:2], many[3], 128, 128, 2, 2) <= 228 << 10  # 4 per SM
     assert fit(t.prefill_tile_32bit, h200, q_bytes=4, kv_bytes=4) == t.prefill_tile_32bit
     assert fit(t.prefill_tile_wide_heads, h200, d=256, q_bytes=4, kv_bytes=4) == \
         t.prefill_tile_wide_heads
@@ -202,7 +203,7 @@ def test_tiles_fit_the_devices_shared_memory():
     for smem in (h200, a100, rtx, 48 << 10):
         for tile in measured:
             rows, keys, warps, stages = fit(tile, smem)
-            assert routing._smem_bytes(rows, keys, stages, 128, 128, 2, 2) <= smem
+            assert smem_bytes(rows, keys, stages, 128, 128, 2, 2) <= smem
             assert rows >= 16 and keys >= 16 and stages >= 2
 
 

@@ -1,0 +1,146 @@
+"""Standard attention's tunables: TRITON_ATTN's launches, FlexAttention's, FlashAttention 4's
+sm90 tiles and modes and FA3's split count, FlashInfer's split-KV decode plans, and the sm90
+composite's crossovers (each field's measurement: ``docs/tuning.md``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = ["CompositeTuning", "FA4Tile", "FlashAttnTuning", "FlashInferTuning", "FlexTuning",
+           "Tile", "TritonTuning"]
+
+
+class Tile(NamedTuple):
+    """A Triton launch: query rows, keys per step, warps, pipeline stages."""
+
+    rows: int
+    keys: int
+    warps: int
+    stages: int
+
+
+class FA4Tile(NamedTuple):
+    """FlashAttention 4's sm90 tile arguments: ``tile_mn`` (query rows, keys),
+    ``mma_pv_is_rs`` (P kept in registers for P @ V), ``intra_wg_overlap``."""
+
+    rows: int
+    keys: int
+    mma_pv_is_rs: bool
+    intra_wg_overlap: bool = True
+
+    def kwargs(self) -> dict:
+        return {"tile_mn": (self.rows, self.keys), "mma_pv_is_rs": self.mma_pv_is_rs,
+                "intra_wg_overlap": self.intra_wg_overlap}
+
+
+@dataclass(frozen=True)
+class TritonTuning:
+    """TRITON_ATTN's launches (``routing.triton_*``)."""
+
+    # Split-KV decode: splits (a power of two) bring decodes x KV heads x splits closest to this
+    # many programs per SM, never below min_keys_per_split keys a split, at most max_splits.
+    programs_per_sm: int = 8
+    max_splits: int = 64
+    min_keys_per_split: int = 256
+    # Prefill tiles: 16-bit and 32-bit queries at padded head dims <= 128; either past 128.
+    prefill_tile_16bit: Tile = Tile(128, 128, 8, 3)
+    prefill_tile_32bit: Tile = Tile(64, 64, 4, 2)
+    prefill_tile_wide_heads: Tile = Tile(32, 32, 4, 2)
+    # Steps whose longest context is at most short_prefill_keys take this 16-bit tile (half-wide
+    # keys waste less of the causal diagonal) and launch with the KV head fastest (None: off).
+    short_prefill_keys: int = 2048
+    short_prefill_tile_16bit: Tile | None = Tile(128, 64, 8, 3)
+    # Decode tiles at padded head dims <= 128 and past it.
+    decode_tile: Tile = Tile(16, 64, 4, 2)
+    decode_tile_wide_heads: Tile = Tile(16, 32, 4, 2)
+    # Decodes of at most short_decode_keys keys with at least many_items_per_sm (request, KV
+    # head) items per SM run unsplit in many_items_tile: 4 programs share an SM (None: off).
+    many_items_per_sm: float = 3.5
+    many_items_tile: Tile | None = Tile(16, 32, 4, 3)
+    short_decode_keys: int = 1024
+    # Split partials are combined inside the attention launch from fused_min_items (request, KV
+    # head) items on (few splits each); below, by a second kernel. fused_combine forces it.
+    fused_min_items: int = 256
+    fused_combine: bool | None = None
+
+
+@dataclass(frozen=True)
+class FlexTuning:
+    """FLEX_ATTENTION's layouts and kernel options (``routing.flex_*``)."""
+
+    # Steps with prefills copy their pages into GATHER_PAGE-key pages first when their (query,
+    # key) pairs are at least this many times the keys copied (None: never). The CPU has no
+    # key-tile problem: off there.
+    gather_min_pairs_per_key_gpu: float | None = 128.0
+    gather_min_pairs_per_key_cpu: float | None = None
+    # Pipeline stages of FlexAttention's decoding kernel, as many as fit decode_stage_bytes of
+    # shared memory (None: FlexAttention's default).
+    decode_stages: int | None = 6
+    decode_stage_bytes: int = 200 << 10
+    # Decode-layout steps with fewer (request, KV head) pairs than this many per SM split each
+    # request's pages so that about that many programs run (None: FlexAttention's own split).
+    decode_programs_per_sm: int | None = 4
+    # SMs that split rule spreads the programs over (None: the device's; set it where the
+    # step runs on part of a GPU, as under MPS or green contexts).
+    decode_num_sms: int | None = None
+    # Extra FlexAttention kernel options on GPUs, merged over the rules' (for experiments).
+    gpu_kernel_options: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FlashAttnTuning:
+    """FlashAttention 4's sm90 tiles and modes (``routing.fa4_*``) and FA3's split count."""
+
+    # Single-row decodes in a 64-row tile where the GQA group divides its rows (None: FA4's).
+    decode_tile: FA4Tile | None = FA4Tile(64, 128, True)
+    # Prefills of at least tall_tile_min_query rows (batch mode: _batch) in a 192-row tile
+    # where the GQA group divides its rows (None: FA4's tile).
+    tall_tile: FA4Tile | None = FA4Tile(192, 128, False)
+    tall_tile_min_query: int = 1024
+    tall_tile_min_query_batch: int = 512
+    # Prefill parts of one query length of at least this many rows run in FA4's batch mode
+    # (its LPT scheduler, no cu_seqlens_q); None: always varlen.
+    batch_mode_min_query: int | None = 256
+    # FA3's split-KV count of every call (0: its heuristic, per step on the device from the
+    # lengths; vLLM bounds it for CUDA graphs only to size a persistent buffer, which FA3's
+    # graph-captured allocation does not need here).
+    fa3_num_splits: int = 0
+
+
+@dataclass(frozen=True)
+class FlashInferTuning:
+    """FlashInfer's split-KV decode plans (``routing.flashinfer_*``)."""
+
+    # A decode part with fewer (request, KV head) items than SMs is cut into fixed chunks of
+    # about one CTA per SM -- until a chunk would hold at least own_rule_min_chunk_keys keys,
+    # where FlashInfer's own rule is as good. None: FlashInfer's own rule always.
+    own_rule_min_chunk_keys: int | None = 4096
+    # CUDA-graph decode batches of fewer items than SMs plan on a budget of one CTA per SM
+    # (FlashInfer's own graph rule aims at two, one-page chunks).
+    graph_one_cta_per_sm: bool = True
+
+
+@dataclass(frozen=True)
+class CompositeTuning:
+    """COMPOSITE_SM90's choice between FlashInfer, FA4 and TRITON_ATTN per decode part
+    (``routing.composite_decode_route``). Waves: (request, KV head) items per SM."""
+
+    # TRITON_ATTN's unsplit decode for decodes short enough for its many-items tile
+    # (TritonTuning), up to this many items per SM (None: never).
+    triton_max_items_per_sm: float | None = 8.0
+    # FA4 in its decode tile (FlashAttnTuning.decode_tile): from fa4_min_waves to one wave at
+    # up to fa4_max_keys_below_wave keys, or at any length from fa4_any_keys_from_waves; from
+    # fa4_many_waves on at fa4_many_waves_min_keys keys or more. None: never.
+    fa4_min_waves: float | None = 0.4
+    fa4_max_keys_below_wave: int = 8192
+    fa4_any_keys_from_waves: float = 0.9
+    fa4_many_waves: float = 2.0
+    fa4_many_waves_min_keys: int = 16384
+    # FA4 in its own tile (no decode tile for the spec): above plain_fa4_min_waves, below one
+    # wave, at up to plain_fa4_max_keys keys (None: never).
+    plain_fa4_min_waves: float | None = 0.7
+    plain_fa4_max_keys: int = 4096
+    # CUDA-graph decode sizes whose items are within these waves run FA4 in its decode tile
+    # instead of FlashInfer's graph decode (None: never).
+    graph_fa4_waves: tuple[float, float] | None = (0.7, 2.0)

@@ -1,0 +1,104 @@
+"""The recurrent-state family's tunables: its Triton kernels' blocks and the chunked prefill's
+thresholds (each field's measurement: ``docs/tuning.md``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SSMTuning"]
+
+
+@dataclass(frozen=True)
+class SSMTuning:
+    """The recurrent-state family (``backends/ssm``)."""
+
+    # Gated DeltaNet and Mamba2 steps run chunked (tensor-core products over chunks of
+    # gdn_chunk / mamba2_chunk tokens; GDN in the WY form) on GPUs when their longest request
+    # has at least this many new tokens, token by token below (decodes, speculative decodes,
+    # short prefills): the recurrence reads the inputs one token at a time, the chunked form a
+    # chunk. GDN's chunk is the side of the WY inverse, a chain of log2(chunk) - 1 squarings
+    # of [chunk, chunk] (from 64 on, two chains over the halves; H200: 32 beats 64 by
+    # 1.1-1.2x either way); Mamba2's chunk sets how many [heads, P, N] states the prefill
+    # writes and reads back between its launches (one a chunk; H200: 128 is slower than 256).
+    # The crossover length is unmeasured.
+    chunked_min_query_len: int = 64
+    gdn_chunk: int = 32
+    mamba2_chunk: int = 256
+    # The token-by-token kernels (decodes): one program a request, head and block of state
+    # columns (GDN: value columns; Mamba2: head channels), the block in registers over the
+    # request's tokens. Larger blocks give each program more bytes in flight, smaller ones
+    # give small batches more programs: GDN's block is decode_block_v, halved (not below 32)
+    # while its launch has fewer than decode_min_programs programs. H200, 4 warps: 128
+    # columns 3.50 against 3.19 TB/s (64) at batch 1024, equal at 64; 8 warps and 2 warps
+    # slower; Mamba2's 32 and 64 channels equal.
+    decode_block_v: int = 128
+    decode_min_programs: int = 4096
+    decode_block_p: int = 32
+    decode_num_warps: int = 4
+    # A decode kernel's state read evict-first and its write a streaming store (.cs): a
+    # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
+    # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68
+    # at batch 64 / 256), so only GDN's are on.
+    gdn_decode_streaming: bool = True
+    mamba2_decode_streaming: bool = False
+    # GDN's chunked prefill: value columns a program of its state hand-off (fewer: more
+    # programs for few requests; more: each chunk's w and k read fewer times), halved (not
+    # below 32) while the hand-off has fewer than gdn_state_min_programs programs, and of its
+    # output launch (more: q k^T computed fewer times). H200, hand-off device time at 1 x 8k /
+    # 8 x 2k / 64 x 512: 64 columns 0.45 / 0.36 / 0.76 ms, 32 0.41 / 0.55 / 0.97, 16 0.52 /
+    # 0.78 / 1.53; outputs at 128 columns slower than 64.
+    gdn_state_block_v: int = 64
+    gdn_state_min_programs: int = 256
+    gdn_output_block_v: int = 64
+    # Warps of GDN's three chunked launches (WY factors, state hand-off, outputs): chains of
+    # small [chunk, chunk] / [chunk, 128] products, bound by their latency -- fewer warps a
+    # program let more programs share an SM (H200: 4 warps 1.3-1.7x faster than 8 for the WY
+    # and output launches; the hand-off slower on 8).
+    gdn_wy_warps: int = 4
+    gdn_state_warps: int = 4
+    gdn_output_warps: int = 4
+    # Loads of the hand-off's next chunks issued ahead of its chain (Triton num_stages).
+    gdn_state_stages: int = 2
+    # Mamba2's chunked prefill: rows of a chunk an output program (at most the chunk; 16-64)
+    # and its warps, head channels a program of the state hand-off (H200: 32 rows on 4 warps
+    # 1.9x faster than 64 on 8; 64 channels 1.6x faster than 16 at 64 x 512).
+    mamba2_block: int = 32
+    mamba2_num_warps: int = 4
+    mamba2_state_block_p: int = 64
+    # Keys of the chunk an output program steps at a time (0: mamba2_block). H200, 64 x 512:
+    # 64 with 32 rows was 1.5x slower than 32 (docs/tuning.md).
+    mamba2_key_block: int = 0
+    # Software-pipeline stages of the output programs' key loop (H200, 64 x 512: 1 stage
+    # 0.93 ms against 1.14 at 3 (Triton's default), 1.20 at 4), and the contribution launch's
+    # rows a step (16 up to the chunk) and warps (64 rows on 4 warps 0.26 ms against 0.39 for
+    # 32 on 8, 0.50 for 128 on 8, 0.30 for 16 on 4).
+    mamba2_num_stages: int = 1
+    mamba2_contrib_block: int = 64
+    mamba2_contrib_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, low in (("gdn_chunk", 16), ("mamba2_chunk", 16), ("decode_block_v", 1),
+                          ("decode_block_p", 1), ("decode_num_warps", 1),
+                          ("gdn_state_block_v", 16), ("gdn_output_block_v", 16),
+                          ("mamba2_block", 16), ("mamba2_num_warps", 1),
+                          ("mamba2_state_block_p", 1), ("gdn_wy_warps", 1),
+                          ("gdn_state_warps", 1), ("gdn_output_warps", 1),
+                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1)):
+            v = getattr(self, name)
+            if v < low or v & (v - 1):
+                raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
+                                 + (" (the chunked kernels' tensor-core tiles)" if low == 16
+                                    else ""))
+        for name in ("mamba2_num_stages", "gdn_state_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
+        for name in ("decode_min_programs", "gdn_state_min_programs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
+        k = self.mamba2_key_block
+        if k and (k < 16 or k & (k - 1)):
+            raise ValueError(f"tuning.ssm.mamba2_key_block={k} must be 0 (mamba2_block) or a "
+                             "power of two >= 16 (the output launch's tensor-core tiles)")
+        if self.mamba2_block > 64:
+            raise ValueError(f"tuning.ssm.mamba2_block={self.mamba2_block} must be <= 64 "
+                             "(the output launch at 128 rows failed to launch on the H200)")
