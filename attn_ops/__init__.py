@@ -27,7 +27,7 @@ _resolve_ops_on_lookup()
 
 _EXPORTS = {
     "AttentionSpec": "spec", "AttentionType": "spec", "KVCacheDType": "spec",
-    "LayerKind": "spec", "Feature": "spec", "yarn_mscale": "spec", "MLAAttention": "mla",
+    "LayerKind": "spec", "Feature": "spec", "yarn_mscale": "spec", "MLAAttention": "layers.mla",
     "Platform": "platforms", "PlatformKind": "platforms", "current_platform": "platforms",
     "Reason": "capabilities", "BackendCapabilities": "capabilities",
     "CUDAGraphSupport": "capabilities", "HeadDims": "capabilities", "MultipleOf": "capabilities",
@@ -41,8 +41,8 @@ _EXPORTS = {
     "split_decodes_and_prefills": "metadata",
     "BlockAllocator": "kv_cache", "KVCacheLayout": "kv_cache", "allocate_kv_cache": "kv_cache",
     "AttentionBackend": "backend",
-    "Attention": "layer", "alibi_slopes": "layer", "build_step_metadata": "layer",
-    "step_backends": "layer",
+    "Attention": "layers.attention", "alibi_slopes": "layers.attention",
+    "build_step_metadata": "layers.attention", "step_backends": "layers.attention",
     "set_debug_checks": "ops",
     "Tuning": "tuning", "resolve_tuning": "tuning",
 }

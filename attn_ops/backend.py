@@ -68,7 +68,7 @@ class AttentionBackend:
 
     def metadata_key(self) -> tuple:
         """Layers whose implementations share this key share one built metadata per step
-        (see :func:`attn_ops.layer.build_step_metadata`); it holds the tuning's hash, so
+        (see :func:`attn_ops.layers.attention.build_step_metadata`); it holds the tuning's hash, so
         layers tuned differently never share a plan. The default fits the default
         :meth:`build_metadata` (the common metadata itself, whatever the spec); a backend
         whose metadata depends on its spec names those fields here."""

@@ -216,7 +216,7 @@ def demo_hybrid(args) -> int:
     """A hybrid decoder (attention + recurrent layers on one allocator) generating, its prompts
     in chunks of 16 tokens, then decodes; checked against one prefill of the same tokens
     (states carried step to step must give the logits a single pass gives)."""
-    from attn_ops.hybrid_model import HybridConfig, HybridGenerator, HybridModel
+    from attn_ops.models.hybrid import HybridConfig, HybridGenerator, HybridModel
 
     torch.manual_seed(args.seed)
     cfg = HybridConfig(num_layers=args.layers, dtype=_DTYPES[args.dtype],
@@ -256,7 +256,7 @@ def demo_hybrid(args) -> int:
 def cmd_demo(args) -> int:
     if args.hybrid:
         return demo_hybrid(args)
-    from attn_ops.model import Generator, ModelConfig, TinyLlama
+    from attn_ops.models.llama import Generator, ModelConfig, TinyLlama
 
     torch.manual_seed(args.seed)
     cfg = ModelConfig(num_layers=args.layers, dtype=_DTYPES[args.dtype])

@@ -10,7 +10,7 @@ ordinary :class:`~attn_ops.metadata.CommonAttentionMetadata` whose device tensor
 the buffers. Backends then build their own metadata from it with
 :meth:`~attn_ops.backend.AttentionBackend.graph_metadata` (host planning included, into buffers
 of their own kept in :attr:`CUDAGraphBatch.backend_state`);
-:func:`attn_ops.layer.build_step_metadata` does both for a model.
+:func:`attn_ops.layers.attention.build_step_metadata` does both for a model.
 
 Padding: requests ``n..S-1`` have no query tokens, no cached tokens and an all-zero block-table
 row; tokens past the real ones have slot ``-1`` (the cache write skips them). Stale tails from
@@ -172,14 +172,13 @@ def resolve_cudagraph_support(model: torch.nn.Module,
                               wanted: CUDAGraphSupport = CUDAGraphSupport.ALWAYS
                               ) -> CUDAGraphSupport:
     """The CUDA-graph level a model can run at: ``wanted``, lowered to the least any of its
-    :class:`~attn_ops.layer.Attention` / :class:`~attn_ops.mla.MLAAttention` layers' backends
-    supports (for that layer's spec on its
-    platform). When that lowers it, one log line names the level, the first layer that lowered
-    it and its backend -- a model is never captured at a level one of its layers cannot
-    replay correctly."""
+    :class:`~attn_ops.layers.attention.Attention` / :class:`~attn_ops.layers.mla.MLAAttention`
+    layers' backends supports (for that layer's spec on its platform). When that lowers it,
+    one log line names the level, the first layer that lowered it and its backend -- a model is
+    never captured at a level one of its layers cannot replay correctly."""
     import logging
 
-    from attn_ops.layer import BackendLayer
+    from attn_ops.layers.attention import BackendLayer
 
     level, culprit = wanted, None
     for name, layer in model.named_modules():
@@ -205,7 +204,7 @@ def partition_ops(model: torch.nn.Module,
     Ops of backends that support no capture at all (REFERENCE reads lengths on the host,
     FLEX_ATTENTION) also carry ``torch.Tag.cudagraph_unsafe``, which Inductor honours
     without this list."""
-    from attn_ops.layer import Attention
+    from attn_ops.layers.attention import Attention
 
     names: list[str] = []
     for layer in model.modules():
@@ -222,8 +221,8 @@ class CUDAGraphRunner:
     """A model's step captured in a CUDA graph per capture size, then replayed (full graphs).
 
     ``forward(input_ids, positions, kv_caches, step)`` is the model or a compiled version of it
-    (:class:`attn_ops.model.TinyLlama`'s signature). Each call writes the step's metadata into
-    ``graphs``' persistent buffers (:func:`attn_ops.build_step_metadata` with ``graphs``: host
+    (:class:`attn_ops.models.llama.TinyLlama`'s signature). Each call writes the step's metadata
+    into ``graphs``' persistent buffers (:func:`attn_ops.build_step_metadata` with ``graphs``: host
     planning included) and the token ids and positions into static buffers; the first batch
     of a size is run twice on a side stream (compiling, warming up) and captured, later ones
     only replay. Returns the output rows of the real tokens (a view into the graph's output:
@@ -245,7 +244,7 @@ class CUDAGraphRunner:
                              f"below {graphs.required_support.name} that these batches need "
                              "(the log names the layer); capture piecewise instead "
                              "(attn_ops.cudagraph.partition_ops) or run it eagerly")
-        from attn_ops.layer import step_backends
+        from attn_ops.layers.attention import step_backends
 
         self.model, self.forward, self.graphs, self.kv_caches = model, forward, graphs, kv_caches
         self.backends = step_backends(model)
@@ -256,7 +255,7 @@ class CUDAGraphRunner:
         self.pool = None
 
     def __call__(self, input_ids: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
-        from attn_ops.layer import build_step_metadata
+        from attn_ops.layers.attention import build_step_metadata
 
         n = common.num_actual_tokens
         rows = self.graphs.size_for(common.num_reqs) * self.graphs.query_len

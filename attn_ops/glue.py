@@ -9,7 +9,7 @@ cache, return the rotated query -- leaving attention and its glue at two ops per
 
 * ``torch.ops.attn.rope(x [T, H, D], cos_sin [T, D]) -> [T, H, D]``: rotate-half (NeoX/Llama)
   RoPE; ``cos_sin`` holds cos in its first half and sin in its second
-  (:func:`attn_ops.model.rope_cache`), computed in float32 (float64 for float64 ``x``),
+  (:func:`attn_ops.models.llama.rope_cache`), computed in float32 (float64 for float64 ``x``),
   returned in ``x.dtype``.
 * ``torch.ops.attn.slot_mapping(positions [T], query_start_loc [B+1], block_table [B, W],
   block_size) -> [T] int64``: ``block_table[r, p // block_size] * block_size + p % block_size``

@@ -128,7 +128,7 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
     sinks = torch.randn(spec.num_heads, generator=g).to(device) if spec.has_sinks else None
     slopes = None
     if spec.use_alibi:
-        from attn_ops.layer import alibi_slopes
+        from attn_ops.layers.attention import alibi_slopes
         slopes = alibi_slopes(spec.num_heads).to(device)
     return PagedCase(spec, meta, query, cache, sinks, slopes, *scales, dense_kv=dense)
 
@@ -229,10 +229,10 @@ def sqnr_db(result: torch.Tensor, truth: torch.Tensor) -> float:
 def compiled_and_eager_layer(spec: AttentionSpec, backend: str, scenario: Scenario, *,
                              device: str = "cpu", seed: int = 1, tuning=None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(compiled, eager)`` outputs of one :class:`~attn_ops.layer.Attention` layer forced to
-    ``backend`` on a random ``scenario`` batch (new K/V written by the layer): once through
-    ``torch.compile(fullgraph=True)``, once eagerly on a copy of the cache."""
-    from attn_ops.layer import Attention
+    """``(compiled, eager)`` outputs of one :class:`~attn_ops.layers.attention.Attention` layer
+    forced to ``backend`` on a random ``scenario`` batch (new K/V written by the layer): once
+    through ``torch.compile(fullgraph=True)``, once eagerly on a copy of the cache."""
+    from attn_ops.layers.attention import Attention
     from attn_ops.selector import AttentionConfig
 
     attn = Attention(spec, AttentionConfig(backend=backend, tuning=tuning)).to(device)

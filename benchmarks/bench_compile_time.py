@@ -23,7 +23,7 @@ import json, sys, time, torch
 from torch._dynamo.utils import counters
 from attn_ops import build_step_metadata
 from attn_ops.metadata import build_batch
-from attn_ops.model import Generator, ModelConfig, TinyLlama
+from attn_ops.models.llama import Generator, ModelConfig, TinyLlama
 mode, layers = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
 cfg = ModelConfig(num_layers=layers, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,

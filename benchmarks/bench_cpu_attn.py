@@ -1,6 +1,6 @@
 """CPU_ATTN vs REFERENCE vs "torch SDPA on the same data already gathered into dense tensors".
 
-Shapes are the demo's (``attn_ops.model.ModelConfig`` defaults): 8 query heads / 2 KV heads,
+Shapes are the demo's (``attn_ops.models.llama.ModelConfig`` defaults): 8 query heads / 2 KV heads,
 head_dim 32, fp32, block size 16, pages handed out in random order
 (``BlockAllocator(shuffle=True)``), NHD cache. Scenarios:
 
@@ -25,7 +25,7 @@ All three outputs are cross-checked against each other before timing (``TOL``: m
 1e-4 of the largest value), so the benchmark cannot time wrong code: a scenario whose outputs
 disagree is recorded with its errors and "mismatch", not timed, and gets no ratio. The SDPA
 anchor is called by keyword. Everything runs under ``torch.inference_mode()`` (as
-``attn_ops.model.Generator`` does), with torch's default thread count.
+``attn_ops.models.llama.Generator`` does), with torch's default thread count.
 
 FLOPs and bytes (per request i with s_i keys in total and n_i queries, causal):
   visible_i = n_i * (s_i - n_i) + n_i * (n_i + 1) / 2        query-key pairs that are computed

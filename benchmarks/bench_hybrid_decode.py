@@ -37,7 +37,7 @@ PREFILL_CHUNK = 256  # the HF anchor's cache-filling prefill, tokens a call
 
 def config(args, dtype):
     from attn_ops.backends.ssm.spec import GatedDeltaNetSpec
-    from attn_ops.hybrid_model import HybridConfig
+    from attn_ops.models.hybrid import HybridConfig
 
     if args.quick:
         return HybridConfig(vocab_size=128, hidden_size=64, num_layers=4, num_heads=4,
@@ -56,7 +56,7 @@ def ours(cfg, args, device) -> dict:
     from attn_ops import AttentionConfig, build_batch, build_step_metadata, step_backends
     from attn_ops.backends.ssm.metadata import build_state_metadata
     from attn_ops.cudagraph import CUDAGraphBatch
-    from attn_ops.hybrid_model import HybridGraphRunner, HybridModel
+    from attn_ops.models.hybrid import HybridGraphRunner, HybridModel
     from attn_ops.kv_cache import BlockAllocator
 
     torch.manual_seed(0)

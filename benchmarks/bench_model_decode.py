@@ -49,10 +49,10 @@ COPY_TBS = 4.27  # H200 device-to-device copy bandwidth (../shared/gpu/README.md
 
 
 def model_config(args, dtype):
-    from attn_ops.model import ModelConfig
+    from attn_ops.models.llama import ModelConfig
 
     if args.mla:  # DeepSeek-V2-Lite's attention and dense MLP (its first layer's), no MoE
-        from attn_ops.mla_model import MLAModelConfig
+        from attn_ops.models.deepseek import MLAModelConfig
 
         if args.quick:
             return MLAModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
@@ -79,8 +79,8 @@ class Engine:
     def __init__(self, cfg, backend, batch, ctx, device):
         from attn_ops import AttentionConfig
         from attn_ops.kv_cache import BlockAllocator
-        from attn_ops.mla_model import MLAModelConfig, TinyDeepseek
-        from attn_ops.model import TinyLlama
+        from attn_ops.models.deepseek import MLAModelConfig, TinyDeepseek
+        from attn_ops.models.llama import TinyLlama
 
         torch.manual_seed(0)
         model_cls = TinyDeepseek if isinstance(cfg, MLAModelConfig) else TinyLlama
@@ -208,7 +208,7 @@ def hf_model(cfg, ctx, device):
     (random weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from attn_ops.mla_model import MLAModelConfig
+    from attn_ops.models.deepseek import MLAModelConfig
 
     if isinstance(cfg, MLAModelConfig):
         return hf_deepseek(cfg, ctx, device)
@@ -259,7 +259,7 @@ def hf_cross_check(model, hf, device) -> dict:
     from attn_ops import build_step_metadata, step_backends
     from attn_ops.kv_cache import BlockAllocator
     from attn_ops.metadata import build_batch
-    from attn_ops.mla_model import TinyDeepseek, load_hf_deepseek
+    from attn_ops.models.deepseek import TinyDeepseek, load_hf_deepseek
 
     (load_hf_deepseek if isinstance(model, TinyDeepseek) else load_hf_llama)(model, hf)
     n, t = HF_PROMPT
@@ -370,7 +370,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 -- recorded: an anchor that fails is a result
             hf["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if args.mla and hf_anchor is not None:  # (our RoPE must be the HF config's)
-            from attn_ops.mla_model import hf_rope_config
+            from attn_ops.models.deepseek import hf_rope_config
 
             cfg = dataclasses.replace(cfg, **hf_rope_config(hf_anchor.config))
     if args.mla:

@@ -22,7 +22,7 @@ and reports the per-call overhead (target: <= 5 us per call). This difference of
 timings is noisier than Parts 1-2; read it with its p25..p75 spread.
 
 All parts run with autograd on (plain eager) and under ``torch.inference_mode()`` (how
-``attn_ops.model.Generator`` runs). Overhead = median over rounds of (op - bare) measured in
+``attn_ops.models.llama.Generator`` runs). Overhead = median over rounds of (op - bare) measured in
 the same round.
 
     python benchmarks/bench_op_overhead.py [--quick] [--out PATH]

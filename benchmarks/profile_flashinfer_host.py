@@ -56,7 +56,7 @@ def graph_step_us(spec, tuning, facts) -> dict[str, float]:
     from attn_ops.cudagraph import CUDAGraphBatch
     from attn_ops.kv_cache import BlockAllocator
     from attn_ops.metadata import build_batch
-    from attn_ops.model import ModelConfig, TinyLlama
+    from attn_ops.models.llama import ModelConfig, TinyLlama
 
     b, ctx, page = 64, 2048, 16
     width = -(-(ctx + 1) // page)

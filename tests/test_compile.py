@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attn_ops import Attention, AttentionConfig, AttentionSpec
-from attn_ops.model import Generator, ModelConfig, TinyLlama
+from attn_ops.models.llama import Generator, ModelConfig, TinyLlama
 from attn_ops.testing import SCENARIOS, make_case
 
 # These run the CPU backends (fp32, tiny heads) and so run in CPU CI; on a GPU machine the

@@ -63,7 +63,7 @@ from attn_ops.compile_passes import fusion_passes  # noqa: E402
 from attn_ops.compile_passes.base import attn_ops_in, graph_text  # noqa: E402
 from attn_ops.kv_cache import BlockAllocator  # noqa: E402
 from attn_ops.metadata import build_batch  # noqa: E402
-from attn_ops.model import ModelConfig, TinyLlama  # noqa: E402
+from attn_ops.models.llama import ModelConfig, TinyLlama  # noqa: E402
 
 
 def _tiny(device_slot_mapping=True, layers=2, window=None, fp8_out=False):

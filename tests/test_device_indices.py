@@ -339,7 +339,7 @@ BAD_COLUMN = (1, 1)  # that page's block-table entry
 
 
 def _write_inputs(fp8=False):
-    from attn_ops.model import rope_cache
+    from attn_ops.models.llama import rope_cache
 
     meta = _write_batch()
     g = torch.Generator().manual_seed(3)

@@ -173,7 +173,7 @@ def test_layers_that_need_different_plans_get_different_step_metadata_keys():
 
 def test_build_step_metadata_builds_once_per_key():
     from attn_ops import build_step_metadata
-    from attn_ops.model import ModelConfig, TinyLlama
+    from attn_ops.models.llama import ModelConfig, TinyLlama
 
     cfg = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                       intermediate_size=64, vocab_size=32, sliding_window=8,

@@ -9,7 +9,7 @@ import torch
 from attn_ops.glue import rope, rope_kv_cache_update, slot_mapping
 from attn_ops.kv_cache import BlockAllocator, kv_cache_update
 from attn_ops.metadata import build_batch
-from attn_ops.model import rope_cache
+from attn_ops.models.llama import rope_cache
 
 BLOCK = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_ops.hybrid_model import HybridConfig, HybridGenerator, HybridModel
+from attn_ops.models.hybrid import HybridConfig, HybridGenerator, HybridModel
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
 

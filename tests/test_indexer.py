@@ -167,7 +167,7 @@ def test_hf_deepseek_v32_indexer_selects_the_same_positions(cache_dtype):
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
         DeepseekV32Indexer, DeepseekV32RotaryEmbedding)
 
-    from attn_ops.mla_indexer import MLAIndexer
+    from attn_ops.layers.mla_indexer import MLAIndexer
 
     torch.manual_seed(4)
     cfg = DeepseekV32Config(hidden_size=64, q_lora_rank=32, index_n_heads=4, index_head_dim=32,

@@ -1511,7 +1511,7 @@ def test_fa4_gets_the_mha_parts_query_offsets_from_the_host_copy(monkeypatch):
 
 def _rope_case(fp8=False, device="cpu", dtype=torch.float32):
     """A decode, a prefill and 2 padding rows; NaN-poisoned pages; q [T, 4, 16 + 8]."""
-    from attn_ops.model import rope_cache
+    from attn_ops.models.llama import rope_cache
 
     alloc = BlockAllocator(NUM_BLOCKS, 4, shuffle=True, seed=1)
     meta = build_batch(alloc, [0, 1], [5, 0], [1, 6], num_tokens_padded=9, device=device)
@@ -1580,7 +1580,7 @@ def test_compiled_layer_fuses_rope_into_the_latent_write(backend):
     from attn_ops.compile_passes import fusion_passes
     from attn_ops.compile_passes.base import attn_ops_in, graph_text
     from attn_ops.compile_passes.manager import AttnPassManager
-    from attn_ops.model import rope_cache
+    from attn_ops.models.llama import rope_cache
 
     layer, _, args = _op_args(backend)
     q, kv_c, k_pe, cache = args[:4]
@@ -1709,7 +1709,7 @@ def test_tiny_deepseek_reproduces_hf_deepseek_v3_for_causal_lm(q_lora_rank):
     into TinyDeepseek; a prefill of two requests, then two decode steps through our paged
     latent caches, against HF's logits over each whole sequence."""
     transformers = pytest.importorskip("transformers")
-    from attn_ops.mla_model import MLAModelConfig, TinyDeepseek, load_hf_deepseek
+    from attn_ops.models.deepseek import MLAModelConfig, TinyDeepseek, load_hf_deepseek
 
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,

@@ -310,7 +310,7 @@ def test_bad_slot_inputs_name_the_shape_and_the_fix():
     with pytest.raises(ValueError, match="topk_slots given to a dense MLA layer"):
         dense(q, new[:, :32], new[:, 32:], cache_d, case["meta"],
               topk_slots=torch.zeros(5, 8, dtype=torch.int32, device=DEVICE))
-    from attn_ops.mla_indexer import MLAIndexer
+    from attn_ops.layers.mla_indexer import MLAIndexer
 
     indexer = MLAIndexer(24, 20, num_heads=2, head_dim=16, rope_dim=8, topk=TOPK)
     keys, scales = indexer.allocate_cache(NUM_BLOCKS, 2 * PAGE, torch.float32)
@@ -344,7 +344,7 @@ def test_sparse_op_passes_opcheck(backend):
 def test_indexer_then_sparse_layer_compiles_with_no_graph_break(backend):
     """MLAIndexer (index-key write, top-k, slots) then the sparse layer (latent write,
     attention), one compiled fullgraph function, equal to eager."""
-    from attn_ops.mla_indexer import MLAIndexer
+    from attn_ops.layers.mla_indexer import MLAIndexer
 
     dtype = torch.float32  # (the index-key cache's widest dtype)
     reqs = SCENARIOS["mixed"]
@@ -397,7 +397,7 @@ def test_hf_deepseek_v32_attention_is_reproduced_over_prefill_chunks_and_decode(
         DeepseekV32Attention, DeepseekV32RotaryEmbedding)
 
     from attn_ops.backends.mla.indexer import allocate_index_cache
-    from attn_ops.mla_indexer import MLAIndexer
+    from attn_ops.layers.mla_indexer import MLAIndexer
 
     torch.manual_seed(6)
     heads, nope, rope, rank, v, topk = 4, 16, 8, 32, 12, 6
@@ -474,7 +474,7 @@ def test_real_sizes_replay_in_cuda_graphs_as_eager(cache):
     shape, each against eager on copies of the caches."""
     from attn_ops.backends.mla.indexer import FP8
     from attn_ops.backends.mla.sparse import sparse_mla_torch
-    from attn_ops.mla_indexer import MLAIndexer
+    from attn_ops.layers.mla_indexer import MLAIndexer
     from attn_ops.testing import capture_graph
 
     torch.manual_seed(0)
@@ -714,7 +714,7 @@ def test_sparse_tiny_deepseek_reproduces_hf_deepseek_v32_for_causal_lm(backend):
     mid-prompt, then a decode, through our paged latent and index-key caches (fp32 keys),
     against HF's logits over each whole sequence (top-k 5 of up to 17 positions)."""
     transformers = pytest.importorskip("transformers")
-    from attn_ops.mla_model import MLAModelConfig, TinyDeepseek, load_hf_deepseek
+    from attn_ops.models.deepseek import MLAModelConfig, TinyDeepseek, load_hf_deepseek
 
     hf_cfg = transformers.DeepseekV32Config(
         vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,

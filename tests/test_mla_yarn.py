@@ -1,7 +1,7 @@
 """YaRN RoPE scaling (every released DeepSeek-V2/V3 config's ``rope_scaling``) in TinyDeepseek,
 against HF transformers' ``DeepseekV3ForCausalLM`` with the same weights: its frequencies,
 its factor on cos/sin and its softmax scale (``mscale_all_dim``), through
-:func:`attn_ops.mla_model.load_hf_deepseek`.
+:func:`attn_ops.models.deepseek.load_hf_deepseek`.
 
 The configs pretrain at 32 positions (``original_max_position_embeddings``) and run sequences
 past it, so the interpolated frequencies matter; ``qk_rope_head_dim`` 16 with the given bases
@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attn_ops import AttentionConfig, BlockAllocator, build_batch  # noqa: E402
-from attn_ops.mla_model import (MLAModelConfig, TinyDeepseek, YarnScaling,  # noqa: E402
+from attn_ops.models.deepseek import (MLAModelConfig, TinyDeepseek, YarnScaling,  # noqa: E402
                                 hf_rope_config, load_hf_deepseek)
 from attn_ops.platforms import current_platform  # noqa: E402
 

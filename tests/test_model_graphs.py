@@ -20,7 +20,7 @@ from attn_ops import AttentionConfig, build_step_metadata, get_backend_class
 from attn_ops.capabilities import CUDAGraphSupport
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.metadata import build_batch
-from attn_ops.model import ModelConfig, TinyLlama
+from attn_ops.models.llama import ModelConfig, TinyLlama
 from attn_ops.platforms import current_platform
 
 PLATFORM = current_platform()

@@ -700,7 +700,7 @@ LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one toke
 def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(kind):
     """HF's module on each request's whole sequence at once (its torch path) against our layer
     fed the same tokens over four steps of mixed batches, its states in permuted slots."""
-    from attn_ops.ssm_layers import GatedDeltaNet, Mamba2Mixer, ShortConv
+    from attn_ops.layers.ssm import GatedDeltaNet, Mamba2Mixer, ShortConv
 
     kernels = {"gated_deltanet": "fla", "mamba2": "mamba_ssm", "bamba_mamba2": "mamba_ssm"}
     if kind in kernels and importlib.util.find_spec(kernels[kind]) is not None:

@@ -16,7 +16,7 @@
 ``cos_sin`` is ``[cos | sin]`` per token as the model computes it, used as given (nothing here
 derives it from a base): a scaled RoPE -- YaRN's frequencies and its factor on cos and sin, so
 ``cos ** 2 + sin ** 2`` need not be 1 -- reaches the eager, fused and GPU-kernel paths alike
-through it (:func:`attn_ops.mla_model.mla_rope_cache` builds DeepSeek's).
+through it (:func:`attn_ops.models.deepseek.mla_rope_cache` builds DeepSeek's).
 """
 
 from __future__ import annotations

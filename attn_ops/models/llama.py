@@ -14,7 +14,7 @@ from torch import nn
 
 from attn_ops.glue import quantize_fp8_op
 from attn_ops.kv_cache import BlockAllocator
-from attn_ops.layer import Attention, build_step_metadata, step_backends
+from attn_ops.layers.attention import Attention, build_step_metadata, step_backends
 from attn_ops.metadata import CommonAttentionMetadata, build_batch
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig

@@ -1,4 +1,4 @@
-"""A small hybrid decoder: attention layers (:class:`attn_ops.model.DecoderLayer`) between
+"""A small hybrid decoder: attention layers (:class:`attn_ops.models.llama.DecoderLayer`) between
 recurrent-state layers (Gated DeltaNet, as Qwen3-Next lays them out, or Mamba2, as the Mamba2
 hybrids do), each recurrent layer a pre-norm mixer then an MLP -- on one allocator, whose
 blocks page the attention layers' KV caches and whose state slots hold the recurrent layers'
@@ -22,11 +22,11 @@ from attn_ops.backends.ssm.metadata import StateGraphBatch, StateMetadata, build
 from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
 from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, StateCache
 from attn_ops.kv_cache import BlockAllocator
-from attn_ops.layer import build_step_metadata, step_backends
+from attn_ops.layers.attention import build_step_metadata, step_backends
 from attn_ops.metadata import build_batch
-from attn_ops.model import DecoderLayer, ModelConfig, RMSNorm, rope_cache, shared_block_size
+from attn_ops.models.llama import DecoderLayer, ModelConfig, RMSNorm, rope_cache, shared_block_size
 from attn_ops.selector import AttentionConfig
-from attn_ops.ssm_layers import GatedDeltaNet, Mamba2Mixer
+from attn_ops.layers.ssm import GatedDeltaNet, Mamba2Mixer
 
 __all__ = ["HybridConfig", "HybridGenerator", "HybridGraphRunner", "HybridModel"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from attn_ops.layer import BackendLayer
+from attn_ops.layers.attention import BackendLayer
 from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
@@ -88,7 +88,7 @@ class MLAAttention(BackendLayer):
         is applied here (``torch.ops.attn.mla_rope``; compiled with our passes it fuses into
         the latent write); without it they come rotated. ``topk_slots`` ``[T, index_topk]``
         int32: a sparse layer's (``spec.index_topk`` set) selected cache slots per token, -1
-        padded (:class:`attn_ops.mla_indexer.MLAIndexer`'s second output); dense layers take
+        padded (:class:`attn_ops.layers.mla_indexer.MLAIndexer`'s second output); dense layers take
         none."""
         from attn_ops.backends.mla.common import mla_cache_update
         from attn_ops.backends.mla.rope import mla_rope

@@ -1,10 +1,10 @@
 """A small DeepSeek-style decoder built on :class:`attn_ops.MLAAttention` (dense MLP), with
-the :class:`~attn_ops.model.TinyLlama` calling convention: ``forward(input_ids [T], positions
+the :class:`~attn_ops.models.llama.TinyLlama` calling convention: ``forward(input_ids [T], positions
 [T], latent_caches, metadata) -> logits``. Used by the tests (against HF transformers'
 ``DeepseekV3ForCausalLM`` and, sparse, ``DeepseekV32ForCausalLM``: :func:`load_hf_deepseek`)
 and the whole-step benchmark. With ``MLAModelConfig.index_topk`` set every layer is sparse
-(DeepSeek-V3.2): an :class:`~attn_ops.mla_indexer.MLAIndexer` picks each token's positions and
-the layer attends to those only; each layer's cache is then ``(latent, index_keys,
+(DeepSeek-V3.2): an :class:`~attn_ops.layers.mla_indexer.MLAIndexer` picks each token's
+positions and the layer attends to those only; each layer's cache is then ``(latent, index_keys,
 index_scales)``.
 
 RoPE is rotate-half on the rope dims; DeepSeek-V3's interleaved RoPE is that on deinterleaved
@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from attn_ops.mla import MLAAttention
-from attn_ops.mla_indexer import MLAIndexer
-from attn_ops.model import RMSNorm, rope_cache, shared_block_size
+from attn_ops.layers.mla import MLAAttention
+from attn_ops.layers.mla_indexer import MLAIndexer
+from attn_ops.models.llama import RMSNorm, rope_cache, shared_block_size
 from attn_ops.platforms import Platform
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec, yarn_mscale

@@ -201,7 +201,7 @@ def _as_heads(name: str, x: torch.Tensor, tokens: int | None, heads: int, dim: i
 
 def step_backends(model: nn.Module) -> list[tuple[tuple, Any]]:
     """``(metadata key, backend)`` of the attention layers of ``model`` (:class:`Attention`,
-    :class:`~attn_ops.mla.MLAAttention`), one per
+    :class:`~attn_ops.layers.mla.MLAAttention`), one per
     distinct key: what :func:`build_step_metadata` builds for. An engine computes it once and
     passes it instead of the model -- walking the modules costs ~0.8 us each, every step (220
     us for a 32-layer model on the CPU CI machine)."""
