@@ -1007,7 +1007,8 @@ else:
     SSM_DIMS = dict(conv=6, short=5, hk=2, hv=4, dk=5, dv=3, h=4, p=3, g=2, n=5)
     SSM_LENS, SSM_CTX = [1, 1, 5, 3], [4, 2, 0, 6]
 SSM_SLOTS, SSM_NUM_SLOTS, SSM_CHUNK = [3, 7, 1, 5], 9, 4
-SSM_OPS = ("causal_conv1d", "short_conv", "gated_delta_rule", "mamba2_ssd")
+SSM_OPS = ("causal_conv1d", "short_conv", "gated_delta_rule", "mamba2_ssd", "mamba1_scan")
+SSM_MAX_QUERY_LEN_OPS = ("gated_delta_rule", "mamba2_ssd", "mamba1_scan")  # (take the bound)
 
 
 class SSMHarness:
@@ -1024,7 +1025,7 @@ class SSMHarness:
         self.target = target
         self.op, kernel = target.split("/")
         self.kinds = ("state_slot", "qsl_beyond", "qsl_nonmonotone", "dtype") + (
-            ("max_query_len",) if self.op in ("gated_delta_rule", "mamba2_ssd") else ()) + (
+            ("max_query_len",) if self.op in SSM_MAX_QUERY_LEN_OPS else ()) + (
             "state_slot_far",)
         self.g = torch.Generator().manual_seed(zlib.crc32(target.encode()))
         self.tol = 1e-4
@@ -1052,6 +1053,13 @@ class SSMHarness:
                            "g": -torch.nn.functional.softplus(r(self.rows, d["hv"])),
                            "beta": torch.sigmoid(r(self.rows, d["hv"]))}
             state = r(SSM_NUM_SLOTS, d["hv"], d["dk"], d["dv"])
+        elif self.op == "mamba1_scan":
+            c = d["h"] * d["p"]  # (channels)
+            self.inputs = {"x": r(self.rows, c), "dt": r(self.rows, c),
+                           "A": -r(c, d["n"]).exp(), "B": r(self.rows, d["n"]),
+                           "C": r(self.rows, d["n"]), "D": r(c), "z": r(self.rows, c),
+                           "dt_bias": r(c)}
+            state = r(SSM_NUM_SLOTS, c, d["n"])
         else:
             self.inputs = {"x": r(self.rows, d["h"], d["p"]), "dt": r(self.rows, d["h"]),
                            "A": -r(d["h"]).exp(), "B": r(self.rows, d["g"], d["n"]),
@@ -1076,6 +1084,7 @@ class SSMHarness:
     def run(self, args, meta, states):
         from attn_ops.backends.ssm.conv import causal_conv1d
         from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
+        from attn_ops.backends.ssm.mamba1 import mamba1_scan
         from attn_ops.backends.ssm.mamba2 import mamba2_ssd
         from attn_ops.backends.ssm.short_conv import short_conv
 
@@ -1089,6 +1098,9 @@ class SSMHarness:
         if self.op == "gated_delta_rule":
             return gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], s, *step, mql,
                                     SSM_DIMS["dk"] ** -0.5, True)
+        if self.op == "mamba1_scan":
+            return mamba1_scan(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["z"],
+                               a["dt_bias"], s, *step, mql, True)
         return mamba2_ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["z"], a["dt_bias"],
                           s, *step, mql, True, 0.01, 2.0)
 
@@ -1133,7 +1145,8 @@ def _ssm_targets():
                and (k is Kernel.SSM_TORCH or TRITON_HERE)]
     for op in SSM_OPS:
         for k in kernels:
-            if k.name == "SSM_TRITON_CHUNKED" and op in ("causal_conv1d", "short_conv"):
+            if k.name == "SSM_TRITON_CHUNKED" and op in ("causal_conv1d", "short_conv",
+                                                         "mamba1_scan"):
                 continue  # (no chunked kernel: the routing sends them to the torch body)
             yield f"{op}/{k.name}"
 
@@ -1165,7 +1178,7 @@ def _kinds(family: str, target: str) -> tuple[str, ...]:
     if family == "indexer":
         return IDX_KINDS[target.split("/")[0]]
     ssm = ("state_slot", "qsl_beyond", "qsl_nonmonotone", "dtype")
-    if target.split("/")[0] in ("gated_delta_rule", "mamba2_ssd"):
+    if target.split("/")[0] in SSM_MAX_QUERY_LEN_OPS:
         ssm += ("max_query_len",)
     return ssm + ("state_slot_far",)
 

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from attn_ops.backends.ssm.conv import causal_conv1d
 from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule, l2norm
+from attn_ops.backends.ssm.mamba1 import mamba1_scan
 from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 from attn_ops.backends.ssm.metadata import (NULL_STATE_SLOT, build_state_metadata,
                                             chunk_boundaries)
 from attn_ops.backends.ssm.short_conv import short_conv
-from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvSpec
+from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba1Spec, Mamba2Spec, ShortConvSpec
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.ops import set_debug_checks
 from attn_ops.testing import capture_graph
@@ -283,7 +284,43 @@ class Mamba2Kind(Kind):
         return torch.stack(out) if out else seq["x"][:0], [s]
 
 
-KINDS = {k.name: k for k in (Conv, ShortConvKind, GDN, Mamba2Kind)}
+class Mamba1Kind(Kind):
+    name, D, N = "mamba1_scan", 6, 4
+
+    def __init__(self, g):
+        super().__init__(g)
+        self.A = -self.rand(self.D, self.N).exp()
+        self.Dskip, self.dt_bias = self.rand(self.D), self.rand(self.D)
+
+    def tokens(self, n):
+        return {"x": self.rand(n, self.D), "dt": self.rand(n, self.D),
+                "B": self.rand(n, self.N), "C": self.rand(n, self.N), "z": self.rand(n, self.D)}
+
+    def states(self, slots):
+        return [torch.full((slots, self.D, self.N), math.nan, dtype=F64)]
+
+    op = mamba1_scan
+
+    def args(self, inp, states, m):
+        return (inp["x"], inp["dt"], self.A, inp["B"], inp["C"], self.Dskip, inp["z"],
+                self.dt_bias, states[0], m.query_start_loc, m.state_indices,
+                m.has_initial_state, m.max_query_len, True)
+
+    def oracle(self, seq):
+        s = torch.zeros(self.D, self.N, dtype=F64)
+        out = []
+        for t in range(seq["x"].shape[0]):
+            y = torch.zeros(self.D, dtype=F64)
+            for d in range(self.D):  # (each channel its own time step and rates)
+                dt = float(F.softplus(seq["dt"][t, d] + self.dt_bias[d]))
+                s[d] = torch.exp(dt * self.A[d]) * s[d] + dt * seq["x"][t, d] * seq["B"][t]
+                y[d] = (s[d] @ seq["C"][t] + self.Dskip[d] * seq["x"][t, d]) \
+                    * F.silu(seq["z"][t, d])
+            out.append(y)
+        return torch.stack(out) if out else seq["x"][:0], [s]
+
+
+KINDS = {k.name: k for k in (Conv, ShortConvKind, GDN, Mamba2Kind, Mamba1Kind)}
 
 # Schedules: each step lists (request, new tokens); request r's whole length is the sum.
 SCENARIOS = {
@@ -689,8 +726,30 @@ def _hf_short_conv():
                                                 state_dtype=torch.float32)
 
 
+def _hf_mamba1():
+    from transformers import MambaConfig
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+
+    cfg = MambaConfig(hidden_size=12, state_size=5, expand=2, conv_kernel=4, time_step_rank=3,
+                      use_conv_bias=True, use_bias=True, num_hidden_layers=1)
+    return MambaMixer(cfg, 0), Mamba1Spec(d_inner=24, d_state=5, conv_kernel=4,
+                                          dtype=torch.float32)
+
+
+def _hf_falcon_mamba():
+    from transformers import FalconMambaConfig
+    from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaMixer
+
+    cfg = FalconMambaConfig(hidden_size=12, state_size=5, expand=2, conv_kernel=4,
+                            time_step_rank=3, use_conv_bias=True, num_hidden_layers=1,
+                            mixer_rms_eps=1e-6)
+    # (its weight init reads its norms before they exist; every weight is set by the test)
+    hf = FalconMambaMixer(cfg, 0, initialize_mixer_weights=False)
+    return hf, Mamba1Spec(d_inner=24, d_state=5, conv_kernel=4, dtype=torch.float32)
+
+
 PEERS = {"gated_deltanet": _hf_gdn, "mamba2": _hf_mamba2, "bamba_mamba2": _hf_bamba,
-         "short_conv": _hf_short_conv}
+         "short_conv": _hf_short_conv, "mamba1": _hf_mamba1, "falcon_mamba": _hf_falcon_mamba}
 LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one token)
                   [(1, 1), (0, 5), (2, 3)],          # a decode, prefills resuming mid-chunk
                   [(0, 1), (1, 1), (2, 1)], [(2, 1), (0, 1), (1, 1)]]  # decodes
@@ -700,9 +759,10 @@ LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one toke
 def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(kind):
     """HF's module on each request's whole sequence at once (its torch path) against our layer
     fed the same tokens over four steps of mixed batches, its states in permuted slots."""
-    from attn_ops.layers.ssm import GatedDeltaNet, Mamba2Mixer, ShortConv
+    from attn_ops.layers.ssm import GatedDeltaNet, Mamba1Mixer, Mamba2Mixer, ShortConv
 
-    kernels = {"gated_deltanet": "fla", "mamba2": "mamba_ssm", "bamba_mamba2": "mamba_ssm"}
+    kernels = {"gated_deltanet": "fla", "mamba2": "mamba_ssm", "bamba_mamba2": "mamba_ssm",
+               "mamba1": "mamba_ssm", "falcon_mamba": "mamba_ssm"}
     if kind in kernels and importlib.util.find_spec(kernels[kind]) is not None:
         pytest.skip(f"{kernels[kind]} is installed: HF's module calls its CUDA kernels (CPU "
                     "tensors too); the peer is HF's torch path, run where it is absent")
@@ -711,11 +771,12 @@ def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(
     with torch.no_grad():  # (random weights everywhere, HF's zero / one inits included)
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-        if kind.endswith("mamba2"):
+        if "mamba" in kind:
             hf.A_log.copy_(torch.randn_like(hf.A_log) * 0.5)
     hf.eval()
     ours = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2Mixer, "bamba_mamba2": Mamba2Mixer,
-            "short_conv": ShortConv}[kind].from_hf(hf, spec)
+            "short_conv": ShortConv, "mamba1": Mamba1Mixer,
+            "falcon_mamba": Mamba1Mixer}[kind].from_hf(hf, spec)
     hidden = hf.out_proj.out_features
     lengths = {}
     for step in LAYER_SCHEDULE:
@@ -776,6 +837,9 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
         if chunked:
             return ck.gdn_chunked_triton(*head, scale, l2, chunk=16)
         return tk.gdn_recurrent_triton(*head, scale, l2, block, streaming=streaming)
+    if kind == "mamba1_scan":
+        *head, _, soft = args
+        return tk.mamba1_recurrent_triton(*head, soft, block)
     *head, _, soft, lo, hi = args
     if chunked:
         return ck.ssd_chunked_triton(*head, soft, lo, hi, chunk=16)
@@ -794,6 +858,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     head, the last one partial) and without the decode kernels' state cache hints."""
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
+    from attn_ops.backends.ssm.mamba1 import mamba1_reference
     from attn_ops.backends.ssm.mamba2 import mamba2_reference
 
     k = KINDS[kind](torch.Generator().manual_seed(4))
@@ -812,7 +877,8 @@ def test_triton_kernels_match_the_reference(kind, scenario):
             bb, c, x = bcx.chunk(3, dim=1)
             y, new, where = conv_reference(bb * x, w, b, st, qsl, slots, init, "")
             return c * y, new, where
-        return (gdn_reference if kind == "gated_delta_rule" else mamba2_reference)(*args)
+        return {"gated_delta_rule": gdn_reference, "mamba1_scan": mamba1_reference,
+                "mamba2_ssd": mamba2_reference}[kind](*args)
 
     spec = scenario == "speculative"
     schedule = SCENARIOS["mixed" if spec else scenario]

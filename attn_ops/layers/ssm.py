@@ -5,6 +5,9 @@
   L2-normalized, a gated RMSNorm per value head, ``out_proj``);
 * :class:`Mamba2Mixer` -- Mamba2 (``in_proj`` to ``[z | x B C | dt]``, a SiLU causal conv,
   the SSD recurrence with D, the gated grouped RMSNorm, ``out_proj``);
+* :class:`Mamba1Mixer` -- Mamba / Falcon-Mamba / Jamba's Mamba layers (``in_proj`` to ``[x |
+  z]``, a SiLU causal conv over ``x``, ``x_proj`` to ``[dt | B | C]`` (RMS-normalized in
+  Falcon-Mamba), ``dt_proj``, the selective scan with D, times ``silu(z)``, ``out_proj``);
 * :class:`ShortConv` -- LFM2's gated short convolution (``in_proj`` to ``[B | C | x]``,
   ``out_proj``).
 
@@ -22,12 +25,15 @@ from torch import nn
 
 from attn_ops.backends.ssm.conv import causal_conv1d
 from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
+from attn_ops.backends.ssm.mamba1 import mamba1_scan
 from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 from attn_ops.backends.ssm.metadata import StateMetadata
 from attn_ops.backends.ssm.short_conv import short_conv
-from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, ShortConvSpec, StateCache
+from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, Mamba1Spec, Mamba2Spec, ShortConvSpec,
+                                       StateCache)
 
-__all__ = ["GatedDeltaNet", "Mamba2Mixer", "ShortConv", "gated_rms_norm"]
+__all__ = ["GatedDeltaNet", "Mamba1Mixer", "Mamba2Mixer", "ShortConv", "gated_rms_norm",
+           "weightless_rms_norm"]
 
 
 def _load(layer: nn.Module, module: nn.Module, pairs) -> nn.Module:
@@ -164,6 +170,65 @@ class Mamba2Mixer(nn.Module):
                        float(self.dt_limit[0]), float(self.dt_limit[1]))
         y = gated_rms_norm(y.reshape(t, inner), gate, self.norm_weight, self.eps,
                            group_size=inner // s.n_groups, norm_before_gate=False)
+        return self.out_proj(y.to(hidden.dtype))
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dim without a weight, in fp32, back in ``x``'s dtype (Falcon-Mamba's
+    norms of dt, B and C)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Mamba1Mixer(nn.Module):
+    """``rms_eps`` (Falcon-Mamba): dt, B and C RMS-normalized without weights before the
+    scan; None (Mamba, Jamba): not."""
+
+    def __init__(self, spec: Mamba1Spec, hidden_size: int, dt_rank: int, *,
+                 conv_bias: bool = True, bias: bool = False,
+                 rms_eps: float | None = None) -> None:
+        super().__init__()
+        self.spec, self.hidden_size, self.dt_rank, self.rms_eps = spec, hidden_size, dt_rank, \
+            rms_eps
+        s = spec
+        self.in_proj = nn.Linear(hidden_size, 2 * s.d_inner, bias=bias)
+        self.conv_weight = nn.Parameter(torch.zeros(s.d_inner, s.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.zeros(s.d_inner)) if conv_bias else None
+        self.x_proj = nn.Linear(s.d_inner, dt_rank + 2 * s.d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, s.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(s.d_inner, s.d_state))
+        self.D = nn.Parameter(torch.ones(s.d_inner))
+        self.out_proj = nn.Linear(s.d_inner, hidden_size, bias=bias)
+
+    @classmethod
+    def from_hf(cls, module, spec: Mamba1Spec) -> Mamba1Mixer:
+        """Ours with the weights of HF's ``MambaMixer`` or ``FalconMambaMixer`` ``module``."""
+        layer = cls(spec, module.hidden_size, module.time_step_rank,
+                    conv_bias=module.conv1d.bias is not None,
+                    bias=module.in_proj.bias is not None,
+                    rms_eps=getattr(module, "rms_eps", None))
+        return _load(layer, module, [
+            *_linears((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj),
+                      (layer.dt_proj, module.dt_proj)),
+            (layer.x_proj.weight, module.x_proj.weight),
+            (layer.conv_weight, module.conv1d.weight[:, 0]),
+            (layer.conv_bias, module.conv1d.bias), (layer.A_log, module.A_log),
+            (layer.D, module.D)])
+
+    def forward(self, hidden: torch.Tensor, states: StateCache,
+                meta: StateMetadata) -> torch.Tensor:
+        s = self.spec
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)
+        x = causal_conv1d(x, self.conv_weight, self.conv_bias, states.conv,
+                          meta.query_start_loc, meta.state_indices, meta.has_initial_state,
+                          "silu")
+        ts, B, C = self.x_proj(x).split([self.dt_rank, s.d_state, s.d_state], dim=-1)
+        if self.rms_eps is not None:
+            ts, B, C = (weightless_rms_norm(u, self.rms_eps) for u in (ts, B, C))
+        dt = F.linear(ts, self.dt_proj.weight)  # (its bias goes into the scan, in fp32)
+        y = mamba1_scan(x, dt, -self.A_log.float().exp(), B, C, self.D, z, self.dt_proj.bias,
+                        states.recurrent, meta.query_start_loc, meta.state_indices,
+                        meta.has_initial_state, meta.max_query_len, True)
         return self.out_proj(y.to(hidden.dtype))
 
 

@@ -1,8 +1,8 @@
 """A small hybrid decoder: attention layers (:class:`attn_ops.models.llama.DecoderLayer`) between
-recurrent-state layers (Gated DeltaNet, as Qwen3-Next lays them out, or Mamba2, as the Mamba2
-hybrids do), each recurrent layer a pre-norm mixer then an MLP -- on one allocator, whose
-blocks page the attention layers' KV caches and whose state slots hold the recurrent layers'
-states. Used by the demo, the tests and the benchmarks.
+recurrent-state layers (Gated DeltaNet, as Qwen3-Next lays them out; Mamba2, as the Mamba2
+hybrids do; or Mamba1, as Jamba does), each recurrent layer a pre-norm mixer then an MLP -- on
+one allocator, whose blocks page the attention layers' KV caches and whose state slots hold the
+recurrent layers' states. Used by the demo, the tests and the benchmarks.
 
 ``forward(input_ids [T], positions [T], kv_caches, states, metadata, state_metadata)`` takes a
 step's flattened tokens (decodes first), one KV cache per attention layer and one
@@ -20,22 +20,24 @@ from torch import nn
 
 from attn_ops.backends.ssm.metadata import StateGraphBatch, StateMetadata, build_state_metadata
 from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
-from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba2Spec, StateCache
+from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba1Spec, Mamba2Spec, StateCache
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.layers.attention import build_step_metadata, step_backends
 from attn_ops.metadata import build_batch
 from attn_ops.models.llama import DecoderLayer, ModelConfig, RMSNorm, rope_cache, shared_block_size
 from attn_ops.selector import AttentionConfig
-from attn_ops.layers.ssm import GatedDeltaNet, Mamba2Mixer
+from attn_ops.layers.ssm import GatedDeltaNet, Mamba1Mixer, Mamba2Mixer
 
-__all__ = ["HybridConfig", "HybridGenerator", "HybridGraphRunner", "HybridModel"]
+__all__ = ["HybridConfig", "HybridGenerator", "HybridGraphRunner", "HybridModel", "LINEAR_KINDS"]
+
+LINEAR_KINDS = ("gated_deltanet", "mamba2", "mamba1")  # the recurrent layers it builds
 
 
 @dataclass(frozen=True)
 class HybridConfig(ModelConfig):
-    """``ModelConfig`` plus the recurrent layers: ``linear_kind`` (``"gated_deltanet"`` or
-    ``"mamba2"``) and every ``full_attention_every``-th layer (3, 7, ... for 4: Qwen3-Next's
-    3 : 1) an attention layer."""
+    """``ModelConfig`` plus the recurrent layers: ``linear_kind`` (``"gated_deltanet"``,
+    ``"mamba2"`` or ``"mamba1"``) and every ``full_attention_every``-th layer (3, 7, ... for
+    4: Qwen3-Next's 3 : 1; Jamba's is 8) an attention layer."""
 
     linear_kind: str = "gated_deltanet"
     full_attention_every: int = 4
@@ -43,11 +45,13 @@ class HybridConfig(ModelConfig):
                                                head_v_dim=32, dtype=torch.float32)
     mamba2: Mamba2Spec = Mamba2Spec(num_heads=8, head_dim=32, d_state=16, n_groups=2,
                                     dtype=torch.float32)
+    mamba1: Mamba1Spec = Mamba1Spec(d_inner=128, d_state=16, dtype=torch.float32)
+    mamba1_dt_rank: int = 8
 
     def __post_init__(self) -> None:
-        if self.linear_kind not in ("gated_deltanet", "mamba2"):
-            raise ValueError(f"linear_kind={self.linear_kind!r} must be 'gated_deltanet' or "
-                             "'mamba2'")
+        if self.linear_kind not in LINEAR_KINDS:
+            raise ValueError(f"linear_kind={self.linear_kind!r} must be one of "
+                             f"{', '.join(LINEAR_KINDS)}")
         if self.full_attention_every < 1:
             raise ValueError(f"full_attention_every={self.full_attention_every} must be >= 1")
 
@@ -56,7 +60,8 @@ class HybridConfig(ModelConfig):
 
     @property
     def state_spec(self):
-        spec = self.gdn if self.linear_kind == "gated_deltanet" else self.mamba2
+        spec = {"gated_deltanet": self.gdn, "mamba2": self.mamba2,
+                "mamba1": self.mamba1}[self.linear_kind]
         return dataclasses.replace(spec, dtype=self.dtype)
 
 
@@ -65,8 +70,11 @@ class RecurrentLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        mixer = GatedDeltaNet if cfg.linear_kind == "gated_deltanet" else Mamba2Mixer
-        self.mixer = mixer(cfg.state_spec, h, cfg.rms_norm_eps)
+        if cfg.linear_kind == "mamba1":
+            self.mixer = Mamba1Mixer(cfg.state_spec, h, cfg.mamba1_dt_rank)
+        else:
+            mixer = GatedDeltaNet if cfg.linear_kind == "gated_deltanet" else Mamba2Mixer
+            self.mixer = mixer(cfg.state_spec, h, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)

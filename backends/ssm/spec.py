@@ -7,7 +7,8 @@ A state cache holds ``num_slots`` rows (:class:`~attn_ops.kv_cache.BlockAllocato
   convolution, oldest first, channels contiguous (a decode reads a row of channels at a time);
 * Gated DeltaNet recurrent state ``[slots, num_v_heads, head_k_dim, head_v_dim]`` (``S`` with
   ``o = S^T q``: HF's and fla's layout);
-* Mamba2 SSM state ``[slots, num_heads, head_dim, d_state]``.
+* Mamba2 SSM state ``[slots, num_heads, head_dim, d_state]``;
+* Mamba1 SSM state ``[slots, d_inner, d_state]`` (a state row per channel).
 
 The conv state is in the model dtype; the recurrent state in ``state_dtype`` (fp32 by default:
 a state integrates every token of a request, and bf16 rounding of it compounds).
@@ -21,7 +22,8 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-__all__ = ["GatedDeltaNetSpec", "Mamba2Spec", "ShortConvSpec", "StateCache", "StateSpec"]
+__all__ = ["GatedDeltaNetSpec", "Mamba1Spec", "Mamba2Spec", "ShortConvSpec", "StateCache",
+           "StateSpec"]
 
 
 class StateCache(NamedTuple):
@@ -137,6 +139,28 @@ class Mamba2Spec(StateSpec):
 
     def recurrent_shape(self) -> tuple[int, ...]:
         return (self.num_heads, self.head_dim, self.d_state)
+
+
+@dataclass(frozen=True)
+class Mamba1Spec(StateSpec):
+    """Mamba (Mamba1; Falcon-Mamba, Jamba's Mamba layers): ``d_inner`` channels, each with its
+    own ``d_state`` SSM state row and its own time step; one convolution over ``x``."""
+
+    d_inner: int = 5120
+    d_state: int = 16
+    conv_kernel: int = 4
+    dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
+    chunk_size: int = 256
+
+    kind = "mamba1"
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner
+
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return (self.d_inner, self.d_state)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ them in the tests):
   block of value columns, the state block held in registers over the request's tokens: one
   read and one write of the state per step (a decode's whole cost);
 * :func:`ssd_recurrent_kernel` -- Mamba2's state update the same way, per request, head and
-  block of head channels.
+  block of head channels;
+* :func:`mamba1_recurrent_kernel` -- Mamba1's, per request and block of channels (each
+  channel's ``d_state`` row).
 
 The recurrences step token by token: the decode form, right for any batch (speculative and
 short prefills included); long prefills are their chunked kernels' work.
@@ -26,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv_triton", "gdn_recurrent_triton", "ssd_recurrent_triton"]
+__all__ = ["conv_triton", "gdn_recurrent_triton", "mamba1_recurrent_triton",
+           "ssd_recurrent_triton"]
 
 
 @triton.jit
@@ -429,6 +432,78 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
         NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
         SOFTPLUS=dt_softplus, **_state_cache_hints(streaming), num_warps=num_warps)
+    return y
+
+
+@triton.jit
+def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
+                            state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
+                            stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                            stride_a,
+                            stride_ss, stride_sd, num_tokens, num_slots,
+                            NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
+                            SOFTPLUS: tl.constexpr):
+    """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: each channel's
+    ``d_state`` row of the state in registers over the request's tokens, its own time step
+    and rates, B and C shared by the channels."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < D_INNER
+    n_ok = offs_n < N
+    start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots, 0,
+        offs_d, offs_n, d_ok, n_ok, stride_sd, num_tokens, "")
+    a = tl.load(a_ptr + offs_d[:, None] * stride_a + offs_n[None, :],
+                mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    for t in range(start, end):
+        dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        dt = dt + dt_bias
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        x = tl.load(x_ptr + t * stride_xt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + t * stride_bt + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        cc = tl.load(c_ptr + t * stride_ct + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        s = s * tl.exp(dt[:, None] * a) + (dt * x)[:, None] * bb[None, :]
+        y = tl.sum(s * cc[None, :], axis=1) + d_skip * x
+        if HAS_Z:
+            z = tl.load(z_ptr + t * stride_zt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+        _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
+                   stride_idx, stride_ss, num_slots, offs_d, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, "")
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
+                       d_ok)
+
+
+def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                            state_indices, has_initial_state, dt_softplus, block_d: int = 64,
+                            num_warps: int = 4) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` token by token, ``block_d`` channels a program (inputs
+    already checked)."""
+    x, dt, B, C = (u if u.stride(-1) == 1 else u.contiguous() for u in (x, dt, B, C))
+    z = z if z is None or z.stride(-1) == 1 else z.contiguous()
+    A = A if A.stride(-1) == 1 else A.contiguous()
+    t, d = x.shape
+    n = A.shape[1]
+    b = query_start_loc.shape[0] - 1
+    if b == 0:
+        return torch.zeros_like(x)
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    block_d = min(triton.next_power_of_2(d), block_d)
+    D, dt_bias = _or_zeros(D, d, x.device), _or_zeros(dt_bias, d, x.device)
+    mamba1_recurrent_kernel[(b, triton.cdiv(d, block_d))](
+        x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
+        state_indices, has_initial_state, state_indices.stride(0), x.stride(0), y.stride(0),
+        dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0), C.stride(0),
+        A.stride(0), state.stride(0), state.stride(1), t, state.shape[0],
+        NUM_WRITES=_num_writes(state_indices), D_INNER=d, N=n, BLOCK_D=block_d,
+        BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None, SOFTPLUS=dt_softplus,
+        num_warps=num_warps)
     return y
 
 

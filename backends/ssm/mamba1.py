@@ -1,0 +1,137 @@
+"""``torch.ops.attn.mamba1_scan``: Mamba's (Mamba1's) selective scan over a step's new tokens,
+each request continuing from its SSM state, and the state update.
+
+Per channel ``d`` with ``dt' = softplus(dt + dt_bias)`` (softplus with ``dt_softplus``):
+``state_t[d] = exp(dt'_d A[d]) * state_{t-1}[d] + dt'_d x_t[d] B_t`` (``[d_state]`` a channel,
+``A[d]`` its own ``d_state`` rates), ``y_t[d] = state_t[d] . C_t + D[d] x_t[d]``, times
+``silu(z_t[d])`` where ``z`` is given. Every channel has its own time step (Mamba2 shares one a
+head) and B, C are one ``d_state`` vector a token, shared by the channels.
+
+``x`` ``[T, d_inner]``, ``dt`` ``[T, d_inner]`` (before ``dt_bias``), ``A`` ``[d_inner, d_state]``
+(negative: ``-exp(A_log)``), ``B`` / ``C`` ``[T, d_state]``, ``D`` ``[d_inner]`` or None, ``z``
+``[T, d_inner]`` or None, ``dt_bias`` ``[d_inner]`` or None, ``state`` ``[slots, d_inner,
+d_state]``. Padding rows, initial states, speculative writes, ``max_query_len`` and the checks as
+in :data:`~attn_ops.backends.ssm.mamba2.mamba2_ssd` (x, B, C and z of one floating dtype; a
+state slot outside ``state`` absent: the request runs from a zero state, none of its states
+written). The torch body is the reference and the CPU path (token by token over all requests
+at once, fp32; fp64 for fp64 inputs); on GPUs the Triton kernel
+(:func:`~attn_ops.backends.ssm.triton_kernels.mamba1_recurrent_triton`) steps token by token,
+one program a request and block of channels, the state block in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
+                                          compute_dtype, padded_steps, padded_tokens,
+                                          read_states, sanitized_starts, split_slots,
+                                          step_writes, store_states, use_triton)
+from attn_ops.ops import define_op
+
+__all__ = ["mamba1_reference", "mamba1_scan"]
+
+
+def _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len) -> None:
+    op = "mamba1_scan"
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [num_tokens, d_inner], got {tuple(x.shape)}")
+    check_inputs(op, x.device, {"x": x, "B": B, "C": C, "z": z, "dt": dt, "A": A, "D": D,
+                                "dt_bias": dt_bias, "state": state},
+                 same_dtype=("x", "B", "C", "z"))
+    t, d = x.shape
+    if A.dim() != 2 or A.shape[0] != d:
+        raise ValueError(f"{op}: A must be [d_inner={d}, d_state], got {tuple(A.shape)}")
+    n = A.shape[1]
+    for name, val, want in (("dt", dt, (t, d)), ("B", B, (t, n)), ("C", C, (t, n)),
+                            ("D", D, (d,)), ("z", z, (t, d)), ("dt_bias", dt_bias, (d,))):
+        if val is not None and tuple(val.shape) != want:
+            raise ValueError(f"{op}: {name} must be {list(want)}, got {tuple(val.shape)}")
+    check_step(op, query_start_loc, state_indices, has_initial_state, state, "state",
+               {"d_inner": d, "d_state": n}, max_query_len)
+
+
+def mamba1_reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                     has_initial_state, max_query_len, dt_softplus):
+    """The op's torch body, returning ``(y, states, slots)`` in the compute dtype: the output
+    and the states the step writes at ``slots`` (nothing written here), as
+    :func:`~attn_ops.backends.ssm.mamba2.mamba2_reference`."""
+    _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len)
+    return _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                      has_initial_state, dt_softplus)
+
+
+def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+               has_initial_state, dt_softplus):
+    dtype = compute_dtype(x)
+    t, d = x.shape
+    x, dt, A, B, C = (u.to(dtype) for u in (x, dt, A, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    read, writes = split_slots(state_indices)
+    s = read_states(state, read, has_initial_state, dtype)  # [B, d_inner, d_state]
+    out = x.new_zeros(t + 1, d)
+    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
+    steps = padded_steps(query_start_loc, t)
+    rows, valid = padded_tokens(query_start_loc, steps)
+    lens = valid.sum(1)
+    written, slots = [], []
+    for i in range(steps):
+        r, ok = rows[:, i], valid[:, i]
+        decay = (dt[r][..., None] * A).exp()  # [B, d_inner, d_state]
+        updated = s * decay + (dt[r] * x[r])[..., None] * B[r][:, None, :]
+        s = torch.where(ok[:, None, None], updated, s)
+        out.index_copy_(0, torch.where(ok, r, t), (s * C[r][:, None, :]).sum(-1))
+        if writes is not None:
+            written.append(s)
+            slots.append(step_writes(writes, lens, i))
+    y = out[:t]
+    if D is not None:
+        y = y + D.to(dtype) * x
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    rows_real = torch.arange(t, device=x.device) < query_start_loc[-1]
+    y = torch.where(rows_real[:, None], y, torch.zeros_like(y))
+    if writes is None:
+        return y, s, read
+    return y, torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
+
+
+def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+          has_initial_state, max_query_len, dt_softplus):
+    _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len)
+    check_step_values("mamba1_scan", query_start_loc, state_indices, x.shape[0],
+                      state.shape[0], max_query_len)
+    if use_triton(x):
+        from attn_ops.backends.ssm.triton_kernels import mamba1_recurrent_triton
+        from attn_ops.tuning import default_tuning
+
+        t = default_tuning().ssm
+        return mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                                       state_indices, has_initial_state, dt_softplus,
+                                       t.mamba1_block_d, t.decode_num_warps)
+    y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                             state_indices, has_initial_state, dt_softplus)
+    store_states(state, slots, s)
+    return y.to(x.dtype)
+
+
+def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+          has_initial_state, max_query_len, dt_softplus):
+    _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+           has_initial_state, max_query_len)
+    return torch.empty_like(x)
+
+
+mamba1_scan = define_op(
+    "mamba1_scan",
+    "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, "
+    "Tensor(a!) state, Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
+    "int max_query_len, bool dt_softplus) -> Tensor",
+    _impl, _fake)
