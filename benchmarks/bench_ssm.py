@@ -1,13 +1,15 @@
 """Recurrent-state layers on the H200: our ops against flash-linear-attention (Gated DeltaNet)
-and mamba-ssm (Mamba2), side by side in one run, on the same inputs and states, each anchor's
-outputs and final states cross-checked against ours.
+and mamba-ssm (Mamba2, Mamba1), side by side in one run, on the same inputs and states, each
+anchor's outputs and final states cross-checked against ours.
 
 * ``decode`` -- one token per request, every request continuing from its state, at
   ``--batches`` (default B = 1, 64, 256, 1024): the GDN op (Qwen3-Next shapes: 16 key / 32
   value heads of 128, fp32 state) with its conv update (conv width 8192, kernel 4) and without,
   the Mamba2 op (80 heads x 64, d_state 128, 1 group, fp32 state) with its conv update (conv
-  width 5376) and without. Bytes = every state read and written once (+ the step's inputs and
-  outputs) -> TB/s; ``copy``: a device-to-device copy of the same state bytes in the same run.
+  width 5376) and without, the Mamba1 op (Mamba-2.8B: 5120 channels, d_state 16, fp32 state)
+  with its conv update (width 5120) and without. Bytes = every state read and written once
+  (+ the step's inputs and outputs) -> TB/s; ``copy``: a device-to-device copy of the same
+  state bytes in the same run.
 * ``prefill`` -- ``--prefills`` (default 1 x 8k, 4 x 4k, 32 x 1k tokens) from zero states, in
   M tokens/s.
 
@@ -26,6 +28,10 @@ Anchors, called by keyword, every layout of each timed (the anchor's best layout
 * Mamba2 prefill: mamba-ssm's ``mamba_chunk_scan_combined`` (chunk 256) --
   ``mamba_ssm_varlen`` (``seq_idx`` + ``cu_seqlens``, ``return_varlen_states``),
   ``mamba_ssm_batch`` (``[B, L, H, P]``, ``return_final_states``).
+* Mamba1 decode: mamba-ssm's ``selective_state_update`` in its Mamba1 layout (``[B, D, N]``
+  states, A ``[D, N]``) -- ``mamba_ssm`` and ``mamba_ssm_indexed`` as for Mamba2.
+* Mamba1 prefill: mamba-ssm's ``selective_scan_fn`` (its CUDA extension, where it is built) --
+  ``mamba_ssm_batch`` (``[B, D, L]``, ``return_last_state``).
 
 Cross-check (``_common.cross_check``): ours and every anchor run once from the same initial
 states before timing; outputs and final states must agree within ``TOLERANCE`` (max |ours -
@@ -39,7 +45,7 @@ time (above 1: ours is faster), for each timing, per anchor layout and against t
 fastest layout (``best_fla`` / ``best_mamba_ssm``, only when every layout of it agreed).
 
     python benchmarks/bench_ssm.py [--only decode prefill] [--batches 1 64 256 1024]
-        [--prefills 1x8192 4x4096 32x1024] [--kinds gated_deltanet mamba2]
+        [--prefills 1x8192 4x4096 32x1024] [--kinds gated_deltanet mamba2 mamba1]
         [--without fla_varlen copy ...] [--no-eager] [--rounds R] [--out PATH]
 """
 
@@ -62,6 +68,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 DEVICE = "cuda"  # (the cross-checks also run on the CPU, Triton's interpreter running anchors)
 GDN = {"hk": 16, "hv": 32, "dk": 128, "dv": 128, "kernel": 4}
 M2 = {"h": 80, "p": 64, "n": 128, "g": 1, "kernel": 4}
+M1 = {"d": 5120, "n": 16, "kernel": 4}
 DECODE_BATCHES = (1, 64, 256, 1024)
 PREFILLS = ((1, 8192), (4, 4096), (32, 1024))
 MAMBA_CHUNK = 256
@@ -76,8 +83,8 @@ TOLERANCE = {"decode": {"out": 2e-2, "state": 1e-3}, "prefill": {"out": 5e-2, "s
 
 def state_bytes(kind: str, batch: int) -> int:
     """Every state of ``batch`` requests read and written once, bytes (fp32)."""
-    c = GDN if kind == "gated_deltanet" else M2
-    elems = c["hv"] * c["dk"] * c["dv"] if kind == "gated_deltanet" else c["h"] * c["p"] * c["n"]
+    elems = {"gated_deltanet": GDN["hv"] * GDN["dk"] * GDN["dv"],
+             "mamba2": M2["h"] * M2["p"] * M2["n"], "mamba1": M1["d"] * M1["n"]}[kind]
     return batch * elems * 4 * 2
 
 
@@ -86,6 +93,8 @@ def io_bytes(kind: str, tokens: int) -> int:
     if kind == "gated_deltanet":
         c = GDN
         return tokens * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
+    if kind == "mamba1":  # x, dt, z in, y out, B and C
+        return tokens * (4 * M1["d"] + 2 * M1["n"]) * 2
     c = M2
     return tokens * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
 
@@ -327,6 +336,88 @@ def _mamba_prefill(inputs, lens, nbytes) -> dict[str, Contender]:
     return found
 
 
+def mamba1_case(batch, lens, initial=True) -> tuple[dict[str, Contender], dict[str, str]]:
+    """The contenders of a Mamba1 step (ours, with its conv update for decodes, mamba-ssm's)
+    and the anchors that could not be built here."""
+    from attn_ops.backends.ssm.mamba1 import mamba1_scan
+
+    c = M1
+    t, mql = sum(lens), max(lens)
+    qsl, slots, init, conv, conv_bytes = _step(batch, lens, initial, c["d"], c["kernel"])
+    x = torch.randn(t, c["d"], dtype=BF16, device=DEVICE)
+    dt = torch.randn(t, c["d"], dtype=BF16, device=DEVICE) * 0.5 - 2.0
+    z = torch.randn(t, c["d"], dtype=BF16, device=DEVICE)
+    A = -torch.rand(c["d"], c["n"], device=DEVICE) - 0.5
+    B = torch.randn(t, c["n"], dtype=BF16, device=DEVICE)
+    C = torch.randn(t, c["n"], dtype=BF16, device=DEVICE)
+    D = torch.randn(c["d"], device=DEVICE)
+    dt_bias = torch.randn(c["d"], device=DEVICE) * 0.1
+    state = torch.randn(batch + 1, c["d"], c["n"], dtype=F32, device=DEVICE) * 0.1
+    state0 = state.clone()
+
+    def ours():
+        return mamba1_scan(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, state=state,
+                           query_start_loc=qsl, state_indices=slots, has_initial_state=init,
+                           max_query_len=mql, dt_softplus=True)
+
+    nbytes = state_bytes("mamba1", batch) + io_bytes("mamba1", t)
+    found = {"ours": _ours(ours, state, state0, batch, nbytes)}
+    if mql == 1:
+        found["ours_with_conv"] = Contender(lambda: (conv(), ours())[1], nbytes + conv_bytes)
+    errors = {}
+    try:
+        inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+        if mql == 1:
+            found.update(_mamba1_decode(inputs, state0, slots, batch, nbytes))
+        elif len(set(lens)) == 1:
+            found.update(_mamba1_prefill(inputs, lens, nbytes))
+    except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here is recorded
+        errors["mamba_ssm"] = f"{type(e).__name__}: {e}"[:300]
+    return found, errors
+
+
+def _mamba1_decode(inputs, state0, slots, batch, nbytes) -> dict[str, Contender]:
+    """mamba-ssm's ``selective_state_update`` in its Mamba1 layout: on contiguous states in
+    request order, and through ``state_batch_indices`` on a copy of our slot pool."""
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+    kw = dict(dt_softplus=True, **inputs)
+    states = state0[1:batch + 1].clone()
+    pool = state0.clone()
+    return {
+        "mamba_ssm": Contender(
+            lambda: selective_state_update(state=states, **kw), nbytes,
+            parts=lambda out: {"out": out, "state": states},
+            reset=lambda: states.copy_(state0[1:batch + 1]), family="mamba_ssm"),
+        "mamba_ssm_indexed": Contender(
+            lambda: selective_state_update(state=pool, state_batch_indices=slots, **kw), nbytes,
+            parts=lambda out: {"out": out, "state": pool[1:batch + 1]},
+            reset=lambda: pool.copy_(state0), family="mamba_ssm")}
+
+
+def _mamba1_prefill(inputs, lens, nbytes) -> dict[str, Contender]:
+    """mamba-ssm's ``selective_scan_fn`` from zero states on ``[B, D, L]`` (equal lengths)."""
+    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+
+    n, length = len(lens), lens[0]
+    d = inputs["x"].shape[1]
+
+    def channels(u):  # [T, X] -> [B, X, L]
+        return u.view(n, length, -1).transpose(1, 2).contiguous()
+
+    args = dict(u=channels(inputs["x"]), delta=channels(inputs["dt"]), A=inputs["A"],
+                B=channels(inputs["B"]), C=channels(inputs["C"]), D=inputs["D"],
+                z=channels(inputs["z"]), delta_bias=inputs["dt_bias"], delta_softplus=True,
+                return_last_state=True)
+
+    def parts(res):
+        out, last = res
+        return {"out": out.transpose(1, 2).reshape(n * length, d), "state": last}
+
+    return {"mamba_ssm_batch": Contender(lambda: selective_scan_fn(**args), nbytes, parts,
+                                         family="mamba_ssm")}
+
+
 def cross_checks(contenders: dict[str, Contender], tol: dict[str, float]
                  ) -> tuple[dict[str, dict], dict[str, str]]:
     """Ours and every anchor once, each from the same initial states: each anchor's output and
@@ -412,7 +503,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--prefills", nargs="+", default=[f"{b}x{s}" for b, s in PREFILLS],
                         metavar="BxL", help="prefill points: B requests of L tokens")
-    parser.add_argument("--kinds", nargs="+", default=["gated_deltanet", "mamba2"])
+    parser.add_argument("--kinds", nargs="+", default=["gated_deltanet", "mamba2", "mamba1"])
     parser.add_argument("--without", nargs="*", default=[],
                         help="contenders not to run, by name or anchor family (fla, mamba_ssm, "
                              "copy, ours_with_conv, ...)")
@@ -424,7 +515,8 @@ def main() -> None:
     tuning = dataclasses.asdict(default_tuning().ssm)  # (ATTN_OPS_TUNING applied: the sweeps)
     rows = []
     cases = {kind: make for kind, make in
-             (("gated_deltanet", gdn_case), ("mamba2", mamba2_case)) if kind in args.kinds}
+             (("gated_deltanet", gdn_case), ("mamba2", mamba2_case), ("mamba1", mamba1_case))
+             if kind in args.kinds}
 
     def kept(contenders):
         return {n: c for n, c in contenders.items()
