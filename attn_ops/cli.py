@@ -351,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and prompts")
     p.add_argument("--no-compile", action="store_true",
                    help="run eagerly (default: torch.compile(fullgraph=True))")
-    p.add_argument("--hybrid", choices=["gated_deltanet", "mamba2", "mamba1"], default=None,
+    p.add_argument("--hybrid", choices=["gated_deltanet", "mamba2", "mamba1", "lightning"],
+                   default=None,
                    help="a hybrid decoder instead: every 4th layer attention, the others "
-                        "Gated DeltaNet, Mamba2 or Mamba1 (checked against one prefill of its "
-                        "tokens)")
+                        "Gated DeltaNet, Mamba2, Mamba1 or lightning attention (checked against "
+                        "one prefill of its tokens)")
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

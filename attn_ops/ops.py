@@ -139,6 +139,7 @@ OP_MODULES: dict[str, str] = {
     "indexer_slots": "attn_ops.backends.mla.indexer",
     "causal_conv1d": "attn_ops.backends.ssm.conv",
     "gated_delta_rule": "attn_ops.backends.ssm.gated_deltanet",
+    "lightning_attention": "attn_ops.backends.ssm.lightning",
     "mamba1_scan": "attn_ops.backends.ssm.mamba1",
     "mamba2_ssd": "attn_ops.backends.ssm.mamba2",
     "short_conv": "attn_ops.backends.ssm.short_conv",

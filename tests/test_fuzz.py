@@ -1007,8 +1007,11 @@ else:
     SSM_DIMS = dict(conv=6, short=5, hk=2, hv=4, dk=5, dv=3, h=4, p=3, g=2, n=5)
     SSM_LENS, SSM_CTX = [1, 1, 5, 3], [4, 2, 0, 6]
 SSM_SLOTS, SSM_NUM_SLOTS, SSM_CHUNK = [3, 7, 1, 5], 9, 4
-SSM_OPS = ("causal_conv1d", "short_conv", "gated_delta_rule", "mamba2_ssd", "mamba1_scan")
-SSM_MAX_QUERY_LEN_OPS = ("gated_delta_rule", "mamba2_ssd", "mamba1_scan")  # (take the bound)
+SSM_OPS = ("causal_conv1d", "short_conv", "gated_delta_rule", "mamba2_ssd", "mamba1_scan",
+           "lightning_attention")
+SSM_MAX_QUERY_LEN_OPS = ("gated_delta_rule", "mamba2_ssd", "mamba1_scan",
+                         "lightning_attention")  # (the ops that take the bound)
+SSM_CHUNKED_OPS = ("gated_delta_rule", "mamba2_ssd")  # (the ops with a chunked kernel)
 
 
 class SSMHarness:
@@ -1060,6 +1063,10 @@ class SSMHarness:
                            "C": r(self.rows, d["n"]), "D": r(c), "z": r(self.rows, c),
                            "dt_bias": r(c)}
             state = r(SSM_NUM_SLOTS, c, d["n"])
+        elif self.op == "lightning_attention":
+            self.inputs = {"q": r(self.rows, d["hv"], d["dk"]), "k": r(self.rows, d["hv"], d["dk"]),
+                           "v": r(self.rows, d["hv"], d["dv"]), "slope": r(d["hv"]).abs() + 0.05}
+            state = r(SSM_NUM_SLOTS, d["hv"], d["dk"], d["dv"])
         else:
             self.inputs = {"x": r(self.rows, d["h"], d["p"]), "dt": r(self.rows, d["h"]),
                            "A": -r(d["h"]).exp(), "B": r(self.rows, d["g"], d["n"]),
@@ -1084,6 +1091,7 @@ class SSMHarness:
     def run(self, args, meta, states):
         from attn_ops.backends.ssm.conv import causal_conv1d
         from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
+        from attn_ops.backends.ssm.lightning import lightning_attention
         from attn_ops.backends.ssm.mamba1 import mamba1_scan
         from attn_ops.backends.ssm.mamba2 import mamba2_ssd
         from attn_ops.backends.ssm.short_conv import short_conv
@@ -1098,6 +1106,8 @@ class SSMHarness:
         if self.op == "gated_delta_rule":
             return gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], s, *step, mql,
                                     SSM_DIMS["dk"] ** -0.5, True)
+        if self.op == "lightning_attention":
+            return lightning_attention(a["q"], a["k"], a["v"], a["slope"], s, *step, mql)
         if self.op == "mamba1_scan":
             return mamba1_scan(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["z"],
                                a["dt_bias"], s, *step, mql, True)
@@ -1145,8 +1155,7 @@ def _ssm_targets():
                and (k is Kernel.SSM_TORCH or TRITON_HERE)]
     for op in SSM_OPS:
         for k in kernels:
-            if k.name == "SSM_TRITON_CHUNKED" and op in ("causal_conv1d", "short_conv",
-                                                         "mamba1_scan"):
+            if k.name == "SSM_TRITON_CHUNKED" and op not in SSM_CHUNKED_OPS:
                 continue  # (no chunked kernel: the routing sends them to the torch body)
             yield f"{op}/{k.name}"
 

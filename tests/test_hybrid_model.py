@@ -30,7 +30,7 @@ def _generate(model, forward=None, steps=6, prompts=PROMPTS):
     return gen, last
 
 
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
 def test_chunked_prefill_and_decode_give_the_logits_of_one_prefill(kind):
     model = _model(kind)
     gen, last = _generate(model)
@@ -51,7 +51,7 @@ def test_chunked_prefill_and_decode_give_the_logits_of_one_prefill(kind):
 SHORT_PROMPTS = {0: PROMPTS[0][:8], 1: PROMPTS[1], 2: PROMPTS[2][:3]}
 
 
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
 def test_compiled_model_with_fullgraph_matches_eager(kind):
     model = _model(kind)
     torch._dynamo.reset()
@@ -87,7 +87,7 @@ def test_state_graph_batches_pad_with_the_null_slot_and_clear_what_a_larger_step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
 def test_graphed_decode_steps_match_eager(kind):
     """Generation with decode steps replayed from CUDA graphs (capture sizes 2 and 4: 3
     requests pad one row onto the null slot) against the same generation run eagerly."""

@@ -19,12 +19,14 @@ import torch.nn.functional as F
 
 from attn_ops.backends.ssm.conv import causal_conv1d
 from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule, l2norm
+from attn_ops.backends.ssm.lightning import lightning_attention
 from attn_ops.backends.ssm.mamba1 import mamba1_scan
 from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 from attn_ops.backends.ssm.metadata import (NULL_STATE_SLOT, build_state_metadata,
                                             chunk_boundaries)
 from attn_ops.backends.ssm.short_conv import short_conv
-from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba1Spec, Mamba2Spec, ShortConvSpec
+from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, LightningSpec, Mamba1Spec, Mamba2Spec,
+                                       ShortConvSpec)
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.ops import set_debug_checks
 from attn_ops.testing import capture_graph
@@ -320,7 +322,38 @@ class Mamba1Kind(Kind):
         return torch.stack(out) if out else seq["x"][:0], [s]
 
 
-KINDS = {k.name: k for k in (Conv, ShortConvKind, GDN, Mamba2Kind, Mamba1Kind)}
+class LightningKind(Kind):
+    name, H, DK, DV = "lightning_attention", 3, 4, 5
+
+    def __init__(self, g):
+        super().__init__(g)
+        self.slope = self.rand(self.H).abs() + 0.05
+
+    def tokens(self, n):
+        return {"q": self.rand(n, self.H, self.DK), "k": self.rand(n, self.H, self.DK),
+                "v": self.rand(n, self.H, self.DV)}
+
+    def states(self, slots):
+        return [torch.full((slots, self.H, self.DK, self.DV), math.nan, dtype=F64)]
+
+    op = lightning_attention
+
+    def args(self, inp, states, m):
+        return (inp["q"], inp["k"], inp["v"], self.slope, states[0], m.query_start_loc,
+                m.state_indices, m.has_initial_state, m.max_query_len)
+
+    def oracle(self, seq):
+        s = torch.zeros(self.H, self.DK, self.DV, dtype=F64)
+        out = []
+        for t in range(seq["q"].shape[0]):
+            for h in range(self.H):  # (a fixed decay a head; the token itself undecayed)
+                s[h] = math.exp(-self.slope[h]) * s[h] + torch.outer(seq["k"][t, h],
+                                                                     seq["v"][t, h])
+            out.append(torch.einsum("hkv,hk->hv", s, seq["q"][t]))
+        return torch.stack(out) if out else seq["v"][:0], [s]
+
+
+KINDS = {k.name: k for k in (Conv, ShortConvKind, GDN, Mamba2Kind, Mamba1Kind, LightningKind)}
 
 # Schedules: each step lists (request, new tokens); request r's whole length is the sum.
 SCENARIOS = {
@@ -748,8 +781,32 @@ def _hf_falcon_mamba():
     return hf, Mamba1Spec(d_inner=24, d_state=5, conv_kernel=4, dtype=torch.float32)
 
 
+class _CalledWithoutPositions(torch.nn.Module):
+    """HF's ``MiniMaxLightningAttention`` (which takes position embeddings and a mask it does
+    not use) called as the other peers are: ``peer(x)`` -> its output."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.out_proj = inner, inner.out_proj
+
+    def forward(self, x):
+        return self.inner(x, None, None)[0]
+
+
+def _hf_lightning():
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    cfg = MiniMaxConfig(hidden_size=12, num_attention_heads=3, head_dim=4, num_hidden_layers=3,
+                        layer_types=["linear_attention"] * 3, block_size=4, hidden_act="silu")
+    hf = MiniMaxLightningAttention(cfg, 1)  # (its blocks of 4 tokens: HF's block algorithm)
+    return _CalledWithoutPositions(hf), LightningSpec(num_heads=3, head_dim=4,
+                                                      dtype=torch.float32)
+
+
 PEERS = {"gated_deltanet": _hf_gdn, "mamba2": _hf_mamba2, "bamba_mamba2": _hf_bamba,
-         "short_conv": _hf_short_conv, "mamba1": _hf_mamba1, "falcon_mamba": _hf_falcon_mamba}
+         "short_conv": _hf_short_conv, "mamba1": _hf_mamba1, "falcon_mamba": _hf_falcon_mamba,
+         "lightning": _hf_lightning}
 LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one token)
                   [(1, 1), (0, 5), (2, 3)],          # a decode, prefills resuming mid-chunk
                   [(0, 1), (1, 1), (2, 1)], [(2, 1), (0, 1), (1, 1)]]  # decodes
@@ -759,7 +816,8 @@ LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one toke
 def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(kind):
     """HF's module on each request's whole sequence at once (its torch path) against our layer
     fed the same tokens over four steps of mixed batches, its states in permuted slots."""
-    from attn_ops.layers.ssm import GatedDeltaNet, Mamba1Mixer, Mamba2Mixer, ShortConv
+    from attn_ops.layers.ssm import (GatedDeltaNet, LightningAttention, Mamba1Mixer, Mamba2Mixer,
+                                     ShortConv)
 
     kernels = {"gated_deltanet": "fla", "mamba2": "mamba_ssm", "bamba_mamba2": "mamba_ssm",
                "mamba1": "mamba_ssm", "falcon_mamba": "mamba_ssm"}
@@ -775,8 +833,8 @@ def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(
             hf.A_log.copy_(torch.randn_like(hf.A_log) * 0.5)
     hf.eval()
     ours = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2Mixer, "bamba_mamba2": Mamba2Mixer,
-            "short_conv": ShortConv, "mamba1": Mamba1Mixer,
-            "falcon_mamba": Mamba1Mixer}[kind].from_hf(hf, spec)
+            "short_conv": ShortConv, "mamba1": Mamba1Mixer, "falcon_mamba": Mamba1Mixer,
+            "lightning": LightningAttention}[kind].from_hf(getattr(hf, "inner", hf), spec)
     hidden = hf.out_proj.out_features
     lengths = {}
     for step in LAYER_SCHEDULE:
@@ -786,7 +844,8 @@ def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(
     with torch.no_grad():
         want = {r: hf(x[None])[0] for r, x in seqs.items()}
     states = spec.allocate(6)
-    states.conv.fill_(math.nan)
+    if states.conv is not None:
+        states.conv.fill_(math.nan)
     if states.recurrent is not None:
         states.recurrent.fill_(math.nan)
     slots, done, got = {0: 4, 1: 2, 2: 5}, dict.fromkeys(lengths, 0), {r: [] for r in lengths}
@@ -840,6 +899,8 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
     if kind == "mamba1_scan":
         *head, _, soft = args
         return tk.mamba1_recurrent_triton(*head, soft, block)
+    if kind == "lightning_attention":
+        return tk.lightning_recurrent_triton(*args[:-1], block)
     *head, _, soft, lo, hi = args
     if chunked:
         return ck.ssd_chunked_triton(*head, soft, lo, hi, chunk=16)
@@ -858,6 +919,7 @@ def test_triton_kernels_match_the_reference(kind, scenario):
     head, the last one partial) and without the decode kernels' state cache hints."""
     from attn_ops.backends.ssm.conv import conv_reference
     from attn_ops.backends.ssm.gated_deltanet import gdn_reference
+    from attn_ops.backends.ssm.lightning import lightning_reference
     from attn_ops.backends.ssm.mamba1 import mamba1_reference
     from attn_ops.backends.ssm.mamba2 import mamba2_reference
 
@@ -878,7 +940,8 @@ def test_triton_kernels_match_the_reference(kind, scenario):
             y, new, where = conv_reference(bb * x, w, b, st, qsl, slots, init, "")
             return c * y, new, where
         return {"gated_delta_rule": gdn_reference, "mamba1_scan": mamba1_reference,
-                "mamba2_ssd": mamba2_reference}[kind](*args)
+                "mamba2_ssd": mamba2_reference,
+                "lightning_attention": lightning_reference}[kind](*args)
 
     spec = scenario == "speculative"
     schedule = SCENARIOS["mixed" if spec else scenario]

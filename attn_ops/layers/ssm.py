@@ -8,6 +8,9 @@
 * :class:`Mamba1Mixer` -- Mamba / Falcon-Mamba / Jamba's Mamba layers (``in_proj`` to ``[x |
   z]``, a SiLU causal conv over ``x``, ``x_proj`` to ``[dt | B | C]`` (RMS-normalized in
   Falcon-Mamba), ``dt_proj``, the selective scan with D, times ``silu(z)``, ``out_proj``);
+* :class:`LightningAttention` -- MiniMax-Text-01's lightning attention (``qkv_proj`` with SiLU,
+  linear attention with a fixed decay a head, an RMSNorm over the heads, times
+  ``sigmoid(output_gate)``, ``out_proj``; no convolution);
 * :class:`ShortConv` -- LFM2's gated short convolution (``in_proj`` to ``[B | C | x]``,
   ``out_proj``).
 
@@ -25,15 +28,16 @@ from torch import nn
 
 from attn_ops.backends.ssm.conv import causal_conv1d
 from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
+from attn_ops.backends.ssm.lightning import lightning_attention
 from attn_ops.backends.ssm.mamba1 import mamba1_scan
 from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 from attn_ops.backends.ssm.metadata import StateMetadata
 from attn_ops.backends.ssm.short_conv import short_conv
-from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, Mamba1Spec, Mamba2Spec, ShortConvSpec,
-                                       StateCache)
+from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, LightningSpec, Mamba1Spec,
+                                       Mamba2Spec, ShortConvSpec, StateCache)
 
-__all__ = ["GatedDeltaNet", "Mamba1Mixer", "Mamba2Mixer", "ShortConv", "gated_rms_norm",
-           "weightless_rms_norm"]
+__all__ = ["GatedDeltaNet", "LightningAttention", "Mamba1Mixer", "Mamba2Mixer", "ShortConv",
+           "gated_rms_norm", "weightless_rms_norm"]
 
 
 def _load(layer: nn.Module, module: nn.Module, pairs) -> nn.Module:
@@ -230,6 +234,59 @@ class Mamba1Mixer(nn.Module):
                         states.recurrent, meta.query_start_loc, meta.state_indices,
                         meta.has_initial_state, meta.max_query_len, True)
         return self.out_proj(y.to(hidden.dtype))
+
+
+class LightningAttention(nn.Module):
+    """``slope``: the layer's decay rates a head (:meth:`minimax_slopes`)."""
+
+    def __init__(self, spec: LightningSpec, hidden_size: int, slope: torch.Tensor,
+                 eps: float = 1e-6) -> None:
+        super().__init__()
+        self.spec, self.hidden_size, self.eps = spec, hidden_size, eps
+        inner = spec.num_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(hidden_size, 3 * inner, bias=False)
+        self.output_gate = nn.Linear(hidden_size, inner, bias=False)
+        self.norm_weight = nn.Parameter(torch.ones(inner))
+        self.out_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.register_buffer("slope", slope.detach().float().reshape(spec.num_heads).clone())
+
+    @staticmethod
+    def minimax_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
+        """MiniMax-Text-01's rates: ``(2^(-8 / H))^(h + 1)`` for head ``h``, scaled by ``1 -
+        layer / (L - 1) + 1e-5`` (later layers decay slower)."""
+        base = 1 / (2 ** (8 / num_heads))
+        factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
+        return base ** (torch.arange(num_heads) + 1) * factor
+
+    @classmethod
+    def from_hf(cls, module, spec: LightningSpec) -> LightningAttention:
+        """Ours with the weights (and the slopes) of HF's ``MiniMaxLightningAttention``."""
+        probe = torch.linspace(-4, 4, 9)
+        if not torch.allclose(module.act_fn(probe), F.silu(probe)):
+            raise ValueError(f"LightningAttention runs q, k, v through SiLU; the module's "
+                             f"activation is {module.act_fn}")
+        layer = cls(spec, module.qkv_proj.in_features, module.slope_rate,
+                    module.norm.variance_epsilon)
+        return _load(layer, module, [
+            (layer.qkv_proj.weight, module.qkv_proj.weight),
+            (layer.output_gate.weight, module.output_gate.weight),
+            (layer.norm_weight, module.norm.weight),
+            (layer.out_proj.weight, module.out_proj.weight)])
+
+    def forward(self, hidden: torch.Tensor, states: StateCache,
+                meta: StateMetadata) -> torch.Tensor:
+        s = self.spec
+        t = hidden.shape[0]
+        # qkv_proj's rows are grouped by head: [q | k | v] of each head
+        qkv = F.silu(self.qkv_proj(hidden)).view(t, s.num_heads, 3 * s.head_dim)
+        q, k, v = qkv.split(s.head_dim, dim=-1)
+        o = lightning_attention(q, k, v, self.slope, states.recurrent, meta.query_start_loc,
+                                meta.state_indices, meta.has_initial_state, meta.max_query_len)
+        o = o.reshape(t, -1)
+        h = o.float()
+        o = self.norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+                                ).to(o.dtype)
+        return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * o)
 
 
 class ShortConv(nn.Module):

@@ -1,6 +1,7 @@
 """A small hybrid decoder: attention layers (:class:`attn_ops.models.llama.DecoderLayer`) between
 recurrent-state layers (Gated DeltaNet, as Qwen3-Next lays them out; Mamba2, as the Mamba2
-hybrids do; or Mamba1, as Jamba does), each recurrent layer a pre-norm mixer then an MLP -- on
+hybrids do; Mamba1, as Jamba does; or lightning attention, as MiniMax-Text-01 does), each
+recurrent layer a pre-norm mixer then an MLP -- on
 one allocator, whose blocks page the attention layers' KV caches and whose state slots hold the
 recurrent layers' states. Used by the demo, the tests and the benchmarks.
 
@@ -20,24 +21,25 @@ from torch import nn
 
 from attn_ops.backends.ssm.metadata import StateGraphBatch, StateMetadata, build_state_metadata
 from attn_ops.cudagraph import CUDAGraphBatch, CUDAGraphRunner
-from attn_ops.backends.ssm.spec import GatedDeltaNetSpec, Mamba1Spec, Mamba2Spec, StateCache
+from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, LightningSpec, Mamba1Spec, Mamba2Spec,
+                                       StateCache)
 from attn_ops.kv_cache import BlockAllocator
 from attn_ops.layers.attention import build_step_metadata, step_backends
 from attn_ops.metadata import build_batch
 from attn_ops.models.llama import DecoderLayer, ModelConfig, RMSNorm, rope_cache, shared_block_size
 from attn_ops.selector import AttentionConfig
-from attn_ops.layers.ssm import GatedDeltaNet, Mamba1Mixer, Mamba2Mixer
+from attn_ops.layers.ssm import GatedDeltaNet, LightningAttention, Mamba1Mixer, Mamba2Mixer
 
 __all__ = ["HybridConfig", "HybridGenerator", "HybridGraphRunner", "HybridModel", "LINEAR_KINDS"]
 
-LINEAR_KINDS = ("gated_deltanet", "mamba2", "mamba1")  # the recurrent layers it builds
+LINEAR_KINDS = ("gated_deltanet", "mamba2", "mamba1", "lightning")  # its recurrent layers
 
 
 @dataclass(frozen=True)
 class HybridConfig(ModelConfig):
-    """``ModelConfig`` plus the recurrent layers: ``linear_kind`` (``"gated_deltanet"``,
-    ``"mamba2"`` or ``"mamba1"``) and every ``full_attention_every``-th layer (3, 7, ... for
-    4: Qwen3-Next's 3 : 1; Jamba's is 8) an attention layer."""
+    """``ModelConfig`` plus the recurrent layers: ``linear_kind`` (:data:`LINEAR_KINDS`) and
+    every ``full_attention_every``-th layer (3, 7, ... for 4: Qwen3-Next's 3 : 1; Jamba's and
+    MiniMax-Text-01's are 8) an attention layer."""
 
     linear_kind: str = "gated_deltanet"
     full_attention_every: int = 4
@@ -47,6 +49,7 @@ class HybridConfig(ModelConfig):
                                     dtype=torch.float32)
     mamba1: Mamba1Spec = Mamba1Spec(d_inner=128, d_state=16, dtype=torch.float32)
     mamba1_dt_rank: int = 8
+    lightning: LightningSpec = LightningSpec(num_heads=4, head_dim=32, dtype=torch.float32)
 
     def __post_init__(self) -> None:
         if self.linear_kind not in LINEAR_KINDS:
@@ -60,18 +63,22 @@ class HybridConfig(ModelConfig):
 
     @property
     def state_spec(self):
-        spec = {"gated_deltanet": self.gdn, "mamba2": self.mamba2,
-                "mamba1": self.mamba1}[self.linear_kind]
+        spec = {"gated_deltanet": self.gdn, "mamba2": self.mamba2, "mamba1": self.mamba1,
+                "lightning": self.lightning}[self.linear_kind]
         return dataclasses.replace(spec, dtype=self.dtype)
 
 
 class RecurrentLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, index: int) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
         if cfg.linear_kind == "mamba1":
             self.mixer = Mamba1Mixer(cfg.state_spec, h, cfg.mamba1_dt_rank)
+        elif cfg.linear_kind == "lightning":
+            spec = cfg.state_spec
+            slopes = LightningAttention.minimax_slopes(spec.num_heads, index, cfg.num_layers)
+            self.mixer = LightningAttention(spec, h, slopes, cfg.rms_norm_eps)
         else:
             mixer = GatedDeltaNet if cfg.linear_kind == "gated_deltanet" else Mamba2Mixer
             self.mixer = mixer(cfg.state_spec, h, cfg.rms_norm_eps)
@@ -93,7 +100,7 @@ class HybridModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, attn_config, platform) if cfg.is_attention(i)
-            else RecurrentLayer(cfg) for i in range(cfg.num_layers))
+            else RecurrentLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_position, cfg.rope_theta),

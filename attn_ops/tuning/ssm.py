@@ -38,6 +38,8 @@ class SSMTuning:
     # Mamba1's token-by-token kernel (its decode and, until a chunked kernel, its prefill):
     # channels a program, each with its d_state row in registers (not measured yet).
     mamba1_block_d: int = 64
+    # Lightning attention's token-by-token kernel: value columns a program (not measured yet).
+    lightning_block_v: int = 64
     # A decode kernel's state read evict-first and its write a streaming store (.cs): a
     # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
     # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68

@@ -8,7 +8,9 @@ A state cache holds ``num_slots`` rows (:class:`~attn_ops.kv_cache.BlockAllocato
 * Gated DeltaNet recurrent state ``[slots, num_v_heads, head_k_dim, head_v_dim]`` (``S`` with
   ``o = S^T q``: HF's and fla's layout);
 * Mamba2 SSM state ``[slots, num_heads, head_dim, d_state]``;
-* Mamba1 SSM state ``[slots, d_inner, d_state]`` (a state row per channel).
+* Mamba1 SSM state ``[slots, d_inner, d_state]`` (a state row per channel);
+* lightning attention's KV state ``[slots, num_heads, head_dim, head_dim]`` (``S`` with ``o =
+  S^T q``, as GDN's); no conv state.
 
 The conv state is in the model dtype; the recurrent state in ``state_dtype`` (fp32 by default:
 a state integrates every token of a request, and bf16 rounding of it compounds).
@@ -22,20 +24,21 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-__all__ = ["GatedDeltaNetSpec", "Mamba1Spec", "Mamba2Spec", "ShortConvSpec", "StateCache",
-           "StateSpec"]
+__all__ = ["GatedDeltaNetSpec", "LightningSpec", "Mamba1Spec", "Mamba2Spec", "ShortConvSpec",
+           "StateCache", "StateSpec"]
 
 
 class StateCache(NamedTuple):
-    """One layer's states: ``conv`` and, for kinds with one, ``recurrent`` (else None)."""
+    """One layer's states: ``conv`` and ``recurrent``, each None for kinds without one."""
 
-    conv: torch.Tensor
+    conv: torch.Tensor | None
     recurrent: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class StateSpec:
-    """What every kind declares: its conv width and kernel, its dtypes and its chunk size."""
+    """What every kind declares: its conv width and kernel (kinds without a convolution:
+    ``has_conv`` False, ``conv_kernel`` 0), its dtypes and its chunk size."""
 
     conv_kernel: int
     dtype: torch.dtype
@@ -43,6 +46,7 @@ class StateSpec:
     chunk_size: int
 
     kind = "state"
+    has_conv: ClassVar[bool] = True
     multiples: ClassVar[tuple[tuple[str, str], ...]] = ()  # (a, b): a must be a multiple of b
 
     @property
@@ -53,14 +57,19 @@ class StateSpec:
         return None
 
     def __post_init__(self) -> None:
-        if self.conv_kernel < 2:
+        if not self.has_conv:
+            if self.conv_kernel != 0:
+                raise ValueError(f"{self.kind}: conv_kernel={self.conv_kernel} must be 0 (the "
+                                 "kind has no convolution)")
+        elif self.conv_kernel < 2:
             raise ValueError(f"{self.kind}: conv_kernel={self.conv_kernel} must be >= 2 (a "
                              "causal convolution over at least one earlier token)")
         if self.chunk_size <= 0 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"{self.kind}: chunk_size={self.chunk_size} must be a power of two")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            if (isinstance(value, int) and not isinstance(value, bool) and value <= 0
+                    and not (field.name == "conv_kernel" and not self.has_conv)):
                 raise ValueError(f"{self.kind}: {field.name}={value} must be > 0")
         for a, b in self.multiples:
             if getattr(self, a) % getattr(self, b):
@@ -68,7 +77,9 @@ class StateSpec:
                                  f"{b}={getattr(self, b)}")
 
     def state_shapes(self, num_slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = {"conv": ((num_slots, self.conv_kernel - 1, self.conv_dim), self.dtype)}
+        shapes = {}
+        if self.has_conv:
+            shapes["conv"] = ((num_slots, self.conv_kernel - 1, self.conv_dim), self.dtype)
         if self.recurrent_shape() is not None:
             shapes["recurrent"] = ((num_slots, *self.recurrent_shape()), self.state_dtype)
         return shapes
@@ -85,9 +96,9 @@ class StateSpec:
             raise ValueError(f"num_slots={num_slots}: a state cache needs the null slot 0 and "
                              "at least one request slot (BlockAllocator.num_state_slots + 1)")
         shapes = self.state_shapes(num_slots)
-        conv = torch.zeros(shapes["conv"][0], dtype=shapes["conv"][1], device=device)
-        rec = shapes.get("recurrent")
-        return StateCache(conv, torch.zeros(rec[0], dtype=rec[1], device=device) if rec else None)
+        made = {name: torch.zeros(shape, dtype=dtype, device=device)
+                for name, (shape, dtype) in shapes.items()}
+        return StateCache(made.get("conv"), made.get("recurrent"))
 
 
 @dataclass(frozen=True)
@@ -161,6 +172,29 @@ class Mamba1Spec(StateSpec):
 
     def recurrent_shape(self) -> tuple[int, ...]:
         return (self.d_inner, self.d_state)
+
+
+@dataclass(frozen=True)
+class LightningSpec(StateSpec):
+    """MiniMax's lightning attention (linear attention with a fixed decay a head):
+    ``num_heads`` x ``head_dim`` for q, k and v; no convolution."""
+
+    num_heads: int = 64
+    head_dim: int = 96
+    conv_kernel: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
+    chunk_size: int = 256
+
+    kind = "lightning"
+    has_conv = False
+
+    @property
+    def conv_dim(self) -> int:
+        return 0
+
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, self.head_dim, self.head_dim)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ them in the tests):
 * :func:`ssd_recurrent_kernel` -- Mamba2's state update the same way, per request, head and
   block of head channels;
 * :func:`mamba1_recurrent_kernel` -- Mamba1's, per request and block of channels (each
-  channel's ``d_state`` row).
+  channel's ``d_state`` row);
+* :func:`lightning_recurrent_kernel` -- lightning attention's, per request, head and block of
+  value columns.
 
 The recurrences step token by token: the decode form, right for any batch (speculative and
 short prefills included); long prefills are their chunked kernels' work.
@@ -28,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv_triton", "gdn_recurrent_triton", "mamba1_recurrent_triton",
-           "ssd_recurrent_triton"]
+__all__ = ["conv_triton", "gdn_recurrent_triton", "lightning_recurrent_triton",
+           "mamba1_recurrent_triton", "ssd_recurrent_triton"]
 
 
 @triton.jit
@@ -505,6 +507,66 @@ def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
         BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None, SOFTPLUS=dt_softplus,
         num_warps=num_warps)
     return y
+
+
+@triton.jit
+def lightning_recurrent_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr, qsl_ptr,
+                               slot_ptr, init_ptr, stride_idx, stride_qt, stride_qh, stride_kt,
+                               stride_kh, stride_vt, stride_vh, stride_ss, stride_sh,
+                               stride_sk, stride_ot, stride_oh, num_tokens, num_slots,
+                               NUM_WRITES: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                               BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Request ``program_id(0)``, head ``program_id(1)``, value columns ``program_id(2) *
+    BLOCK_V ...``: the ``[DK, BLOCK_V]`` block of its state in registers over the request's
+    tokens, ``S = a S + k v^T``, ``o = S^T q``."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
+        h * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, "")
+    decay = tl.exp(-tl.load(slope_ptr + h).to(tl.float32))
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_k, mask=k_ok,
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_k, mask=k_ok,
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=v_ok,
+                    other=0.0).to(tl.float32)
+        s = s * decay + k[:, None] * v[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
+                 mask=v_ok)
+        _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
+                   stride_idx, stride_ss, num_slots, offs_k, NUM_WRITES)
+    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, "")
+    _zero_padding_rows(o_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_ot,
+                       h * stride_oh + offs_v, v_ok)
+
+
+def lightning_recurrent_triton(q, k, v, slope, state, query_start_loc, state_indices,
+                               has_initial_state, block_v: int = 64,
+                               num_warps: int = 4) -> torch.Tensor:
+    """``torch.ops.attn.lightning_attention`` token by token, ``block_v`` value columns a
+    program (inputs already checked)."""
+    q, k, v = (u if u.stride(-1) == 1 else u.contiguous() for u in (q, k, v))
+    t, h, dk = q.shape
+    dv = v.shape[2]
+    b = query_start_loc.shape[0] - 1
+    if b == 0:
+        return torch.zeros_like(v)
+    out = torch.empty(t, h, dv, dtype=v.dtype, device=v.device)
+    block_v = min(triton.next_power_of_2(dv), block_v)
+    lightning_recurrent_kernel[(b, h, triton.cdiv(dv, block_v))](
+        q, k, v, slope, state, out, query_start_loc, state_indices, has_initial_state,
+        state_indices.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        out.stride(0), out.stride(1), t, state.shape[0], NUM_WRITES=_num_writes(state_indices),
+        DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=num_warps)
+    return out
 
 
 def _or_zeros(x: torch.Tensor | None, n: int, device) -> torch.Tensor:
