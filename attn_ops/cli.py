@@ -67,6 +67,28 @@ def _add_mla_args(p: argparse.ArgumentParser) -> None:
                    help="YaRN's mscale (attn_ops.spec.yarn_mscale); 1 without YaRN")
 
 
+_STATE_KINDS = ("gdn", "mamba2", "mamba1", "short_conv", "lightning")
+
+
+def _add_state_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("a recurrent-state layer (its kind's default shapes: Qwen3-Next's "
+                             "GDN, Mamba2-2.7B, Mamba-2.8B, LFM2's short conv, MiniMax-Text-01's "
+                             "lightning; --dtype applies)")
+    for kind in _STATE_KINDS:
+        g.add_argument(f"--{kind.replace('_', '-')}", dest="state_kind", action="store_const",
+                       const=kind, help=f"describe a {kind} layer")
+    g.add_argument("--state-dtype", choices=sorted(_DTYPES), default="float32",
+                   help="the recurrent state's dtype")
+
+
+def _state_spec_from(args):
+    from attn_ops.backends.ssm import spec as ssm
+
+    make = {"gdn": ssm.GatedDeltaNetSpec, "mamba2": ssm.Mamba2Spec, "mamba1": ssm.Mamba1Spec,
+            "short_conv": ssm.ShortConvSpec, "lightning": ssm.LightningSpec}[args.state_kind]
+    return make(dtype=_DTYPES[args.dtype], state_dtype=_DTYPES[args.state_dtype])
+
+
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("selection")
     g.add_argument("--platform", default=None,
@@ -83,6 +105,11 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_from(args) -> AttentionSpec:
+    if getattr(args, "state_kind", None):
+        if getattr(args, "mla", False):
+            raise ValueError(f"--mla and --{args.state_kind.replace('_', '-')} describe two "
+                             "layers; give one")
+        return _state_spec_from(args)
     if getattr(args, "mla", False):
         return AttentionSpec.mla(
             args.heads, kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
@@ -119,7 +146,9 @@ def _tuning_from(args, platform):
     return apply_overrides(entries[name.lower()], os.environ.get(ENV_TUNING, ""))
 
 
-def _config_from(args) -> AttentionConfig:
+def _config_from(args, spec=None) -> AttentionConfig:
+    if getattr(args, "state_kind", None) and args.backend:  # (forces the layer's kind)
+        return AttentionConfig(backend_per_kind={spec.layer_kind: args.backend})
     return AttentionConfig(backend=args.backend, forced_by="--backend")
 
 
@@ -153,7 +182,7 @@ def cmd_info(args) -> int:
         state = "available" if c.ok else "unavailable: " + "; ".join(map(str, c.reasons))
         print(f"  {c.name:<18} {state}")
     try:
-        sel = select_backend(spec, platform, _config_from(args))
+        sel = select_backend(spec, platform, _config_from(args, spec))
     except NoBackendError:
         print("\nselected: none (every backend has reasons above)")
         return 2
@@ -168,11 +197,14 @@ def cmd_info(args) -> int:
 def cmd_select(args) -> int:
     platform = _platform_from(args)
     spec = _spec_from(args)
-    sel = select_backend(spec, platform, _config_from(args))
+    sel = select_backend(spec, platform, _config_from(args, spec))
     print(sel.table())
     for line in _assumed(platform):
         print(line)
-    if args.batch and spec.use_mla:
+    if args.batch and getattr(args, "state_kind", None):
+        print(f"\n{sel.backend} has no per-step routes to print: its ops pick their kernels "
+              "(attn_ops.routing.ssm_kernel)")
+    elif args.batch and spec.use_mla:
         from attn_ops import routing
         from attn_ops.backends.flash_attn import GENERATIONS
 
@@ -324,12 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", formatter_class=fmt,
                        help="platform, tuning, package versions, every backend's state")
     _add_spec_args(p)
+    _add_mla_args(p)
+    _add_state_args(p)
     _add_selection_args(p)
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("select", formatter_class=fmt,
                        help="ranked backend table for a spec, and the routes of a step")
     _add_spec_args(p)
     _add_mla_args(p)
+    _add_state_args(p)
     _add_selection_args(p)
     p.add_argument("--batch", default=None,
                    help="print the selected backend's route for each part of this step: "

@@ -19,8 +19,8 @@ from attn_ops.capabilities import PackageRequirement
 from attn_ops.platforms import PlatformKind
 
 __all__ = [
-    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "MLA_BACKENDS", "get_backend_class",
-    "list_backends",
+    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "MLA_BACKENDS", "RECURRENT_BACKENDS",
+    "get_backend_class", "list_backends",
     "register_backend", "resolve_name",
 ]
 
@@ -55,6 +55,12 @@ class Backend(str, enum.Enum):
     FLASHINFER_MLA_SPARSE = "FLASHINFER_MLA_SPARSE"
     TRITON_MLA_SPARSE = "TRITON_MLA_SPARSE"
     REFERENCE_MLA_SPARSE = "REFERENCE_MLA_SPARSE"
+    # recurrent-state layers (vLLM's MambaAttentionBackendEnum names; LINEAR: lightning)
+    GDN = "GDN"
+    MAMBA2 = "MAMBA2"
+    MAMBA1 = "MAMBA1"
+    SHORT_CONV = "SHORT_CONV"
+    LINEAR = "LINEAR"
 
     def __str__(self) -> str:
         return self.value
@@ -66,6 +72,11 @@ MLA_BACKENDS = frozenset({
     Backend.FLASHINFER_MLA_TRTLLM, Backend.FLASH_ATTN_MLA, Backend.FLASHINFER_MLA,
     Backend.TRITON_MLA, Backend.REFERENCE_MLA,
     Backend.FLASHINFER_MLA_SPARSE, Backend.TRITON_MLA_SPARSE, Backend.REFERENCE_MLA_SPARSE})
+
+# The backends of recurrent-state layers, by the state spec kind they serve.
+RECURRENT_BACKENDS = {"gated_deltanet": Backend.GDN, "mamba2": Backend.MAMBA2,
+                      "mamba1": Backend.MAMBA1, "short_conv": Backend.SHORT_CONV,
+                      "lightning": Backend.LINEAR}
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
@@ -99,6 +110,11 @@ _BUILTIN_PATHS: dict[str, str] = {
         "attn_ops.backends.mla.flashinfer_mla_sparse:FlashInferSparseMLABackend",
     Backend.TRITON_MLA_SPARSE: "attn_ops.backends.mla.sparse:TritonSparseMLABackend",
     Backend.REFERENCE_MLA_SPARSE: "attn_ops.backends.mla.sparse:ReferenceSparseMLABackend",
+    Backend.GDN: "attn_ops.backends.ssm.backend:GatedDeltaNetBackend",
+    Backend.MAMBA2: "attn_ops.backends.ssm.backend:Mamba2Backend",
+    Backend.MAMBA1: "attn_ops.backends.ssm.backend:Mamba1Backend",
+    Backend.SHORT_CONV: "attn_ops.backends.ssm.backend:ShortConvBackend",
+    Backend.LINEAR: "attn_ops.backends.ssm.backend:LightningBackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM)},

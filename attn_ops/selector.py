@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from attn_ops.capabilities import Reason
 from attn_ops.platforms import Platform, PlatformKind, current_platform
-from attn_ops.registry import (MLA_BACKENDS, Backend, get_backend_class, list_backends,
-                               resolve_name)
+from attn_ops.registry import (MLA_BACKENDS, RECURRENT_BACKENDS, Backend, get_backend_class,
+                               list_backends, resolve_name)
 from attn_ops.spec import AttentionSpec, Feature, LayerKind
 from attn_ops.tuning import Tuning
 
@@ -48,7 +48,12 @@ class AttentionConfig:
 
 
 def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
-    """The policy: backends to try, best first, for this spec on this platform."""
+    """The policy: backends to try, best first, for this spec on this platform (a recurrent
+    state spec: its kind's backend -- our kernels run on GPUs and CPUs alike; a plugin of the
+    kind is chosen by ``backend_per_kind``)."""
+    kind = _recurrent_kind(spec)
+    if kind is not None:
+        return [RECURRENT_BACKENDS[kind].value] if kind in RECURRENT_BACKENDS else []
     if spec.use_mla:
         if spec.index_topk is not None:
             return [b.value for b in _sparse_mla_priority(platform)]
@@ -107,16 +112,35 @@ def _sparse_mla_priority(platform: Platform) -> list[Backend]:
     return [B.REFERENCE_MLA_SPARSE]
 
 
-def _same_family(name: str, spec: AttentionSpec) -> bool:
-    """Whether backend ``name`` is of the spec's family (MLA or the rest): a plugin is MLA
-    when its class says ``serves_mla = True``."""
+def _recurrent_kind(spec) -> str | None:
+    """The recurrent-state kind of ``spec`` (a state spec's ``kind``), None for attention."""
+    from attn_ops.backends.ssm.spec import StateSpec
+
+    return spec.kind if isinstance(spec, StateSpec) else None
+
+
+def _family(name: str) -> str:
+    """Backend ``name``'s family: ``"mla"``, a recurrent kind, or ``"attention"``. A plugin is
+    MLA when its class says ``serves_mla = True``, recurrent when it names a ``kind``."""
     if name in MLA_BACKENDS:
-        return spec.use_mla
+        return "mla"
+    kinds = {b.value: k for k, b in RECURRENT_BACKENDS.items()}
+    if name in kinds:
+        return kinds[name]
     try:
-        mla = bool(getattr(get_backend_class(name), "serves_mla", False))
+        cls = get_backend_class(name)
     except ImportError:
-        mla = False
-    return mla == spec.use_mla
+        return "attention"
+    if getattr(cls, "kind", ""):
+        return cls.kind
+    return "mla" if getattr(cls, "serves_mla", False) else "attention"
+
+
+def _same_family(name: str, spec: AttentionSpec) -> bool:
+    """Whether backend ``name`` is of the spec's family (MLA, a recurrent kind, or the
+    rest)."""
+    kind = _recurrent_kind(spec)
+    return _family(name) == (kind or ("mla" if spec.use_mla else "attention"))
 
 
 @dataclass(frozen=True)
@@ -136,7 +160,7 @@ class Selection:
 
     backend: str
     backend_cls: type
-    block_size: int
+    block_size: int | None  # (None: a recurrent layer's states live in slots, not pages)
     spec: AttentionSpec
     platform: Platform
     candidates: tuple[Candidate, ...]
@@ -150,7 +174,8 @@ class Selection:
         """A ranked, human-readable table: chosen backend first, then every other one."""
         how = f"forced by {self.forced_by}" if self.forced_by else "auto"
         lines = [f"spec:     {self.spec.describe()}", f"platform: {self.platform}",
-                 f"selected: {self.backend} ({how}), block_size={self.block_size}"]
+                 f"selected: {self.backend} ({how})"
+                 + (f", block_size={self.block_size}" if self.block_size is not None else "")]
         if getattr(self.backend_cls, "kernels", ""):
             lines.append(f"kernels:  {self.backend_cls.kernels}")
         width = max(18, *(len(c.name) + 1 for c in self.candidates))
@@ -182,6 +207,14 @@ def _reasons_of(name: str, spec: AttentionSpec, platform: Platform) -> tuple[Rea
         cls = get_backend_class(name)
     except (ImportError, OSError, AttributeError) as e:
         return (Reason(name, "import_error", f"cannot import {name}: {type(e).__name__}: {e}"),)
+    kind, family = _recurrent_kind(spec), _family(name)
+    if (kind is not None or family not in ("attention", "mla")) and family != kind:
+        # (a recurrent layer and an attention backend, or another kind's: no common spec)
+        layers = "attention" if family in ("attention", "mla") else family
+        return (Reason(name, "layer_kind", f"{name} serves {layers} layers, not "
+                       f"{kind or 'attention'} ({spec.describe()})",
+                       "force a backend of the layer's kind (python -m attn_ops select "
+                       "--<kind> lists them)"),)
     return tuple(cls.not_supported_reasons(spec, platform))
 
 
@@ -212,6 +245,8 @@ def _forced_name(spec: AttentionSpec, config: AttentionConfig | None) -> tuple[s
     if config is not None and spec.layer_kind in config.backend_per_kind:
         return (resolve_name(config.backend_per_kind[spec.layer_kind]),
                 f"AttentionConfig.backend_per_kind[{spec.layer_kind.name}]")
+    if _recurrent_kind(spec) is not None:  # (backend / the variable force attention layers)
+        return None, ""
     if config is not None and config.backend is not None and str(config.backend).lower() != "auto":
         return resolve_name(config.backend), config.forced_by
     env = os.environ.get(ENV_BACKEND, "").strip()
@@ -244,7 +279,8 @@ def select_backend(spec: AttentionSpec, platform: Platform | None = None,
                                                   None)  # (of the other family)
         if not chosen.ok:
             raise BackendNotSupportedError(
-                f"attention backend {forced} (forced by {forced_by}) cannot run {described}:\n"
+                f"{'attention ' if _recurrent_kind(spec) is None else ''}backend {forced} "
+                f"(forced by {forced_by}) cannot run {described}:\n"
                 + _format_reasons([chosen])
                 + "\nOther backends:\n" + _format_reasons(c for c in candidates if c is not chosen)
                 + f"\nUnset {forced_by} or pick a backend without reasons "
@@ -252,7 +288,8 @@ def select_backend(spec: AttentionSpec, platform: Platform | None = None,
     else:
         valid = [c for c in candidates if c.ok and c.priority is not None]
         if not valid:
-            raise NoBackendError(f"no attention backend can run {described}:\n"
+            raise NoBackendError(f"no {'attention ' if _recurrent_kind(spec) is None else ''}"
+                                 f"backend can run {described}:\n"
                                  + _format_reasons(candidates))
         chosen = valid[0]
     cls = get_backend_class(chosen.name)

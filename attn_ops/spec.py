@@ -55,13 +55,19 @@ class KVCacheDType(enum.Enum):
 
 
 class LayerKind(enum.Enum):
-    """The kind of a layer for per-kind backend overrides (full vs sliding-window layers)."""
+    """The kind of a layer for per-kind backend overrides (full vs sliding-window layers, and
+    each recurrent-state kind: values equal their state specs' ``kind``)."""
 
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"
     ENCODER_ONLY = "encoder_only"
     CROSS_ATTENTION = "cross_attention"
     MLA = "mla"
+    GATED_DELTANET = "gated_deltanet"
+    MAMBA2 = "mamba2"
+    MAMBA1 = "mamba1"
+    SHORT_CONV = "short_conv"
+    LIGHTNING = "lightning"
 
 
 class Feature(enum.Enum):

@@ -17,7 +17,9 @@
 Each takes a step's tokens flattened ``[T, hidden]`` (decode-first, padding rows last), its
 layer's :class:`~attn_ops.backends.ssm.spec.StateCache` and the step's
 :class:`~attn_ops.backends.ssm.metadata.StateMetadata`, and updates the states in place through
-``torch.ops.attn.*`` ops; ``from_hf`` copies an HF module's weights.
+the backend selected for its spec (:class:`StateLayer`; the built-in ones run
+``torch.ops.attn.*`` ops, :mod:`attn_ops.backends.ssm.backend`); ``from_hf`` copies an HF
+module's weights and takes the layer's ``config`` / ``platform``.
 """
 
 from __future__ import annotations
@@ -26,18 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn_ops.backends.ssm.conv import causal_conv1d
-from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
-from attn_ops.backends.ssm.lightning import lightning_attention
-from attn_ops.backends.ssm.mamba1 import mamba1_scan
-from attn_ops.backends.ssm.mamba2 import mamba2_ssd
 from attn_ops.backends.ssm.metadata import StateMetadata
-from attn_ops.backends.ssm.short_conv import short_conv
 from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, LightningSpec, Mamba1Spec,
                                        Mamba2Spec, ShortConvSpec, StateCache)
+from attn_ops.platforms import Platform
+from attn_ops.selector import AttentionConfig, select_backend
+from attn_ops.tuning import resolve_tuning
 
 __all__ = ["GatedDeltaNet", "LightningAttention", "Mamba1Mixer", "Mamba2Mixer", "ShortConv",
-           "gated_rms_norm", "weightless_rms_norm"]
+           "StateLayer", "gated_rms_norm", "weightless_rms_norm"]
 
 
 def _load(layer: nn.Module, module: nn.Module, pairs) -> nn.Module:
@@ -53,6 +52,30 @@ def _load(layer: nn.Module, module: nn.Module, pairs) -> nn.Module:
 def _linears(*pairs) -> list:
     """The (weight, bias) pairs of (ours, theirs) ``nn.Linear`` pairs."""
     return [(getattr(a, n), getattr(b, n)) for a, b in pairs for n in ("weight", "bias")]
+
+
+class StateLayer(nn.Module):
+    """What every recurrent-state layer shares: the backend selected for its state spec
+    (:func:`attn_ops.selector.select_backend`: its kind's backend, or the one
+    ``config.backend_per_kind`` forces for the kind; the choice and every rejection logged),
+    the tuning, and the backend instance whose methods run the layer's steps."""
+
+    def __init__(self, spec, config: AttentionConfig | None = None, *,
+                 platform: Platform | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.selection = select_backend(spec, platform, config)
+        options = dict(config.backend_options) if config is not None else {}
+        self.tuning = (config.tuning if config is not None and config.tuning is not None
+                       else resolve_tuning(self.selection.platform))
+        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
+
+    @property
+    def backend(self) -> str:
+        return self.selection.backend
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.describe()}, backend={self.backend}"
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -73,10 +96,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return weight * h.to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
-    def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.spec, self.hidden_size, self.eps = spec, hidden_size, eps
+class GatedDeltaNet(StateLayer):
+    def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, eps: float = 1e-6, *,
+                 config: AttentionConfig | None = None, platform: Platform | None = None
+                 ) -> None:
+        super().__init__(spec, config, platform=platform)
+        self.hidden_size, self.eps = hidden_size, eps
         s = spec
         key_dim, value_dim = s.num_k_heads * s.head_k_dim, s.num_v_heads * s.head_v_dim
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * key_dim + 2 * value_dim, bias=False)
@@ -88,9 +113,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
 
     @classmethod
-    def from_hf(cls, module, spec: GatedDeltaNetSpec) -> GatedDeltaNet:
-        """Ours with the weights of HF's ``Qwen3NextGatedDeltaNet`` ``module``."""
-        layer = cls(spec, module.hidden_size, module.layer_norm_epsilon)
+    def from_hf(cls, module, spec: GatedDeltaNetSpec, **kw) -> GatedDeltaNet:
+        """Ours with the weights of HF's ``Qwen3NextGatedDeltaNet`` ``module`` (``kw``: the
+        layer's ``config`` / ``platform``)."""
+        layer = cls(spec, module.hidden_size, module.layer_norm_epsilon, **kw)
         return _load(layer, module, [
             (layer.in_proj_qkvz.weight, module.in_proj_qkvz.weight),
             (layer.in_proj_ba.weight, module.in_proj_ba.weight),
@@ -109,29 +135,29 @@ class GatedDeltaNet(nn.Module):
                                  per_k * s.head_v_dim], dim=-1)
         b, a = self.in_proj_ba(hidden).view(t, s.num_k_heads, 2 * per_k).split(per_k, dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        mixed = causal_conv1d(mixed, self.conv_weight, None, states.conv, meta.query_start_loc,
-                              meta.state_indices, meta.has_initial_state, "silu")
+        mixed = self.impl.conv(mixed, self.conv_weight, None, states.conv, meta)
         key_dim = s.num_k_heads * s.head_k_dim
         q, k, v = mixed.split([key_dim, key_dim, s.num_v_heads * s.head_v_dim], dim=-1)
         beta = b.reshape(t, s.num_v_heads).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, s.num_v_heads).float()
                                                    + self.dt_bias)
-        o = gated_delta_rule(q.reshape(t, s.num_k_heads, s.head_k_dim),
-                             k.reshape(t, s.num_k_heads, s.head_k_dim),
-                             v.reshape(t, s.num_v_heads, s.head_v_dim), g, beta, states.recurrent,
-                             meta.query_start_loc, meta.state_indices, meta.has_initial_state,
-                             meta.max_query_len, s.head_k_dim ** -0.5, True)
+        o = self.impl.recurrence(q.reshape(t, s.num_k_heads, s.head_k_dim),
+                                 k.reshape(t, s.num_k_heads, s.head_k_dim),
+                                 v.reshape(t, s.num_v_heads, s.head_v_dim), g, beta,
+                                 states.recurrent, meta, s.head_k_dim ** -0.5, True)
         o = gated_rms_norm(o, z.reshape(t, s.num_v_heads, s.head_v_dim), self.norm_weight,
                            self.eps)
         return self.out_proj(o.reshape(t, -1))
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(StateLayer):
     def __init__(self, spec: Mamba2Spec, hidden_size: int, eps: float = 1e-6, *,
                  conv_bias: bool = True, bias: bool = False,
-                 dt_limit: tuple[float, float] = (0.0, float("inf"))) -> None:
-        super().__init__()
-        self.spec, self.hidden_size, self.eps, self.dt_limit = spec, hidden_size, eps, dt_limit
+                 dt_limit: tuple[float, float] = (0.0, float("inf")),
+                 config: AttentionConfig | None = None, platform: Platform | None = None
+                 ) -> None:
+        super().__init__(spec, config, platform=platform)
+        self.hidden_size, self.eps, self.dt_limit = hidden_size, eps, dt_limit
         s = spec
         inner = s.num_heads * s.head_dim
         self.in_proj = nn.Linear(hidden_size, inner + s.conv_dim + s.num_heads, bias=bias)
@@ -144,11 +170,12 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inner, hidden_size, bias=bias)
 
     @classmethod
-    def from_hf(cls, module, spec: Mamba2Spec) -> Mamba2Mixer:
+    def from_hf(cls, module, spec: Mamba2Spec, **kw) -> Mamba2Mixer:
         """Ours with the weights of HF's ``Mamba2Mixer`` ``module`` (and its dt limits)."""
         layer = cls(spec, module.hidden_size, module.layer_norm_epsilon,
                     conv_bias=module.conv1d.bias is not None,
-                    bias=module.in_proj.bias is not None, dt_limit=tuple(module.time_step_limit))
+                    bias=module.in_proj.bias is not None, dt_limit=tuple(module.time_step_limit),
+                    **kw)
         return _load(layer, module, [
             *_linears((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)),
             (layer.conv_weight, module.conv1d.weight[:, 0]),
@@ -162,16 +189,14 @@ class Mamba2Mixer(nn.Module):
         t = hidden.shape[0]
         inner = s.num_heads * s.head_dim
         gate, xbc, dt = self.in_proj(hidden).split([inner, s.conv_dim, s.num_heads], dim=-1)
-        xbc = causal_conv1d(xbc, self.conv_weight, self.conv_bias, states.conv,
-                            meta.query_start_loc, meta.state_indices, meta.has_initial_state,
-                            "silu")
+        xbc = self.impl.conv(xbc, self.conv_weight, self.conv_bias, states.conv, meta)
         gn = s.n_groups * s.d_state
         x, B, C = xbc.split([inner, gn, gn], dim=-1)
-        y = mamba2_ssd(x.reshape(t, s.num_heads, s.head_dim), dt, -self.A_log.float().exp(),
-                       B.reshape(t, s.n_groups, s.d_state), C.reshape(t, s.n_groups, s.d_state),
-                       self.D, None, self.dt_bias, states.recurrent, meta.query_start_loc,
-                       meta.state_indices, meta.has_initial_state, meta.max_query_len, True,
-                       float(self.dt_limit[0]), float(self.dt_limit[1]))
+        y = self.impl.ssd(x.reshape(t, s.num_heads, s.head_dim), dt, -self.A_log.float().exp(),
+                          B.reshape(t, s.n_groups, s.d_state),
+                          C.reshape(t, s.n_groups, s.d_state), self.D, None, self.dt_bias,
+                          states.recurrent, meta, True, float(self.dt_limit[0]),
+                          float(self.dt_limit[1]))
         y = gated_rms_norm(y.reshape(t, inner), gate, self.norm_weight, self.eps,
                            group_size=inner // s.n_groups, norm_before_gate=False)
         return self.out_proj(y.to(hidden.dtype))
@@ -184,16 +209,16 @@ def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(StateLayer):
     """``rms_eps`` (Falcon-Mamba): dt, B and C RMS-normalized without weights before the
     scan; None (Mamba, Jamba): not."""
 
     def __init__(self, spec: Mamba1Spec, hidden_size: int, dt_rank: int, *,
-                 conv_bias: bool = True, bias: bool = False,
-                 rms_eps: float | None = None) -> None:
-        super().__init__()
-        self.spec, self.hidden_size, self.dt_rank, self.rms_eps = spec, hidden_size, dt_rank, \
-            rms_eps
+                 conv_bias: bool = True, bias: bool = False, rms_eps: float | None = None,
+                 config: AttentionConfig | None = None, platform: Platform | None = None
+                 ) -> None:
+        super().__init__(spec, config, platform=platform)
+        self.hidden_size, self.dt_rank, self.rms_eps = hidden_size, dt_rank, rms_eps
         s = spec
         self.in_proj = nn.Linear(hidden_size, 2 * s.d_inner, bias=bias)
         self.conv_weight = nn.Parameter(torch.zeros(s.d_inner, s.conv_kernel))
@@ -205,12 +230,12 @@ class Mamba1Mixer(nn.Module):
         self.out_proj = nn.Linear(s.d_inner, hidden_size, bias=bias)
 
     @classmethod
-    def from_hf(cls, module, spec: Mamba1Spec) -> Mamba1Mixer:
+    def from_hf(cls, module, spec: Mamba1Spec, **kw) -> Mamba1Mixer:
         """Ours with the weights of HF's ``MambaMixer`` or ``FalconMambaMixer`` ``module``."""
         layer = cls(spec, module.hidden_size, module.time_step_rank,
                     conv_bias=module.conv1d.bias is not None,
                     bias=module.in_proj.bias is not None,
-                    rms_eps=getattr(module, "rms_eps", None))
+                    rms_eps=getattr(module, "rms_eps", None), **kw)
         return _load(layer, module, [
             *_linears((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj),
                       (layer.dt_proj, module.dt_proj)),
@@ -223,26 +248,24 @@ class Mamba1Mixer(nn.Module):
                 meta: StateMetadata) -> torch.Tensor:
         s = self.spec
         x, z = self.in_proj(hidden).chunk(2, dim=-1)
-        x = causal_conv1d(x, self.conv_weight, self.conv_bias, states.conv,
-                          meta.query_start_loc, meta.state_indices, meta.has_initial_state,
-                          "silu")
+        x = self.impl.conv(x, self.conv_weight, self.conv_bias, states.conv, meta)
         ts, B, C = self.x_proj(x).split([self.dt_rank, s.d_state, s.d_state], dim=-1)
         if self.rms_eps is not None:
             ts, B, C = (weightless_rms_norm(u, self.rms_eps) for u in (ts, B, C))
         dt = F.linear(ts, self.dt_proj.weight)  # (its bias goes into the scan, in fp32)
-        y = mamba1_scan(x, dt, -self.A_log.float().exp(), B, C, self.D, z, self.dt_proj.bias,
-                        states.recurrent, meta.query_start_loc, meta.state_indices,
-                        meta.has_initial_state, meta.max_query_len, True)
+        y = self.impl.scan(x, dt, -self.A_log.float().exp(), B, C, self.D, z,
+                           self.dt_proj.bias, states.recurrent, meta, True)
         return self.out_proj(y.to(hidden.dtype))
 
 
-class LightningAttention(nn.Module):
+class LightningAttention(StateLayer):
     """``slope``: the layer's decay rates a head (:meth:`minimax_slopes`)."""
 
     def __init__(self, spec: LightningSpec, hidden_size: int, slope: torch.Tensor,
-                 eps: float = 1e-6) -> None:
-        super().__init__()
-        self.spec, self.hidden_size, self.eps = spec, hidden_size, eps
+                 eps: float = 1e-6, *, config: AttentionConfig | None = None,
+                 platform: Platform | None = None) -> None:
+        super().__init__(spec, config, platform=platform)
+        self.hidden_size, self.eps = hidden_size, eps
         inner = spec.num_heads * spec.head_dim
         self.qkv_proj = nn.Linear(hidden_size, 3 * inner, bias=False)
         self.output_gate = nn.Linear(hidden_size, inner, bias=False)
@@ -259,14 +282,14 @@ class LightningAttention(nn.Module):
         return base ** (torch.arange(num_heads) + 1) * factor
 
     @classmethod
-    def from_hf(cls, module, spec: LightningSpec) -> LightningAttention:
+    def from_hf(cls, module, spec: LightningSpec, **kw) -> LightningAttention:
         """Ours with the weights (and the slopes) of HF's ``MiniMaxLightningAttention``."""
         probe = torch.linspace(-4, 4, 9)
         if not torch.allclose(module.act_fn(probe), F.silu(probe)):
             raise ValueError(f"LightningAttention runs q, k, v through SiLU; the module's "
                              f"activation is {module.act_fn}")
         layer = cls(spec, module.qkv_proj.in_features, module.slope_rate,
-                    module.norm.variance_epsilon)
+                    module.norm.variance_epsilon, **kw)
         return _load(layer, module, [
             (layer.qkv_proj.weight, module.qkv_proj.weight),
             (layer.output_gate.weight, module.output_gate.weight),
@@ -280,8 +303,7 @@ class LightningAttention(nn.Module):
         # qkv_proj's rows are grouped by head: [q | k | v] of each head
         qkv = F.silu(self.qkv_proj(hidden)).view(t, s.num_heads, 3 * s.head_dim)
         q, k, v = qkv.split(s.head_dim, dim=-1)
-        o = lightning_attention(q, k, v, self.slope, states.recurrent, meta.query_start_loc,
-                                meta.state_indices, meta.has_initial_state, meta.max_query_len)
+        o = self.impl.attention(q, k, v, self.slope, states.recurrent, meta)
         o = o.reshape(t, -1)
         h = o.float()
         o = self.norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -289,25 +311,26 @@ class LightningAttention(nn.Module):
         return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * o)
 
 
-class ShortConv(nn.Module):
-    def __init__(self, spec: ShortConvSpec, *, bias: bool = False) -> None:
-        super().__init__()
-        self.spec = spec
+class ShortConv(StateLayer):
+    def __init__(self, spec: ShortConvSpec, *, bias: bool = False,
+                 config: AttentionConfig | None = None, platform: Platform | None = None
+                 ) -> None:
+        super().__init__(spec, config, platform=platform)
         self.in_proj = nn.Linear(spec.dim, 3 * spec.dim, bias=bias)
         self.conv_weight = nn.Parameter(torch.zeros(spec.dim, spec.conv_kernel))
         self.conv_bias = nn.Parameter(torch.zeros(spec.dim)) if bias else None
         self.out_proj = nn.Linear(spec.dim, spec.dim, bias=bias)
 
     @classmethod
-    def from_hf(cls, module, spec: ShortConvSpec) -> ShortConv:
+    def from_hf(cls, module, spec: ShortConvSpec, **kw) -> ShortConv:
         """Ours with the weights of HF's ``Lfm2ShortConv`` ``module``."""
-        layer = cls(spec, bias=module.bias)
+        layer = cls(spec, bias=module.bias, **kw)
         return _load(layer, module, [
             *_linears((layer.in_proj, module.in_proj), (layer.out_proj, module.out_proj)),
             (layer.conv_weight, module.conv.weight[:, 0]), (layer.conv_bias, module.conv.bias)])
 
     def forward(self, hidden: torch.Tensor, states: StateCache,
                 meta: StateMetadata) -> torch.Tensor:
-        y = short_conv(self.in_proj(hidden), self.conv_weight, self.conv_bias, states.conv,
-                       meta.query_start_loc, meta.state_indices, meta.has_initial_state)
+        y = self.impl.short_conv(self.in_proj(hidden), self.conv_weight, self.conv_bias,
+                                 states.conv, meta)
         return self.out_proj(y)

@@ -69,19 +69,23 @@ class HybridConfig(ModelConfig):
 
 
 class RecurrentLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, index: int) -> None:
+    """``attn_config`` / ``platform``: its mixer's backend selection (per-kind overrides)."""
+
+    def __init__(self, cfg: HybridConfig, index: int,
+                 attn_config: AttentionConfig | None = None, platform=None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        select = dict(config=attn_config, platform=platform)
         if cfg.linear_kind == "mamba1":
-            self.mixer = Mamba1Mixer(cfg.state_spec, h, cfg.mamba1_dt_rank)
+            self.mixer = Mamba1Mixer(cfg.state_spec, h, cfg.mamba1_dt_rank, **select)
         elif cfg.linear_kind == "lightning":
             spec = cfg.state_spec
             slopes = LightningAttention.minimax_slopes(spec.num_heads, index, cfg.num_layers)
-            self.mixer = LightningAttention(spec, h, slopes, cfg.rms_norm_eps)
+            self.mixer = LightningAttention(spec, h, slopes, cfg.rms_norm_eps, **select)
         else:
             mixer = GatedDeltaNet if cfg.linear_kind == "gated_deltanet" else Mamba2Mixer
-            self.mixer = mixer(cfg.state_spec, h, cfg.rms_norm_eps)
+            self.mixer = mixer(cfg.state_spec, h, cfg.rms_norm_eps, **select)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
@@ -100,7 +104,7 @@ class HybridModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, attn_config, platform) if cfg.is_attention(i)
-            else RecurrentLayer(cfg, i) for i in range(cfg.num_layers))
+            else RecurrentLayer(cfg, i, attn_config, platform) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_cache(cfg.head_dim, cfg.max_position, cfg.rope_theta),

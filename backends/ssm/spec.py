@@ -56,6 +56,21 @@ class StateSpec:
     def recurrent_shape(self) -> tuple[int, ...] | None:
         return None
 
+    @property
+    def layer_kind(self):
+        """The :class:`~attn_ops.spec.LayerKind` of the layers of this spec (per-kind
+        overrides: ``AttentionConfig.backend_per_kind``)."""
+        from attn_ops.spec import LayerKind
+
+        return LayerKind(self.kind)
+
+    def describe(self) -> str:
+        """A one-line summary used in errors, logs and the CLI."""
+        parts = [f"{f.name}={str(getattr(self, f.name)).removeprefix('torch.')}"
+                 for f in dataclasses.fields(self)
+                 if not (f.name == "conv_kernel" and not self.has_conv)]
+        return f"{self.kind} " + " ".join(parts)
+
     def __post_init__(self) -> None:
         if not self.has_conv:
             if self.conv_kernel != 0:
