@@ -129,3 +129,33 @@ def test_select_and_info_show_every_state_kind(capsys, flag, backend):
     assert main(["info", flag, "--platform", "xpu"]) == 2
     out = capsys.readouterr().out
     assert f"  {backend:<18} unavailable: platform xpu not in {{cpu, cuda}}" in out
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_a_layers_tuning_reaches_its_ops(monkeypatch, kind):
+    """A layer's ``AttentionConfig(tuning=...)`` is what its ops route with (the backend hands
+    them its ``Tuning.ssm`` encoded), and a layer without one routes with the device's."""
+    from attn_ops import routing
+    from attn_ops.layers.ssm import GatedDeltaNet, Mamba2Mixer
+    from attn_ops.tuning import Tuning, default_tuning
+
+    seen = []
+    real = routing.ssm_kernel
+    monkeypatch.setattr(routing, "ssm_kernel", lambda *a, **k: seen.append(a) or real(*a, **k))
+    if kind == "gated_deltanet":
+        spec = ssm.GatedDeltaNetSpec(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6,
+                                     dtype=torch.float32, chunk_size=4)
+        make = lambda **kw: GatedDeltaNet(spec, 24, **kw)  # noqa: E731
+    else:
+        spec = ssm.Mamba2Spec(num_heads=4, head_dim=8, d_state=5, n_groups=2,
+                              dtype=torch.float32, chunk_size=4)
+        make = lambda **kw: Mamba2Mixer(spec, 24, **kw)  # noqa: E731
+    tuned = Tuning().with_(ssm={"chunked_min_query_len": 3})
+    meta = build_state_metadata(np.array([0, 3, 7]), [0, 0], [1, 2], spec.chunk_size)
+    for layer, want in ((make(config=AttentionConfig(tuning=tuned)), 3),
+                        (make(), default_tuning().ssm.chunked_min_query_len)):
+        seen.clear()
+        with torch.no_grad():
+            layer(torch.randn(7, 24), spec.allocate(4), meta)
+        routed = [args for args in seen if len(args) == 6]  # (the chunked-or-not choice)
+        assert routed and all(args[-1] == want for args in routed), (seen, want)

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from attn_ops.backends.ssm.common import SSM_PLAN
 from attn_ops.backends.ssm.conv import causal_conv1d
 from attn_ops.backends.ssm.gated_deltanet import gated_delta_rule
 from attn_ops.backends.ssm.lightning import lightning_attention
@@ -99,7 +100,11 @@ class RecurrentBackend:
         return cls.capabilities.cudagraph_support
 
     def __init__(self, spec: StateSpec, *, tuning=None) -> None:
+        """``tuning``: the layer's :class:`~attn_ops.tuning.Tuning`; its ``ssm`` section goes
+        to the ops encoded (:data:`~attn_ops.backends.ssm.common.SSM_PLAN`; None: the
+        device's default)."""
         self.spec, self.tuning = spec, tuning
+        self.plan = SSM_PLAN.encode(tuning.ssm) if tuning is not None else None
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              conv_state: torch.Tensor, meta: StateMetadata,
@@ -123,7 +128,7 @@ class GatedDeltaNetBackend(RecurrentBackend):
                    qk_l2norm: bool) -> torch.Tensor:
         return gated_delta_rule(q, k, v, g, beta, state, meta.query_start_loc,
                                 meta.state_indices, meta.has_initial_state, meta.max_query_len,
-                                scale, qk_l2norm)
+                                scale, qk_l2norm, self.plan)
 
 
 class Mamba2Backend(RecurrentBackend):
@@ -134,7 +139,7 @@ class Mamba2Backend(RecurrentBackend):
             dt_softplus: bool, dt_min: float, dt_max: float) -> torch.Tensor:
         return mamba2_ssd(x, dt, A, B, C, D, z, dt_bias, state, meta.query_start_loc,
                           meta.state_indices, meta.has_initial_state, meta.max_query_len,
-                          dt_softplus, dt_min, dt_max)
+                          dt_softplus, dt_min, dt_max, self.plan)
 
 
 class Mamba1Backend(RecurrentBackend):
@@ -145,7 +150,7 @@ class Mamba1Backend(RecurrentBackend):
              dt_softplus: bool) -> torch.Tensor:
         return mamba1_scan(x, dt, A, B, C, D, z, dt_bias, state, meta.query_start_loc,
                            meta.state_indices, meta.has_initial_state, meta.max_query_len,
-                           dt_softplus)
+                           dt_softplus, self.plan)
 
 
 class ShortConvBackend(RecurrentBackend):
@@ -164,4 +169,4 @@ class LightningBackend(RecurrentBackend):
     def attention(self, q, k, v, slope, state, meta: StateMetadata) -> torch.Tensor:
         return lightning_attention(q, k, v, slope, state, meta.query_start_loc,
                                    meta.state_indices, meta.has_initial_state,
-                                   meta.max_query_len)
+                                   meta.max_query_len, self.plan)

@@ -11,11 +11,15 @@ import functools
 import torch
 
 from attn_ops.ops import check_query_start_loc, debug_checks_enabled
+from attn_ops.plan_codec import PlanCodec
+from attn_ops.tuning.ssm import SSMTuning
 
 __all__ = ["FLOAT_DTYPES", "check_inputs", "check_step", "check_step_values",
-           "chunked_step_kernel", "compute_dtype", "padded_steps", "padded_tokens",
+           "SSM_PLAN", "chunked_step_kernel", "ssm_tuning", "compute_dtype", "padded_steps", "padded_tokens",
            "read_states", "split_slots", "step_writes", "store_states", "token_requests",
            "triton_available", "use_triton"]
+
+SSM_PLAN = PlanCodec(SSMTuning)  # a layer's Tuning.ssm, handed to the ops by its backend
 
 # The dtypes of the ops' floating inputs and states (the kernels load them into fp32; fp64 is
 # the oracle's, on the torch body).
@@ -49,13 +53,24 @@ def use_triton(x: torch.Tensor) -> bool:
     return ssm_kernel(x.is_cuda, x.dtype, triton_available()) is Kernel.SSM_TRITON
 
 
-def chunked_step_kernel(x: torch.Tensor, max_query_len: int, state_indices: torch.Tensor):
-    """``(kernel, Tuning.ssm)`` of an op with a chunked kernel for a step
-    (:func:`attn_ops.routing.ssm_kernel`)."""
-    from attn_ops.routing import ssm_kernel
+def ssm_tuning(plan: torch.Tensor | None):
+    """The recurrent ops' tunables (:class:`~attn_ops.tuning.ssm.SSMTuning`): the layer's,
+    encoded by its backend (:data:`SSM_PLAN`, the ops' ``tuning`` argument), or for a call
+    without one the device's default."""
+    if plan is not None:
+        return SSM_PLAN.decode(plan)
     from attn_ops.tuning import default_tuning
 
-    tuning = default_tuning().ssm
+    return default_tuning().ssm
+
+
+def chunked_step_kernel(x: torch.Tensor, max_query_len: int, state_indices: torch.Tensor,
+                        plan: torch.Tensor | None = None):
+    """``(kernel, Tuning.ssm)`` of an op with a chunked kernel for a step
+    (:func:`attn_ops.routing.ssm_kernel`), ``plan`` as :func:`ssm_tuning`'s."""
+    from attn_ops.routing import ssm_kernel
+
+    tuning = ssm_tuning(plan)
     return ssm_kernel(x.is_cuda, x.dtype, triton_available(), max_query_len,
                       state_indices.dim() == 1, tuning.chunked_min_query_len), tuning
 

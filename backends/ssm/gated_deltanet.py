@@ -114,12 +114,12 @@ def _reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_init
 
 
 def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
-          max_query_len, scale, qk_l2norm):
+          max_query_len, scale, qk_l2norm, tuning=None):
     _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
            max_query_len)
     check_step_values("gated_delta_rule", query_start_loc, state_indices, q.shape[0],
                       state.shape[0], max_query_len)
-    kernel, tuning = chunked_step_kernel(v, max_query_len, state_indices)
+    kernel, tuning = chunked_step_kernel(v, max_query_len, state_indices, tuning)
     if kernel is not Kernel.SSM_TORCH:
         from attn_ops.backends.ssm import triton_kernels as tk
 
@@ -143,7 +143,7 @@ def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_s
 
 
 def _fake(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
-          max_query_len, scale, qk_l2norm):
+          max_query_len, scale, qk_l2norm, tuning=None):
     _check(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,
            max_query_len)
     return torch.empty_like(v)
@@ -153,5 +153,5 @@ gated_delta_rule = define_op(
     "gated_delta_rule",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
     "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, int max_query_len, "
-    "float scale, bool qk_l2norm) -> Tensor",
+    "float scale, bool qk_l2norm, Tensor? tuning=None) -> Tensor",
     _impl, _fake)

@@ -23,7 +23,7 @@ import torch
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
                                           compute_dtype, padded_steps, padded_tokens,
                                           read_states, sanitized_starts, split_slots,
-                                          step_writes, store_states, use_triton)
+                                          ssm_tuning, step_writes, store_states, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["lightning_attention", "lightning_reference"]
@@ -87,16 +87,15 @@ def _reference(q, k, v, slope, state, query_start_loc, state_indices, has_initia
 
 
 def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_state,
-          max_query_len):
+          max_query_len, tuning=None):
     _check(q, k, v, slope, state, query_start_loc, state_indices, has_initial_state,
            max_query_len)
     check_step_values("lightning_attention", query_start_loc, state_indices, q.shape[0],
                       state.shape[0], max_query_len)
     if use_triton(q):
         from attn_ops.backends.ssm.triton_kernels import lightning_recurrent_triton
-        from attn_ops.tuning import default_tuning
 
-        t = default_tuning().ssm
+        t = ssm_tuning(tuning)
         return lightning_recurrent_triton(q, k, v, slope, state, query_start_loc,
                                           state_indices, has_initial_state,
                                           t.lightning_block_v, t.decode_num_warps)
@@ -107,7 +106,7 @@ def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
 
 
 def _fake(q, k, v, slope, state, query_start_loc, state_indices, has_initial_state,
-          max_query_len):
+          max_query_len, tuning=None):
     _check(q, k, v, slope, state, query_start_loc, state_indices, has_initial_state,
            max_query_len)
     return torch.empty_like(v)
@@ -116,5 +115,5 @@ def _fake(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
 lightning_attention = define_op(
     "lightning_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor slope, Tensor(a!) state, Tensor query_start_loc, "
-    "Tensor state_indices, Tensor has_initial_state, int max_query_len) -> Tensor",
+    "Tensor state_indices, Tensor has_initial_state, int max_query_len, Tensor? tuning=None) -> Tensor",
     _impl, _fake)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
                                           compute_dtype, padded_steps, padded_tokens,
                                           read_states, sanitized_starts, split_slots,
-                                          step_writes, store_states, use_triton)
+                                          ssm_tuning, step_writes, store_states, use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["mamba1_reference", "mamba1_scan"]
@@ -103,16 +103,15 @@ def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indi
 
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
-          has_initial_state, max_query_len, dt_softplus):
+          has_initial_state, max_query_len, dt_softplus, tuning=None):
     _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
     check_step_values("mamba1_scan", query_start_loc, state_indices, x.shape[0],
                       state.shape[0], max_query_len)
     if use_triton(x):
         from attn_ops.backends.ssm.triton_kernels import mamba1_recurrent_triton
-        from attn_ops.tuning import default_tuning
 
-        t = default_tuning().ssm
+        t = ssm_tuning(tuning)
         return mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                                        state_indices, has_initial_state, dt_softplus,
                                        t.mamba1_block_d, t.decode_num_warps)
@@ -123,7 +122,7 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
 
 
 def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
-          has_initial_state, max_query_len, dt_softplus):
+          has_initial_state, max_query_len, dt_softplus, tuning=None):
     _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
     return torch.empty_like(x)
@@ -133,5 +132,5 @@ mamba1_scan = define_op(
     "mamba1_scan",
     "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, "
     "Tensor(a!) state, Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
-    "int max_query_len, bool dt_softplus) -> Tensor",
+    "int max_query_len, bool dt_softplus, Tensor? tuning=None) -> Tensor",
     _impl, _fake)

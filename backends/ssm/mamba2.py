@@ -108,12 +108,12 @@ def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indi
 
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
-          has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+          has_initial_state, max_query_len, dt_softplus, dt_min, dt_max, tuning=None):
     _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
     check_step_values("mamba2_ssd", query_start_loc, state_indices, x.shape[0], state.shape[0],
                       max_query_len)
-    kernel, tuning = chunked_step_kernel(x, max_query_len, state_indices)
+    kernel, tuning = chunked_step_kernel(x, max_query_len, state_indices, tuning)
     if kernel is not Kernel.SSM_TORCH:
         from attn_ops.backends.ssm import triton_kernels as tk
 
@@ -139,7 +139,7 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
 
 
 def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
-          has_initial_state, max_query_len, dt_softplus, dt_min, dt_max):
+          has_initial_state, max_query_len, dt_softplus, dt_min, dt_max, tuning=None):
     _check(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
     return torch.empty_like(x)
@@ -149,5 +149,5 @@ mamba2_ssd = define_op(
     "mamba2_ssd",
     "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, "
     "Tensor(a!) state, Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
-    "int max_query_len, bool dt_softplus, float dt_min, float dt_max) -> Tensor",
+    "int max_query_len, bool dt_softplus, float dt_min, float dt_max, Tensor? tuning=None) -> Tensor",
     _impl, _fake)
