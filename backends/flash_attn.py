@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from attn_ops.backend import AttentionBackend
-from attn_ops.backends.step_schedules import new_schedule, restart_schedule
 from attn_ops.backends.flash_attn_kernels import (fa3_fp8_query, fa3_takes_sinks,
                                                   fa4_head_dim_reasons, fa_window, finish_lse,
                                                   run_fa2, run_fa3, run_fa4)
+from attn_ops.backends.step_schedules import new_schedule, restart_schedule
 from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDims, MultipleOf,
                                    PackageRequirement, Reason)
 from attn_ops.kv_cache import nhd_kv_halves
