@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import random
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -246,11 +247,19 @@ class BlockAllocator:
     state does not shrink with a page), so slots per block would size every state layer by
     the KV pool. ``state_slots_per_request`` ``1 + K`` gives each request a slot per position of
     a speculative decode of ``K`` drafts (the state after each, until acceptance picks one).
+
+    ``prefix_caching=True``: full blocks are cached by the tokens they hold, through every
+    token before them (a hash chain), for later requests with the same prefix
+    (:meth:`match_prefix`): a shared block is read by every request holding it and written by
+    none (a request writes from the block after its cached prefix); a block whose last holder
+    is freed stays cached until a new block is needed and it is the least recently freed
+    (:attr:`num_free_blocks` counts it free). Requests register their blocks with the tokens
+    they hold as they fill (``reserve(..., token_ids=...)``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, shuffle: bool = False,
                  seed: int = 0, num_state_slots: int = 0,
-                 state_slots_per_request: int = 1) -> None:
+                 state_slots_per_request: int = 1, prefix_caching: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
         if num_state_slots < 0 or state_slots_per_request < 1:
@@ -271,16 +280,81 @@ class BlockAllocator:
         self._rows: dict[object, int] = {}  # request -> its row of _table
         self._free_rows: list[int] = []
         self._table = np.zeros((16, 16), dtype=np.int32)
+        self.prefix_caching = prefix_caching
+        self._refs: dict[int, int] = {}  # block -> requests holding it (prefix caching)
+        self._by_hash: dict[int, int] = {}  # a cached block's prefix hash -> the block
+        self._hash_of: dict[int, int] = {}  # block -> its prefix hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU
+        self._chains: dict[object, list[int]] = {}  # request -> its full blocks' hashes
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    def _new_block(self) -> int:
+        """A free block: an unused one, else the least recently freed cached one (its prefix
+        forgotten)."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _chain(self, request_id: object, token_ids, full_blocks: int) -> list[int]:
+        """The hashes of the first ``full_blocks`` blocks of ``token_ids`` (each over every
+        token through its block), extending what the request already computed."""
+        chain = self._chains.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(chain), full_blocks):
+            chain.append(hash((chain[-1] if chain else None,
+                               tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs]))))
+        return chain
+
+    def match_prefix(self, request_id: object, token_ids) -> int:
+        """Give a new request the cached blocks of its longest cached prefix of ``token_ids``
+        (whole blocks, at most ``len(token_ids) - 1`` tokens: the last token is always computed,
+        for its logits); returns how many tokens they hold -- the request's computed tokens.
+        Without ``prefix_caching``: 0."""
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks: match its prefix "
+                             "before its first reserve")
+        if not self.prefix_caching:
+            return 0
+        chain = self._chain(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        hit = []
+        for h in chain:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        del chain[len(hit):]  # (the rest is hashed again as the request fills its own blocks)
+        self.reserve(request_id, 0)
+        owned = self._blocks[request_id]
+        for block in hit:
+            if block in self._evictable:
+                del self._evictable[block]
+                self._refs[block] = 1
+            else:
+                self._refs[block] += 1
+            owned.append(block)
+        self._write_row(request_id, 0)
+        return len(hit) * self.block_size
 
     def blocks(self, request_id: object) -> list[int]:
         return self._blocks.get(request_id, [])
 
-    def reserve(self, request_id: object, num_tokens: int) -> list[int]:
-        """Make sure ``request_id`` owns enough blocks for ``num_tokens`` tokens in total."""
+    def reserve(self, request_id: object, num_tokens: int, token_ids=None) -> list[int]:
+        """Make sure ``request_id`` owns enough blocks for ``num_tokens`` tokens in total;
+        with ``prefix_caching``, ``token_ids`` (the tokens it holds, those being written
+        included) caches its blocks that are full."""
+        owned = self._reserve(request_id, num_tokens)
+        if self.prefix_caching and token_ids is not None:
+            self._register(request_id, token_ids)
+        return owned
+
+    def _reserve(self, request_id: object, num_tokens: int) -> list[int]:
         owned = self._blocks.get(request_id)
         if owned is None:
             per = self.state_slots_per_request
@@ -296,21 +370,35 @@ class BlockAllocator:
         needed = -(-num_tokens // self.block_size) - len(owned)
         if needed <= 0:
             return owned
-        if needed > len(self._free):
+        if needed > self.num_free_blocks:
             raise RuntimeError(f"out of KV-cache blocks: request {request_id!r} needs {needed} "
-                               f"more, {len(self._free)} free of {self.num_blocks}; allocate a "
-                               "bigger cache")
+                               f"more, {self.num_free_blocks} free of {self.num_blocks}; "
+                               "allocate a bigger cache")
         start = len(owned)
         for _ in range(needed):
-            owned.append(self._free.pop())
-        row = self._rows[request_id]
+            owned.append(self._new_block())
+        self._write_row(request_id, start)
+        return owned
+
+    def _write_row(self, request_id: object, start: int) -> None:
+        """The request's blocks from ``start`` on into its block-table row."""
+        owned, row = self._blocks[request_id], self._rows[request_id]
         rows, width = self._table.shape
         if row >= rows or len(owned) > width:
             grown = np.zeros((max(rows, 2 * row + 1), max(width, 2 * len(owned))), np.int32)
             grown[:rows, :width] = self._table
             self._table = grown
         self._table[row, start:len(owned)] = owned[start:]
-        return owned
+
+    def _register(self, request_id: object, token_ids) -> None:
+        """Cache the request's full blocks by the tokens they hold (a block whose prefix is
+        cached already, in another block, stays the request's own, uncached)."""
+        owned = self._blocks[request_id]
+        full = min(len(token_ids) // self.block_size, len(owned))
+        for i, h in enumerate(self._chain(request_id, token_ids, full)):
+            block = owned[i]
+            if block not in self._hash_of and h not in self._by_hash:
+                self._by_hash[h], self._hash_of[block] = block, h
 
     def block_table(self, request_ids, width: int | None = None) -> np.ndarray:
         """``[len(request_ids), width]`` int32 block table of these requests (their blocks in
@@ -351,7 +439,16 @@ class BlockAllocator:
             return
         if request_id in self._states:
             self._free_states.extend(reversed(self._states.pop(request_id)))
-        self._free.extend(reversed(owned))
+        self._chains.pop(request_id, None)
+        for block in reversed(owned):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue  # (another request still holds it)
+            del self._refs[block]
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
         row = self._rows.pop(request_id)
         self._table[row, :len(owned)] = 0
         self._free_rows.append(row)
