@@ -286,6 +286,7 @@ class BlockAllocator:
         self._hash_of: dict[int, int] = {}  # block -> its prefix hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld cached blocks, LRU
         self._chains: dict[object, list[int]] = {}  # request -> its full blocks' hashes
+        self._checkpoints: dict[int, int] = {}  # cached block -> the state slot after it
 
     @property
     def num_free_blocks(self) -> int:
@@ -298,9 +299,39 @@ class BlockAllocator:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            self._forget(block)
         self._refs[block] = 1
         return block
+
+    def _forget(self, block: int) -> None:
+        """An evicted block's prefix and its state checkpoint (the slot goes back)."""
+        del self._by_hash[self._hash_of.pop(block)]
+        slot = self._checkpoints.pop(block, None)
+        if slot is not None:
+            self._free_states.append(slot)
+
+    def new_checkpoint(self, block: int) -> int | None:
+        """A state slot for the recurrent states after cached ``block`` (a hybrid model's
+        prefix cache: a request matching through this block resumes from them), from the free
+        state slots; None where the block is not cached, has one, or no slot is free (a
+        checkpoint never takes a running request's slot)."""
+        if (block not in self._hash_of or block in self._checkpoints
+                or len(self._free_states) <= self.state_slots_per_request):
+            return None
+        slot = self._checkpoints[block] = self._free_states.pop()
+        return slot
+
+    def _drop_checkpoints(self, n: int) -> None:
+        """Give ``n`` checkpoint slots back to running requests: those of unheld blocks first
+        (least recently freed first), then any (only later cache hits are lost)."""
+        order = [b for b in self._evictable if b in self._checkpoints]
+        order += [b for b in self._checkpoints if b not in self._evictable]
+        for block in order[:n]:
+            self._free_states.append(self._checkpoints.pop(block))
+
+    def checkpoint(self, block: int) -> int | None:
+        """The state slot of ``block``'s checkpoint (None: it has none)."""
+        return self._checkpoints.get(block)
 
     def _chain(self, request_id: object, token_ids, full_blocks: int) -> list[int]:
         """The hashes of the first ``full_blocks`` blocks of ``token_ids`` (each over every
@@ -312,11 +343,14 @@ class BlockAllocator:
                                tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs]))))
         return chain
 
-    def match_prefix(self, request_id: object, token_ids) -> int:
+    def match_prefix(self, request_id: object, token_ids, *,
+                     with_checkpoint: bool = False) -> int:
         """Give a new request the cached blocks of its longest cached prefix of ``token_ids``
         (whole blocks, at most ``len(token_ids) - 1`` tokens: the last token is always computed,
         for its logits); returns how many tokens they hold -- the request's computed tokens.
-        Without ``prefix_caching``: 0."""
+        ``with_checkpoint`` (a hybrid model): the prefix ends at a block with a state
+        checkpoint (:meth:`checkpoint` of the request's last block gives it). Without
+        ``prefix_caching``: 0."""
         if request_id in self._blocks:
             raise ValueError(f"request {request_id!r} already holds blocks: match its prefix "
                              "before its first reserve")
@@ -329,6 +363,9 @@ class BlockAllocator:
             if block is None:
                 break
             hit.append(block)
+        if with_checkpoint:  # (back to the last block the states can resume after)
+            while hit and hit[-1] not in self._checkpoints:
+                hit.pop()
         del chain[len(hit):]  # (the rest is hashed again as the request fills its own blocks)
         self.reserve(request_id, 0)
         owned = self._blocks[request_id]
@@ -358,6 +395,8 @@ class BlockAllocator:
         owned = self._blocks.get(request_id)
         if owned is None:
             per = self.state_slots_per_request
+            if self.num_state_slots and len(self._free_states) < per:
+                self._drop_checkpoints(per - len(self._free_states))
             if self.num_state_slots and len(self._free_states) < per:
                 raise RuntimeError(f"out of state slots: request {request_id!r} needs {per}, "
                                    f"{len(self._free_states)} of {self.num_state_slots} are "

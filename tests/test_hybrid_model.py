@@ -105,3 +105,39 @@ def test_graphed_decode_steps_match_eager(kind):
     assert graphed.runner.captured, "no step replayed a graph"
     assert {r: t for r, (t, _) in eager.requests.items()} == \
         {r: t for r, (t, _) in graphed.requests.items()}
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
+def test_a_shared_prefix_is_computed_once_and_resumed_from_its_state_checkpoint(kind):
+    """With prefix caching, a later request whose prompt starts with a cached prefix takes
+    its KV blocks and the recurrent states checkpointed at its last block boundary, computes
+    only the rest, and generates the logits of a generator without the cache."""
+    model = _model(kind)
+    bs = model.block_size
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(100, (2 * bs + 3,), generator=g).tolist()
+    prompts = {0: shared + [7, 8], 1: shared + [9]}
+
+    def run(prefix_caching):
+        """Request 1's logits at each of its first four generated positions (the step rows
+        of its own decodes), and the generator."""
+        gen = HybridGenerator(model, 64, 6, prefix_caching=prefix_caching)
+        gen.add(0, prompts[0])
+        for _ in range(4):
+            gen.step(max_new_tokens=bs)  # (steps end on block boundaries: checkpoints)
+        gen.add(1, prompts[1])
+        rows = []
+        while len(rows) < 4:
+            before = gen.requests[1][1]
+            last = gen.step(max_new_tokens=bs)
+            if gen.requests[1][1] >= len(prompts[1]) and gen.requests[1][1] > before:
+                rows.append(last[1])  # (request 1 is the second row: both decode or 0 first)
+        return gen, torch.stack(rows)
+
+    cached, got = run(True)
+    plain, want = run(False)
+    assert cached.computed_on_add == {0: 0, 1: 2 * bs} and plain.computed_on_add == {0: 0, 1: 0}
+    assert cached.allocator.blocks(1)[:2] == cached.allocator.blocks(0)[:2]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    n = len(prompts[1]) + 4
+    assert cached.requests[1][0][:n] == plain.requests[1][0][:n]  # (the same tokens)

@@ -87,3 +87,27 @@ def test_attention_over_a_shared_prefix_equals_attention_from_scratch():
     fresh = BlockAllocator(16, layer.block_size)
     want = step(fresh, layer.allocate_kv_cache(16), "x", 0, prompt)[done:]
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_state_checkpoints_live_in_spare_slots_and_give_way_to_running_requests():
+    """A hybrid model's prefix checkpoint takes a state slot only while one stays free for a
+    new request; matching with checkpoints stops at the last checkpointed block; a request
+    short of a slot takes a checkpoint's back (only later cache hits are lost)."""
+    alloc = BlockAllocator(16, 4, prefix_caching=True, num_state_slots=3)
+    prompt = list(range(9))
+    alloc.match_prefix("a", prompt)
+    alloc.reserve("a", 9, token_ids=prompt)
+    first, second, partial = alloc.blocks("a")
+    slot = alloc.new_checkpoint(first)
+    assert slot is not None and alloc.checkpoint(first) == slot
+    assert slot not in alloc.request_state_slots("a")
+    assert alloc.new_checkpoint(second) is None  # (the last free slot stays for a request)
+    assert alloc.new_checkpoint(partial) is None  # (not a cached block)
+    assert alloc.match_prefix("b", prompt) == 8
+    alloc.free("b")
+    assert alloc.match_prefix("b", prompt, with_checkpoint=True) == 4
+    alloc.reserve("b", 9)
+    alloc.reserve("c", 1)  # (no free slot left: the checkpoint gives its slot back)
+    assert alloc.checkpoint(first) is None
+    assert len({*alloc.request_state_slots("a"), *alloc.request_state_slots("b"),
+                *alloc.request_state_slots("c")}) == 3

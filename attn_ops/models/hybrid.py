@@ -197,18 +197,27 @@ class HybridGenerator:
     """Greedy generation over one allocator (KV blocks and state slots), one mixed batch a
     step, decodes first; ``forward`` is the model or a compiled version of it. With
     ``capture_sizes`` (GPUs), decode-only steps of at most the largest size replay CUDA graphs
-    (:class:`HybridGraphRunner`); other steps run ``forward``."""
+    (:class:`HybridGraphRunner`); other steps run ``forward``.
+
+    ``prefix_caching``: a prompt's full blocks are cached with the recurrent states after each
+    step that ends on a block boundary (a checkpoint: every layer's states copied into a spare
+    state slot); a request whose prompt starts with a cached prefix takes its blocks and the
+    states of the last checkpointed block, and computes from there
+    (:attr:`computed_on_add`)."""
 
     def __init__(self, model: HybridModel, num_blocks: int, num_state_slots: int, forward=None,
                  *, max_model_len: int = 1024, device="cpu",
-                 capture_sizes: tuple[int, ...] | None = None) -> None:
+                 capture_sizes: tuple[int, ...] | None = None,
+                 prefix_caching: bool = False) -> None:
         self.model = model
         self.backends = step_backends(model)
         self.forward = model if forward is None else forward
         self.device = device
         self.max_blocks_per_req = -(-max_model_len // model.block_size)
         self.allocator = BlockAllocator(num_blocks, model.block_size, shuffle=True,
-                                        num_state_slots=num_state_slots)
+                                        num_state_slots=num_state_slots,
+                                        prefix_caching=prefix_caching)
+        self.computed_on_add: dict[int, int] = {}  # request -> prompt tokens it skipped
         self.kv_caches = model.allocate_kv_caches(num_blocks, device)
         self.states = model.allocate_states(num_state_slots, device)
         self.requests: dict[int, list] = {}  # request -> [tokens, num_computed]
@@ -220,7 +229,31 @@ class HybridGenerator:
                                             self.states)
 
     def add(self, request_id: int, prompt: list[int]) -> None:
-        self.requests[request_id] = [list(prompt), 0]
+        alloc = self.allocator
+        done = alloc.match_prefix(request_id, prompt, with_checkpoint=True)
+        if done:  # (the states after its cached prefix, into the request's own slot)
+            self._copy_states(alloc.checkpoint(alloc.blocks(request_id)[-1]),
+                              alloc.state_slot(request_id))
+        self.computed_on_add[request_id] = done
+        self.requests[request_id] = [list(prompt), done]
+
+    def _copy_states(self, src: int, dst: int) -> None:
+        for cache in self.states:
+            for t in cache:
+                if t is not None:
+                    t[dst] = t[src]
+
+    def _cache_prefixes(self, ids, new) -> None:
+        """Register the requests' full blocks and checkpoint the states of those whose step
+        ended on a block boundary inside their prompt."""
+        alloc, bs = self.allocator, self.allocator.block_size
+        for r, n in zip(ids, new):
+            tokens, done = self.requests[r]
+            alloc.reserve(r, done, token_ids=tokens[:done])
+            if n and done % bs == 0 and done < len(tokens):
+                slot = alloc.new_checkpoint(alloc.blocks(r)[done // bs - 1])
+                if slot is not None:
+                    self._copy_states(alloc.state_slot(r), slot)
 
     def free(self, request_id: int) -> None:
         self.requests.pop(request_id)
@@ -258,4 +291,6 @@ class HybridGenerator:
             reqs[r][1] += n
             if reqs[r][1] == len(reqs[r][0]):
                 reqs[r][0].append(row)
+        if self.allocator.prefix_caching:
+            self._cache_prefixes(ids, new)
         return last
