@@ -112,3 +112,21 @@ def test_bench_ssm_prints_mismatch_instead_of_a_ratio(monkeypatch, capsys):
     assert row["speedup"]["graph"] == {"right": 1.0, "wrong": None, "best_lib": None}
     assert row["cross_check"]["wrong"]["parts"]["out"]["max_abs_err"] == 8.0
     assert row["cross_check"]["right"]["agree"]
+
+
+def test_hybrid_memory_reproduces_vllms_unified_block_for_qwen3_next():
+    """vLLM's unified attention block for Qwen3-Next (36 GDN : 12 attention, 2 KV heads x 256
+    bf16), from our GDN spec's state bytes: 1056 tokens with an fp32 recurrent state and 544
+    with a bf16 one, at TP 1 and 2 alike (vLLM's logs and issue reports give these); a
+    12-token request then holds 1056 tokens of KV a layer there and 16 here."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import hybrid_memory as h
+
+    for tp in (1, 2):
+        token = h.attention_bytes_per_token(tp)
+        assert h.vllm_block_size(h.gdn_state_bytes(tp, 4), token) == 1056
+        assert h.vllm_block_size(h.gdn_state_bytes(tp, 2), token) == 544
+    assert h.gdn_state_bytes(1, 4) == 3 * 8192 * 2 + 32 * 128 * 128 * 4
+    kv, _ = h.request_bytes(12, 1, 4, 2048, vllm=True, prefix_cached=False)
+    ours, _ = h.request_bytes(12, 1, 4, 2048, vllm=False, prefix_cached=False)
+    assert (kv, ours) == (12 * 1056 * 2048, 12 * 16 * 2048)
