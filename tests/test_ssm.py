@@ -355,6 +355,18 @@ class LightningKind(Kind):
 
 KINDS = {k.name: k for k in (Conv, ShortConvKind, GDN, Mamba2Kind, Mamba1Kind, LightningKind)}
 
+def test_every_registered_recurrent_backends_ops_are_in_this_matrix():
+    """A recurrent kind enrolls through the registry: every op its backend runs has a Kind
+    here (so every test below covers it), and its layer kind an HF peer."""
+    from attn_ops.registry import RECURRENT_BACKENDS, get_backend_class
+
+    peer_kinds = {"bamba_mamba2": "mamba2", "falcon_mamba": "mamba1"}
+    for kind, backend in RECURRENT_BACKENDS.items():
+        cls = get_backend_class(backend.value)
+        assert cls.ops and set(cls.ops) <= set(KINDS), (backend, cls.ops)
+        assert kind in {peer_kinds.get(p, p) for p in PEERS}, kind
+
+
 # Schedules: each step lists (request, new tokens); request r's whole length is the sum.
 SCENARIOS = {
     "prefill_only": [[(0, 7), (1, 3), (2, 1), (3, 12)]],

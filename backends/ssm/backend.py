@@ -79,6 +79,7 @@ class RecurrentBackend:
     kind: ClassVar[str] = ""
     capabilities: ClassVar[RecurrentCapabilities]
     kernels: ClassVar[str] = ""
+    ops: ClassVar[tuple[str, ...]] = ()  # the torch.ops.attn ops its steps run (tests enroll)
 
     @classmethod
     def not_supported_reasons(cls, spec, platform: Platform) -> list[Reason]:
@@ -122,6 +123,7 @@ _OURS_KERNELS = "our Triton kernels on GPUs, the torch bodies on the CPU and for
 
 class GatedDeltaNetBackend(RecurrentBackend):
     name, kind, capabilities = "GDN", "gated_deltanet", _OURS
+    ops = ("causal_conv1d", "gated_delta_rule")
     kernels = f"attn.causal_conv1d + attn.gated_delta_rule ({_OURS_KERNELS})"
 
     def recurrence(self, q, k, v, g, beta, state, meta: StateMetadata, scale: float,
@@ -133,6 +135,7 @@ class GatedDeltaNetBackend(RecurrentBackend):
 
 class Mamba2Backend(RecurrentBackend):
     name, kind, capabilities = "MAMBA2", "mamba2", _OURS
+    ops = ("causal_conv1d", "mamba2_ssd")
     kernels = f"attn.causal_conv1d + attn.mamba2_ssd ({_OURS_KERNELS})"
 
     def ssd(self, x, dt, A, B, C, D, z, dt_bias, state, meta: StateMetadata,
@@ -144,6 +147,7 @@ class Mamba2Backend(RecurrentBackend):
 
 class Mamba1Backend(RecurrentBackend):
     name, kind, capabilities = "MAMBA1", "mamba1", _OURS
+    ops = ("causal_conv1d", "mamba1_scan")
     kernels = f"attn.causal_conv1d + attn.mamba1_scan ({_OURS_KERNELS})"
 
     def scan(self, x, dt, A, B, C, D, z, dt_bias, state, meta: StateMetadata,
@@ -155,6 +159,7 @@ class Mamba1Backend(RecurrentBackend):
 
 class ShortConvBackend(RecurrentBackend):
     name, kind, capabilities = "SHORT_CONV", "short_conv", _OURS
+    ops = ("short_conv",)
     kernels = f"attn.short_conv ({_OURS_KERNELS})"
 
     def short_conv(self, bcx, weight, bias, conv_state, meta: StateMetadata) -> torch.Tensor:
@@ -164,6 +169,7 @@ class ShortConvBackend(RecurrentBackend):
 
 class LightningBackend(RecurrentBackend):
     name, kind, capabilities = "LINEAR", "lightning", _OURS
+    ops = ("lightning_attention",)
     kernels = f"attn.lightning_attention ({_OURS_KERNELS})"
 
     def attention(self, q, k, v, slope, state, meta: StateMetadata) -> torch.Tensor:
