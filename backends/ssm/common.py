@@ -14,10 +14,10 @@ from attn_ops.ops import check_query_start_loc, debug_checks_enabled
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.tuning.ssm import SSMTuning
 
-__all__ = ["FLOAT_DTYPES", "check_inputs", "check_step", "check_step_values",
-           "SSM_PLAN", "chunked_step_kernel", "ssm_tuning", "compute_dtype", "padded_steps", "padded_tokens",
-           "read_states", "split_slots", "step_writes", "store_states", "token_requests",
-           "triton_available", "use_triton"]
+__all__ = ["FLOAT_DTYPES", "SSM_PLAN", "check_inputs", "check_step", "check_step_values",
+           "chunked_step_kernel", "compute_dtype", "padded_steps", "padded_tokens",
+           "read_states", "sanitized_starts", "scan_requests", "split_slots", "ssm_tuning",
+           "step_writes", "store_states", "token_requests", "triton_available", "use_triton"]
 
 SSM_PLAN = PlanCodec(SSMTuning)  # a layer's Tuning.ssm, handed to the ops by its backend
 
@@ -251,3 +251,36 @@ def padded_tokens(query_start_loc: torch.Tensor, steps: int):
     valid = offs[None, :] < lens[:, None]
     rows = torch.where(valid, qsl[:-1, None] + offs[None, :], 0)
     return rows, valid
+
+
+def scan_requests(state, query_start_loc, state_indices, has_initial_state, num_tokens: int,
+                  dtype: torch.dtype, out_shape: tuple[int, ...], step):
+    """The torch bodies' recurrence over every request's new tokens at once, token by token
+    (the requests padded to the longest): each request from its read state (zeros without an
+    initial state or with an absent slot); ``step(s, rows) -> (updated, out)``, the states
+    ``[B, ...]`` and outputs ``[B, *out_shape]`` after the requests' tokens at batch
+    ``rows``. Returns ``(out, states, slots, real)``: the outputs ``[num_tokens,
+    *out_shape]`` (zero where no token wrote), the states the step writes at ``slots`` (its
+    final ones at the read slots; with speculative writes every kept one), and which rows
+    hold a request's token (not padding)."""
+    read, writes = split_slots(state_indices)
+    s = read_states(state, read, has_initial_state, dtype)
+    out = torch.zeros(num_tokens + 1, *out_shape, dtype=dtype, device=s.device)  # (row
+    query_start_loc = sanitized_starts(query_start_loc, num_tokens)  # num_tokens: no token)
+    steps = padded_steps(query_start_loc, num_tokens)
+    rows, valid = padded_tokens(query_start_loc, steps)
+    lens = valid.sum(1)
+    written, slots = [], []
+    for i in range(steps):
+        r, ok = rows[:, i], valid[:, i]
+        updated, o = step(s, r)
+        s = torch.where(ok.view(-1, *(1,) * (s.dim() - 1)), updated, s)
+        out.index_copy_(0, torch.where(ok, r, num_tokens), o)
+        if writes is not None:
+            written.append(s)
+            slots.append(step_writes(writes, lens, i))
+    real = torch.arange(num_tokens, device=s.device) < query_start_loc[-1]
+    if writes is None:
+        return out[:num_tokens], s, read, real
+    return out[:num_tokens], torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]]), real
+

@@ -29,9 +29,8 @@ from __future__ import annotations
 import torch
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          chunked_step_kernel, compute_dtype, padded_steps,
-                                          padded_tokens, read_states, sanitized_starts,
-                                          split_slots, step_writes, store_states)
+                                          chunked_step_kernel, compute_dtype, scan_requests,
+                                          store_states)
 from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
@@ -88,29 +87,17 @@ def _reference(q, k, v, g, beta, state, query_start_loc, state_indices, has_init
     q = q * scale
     if hv != hk:
         q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
-    read, writes = split_slots(state_indices)
-    s = read_states(state, read, has_initial_state, dtype)  # [B, Hv, Dk, Dv]
-    out = v.new_zeros(t + 1, hv, v.shape[2])  # (row t: where steps without a token write)
-    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
-    steps = padded_steps(query_start_loc, t)
-    rows, valid = padded_tokens(query_start_loc, steps)
-    lens = valid.sum(1)
-    written, slots = [], []
-    for i in range(steps):
-        r, ok = rows[:, i], valid[:, i]
+
+    def step(s, r):  # s: [B, Hv, Dk, Dv]
         decayed = s * g[r].exp()[..., None, None]
         kv = (decayed * k[r][..., None]).sum(-2)  # (a S)^T k: [B, Hv, Dv]
         delta = (v[r] - kv) * beta[r][..., None]
         updated = decayed + k[r][..., None] * delta[..., None, :]
-        s = torch.where(ok[:, None, None, None], updated, s)
-        o = (s * q[r][..., None]).sum(-2)
-        out.index_copy_(0, torch.where(ok, r, t), o)
-        if writes is not None:
-            written.append(s)
-            slots.append(step_writes(writes, lens, i))
-    if writes is None:
-        return out[:t], s, read
-    return out[:t], torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
+        return updated, (updated * q[r][..., None]).sum(-2)
+
+    out, states, slots, _ = scan_requests(state, query_start_loc, state_indices,
+                                          has_initial_state, t, dtype, (hv, v.shape[2]), step)
+    return out, states, slots
 
 
 def _impl(q, k, v, g, beta, state, query_start_loc, state_indices, has_initial_state,

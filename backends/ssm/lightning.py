@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          compute_dtype, padded_steps, padded_tokens,
-                                          read_states, sanitized_starts, split_slots,
-                                          ssm_tuning, step_writes, store_states, use_triton)
+                                          compute_dtype, scan_requests, ssm_tuning, store_states,
+                                          use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["lightning_attention", "lightning_reference"]
@@ -62,28 +61,14 @@ def _reference(q, k, v, slope, state, query_start_loc, state_indices, has_initia
     t, h, _ = q.shape
     q, k, v = (u.to(dtype) for u in (q, k, v))
     decay = torch.exp(-slope.to(dtype))[:, None, None]  # [H, 1, 1]
-    read, writes = split_slots(state_indices)
-    s = read_states(state, read, has_initial_state, dtype)  # [B, H, D, Dv]
-    out = v.new_zeros(t + 1, h, v.shape[2])
-    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
-    steps = padded_steps(query_start_loc, t)
-    rows, valid = padded_tokens(query_start_loc, steps)
-    lens = valid.sum(1)
-    written, slots = [], []
-    for i in range(steps):
-        r, ok = rows[:, i], valid[:, i]
+
+    def step(s, r):  # s: [B, H, D, Dv]
         updated = s * decay + k[r][..., :, None] * v[r][..., None, :]
-        s = torch.where(ok[:, None, None, None], updated, s)
-        out.index_copy_(0, torch.where(ok, r, t), torch.einsum("bhdv,bhd->bhv", s, q[r]))
-        if writes is not None:
-            written.append(s)
-            slots.append(step_writes(writes, lens, i))
-    o = out[:t]
-    rows_real = torch.arange(t, device=q.device) < query_start_loc[-1]
-    o = torch.where(rows_real[:, None, None], o, torch.zeros_like(o))
-    if writes is None:
-        return o, s, read
-    return o, torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
+        return updated, torch.einsum("bhdv,bhd->bhv", updated, q[r])
+
+    out, states, slots, _ = scan_requests(state, query_start_loc, state_indices,
+                                          has_initial_state, t, dtype, (h, v.shape[2]), step)
+    return out, states, slots
 
 
 def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_state,
@@ -115,5 +100,6 @@ def _fake(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
 lightning_attention = define_op(
     "lightning_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor slope, Tensor(a!) state, Tensor query_start_loc, "
-    "Tensor state_indices, Tensor has_initial_state, int max_query_len, Tensor? tuning=None) -> Tensor",
+    "Tensor state_indices, Tensor has_initial_state, int max_query_len, "
+    "Tensor? tuning=None) -> Tensor",
     _impl, _fake)

@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          compute_dtype, padded_steps, padded_tokens,
-                                          read_states, sanitized_starts, split_slots,
-                                          ssm_tuning, step_writes, store_states, use_triton)
+                                          compute_dtype, scan_requests, ssm_tuning, store_states,
+                                          use_triton)
 from attn_ops.ops import define_op
 
 __all__ = ["mamba1_reference", "mamba1_scan"]
@@ -73,33 +72,19 @@ def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indi
         dt = dt + dt_bias.to(dtype)
     if dt_softplus:
         dt = F.softplus(dt)
-    read, writes = split_slots(state_indices)
-    s = read_states(state, read, has_initial_state, dtype)  # [B, d_inner, d_state]
-    out = x.new_zeros(t + 1, d)
-    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
-    steps = padded_steps(query_start_loc, t)
-    rows, valid = padded_tokens(query_start_loc, steps)
-    lens = valid.sum(1)
-    written, slots = [], []
-    for i in range(steps):
-        r, ok = rows[:, i], valid[:, i]
-        decay = (dt[r][..., None] * A).exp()  # [B, d_inner, d_state]
+
+    def step(s, r):  # s: [B, d_inner, d_state]
+        decay = (dt[r][..., None] * A).exp()
         updated = s * decay + (dt[r] * x[r])[..., None] * B[r][:, None, :]
-        s = torch.where(ok[:, None, None], updated, s)
-        out.index_copy_(0, torch.where(ok, r, t), (s * C[r][:, None, :]).sum(-1))
-        if writes is not None:
-            written.append(s)
-            slots.append(step_writes(writes, lens, i))
-    y = out[:t]
+        return updated, (updated * C[r][:, None, :]).sum(-1)
+
+    y, states, slots, real = scan_requests(state, query_start_loc, state_indices,
+                                           has_initial_state, t, dtype, (d,), step)
     if D is not None:
         y = y + D.to(dtype) * x
     if z is not None:
         y = y * F.silu(z.to(dtype))
-    rows_real = torch.arange(t, device=x.device) < query_start_loc[-1]
-    y = torch.where(rows_real[:, None], y, torch.zeros_like(y))
-    if writes is None:
-        return y, s, read
-    return y, torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
+    return torch.where(real[:, None], y, torch.zeros_like(y)), states, slots
 
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          chunked_step_kernel, compute_dtype, padded_steps,
-                                          padded_tokens, read_states, sanitized_starts,
-                                          split_slots, step_writes, store_states)
+                                          chunked_step_kernel, compute_dtype, scan_requests,
+                                          store_states)
 from attn_ops.routing import Kernel
 from attn_ops.ops import define_op
 
@@ -78,33 +77,19 @@ def _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indi
         dt = F.softplus(dt)
     dt = dt.clamp(dt_min, dt_max)
     B, C = (u.repeat_interleave(rep, dim=1) for u in (B, C))  # [T, H, N]
-    read, writes = split_slots(state_indices)
-    s = read_states(state, read, has_initial_state, dtype)  # [B, H, P, N]
-    out = x.new_zeros(t + 1, h, x.shape[2])
-    query_start_loc = sanitized_starts(query_start_loc, t)  # (no row outside the batch)
-    steps = padded_steps(query_start_loc, t)
-    rows, valid = padded_tokens(query_start_loc, steps)
-    lens = valid.sum(1)
-    written, slots = [], []
-    for i in range(steps):
-        r, ok = rows[:, i], valid[:, i]
+
+    def step(s, r):  # s: [B, H, P, N]
         decay = (dt[r] * A).exp()[..., None, None]
         updated = s * decay + (dt[r][..., None] * x[r])[..., None] * B[r][:, :, None, :]
-        s = torch.where(ok[:, None, None, None], updated, s)
-        out.index_copy_(0, torch.where(ok, r, t), (s * C[r][:, :, None, :]).sum(-1))
-        if writes is not None:
-            written.append(s)
-            slots.append(step_writes(writes, lens, i))
-    y = out[:t]
+        return updated, (updated * C[r][:, :, None, :]).sum(-1)
+
+    y, states, slots, real = scan_requests(state, query_start_loc, state_indices,
+                                           has_initial_state, t, dtype, (h, x.shape[2]), step)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x
     if z is not None:
         y = y * F.silu(z.to(dtype))
-    rows_real = torch.arange(t, device=x.device) < query_start_loc[-1]
-    y = torch.where(rows_real[:, None, None], y, torch.zeros_like(y))
-    if writes is None:
-        return y, s, read
-    return y, torch.cat(written or [s[:0]]), torch.cat(slots or [read[:0]])
+    return torch.where(real[:, None, None], y, torch.zeros_like(y)), states, slots
 
 
 def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
@@ -149,5 +134,6 @@ mamba2_ssd = define_op(
     "mamba2_ssd",
     "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, "
     "Tensor(a!) state, Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
-    "int max_query_len, bool dt_softplus, float dt_min, float dt_max, Tensor? tuning=None) -> Tensor",
+    "int max_query_len, bool dt_softplus, float dt_min, float dt_max, "
+    "Tensor? tuning=None) -> Tensor",
     _impl, _fake)
