@@ -24,7 +24,8 @@ from attn_ops.selector import AttentionConfig, select_backend
 from attn_ops.spec import AttentionSpec
 from attn_ops.tuning import resolve_tuning
 
-__all__ = ["Attention", "BackendLayer", "alibi_slopes", "build_step_metadata", "step_backends"]
+__all__ = ["Attention", "BackendLayer", "SelectedLayer", "alibi_slopes", "build_step_metadata",
+           "step_backends"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -38,12 +39,12 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class BackendLayer(nn.Module):
-    """What every attention layer shares: the backend selected for its spec (logging the
-    choice and every rejection), the tuning its routes read, the backend instance and the key
-    of the metadata it takes (:func:`build_step_metadata` builds one per key)."""
+class SelectedLayer(nn.Module):
+    """What every layer that runs a backend shares, attention and recurrent alike: the backend
+    selected for its spec (logging the choice and every rejection), the tuning its routes
+    read, and the backend instance (``config.backend_options`` its keyword arguments)."""
 
-    def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
+    def __init__(self, spec, config: AttentionConfig | None = None, *,
                  platform: Platform | None = None) -> None:
         super().__init__()
         self.spec = spec
@@ -52,11 +53,20 @@ class BackendLayer(nn.Module):
         self.tuning = (config.tuning if config is not None and config.tuning is not None
                        else resolve_tuning(self.selection.platform))
         self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
-        self._metadata_key = self.impl.metadata_key()
 
     @property
     def backend(self) -> str:
         return self.selection.backend
+
+
+class BackendLayer(SelectedLayer):
+    """What every attention layer shares: a selected backend and the key of the metadata it
+    takes (:func:`build_step_metadata` builds one per key)."""
+
+    def __init__(self, spec: AttentionSpec, config: AttentionConfig | None = None, *,
+                 platform: Platform | None = None) -> None:
+        super().__init__(spec, config, platform=platform)
+        self._metadata_key = self.impl.metadata_key()
 
     @property
     def block_size(self) -> int:

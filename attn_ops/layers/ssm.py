@@ -31,9 +31,9 @@ from torch import nn
 from attn_ops.backends.ssm.metadata import StateMetadata
 from attn_ops.backends.ssm.spec import (GatedDeltaNetSpec, LightningSpec, Mamba1Spec,
                                        Mamba2Spec, ShortConvSpec, StateCache)
+from attn_ops.layers.attention import SelectedLayer
 from attn_ops.platforms import Platform
-from attn_ops.selector import AttentionConfig, select_backend
-from attn_ops.tuning import resolve_tuning
+from attn_ops.selector import AttentionConfig
 
 __all__ = ["GatedDeltaNet", "LightningAttention", "Mamba1Mixer", "Mamba2Mixer", "ShortConv",
            "StateLayer", "gated_rms_norm", "weightless_rms_norm"]
@@ -54,25 +54,10 @@ def _linears(*pairs) -> list:
     return [(getattr(a, n), getattr(b, n)) for a, b in pairs for n in ("weight", "bias")]
 
 
-class StateLayer(nn.Module):
-    """What every recurrent-state layer shares: the backend selected for its state spec
-    (:func:`attn_ops.selector.select_backend`: its kind's backend, or the one
-    ``config.backend_per_kind`` forces for the kind; the choice and every rejection logged),
-    the tuning, and the backend instance whose methods run the layer's steps."""
-
-    def __init__(self, spec, config: AttentionConfig | None = None, *,
-                 platform: Platform | None = None) -> None:
-        super().__init__()
-        self.spec = spec
-        self.selection = select_backend(spec, platform, config)
-        options = dict(config.backend_options) if config is not None else {}
-        self.tuning = (config.tuning if config is not None and config.tuning is not None
-                       else resolve_tuning(self.selection.platform))
-        self.impl = self.selection.backend_cls(spec, tuning=self.tuning, **options)
-
-    @property
-    def backend(self) -> str:
-        return self.selection.backend
+class StateLayer(SelectedLayer):
+    """What every recurrent-state layer shares: the backend selected for its state spec (its
+    kind's backend, or the one ``config.backend_per_kind`` forces for the kind), whose methods
+    run the layer's steps."""
 
     def extra_repr(self) -> str:
         return f"{self.spec.describe()}, backend={self.backend}"
