@@ -288,15 +288,22 @@ def _mamba_decode(inputs, state0, slots, batch, nbytes) -> dict[str, Contender]:
     kw = dict(x=x, dt=dt[..., None].expand(-1, -1, p), A=A[:, None, None].expand(-1, p, n),
               B=inputs["B"], C=inputs["C"], D=inputs["D"][:, None].expand(-1, p),
               dt_bias=inputs["dt_bias"][:, None].expand(-1, p), dt_softplus=True)
+    return _state_update_contenders(selective_state_update, kw, state0, slots, batch, nbytes)
+
+
+def _state_update_contenders(update, kw, state0, slots, batch, nbytes) -> dict[str, Contender]:
+    """mamba-ssm's ``selective_state_update`` (``update``) with its arguments ``kw``: on
+    contiguous states in request order (``mamba_ssm``), and through ``state_batch_indices``
+    on a copy of our slot pool (``mamba_ssm_indexed``)."""
     states = state0[1:batch + 1].clone()
     pool = state0.clone()
     return {
         "mamba_ssm": Contender(
-            lambda: selective_state_update(state=states, **kw), nbytes,
+            lambda: update(state=states, **kw), nbytes,
             parts=lambda out: {"out": out, "state": states},
             reset=lambda: states.copy_(state0[1:batch + 1]), family="mamba_ssm"),
         "mamba_ssm_indexed": Contender(
-            lambda: selective_state_update(state=pool, state_batch_indices=slots, **kw), nbytes,
+            lambda: update(state=pool, state_batch_indices=slots, **kw), nbytes,
             parts=lambda out: {"out": out, "state": pool[1:batch + 1]},
             reset=lambda: pool.copy_(state0), family="mamba_ssm")}
 
@@ -381,18 +388,8 @@ def _mamba1_decode(inputs, state0, slots, batch, nbytes) -> dict[str, Contender]
     request order, and through ``state_batch_indices`` on a copy of our slot pool."""
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
 
-    kw = dict(dt_softplus=True, **inputs)
-    states = state0[1:batch + 1].clone()
-    pool = state0.clone()
-    return {
-        "mamba_ssm": Contender(
-            lambda: selective_state_update(state=states, **kw), nbytes,
-            parts=lambda out: {"out": out, "state": states},
-            reset=lambda: states.copy_(state0[1:batch + 1]), family="mamba_ssm"),
-        "mamba_ssm_indexed": Contender(
-            lambda: selective_state_update(state=pool, state_batch_indices=slots, **kw), nbytes,
-            parts=lambda out: {"out": out, "state": pool[1:batch + 1]},
-            reset=lambda: pool.copy_(state0), family="mamba_ssm")}
+    return _state_update_contenders(selective_state_update, dict(dt_softplus=True, **inputs),
+                                    state0, slots, batch, nbytes)
 
 
 def _mamba1_prefill(inputs, lens, nbytes) -> dict[str, Contender]:
