@@ -197,12 +197,13 @@ def flashmla_sparse_kernels(latent, latent_ds, slots, scale) -> dict:
 
     prefill_idx, decode_idx, kv = padded(128), padded(64), latent.view(capacity, 1, 576)
     kernels = {"bf16": lambda ql, q_pe: fm.flash_mla_sparse_fwd(
-        torch.cat([ql, q_pe], -1), kv, prefill_idx, scale, 512)[0]}
+        q=torch.cat([ql, q_pe], -1), kv=kv, indices=prefill_idx, sm_scale=scale, d_v=512)[0]}
     if latent_ds is not None:
         meta = fm.get_mla_metadata()[0]
         kernels["fp8"] = lambda ql, q_pe: fm.flash_mla_with_kvcache(
-            torch.cat([ql, q_pe], -1).unsqueeze(1), latent_ds.unsqueeze(2), None, None, 512,
-            meta, None, softmax_scale=scale, causal=False, is_fp8_kvcache=True,
+            q=torch.cat([ql, q_pe], -1).unsqueeze(1), k_cache=latent_ds.unsqueeze(2),
+            block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=meta,
+            num_splits=None, softmax_scale=scale, causal=False, is_fp8_kvcache=True,
             indices=decode_idx)[0][:, 0]
     return kernels
 
