@@ -1,5 +1,5 @@
-"""Recurrent-state layers on the H200: our ops against flash-linear-attention (Gated DeltaNet)
-and mamba-ssm (Mamba2, Mamba1), side by side in one run, on the same inputs and states, each
+"""Recurrent-state layers on the H200: our ops against flash-linear-attention (Gated DeltaNet,
+lightning attention) and mamba-ssm (Mamba2, Mamba1), side by side in one run, on the same inputs and states, each
 anchor's outputs and final states cross-checked against ours.
 
 * ``decode`` -- one token per request, every request continuing from its state, at
@@ -7,7 +7,8 @@ anchor's outputs and final states cross-checked against ours.
   value heads of 128, fp32 state) with its conv update (conv width 8192, kernel 4) and without,
   the Mamba2 op (80 heads x 64, d_state 128, 1 group, fp32 state) with its conv update (conv
   width 5376) and without, the Mamba1 op (Mamba-2.8B: 5120 channels, d_state 16, fp32 state)
-  with its conv update (width 5120) and without. Bytes = every state read and written once
+  with its conv update (width 5120) and without, lightning attention (64 heads of 128, fp32
+  state; no conv). Bytes = every state read and written once
   (+ the step's inputs and outputs) -> TB/s; ``copy``: a device-to-device copy of the same
   state bytes in the same run.
 * ``prefill`` -- ``--prefills`` (default 1 x 8k, 4 x 4k, 32 x 1k tokens) from zero states, in
@@ -32,6 +33,10 @@ Anchors, called by keyword, every layout of each timed (the anchor's best layout
   states, A ``[D, N]``) -- ``mamba_ssm`` and ``mamba_ssm_indexed`` as for Mamba2.
 * Mamba1 prefill: mamba-ssm's ``selective_scan_fn`` (its CUDA extension, where it is built) --
   ``mamba_ssm_batch`` (``[B, D, L]``, ``return_last_state``).
+* Lightning attention (MiniMax-Text-01: 64 heads of 128, fp32 state; the decay of layer 40 of
+  80 as fla derives it): fla's ``fused_recurrent_lightning_attn`` (decode) and
+  ``chunk_lightning_attn`` (prefill), ``scale=1`` -- ``fla[_chunk]_varlen`` (``cu_seqlens``),
+  ``fla[_chunk]_batch`` (``[B, L, H, D]``).
 
 Cross-check (``_common.cross_check``): ours and every anchor run once from the same initial
 states before timing; outputs and final states must agree within ``TOLERANCE`` (max |ours -
@@ -45,7 +50,7 @@ time (above 1: ours is faster), for each timing, per anchor layout and against t
 fastest layout (``best_fla`` / ``best_mamba_ssm``, only when every layout of it agreed).
 
     python benchmarks/bench_ssm.py [--only decode prefill] [--batches 1 64 256 1024]
-        [--prefills 1x8192 4x4096 32x1024] [--kinds gated_deltanet mamba2 mamba1]
+        [--prefills 1x8192 4x4096 32x1024] [--kinds gated_deltanet mamba2 mamba1 lightning]
         [--without fla_varlen copy ...] [--no-eager] [--rounds R] [--out PATH]
 """
 
@@ -69,6 +74,7 @@ DEVICE = "cuda"  # (the cross-checks also run on the CPU, Triton's interpreter r
 GDN = {"hk": 16, "hv": 32, "dk": 128, "dv": 128, "kernel": 4}
 M2 = {"h": 80, "p": 64, "n": 128, "g": 1, "kernel": 4}
 M1 = {"d": 5120, "n": 16, "kernel": 4}
+LIGHT = {"h": 64, "d": 128, "layer": 40, "layers": 80}  # MiniMax-Text-01's linear attention
 DECODE_BATCHES = (1, 64, 256, 1024)
 PREFILLS = ((1, 8192), (4, 4096), (32, 1024))
 MAMBA_CHUNK = 256
@@ -84,7 +90,8 @@ TOLERANCE = {"decode": {"out": 2e-2, "state": 1e-3}, "prefill": {"out": 5e-2, "s
 def state_bytes(kind: str, batch: int) -> int:
     """Every state of ``batch`` requests read and written once, bytes (fp32)."""
     elems = {"gated_deltanet": GDN["hv"] * GDN["dk"] * GDN["dv"],
-             "mamba2": M2["h"] * M2["p"] * M2["n"], "mamba1": M1["d"] * M1["n"]}[kind]
+             "mamba2": M2["h"] * M2["p"] * M2["n"], "mamba1": M1["d"] * M1["n"],
+             "lightning": LIGHT["h"] * LIGHT["d"] * LIGHT["d"]}[kind]
     return batch * elems * 4 * 2
 
 
@@ -95,6 +102,8 @@ def io_bytes(kind: str, tokens: int) -> int:
         return tokens * (2 * c["hk"] * c["dk"] + 2 * c["hv"] * c["dv"]) * 2
     if kind == "mamba1":  # x, dt, z in, y out, B and C
         return tokens * (4 * M1["d"] + 2 * M1["n"]) * 2
+    if kind == "lightning":  # q, k, v in, o out
+        return tokens * 4 * LIGHT["h"] * LIGHT["d"] * 2
     c = M2
     return tokens * (2 * c["h"] * c["p"] + c["h"] + 2 * c["g"] * c["n"]) * 2
 
@@ -415,6 +424,74 @@ def _mamba1_prefill(inputs, lens, nbytes) -> dict[str, Contender]:
                                          family="mamba_ssm")}
 
 
+def lightning_slopes(heads: int, layer: int, layers: int) -> torch.Tensor:
+    """fla's lightning-attention decay rates for ``layer`` of ``layers`` (its
+    ``chunk_lightning_attn`` derives them from the layer index: ``8 / H * (1 - l / L) * h``),
+    so the anchor called with the layer index computes what ours computes from the rates."""
+    return 8 / heads * (1 - layer / layers) * torch.arange(heads, dtype=F32, device=DEVICE)
+
+
+def lightning_case(batch, lens, initial=True) -> tuple[dict[str, Contender], dict[str, str]]:
+    """The contenders of a lightning-attention step (ours, fla's layouts) and the anchors that
+    could not be built here."""
+    from attn_ops.backends.ssm.lightning import lightning_attention
+
+    c = LIGHT
+    t, mql = sum(lens), max(lens)
+    qsl, slots, init, _, _ = _step(batch, lens, initial, 8, 2)
+    q, k, v = (torch.randn(t, c["h"], c["d"], dtype=BF16, device=DEVICE) * 0.3
+               for _ in range(3))
+    slope = lightning_slopes(c["h"], c["layer"], c["layers"])
+    state = torch.randn(batch + 1, c["h"], c["d"], c["d"], dtype=F32, device=DEVICE) * 0.1
+    state0 = state.clone()
+
+    def ours():
+        return lightning_attention(q=q, k=k, v=v, slope=slope, state=state,
+                                   query_start_loc=qsl, state_indices=slots,
+                                   has_initial_state=init, max_query_len=mql)
+
+    nbytes = state_bytes("lightning", batch) + io_bytes("lightning", t)
+    found = {"ours": _ours(ours, state, state0, batch, nbytes)}
+    errors = {}
+    try:
+        found.update(_fla_lightning(q, k, v, state0[1:batch + 1].clone() if initial else None,
+                                    lens, nbytes))
+    except Exception as e:  # noqa: BLE001 -- an anchor that cannot run here is recorded
+        errors["fla"] = f"{type(e).__name__}: {e}"[:300]
+    return found, errors
+
+
+def _fla_lightning(q, k, v, initial_state, lens, nbytes) -> dict[str, Contender]:
+    """fla's lightning attention on the step (its fused recurrent kernel for decodes, its
+    chunked one for prefills) in its varlen and batch layouts (equal lengths), unscaled
+    (``scale=1``: MiniMax's q k^T is not scaled) and with the decay of ``LIGHT``'s layer."""
+    from fla.ops.lightning_attn import chunk_lightning_attn, fused_recurrent_lightning_attn
+
+    t, h, d = v.shape
+    n, length = len(lens), lens[0]
+    common = dict(layer_idx=LIGHT["layer"], num_layers=LIGHT["layers"], scale=1.0,
+                  initial_state=initial_state, output_final_state=True)
+    fn, name = ((fused_recurrent_lightning_attn, "fla") if max(lens) == 1
+                else (chunk_lightning_attn, "fla_chunk"))
+
+    def parts(res):
+        o, final = res
+        return {"out": o.reshape(t, h, d), "state": final}
+
+    def batched(x):
+        return x.view(n, length, *x.shape[1:])
+
+    cu = _cu_seqlens(lens)
+    found = {f"{name}_varlen": Contender(
+        lambda: fn(q=q[None], k=k[None], v=v[None], cu_seqlens=cu, **common), nbytes, parts,
+        family="fla")}
+    if len(set(lens)) == 1:
+        found[f"{name}_batch"] = Contender(
+            lambda: fn(q=batched(q), k=batched(k), v=batched(v), **common), nbytes, parts,
+            family="fla")
+    return found
+
+
 def cross_checks(contenders: dict[str, Contender], tol: dict[str, float]
                  ) -> tuple[dict[str, dict], dict[str, str]]:
     """Ours and every anchor once, each from the same initial states: each anchor's output and
@@ -500,7 +577,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--prefills", nargs="+", default=[f"{b}x{s}" for b, s in PREFILLS],
                         metavar="BxL", help="prefill points: B requests of L tokens")
-    parser.add_argument("--kinds", nargs="+", default=["gated_deltanet", "mamba2", "mamba1"])
+    parser.add_argument("--kinds", nargs="+",
+                        default=["gated_deltanet", "mamba2", "mamba1", "lightning"])
     parser.add_argument("--without", nargs="*", default=[],
                         help="contenders not to run, by name or anchor family (fla, mamba_ssm, "
                              "copy, ours_with_conv, ...)")
@@ -512,7 +590,8 @@ def main() -> None:
     tuning = dataclasses.asdict(default_tuning().ssm)  # (ATTN_OPS_TUNING applied: the sweeps)
     rows = []
     cases = {kind: make for kind, make in
-             (("gated_deltanet", gdn_case), ("mamba2", mamba2_case), ("mamba1", mamba1_case))
+             (("gated_deltanet", gdn_case), ("mamba2", mamba2_case), ("mamba1", mamba1_case),
+              ("lightning", lightning_case))
              if kind in args.kinds}
 
     def kept(contenders):

@@ -612,6 +612,9 @@ def test_torch_body_and_kernels_drop_no_token_whatever_max_query_len_says(kind):
             torch.testing.assert_close(got.cpu().double(), want[0], atol=tol, rtol=tol)
 
 
+CHUNKED_KINDS = ("gated_delta_rule", "mamba2_ssd", "mamba1_scan", "lightning_attention")
+
+
 @pytest.mark.parametrize("path", ["triton", "chunked"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_kernels_read_no_row_outside_the_batch_whatever_query_start_loc_says(kind, path):
@@ -620,8 +623,8 @@ def test_kernels_read_no_row_outside_the_batch_whatever_query_start_loc_says(kin
     into the batch, so the launch writes no slot but the requests', its outputs are finite,
     and request 0, whose span the first two corruptions leave alone, ends in the clean
     step's state."""
-    if path == "chunked" and kind not in ("gated_delta_rule", "mamba2_ssd"):
-        pytest.skip("chunked kernels: GDN and Mamba2")
+    if path == "chunked" and kind not in CHUNKED_KINDS:
+        pytest.skip("chunked kernels: the recurrences, not the convolutions")
     if not triton_interpretable():
         pytest.skip("Triton needs a GPU or its interpreter")
     k = KINDS[kind](torch.Generator().manual_seed(17))
@@ -656,9 +659,8 @@ def test_a_slot_outside_the_state_is_absent(kind, path, layout):
     state) and none of its states is written -- in the torch body and the Triton kernels
     alike. The step equals one where each such slot is replaced by an unused one and the
     request has no initial state; every slot but those is the same, those untouched."""
-    if path == "chunked" and (kind not in ("gated_delta_rule", "mamba2_ssd")
-                              or layout == "speculative"):
-        pytest.skip("chunked kernels: GDN and Mamba2, one slot a request")
+    if path == "chunked" and (kind not in CHUNKED_KINDS or layout == "speculative"):
+        pytest.skip("chunked kernels: the recurrences, one slot a request")
     if path != "torch" and not triton_interpretable():
         pytest.skip("Triton needs a GPU or its interpreter")
     k = KINDS[kind](torch.Generator().manual_seed(16))
@@ -894,6 +896,7 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
     """``kind``'s Triton launch on its op arguments ``args``: the conv kernels, the recurrent
     ones (``block`` state columns a program, ``streaming`` cache hints) or, with ``chunked``,
     the chunked ones (chunks of 16 tokens)."""
+    from attn_ops.backends.ssm import chunk_walk_kernels as cw
     from attn_ops.backends.ssm import chunked_kernels as ck
     from attn_ops.backends.ssm import triton_kernels as tk
 
@@ -910,8 +913,12 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
         return tk.gdn_recurrent_triton(*head, scale, l2, block, streaming=streaming)
     if kind == "mamba1_scan":
         *head, _, soft = args
+        if chunked:
+            return cw.mamba1_chunked_triton(*head, soft, chunk=16, block_d=16)
         return tk.mamba1_recurrent_triton(*head, soft, block)
     if kind == "lightning_attention":
+        if chunked:
+            return cw.lightning_chunked_triton(*args[:-1], chunk=16, block_v=16)
         return tk.lightning_recurrent_triton(*args[:-1], block)
     *head, _, soft, lo, hi = args
     if chunked:
@@ -1287,12 +1294,74 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     assert torch.equal(got_states[untouched], state[untouched])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("kind,chunk,block,dtype", [
+    ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
+    ("mamba1", 16, 16, torch.float16),
+    ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
+    ("lightning", 16, 32, torch.float16)])
+def test_one_launch_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
+                                                        poisoned_buffers):
+    """Mamba1's and lightning attention's one-launch chunked kernels against the reference:
+    requests over several chunks with partial last ones, initial states or none, a request
+    without new tokens, padding rows, a slot outside the state tensor (absent: zeros read,
+    nothing written), buffers NaN-poisoned; blocks splitting the channels / value columns
+    (the last block partial); fp32 (exact products) and fp16 inputs (tensor-core products for
+    lightning; bf16 at real sizes on the GPU)."""
+    from attn_ops.backends.ssm import chunk_walk_kernels as cw
+    from attn_ops.backends.ssm.lightning import lightning_reference
+    from attn_ops.backends.ssm.mamba1 import mamba1_reference
+
+    dev = _device()
+    g = torch.Generator().manual_seed(12)
+    lens, ctx, slots = [37, 1, 16, 0, 50, 3], [3, 5, 0, 0, 9, 4], [2, 4, 1, 6, 5, 99]
+    t = sum(lens) + 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
+                                np.array(ctx), np.array(slots), chunk, device=dev)
+    step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
+    if kind == "mamba1":
+        d, n = 40, 6
+        args = (rand(t, d).to(dtype), rand(t, d).to(dtype), -rand(d, n).exp(),
+                rand(t, n).to(dtype), rand(t, n).to(dtype), rand(d), rand(t, d).to(dtype),
+                rand(d))
+        state = rand(7, d, n)
+        want, want_states, where = mamba1_reference(*args, state.clone(), *step,
+                                                    meta.max_query_len, True)
+        got_states = state.clone()
+        got = cw.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
+                                       block_d=block)
+    else:
+        h, dk, dv = 3, 16, 40
+        args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),
+                rand(h).abs() * 0.5)
+        state = rand(7, h, dk, dv)
+        want, want_states, where = lightning_reference(*args, state.clone(), *step,
+                                                       meta.max_query_len)
+        got_states = state.clone()
+        got = cw.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
+                                          block_v=block)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    mine = (where >= 0) & (where < 7)  # (slot 99: absent)
+    assert mine.sum() == 5
+    torch.testing.assert_close(got_states[where[mine]], want_states[mine].float(), atol=tol,
+                               rtol=tol)
+    untouched = [s for s in range(7) if s not in where.tolist()]
+    assert torch.equal(got_states[untouched], state[untouched])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
-    """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128) and Mamba2-2.7B's (80 heads x
-    64, d_state 128) on the device: a step of 6 decodes, a 300-token prefill resuming at 37
+    """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
+    64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
+    attention (64 heads of 128) on the device: a step of 6 decodes, a 300-token prefill resuming at 37
     (chunked kernel) and a fresh 5-token one, with fp32 states -- the routed Triton kernels
     against the fp64 reference on the same states."""
     dev = "cuda"
@@ -1315,6 +1384,22 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
         tail = (meta.max_query_len, d ** -0.5, True)
         args = (q, k, v, gate, beta)
         op = gated_delta_rule
+    elif kind == "mamba1":
+        d, n = 5120, 16
+        args = (rand(t, d), rand(t, d, scale=0.5), -torch.rand(d, n, generator=g, device=dev),
+                rand(t, n, scale=0.3), rand(t, n, scale=0.3),
+                torch.randn(d, generator=g, device=dev), rand(t, d),
+                torch.randn(d, generator=g, device=dev) * 0.1)
+        state = torch.randn(len(lens) + 1, d, n, generator=g, device=dev) * 0.05
+        tail = (meta.max_query_len, True)
+        op = mamba1_scan
+    elif kind == "lightning":
+        h, d = 64, 128
+        args = (rand(t, h, d, scale=0.3), rand(t, h, d, scale=0.3), rand(t, h, d),
+                torch.rand(h, generator=g, device=dev))
+        state = torch.randn(len(lens) + 1, h, d, d, generator=g, device=dev) * 0.05
+        tail = (meta.max_query_len,)
+        op = lightning_attention
     else:
         h, p, n = 80, 64, 128
         args = (rand(t, h, p), rand(t, h), -torch.rand(h, generator=g, device=dev),

@@ -35,11 +35,22 @@ class SSMTuning:
     decode_min_programs: int = 4096
     decode_block_p: int = 32
     decode_num_warps: int = 4
-    # Mamba1's token-by-token kernel (its decode and, until a chunked kernel, its prefill):
-    # channels a program, each with its d_state row in registers (not measured yet).
+    # Mamba1's token-by-token kernel (decodes, speculative decodes, short prefills): channels
+    # a program, each with its d_state row in registers (not measured yet).
     mamba1_block_d: int = 64
+    # Mamba1's chunked prefill (one launch; a program walks its request's chunks): tokens a
+    # chunk, channels a program, warps. A chunk holds [chunk, channels, d_state] decays and
+    # inputs in registers for its scan, so chunk x channels is bounded by the registers.
+    mamba1_chunk: int = 16
+    mamba1_chunk_block_d: int = 32
+    mamba1_chunk_warps: int = 4
     # Lightning attention's token-by-token kernel: value columns a program (not measured yet).
     lightning_block_v: int = 64
+    # Lightning attention's chunked prefill (one launch, chunks walked in order, tensor-core
+    # products): tokens a chunk (the side of its q k^T), value columns a program, warps.
+    lightning_chunk: int = 64
+    lightning_chunk_block_v: int = 64
+    lightning_chunk_warps: int = 4
     # A decode kernel's state read evict-first and its write a streaming store (.cs): a
     # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
     # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68
@@ -88,7 +99,11 @@ class SSMTuning:
                           ("mamba2_block", 16), ("mamba2_num_warps", 1),
                           ("mamba2_state_block_p", 1), ("gdn_wy_warps", 1),
                           ("gdn_state_warps", 1), ("gdn_output_warps", 1),
-                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1)):
+                          ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1),
+                          ("mamba1_block_d", 1), ("mamba1_chunk", 1),
+                          ("mamba1_chunk_block_d", 1), ("mamba1_chunk_warps", 1),
+                          ("lightning_block_v", 1), ("lightning_chunk", 16),
+                          ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"

@@ -11,9 +11,12 @@ token ``j`` before it with weight ``a_h^(t - j) (q_t . k_j)``, as HF's
 ``[slots, H, D, Dv]``. Padding rows, initial states, speculative writes, ``max_query_len`` and the
 checks as in :data:`~attn_ops.backends.ssm.gated_deltanet.gated_delta_rule` (q, k and v of one
 floating dtype; a state slot outside ``state`` absent). The torch body is the reference and the
-CPU path (token by token over all requests at once, fp32; fp64 for fp64 inputs); on GPUs the
-Triton kernel (:func:`~attn_ops.backends.ssm.triton_kernels.lightning_recurrent_triton`) steps
-token by token, one program a request, head and block of value columns.
+CPU path (token by token over all requests at once, fp32; fp64 for fp64 inputs). On GPUs,
+Triton: prefills with at least ``Tuning.ssm.chunked_min_query_len`` new tokens in a request (one
+slot a request) a chunk at a time, as block-wise linear attention on the tensor cores
+(:func:`~attn_ops.backends.ssm.chunk_walk_kernels.lightning_chunked_triton`), other steps token
+by token (:func:`~attn_ops.backends.ssm.triton_kernels.lightning_recurrent_triton`), one program
+a request, head and block of value columns.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          compute_dtype, scan_requests, ssm_tuning, store_states,
-                                          use_triton)
+                                          chunked_step_kernel, compute_dtype, scan_requests,
+                                          store_states)
 from attn_ops.ops import define_op
+from attn_ops.routing import Kernel
 
 __all__ = ["lightning_attention", "lightning_reference"]
 
@@ -77,13 +81,17 @@ def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
            max_query_len)
     check_step_values("lightning_attention", query_start_loc, state_indices, q.shape[0],
                       state.shape[0], max_query_len)
-    if use_triton(q):
+    kernel, t = chunked_step_kernel(q, max_query_len, state_indices, tuning)
+    args = (q, k, v, slope, state, query_start_loc, state_indices, has_initial_state)
+    if kernel is Kernel.SSM_TRITON_CHUNKED:
+        from attn_ops.backends.ssm.chunk_walk_kernels import lightning_chunked_triton
+
+        return lightning_chunked_triton(*args, t.lightning_chunk, t.lightning_chunk_block_v,
+                                        t.lightning_chunk_warps)
+    if kernel is Kernel.SSM_TRITON:
         from attn_ops.backends.ssm.triton_kernels import lightning_recurrent_triton
 
-        t = ssm_tuning(tuning)
-        return lightning_recurrent_triton(q, k, v, slope, state, query_start_loc,
-                                          state_indices, has_initial_state,
-                                          t.lightning_block_v, t.decode_num_warps)
+        return lightning_recurrent_triton(*args, t.lightning_block_v, t.decode_num_warps)
     o, s, slots = _reference(q, k, v, slope, state, query_start_loc, state_indices,
                              has_initial_state)
     store_states(state, slots, s)

@@ -14,9 +14,11 @@ d_state]``. Padding rows, initial states, speculative writes, ``max_query_len`` 
 in :data:`~attn_ops.backends.ssm.mamba2.mamba2_ssd` (x, B, C and z of one floating dtype; a
 state slot outside ``state`` absent: the request runs from a zero state, none of its states
 written). The torch body is the reference and the CPU path (token by token over all requests
-at once, fp32; fp64 for fp64 inputs); on GPUs the Triton kernel
-(:func:`~attn_ops.backends.ssm.triton_kernels.mamba1_recurrent_triton`) steps token by token,
-one program a request and block of channels, the state block in registers.
+at once, fp32; fp64 for fp64 inputs). On GPUs, Triton: prefills with at least
+``Tuning.ssm.chunked_min_query_len`` new tokens in a request (one slot a request) a chunk at a
+time (:func:`~attn_ops.backends.ssm.chunk_walk_kernels.mamba1_chunked_triton`), other steps
+token by token (:func:`~attn_ops.backends.ssm.triton_kernels.mamba1_recurrent_triton`), one
+program a request and block of channels, the state block in registers.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_values,
-                                          compute_dtype, scan_requests, ssm_tuning, store_states,
-                                          use_triton)
+                                          chunked_step_kernel, compute_dtype, scan_requests,
+                                          store_states)
 from attn_ops.ops import define_op
+from attn_ops.routing import Kernel
 
 __all__ = ["mamba1_reference", "mamba1_scan"]
 
@@ -93,13 +96,18 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
            has_initial_state, max_query_len)
     check_step_values("mamba1_scan", query_start_loc, state_indices, x.shape[0],
                       state.shape[0], max_query_len)
-    if use_triton(x):
+    kernel, t = chunked_step_kernel(x, max_query_len, state_indices, tuning)
+    args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+            has_initial_state, dt_softplus)
+    if kernel is Kernel.SSM_TRITON_CHUNKED:
+        from attn_ops.backends.ssm.chunk_walk_kernels import mamba1_chunked_triton
+
+        return mamba1_chunked_triton(*args, t.mamba1_chunk, t.mamba1_chunk_block_d,
+                                     t.mamba1_chunk_warps)
+    if kernel is Kernel.SSM_TRITON:
         from attn_ops.backends.ssm.triton_kernels import mamba1_recurrent_triton
 
-        t = ssm_tuning(tuning)
-        return mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
-                                       state_indices, has_initial_state, dt_softplus,
-                                       t.mamba1_block_d, t.decode_num_warps)
+        return mamba1_recurrent_triton(*args, t.mamba1_block_d, t.decode_num_warps)
     y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                              state_indices, has_initial_state, dt_softplus)
     store_states(state, slots, s)
