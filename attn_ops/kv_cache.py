@@ -255,13 +255,25 @@ class BlockAllocator:
     is freed stays cached until a new block is needed and it is the least recently freed
     (:attr:`num_free_blocks` counts it free). Requests register their blocks with the tokens
     they hold as they fill (``reserve(..., token_ids=...)``).
+
+    A hybrid model's prefix cache also needs the recurrent states after a cached block (a
+    state is a request's whole history: it cannot be rebuilt from pages). They are kept as
+    checkpoints in spare state slots (:meth:`new_checkpoint`) at the positions
+    :meth:`next_checkpoint` names -- every ``checkpoint_every``-th block boundary of a prompt
+    and its last full block's -- and given back to running requests first when slots run
+    out. Finer checkpoints let more of a shared prefix be resumed and hold more slots.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, shuffle: bool = False,
                  seed: int = 0, num_state_slots: int = 0,
-                 state_slots_per_request: int = 1, prefix_caching: bool = False) -> None:
+                 state_slots_per_request: int = 1, prefix_caching: bool = False,
+                 checkpoint_every: int = 64) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 (blocks between "
+                             "two state checkpoints of a prompt)")
+        self.checkpoint_every = checkpoint_every
         if num_state_slots < 0 or state_slots_per_request < 1:
             raise ValueError(f"num_state_slots={num_state_slots} must be >= 0 and "
                              f"state_slots_per_request={state_slots_per_request} >= 1")
@@ -313,11 +325,15 @@ class BlockAllocator:
     def new_checkpoint(self, block: int) -> int | None:
         """A state slot for the recurrent states after cached ``block`` (a hybrid model's
         prefix cache: a request matching through this block resumes from them), from the free
-        state slots; None where the block is not cached, has one, or no slot is free (a
-        checkpoint never takes a running request's slot)."""
-        if (block not in self._hash_of or block in self._checkpoints
-                or len(self._free_states) <= self.state_slots_per_request):
+        state slots -- a new request's slots stay free -- or else from the oldest checkpoint
+        (of an unheld block first); None where the block is not cached or has one, or no slot
+        can be had (a checkpoint never takes a running request's slot)."""
+        if block not in self._hash_of or block in self._checkpoints:
             return None
+        if len(self._free_states) <= self.state_slots_per_request:
+            self._drop_checkpoints(1)
+            if len(self._free_states) <= self.state_slots_per_request:
+                return None
         slot = self._checkpoints[block] = self._free_states.pop()
         return slot
 
@@ -328,6 +344,22 @@ class BlockAllocator:
         order += [b for b in self._checkpoints if b not in self._evictable]
         for block in order[:n]:
             self._free_states.append(self._checkpoints.pop(block))
+
+    def next_checkpoint(self, computed: int, prompt_len: int) -> int | None:
+        """The first position after ``computed`` tokens of a prompt of ``prompt_len`` tokens
+        whose states are checkpointed (a step of a hybrid model's prefill ends there; None:
+        no more in the prompt)."""
+        every = self.checkpoint_every * self.block_size
+        position = min((computed // every + 1) * every, prompt_len // self.block_size
+                       * self.block_size)
+        return position if position > computed else None
+
+    def last_checkpoint(self, upto: int, prompt_len: int) -> int:
+        """The deepest position at or before ``upto`` whose states a prompt of ``prompt_len``
+        tokens checkpoints (0: none)."""
+        last = prompt_len // self.block_size * self.block_size
+        every = self.checkpoint_every * self.block_size
+        return last if last <= upto else upto // every * every
 
     def checkpoint(self, block: int) -> int | None:
         """The state slot of ``block``'s checkpoint (None: it has none)."""

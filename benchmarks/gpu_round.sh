@@ -69,6 +69,9 @@
 #            strings (default: TRITON_MLA_SPARSE tiles), SPARSE_SWEEP_ARGS its arguments
 #            (default: decode at batch 8 and 128, 32k, TRITON_MLA as the dense contender);
 #            JSON sweep_mla_sparse_N.json
+#   prefix   benchmarks/bench_prefix_cache.py for each of PREFIX_KINDS (default: all four
+#            recurrent kinds; 32 requests over a shared 8k prefix, cached against uncached),
+#            each under the stage's limit; JSON bench_prefix_cache_KIND.json
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
@@ -202,6 +205,10 @@ for spec in "$@"; do
           ${SPARSE_SWEEP_ARGS:---only decode --batches 8 128 --ctxs 32768 --dense TRITON_MLA} \
           --out "$OUT/sweep_mla_sparse_$i.json"
       done ;;
+    prefix) for kind in ${PREFIX_KINDS:-gated_deltanet mamba2 mamba1 lightning}; do
+        stage "prefix_$kind" "$limit" python benchmarks/bench_prefix_cache.py --kind "$kind" \
+          --out "$OUT/bench_prefix_cache_$kind.json"
+      done ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
         --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \
@@ -212,6 +219,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ " \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ |^(gated_deltanet|mamba2|mamba1|lightning) +(cached|uncached|first)" \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

@@ -108,6 +108,41 @@ def test_graphed_decode_steps_match_eager(kind):
 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
+def test_a_batch_over_one_shared_prefix_computes_it_once(kind):
+    """Four requests added together over one shared prefix (not block-aligned, longer than a
+    step): the first prefills it, its steps ending at the state checkpoints (every 2 blocks
+    and its prompt's last full block); the others wait for the deepest checkpoint inside
+    the shared prefix, then compute only their rest -- and every request's first generated
+    token comes from the logits a generator without the cache gives."""
+    model = _model(kind)
+    bs = model.block_size
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(100, (5 * bs + 3,), generator=g).tolist()
+    prompts = {r: shared + [r + 1, r + 2] for r in range(4)}
+
+    def run(prefix_caching):
+        gen = HybridGenerator(model, 128, 10, prefix_caching=prefix_caching,
+                              checkpoint_every=2)
+        for r, p in prompts.items():
+            gen.add(r, p)
+        first = {}
+        while len(first) < len(prompts):
+            last = gen.step(max_new_tokens=3 * bs)
+            for r, row in zip(gen.step_ids, last):
+                if r not in first and gen.requests[r][1] == len(prompts[r]):
+                    first[r] = row
+        return gen, torch.stack([first[r] for r in sorted(first)])
+
+    cached, got = run(True)
+    plain, want = run(False)
+    n = len(prompts[0])
+    assert cached.computed_on_add == {0: 0, 1: 5 * bs, 2: 5 * bs, 3: 5 * bs}
+    assert cached.tokens_computed == n + 3 * (n - 5 * bs)
+    assert plain.tokens_computed == 4 * n and not plain.waiting
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
 def test_a_shared_prefix_is_computed_once_and_resumed_from_its_state_checkpoint(kind):
     """With prefix caching, a later request whose prompt starts with a cached prefix takes
     its KV blocks and the recurrent states checkpointed at its last block boundary, computes

@@ -91,8 +91,9 @@ def test_attention_over_a_shared_prefix_equals_attention_from_scratch():
 
 def test_state_checkpoints_live_in_spare_slots_and_give_way_to_running_requests():
     """A hybrid model's prefix checkpoint takes a state slot only while one stays free for a
-    new request; matching with checkpoints stops at the last checkpointed block; a request
-    short of a slot takes a checkpoint's back (only later cache hits are lost)."""
+    new request, else the oldest checkpoint's; matching with checkpoints stops at the last
+    checkpointed block; a request short of a slot takes a checkpoint's back (only later cache
+    hits are lost)."""
     alloc = BlockAllocator(16, 4, prefix_caching=True, num_state_slots=3)
     prompt = list(range(9))
     alloc.match_prefix("a", prompt)
@@ -101,13 +102,33 @@ def test_state_checkpoints_live_in_spare_slots_and_give_way_to_running_requests(
     slot = alloc.new_checkpoint(first)
     assert slot is not None and alloc.checkpoint(first) == slot
     assert slot not in alloc.request_state_slots("a")
-    assert alloc.new_checkpoint(second) is None  # (the last free slot stays for a request)
     assert alloc.new_checkpoint(partial) is None  # (not a cached block)
+    assert alloc.new_checkpoint(first) is None  # (it has one)
+    # (the last free slot stays for a request: the second checkpoint takes the first's)
+    assert alloc.new_checkpoint(second) == slot and alloc.checkpoint(first) is None
     assert alloc.match_prefix("b", prompt) == 8
     alloc.free("b")
-    assert alloc.match_prefix("b", prompt, with_checkpoint=True) == 4
+    assert alloc.match_prefix("b", prompt, with_checkpoint=True) == 8
     alloc.reserve("b", 9)
+    assert alloc.checkpoint(second) == slot
     alloc.reserve("c", 1)  # (no free slot left: the checkpoint gives its slot back)
-    assert alloc.checkpoint(first) is None
+    assert alloc.checkpoint(second) is None
     assert len({*alloc.request_state_slots("a"), *alloc.request_state_slots("b"),
                 *alloc.request_state_slots("c")}) == 3
+    assert alloc.new_checkpoint(first) is None  # (no free slot, no checkpoint to take)
+
+
+def test_checkpoints_fall_every_few_blocks_and_on_a_prompts_last_full_block():
+    """Where a prefill's steps end for state checkpoints: every ``checkpoint_every``-th block
+    boundary and the prompt's last full block; the deepest of them a shared prefix reaches."""
+    alloc = BlockAllocator(64, 4, prefix_caching=True, num_state_slots=4, checkpoint_every=3)
+    stops, done = [], 0
+    while (nxt := alloc.next_checkpoint(done, 30)) is not None:
+        stops.append(nxt)
+        done = nxt
+    assert stops == [12, 24, 28]
+    assert alloc.next_checkpoint(5, 8) == 8 and alloc.next_checkpoint(8, 8) is None
+    assert [alloc.last_checkpoint(u, 30) for u in (3, 12, 23, 27, 28, 40)] == [0, 12, 12, 24,
+                                                                               28, 28]
+    with pytest.raises(ValueError, match="checkpoint_every=0"):
+        BlockAllocator(4, 4, checkpoint_every=0)

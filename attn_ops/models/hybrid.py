@@ -201,14 +201,18 @@ class HybridGenerator:
 
     ``prefix_caching``: a prompt's full blocks are cached with the recurrent states after each
     step that ends on a block boundary (a checkpoint: every layer's states copied into a spare
-    state slot); a request whose prompt starts with a cached prefix takes its blocks and the
-    states of the last checkpointed block, and computes from there
-    (:attr:`computed_on_add`)."""
+    state slot), and a prefill's steps end where the allocator places checkpoints
+    (:meth:`~attn_ops.kv_cache.BlockAllocator.next_checkpoint`: every ``checkpoint_every``
+    blocks and the prompt's last full block). A request whose prompt starts with a cached
+    prefix takes its blocks and the states of the last checkpointed block, and computes from
+    there (:attr:`computed_on_add`). A request added while a running one is still prefilling
+    a prefix it shares, up to a checkpoint, waits (:attr:`waiting`) until that checkpoint is
+    made, then resumes from it: a batch of requests over one long prefix computes it once."""
 
     def __init__(self, model: HybridModel, num_blocks: int, num_state_slots: int, forward=None,
                  *, max_model_len: int = 1024, device="cpu",
                  capture_sizes: tuple[int, ...] | None = None,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, checkpoint_every: int = 64) -> None:
         self.model = model
         self.backends = step_backends(model)
         self.forward = model if forward is None else forward
@@ -216,8 +220,14 @@ class HybridGenerator:
         self.max_blocks_per_req = -(-max_model_len // model.block_size)
         self.allocator = BlockAllocator(num_blocks, model.block_size, shuffle=True,
                                         num_state_slots=num_state_slots,
-                                        prefix_caching=prefix_caching)
+                                        prefix_caching=prefix_caching,
+                                        checkpoint_every=checkpoint_every)
         self.computed_on_add: dict[int, int] = {}  # request -> prompt tokens it skipped
+        self.tokens_computed = 0  # every step's new tokens, all requests
+        self.step_ids: list[int] = []  # the last step's requests, in its logits' row order
+        self.prompt_lens: dict[int, int] = {}
+        # request -> (its prompt, the running request it waits for, the position it resumes at)
+        self.waiting: dict[int, tuple[list[int], int, int]] = {}
         self.kv_caches = model.allocate_kv_caches(num_blocks, device)
         self.states = model.allocate_states(num_state_slots, device)
         self.requests: dict[int, list] = {}  # request -> [tokens, num_computed]
@@ -229,6 +239,29 @@ class HybridGenerator:
                                             self.states)
 
     def add(self, request_id: int, prompt: list[int]) -> None:
+        lead = self._leader(prompt) if self.allocator.prefix_caching else None
+        if lead is not None:
+            self.waiting[request_id] = (list(prompt), *lead)
+            return
+        self._admit(request_id, prompt)
+
+    def _leader(self, prompt: list[int]) -> tuple[int, int] | None:
+        """``(request, position)``: the running request still prefilling the deepest
+        checkpoint ``prompt`` could resume from (at most its last token but one), or None."""
+        best = None
+        for r, (tokens, done) in self.requests.items():
+            n = self.prompt_lens[r]
+            common = 0
+            for a, b in zip(tokens[:min(n, len(prompt) - 1)], prompt):
+                if a != b:
+                    break
+                common += 1
+            at = self.allocator.last_checkpoint(common, n)
+            if at > done and (best is None or at > best[1]):
+                best = (r, at)
+        return best
+
+    def _admit(self, request_id: int, prompt: list[int]) -> None:
         alloc = self.allocator
         done = alloc.match_prefix(request_id, prompt, with_checkpoint=True)
         if done:  # (the states after its cached prefix, into the request's own slot)
@@ -236,6 +269,7 @@ class HybridGenerator:
                               alloc.state_slot(request_id))
         self.computed_on_add[request_id] = done
         self.requests[request_id] = [list(prompt), done]
+        self.prompt_lens[request_id] = len(prompt)
 
     def _copy_states(self, src: int, dst: int) -> None:
         for cache in self.states:
@@ -256,17 +290,32 @@ class HybridGenerator:
                     self._copy_states(alloc.state_slot(r), slot)
 
     def free(self, request_id: int) -> None:
-        self.requests.pop(request_id)
-        self.allocator.free(request_id)
+        if self.waiting.pop(request_id, None) is None:
+            self.requests.pop(request_id)
+            self.prompt_lens.pop(request_id)
+            self.allocator.free(request_id)
+
+    def _admit_waiting(self) -> None:
+        """Admit the waiting requests whose leader made their checkpoint or left."""
+        for r, (prompt, lead, at) in list(self.waiting.items()):
+            if lead not in self.requests or self.requests[lead][1] >= at:
+                del self.waiting[r]
+                self._admit(r, prompt)
 
     @torch.inference_mode()
     def step(self, max_new_tokens: int | None = None) -> torch.Tensor:
         """One step over every request (at most ``max_new_tokens`` of a prompt at once: chunked
-        prefill); returns the last-token logits ``[B, vocab]``."""
+        prefill) -- the running ones: not those still :attr:`waiting` -- and returns the
+        last-token logits ``[B, vocab]``."""
+        self._admit_waiting()
         reqs = self.requests
         todo = {r: len(t) - n for r, (t, n) in reqs.items()}
         if max_new_tokens is not None:
             todo = {r: min(n, max_new_tokens) for r, n in todo.items()}
+        if self.allocator.prefix_caching:  # (prefill steps end at the prompts' checkpoints)
+            for r, n in todo.items():
+                stop = self.allocator.next_checkpoint(reqs[r][1], self.prompt_lens[r])
+                todo[r] = n if stop is None else min(n, stop - reqs[r][1])
         ids = sorted(reqs, key=lambda r: not (reqs[r][1] and todo[r] == 1))
         context = [reqs[r][1] for r in ids]
         new = [todo[r] for r in ids]
@@ -287,6 +336,7 @@ class HybridGenerator:
             logits = self.forward(input_ids, meta.positions, self.kv_caches, self.states, step,
                                   state_meta)
         last = logits[meta.query_start_loc_cpu[1:].long() - 1]
+        self.step_ids, self.tokens_computed = ids, self.tokens_computed + sum(new)
         for r, n, row in zip(ids, new, last.argmax(-1).tolist()):
             reqs[r][1] += n
             if reqs[r][1] == len(reqs[r][0]):
