@@ -919,7 +919,7 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
     if kind == "lightning_attention":
         if chunked:
             return cw.lightning_chunked_triton(*args[:-1], chunk=16, block_v=16)
-        return tk.lightning_recurrent_triton(*args[:-1], block)
+        return tk.lightning_recurrent_triton(*args[:-1], block, streaming=streaming)
     *head, _, soft, lo, hi = args
     if chunked:
         return ck.ssd_chunked_triton(*head, soft, lo, hi, chunk=16)

@@ -40,17 +40,25 @@ class SSMTuning:
     mamba1_block_d: int = 64
     # Mamba1's chunked prefill (one launch; a program walks its request's chunks): tokens a
     # chunk, channels a program, warps. A chunk holds [chunk, channels, d_state] decays and
-    # inputs in registers for its scan, so chunk x channels is bounded by the registers.
+    # inputs in registers (each thread scans its channel and state entry over the chunk's
+    # tokens), so chunk x channels is bounded by the registers. Not timed yet; sm_90 builds
+    # (ptxas, d_state 16): 16 x 16 on 8 warps 76 registers a thread, 16 x 32 on 4 warps 198,
+    # 16 x 64 on 4 warps spills.
     mamba1_chunk: int = 16
-    mamba1_chunk_block_d: int = 32
-    mamba1_chunk_warps: int = 4
-    # Lightning attention's token-by-token kernel: value columns a program (not measured yet).
+    mamba1_chunk_block_d: int = 16
+    mamba1_chunk_warps: int = 8
+    # Lightning attention's token-by-token kernel: value columns a program, and its state
+    # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
+    # yet.
     lightning_block_v: int = 64
+    lightning_decode_streaming: bool = False
     # Lightning attention's chunked prefill (one launch, chunks walked in order, tensor-core
-    # products): tokens a chunk (the side of its q k^T), value columns a program, warps.
+    # products): tokens a chunk (the side of its q k^T), value columns a program, warps. Not
+    # timed yet; sm_90 builds (head dim 128): 64 x 32 on 8 warps 208 registers a thread, no
+    # spill; 64 x 64 spills on 4 and 8 warps.
     lightning_chunk: int = 64
-    lightning_chunk_block_v: int = 64
-    lightning_chunk_warps: int = 4
+    lightning_chunk_block_v: int = 32
+    lightning_chunk_warps: int = 8
     # A decode kernel's state read evict-first and its write a streaming store (.cs): a
     # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
     # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68

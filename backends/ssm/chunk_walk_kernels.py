@@ -141,10 +141,6 @@ def lightning_chunked_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr, q
         h * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, "")
     slope = tl.load(slope_ptr + h).to(tl.float32)
     pos = offs_l.to(tl.float32)
-    gap = pos[:, None] - pos[None, :]
-    # token i reads token j <= i of its chunk at a^(i - j), the chunk's start state at a^(i+1)
-    within = tl.where(gap >= 0, tl.exp(-slope * tl.maximum(gap, 0.0)), 0.0)
-    from_state = tl.exp(-slope * (pos + 1.0))
     for c0 in range(start, end, CHUNK):
         rows = c0 + offs_l
         ok = rows < end
@@ -155,14 +151,20 @@ def lightning_chunked_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr, q
                     mask=kmask, other=0.0)
         v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
                     mask=ok[:, None] & v_ok[None, :], other=0.0)
-        scores = _dot(q, tl.trans(k), q_ptr, IEEE) * within
+        # (the decays scale rows of the products' outputs and of v, not q and k: [chunk,
+        # head_dim] fp32 copies of those would not fit in registers beside the state)
+        # token i reads token j <= i of its chunk at a^(i - j), the chunk's start state at
+        # a^(i+1) (made here, not held over the loop: registers)
+        gap = pos[:, None] - pos[None, :]
+        scores = _dot(q, tl.trans(k), q_ptr, IEEE)
+        scores = tl.where(gap >= 0, scores * tl.exp(-slope * tl.maximum(gap, 0.0)), 0.0)
         o = (_dot(scores, v, q_ptr, IEEE)
-             + _dot(q.to(tl.float32) * from_state[:, None], s, q_ptr, IEEE))
+             + _dot(q, s, q_ptr, IEEE) * tl.exp(-slope * (pos + 1.0))[:, None])
         tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
         n = tl.minimum(end - c0, CHUNK).to(tl.float32)
         to_end = tl.where(ok, tl.exp(-slope * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
-        s = s * tl.exp(-slope * n) + _dot(tl.trans(k.to(tl.float32) * to_end[:, None]), v,
+        s = s * tl.exp(-slope * n) + _dot(tl.trans(k), v.to(tl.float32) * to_end[:, None],
                                           q_ptr, IEEE)
     _keep_final(state_ptr, s_ptrs, s, w_mask, 0, "")
     _zero_padding_rows(o_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_ot,

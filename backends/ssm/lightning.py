@@ -91,7 +91,8 @@ def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
     if kernel is Kernel.SSM_TRITON:
         from attn_ops.backends.ssm.triton_kernels import lightning_recurrent_triton
 
-        return lightning_recurrent_triton(*args, t.lightning_block_v, t.decode_num_warps)
+        return lightning_recurrent_triton(*args, t.lightning_block_v, t.decode_num_warps,
+                                          t.lightning_decode_streaming)
     o, s, slots = _reference(q, k, v, slope, state, query_start_loc, state_indices,
                              has_initial_state)
     store_states(state, slots, s)

@@ -515,7 +515,8 @@ def lightning_recurrent_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr,
                                stride_kh, stride_vt, stride_vh, stride_ss, stride_sh,
                                stride_sk, stride_ot, stride_oh, num_tokens, num_slots,
                                NUM_WRITES: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                               BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                               BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                               EVICT: tl.constexpr, STORE: tl.constexpr):
     """Request ``program_id(0)``, head ``program_id(1)``, value columns ``program_id(2) *
     BLOCK_V ...``: the ``[DK, BLOCK_V]`` block of its state in registers over the request's
     tokens, ``S = a S + k v^T``, ``o = S^T q``."""
@@ -527,7 +528,7 @@ def lightning_recurrent_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr,
     v_ok = offs_v < DV
     start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
-        h * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, "")
+        h * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, EVICT)
     decay = tl.exp(-tl.load(slope_ptr + h).to(tl.float32))
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_k, mask=k_ok,
@@ -542,16 +543,16 @@ def lightning_recurrent_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr,
                  mask=v_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, num_slots, offs_k, NUM_WRITES)
-    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, "")
+    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, STORE)
     _zero_padding_rows(o_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_ot,
                        h * stride_oh + offs_v, v_ok)
 
 
 def lightning_recurrent_triton(q, k, v, slope, state, query_start_loc, state_indices,
                                has_initial_state, block_v: int = 64,
-                               num_warps: int = 4) -> torch.Tensor:
+                               num_warps: int = 4, streaming: bool = False) -> torch.Tensor:
     """``torch.ops.attn.lightning_attention`` token by token, ``block_v`` value columns a
-    program (inputs already checked)."""
+    program; ``streaming`` as :func:`gdn_recurrent_triton`'s (inputs already checked)."""
     q, k, v = (u if u.stride(-1) == 1 else u.contiguous() for u in (q, k, v))
     t, h, dk = q.shape
     dv = v.shape[2]
@@ -565,7 +566,8 @@ def lightning_recurrent_triton(q, k, v, slope, state, query_start_loc, state_ind
         state_indices.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), state.stride(0), state.stride(1), state.stride(2),
         out.stride(0), out.stride(1), t, state.shape[0], NUM_WRITES=_num_writes(state_indices),
-        DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=num_warps)
+        DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        **_state_cache_hints(streaming), num_warps=num_warps)
     return out
 
 

@@ -1,0 +1,123 @@
+"""Registers, spills and static shared memory of the recurrent-state Triton kernels, compiled
+ahead of time for sm_90 (the H200) on any machine -- no GPU needed: Triton's compiler and its
+bundled ptxas build the cubin, its cuobjdump reads the resources. A kernel whose registers
+spill, or that leaves room for one program an SM, is a poor candidate before any timing.
+
+Each kernel is built at the real shapes its op serves (Mamba-2.8B's d_inner 5120 / d_state 16,
+MiniMax-Text-01's lightning heads of 128, Qwen3-Next's GDN heads), bf16 inputs, with pointers
+and strides specialized as divisible by 16 (as Triton's JIT specializes them at those shapes),
+over a grid of block configurations:
+
+    python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
+        mamba1_recurrent lightning_recurrent gdn_recurrent] [--arch 90] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+BF16_PTRS = ("x_ptr", "dt_ptr", "b_ptr", "c_ptr", "z_ptr", "y_ptr", "q_ptr", "k_ptr", "v_ptr",
+             "o_ptr")
+INT_PTRS = ("qsl_ptr", "slot_ptr")
+
+
+def configs() -> dict[str, tuple]:
+    """kernel name -> (the kernel, [(label, constexprs, warps), ...])."""
+    from attn_ops.backends.ssm import chunk_walk_kernels as cw
+    from attn_ops.backends.ssm import triton_kernels as tk
+
+    m1 = dict(D_INNER=5120, N=16, BLOCK_N=16, HAS_Z=True, SOFTPLUS=True)
+    light = dict(DK=128, DV=128, BLOCK_K=128)
+    return {
+        "mamba1_chunked": (cw.mamba1_chunked_kernel, [
+            (f"chunk {c} x {d} channels", dict(m1, CHUNK=c, BLOCK_D=d), w)
+            for c, d, w in itertools.product((8, 16, 32), (16, 32, 64), (4, 8))]),
+        "lightning_chunked": (cw.lightning_chunked_kernel, [
+            (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)
+            for c, v, w in itertools.product((32, 64), (32, 64, 128), (4, 8))]),
+        "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
+            (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d), w)
+            for d, w in itertools.product((32, 64, 128), (4, 8))]),
+        "lightning_recurrent": (tk.lightning_recurrent_kernel, [
+            (f"{v} columns", dict(light, NUM_WRITES=0, BLOCK_V=v, EVICT="", STORE=""), w)
+            for v, w in itertools.product((32, 64, 128), (4, 8))]),
+        "gdn_recurrent": (tk.gdn_recurrent_kernel, [
+            (f"{v} columns", dict(NUM_WRITES=0, GROUP=2, DK=128, DV=128, BLOCK_K=128,
+                                  BLOCK_V=v, L2NORM=True, EVICT="evict_first", STORE=".cs"), w)
+            for v, w in itertools.product((64, 128), (4, 8))]),
+    }
+
+
+def resources(fn, constexprs: dict, warps: int, arch: int) -> dict:
+    """``fn`` built for ``sm_<arch>``: registers a thread, spilled bytes (stack), static shared
+    bytes, from cuobjdump's resource usage."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {}
+    for n in names:
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif n in BF16_PTRS:
+            signature[n] = "*bf16"
+        elif n in INT_PTRS:
+            signature[n] = "*i32"
+        elif n == "init_ptr":
+            signature[n] = "*i1"
+        else:
+            signature[n] = "*fp32" if n.endswith("_ptr") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", usage))
+    return {"registers": int(found["REG"]), "spilled_bytes": int(found["STACK"]),
+            "static_shared_bytes": int(found["SHARED"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", nargs="+",
+                        default=["mamba1_chunked", "lightning_chunked", "mamba1_recurrent",
+                                 "lightning_recurrent", "gdn_recurrent"])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "kernel_resources.json"))
+    args = parser.parse_args()
+    table = configs()
+    rows = []
+    for name in args.kernels:
+        fn, points = table[name]
+        for label, constexprs, warps in points:
+            try:
+                row = resources(fn, constexprs, warps, args.arch)
+            except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
+                row = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rows.append({"kernel": name, "config": label, "warps": warps, **row})
+            shown = (f"{row['registers']:3d} registers, {row['spilled_bytes']:5d} B spilled"
+                     if "error" not in row else row["error"])
+            print(f"{name:20s} {label:24s} {warps} warps: {shown}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"arch": args.arch, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
