@@ -354,13 +354,6 @@ class BlockAllocator:
                        * self.block_size)
         return position if position > computed else None
 
-    def last_checkpoint(self, upto: int, prompt_len: int) -> int:
-        """The deepest position at or before ``upto`` whose states a prompt of ``prompt_len``
-        tokens checkpoints (0: none)."""
-        last = prompt_len // self.block_size * self.block_size
-        every = self.checkpoint_every * self.block_size
-        return last if last <= upto else upto // every * every
-
     def checkpoint(self, block: int) -> int | None:
         """The state slot of ``block``'s checkpoint (None: it has none)."""
         return self._checkpoints.get(block)

@@ -110,15 +110,16 @@ def test_graphed_decode_steps_match_eager(kind):
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
 def test_a_batch_over_one_shared_prefix_computes_it_once(kind):
     """Four requests added together over one shared prefix (not block-aligned, longer than a
-    step): the first prefills it, its steps ending at the state checkpoints (every 2 blocks
-    and its prompt's last full block); the others wait for the deepest checkpoint inside
-    the shared prefix, then compute only their rest -- and every request's first generated
-    token comes from the logits a generator without the cache gives."""
+    step, each prompt two blocks longer): the first prefills it, its steps ending at the state
+    checkpoints (every 2 blocks, its prompt's last full block, and the shared prefix's last
+    block boundary, where the others resume); the others wait for that checkpoint, then
+    compute only their rest -- and every request's first generated token comes from the
+    logits a generator without the cache gives."""
     model = _model(kind)
     bs = model.block_size
     g = torch.Generator().manual_seed(2)
     shared = torch.randint(100, (5 * bs + 3,), generator=g).tolist()
-    prompts = {r: shared + [r + 1, r + 2] for r in range(4)}
+    prompts = {r: shared + [r + 1] * (2 * bs) for r in range(4)}
 
     def run(prefix_caching):
         gen = HybridGenerator(model, 128, 10, prefix_caching=prefix_caching,

@@ -120,7 +120,7 @@ def test_state_checkpoints_live_in_spare_slots_and_give_way_to_running_requests(
 
 def test_checkpoints_fall_every_few_blocks_and_on_a_prompts_last_full_block():
     """Where a prefill's steps end for state checkpoints: every ``checkpoint_every``-th block
-    boundary and the prompt's last full block; the deepest of them a shared prefix reaches."""
+    boundary and the prompt's last full block."""
     alloc = BlockAllocator(64, 4, prefix_caching=True, num_state_slots=4, checkpoint_every=3)
     stops, done = [], 0
     while (nxt := alloc.next_checkpoint(done, 30)) is not None:
@@ -128,7 +128,5 @@ def test_checkpoints_fall_every_few_blocks_and_on_a_prompts_last_full_block():
         done = nxt
     assert stops == [12, 24, 28]
     assert alloc.next_checkpoint(5, 8) == 8 and alloc.next_checkpoint(8, 8) is None
-    assert [alloc.last_checkpoint(u, 30) for u in (3, 12, 23, 27, 28, 40)] == [0, 12, 12, 24,
-                                                                               28, 28]
     with pytest.raises(ValueError, match="checkpoint_every=0"):
         BlockAllocator(4, 4, checkpoint_every=0)

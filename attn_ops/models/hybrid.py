@@ -206,8 +206,10 @@ class HybridGenerator:
     blocks and the prompt's last full block). A request whose prompt starts with a cached
     prefix takes its blocks and the states of the last checkpointed block, and computes from
     there (:attr:`computed_on_add`). A request added while a running one is still prefilling
-    a prefix it shares, up to a checkpoint, waits (:attr:`waiting`) until that checkpoint is
-    made, then resumes from it: a batch of requests over one long prefix computes it once."""
+    a prefix it shares waits (:attr:`waiting`) until that one has computed the last full block
+    of the shared part -- where its prefill now also stops for a checkpoint, whatever the
+    policy -- then resumes from it: a batch of requests over one long prefix computes it once,
+    and up to its last block boundary."""
 
     def __init__(self, model: HybridModel, num_blocks: int, num_state_slots: int, forward=None,
                  *, max_model_len: int = 1024, device="cpu",
@@ -226,6 +228,7 @@ class HybridGenerator:
         self.tokens_computed = 0  # every step's new tokens, all requests
         self.step_ids: list[int] = []  # the last step's requests, in its logits' row order
         self.prompt_lens: dict[int, int] = {}
+        self._stops: dict[int, set[int]] = {}  # request -> where waiting requests resume
         # request -> (its prompt, the running request it waits for, the position it resumes at)
         self.waiting: dict[int, tuple[list[int], int, int]] = {}
         self.kv_caches = model.allocate_kv_caches(num_blocks, device)
@@ -242,21 +245,22 @@ class HybridGenerator:
         lead = self._leader(prompt) if self.allocator.prefix_caching else None
         if lead is not None:
             self.waiting[request_id] = (list(prompt), *lead)
+            self._stops.setdefault(lead[0], set()).add(lead[1])
             return
         self._admit(request_id, prompt)
 
     def _leader(self, prompt: list[int]) -> tuple[int, int] | None:
-        """``(request, position)``: the running request still prefilling the deepest
-        checkpoint ``prompt`` could resume from (at most its last token but one), or None."""
-        best = None
+        """``(request, position)``: the running request still to prefill the deepest block
+        boundary of the prompt tokens ``prompt`` shares with it (at most its last token but
+        one), and that boundary; None where no running request is."""
+        best, bs = None, self.allocator.block_size
         for r, (tokens, done) in self.requests.items():
-            n = self.prompt_lens[r]
             common = 0
-            for a, b in zip(tokens[:min(n, len(prompt) - 1)], prompt):
+            for a, b in zip(tokens[:min(self.prompt_lens[r], len(prompt) - 1)], prompt):
                 if a != b:
                     break
                 common += 1
-            at = self.allocator.last_checkpoint(common, n)
+            at = common // bs * bs
             if at > done and (best is None or at > best[1]):
                 best = (r, at)
         return best
@@ -293,6 +297,7 @@ class HybridGenerator:
         if self.waiting.pop(request_id, None) is None:
             self.requests.pop(request_id)
             self.prompt_lens.pop(request_id)
+            self._stops.pop(request_id, None)
             self.allocator.free(request_id)
 
     def _admit_waiting(self) -> None:
@@ -314,8 +319,11 @@ class HybridGenerator:
             todo = {r: min(n, max_new_tokens) for r, n in todo.items()}
         if self.allocator.prefix_caching:  # (prefill steps end at the prompts' checkpoints)
             for r, n in todo.items():
-                stop = self.allocator.next_checkpoint(reqs[r][1], self.prompt_lens[r])
-                todo[r] = n if stop is None else min(n, stop - reqs[r][1])
+                done = reqs[r][1]
+                stops = [p for p in self._stops.get(r, ()) if p > done]
+                policy = self.allocator.next_checkpoint(done, self.prompt_lens[r])
+                stops += [policy] if policy is not None else []
+                todo[r] = min([n, *(p - done for p in stops)])
         ids = sorted(reqs, key=lambda r: not (reqs[r][1] and todo[r] == 1))
         context = [reqs[r][1] for r in ids]
         new = [todo[r] for r in ids]
