@@ -6,6 +6,9 @@ Layouts (chosen per backend, allocated by attn_ops):
   ``[:, 1]``); FlashInfer "NHD" and FlashAttention compatible. Needs equal K and V head dims.
 * ``NHD_PACKED``: ``[num_blocks, block_size, num_kv_heads, head_dim + head_dim_v]``; K and V of
   one token side by side, for models whose V head dim differs from the QK head dim.
+* ``TURBOQUANT``: ``uint8 [num_blocks, num_kv_heads, block_size, slot_bytes]``, head-major in a
+  block; one byte slot a (token, KV head) holding both, in vLLM's TurboQuant format
+  (``backends/turboquant/format.py``).
 
 Slot ``s`` is token ``s % block_size`` of block ``s // block_size``; slot ``-1`` is padding.
 """
@@ -34,15 +37,27 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 class KVCacheLayout(enum.Enum):
     NHD = "nhd"
     NHD_PACKED = "nhd_packed"
+    TURBOQUANT = "turboquant"
 
     @staticmethod
     def for_spec(spec: AttentionSpec) -> KVCacheLayout:
+        if spec.kv_cache_dtype.is_turboquant:
+            return KVCacheLayout.TURBOQUANT
         return KVCacheLayout.NHD if spec.v_head_dim == spec.head_dim else KVCacheLayout.NHD_PACKED
 
 
 def kv_cache_shape(spec: AttentionSpec, num_blocks: int, block_size: int,
                    layout: KVCacheLayout | None = None) -> tuple[int, ...]:
     layout = layout or KVCacheLayout.for_spec(spec)
+    if (layout is KVCacheLayout.TURBOQUANT) != spec.kv_cache_dtype.is_turboquant:
+        raise ValueError(f"layout {layout.value} and kv_cache_dtype="
+                         f"{spec.kv_cache_dtype.value}: the turboquant layout holds exactly the "
+                         "turboquant_* caches")
+    if layout is KVCacheLayout.TURBOQUANT:
+        from attn_ops.backends.turboquant.format import slot_bytes
+
+        return (num_blocks, spec.kv_heads, block_size,
+                slot_bytes(spec.kv_cache_dtype, spec.head_dim))
     if layout is KVCacheLayout.NHD:
         if spec.v_head_dim != spec.head_dim:
             raise ValueError(f"layout NHD needs head_dim == head_dim_v, got {spec.head_dim} and "

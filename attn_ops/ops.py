@@ -143,6 +143,8 @@ OP_MODULES: dict[str, str] = {
     "mamba1_scan": "attn_ops.backends.ssm.mamba1",
     "mamba2_ssd": "attn_ops.backends.ssm.mamba2",
     "short_conv": "attn_ops.backends.ssm.short_conv",
+    "turboquant_cache_update": "attn_ops.backends.turboquant.ops",
+    "turboquant_attention": "attn_ops.backends.turboquant.ops",
 }
 
 

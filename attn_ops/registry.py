@@ -42,6 +42,8 @@ class Backend(str, enum.Enum):
     XPU_ATTN = "XPU_ATTN"
     CPU_ATTN = "CPU_ATTN"
     REFERENCE = "REFERENCE"
+    # TurboQuant KV caches (AttentionSpec.kv_cache_dtype="turboquant_*")
+    TURBOQUANT = "TURBOQUANT"
     # MLA (multi-head latent attention) layers
     COMPOSITE_MLA_SM90 = "COMPOSITE_MLA_SM90"
     FLASHMLA = "FLASHMLA"
@@ -99,6 +101,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.TRITON_ATTN: "attn_ops.backends.triton_attn:TritonAttnBackend",
     Backend.FLEX_ATTENTION: "attn_ops.backends.flex_attention:FlexAttentionBackend",
     Backend.TREE_ATTN: "attn_ops.backends.tree_attn:TreeAttnBackend",
+    Backend.TURBOQUANT: "attn_ops.backends.turboquant.backend:TurboQuantBackend",
     Backend.REFERENCE_MLA: "attn_ops.backends.mla.reference:ReferenceMLABackend",
     Backend.TRITON_MLA: "attn_ops.backends.mla.triton_mla:TritonMLABackend",
     Backend.FLASHINFER_MLA: "attn_ops.backends.mla.flashinfer_mla:FlashInferMLABackend",

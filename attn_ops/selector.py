@@ -54,6 +54,9 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     kind = _recurrent_kind(spec)
     if kind is not None:
         return [RECURRENT_BACKENDS[kind].value] if kind in RECURRENT_BACKENDS else []
+    if spec.kv_cache_dtype.is_turboquant:  # (its formats have one backend)
+        return [B.TURBOQUANT.value] if platform.kind in (PlatformKind.CUDA,
+                                                         PlatformKind.CPU) else []
     if spec.use_mla:
         if spec.index_topk is not None:
             return [b.value for b in _sparse_mla_priority(platform)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["AttentionSpec", "AttentionType", "KVCacheDType", "LayerKind", "Feature",
-           "yarn_mscale"]
+           "TURBOQUANT_KV_DTYPES", "yarn_mscale"]
 
 
 class AttentionType(enum.Enum):
@@ -35,12 +35,30 @@ class KVCacheDType(enum.Enum):
     # latent in fp8 e4m3 with one fp32 scale a 128 values, the rope part in 16 bits
     # (attn_ops.backends.mla.ds_cache documents it byte by byte); MLA specs only
     FP8_DS_MLA = "fp8_ds_mla"
+    # TurboQuant (vLLM's TURBOQUANT presets): keys rotated by a Hadamard transform and
+    # quantized to 3 or 4 bits on a Lloyd-Max codebook with their norm (or fp8 e4m3 keys:
+    # k8v4), values to 3 or 4 bits with a scale and minimum, one byte slot a (token, KV head);
+    # _nc: norm correction when read. attn_ops.backends.turboquant.format documents the bytes.
+    TURBOQUANT_K8V4 = "turboquant_k8v4"
+    TURBOQUANT_4BIT_NC = "turboquant_4bit_nc"
+    TURBOQUANT_K3V4_NC = "turboquant_k3v4_nc"
+    TURBOQUANT_3BIT_NC = "turboquant_3bit_nc"
 
     @property
     def is_fp8(self) -> bool:
+        return self in (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2, KVCacheDType.FP8_DS_MLA)
+
+    @property
+    def is_turboquant(self) -> bool:
+        return self in TURBOQUANT_KV_DTYPES
+
+    @property
+    def is_quantized(self) -> bool:
         return self is not KVCacheDType.AUTO
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.is_turboquant:
+            return torch.uint8
         return {
             KVCacheDType.AUTO: model_dtype,
             KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
@@ -51,7 +69,12 @@ class KVCacheDType(enum.Enum):
     @property
     def inline_scales(self) -> bool:
         """Whether the cache rows carry their own scales (no per-tensor ``kv_scale``)."""
-        return self is KVCacheDType.FP8_DS_MLA
+        return self is KVCacheDType.FP8_DS_MLA or self.is_turboquant
+
+
+TURBOQUANT_KV_DTYPES = frozenset({KVCacheDType.TURBOQUANT_K8V4, KVCacheDType.TURBOQUANT_4BIT_NC,
+                                  KVCacheDType.TURBOQUANT_K3V4_NC,
+                                  KVCacheDType.TURBOQUANT_3BIT_NC})
 
 
 class LayerKind(enum.Enum):
@@ -185,6 +208,8 @@ class AttentionSpec:
             _check_mla(self)
         if self.kv_cache_dtype is KVCacheDType.FP8_DS_MLA:
             _check_ds_mla(self)
+        if self.kv_cache_dtype.is_turboquant:
+            _check_turboquant(self)
         if self.index_topk is not None:
             _check_sparse(self)
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
@@ -303,7 +328,7 @@ class AttentionSpec:
         if self.v_head_dim != self.head_dim and not self.use_mla:
             parts.append(f"head_dim_v={self.v_head_dim}")
         parts.append(f"dtype={str(self.dtype).removeprefix('torch.')}")
-        if self.kv_cache_dtype.is_fp8:
+        if self.kv_cache_dtype.is_quantized:
             parts.append(f"kv_cache_dtype={self.kv_cache_dtype.value}")
         if self.block_size is not None:
             parts.append(f"block_size={self.block_size}")
@@ -381,6 +406,32 @@ def _check_ds_mla(spec: AttentionSpec) -> None:
         raise ValueError(f"kv_cache_dtype=fp8_ds_mla (FlashMLA's sparse latent layout) needs an "
                          f"MLA spec with kv_lora_rank a multiple of 128 and a 16-bit dtype, got "
                          f"{spec.describe()}; use fp8_e4m3 for a per-tensor fp8 cache")
+
+
+def _check_turboquant(spec: AttentionSpec) -> None:
+    """TurboQuant's formats: one slot of K and V a (token, KV head), so equal K / V head dims;
+    the rotated presets a power-of-two head dim (the Sylvester Hadamard matrix), 3-bit ones a
+    multiple of 8 (whole 3-byte groups); standard attention layers only."""
+    name = spec.kv_cache_dtype.value
+    if spec.use_mla:
+        raise ValueError(f"kv_cache_dtype={name} quantizes standard attention's K and V; an MLA "
+                         "spec caches a latent (use auto, fp8_e4m3 or fp8_ds_mla)")
+    if spec.v_head_dim != spec.head_dim:
+        raise ValueError(f"kv_cache_dtype={name} stores K and V of one head dim in one slot, "
+                         f"got head_dim={spec.head_dim}, head_dim_v={spec.v_head_dim}")
+    d = spec.head_dim
+    rotated = spec.kv_cache_dtype is not KVCacheDType.TURBOQUANT_K8V4
+    if rotated and d & (d - 1):
+        raise ValueError(f"kv_cache_dtype={name} rotates keys by a Sylvester Hadamard matrix, "
+                         f"which needs a power-of-two head_dim, got {d}; turboquant_k8v4 (fp8 "
+                         "keys, no rotation) takes any even head dim")
+    if d % 8 and spec.kv_cache_dtype in (KVCacheDType.TURBOQUANT_K3V4_NC,
+                                         KVCacheDType.TURBOQUANT_3BIT_NC):
+        raise ValueError(f"kv_cache_dtype={name} packs 3-bit codes in groups of 8, so head_dim "
+                         f"must be a multiple of 8, got {d}")
+    if d % 2:
+        raise ValueError(f"kv_cache_dtype={name} packs 4-bit values two a byte, so head_dim must "
+                         f"be even, got {d}")
 
 
 def _check_sparse(spec: AttentionSpec) -> None:

@@ -4,8 +4,9 @@ policy. Used by the registry-generated test matrix, the GPU scripts and the benc
 Tolerance policy (written once, declared per dtype, not tuned per test): a backend's max abs
 error against REFERENCE run in fp64 must be at most ``2 x`` the error of REFERENCE run at the
 test's own precision (inputs identical, compute fp32, output rounded to the dtype), plus a small
-``EPSILON[dtype]``. An fp8 KV cache is additionally judged by SQNR against the unquantized
-result (:data:`FP8_MIN_SQNR_DB`).
+``EPSILON[dtype]``. A quantized KV cache is additionally judged by SQNR against the
+unquantized result (:data:`MIN_SQNR_DB`); a TurboQuant cache's REFERENCE runs over the keys and
+values its slots read back as (:meth:`PagedCase.read_back`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from attn_ops.metadata import CommonAttentionMetadata, build_batch, build_common
 from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
 
 __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "tolerance",
-           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "option_variants",
+           "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "MIN_SQNR_DB",
+           "option_variants",
            "compiled_and_eager_layer", "assert_matches_reference", "random_decode_batch",
            "capture_graph"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
+# TurboQuant's presets, attention outputs against the unquantized ones on the matrix's random
+# K/V, 3 dB below the lowest the CPU matrix gives (head dim 16; k8v4 22.4 dB, 4bit_nc 19.1,
+# k3v4_nc 15.1, 3bit_nc 12.2, each on its worst scenario)
+MIN_SQNR_DB = {**FP8_MIN_SQNR_DB, KVCacheDType.TURBOQUANT_K8V4: 19.0,
+               KVCacheDType.TURBOQUANT_4BIT_NC: 16.0, KVCacheDType.TURBOQUANT_K3V4_NC: 12.0,
+               KVCacheDType.TURBOQUANT_3BIT_NC: 9.0}
 
 
 @dataclass(frozen=True)
@@ -86,10 +94,24 @@ class PagedCase:
 
     def to(self, dtype: torch.dtype) -> PagedCase:
         """The same case with query (and an unquantized cache) in ``dtype``."""
-        cache = self.kv_cache if self.kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
-            else self.kv_cache.to(dtype)
+        quantized = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+        cache = self.kv_cache if self.kv_cache.dtype in quantized else self.kv_cache.to(dtype)
         return PagedCase(self.spec.with_(dtype=dtype), self.metadata, self.query.to(dtype), cache,
                          self.sinks, self.alibi_slopes, self.k_scale, self.v_scale, self.dense_kv)
+
+    def read_back(self, dtype: torch.dtype) -> PagedCase:
+        """:meth:`to` ``dtype``; a TurboQuant cache read back into an unquantized one in
+        ``dtype`` (every key and value as its slot reads), which REFERENCE takes."""
+        case = self.to(dtype)
+        if not self.spec.kv_cache_dtype.is_turboquant:
+            return case
+        from attn_ops.backends.turboquant.ops import turboquant_dense_cache
+
+        dense = turboquant_dense_cache(self.kv_cache, self.spec.kv_cache_dtype.value,
+                                       self.spec.head_dim, dtype)
+        return PagedCase(case.spec.with_(kv_cache_dtype=KVCacheDType.AUTO), case.metadata,
+                         case.query, dense, case.sinks, case.alibi_slopes, None, None,
+                         case.dense_kv)
 
 
 def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
@@ -113,8 +135,9 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(spec.dtype).to(device)
 
     cache = allocate_kv_cache(spec, num_blocks, block_size, device)
-    if scenario.poison_unused:
-        cache.fill_(float("nan"))
+    turboquant = spec.kv_cache_dtype.is_turboquant
+    if scenario.poison_unused:  # (a TurboQuant slot of 0xFF bytes reads as NaN K and V)
+        cache.fill_(0xFF if turboquant else float("nan"))
     scales = (torch.tensor([0.05], device=device), torch.tensor([0.04], device=device)) \
         if fp8 else (None, None)
     dense, starts = [], meta.query_start_loc_cpu.tolist()
@@ -123,7 +146,12 @@ def make_case(spec: AttentionSpec, scenario: Scenario, *, block_size: int = 4,
                                                                  spec.v_head_dim)
         dense.append((k, v))
         slots = torch.tensor(alloc.slots(i, 0, c + q), device=device)
-        kv_cache_update(k, v, cache, slots, *scales)
+        if turboquant:
+            from attn_ops.backends.turboquant.ops import turboquant_cache_update
+
+            turboquant_cache_update(k, v, cache, slots, spec.kv_cache_dtype.value)
+        else:
+            kv_cache_update(k, v, cache, slots, *scales)
     query = randn(starts[-1] + scenario.pad_tokens, spec.num_heads, spec.head_dim)
     sinks = torch.randn(spec.num_heads, generator=g).to(device) if spec.has_sinks else None
     slopes = None

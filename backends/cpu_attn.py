@@ -36,7 +36,8 @@ from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDim
 from attn_ops.ops import (PAGED_ATTENTION_SCHEMA, check_paged_attention_inputs,
                           check_paged_attention_values, debug_checks_enabled, define_op)
 from attn_ops.platforms import Platform, PlatformKind
-from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+from attn_ops.spec import (AttentionSpec, AttentionType, Feature, KVCacheDType,
+                           TURBOQUANT_KV_DTYPES)
 
 __all__ = ["CPUAttnBackend", "cpu_paged_attention"]
 
@@ -198,7 +199,7 @@ class CPUAttnBackend(AttentionBackend):
         platforms=frozenset({PlatformKind.CPU}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         head_dims=HeadDims(multiple_of=1, min=1, max=1024),
-        kv_cache_dtypes=frozenset(KVCacheDType),
+        kv_cache_dtypes=frozenset(KVCacheDType) - TURBOQUANT_KV_DTYPES,
         features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION, Feature.CUSTOM_MODS,
                                          Feature.TREE},
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),

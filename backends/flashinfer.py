@@ -37,7 +37,8 @@ from attn_ops.metadata import CommonAttentionMetadata
 from attn_ops.ops import apply_sinks, check_nhd_attention_inputs, define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.routing import DeviceFacts, Kernel, PartRoute, flashinfer_decode_split
-from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+from attn_ops.spec import (AttentionSpec, AttentionType, Feature, KVCacheDType,
+                           TURBOQUANT_KV_DTYPES)
 
 __all__ = ["FLASHINFER_PACKAGE", "FlashInferBackend", "FlashInferMetadata", "PARTS_SCHEMA",
            "run_flashinfer_part", "run_parts"]
@@ -168,7 +169,7 @@ class FlashInferBackend(AttentionBackend):
         platforms=frozenset({PlatformKind.CUDA}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         head_dims=frozenset({64, 128, 256}),
-        kv_cache_dtypes=frozenset(KVCacheDType),
+        kv_cache_dtypes=frozenset(KVCacheDType) - TURBOQUANT_KV_DTYPES,
         block_sizes=(MultipleOf(1),),
         preferred_block_size=16,  # FlashInfer is indifferent to the page size
         features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,

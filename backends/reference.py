@@ -33,7 +33,7 @@ from attn_ops.ops import (PAGED_ATTENTION_MODS_SCHEMA, PAGED_ATTENTION_SCHEMA,
                           check_paged_attention_inputs, check_paged_attention_values,
                           debug_checks_enabled, define_op, register_mods, registered_mods)
 from attn_ops.platforms import PlatformKind
-from attn_ops.spec import AttentionType, Feature, KVCacheDType
+from attn_ops.spec import AttentionType, Feature, KVCacheDType, TURBOQUANT_KV_DTYPES
 
 __all__ = ["ReferenceBackend", "reference_paged_attention"]
 
@@ -131,7 +131,7 @@ class ReferenceBackend(AttentionBackend):
         platforms=frozenset(PlatformKind),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         head_dims=HeadDims(),
-        kv_cache_dtypes=frozenset(KVCacheDType),
+        kv_cache_dtypes=frozenset(KVCacheDType) - TURBOQUANT_KV_DTYPES,
         features=frozenset(Feature) - {Feature.MLA, Feature.CROSS_ATTENTION, Feature.TREE},
         attn_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER_ONLY}),
         cudagraph_support=CUDAGraphSupport.NEVER,  # reads lengths on the host

@@ -38,7 +38,8 @@ from attn_ops.platforms import Platform, PlatformKind, shared_memory_per_block
 from attn_ops.routing import (DeviceFacts, combine_split_block, pow2, triton_decode_tile,
                               triton_fit_tile, triton_fused_combine, triton_head_tiles,
                               triton_heads_fastest, triton_num_splits, triton_prefill_tile)
-from attn_ops.spec import AttentionSpec, AttentionType, Feature, KVCacheDType
+from attn_ops.spec import (AttentionSpec, AttentionType, Feature, KVCacheDType,
+                           TURBOQUANT_KV_DTYPES)
 from attn_ops.tuning import Tile, TritonTuning
 
 __all__ = ["PLAN", "TritonAttnBackend", "TritonAttnMetadata", "TritonPlan",
@@ -289,7 +290,7 @@ class TritonAttnBackend(AttentionBackend):
         platforms=frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.CPU}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         head_dims=HeadDims(multiple_of=8, min=8, max=256),
-        kv_cache_dtypes=frozenset(KVCacheDType),
+        kv_cache_dtypes=frozenset(KVCacheDType) - TURBOQUANT_KV_DTYPES,
         block_sizes=(MultipleOf(1),),
         preferred_block_size=16,
         features=frozenset({Feature.SLIDING_WINDOW, Feature.SOFT_CAP, Feature.SINKS,

@@ -8,7 +8,7 @@ import torch
 from attn_ops import AttentionSpec, KVCacheDType, current_platform, get_backend_class
 from attn_ops.registry import list_backends
 from attn_ops.spec import Feature
-from attn_ops.testing import (FEATURE_SPECS, FP8_MIN_SQNR_DB, SCENARIOS, option_variants,
+from attn_ops.testing import (FEATURE_SPECS, MIN_SQNR_DB, SCENARIOS, option_variants,
                               Scenario, make_case, run_backend, sqnr_db, tolerance)
 
 PLATFORM = current_platform()
@@ -29,6 +29,16 @@ ODD_GROUP_SCENARIOS = ("decode_only", "prefill_only", "mixed")
 NUM_BLOCKS = 256  # cache blocks at page 4 (scaled for other page sizes): every scenario fits
 
 
+def _base(cls):
+    """The spec a backend is tested around: BASE, in the first KV-cache dtype it takes when it
+    takes no unquantized cache (TURBOQUANT)."""
+    dtypes = getattr(cls, "capabilities", None)
+    dtypes = getattr(dtypes, "kv_cache_dtypes", {KVCacheDType.AUTO})
+    if KVCacheDType.AUTO in dtypes:
+        return BASE
+    return BASE.with_(kv_cache_dtype=min(dtypes, key=lambda d: d.value))
+
+
 def _available():
     names = []
     for name in list_backends():
@@ -36,7 +46,7 @@ def _available():
             cls = get_backend_class(name)
         except ImportError:
             continue
-        if not cls.not_supported_reasons(BASE, PLATFORM):
+        if not cls.not_supported_reasons(_base(cls), PLATFORM):
             names.append(name)
     return names
 
@@ -46,17 +56,22 @@ REFERENCE = get_backend_class("REFERENCE")
 
 
 def _variants(cls):
-    """(id, spec) for the base spec, every head layout and every declared feature."""
-    out = [(f"{h}", BASE.with_(num_heads=q, num_kv_heads=kv)) for h, (q, kv) in HEADS.items()]
+    """(id, spec) for the base spec, every head layout, every declared feature and every
+    TurboQuant preset it takes."""
+    base = _base(cls)
+    out = [(f"{h}", base.with_(num_heads=q, num_kv_heads=kv)) for h, (q, kv) in HEADS.items()]
     for feature, turn_on in FEATURE_SPECS.items():
         if feature in cls.capabilities.features:
-            spec = turn_on(BASE)
+            spec = turn_on(base)
             if not cls.not_supported_reasons(spec, PLATFORM):
                 out.append((feature.value, spec))
     if Feature.FP8_KV in cls.capabilities.features:
-        spec = BASE.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2)
+        spec = base.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2)
         if not cls.not_supported_reasons(spec, PLATFORM):
             out.append(("fp8_e5m2", spec))
+    for dtype in sorted(cls.capabilities.kv_cache_dtypes, key=lambda d: d.value):
+        if dtype.is_turboquant and dtype is not base.kv_cache_dtype:
+            out.append((dtype.value, base.with_(kv_cache_dtype=dtype)))
     return out
 
 
@@ -81,7 +96,7 @@ def _params():
             for scenario in _scenarios(name, vid):
                 yield pytest.param(name, spec, scenario, {}, id=f"{name}-{vid}-{scenario}")
         for vid, (q, kv) in ODD_GROUPS.items():
-            spec = BASE.with_(num_heads=q, num_kv_heads=kv)
+            spec = _base(cls).with_(num_heads=q, num_kv_heads=kv)
             if not cls.not_supported_reasons(spec, PLATFORM):
                 for scenario in _scenarios(name, vid, ODD_GROUP_SCENARIOS):
                     yield pytest.param(name, spec, scenario, {}, id=f"{name}-{vid}-{scenario}")
@@ -89,7 +104,7 @@ def _params():
             for scenario in SCENARIOS:
                 yield pytest.param(name, BASE, scenario, options, id=f"{name}-{oid}-{scenario}")
         for dtype in (torch.float16, torch.bfloat16):
-            spec = BASE.with_(dtype=dtype)
+            spec = _base(cls).with_(dtype=dtype)
             if dtype == BASE.dtype:
                 continue
             if not cls.not_supported_reasons(spec, PLATFORM):
@@ -131,8 +146,10 @@ def _check(cls, spec, scenario, options, *, seed, num_blocks=lambda block: None)
     n = case.metadata.num_actual_tokens
     with_lse = cls.returns_lse(PLATFORM)
     out, lse = run_backend(cls, case, with_lse=with_lse, **options)
-    truth, truth_lse = run_backend(REFERENCE, case.to(torch.float64))
-    base, base_lse = run_backend(REFERENCE, case)  # plain torch at the test's precision
+    # (a TurboQuant cache: REFERENCE over the keys and values its slots read back as)
+    oracle = case.read_back(torch.float64)
+    truth, truth_lse = run_backend(REFERENCE, oracle)
+    base, base_lse = run_backend(REFERENCE, case.read_back(case.spec.dtype))  # (test precision)
     assert not out[:n].isnan().any(), "backend read a NaN-poisoned slot or produced NaN"
     assert (out[n:] == 0).all(), "padding rows must be zeroed"
     # (a kernel computing in fp8 itself -- q and P rounded, FA3's fp8 path -- is held to the
@@ -145,10 +162,10 @@ def _check(cls, spec, scenario, options, *, seed, num_blocks=lambda block: None)
         lse_err = _max_err(lse, truth_lse, n)
         assert in_fp8 or lse_err <= tolerance(_max_err(base_lse, truth_lse, n), spec.dtype), \
             lse_err
-    if spec.kv_cache_dtype.is_fp8:
+    if spec.kv_cache_dtype.is_quantized:
         ideal, _ = run_backend(REFERENCE, case_for(spec.with_(kv_cache_dtype=KVCacheDType.AUTO,
                                                               dtype=torch.float64)))
-        assert sqnr_db(out[:n], ideal[:n]) >= FP8_MIN_SQNR_DB[spec.kv_cache_dtype]
+        assert sqnr_db(out[:n], ideal[:n]) >= MIN_SQNR_DB[spec.kv_cache_dtype]
 
 
 def test_matrix_cases_poison_every_unused_slot():
@@ -230,6 +247,8 @@ def _real_params():
         if Feature.FP8_KV in cls.capabilities.features:
             specs.update(fp8_e4m3=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
                          fp8_e5m2=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2))
+        specs.update({d.value: REAL.with_(kv_cache_dtype=d)
+                      for d in cls.capabilities.kv_cache_dtypes if d.is_turboquant})
         for sid, spec in specs.items():
             if not cls.not_supported_reasons(spec, PLATFORM):
                 for bid, batch in (("mixed", REAL_BATCH), ("wave", REAL_WAVE)):

@@ -177,20 +177,21 @@ def test_every_op_rejects_misshaped_query_and_out(backend, what):
     """Every backend's op, through its own schema and metadata: a query or out of the wrong
     shape is a ValueError naming the shape it got (checked from shapes alone, before any
     kernel runs)."""
-    from test_backends_matrix import BASE, DEVICE, block_size_for
+    from test_backends_matrix import DEVICE, _base, block_size_for
 
     cls = get_backend_class(backend)
-    case = make_case(BASE, SCENARIOS["mixed"], block_size=block_size_for(cls, BASE),
+    base = _base(cls)
+    case = make_case(base, SCENARIOS["mixed"], block_size=block_size_for(cls, base),
                      device=DEVICE)
-    impl = cls(BASE)
+    impl = cls(base)
     meta = impl.build_metadata(case.metadata)
     t = case.query.shape[0]
     q_shape, out_shape = (f(t) for f in MISSHAPED[what])
-    heads, dim = BASE.num_heads, BASE.head_dim
+    heads, dim = base.num_heads, base.head_dim
     if (q_shape[1:], out_shape) == ((heads, dim), (t, heads, dim)):
         pytest.fail("not a mis-shaped case")
-    q = torch.randn(q_shape, device=DEVICE).to(BASE.dtype)
-    out = torch.zeros(out_shape, device=DEVICE, dtype=BASE.dtype)
+    q = torch.randn(q_shape, device=DEVICE).to(base.dtype)
+    out = torch.zeros(out_shape, device=DEVICE, dtype=base.dtype)
     bad = q_shape if q_shape[1:] != (heads, dim) else out_shape
     with pytest.raises(ValueError, match=r"\(" + ", ".join(map(str, bad)) + r"\)"):
         impl.op_for(meta)(*impl.op_arguments(q, case.kv_cache, meta, out))

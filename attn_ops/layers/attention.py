@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attn_ops.backends.turboquant.ops import turboquant_cache_update
 from attn_ops.glue import rope, rope_kv_cache_update, slot_mapping
 from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
 from attn_ops.metadata import CommonAttentionMetadata
@@ -142,7 +143,7 @@ class Attention(BackendLayer):
                             ("value", value, spec.dtype), ("kv_cache", kv_cache, spec.cache_dtype),
                             ("positions", positions, None)],
                            tokens=query.shape[0], metadata=metadata,
-                           page=_cache_page(kv_cache))
+                           page=_cache_page(kv_cache, spec))
         if (key is None) != (value is None):
             raise ValueError("pass key and value together (or neither, when the cache already "
                              f"holds them); got key={_shape(key)}, value={_shape(value)}")
@@ -161,7 +162,14 @@ class Attention(BackendLayer):
                     f"query_start_loc and block_table; {self.backend}'s metadata "
                     f"({type(metadata).__name__}) has no block table -- use "
                     "metadata.slot_mapping (positions=None)")
-            if cos_sin is not None and not torch.compiler.is_compiling():
+            if spec.kv_cache_dtype.is_turboquant:  # (its own write: quantize and pack)
+                if cos_sin is not None:
+                    query, key = rope(query, cos_sin), rope(key, cos_sin)
+                if positions is not None:
+                    slots = slot_mapping(positions, metadata.query_start_loc,
+                                         metadata.block_table, self.block_size)
+                turboquant_cache_update(key, value, kv_cache, slots, spec.kv_cache_dtype.value)
+            elif cos_sin is not None and not torch.compiler.is_compiling():
                 query = rope_kv_cache_update(
                     query, key, value, cos_sin, kv_cache, None if positions is not None else slots,
                     positions, *((metadata.query_start_loc, metadata.block_table)
@@ -183,9 +191,12 @@ class Attention(BackendLayer):
         return (out, lse) if return_lse else out
 
 
-def _cache_page(kv_cache: torch.Tensor) -> int | None:
-    """Tokens a page of a paged KV cache holds: ``[blocks, 2, page, heads, dim]`` (NHD) or
-    ``[blocks, page, heads, dim_k + dim_v]`` (packed); None for another layout."""
+def _cache_page(kv_cache: torch.Tensor, spec: AttentionSpec) -> int | None:
+    """Tokens a page of a paged KV cache holds: ``[blocks, 2, page, heads, dim]`` (NHD),
+    ``[blocks, page, heads, dim_k + dim_v]`` (packed) or ``[blocks, heads, page, slot]``
+    (TurboQuant); None for another layout."""
+    if spec.kv_cache_dtype.is_turboquant:
+        return kv_cache.shape[2] if kv_cache.dim() == 4 else None
     dim = {5: 2, 4: 1}.get(kv_cache.dim())
     return None if dim is None else kv_cache.shape[dim]
 

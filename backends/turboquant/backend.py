@@ -1,0 +1,56 @@
+"""TURBOQUANT: standard attention over a TurboQuant KV cache (``AttentionSpec(kv_cache_dtype=
+"turboquant_4bit_nc", ...)``: :data:`attn_ops.spec.TURBOQUANT_KV_DTYPES`), the only backend of
+those caches.
+
+Its layer writes each step's K and V with ``torch.ops.attn.turboquant_cache_update`` and
+attends with ``torch.ops.attn.turboquant_attention`` (:mod:`.ops`), whose torch bodies run on
+any platform. vLLM serves the same formats for decoder layers without sliding windows, sinks,
+ALiBi or soft-capping; so does this backend. vLLM also keeps the first and last two layers of a
+dense model unquantized (:func:`boundary_layers`: a model builds those layers' specs with
+``kv_cache_dtype="auto"`` and they select another backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.backend import AttentionBackend
+from attn_ops.backends.turboquant.ops import turboquant_attention
+from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
+from attn_ops.platforms import PlatformKind
+from attn_ops.spec import TURBOQUANT_KV_DTYPES, AttentionType
+
+__all__ = ["TurboQuantBackend", "boundary_layers"]
+
+
+def boundary_layers(num_layers: int, hybrid: bool = False) -> frozenset[int]:
+    """The attention layers vLLM leaves unquantized under a TurboQuant preset: the first and
+    last ``min(2, num_layers // 2)`` of a dense model (without them GSM8K drops ~30 points on
+    Qwen3-4B at 3 bits, vLLM reports), none of a hybrid (recurrent-state) model."""
+    if hybrid:
+        return frozenset()
+    n = min(2, num_layers // 2)
+    return frozenset({*range(n), *range(num_layers - n, num_layers)})
+
+
+class TurboQuantBackend(AttentionBackend):
+    """vLLM's TurboQuant formats (``backends/turboquant/format.py``), causal decoder layers,
+    head dims the formats take (the spec checks them: powers of two for the rotated presets,
+    multiples of 8 at 3 bits), 16- and 32-bit models (fp64: the tests' oracle)."""
+
+    name = "TURBOQUANT"
+    capabilities = BackendCapabilities(
+        platforms=frozenset({PlatformKind.CPU, PlatformKind.CUDA}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        head_dims=HeadDims(multiple_of=2, max=512),
+        kv_cache_dtypes=TURBOQUANT_KV_DTYPES,
+        attn_types=frozenset({AttentionType.DECODER}),
+        cudagraph_support=CUDAGraphSupport.NEVER,  # the torch body reads lengths on the host
+    )
+    op = turboquant_attention
+    kernels = "attn.turboquant_cache_update + attn.turboquant_attention (torch: the cache " \
+              "read back, then REFERENCE's definition)"
+
+    def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, **unused) -> tuple:
+        return (query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
+                metadata.block_table, out, lse, self.scale, self.spec.kv_cache_dtype.value)

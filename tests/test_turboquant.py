@@ -1,0 +1,276 @@
+"""TurboQuant KV: vLLM's format byte for byte (an independent re-statement of its rules is the
+oracle), its codebooks and rotation, the round-trip error the format gives, the cache write's
+serving rules, attention over the quantized cache against REFERENCE over the same keys and
+values read back, the spec's and the selector's answers, opcheck and compile."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attn_ops import (Attention, AttentionConfig, AttentionSpec, BlockAllocator, build_batch,
+                      select_backend)
+from attn_ops.backends.turboquant import format as tq
+from attn_ops.backends.turboquant.backend import boundary_layers
+from attn_ops.backends.turboquant.ops import (turboquant_attention, turboquant_cache_update,
+                                              turboquant_dense_cache)
+from attn_ops.platforms import Platform
+from attn_ops.selector import BackendNotSupportedError
+from attn_ops.spec import TURBOQUANT_KV_DTYPES, KVCacheDType
+
+PRESETS = sorted(TURBOQUANT_KV_DTYPES, key=lambda d: d.value)
+# vLLM 0.26's centroids times sqrt(head_dim), the positive half (its Lloyd-Max procedure;
+# equal to 4 decimals at head dims 64, 128 and 256)
+VLLM_CENTROIDS = {3: (0.2450, 0.7556, 1.3432, 2.1503),
+                  4: (0.1284, 0.3881, 0.6569, 0.9424, 1.2563, 1.6179, 2.0684, 2.7309)}
+# vLLM's slot bytes at head dims 64 / 128 / 256
+VLLM_SLOTS = {KVCacheDType.TURBOQUANT_K8V4: (100, 196, 388),
+              KVCacheDType.TURBOQUANT_4BIT_NC: (70, 134, 262),
+              KVCacheDType.TURBOQUANT_K3V4_NC: (62, 118, 230),
+              KVCacheDType.TURBOQUANT_3BIT_NC: (54, 102, 198)}
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_codebooks_are_vllms(d):
+    for bits, half in VLLM_CENTROIDS.items():
+        c = tq.lloyd_max_centroids(d, bits)
+        assert list(c) == sorted(c) and len(c) == 2 ** bits
+        assert np.allclose(np.array(c[len(c) // 2:]) * math.sqrt(d), half, atol=5e-5)
+        assert np.allclose(c, [-x for x in reversed(c)], atol=1e-7)
+
+
+def test_hadamard_is_sylvesters_orthonormal_and_its_own_inverse():
+    h = tq.hadamard(8)
+    assert torch.equal(h, h.T)
+    torch.testing.assert_close(h @ h, torch.eye(8), atol=1e-6, rtol=0)
+    assert torch.equal(torch.sign(h[1]), torch.tensor([1., -1.] * 4))  # (no random signs)
+    with pytest.raises(ValueError, match="head_dim=48"):
+        tq.hadamard(48)
+
+
+def test_slot_sizes_are_vllms():
+    for dtype, sizes in VLLM_SLOTS.items():
+        assert tuple(tq.slot_bytes(dtype, d) for d in (64, 128, 256)) == sizes
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_bit_streams_are_lsb_first(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2 ** bits, (5, 32), generator=g)
+    packed = tq.pack_bits(codes, bits)
+    assert packed.shape == (5, 32 * bits // 8)
+    assert torch.equal(tq.unpack_bits(packed, bits, 32), codes)
+    stream = np.unpackbits(packed.numpy(), axis=-1, bitorder="little")  # bit i of the stream
+    for d in range(32):
+        value = sum(int(stream[0, bits * d + i]) << i for i in range(bits))
+        assert value == int(codes[0, d])
+
+
+def _numpy_slots(key: np.ndarray, value: np.ndarray, preset, d: int) -> list[bytes]:
+    """vLLM's store rules restated in numpy and Python ints, one (token, head) at a time."""
+    out = []
+    h = np.array(tq.hadamard(d), dtype=np.float32)
+    for k, v in zip(key.astype(np.float32), value.astype(np.float32)):
+        data = bytearray()
+        if preset.fp8_keys:
+            data += torch.tensor(np.clip(k, -448, 448)).to(torch.float8_e4m3fn).view(
+                torch.uint8).numpy().tobytes()
+        else:
+            n = np.float32(np.sqrt(np.sum(k.astype(np.float64) ** 2)))
+            y = (k / (n + np.float32(1e-8))) @ h
+            c = np.array(tq.lloyd_max_centroids(d, preset.key_bits), dtype=np.float32)
+            mid = (c[:-1] + c[1:]) / np.float32(2)
+            idx = [int(np.sum(mid <= yi)) for yi in y]
+            data += _pack(idx, preset.key_bits) + np.float16(n).tobytes()
+        lo, hi = np.float32(v.min()), np.float32(v.max())
+        top = 2 ** preset.value_bits - 1
+        s = max(np.float32((hi - lo) / np.float32(top)), np.float32(1e-8))
+        codes = [int(min(max(np.floor((x - lo) / s + np.float32(0.5)), 0), top)) for x in v]
+        data += _pack(codes, preset.value_bits) + np.float16(s).tobytes() + \
+            np.float16(lo).tobytes()
+        out.append(bytes(data + b"\0" * (len(data) % 2)))
+    return out
+
+
+def _pack(codes, bits) -> bytes:
+    stream = 0
+    for i, c in enumerate(codes):
+        stream |= c << (bits * i)
+    return stream.to_bytes(len(codes) * bits // 8, "little")
+
+
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+@pytest.mark.parametrize("d", [64, 128])
+def test_slots_are_the_bytes_vllms_rules_give(dtype, d):
+    """Every byte of every slot as the re-stated rules write it -- but a key index where the
+    rotated coordinate sits within 1e-6 of a codebook midpoint (the matmul's summation order
+    may put it on either side), and the byte holding it."""
+    preset = tq.PRESETS[dtype]
+    g = torch.Generator().manual_seed(d)
+    key = torch.randn(64, d, generator=g) * torch.linspace(0.1, 3.0, d)
+    key[:, 5] *= 20  # (an outlier channel)
+    value = torch.randn(64, d, generator=g)
+    got = tq.quantize_slots(key, value, preset)
+    assert got.dtype == torch.uint8 and got.shape == (64, preset.slot_bytes(d))
+    want = _numpy_slots(key.numpy(), value.numpy(), preset, d)
+    c = torch.tensor(tq.lloyd_max_centroids(d, preset.key_bits if not preset.fp8_keys else 4))
+    mid = (c[:-1] + c[1:]) / 2
+    for t in range(64):
+        w = torch.tensor(list(want[t]), dtype=torch.uint8)
+        differ = (got[t] != w).nonzero().flatten().tolist()
+        if differ and not preset.fp8_keys:  # (only key bytes next to a midpoint may differ)
+            y = key[t] / (key[t].norm() + 1e-8) @ tq.hadamard(d)
+            close = ((y[:, None] - mid).abs() < 1e-6).any(1).nonzero().flatten()
+            allowed = {int(i) * preset.key_bits // 8 for i in close} | \
+                {(int(i) * preset.key_bits + preset.key_bits - 1) // 8 for i in close}
+            differ = [b for b in differ if b not in allowed]
+        assert not differ, f"token {t}: bytes {differ} differ"
+
+
+def test_round_trip_error_is_the_formats():
+    """Relative MSE of keys read back from their slots, head dim 128, Gaussian keys with four
+    outlier channels: ~0.0086 at 4 bits and ~0.031 at 3 bits (norm correction changes it by
+    under 2%); fp8 keys far below; 4-bit values ~0.01, 3-bit ~0.046."""
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(4096, 128, generator=g)
+    key[:, [3, 17, 64, 100]] *= 8
+    value = torch.randn(4096, 128, generator=g)
+    want = {KVCacheDType.TURBOQUANT_K8V4: (0.0, 0.002, 0.0100),
+            KVCacheDType.TURBOQUANT_4BIT_NC: (0.0075, 0.0095, 0.0100),
+            KVCacheDType.TURBOQUANT_K3V4_NC: (0.028, 0.034, 0.0100),
+            KVCacheDType.TURBOQUANT_3BIT_NC: (0.028, 0.034, 0.0458)}
+    for dtype, (low, high, value_err) in want.items():
+        preset = tq.PRESETS[dtype]
+        k, v = tq.dequantize_slots(tq.quantize_slots(key, value, preset), preset, 128)
+        key_err = ((k - key) ** 2).sum() / (key ** 2).sum()
+        assert low <= key_err <= high, (dtype, key_err)
+        assert abs(((v - value) ** 2).sum() / (value ** 2).sum() - value_err) < 0.1 * value_err
+
+
+def test_values_read_back_with_the_stored_fp16_scale_and_minimum():
+    preset = tq.PRESETS[KVCacheDType.TURBOQUANT_4BIT_NC]
+    value = torch.linspace(-1.3, 2.7, 64)[None]
+    slots = tq.quantize_slots(torch.randn(1, 64), value, preset)
+    _, v = tq.dequantize_slots(slots, preset, 64)
+    s = torch.tensor((2.7 + 1.3) / 15).half().float()
+    lo = torch.tensor(-1.3).half().float()
+    codes = torch.floor((value - value.min()) / ((value.max() - value.min()) / 15) + 0.5)
+    torch.testing.assert_close(v, codes * s + lo, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+def test_cache_write_skips_padding_and_foreign_slots_and_clears_entered_pages(dtype):
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         kv_cache_dtype=dtype)
+    from attn_ops.kv_cache import allocate_kv_cache
+
+    cache = allocate_kv_cache(spec, 6, 4)
+    cache.fill_(0xFF)  # (what an earlier request left: reads as NaN)
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    slots = torch.tensor([8, 9, -1, 10, 999])  # (block 2 entered at row 0; padding; outside)
+    turboquant_cache_update(key, value, cache, slots, dtype.value)
+    want = tq.quantize_slots(key, value, tq.PRESETS[dtype])
+    for t, s in ((0, 8), (1, 9), (3, 10)):
+        assert torch.equal(cache[s // 4, :, s % 4], want[t])
+    assert (cache[2, :, 3] == 0).all()  # (the entered page's unfilled row: zero K and V)
+    k, v = turboquant_dense_cache(cache, dtype.value, 16)[2].unbind(0)
+    assert k[3].eq(0).all() and v[3].eq(0).all()
+    assert (cache[[0, 1, 3, 4, 5]] == 0xFF).all()  # (no other page touched)
+
+
+def _step(spec, ctx, new, seed=0):
+    layer = Attention(spec, platform=Platform.parse("cpu"))
+    alloc = BlockAllocator(64, layer.block_size, shuffle=True, seed=seed)
+    cache = layer.allocate_kv_cache(64)
+    cache.fill_(0xFF)
+    g = torch.Generator().manual_seed(seed)
+    total = sum(ctx) + sum(new)
+    k, v = (torch.randn(total, spec.kv_heads, spec.head_dim, generator=g).to(spec.dtype)
+            for _ in range(2))
+    ids = list(range(len(ctx)))
+    at = np.concatenate([[0], np.cumsum(np.array(ctx) + np.array(new))])
+    for i, c in enumerate(ctx):  # (the contexts, written by earlier steps)
+        pre = build_batch(alloc, [i], [0], [c])
+        turboquant_cache_update(k[at[i]:at[i] + c], v[at[i]:at[i] + c], cache,
+                                pre.slot_mapping, spec.kv_cache_dtype.value)
+    meta = build_batch(alloc, ids, ctx, new)
+    rows = torch.cat([torch.arange(at[i] + c, at[i + 1]) for i, c in enumerate(ctx)])
+    q = torch.randn(sum(new), spec.num_heads, spec.head_dim, generator=g).to(spec.dtype)
+    return layer, cache, meta, q, k[rows], v[rows]
+
+
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+def test_attention_is_reference_over_the_keys_and_values_the_cache_holds(dtype):
+    """A mixed step (decodes over contexts in NaN-poisoned, permuted pages, a prefill, a
+    chunked-prefill continuation) through the layer: the new tokens written quantized, then
+    attention equal to REFERENCE in fp64 over the cache read back in fp64; LSE too."""
+    spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         kv_cache_dtype=dtype)
+    layer, cache, meta, q, k, v = _step(spec, [9, 30, 0, 7], [1, 1, 12, 5])
+    out, lse = layer(q, k, v, cache, meta, return_lse=True)
+    dense = turboquant_dense_cache(cache, dtype.value, 16, torch.float64)
+    ref = Attention(spec.with_(kv_cache_dtype="auto", dtype=torch.float64),
+                    platform=Platform.parse("cpu"))
+    want, want_lse = ref(q.double(), None, None, dense, meta, return_lse=True)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_specs_outside_the_formats_are_refused_naming_the_value():
+    with pytest.raises(ValueError, match="power-of-two head_dim, got 96"):
+        AttentionSpec(num_heads=4, head_dim=96, kv_cache_dtype="turboquant_4bit_nc")
+    AttentionSpec(num_heads=4, head_dim=96, kv_cache_dtype="turboquant_k8v4")  # (no rotation)
+    with pytest.raises(ValueError, match="head_dim_v=64"):
+        AttentionSpec(num_heads=4, head_dim=128, head_dim_v=64,
+                      kv_cache_dtype="turboquant_k8v4")
+    with pytest.raises(ValueError, match="MLA spec caches a latent"):
+        AttentionSpec.mla(16, kv_cache_dtype="turboquant_4bit_nc")
+
+
+def test_selection_routes_turboquant_caches_and_other_backends_say_why_not():
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=128,
+                         kv_cache_dtype="turboquant_3bit_nc")
+    h200 = Platform.parse("cuda:9.0")
+    for platform in (Platform.parse("cpu"), h200):
+        assert select_backend(spec, platform).backend == "TURBOQUANT"
+    with pytest.raises(BackendNotSupportedError, match="kv_cache_dtype=turboquant_3bit_nc"):
+        select_backend(spec, h200, AttentionConfig(backend="TRITON_ATTN"))
+    with pytest.raises(BackendNotSupportedError, match="sliding_window"):
+        select_backend(spec.with_(sliding_window=128), h200,
+                       AttentionConfig(backend="TURBOQUANT"))
+
+
+def test_boundary_layers_are_vllms():
+    assert boundary_layers(36) == {0, 1, 34, 35}
+    assert boundary_layers(3) == {0, 2} and boundary_layers(1) == frozenset()
+    assert boundary_layers(48, hybrid=True) == frozenset()
+
+
+@pytest.mark.parametrize("dtype", [KVCacheDType.TURBOQUANT_4BIT_NC,
+                                   KVCacheDType.TURBOQUANT_K8V4], ids=lambda d: d.value)
+def test_ops_pass_opcheck(dtype):
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         kv_cache_dtype=dtype)
+    layer, cache, meta, q, k, v = _step(spec, [5, 0], [1, 6])
+    torch.library.opcheck(turboquant_cache_update, (k, v, cache, meta.slot_mapping,
+                                                    dtype.value))
+    out = torch.empty(q.shape[0], 4, 16)
+    lse = torch.empty(q.shape[0], 4)
+    torch.library.opcheck(turboquant_attention, (q, cache, meta.query_start_loc, meta.seq_lens,
+                                                 meta.block_table, out, lse, 0.25, dtype.value))
+
+
+def test_the_layer_compiles_fullgraph():
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         kv_cache_dtype="turboquant_k3v4_nc")
+    layer, cache, meta, q, k, v = _step(spec, [5, 0], [1, 6])
+    eager_cache = cache.clone()
+    want = layer(q, k, v, eager_cache, meta)
+    torch._dynamo.reset()
+    got = torch.compile(layer, fullgraph=True)(q, k, v, cache, meta)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(cache, eager_cache)
