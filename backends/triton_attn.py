@@ -140,17 +140,31 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
-            prefill, tile, fused, heads_fastest=False, first_row=0):
+            prefill, tile, fused, heads_fastest=False, first_row=0, turboquant=None):
     """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
     them) whose queries are at most ``num_tokens`` rows, from row ``first_row`` of the batch
     (what the host planned: the rows the launch's row check answers for), in ``tile`` (rows,
     keys, warps, stages), with ``splits`` splits of each request's keys (combined in the kernel
-    if ``fused``)."""
+    if ``fused``). ``turboquant``: ``(preset, codebook, signs)`` of a TurboQuant cache (both
+    ``k_cache`` and ``v_cache``: ``uint8 [blocks, Hk, page, slot]``; the codebook's centroids,
+    the Hadamard signs padded to the head tile)."""
     from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
                                                        paged_attention_kernel)
 
     hq, d, dv = query.shape[1], query.shape[2], out.shape[2]
-    group = hq // k_cache.shape[2]
+    if turboquant is None:  # [blocks, page, Hk, D] views: strides of block, slot, head
+        page, hk = k_cache.shape[1], k_cache.shape[2]
+        k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        tq = {}
+    else:  # [blocks, Hk, page, slot] bytes
+        preset, codebook, signs = turboquant
+        page, hk = k_cache.shape[2], k_cache.shape[1]
+        k_strides = v_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
+        tq = dict(codebook_ptr=codebook, signs_ptr=signs, inv_sqrt_d=d ** -0.5, KV_FORMAT=1,
+                  KEY_BITS=preset.key_bits, VALUE_BITS=preset.value_bits,
+                  NORM_CORRECTION=preset.norm_correction)
+    group = hq // hk
     group_p = pow2(group)
     d_p, dv_p = triton_head_tiles(d, dv, k_cache.dtype.itemsize)
     rows, block_n, warps, stages = tile
@@ -167,7 +181,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     attn_tiles = num_reqs if one_row else num_tokens // block_q + num_reqs
     # (one tile more: the row check, which zeroes the rows a corrupt query_start_loc leaves
     # to no tile)
-    grid = (attn_tiles + 1, k_cache.shape[2], splits)
+    grid = (attn_tiles + 1, hk, splits)
     fused = splits > 1 and fused
     paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse if lse is not None else dummy, part_o, part_lse,
@@ -179,16 +193,15 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         k_cache.shape[0], block_table.shape[1], query.shape[0], attn_tiles, first_row,
         num_tokens, num_reqs.bit_length(), query.stride(0), query.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        GROUP=group, GROUP_P=group_p, HQ=hq, PAGE=k_cache.shape[1], BLOCK_Q=block_q,
+        *k_strides, *v_strides, block_table.stride(0),
+        GROUP=group, GROUP_P=group_p, HQ=hq, PAGE=page, BLOCK_Q=block_q,
         BLOCK_N=block_n,
         D=d, D_P=d_p, DV=dv, DV_P=dv_p, CAUSAL=causal, USE_WINDOW=window is not None,
         USE_SOFTCAP=soft_cap is not None, HAS_ALIBI=alibi is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, WRITE_LSE=lse is not None, NUM_SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_TREE=tree is not None, FUSED_COMBINE=fused,
-        HEADS_FASTEST=heads_fastest, ONE_ROW=one_row,
+        HEADS_FASTEST=heads_fastest, ONE_ROW=one_row, **tq,
         num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
         combine_splits_kernel[(num_tokens, hq)](
@@ -213,24 +226,32 @@ def unsplit_decode(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens,
 
 def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window,
-                           soft_cap, causal, tree=None) -> None:
-    """The op's kernel side (``tree``: TREE_ATTN's ancestor bitmasks, int64 ``[nodes]``)."""
-    check_triton_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
-                        lse, sinks, alibi_slopes, k_scale, v_scale)
+                           soft_cap, causal, tree=None, turboquant=None) -> None:
+    """The op's kernel side (``tree``: TREE_ATTN's ancestor bitmasks, int64 ``[nodes]``;
+    ``turboquant``: a TurboQuant cache's ``(preset, codebook, signs)``, as :func:`_launch`
+    takes them, its inputs checked by TURBOQUANT's op)."""
+    if turboquant is None:
+        check_triton_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
+                            lse, sinks, alibi_slopes, k_scale, v_scale)
     if query.device.type == "cpu" and not interpreting():
         raise RuntimeError("TRITON_ATTN runs on the CPU only in Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before importing attn_ops (tests)")
     p = PLAN.decode(plan)
-    k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
+    if turboquant is None:
+        k_cache, v_cache = split_kv_cache(kv_cache, query.shape[2], out.shape[2])
+    else:
+        k_cache = v_cache = kv_cache
     num_reqs, rows = seq_lens.shape[0], query.shape[0]
     if debug_checks_enabled():  # (reads the lengths and block ids: a device sync per layer)
-        check_paged_attention_values(rows, k_cache.shape[0], k_cache.shape[1],
+        check_paged_attention_values(rows, k_cache.shape[0],
+                                     k_cache.shape[2 if turboquant else 1],
                                      query_start_loc.tolist(), seq_lens.tolist(), block_table,
                                      True)
     elif query_start_loc.device.type == "cpu":  # (host values: checking them costs nothing)
         check_query_start_loc(query_start_loc.tolist(), rows)
     args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, tree=tree,
-                scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal)
+                scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal,
+                turboquant=turboquant)
     if p.num_decodes:
         _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
                 num_reqs=p.num_decodes, num_tokens=p.num_decode_tokens, splits=p.splits,

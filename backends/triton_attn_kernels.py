@@ -25,6 +25,14 @@ Semantics are REFERENCE's (``backends/reference.py``): scale, soft-cap ``c * tan
 ALiBi ``slope * (j - p)``, causal / sliding-window visibility, LSE in natural log without the
 sink, ``out *= sigmoid(lse - sink)``, fp8 K/V times their per-tensor scales.
 
+``KV_FORMAT=1`` reads a TurboQuant cache (TURBOQUANT; ``backends/turboquant/format.py``): one
+byte slot a (token, KV head), K and V dequantized in registers a key block at a time (codes
+unpacked from their bytes, centroids from a 8- or 16-entry table, values from their fp16 scale
+and minimum) before the same two tensor-core products. The rotated presets' keys stay in the
+rotated space: the tile's queries are rotated once (``q H``, the +-1 Hadamard signs on the
+tensor cores, ``1 / sqrt(D)`` folded into the logit scale) and each key's norm scales its
+score column.
+
 Block ids and lengths arrive on the device and are never trusted. Keys past the end of the
 request's block-table row (a ``seq_len`` needing more pages than the table holds) are absent:
 the key range stops at the row's end, once per program. A key whose block id is outside the
@@ -229,6 +237,53 @@ def _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_hea
 
 
 @triton.jit
+def _tq_codes(base, ok, offs, n, BITS: tl.constexpr):
+    """Codes ``0 <= c < 2^BITS`` of coordinates ``offs`` (below ``n``) of the LSB-first bit
+    streams at byte pointers ``base [BLOCK_N]`` (rows ``ok``), int32 ``[BLOCK_N, len(offs)]``."""
+    mask = ok[:, None] & (offs[None, :] < n)
+    if BITS == 4:
+        byte = tl.load(base[:, None] + (offs // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        return (byte >> ((offs % 2) * 4)[None, :]) & 15
+    bit = offs * BITS  # (3 bits: the two bytes holding it; the second may be the next field's)
+    first = tl.load(base[:, None] + (bit // 8)[None, :], mask=mask, other=0).to(tl.int32)
+    second = tl.load(base[:, None] + (bit // 8 + 1)[None, :], mask=mask, other=0).to(tl.int32)
+    return ((first | (second << 8)) >> (bit % 8)[None, :]) & (2 ** BITS - 1)
+
+
+@triton.jit
+def _tq_fp16(ptr, ok):
+    """The little-endian fp16 at byte pointers ``ptr`` (rows ``ok``; 0 elsewhere), in fp32."""
+    low = tl.load(ptr, mask=ok, other=0).to(tl.uint16)
+    high = tl.load(ptr + 1, mask=ok, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _tq_tile(base, ok, codebook_ptr, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
+             KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
+    """One key block of a TurboQuant cache (``backends/turboquant/format.py``) from its
+    slots' byte pointers ``base``: ``(keys, key norms, values)`` in fp32 -- the keys in the
+    rotated space (the query is rotated once) as codebook centroids, normalized with norm
+    correction, their norms apart (the scores' column scale); fp8 keys as stored, norms 1."""
+    if KEY_BITS == 8:
+        k = tl.load(base[:, None] + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D),
+                    other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        norm = tl.where(ok, 1.0, 0.0)
+        vbase = base + D
+    else:
+        codes = _tq_codes(base, ok, offs_d, D, KEY_BITS)
+        k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
+        if NORM_CORRECTION:
+            k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)[:, None]
+        norm = _tq_fp16(base + D * KEY_BITS // 8, ok)
+        vbase = base + D * KEY_BITS // 8 + 2
+    codes = _tq_codes(vbase, ok, offs_dv, DV, VALUE_BITS).to(tl.float32)
+    tail = vbase + DV * VALUE_BITS // 8
+    v = codes * _tq_fp16(tail, ok)[:, None] + _tq_fp16(tail + 2, ok)[:, None]
+    return k, norm, v
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
             slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt, stride_kb,
             stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
@@ -236,7 +291,8 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
-            MASKED: tl.constexpr):
+            MASKED: tl.constexpr, codebook_ptr, KV_FORMAT: tl.constexpr,
+            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)``, are visible to every row
     of the tile whole and span only pages inside the cache (checked by the caller): their loads
@@ -262,23 +318,29 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
                                 mask=(offs_n * 0 + b + 1) < b1, other=0)
         page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % PAGE
-        k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                  + kv_head * stride_kh + offs_d[None, :])
-        v_ptrs = (v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                  + kv_head * stride_vh + offs_dv[None, :])
-        if MASKED:
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if KV_FORMAT == 1:  # TurboQuant: a byte slot a (token, KV head) holding K and V
+            slots = k_ptr + page * stride_kb + slot * stride_ks + kv_head * stride_kh
+            k, norm, v = _tq_tile(slots, n_ok if MASKED else offs_n >= 0, codebook_ptr, offs_d,
+                                  offs_dv, D, DV, KEY_BITS, VALUE_BITS, NORM_CORRECTION)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * norm[None, :]
         else:
-            if D == D_P:
-                k = tl.load(k_ptrs)
+            k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                      + kv_head * stride_kh + offs_d[None, :])
+            v_ptrs = (v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                      + kv_head * stride_vh + offs_dv[None, :])
+            if MASKED:
+                k = tl.load(k_ptrs, mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             else:
-                k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
-            if DV == DV_P:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+                if D == D_P:
+                    k = tl.load(k_ptrs)
+                else:
+                    k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+                if DV == DV_P:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if USE_SOFTCAP or HAS_ALIBI or MASKED:
             if USE_SOFTCAP:
                 s = soft_cap * _tanh(s * logit_scale / soft_cap) * LOG2E
@@ -379,7 +441,9 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ONE_ROW: tl.constexpr,
+    ONE_ROW: tl.constexpr, codebook_ptr=None, signs_ptr=None, inv_sqrt_d=1.0,
+    KV_FORMAT: tl.constexpr = 0, KEY_BITS: tl.constexpr = 0, VALUE_BITS: tl.constexpr = 0,
+    NORM_CORRECTION: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
@@ -448,6 +512,10 @@ def paged_attention_kernel(
     logit_scale = scale
     if FP8:
         logit_scale = logit_scale * tl.load(k_scale_ptr)  # dequantizes K inside q.k
+    if KV_FORMAT == 1 and KEY_BITS != 8:  # TurboQuant's rotated keys: rotate q once instead
+        signs = tl.load(signs_ptr + offs_d[:, None] * D_P + offs_d[None, :]).to(q.dtype)
+        q = tl.dot(q, signs, input_precision=PRECISION).to(q.dtype)  # (+-1: exact operands)
+        logit_scale = logit_scale * inv_sqrt_d
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E
     if HAS_TREE:  # a request of exactly tree_size queries is a draft tree: ancestor bitmasks
@@ -502,7 +570,8 @@ def paged_attention_kernel(
                                 stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
                                 offs_d, offs_dv, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL,
                                 USE_WINDOW, USE_SOFTCAP, HAS_ALIBI, HAS_TREE, PRECISION,
-                                phase != 1)
+                                phase != 1, codebook_ptr, KV_FORMAT, KEY_BITS, VALUE_BITS,
+                                NORM_CORRECTION)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -33,7 +33,7 @@ from attn_ops.kv_cache import kv_cache_update, split_kv_cache
 from attn_ops.registry import MLA_BACKENDS
 from attn_ops.testing import SCENARIOS, Scenario, make_case, run_backend
 from attn_ops.tuning import Tuning
-from test_backends_matrix import BACKENDS, BASE, DEVICE, PLATFORM, block_size_for
+from test_backends_matrix import BACKENDS, BASE, DEVICE, PLATFORM, _base, block_size_for
 
 GUARD = 1008  # NaN pages before and after each cache: block ids -5 and num_blocks + 1000 in them
 BLOCK_IDS = {"num_blocks": lambda nb: nb, "num_blocks_plus_1000": lambda nb: nb + 1000,
@@ -101,8 +101,12 @@ class Guarded:
     @classmethod
     def of(cls, cache: torch.Tensor) -> Guarded:
         n = cache.shape[0]
-        whole = torch.full((n + 2 * GUARD, *cache.shape[1:]), float("nan"),
-                           device=cache.device).to(cache.dtype)
+        if cache.dtype == torch.uint8:  # (a TurboQuant cache: 0xFF bytes read as NaN K and V)
+            whole = torch.full((n + 2 * GUARD, *cache.shape[1:]), 0xFF, dtype=torch.uint8,
+                               device=cache.device)
+        else:
+            whole = torch.full((n + 2 * GUARD, *cache.shape[1:]), float("nan"),
+                               device=cache.device).to(cache.dtype)
         whole[GUARD:GUARD + n] = cache
         return cls(whole[GUARD:GUARD + n], whole)
 
@@ -173,7 +177,8 @@ def _attention_cases():
     REFERENCE has no tree)."""
     cases = {}
     for name in BACKENDS:
-        cases[name] = (get_backend_class(name), BASE, SCENARIOS["mixed"], {}, True)
+        cls = get_backend_class(name)
+        cases[name] = (cls, _base(cls), SCENARIOS["mixed"], {}, True)
     if "TRITON_ATTN" in BACKENDS:
         for fused in (False, True):
             cases[f"TRITON_ATTN-split_kv{'_fused' if fused else ''}"] = (
@@ -242,7 +247,8 @@ def _oracle(case_id, case, r, mask_mod=None):
         spec.spec_tree)
     if not ATTENTION[case_id][4] or tree:
         return None
-    spec = spec.with_(spec_tree=None, mask_mod=mask_mod)  # (a tree leaves other rows alone)
+    case = case.read_back(spec.dtype)  # (a TurboQuant cache: as its slots read)
+    spec = case.spec.with_(spec_tree=None, mask_mod=mask_mod)  # (a tree: other rows alone)
     out, _ = run_backend(get_backend_class("REFERENCE"), dataclasses.replace(case, spec=spec))
     return out
 

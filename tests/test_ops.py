@@ -14,6 +14,8 @@ SPECS = {
     "alibi_softcap": BASE.with_(num_kv_heads=None, use_alibi=True, logits_soft_cap=3.0),
     "fp8_diffv": BASE.with_(head_dim_v=BASE.head_dim // 2, kv_cache_dtype=KVCacheDType.FP8_E4M3),
     "fp8": BASE.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2),
+    "turboquant_4bit": BASE.with_(kv_cache_dtype=KVCacheDType.TURBOQUANT_4BIT_NC),
+    "turboquant_k8v4": BASE.with_(kv_cache_dtype=KVCacheDType.TURBOQUANT_K8V4),
 }
 
 

@@ -51,12 +51,30 @@ class ModelConfig:
     # A draft tree (parents in query order) for tree speculative decoding: a request with
     # exactly len(spec_tree) new tokens is verified as that tree (TREE_ATTN).
     spec_tree: tuple[int, ...] | None = None
+    # The KV cache's storage (attn_ops.KVCacheDType: "auto", "fp8_e4m3", "turboquant_4bit_nc",
+    # ...), and the layers left unquantized: None gives vLLM's rule for TurboQuant presets
+    # (the first and last two layers: attn_ops.backends.turboquant.backend.boundary_layers)
+    # and none otherwise.
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: tuple[int, ...] | None = None
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if layer % self.sliding_window_every == 0 else None
         return AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                              head_dim=self.head_dim, head_dim_v=self.head_dim_v,
-                             dtype=self.dtype, sliding_window=window, spec_tree=self.spec_tree)
+                             dtype=self.dtype, sliding_window=window, spec_tree=self.spec_tree,
+                             kv_cache_dtype="auto" if layer in self.unquantized_layers
+                             else self.kv_cache_dtype)
+
+    @property
+    def unquantized_layers(self) -> frozenset[int]:
+        if self.kv_cache_dtype_skip_layers is not None:
+            return frozenset(self.kv_cache_dtype_skip_layers)
+        if self.kv_cache_dtype.startswith("turboquant"):
+            from attn_ops.backends.turboquant.backend import boundary_layers
+
+            return boundary_layers(self.num_layers)
+        return frozenset()
 
     @property
     def v_head_dim(self) -> int:

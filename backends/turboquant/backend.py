@@ -3,8 +3,8 @@
 those caches.
 
 Its layer writes each step's K and V with ``torch.ops.attn.turboquant_cache_update`` and
-attends with ``torch.ops.attn.turboquant_attention`` (:mod:`.ops`), whose torch bodies run on
-any platform. vLLM serves the same formats for decoder layers without sliding windows, sinks,
+attends with ``torch.ops.attn.turboquant_attention`` (:mod:`.ops`): on GPUs one Triton write
+and TRITON_ATTN's kernels reading the slots; on the CPU their torch bodies. vLLM serves the same formats for decoder layers without sliding windows, sinks,
 ALiBi or soft-capping; so does this backend. vLLM also keeps the first and last two layers of a
 dense model unquantized (:func:`boundary_layers`: a model builds those layers' specs with
 ``kv_cache_dtype="auto"`` and they select another backend).
@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from attn_ops.backend import AttentionBackend
+from attn_ops.backends.triton_attn import _TRITON, TritonAttnBackend
 from attn_ops.backends.turboquant.ops import turboquant_attention
-from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims
+from attn_ops.capabilities import BackendCapabilities, CUDAGraphSupport, HeadDims, Reason
 from attn_ops.platforms import PlatformKind
 from attn_ops.spec import TURBOQUANT_KV_DTYPES, AttentionType
 
@@ -33,24 +34,47 @@ def boundary_layers(num_layers: int, hybrid: bool = False) -> frozenset[int]:
     return frozenset({*range(n), *range(num_layers - n, num_layers)})
 
 
-class TurboQuantBackend(AttentionBackend):
+class TurboQuantBackend(TritonAttnBackend):
     """vLLM's TurboQuant formats (``backends/turboquant/format.py``), causal decoder layers,
     head dims the formats take (the spec checks them: powers of two for the rotated presets,
-    multiples of 8 at 3 bits), 16- and 32-bit models (fp64: the tests' oracle)."""
+    multiples of 8 at 3 bits). On GPUs TRITON_ATTN's kernels and plans, reading the format in
+    registers (split-KV decodes, tiled prefills, CUDA graphs of uniform batches); on the CPU
+    the ops' torch bodies (fp64 there: the tests' oracle)."""
 
     name = "TURBOQUANT"
     capabilities = BackendCapabilities(
         platforms=frozenset({PlatformKind.CPU, PlatformKind.CUDA}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-        head_dims=HeadDims(multiple_of=2, max=512),
+        head_dims=HeadDims(multiple_of=2, min=8, max=256),
         kv_cache_dtypes=TURBOQUANT_KV_DTYPES,
         attn_types=frozenset({AttentionType.DECODER}),
-        cudagraph_support=CUDAGraphSupport.NEVER,  # the torch body reads lengths on the host
+        min_capability=(8, 0),
+        cudagraph_support=CUDAGraphSupport.UNIFORM_BATCH,  # (TRITON_ATTN's: no device value)
     )
     op = turboquant_attention
-    kernels = "attn.turboquant_cache_update + attn.turboquant_attention (torch: the cache " \
-              "read back, then REFERENCE's definition)"
+    kernels = ("attn.turboquant_cache_update (one Triton launch) + attn.turboquant_attention "
+               "(TRITON_ATTN's kernels over the slots; the CPU: the cache read back, then "
+               "REFERENCE's definition)")
+
+    @classmethod
+    def not_supported_reasons(cls, spec, platform) -> list:
+        """TRITON_ATTN's rules on GPUs (Triton installed, fp64 refused: its kernels compute in
+        fp32); none of its interpreter rules on the CPU, where the torch bodies run."""
+        reasons = AttentionBackend.not_supported_reasons.__func__(cls, spec, platform)
+        if platform.kind is PlatformKind.CUDA:
+            if (missing := _TRITON.reason(cls.name, platform)) is not None:
+                reasons.append(missing)
+            if spec.dtype == torch.float64:
+                reasons.append(Reason(cls.name, "dtype", "dtype=float64 runs on the CPU only "
+                                      "(the GPU kernels compute in fp32)",
+                                      "use fp32, bf16 or fp16"))
+        return reasons
+
+    @classmethod
+    def cudagraph_support(cls, spec, platform) -> CUDAGraphSupport:
+        return AttentionBackend.cudagraph_support.__func__(cls, spec, platform)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, **unused) -> tuple:
         return (query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
-                metadata.block_table, out, lse, self.scale, self.spec.kv_cache_dtype.value)
+                metadata.block_table, metadata.plan, out, lse, self.scale,
+                self.spec.kv_cache_dtype.value)

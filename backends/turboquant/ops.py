@@ -15,7 +15,8 @@
   short continuations.)
 
 Their torch bodies are the CPU path and the oracle: attention reads the whole cache back in
-fp32 (fp64 for fp64 queries) and runs REFERENCE's definition on it.
+fp32 (fp64 for fp64 queries) and runs REFERENCE's definition on it. On GPUs the write is one
+Triton launch (:mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import functools
 
 import torch
 
-from attn_ops.backends.turboquant.format import PRESETS, dequantize_slots, quantize_slots
+from attn_ops.backends.turboquant.format import (PRESETS, codebook, dequantize_slots, hadamard,
+                                                quantize_slots)
 from attn_ops.kv_cache import clear_entered_page_tails
 from attn_ops.ops import check_paged_attention_inputs, debug_checks_enabled, define_op
 from attn_ops.spec import KVCacheDType
@@ -86,7 +88,11 @@ def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype):
             raise ValueError(f"turboquant_cache_update: slot_mapping holds slot "
                              f"{int(slots[bad][0])} but the cache has slots 0..{capacity - 1} "
                              "and -1 marks padding")
-    clear_entered_page_tails(slot_mapping.cpu(), paged)
+    if key.is_cuda:  # one Triton launch, entered pages' tails cleared in it
+        from attn_ops.backends.turboquant.kernels import cache_write_triton
+
+        return cache_write_triton(key, value, kv_cache, slot_mapping, preset)
+    clear_entered_page_tails(slot_mapping, paged)
     rows = ((slots >= 0) & (slots < capacity)).nonzero().squeeze(1)
     slots = slots.index_select(0, rows)
     new = quantize_slots(key.index_select(0, rows), value.index_select(0, rows), preset)
@@ -137,12 +143,44 @@ def _check_attention(query, kv_cache, query_start_loc, seq_lens, block_table, ou
                                  lse, None, None, None, None)
 
 
-def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, scale,
-                    kv_cache_dtype):
+@functools.cache
+def _tables(kv_cache_dtype: str, head_dim: int, head_tile: int, device: torch.device):
+    """``(codebook, signs)`` of TRITON_ATTN's TurboQuant read: the keys' centroids (fp32) and
+    the +-1 Hadamard signs zero-padded to ``[head_tile, head_tile]``."""
+    preset = _preset(kv_cache_dtype, "turboquant_attention")
+    signs = torch.zeros(head_tile, head_tile, dtype=torch.float32)
+    if preset.fp8_keys:
+        return torch.zeros(1, device=device), signs.to(device)
+    signs[:head_dim, :head_dim] = (hadamard(head_dim) * head_dim ** 0.5).round()
+    return codebook(head_dim, preset.key_bits, device)[0], signs.to(device)
+
+
+def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan,
+                                out, lse, scale, kv_cache_dtype) -> None:
+    """The op on GPUs (and in Triton's interpreter, tests): TRITON_ATTN's kernels reading the
+    TurboQuant format in registers (``KV_FORMAT=1``), planned by ``plan``
+    (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`)."""
+    from attn_ops.backends.triton_attn import triton_paged_attention
+    from attn_ops.routing import triton_head_tiles
+
+    d = query.shape[-1]
+    tile, _ = triton_head_tiles(d, d, 1)
+    codebook_, signs = _tables(kv_cache_dtype, d, tile, query.device)
+    triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
+                           lse, None, None, None, None, scale, None, None, True,
+                           turboquant=(_preset(kv_cache_dtype, "turboquant_attention"),
+                                       codebook_, signs))
+
+
+def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,
+                    scale, kv_cache_dtype):
     from attn_ops.backends.reference import reference_paged_attention
 
     _check_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
                      kv_cache_dtype)
+    if query.is_cuda and query.dtype != torch.float64:
+        return triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens,
+                                           block_table, plan, out, lse, scale, kv_cache_dtype)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     dense = turboquant_dense_cache(kv_cache, kv_cache_dtype, query.shape[-1], compute)
     result = out.new_empty(out.shape, dtype=compute)
@@ -151,8 +189,8 @@ def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, out
     out.copy_(result)
 
 
-def _attention_fake(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse, scale,
-                    kv_cache_dtype):
+def _attention_fake(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,
+                    scale, kv_cache_dtype):
     _check_attention(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
                      kv_cache_dtype)
 
@@ -160,5 +198,5 @@ def _attention_fake(query, kv_cache, query_start_loc, seq_lens, block_table, out
 turboquant_attention = define_op(
     "turboquant_attention",
     "(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor block_table, Tensor(a!) out, Tensor(b!)? lse, float scale, str kv_cache_dtype) "
-    "-> ()", _attention_impl, _attention_fake)
+    "Tensor block_table, Tensor plan, Tensor(a!) out, Tensor(b!)? lse, float scale, "
+    "str kv_cache_dtype) -> ()", _attention_impl, _attention_fake)

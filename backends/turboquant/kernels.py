@@ -1,0 +1,143 @@
+"""Triton kernels of the TurboQuant cache: the write (quantize and pack, one launch).
+
+:func:`cache_write_kernel` -- one program a block of ``BLOCK_T`` tokens and a KV head: keys'
+norms, the rotation (``[BLOCK_T, D] x [D, D]`` on the tensor cores in exact fp32, the Hadamard
+entries +-1 with 1 / sqrt(D) applied after), each coordinate's codebook index as a count of the
+midpoints at or below it, values' minimum, maximum, scale and codes, the LSB-first packing (4
+bits: two codes a byte; 3 bits: eight codes a 3-byte word), the fp16 fields, and -- for tokens
+entering a page -- the page's slots the write leaves unfilled zeroed (the tokens of a page come
+in slot order). Slots outside the cache are skipped, as ``-1`` is. The attention side reads the
+format inside TRITON_ATTN's kernel (``KV_FORMAT``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["cache_write_triton"]
+
+
+@triton.jit
+def _fp16_bytes(x):
+    """fp32 values as fp16, their low and high bytes (uint8)."""
+    bits = x.to(tl.float16).to(tl.uint16, bitcast=True)
+    return (bits & 0xFF).to(tl.uint8), (bits >> 8).to(tl.uint8)
+
+
+@triton.jit
+def _store_packed(codes, base, ok, D: tl.constexpr, D_P: tl.constexpr, BITS: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    """``codes [BLOCK_T, D_P]`` (int32 below 2^BITS; columns from D on ignored) as an LSB-first
+    stream of D codes from ``base`` (byte pointers ``[BLOCK_T]``)."""
+    if BITS == 4:
+        low, high = tl.split(tl.reshape(codes, [BLOCK_T, D_P // 2, 2]))
+        offs = tl.arange(0, D_P // 2)
+        tl.store(base[:, None] + offs[None, :], (low | (high << 4)).to(tl.uint8),
+                 mask=ok[:, None] & (offs[None, :] < D // 2))
+    else:  # 3 bits: a 24-bit word of 8 codes, 3 bytes
+        groups = tl.reshape(codes, [BLOCK_T, D_P // 8, 8])
+        word = tl.sum(groups << (tl.arange(0, 8) * 3)[None, None, :], axis=2)
+        offs = tl.arange(0, D_P // 8)
+        for i in tl.static_range(3):
+            tl.store(base[:, None] + offs[None, :] * 3 + i,
+                     ((word >> (8 * i)) & 0xFF).to(tl.uint8),
+                     mask=ok[:, None] & (offs[None, :] < D // 8))
+
+
+@triton.jit
+def _store_fp16(ptr, x, ok):
+    lo, hi = _fp16_bytes(x)
+    tl.store(ptr, lo, mask=ok)
+    tl.store(ptr + 1, hi, mask=ok)
+
+
+@triton.jit
+def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr, num_tokens,
+                       num_slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb,
+                       stride_ch, stride_cs, inv_sqrt_d, D: tl.constexpr, D_P: tl.constexpr,
+                       PAGE: tl.constexpr, SLOT: tl.constexpr, SLOT_P: tl.constexpr,
+                       KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, PAD: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D_P)
+    d_ok = offs_d < D
+    slot = tl.load(slot_ptr + rows, mask=rows < num_tokens, other=-1).to(tl.int64)
+    ok = (slot >= 0) & (slot < num_slots)  # (-1 and slots outside the cache: skipped)
+    in_page = slot % PAGE
+    base = cache_ptr + (slot // PAGE) * stride_cb + head * stride_ch + in_page * stride_cs
+    mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    if KEY_BITS == 8:  # fp8 e4m3 keys, saturated, no rotation
+        k8 = tl.minimum(tl.maximum(k, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(base[:, None] + offs_d[None, :], k8.to(tl.uint8, bitcast=True), mask=mask)
+        vbase = base + D
+    else:
+        norm = tl.sqrt(tl.sum(k * k, axis=1))
+        x = k / (norm + 1e-8)[:, None]
+        signs = tl.load(hadamard_ptr + offs_d[:, None] * D_P + offs_d[None, :])
+        y = tl.dot(x, signs, input_precision="ieee") * inv_sqrt_d
+        idx = tl.zeros([BLOCK_T, D_P], tl.int32)
+        for m in tl.static_range(2 ** KEY_BITS - 1):
+            idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
+        _store_packed(idx, base, ok, D, D_P, KEY_BITS, BLOCK_T)
+        _store_fp16(base + D * KEY_BITS // 8, norm, ok)
+        vbase = base + D * KEY_BITS // 8 + 2
+    top: tl.constexpr = 2 ** VALUE_BITS - 1
+    lo = tl.min(tl.where(d_ok[None, :], v, float("inf")), axis=1)
+    hi = tl.max(tl.where(d_ok[None, :], v, float("-inf")), axis=1)
+    scale = tl.maximum((hi - lo) / top, 1e-8)
+    codes = tl.floor((v - lo[:, None]) / scale[:, None] + 0.5)
+    codes = tl.minimum(tl.maximum(codes, 0.0), top).to(tl.int32)
+    _store_packed(codes, vbase, ok, D, D_P, VALUE_BITS, BLOCK_T)
+    tail = vbase + D * VALUE_BITS // 8
+    _store_fp16(tail, scale, ok)
+    _store_fp16(tail + 2, lo, ok)
+    if PAD:  # (the byte that makes the slot's size even)
+        tl.store(tail + 4, tl.zeros([BLOCK_T], tl.uint8), mask=ok)
+    # A token entering its page (row 0) zeroes the rows of the page the write leaves unfilled:
+    # those past the run of consecutive slots that starts at it (a page's tokens come in slot
+    # order, the entering one first).
+    entering = ok & (in_page == 0)
+    offs_p = tl.arange(0, PAGE)
+    later = rows[:, None] + offs_p[None, :]
+    ahead = tl.load(slot_ptr + later, mask=entering[:, None] & (later < num_tokens), other=-1)
+    run = (ahead.to(tl.int64) == slot[:, None] + offs_p[None, :]).to(tl.int32)
+    filled = tl.sum(tl.cumprod(run, axis=1), axis=1)
+    offs_s = tl.arange(0, SLOT_P)
+    for p in tl.static_range(1, PAGE):
+        clear = entering & (filled <= p)
+        tl.store(base[:, None] + p * stride_cs + offs_s[None, :],
+                 tl.zeros([BLOCK_T, SLOT_P], tl.uint8),
+                 mask=clear[:, None] & (offs_s[None, :] < SLOT))
+
+
+def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, preset, block_t: int = 16) -> None:
+    """``torch.ops.attn.turboquant_cache_update`` in one launch (inputs already checked)."""
+    from attn_ops.backends.turboquant.format import codebook, hadamard
+
+    t, hk, d = key.shape
+    if t == 0:
+        return
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    d_p = triton.next_power_of_2(d)
+    if preset.fp8_keys:  # (no rotation: placeholders)
+        signs, mid = key.new_zeros(1, dtype=torch.float32), key.new_zeros(1, dtype=torch.float32)
+    else:  # +-1 (exact), 1 / sqrt(D) applied to the product
+        signs = (hadamard(d, key.device) * d ** 0.5).round()
+        _, mid = codebook(d, preset.key_bits, key.device)
+    nb, _, page, slot = kv_cache.shape
+    cache_write_kernel[(triton.cdiv(t, block_t), hk)](
+        key, value, kv_cache, slot_mapping, signs, mid, t, nb * page, key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), d ** -0.5, D=d, D_P=d_p, PAGE=page,
+        SLOT=slot, SLOT_P=triton.next_power_of_2(slot), KEY_BITS=preset.key_bits,
+        VALUE_BITS=preset.value_bits,
+        PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, BLOCK_T=block_t)
