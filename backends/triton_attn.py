@@ -156,7 +156,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         page, hk = k_cache.shape[1], k_cache.shape[2]
         k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-        tq = {}
+        tq = dict(codebook_ptr=query, signs_ptr=query, inv_sqrt_d=1.0, KV_FORMAT=0, KEY_BITS=0,
+                  VALUE_BITS=0, NORM_CORRECTION=False)  # (unread)
     else:  # [blocks, Hk, page, slot] bytes
         preset, codebook, signs = turboquant
         page, hk = k_cache.shape[2], k_cache.shape[1]

@@ -441,9 +441,8 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ONE_ROW: tl.constexpr, codebook_ptr=None, signs_ptr=None, inv_sqrt_d=1.0,
-    KV_FORMAT: tl.constexpr = 0, KEY_BITS: tl.constexpr = 0, VALUE_BITS: tl.constexpr = 0,
-    NORM_CORRECTION: tl.constexpr = False,
+    ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first

@@ -20,6 +20,11 @@ glue).
     python benchmarks/bench_model_decode.py [--backends A B ..] [--layers 8] [--batch 64]
         [--ctx 2048] [--steps 20] [--quick] [--mla] [--out PATH]
 
+A backend ``TURBOQUANT:<preset>`` (e.g. ``TURBOQUANT:turboquant_4bit_nc``) runs the model with
+that TurboQuant cache: its layers select TURBOQUANT and vLLM's boundary layers (the first and
+last two) an unquantized cache with the backend auto-selected, all at pages of 16; the floor
+counts each layer's bytes a token (run it with ``--no-hf``: HF's model has no such cache).
+
 ``--mla``: a DeepSeek-V2-Lite-shaped decoder instead (16 heads, latent 512 + 64, QK 192 /
 V 128, dense MLP 10944, vocab 102400; run it with ``--ctx 4096``), TRITON_MLA and
 FLASHINFER_MLA, against HF's ``DeepseekV3ForCausalLM`` of the same shape.
@@ -72,6 +77,19 @@ def model_config(args, dtype):
                        dtype=dtype, max_position=args.ctx + 8)
 
 
+def _fill_turboquant(cache, cfg, device) -> None:
+    """Every slot of a TurboQuant cache holding random K/V (its write op, in chunks)."""
+    from attn_ops.backends.turboquant.ops import turboquant_cache_update
+
+    slots = cache.shape[0] * cache.shape[2]
+    for start in range(0, slots, 1 << 16):
+        n = min(1 << 16, slots - start)
+        k, v = (torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=cfg.dtype)
+                for _ in range(2))
+        turboquant_cache_update(k, v, cache, torch.arange(start, start + n, device=device),
+                                cfg.kv_cache_dtype)
+
+
 class Engine:
     """Our model with paged caches holding ``batch`` requests of ``ctx - 1`` cached tokens;
     ``step()`` builds the metadata of one decode step (one new token per request)."""
@@ -84,6 +102,10 @@ class Engine:
 
         torch.manual_seed(0)
         model_cls = TinyDeepseek if isinstance(cfg, MLAModelConfig) else TinyLlama
+        backend, _, kv_dtype = backend.partition(":")  # ("TURBOQUANT:<preset>": its layers)
+        if kv_dtype:  # (TurboQuant layers select TURBOQUANT; vLLM's boundary layers, auto)
+            cfg = dataclasses.replace(cfg, kv_cache_dtype=kv_dtype, block_size=16)
+            backend = None
         with torch.device(device):  # (initializing 2B parameters on the host takes minutes)
             self.model = model_cls(cfg, AttentionConfig(backend=backend)).to(cfg.dtype)
         self.model.eval()
@@ -98,7 +120,10 @@ class Engine:
             self.allocator.reserve(r, ctx)
         self.caches = self.model.allocate_kv_caches(self.allocator.num_blocks, device)
         for cache in self.caches:  # random context (the attention reads all of it)
-            cache.normal_()
+            if cache.dtype == torch.uint8:  # (TurboQuant slots: random K/V written)
+                _fill_turboquant(cache, cfg, device)
+            else:
+                cache.normal_()
         self.ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
 
     def common(self):
@@ -298,7 +323,10 @@ def measure_backend(cfg, backend, args, device, manager, hf=None) -> dict:
     # K and V (MLA: the latent row) of every context token, once
     row_elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim if args.mla else \
         cfg.num_kv_heads * cfg.head_dim * 2
-    kv = args.batch * args.ctx * cfg.num_layers * row_elems * engine.caches[0].element_size()
+    kv = args.batch * args.ctx * sum(  # (each layer's bytes a token: TurboQuant's slots)
+        c[0].numel() * c.element_size() / engine.model.block_size for c in engine.caches) \
+        if not args.mla else \
+        args.batch * args.ctx * cfg.num_layers * row_elems * engine.caches[0].element_size()
     row = {"backend": backend, "weights_bytes": weights, "kv_bytes": kv,
            "floor_ms": (weights + kv) / COPY_TBS / 1e9, "hf_cross_check": check}
     with torch.no_grad():

@@ -72,6 +72,13 @@
 #   prefix   benchmarks/bench_prefix_cache.py for each of PREFIX_KINDS (default: all four
 #            recurrent kinds; 32 requests over a shared 8k prefix, cached against uncached),
 #            each under the stage's limit; JSON bench_prefix_cache_KIND.json
+#   tq       TurboQuant: tests/test_turboquant.py, the matrix, device-index, opcheck and CUDA-graph
+#            cases of TURBOQUANT (its Triton write and TRITON_ATTN's read compiled; real sizes)
+#   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases and Triton tests
+#   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
+#            write against copy; TQ_ARGS)
+#   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over COMPOSITE_SM90 and
+#            TURBOQUANT:turboquant_4bit_nc (the whole 8-layer step, bf16 against 4-bit)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
@@ -209,6 +216,17 @@ for spec in "$@"; do
         stage "prefix_$kind" "$limit" python benchmarks/bench_prefix_cache.py --kind "$kind" \
           --out "$OUT/bench_prefix_cache_$kind.json"
       done ;;
+    tq) stage tq "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_turboquant.py tests/test_backends_matrix.py tests/test_device_indices.py \
+        tests/test_ops.py tests/test_cudagraph.py -k "turbo or TURBO" ;;
+    tqcheck) stage tqcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
+        python -m pytest -q -p no:cacheprovider tests/test_turboquant.py \
+        tests/test_backends_matrix.py -k "TURBOQUANT and (mixed or long_context) or triton" ;;
+    tqbench) stage tqbench "$limit" python benchmarks/bench_turboquant.py ${TQ_ARGS:-} \
+        --out "$OUT/bench_turboquant_h200.json" ;;
+    tqmodel) stage tqmodel "$limit" python benchmarks/bench_model_decode.py --ctx 8192 --no-hf \
+        --backends COMPOSITE_SM90 TURBOQUANT:turboquant_4bit_nc \
+        --out "$OUT/bench_model_decode_turboquant_h200.json" ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
         --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \

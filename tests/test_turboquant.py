@@ -288,7 +288,7 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d):
     a cache of 0xFF bytes; head dim 96 for k8v4 (no rotation: any even dim). fp8 keys are
     compared on the GPU only: the interpreter's fp32 -> e4m3 conversion is wrong (0.4845 ->
     0.25)."""
-    from attn_ops.backends.turboquant.kernels import cache_write_triton
+    from attn_ops.backends.turboquant.write_kernels import cache_write_triton
 
     if d == 96 and dtype is not KVCacheDType.TURBOQUANT_K8V4:
         pytest.skip("rotated presets: power-of-two head dims")
@@ -346,3 +346,66 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route):
     want, want_lse = want[6], want[7]
     torch.testing.assert_close(out.cpu(), want.cpu(), atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [KVCacheDType.TURBOQUANT_4BIT_NC, KVCacheDType.TURBOQUANT_K8V4,
+                                   KVCacheDType.TURBOQUANT_3BIT_NC], ids=lambda d: d.value)
+def test_graph_replays_of_random_decode_batches_match_eager(dtype):
+    """Decode steps captured once per size (1, 4, 16 requests; Llama-3-8B's heads, bf16) and
+    replayed over 200 random batches -- lengths, pages and queries new each time, padded to
+    the next size -- against the eager op on the same batch; every 50th also against the
+    torch body (the oracle); padding rows zero."""
+    import random
+
+    from attn_ops import build_step_metadata
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.testing import capture_graph, random_decode_batch
+
+    block, width, sizes = 16, 64, (1, 4, 16)
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         kv_cache_dtype=dtype, block_size=block)
+    layer = Attention(spec).cuda()
+    num_blocks = sizes[-1] * width + 1
+    cache = layer.allocate_kv_cache(num_blocks)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    slots = torch.arange(num_blocks * block, device="cuda")
+    k, v = (torch.randn(slots.shape[0], 8, 128, generator=gen, device="cuda",
+                        dtype=torch.bfloat16) for _ in range(2))
+    turboquant_cache_update(k, v, cache, slots, dtype.value)
+    graphs = CUDAGraphBatch(sizes, width, block, "cuda")
+    q = torch.zeros(sizes[-1], 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(sizes[-1], 32, device="cuda")
+    rng = random.Random(3)
+    captured = {}
+
+    def run(size, step):
+        layer.impl.forward(q[:size], cache, step[layer._metadata_key], out[:size],
+                           lse=lse[:size])
+
+    for size in sizes:
+        step = build_step_metadata(layer, random_decode_batch(size, num_blocks, rng, block,
+                                                              width * block, device="cuda"),
+                                   graphs)
+        captured[size], _ = capture_graph(lambda: run(size, step))
+    for i in range(200):
+        n = rng.randint(1, sizes[-1])
+        common = random_decode_batch(n, num_blocks, rng, block, width * block, device="cuda")
+        build_step_metadata(layer, common, graphs)
+        size = graphs.size_for(n)
+        q.normal_(generator=gen)
+        captured[size].replay()
+        want, want_lse = torch.empty_like(q[:n]), torch.empty_like(lse[:n])
+        layer.impl.forward(q[:n].clone(), cache, common, want, lse=want_lse)
+        # (bf16 outputs: the eager plan may split the keys otherwise -- an ulp apart)
+        torch.testing.assert_close(out[:n], want, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[:n], want_lse, atol=1e-4, rtol=1e-4)
+        assert (out[n:size] == 0).all() and (lse[n:size] == 0).all()
+        if i % 50 == 0:
+            oracle = [a.cpu() if torch.is_tensor(a) else a for a in layer.impl.op_arguments(
+                q[:n], cache, layer.impl.build_metadata(common), want.clone(),
+                lse=want_lse.clone())]
+            turboquant_attention(*oracle)
+            torch.testing.assert_close(out[:n].cpu().float(), oracle[6].float(), atol=2e-2,
+                                       rtol=2e-2)

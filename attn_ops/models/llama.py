@@ -57,6 +57,9 @@ class ModelConfig:
     # and none otherwise.
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_skip_layers: tuple[int, ...] | None = None
+    # Every attention layer's page size (None: the selected backends'; layers whose backends
+    # prefer different ones -- quantized and unquantized layers, say -- need one here).
+    block_size: int | None = None
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if layer % self.sliding_window_every == 0 else None
@@ -64,7 +67,7 @@ class ModelConfig:
                              head_dim=self.head_dim, head_dim_v=self.head_dim_v,
                              dtype=self.dtype, sliding_window=window, spec_tree=self.spec_tree,
                              kv_cache_dtype="auto" if layer in self.unquantized_layers
-                             else self.kv_cache_dtype)
+                             else self.kv_cache_dtype, block_size=self.block_size)
 
     @property
     def unquantized_layers(self) -> frozenset[int]:

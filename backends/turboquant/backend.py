@@ -4,10 +4,11 @@ those caches.
 
 Its layer writes each step's K and V with ``torch.ops.attn.turboquant_cache_update`` and
 attends with ``torch.ops.attn.turboquant_attention`` (:mod:`.ops`): on GPUs one Triton write
-and TRITON_ATTN's kernels reading the slots; on the CPU their torch bodies. vLLM serves the same formats for decoder layers without sliding windows, sinks,
-ALiBi or soft-capping; so does this backend. vLLM also keeps the first and last two layers of a
-dense model unquantized (:func:`boundary_layers`: a model builds those layers' specs with
-``kv_cache_dtype="auto"`` and they select another backend).
+and TRITON_ATTN's kernels reading the slots; on the CPU their torch bodies. vLLM serves the
+same formats for decoder layers without sliding windows, sinks, ALiBi or soft-capping; so does
+this backend. vLLM also keeps the first and last two layers of a dense model unquantized
+(:func:`boundary_layers`; ``ModelConfig.kv_cache_dtype`` applies it: those layers' specs get
+``kv_cache_dtype="auto"`` and select another backend).
 """
 
 from __future__ import annotations

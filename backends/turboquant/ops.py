@@ -16,7 +16,8 @@
 
 Their torch bodies are the CPU path and the oracle: attention reads the whole cache back in
 fp32 (fp64 for fp64 queries) and runs REFERENCE's definition on it. On GPUs the write is one
-Triton launch (:mod:`.kernels`).
+Triton launch (:mod:`.write_kernels`) and attention TRITON_ATTN's kernels dequantizing the slots in
+registers (:func:`triton_turboquant_attention`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype):
                              f"{int(slots[bad][0])} but the cache has slots 0..{capacity - 1} "
                              "and -1 marks padding")
     if key.is_cuda:  # one Triton launch, entered pages' tails cleared in it
-        from attn_ops.backends.turboquant.kernels import cache_write_triton
+        from attn_ops.backends.turboquant.write_kernels import cache_write_triton
 
         return cache_write_triton(key, value, kv_cache, slot_mapping, preset)
     clear_entered_page_tails(slot_mapping, paged)
