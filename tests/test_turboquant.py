@@ -280,14 +280,15 @@ def test_the_layer_compiles_fullgraph():
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
 @pytest.mark.parametrize("d", [16, 64, 96])
-def test_triton_write_gives_the_torch_writes_bytes(dtype, d):
+def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     """The one-launch Triton write against the torch write, byte for byte, on a step of
     several requests entering pages (tails cleared), padding and a slot outside the cache, over
-    a cache of 0xFF bytes; head dim 96 for k8v4 (no rotation: any even dim). fp8 keys are
-    compared on the GPU only: the interpreter's fp32 -> e4m3 conversion is wrong (0.4845 ->
-    0.25)."""
+    a cache of 0xFF bytes; head dim 96 for k8v4 (no rotation: any even dim); with RoPE applied
+    to the keys in the same launch. fp8 keys are compared on the GPU only: the interpreter's
+    fp32 -> e4m3 conversion is wrong (0.4845 -> 0.25)."""
     from attn_ops.backends.turboquant.write_kernels import cache_write_triton
 
     if d == 96 and dtype is not KVCacheDType.TURBOQUANT_K8V4:
@@ -299,9 +300,15 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d):
                   for _ in range(2))
     slots = torch.tensor([8, 9, 10, -1, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]).to(dev)
     cache = torch.full((6, 2, 4, preset.slot_bytes(d)), 0xFF, dtype=torch.uint8, device=dev)
+    cos_sin = None
+    if rope:
+        from attn_ops.models.llama import rope_cache
+
+        cos_sin = rope_cache(d, 64, 10000.0)[torch.randint(64, (14,), generator=g)].to(dev)
     want = cache.cpu()
-    turboquant_cache_update(key.cpu(), value.cpu(), want, slots.cpu(), dtype.value)  # (torch)
-    cache_write_triton(key, value, cache, slots, preset)
+    turboquant_cache_update(key.cpu(), value.cpu(), want, slots.cpu(), dtype.value,
+                            cos_sin.cpu() if rope else None)  # (the torch body)
+    cache_write_triton(key, value, cache, slots, preset, cos_sin)
     got = cache.cpu()
     if preset.fp8_keys and dev == "cpu":
         got, want = got[..., d:], want[..., d:]
@@ -409,3 +416,30 @@ def test_graph_replays_of_random_decode_batches_match_eager(dtype):
             turboquant_attention(*oracle)
             torch.testing.assert_close(out[:n].cpu().float(), oracle[6].float(), atol=2e-2,
                                        rtol=2e-2)
+
+
+def test_a_rope_write_is_the_rotated_keys_write():
+    """``cos_sin`` given, the write stores the keys ``torch.ops.attn.rope`` rotates (rounded to
+    their dtype), byte for byte; the layer passes it so, rotating the query itself."""
+    from attn_ops.glue import rope
+    from attn_ops.models.llama import rope_cache
+
+    g = torch.Generator().manual_seed(9)
+    key, value = (torch.randn(6, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos_sin = rope_cache(32, 16, 10000.0)[torch.randint(16, (6,), generator=g)]
+    slots = torch.arange(6)
+    fused, plain = (torch.zeros(2, 2, 4, tq.slot_bytes(KVCacheDType.TURBOQUANT_4BIT_NC, 32),
+                                dtype=torch.uint8) for _ in range(2))
+    turboquant_cache_update(key, value, fused, slots, "turboquant_4bit_nc", cos_sin)
+    turboquant_cache_update(rope(key, cos_sin), value, plain, slots, "turboquant_4bit_nc")
+    assert torch.equal(fused, plain)
+    with pytest.raises(ValueError, match=r"cos_sin must be \[num_tokens=6, head_dim=32\]"):
+        turboquant_cache_update(key, value, fused, slots, "turboquant_4bit_nc", cos_sin[:3])
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         kv_cache_dtype="turboquant_k3v4_nc")
+    layer, cache, meta, q, k, v = _step(spec, [5, 0], [1, 6])
+    cos_sin = rope_cache(16, 16, 10000.0)[meta.positions]
+    rotated_cache = cache.clone()
+    got = layer(q, k, v, cache, meta, cos_sin=cos_sin)
+    want = layer(rope(q, cos_sin), rope(k, cos_sin), v, rotated_cache, meta)
+    assert torch.equal(got, want) and torch.equal(cache, rotated_cache)

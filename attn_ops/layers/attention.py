@@ -162,13 +162,14 @@ class Attention(BackendLayer):
                     f"query_start_loc and block_table; {self.backend}'s metadata "
                     f"({type(metadata).__name__}) has no block table -- use "
                     "metadata.slot_mapping (positions=None)")
-            if spec.kv_cache_dtype.is_turboquant:  # (its own write: quantize and pack)
+            if spec.kv_cache_dtype.is_turboquant:  # (its own write: RoPE, quantize, pack)
                 if cos_sin is not None:
-                    query, key = rope(query, cos_sin), rope(key, cos_sin)
+                    query = rope(query, cos_sin)
                 if positions is not None:
                     slots = slot_mapping(positions, metadata.query_start_loc,
                                          metadata.block_table, self.block_size)
-                turboquant_cache_update(key, value, kv_cache, slots, spec.kv_cache_dtype.value)
+                turboquant_cache_update(key, value, kv_cache, slots, spec.kv_cache_dtype.value,
+                                        cos_sin)
             elif cos_sin is not None and not torch.compiler.is_compiling():
                 query = rope_kv_cache_update(
                     query, key, value, cos_sin, kv_cache, None if positions is not None else slots,

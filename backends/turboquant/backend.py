@@ -75,6 +75,16 @@ class TurboQuantBackend(TritonAttnBackend):
     def cudagraph_support(cls, spec, platform) -> CUDAGraphSupport:
         return AttentionBackend.cudagraph_support.__func__(cls, spec, platform)
 
+    def _plan(self, num_decodes, num_decode_tokens, num_tokens, max_seq_len, device):
+        """TRITON_ATTN's plan with K/V tiles of the query's dtype: the slots are dequantized
+        into them in registers, so that is what the products and shared memory hold."""
+        from attn_ops.backends.triton_attn import plan_launches
+
+        spec = self.spec
+        return plan_launches((spec.head_dim, spec.v_head_dim), (spec.dtype, spec.dtype),
+                             spec.kv_heads, num_decodes, num_decode_tokens, num_tokens,
+                             max_seq_len, device, self.tuning.triton)
+
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, **unused) -> tuple:
         return (query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
                 metadata.block_table, metadata.plan, out, lse, self.scale,

@@ -1,8 +1,9 @@
 """TurboQuant's ops: the cache write and attention over the quantized cache.
 
 * ``torch.ops.attn.turboquant_cache_update(key, value, kv_cache, slot_mapping,
-  kv_cache_dtype)`` -- quantize each (token, KV head) of ``key`` / ``value`` ``[T, Hk, D]``
-  into its slot of the cache (:mod:`~attn_ops.backends.turboquant.format`), skipping slot -1
+  kv_cache_dtype, cos_sin=None)`` -- quantize each (token, KV head) of ``key`` / ``value``
+  ``[T, Hk, D]`` (the keys rotated by RoPE first with ``cos_sin [T, D]``, in the same launch on
+  GPUs, as ``torch.ops.attn.rope`` would) into its slot of the cache (:mod:`~attn_ops.backends.turboquant.format`), skipping slot -1
   and any slot outside the cache (slots are never trusted), and zeroing the slots a write
   leaves unfilled in every page it enters (a zero slot reads as zero K and V) -- the rules of
   ``torch.ops.attn.kv_cache_update``.
@@ -28,6 +29,7 @@ import torch
 
 from attn_ops.backends.turboquant.format import (PRESETS, codebook, dequantize_slots, hadamard,
                                                 quantize_slots)
+from attn_ops.glue import _rope_impl
 from attn_ops.kv_cache import clear_entered_page_tails
 from attn_ops.ops import check_paged_attention_inputs, debug_checks_enabled, define_op
 from attn_ops.spec import KVCacheDType
@@ -59,8 +61,12 @@ def _check_cache(op: str, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: i
     return preset
 
 
-def _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype):
+def _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype, cos_sin=None):
     op = "turboquant_cache_update"
+    if cos_sin is not None and (cos_sin.dim() != 2 or cos_sin.shape[0] != key.shape[0]
+                                or cos_sin.shape[1] != key.shape[-1]):
+        raise ValueError(f"{op}: cos_sin must be [num_tokens={key.shape[0]}, head_dim="
+                         f"{key.shape[-1]}] (cos | sin halves), got {tuple(cos_sin.shape)}")
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"{op}: key and value must be [num_tokens, num_kv_heads, head_dim] of "
                          f"one shape, got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -76,8 +82,8 @@ def _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype):
     return _check_cache(op, kv_cache, key.shape[1], key.shape[2], kv_cache_dtype)
 
 
-def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype):
-    preset = _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype)
+def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype, cos_sin=None):
+    preset = _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype, cos_sin)
     if slot_mapping.numel() == 0:
         return
     paged = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hk, slot]
@@ -92,7 +98,9 @@ def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype):
     if key.is_cuda:  # one Triton launch, entered pages' tails cleared in it
         from attn_ops.backends.turboquant.write_kernels import cache_write_triton
 
-        return cache_write_triton(key, value, kv_cache, slot_mapping, preset)
+        return cache_write_triton(key, value, kv_cache, slot_mapping, preset, cos_sin)
+    if cos_sin is not None:
+        key = _rope_impl(key, cos_sin)
     clear_entered_page_tails(slot_mapping, paged)
     rows = ((slots >= 0) & (slots < capacity)).nonzero().squeeze(1)
     slots = slots.index_select(0, rows)
@@ -100,14 +108,14 @@ def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype):
     paged[slots // paged.shape[1], slots % paged.shape[1]] = new
 
 
-def _update_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype):
-    _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype)
+def _update_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, cos_sin=None):
+    _check_update(key, value, kv_cache, slot_mapping, kv_cache_dtype, cos_sin)
 
 
 turboquant_cache_update = define_op(
     "turboquant_cache_update",
-    "(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype) "
-    "-> ()", _update_impl, _update_fake)
+    "(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, "
+    "Tensor? cos_sin=None) -> ()", _update_impl, _update_fake)
 
 
 def turboquant_dense_cache(kv_cache: torch.Tensor, kv_cache_dtype: str, head_dim: int,

@@ -1,7 +1,7 @@
 """Triton kernels of the TurboQuant cache: the write (quantize and pack, one launch).
 
 :func:`cache_write_kernel` -- one program a block of ``BLOCK_T`` tokens and a KV head: keys'
-norms, the rotation (``[BLOCK_T, D] x [D, D]`` on the tensor cores in exact fp32, the Hadamard
+RoPE (with ``ROPE``: each coordinate with its partner in the other half), norms, the rotation (``[BLOCK_T, D] x [D, D]`` on the tensor cores in exact fp32, the Hadamard
 entries +-1 with 1 / sqrt(D) applied after), each coordinate's codebook index as a count of the
 midpoints at or below it, values' minimum, maximum, scale and codes, the LSB-first packing (4
 bits: two codes a byte; 3 bits: eight codes a 3-byte word), the fp16 fields, and -- for tokens
@@ -54,11 +54,12 @@ def _store_fp16(ptr, x, ok):
 
 
 @triton.jit
-def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr, num_tokens,
-                       num_slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb,
-                       stride_ch, stride_cs, inv_sqrt_d, D: tl.constexpr, D_P: tl.constexpr,
-                       PAGE: tl.constexpr, SLOT: tl.constexpr, SLOT_P: tl.constexpr,
-                       KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, PAD: tl.constexpr,
+def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr, cs_ptr,
+                       num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_cb, stride_ch, stride_cs, stride_cst, inv_sqrt_d,
+                       D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
+                       SLOT: tl.constexpr, SLOT_P: tl.constexpr, KEY_BITS: tl.constexpr,
+                       VALUE_BITS: tl.constexpr, PAD: tl.constexpr, ROPE: tl.constexpr,
                        BLOCK_T: tl.constexpr):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -69,8 +70,17 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
     in_page = slot % PAGE
     base = cache_ptr + (slot // PAGE) * stride_cb + head * stride_ch + in_page * stride_cs
     mask = ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
+    k_row = k_ptr + rows[:, None] * stride_kt + head * stride_kh
+    k = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
+    if ROPE:  # (the key rotated first, rounded to its dtype as torch.ops.attn.rope leaves it)
+        half: tl.constexpr = D // 2
+        partner = tl.load(k_row + ((offs_d + half) % D)[None, :], mask=mask, other=0.0)
+        cs_row = cs_ptr + rows[:, None] * stride_cst + (offs_d % half)[None, :]
+        cos = tl.load(cs_row, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs_row + half, mask=mask, other=0.0).to(tl.float32)
+        sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+        k = (k.to(tl.float32) * cos + sign * partner.to(tl.float32) * sin).to(k.dtype)
+    k = k.to(tl.float32)
     v = tl.load(v_ptr + rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     if KEY_BITS == 8:  # fp8 e4m3 keys, saturated, no rotation
@@ -118,8 +128,10 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
 
 
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, preset, block_t: int = 16) -> None:
-    """``torch.ops.attn.turboquant_cache_update`` in one launch (inputs already checked)."""
+                       slot_mapping: torch.Tensor, preset, cos_sin: torch.Tensor | None = None,
+                       block_t: int = 16) -> None:
+    """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
+    first with ``cos_sin`` (inputs already checked)."""
     from attn_ops.backends.turboquant.format import codebook, hadamard
 
     t, hk, d = key.shape
@@ -134,10 +146,13 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         signs = (hadamard(d, key.device) * d ** 0.5).round()
         _, mid = codebook(d, preset.key_bits, key.device)
     nb, _, page, slot = kv_cache.shape
+    cs = cos_sin if cos_sin is None or cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     cache_write_kernel[(triton.cdiv(t, block_t), hk)](
-        key, value, kv_cache, slot_mapping, signs, mid, t, nb * page, key.stride(0),
-        key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), d ** -0.5, D=d, D_P=d_p, PAGE=page,
+        key, value, kv_cache, slot_mapping, signs, mid, cs if cs is not None else key, t,
+        nb * page, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        cs.stride(0) if cs is not None else 0, d ** -0.5, D=d, D_P=d_p, PAGE=page,
         SLOT=slot, SLOT_P=triton.next_power_of_2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
-        PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, BLOCK_T=block_t)
+        PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
+        BLOCK_T=block_t)
