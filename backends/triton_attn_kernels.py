@@ -237,17 +237,25 @@ def _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_hea
 
 
 @triton.jit
-def _tq_codes(base, ok, offs, n, BITS: tl.constexpr):
-    """Codes ``0 <= c < 2^BITS`` of coordinates ``offs`` (below ``n``) of the LSB-first bit
-    streams at byte pointers ``base [BLOCK_N]`` (rows ``ok``), int32 ``[BLOCK_N, len(offs)]``."""
-    mask = ok[:, None] & (offs[None, :] < n)
+def _tq_codes(base, ok, n, SIZE: tl.constexpr, BITS: tl.constexpr):
+    """The first ``n`` codes (``0 <= c < 2^BITS``; 0 past them) of the LSB-first bit streams at
+    byte pointers ``base [BLOCK_N]`` (rows ``ok``), int32 ``[BLOCK_N, SIZE]``: each stream's
+    bytes loaded once (4 bits: both nibbles of a byte; 3 bits: 8 codes of 3 bytes)."""
     if BITS == 4:
-        byte = tl.load(base[:, None] + (offs // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        return (byte >> ((offs % 2) * 4)[None, :]) & 15
-    bit = offs * BITS  # (3 bits: the two bytes holding it; the second may be the next field's)
-    first = tl.load(base[:, None] + (bit // 8)[None, :], mask=mask, other=0).to(tl.int32)
-    second = tl.load(base[:, None] + (bit // 8 + 1)[None, :], mask=mask, other=0).to(tl.int32)
-    return ((first | (second << 8)) >> (bit % 8)[None, :]) & (2 ** BITS - 1)
+        offs = tl.arange(0, SIZE // 2)
+        byte = tl.load(base[:, None] + offs[None, :],
+                       mask=ok[:, None] & (offs[None, :] < n // 2), other=0).to(tl.int32)
+        pairs = tl.join(byte & 15, byte >> 4)  # [BLOCK_N, SIZE / 2, 2]: low nibble first
+        return tl.reshape(pairs, [base.shape[0], SIZE])
+    # 3 bits: a 24-bit word holds 8 codes; its 3 bytes loaded as 3 planes of [BLOCK_N, SIZE / 8]
+    groups = tl.arange(0, SIZE // 8)
+    mask = ok[:, None] & (groups[None, :] < n // 8)
+    at = base[:, None] + (groups * 3)[None, :]
+    word = tl.load(at, mask=mask, other=0).to(tl.int32)
+    word |= tl.load(at + 1, mask=mask, other=0).to(tl.int32) << 8
+    word |= tl.load(at + 2, mask=mask, other=0).to(tl.int32) << 16
+    codes = (word[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7
+    return tl.reshape(codes, [base.shape[0], SIZE])
 
 
 @triton.jit
@@ -259,28 +267,30 @@ def _tq_fp16(ptr, ok):
 
 
 @triton.jit
-def _tq_tile(base, ok, codebook_ptr, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
-             KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
+def _tq_tile(base, ok, codebook_ptr, offs_d, D: tl.constexpr, D_P: tl.constexpr,
+             DV: tl.constexpr, DV_P: tl.constexpr, KEY_BITS: tl.constexpr,
+             VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
     """One key block of a TurboQuant cache (``backends/turboquant/format.py``) from its
-    slots' byte pointers ``base``: ``(keys, key norms, values)`` in fp32 -- the keys in the
-    rotated space (the query is rotated once) as codebook centroids, normalized with norm
-    correction, their norms apart (the scores' column scale); fp8 keys as stored, norms 1."""
+    slots' byte pointers ``base``: ``(keys, key scales, value codes, value scales, value
+    minimums)`` -- the keys in the rotated space (the query is rotated once) as codebook
+    centroids and each key's norm over the centroids' norm with norm correction (its score
+    column's scale: no division of every coordinate); fp8 keys as stored, scale 1. A value is
+    ``code * scale + minimum``: the caller folds the affine into its probabilities."""
     if KEY_BITS == 8:
         k = tl.load(base[:, None] + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D),
                     other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        norm = tl.where(ok, 1.0, 0.0)
+        k_scale = tl.where(ok, 1.0, 0.0)
         vbase = base + D
     else:
-        codes = _tq_codes(base, ok, offs_d, D, KEY_BITS)
+        codes = _tq_codes(base, ok, D, D_P, KEY_BITS)
         k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
+        k_scale = _tq_fp16(base + D * KEY_BITS // 8, ok)
         if NORM_CORRECTION:
-            k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)[:, None]
-        norm = _tq_fp16(base + D * KEY_BITS // 8, ok)
+            k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
         vbase = base + D * KEY_BITS // 8 + 2
-    codes = _tq_codes(vbase, ok, offs_dv, DV, VALUE_BITS).to(tl.float32)
+    v_codes = _tq_codes(vbase, ok, DV, DV_P, VALUE_BITS)
     tail = vbase + DV * VALUE_BITS // 8
-    v = codes * _tq_fp16(tail, ok)[:, None] + _tq_fp16(tail + 2, ok)[:, None]
-    return k, norm, v
+    return k, k_scale, v_codes, _tq_fp16(tail, ok), _tq_fp16(tail + 2, ok)
 
 
 @triton.jit
@@ -320,9 +330,10 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         slot = offs_n % PAGE
         if KV_FORMAT == 1:  # TurboQuant: a byte slot a (token, KV head) holding K and V
             slots = k_ptr + page * stride_kb + slot * stride_ks + kv_head * stride_kh
-            k, norm, v = _tq_tile(slots, n_ok if MASKED else offs_n >= 0, codebook_ptr, offs_d,
-                                  offs_dv, D, DV, KEY_BITS, VALUE_BITS, NORM_CORRECTION)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * norm[None, :]
+            k, k_scale, v, v_scale, v_min = _tq_tile(
+                slots, n_ok if MASKED else offs_n >= 0, codebook_ptr, offs_d, D, D_P, DV, DV_P,
+                KEY_BITS, VALUE_BITS, NORM_CORRECTION)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * k_scale[None, :]
         else:
             k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
                       + kv_head * stride_kh + offs_d[None, :])
@@ -374,7 +385,12 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # then the MMA accumulates into it
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
+        if KV_FORMAT == 1:  # sum_j p_j (c_j s_j + m_j) = (p s) . c + (p . m): codes exact
+            acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc,
+                         input_precision=PRECISION)
+            acc += tl.where(offs_dv[None, :] < DV, tl.sum(p * v_min[None, :], 1)[:, None], 0.0)
+        else:
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 

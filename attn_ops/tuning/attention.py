@@ -63,6 +63,14 @@ class TritonTuning:
     # head) items on (few splits each); below, by a second kernel. fused_combine forces it.
     fused_min_items: int = 256
     fused_combine: bool | None = None
+    # TURBOQUANT runs these kernels with its slots dequantized in registers a key block at a
+    # time (codes, centroids, value codes: several [keys, head_dim] tensors live at once), so
+    # narrower key blocks than the 16-bit tiles'. Not timed yet; sm_90 builds at head dim 128
+    # (registers a thread, bytes spilled): decode 16 rows x 64 keys on 8 warps 228-236, 0; 16
+    # x 32 on 4 warps 233-239, 0; prefill 128 x 32 on 8 warps 255, 64-112; 128 x 64 on 8 warps
+    # 255, 256-320; 64 x 64 on 4 warps 255, 344-592 (the 4-, 3- and k3v4 presets).
+    turboquant_decode_tile: Tile = Tile(16, 64, 8, 2)
+    turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ this backend. vLLM also keeps the first and last two layers of a dense model unq
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attn_ops.backend import AttentionBackend
@@ -76,14 +78,24 @@ class TurboQuantBackend(TritonAttnBackend):
         return AttentionBackend.cudagraph_support.__func__(cls, spec, platform)
 
     def _plan(self, num_decodes, num_decode_tokens, num_tokens, max_seq_len, device):
-        """TRITON_ATTN's plan with K/V tiles of the query's dtype: the slots are dequantized
-        into them in registers, so that is what the products and shared memory hold."""
+        """TRITON_ATTN's plan (splits, fused combine, launch order) with K/V of the query's
+        dtype -- the slots are dequantized into them in registers -- in TurboQuant's own tiles
+        (``Tuning.triton.turboquant_*_tile``: narrower key blocks, fitted to the device)."""
         from attn_ops.backends.triton_attn import plan_launches
+        from attn_ops.platforms import shared_memory_per_block
+        from attn_ops.routing import triton_fit_tile, triton_head_tiles
 
-        spec = self.spec
-        return plan_launches((spec.head_dim, spec.v_head_dim), (spec.dtype, spec.dtype),
+        spec, t = self.spec, self.tuning.triton
+        plan = plan_launches((spec.head_dim, spec.v_head_dim), (spec.dtype, spec.dtype),
                              spec.kv_heads, num_decodes, num_decode_tokens, num_tokens,
-                             max_seq_len, device, self.tuning.triton)
+                             max_seq_len, device, t)
+        decode, prefill = t.turboquant_decode_tile, t.turboquant_prefill_tile
+        if device.type == "cuda":
+            d_p, dv_p = triton_head_tiles(spec.head_dim, spec.v_head_dim, 1)
+            smem, b = shared_memory_per_block(device), spec.dtype.itemsize
+            decode = triton_fit_tile(decode, d_p, dv_p, b, b, smem)
+            prefill = triton_fit_tile(prefill, d_p, dv_p, b, b, smem)
+        return dataclasses.replace(plan, decode_tile=decode, prefill_tile=prefill)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, **unused) -> tuple:
         return (query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
