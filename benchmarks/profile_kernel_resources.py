@@ -4,12 +4,14 @@ bundled ptxas build the cubin, its cuobjdump reads the resources. A kernel whose
 spill, or that leaves room for one program an SM, is a poor candidate before any timing.
 
 Each kernel is built at the real shapes its op serves (Mamba-2.8B's d_inner 5120 / d_state 16,
-MiniMax-Text-01's lightning heads of 128, Qwen3-Next's GDN heads), bf16 inputs, with pointers
+MiniMax-Text-01's lightning heads of 128, Qwen3-Next's GDN heads, Llama-3-8B's attention heads
+over TurboQuant slots), bf16 inputs, with pointers
 and strides specialized as divisible by 16 (as Triton's JIT specializes them at those shapes),
 over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
-        mamba1_recurrent lightning_recurrent gdn_recurrent] [--arch 90] [--out PATH]
+        mamba1_recurrent lightning_recurrent gdn_recurrent turboquant_attention] [--arch 90]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,6 +27,34 @@ import tempfile
 BF16_PTRS = ("x_ptr", "dt_ptr", "b_ptr", "c_ptr", "z_ptr", "y_ptr", "q_ptr", "k_ptr", "v_ptr",
              "o_ptr")
 INT_PTRS = ("qsl_ptr", "slot_ptr")
+
+
+# TRITON_ATTN's attention kernel reading a TurboQuant cache: its arguments' types
+TQ_TYPES = {"k_ptr": "*u8", "v_ptr": "*u8", "out_ptr": "*bf16", "qsl_ptr": "*i32",
+            "seq_ptr": "*i32", "bt_ptr": "*i32", "tree_ptr": "*i64", "counter_ptr": "*i32",
+            "scale": "fp32", "soft_cap": "fp32", "inv_sqrt_d": "fp32"}
+
+
+def _turboquant_attention():
+    """(kernel, points) of TRITON_ATTN's kernel over TurboQuant slots: Llama-3-8B's heads,
+    split decode tiles and unsplit prefill tiles, each preset."""
+    from attn_ops.backends import triton_attn_kernels as ak
+
+    presets = {"4bit_nc": (4, 4, True), "k3v4_nc": (3, 4, True), "3bit_nc": (3, 3, True),
+               "k8v4": (8, 4, False)}
+    tiles = (("decode", 16, 64, 8, 8), ("decode", 16, 32, 4, 8), ("prefill", 128, 32, 8, 1),
+             ("prefill", 128, 64, 8, 1), ("prefill", 64, 64, 4, 1))
+    points = []
+    for (name, (kb, vb, nc)), (kind, rows, keys, warps, splits) in itertools.product(
+            presets.items(), tiles):
+        consts = dict(GROUP=4, GROUP_P=4, HQ=32, PAGE=16, BLOCK_Q=rows // 4, BLOCK_N=keys, D=128,
+                      D_P=128, DV=128, DV_P=128, CAUSAL=True, USE_WINDOW=False,
+                      USE_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, FP8=False,
+                      WRITE_LSE=True, NUM_SPLITS=splits, PRECISION="tf32", HAS_TREE=False,
+                      FUSED_COMBINE=splits > 1, HEADS_FASTEST=False, ONE_ROW=kind == "decode",
+                      KV_FORMAT=1, KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc)
+        points.append((f"{name} {kind} {rows} x {keys}", consts, warps))
+    return ak.paged_attention_kernel, points
 
 
 def configs() -> dict[str, tuple]:
@@ -51,10 +81,11 @@ def configs() -> dict[str, tuple]:
             (f"{v} columns", dict(NUM_WRITES=0, GROUP=2, DK=128, DV=128, BLOCK_K=128,
                                   BLOCK_V=v, L2NORM=True, EVICT="evict_first", STORE=".cs"), w)
             for v, w in itertools.product((64, 128), (4, 8))]),
+        "turboquant_attention": _turboquant_attention(),
     }
 
 
-def resources(fn, constexprs: dict, warps: int, arch: int) -> dict:
+def resources(fn, constexprs: dict, warps: int, arch: int, types: dict | None = None) -> dict:
     """``fn`` built for ``sm_<arch>``: registers a thread, spilled bytes (stack), static shared
     bytes, from cuobjdump's resource usage."""
     import triton
@@ -66,6 +97,8 @@ def resources(fn, constexprs: dict, warps: int, arch: int) -> dict:
     for n in names:
         if n in constexprs:
             signature[n] = "constexpr"
+        elif types and n in types:
+            signature[n] = types[n]
         elif n in BF16_PTRS:
             signature[n] = "*bf16"
         elif n in INT_PTRS:
@@ -96,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+",
                         default=["mamba1_chunked", "lightning_chunked", "mamba1_recurrent",
-                                 "lightning_recurrent", "gdn_recurrent"])
+                                 "lightning_recurrent", "gdn_recurrent", "turboquant_attention"])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "kernel_resources.json"))
@@ -107,7 +140,8 @@ def main() -> None:
         fn, points = table[name]
         for label, constexprs, warps in points:
             try:
-                row = resources(fn, constexprs, warps, args.arch)
+                row = resources(fn, constexprs, warps, args.arch,
+                                TQ_TYPES if name == "turboquant_attention" else None)
             except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
                 row = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append({"kernel": name, "config": label, "warps": warps, **row})

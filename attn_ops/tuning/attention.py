@@ -66,10 +66,10 @@ class TritonTuning:
     # TURBOQUANT runs these kernels with its slots dequantized in registers a key block at a
     # time (codes, centroids, value codes: several [keys, head_dim] tensors live at once), so
     # narrower key blocks than the 16-bit tiles'. Not timed yet; sm_90 builds at head dim 128
-    # (registers a thread, bytes spilled): decode 16 rows x 64 keys on 8 warps 228-236, 0; 16
-    # x 32 on 4 warps 233-239, 0; prefill 128 x 32 on 8 warps 255, 64-112; 128 x 64 on 8 warps
-    # 255, 256-320; 64 x 64 on 4 warps 255, 344-592 (the 4-, 3- and k3v4 presets).
-    turboquant_decode_tile: Tile = Tile(16, 64, 8, 2)
+    # (profile_kernel_resources.py; registers a thread, bytes spilled, the 4-bit / k3v4 / 3-bit
+    # presets): decode 16 rows x 32 keys on 4 warps 192-247, none; 16 x 64 on 8 warps 232-255,
+    # 0-40; prefill 128 x 32 on 8 warps 255, 56-128; 128 x 64 on 8 warps 255, 264-384.
+    turboquant_decode_tile: Tile = Tile(16, 32, 4, 2)
     turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
 
 
