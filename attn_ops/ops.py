@@ -145,6 +145,8 @@ OP_MODULES: dict[str, str] = {
     "short_conv": "attn_ops.backends.ssm.short_conv",
     "turboquant_cache_update": "attn_ops.backends.turboquant.ops",
     "turboquant_attention": "attn_ops.backends.turboquant.ops",
+    "dsv4_compressor": "attn_ops.backends.deepseek_v4.compressor",
+    "dsv4_compressed_slot_mapping": "attn_ops.backends.deepseek_v4.compressor",
 }
 
 

@@ -1,0 +1,3 @@
+"""DeepSeek-V4's attention (sliding-window, compressed-sparse and heavily compressed layers).
+``compressor``: the compressor's gated aggregation with its partial-group state in slots, and
+the compressed caches' slot mapping."""

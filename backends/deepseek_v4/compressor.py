@@ -1,0 +1,171 @@
+"""DeepSeek-V4's compressor: ``ratio`` tokens gated into one compressed KV entry, the group not
+yet complete carried from step to step as state in a slot.
+
+Per token ``t`` at position ``p``: ``c_t = x_t W_kv`` and ``z_t = x_t W_gate + B[p mod m]``
+(``m`` the ratio, ``B`` the learned position bias), both ``coff * D`` wide. An entry is emitted
+at the token that completes its group, ``(p + 1) % m == 0``, entry index ``w = p // m``:
+
+* ``overlap=False`` (heavily compressed layers, ``m`` = 128; ``coff`` 1): over the ``m`` rows of
+  group ``w``, ``e_w = sum_t softmax_t(z_t) * c_t``, the softmax per channel.
+* ``overlap=True`` (compressed-sparse layers and their indexer, ``m`` = 4; ``coff`` 2): each row
+  is two halves ``[A | B]``; ``e_w`` is the per-channel softmax-weighted sum over ``2m`` rows --
+  the A halves of group ``w - 1`` and the B halves of group ``w`` (for ``w = 0`` no A rows:
+  weight 0).
+
+Then (not in this op) the weighted RMSNorm, RoPE on the trailing rotary dims at position
+``w * m``, and the entry's write into the compressed cache (:func:`compressed_slot_mapping`).
+
+State: a slot of ``[coff * m, 2 * coff * D]`` fp32 rows ``[c | z + B]``, the last ``coff * m``
+tokens' rows of the request at row ``p % (coff * m)`` -- every row a later group can still
+need -- so a step may end anywhere in a group (chunked prefills, decodes) and the next one
+completes it. A request without computed tokens (``seq_lens - new tokens == 0``) reads none;
+a slot outside the state tensor is absent (its request reads none, nothing written), the
+rule of the recurrent-state ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.ops import define_op
+
+__all__ = ["compressed_slot_mapping", "compressor_entries", "compressor_state_rows"]
+
+
+def compressor_state_rows(ratio: int, overlap: bool) -> int:
+    """Rows of a request's compressor state: the tokens a later entry can still read."""
+    return (2 if overlap else 1) * ratio
+
+
+def _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap):
+    op = "dsv4_compressor"
+    coff = 2 if overlap else 1
+    if kv.dim() != 2 or gate.shape != kv.shape or kv.shape[1] % coff:
+        raise ValueError(f"{op}: kv and gate must be [num_tokens, coff * head_dim] of one shape "
+                         f"(coff={coff}), got {tuple(kv.shape)} and {tuple(gate.shape)}")
+    if ratio < 1:
+        raise ValueError(f"{op}: ratio={ratio} must be >= 1")
+    width = kv.shape[1]
+    if bias.shape != (ratio, width):
+        raise ValueError(f"{op}: bias (the position bias) must be [ratio={ratio}, {width}], got "
+                         f"{tuple(bias.shape)}")
+    rows = compressor_state_rows(ratio, overlap)
+    if state.dim() != 3 or state.shape[1:] != (rows, 2 * width) or state.dtype != torch.float32 \
+            and state.dtype != torch.float64:
+        raise ValueError(f"{op}: state must be fp32 [num_slots, {rows}, {2 * width}] (the last "
+                         f"{rows} tokens' [kv | gate + bias] rows), got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape != (b + 1,) or state_indices.shape != (b,):
+        raise ValueError(f"{op}: query_start_loc [B+1], seq_lens [B] and state_indices [B] "
+                         f"expected, got {tuple(query_start_loc.shape)}, {tuple(seq_lens.shape)}, "
+                         f"{tuple(state_indices.shape)}")
+
+
+def _impl(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap):
+    """The torch body (the reference and CPU path), one request at a time."""
+    _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap)
+    compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
+    t, width = kv.shape
+    d = width // (2 if overlap else 1)
+    rows_kept = compressor_state_rows(ratio, overlap)
+    out = torch.zeros(t, d, dtype=compute, device=kv.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    slots = state_indices.tolist()
+    for r, total in enumerate(lens):
+        s0, s1 = starts[r], starts[r + 1]
+        n = s1 - s0
+        if n <= 0:
+            continue
+        ctx = total - n
+        slot = slots[r]
+        present = 0 <= slot < state.shape[0]
+        pos_new = torch.arange(ctx, total, device=kv.device)
+        new = torch.cat([kv[s0:s1].to(compute),
+                         gate[s0:s1].to(compute) + bias.to(compute)[pos_new % ratio]], -1)
+        # rows by position: the state's for [ctx - rows_kept, ctx), then the step's
+        first = max(0, ctx - rows_kept)
+        known = torch.full((total - first, 2 * width), float("nan"), dtype=compute,
+                           device=kv.device)
+        if present and ctx > first:
+            hist = torch.arange(first, ctx, device=kv.device)
+            known[:ctx - first] = state[slot][hist % rows_kept].to(compute)
+        known[ctx - first:] = new
+
+        def rows(p0, p1):  # [kv | gate] rows of positions [p0, p1): absent ones weigh 0
+            block = torch.zeros(p1 - p0, 2 * width, dtype=compute, device=kv.device)
+            block[:, width:] = float("-inf")
+            lo = max(p0, first)
+            if p1 > lo:
+                got = known[lo - first:p1 - first]
+                ok = ~got.isnan().any(-1)  # (a slot read as absent: no row)
+                block[lo - p0:][ok] = got[ok]
+            return block
+
+        for i in range(n):
+            p = ctx + i
+            if (p + 1) % ratio:
+                continue
+            w = p // ratio
+            cur = rows(w * ratio, w * ratio + ratio)
+            if overlap:  # (group w - 1's A halves, none for w = 0, then group w's B halves)
+                prev = rows(w * ratio - ratio, w * ratio) if w else cur[:0]
+                c = torch.cat([prev[:, :d], cur[:, d:width]])
+                z = torch.cat([prev[:, width:width + d], cur[:, width + d:]])
+            else:
+                c, z = cur[:, :width], cur[:, width:]
+            out[s0 + i] = (torch.softmax(z, 0) * c).sum(0)
+        if present:
+            keep = pos_new[-rows_kept:]
+            state[slot][keep % rows_kept] = new[-rows_kept:].to(state.dtype)
+    return out
+
+
+def _fake(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap):
+    _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap)
+    d = kv.shape[1] // (2 if overlap else 1)
+    dtype = torch.float64 if kv.dtype == torch.float64 else torch.float32
+    return kv.new_empty(kv.shape[0], d, dtype=dtype)
+
+
+compressor_entries = define_op(
+    "dsv4_compressor",
+    "(Tensor kv, Tensor gate, Tensor bias, Tensor(a!) state, Tensor query_start_loc, "
+    "Tensor seq_lens, Tensor state_indices, int ratio, bool overlap) -> Tensor",
+    _impl, _fake)
+compressor_entries.__doc__ = """``[T, D]`` fp32: row ``t`` the (pre-norm) entry token ``t``
+emits -- where ``(p + 1) % ratio == 0`` for its position ``p`` -- else 0; the requests' state
+slots updated with the step's rows (module docstring)."""
+
+
+def _slot_mapping_impl(query_start_loc, seq_lens, block_table, ratio, block_size, num_tokens):
+    """Device ops only (no host read): capturable in CUDA graphs."""
+    dev = seq_lens.device
+    t = torch.arange(num_tokens, device=dev)
+    qsl = query_start_loc.long()
+    r = (torch.searchsorted(qsl[1:].contiguous(), t, right=True)).clamp(max=seq_lens.shape[0] - 1)
+    inside = t < qsl[-1]
+    new = qsl[r + 1] - qsl[r]
+    pos = seq_lens.long()[r] - new + (t - qsl[r])
+    emits = inside & ((pos + 1) % ratio == 0) & (pos >= 0)
+    idx = torch.where(emits, pos // ratio, 0)
+    col = (idx // block_size).clamp(max=block_table.shape[1] - 1)
+    block = block_table.long()[r, col].clamp(min=0)
+    emits = emits & (idx // block_size < block_table.shape[1])
+    return torch.where(emits, block * block_size + idx % block_size, -1)
+
+
+def _slot_mapping_fake(query_start_loc, seq_lens, block_table, ratio, block_size, num_tokens):
+    return seq_lens.new_empty(num_tokens, dtype=torch.int64)
+
+
+compressed_slot_mapping = define_op(
+    "dsv4_compressed_slot_mapping",
+    "(Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int ratio, int block_size, "
+    "int num_tokens) -> Tensor", _slot_mapping_impl, _slot_mapping_fake)
+compressed_slot_mapping.__doc__ = """``[num_tokens]`` int64: the compressed-cache slot each token
+writes its entry to -- token at position ``p`` of request ``r`` emits entry ``p // ratio`` when
+``(p + 1) % ratio == 0``, at ``block_table[r, idx // block_size] * block_size + idx %
+block_size`` (``block_size`` entries a page); -1 for the others, padding rows and entries past
+the block-table row (negative block ids are clamped to 0, as vLLM's
+``get_compressed_slot_mapping`` does)."""

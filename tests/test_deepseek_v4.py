@@ -1,0 +1,140 @@
+"""DeepSeek-V4's attention parts against HF transformers' DeepseekV4 modules (the peers): the
+compressor over prefills, chunked prefills that end mid-group and decodes, batched, its state
+in slots; the compressed caches' slot mapping against its rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_ops.backends.deepseek_v4.compressor import (compressed_slot_mapping,
+                                                      compressor_entries,
+                                                      compressor_state_rows)
+
+transformers = pytest.importorskip("transformers")
+hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+
+def _config():
+    """The study's small valid config (every layer kind; CSA ratio 4, HCA 8)."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention", "compressed_sparse_attention"],
+        num_hidden_layers=4, index_n_heads=2, index_head_dim=32, index_topk=3,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2,
+        hc_sinkhorn_iters=3, max_position_embeddings=256, vocab_size=100,
+        rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                      "beta_fast": 32, "beta_slow": 1})
+
+
+# (new tokens of requests A and B) a step: prefills, a chunk ending mid-group, decodes, one
+# request idle in a step
+STEPS = ((13, 5), (3, 0), (1, 7), (1, 1), (6, 2), (1, 1), (9, 3))
+
+
+@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
+def test_compressor_entries_are_hfs_over_chunked_steps(kind):
+    """Two requests stepped together through the op (their partial groups carried in state
+    slots, NaN-poisoned where unused) give, after HF's RMSNorm and RoPE at ``w * m``, the
+    compressed entries HF's compressor emits for each request stepped alone with its
+    incremental cache -- the same entries in the same order, over every step."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    cfg = _config()
+    layer = cfg.layer_types.index(kind)
+    cls = {"heavily_compressed_attention": hf_v4.DeepseekV4HCACompressor,
+           "compressed_sparse_attention": hf_v4.DeepseekV4CSACompressor}[kind]
+    module = cls(cfg).eval()
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.5)  # (position_bias is zero-initialised)
+    with torch.no_grad():
+        module.kv_norm.weight.uniform_(0.5, 1.5)
+    ratio, overlap = module.compress_rate, kind == "compressed_sparse_attention"
+    total = [sum(s[i] for s in STEPS) for i in range(2)]
+    x = [torch.randn(1, n, cfg.hidden_size) for n in total]
+    q_res = [torch.randn(1, n, cfg.q_lora_rank) for n in total]
+
+    want = []
+    for i in range(2):  # HF: each request alone, its cache carrying the partial groups
+        cache, done = DynamicCache(config=cfg), 0
+        for step in STEPS:
+            n = step[i]
+            if n:
+                pos = torch.arange(done, done + n)[None]
+                with torch.no_grad():
+                    entries, _ = module(x[i][:, done:done + n], q_res[i][:, done:done + n], pos,
+                                        cache, layer)
+                done += n
+        want.append(entries[0, 0])
+
+    width = module.kv_proj.out_features
+    state = torch.full((4, compressor_state_rows(ratio, overlap), 2 * width), float("nan"))
+    got, done = [[], []], [0, 0]
+    for step in STEPS:
+        ids = [i for i in range(2) if step[i]]
+        rows = torch.cat([x[i][0, done[i]:done[i] + step[i]] for i in ids])
+        qsl = torch.tensor([0, *torch.tensor([step[i] for i in ids]).cumsum(0).tolist()])
+        seq = torch.tensor([done[i] + step[i] for i in ids])
+        with torch.no_grad():
+            entries = compressor_entries(module.kv_proj(rows), module.gate_proj(rows),
+                                         module.position_bias.detach(), state, qsl, seq,
+                                         torch.tensor([2 + i for i in ids]), ratio, overlap)
+        for j, i in enumerate(ids):
+            for t in range(step[i]):
+                p = done[i] + t
+                if (p + 1) % ratio == 0:
+                    got[i].append((p // ratio, entries[qsl[j] + t]))
+            done[i] += step[i]
+    for i in range(2):
+        w = torch.tensor([e for e, _ in got[i]])
+        assert w.tolist() == list(range(len(w)))  # (one entry per completed group, in order)
+        raw = torch.stack([e for _, e in got[i]])
+        with torch.no_grad():
+            normed = module.kv_norm(raw)
+            cos, sin = module.rotary_emb(normed, position_ids=(w * ratio)[None],
+                                         layer_type="compress")
+            mine = hf_v4.apply_rotary_pos_emb(normed[None, None], cos, sin)[0, 0]
+        torch.testing.assert_close(mine, want[i], atol=1e-5, rtol=1e-5)
+    assert state[[0, 1]].isnan().all()  # (no other slot written)
+
+
+def test_compressed_slot_mapping_follows_its_rule():
+    """Device ops against the rule written out per token: entry ``p // m`` where ``(p + 1) % m
+    == 0``, through the request's block-table row, -1 elsewhere (padding rows, entries past
+    the row); negative block ids clamped to 0."""
+    g = torch.Generator().manual_seed(3)
+    ratio, bs = 4, 3
+    new, ctx = [1, 1, 9, 5, 0], [7, 30, 0, 12, 3]
+    seq = [c + n for c, n in zip(ctx, new)]
+    table = torch.randint(0, 50, (5, 4), generator=g)
+    table[1, 2] = -4
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+    got = compressed_slot_mapping(qsl, torch.tensor(seq), table, ratio, bs, sum(new) + 3)
+    want = []
+    for r in range(5):
+        for i in range(new[r]):
+            p = ctx[r] + i
+            idx = p // ratio
+            ok = (p + 1) % ratio == 0 and idx // bs < table.shape[1]
+            want.append(max(int(table[r, idx // bs]), 0) * bs + idx % bs if ok else -1)
+    want += [-1] * 3
+    assert got.tolist() == want
+    assert any(v >= 0 for v in want) and want.count(-1) > 3
+
+
+def test_ops_pass_opcheck():
+    g = torch.Generator().manual_seed(4)
+    kv, gate = (torch.randn(9, 16, generator=g) for _ in range(2))
+    state = torch.randn(3, compressor_state_rows(4, True), 32, generator=g)
+    step = (torch.tensor([0, 2, 9]), torch.tensor([6, 7]), torch.tensor([1, 2]))
+    torch.library.opcheck(compressor_entries, (kv, gate, torch.randn(4, 16, generator=g),
+                                               state, *step, 4, True))
+    torch.library.opcheck(compressed_slot_mapping, (step[0], step[1],
+                                                    torch.randint(0, 9, (2, 3), generator=g),
+                                                    4, 2, 11))
