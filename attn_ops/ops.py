@@ -147,6 +147,7 @@ OP_MODULES: dict[str, str] = {
     "turboquant_attention": "attn_ops.backends.turboquant.ops",
     "dsv4_compressor": "attn_ops.backends.deepseek_v4.compressor",
     "dsv4_compressed_slot_mapping": "attn_ops.backends.deepseek_v4.compressor",
+    "dsv4_entry_write": "attn_ops.backends.deepseek_v4.cache",
 }
 
 

@@ -4,6 +4,8 @@ in slots; the compressed caches' slot mapping against its rule."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -138,3 +140,42 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(compressed_slot_mapping, (step[0], step[1],
                                                     torch.randint(0, 9, (2, 3), generator=g),
                                                     4, 2, 11))
+    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entry_write
+
+    torch.library.opcheck(entry_write, (torch.randn(3, 512, generator=g),
+                                        torch.zeros(2, 4 * ENTRY_BYTES, dtype=torch.uint8),
+                                        torch.tensor([1, -1, 6]), 4))
+
+
+def test_entries_are_vllms_584_bytes_planar_in_their_page():
+    """An entry: the vector rounded to bf16, dims 0..447 as e4m3 in groups of 64 with UE8M0
+    scales (``2^ceil(log2(max(amax, 1e-4) / 448))``, stored as exponent + 127), dims 448..511
+    as bf16; a page of B entries holds B x 576 data bytes, then B x 8 scale bytes. Reading
+    back: within e4m3's rounding (2^-4 of each element in its normal range), the rope dims
+    exact; slot -1 and slots outside the cache skipped."""
+    from attn_ops.backends.deepseek_v4.cache import (ENTRY_BYTES, entry_write, read_entries)
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 512, generator=g) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(
+        2)[:, None]
+    x[0, 64:128] = 0.0  # (an all-zero group: the 1e-4 floor)
+    bs = 4
+    cache = torch.full((3, bs * ENTRY_BYTES), 0xAB, dtype=torch.uint8)
+    slots = torch.tensor([5, 0, -1, 11, 99, 6])
+    entry_write(x, cache, slots, bs)
+    back = read_entries(cache, bs, torch.tensor([5, 0, 11, 6]))
+    want = x[[0, 1, 3, 5]].to(torch.bfloat16).float()
+    assert torch.equal(back[:, 448:], want[:, 448:])  # (bf16 rope dims)
+    big = want[:, :448].abs() > 2 ** -6 * want[:, :448].abs().amax(-1, keepdim=True)
+    rel = ((back[:, :448] - want[:, :448]).abs() / want[:, :448].abs().clamp_min(1e-30))[big]
+    assert rel.max() <= 2 ** -4
+    # the layout: entry 5 = block 1, row 1; its scales in the scale plane, 7 bytes + a zero
+    amax = x[0, :64].to(torch.bfloat16).float().abs().amax()
+    assert int(cache[1, bs * 576 + 8]) == math.ceil(math.log2(amax / 448)) + 127
+    assert int(cache[1, bs * 576 + 8 + 1]) == math.ceil(math.log2(1e-4 / 448)) + 127  # (0s)
+    assert int(cache[1, bs * 576 + 8 + 7]) == 0
+    assert torch.equal(cache[1, 576 + 448:2 * 576].view(torch.bfloat16),
+                       x[0, 448:].to(torch.bfloat16))
+    assert (cache[2, bs * 576 + 3 * 8:bs * 576 + 4 * 8 - 1] != 0xAB).all()  # (11: block 2, 3)
+    assert (cache[0, 576:2 * 576] == 0xAB).all()  # (no row but the written ones)
+    assert (cache[0, bs * 576 + 8:bs * 576 + 16] == 0xAB).all()

@@ -1,0 +1,107 @@
+"""DeepSeek-V4's cache entries as vLLM stores them (``fp8_ds_mla`` for V4): 584 bytes an entry
+of the shared K = V head of 512 (448 "nope" dims + 64 rotated), for the sliding-window tokens
+and the compressed entries alike.
+
+An entry: the vector rounded to bf16; dims 0..447 as fp8 e4m3 in 7 groups of 64, each with a
+UE8M0 scale (a power of two ``s = 2^ceil(log2(max(amax, 1e-4) / 448))``, stored as the byte
+``log2(s) + 127``); dims 448..511 as bf16. A page of ``B`` entries is planar: ``B x 576`` bytes
+of entry data (448 fp8 + 128 bf16 bytes each), then ``B x 8`` scale bytes (7 scales and a zero
+byte each). The cache is ``uint8 [num_blocks, B * 584]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.ops import define_op
+
+__all__ = ["ENTRY_BYTES", "NOPE", "ROPE", "dequantize_entries", "entry_write", "quantize_entries",
+           "read_entries"]
+
+NOPE, ROPE, GROUP = 448, 64, 64
+DATA_BYTES = NOPE + 2 * ROPE  # 576
+SCALE_BYTES = 8  # 7 UE8M0 scales + a zero byte
+ENTRY_BYTES = DATA_BYTES + SCALE_BYTES  # 584
+
+
+def quantize_entries(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [N, 512]`` as ``(data uint8 [N, 576], scales uint8 [N, 8])``."""
+    if x.shape[-1] != NOPE + ROPE:
+        raise ValueError(f"DeepSeek-V4 entries are {NOPE} + {ROPE} wide, got {x.shape[-1]}")
+    v = x.to(torch.bfloat16).float()  # (vLLM rounds the vector to bf16 before quantizing)
+    nope = v[:, :NOPE].unflatten(1, (NOPE // GROUP, GROUP))
+    amax = nope.abs().amax(-1).clamp_min(1e-4)
+    exponent = torch.ceil(torch.log2(amax / 448.0))
+    scaled = (nope / torch.exp2(exponent)[..., None]).clamp(-448.0, 448.0)
+    fp8 = scaled.to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
+    rope = v[:, NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    scales = torch.zeros(x.shape[0], SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    scales[:, :NOPE // GROUP] = (exponent + 127).to(torch.uint8)
+    return torch.cat([fp8, rope], -1), scales
+
+
+def dequantize_entries(data: torch.Tensor, scales: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`quantize_entries` undone: ``[N, 512]`` in ``dtype``."""
+    fp8 = data[:, :NOPE].contiguous().view(torch.float8_e4m3fn).to(dtype)
+    exponent = scales[:, :NOPE // GROUP].to(dtype) - 127
+    nope = (fp8.unflatten(1, (NOPE // GROUP, GROUP)) * torch.exp2(exponent)[..., None]).flatten(1)
+    rope = data[:, NOPE:].contiguous().view(torch.bfloat16).to(dtype)
+    return torch.cat([nope, rope], -1)
+
+
+def _planar(cache: torch.Tensor, block_size: int):
+    """The page's two planes: ``(data [blocks, B, 576], scales [blocks, B, 8])`` views."""
+    data = cache[:, :block_size * DATA_BYTES].unflatten(1, (block_size, DATA_BYTES))
+    scales = cache[:, block_size * DATA_BYTES:block_size * ENTRY_BYTES].unflatten(
+        1, (block_size, SCALE_BYTES))
+    return data, scales
+
+
+def _check(entries, cache, slot_mapping, block_size):
+    op = "dsv4_entry_write"
+    if entries.dim() != 2 or entries.shape[1] != NOPE + ROPE:
+        raise ValueError(f"{op}: entries must be [num_tokens, {NOPE + ROPE}], got "
+                         f"{tuple(entries.shape)}")
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != block_size * \
+            ENTRY_BYTES:
+        raise ValueError(f"{op}: the cache must be uint8 [num_blocks, block_size x {ENTRY_BYTES}"
+                         f" = {block_size * ENTRY_BYTES}], got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    if slot_mapping.shape != (entries.shape[0],):
+        raise ValueError(f"{op}: slot_mapping must be [num_tokens={entries.shape[0]}], got "
+                         f"{tuple(slot_mapping.shape)}")
+
+
+def _write_impl(entries, cache, slot_mapping, block_size):
+    _check(entries, cache, slot_mapping, block_size)
+    slots = slot_mapping.long()
+    rows = ((slots >= 0) & (slots < cache.shape[0] * block_size)).nonzero().squeeze(1)
+    slots = slots.index_select(0, rows)
+    data, scales = quantize_entries(entries.index_select(0, rows))
+    planes = _planar(cache, block_size)
+    for plane, new in zip(planes, (data, scales)):
+        plane[slots // block_size, slots % block_size] = new
+
+
+def _write_fake(entries, cache, slot_mapping, block_size):
+    _check(entries, cache, slot_mapping, block_size)
+
+
+entry_write = define_op(
+    "dsv4_entry_write",
+    "(Tensor entries, Tensor(a!) cache, Tensor slot_mapping, int block_size) -> ()",
+    _write_impl, _write_fake)
+entry_write.__doc__ = """Quantize ``entries [T, 512]`` (a compressed entry or a window token, already
+normed and rotated) into the planar 584-byte layout at ``slot_mapping`` (-1 and slots outside
+the cache skipped)."""
+
+
+def read_entries(cache: torch.Tensor, block_size: int, slots: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The entries at ``slots`` read back, ``[len(slots), 512]`` (the tests' and the torch
+    paths' read)."""
+    data, scales = _planar(cache, block_size)
+    slots = slots.long()
+    return dequantize_entries(data[slots // block_size, slots % block_size],
+                              scales[slots // block_size, slots % block_size], dtype)
