@@ -11,23 +11,24 @@ import torch
 
 from attn_ops.backends.deepseek_v4.compressor import (compressed_slot_mapping,
                                                       compressor_entries,
-                                                      compressor_state_rows)
+                                                      compressor_state_rows, finish_entries)
 
 transformers = pytest.importorskip("transformers")
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 
-def _config():
-    """The study's small valid config (every layer kind; CSA ratio 4, HCA 8)."""
+def _config(head_dim=64, rope_dim=16):
+    """The study's small valid config (every layer kind; CSA ratio 4, HCA 8); ``head_dim`` 512
+    with 64 rotary dims: V4's entry width (its cache format)."""
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim,
+        qk_rope_head_dim=rope_dim, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         layer_types=["sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention", "compressed_sparse_attention"],
-        num_hidden_layers=4, index_n_heads=2, index_head_dim=32, index_topk=3,
+        num_hidden_layers=4, index_n_heads=2, index_head_dim=max(32, rope_dim), index_topk=3,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2,
         hc_sinkhorn_iters=3, max_position_embeddings=256, vocab_size=100,
         rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
@@ -39,41 +40,50 @@ def _config():
 STEPS = ((13, 5), (3, 0), (1, 7), (1, 1), (6, 2), (1, 1), (9, 3))
 
 
-@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
-def test_compressor_entries_are_hfs_over_chunked_steps(kind):
-    """Two requests stepped together through the op (their partial groups carried in state
-    slots, NaN-poisoned where unused) give, after HF's RMSNorm and RoPE at ``w * m``, the
-    compressed entries HF's compressor emits for each request stepped alone with its
-    incremental cache -- the same entries in the same order, over every step."""
-    from transformers import DynamicCache
-
+def _compressor(kind, cfg):
+    """HF's compressor of ``kind`` with random weights (its position bias is zero-initialised)
+    and its layer index in ``cfg``."""
     torch.manual_seed(0)
-    cfg = _config()
-    layer = cfg.layer_types.index(kind)
     cls = {"heavily_compressed_attention": hf_v4.DeepseekV4HCACompressor,
            "compressed_sparse_attention": hf_v4.DeepseekV4CSACompressor}[kind]
     module = cls(cfg).eval()
     for p in module.parameters():
-        torch.nn.init.normal_(p, std=0.5)  # (position_bias is zero-initialised)
+        torch.nn.init.normal_(p, std=0.5)
     with torch.no_grad():
         module.kv_norm.weight.uniform_(0.5, 1.5)
+    return module, cfg.layer_types.index(kind)
+
+
+def _hf_entries(module, cfg, layer, x, q_res, steps):
+    """HF's running compressed entries of one request stepped ``steps`` tokens at a time."""
+    from transformers import DynamicCache
+
+    cache, done = DynamicCache(config=cfg), 0
+    for n in steps:
+        if n:
+            pos = torch.arange(done, done + n)[None]
+            with torch.no_grad():
+                entries, _ = module(x[:, done:done + n], q_res[:, done:done + n], pos, cache,
+                                    layer)
+            done += n
+    return entries[0, 0]
+
+
+@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
+def test_compressor_entries_are_hfs_over_chunked_steps(kind):
+    """Two requests stepped together through the op (their partial groups carried in state
+    slots, NaN-poisoned where unused) give, after our RMSNorm and interleaved RoPE at ``w * m``
+    (:func:`finish_entries`), the compressed entries HF's compressor emits for each request
+    stepped alone with its incremental cache -- the same entries in the same order, over
+    every step."""
+    cfg = _config()
+    module, layer = _compressor(kind, cfg)
     ratio, overlap = module.compress_rate, kind == "compressed_sparse_attention"
     total = [sum(s[i] for s in STEPS) for i in range(2)]
     x = [torch.randn(1, n, cfg.hidden_size) for n in total]
     q_res = [torch.randn(1, n, cfg.q_lora_rank) for n in total]
-
-    want = []
-    for i in range(2):  # HF: each request alone, its cache carrying the partial groups
-        cache, done = DynamicCache(config=cfg), 0
-        for step in STEPS:
-            n = step[i]
-            if n:
-                pos = torch.arange(done, done + n)[None]
-                with torch.no_grad():
-                    entries, _ = module(x[i][:, done:done + n], q_res[i][:, done:done + n], pos,
-                                        cache, layer)
-                done += n
-        want.append(entries[0, 0])
+    want = [_hf_entries(module, cfg, layer, x[i], q_res[i], [s[i] for s in STEPS])
+            for i in range(2)]  # (HF: each request alone, its cache carrying the groups)
 
     width = module.kv_proj.out_features
     state = torch.full((4, compressor_state_rows(ratio, overlap), 2 * width), float("nan"))
@@ -97,11 +107,11 @@ def test_compressor_entries_are_hfs_over_chunked_steps(kind):
         w = torch.tensor([e for e, _ in got[i]])
         assert w.tolist() == list(range(len(w)))  # (one entry per completed group, in order)
         raw = torch.stack([e for _, e in got[i]])
-        with torch.no_grad():
-            normed = module.kv_norm(raw)
-            cos, sin = module.rotary_emb(normed, position_ids=(w * ratio)[None],
+        with torch.no_grad():  # (our RMSNorm and interleaved RoPE at w * m, HF's angles)
+            cos, sin = module.rotary_emb(raw, position_ids=(w * ratio)[None],
                                          layer_type="compress")
-            mine = hf_v4.apply_rotary_pos_emb(normed[None, None], cos, sin)[0, 0]
+            mine = finish_entries(raw, module.kv_norm.weight, cfg.rms_norm_eps,
+                                  torch.cat([cos[0], sin[0]], -1))
         torch.testing.assert_close(mine, want[i], atol=1e-5, rtol=1e-5)
     assert state[[0, 1]].isnan().all()  # (no other slot written)
 
@@ -179,3 +189,55 @@ def test_entries_are_vllms_584_bytes_planar_in_their_page():
     assert (cache[2, bs * 576 + 3 * 8:bs * 576 + 4 * 8 - 1] != 0xAB).all()  # (11: block 2, 3)
     assert (cache[0, 576:2 * 576] == 0xAB).all()  # (no row but the written ones)
     assert (cache[0, bs * 576 + 8:bs * 576 + 16] == 0xAB).all()
+
+
+@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
+def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
+    """V4's entry width (512 = 448 + 64 rotary): two requests' steps through
+    :func:`compress_into_cache` -- entries, RMSNorm, interleaved RoPE at ``w * m``, 584-byte
+    fp8 entries at their compressed slots -- read back as HF's compressor's entries within
+    e4m3's rounding (each group of 64 within 2^-3 of its largest element; rotary dims bf16)."""
+    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, read_entries
+    from attn_ops.backends.deepseek_v4.compressor import compress_into_cache
+
+    cfg = _config(head_dim=512, rope_dim=64)
+    module, layer = _compressor(kind, cfg)
+    ratio, overlap = module.compress_rate, kind == "compressed_sparse_attention"
+    steps = ((13, 9), (3, 1), (6, 7), (1, 1))
+    total = [sum(s[i] for s in steps) for i in range(2)]
+    x = [torch.randn(1, n, cfg.hidden_size) for n in total]
+    q_res = [torch.randn(1, n, cfg.q_lora_rank) for n in total]
+    want = [_hf_entries(module, cfg, layer, x[i], q_res[i], [s[i] for s in steps])
+            for i in range(2)]
+    positions = torch.arange(64)[None]
+    cos, sin = module.rotary_emb(torch.zeros(1), position_ids=positions, layer_type="compress")
+    table = torch.cat([cos[0], sin[0]], -1)  # [positions, 64]: the pairs' cos | sin
+    bs, width = 4, module.kv_proj.out_features
+    cache = torch.full((16, bs * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+    block_table = torch.tensor([[3, 7, 1, 0], [9, 2, 12, 5]])
+    state = torch.full((2, compressor_state_rows(ratio, overlap), 2 * width), float("nan"))
+    written, done = [{}, {}], [0, 0]
+    for step in steps:
+        rows = torch.cat([x[i][0, done[i]:done[i] + step[i]] for i in range(2)])
+        qsl = torch.tensor([0, step[0], step[0] + step[1]])
+        seq = torch.tensor([done[0] + step[0], done[1] + step[1]])
+        with torch.no_grad():
+            slots = compress_into_cache(module.kv_proj(rows), module.gate_proj(rows),
+                                        module.position_bias.detach(), state, qsl, seq,
+                                        torch.tensor([0, 1]), block_table, ratio, overlap,
+                                        module.kv_norm.weight.detach(), cfg.rms_norm_eps, table,
+                                        cache, bs)
+        for i in range(2):
+            for t in range(step[i]):
+                if slots[qsl[i] + t] >= 0:
+                    written[i][(done[i] + t) // ratio] = int(slots[qsl[i] + t])
+            done[i] += step[i]
+    for i in range(2):
+        assert sorted(written[i]) == list(range(want[i].shape[0]))
+        got = read_entries(cache, bs,
+                           torch.tensor([written[i][w] for w in range(want[i].shape[0])]))
+        ref = want[i].to(torch.bfloat16).float()
+        groups = (got[:, :448] - ref[:, :448]).abs().unflatten(1, (7, 64)).amax(-1)
+        scale = ref[:, :448].abs().unflatten(1, (7, 64)).amax(-1)
+        assert (groups <= 2 ** -3 * scale + 1e-6).all()
+        torch.testing.assert_close(got[:, 448:], ref[:, 448:], atol=1e-5, rtol=2 ** -7)

@@ -92,9 +92,9 @@ entry_write = define_op(
     "dsv4_entry_write",
     "(Tensor entries, Tensor(a!) cache, Tensor slot_mapping, int block_size) -> ()",
     _write_impl, _write_fake)
-entry_write.__doc__ = """Quantize ``entries [T, 512]`` (a compressed entry or a window token, already
-normed and rotated) into the planar 584-byte layout at ``slot_mapping`` (-1 and slots outside
-the cache skipped)."""
+entry_write.__doc__ = """Quantize ``entries [T, 512]`` (a compressed entry or a window token,
+already normed and rotated) into the planar 584-byte layout at ``slot_mapping`` (-1 and slots
+outside the cache skipped)."""
 
 
 def read_entries(cache: torch.Tensor, block_size: int, slots: torch.Tensor,

@@ -12,8 +12,9 @@ at the token that completes its group, ``(p + 1) % m == 0``, entry index ``w = p
   the A halves of group ``w - 1`` and the B halves of group ``w`` (for ``w = 0`` no A rows:
   weight 0).
 
-Then (not in this op) the weighted RMSNorm, RoPE on the trailing rotary dims at position
-``w * m``, and the entry's write into the compressed cache (:func:`compressed_slot_mapping`).
+Then (:func:`finish_entries`) the weighted RMSNorm and RoPE on the trailing rotary dims at
+position ``w * m``, and the entry's write into the compressed cache at its compressed slot
+(:func:`compress_into_cache`: all of it for a step).
 
 State: a slot of ``[coff * m, 2 * coff * D]`` fp32 rows ``[c | z + B]``, the last ``coff * m``
 tokens' rows of the request at row ``p % (coff * m)`` -- every row a later group can still
@@ -29,7 +30,8 @@ import torch
 
 from attn_ops.ops import define_op
 
-__all__ = ["compressed_slot_mapping", "compressor_entries", "compressor_state_rows"]
+__all__ = ["compress_into_cache", "compressed_slot_mapping", "compressor_entries",
+           "compressor_state_rows", "finish_entries", "interleaved_rope"]
 
 
 def compressor_state_rows(ratio: int, overlap: bool) -> int:
@@ -169,3 +171,54 @@ writes its entry to -- token at position ``p`` of request ``r`` emits entry ``p 
 block_size`` (``block_size`` entries a page); -1 for the others, padding rows and entries past
 the block-table row (negative block ids are clamped to 0, as vLLM's
 ``get_compressed_slot_mapping`` does)."""
+
+
+def interleaved_rope(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False
+                     ) -> torch.Tensor:
+    """DeepSeek-V4's RoPE: the trailing ``R`` dims of ``x [T, ..., D]`` rotated in consecutive
+    pairs (GPT-J style: ``(x[2i], x[2i+1])``), by each token's angles in ``cos_sin [T, R]``
+    (the ``R / 2`` pairs' cosines, then their sines), in fp32; ``inverse``: by the opposite
+    angles (the output's un-rotation). Returns ``x``'s dtype."""
+    r = cos_sin.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+    cos, sin = cos_sin[:, :r // 2].reshape(shape).float(), cos_sin[:, r // 2:].reshape(shape)
+    sin = -sin.float() if inverse else sin.float()
+    pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+    return torch.cat([x[..., :-r].float(), rotated], -1).to(x.dtype)
+
+
+def finish_entries(raw: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   cos_sin: torch.Tensor) -> torch.Tensor:
+    """Emitted entries ``raw [N, D]`` (fp32) as they are cached: the weighted RMSNorm in fp32,
+    then :func:`interleaved_rope` at each entry's window start ``w * ratio`` (``cos_sin [N,
+    R]``)."""
+    x = raw.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return interleaved_rope(x, cos_sin)
+
+
+def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_indices,
+                        block_table, ratio: int, overlap: bool, norm_weight, eps: float,
+                        rope_table: torch.Tensor, cache: torch.Tensor, block_size: int
+                        ) -> torch.Tensor:
+    """One step of a compressor, to its cache: :data:`compressor_entries`, the entries its
+    tokens complete normed and rotated (:func:`finish_entries`, ``rope_table [positions, R]``
+    indexed at ``w * ratio``) and written at their compressed slots
+    (:data:`compressed_slot_mapping`, :func:`~attn_ops.backends.deepseek_v4.cache.entry_write`).
+    Returns the slots (-1: no entry)."""
+    from attn_ops.backends.deepseek_v4.cache import entry_write
+
+    raw = compressor_entries(kv, gate, bias, state, query_start_loc, seq_lens, state_indices,
+                             ratio, overlap)
+    slots = compressed_slot_mapping(query_start_loc, seq_lens, block_table, ratio, block_size,
+                                    kv.shape[0])
+    t = torch.arange(kv.shape[0], device=kv.device)
+    qsl = query_start_loc.long()
+    r = torch.searchsorted(qsl[1:].contiguous(), t, right=True).clamp(max=seq_lens.shape[0] - 1)
+    pos = seq_lens.long()[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
+    start = (pos.clamp(min=0) // ratio * ratio).clamp(max=rope_table.shape[0] - 1)
+    entries = finish_entries(raw, norm_weight, eps, rope_table[start])
+    entry_write(entries, cache, slots, block_size)
+    return slots
