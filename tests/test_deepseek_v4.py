@@ -241,3 +241,55 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
         scale = ref[:, :448].abs().unflatten(1, (7, 64)).amax(-1)
         assert (groups <= 2 ** -3 * scale + 1e-6).all()
         torch.testing.assert_close(got[:, 448:], ref[:, 448:], atol=1e-5, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention"])
+def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kind):
+    """Our layer, loaded from HF's ``DeepseekV4Attention`` (random weights, sinks and position
+    bias), over paged window and compressed caches with the compressor's state in a slot:
+    a prefill, a chunk ending mid-group, decodes -- each step's outputs HF's (fp32; HF given
+    the sliding-window causal mask the study prescribes)."""
+    from transformers import DynamicCache
+
+    from attn_ops import BlockAllocator, build_batch
+    from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+
+    torch.manual_seed(1)
+    cfg = _config()
+    layer_idx = cfg.layer_types.index(kind)
+    hf = hf_v4.DeepseekV4Attention(cfg, layer_idx).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = DeepseekV4Attention.from_hf(hf, cfg)
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+    kind_rope = "main" if kind == "sliding_attention" else "compress"
+    steps, total = (13, 3, 1, 1, 6, 1), 25
+    x = torch.randn(1, total, cfg.hidden_size)
+    cos, sin = rotary(x, torch.arange(total)[None], layer_type=kind_rope)
+    table = torch.cat([cos[0], sin[0]], -1)
+    page = 4
+    alloc = BlockAllocator(16, page, shuffle=True, seed=2)
+    window = torch.full((16, page, cfg.head_dim), float("nan"))
+    ratio = ours.ratio or 1
+    compressed = torch.full((8, 2, cfg.head_dim), float("nan"))
+    c_table = torch.tensor([[5, 1, 7, 2, 0]])
+    state = torch.full((2, ratio, 2 * cfg.head_dim), float("nan"))
+    cache, done = DynamicCache(config=cfg), 0
+    for n in steps:
+        pos = torch.arange(done, done + n)
+        embeddings = {r: rotary(x, pos[None], layer_type=r) for r in ("main", "compress")}
+        cached = min(done, cfg.sliding_window - 1)
+        key_pos = torch.arange(done - cached, done + n)
+        visible = (key_pos[None] <= pos[:, None]) & (pos[:, None] - key_pos[None]
+                                                       < cfg.sliding_window)
+        mask = torch.zeros(1, 1, n, key_pos.shape[0]).masked_fill(~visible, float("-inf"))
+        with torch.no_grad():
+            want, _ = hf(x[:, done:done + n], embeddings, pos[None], mask, cache)
+        meta = build_batch(alloc, [0], [done], [n])
+        step = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                    block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                    compressed_block_table=c_table, state_indices=torch.tensor([1]))
+        with torch.no_grad():
+            got = ours(x[0, done:done + n], pos, table, window, step, compressed, state)
+        torch.testing.assert_close(got, want[0], atol=2e-5, rtol=2e-5)
+        done += n

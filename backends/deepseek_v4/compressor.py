@@ -206,7 +206,8 @@ def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_
     """One step of a compressor, to its cache: :data:`compressor_entries`, the entries its
     tokens complete normed and rotated (:func:`finish_entries`, ``rope_table [positions, R]``
     indexed at ``w * ratio``) and written at their compressed slots
-    (:data:`compressed_slot_mapping`, :func:`~attn_ops.backends.deepseek_v4.cache.entry_write`).
+    (:data:`compressed_slot_mapping`; a uint8 cache takes the 584-byte entries of
+    :func:`~attn_ops.backends.deepseek_v4.cache.entry_write`, another the rows in its dtype).
     Returns the slots (-1: no entry)."""
     from attn_ops.backends.deepseek_v4.cache import entry_write
 
@@ -220,5 +221,10 @@ def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_
     pos = seq_lens.long()[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
     start = (pos.clamp(min=0) // ratio * ratio).clamp(max=rope_table.shape[0] - 1)
     entries = finish_entries(raw, norm_weight, eps, rope_table[start])
-    entry_write(entries, cache, slots, block_size)
+    if cache.dtype == torch.uint8:  # (vLLM's 584-byte entries)
+        entry_write(entries, cache, slots, block_size)
+    else:  # (rows of the model dtype, [blocks, block_size, D])
+        ok = (slots >= 0).nonzero().squeeze(1)
+        at = slots.index_select(0, ok)
+        cache[at // block_size, at % block_size] = entries.index_select(0, ok).to(cache.dtype)
     return slots

@@ -1,0 +1,135 @@
+"""DeepSeek-V4's attention layer over paged caches (sliding-window and heavily compressed
+layers; the compressed-sparse layers' indexer is not here yet), on the torch reference path.
+
+One shared key = value head of ``head_dim`` (``head_dim - rope_dim`` plain dims, then the
+rotary ones), a per-head sink, grouped low-rank output. A step:
+
+1. ``q = per-head RMSNorm((RMSNorm_w(x W_qa)) W_qb)``, interleaved RoPE on q's trailing dims;
+2. ``kv = RMSNorm_w(x W_kv)``, rotated alike, written to the window cache at the step's slots;
+3. a compressed layer runs its compressor one step (state in a slot, entries to the compressed
+   cache: :func:`~attn_ops.backends.deepseek_v4.compressor.compress_into_cache`);
+4. attention over the window and the compressed entries with the sink
+   (:func:`~attn_ops.backends.deepseek_v4.reference.dsv4_attention_reference`);
+5. the output's rotary dims rotated back by the query's position (V carried RoPE), then the
+   grouped output projection.
+
+RoPE tables: sliding-window layers the "main" one, compressed layers the "compress" one (HF's
+and DeepSeek's reference: ``theta`` 1e4 without YaRN for the first; vLLM keeps YaRN there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attn_ops.backends.deepseek_v4.compressor import compress_into_cache, interleaved_rope
+from attn_ops.backends.deepseek_v4.reference import dsv4_attention_reference
+
+__all__ = ["DeepseekV4Attention"]
+
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float() if weight is not None else xf).to(x.dtype)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, layer_type: str, hidden_size: int, num_heads: int, head_dim: int,
+                 rope_dim: int, q_lora_rank: int, o_groups: int, o_lora_rank: int,
+                 sliding_window: int, ratio: int = 0, eps: float = 1e-6) -> None:
+        super().__init__()
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(f"layer_type={layer_type!r} must be one of {', '.join(LAYER_TYPES)}")
+        if layer_type == "compressed_sparse_attention":
+            raise NotImplementedError("compressed_sparse_attention needs the V4 indexer, which "
+                                      "attn_ops does not have yet; sliding_attention and "
+                                      "heavily_compressed_attention layers run")
+        if num_heads % o_groups:
+            raise ValueError(f"o_groups={o_groups} must divide num_heads={num_heads}")
+        self.layer_type, self.num_heads, self.head_dim = layer_type, num_heads, head_dim
+        self.rope_dim, self.sliding_window, self.ratio, self.eps = (rope_dim, sliding_window,
+                                                                     ratio, eps)
+        self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
+        self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+        self.q_a_norm = nn.Parameter(torch.ones(q_lora_rank))
+        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.kv_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.kv_norm = nn.Parameter(torch.ones(head_dim))
+        self.o_a_proj = nn.Parameter(torch.zeros(o_groups * o_lora_rank,
+                                                 num_heads * head_dim // o_groups))
+        self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(num_heads))
+        self.compressed = layer_type != "sliding_attention"
+        if self.compressed:
+            self.c_kv_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.c_gate_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.c_position_bias = nn.Parameter(torch.zeros(ratio, head_dim))
+            self.c_kv_norm = nn.Parameter(torch.ones(head_dim))
+
+    @classmethod
+    def from_hf(cls, hf, config) -> DeepseekV4Attention:
+        """From HF transformers' ``DeepseekV4Attention`` ``hf`` of ``config``."""
+        ratio = config.compress_rates.get(hf.layer_type, 0) if hf.layer_type != \
+            "sliding_attention" else 0
+        layer = cls(hf.layer_type, config.hidden_size, config.num_attention_heads,
+                    config.head_dim, config.qk_rope_head_dim, config.q_lora_rank,
+                    config.o_groups, config.o_lora_rank, config.sliding_window, ratio,
+                    config.rms_norm_eps)
+        with torch.no_grad():
+            layer.q_a_proj.weight.copy_(hf.q_a_proj.weight)
+            layer.q_a_norm.copy_(hf.q_a_norm.weight)
+            layer.q_b_proj.weight.copy_(hf.q_b_proj.weight)
+            layer.kv_proj.weight.copy_(hf.kv_proj.weight)
+            layer.kv_norm.copy_(hf.kv_norm.weight)
+            layer.o_a_proj.copy_(hf.o_a_proj.weight)
+            layer.o_b_proj.weight.copy_(hf.o_b_proj.weight)
+            layer.sinks.copy_(hf.sinks)
+            if layer.compressed:
+                c = hf.compressor
+                layer.c_kv_proj.weight.copy_(c.kv_proj.weight)
+                layer.c_gate_proj.weight.copy_(c.gate_proj.weight)
+                layer.c_position_bias.copy_(c.position_bias)
+                layer.c_kv_norm.copy_(c.kv_norm.weight)
+        return layer.to(hf.q_a_proj.weight.dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
+                window_cache: torch.Tensor, step: dict,
+                compressed_cache: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden]`` of a step at ``positions [T]``; ``rope_table [positions, R]``
+        (each pair's cos, then sin) of this layer's kind; ``window_cache [blocks, page, D]``;
+        ``step``: ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping`` and, for
+        a compressed layer, ``compressed_block_table`` (entries a page:
+        ``compressed_cache.shape[1]``) and ``state_indices`` (its compressor's ``state``
+        slots). Returns ``[T, hidden]``."""
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        cos_sin = rope_table[positions]
+        qr = _rms(self.q_a_proj(x), self.q_a_norm, self.eps)
+        q = _rms(self.q_b_proj(qr).view(t, h, d), None, self.eps)
+        q = interleaved_rope(q, cos_sin)
+        kv = interleaved_rope(_rms(self.kv_proj(x), self.kv_norm, self.eps), cos_sin)
+        slots = step["slot_mapping"].long()
+        ok = (slots >= 0).nonzero().squeeze(1)
+        at = slots.index_select(0, ok)
+        page = window_cache.shape[1]
+        window_cache[at // page, at % page] = kv.index_select(0, ok).to(window_cache.dtype)
+        extra = {}
+        if self.compressed:
+            compress_into_cache(
+                self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias, state,
+                step["query_start_loc"], step["seq_lens"], step["state_indices"],
+                step["compressed_block_table"], self.ratio, False, self.c_kv_norm, self.eps,
+                rope_table, compressed_cache, compressed_cache.shape[1])
+            extra = dict(compressed_cache=compressed_cache,
+                         compressed_block_table=step["compressed_block_table"], ratio=self.ratio)
+        out = dsv4_attention_reference(q, window_cache, step["query_start_loc"],
+                                       step["seq_lens"], step["block_table"], self.sinks,
+                                       d ** -0.5, self.sliding_window, **extra)
+        out = interleaved_rope(out, cos_sin, inverse=True)
+        grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H d / g]
+        w = self.o_a_proj.view(self.o_groups, self.o_lora_rank, -1)
+        mixed = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, -1)
+        return self.o_b_proj(mixed)
