@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 
-def _config(head_dim=64, rope_dim=16):
+def _config(head_dim=64, rope_dim=16, index_heads=2):
     """The study's small valid config (every layer kind; CSA ratio 4, HCA 8); ``head_dim`` 512
     with 64 rotary dims: V4's entry width (its cache format)."""
     from transformers import DeepseekV4Config
@@ -28,7 +28,8 @@ def _config(head_dim=64, rope_dim=16):
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         layer_types=["sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention", "compressed_sparse_attention"],
-        num_hidden_layers=4, index_n_heads=2, index_head_dim=max(32, rope_dim), index_topk=3,
+        num_hidden_layers=4, index_n_heads=index_heads, index_head_dim=max(32, rope_dim),
+        index_topk=3,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2,
         hc_sinkhorn_iters=3, max_position_embeddings=256, vocab_size=100,
         rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
@@ -243,7 +244,8 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
         torch.testing.assert_close(got[:, 448:], ref[:, 448:], atol=1e-5, rtol=2 ** -7)
 
 
-@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention"])
+@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention",
+                                  "compressed_sparse_attention"])
 def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kind):
     """Our layer, loaded from HF's ``DeepseekV4Attention`` (random weights, sinks and position
     bias), over paged window and compressed caches with the compressor's state in a slot:
@@ -255,7 +257,7 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
     from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
 
     torch.manual_seed(1)
-    cfg = _config()
+    cfg = _config(index_heads=16)  # (ReLU scores tie at 0 when every head's is: rare at 16)
     layer_idx = cfg.layer_types.index(kind)
     hf = hf_v4.DeepseekV4Attention(cfg, layer_idx).eval()
     for p in hf.parameters():
@@ -272,8 +274,11 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
     window = torch.full((16, page, cfg.head_dim), float("nan"))
     ratio = ours.ratio or 1
     compressed = torch.full((8, 2, cfg.head_dim), float("nan"))
-    c_table = torch.tensor([[5, 1, 7, 2, 0]])
-    state = torch.full((2, ratio, 2 * cfg.head_dim), float("nan"))
+    index_keys = torch.full((8, 2, cfg.index_head_dim), float("nan"))
+    c_table = torch.tensor([[5, 1, 7, 2, 0, 3, 6]])
+    coff = 2 if kind == "compressed_sparse_attention" else 1
+    state = torch.full((2, coff * ratio, 2 * coff * cfg.head_dim), float("nan"))
+    index_state = torch.full((2, 2 * ratio, 4 * cfg.index_head_dim), float("nan"))
     cache, done = DynamicCache(config=cfg), 0
     for n in steps:
         pos = torch.arange(done, done + n)
@@ -290,6 +295,7 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
                     block_table=meta.block_table, slot_mapping=meta.slot_mapping,
                     compressed_block_table=c_table, state_indices=torch.tensor([1]))
         with torch.no_grad():
-            got = ours(x[0, done:done + n], pos, table, window, step, compressed, state)
+            got = ours(x[0, done:done + n], pos, table, window, step, compressed, state,
+                       index_keys, index_state)
         torch.testing.assert_close(got, want[0], atol=2e-5, rtol=2e-5)
         done += n

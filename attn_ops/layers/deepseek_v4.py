@@ -1,5 +1,5 @@
-"""DeepSeek-V4's attention layer over paged caches (sliding-window and heavily compressed
-layers; the compressed-sparse layers' indexer is not here yet), on the torch reference path.
+"""DeepSeek-V4's attention layer over paged caches (sliding-window, compressed-sparse and
+heavily compressed layers), on the torch reference path.
 
 One shared key = value head of ``head_dim`` (``head_dim - rope_dim`` plain dims, then the
 rotary ones), a per-head sink, grouped low-rank output. A step:
@@ -7,8 +7,10 @@ rotary ones), a per-head sink, grouped low-rank output. A step:
 1. ``q = per-head RMSNorm((RMSNorm_w(x W_qa)) W_qb)``, interleaved RoPE on q's trailing dims;
 2. ``kv = RMSNorm_w(x W_kv)``, rotated alike, written to the window cache at the step's slots;
 3. a compressed layer runs its compressor one step (state in a slot, entries to the compressed
-   cache: :func:`~attn_ops.backends.deepseek_v4.compressor.compress_into_cache`);
-4. attention over the window and the compressed entries with the sink
+   cache: :func:`~attn_ops.backends.deepseek_v4.compressor.compress_into_cache`); a
+   compressed-sparse one also its indexer's compressor (keys of ``index_head_dim``) and the
+   indexer's top-k of the visible entries for each query;
+4. attention over the window and the (picked) compressed entries with the sink
    (:func:`~attn_ops.backends.deepseek_v4.reference.dsv4_attention_reference`);
 5. the output's rotary dims rotated back by the query's position (V carried RoPE), then the
    grouped output projection.
@@ -23,7 +25,8 @@ import torch
 from torch import nn
 
 from attn_ops.backends.deepseek_v4.compressor import compress_into_cache, interleaved_rope
-from attn_ops.backends.deepseek_v4.reference import dsv4_attention_reference
+from attn_ops.backends.deepseek_v4.reference import (dsv4_attention_reference,
+                                                    dsv4_indexer_topk_reference)
 
 __all__ = ["DeepseekV4Attention"]
 
@@ -39,14 +42,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
 class DeepseekV4Attention(nn.Module):
     def __init__(self, layer_type: str, hidden_size: int, num_heads: int, head_dim: int,
                  rope_dim: int, q_lora_rank: int, o_groups: int, o_lora_rank: int,
-                 sliding_window: int, ratio: int = 0, eps: float = 1e-6) -> None:
+                 sliding_window: int, ratio: int = 0, eps: float = 1e-6,
+                 index_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0) -> None:
         super().__init__()
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_type={layer_type!r} must be one of {', '.join(LAYER_TYPES)}")
-        if layer_type == "compressed_sparse_attention":
-            raise NotImplementedError("compressed_sparse_attention needs the V4 indexer, which "
-                                      "attn_ops does not have yet; sliding_attention and "
-                                      "heavily_compressed_attention layers run")
         if num_heads % o_groups:
             raise ValueError(f"o_groups={o_groups} must divide num_heads={num_heads}")
         self.layer_type, self.num_heads, self.head_dim = layer_type, num_heads, head_dim
@@ -63,11 +63,23 @@ class DeepseekV4Attention(nn.Module):
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(num_heads))
         self.compressed = layer_type != "sliding_attention"
+        self.sparse = layer_type == "compressed_sparse_attention"  # (overlap, indexer)
         if self.compressed:
-            self.c_kv_proj = nn.Linear(hidden_size, head_dim, bias=False)
-            self.c_gate_proj = nn.Linear(hidden_size, head_dim, bias=False)
-            self.c_position_bias = nn.Parameter(torch.zeros(ratio, head_dim))
+            width = (2 if self.sparse else 1) * head_dim
+            self.c_kv_proj = nn.Linear(hidden_size, width, bias=False)
+            self.c_gate_proj = nn.Linear(hidden_size, width, bias=False)
+            self.c_position_bias = nn.Parameter(torch.zeros(ratio, width))
             self.c_kv_norm = nn.Parameter(torch.ones(head_dim))
+        if self.sparse:
+            self.index_heads, self.index_head_dim, self.index_topk = (index_heads,
+                                                                      index_head_dim,
+                                                                      index_topk)
+            self.i_kv_proj = nn.Linear(hidden_size, 2 * index_head_dim, bias=False)
+            self.i_gate_proj = nn.Linear(hidden_size, 2 * index_head_dim, bias=False)
+            self.i_position_bias = nn.Parameter(torch.zeros(ratio, 2 * index_head_dim))
+            self.i_kv_norm = nn.Parameter(torch.ones(index_head_dim))
+            self.i_q_b_proj = nn.Linear(q_lora_rank, index_heads * index_head_dim, bias=False)
+            self.i_weights_proj = nn.Linear(hidden_size, index_heads, bias=False)
 
     @classmethod
     def from_hf(cls, hf, config) -> DeepseekV4Attention:
@@ -77,7 +89,8 @@ class DeepseekV4Attention(nn.Module):
         layer = cls(hf.layer_type, config.hidden_size, config.num_attention_heads,
                     config.head_dim, config.qk_rope_head_dim, config.q_lora_rank,
                     config.o_groups, config.o_lora_rank, config.sliding_window, ratio,
-                    config.rms_norm_eps)
+                    config.rms_norm_eps, config.index_n_heads, config.index_head_dim,
+                    config.index_topk)
         with torch.no_grad():
             layer.q_a_proj.weight.copy_(hf.q_a_proj.weight)
             layer.q_a_norm.copy_(hf.q_a_norm.weight)
@@ -93,18 +106,28 @@ class DeepseekV4Attention(nn.Module):
                 layer.c_gate_proj.weight.copy_(c.gate_proj.weight)
                 layer.c_position_bias.copy_(c.position_bias)
                 layer.c_kv_norm.copy_(c.kv_norm.weight)
+            if layer.sparse:
+                i = hf.compressor.indexer
+                layer.i_kv_proj.weight.copy_(i.kv_proj.weight)
+                layer.i_gate_proj.weight.copy_(i.gate_proj.weight)
+                layer.i_position_bias.copy_(i.position_bias)
+                layer.i_kv_norm.copy_(i.kv_norm.weight)
+                layer.i_q_b_proj.weight.copy_(i.q_b_proj.weight)
+                layer.i_weights_proj.weight.copy_(i.scorer.weights_proj.weight)
         return layer.to(hf.q_a_proj.weight.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
                 window_cache: torch.Tensor, step: dict,
                 compressed_cache: torch.Tensor | None = None,
-                state: torch.Tensor | None = None) -> torch.Tensor:
+                state: torch.Tensor | None = None, index_cache: torch.Tensor | None = None,
+                index_state: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden]`` of a step at ``positions [T]``; ``rope_table [positions, R]``
         (each pair's cos, then sin) of this layer's kind; ``window_cache [blocks, page, D]``;
         ``step``: ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping`` and, for
         a compressed layer, ``compressed_block_table`` (entries a page:
-        ``compressed_cache.shape[1]``) and ``state_indices`` (its compressor's ``state``
-        slots). Returns ``[T, hidden]``."""
+        ``compressed_cache.shape[1]``; the indexer's keys in ``index_cache`` paged alike) and
+        ``state_indices`` (its compressors' ``state`` / ``index_state`` slots). Returns
+        ``[T, hidden]``."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         cos_sin = rope_table[positions]
         qr = _rms(self.q_a_proj(x), self.q_a_norm, self.eps)
@@ -118,13 +141,23 @@ class DeepseekV4Attention(nn.Module):
         window_cache[at // page, at % page] = kv.index_select(0, ok).to(window_cache.dtype)
         extra = {}
         if self.compressed:
-            compress_into_cache(
-                self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias, state,
-                step["query_start_loc"], step["seq_lens"], step["state_indices"],
-                step["compressed_block_table"], self.ratio, False, self.c_kv_norm, self.eps,
-                rope_table, compressed_cache, compressed_cache.shape[1])
+            batch = (step["query_start_loc"], step["seq_lens"], step["state_indices"],
+                     step["compressed_block_table"], self.ratio, self.sparse)
+            compress_into_cache(self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias,
+                                state, *batch, self.c_kv_norm, self.eps, rope_table,
+                                compressed_cache, compressed_cache.shape[1])
             extra = dict(compressed_cache=compressed_cache,
                          compressed_block_table=step["compressed_block_table"], ratio=self.ratio)
+        if self.sparse:  # the lightning indexer's picks among the compressed entries
+            compress_into_cache(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
+                                index_state, *batch, self.i_kv_norm, self.eps, rope_table,
+                                index_cache, index_cache.shape[1])
+            q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, -1),
+                                       cos_sin)
+            weights = self.i_weights_proj(x).float() * self.index_heads ** -0.5
+            extra["picks"] = dsv4_indexer_topk_reference(
+                q_index, weights, index_cache, step["query_start_loc"], step["seq_lens"],
+                step["compressed_block_table"], self.ratio, self.index_topk)
         out = dsv4_attention_reference(q, window_cache, step["query_start_loc"],
                                        step["seq_lens"], step["block_table"], self.sinks,
                                        d ** -0.5, self.sliding_window, **extra)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dsv4_attention_reference"]
+__all__ = ["dsv4_attention_reference", "dsv4_indexer_topk_reference"]
 
 
 def _rows(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor,
@@ -60,3 +60,27 @@ def dsv4_attention_reference(q, window_cache, query_start_loc, seq_lens, block_t
             denom = torch.logaddexp(lse, sinks.to(compute))
             out[t] = torch.exp(scores - denom[:, None]) @ keys
     return out.to(q.dtype)
+
+
+def dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_lens,
+                                block_table, ratio: int, topk: int) -> torch.Tensor:
+    """The compressed-sparse layers' lightning indexer: for the query at ``p``, entry ``s <
+    (p + 1) // ratio`` scores ``sum_h w_h ReLU(q_h . k_s) / sqrt(Di)`` (``q [T, Hi, Di]`` rotated,
+    ``weights [T, Hi]`` already scaled by ``Hi^-0.5``, keys from ``index_cache [blocks, page,
+    Di]``); its ``min(topk, visible)`` best entry indices, -1 after them: ``[T, topk]``."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, total in enumerate(lens):
+        s0, s1 = starts[r], starts[r + 1]
+        for t in range(s0, s1):
+            visible = (total - (s1 - s0) + (t - s0) + 1) // ratio
+            if not visible:
+                continue
+            keys = _rows(index_cache, block_table[r], torch.arange(visible, device=q.device),
+                         compute)
+            scores = torch.relu(q[t].to(compute) @ keys.T) * q.shape[-1] ** -0.5  # [Hi, n]
+            scores = (scores * weights[t].to(compute)[:, None]).sum(0)
+            best = scores.topk(min(topk, visible)).indices
+            picks[t, :best.shape[0]] = best
+    return picks
