@@ -299,3 +299,24 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
                        index_keys, index_state)
         torch.testing.assert_close(got, want[0], atol=2e-5, rtol=2e-5)
         done += n
+
+
+def test_memory_arithmetic_of_a_long_request():
+    """``benchmarks/dsv4_memory.py``: a 1M-token request's bytes per layer kind are the formats'
+    -- 584-byte entries (window 128 tokens, C4A a quarter of the tokens, C128A a 128th),
+    132-byte indexer keys, the compressors' fp32 state rows -- against V3.2's 656 + 132 bytes a
+    token in every layer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import dsv4_memory as m
+
+    ctx = 1 << 20
+    assert m.layer_bytes("swa_only", ctx) == {"window": 128 * 584}
+    c4 = m.layer_bytes("c4a", ctx)
+    assert (c4["compressed"], c4["indexer_keys"]) == (ctx // 4 * 584, ctx // 4 * 132)
+    assert c4["states"] == 8 * 2048 * 4 + 8 * 512 * 4  # (8 rows of [c | z + B], fp32)
+    assert m.layer_bytes("c128a", ctx)["compressed"] == ctx // 128 * 584
+    assert m.layer_bytes("c128a", 100)["compressed"] == 0  # (no complete group yet)
+    assert m.v32_layer_bytes(ctx) == ctx * 788
