@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entry_write
 from attn_ops.backends.deepseek_v4.compressor import compress_into_cache, interleaved_rope
 from attn_ops.backends.deepseek_v4.reference import (dsv4_attention_reference,
                                                     dsv4_indexer_topk_reference)
@@ -122,7 +123,8 @@ class DeepseekV4Attention(nn.Module):
                 state: torch.Tensor | None = None, index_cache: torch.Tensor | None = None,
                 index_state: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden]`` of a step at ``positions [T]``; ``rope_table [positions, R]``
-        (each pair's cos, then sin) of this layer's kind; ``window_cache [blocks, page, D]``;
+        (each pair's cos, then sin) of this layer's kind; ``window_cache [blocks, page, D]``
+        (or ``uint8 [blocks, page * 584]``: vLLM's fp8 entries, as the compressed cache may be);
         ``step``: ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping`` and, for
         a compressed layer, ``compressed_block_table`` (entries a page:
         ``compressed_cache.shape[1]``; the indexer's keys in ``index_cache`` paged alike) and
@@ -135,17 +137,22 @@ class DeepseekV4Attention(nn.Module):
         q = interleaved_rope(q, cos_sin)
         kv = interleaved_rope(_rms(self.kv_proj(x), self.kv_norm, self.eps), cos_sin)
         slots = step["slot_mapping"].long()
-        ok = (slots >= 0).nonzero().squeeze(1)
-        at = slots.index_select(0, ok)
-        page = window_cache.shape[1]
-        window_cache[at // page, at % page] = kv.index_select(0, ok).to(window_cache.dtype)
+        if window_cache.dtype == torch.uint8:  # (vLLM's 584-byte entries)
+            entry_write(kv, window_cache, slots, window_cache.shape[1] // ENTRY_BYTES)
+        else:
+            ok = (slots >= 0).nonzero().squeeze(1)
+            at = slots.index_select(0, ok)
+            page = window_cache.shape[1]
+            window_cache[at // page, at % page] = kv.index_select(0, ok).to(window_cache.dtype)
         extra = {}
         if self.compressed:
             batch = (step["query_start_loc"], step["seq_lens"], step["state_indices"],
                      step["compressed_block_table"], self.ratio, self.sparse)
+            entries_a_page = compressed_cache.shape[1] // (
+                ENTRY_BYTES if compressed_cache.dtype == torch.uint8 else 1)
             compress_into_cache(self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias,
                                 state, *batch, self.c_kv_norm, self.eps, rope_table,
-                                compressed_cache, compressed_cache.shape[1])
+                                compressed_cache, entries_a_page)
             extra = dict(compressed_cache=compressed_cache,
                          compressed_block_table=step["compressed_block_table"], ratio=self.ratio)
         if self.sparse:  # the lightning indexer's picks among the compressed entries

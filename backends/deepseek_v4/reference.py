@@ -10,21 +10,29 @@ sink logit, to
   (``picks [T, k]`` entry indices, -1 unused).
 
 ``softmax(scale * q . k)`` over those keys with the sink in the denominator only:
-``out = sum_j exp(s_j - lse') v_j`` with ``lse' = logaddexp(lse, sink)``. Caches here hold rows
-of the model dtype (``[blocks, page, D]``); a 584-byte cache is read back by
-:func:`~attn_ops.backends.deepseek_v4.cache.read_entries` first. Computes in fp32 (fp64 for
-fp64 queries).
+``out = sum_j exp(s_j - lse') v_j`` with ``lse' = logaddexp(lse, sink)``. A cache holds rows of
+the model dtype (``[blocks, page, D]``) or vLLM's 584-byte entries (``uint8 [blocks, page *
+584]``, read back by :func:`~attn_ops.backends.deepseek_v4.cache.read_entries`). Computes in
+fp32 (fp64 for fp64 queries).
 """
 
 from __future__ import annotations
 
 import torch
 
+from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, read_entries
+
 __all__ = ["dsv4_attention_reference", "dsv4_indexer_topk_reference"]
 
 
 def _rows(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor,
           compute: torch.dtype) -> torch.Tensor:
+    """Rows ``positions`` of a request's paged cache (``table_row`` its block-table row): a
+    ``[blocks, page, D]`` cache's rows, or a 584-byte cache's entries read back."""
+    if cache.dtype == torch.uint8:
+        page = cache.shape[1] // ENTRY_BYTES
+        slots = table_row.long()[positions // page] * page + positions % page
+        return read_entries(cache, page, slots, compute)
     page = cache.shape[1]
     blocks = table_row.long()[positions // page]
     return cache[blocks, positions % page].to(compute)
