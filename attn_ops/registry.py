@@ -19,7 +19,8 @@ from attn_ops.capabilities import PackageRequirement
 from attn_ops.platforms import PlatformKind
 
 __all__ = [
-    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "MLA_BACKENDS", "RECURRENT_BACKENDS",
+    "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "KIND_BACKENDS", "MLA_BACKENDS",
+    "RECURRENT_BACKENDS",
     "get_backend_class", "list_backends",
     "register_backend", "resolve_name",
 ]
@@ -63,6 +64,8 @@ class Backend(str, enum.Enum):
     MAMBA1 = "MAMBA1"
     SHORT_CONV = "SHORT_CONV"
     LINEAR = "LINEAR"
+    # DeepSeek-V4's attention layers (backends.deepseek_v4.spec.DeepseekV4Spec)
+    DSV4_REFERENCE = "DSV4_REFERENCE"
 
     def __str__(self) -> str:
         return self.value
@@ -79,6 +82,10 @@ MLA_BACKENDS = frozenset({
 RECURRENT_BACKENDS = {"gated_deltanet": Backend.GDN, "mamba2": Backend.MAMBA2,
                       "mamba1": Backend.MAMBA1, "short_conv": Backend.SHORT_CONV,
                       "lightning": Backend.LINEAR}
+# Every layer family outside standard attention and MLA, by its specs' ``kind``: the
+# recurrent kinds and DeepSeek-V4's attention; each kind's backends, best first.
+KIND_BACKENDS = {**{k: (b,) for k, b in RECURRENT_BACKENDS.items()},
+                 "deepseek_v4": (Backend.DSV4_REFERENCE,)}
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
@@ -118,6 +125,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.MAMBA1: "attn_ops.backends.ssm.backend:Mamba1Backend",
     Backend.SHORT_CONV: "attn_ops.backends.ssm.backend:ShortConvBackend",
     Backend.LINEAR: "attn_ops.backends.ssm.backend:LightningBackend",
+    Backend.DSV4_REFERENCE: "attn_ops.backends.deepseek_v4.backend:DeepseekV4ReferenceBackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.CUTLASS_MLA,
         Backend.FLASHINFER_MLA_TRTLLM)},

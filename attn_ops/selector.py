@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from attn_ops.capabilities import Reason
 from attn_ops.platforms import Platform, PlatformKind, current_platform
-from attn_ops.registry import (MLA_BACKENDS, RECURRENT_BACKENDS, Backend, get_backend_class,
+from attn_ops.registry import (KIND_BACKENDS, MLA_BACKENDS, Backend, get_backend_class,
                                list_backends, resolve_name)
 from attn_ops.spec import AttentionSpec, Feature, LayerKind
 from attn_ops.tuning import Tuning
@@ -51,9 +51,9 @@ def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform (a recurrent
     state spec: its kind's backend -- our kernels run on GPUs and CPUs alike; a plugin of the
     kind is chosen by ``backend_per_kind``)."""
-    kind = _recurrent_kind(spec)
+    kind = _kind_of(spec)
     if kind is not None:
-        return [RECURRENT_BACKENDS[kind].value] if kind in RECURRENT_BACKENDS else []
+        return [b.value for b in KIND_BACKENDS.get(kind, ())]
     if spec.kv_cache_dtype.is_turboquant:  # (its formats have one backend)
         return [B.TURBOQUANT.value] if platform.kind in (PlatformKind.CUDA,
                                                          PlatformKind.CPU) else []
@@ -115,11 +115,10 @@ def _sparse_mla_priority(platform: Platform) -> list[Backend]:
     return [B.REFERENCE_MLA_SPARSE]
 
 
-def _recurrent_kind(spec) -> str | None:
-    """The recurrent-state kind of ``spec`` (a state spec's ``kind``), None for attention."""
-    from attn_ops.backends.ssm.spec import StateSpec
-
-    return spec.kind if isinstance(spec, StateSpec) else None
+def _kind_of(spec) -> str | None:
+    """The family ``kind`` of a spec outside standard attention and MLA (a recurrent state
+    spec's, a DeepSeek-V4 attention spec's), None for an :class:`AttentionSpec`."""
+    return None if isinstance(spec, AttentionSpec) else getattr(spec, "kind", None)
 
 
 def _family(name: str) -> str:
@@ -127,7 +126,7 @@ def _family(name: str) -> str:
     MLA when its class says ``serves_mla = True``, recurrent when it names a ``kind``."""
     if name in MLA_BACKENDS:
         return "mla"
-    kinds = {b.value: k for k, b in RECURRENT_BACKENDS.items()}
+    kinds = {b.value: k for k, bs in KIND_BACKENDS.items() for b in bs}
     if name in kinds:
         return kinds[name]
     try:
@@ -142,7 +141,7 @@ def _family(name: str) -> str:
 def _same_family(name: str, spec: AttentionSpec) -> bool:
     """Whether backend ``name`` is of the spec's family (MLA, a recurrent kind, or the
     rest)."""
-    kind = _recurrent_kind(spec)
+    kind = _kind_of(spec)
     return _family(name) == (kind or ("mla" if spec.use_mla else "attention"))
 
 
@@ -210,7 +209,7 @@ def _reasons_of(name: str, spec: AttentionSpec, platform: Platform) -> tuple[Rea
         cls = get_backend_class(name)
     except (ImportError, OSError, AttributeError) as e:
         return (Reason(name, "import_error", f"cannot import {name}: {type(e).__name__}: {e}"),)
-    kind, family = _recurrent_kind(spec), _family(name)
+    kind, family = _kind_of(spec), _family(name)
     if (kind is not None or family not in ("attention", "mla")) and family != kind:
         # (a recurrent layer and an attention backend, or another kind's: no common spec)
         layers = "attention" if family in ("attention", "mla") else family
@@ -248,7 +247,7 @@ def _forced_name(spec: AttentionSpec, config: AttentionConfig | None) -> tuple[s
     if config is not None and spec.layer_kind in config.backend_per_kind:
         return (resolve_name(config.backend_per_kind[spec.layer_kind]),
                 f"AttentionConfig.backend_per_kind[{spec.layer_kind.name}]")
-    if _recurrent_kind(spec) is not None:  # (backend / the variable force attention layers)
+    if _kind_of(spec) is not None:  # (backend / the variable force attention layers)
         return None, ""
     if config is not None and config.backend is not None and str(config.backend).lower() != "auto":
         return resolve_name(config.backend), config.forced_by
@@ -282,7 +281,7 @@ def select_backend(spec: AttentionSpec, platform: Platform | None = None,
                                                   None)  # (of the other family)
         if not chosen.ok:
             raise BackendNotSupportedError(
-                f"{'attention ' if _recurrent_kind(spec) is None else ''}backend {forced} "
+                f"{'attention ' if _kind_of(spec) is None else ''}backend {forced} "
                 f"(forced by {forced_by}) cannot run {described}:\n"
                 + _format_reasons([chosen])
                 + "\nOther backends:\n" + _format_reasons(c for c in candidates if c is not chosen)
@@ -291,7 +290,7 @@ def select_backend(spec: AttentionSpec, platform: Platform | None = None,
     else:
         valid = [c for c in candidates if c.ok and c.priority is not None]
         if not valid:
-            raise NoBackendError(f"no {'attention ' if _recurrent_kind(spec) is None else ''}"
+            raise NoBackendError(f"no {'attention ' if _kind_of(spec) is None else ''}"
                                  f"backend can run {described}:\n"
                                  + _format_reasons(candidates))
         chosen = valid[0]

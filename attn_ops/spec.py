@@ -91,6 +91,7 @@ class LayerKind(enum.Enum):
     MAMBA1 = "mamba1"
     SHORT_CONV = "short_conv"
     LIGHTNING = "lightning"
+    DEEPSEEK_V4 = "deepseek_v4"  # (its three attention kinds: backends.deepseek_v4.spec)
 
 
 class Feature(enum.Enum):

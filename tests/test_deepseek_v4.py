@@ -331,3 +331,36 @@ def test_memory_arithmetic_of_a_long_request():
     assert m.layer_bytes("c128a", ctx)["compressed"] == ctx // 128 * 584
     assert m.layer_bytes("c128a", 100)["compressed"] == 0  # (no complete group yet)
     assert m.v32_layer_bytes(ctx) == ctx * 788
+
+
+def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
+    """A DeepSeek-V4 spec is offered its family's backends only (DSV4_REFERENCE here, on the
+    CPU and the H200 alike); forcing an attention backend on its kind names the mismatch;
+    DSV4_REFERENCE refuses an attention spec; a spec outside the model's shapes is refused
+    naming the value."""
+    from attn_ops import AttentionConfig, AttentionSpec, select_backend
+    from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+    from attn_ops.platforms import Platform
+    from attn_ops.registry import get_backend_class
+    from attn_ops.selector import BackendNotSupportedError
+    from attn_ops.spec import LayerKind
+
+    spec = DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4, index_heads=64,
+                          index_head_dim=128, index_topk=512, kv_cache_dtype="fp8_ds_mla")
+    for platform in ("cpu", "cuda:9.0"):
+        selection = select_backend(spec, Platform.parse(platform))
+        assert selection.backend == "DSV4_REFERENCE"
+        assert [c.name for c in selection.candidates] == ["DSV4_REFERENCE"]
+    with pytest.raises(BackendNotSupportedError, match="FLASHINFER serves attention layers"):
+        select_backend(spec, Platform.parse("cuda:9.0"), AttentionConfig(
+            backend_per_kind={LayerKind.DEEPSEEK_V4: "FLASHINFER"}))
+    reasons = get_backend_class("DSV4_REFERENCE").not_supported_reasons(
+        AttentionSpec(num_heads=8, head_dim=64), Platform.parse("cpu"))
+    assert reasons and reasons[0].code == "layer_kind"
+    with pytest.raises(ValueError, match="compress_ratio=0"):
+        DeepseekV4Spec("heavily_compressed_attention")
+    with pytest.raises(ValueError, match="index_heads, index_head_dim and index_topk"):
+        DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4)
+    with pytest.raises(ValueError, match="head_dim=64, rope_dim=16 need kv_cache_dtype='auto'"):
+        DeepseekV4Spec("sliding_attention", head_dim=64, rope_dim=16,
+                       kv_cache_dtype="fp8_ds_mla")

@@ -1,5 +1,5 @@
 """DeepSeek-V4's attention layer over paged caches (sliding-window, compressed-sparse and
-heavily compressed layers), on the torch reference path.
+heavily compressed layers, :class:`~attn_ops.backends.deepseek_v4.spec.DeepseekV4Spec`).
 
 One shared key = value head of ``head_dim`` (``head_dim - rope_dim`` plain dims, then the
 rotary ones), a per-head sink, grouped low-rank output. A step:
@@ -10,8 +10,8 @@ rotary ones), a per-head sink, grouped low-rank output. A step:
    cache: :func:`~attn_ops.backends.deepseek_v4.compressor.compress_into_cache`); a
    compressed-sparse one also its indexer's compressor (keys of ``index_head_dim``) and the
    indexer's top-k of the visible entries for each query;
-4. attention over the window and the (picked) compressed entries with the sink
-   (:func:`~attn_ops.backends.deepseek_v4.reference.dsv4_attention_reference`);
+4. attention over the window and the (picked) compressed entries with the sink, by the
+   selected backend (DSV4_REFERENCE: :mod:`~attn_ops.backends.deepseek_v4.reference`);
 5. the output's rotary dims rotated back by the query's position (V carried RoPE), then the
    grouped output projection.
 
@@ -26,13 +26,12 @@ from torch import nn
 
 from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entry_write
 from attn_ops.backends.deepseek_v4.compressor import compress_into_cache, interleaved_rope
-from attn_ops.backends.deepseek_v4.reference import (dsv4_attention_reference,
-                                                    dsv4_indexer_topk_reference)
+from attn_ops.backends.deepseek_v4.spec import LAYER_TYPES, DeepseekV4Spec
+from attn_ops.layers.attention import SelectedLayer
+from attn_ops.platforms import Platform
+from attn_ops.selector import AttentionConfig
 
-__all__ = ["DeepseekV4Attention"]
-
-LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-
+__all__ = ["DeepseekV4Attention", "LAYER_TYPES"]
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -40,58 +39,60 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
     return (xf * weight.float() if weight is not None else xf).to(x.dtype)
 
 
-class DeepseekV4Attention(nn.Module):
-    def __init__(self, layer_type: str, hidden_size: int, num_heads: int, head_dim: int,
-                 rope_dim: int, q_lora_rank: int, o_groups: int, o_lora_rank: int,
-                 sliding_window: int, ratio: int = 0, eps: float = 1e-6,
-                 index_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0) -> None:
-        super().__init__()
-        if layer_type not in LAYER_TYPES:
-            raise ValueError(f"layer_type={layer_type!r} must be one of {', '.join(LAYER_TYPES)}")
-        if num_heads % o_groups:
-            raise ValueError(f"o_groups={o_groups} must divide num_heads={num_heads}")
-        self.layer_type, self.num_heads, self.head_dim = layer_type, num_heads, head_dim
-        self.rope_dim, self.sliding_window, self.ratio, self.eps = (rope_dim, sliding_window,
-                                                                     ratio, eps)
+class DeepseekV4Attention(SelectedLayer):
+    """A DeepSeek-V4 attention layer of ``spec``, its backend selected for it (the spec's
+    family only: ``AttentionConfig.backend_per_kind[LayerKind.DEEPSEEK_V4]`` forces one)."""
+
+    def __init__(self, spec: DeepseekV4Spec, hidden_size: int, q_lora_rank: int,
+                 o_groups: int, o_lora_rank: int, eps: float = 1e-6,
+                 config: AttentionConfig | None = None, *,
+                 platform: Platform | None = None) -> None:
+        super().__init__(spec, config, platform=platform)
+        h, d = spec.num_heads, spec.head_dim
+        if h % o_groups:
+            raise ValueError(f"o_groups={o_groups} must divide num_heads={h}")
+        self.layer_type, self.num_heads, self.head_dim = spec.layer_type, h, d
+        self.rope_dim, self.sliding_window, self.ratio, self.eps = (
+            spec.rope_dim, spec.sliding_window, spec.compress_ratio, eps)
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
         self.q_a_norm = nn.Parameter(torch.ones(q_lora_rank))
-        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
-        self.kv_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.kv_norm = nn.Parameter(torch.ones(head_dim))
-        self.o_a_proj = nn.Parameter(torch.zeros(o_groups * o_lora_rank,
-                                                 num_heads * head_dim // o_groups))
+        self.q_b_proj = nn.Linear(q_lora_rank, h * d, bias=False)
+        self.kv_proj = nn.Linear(hidden_size, d, bias=False)
+        self.kv_norm = nn.Parameter(torch.ones(d))
+        self.o_a_proj = nn.Parameter(torch.zeros(o_groups * o_lora_rank, h * d // o_groups))
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(num_heads))
-        self.compressed = layer_type != "sliding_attention"
-        self.sparse = layer_type == "compressed_sparse_attention"  # (overlap, indexer)
+        self.sinks = nn.Parameter(torch.zeros(h))
+        self.compressed = spec.layer_type != "sliding_attention"
+        self.sparse = spec.layer_type == "compressed_sparse_attention"  # (overlap, indexer)
         if self.compressed:
-            width = (2 if self.sparse else 1) * head_dim
+            width = (2 if self.sparse else 1) * d
             self.c_kv_proj = nn.Linear(hidden_size, width, bias=False)
             self.c_gate_proj = nn.Linear(hidden_size, width, bias=False)
-            self.c_position_bias = nn.Parameter(torch.zeros(ratio, width))
-            self.c_kv_norm = nn.Parameter(torch.ones(head_dim))
+            self.c_position_bias = nn.Parameter(torch.zeros(self.ratio, width))
+            self.c_kv_norm = nn.Parameter(torch.ones(d))
         if self.sparse:
-            self.index_heads, self.index_head_dim, self.index_topk = (index_heads,
-                                                                      index_head_dim,
-                                                                      index_topk)
-            self.i_kv_proj = nn.Linear(hidden_size, 2 * index_head_dim, bias=False)
-            self.i_gate_proj = nn.Linear(hidden_size, 2 * index_head_dim, bias=False)
-            self.i_position_bias = nn.Parameter(torch.zeros(ratio, 2 * index_head_dim))
-            self.i_kv_norm = nn.Parameter(torch.ones(index_head_dim))
-            self.i_q_b_proj = nn.Linear(q_lora_rank, index_heads * index_head_dim, bias=False)
-            self.i_weights_proj = nn.Linear(hidden_size, index_heads, bias=False)
+            self.index_heads, di = spec.index_heads, spec.index_head_dim
+            self.i_kv_proj = nn.Linear(hidden_size, 2 * di, bias=False)
+            self.i_gate_proj = nn.Linear(hidden_size, 2 * di, bias=False)
+            self.i_position_bias = nn.Parameter(torch.zeros(self.ratio, 2 * di))
+            self.i_kv_norm = nn.Parameter(torch.ones(di))
+            self.i_q_b_proj = nn.Linear(q_lora_rank, self.index_heads * di, bias=False)
+            self.i_weights_proj = nn.Linear(hidden_size, self.index_heads, bias=False)
 
     @classmethod
-    def from_hf(cls, hf, config) -> DeepseekV4Attention:
+    def from_hf(cls, hf, config, platform: Platform | None = None) -> DeepseekV4Attention:
         """From HF transformers' ``DeepseekV4Attention`` ``hf`` of ``config``."""
-        ratio = config.compress_rates.get(hf.layer_type, 0) if hf.layer_type != \
-            "sliding_attention" else 0
-        layer = cls(hf.layer_type, config.hidden_size, config.num_attention_heads,
-                    config.head_dim, config.qk_rope_head_dim, config.q_lora_rank,
-                    config.o_groups, config.o_lora_rank, config.sliding_window, ratio,
-                    config.rms_norm_eps, config.index_n_heads, config.index_head_dim,
-                    config.index_topk)
+        sparse = hf.layer_type == "compressed_sparse_attention"
+        spec = DeepseekV4Spec(
+            hf.layer_type, config.num_attention_heads, config.head_dim,
+            config.qk_rope_head_dim, config.sliding_window,
+            config.compress_rates.get(hf.layer_type, 0) if hf.layer_type != "sliding_attention"
+            else 0, config.index_n_heads if sparse else 0,
+            config.index_head_dim if sparse else 0, config.index_topk if sparse else 0,
+            hf.q_a_proj.weight.dtype)
+        layer = cls(spec, config.hidden_size, config.q_lora_rank, config.o_groups,
+                    config.o_lora_rank, config.rms_norm_eps, platform=platform)
         with torch.no_grad():
             layer.q_a_proj.weight.copy_(hf.q_a_proj.weight)
             layer.q_a_norm.copy_(hf.q_a_norm.weight)
@@ -144,7 +145,6 @@ class DeepseekV4Attention(nn.Module):
             at = slots.index_select(0, ok)
             page = window_cache.shape[1]
             window_cache[at // page, at % page] = kv.index_select(0, ok).to(window_cache.dtype)
-        extra = {}
         if self.compressed:
             batch = (step["query_start_loc"], step["seq_lens"], step["state_indices"],
                      step["compressed_block_table"], self.ratio, self.sparse)
@@ -153,8 +153,6 @@ class DeepseekV4Attention(nn.Module):
             compress_into_cache(self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias,
                                 state, *batch, self.c_kv_norm, self.eps, rope_table,
                                 compressed_cache, entries_a_page)
-            extra = dict(compressed_cache=compressed_cache,
-                         compressed_block_table=step["compressed_block_table"], ratio=self.ratio)
         if self.sparse:  # the lightning indexer's picks among the compressed entries
             compress_into_cache(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
                                 index_state, *batch, self.i_kv_norm, self.eps, rope_table,
@@ -162,12 +160,10 @@ class DeepseekV4Attention(nn.Module):
             q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, -1),
                                        cos_sin)
             weights = self.i_weights_proj(x).float() * self.index_heads ** -0.5
-            extra["picks"] = dsv4_indexer_topk_reference(
-                q_index, weights, index_cache, step["query_start_loc"], step["seq_lens"],
-                step["compressed_block_table"], self.ratio, self.index_topk)
-        out = dsv4_attention_reference(q, window_cache, step["query_start_loc"],
-                                       step["seq_lens"], step["block_table"], self.sinks,
-                                       d ** -0.5, self.sliding_window, **extra)
+            picks = self.impl.indexer_topk(q_index, weights, index_cache, step)
+        out = self.impl.attention(q, window_cache, step, self.sinks,
+                                  compressed_cache if self.compressed else None,
+                                  picks if self.sparse else None)
         out = interleaved_rope(out, cos_sin, inverse=True)
         grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H d / g]
         w = self.o_a_proj.view(self.o_groups, self.o_lora_rank, -1)
