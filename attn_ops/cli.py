@@ -68,6 +68,11 @@ def _add_mla_args(p: argparse.ArgumentParser) -> None:
 
 
 _STATE_KINDS = ("gdn", "mamba2", "mamba1", "short_conv", "lightning")
+_DSV4_KINDS = {"swa": ("sliding_attention", {}),
+               "csa": ("compressed_sparse_attention",
+                       dict(compress_ratio=4, index_heads=64, index_head_dim=128,
+                            index_topk=512)),
+               "hca": ("heavily_compressed_attention", dict(compress_ratio=128))}
 
 
 def _add_state_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +84,11 @@ def _add_state_args(p: argparse.ArgumentParser) -> None:
                        const=kind, help=f"describe a {kind} layer")
     g.add_argument("--state-dtype", choices=sorted(_DTYPES), default="float32",
                    help="the recurrent state's dtype")
+    g = p.add_argument_group("a DeepSeek-V4 attention layer (V4-Flash's shapes; --dtype and "
+                             "--kv-cache-dtype auto / fp8_ds_mla apply)")
+    g.add_argument("--dsv4", choices=sorted(_DSV4_KINDS), default=None,
+                   help="describe a sliding-window (swa), compressed-sparse (csa) or heavily "
+                        "compressed (hca) layer")
 
 
 def _state_spec_from(args):
@@ -105,6 +115,15 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_from(args) -> AttentionSpec:
+    if getattr(args, "dsv4", None):
+        from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+
+        if getattr(args, "state_kind", None) or getattr(args, "mla", False):
+            raise ValueError("--dsv4 describes a DeepSeek-V4 layer; give it alone")
+        layer_type, shape = _DSV4_KINDS[args.dsv4]
+        return DeepseekV4Spec(layer_type, dtype=_DTYPES[args.dtype], **shape,
+                              kv_cache_dtype="fp8_ds_mla" if args.kv_cache_dtype ==
+                              "fp8_ds_mla" else "auto")
     if getattr(args, "state_kind", None):
         if getattr(args, "mla", False):
             raise ValueError(f"--mla and --{args.state_kind.replace('_', '-')} describe two "

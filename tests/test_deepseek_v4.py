@@ -364,3 +364,15 @@ def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
     with pytest.raises(ValueError, match="head_dim=64, rope_dim=16 need kv_cache_dtype='auto'"):
         DeepseekV4Spec("sliding_attention", head_dim=64, rope_dim=16,
                        kv_cache_dtype="fp8_ds_mla")
+
+
+@pytest.mark.parametrize("flag", ["swa", "csa", "hca"])
+def test_select_and_info_show_v4_layers(capsys, flag):
+    from attn_ops.cli import main
+
+    assert main(["select", "--dsv4", flag, "--kv-cache-dtype", "fp8_ds_mla", "--platform",
+                 "cuda:9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "selected: DSV4_REFERENCE (auto)" in out and "kv_cache_dtype=fp8_ds_mla" in out
+    assert main(["info", "--dsv4", flag]) == 0
+    assert "DSV4_REFERENCE     available" in capsys.readouterr().out
