@@ -148,6 +148,8 @@ OP_MODULES: dict[str, str] = {
     "dsv4_compressor": "attn_ops.backends.deepseek_v4.compressor",
     "dsv4_compressed_slot_mapping": "attn_ops.backends.deepseek_v4.compressor",
     "dsv4_entry_write": "attn_ops.backends.deepseek_v4.cache",
+    "dsv4_reference_attention": "attn_ops.backends.deepseek_v4.reference",
+    "dsv4_indexer_topk": "attn_ops.backends.deepseek_v4.reference",
 }
 
 

@@ -156,6 +156,19 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(entry_write, (torch.randn(3, 512, generator=g),
                                         torch.zeros(2, 4 * ENTRY_BYTES, dtype=torch.uint8),
                                         torch.tensor([1, -1, 6]), 4))
+    from attn_ops.backends.deepseek_v4.reference import indexer_topk, reference_attention
+
+    window, compressed = torch.randn(4, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    step = (torch.tensor([0, 1, 4]), torch.tensor([9, 7]), torch.tensor([[0, 1, 2], [3, 2, 1]]))
+    picks = torch.tensor([[1, -1], [0, -1], [-1, -1], [0, 1]])
+    torch.library.opcheck(reference_attention, (torch.randn(4, 2, 16, generator=g), window,
+                                                *step, torch.randn(2, generator=g), 0.25, 4,
+                                                compressed, torch.tensor([[0, 1], [2, 0]]), 4,
+                                                picks))
+    torch.library.opcheck(indexer_topk, (torch.randn(4, 2, 16, generator=g),
+                                         torch.randn(4, 2, generator=g), compressed,
+                                         step[0], step[1], torch.tensor([[0, 1], [2, 0]]), 4,
+                                         2))
 
 
 def test_entries_are_vllms_584_bytes_planar_in_their_page():
@@ -376,3 +389,45 @@ def test_select_and_info_show_v4_layers(capsys, flag):
     assert "selected: DSV4_REFERENCE (auto)" in out and "kv_cache_dtype=fp8_ds_mla" in out
     assert main(["info", "--dsv4", flag]) == 0
     assert "DSV4_REFERENCE     available" in capsys.readouterr().out
+
+
+def test_the_layer_compiles_fullgraph():
+    """A compressed-sparse layer under ``torch.compile(fullgraph=True)`` -- its compressors,
+    indexer and attention as ops with fakes -- gives eager's outputs and caches over a prefill
+    and a decode."""
+    from attn_ops import BlockAllocator, build_batch
+    from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+
+    torch.manual_seed(3)
+    cfg = _config(index_heads=16)
+    hf = hf_v4.DeepseekV4Attention(cfg, 1).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    layer = DeepseekV4Attention.from_hf(hf, cfg)
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+    cos, sin = rotary(torch.zeros(1), torch.arange(32)[None], layer_type="compress")
+    table = torch.cat([cos[0], sin[0]], -1)
+    x = torch.randn(10, cfg.hidden_size)
+
+    def caches():
+        return (torch.zeros(8, 4, cfg.head_dim), torch.zeros(4, 2, cfg.head_dim),
+                torch.zeros(2, 8, 4 * cfg.head_dim), torch.zeros(4, 2, cfg.index_head_dim),
+                torch.zeros(2, 8, 4 * cfg.index_head_dim))
+
+    eager, compiled = caches(), caches()
+    torch._dynamo.reset()
+    fn = torch.compile(layer, fullgraph=True)
+    alloc = BlockAllocator(8, 4)
+    for done, n in ((0, 9), (9, 1)):
+        meta = build_batch(alloc, [0], [done], [n])
+        step = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                    block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                    compressed_block_table=torch.tensor([[2, 0, 3]]),
+                    state_indices=torch.tensor([1]))
+        pos = torch.arange(done, done + n)
+        with torch.no_grad():
+            want = layer(x[done:done + n], pos, table, eager[0], step, *eager[1:])
+            got = fn(x[done:done + n], pos, table, compiled[0], step, *compiled[1:])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

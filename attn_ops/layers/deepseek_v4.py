@@ -39,6 +39,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
     return (xf * weight.float() if weight is not None else xf).to(x.dtype)
 
 
+def _entries_a_page(cache: torch.Tensor) -> int:
+    """Entries a page of a V4 cache holds: ``[blocks, page, D]`` rows or ``uint8 [blocks,
+    page * 584]`` entries."""
+    return cache.shape[1] // ENTRY_BYTES if cache.dtype == torch.uint8 else cache.shape[1]
+
+
 class DeepseekV4Attention(SelectedLayer):
     """A DeepSeek-V4 attention layer of ``spec``, its backend selected for it (the spec's
     family only: ``AttentionConfig.backend_per_kind[LayerKind.DEEPSEEK_V4]`` forces one)."""
@@ -137,22 +143,13 @@ class DeepseekV4Attention(SelectedLayer):
         q = _rms(self.q_b_proj(qr).view(t, h, d), None, self.eps)
         q = interleaved_rope(q, cos_sin)
         kv = interleaved_rope(_rms(self.kv_proj(x), self.kv_norm, self.eps), cos_sin)
-        slots = step["slot_mapping"].long()
-        if window_cache.dtype == torch.uint8:  # (vLLM's 584-byte entries)
-            entry_write(kv, window_cache, slots, window_cache.shape[1] // ENTRY_BYTES)
-        else:
-            ok = (slots >= 0).nonzero().squeeze(1)
-            at = slots.index_select(0, ok)
-            page = window_cache.shape[1]
-            window_cache[at // page, at % page] = kv.index_select(0, ok).to(window_cache.dtype)
+        entry_write(kv, window_cache, step["slot_mapping"], _entries_a_page(window_cache))
         if self.compressed:
             batch = (step["query_start_loc"], step["seq_lens"], step["state_indices"],
                      step["compressed_block_table"], self.ratio, self.sparse)
-            entries_a_page = compressed_cache.shape[1] // (
-                ENTRY_BYTES if compressed_cache.dtype == torch.uint8 else 1)
             compress_into_cache(self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias,
                                 state, *batch, self.c_kv_norm, self.eps, rope_table,
-                                compressed_cache, entries_a_page)
+                                compressed_cache, _entries_a_page(compressed_cache))
         if self.sparse:  # the lightning indexer's picks among the compressed entries
             compress_into_cache(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
                                 index_state, *batch, self.i_kv_norm, self.eps, rope_table,

@@ -8,8 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from attn_ops.backends.deepseek_v4.reference import (dsv4_attention_reference,
-                                                    dsv4_indexer_topk_reference)
+from attn_ops.backends.deepseek_v4.reference import indexer_topk, reference_attention
 from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
 from attn_ops.capabilities import CUDAGraphSupport, Reason
 from attn_ops.platforms import Platform
@@ -52,17 +51,16 @@ class DeepseekV4ReferenceBackend:
     def attention(self, q, window_cache, step, sinks, compressed_cache=None, picks=None):
         """``q [T, H, D]`` over the window (and compressed entries): ``[T, H, D]``."""
         spec = self.spec
-        extra = {} if compressed_cache is None else dict(
-            compressed_cache=compressed_cache, compressed_block_table=step[
-                "compressed_block_table"], ratio=spec.compress_ratio, picks=picks)
-        return dsv4_attention_reference(q, window_cache, step["query_start_loc"],
-                                        step["seq_lens"], step["block_table"], sinks,
-                                        spec.head_dim ** -0.5, spec.sliding_window, **extra)
+        compressed = compressed_cache is not None
+        return reference_attention(q, window_cache, step["query_start_loc"],
+                                   step["seq_lens"], step["block_table"], sinks,
+                                   spec.head_dim ** -0.5, spec.sliding_window, compressed_cache,
+                                   step["compressed_block_table"] if compressed else None,
+                                   spec.compress_ratio, picks)
 
     def indexer_topk(self, q_index, weights, index_cache, step):
         """The compressed-sparse layer's picks: ``[T, index_topk]`` (-1 unused)."""
         spec = self.spec
-        return dsv4_indexer_topk_reference(q_index, weights, index_cache,
-                                           step["query_start_loc"], step["seq_lens"],
-                                           step["compressed_block_table"],
-                                           spec.compress_ratio, spec.index_topk)
+        return indexer_topk(q_index, weights, index_cache, step["query_start_loc"],
+                            step["seq_lens"], step["compressed_block_table"], spec.compress_ratio,
+                            spec.index_topk)

@@ -60,11 +60,16 @@ def _planar(cache: torch.Tensor, block_size: int):
 
 def _check(entries, cache, slot_mapping, block_size):
     op = "dsv4_entry_write"
-    if entries.dim() != 2 or entries.shape[1] != NOPE + ROPE:
+    if cache.dtype != torch.uint8:  # (rows of the model dtype)
+        if entries.dim() != 2 or cache.dim() != 3 or cache.shape[1:] != (block_size,
+                                                                           entries.shape[1]):
+            raise ValueError(f"{op}: a cache of rows must be [num_blocks, block_size="
+                             f"{block_size}, D] for entries [num_tokens, D], got "
+                             f"{tuple(cache.shape)} and {tuple(entries.shape)}")
+    elif entries.dim() != 2 or entries.shape[1] != NOPE + ROPE:
         raise ValueError(f"{op}: entries must be [num_tokens, {NOPE + ROPE}], got "
                          f"{tuple(entries.shape)}")
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != block_size * \
-            ENTRY_BYTES:
+    elif cache.dim() != 2 or cache.shape[1] != block_size * ENTRY_BYTES:
         raise ValueError(f"{op}: the cache must be uint8 [num_blocks, block_size x {ENTRY_BYTES}"
                          f" = {block_size * ENTRY_BYTES}], got {cache.dtype} "
                          f"{tuple(cache.shape)}")
@@ -78,6 +83,10 @@ def _write_impl(entries, cache, slot_mapping, block_size):
     slots = slot_mapping.long()
     rows = ((slots >= 0) & (slots < cache.shape[0] * block_size)).nonzero().squeeze(1)
     slots = slots.index_select(0, rows)
+    if cache.dtype != torch.uint8:
+        cache[slots // block_size, slots % block_size] = entries.index_select(0, rows).to(
+            cache.dtype)
+        return
     data, scales = quantize_entries(entries.index_select(0, rows))
     planes = _planar(cache, block_size)
     for plane, new in zip(planes, (data, scales)):
@@ -94,7 +103,8 @@ entry_write = define_op(
     _write_impl, _write_fake)
 entry_write.__doc__ = """Quantize ``entries [T, 512]`` (a compressed entry or a window token,
 already normed and rotated) into the planar 584-byte layout at ``slot_mapping`` (-1 and slots
-outside the cache skipped)."""
+outside the cache skipped); a cache of rows (``[blocks, block_size, D]``, not uint8) takes them
+in its dtype."""
 
 
 def read_entries(cache: torch.Tensor, block_size: int, slots: torch.Tensor,

@@ -220,11 +220,6 @@ def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_
     r = torch.searchsorted(qsl[1:].contiguous(), t, right=True).clamp(max=seq_lens.shape[0] - 1)
     pos = seq_lens.long()[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
     start = (pos.clamp(min=0) // ratio * ratio).clamp(max=rope_table.shape[0] - 1)
-    entries = finish_entries(raw, norm_weight, eps, rope_table[start])
-    if cache.dtype == torch.uint8:  # (vLLM's 584-byte entries)
-        entry_write(entries, cache, slots, block_size)
-    else:  # (rows of the model dtype, [blocks, block_size, D])
-        ok = (slots >= 0).nonzero().squeeze(1)
-        at = slots.index_select(0, ok)
-        cache[at // block_size, at % block_size] = entries.index_select(0, ok).to(cache.dtype)
+    entry_write(finish_entries(raw, norm_weight, eps, rope_table[start]), cache, slots,
+                block_size)
     return slots

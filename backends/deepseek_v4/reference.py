@@ -13,7 +13,8 @@ sink logit, to
 ``out = sum_j exp(s_j - lse') v_j`` with ``lse' = logaddexp(lse, sink)``. A cache holds rows of
 the model dtype (``[blocks, page, D]``) or vLLM's 584-byte entries (``uint8 [blocks, page *
 584]``, read back by :func:`~attn_ops.backends.deepseek_v4.cache.read_entries`). Computes in
-fp32 (fp64 for fp64 queries).
+fp32 (fp64 for fp64 queries). ``torch.ops.attn.dsv4_reference_attention`` and
+``dsv4_indexer_topk`` are these as ops (fakes included: a compiled layer traces them whole).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import torch
 
 from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, read_entries
+from attn_ops.ops import define_op
 
-__all__ = ["dsv4_attention_reference", "dsv4_indexer_topk_reference"]
+__all__ = ["dsv4_attention_reference", "dsv4_indexer_topk_reference", "indexer_topk",
+           "reference_attention"]
 
 
 def _rows(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor,
@@ -92,3 +95,67 @@ def dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_le
             best = scores.topk(min(topk, visible)).indices
             picks[t, :best.shape[0]] = best
     return picks
+
+
+def _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+                     compressed_cache, compressed_block_table, picks):
+    op = "dsv4_reference_attention"
+    if q.dim() != 3 or sinks.shape != (q.shape[1],):
+        raise ValueError(f"{op}: q must be [num_tokens, num_heads, head_dim] and sinks "
+                         f"[num_heads], got {tuple(q.shape)} and {tuple(sinks.shape)}")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape != (b + 1,) or block_table.dim() != 2 or \
+            block_table.shape[0] != b:
+        raise ValueError(f"{op}: query_start_loc [B+1], seq_lens [B] and block_table [B, W] "
+                         f"expected, got {tuple(query_start_loc.shape)}, {tuple(seq_lens.shape)}"
+                         f", {tuple(block_table.shape)}")
+    if (compressed_cache is None) != (compressed_block_table is None):
+        raise ValueError(f"{op}: pass compressed_cache with compressed_block_table")
+    if picks is not None and (picks.dim() != 2 or picks.shape[0] != q.shape[0]):
+        raise ValueError(f"{op}: picks must be [num_tokens={q.shape[0]}, k], got "
+                         f"{tuple(picks.shape)}")
+
+
+def _attention_op(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
+                  sliding_window, compressed_cache, compressed_block_table, ratio, picks):
+    _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+                     compressed_cache, compressed_block_table, picks)
+    return dsv4_attention_reference(q, window_cache, query_start_loc, seq_lens, block_table,
+                                    sinks, scale, sliding_window, compressed_cache,
+                                    compressed_block_table, ratio, picks)
+
+
+def _attention_fake(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
+                    sliding_window, compressed_cache, compressed_block_table, ratio, picks):
+    _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+                     compressed_cache, compressed_block_table, picks)
+    return torch.empty_like(q)
+
+
+def _indexer_op(q, weights, index_cache, query_start_loc, seq_lens, block_table, ratio, topk):
+    if q.dim() != 3 or weights.shape != q.shape[:2]:
+        raise ValueError(f"dsv4_indexer_topk: q must be [num_tokens, index_heads, dim] and "
+                         f"weights [num_tokens, index_heads], got {tuple(q.shape)} and "
+                         f"{tuple(weights.shape)}")
+    return dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_lens,
+                                       block_table, ratio, topk)
+
+
+def _indexer_fake(q, weights, index_cache, query_start_loc, seq_lens, block_table, ratio, topk):
+    return q.new_empty(q.shape[0], topk, dtype=torch.int64)
+
+
+# (they read lengths on the host: outside CUDA graphs, opaque to torch.compile)
+_UNCAPTURABLE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),)
+                      if t is not None)
+reference_attention = define_op(
+    "dsv4_reference_attention",
+    "(Tensor q, Tensor window_cache, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_table, Tensor sinks, float scale, int sliding_window, "
+    "Tensor? compressed_cache, Tensor? compressed_block_table, int ratio, Tensor? picks) "
+    "-> Tensor", _attention_op, _attention_fake, tags=_UNCAPTURABLE)
+indexer_topk = define_op(
+    "dsv4_indexer_topk",
+    "(Tensor q, Tensor weights, Tensor index_cache, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_table, int ratio, int topk) -> Tensor", _indexer_op, _indexer_fake,
+    tags=_UNCAPTURABLE)
