@@ -4,11 +4,13 @@ in slots; the compressed caches' slot mapping against its rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from attn_ops import build_batch
 from attn_ops.backends.deepseek_v4.compressor import (compressed_slot_mapping,
                                                       compressor_entries,
                                                       compressor_state_rows, finish_entries)
@@ -431,3 +433,88 @@ def test_the_layer_compiles_fullgraph():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def _v4_matrix():
+    """(backend, kind, scenario) of every backend of the DeepSeek-V4 family the registry holds
+    (a new one enrolls itself) x its three layer kinds x serving scenarios."""
+    from attn_ops.registry import KIND_BACKENDS
+
+    for backend in KIND_BACKENDS["deepseek_v4"]:
+        for kind in ("sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"):
+            for scenario in V4_SCENARIOS:
+                yield pytest.param(backend.value, kind, scenario,
+                                   id=f"{backend.value}-{kind}-{scenario}")
+
+
+# (context, new tokens) a request, decode-first: decodes over long contexts (one completing a
+# group), a fresh one-token request, a prefill, a chunk ending mid-group
+V4_SCENARIOS = {"decode_only": ((21, 1), (7, 1), (3, 1)),
+                "mixed": ((21, 1), (15, 1), (0, 1), (0, 13), (9, 6)),
+                "chunked": ((5, 11), (13, 2))}
+
+
+def _v4_step(alloc, ids, ctx, new, c_table, slots):
+    meta = build_batch(alloc, ids, ctx, new)
+    return dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                compressed_block_table=c_table, state_indices=slots)
+
+
+@pytest.mark.parametrize("backend,kind,scenario", list(_v4_matrix()))
+def test_v4_matrix_matches_the_fp64_reference(backend, kind, scenario):
+    """Each backend of the family (forced on its kind) on a step of ``scenario``: the layer's
+    caches (window, compressed, indexer keys) over permuted pages NaN-poisoned wherever no token
+    of the requests was written, the compressors' state slots NaN but the requests' -- outputs
+    finite and DSV4_REFERENCE's in fp64 on the same inputs (fp32 tolerance)."""
+    from attn_ops import AttentionConfig, BlockAllocator
+    from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+    from attn_ops.spec import LayerKind
+
+    torch.manual_seed(7)
+    cfg = _config(index_heads=16)
+    hf = hf_v4.DeepseekV4Attention(cfg, cfg.layer_types.index(kind)).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    oracle = DeepseekV4Attention.from_hf(hf.double(), cfg)
+    forced = AttentionConfig(backend_per_kind={LayerKind.DEEPSEEK_V4: backend})
+    spec = dataclasses.replace(oracle.spec, dtype=torch.float32)
+    ours = DeepseekV4Attention(spec, cfg.hidden_size, cfg.q_lora_rank, cfg.o_groups,
+                               cfg.o_lora_rank, cfg.rms_norm_eps, forced)
+    ours.load_state_dict({k: v.float() for k, v in oracle.state_dict().items()})
+    assert ours.backend == backend
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+    cos, sin = rotary(torch.zeros(1), torch.arange(64)[None],
+                      layer_type="main" if kind == "sliding_attention" else "compress")
+    table = torch.cat([cos[0], sin[0]], -1)
+    requests = V4_SCENARIOS[scenario]
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(c + n, cfg.hidden_size, generator=g) for c, n in requests]
+    c_table = torch.randperm(40, generator=g)[:len(requests) * 8].view(len(requests), 8)
+    state_slots = torch.arange(len(requests)) + 2
+    coff = 2 if kind == "compressed_sparse_attention" else 1
+    rows = coff * max(oracle.ratio, 1)
+    outs = {}
+    for dtype, layer in ((torch.float32, ours), (torch.float64, oracle)):
+        alloc = BlockAllocator(64, 4, shuffle=True, seed=3)
+        caches = [torch.full(shape, float("nan"), dtype=dtype) for shape in (
+            (64, 4, cfg.head_dim), (40, 2, cfg.head_dim),
+            (4 + len(requests), rows, 2 * coff * cfg.head_dim), (40, 2, cfg.index_head_dim),
+            (4 + len(requests), rows, 4 * cfg.index_head_dim))]
+        with torch.no_grad():
+            for i, (c, _) in enumerate(requests):  # (each context: an earlier prefill)
+                if c:
+                    step = _v4_step(alloc, [i], [0], [c], c_table[i:i + 1],
+                                    state_slots[i:i + 1])
+                    layer(xs[i][:c].to(dtype), torch.arange(c), table.to(dtype), caches[0],
+                          step, *caches[1:])
+            step = _v4_step(alloc, list(range(len(requests))), [c for c, _ in requests],
+                            [n for _, n in requests], c_table, state_slots)
+            pos = torch.cat([torch.arange(c, c + n) for c, n in requests])
+            new = torch.cat([x[c:] for x, (c, _) in zip(xs, requests)])
+            outs[dtype] = layer(new.to(dtype), pos, table.to(dtype), caches[0], step,
+                                *caches[1:])
+    assert outs[torch.float32].isfinite().all()
+    torch.testing.assert_close(outs[torch.float32].double(), outs[torch.float64], atol=1e-4,
+                               rtol=1e-4)
