@@ -10,8 +10,8 @@ and strides specialized as divisible by 16 (as Triton's JIT specializes them at 
 over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
-        mamba1_recurrent lightning_recurrent gdn_recurrent turboquant_attention] [--arch 90]
-        [--out PATH]
+        mamba1_recurrent lightning_recurrent gdn_recurrent turboquant_attention
+        turboquant_write] [--arch 90] [--out PATH]
 """
 
 from __future__ import annotations
@@ -57,6 +57,25 @@ def _turboquant_attention():
     return ak.paged_attention_kernel, points
 
 
+WRITE_TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64",
+               "hadamard_ptr": "*fp32", "mid_ptr": "*fp32", "cs_ptr": "*fp32",
+               "inv_sqrt_d": "fp32"}
+
+
+def _turboquant_write():
+    """(kernel, points) of TurboQuant's cache write: head dim 128, RoPE, 4- and 3-bit presets
+    (and k8v4), tokens a program x warps."""
+    from attn_ops.backends.turboquant.write_kernels import cache_write_kernel
+
+    points = []
+    for (kb, vb, slot), (tokens, warps) in itertools.product(
+            ((4, 4, 134), (3, 3, 102), (8, 4, 196)), ((16, 8), (16, 4), (32, 8))):
+        consts = dict(D=128, D_P=128, PAGE=16, SLOT=slot, SLOT_P=256, KEY_BITS=kb,
+                      VALUE_BITS=vb, PAD=False, ROPE=True, BLOCK_T=tokens)
+        points.append((f"k{kb}v{vb} {tokens} tokens", consts, warps))
+    return cache_write_kernel, points
+
+
 def configs() -> dict[str, tuple]:
     """kernel name -> (the kernel, [(label, constexprs, warps), ...])."""
     from attn_ops.backends.ssm import chunk_walk_kernels as cw
@@ -82,6 +101,7 @@ def configs() -> dict[str, tuple]:
                                   BLOCK_V=v, L2NORM=True, EVICT="evict_first", STORE=".cs"), w)
             for v, w in itertools.product((64, 128), (4, 8))]),
         "turboquant_attention": _turboquant_attention(),
+        "turboquant_write": _turboquant_write(),
     }
 
 
@@ -129,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+",
                         default=["mamba1_chunked", "lightning_chunked", "mamba1_recurrent",
-                                 "lightning_recurrent", "gdn_recurrent", "turboquant_attention"])
+                                 "lightning_recurrent", "gdn_recurrent", "turboquant_attention",
+                                 "turboquant_write"])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "kernel_resources.json"))
@@ -141,7 +162,8 @@ def main() -> None:
         for label, constexprs, warps in points:
             try:
                 row = resources(fn, constexprs, warps, args.arch,
-                                TQ_TYPES if name == "turboquant_attention" else None)
+                                {"turboquant_attention": TQ_TYPES,
+                                 "turboquant_write": WRITE_TYPES}.get(name))
             except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
                 row = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append({"kernel": name, "config": label, "warps": warps, **row})

@@ -1,13 +1,14 @@
 """Triton kernels of the TurboQuant cache: the write (quantize and pack, one launch).
 
 :func:`cache_write_kernel` -- one program a block of ``BLOCK_T`` tokens and a KV head: keys'
-RoPE (with ``ROPE``: each coordinate with its partner in the other half), norms, the rotation (``[BLOCK_T, D] x [D, D]`` on the tensor cores in exact fp32, the Hadamard
-entries +-1 with 1 / sqrt(D) applied after), each coordinate's codebook index as a count of the
-midpoints at or below it, values' minimum, maximum, scale and codes, the LSB-first packing (4
-bits: two codes a byte; 3 bits: eight codes a 3-byte word), the fp16 fields, and -- for tokens
-entering a page -- the page's slots the write leaves unfilled zeroed (the tokens of a page come
-in slot order). Slots outside the cache are skipped, as ``-1`` is. The attention side reads the
-format inside TRITON_ATTN's kernel (``KV_FORMAT``).
+RoPE (with ``ROPE``: each coordinate with its partner in the other half), norms, the rotation
+(``[BLOCK_T, D] x [D, D]`` in exact fp32, as vLLM's fp32 matmul, the Hadamard entries +-1 with
+1 / sqrt(D) applied after), each coordinate's codebook
+index as a count of the midpoints at or below it, values' minimum, maximum, scale and codes, the
+LSB-first packing (4 bits: two codes a byte; 3 bits: eight codes a 3-byte word), the fp16
+fields, and -- for tokens entering a page -- the page's slots the write leaves unfilled zeroed
+(the tokens of a page come in slot order). Slots outside the cache are skipped, as ``-1`` is.
+The attention side reads the format inside TRITON_ATTN's kernel (``KV_FORMAT``).
 """
 
 from __future__ import annotations
@@ -129,9 +130,11 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
 
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, preset, cos_sin: torch.Tensor | None = None,
-                       block_t: int = 16) -> None:
+                       block_t: int = 16, num_warps: int = 8) -> None:
     """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
-    first with ``cos_sin`` (inputs already checked)."""
+    first with ``cos_sin`` (inputs already checked). 16 tokens on 8 warps: the sm_90 build at
+    head dim 128 takes 70-72 registers a thread, at most 16 B spilled; on 4 warps the exact
+    fp32 rotation spills 7.6-8.2 KB (``profile_kernel_resources.py``)."""
     from attn_ops.backends.turboquant.format import codebook, hadamard
 
     t, hk, d = key.shape
@@ -155,4 +158,4 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         SLOT=slot, SLOT_P=triton.next_power_of_2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
-        BLOCK_T=block_t)
+        BLOCK_T=block_t, num_warps=num_warps)
