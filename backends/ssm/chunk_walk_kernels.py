@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from attn_ops.backends.ssm.chunked_kernels import _dot
-from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
-                                                  _keep_final)
+from attn_ops.backends.ssm.triton_kernels import (_keep_final, _request_state,
+                                                  _zero_padding_rows, lightning_launch,
+                                                  mamba1_launch)
 
 __all__ = ["lightning_chunked_triton", "mamba1_chunked_triton"]
 
@@ -98,25 +99,9 @@ def mamba1_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                           block_d: int = 32, num_warps: int = 4) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` ``chunk`` tokens at a time (a power of two), ``block_d``
     channels a program, one slot a request (inputs already checked)."""
-    x, dt, B, C = (u if u.stride(-1) == 1 else u.contiguous() for u in (x, dt, B, C))
-    z = z if z is None or z.stride(-1) == 1 else z.contiguous()
-    A = A if A.stride(-1) == 1 else A.contiguous()
-    t, d = x.shape
-    n = A.shape[1]
-    b = query_start_loc.shape[0] - 1
-    if b == 0:
-        return torch.zeros_like(x)
-    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    block_d = min(triton.next_power_of_2(d), block_d)
-    D, dt_bias = _or_zeros(D, d, x.device), _or_zeros(dt_bias, d, x.device)
-    mamba1_chunked_kernel[(b, triton.cdiv(d, block_d))](
-        x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
-        state_indices, has_initial_state, state_indices.stride(0), x.stride(0), y.stride(0),
-        dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0), C.stride(0),
-        A.stride(0), state.stride(0), state.stride(1), t, state.shape[0], D_INNER=d, N=n,
-        CHUNK=chunk, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
-        SOFTPLUS=dt_softplus, num_warps=num_warps)
-    return y
+    return mamba1_launch(mamba1_chunked_kernel, x, dt, A, B, C, D, z, dt_bias, state,
+                         query_start_loc, state_indices, has_initial_state, dt_softplus,
+                         block_d, num_warps, CHUNK=chunk)
 
 
 @triton.jit
@@ -177,19 +162,6 @@ def lightning_chunked_triton(q, k, v, slope, state, query_start_loc, state_indic
     """``torch.ops.attn.lightning_attention`` ``chunk`` tokens at a time (a power of two
     >= 16), ``block_v`` value columns a program, one slot a request (inputs already
     checked)."""
-    q, k, v = (u if u.stride(-1) == 1 else u.contiguous() for u in (q, k, v))
-    t, h, dk = q.shape
-    dv = v.shape[2]
-    b = query_start_loc.shape[0] - 1
-    if b == 0:
-        return torch.zeros(t, h, dv, dtype=v.dtype, device=v.device)
-    out = torch.empty(t, h, dv, dtype=v.dtype, device=v.device)
-    block_v = max(min(triton.next_power_of_2(dv), block_v), 16)
-    lightning_chunked_kernel[(b, h, triton.cdiv(dv, block_v))](
-        q, k, v, slope, state, out, query_start_loc, state_indices, has_initial_state,
-        state_indices.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        out.stride(0), out.stride(1), t, state.shape[0], DK=dk, DV=dv,
-        BLOCK_K=max(triton.next_power_of_2(dk), 16), BLOCK_V=block_v, CHUNK=chunk,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps)
-    return out
+    return lightning_launch(lightning_chunked_kernel, q, k, v, slope, state, query_start_loc,
+                            state_indices, has_initial_state, block_v, num_warps, min_block=16,
+                            CHUNK=chunk, IEEE=q.dtype == torch.float32)

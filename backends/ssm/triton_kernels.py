@@ -487,6 +487,17 @@ def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
                             num_warps: int = 4) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token, ``block_d`` channels a program (inputs
     already checked)."""
+    return mamba1_launch(mamba1_recurrent_kernel, x, dt, A, B, C, D, z, dt_bias, state,
+                         query_start_loc, state_indices, has_initial_state, dt_softplus,
+                         block_d, num_warps, NUM_WRITES=_num_writes(state_indices))
+
+
+def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
+                  has_initial_state, dt_softplus, block_d: int, num_warps: int,
+                  **constexprs) -> torch.Tensor:
+    """One launch of a Mamba1 kernel -- token by token, or chunked
+    (:mod:`~attn_ops.backends.ssm.chunk_walk_kernels`): they take the same arguments -- over
+    a program a request and ``block_d`` channels; ``constexprs``: the kernel's own."""
     x, dt, B, C = (u if u.stride(-1) == 1 else u.contiguous() for u in (x, dt, B, C))
     z = z if z is None or z.stride(-1) == 1 else z.contiguous()
     A = A if A.stride(-1) == 1 else A.contiguous()
@@ -498,14 +509,13 @@ def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     block_d = min(triton.next_power_of_2(d), block_d)
     D, dt_bias = _or_zeros(D, d, x.device), _or_zeros(dt_bias, d, x.device)
-    mamba1_recurrent_kernel[(b, triton.cdiv(d, block_d))](
+    kernel[(b, triton.cdiv(d, block_d))](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, state_indices.stride(0), x.stride(0), y.stride(0),
         dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0), C.stride(0),
-        A.stride(0), state.stride(0), state.stride(1), t, state.shape[0],
-        NUM_WRITES=_num_writes(state_indices), D_INNER=d, N=n, BLOCK_D=block_d,
-        BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None, SOFTPLUS=dt_softplus,
-        num_warps=num_warps)
+        A.stride(0), state.stride(0), state.stride(1), t, state.shape[0], D_INNER=d, N=n,
+        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
+        SOFTPLUS=dt_softplus, num_warps=num_warps, **constexprs)
     return y
 
 
@@ -553,6 +563,19 @@ def lightning_recurrent_triton(q, k, v, slope, state, query_start_loc, state_ind
                                num_warps: int = 4, streaming: bool = False) -> torch.Tensor:
     """``torch.ops.attn.lightning_attention`` token by token, ``block_v`` value columns a
     program; ``streaming`` as :func:`gdn_recurrent_triton`'s (inputs already checked)."""
+    return lightning_launch(lightning_recurrent_kernel, q, k, v, slope, state, query_start_loc,
+                            state_indices, has_initial_state, block_v, num_warps,
+                            NUM_WRITES=_num_writes(state_indices),
+                            **_state_cache_hints(streaming))
+
+
+def lightning_launch(kernel, q, k, v, slope, state, query_start_loc, state_indices,
+                     has_initial_state, block_v: int, num_warps: int, min_block: int = 1,
+                     **constexprs) -> torch.Tensor:
+    """One launch of a lightning-attention kernel -- token by token, or chunked
+    (:mod:`~attn_ops.backends.ssm.chunk_walk_kernels`): they take the same arguments -- over
+    a program a request, head and ``block_v`` value columns; the head and value blocks at
+    least ``min_block`` (tensor-core tiles: 16); ``constexprs``: the kernel's own."""
     q, k, v = (u if u.stride(-1) == 1 else u.contiguous() for u in (q, k, v))
     t, h, dk = q.shape
     dv = v.shape[2]
@@ -560,14 +583,14 @@ def lightning_recurrent_triton(q, k, v, slope, state, query_start_loc, state_ind
     if b == 0:
         return torch.zeros_like(v)
     out = torch.empty(t, h, dv, dtype=v.dtype, device=v.device)
-    block_v = min(triton.next_power_of_2(dv), block_v)
-    lightning_recurrent_kernel[(b, h, triton.cdiv(dv, block_v))](
+    block_v = max(min(triton.next_power_of_2(dv), block_v), min_block)
+    kernel[(b, h, triton.cdiv(dv, block_v))](
         q, k, v, slope, state, out, query_start_loc, state_indices, has_initial_state,
         state_indices.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        out.stride(0), out.stride(1), t, state.shape[0], NUM_WRITES=_num_writes(state_indices),
-        DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-        **_state_cache_hints(streaming), num_warps=num_warps)
+        out.stride(0), out.stride(1), t, state.shape[0], DK=dk, DV=dv,
+        BLOCK_K=max(triton.next_power_of_2(dk), min_block), BLOCK_V=block_v,
+        num_warps=num_warps, **constexprs)
     return out
 
 
