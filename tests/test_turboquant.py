@@ -298,7 +298,8 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     g = torch.Generator().manual_seed(d)
     key, value = (torch.randn(14, 2, d, generator=g).to(torch.bfloat16).to(dev)
                   for _ in range(2))
-    slots = torch.tensor([8, 9, 10, -1, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]).to(dev)
+    # (a padding row inside a page's run: rows after it still written, the gap cleared)
+    slots = torch.tensor([8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]).to(dev)
     cache = torch.full((6, 2, 4, preset.slot_bytes(d)), 0xFF, dtype=torch.uint8, device=dev)
     cos_sin = None
     if rope:

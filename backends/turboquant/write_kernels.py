@@ -6,8 +6,8 @@ RoPE (with ``ROPE``: each coordinate with its partner in the other half), norms,
 1 / sqrt(D) applied after), each coordinate's codebook
 index as a count of the midpoints at or below it, values' minimum, maximum, scale and codes, the
 LSB-first packing (4 bits: two codes a byte; 3 bits: eight codes a 3-byte word), the fp16
-fields, and -- for tokens entering a page -- the page's slots the write leaves unfilled zeroed
-(the tokens of a page come in slot order). Slots outside the cache are skipped, as ``-1`` is.
+fields, and -- for tokens entering a page -- the page's slots no token of the call writes
+zeroed. Slots outside the cache are skipped, as ``-1`` is.
 The attention side reads the format inside TRITON_ATTN's kernel (``KV_FORMAT``).
 """
 
@@ -111,21 +111,19 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
     _store_fp16(tail + 2, lo, ok)
     if PAD:  # (the byte that makes the slot's size even)
         tl.store(tail + 4, tl.zeros([BLOCK_T], tl.uint8), mask=ok)
-    # A token entering its page (row 0) zeroes the rows of the page the write leaves unfilled:
-    # those past the run of consecutive slots that starts at it (a page's tokens come in slot
-    # order, the entering one first).
+    # A token entering its page (row 0) zeroes the page's rows this call does not write: row p
+    # is the next p-th token's when its slot is the entering one's + p (a request's new tokens
+    # are consecutive), the rule of attn_ops.glue_kernels' writes. No other program writes a
+    # row cleared here, so the clear races with no write.
     entering = ok & (in_page == 0)
-    offs_p = tl.arange(0, PAGE)
-    later = rows[:, None] + offs_p[None, :]
-    ahead = tl.load(slot_ptr + later, mask=entering[:, None] & (later < num_tokens), other=-1)
-    run = (ahead.to(tl.int64) == slot[:, None] + offs_p[None, :]).to(tl.int32)
-    filled = tl.sum(tl.cumprod(run, axis=1), axis=1)
     offs_s = tl.arange(0, SLOT_P)
     for p in tl.static_range(1, PAGE):
-        clear = entering & (filled <= p)
+        later = rows + p
+        written = tl.load(slot_ptr + later, mask=entering & (later < num_tokens),
+                          other=-1).to(tl.int64) == slot + p
         tl.store(base[:, None] + p * stride_cs + offs_s[None, :],
                  tl.zeros([BLOCK_T, SLOT_P], tl.uint8),
-                 mask=clear[:, None] & (offs_s[None, :] < SLOT))
+                 mask=(entering & ~written)[:, None] & (offs_s[None, :] < SLOT))
 
 
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -133,7 +131,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
                        block_t: int = 16, num_warps: int = 8) -> None:
     """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
     first with ``cos_sin`` (inputs already checked). 16 tokens on 8 warps: the sm_90 build at
-    head dim 128 takes 70-72 registers a thread, at most 16 B spilled; on 4 warps the exact
+    head dim 128 takes 72-80 registers a thread, at most 16 B spilled; on 4 warps the exact
     fp32 rotation spills 7.6-8.2 KB (``profile_kernel_resources.py``)."""
     from attn_ops.backends.turboquant.format import codebook, hadamard
 
