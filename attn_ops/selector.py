@@ -49,9 +49,12 @@ class AttentionConfig:
 
 def priority_list(spec: AttentionSpec, platform: Platform) -> list[str]:
     """The policy: backends to try, best first, for this spec on this platform (a recurrent
-    state spec: its kind's backend -- our kernels run on GPUs and CPUs alike; a plugin of the
+    state spec: its kind's backend -- our kernels run on GPUs and CPUs alike; a DeepSeek-V4
+    spec: our Triton kernels, then the reference, which alone serves CPUs; a plugin of the
     kind is chosen by ``backend_per_kind``)."""
     kind = _kind_of(spec)
+    if kind == "deepseek_v4" and platform.kind is PlatformKind.CPU:
+        return [B.DSV4_REFERENCE.value]  # (its Triton kernels run on CPUs only interpreted)
     if kind is not None:
         return [b.value for b in KIND_BACKENDS.get(kind, ())]
     if spec.kv_cache_dtype.is_turboquant:  # (its formats have one backend)

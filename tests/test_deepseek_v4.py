@@ -171,6 +171,17 @@ def test_ops_pass_opcheck():
                                          torch.randn(4, 2, generator=g), compressed,
                                          step[0], step[1], torch.tensor([[0, 1], [2, 0]]), 4,
                                          2))
+    if torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1":
+        from attn_ops.backends.deepseek_v4.backend import triton_attention, triton_indexer_topk
+
+        torch.library.opcheck(triton_attention, (torch.randn(4, 2, 16, generator=g), window,
+                                                 *step, torch.randn(2, generator=g), 0.25, 4, 8,
+                                                 compressed, torch.tensor([[0, 1], [2, 0]]), 4,
+                                                 picks, [16, 16, 4, 1, 2]))
+        torch.library.opcheck(triton_indexer_topk, (torch.randn(4, 2, 16, generator=g),
+                                                     torch.randn(4, 2, generator=g), compressed,
+                                                     step[0], step[1],
+                                                     torch.tensor([[0, 1], [2, 0]]), 4, 2))
 
 
 def test_entries_are_vllms_584_bytes_planar_in_their_page():
@@ -207,13 +218,19 @@ def test_entries_are_vllms_584_bytes_planar_in_their_page():
     assert (cache[0, bs * 576 + 8:bs * 576 + 16] == 0xAB).all()
 
 
-@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
-def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
+@pytest.mark.parametrize("kind,index", [("heavily_compressed_attention", False),
+                                        ("compressed_sparse_attention", False),
+                                        ("compressed_sparse_attention", True)],
+                         ids=["hca", "csa", "csa_index_keys"])
+def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind, index):
     """V4's entry width (512 = 448 + 64 rotary): two requests' steps through
     :func:`compress_into_cache` -- entries, RMSNorm, interleaved RoPE at ``w * m``, 584-byte
     fp8 entries at their compressed slots -- read back as HF's compressor's entries within
-    e4m3's rounding (each group of 64 within 2^-3 of its largest element; rotary dims bf16)."""
-    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, read_entries
+    e4m3's rounding (each group of 64 within 2^-3 of its largest element; rotary dims bf16).
+    ``index``: written as the indexer's keys are (``index=True``: e4m3 over one power-of-two
+    scale an entry, vLLM's planar index pages), each within 2^-3 of its largest element."""
+    from attn_ops.backends.deepseek_v4.cache import (ENTRY_BYTES, dequantize_index_keys,
+                                                     index_views, read_entries)
     from attn_ops.backends.deepseek_v4.compressor import compress_into_cache
 
     cfg = _config(head_dim=512, rope_dim=64)
@@ -229,7 +246,8 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
     cos, sin = module.rotary_emb(torch.zeros(1), position_ids=positions, layer_type="compress")
     table = torch.cat([cos[0], sin[0]], -1)  # [positions, 64]: the pairs' cos | sin
     bs, width = 4, module.kv_proj.out_features
-    cache = torch.full((16, bs * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+    cache = torch.full((16, bs * (cfg.head_dim + 4 if index else ENTRY_BYTES)), 0xFF,
+                       dtype=torch.uint8)
     block_table = torch.tensor([[3, 7, 1, 0], [9, 2, 12, 5]])
     state = torch.full((2, compressor_state_rows(ratio, overlap), 2 * width), float("nan"))
     written, done = [{}, {}], [0, 0]
@@ -242,7 +260,7 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
                                         module.position_bias.detach(), state, qsl, seq,
                                         torch.tensor([0, 1]), block_table, ratio, overlap,
                                         module.kv_norm.weight.detach(), cfg.rms_norm_eps, table,
-                                        cache, bs)
+                                        cache, bs, index=index)
         for i in range(2):
             for t in range(step[i]):
                 if slots[qsl[i] + t] >= 0:
@@ -250,8 +268,15 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
             done[i] += step[i]
     for i in range(2):
         assert sorted(written[i]) == list(range(want[i].shape[0]))
-        got = read_entries(cache, bs,
-                           torch.tensor([written[i][w] for w in range(want[i].shape[0])]))
+        slots = torch.tensor([written[i][w] for w in range(want[i].shape[0])])
+        if index:
+            got = dequantize_index_keys(cache, cfg.head_dim, slots)
+            error = (got - want[i]).abs().amax(-1)
+            assert (error <= 2 ** -3 * want[i].abs().amax(-1)).all()
+            scales = index_views(cache, cfg.head_dim)[1].flatten()[slots]
+            assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
+            continue
+        got = read_entries(cache, bs, slots)
         ref = want[i].to(torch.bfloat16).float()
         groups = (got[:, :448] - ref[:, :448]).abs().unflatten(1, (7, 64)).amax(-1)
         scale = ref[:, :448].abs().unflatten(1, (7, 64)).amax(-1)
@@ -259,21 +284,30 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind):
         torch.testing.assert_close(got[:, 448:], ref[:, 448:], atol=1e-5, rtol=2 ** -7)
 
 
+def _v4_backends():
+    from attn_ops.registry import KIND_BACKENDS
+
+    return [b.value for b in KIND_BACKENDS["deepseek_v4"]]
+
+
+@pytest.mark.parametrize("backend", _v4_backends())
 @pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8_entries"])
 @pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention",
                                   "compressed_sparse_attention"])
-def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kind, fp8):
+def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kind, fp8,
+                                                                               backend):
     """Our layer, loaded from HF's ``DeepseekV4Attention`` (random weights, sinks and position
     bias), over paged window and compressed caches with the compressor's state in a slot:
     a prefill, a chunk ending mid-group, decodes -- each step's outputs HF's (fp32; HF given
     the sliding-window causal mask the study prescribes). ``fp8_entries``: V4's width (512 =
     448 + 64) with the window and compressed caches in vLLM's 584-byte entries: HF's outputs
-    within e4m3's error (relative L2 under 5%)."""
+    within e4m3's error (relative L2 under 5%). Every backend of the family, forced."""
     from transformers import DynamicCache
 
-    from attn_ops import BlockAllocator, build_batch
+    from attn_ops import AttentionConfig, BlockAllocator, build_batch
     from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES
     from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+    from attn_ops.spec import LayerKind
 
     torch.manual_seed(1)
     # (ReLU scores tie at 0 when every head's is: rare at 16 indexer heads)
@@ -282,7 +316,9 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
     hf = hf_v4.DeepseekV4Attention(cfg, layer_idx).eval()
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    ours = DeepseekV4Attention.from_hf(hf, cfg)
+    ours = DeepseekV4Attention.from_hf(hf, cfg, attention_config=AttentionConfig(
+        backend_per_kind={LayerKind.DEEPSEEK_V4: backend}))
+    assert ours.backend == backend
     rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
     kind_rope = "main" if kind == "sliding_attention" else "compress"
     steps, total = (13, 3, 1, 1, 6, 1), 25
@@ -349,8 +385,8 @@ def test_memory_arithmetic_of_a_long_request():
 
 
 def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
-    """A DeepSeek-V4 spec is offered its family's backends only (DSV4_REFERENCE here, on the
-    CPU and the H200 alike); forcing an attention backend on its kind names the mismatch;
+    """A DeepSeek-V4 spec is offered its family's backends only (DSV4_TRITON on the H200,
+    DSV4_REFERENCE on the CPU); forcing an attention backend on its kind names the mismatch;
     DSV4_REFERENCE refuses an attention spec; a spec outside the model's shapes is refused
     naming the value."""
     from attn_ops import AttentionConfig, AttentionSpec, select_backend
@@ -362,10 +398,10 @@ def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
 
     spec = DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4, index_heads=64,
                           index_head_dim=128, index_topk=512, kv_cache_dtype="fp8_ds_mla")
-    for platform in ("cpu", "cuda:9.0"):
+    for platform, backend in (("cpu", "DSV4_REFERENCE"), ("cuda:9.0", "DSV4_TRITON")):
         selection = select_backend(spec, Platform.parse(platform))
-        assert selection.backend == "DSV4_REFERENCE"
-        assert [c.name for c in selection.candidates] == ["DSV4_REFERENCE"]
+        assert selection.backend == backend
+        assert {c.name for c in selection.candidates} == {"DSV4_REFERENCE", "DSV4_TRITON"}
     with pytest.raises(BackendNotSupportedError, match="FLASHINFER serves attention layers"):
         select_backend(spec, Platform.parse("cuda:9.0"), AttentionConfig(
             backend_per_kind={LayerKind.DEEPSEEK_V4: "FLASHINFER"}))
@@ -388,9 +424,10 @@ def test_select_and_info_show_v4_layers(capsys, flag):
     assert main(["select", "--dsv4", flag, "--kv-cache-dtype", "fp8_ds_mla", "--platform",
                  "cuda:9.0"]) == 0
     out = capsys.readouterr().out
-    assert "selected: DSV4_REFERENCE (auto)" in out and "kv_cache_dtype=fp8_ds_mla" in out
+    assert "selected: DSV4_TRITON (auto)" in out and "kv_cache_dtype=fp8_ds_mla" in out
     assert main(["info", "--dsv4", flag]) == 0
-    assert "DSV4_REFERENCE     available" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DSV4_REFERENCE     available" in out and "DSV4_TRITON        " in out
 
 
 def test_the_layer_compiles_fullgraph():
@@ -518,3 +555,139 @@ def test_v4_matrix_matches_the_fp64_reference(backend, kind, scenario):
     assert outs[torch.float32].isfinite().all()
     torch.testing.assert_close(outs[torch.float32].double(), outs[torch.float64], atol=1e-4,
                                rtol=1e-4)
+
+
+def _paged_v4(reqs, d, fp8, page, cpage, ratio, gen, blocks=40):
+    """Window and compressed caches of ``reqs`` ((context, new) each) over permuted pages:
+    rows NaN-poisoned where no token was written (0xFF bytes: NaN entries, for ``fp8``'s
+    584-byte entries), block tables ``[B, 8]``."""
+    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entry_write
+
+    b = len(reqs)
+    table = torch.randperm(blocks, generator=gen)[:b * 8].view(b, 8).int()
+    c_table = torch.randperm(blocks, generator=gen)[:b * 8].view(b, 8).int()
+    if fp8:
+        window = torch.full((blocks, page * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+        compressed = torch.full((blocks, cpage * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+    else:
+        window = torch.full((blocks, page, d), float("nan"))
+        compressed = torch.full((blocks, cpage, d), float("nan"))
+    for r, (c, n) in enumerate(reqs):
+        pos = torch.arange(c + n)
+        entry_write(torch.randn(c + n, d, generator=gen), window,
+                    table[r].long()[pos // page] * page + pos % page, page)
+        e = torch.arange((c + n) // ratio)
+        entry_write(torch.randn(e.shape[0], d, generator=gen), compressed,
+                    c_table[r].long()[e // cpage] * cpage + e % cpage, cpage)
+    return window, compressed, table, c_table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("mode", ["window", "dense", "picks"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["rows", "fp8_entries"])
+def test_triton_attention_is_the_reference_on_adversarial_steps(fp8, mode, splits):
+    """DSV4_TRITON's attention op against the torch reference on one step: decodes over long
+    contexts, a fresh one-token request, a prefill, a chunk; permuted pages NaN-poisoned where
+    unwritten; two padding rows past the last request (written zeros); picks with -1, repeats
+    and entries not yet complete (ignored); window pages wholly behind every query's window
+    released to -1 (never read); keys split over programs or not. ``fp8_entries``: V4's width
+    (448 + 64) in vLLM's 584-byte entries."""
+    from attn_ops.backends.deepseek_v4.backend import triton_attention
+    from attn_ops.backends.deepseek_v4.reference import dsv4_attention_reference
+
+    d, rope = (512, 64) if fp8 else (48, 16)
+    g = torch.Generator().manual_seed(11 + splits)
+    reqs, window_len, ratio, page, cpage = ((23, 1), (7, 1), (0, 1), (0, 6), (9, 5)), 6, 4, 4, 2
+    window, compressed, table, c_table = _paged_v4(reqs, d, fp8, page, cpage, ratio, g)
+    new = torch.tensor([n for _, n in reqs])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).int()
+    seq = torch.tensor([c + n for c, n in reqs]).int()
+    t = int(qsl[-1]) + 2
+    q = torch.randn(t, 4, d, generator=g)
+    sinks = torch.randn(4, generator=g)
+    for r, (c, n) in enumerate(reqs):  # (pages every query of the request is past)
+        first = max(0, c - window_len + 1)
+        table[r, :first // page] = -1
+    picks = None
+    if mode == "picks":
+        picks = torch.randint(-1, 7, (t, 5), generator=g)
+        picks[:, 3] = picks[:, 2]
+    compressed_args = (compressed, c_table, ratio, picks) if mode != "window" else (
+        None, None, 0, None)
+    want = dsv4_attention_reference(q[:t - 2], window, qsl, seq, table, sinks, d ** -0.5,
+                                    window_len, *compressed_args)
+    got = triton_attention(q, window, qsl, seq, table, sinks, d ** -0.5, window_len, rope,
+                           *compressed_args, [16, 16, 4, 1, splits])
+    assert got[:t - 2].isfinite().all()
+    torch.testing.assert_close(got[:t - 2], want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(got[t - 2:], torch.zeros_like(got[t - 2:]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+def test_triton_attention_reads_nothing_outside_its_caches():
+    """Block ids past the cache or below -1 (a stale or corrupt table, inside the window and
+    among the compressed entries) are absent like -1, not read: the outputs equal those over
+    the tables with -1 there, and differ from the intact tables' (the pages were in use)."""
+    from attn_ops.backends.deepseek_v4.backend import triton_attention
+
+    g = torch.Generator().manual_seed(5)
+    window, compressed, table, c_table = _paged_v4(((17, 1), (10, 3)), 32, False, 4, 2, 4, g,
+                                                   blocks=16)
+    qsl, seq = torch.tensor([0, 1, 4]).int(), torch.tensor([18, 13]).int()
+    q, sinks = torch.randn(4, 2, 32, generator=g), torch.randn(2, generator=g)
+    outs = []
+    for absent in (None, -1, "corrupt"):
+        w, c = table.clone(), c_table.clone()
+        if absent is not None:
+            w[0, 3], c[1, 1] = (-1, -1) if absent == -1 else (10 ** 6, -7)
+        outs.append(triton_attention(q, window, qsl, seq, w, sinks, 32 ** -0.5, 8, 8,
+                                     compressed, c, 4, None, [16, 16, 4, 1, 2]))
+    intact, released, corrupt = outs
+    assert corrupt.isfinite().all()
+    torch.testing.assert_close(corrupt, released, atol=0, rtol=0)
+    assert not torch.allclose(intact[0], released[0]) and not torch.allclose(intact[1:],
+                                                                             released[1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("keys", ["rows", "fp8"])
+def test_triton_indexer_picks_the_references_entries(keys):
+    """DSV4_TRITON's indexer (DeepSeek-V3.2's scoring and device top-k over compressed
+    entries, ``(p + 1) // ratio`` visible) picks the reference's set for every query row --
+    decodes, a prefill whose early rows see fewer entries than top-k (all of them), a chunk --
+    over permuted pages NaN-poisoned where unwritten; padding rows pick nothing. ``fp8``:
+    vLLM's planar index entries (e4m3 keys over a power-of-two scale each) read by both; the
+    queries e4m3 values (the kernel scores an fp8 cache with each head's query in e4m3)."""
+    from attn_ops.backends.deepseek_v4.backend import triton_indexer_topk
+    from attn_ops.backends.deepseek_v4.cache import index_write
+    from attn_ops.backends.deepseek_v4.reference import dsv4_indexer_topk_reference
+
+    g = torch.Generator().manual_seed(9)
+    reqs, ratio, page, di, topk = ((41, 1), (30, 1), (0, 23), (17, 9)), 4, 4, 32, 5
+    b = len(reqs)
+    c_table = torch.randperm(48, generator=g)[:b * 12].view(b, 12).int()
+    cache = torch.full((48, page, di), float("nan"))
+    if keys == "fp8":
+        cache = torch.full((48, page * (di + 4)), 0xFF, dtype=torch.uint8)
+    for r, (c, n) in enumerate(reqs):
+        e = torch.arange((c + n) // ratio)
+        index_write(torch.randn(e.shape[0], di, generator=g), cache,
+                    c_table[r].long()[e // page] * page + e % page)
+    new = torch.tensor([n for _, n in reqs])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).int()
+    seq = torch.tensor([c + n for c, n in reqs]).int()
+    t = int(qsl[-1]) + 2
+    q, w = torch.randn(t, 8, di, generator=g), torch.randn(t, 8, generator=g)
+    if keys == "fp8":  # (e4m3 values, each head's amax 448: its query quantizes exactly)
+        q = (q * 64).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+        q[:, torch.arange(8), torch.arange(8)] = 448.0  # (a channel a head: no common sign)
+    want = dsv4_indexer_topk_reference(q[:t - 2], w[:t - 2], cache, qsl, seq, c_table, ratio,
+                                       topk)
+    got = triton_indexer_topk(q, w, cache, qsl, seq, c_table, ratio, topk)
+    for row in range(t - 2):
+        assert set(got[row].tolist()) - {-1} == set(want[row].tolist()) - {-1}, row
+    assert (want >= 0).sum() > 3 * (t - 2) and (got[t - 2:] == -1).all()

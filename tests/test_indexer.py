@@ -346,12 +346,17 @@ def test_visible_rows_in_one_launch_equal_their_torch_definition(num_reqs, index
     seq = new + torch.randint(0, 300, (num_reqs,), generator=gen)
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(index).to(dev)
     t = int(qsl[-1]) + 5
-    for limit in (2 ** 20, 200):  # (200: some requests reach past their block table)
-        got = visible_rows_triton(t, seq.to(index).to(dev), qsl, limit)
-        want = visible_rows(t, seq.to(index).to(dev), qsl, limit)
+    # (200: some requests reach past their block table; ratios 4 and 128: DeepSeek-V4's
+    # compressed entries, complete at (position + 1) // ratio)
+    for limit, ratio in ((2 ** 20, 1), (200, 1), (60, 4), (2 ** 20, 128)):
+        got = visible_rows_triton(t, seq.to(index).to(dev), qsl, limit, ratio)
+        want = visible_rows(t, seq.to(index).to(dev), qsl, limit, ratio)
         for g, w in zip(got, want):
             assert g.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
         assert int(want[1].max()) <= limit
+        if ratio > 1:  # (the definition: a real row's position + 1, floored by the ratio)
+            seen = visible_rows(t, seq.to(index).to(dev), qsl, 2 ** 20)[1]
+            assert torch.equal(want[1].cpu(), (seen.cpu() // ratio).clamp(max=limit))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(

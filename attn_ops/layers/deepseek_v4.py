@@ -78,7 +78,8 @@ class DeepseekV4Attention(SelectedLayer):
             self.c_position_bias = nn.Parameter(torch.zeros(self.ratio, width))
             self.c_kv_norm = nn.Parameter(torch.ones(d))
         if self.sparse:
-            self.index_heads, di = spec.index_heads, spec.index_head_dim
+            self.index_heads = spec.index_heads
+            self.index_head_dim = di = spec.index_head_dim
             self.i_kv_proj = nn.Linear(hidden_size, 2 * di, bias=False)
             self.i_gate_proj = nn.Linear(hidden_size, 2 * di, bias=False)
             self.i_position_bias = nn.Parameter(torch.zeros(self.ratio, 2 * di))
@@ -87,8 +88,10 @@ class DeepseekV4Attention(SelectedLayer):
             self.i_weights_proj = nn.Linear(hidden_size, self.index_heads, bias=False)
 
     @classmethod
-    def from_hf(cls, hf, config, platform: Platform | None = None) -> DeepseekV4Attention:
-        """From HF transformers' ``DeepseekV4Attention`` ``hf`` of ``config``."""
+    def from_hf(cls, hf, config, platform: Platform | None = None,
+                attention_config: AttentionConfig | None = None) -> DeepseekV4Attention:
+        """From HF transformers' ``DeepseekV4Attention`` ``hf`` of ``config`` (the model's;
+        ``attention_config``: ours, e.g. a forced backend)."""
         sparse = hf.layer_type == "compressed_sparse_attention"
         spec = DeepseekV4Spec(
             hf.layer_type, config.num_attention_heads, config.head_dim,
@@ -98,7 +101,8 @@ class DeepseekV4Attention(SelectedLayer):
             config.index_head_dim if sparse else 0, config.index_topk if sparse else 0,
             hf.q_a_proj.weight.dtype)
         layer = cls(spec, config.hidden_size, config.q_lora_rank, config.o_groups,
-                    config.o_lora_rank, config.rms_norm_eps, platform=platform)
+                    config.o_lora_rank, config.rms_norm_eps, attention_config,
+                    platform=platform)
         with torch.no_grad():
             layer.q_a_proj.weight.copy_(hf.q_a_proj.weight)
             layer.q_a_norm.copy_(hf.q_a_norm.weight)
@@ -134,7 +138,9 @@ class DeepseekV4Attention(SelectedLayer):
         (or ``uint8 [blocks, page * 584]``: vLLM's fp8 entries, as the compressed cache may be);
         ``step``: ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping`` and, for
         a compressed layer, ``compressed_block_table`` (entries a page:
-        ``compressed_cache.shape[1]``; the indexer's keys in ``index_cache`` paged alike) and
+        ``compressed_cache.shape[1]``; the indexer's keys in ``index_cache`` paged alike, rows
+        ``[blocks, page, index_head_dim]`` or vLLM's planar fp8 keys ``uint8 [blocks, page x
+        (index_head_dim + 4)]``) and
         ``state_indices`` (its compressors' ``state`` / ``index_state`` slots). Returns
         ``[T, hidden]``."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
@@ -151,9 +157,11 @@ class DeepseekV4Attention(SelectedLayer):
                                 state, *batch, self.c_kv_norm, self.eps, rope_table,
                                 compressed_cache, _entries_a_page(compressed_cache))
         if self.sparse:  # the lightning indexer's picks among the compressed entries
+            index_page = index_cache.shape[1] // (self.index_head_dim + 4) \
+                if index_cache.dtype == torch.uint8 else index_cache.shape[1]
             compress_into_cache(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
                                 index_state, *batch, self.i_kv_norm, self.eps, rope_table,
-                                index_cache, index_cache.shape[1])
+                                index_cache, index_page, index=True)
             q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, -1),
                                        cos_sin)
             weights = self.i_weights_proj(x).float() * self.index_heads ** -0.5

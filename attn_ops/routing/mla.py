@@ -1,7 +1,7 @@
 """MLA's routing: TRITON_MLA's absorbed launch, the sparse kernel's splits, the indexer's
 chunks and spans, FlashInfer's MLA kernel and its shared memory, the sm90 composite's route of
-the absorbed part (FlashMLA, FlashInfer's MLA, FA3's MLA path, TRITON_MLA) and the MHA form's
-prefill kernel."""
+the absorbed part (FlashMLA, FlashInfer's MLA, FA3's MLA path, TRITON_MLA), the MHA form's
+prefill kernel, and DeepSeek-V4's attention launch (DSV4_TRITON)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from attn_ops.tuning import MLATuning
 
 __all__ = ["FLASHMLA_MAX_ROWS", "MLADecodeLaunch", "flashinfer_mla_kernel",
            "flashinfer_mla_shared_bytes", "indexer_score_chunk", "indexer_select_span",
-           "mla_absorbed_route", "mla_decode_launch", "mla_prefill_kernel", "sparse_mla_splits"]
+           "dsv4_launch", "mla_absorbed_route", "mla_decode_launch", "mla_prefill_kernel",
+           "sparse_mla_splits"]
 
 class MLADecodeLaunch(NamedTuple):
     """TRITON_MLA's absorbed launch: ``splits`` of each request's keys, ``query_rows`` (a
@@ -82,6 +83,17 @@ def sparse_mla_splits(rows: int, heads: int, topk: int, num_sms: int, t: MLATuni
     while splits * 2 <= min(want, cap):
         splits *= 2
     return splits
+
+
+def dsv4_launch(rows: int, heads: int, max_keys: int, num_sms: int,
+                t: MLATuning) -> tuple[int, int, int, int, int]:
+    """DSV4_TRITON's launch: (heads a program, keys a step, warps, stages, splits). Its
+    programs have TRITON_MLA_SPARSE's shape -- one query row's heads over gathered 512-wide
+    rows, K = V -- so they take that kernel's tile; a row's keys (``max_keys``: the window and
+    at most the top-k picks, or every compressed entry the block table reaches) split by
+    :func:`sparse_mla_splits`' rule."""
+    splits = sparse_mla_splits(rows, heads, max_keys, num_sms, t)
+    return t.sparse_heads, t.sparse_keys, t.sparse_warps, t.sparse_stages, splits
 
 
 def indexer_score_chunk(rows: int, positions: int, block_n: int, num_sms: int,

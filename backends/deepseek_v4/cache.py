@@ -7,6 +7,11 @@ UE8M0 scale (a power of two ``s = 2^ceil(log2(max(amax, 1e-4) / 448))``, stored 
 ``log2(s) + 127``); dims 448..511 as bf16. A page of ``B`` entries is planar: ``B x 576`` bytes
 of entry data (448 fp8 + 128 bf16 bytes each), then ``B x 8`` scale bytes (7 scales and a zero
 byte each). The cache is ``uint8 [num_blocks, B * 584]``.
+
+The compressed-sparse layers' index keys (``dim`` 128 in V4) take ``dim + 4`` bytes an entry:
+the key in e4m3 over one power-of-two fp32 scale (``2^ceil(log2(max(amax, 1e-4) / 448))``),
+planar in a page of ``B`` entries as vLLM stores them -- ``B x dim`` key bytes, then ``B``
+float32 scales (132 bytes an entry at V4's 128): ``uint8 [num_blocks, B * (dim + 4)]``.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import torch
 
 from attn_ops.ops import define_op
 
-__all__ = ["ENTRY_BYTES", "NOPE", "ROPE", "dequantize_entries", "entry_write", "quantize_entries",
-           "read_entries"]
+__all__ = ["ENTRY_BYTES", "NOPE", "ROPE", "dequantize_entries", "dequantize_index_keys",
+           "entry_write", "index_views", "index_write", "quantize_entries", "read_entries"]
 
 NOPE, ROPE, GROUP = 448, 64, 64
 DATA_BYTES = NOPE + 2 * ROPE  # 576
@@ -115,3 +120,72 @@ def read_entries(cache: torch.Tensor, block_size: int, slots: torch.Tensor,
     slots = slots.long()
     return dequantize_entries(data[slots // block_size, slots % block_size],
                               scales[slots // block_size, slots % block_size], dtype)
+
+
+FP8_MAX = 448.0
+
+
+def index_views(cache: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A planar fp8 index-key cache (``uint8 [blocks, page * (dim + 4)]``) as its two planes:
+    ``(keys float8_e4m3fn [blocks, page, dim], scales float32 [blocks, page, 1])``, views."""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] % (dim + 4):
+        raise ValueError(f"an fp8 index-key cache is uint8 [num_blocks, page x (dim + 4) = "
+                         f"page x {dim + 4}], got {cache.dtype} {tuple(cache.shape)}")
+    page = cache.shape[1] // (dim + 4)
+    keys = cache[:, :page * dim].view(torch.float8_e4m3fn).unflatten(1, (page, dim))
+    scales = cache[:, page * dim:].view(torch.float32).unsqueeze(2)
+    return keys, scales
+
+
+def _check_index_write(k, cache, slot_mapping):
+    op = "dsv4_index_write"
+    if k.dim() != 2 or slot_mapping.shape != (k.shape[0],) or slot_mapping.is_floating_point():
+        raise ValueError(f"{op}: k [num_tokens, dim] and an integer slot_mapping [num_tokens] "
+                         f"expected, got {tuple(k.shape)} and {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if cache.dtype == torch.uint8:
+        index_views(cache, k.shape[1])
+    elif cache.dim() != 3 or cache.shape[2] != k.shape[1]:
+        raise ValueError(f"{op}: a cache of rows must be [num_blocks, page, {k.shape[1]}], got "
+                         f"{tuple(cache.shape)}")
+
+
+def _index_write_impl(k, cache, slot_mapping):
+    _check_index_write(k, cache, slot_mapping)
+    if cache.dtype != torch.uint8:
+        _write_impl(k, cache, slot_mapping, cache.shape[1])
+        return
+    keys, scales = index_views(cache, k.shape[1])
+    if k.is_cuda:  # (one launch, no host read: graph-capturable)
+        from attn_ops.backends.mla.indexer_kernels import indexer_k_write_device
+
+        indexer_k_write_device(k, keys, scales, slot_mapping, FP8_MAX, pow2=True)
+        return
+    slots = slot_mapping.long()
+    keep = ((slots >= 0) & (slots < keys.shape[0] * keys.shape[1])).nonzero().squeeze(1)
+    slots, x = slots.index_select(0, keep), k.index_select(0, keep).float()
+    scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(1, keepdim=True).clamp_min(1e-4)
+                                             / FP8_MAX)))
+    fp8 = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    page = keys.shape[1]
+    keys.view(torch.uint8)[slots // page, slots % page] = fp8.view(torch.uint8)
+    scales[slots // page, slots % page] = scale
+
+
+index_write = define_op(
+    "dsv4_index_write",
+    "(Tensor k, Tensor(a!) cache, Tensor slot_mapping) -> ()",
+    _index_write_impl, lambda *args: _check_index_write(*args))
+index_write.__doc__ = """Write index keys ``k [T, dim]`` at ``slot_mapping`` (-1 and slots
+outside the cache skipped): into a planar fp8 cache (``uint8``, :func:`index_views`) in e4m3
+over a power-of-two scale each, or into a cache of rows in its dtype."""
+
+
+def dequantize_index_keys(cache: torch.Tensor, dim: int, slots: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The index keys at ``slots`` of a planar fp8 cache read back: ``[len(slots), dim]``."""
+    keys, scales = index_views(cache, dim)
+    slots = slots.long()
+    page = keys.shape[1]
+    return keys[slots // page, slots % page].to(dtype) * scales[slots // page,
+                                                                slots % page].to(dtype)

@@ -201,15 +201,16 @@ def finish_entries(raw: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_indices,
                         block_table, ratio: int, overlap: bool, norm_weight, eps: float,
-                        rope_table: torch.Tensor, cache: torch.Tensor, block_size: int
-                        ) -> torch.Tensor:
+                        rope_table: torch.Tensor, cache: torch.Tensor, block_size: int,
+                        index: bool = False) -> torch.Tensor:
     """One step of a compressor, to its cache: :data:`compressor_entries`, the entries its
     tokens complete normed and rotated (:func:`finish_entries`, ``rope_table [positions, R]``
     indexed at ``w * ratio``) and written at their compressed slots
     (:data:`compressed_slot_mapping`; a uint8 cache takes the 584-byte entries of
-    :func:`~attn_ops.backends.deepseek_v4.cache.entry_write`, another the rows in its dtype).
-    Returns the slots (-1: no entry)."""
-    from attn_ops.backends.deepseek_v4.cache import entry_write
+    :func:`~attn_ops.backends.deepseek_v4.cache.entry_write` -- with ``index``, the indexer's
+    keys of :func:`~attn_ops.backends.deepseek_v4.cache.index_write` -- another the rows in its
+    dtype). Returns the slots (-1: no entry)."""
+    from attn_ops.backends.deepseek_v4.cache import entry_write, index_write
 
     raw = compressor_entries(kv, gate, bias, state, query_start_loc, seq_lens, state_indices,
                              ratio, overlap)
@@ -220,6 +221,9 @@ def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_
     r = torch.searchsorted(qsl[1:].contiguous(), t, right=True).clamp(max=seq_lens.shape[0] - 1)
     pos = seq_lens.long()[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
     start = (pos.clamp(min=0) // ratio * ratio).clamp(max=rope_table.shape[0] - 1)
-    entry_write(finish_entries(raw, norm_weight, eps, rope_table[start]), cache, slots,
-                block_size)
+    entries = finish_entries(raw, norm_weight, eps, rope_table[start])
+    if index:
+        index_write(entries, cache, slots)
+    else:
+        entry_write(entries, cache, slots, block_size)
     return slots

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, read_entries
+from attn_ops.backends.deepseek_v4.cache import (ENTRY_BYTES, dequantize_index_keys,
+                                                read_entries)
 from attn_ops.ops import define_op
 
-__all__ = ["dsv4_attention_reference", "dsv4_indexer_topk_reference", "indexer_topk",
-           "reference_attention"]
+__all__ = ["check_attention", "dsv4_attention_reference", "dsv4_indexer_topk_reference",
+           "indexer_topk", "reference_attention"]
 
 
 def _rows(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor,
@@ -78,7 +79,8 @@ def dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_le
     """The compressed-sparse layers' lightning indexer: for the query at ``p``, entry ``s <
     (p + 1) // ratio`` scores ``sum_h w_h ReLU(q_h . k_s) / sqrt(Di)`` (``q [T, Hi, Di]`` rotated,
     ``weights [T, Hi]`` already scaled by ``Hi^-0.5``, keys from ``index_cache [blocks, page,
-    Di]``); its ``min(topk, visible)`` best entry indices, -1 after them: ``[T, topk]``."""
+    Di]`` rows or a planar fp8 cache, :func:`~attn_ops.backends.deepseek_v4.cache.index_views`);
+    its ``min(topk, visible)`` best entry indices, -1 after them: ``[T, topk]``."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -88,8 +90,13 @@ def dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_le
             visible = (total - (s1 - s0) + (t - s0) + 1) // ratio
             if not visible:
                 continue
-            keys = _rows(index_cache, block_table[r], torch.arange(visible, device=q.device),
-                         compute)
+            entries = torch.arange(visible, device=q.device)
+            if index_cache.dtype == torch.uint8:  # (planar fp8 keys with their scales)
+                page = index_cache.shape[1] // (q.shape[-1] + 4)
+                slots = block_table[r].long()[entries // page] * page + entries % page
+                keys = dequantize_index_keys(index_cache, q.shape[-1], slots, compute)
+            else:
+                keys = _rows(index_cache, block_table[r], entries, compute)
             scores = torch.relu(q[t].to(compute) @ keys.T) * q.shape[-1] ** -0.5  # [Hi, n]
             scores = (scores * weights[t].to(compute)[:, None]).sum(0)
             best = scores.topk(min(topk, visible)).indices
@@ -97,9 +104,10 @@ def dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_le
     return picks
 
 
-def _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
-                     compressed_cache, compressed_block_table, picks):
-    op = "dsv4_reference_attention"
+def check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+                    compressed_cache, compressed_block_table, picks,
+                    op: str = "dsv4_reference_attention") -> None:
+    """The shapes every DeepSeek-V4 attention op needs (``op`` names it in errors)."""
     if q.dim() != 3 or sinks.shape != (q.shape[1],):
         raise ValueError(f"{op}: q must be [num_tokens, num_heads, head_dim] and sinks "
                          f"[num_heads], got {tuple(q.shape)} and {tuple(sinks.shape)}")
@@ -118,7 +126,7 @@ def _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, si
 
 def _attention_op(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
                   sliding_window, compressed_cache, compressed_block_table, ratio, picks):
-    _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+    check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
                      compressed_cache, compressed_block_table, picks)
     return dsv4_attention_reference(q, window_cache, query_start_loc, seq_lens, block_table,
                                     sinks, scale, sliding_window, compressed_cache,
@@ -127,7 +135,7 @@ def _attention_op(q, window_cache, query_start_loc, seq_lens, block_table, sinks
 
 def _attention_fake(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
                     sliding_window, compressed_cache, compressed_block_table, ratio, picks):
-    _check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+    check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
                      compressed_cache, compressed_block_table, picks)
     return torch.empty_like(q)
 

@@ -283,30 +283,31 @@ def _requests_before(qsl_ptr, rows, num_reqs, steps):
 
 @triton.jit
 def visible_rows_kernel(qsl_ptr, seq_ptr, req_ptr, vis_ptr, num_rows, num_reqs, steps,
-                        limit, BLOCK: tl.constexpr):
+                        limit, ratio, BLOCK: tl.constexpr):
     """``BLOCK`` rows a program: each row's request (a binary search of ``steps`` halvings
-    over the requests' ends) and its visible positions, as :func:`visible_rows`."""
+    over the requests' ends) and its visible keys, as :func:`visible_rows`."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     req = tl.minimum(_requests_before(qsl_ptr, rows, num_reqs, steps), num_reqs - 1)
     start = tl.load(qsl_ptr + req)
     end = tl.load(qsl_ptr + req + 1)
     pos = tl.load(seq_ptr + req) - (end - start) + (rows - start)
     vis = tl.where(rows < tl.load(qsl_ptr + num_reqs),
-                   tl.minimum(tl.maximum(pos + 1, 0), limit), 0)
+                   tl.minimum(tl.maximum(pos + 1, 0) // ratio, limit), 0)
     ok = rows < num_rows
     tl.store(req_ptr + rows, req, mask=ok)
     tl.store(vis_ptr + rows, vis, mask=ok)
 
 
-def visible_rows_triton(t: int, seq_lens, query_start_loc,
-                        limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+def visible_rows_triton(t: int, seq_lens, query_start_loc, limit: int,
+                        ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`visible_rows` in one launch (the torch form is about 15; they are most of a
     small decode step's indexer launches)."""
     b = seq_lens.shape[0]
     out = torch.empty(2, t, dtype=torch.int32, device=seq_lens.device)
     block = 128
     visible_rows_kernel[(triton.cdiv(t, block),)](query_start_loc, seq_lens, out[0], out[1], t,
-                                                  b, b.bit_length(), limit, BLOCK=block,
+                                                  b, b.bit_length(), limit, ratio,
+                                                  BLOCK=block,
                                                   num_warps=4)
     return out[0], out[1]
 
@@ -358,10 +359,11 @@ def indexer_slots_device(positions, block_table, query_start_loc, page: int,
     return out
 
 
-def visible_rows(t: int, seq_lens, query_start_loc,
-                 limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's request and its visible positions (its position + 1, at most ``limit``:
-    the block table's positions; 0 for padding): the definition in torch ops (the tests'
+def visible_rows(t: int, seq_lens, query_start_loc, limit: int,
+                 ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's request and its visible keys (its position + 1, at most ``limit``: the
+    block table's positions; 0 for padding; with ``ratio``, the compressed entries complete
+    at its position, ``(position + 1) // ratio``): the definition in torch ops (the tests'
     oracle of :func:`visible_rows_triton`)."""
     b = seq_lens.shape[0]
     qsl = query_start_loc.to(torch.int32)
@@ -369,17 +371,20 @@ def visible_rows(t: int, seq_lens, query_start_loc,
     req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=b - 1)
     start = qsl[req]
     pos = seq_lens[req] - (qsl[req + 1] - start) + (rows - start)
-    vis = torch.where(rows < qsl[-1], pos + 1, 0).clamp(0, limit)
+    vis = torch.where(rows < qsl[-1], (pos + 1).clamp(min=0) // ratio, 0).clamp(0, limit)
     return req.to(torch.int32), vis.to(torch.int32)
 
 
 def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_start_loc,
                         topk: int, block_n: int | None = None, chunk: int | None = None,
                         select_span: int | None = None,
-                        select_block: int | None = None, tuning=None) -> torch.Tensor:
+                        select_block: int | None = None, tuning=None,
+                        ratio: int = 1) -> torch.Tensor:
     """``torch.ops.attn.indexer_topk`` without host reads (inputs already checked), under
     ``tuning`` (a :class:`~attn_ops.tuning.Tuning`; default: this machine's); ``block_n`` /
-    ``chunk`` / ``select_span`` / ``select_block`` override its launch (tests)."""
+    ``chunk`` / ``select_span`` / ``select_block`` override its launch (tests). With ``ratio``
+    the keys are compressed entries, ``(position + 1) // ratio`` of them visible to a query
+    (DeepSeek-V4's indexer; the block table pages them)."""
     from attn_ops.routing import DeviceFacts
     from attn_ops.tuning import default_tuning
 
@@ -391,7 +396,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
     tuning, sms = (tuning or default_tuning()).mla, DeviceFacts.of(q.device).num_sms
     num_positions = block_table.shape[1] * page
     # (positions past the block table are absent: a row sees at most the table's positions)
-    req, vis = visible_rows_triton(t, seq_lens, query_start_loc, num_positions)
+    req, vis = visible_rows_triton(t, seq_lens, query_start_loc, num_positions, ratio)
     q = q if q.stride(2) == 1 else q.contiguous()
     w = weights.float().contiguous()
     group = d // scales.shape[2] if scales is not None else d
@@ -456,10 +461,11 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
                          stride_kb, stride_kp, stride_sb, stride_sp, D: tl.constexpr,
                          GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_P: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                         FP8_MAX: tl.constexpr):
+                         FP8_MAX: tl.constexpr, POW2: tl.constexpr = False):
     """Token ``program_id(0)``'s index key into its slot (-1, or any slot outside the
     ``capacity`` rows: none): as it is, or in fp8 with each group of ``GROUP`` channels over
-    its amax / ``FP8_MAX`` and that scale beside it."""
+    its amax / ``FP8_MAX`` and that scale beside it -- with ``POW2`` the power of two at or
+    above it, from an amax of at least 1e-4 (DeepSeek-V4's index keys)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < capacity):
@@ -471,7 +477,11 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
         row = keys_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kp
         if FP8:
             x = x.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+            if POW2:
+                scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+                                                / FP8_MAX)))
+            else:
+                scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
             tl.store(row + channel, q.to(keys_ptr.dtype.element_ty), mask=ok)
             tl.store(scales_ptr + (slot // PAGE) * stride_sb + (slot % PAGE) * stride_sp
@@ -480,8 +490,10 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
             tl.store(row + channel, x.to(keys_ptr.dtype.element_ty), mask=ok)
 
 
-def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float) -> None:
-    """``torch.ops.attn.indexer_k_write`` in one launch, no host read (inputs checked)."""
+def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float,
+                           pow2: bool = False) -> None:
+    """``torch.ops.attn.indexer_k_write`` in one launch, no host read (inputs checked);
+    ``pow2``: power-of-two scales (:func:`index_k_write_kernel`)."""
     t, d = k.shape
     if t == 0:
         return
@@ -494,4 +506,4 @@ def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float) -> Non
         keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
         scales.stride(1) if scales is not None else 0, D=d, GROUPS=groups,
         GROUPS_P=pow2(groups), GROUP=group, GROUP_P=pow2(group), PAGE=keys.shape[1],
-        FP8=scales is not None, FP8_MAX=fp8_max)
+        FP8=scales is not None, FP8_MAX=fp8_max, POW2=pow2)
