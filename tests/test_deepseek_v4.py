@@ -178,6 +178,17 @@ def test_ops_pass_opcheck():
                                                  *step, torch.randn(2, generator=g), 0.25, 4, 8,
                                                  compressed, torch.tensor([[0, 1], [2, 0]]), 4,
                                                  picks, [16, 16, 4, 1, 2]))
+        from attn_ops.backends.deepseek_v4.backend import compress_write, triton_entry_write
+
+        torch.library.opcheck(triton_entry_write, (torch.randn(3, 512, generator=g),
+                                                   torch.zeros(2, 4 * ENTRY_BYTES,
+                                                               dtype=torch.uint8),
+                                                   torch.tensor([1, -1, 6]), False))
+        torch.library.opcheck(compress_write, (
+            kv, gate, torch.randn(4, 16, generator=g), state.clone(), torch.tensor([0, 2, 9]),
+            torch.tensor([6, 7]), torch.tensor([1, 2]), torch.tensor([[0, 1], [2, 1]]), 4,
+            True, torch.rand(8, generator=g), 1e-6, torch.randn(8, 4, generator=g),
+            torch.zeros(3, 2, 8), False))
         torch.library.opcheck(triton_indexer_topk, (torch.randn(4, 2, 16, generator=g),
                                                      torch.randn(4, 2, generator=g), compressed,
                                                      step[0], step[1],
@@ -430,19 +441,22 @@ def test_select_and_info_show_v4_layers(capsys, flag):
     assert "DSV4_REFERENCE     available" in out and "DSV4_TRITON        " in out
 
 
-def test_the_layer_compiles_fullgraph():
+@pytest.mark.parametrize("backend", _v4_backends())
+def test_the_layer_compiles_fullgraph(backend):
     """A compressed-sparse layer under ``torch.compile(fullgraph=True)`` -- its compressors,
     indexer and attention as ops with fakes -- gives eager's outputs and caches over a prefill
-    and a decode."""
-    from attn_ops import BlockAllocator, build_batch
+    and a decode, on every backend of the family."""
+    from attn_ops import AttentionConfig, BlockAllocator, build_batch
     from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+    from attn_ops.spec import LayerKind
 
     torch.manual_seed(3)
     cfg = _config(index_heads=16)
     hf = hf_v4.DeepseekV4Attention(cfg, 1).eval()
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    layer = DeepseekV4Attention.from_hf(hf, cfg)
+    layer = DeepseekV4Attention.from_hf(hf, cfg, attention_config=AttentionConfig(
+        backend_per_kind={LayerKind.DEEPSEEK_V4: backend}))
     rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
     cos, sin = rotary(torch.zeros(1), torch.arange(32)[None], layer_type="compress")
     table = torch.cat([cos[0], sin[0]], -1)
@@ -691,3 +705,93 @@ def test_triton_indexer_picks_the_references_entries(keys):
     for row in range(t - 2):
         assert set(got[row].tolist()) - {-1} == set(want[row].tolist()) - {-1}, row
     assert (want >= 0).sum() > 3 * (t - 2) and (got[t - 2:] == -1).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("ratio,overlap,fmt", [(8, False, "rows"), (4, True, "rows"),
+                                               (4, True, "entries"), (4, True, "index"),
+                                               (128, False, "entries")])
+def test_triton_compressor_writes_the_torch_forms_entries_and_state(ratio, overlap, fmt):
+    """DSV4_TRITON's compressor step (two launches) against ``compress_into_cache`` over two
+    requests' steps -- prefills, a chunk ending mid-group, decodes, an idle request, a long
+    prefill past its table's entries, two padding rows -- into permuted pages: the same state
+    rows, the same rows (fp32) or entries (584-byte or planar index keys: the same bytes but
+    where a last-bit difference of the sum flips a rounding, and the decoded entries within
+    e4m3's step of each other)."""
+    from attn_ops.backends.deepseek_v4.backend import compress_write
+    from attn_ops.backends.deepseek_v4.cache import (ENTRY_BYTES, dequantize_index_keys,
+                                                     read_entries)
+    from attn_ops.backends.deepseek_v4.compressor import compress_into_cache
+
+    g = torch.Generator().manual_seed(ratio + len(fmt))
+    d = 512 if fmt == "entries" else 64
+    width = (2 if overlap else 1) * d
+    steps = ((130, 3), (1, 126), (5, 1), (250, 140)) if ratio == 128 else (
+        (13, 9), (3, 1), (6, 7), (1, 1), (0, 5), (70, 2))
+    bias = torch.randn(ratio, width, generator=g)
+    states = [torch.full((3, compressor_state_rows(ratio, overlap), 2 * width), float("nan"))
+              for _ in range(2)]
+    rope = torch.randn(600, 64 if fmt == "entries" else 16, generator=g)
+    norm = torch.rand(d, generator=g) + 0.5
+    page = 4
+    shape, dtype, fill = {"rows": ((40, page, d), torch.float32, float("nan")),
+                          "entries": ((40, page * ENTRY_BYTES), torch.uint8, 0xFF),
+                          "index": ((40, page * (d + 4)), torch.uint8, 0xFF)}[fmt]
+    caches = [torch.full(shape, fill, dtype=dtype) for _ in range(2)]
+    table = torch.randperm(40, generator=g)[:2 * 10].view(2, 10)
+    done = [0, 0]
+    for step in steps:
+        n = sum(step)
+        kv, gate = (torch.randn(n + 2, width, generator=g) for _ in range(2))
+        args = (torch.tensor([0, step[0], n]), torch.tensor([done[0] + step[0],
+                                                             done[1] + step[1]]),
+                torch.tensor([2, 0]), table, ratio, overlap, norm, 1e-6, rope)
+        compress_into_cache(kv[:n], gate[:n], bias, states[0], *args, caches[0], page,
+                            index=fmt == "index")
+        compress_write(kv, gate, bias, states[1], *args, caches[1], fmt == "index")
+        done = [done[0] + step[0], done[1] + step[1]]
+    torch.testing.assert_close(states[1], states[0], equal_nan=True)
+    want, got = caches
+    if fmt == "rows":
+        torch.testing.assert_close(got, want, equal_nan=True, atol=1e-5, rtol=1e-5)
+        return
+    assert (got != want).sum() <= 2 and (want != 0xFF).sum() > 1000
+    slots = torch.arange(40 * page)
+    if fmt == "index":
+        a, b = (dequantize_index_keys(c, d, slots) for c in (want, got))
+        bound = 2 ** -3 * a.abs().amax(-1, keepdim=True)
+    else:
+        a, b = (read_entries(c, page, slots) for c in (want, got))
+        bound = 2 ** -3 * a.abs().unflatten(1, (8, 64)).amax(-1).repeat_interleave(64, 1)
+    written = a.isfinite().all(1)  # (0xFF bytes read back as NaN: never written)
+    assert written.sum() >= (5 if ratio == 128 else 20)
+    assert torch.equal(written, b.isfinite().all(1))
+    assert ((a - b).abs()[written] <= bound[written]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("fmt", ["rows", "entries", "index"])
+def test_triton_window_write_is_the_torch_forms_bytes(fmt):
+    """DSV4_TRITON's one-launch write of rows against ``entry_write`` / ``index_write``:
+    byte for byte -- zero rows, rows far below the UE8M0 floor, -1 and slots past the cache
+    skipped."""
+    from attn_ops.backends.deepseek_v4.backend import triton_entry_write
+    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entry_write, index_write
+
+    g = torch.Generator().manual_seed(3)
+    d = 512 if fmt == "entries" else 64
+    x = torch.randn(7, d, generator=g) * 3
+    x[2], x[3, :64] = 0.0, x[3, :64] * 1e-6
+    shape, dtype, fill = {"rows": ((5, 4, d), torch.float32, float("nan")),
+                          "entries": ((5, 4 * ENTRY_BYTES), torch.uint8, 0xFF),
+                          "index": ((5, 4 * (d + 4)), torch.uint8, 0xFF)}[fmt]
+    want, got = (torch.full(shape, fill, dtype=dtype) for _ in range(2))
+    slots = torch.tensor([0, 5, -1, 19, 3, 20, 7])
+    if fmt == "index":
+        index_write(x, want, slots)
+    else:
+        entry_write(x, want, slots, 4)
+    triton_entry_write(x, got, slots, fmt == "index")
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entry_write
-from attn_ops.backends.deepseek_v4.compressor import compress_into_cache, interleaved_rope
+from attn_ops.backends.deepseek_v4.compressor import interleaved_rope
 from attn_ops.backends.deepseek_v4.spec import LAYER_TYPES, DeepseekV4Spec
 from attn_ops.layers.attention import SelectedLayer
 from attn_ops.platforms import Platform
@@ -33,16 +32,12 @@ from attn_ops.selector import AttentionConfig
 
 __all__ = ["DeepseekV4Attention", "LAYER_TYPES"]
 
+
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float() if weight is not None else xf).to(x.dtype)
 
-
-def _entries_a_page(cache: torch.Tensor) -> int:
-    """Entries a page of a V4 cache holds: ``[blocks, page, D]`` rows or ``uint8 [blocks,
-    page * 584]`` entries."""
-    return cache.shape[1] // ENTRY_BYTES if cache.dtype == torch.uint8 else cache.shape[1]
 
 
 class DeepseekV4Attention(SelectedLayer):
@@ -149,19 +144,15 @@ class DeepseekV4Attention(SelectedLayer):
         q = _rms(self.q_b_proj(qr).view(t, h, d), None, self.eps)
         q = interleaved_rope(q, cos_sin)
         kv = interleaved_rope(_rms(self.kv_proj(x), self.kv_norm, self.eps), cos_sin)
-        entry_write(kv, window_cache, step["slot_mapping"], _entries_a_page(window_cache))
+        self.impl.write(kv, window_cache, step["slot_mapping"])
         if self.compressed:
-            batch = (step["query_start_loc"], step["seq_lens"], step["state_indices"],
-                     step["compressed_block_table"], self.ratio, self.sparse)
-            compress_into_cache(self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias,
-                                state, *batch, self.c_kv_norm, self.eps, rope_table,
-                                compressed_cache, _entries_a_page(compressed_cache))
+            self.impl.compress(self.c_kv_proj(x), self.c_gate_proj(x), self.c_position_bias,
+                               state, step, self.sparse, self.c_kv_norm, self.eps, rope_table,
+                               compressed_cache)
         if self.sparse:  # the lightning indexer's picks among the compressed entries
-            index_page = index_cache.shape[1] // (self.index_head_dim + 4) \
-                if index_cache.dtype == torch.uint8 else index_cache.shape[1]
-            compress_into_cache(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
-                                index_state, *batch, self.i_kv_norm, self.eps, rope_table,
-                                index_cache, index_page, index=True)
+            self.impl.compress(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
+                               index_state, step, True, self.i_kv_norm, self.eps, rope_table,
+                               index_cache, index=True)
             q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, -1),
                                        cos_sin)
             weights = self.i_weights_proj(x).float() * self.index_heads ** -0.5

@@ -14,7 +14,10 @@ from typing import ClassVar
 
 import torch
 
-from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, index_views
+from attn_ops.backends.deepseek_v4.cache import (ENTRY_BYTES, check_entry_write,
+                                                check_index_write, entries_a_page, entry_write,
+                                                index_views)
+from attn_ops.backends.deepseek_v4.compressor import check_compressor, compress_into_cache
 from attn_ops.backends.deepseek_v4.reference import (check_attention, indexer_topk,
                                                      reference_attention)
 from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
@@ -56,6 +59,20 @@ class _DeepseekV4Backend:
         from attn_ops.tuning import default_tuning
 
         self.spec, self.tuning = spec, tuning or default_tuning()
+
+    def write(self, x, cache, slot_mapping) -> None:
+        """The window tokens ``x [T, D]`` into their cache at ``slot_mapping``."""
+        entry_write(x, cache, slot_mapping, entries_a_page(cache))
+
+    def compress(self, kv, gate, bias, state, step, overlap: bool, norm_weight, eps: float,
+                 rope_table, cache, index: bool = False) -> None:
+        """One compressor step (``step``: ``query_start_loc``, ``seq_lens``,
+        ``state_indices``, ``compressed_block_table``) into ``cache`` and ``state``."""
+        page = entries_a_page(cache, kv.shape[1] // (2 if overlap else 1) if index else 0)
+        compress_into_cache(kv, gate, bias, state, step["query_start_loc"], step["seq_lens"],
+                            step["state_indices"], step["compressed_block_table"],
+                            self.spec.compress_ratio, overlap, norm_weight, eps, rope_table,
+                            cache, page, index=index)
 
 
 class DeepseekV4ReferenceBackend(_DeepseekV4Backend):
@@ -204,6 +221,78 @@ all), -1 after them: ``[T, topk]`` int32. Keys ``[blocks, page, dim]`` in q's dt
 planar fp8 cache (:func:`~attn_ops.backends.deepseek_v4.cache.index_views`)."""
 
 
+def _check_compress(kv, gate, bias, state, query_start_loc, seq_lens, state_indices,
+                    block_table, ratio, overlap, norm_weight, eps, rope_table, cache, index):
+    op = "dsv4_triton_compress_write"
+    check_compressor(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio,
+                     overlap)
+    d = kv.shape[1] // (2 if overlap else 1)
+    if state.dtype != torch.float32 or d % 2 or norm_weight.shape != (d,):
+        raise ValueError(f"{op}: an fp32 state, an even entry width and norm_weight [{d}] "
+                         f"expected, got {state.dtype}, {d}, {tuple(norm_weight.shape)}")
+    r = rope_table.shape[-1]
+    if rope_table.dim() != 2 or r % 2 or not 0 < r <= d:
+        raise ValueError(f"{op}: rope_table must be [positions, R] with R even and <= {d}, got "
+                         f"{tuple(rope_table.shape)}")
+    if block_table.dim() != 2 or block_table.is_floating_point():
+        raise ValueError(f"{op}: block_table must be an integer [B, pages] tensor, got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if index:
+        check_index_write(kv[:, :d], cache, kv.new_zeros(kv.shape[0], dtype=torch.long))
+    elif cache.dtype == torch.uint8:
+        check_entry_write(kv[:, :d], cache, kv.new_zeros(kv.shape[0], dtype=torch.long),
+                          entries_a_page(cache))
+    elif cache.dim() != 3 or cache.shape[2] != d:
+        raise ValueError(f"{op}: a cache of rows must be [num_blocks, page, {d}], got "
+                         f"{tuple(cache.shape)}")
+    for name, x in (("kv", kv), ("gate", gate), ("bias", bias), ("rope_table", rope_table)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} needs a contiguous last dim")
+
+
+def _compress_impl(*args):
+    from attn_ops.backends.deepseek_v4.write_kernels import compress_write_triton
+
+    _check_compress(*args)
+    compress_write_triton(*args)
+
+
+compress_write = define_op(
+    "dsv4_triton_compress_write",
+    "(Tensor kv, Tensor gate, Tensor bias, Tensor(a!) state, Tensor query_start_loc, "
+    "Tensor seq_lens, Tensor state_indices, Tensor block_table, int ratio, bool overlap, "
+    "Tensor norm_weight, float eps, Tensor rope_table, Tensor(b!) cache, bool index) -> ()",
+    _compress_impl, lambda *args: _check_compress(*args))
+compress_write.__doc__ = """A compressor step in two launches, no host read: every entry the
+step completes (gated softmax over its group, RMSNorm, RoPE at ``w * ratio``, quantized and
+written at its compressed slot), then the requests' state rows -- ``compress_into_cache``'s
+torch form in kernels."""
+
+
+def _check_window_write(x, cache, slot_mapping, index):
+    if index:
+        check_index_write(x, cache, slot_mapping)
+    else:
+        check_entry_write(x, cache, slot_mapping, entries_a_page(cache))
+    if x.stride(1) != 1:
+        raise ValueError("dsv4_triton_entry_write: x needs a contiguous last dim")
+
+
+def _window_write_impl(x, cache, slot_mapping, index):
+    from attn_ops.backends.deepseek_v4.write_kernels import entry_write_triton
+
+    _check_window_write(x, cache, slot_mapping, index)
+    entry_write_triton(x, cache, slot_mapping, index)
+
+
+triton_entry_write = define_op(
+    "dsv4_triton_entry_write",
+    "(Tensor x, Tensor(a!) cache, Tensor slot_mapping, bool index) -> ()",
+    _window_write_impl, lambda *args: _check_window_write(*args))
+triton_entry_write.__doc__ = """Rows ``x [T, D]`` written at ``slot_mapping`` in one launch, no
+host read: rows of the cache's dtype, 584-byte entries, or (``index``) planar fp8 index keys."""
+
+
 class DeepseekV4TritonBackend(_DeepseekV4Backend):
     """Our Triton kernels on any GPU Triton runs on (the CPU interpreter for tests): every
     layer kind; rows of the model dtype or vLLM's 584-byte entries; any head and rotary dims,
@@ -240,15 +329,25 @@ class DeepseekV4TritonBackend(_DeepseekV4Backend):
         if picks is not None:
             keys += picks.shape[1]
         elif compressed:  # (every entry the table reaches)
-            page = compressed_cache.shape[1]
-            keys += table.shape[1] * (page // ENTRY_BYTES if compressed_cache.dtype ==
-                                      torch.uint8 else page)
+            keys += table.shape[1] * entries_a_page(compressed_cache)
         launch = dsv4_launch(q.shape[0], spec.num_heads, keys,
                              DeviceFacts.of(q.device).num_sms, self.tuning.mla)
         return triton_attention(q, window_cache, step["query_start_loc"], step["seq_lens"],
                                 step["block_table"], sinks, spec.head_dim ** -0.5,
                                 spec.sliding_window, spec.rope_dim, compressed_cache, table,
                                 spec.compress_ratio, picks, list(launch))
+
+    def write(self, x, cache, slot_mapping) -> None:
+        """The window tokens ``x [T, D]`` into their cache at ``slot_mapping``: one launch."""
+        triton_entry_write(x, cache, slot_mapping, False)
+
+    def compress(self, kv, gate, bias, state, step, overlap: bool, norm_weight, eps: float,
+                 rope_table, cache, index: bool = False) -> None:
+        """One compressor step into ``cache`` and ``state``: two launches."""
+        compress_write(kv, gate, bias, state, step["query_start_loc"], step["seq_lens"],
+                       step["state_indices"], step["compressed_block_table"],
+                       self.spec.compress_ratio, overlap, norm_weight, eps, rope_table, cache,
+                       index)
 
     def indexer_topk(self, q_index, weights, index_cache, step):
         """The compressed-sparse layer's picks: ``[T, index_topk]`` int32 (-1 unused)."""

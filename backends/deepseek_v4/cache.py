@@ -9,7 +9,8 @@ of entry data (448 fp8 + 128 bf16 bytes each), then ``B x 8`` scale bytes (7 sca
 byte each). The cache is ``uint8 [num_blocks, B * 584]``.
 
 The compressed-sparse layers' index keys (``dim`` 128 in V4) take ``dim + 4`` bytes an entry:
-the key in e4m3 over one power-of-two fp32 scale (``2^ceil(log2(max(amax, 1e-4) / 448))``),
+the key rounded to bf16, in e4m3 over one power-of-two fp32 scale (``2^ceil(log2(max(amax,
+1e-4) / 448))``),
 planar in a page of ``B`` entries as vLLM stores them -- ``B x dim`` key bytes, then ``B``
 float32 scales (132 bytes an entry at V4's 128): ``uint8 [num_blocks, B * (dim + 4)]``.
 """
@@ -20,7 +21,8 @@ import torch
 
 from attn_ops.ops import define_op
 
-__all__ = ["ENTRY_BYTES", "NOPE", "ROPE", "dequantize_entries", "dequantize_index_keys",
+__all__ = ["ENTRY_BYTES", "NOPE", "ROPE", "check_entry_write", "check_index_write",
+           "dequantize_entries", "dequantize_index_keys", "entries_a_page",
            "entry_write", "index_views", "index_write", "quantize_entries", "read_entries"]
 
 NOPE, ROPE, GROUP = 448, 64, 64
@@ -55,6 +57,15 @@ def dequantize_entries(data: torch.Tensor, scales: torch.Tensor,
     return torch.cat([nope, rope], -1)
 
 
+def entries_a_page(cache: torch.Tensor, index_dim: int = 0) -> int:
+    """Entries a page of a V4 cache holds: ``[blocks, page, D]`` rows, ``uint8 [blocks, page *
+    584]`` entries or, with ``index_dim``, planar fp8 index keys ``uint8 [blocks, page *
+    (index_dim + 4)]``."""
+    if cache.dtype != torch.uint8:
+        return cache.shape[1]
+    return cache.shape[1] // (index_dim + 4 if index_dim else ENTRY_BYTES)
+
+
 def _planar(cache: torch.Tensor, block_size: int):
     """The page's two planes: ``(data [blocks, B, 576], scales [blocks, B, 8])`` views."""
     data = cache[:, :block_size * DATA_BYTES].unflatten(1, (block_size, DATA_BYTES))
@@ -63,7 +74,8 @@ def _planar(cache: torch.Tensor, block_size: int):
     return data, scales
 
 
-def _check(entries, cache, slot_mapping, block_size):
+def check_entry_write(entries, cache, slot_mapping, block_size):
+    """The shapes a write of entries (or rows) needs."""
     op = "dsv4_entry_write"
     if cache.dtype != torch.uint8:  # (rows of the model dtype)
         if entries.dim() != 2 or cache.dim() != 3 or cache.shape[1:] != (block_size,
@@ -84,7 +96,7 @@ def _check(entries, cache, slot_mapping, block_size):
 
 
 def _write_impl(entries, cache, slot_mapping, block_size):
-    _check(entries, cache, slot_mapping, block_size)
+    check_entry_write(entries, cache, slot_mapping, block_size)
     slots = slot_mapping.long()
     rows = ((slots >= 0) & (slots < cache.shape[0] * block_size)).nonzero().squeeze(1)
     slots = slots.index_select(0, rows)
@@ -99,7 +111,7 @@ def _write_impl(entries, cache, slot_mapping, block_size):
 
 
 def _write_fake(entries, cache, slot_mapping, block_size):
-    _check(entries, cache, slot_mapping, block_size)
+    check_entry_write(entries, cache, slot_mapping, block_size)
 
 
 entry_write = define_op(
@@ -137,7 +149,8 @@ def index_views(cache: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tens
     return keys, scales
 
 
-def _check_index_write(k, cache, slot_mapping):
+def check_index_write(k, cache, slot_mapping):
+    """The shapes a write of index keys needs."""
     op = "dsv4_index_write"
     if k.dim() != 2 or slot_mapping.shape != (k.shape[0],) or slot_mapping.is_floating_point():
         raise ValueError(f"{op}: k [num_tokens, dim] and an integer slot_mapping [num_tokens] "
@@ -151,7 +164,7 @@ def _check_index_write(k, cache, slot_mapping):
 
 
 def _index_write_impl(k, cache, slot_mapping):
-    _check_index_write(k, cache, slot_mapping)
+    check_index_write(k, cache, slot_mapping)
     if cache.dtype != torch.uint8:
         _write_impl(k, cache, slot_mapping, cache.shape[1])
         return
@@ -163,7 +176,8 @@ def _index_write_impl(k, cache, slot_mapping):
         return
     slots = slot_mapping.long()
     keep = ((slots >= 0) & (slots < keys.shape[0] * keys.shape[1])).nonzero().squeeze(1)
-    slots, x = slots.index_select(0, keep), k.index_select(0, keep).float()
+    # (vLLM rounds the key to bf16 before quantizing it)
+    slots, x = slots.index_select(0, keep), k.index_select(0, keep).to(torch.bfloat16).float()
     scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(1, keepdim=True).clamp_min(1e-4)
                                              / FP8_MAX)))
     fp8 = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -175,7 +189,7 @@ def _index_write_impl(k, cache, slot_mapping):
 index_write = define_op(
     "dsv4_index_write",
     "(Tensor k, Tensor(a!) cache, Tensor slot_mapping) -> ()",
-    _index_write_impl, lambda *args: _check_index_write(*args))
+    _index_write_impl, lambda *args: check_index_write(*args))
 index_write.__doc__ = """Write index keys ``k [T, dim]`` at ``slot_mapping`` (-1 and slots
 outside the cache skipped): into a planar fp8 cache (``uint8``, :func:`index_views`) in e4m3
 over a power-of-two scale each, or into a cache of rows in its dtype."""

@@ -30,7 +30,8 @@ import torch
 
 from attn_ops.ops import define_op
 
-__all__ = ["compress_into_cache", "compressed_slot_mapping", "compressor_entries",
+__all__ = ["check_compressor", "compress_into_cache", "compressed_slot_mapping",
+           "compressor_entries",
            "compressor_state_rows", "finish_entries", "interleaved_rope"]
 
 
@@ -39,7 +40,9 @@ def compressor_state_rows(ratio: int, overlap: bool) -> int:
     return (2 if overlap else 1) * ratio
 
 
-def _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap):
+def check_compressor(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio,
+                     overlap):
+    """The shapes the compressor ops need."""
     op = "dsv4_compressor"
     coff = 2 if overlap else 1
     if kv.dim() != 2 or gate.shape != kv.shape or kv.shape[1] % coff:
@@ -66,7 +69,8 @@ def _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, rati
 
 def _impl(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap):
     """The torch body (the reference and CPU path), one request at a time."""
-    _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap)
+    check_compressor(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio,
+                     overlap)
     compute = torch.float64 if kv.dtype == torch.float64 else torch.float32
     t, width = kv.shape
     d = width // (2 if overlap else 1)
@@ -124,7 +128,8 @@ def _impl(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio
 
 
 def _fake(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap):
-    _check(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio, overlap)
+    check_compressor(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio,
+                     overlap)
     d = kv.shape[1] // (2 if overlap else 1)
     dtype = torch.float64 if kv.dtype == torch.float64 else torch.float32
     return kv.new_empty(kv.shape[0], d, dtype=dtype)

@@ -464,8 +464,9 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
                          FP8_MAX: tl.constexpr, POW2: tl.constexpr = False):
     """Token ``program_id(0)``'s index key into its slot (-1, or any slot outside the
     ``capacity`` rows: none): as it is, or in fp8 with each group of ``GROUP`` channels over
-    its amax / ``FP8_MAX`` and that scale beside it -- with ``POW2`` the power of two at or
-    above it, from an amax of at least 1e-4 (DeepSeek-V4's index keys)."""
+    its amax / ``FP8_MAX`` and that scale beside it -- with ``POW2`` the key rounded to bf16
+    and the power of two at or above it, from an amax of at least 1e-4 (DeepSeek-V4's index
+    keys)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < capacity):
@@ -477,7 +478,8 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
         row = keys_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kp
         if FP8:
             x = x.to(tl.float32)
-            if POW2:
+            if POW2:  # (rounded to bf16 first, as vLLM)
+                x = x.to(tl.bfloat16).to(tl.float32)
                 scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
                                                 / FP8_MAX)))
             else:
