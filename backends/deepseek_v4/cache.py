@@ -97,6 +97,14 @@ def check_entry_write(entries, cache, slot_mapping, block_size):
 
 def _write_impl(entries, cache, slot_mapping, block_size):
     check_entry_write(entries, cache, slot_mapping, block_size)
+    if entries.is_cuda and entries.shape[1] % 2 == 0 and (cache.dtype == torch.uint8
+                                                          or cache.stride(2) == 1):
+        from attn_ops.backends.deepseek_v4.write_kernels import entry_write_triton
+
+        # (one launch, no host read: graph-capturable; the torch body below is its oracle)
+        entry_write_triton(entries if entries.stride(1) == 1 else entries.contiguous(), cache,
+                           slot_mapping)
+        return
     slots = slot_mapping.long()
     rows = ((slots >= 0) & (slots < cache.shape[0] * block_size)).nonzero().squeeze(1)
     slots = slots.index_select(0, rows)
@@ -168,12 +176,13 @@ def _index_write_impl(k, cache, slot_mapping):
     if cache.dtype != torch.uint8:
         _write_impl(k, cache, slot_mapping, cache.shape[1])
         return
-    keys, scales = index_views(cache, k.shape[1])
-    if k.is_cuda:  # (one launch, no host read: graph-capturable)
-        from attn_ops.backends.mla.indexer_kernels import indexer_k_write_device
+    if k.is_cuda and k.shape[1] % 2 == 0:  # (one launch, no host read: graph-capturable)
+        from attn_ops.backends.deepseek_v4.write_kernels import entry_write_triton
 
-        indexer_k_write_device(k, keys, scales, slot_mapping, FP8_MAX, pow2=True)
+        entry_write_triton(k if k.stride(1) == 1 else k.contiguous(), cache, slot_mapping,
+                           index=True)
         return
+    keys, scales = index_views(cache, k.shape[1])
     slots = slot_mapping.long()
     keep = ((slots >= 0) & (slots < keys.shape[0] * keys.shape[1])).nonzero().squeeze(1)
     # (vLLM rounds the key to bf16 before quantizing it)

@@ -461,12 +461,10 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
                          stride_kb, stride_kp, stride_sb, stride_sp, D: tl.constexpr,
                          GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_P: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                         FP8_MAX: tl.constexpr, POW2: tl.constexpr = False):
+                         FP8_MAX: tl.constexpr):
     """Token ``program_id(0)``'s index key into its slot (-1, or any slot outside the
     ``capacity`` rows: none): as it is, or in fp8 with each group of ``GROUP`` channels over
-    its amax / ``FP8_MAX`` and that scale beside it -- with ``POW2`` the key rounded to bf16
-    and the power of two at or above it, from an amax of at least 1e-4 (DeepSeek-V4's index
-    keys)."""
+    its amax / ``FP8_MAX`` and that scale beside it."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < capacity):
@@ -478,12 +476,7 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
         row = keys_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kp
         if FP8:
             x = x.to(tl.float32)
-            if POW2:  # (rounded to bf16 first, as vLLM)
-                x = x.to(tl.bfloat16).to(tl.float32)
-                scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-                                                / FP8_MAX)))
-            else:
-                scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
             tl.store(row + channel, q.to(keys_ptr.dtype.element_ty), mask=ok)
             tl.store(scales_ptr + (slot // PAGE) * stride_sb + (slot % PAGE) * stride_sp
@@ -492,10 +485,8 @@ def index_k_write_kernel(k_ptr, keys_ptr, scales_ptr, slot_ptr, capacity, stride
             tl.store(row + channel, x.to(keys_ptr.dtype.element_ty), mask=ok)
 
 
-def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float,
-                           pow2: bool = False) -> None:
-    """``torch.ops.attn.indexer_k_write`` in one launch, no host read (inputs checked);
-    ``pow2``: power-of-two scales (:func:`index_k_write_kernel`)."""
+def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float) -> None:
+    """``torch.ops.attn.indexer_k_write`` in one launch, no host read (inputs checked)."""
     t, d = k.shape
     if t == 0:
         return
@@ -508,4 +499,4 @@ def indexer_k_write_device(k, keys, scales, slot_mapping, fp8_max: float,
         keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
         scales.stride(1) if scales is not None else 0, D=d, GROUPS=groups,
         GROUPS_P=pow2(groups), GROUP=group, GROUP_P=pow2(group), PAGE=keys.shape[1],
-        FP8=scales is not None, FP8_MAX=fp8_max, POW2=pow2)
+        FP8=scales is not None, FP8_MAX=fp8_max)
