@@ -476,7 +476,7 @@ class BlockAllocator:
         full = min(len(token_ids) // self.block_size, len(owned))
         for i, h in enumerate(self._chain(request_id, token_ids, full)):
             block = owned[i]
-            if block not in self._hash_of and h not in self._by_hash:
+            if block >= 0 and block not in self._hash_of and h not in self._by_hash:
                 self._by_hash[h], self._hash_of[block] = block, h
 
     def block_table(self, request_ids, width: int | None = None) -> np.ndarray:
@@ -512,6 +512,36 @@ class BlockAllocator:
                          dtype=np.int32).reshape(len(request_ids), self.state_slots_per_request)
         return table[:, 0] if self.state_slots_per_request == 1 else table
 
+    def _drop(self, block: int) -> None:
+        """One holder fewer for ``block``: back to the pool (or the cached) at the last."""
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return  # (another request still holds it)
+        del self._refs[block]
+        if block in self._hash_of:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
+
+    def release_before(self, request_id: object, position: int) -> int:
+        """Give back the request's blocks wholly before ``position`` -- the pages a sliding
+        window has moved past, which no later query reads -- and mark them -1 in its
+        block table; returns how many were released. A request that keeps only its window
+        holds ``ceil(window / block_size) + 1`` pages however long it runs (the metadata
+        accepts the -1 where no query reads: ``build_common_metadata(..., window=)``)."""
+        owned = self._blocks.get(request_id)
+        if owned is None:
+            return 0
+        released = 0
+        for i in range(min(max(position, 0) // self.block_size, len(owned))):
+            if owned[i] >= 0:
+                self._drop(owned[i])
+                owned[i] = -1
+                released += 1
+        if released:
+            self._table[self._rows[request_id], :len(owned)] = owned
+        return released
+
     def free(self, request_id: object) -> None:
         owned = self._blocks.pop(request_id, None)
         if owned is None:
@@ -520,14 +550,8 @@ class BlockAllocator:
             self._free_states.extend(reversed(self._states.pop(request_id)))
         self._chains.pop(request_id, None)
         for block in reversed(owned):
-            self._refs[block] -= 1
-            if self._refs[block]:
-                continue  # (another request still holds it)
-            del self._refs[block]
-            if block in self._hash_of:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
+            if block >= 0:  # (-1: released behind a window)
+                self._drop(block)
         row = self._rows.pop(request_id)
         self._table[row, :len(owned)] = 0
         self._free_rows.append(row)

@@ -278,6 +278,7 @@ def build_common_metadata(
     max_blocks_per_req: int | None = None,
     causal: bool = True,
     decode_threshold: int = 1,
+    window: int | None = None,
 ) -> CommonAttentionMetadata:
     """Check a batch on the host and build its metadata.
 
@@ -285,6 +286,12 @@ def build_common_metadata(
     array (:meth:`BlockAllocator.block_table`), begins with them (entries past the pages a
     request's length needs are ignored). Raises ``ValueError`` naming the request and value when
     a length, block id or ordering is wrong.
+
+    ``window``: the step's layers read only the last ``window`` positions of each query (a
+    sliding window, the current token included), so a page wholly before ``seq_len -
+    query_len - window + 1`` may have been released behind it
+    (:meth:`~attn_ops.kv_cache.BlockAllocator.release_before`): -1 there is accepted, and
+    passed on as it is (only backends that read the window alone take such tables).
     """
     n = len(query_lens)
     if len(seq_lens) != n or len(block_tables) != n:
@@ -345,11 +352,27 @@ def build_common_metadata(
     else:
         flat = np.fromiter((b for blocks in block_tables for b in blocks), dtype=np.int64,
                            count=int(owned.sum()))
-    if flat.size and (flat.min() < 0 or flat.max() >= num_blocks):
-        k = first((flat < 0) | (flat >= num_blocks))
+    released = np.zeros_like(flat, dtype=bool)
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        behind = np.maximum(s_np - q_np - window + 1, 0) // block_size  # (pages no query reads)
+        cols = np.arange(table_np.shape[1] if dense else int(owned.max(initial=0)))
+        if dense:
+            released = (table_np == -1)[used] & (cols[None, :] < behind[:, None])[used]
+        else:
+            col = np.concatenate([cols[:k] for k in owned]) if n else cols[:0]
+            req = np.repeat(np.arange(n), owned)
+            released = (flat == -1) & (col < behind[req])
+    bad = ((flat < 0) & ~released) | (flat >= num_blocks)
+    if bad.any():
+        k = first(bad)
         i = int(np.searchsorted(np.cumsum(owned), k, side="right"))
         raise ValueError(f"block_tables[{i}] holds block {flat[k]}, outside the cache's "
-                         f"[0, {num_blocks}) blocks")
+                         f"[0, {num_blocks}) blocks" + (
+                             " (-1, a released page, only before position seq_len - query_len "
+                             "- window + 1, which no query of the step reads)"
+                             if flat[k] == -1 and window is not None else ""))
     if not dense:
         table_np[used] = flat
     # (block lists may reserve more blocks than the lengths use; a dense table's owned counts

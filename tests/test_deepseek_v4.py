@@ -795,3 +795,59 @@ def test_triton_window_write_is_the_torch_forms_bytes(fmt):
         entry_write(x, want, slots, 4)
     triton_entry_write(x, got, slots, fmt == "index")
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", _v4_backends())
+def test_window_pages_are_released_behind_the_window(backend):
+    """A request served step after step with its window pages released as the window moves
+    past them (``BlockAllocator.release_before``; the freed pages NaN-poisoned, 0xFF in the
+    584-byte cache): the same outputs as keeping every page, and never more than ``ceil(W /
+    page) + 1`` window pages held, plus those of the step's new tokens. A -1 where a query
+    still reads is refused by the metadata, naming the rule."""
+    from attn_ops import AttentionConfig, BlockAllocator, build_batch
+    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES
+    from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+    from attn_ops.spec import LayerKind
+
+    torch.manual_seed(2)
+    cfg = _config(512, 64, index_heads=16)
+    hf = hf_v4.DeepseekV4Attention(cfg, cfg.layer_types.index("heavily_compressed_attention"))
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    layer = DeepseekV4Attention.from_hf(hf.eval(), cfg, attention_config=AttentionConfig(
+        backend_per_kind={LayerKind.DEEPSEEK_V4: backend}))
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+    cos, sin = rotary(torch.zeros(1), torch.arange(80)[None], layer_type="compress")
+    table = torch.cat([cos[0], sin[0]], -1)
+    x = torch.randn(60, cfg.hidden_size)
+    page, window = 4, cfg.sliding_window
+    outs = {}
+    for release in (False, True):
+        alloc = BlockAllocator(24, page, shuffle=True, seed=1)
+        cache = torch.full((24, page * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+        compressed = torch.full((8, 2 * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+        state = torch.full((2, 8, 2 * cfg.head_dim), float("nan"))
+        got, done = [], 0
+        for n in (13, 3, 1, 1, 6, 1, 1, 9, 1, 1, 5, 1, 1, 1):
+            meta = build_batch(alloc, [0], [done], [n], window=window)
+            step = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                        block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                        compressed_block_table=torch.tensor([[5, 1, 7, 2, 0, 3, 6, 4]]),
+                        state_indices=torch.tensor([1]))
+            with torch.no_grad():
+                got.append(layer(x[done:done + n], torch.arange(done, done + n), table, cache,
+                                 step, compressed, state))
+            done += n
+            if release:
+                before = set(alloc.blocks(0))
+                alloc.release_before(0, done - window + 1)
+                cache[sorted(before - set(alloc.blocks(0)))] = 0xFF
+                held = [b for b in alloc.blocks(0) if b >= 0]
+                assert len(held) <= -(-window // page) + 1
+        outs[release] = torch.cat(got)
+        if release:
+            assert alloc.num_free_blocks >= 24 - (-(-window // page) + 1)
+            with pytest.raises(ValueError, match="a released page, only before position"):
+                build_batch(alloc, [0], [done - 20], [20], window=window)
+    assert outs[True].isfinite().all()
+    torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
