@@ -851,3 +851,85 @@ def test_window_pages_are_released_behind_the_window(backend):
                 build_batch(alloc, [0], [done - 20], [20], window=window)
     assert outs[True].isfinite().all()
     torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", _v4_backends())
+def test_one_pool_serves_every_layer_kind_as_hf_does(backend):
+    """Three layers (sliding-window, compressed-sparse, heavily compressed) of two requests
+    stepped together -- prefills, chunks ending mid-group, decodes -- with every cache drawn
+    from one arena of 64-token pages (``DeepseekV4CachePool``: 584-byte window and compressed
+    entries, index keys as rows) and the window pages released as the windows move: each
+    layer's outputs for each request HF's ``DeepseekV4Attention`` stepped alone (within e4m3's
+    error), every page of the arena in one cache at a time, the pages a request holds those
+    its caches' lengths need, and none left after both are freed."""
+    from transformers import DynamicCache
+
+    from attn_ops import AttentionConfig
+    from attn_ops.backends.deepseek_v4.pool import DeepseekV4CachePool
+    from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+    from attn_ops.spec import LayerKind
+
+    torch.manual_seed(4)
+    cfg = _config(512, 64, index_heads=16)
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    forced = AttentionConfig(backend_per_kind={LayerKind.DEEPSEEK_V4: backend})
+    hfs, ours = [], []
+    for kind in kinds:
+        hf = hf_v4.DeepseekV4Attention(cfg, cfg.layer_types.index(kind)).eval()
+        for p in hf.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        hfs.append(hf)
+        ours.append(DeepseekV4Attention.from_hf(hf, cfg, attention_config=forced))
+    specs = [dataclasses.replace(layer.spec, kv_cache_dtype="fp8_ds_mla") for layer in ours]
+    pool = DeepseekV4CachePool(specs, 40, window_page=4, index_fp8=False, num_state_slots=3)
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+    tables = {}
+    for r in ("main", "compress"):
+        cos, sin = rotary(torch.zeros(1), torch.arange(64)[None], layer_type=r)
+        tables[r] = torch.cat([cos[0], sin[0]], -1)
+    steps = ((13, 6), (3, 1), (1, 9), (1, 1), (6, 1), (1, 3), (9, 1))
+    total = [sum(s[i] for s in steps) for i in range(2)]
+    xs = [torch.randn(1, n, cfg.hidden_size) for n in total]
+    hf_caches = [[DynamicCache(config=cfg) for _ in kinds] for _ in range(2)]
+    done, released = [0, 0], 0
+    for step in steps:
+        ids = [i for i in range(2) if step[i]]
+        for layer, (kind, hf, mine) in enumerate(zip(kinds, hfs, ours)):
+            meta = pool.step(layer, ids, [done[i] for i in ids], [step[i] for i in ids])
+            x = torch.cat([xs[i][0, done[i]:done[i] + step[i]] for i in ids])
+            pos = torch.cat([torch.arange(done[i], done[i] + step[i]) for i in ids])
+            rope = tables["main" if kind == "sliding_attention" else "compress"]
+            c = pool.layers[layer]
+            with torch.no_grad():
+                got = mine(x, pos, rope, c.window, meta, c.compressed, c.state, c.index,
+                           c.index_state)
+            at = 0
+            for i in ids:
+                n, d0 = step[i], done[i]
+                p = torch.arange(d0, d0 + n)
+                emb = {r: rotary(xs[i], p[None], layer_type=r) for r in ("main", "compress")}
+                key_pos = torch.arange(d0 - min(d0, cfg.sliding_window - 1), d0 + n)
+                seen = (key_pos[None] <= p[:, None]) & (p[:, None] - key_pos[None]
+                                                        < cfg.sliding_window)
+                mask = torch.zeros(1, 1, n, key_pos.shape[0]).masked_fill(~seen, float("-inf"))
+                with torch.no_grad():
+                    want, _ = hf(xs[i][:, d0:d0 + n], emb, p[None], mask, hf_caches[i][layer])
+                mine_i = got[at:at + n]
+                assert ((mine_i - want[0]).norm() / want[0].norm()) < 0.05, (kind, i, step)
+                at += n
+        for i in ids:
+            done[i] += step[i]
+            before = pool.held_pages(i)["window"]
+            pool.release_window(i, done[i] - cfg.sliding_window + 1)
+            in_use = {p for pages in pool._pages.values() for p in pages if p >= 0}
+            pool.arena[sorted(set(range(40)) - in_use)] = 0xFF  # (freed pages poisoned)
+            released += before - pool.held_pages(i)["window"]
+            held = pool.held_pages(i)
+            assert held["window"] <= 3 * (-(-cfg.sliding_window // 4) + 1)
+            assert held["compressed"] == sum(-(-(done[i] // m) // 4) for m in (4, 8))
+    assert released >= 10
+    used = [p for pages in pool._pages.values() for p in pages if p >= 0]
+    assert len(used) == len(set(used)) == 40 - pool.num_free_pages
+    for i in range(2):
+        pool.free(i)
+    assert pool.num_free_pages == 40

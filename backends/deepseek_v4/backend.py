@@ -31,9 +31,18 @@ __all__ = ["DeepseekV4ReferenceBackend", "DeepseekV4TritonBackend", "triton_atte
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
+def _table(step: dict, index: bool) -> torch.Tensor:
+    """The block table of the compressed entries (``index``: of the index keys, paged alike
+    unless the step has an ``index_block_table`` of their own)."""
+    if index and "index_block_table" in step:
+        return step["index_block_table"]
+    return step["compressed_block_table"]
+
+
 class _DeepseekV4Backend:
     """What every backend of the family shares: the spec check, vLLM's page size, ``step``
-    (``query_start_loc``, ``seq_lens``, ``block_table``, ``compressed_block_table``)."""
+    (``query_start_loc``, ``seq_lens``, ``block_table``, ``compressed_block_table``, and
+    ``index_block_table`` where the index keys are paged apart)."""
 
     name: ClassVar[str]
     kind: ClassVar[str] = "deepseek_v4"
@@ -70,7 +79,7 @@ class _DeepseekV4Backend:
         ``state_indices``, ``compressed_block_table``) into ``cache`` and ``state``."""
         page = entries_a_page(cache, kv.shape[1] // (2 if overlap else 1) if index else 0)
         compress_into_cache(kv, gate, bias, state, step["query_start_loc"], step["seq_lens"],
-                            step["state_indices"], step["compressed_block_table"],
+                            step["state_indices"], _table(step, index),
                             self.spec.compress_ratio, overlap, norm_weight, eps, rope_table,
                             cache, page, index=index)
 
@@ -100,7 +109,7 @@ class DeepseekV4ReferenceBackend(_DeepseekV4Backend):
         """The compressed-sparse layer's picks: ``[T, index_topk]`` (-1 unused)."""
         spec = self.spec
         return indexer_topk(q_index, weights, index_cache, step["query_start_loc"],
-                            step["seq_lens"], step["compressed_block_table"], spec.compress_ratio,
+                            step["seq_lens"], _table(step, True), spec.compress_ratio,
                             spec.index_topk)
 
 
@@ -345,7 +354,7 @@ class DeepseekV4TritonBackend(_DeepseekV4Backend):
                  rope_table, cache, index: bool = False) -> None:
         """One compressor step into ``cache`` and ``state``: two launches."""
         compress_write(kv, gate, bias, state, step["query_start_loc"], step["seq_lens"],
-                       step["state_indices"], step["compressed_block_table"],
+                       step["state_indices"], _table(step, index),
                        self.spec.compress_ratio, overlap, norm_weight, eps, rope_table, cache,
                        index)
 
@@ -353,6 +362,5 @@ class DeepseekV4TritonBackend(_DeepseekV4Backend):
         """The compressed-sparse layer's picks: ``[T, index_topk]`` int32 (-1 unused)."""
         spec = self.spec
         return triton_indexer_topk(q_index, weights, index_cache, step["query_start_loc"],
-                                   step["seq_lens"],
-                                   step["compressed_block_table"], spec.compress_ratio,
+                                   step["seq_lens"], _table(step, True), spec.compress_ratio,
                                    spec.index_topk)
