@@ -81,6 +81,12 @@
 #            TURBOQUANT:turboquant_4bit_nc (the whole 8-layer step, bf16 against 4-bit)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
+#   dsv4     tests/test_deepseek_v4.py (DeepSeek-V4: DSV4_TRITON's kernels compiled, V4-Flash
+#            widths against the reference, 200 decode steps replayed in a CUDA graph)
+#   dsv4check compute-sanitizer memcheck over DSV4_TRITON's kernel tests and its real sizes
+#   dsv4bench benchmarks/bench_dsv4.py (a decode step of each V4 layer kind at 128k and 1M
+#            against a dense MLA layer, FlashMLA's V4 decode and the C4A key-read floor;
+#            DSV4_ARGS)
 #   suite    one pytest run of the CUDA-graph, whole-model graph, opcheck and FlashInfer tests
 #            and the base-size matrix (SUITE_K selects; default: not the real-size cases)
 # PYTEST_FLAGS (default -q) replaces the pytest verbosity flag, e.g. "-v --durations=20".
@@ -227,6 +233,13 @@ for spec in "$@"; do
     tqmodel) stage tqmodel "$limit" python benchmarks/bench_model_decode.py --ctx 8192 --no-hf \
         --backends COMPOSITE_SM90 TURBOQUANT:turboquant_4bit_nc \
         --out "$OUT/bench_model_decode_turboquant_h200.json" ;;
+    dsv4) stage dsv4 "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_deepseek_v4.py ;;
+    dsv4check) stage dsv4check "$limit" compute-sanitizer --tool memcheck \
+        --report-api-errors no python -m pytest -q -p no:cacheprovider \
+        tests/test_deepseek_v4.py -k "triton or gpu_real_sizes" ;;
+    dsv4bench) stage dsv4bench "$limit" python benchmarks/bench_dsv4.py ${DSV4_ARGS:-} \
+        --out "$OUT/bench_dsv4_h200.json" ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
         --out "$OUT/bench_hybrid_decode_h200.json" ;;
     graphs) stage graphs "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rA \

@@ -933,3 +933,143 @@ def test_one_pool_serves_every_layer_kind_as_hf_does(backend):
     for i in range(2):
         pool.free(i)
     assert pool.num_free_pages == 40
+
+
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_layer(kind: str, backend: str, dtype=torch.bfloat16):
+    """A V4-Flash-width layer of ``kind`` (64 heads of 512 = 448 + 64, index 64 x 128 top-512,
+    window 128) with random weights, on the GPU, forced on ``backend``."""
+    from attn_ops import AttentionConfig
+    from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+    from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+    from attn_ops.spec import LayerKind
+
+    ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4,
+             "heavily_compressed_attention": 128}[kind]
+    sparse = ratio == 4
+    spec = DeepseekV4Spec(kind, compress_ratio=ratio, index_heads=64 if sparse else 0,
+                          index_head_dim=128 if sparse else 0, index_topk=512 if sparse else 0,
+                          dtype=dtype, kv_cache_dtype="fp8_ds_mla")
+    torch.manual_seed(0)
+    layer = DeepseekV4Attention(spec, 1024, 256, 8, 128, config=AttentionConfig(
+        backend_per_kind={LayerKind.DEEPSEEK_V4: backend}))
+    with torch.no_grad():
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        for name in ("q_a_norm", "kv_norm", "c_kv_norm", "i_kv_norm"):
+            if hasattr(layer, name):
+                getattr(layer, name).fill_(1.0)
+    return layer.cuda().to(dtype)
+
+
+def _gpu_caches(layer, blocks: int, slots: int):
+    """Empty fp8 caches and fp32 state slots of ``layer`` on the GPU (pages of 64)."""
+    from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES
+
+    def z(*shape, dtype=torch.uint8):
+        return torch.zeros(*shape, dtype=dtype, device="cuda")
+
+    caches = [z(blocks, 64 * ENTRY_BYTES), None, None, None, None]
+    if layer.compressed:
+        coff = 2 if layer.sparse else 1
+        caches[1] = z(blocks, 64 * ENTRY_BYTES)
+        caches[2] = z(slots, coff * layer.ratio, 2 * coff * 512, dtype=torch.float32)
+    if layer.sparse:
+        caches[3] = z(blocks, 64 * 132)
+        caches[4] = z(slots, 8, 4 * 128, dtype=torch.float32)
+    return caches
+
+
+@_GPU
+@pytest.mark.parametrize("kind", ["sliding_attention", "compressed_sparse_attention",
+                                  "heavily_compressed_attention"])
+def test_gpu_real_sizes_triton_is_the_reference(kind):
+    """V4-Flash widths on the GPU (bf16, fp8 entries, pages of 64): four requests -- prefills
+    of 2k-5k tokens in chunks (one ending mid-group), then decodes -- through the layer on
+    DSV4_TRITON and on DSV4_REFERENCE over caches of their own: every step's outputs within
+    bf16's tolerance of each other (the indexer's picks may differ only at ties)."""
+    from attn_ops import BlockAllocator, build_batch
+
+    layers = {b: _gpu_layer(kind, b) for b in ("DSV4_TRITON", "DSV4_REFERENCE")}
+    layers["DSV4_REFERENCE"].load_state_dict(layers["DSV4_TRITON"].state_dict())
+    table = torch.randn(8192, 64, device="cuda")
+    caches = {b: _gpu_caches(layer, 512, 6) for b, layer in layers.items()}
+    allocs = {b: BlockAllocator(512, 64, shuffle=True, seed=1) for b in layers}
+    c_table = torch.randperm(512)[:4 * 32].view(4, 32).int().cuda()
+    lens = [0, 0, 0, 0]
+    g = torch.Generator().manual_seed(1)
+    for new in ((2049, 1500, 4097, 3001), (1, 1023, 1, 2), (1, 1, 1, 1), (1, 1, 1, 1)):
+        x = torch.randn(sum(new), 1024, generator=g).cuda().to(torch.bfloat16)
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(lens, new)]).cuda()
+        outs = {}
+        for b, layer in layers.items():
+            meta = build_batch(allocs[b], [0, 1, 2, 3], lens, list(new), device="cuda")
+            step = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                        block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                        compressed_block_table=c_table,
+                        state_indices=torch.arange(4, dtype=torch.int32, device="cuda") + 1)
+            with torch.no_grad():
+                outs[b] = layer(x, pos, table, caches[b][0], step, *caches[b][1:]).float()
+        assert outs["DSV4_TRITON"].isfinite().all()
+        err = (outs["DSV4_TRITON"] - outs["DSV4_REFERENCE"]).norm() / outs[
+            "DSV4_REFERENCE"].norm()
+        assert err < 2e-2, (kind, new, float(err))
+        lens = [c + n for c, n in zip(lens, new)]
+
+
+@_GPU
+@pytest.mark.parametrize("kind", ["compressed_sparse_attention", "heavily_compressed_attention"])
+def test_gpu_uniform_decodes_replay_in_a_cuda_graph(kind):
+    """A DSV4_TRITON layer's decode step for 8 requests captured once in a CUDA graph and
+    replayed for 200 steps (positions, slots and inputs updated in place between replays,
+    groups completing along the way) gives the eager layer's outputs over caches of its own,
+    step for step."""
+    layer = _gpu_layer(kind, "DSV4_TRITON")
+    table = torch.randn(4096, 64, device="cuda")
+    b, ctx0, pages = 8, 1000, 24
+    c_table = torch.randperm(512)[:b * 32].view(b, 32).int().cuda()
+    w_table = torch.randperm(512)[:b * pages].view(b, pages).int().cuda()
+    eager, graphed = _gpu_caches(layer, 512, b + 1), _gpu_caches(layer, 512, b + 1)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randn(b * ctx0, 1024, generator=g).cuda().to(torch.bfloat16)
+
+    def step_for(ctx):
+        pos = torch.full((b,), ctx, device="cuda")
+        return dict(query_start_loc=torch.arange(b + 1, dtype=torch.int32, device="cuda"),
+                    seq_lens=(pos + 1).int(), block_table=w_table,
+                    slot_mapping=w_table.long().gather(1, (pos // 64)[:, None])[:, 0] * 64
+                    + pos % 64, compressed_block_table=c_table,
+                    state_indices=torch.arange(b, dtype=torch.int32, device="cuda") + 1), pos
+
+    prefill = dict(query_start_loc=torch.arange(b + 1, dtype=torch.int32, device="cuda") * ctx0,
+                   seq_lens=torch.full((b,), ctx0, dtype=torch.int32, device="cuda"),
+                   block_table=w_table, compressed_block_table=c_table,
+                   state_indices=torch.arange(b, dtype=torch.int32, device="cuda") + 1)
+    p = torch.arange(ctx0, device="cuda").repeat(b)
+    r = torch.arange(b, device="cuda").repeat_interleave(ctx0)
+    prefill["slot_mapping"] = w_table.long()[r, p // 64] * 64 + p % 64
+    with torch.no_grad():
+        for caches in (eager, graphed):
+            layer(prompt, p, table, caches[0], prefill, *caches[1:])
+        static_step, static_pos = step_for(ctx0)
+        static_x = torch.zeros(b, 1024, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):  # (compiled and warm before the capture)
+            layer(static_x, static_pos, table, graphed[0], static_step, *graphed[1:])
+        for caches in (eager, graphed):  # (the warm-ups wrote: rerun the prompt on both)
+            layer(prompt, p, table, caches[0], prefill, *caches[1:])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_x, static_pos, table, graphed[0], static_step,
+                               *graphed[1:])
+        for i in range(200):
+            step, pos = step_for(ctx0 + i)
+            x = torch.randn(b, 1024, generator=g).cuda().to(torch.bfloat16)
+            static_x.copy_(x)
+            static_pos.copy_(pos)
+            for key, value in step.items():
+                static_step[key].copy_(value)
+            graph.replay()
+            want = layer(x, pos, table, eager[0], step, *eager[1:])
+            torch.testing.assert_close(static_out, want, atol=0, rtol=0)
