@@ -139,6 +139,10 @@ class DeepseekV4Attention(SelectedLayer):
         ``state_indices`` (its compressors' ``state`` / ``index_state`` slots). Returns
         ``[T, hidden]``."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
+        if x.dtype != self.spec.dtype:
+            raise ValueError(f"{type(self).__name__}: x has dtype {x.dtype}, the layer's is "
+                             f"{self.spec.dtype}: cast the input (or build the spec with "
+                             f"dtype={x.dtype})")
         cos_sin = rope_table[positions]
         qr = _rms(self.q_a_proj(x), self.q_a_norm, self.eps)
         q = _rms(self.q_b_proj(qr).view(t, h, d), None, self.eps)

@@ -76,6 +76,9 @@ def _impl(kv, gate, bias, state, query_start_loc, seq_lens, state_indices, ratio
     d = width // (2 if overlap else 1)
     rows_kept = compressor_state_rows(ratio, overlap)
     out = torch.zeros(t, d, dtype=compute, device=kv.device)
+    from attn_ops.backends.deepseek_v4.reference import check_values
+
+    check_values("dsv4_compressor", t, query_start_loc, seq_lens)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     slots = state_indices.tolist()
     for r, total in enumerate(lens):
@@ -157,8 +160,10 @@ def _slot_mapping_impl(query_start_loc, seq_lens, block_table, ratio, block_size
     emits = inside & ((pos + 1) % ratio == 0) & (pos >= 0)
     idx = torch.where(emits, pos // ratio, 0)
     col = (idx // block_size).clamp(max=block_table.shape[1] - 1)
-    block = block_table.long()[r, col].clamp(min=0)
-    emits = emits & (idx // block_size < block_table.shape[1])
+    block = block_table.long()[r, col]
+    # (a negative block id is no page: vLLM clamps it to block 0, which would write another
+    # request's page)
+    emits = emits & (idx // block_size < block_table.shape[1]) & (block >= 0)
     return torch.where(emits, block * block_size + idx % block_size, -1)
 
 
@@ -174,8 +179,8 @@ compressed_slot_mapping.__doc__ = """``[num_tokens]`` int64: the compressed-cach
 writes its entry to -- token at position ``p`` of request ``r`` emits entry ``p // ratio`` when
 ``(p + 1) % ratio == 0``, at ``block_table[r, idx // block_size] * block_size + idx %
 block_size`` (``block_size`` entries a page); -1 for the others, padding rows and entries past
-the block-table row (negative block ids are clamped to 0, as vLLM's
-``get_compressed_slot_mapping`` does)."""
+the block-table row and negative block ids (vLLM's ``get_compressed_slot_mapping`` clamps those
+to block 0: a write into another request's page)."""
 
 
 def interleaved_rope(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False

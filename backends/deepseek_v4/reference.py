@@ -25,8 +25,8 @@ from attn_ops.backends.deepseek_v4.cache import (ENTRY_BYTES, dequantize_index_k
                                                 read_entries)
 from attn_ops.ops import define_op
 
-__all__ = ["check_attention", "dsv4_attention_reference", "dsv4_indexer_topk_reference",
-           "indexer_topk", "reference_attention"]
+__all__ = ["check_attention", "check_values", "dsv4_attention_reference",
+           "dsv4_indexer_topk_reference", "indexer_topk", "reference_attention"]
 
 
 def _rows(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor,
@@ -124,10 +124,59 @@ def check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sin
                          f"{tuple(picks.shape)}")
 
 
+def _pages_of(cache: torch.Tensor, index_dim: int = 0) -> tuple[int, int]:
+    """``(blocks, entries a page)`` of a V4 cache."""
+    from attn_ops.backends.deepseek_v4.cache import entries_a_page
+
+    return cache.shape[0], entries_a_page(cache, index_dim)
+
+
+def check_values(op: str, num_tokens: int, query_start_loc, seq_lens, block_table=None,
+                 window_cache=None, sliding_window: int = 0, compressed_block_table=None,
+                 compressed_cache=None, ratio: int = 0, index_dim: int = 0) -> None:
+    """The host values the torch paths index with (they read lengths on the host anyway): a
+    monotone ``query_start_loc`` within the rows, ``seq_lens`` covering each query, and the
+    block ids of every page a query reads -- the window's (-1 allowed before it: released
+    pages) and the compressed entries' -- inside their caches. ``ValueError`` names the
+    input."""
+    from attn_ops.ops import check_query_start_loc
+
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    check_query_start_loc(starts, num_tokens, op)
+    for r, total in enumerate(lens):
+        n = starts[r + 1] - starts[r]
+        if total < n:
+            raise ValueError(f"{op}: seq_lens[{r}]={total} is shorter than the request's "
+                             f"query length {n}")
+        reads = []
+        if window_cache is not None:
+            blocks, page = _pages_of(window_cache)
+            reads.append(("block_table", block_table, blocks, page,
+                          max(0, total - n - sliding_window + 1), total))
+        if compressed_cache is not None:
+            blocks, page = _pages_of(compressed_cache, index_dim)
+            reads.append(("compressed_block_table", compressed_block_table, blocks, page, 0,
+                          total // ratio))
+        for name, table, blocks, page, lo, hi in reads:
+            if hi <= lo:
+                continue
+            if r >= table.shape[0] or -(-hi // page) > table.shape[1]:
+                raise ValueError(f"{op}: {name} has {table.shape[1]} columns of {page} for "
+                                 f"request {r}'s {hi} positions (seq_lens[{r}]={total})")
+            ids = table[r, lo // page:-(-hi // page)].tolist()
+            bad = [b for b in ids if not 0 <= b < blocks]
+            if bad:
+                raise ValueError(f"{op}: {name}[{r}] holds block {bad[0]} where request {r} "
+                                 f"reads, outside the cache's [0, {blocks}) blocks")
+
+
 def _attention_op(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
                   sliding_window, compressed_cache, compressed_block_table, ratio, picks):
     check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
-                     compressed_cache, compressed_block_table, picks)
+                    compressed_cache, compressed_block_table, picks)
+    check_values("dsv4_reference_attention", q.shape[0], query_start_loc, seq_lens,
+                 block_table, window_cache, sliding_window, compressed_block_table,
+                 compressed_cache, ratio)
     return dsv4_attention_reference(q, window_cache, query_start_loc, seq_lens, block_table,
                                     sinks, scale, sliding_window, compressed_cache,
                                     compressed_block_table, ratio, picks)
@@ -136,7 +185,7 @@ def _attention_op(q, window_cache, query_start_loc, seq_lens, block_table, sinks
 def _attention_fake(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
                     sliding_window, compressed_cache, compressed_block_table, ratio, picks):
     check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
-                     compressed_cache, compressed_block_table, picks)
+                    compressed_cache, compressed_block_table, picks)
     return torch.empty_like(q)
 
 
@@ -145,6 +194,9 @@ def _indexer_op(q, weights, index_cache, query_start_loc, seq_lens, block_table,
         raise ValueError(f"dsv4_indexer_topk: q must be [num_tokens, index_heads, dim] and "
                          f"weights [num_tokens, index_heads], got {tuple(q.shape)} and "
                          f"{tuple(weights.shape)}")
+    check_values("dsv4_indexer_topk", q.shape[0], query_start_loc, seq_lens,
+                 compressed_block_table=block_table, compressed_cache=index_cache, ratio=ratio,
+                 index_dim=q.shape[2] if index_cache.dtype == torch.uint8 else 0)
     return dsv4_indexer_topk_reference(q, weights, index_cache, query_start_loc, seq_lens,
                                        block_table, ratio, topk)
 

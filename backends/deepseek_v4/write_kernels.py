@@ -176,8 +176,8 @@ def compress_entries_kernel(
     """Program ``t``: if token ``t`` completes a group (``(p + 1) % RATIO == 0``), entry ``w =
     p // RATIO`` -- its rows' per-channel softmax-weighted sum (with ``OVERLAP``, group ``w -
     1``'s A halves and group ``w``'s B halves), RMSNorm with the norm's weight, RoPE at
-    position ``w * RATIO`` -- written at its compressed slot (a negative block id as block 0,
-    as the slot mapping; a block outside the cache: nothing)."""
+    position ``w * RATIO`` -- written at its compressed slot (a negative block id or one
+    outside the cache: nothing, as the slot mapping)."""
     t = tl.program_id(0)
     req = tl.minimum(_requests_before(qsl_ptr, t, num_reqs, steps), num_reqs - 1)
     start = tl.load(qsl_ptr + req)
@@ -190,8 +190,8 @@ def compress_entries_kernel(
     col = w // PAGE
     if col >= cbt_width:
         return
-    block = tl.maximum(tl.load(cbt_ptr + req.to(tl.int64) * stride_cbt + col), 0).to(tl.int64)
-    if block >= cache_blocks:
+    block = tl.load(cbt_ptr + req.to(tl.int64) * stride_cbt + col).to(tl.int64)
+    if (block < 0) | (block >= cache_blocks):
         return
     slot = tl.load(sidx_ptr + req).to(tl.int64)
     has_state = ((slot >= 0) & (slot < num_slots) & (ctx > 0)).to(tl.int32)
