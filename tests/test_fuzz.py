@@ -1160,10 +1160,182 @@ def _ssm_targets():
             yield f"{op}/{k.name}"
 
 
+# --- DeepSeek-V4's attention layers -----------------------------------------------------------
+
+V4_REQS = ((13, 1), (6, 1), (0, 7), (9, 5))
+V4_KINDS = ("slot", "block_table", "seq_len_beyond", "seq_len_zero", "qsl_beyond",
+            "qsl_nonmonotone", "dtype", "c_table", "state_slot", "slot_far", "block_table_far",
+            "c_table_far", "state_slot_far")
+V4_LAYERS = {"swa": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
+             "hca": ("heavily_compressed_attention", 8)}
+V4_CPAGE = 2  # (compressed entries a page)
+TRIALS["c_table"], TRIALS["c_table_far"] = 2, 1
+NAMES["c_table"] = ("compressed_block_table",)
+
+
+class DeepseekV4Harness(PagedHarness):
+    """A DeepSeek-V4 layer (``backend/kind``) at small widths: a window cache of rows in pages
+    of 4 tokens (NaN where no request owns), a compressed cache and index keys in pages of 2
+    entries through a compressed block table of their own, the compressors' state slots; every
+    context written by the layer's own prefill. States: the window, compressed and index caches
+    and both compressors' states (those of the kind)."""
+
+    family, reqs, kinds, query_name = "deepseek_v4", V4_REQS, V4_KINDS, "x"
+
+    def build_layer(self):
+        from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+        from attn_ops.layers.deepseek_v4 import DeepseekV4Attention
+        from attn_ops.spec import LayerKind
+
+        backend, kind = self.target.split("/")
+        layer_type, ratio = V4_LAYERS[kind]
+        sparse = kind == "csa"
+        self.spec = DeepseekV4Spec(layer_type, num_heads=2, head_dim=16, rope_dim=4,
+                                   sliding_window=6, compress_ratio=ratio,
+                                   index_heads=4 if sparse else 0,
+                                   index_head_dim=8 if sparse else 0,
+                                   index_topk=3 if sparse else 0, dtype=torch.float32)
+        torch.manual_seed(zlib.crc32(self.target.encode()))
+        self.layer = DeepseekV4Attention(self.spec, 16, 8, 2, 4, config=AttentionConfig(
+            backend_per_kind={LayerKind.DEEPSEEK_V4: backend})).to(DEVICE)
+        with torch.no_grad():
+            for p in self.layer.parameters():
+                p.normal_(0, 0.3)
+        self.bs = 4
+        self.state_names = ("the window cache", "the compressed cache", "the compressor state",
+                            "the index keys", "the index state")[:{0: 1, 4: 5, 8: 3}[ratio]]
+        self.slots = [3, 7, 1, 5]
+        self.num_slots = 9
+
+    def make_data(self):
+        self.prompts = [self.rand(c + n, 16) for c, n in self.reqs]
+        self.inputs = {"x": torch.cat([p[c:] for p, (c, _) in zip(self.prompts, self.reqs)]
+                                      + [self.rand(PAD, 16)]),
+                       "positions": torch.tensor([c + j for c, n in self.reqs for j in range(n)]
+                                                 + [0] * PAD, device=DEVICE),
+                       "state_indices": torch.tensor(self.slots, dtype=torch.int32,
+                                                     device=DEVICE)}
+        self.rope = self.rand(64, 4)
+        entries = max((c + n) // max(self.spec.compress_ratio, 1) for c, n in self.reqs)
+        self.c_cols = max(1, -(-entries // V4_CPAGE))
+        self.c_blocks = len(self.reqs) * self.c_cols + EXTRA_PAGES
+        perm = torch.randperm(self.c_blocks, generator=self.g)
+        self.inputs["c_table"] = perm[:len(self.reqs) * self.c_cols].view(
+            len(self.reqs), self.c_cols).int().to(DEVICE)
+
+    def _step(self, args, meta):
+        return dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                    block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                    compressed_block_table=args["c_table"],
+                    state_indices=args["state_indices"])
+
+    def world(self, page):
+        alloc = BlockAllocator(self.capacity // page, page, shuffle=True, seed=7)
+        meta = build_batch(alloc, list(range(len(self.reqs))), [c for c, _ in self.reqs],
+                           [q for _, q in self.reqs], device=DEVICE, num_tokens_padded=self.rows)
+        d, s = 16, self.spec
+        shapes = [(self.capacity // self.bs, self.bs, d)]
+        if s.compress_ratio:
+            coff = 2 if s.index_topk else 1
+            shapes += [(self.c_blocks, V4_CPAGE, d),
+                       (self.num_slots, coff * s.compress_ratio, 2 * coff * d)]
+        if s.index_topk:
+            shapes += [(self.c_blocks, V4_CPAGE, 8), (self.num_slots, 2 * s.compress_ratio, 32)]
+        states = [torch.full(shape, float("nan"), device=DEVICE) for shape in shapes]
+        # (what earlier requests left in the pages and slots the requests own: finite)
+        owned = sorted({(b * page + o) // self.bs for r in range(len(self.reqs))
+                        for b in alloc.blocks(r) for o in range(page)})
+        states[0][owned] = torch.randn(states[0][owned].shape, generator=self.g).to(DEVICE)
+        c_owned = self.inputs["c_table"].flatten().long().cpu()
+        for i in range(1, len(states)):
+            rows = c_owned if i in (1, 3) else torch.tensor(self.slots)
+            states[i][rows] = torch.randn(states[i][rows].shape, generator=self.g).to(DEVICE)
+        for r, (c, _) in enumerate(self.reqs):  # (each context: the layer's own prefill)
+            if not c:
+                continue
+            one = build_batch(alloc, [r], [0], [c], device=DEVICE)
+            step = self._step({"c_table": self.inputs["c_table"][r:r + 1],
+                               "state_indices": self.inputs["state_indices"][r:r + 1]}, one)
+            with torch.no_grad():
+                self.layer(self.prompts[r][:c], torch.arange(c, device=DEVICE), self.rope,
+                           states[0], step, *states[1:])
+        return meta, states, alloc, {}
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        # the compressed pages and state slots of each request (its table row's pages: the
+        # allocator gave it them), and those no one's
+        table = self.inputs["c_table"].cpu()
+        c_pages = {r: table[r].tolist() for r in range(len(self.reqs))}
+        owned = set().union(*map(set, c_pages.values()))
+        free_c = sorted(set(range(self.c_blocks)) - owned)
+        free_slots = sorted(set(range(self.num_slots)) - set(self.slots))
+        for r in range(len(self.reqs)):
+            regions = self.regions[r]
+            if len(self.states0) > 1:
+                regions.append((1, torch.tensor(c_pages[r], dtype=torch.long, device=DEVICE)))
+                regions.append((2, torch.tensor([self.slots[r]], device=DEVICE)))
+            if len(self.states0) > 3:
+                regions.append((3, torch.tensor(c_pages[r], dtype=torch.long, device=DEVICE)))
+                regions.append((4, torch.tensor([self.slots[r]], device=DEVICE)))
+        if len(self.states0) > 1:
+            self.regions[UNOWNED] += [(1, torch.tensor(free_c, device=DEVICE)),
+                                      (2, torch.tensor(free_slots, device=DEVICE))]
+        if len(self.states0) > 3:
+            self.regions[UNOWNED] += [(3, torch.tensor(free_c, device=DEVICE)),
+                                      (4, torch.tensor(free_slots, device=DEVICE))]
+
+    def run(self, args, meta, states):
+        with torch.no_grad():
+            return self.layer(args["x"], args["positions"], self.rope, states[0],
+                              self._step(args, meta), *states[1:])
+
+    def trial(self, kind, i, rng):
+        if kind.startswith("c_table"):
+            if not self.spec.compress_ratio:  # (a window-only layer reads no compressed table)
+                kind = "c_table"
+            table = self.inputs["c_table"]
+            r = rng.randrange(len(self.reqs))
+            c = rng.randrange(table.shape[1])
+            values = [(self.c_blocks, "num_blocks"), (-5, "-5")] if kind == "c_table" \
+                else [(2 ** 30, "2**30")]
+            v, label = values[i % len(values)]
+            bad = table.clone()
+            bad[r, c] = v
+            return Trial(f"compressed_block_table[{r}, {c}] = {v} ({label}; was "
+                         f"{int(table[r, c])}, {self.c_blocks} blocks)", kind, frozenset({r}),
+                         inputs={"c_table": bad})
+        if kind.startswith("state_slot"):
+            r = rng.randrange(len(self.reqs))
+            v = [self.num_slots, -3][i % 2] if kind == "state_slot" else 2 ** 31 - 1
+            bad = self.inputs["state_indices"].clone()
+            bad[r] = v
+            stray = [(k, torch.tensor([self.slots[r]], device=DEVICE))
+                     for k in (2, 4) if k < len(self.states0)]
+            return Trial(f"state_indices[{r}] = {v} (was {self.slots[r]}, {self.num_slots} "
+                         "slots)", kind, frozenset({r}), inputs={"state_indices": bad},
+                         stray=stray)
+        return paged_trial(self, kind, i, rng)
+
+
+def _v4_targets():
+    from attn_ops.registry import KIND_BACKENDS
+
+    for b in KIND_BACKENDS["deepseek_v4"]:
+        cls = get_backend_class(b.value)
+        from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+
+        if cls.not_supported_reasons(DeepseekV4Spec("sliding_attention", dtype=torch.float32),
+                                     PLATFORM):
+            continue
+        for kind in V4_LAYERS:
+            yield f"{b.value}/{kind}"
+
+
 # --- the test --------------------------------------------------------------------------------
 
 HARNESSES = {"attention": AttentionHarness, "mla": MLAHarness, "sparse_mla": SparseMLAHarness,
-             "indexer": IndexerHarness, "ssm": SSMHarness}
+             "indexer": IndexerHarness, "ssm": SSMHarness, "deepseek_v4": DeepseekV4Harness}
 
 
 @functools.cache
@@ -1177,6 +1349,7 @@ def _targets():
     yield from (("sparse_mla", t) for t in _mla_targets(True))
     yield from (("indexer", t) for t in _indexer_targets())
     yield from (("ssm", t) for t in _ssm_targets())
+    yield from (("deepseek_v4", t) for t in _v4_targets())
 
 
 def _kinds(family: str, target: str) -> tuple[str, ...]:
@@ -1186,6 +1359,8 @@ def _kinds(family: str, target: str) -> tuple[str, ...]:
         return SPARSE_KINDS
     if family == "indexer":
         return IDX_KINDS[target.split("/")[0]]
+    if family == "deepseek_v4":
+        return V4_KINDS
     ssm = ("state_slot", "qsl_beyond", "qsl_nonmonotone", "dtype")
     if target.split("/")[0] in SSM_MAX_QUERY_LEN_OPS:
         ssm += ("max_query_len",)

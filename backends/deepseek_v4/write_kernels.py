@@ -119,7 +119,7 @@ def _group_rows(m_e, m_o, l_e, l_o, a_e, a_o, first, ctx, row0, slot_row, has_st
         p = first + k
         # (the row's scalars spread over the channels: the interpreter takes no scalar masks)
         pv = p + pairs * 0
-        step = pv >= ctx
+        step = (pv >= ctx) & (pv >= 0)  # (a corrupt length can put ctx below 0)
         kept = (pv < ctx) & (pv >= 0) & (pv >= ctx - KEPT) & ((pairs * 0 + has_state) != 0)
         src = kv_ptr + (row0 + p - ctx).to(tl.int64) * stride_kv + col0
         gsrc = gate_ptr + (row0 + p - ctx).to(tl.int64) * stride_g + col0
