@@ -728,7 +728,7 @@ def test_triton_compressor_writes_the_torch_forms_entries_and_state(ratio, overl
     g = torch.Generator().manual_seed(ratio + len(fmt))
     d = 512 if fmt == "entries" else 64
     width = (2 if overlap else 1) * d
-    steps = ((130, 3), (1, 126), (5, 1), (250, 140)) if ratio == 128 else (
+    steps = ((130, 3), (1, 126), (5, 1), (125, 10)) if ratio == 128 else (
         (13, 9), (3, 1), (6, 7), (1, 1), (0, 5), (70, 2))
     bias = torch.randn(ratio, width, generator=g)
     states = [torch.full((3, compressor_state_rows(ratio, overlap), 2 * width), float("nan"))
@@ -766,7 +766,7 @@ def test_triton_compressor_writes_the_torch_forms_entries_and_state(ratio, overl
         a, b = (read_entries(c, page, slots) for c in (want, got))
         bound = 2 ** -3 * a.abs().unflatten(1, (8, 64)).amax(-1).repeat_interleave(64, 1)
     written = a.isfinite().all(1)  # (0xFF bytes read back as NaN: never written)
-    assert written.sum() >= (5 if ratio == 128 else 20)
+    assert written.sum() >= (3 if ratio == 128 else 20)
     assert torch.equal(written, b.isfinite().all(1))
     assert ((a - b).abs()[written] <= bound[written]).all()
 
@@ -888,7 +888,7 @@ def test_one_pool_serves_every_layer_kind_as_hf_does(backend):
     for r in ("main", "compress"):
         cos, sin = rotary(torch.zeros(1), torch.arange(64)[None], layer_type=r)
         tables[r] = torch.cat([cos[0], sin[0]], -1)
-    steps = ((13, 6), (3, 1), (1, 9), (1, 1), (6, 1), (1, 3), (9, 1))
+    steps = ((13, 6), (3, 1), (1, 9), (1, 1), (6, 1))
     total = [sum(s[i] for s in steps) for i in range(2)]
     xs = [torch.randn(1, n, cfg.hidden_size) for n in total]
     hf_caches = [[DynamicCache(config=cfg) for _ in kinds] for _ in range(2)]
@@ -928,7 +928,7 @@ def test_one_pool_serves_every_layer_kind_as_hf_does(backend):
             held = pool.held_pages(i)
             assert held["window"] <= 3 * (-(-cfg.sliding_window // 4) + 1)
             assert held["compressed"] == sum(-(-(done[i] // m) // 4) for m in (4, 8))
-    assert released >= 10
+    assert released >= 6
     used = [p for pages in pool._pages.values() for p in pages if p >= 0]
     assert len(used) == len(set(used)) == 40 - pool.num_free_pages
     for i in range(2):
