@@ -150,6 +150,12 @@ OP_MODULES: dict[str, str] = {
     "dsv4_entry_write": "attn_ops.backends.deepseek_v4.cache",
     "dsv4_reference_attention": "attn_ops.backends.deepseek_v4.reference",
     "dsv4_indexer_topk": "attn_ops.backends.deepseek_v4.reference",
+    "dsv4_index_write": "attn_ops.backends.deepseek_v4.cache",
+    "dsv4_triton_attention": "attn_ops.backends.deepseek_v4.backend",
+    "dsv4_triton_indexer_topk": "attn_ops.backends.deepseek_v4.backend",
+    "dsv4_triton_compress_write": "attn_ops.backends.deepseek_v4.backend",
+    "dsv4_triton_entry_write": "attn_ops.backends.deepseek_v4.backend",
+    "dsv4_flashmla_attention": "attn_ops.backends.deepseek_v4.flashmla",
 }
 
 

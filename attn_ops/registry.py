@@ -66,6 +66,7 @@ class Backend(str, enum.Enum):
     LINEAR = "LINEAR"
     # DeepSeek-V4's attention layers (backends.deepseek_v4.spec.DeepseekV4Spec)
     DSV4_TRITON = "DSV4_TRITON"
+    DSV4_FLASHMLA = "DSV4_FLASHMLA"
     DSV4_REFERENCE = "DSV4_REFERENCE"
 
     def __str__(self) -> str:
@@ -86,7 +87,8 @@ RECURRENT_BACKENDS = {"gated_deltanet": Backend.GDN, "mamba2": Backend.MAMBA2,
 # Every layer family outside standard attention and MLA, by its specs' ``kind``: the
 # recurrent kinds and DeepSeek-V4's attention; each kind's backends, best first.
 KIND_BACKENDS = {**{k: (b,) for k, b in RECURRENT_BACKENDS.items()},
-                 "deepseek_v4": (Backend.DSV4_TRITON, Backend.DSV4_REFERENCE)}
+                 "deepseek_v4": (Backend.DSV4_TRITON, Backend.DSV4_FLASHMLA,
+                                 Backend.DSV4_REFERENCE)}
 
 _GPU = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 _TRITON = PackageRequirement("triton", "triton", "3.6")
@@ -127,6 +129,7 @@ _BUILTIN_PATHS: dict[str, str] = {
     Backend.SHORT_CONV: "attn_ops.backends.ssm.backend:ShortConvBackend",
     Backend.LINEAR: "attn_ops.backends.ssm.backend:LightningBackend",
     Backend.DSV4_TRITON: "attn_ops.backends.deepseek_v4.backend:DeepseekV4TritonBackend",
+    Backend.DSV4_FLASHMLA: "attn_ops.backends.deepseek_v4.flashmla:DeepseekV4FlashMLABackend",
     Backend.DSV4_REFERENCE: "attn_ops.backends.deepseek_v4.backend:DeepseekV4ReferenceBackend",
     **{b: f"attn_ops.backends.mla.unavailable:{b.value}" for b in (
         Backend.CUTLASS_MLA,

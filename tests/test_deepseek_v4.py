@@ -296,10 +296,23 @@ def test_a_step_compressed_into_the_cache_reads_back_as_hfs_entries(kind, index)
         torch.testing.assert_close(got[:, 448:], ref[:, 448:], atol=1e-5, rtol=2 ** -7)
 
 
-def _v4_backends():
-    from attn_ops.registry import KIND_BACKENDS
+def _v4_backends(dtype=torch.float32, kv_cache_dtype="auto"):
+    """Every backend of the family, skipped (with its reasons) where it cannot serve a
+    compressed-sparse layer of ``dtype`` / ``kv_cache_dtype`` here."""
+    from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+    from attn_ops.platforms import current_platform
+    from attn_ops.registry import KIND_BACKENDS, get_backend_class
 
-    return [b.value for b in KIND_BACKENDS["deepseek_v4"]]
+    probe = DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4, index_heads=64,
+                           index_head_dim=128, index_topk=512, dtype=dtype,
+                           kv_cache_dtype=kv_cache_dtype)
+    params = []
+    for b in KIND_BACKENDS["deepseek_v4"]:
+        reasons = get_backend_class(b.value).not_supported_reasons(probe, current_platform())
+        why = "; ".join(r.message for r in reasons)
+        params.append(pytest.param(b.value, marks=pytest.mark.skipif(
+            bool(reasons), reason=f"{b.value} cannot serve it here: {why}")))
+    return params
 
 
 @pytest.mark.parametrize("backend", _v4_backends())
@@ -413,7 +426,8 @@ def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
     for platform, backend in (("cpu", "DSV4_REFERENCE"), ("cuda:9.0", "DSV4_TRITON")):
         selection = select_backend(spec, Platform.parse(platform))
         assert selection.backend == backend
-        assert {c.name for c in selection.candidates} == {"DSV4_REFERENCE", "DSV4_TRITON"}
+        assert {c.name for c in selection.candidates} == {"DSV4_REFERENCE", "DSV4_TRITON",
+                                                           "DSV4_FLASHMLA"}
     with pytest.raises(BackendNotSupportedError, match="FLASHINFER serves attention layers"):
         select_backend(spec, Platform.parse("cuda:9.0"), AttentionConfig(
             backend_per_kind={LayerKind.DEEPSEEK_V4: "FLASHINFER"}))
@@ -489,15 +503,14 @@ def test_the_layer_compiles_fullgraph(backend):
 
 def _v4_matrix():
     """(backend, kind, scenario) of every backend of the DeepSeek-V4 family the registry holds
-    (a new one enrolls itself) x its three layer kinds x serving scenarios."""
-    from attn_ops.registry import KIND_BACKENDS
-
-    for backend in KIND_BACKENDS["deepseek_v4"]:
+    (a new one enrolls itself; skipped where it cannot serve the fp32 layers here) x its three
+    layer kinds x serving scenarios."""
+    for backend in _v4_backends():
         for kind in ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention"):
             for scenario in V4_SCENARIOS:
-                yield pytest.param(backend.value, kind, scenario,
-                                   id=f"{backend.value}-{kind}-{scenario}")
+                yield pytest.param(*backend.values, kind, scenario, marks=backend.marks,
+                                   id=f"{backend.values[0]}-{kind}-{scenario}")
 
 
 # (context, new tokens) a request, decode-first: decodes over long contexts (one completing a
@@ -984,17 +997,19 @@ def _gpu_caches(layer, blocks: int, slots: int):
 
 
 @_GPU
+@pytest.mark.parametrize("backend", [b for b in _v4_backends(torch.bfloat16, "fp8_ds_mla")
+                                     if b.values[0] != "DSV4_REFERENCE"])
 @pytest.mark.parametrize("kind", ["sliding_attention", "compressed_sparse_attention",
                                   "heavily_compressed_attention"])
-def test_gpu_real_sizes_triton_is_the_reference(kind):
+def test_gpu_real_sizes_match_the_reference(kind, backend):
     """V4-Flash widths on the GPU (bf16, fp8 entries, pages of 64): four requests -- prefills
     of 2k-5k tokens in chunks (one ending mid-group), then decodes -- through the layer on
-    DSV4_TRITON and on DSV4_REFERENCE over caches of their own: every step's outputs within
+    ``backend`` and on DSV4_REFERENCE over caches of their own: every step's outputs within
     bf16's tolerance of each other (the indexer's picks may differ only at ties)."""
     from attn_ops import BlockAllocator, build_batch
 
-    layers = {b: _gpu_layer(kind, b) for b in ("DSV4_TRITON", "DSV4_REFERENCE")}
-    layers["DSV4_REFERENCE"].load_state_dict(layers["DSV4_TRITON"].state_dict())
+    layers = {b: _gpu_layer(kind, b) for b in (backend, "DSV4_REFERENCE")}
+    layers["DSV4_REFERENCE"].load_state_dict(layers[backend].state_dict())
     table = torch.randn(8192, 64, device="cuda")
     caches = {b: _gpu_caches(layer, 512, 6) for b, layer in layers.items()}
     allocs = {b: BlockAllocator(512, 64, shuffle=True, seed=1) for b in layers}
@@ -1013,21 +1028,23 @@ def test_gpu_real_sizes_triton_is_the_reference(kind):
                         state_indices=torch.arange(4, dtype=torch.int32, device="cuda") + 1)
             with torch.no_grad():
                 outs[b] = layer(x, pos, table, caches[b][0], step, *caches[b][1:]).float()
-        assert outs["DSV4_TRITON"].isfinite().all()
-        err = (outs["DSV4_TRITON"] - outs["DSV4_REFERENCE"]).norm() / outs[
-            "DSV4_REFERENCE"].norm()
+        assert outs[backend].isfinite().all()
+        err = (outs[backend] - outs["DSV4_REFERENCE"]).norm() / outs["DSV4_REFERENCE"].norm()
         assert err < 2e-2, (kind, new, float(err))
         lens = [c + n for c, n in zip(lens, new)]
 
 
 @_GPU
+@pytest.mark.parametrize("backend", [b for b in _v4_backends(torch.bfloat16, "fp8_ds_mla")
+                                     if b.values[0] != "DSV4_REFERENCE"])
 @pytest.mark.parametrize("kind", ["compressed_sparse_attention", "heavily_compressed_attention"])
-def test_gpu_uniform_decodes_replay_in_a_cuda_graph(kind):
-    """A DSV4_TRITON layer's decode step for 8 requests captured once in a CUDA graph and
+def test_gpu_uniform_decodes_replay_in_a_cuda_graph(kind, backend):
+    """A layer's decode step for 8 requests (each graph-capable backend) captured once in a
+    CUDA graph and
     replayed for 200 steps (positions, slots and inputs updated in place between replays,
     groups completing along the way) gives the eager layer's outputs over caches of its own,
     step for step."""
-    layer = _gpu_layer(kind, "DSV4_TRITON")
+    layer = _gpu_layer(kind, backend)
     table = torch.randn(4096, 64, device="cuda")
     b, ctx0, pages = 8, 1000, 24
     c_table = torch.randperm(512)[:b * 32].view(b, 32).int().cuda()
@@ -1074,3 +1091,130 @@ def test_gpu_uniform_decodes_replay_in_a_cuda_graph(kind):
             graph.replay()
             want = layer(x, pos, table, eager[0], step, *eager[1:])
             torch.testing.assert_close(static_out, want, atol=0, rtol=0)
+
+
+def standin_flashmla_v4():
+    """FlashMLA's sparse fp8 decode for V4 in torch, with its contract: q [b, 1, 64 | 128
+    heads, 512] bf16; k_cache (and extra_k_cache) [blocks, page, 1, 584] e4m3 views of vLLM's
+    planar pages; indices (and extra indices) [b, 1, a multiple of 64] int32 global slots, -1
+    skipped and nothing else outside its cache; attn_sink [heads] fp32 in the denominator; no
+    block table, lengths or topk_length; a schedule object set by its first call and valid for
+    its shapes only."""
+    import dataclasses as dc
+    import types
+
+    from attn_ops.backends.deepseek_v4.cache import read_entries
+
+    mod = types.ModuleType("flash_mla")
+    mod.calls = []
+
+    @dc.dataclass
+    class FlashMLASchedMeta:
+        shape: tuple | None = None
+
+    def entries(cache, idx):
+        blocks, page = cache.shape[:2]
+        assert cache.dtype == torch.float8_e4m3fn and cache.shape[2:] == (1, 584)
+        assert idx.dtype == torch.int32 and idx.shape[2] % 64 == 0
+        assert ((idx == -1) | ((idx >= 0) & (idx < blocks * page))).all()
+        return read_entries(cache.view(torch.uint8).view(blocks, page * 584), page,
+                            idx.clamp(min=0).flatten().long(), torch.float64).view(
+                                *idx.shape, 512)
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                               tile_scheduler_metadata, num_splits=None, softmax_scale=None,
+                               causal=False, is_fp8_kvcache=False, indices=None,
+                               attn_sink=None, extra_k_cache=None,
+                               extra_indices_in_kvcache=None, topk_length=None,
+                               extra_topk_length=None):
+        b, s_q, heads, d = q.shape
+        assert heads in (64, 128) and d == 512 and s_q == 1 and head_dim_v == 512
+        assert q.dtype == torch.bfloat16 and attn_sink.dtype == torch.float32
+        assert block_table is None and cache_seqlens is None and is_fp8_kvcache and not causal
+        assert topk_length is None and extra_topk_length is None
+        assert (extra_k_cache is None) == (extra_indices_in_kvcache is None)
+        meta = tile_scheduler_metadata
+        shape = (b, heads, indices.shape[2], None if extra_k_cache is None
+                 else extra_indices_in_kvcache.shape[2])
+        if meta.shape is None:
+            meta.shape = shape
+        assert meta.shape == shape
+        mod.calls.append(b)
+        keys, valid = entries(k_cache, indices), indices >= 0
+        if extra_k_cache is not None:
+            keys = torch.cat([keys, entries(extra_k_cache, extra_indices_in_kvcache)], 2)
+            valid = torch.cat([valid, extra_indices_in_kvcache >= 0], 2)
+        o = torch.zeros(b, 1, heads, 512, dtype=q.dtype)
+        for r in range(b):
+            kv = keys[r, 0][valid[r, 0]]
+            if not len(kv):
+                continue
+            score = q[r, 0].double() @ kv.T * softmax_scale
+            lse = torch.logsumexp(score, -1)
+            denom = torch.logaddexp(lse, attn_sink.double())
+            o[r, 0] = (torch.exp(score - denom[:, None]) @ kv).to(q.dtype)
+        return o, torch.zeros(b, heads, 1)
+
+    mod.FlashMLASchedMeta = FlashMLASchedMeta
+    mod.get_mla_metadata = lambda *a, **k: (FlashMLASchedMeta(), None)
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    return mod
+
+
+@pytest.mark.parametrize("mode", ["window", "dense", "picks"])
+def test_flashmla_glue_runs_what_the_reference_does(monkeypatch, mode):
+    """DSV4_FLASHMLA's glue (index lists built on the device, heads padded to 64 with -inf
+    sinks, e4m3 page views, one schedule a shape) against a stand-in of FlashMLA's V4 decode
+    with its call contract: the reference's outputs over the same 584-byte caches -- decodes,
+    a prefill, a chunk, two padding rows, released window pages (-1), picks with -1, repeats
+    and entries not yet complete, a block id outside the cache. Its selection: sm90 with a
+    FlashMLA whose interface has V4's arguments, bf16 and fp8 entries only, each refusal
+    naming why."""
+    import dataclasses as dc
+    import sys
+
+    from attn_ops.backends.deepseek_v4.flashmla import (DeepseekV4FlashMLABackend,
+                                                        flashmla_attention)
+    from attn_ops.backends.deepseek_v4.reference import dsv4_attention_reference
+    from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+    from attn_ops.platforms import Platform
+
+    mod = standin_flashmla_v4()
+    monkeypatch.setitem(sys.modules, "flash_mla", mod)
+    g = torch.Generator().manual_seed(21)
+    reqs, window_len, ratio, page, cpage = ((23, 1), (7, 1), (0, 6), (9, 5)), 6, 4, 4, 2
+    window, compressed, table, c_table = _paged_v4(reqs, 512, True, page, cpage, ratio, g)
+    new = torch.tensor([n for _, n in reqs])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).int()
+    seq = torch.tensor([c + n for c, n in reqs]).int()
+    t = int(qsl[-1]) + 2
+    q = torch.randn(t, 3, 512, generator=g).bfloat16()
+    sinks = torch.randn(3, generator=g)
+    table[0, :2] = -1  # (released behind request 0's window)
+    c_table[3, 7] = 10 ** 6  # (a column past request 3's entries: never read)
+    picks = None
+    if mode == "picks":
+        picks = torch.randint(-1, 7, (t, 5), generator=g)
+        picks[:, 3] = picks[:, 2]
+    extra = (compressed, c_table, ratio, picks) if mode != "window" else (None, None, 0, None)
+    got = flashmla_attention(q, window, qsl, seq, table, sinks, 512 ** -0.5, window_len,
+                             *extra)
+    want = dsv4_attention_reference(q[:t - 2].float(), window, qsl, seq, table, sinks,
+                                    512 ** -0.5, window_len, *extra)
+    torch.testing.assert_close(got[:t - 2].float(), want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[t - 2:], torch.zeros_like(got[t - 2:]))
+    assert mod.calls == [t]
+    h200 = dc.replace(Platform.parse("cuda:9.0"))
+    spec = DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4, index_heads=64,
+                          index_head_dim=128, index_topk=512, kv_cache_dtype="fp8_ds_mla")
+    assert DeepseekV4FlashMLABackend.not_supported_reasons(spec, h200) == []
+    for bad, code in ((dc.replace(spec, kv_cache_dtype="auto"), "kv_cache_dtype"),
+                      (dc.replace(spec, dtype=torch.float16), "dtype"),
+                      (dc.replace(spec, num_heads=256), "num_heads")):
+        assert [r.code for r in DeepseekV4FlashMLABackend.not_supported_reasons(bad, h200)] \
+            == [code]
+    assert "sm90" in DeepseekV4FlashMLABackend.not_supported_reasons(
+        spec, Platform.parse("cuda:10.0"))[0].message
+    mod.flash_mla_with_kvcache = lambda q, k_cache, *args, indices=None: None  # (V3.2's)
+    reasons = DeepseekV4FlashMLABackend.not_supported_reasons(spec, h200)
+    assert "has no attn_sink, extra_k_cache" in reasons[0].message

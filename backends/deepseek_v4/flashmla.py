@@ -1,0 +1,236 @@
+"""DSV4_FLASHMLA: DeepSeek-V4's attention on FlashMLA's sparse fp8 decode (sm90), as vLLM's
+``DeepseekV4FlashMLAAttention`` calls it; the indexer and the cache writes are DSV4_TRITON's.
+
+Every query row of a step -- decodes and prefill tokens alike -- is one row of
+``flash_mla_with_kvcache`` over vLLM's 584-byte entries (``[blocks, page, 1, 584]`` e4m3 views
+of the uint8 caches): its window as ``indices`` (the ``min(p + 1, W)`` window slots through the
+window's block table, -1 after them, padded to a multiple of 64) and its compressed entries as
+``extra_indices_in_kvcache`` over ``extra_k_cache`` (C4A: the indexer's picks as global slots;
+C128A: every entry complete at ``p``), the sink as ``attn_sink`` (fp32; the heads FlashMLA pads
+to 64 or 128 get zero queries and a -inf sink, and their rows are dropped). The index lists are
+built on the device from ``query_start_loc`` / ``seq_lens`` (no host read); any entry that is
+not a slot of its cache -- a block id outside it or -1 (a released window page), a pick past the
+visible entries -- is -1. No ``topk_length`` is passed, so the kernel's tile schedule depends on
+the shapes only: one a shape, reused across steps and inside CUDA graphs. Calls hold at most
+``ROWS_A_CALL`` rows (the tile scheduler's bound).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import ClassVar
+
+import torch
+
+from attn_ops.backends.deepseek_v4.backend import (DeepseekV4TritonBackend, _table,
+                                                   check_attention)
+from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entries_a_page
+from attn_ops.capabilities import CUDAGraphSupport, Reason
+from attn_ops.ops import define_op
+from attn_ops.platforms import Platform, PlatformKind
+from attn_ops.providers import FLASHMLA as PROVIDERS
+
+__all__ = ["DeepseekV4FlashMLABackend", "flashmla_attention", "index_lists"]
+
+HEAD_COUNTS = (64, 128)  # the query heads its sm90 sparse decode takes
+BLOCK_SLOTS = 64  # its index lists are padded to multiples of this
+_V4_ARGS = ("attn_sink", "extra_k_cache", "extra_indices_in_kvcache")
+_SCHEDULES: dict[tuple, object] = {}
+
+
+def _rows(query_start_loc, seq_lens, t: int):
+    """Each row's request and position, and whether it is a request's (device ops)."""
+    qsl = query_start_loc.long()
+    rows = torch.arange(t, device=qsl.device)
+    b = seq_lens.shape[0]
+    req = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).clamp(max=b - 1)
+    start = qsl[req]
+    pos = seq_lens.long()[req] - (qsl[req + 1] - start) + (rows - start)
+    return req, pos, rows < qsl[-1]
+
+
+def _slots(table, req, entries, ok, page: int, blocks: int) -> torch.Tensor:
+    """Global slots of ``entries [T, K]`` of each row's request (``ok``: wanted), -1 where not
+    a slot of the cache (a column past the table, a block id outside the cache)."""
+    col = entries // page
+    ok = ok & (entries >= 0) & (col < table.shape[1])
+    block = table.long()[req[:, None], col.clamp(0, table.shape[1] - 1)]
+    ok = ok & (block >= 0) & (block < blocks)
+    return torch.where(ok, block * page + entries % page, -1).to(torch.int32)
+
+
+def _padded(slots: torch.Tensor) -> torch.Tensor:
+    k = slots.shape[1]
+    kp = max(BLOCK_SLOTS, -(-k // BLOCK_SLOTS) * BLOCK_SLOTS)
+    return torch.nn.functional.pad(slots, (0, kp - k), value=-1).unsqueeze(1)
+
+
+def index_lists(query_start_loc, seq_lens, block_table, window_cache, sliding_window: int,
+                t: int, compressed_cache=None, compressed_block_table=None, ratio: int = 0,
+                picks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(window indices [T, 1, Kw], compressed indices [T, 1, Kc] or None)`` int32 global
+    slots, -1 padded (the module docstring's rule)."""
+    req, pos, live = _rows(query_start_loc, seq_lens, t)
+    n_win = torch.where(live, (pos + 1).clamp(0, sliding_window), 0)
+    j = torch.arange(sliding_window, device=pos.device)
+    wpos = (pos - n_win + 1)[:, None] + j[None, :]
+    window = _slots(block_table, req, wpos, j[None, :] < n_win[:, None],
+                    entries_a_page(window_cache), window_cache.shape[0])
+    if compressed_cache is None:
+        return _padded(window), None
+    visible = torch.where(live, (pos + 1).clamp(min=0) // ratio, 0)
+    if picks is None:  # (every entry the table reaches, those complete at p kept)
+        page = entries_a_page(compressed_cache)
+        entries = torch.arange(compressed_block_table.shape[1] * page, device=pos.device)
+        entries = entries[None, :].expand(t, -1)
+    else:
+        entries = picks.long()
+    extra = _slots(compressed_block_table, req, entries, entries < visible[:, None],
+                   entries_a_page(compressed_cache), compressed_cache.shape[0])
+    return _padded(window), _padded(extra)
+
+
+def _fp8_pages(cache: torch.Tensor) -> torch.Tensor:
+    """A 584-byte cache as FlashMLA reads it: ``[blocks, page, 1, 584]`` e4m3."""
+    page = entries_a_page(cache)
+    return cache[:, :page * ENTRY_BYTES].view(torch.float8_e4m3fn).view(
+        cache.shape[0], page, 1, ENTRY_BYTES)
+
+
+def _check(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
+           sliding_window, compressed_cache, compressed_block_table, ratio, picks):
+    op = "dsv4_flashmla_attention"
+    check_attention(q, window_cache, query_start_loc, seq_lens, block_table, sinks,
+                    compressed_cache, compressed_block_table, picks, op)
+    if q.dtype != torch.bfloat16 or q.shape[2] != 512 or q.shape[1] > HEAD_COUNTS[-1]:
+        raise ValueError(f"{op}: q must be bfloat16 [T, <= {HEAD_COUNTS[-1]} heads, 512], got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    for name, cache in (("window_cache", window_cache), ("compressed_cache", compressed_cache)):
+        if cache is not None and (cache.dtype != torch.uint8 or cache.dim() != 2
+                                  or cache.shape[1] < ENTRY_BYTES):
+            raise ValueError(f"{op}: {name} must hold vLLM's 584-byte entries (uint8 "
+                             f"[blocks, page x 584]), got {cache.dtype} {tuple(cache.shape)}")
+    if compressed_cache is not None and ratio < 2:
+        raise ValueError(f"{op}: ratio={ratio}: a compressed layer's groups are >= 2 tokens")
+
+
+def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
+          sliding_window, compressed_cache, compressed_block_table, ratio, picks):
+    from attn_ops.routing import FLASHMLA_MAX_ROWS
+
+    _check(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
+           sliding_window, compressed_cache, compressed_block_table, ratio, picks)
+    _, fm = PROVIDERS.require("DSV4_FLASHMLA")
+    t, heads, d = q.shape
+    out = torch.zeros_like(q)
+    if t == 0:
+        return out
+    hp = next(h for h in HEAD_COUNTS if heads <= h)
+    window, extra = index_lists(query_start_loc, seq_lens, block_table, window_cache,
+                                sliding_window, t, compressed_cache, compressed_block_table,
+                                ratio, picks)
+    qp = q.new_zeros(t, 1, hp, d)
+    qp[:, 0, :heads] = q
+    sink = torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device)
+    sink[:heads] = sinks.float()
+    extra_kw = {} if extra is None else dict(extra_k_cache=_fp8_pages(compressed_cache))
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    rows_a_call = min(8192, FLASHMLA_MAX_ROWS)
+    for r0 in range(0, t, rows_a_call):
+        r1 = min(r0 + rows_a_call, t)
+        key = (r1 - r0, hp, window.shape[2], None if extra is None else extra.shape[2],
+               window_cache.shape[1], None if extra is None else compressed_cache.shape[1],
+               str(q.device), capturing)
+        meta = _SCHEDULES.get(key)
+        if meta is None:
+            meta = _SCHEDULES[key] = fm.get_mla_metadata()[0]
+        if extra is not None:
+            extra_kw["extra_indices_in_kvcache"] = extra[r0:r1]
+        o, _ = fm.flash_mla_with_kvcache(
+            q=qp[r0:r1], k_cache=_fp8_pages(window_cache), block_table=None,
+            cache_seqlens=None, head_dim_v=d, tile_scheduler_metadata=meta, num_splits=None,
+            softmax_scale=scale, causal=False, is_fp8_kvcache=True, indices=window[r0:r1],
+            attn_sink=sink, **extra_kw)
+        out[r0:r1] = o[:, 0, :heads]
+    return out
+
+
+def _fake(q, *args):
+    _check(q, *args)
+    return torch.empty_like(q)
+
+
+flashmla_attention = define_op(
+    "dsv4_flashmla_attention",
+    "(Tensor q, Tensor window_cache, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_table, Tensor sinks, float scale, int sliding_window, "
+    "Tensor? compressed_cache, Tensor? compressed_block_table, int ratio, Tensor? picks) "
+    "-> Tensor", _impl, _fake)
+flashmla_attention.__doc__ = """DSV4_FLASHMLA's attention: FlashMLA's sparse fp8 decode over
+each row's window slots and compressed slots, the sink as ``attn_sink`` (module docstring)."""
+
+
+def _v4_interface_problem() -> str | None:
+    """Why the FlashMLA found here cannot run V4 (its interface lacks V4's arguments)."""
+    provider = PROVIDERS.found()
+    if provider is None:
+        return None  # (the provider reason says it)
+    try:
+        _, fm = PROVIDERS.require("DSV4_FLASHMLA")
+        params = inspect.signature(fm.flash_mla_with_kvcache).parameters
+    except Exception as e:  # noqa: BLE001 -- the reason carries it
+        return f"its interface could not be read ({type(e).__name__}: {str(e)[:120]})"
+    missing = [a for a in _V4_ARGS if a not in params]
+    if missing:
+        return (f"{provider.label}'s flash_mla_with_kvcache has no {', '.join(missing)} "
+                "(DeepSeek-V4's sparse decode needs them)")
+    return None
+
+
+class DeepseekV4FlashMLABackend(DeepseekV4TritonBackend):
+    """FlashMLA's sparse fp8 decode (sm90) for V4's attention over vLLM's 584-byte entries
+    (head dim 512 = 448 + 64, up to 128 heads, bf16); the indexer and writes are DSV4_TRITON's.
+    CUDA graphs: any batch (no host read; one tile schedule a shape)."""
+
+    name: ClassVar[str] = "DSV4_FLASHMLA"
+    kernels: ClassVar[str] = ("FlashMLA's sparse fp8 decode (window slots + compressed slots, "
+                              "attn_sink); DSV4_TRITON's indexer and writes")
+    dtypes: ClassVar[frozenset] = frozenset({torch.bfloat16})
+
+    @classmethod
+    def not_supported_reasons(cls, spec, platform: Platform) -> list[Reason]:
+        reasons = super(DeepseekV4TritonBackend, cls).not_supported_reasons(spec, platform)
+        if reasons:
+            return reasons
+        if platform.kind is not PlatformKind.CUDA or platform.capability != (9, 0):
+            reasons.append(Reason(cls.name, "platform", f"platform {platform}: FlashMLA's "
+                                  "sparse fp8 decode runs on sm90 here", "use DSV4_TRITON"))
+        if spec.kv_cache_dtype != "fp8_ds_mla":
+            reasons.append(Reason(cls.name, "kv_cache_dtype", f"kv_cache_dtype="
+                                  f"{spec.kv_cache_dtype}: FlashMLA reads vLLM's 584-byte "
+                                  "entries only", "kv_cache_dtype='fp8_ds_mla'"))
+        if spec.num_heads > HEAD_COUNTS[-1]:
+            reasons.append(Reason(cls.name, "num_heads", f"num_heads={spec.num_heads}: "
+                                  f"FlashMLA's sparse decode takes at most {HEAD_COUNTS[-1]}",
+                                  "shard the heads (tensor parallel) or use DSV4_TRITON"))
+        missing = PROVIDERS.reason(cls.name, platform)
+        if missing is not None:
+            reasons.append(missing)
+        elif not platform.assume_packages and (problem := _v4_interface_problem()):
+            reasons.append(Reason(cls.name, "package_missing", problem,
+                                  "vLLM 0.26+'s FlashMLA (../shared/gpu/prepare --vllm)"))
+        return reasons
+
+    @classmethod
+    def cudagraph_support(cls, spec, platform: Platform) -> CUDAGraphSupport:
+        return CUDAGraphSupport.ALWAYS
+
+    def attention(self, q, window_cache, step, sinks, compressed_cache=None, picks=None):
+        """``q [T, H, 512]`` over the window (and compressed entries): ``[T, H, 512]``."""
+        spec = self.spec
+        compressed = compressed_cache is not None
+        return flashmla_attention(q, window_cache, step["query_start_loc"], step["seq_lens"],
+                                  step["block_table"], sinks, spec.head_dim ** -0.5,
+                                  spec.sliding_window, compressed_cache,
+                                  _table(step, False) if compressed else None,
+                                  spec.compress_ratio, picks)
