@@ -280,7 +280,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if args.quick:
-        args.batches, args.ctxs = [2], [700]
+        args.batches, args.ctxs = [2], [300]
     gen = torch.Generator().manual_seed(0)
     bandwidth = copy_bandwidth(device) if cuda else float("nan")
     rows = []

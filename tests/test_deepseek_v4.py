@@ -594,9 +594,11 @@ def _paged_v4(reqs, d, fp8, page, cpage, ratio, gen, blocks=40):
     b = len(reqs)
     table = torch.randperm(blocks, generator=gen)[:b * 8].view(b, 8).int()
     c_table = torch.randperm(blocks, generator=gen)[:b * 8].view(b, 8).int()
-    if fp8:
-        window = torch.full((blocks, page * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
-        compressed = torch.full((blocks, cpage * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
+    if fp8:  # (pages padded past their entries, as in vLLM's pool or ours: strided views)
+        window = torch.full((blocks, page * ENTRY_BYTES + 64), 0xFF,
+                            dtype=torch.uint8)[:, :page * ENTRY_BYTES]
+        compressed = torch.full((blocks, cpage * ENTRY_BYTES + 64), 0xFF,
+                                dtype=torch.uint8)[:, :cpage * ENTRY_BYTES]
     else:
         window = torch.full((blocks, page, d), float("nan"))
         compressed = torch.full((blocks, cpage, d), float("nan"))
@@ -842,7 +844,7 @@ def test_window_pages_are_released_behind_the_window(backend):
         compressed = torch.full((8, 2 * ENTRY_BYTES), 0xFF, dtype=torch.uint8)
         state = torch.full((2, 8, 2 * cfg.head_dim), float("nan"))
         got, done = [], 0
-        for n in (13, 3, 1, 1, 6, 1, 1, 9, 1, 1, 5, 1, 1, 1):
+        for n in (13, 3, 1, 6, 1, 9, 1, 5, 1):
             meta = build_batch(alloc, [0], [done], [n], window=window)
             step = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
                         block_table=meta.block_table, slot_mapping=meta.slot_mapping,
@@ -867,7 +869,7 @@ def test_window_pages_are_released_behind_the_window(backend):
     torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend", _v4_backends())
+@pytest.mark.parametrize("backend", ["DSV4_REFERENCE"])
 def test_one_pool_serves_every_layer_kind_as_hf_does(backend):
     """Three layers (sliding-window, compressed-sparse, heavily compressed) of two requests
     stepped together -- prefills, chunks ending mid-group, decodes -- with every cache drawn
@@ -875,7 +877,8 @@ def test_one_pool_serves_every_layer_kind_as_hf_does(backend):
     entries, index keys as rows) and the window pages released as the windows move: each
     layer's outputs for each request HF's ``DeepseekV4Attention`` stepped alone (within e4m3's
     error), every page of the arena in one cache at a time, the pages a request holds those
-    its caches' lengths need, and none left after both are freed."""
+    its caches' lengths need, and none left after both are freed. (The kernels' reads of pages
+    strided in an arena: ``test_triton_attention_is_the_reference_on_adversarial_steps``.)"""
     from transformers import DynamicCache
 
     from attn_ops import AttentionConfig

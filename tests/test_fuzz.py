@@ -1328,9 +1328,10 @@ def _v4_targets():
         if cls.not_supported_reasons(DeepseekV4Spec("sliding_attention", dtype=torch.float32),
                                      PLATFORM):
             continue
-        # (the kernels' paths: a compressed-sparse layer runs every one a window-only layer
-        # does, a heavily compressed one the dense entries; the torch paths run all three)
-        for kind in V4_LAYERS if b.value == "DSV4_REFERENCE" else ("csa", "hca"):
+        # (the kernels' paths: a compressed-sparse layer runs every kernel of the others but
+        # the dense entries' loop, which reads what the picks' does; the torch paths run all
+        # three kinds)
+        for kind in V4_LAYERS if b.value == "DSV4_REFERENCE" else ("csa",):
             yield f"{b.value}/{kind}"
 
 

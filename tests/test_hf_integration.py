@@ -1,0 +1,133 @@
+"""HF transformers on attn_ops (``attn_ops.hf``): models of each family loaded with
+``attn_implementation="attn_ops"`` against the same weights under HF's own ``"sdpa"`` /
+``"eager"`` (the peers), on left-padded batches: forward logits and greedy ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=101, max_position_embeddings=256,
+            pad_token_id=0)
+
+
+def _family(name: str):
+    """``(config class, config kwargs, the HF implementation it is held to)``."""
+    t = transformers
+    return {
+        "llama": (t.LlamaConfig, {}, "sdpa"),
+        "qwen2": (t.Qwen2Config, {}, "sdpa"),  # (a QKV bias)
+        "qwen3": (t.Qwen3Config, {}, "sdpa"),  # (q / k norms)
+        "mistral": (t.MistralConfig, dict(sliding_window=5), "sdpa"),
+        "gemma2": (t.Gemma2Config, dict(sliding_window=5, attn_logit_softcapping=2.0,
+                                        final_logit_softcapping=None, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "full_attention"]),
+                   "eager"),
+        "gpt_oss": (t.GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=5,
+                                         layer_types=["sliding_attention", "full_attention"]),
+                    "eager"),
+    }[name]
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss"]
+
+
+def _models(name: str):
+    """The family's tiny model under HF's implementation and under attn_ops, same weights
+    (random, the sinks and norms too), fp32, eval."""
+    from attn_ops import hf
+
+    hf.register()
+    cls, extra, peer = _family(name)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        cls(**BASE, **extra, attn_implementation=peer)).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+    ours = transformers.AutoModelForCausalLM.from_config(
+        cls(**BASE, **extra, attn_implementation="attn_ops")).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _batch():
+    """Three prompts of 9, 5 and 12 tokens, left-padded to 12."""
+    g = torch.Generator().manual_seed(1)
+    lens = (9, 5, 12)
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for r, n in enumerate(lens):
+        ids[r, 12 - n:] = torch.randint(1, 101, (n,), generator=g)
+        mask[r, 12 - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
+    """Every real position's logits equal HF's own implementation's (fp32 tolerance), through
+    each layer's selected attn_ops backend (the layers record it: ``hf.describe``)."""
+    from attn_ops import hf
+
+    theirs, ours = _models(name)
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = theirs(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
+    text = hf.describe(ours)
+    assert text.count("-> ") >= BASE["num_hidden_layers"] and "not run" not in text
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_generate_gives_hfs_tokens(name):
+    """Greedy ``generate`` of 6 tokens over the left-padded batch (HF's DynamicCache, decode
+    steps of one token each): the same tokens as HF's implementation, each step's logits
+    within fp32 tolerance."""
+    theirs, ours = _models(name)
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False,
+                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        want = theirs.generate(ids, **kwargs)
+        got = ours.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_register_is_idempotent_and_says_what_it_leaves_out():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from attn_ops import hf
+
+    first, again = hf.register(), hf.register()
+    assert first == again and first.names == ("attn_ops",)
+    assert AttentionInterface._global_mapping["attn_ops"] is hf.attention_forward
+    assert "attn_ops" in AttentionMaskInterface._global_mapping
+    assert "paged|attn_ops" not in AttentionInterface._global_mapping
+    assert transformers.__version__ in first.paged_note or "not served yet" in first.paged_note
+    for builtin in ("sdpa", "paged|eager"):  # (HF's own names stay HF's)
+        assert AttentionInterface._global_mapping[builtin] is not hf.attention_forward
+
+
+def test_what_attn_ops_cannot_serve_raises_naming_the_layer_and_feature():
+    """A 4-D (custom) mask, a mask row with a hole and non-causal attention are refused with
+    the layer and the implementation that serves them -- never computed as something else."""
+    from attn_ops import hf
+
+    _, ours = _models("llama")
+    module = ours.model.layers[1].self_attn
+    q, k = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 3, 16)
+    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 1\).*4-D"):
+        hf.attention_forward(module, q, k, k, torch.zeros(2, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not one run"):
+        hf.attention_forward(module, q, k, k, torch.tensor([[1, 0, 1], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="non-causal"):
+        hf.attention_forward(module, q, k, k, None, is_causal=False)
