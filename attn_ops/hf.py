@@ -18,9 +18,17 @@ layer through our selector and ops:
   4-D (custom) mask, a mask whose row is not one run of keys, non-causal attention, dropout in
   training.
 
-The K/V of a call are copied into that step's paged cache (each call is self-contained, so HF's
-own cache classes work unchanged: ``DynamicCache``, static, sliding); this costs a copy of the
-history per layer per step, which an attn_ops-owned cache will remove.
+Where the K/V live:
+
+* with :func:`cache` (``generate(..., cache=attn_ops.hf.cache(model, batch, max_tokens))``;
+  ``past_key_values=`` before transformers 5.2x), in attn_ops' own paged caches for the
+  cache's lifetime: its ``update``
+  returns the new tokens only and tells the attention function so (through the call's kwargs),
+  which writes each row's unpadded new tokens after that row's history -- pads never enter a
+  page -- and attends over the pages; nothing is copied again;
+* with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
+  K/V HF hands over are copied into a paged cache of that step (a copy of the history per
+  layer per step).
 """
 
 from __future__ import annotations
@@ -32,12 +40,13 @@ import torch
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
 
-__all__ = ["ATTN_NAME", "Registration", "attention_forward", "describe", "register",
+__all__ = ["ATTN_NAME", "Registration", "attention_forward", "cache", "describe", "register",
            "spec_of_call"]
 
 ATTN_NAME = "attn_ops"
 PAGED_NAME = "paged|attn_ops"
 _LAYERS_ATTR = "_attn_ops_layers"
+_OWNED = "attn_ops_cache_layer"  # (the kwarg AttnOpsCache.update adds for the call)
 _CONFIG: dict[str, AttentionConfig | None] = {"config": None}
 
 
@@ -157,6 +166,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if s_aux is not None:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())
+    owned = kwargs.get(_OWNED)
+    if owned is not None:  # (key / value: the new tokens; the history is in owned's pages)
+        return owned.attend(module, layer, query, key, value, attention_mask), None
     rows = _requests(attention_mask, b, sq, skv, module)
     live = [r for r, (s, q0, e) in enumerate(rows) if e > q0]
     out = query.new_zeros(b, sq, hq, value.shape[3])
@@ -205,3 +217,144 @@ def describe(model) -> str:
             lines.append(f"{name}: {spec.describe()} -> {sel.backend}"
                          + (f" (not: {rejected})" if rejected else ""))
     return "\n".join(lines)
+
+
+def _cache_classes():
+    """``(Cache, CacheLayerMixin)`` of the installed transformers."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    return Cache, CacheLayerMixin
+
+
+def _layer_class():
+    _, mixin = _cache_classes()
+
+    class AttnOpsLayer(mixin):
+        """One layer's K/V in attn_ops pages: ``batch`` requests (the rows), each with its own
+        pages and its count of unpadded tokens written; ``length`` counts positions HF has seen
+        (pads included), which its masks are sized by."""
+
+        is_sliding = False
+        is_compileable = False
+
+        def __init__(self, batch: int, max_tokens: int, **kwargs):
+            super().__init__()
+            self.batch, self.max_tokens = batch, max_tokens
+            self.length = 0
+            self.written = [0] * batch
+            self.kv = self.alloc = None
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] != self.batch:
+                raise ValueError(f"attn_ops cache: batch {key_states.shape[0]}, the cache was "
+                                 f"made for {self.batch} rows (attn_ops.hf.cache(model, batch="
+                                 f"{key_states.shape[0]}, ...))")
+            self.length += key_states.shape[2]
+            return key_states, value_states
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return self.max_tokens
+
+        def reset(self) -> None:
+            self.length, self.written, self.kv, self.alloc = 0, [0] * self.batch, None, None
+
+        def _refuse(self, *args, **kwargs):
+            raise ValueError("attn_ops cache: cropping and beam reordering are not served "
+                             "(greedy / sampled generation only); use HF's DynamicCache")
+
+        crop = batch_repeat_interleave = batch_select_indices = _refuse
+
+        def attend(self, module, layer, query, key, value, mask):
+            """Write each row's unpadded new tokens after its history, then attend: ``[B,
+            Sq, Hq, Dv]``, zeros on padded query rows."""
+            from attn_ops.kv_cache import BlockAllocator
+            from attn_ops.metadata import build_batch
+
+            b, hq, sq, _ = query.shape
+            if key.shape[2] != sq:
+                raise ValueError(f"attn_ops cache ({_where(module)}): {key.shape[2]} new keys "
+                                 f"for {sq} queries")
+            if mask is not None and (mask.dim() != 2 or mask.shape[0] != b
+                                     or mask.shape[1] < sq):
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
+                                 f"{tuple(mask.shape)} is not the 2-D padding mask")
+            page = layer.block_size
+            if self.kv is None:  # (the selected backend's layout, sized once)
+                blocks = self.batch * -(-self.max_tokens // page)
+                self.kv = layer.allocate_kv_cache(blocks, query.device)
+                self.alloc = BlockAllocator(blocks, page)
+            new = [(0, sq)] * b
+            if mask is not None:
+                keep = mask[:, -sq:].bool().cpu()
+                new = []
+                for r in range(b):
+                    idx = keep[r].nonzero().flatten()
+                    lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (sq, sq)
+                    if hi - lo != len(idx):
+                        raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
+                                         f"row {r}'s new tokens are not one run")
+                    new.append((lo, hi))
+            live = [r for r in range(b) if new[r][1] > new[r][0]]
+            out = query.new_zeros(b, sq, hq, value.shape[3])
+            if not live:
+                return out
+            order = sorted(live, key=lambda r: new[r][1] - new[r][0] > 1)  # (decodes first)
+            ctx = [self.written[r] for r in order]
+            lens = [new[r][1] - new[r][0] for r in order]
+            if max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
+                raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
+                                 f"max_tokens={self.max_tokens}; make it with more")
+            meta = build_batch(self.alloc, order, ctx, lens, device=query.device)
+            rows = lambda t: torch.cat([t[r, :, new[r][0]:new[r][1]].transpose(0, 1)  # noqa
+                                        for r in order]).contiguous()
+            got = layer(rows(query), rows(key), rows(value), self.kv, meta)
+            at = 0
+            for r, n in zip(order, lens):
+                out[r, new[r][0]:new[r][1]] = got[at:at + n]
+                self.written[r] += n
+                at += n
+            return out
+
+    return AttnOpsLayer
+
+
+def cache(model, batch: int, max_tokens: int):
+    """A transformers ``Cache`` keeping every attention layer's K/V of ``model`` in attn_ops
+    pages (module docstring): ``batch`` rows of at most ``max_tokens`` unpadded tokens each
+    (prompt and generated). Pass it as ``past_key_values`` to ``generate`` (or a forward) of a
+    model using ``attn_implementation="attn_ops"``."""
+    return _owned_cache(model.config.num_hidden_layers, batch, max_tokens)
+
+
+def _owned_cache(num_layers: int, batch: int, max_tokens: int):
+    """The cache of :func:`cache` (its classes defined on first use: transformers is imported
+    only then)."""
+    base, _ = _cache_classes()
+    layer_cls = _layer_class()
+
+    class AttnOpsCache(base):
+        def __init__(self):
+            super().__init__(layers=[layer_cls(batch, max_tokens) for _ in range(num_layers)])
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            call = kwargs.get("kwargs")
+            if call is None:
+                raise ValueError("attn_ops cache: this transformers passes no attention kwargs "
+                                 "to Cache.update, so the attention function cannot find the "
+                                 "history; use HF's DynamicCache with attn_ops")
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            call[_OWNED] = self.layers[layer_idx]
+            return out
+
+    return AttnOpsCache()
