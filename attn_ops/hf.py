@@ -40,8 +40,8 @@ import torch
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
 
-__all__ = ["ATTN_NAME", "Registration", "attention_forward", "cache", "describe", "register",
-           "spec_of_call"]
+__all__ = ["ATTN_NAME", "PAGED_NAME", "Registration", "attention_forward", "cache",
+           "cache_supported", "describe", "paged_attention_forward", "register", "spec_of_call"]
 
 ATTN_NAME = "attn_ops"
 PAGED_NAME = "paged|attn_ops"
@@ -52,7 +52,8 @@ _CONFIG: dict[str, AttentionConfig | None] = {"config": None}
 
 @dataclass(frozen=True)
 class Registration:
-    """What :func:`register` added: ``names`` registered, and why the paged name was not."""
+    """What :func:`register` added: ``names`` registered, and why the paged name was not
+    (empty where it was)."""
 
     names: tuple[str, ...]
     transformers_version: str
@@ -60,7 +61,7 @@ class Registration:
 
 
 def _paged_note(version: str) -> str:
-    """Why ``"paged|attn_ops"`` is not registered with this transformers."""
+    """Why ``"paged|attn_ops"`` is not registered with this transformers ("" where it is)."""
     from packaging.version import Version
 
     if Version(version) >= Version("5.23"):
@@ -68,8 +69,7 @@ def _paged_note(version: str) -> str:
                 "'sdpa' or a flash implementation (ContinuousBatchingManager rejects any other "
                 "name), so 'paged|attn_ops' is not registered; its own names are left as they "
                 "are")
-    return ("'paged|attn_ops' (continuous batching over HF's PagedAttentionCache) is not "
-            "served yet")
+    return ""
 
 
 def register(config: AttentionConfig | None = None) -> Registration:
@@ -83,8 +83,11 @@ def register(config: AttentionConfig | None = None) -> Registration:
     _CONFIG["config"] = config
     AttentionInterface.register(ATTN_NAME, attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
-    return Registration((ATTN_NAME,), transformers.__version__,
-                        _paged_note(transformers.__version__))
+    note = _paged_note(transformers.__version__)
+    if note:
+        return Registration((ATTN_NAME,), transformers.__version__, note)
+    AttentionInterface.register(PAGED_NAME, paged_attention_forward)
+    return Registration((ATTN_NAME, PAGED_NAME), transformers.__version__, "")
 
 
 def _where(module) -> str:
@@ -148,9 +151,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """transformers' attention-function contract: ``query [B, Hq, Sq, D]``, ``key`` /
     ``value [B, Hkv, Skv, D(v)]`` -> ``(out [B, Sq, Hq, Dv], None)`` (module docstring)."""
-    from attn_ops.kv_cache import BlockAllocator, kv_cache_update
-    from attn_ops.metadata import build_batch
-
     if dropout and module.training:
         raise ValueError(f"attn_ops ({_where(module)}): dropout={dropout} in training: attn_ops "
                          "serves inference; call model.eval() or use 'sdpa' to train")
@@ -170,33 +170,90 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if owned is not None:  # (key / value: the new tokens; the history is in owned's pages)
         return owned.attend(module, layer, query, key, value, attention_mask), None
     rows = _requests(attention_mask, b, sq, skv, module)
-    live = [r for r, (s, q0, e) in enumerate(rows) if e > q0]
+    live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
     out = query.new_zeros(b, sq, hq, value.shape[3])
-    if not live:
-        return out, None
+    shift = sq - skv  # (a query row's index: its key position + shift)
+    got = _attend_requests(
+        layer, [query[r, :, rows[r][1] + shift:rows[r][2] + shift].transpose(0, 1)
+                for r in live],
+        [key[r, :, rows[r][0]:rows[r][2]].transpose(0, 1) for r in live],
+        [value[r, :, rows[r][0]:rows[r][2]].transpose(0, 1) for r in live])
+    for r, o in zip(live, got):
+        out[r, rows[r][1] + shift:rows[r][2] + shift] = o
+    return out, None
+
+
+def _attend_requests(layer, queries: list, keys: list, values: list) -> list:
+    """One step of ``layer`` over requests given whole: request ``i``'s queries ``[n_i, Hq,
+    D]`` are the last ``n_i`` of its keys / values ``[k_i, Hkv, D(v)]``, laid in a paged cache of
+    the step; returns each request's ``[n_i, Hq, Dv]``."""
+    from attn_ops.kv_cache import BlockAllocator, kv_cache_update
+    from attn_ops.metadata import build_batch
+
+    if not queries:
+        return []
+    device = queries[0].device
     page = layer.block_size
-    order = sorted(live, key=lambda r: rows[r][2] - rows[r][1] > 1)  # (decodes first)
-    blocks = sum(-(-(rows[r][2] - rows[r][0]) // page) for r in order)
+    order = sorted(range(len(queries)), key=lambda i: queries[i].shape[0] > 1)  # (decodes 1st)
+    blocks = sum(-(-k.shape[0] // page) for k in keys)
     alloc = BlockAllocator(blocks, page)
-    cache = layer.allocate_kv_cache(blocks, query.device)
-    meta = build_batch(alloc, order, [rows[r][1] - rows[r][0] for r in order],
-                       [rows[r][2] - rows[r][1] for r in order], device=query.device,
-                       decode_threshold=1)
-    keys = torch.cat([key[r, :, rows[r][0]:rows[r][2]].transpose(0, 1) for r in order])
-    values = torch.cat([value[r, :, rows[r][0]:rows[r][2]].transpose(0, 1) for r in order])
-    slots = torch.cat([torch.tensor(alloc.slots(r, 0, rows[r][2] - rows[r][0]))
-                       for r in order]).to(query.device)
-    kv_cache_update(keys.contiguous(), values.contiguous(), cache, slots, layer.k_scale,
-                    layer.v_scale)
-    q = torch.cat([query[r, :, sq - (rows[r][2] - rows[r][1]) - (skv - rows[r][2]):
-                         sq - (skv - rows[r][2])].transpose(0, 1) for r in order])
-    got = layer(q.contiguous(), None, None, cache, meta)
-    at = 0
-    for r in order:
-        n = rows[r][2] - rows[r][1]
-        end = sq - (skv - rows[r][2])
-        out[r, end - n:end] = got[at:at + n]
-        at += n
+    cache = layer.allocate_kv_cache(blocks, device)
+    meta = build_batch(alloc, order, [keys[i].shape[0] - queries[i].shape[0] for i in order],
+                       [queries[i].shape[0] for i in order], device=device)
+    slots = torch.cat([torch.tensor(alloc.slots(i, 0, keys[i].shape[0])) for i in order])
+    kv_cache_update(torch.cat([keys[i] for i in order]).contiguous(),
+                    torch.cat([values[i] for i in order]).contiguous(), cache,
+                    slots.to(device), layer.k_scale, layer.v_scale)
+    got = layer(torch.cat([queries[i] for i in order]).contiguous(), None, None, cache, meta)
+    out, at = [None] * len(queries), 0
+    for i in order:
+        out[i] = got[at:at + queries[i].shape[0]]
+        at += queries[i].shape[0]
+    return out
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                            dropout=0.0, sliding_window=None, softcap=None, s_aux=None,
+                            **kwargs):
+    """``"paged|attn_ops"``: continuous batching over HF's ``PagedAttentionCache`` (the
+    transformers that let the attention function write it, 5.17 and its neighbours): the
+    packed step's new K/V written by the cache's own ``update`` (``write_index``) and each
+    request's history gathered back (``read_index``), delimited by ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k``; each request then one request of a step of the module's
+    :class:`~attn_ops.Attention` (its history copied into that step's cache). Returns ``[1, T,
+    Hq, Dv]``, padding rows zero."""
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        raise ValueError(f"paged|attn_ops ({_where(module)}) was called without HF's paged "
+                         "cache: continuous batching passes one; use 'attn_ops' for a "
+                         "standard forward")
+    if sliding_window:
+        raise ValueError(f"paged|attn_ops ({_where(module)}): sliding_window={sliding_window}: "
+                         "HF's paged cache gathers a window layer's keys around sentinel rows "
+                         "this path does not read yet; use 'paged|sdpa' or 'attn_ops' with "
+                         "generate")
+    if dropout and module.training:
+        raise ValueError(f"paged|attn_ops ({_where(module)}): dropout={dropout} in training")
+    spec = spec_of_call(module, query, key, value, scaling, None, softcap, s_aux)
+    layer = _layer(module, spec, query.device)
+    if s_aux is not None:
+        with torch.no_grad():
+            layer.sinks.copy_(s_aux.detach().float())
+    keys, values = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                read_index=kwargs["read_index"],
+                                write_index=kwargs["write_index"])
+    cu_k = kwargs["cu_seq_lens_k"]
+    if isinstance(cu_k, dict):
+        cu_k = cu_k["full_attention"]
+    cu_q, cu_k = kwargs["cu_seq_lens_q"].tolist(), cu_k.tolist()
+    t = query.shape[2]
+    out = query.new_zeros(1, t, query.shape[1], value.shape[3])
+    live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+    got = _attend_requests(
+        layer, [query[0, :, cu_q[i]:cu_q[i + 1]].transpose(0, 1) for i in live],
+        [keys[cu_k[i]:cu_k[i + 1]] for i in live], [values[cu_k[i]:cu_k[i + 1]] for i in live])
+    for i, o in zip(live, got):
+        out[0, cu_q[i]:cu_q[i + 1]] = o
     return out, None
 
 
@@ -329,11 +386,33 @@ def _layer_class():
     return AttnOpsLayer
 
 
+def cache_supported(model) -> str | None:
+    """Why :func:`cache` cannot serve ``model`` with this transformers (None: it can): its
+    attention modules must hand the call's kwargs to ``Cache.update`` (5.2x's do)."""
+    import inspect
+
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+            source = inspect.getsource(type(module).forward)
+            if "kwargs=kwargs" not in source:
+                import transformers
+
+                return (f"transformers {transformers.__version__}'s {type(module).__name__} "
+                        "passes no attention kwargs to Cache.update")
+            return None
+    return "no attention module found"
+
+
 def cache(model, batch: int, max_tokens: int):
     """A transformers ``Cache`` keeping every attention layer's K/V of ``model`` in attn_ops
     pages (module docstring): ``batch`` rows of at most ``max_tokens`` unpadded tokens each
     (prompt and generated). Pass it as ``past_key_values`` to ``generate`` (or a forward) of a
-    model using ``attn_implementation="attn_ops"``."""
+    model using ``attn_implementation="attn_ops"``; a transformers whose modules do not hand
+    ``Cache.update`` the call's kwargs is refused (:func:`cache_supported`)."""
+    why = cache_supported(model)
+    if why is not None:
+        raise ValueError(f"attn_ops.hf.cache: {why}; use HF's own cache (each call then copies "
+                         "the history into a step cache)")
     return _owned_cache(model.config.num_hidden_layers, batch, max_tokens)
 
 

@@ -515,8 +515,7 @@ def _v4_matrix():
 
 # (context, new tokens) a request, decode-first: decodes over long contexts (one completing a
 # group), a fresh one-token request, a prefill, a chunk ending mid-group
-V4_SCENARIOS = {"decode_only": ((21, 1), (7, 1), (3, 1)),
-                "mixed": ((21, 1), (15, 1), (0, 1), (0, 13), (9, 6)),
+V4_SCENARIOS = {"mixed": ((21, 1), (15, 1), (0, 1), (0, 13), (9, 6)),
                 "chunked": ((5, 11), (13, 2))}
 
 

@@ -1166,6 +1166,8 @@ V4_REQS = ((13, 1), (6, 1), (0, 7), (9, 5))
 V4_KINDS = ("slot", "block_table", "seq_len_beyond", "seq_len_zero", "qsl_beyond",
             "qsl_nonmonotone", "dtype", "c_table", "state_slot", "slot_far", "block_table_far",
             "c_table_far", "state_slot_far")
+V4_TRITON_KINDS = ("slot", "block_table", "seq_len_beyond", "qsl_beyond", "c_table",
+                   "state_slot", "block_table_far", "c_table_far", "state_slot_far")
 V4_LAYERS = {"swa": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
              "hca": ("heavily_compressed_attention", 8)}
 V4_CPAGE = 2  # (compressed entries a page)
@@ -1362,8 +1364,9 @@ def _kinds(family: str, target: str) -> tuple[str, ...]:
         return SPARSE_KINDS
     if family == "indexer":
         return IDX_KINDS[target.split("/")[0]]
-    if family == "deepseek_v4":
-        return V4_KINDS
+    if family == "deepseek_v4":  # (the kernels: the kinds that reach them -- a dtype, a
+        # non-monotone query_start_loc or a zero length are refused or absent alike on both)
+        return V4_KINDS if target.startswith("DSV4_REFERENCE") else V4_TRITON_KINDS
     ssm = ("state_slot", "qsl_beyond", "qsl_nonmonotone", "dtype")
     if target.split("/")[0] in SSM_MAX_QUERY_LEN_OPS:
         ssm += ("max_query_len",)
