@@ -22,13 +22,15 @@ Where the K/V live:
 
 * with :func:`cache` (``generate(..., cache=attn_ops.hf.cache(model, batch, max_tokens))``;
   ``past_key_values=`` before transformers 5.2x), in attn_ops' own paged caches for the
-  cache's lifetime: its ``update``
-  returns the new tokens only and tells the attention function so (through the call's kwargs),
-  which writes each row's unpadded new tokens after that row's history -- pads never enter a
-  page -- and attends over the pages; nothing is copied again;
+  cache's lifetime: its ``update`` returns the new tokens only and tells the attention function
+  so (through the call's kwargs), which writes each row's unpadded new tokens after that row's
+  history -- pads never enter a page -- and attends over the pages; nothing is copied again;
 * with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per
-  layer per step).
+  layer per step);
+* under continuous batching (``"paged|attn_ops"``, where transformers accepts the name), in
+  HF's ``PagedAttentionCache``: :func:`paged_attention_forward` lets it write and gather, and
+  runs each request over a copy of its gathered history.
 """
 
 from __future__ import annotations
