@@ -43,7 +43,8 @@ from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
 
 __all__ = ["ATTN_NAME", "PAGED_NAME", "Registration", "attention_forward", "cache",
-           "cache_supported", "describe", "paged_attention_forward", "register", "spec_of_call"]
+           "cache_supported", "describe", "paged_attention_forward", "patch", "register",
+           "spec_of_call"]
 
 ATTN_NAME = "attn_ops"
 PAGED_NAME = "paged|attn_ops"
@@ -257,6 +258,103 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     for i, o in zip(live, got):
         out[0, cu_q[i]:cu_q[i + 1]] = o
     return out, None
+
+
+_MLA_MODULES = ("DeepseekV3Attention",)
+
+
+def patch(model, config: AttentionConfig | None = None) -> int:
+    """Run ``model``'s MLA attention modules (HF's ``DeepseekV3Attention``) on attn_ops'
+    :class:`~attn_ops.MLAAttention` -- the absorbed form over a latent cache -- instead of
+    HF's per-head expansion of every latent (what the attention interface would be handed);
+    returns how many were patched. HF's projections, norms, RoPE and cache stay: each step
+    takes the latents HF's cache holds (``cache.update`` on them, as HF's module does), copies
+    each row's unpadded run into a latent cache of the step and runs the MLA layer's backend
+    (the weights ``W_UK`` / ``W_UV`` split from ``kv_b_proj``). Needs the model loaded with
+    ``attn_implementation="attn_ops"`` (after :func:`register`: its 2-D padding mask)."""
+    from attn_ops.layers.mla import MLAAttention
+
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ not in _MLA_MODULES or hasattr(module, "_attn_ops_mla"):
+            continue
+        spec = AttentionSpec.mla(
+            module.num_heads, kv_lora_rank=module.kv_lora_rank,
+            qk_nope_head_dim=module.qk_nope_head_dim, qk_rope_head_dim=module.qk_rope_head_dim,
+            v_head_dim=module.v_head_dim, q_lora_rank=module.q_lora_rank,
+            dtype=module.kv_b_proj.weight.dtype, scale=module.scaling)
+        layer = MLAAttention(spec, config).to(module.kv_b_proj.weight.device)
+        layer.load_kv_b_proj(module.kv_b_proj.weight.detach())
+        module.__dict__["_attn_ops_mla"] = layer
+        module.__dict__[_LAYERS_ATTR] = {spec: layer}
+        module.forward = _mla_forward.__get__(module)
+        count += 1
+    return count
+
+
+def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
+                 past_key_values=None, **kwargs):
+    """A patched ``DeepseekV3Attention.forward`` (:func:`patch`)."""
+    import sys
+
+    from attn_ops.backends.mla.common import mla_cache_update
+    from attn_ops.kv_cache import BlockAllocator
+    from attn_ops.metadata import build_batch
+
+    hf = sys.modules[type(self).__module__]
+    cache = cache if cache is not None else past_key_values
+    b, s = hidden_states.shape[:2]
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(b, s, -1, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    latent = self.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_rot = torch.split(latent, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, s, self.kv_lora_rank)
+    k_rot = k_rot.view(b, 1, s, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    rotate = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave \
+        else hf.apply_rotary_pos_emb
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    if cache is not None:  # (HF's cache keeps the latents; the history comes back with them)
+        kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
+    layer = self.__dict__["_attn_ops_mla"]
+    q = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, S, nope + rope]
+    skv = kv_nope.shape[2]
+    if _OWNED in kwargs:
+        raise ValueError(f"attn_ops.hf.patch ({_where(self)}) runs over HF's own caches: "
+                         "pass none of attn_ops.hf.cache's to a patched model")
+    rows = _requests(attention_mask, b, s, skv, self)
+    live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
+    out = q.new_zeros(b, s, self.num_heads, self.v_head_dim)
+    if live:
+        shift = s - skv
+        order = sorted(live, key=lambda r: rows[r][2] - rows[r][1] > 1)  # (decodes first)
+        page = layer.block_size
+        blocks = sum(-(-(rows[r][2] - rows[r][0]) // page) for r in order)
+        alloc = BlockAllocator(blocks, page)
+        latents = layer.allocate_cache(blocks, q.device)
+        meta = build_batch(alloc, order, [rows[r][1] - rows[r][0] for r in order],
+                           [rows[r][2] - rows[r][1] for r in order], device=q.device)
+        ctx = [(kv_nope[r, 0, rows[r][0]:rows[r][1]], k_rot[r, 0, rows[r][0]:rows[r][1]],
+                torch.tensor(alloc.slots(r, 0, rows[r][1] - rows[r][0]), dtype=torch.long))
+               for r in order]
+        if any(c[0].shape[0] for c in ctx):  # (the history, then the step writes its tokens)
+            mla_cache_update(torch.cat([c[0] for c in ctx]).contiguous(),
+                             torch.cat([c[1] for c in ctx]).contiguous(), latents,
+                             torch.cat([c[2] for c in ctx]).to(q.device), layer.kv_scale)
+        new = lambda t: torch.cat([t[r, :, rows[r][1] + shift:rows[r][2] + shift].transpose(  # noqa
+            0, 1) for r in order]).contiguous()
+        got = layer(new(q), torch.cat([kv_nope[r, 0, rows[r][1]:rows[r][2]] for r in order]),
+                    torch.cat([k_rot[r, 0, rows[r][1]:rows[r][2]] for r in order]), latents, meta)
+        at = 0
+        for r in order:
+            n = rows[r][2] - rows[r][1]
+            out[r, rows[r][1] + shift:rows[r][2] + shift] = got[at:at + n]
+            at += n
+    return self.o_proj(out.reshape(b, s, -1)), None
 
 
 def describe(model) -> str:

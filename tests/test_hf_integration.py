@@ -203,3 +203,51 @@ def test_generate_batch_over_paged_attn_ops_gives_generates_tokens(name):
                                    pad_token_id=0)[0, len(p):].tolist()
             out = next(o for o in got.values() if list(o.prompt_ids) == p)
             assert list(out.generated_tokens) == want, (i, out.generated_tokens, want)
+
+
+def _deepseek():
+    """A tiny DeepSeek-V3 (MLA with a q LoRA, interleaved RoPE, dense MLPs) under HF's sdpa,
+    and the same weights loaded with attn_ops and patched (``hf.patch``)."""
+    from attn_ops import hf
+
+    hf.register()
+    kw = dict(vocab_size=101, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2,
+              rope_interleave=True, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    theirs = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **kw, attn_implementation="sdpa")).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+    ours = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **kw, attn_implementation="attn_ops")).eval()
+    ours.load_state_dict(theirs.state_dict())
+    assert hf.patch(ours) == 2 and hf.patch(ours) == 0  # (once)
+    return theirs, ours
+
+
+def test_patched_deepseek_runs_mla_absorbed_as_hf_does():
+    """DeepSeek-V3 through ``hf.patch``: its attention on attn_ops' MLA layer (the absorbed
+    form over latents, each layer's backend in ``describe``) -- left-padded forward logits and
+    greedy ``generate`` tokens and logits equal HF's sdpa over per-head expanded K/V."""
+    from attn_ops import hf
+
+    theirs, ours = _deepseek()
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = theirs(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
+    text = hf.describe(ours)
+    assert text.count("AttentionSpec(mla heads=4") == 2 and "not run" not in text
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        want = theirs.generate(ids, **kwargs)
+        got = ours.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
