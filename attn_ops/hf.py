@@ -117,7 +117,11 @@ def _layer(module, spec: AttentionSpec, device):
     layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
     layer = layers.get(spec)
     if layer is None:
-        layer = layers[spec] = Attention(spec, _CONFIG["config"]).to(device)
+        try:
+            layer = Attention(spec, _CONFIG["config"]).to(device)
+        except ValueError as e:  # (no backend serves it here: every reason, named)
+            raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
+        layers[spec] = layer
     return layer
 
 
@@ -157,6 +161,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if dropout and module.training:
         raise ValueError(f"attn_ops ({_where(module)}): dropout={dropout} in training: attn_ops "
                          "serves inference; call model.eval() or use 'sdpa' to train")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"attn_ops ({_where(module)}): output_attentions: attn_ops computes "
+                         "no attention weights; use attn_implementation='eager' for them")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     b, hq, sq, d = query.shape
     skv = key.shape[2]
@@ -491,6 +498,11 @@ def cache_supported(model) -> str | None:
     attention modules must hand the call's kwargs to ``Cache.update`` (5.2x's do)."""
     import inspect
 
+    kinds = set(getattr(model.config, "layer_types", None) or ())
+    if kinds - {"full_attention", "sliding_attention"}:
+        return (f"its layers include {sorted(kinds - {'full_attention', 'sliding_attention'})}"
+                ": attn_ops.hf.cache holds attention layers only (use HF's cache for a hybrid "
+                "model)")
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
             source = inspect.getsource(type(module).forward)

@@ -30,10 +30,16 @@ def _family(name: str):
                                          sliding_window=5,
                                          layer_types=["sliding_attention", "full_attention"]),
                     "eager"),
+        # (a hybrid: HF's Gated DeltaNet layer beside an attention layer served by attn_ops)
+        "qwen3_next": (t.Qwen3NextConfig, dict(
+            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32), "sdpa"),
     }[name]
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss", "qwen3_next"]
 
 
 def _models(name: str):
@@ -81,7 +87,9 @@ def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
     text = hf.describe(ours)
-    assert text.count("-> ") >= BASE["num_hidden_layers"] and "not run" not in text
+    attention_layers = sum(t != "linear_attention" for t in
+                           getattr(ours.config, "layer_types", None) or ["full_attention"] * 2)
+    assert text.count("-> ") == attention_layers and "not run" not in text
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -138,6 +146,17 @@ def test_what_attn_ops_cannot_serve_raises_naming_the_layer_and_feature():
         hf.attention_forward(module, q, k, k, torch.tensor([[1, 0, 1], [1, 1, 1]]))
     with pytest.raises(ValueError, match="non-causal"):
         hf.attention_forward(module, q, k, k, None, is_causal=False)
+    with pytest.raises(ValueError, match="output_attentions.*eager"):
+        hf.attention_forward(module, q, k, k, None, output_attentions=True)
+    from attn_ops import AttentionConfig
+
+    hf.register(AttentionConfig(backend="FLASHINFER"))  # (a backend that cannot run here)
+    try:
+        with pytest.raises(ValueError, match=r"LlamaAttention \(layer 1\).*FLASHINFER"):
+            hf.attention_forward(ours.model.layers[1].self_attn, q, k, k, None, is_causal=True,
+                                 sliding_window=3)
+    finally:
+        hf.register()
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -150,7 +169,7 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
 
     theirs, ours = _models(name)
     if hf.cache_supported(ours) is not None:  # (then it refuses, saying why)
-        with pytest.raises(ValueError, match="passes no attention kwargs"):
+        with pytest.raises(ValueError, match="passes no attention kwargs|attention layers only"):
             hf.cache(ours, batch=3, max_tokens=32)
         pytest.skip(hf.cache_supported(ours))
     ids, mask = _batch()
