@@ -84,6 +84,9 @@
 #   dsv4     tests/test_deepseek_v4.py (DeepSeek-V4: DSV4_TRITON's kernels compiled, V4-Flash
 #            widths against the reference, 200 decode steps replayed in a CUDA graph)
 #   dsv4check compute-sanitizer memcheck over DSV4_TRITON's kernel tests and its real sizes
+#   hf       tests/test_hf_integration.py on the GPU's transformers (5.17: paged|attn_ops too)
+#            and benchmarks/bench_hf.py (generate against sdpa, generate_batch against
+#            paged|sdpa; HF_ARGS)
 #   dsv4bench benchmarks/bench_dsv4.py (a decode step of each V4 layer kind at 128k and 1M
 #            against a dense MLA layer, FlashMLA's V4 decode and the C4A key-read floor;
 #            DSV4_ARGS)
@@ -238,6 +241,9 @@ for spec in "$@"; do
     dsv4check) stage dsv4check "$limit" compute-sanitizer --tool memcheck \
         --report-api-errors no python -m pytest -q -p no:cacheprovider \
         tests/test_deepseek_v4.py -k "triton or gpu_real_sizes" ;;
+    hf) stage hf "$limit" bash -c "python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider \
+        -rfE tests/test_hf_integration.py; python benchmarks/bench_hf.py ${HF_ARGS:-} \
+        --out $OUT/bench_hf_h200.json" ;;
     dsv4bench) stage dsv4bench "$limit" python benchmarks/bench_dsv4.py ${DSV4_ARGS:-} \
         --out "$OUT/bench_dsv4_h200.json" ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \

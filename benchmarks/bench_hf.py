@@ -1,0 +1,188 @@
+"""HF transformers with attn_ops against its own implementations, in one run: plain
+``generate`` (``"attn_ops"`` over HF's cache and over :func:`attn_ops.hf.cache`, against
+``"sdpa"``) at several batch sizes, and continuous batching (``generate_batch`` with
+``"paged|attn_ops"`` against ``"paged|sdpa"``) where the installed transformers accepts a
+third-party paged name.
+
+Model: an 8-layer Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 / 8 heads of 128,
+MLP 14336, vocab 32000), bf16, random weights. Plain ``generate``: ``batch`` prompts of ``ctx``
+tokens, ``new`` greedy tokens; decode tokens/s = batch x (new - 1) / (time - time of a
+1-token generate). ``generate_batch``: ``requests`` prompts of ``ctx`` tokens, ``new`` greedy
+tokens each (HF's scheduler, its default config but the sizes below). Every contender's tokens
+are compared with sdpa's (``same_tokens``); a ratio is printed only where they are the same.
+
+    python benchmarks/bench_hf.py [--batches 1 8 64] [--ctx 2048] [--new 32] [--requests 64]
+        [--layers 8] [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ratio_text, run_info, write_json  # noqa: E402
+
+
+def _model(impl: str, layers: int, quick: bool, device: str, dtype, state=None):
+    import transformers
+
+    kw = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=128, vocab_size=32000)
+    if quick:
+        kw = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=101)
+    config = transformers.LlamaConfig(**kw, num_hidden_layers=layers, pad_token_id=0,
+                                      max_position_embeddings=8192, attn_implementation=impl)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device, repeats: int = 2):
+    """(best seconds of ``repeats`` calls after one warm-up, the last result)."""
+    out = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def plain_rows(args, models, device) -> list[dict]:
+    from attn_ops import hf
+
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for batch in args.batches:
+        ids = torch.randint(1, models["sdpa"].config.vocab_size, (batch, args.ctx),
+                            generator=g).to(device)
+        row, tokens = {"batch": batch, "ctx": args.ctx, "new": args.new}, {}
+        for name, model in models.items():
+            def run(n, name=name, model=model):
+                extra = {}
+                if name == "attn_ops_cache":
+                    extra["cache" if "cache" in __import__("inspect").signature(
+                        model.forward).parameters else "past_key_values"] = hf.cache(
+                        model, batch, args.ctx + args.new)
+                with torch.no_grad():
+                    return model.generate(ids, max_new_tokens=n, do_sample=False,
+                                          pad_token_id=0, **extra)
+            try:
+                full, out = _timed(lambda: run(args.new), device)
+                first, _ = _timed(lambda: run(1), device)
+            except Exception as e:  # noqa: BLE001 -- recorded; the others go on
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(f"B={batch} {name}: {row[f'{name}_error']}", flush=True)
+                continue
+            tokens[name] = out[:, args.ctx:].cpu()
+            row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
+            row[f"{name}_s"] = full
+        for name in tokens:
+            row[f"{name}_same_tokens"] = bool(torch.equal(tokens[name], tokens["sdpa"]))
+            if name != "sdpa":
+                row[f"{name}_vs_sdpa"] = (row[f"{name}_decode_tok_s"]
+                                          / row["sdpa_decode_tok_s"]
+                                          if row[f"{name}_same_tokens"] else None)
+        rows.append(row)
+        print(f"generate B={batch:<3d} " + "  ".join(
+            f"{n} {row[f'{n}_decode_tok_s']:9.1f} tok/s" for n in tokens) + "  " + ", ".join(
+            f"{n} {ratio_text(row.get(f'{n}_vs_sdpa'))}" for n in tokens if n != "sdpa"),
+            flush=True)
+    return rows
+
+
+def batch_row(args, state, device, dtype) -> dict:
+    """``generate_batch`` with paged|attn_ops against paged|sdpa (where it registers)."""
+    import transformers
+
+    from attn_ops import hf
+
+    note = hf.register().paged_note
+    if note:
+        print(f"generate_batch: skipped ({note})", flush=True)
+        return {"skipped": note}
+    g = torch.Generator().manual_seed(2)
+    vocab = 101 if args.quick else 32000
+    prompts = [torch.randint(1, vocab, (args.ctx,), generator=g).tolist()
+               for _ in range(args.requests)]
+    config = transformers.GenerationConfig(max_new_tokens=args.new, do_sample=False,
+                                           eos_token_id=-1, pad_token_id=0)
+    page = {"block_size": 256} if hasattr(transformers.ContinuousBatchingConfig(),
+                                          "block_size") else {"page_size": 256}
+    cb = transformers.ContinuousBatchingConfig(
+        num_blocks=args.requests * (-(-(args.ctx + args.new) // 256)) + 8,
+        max_batch_tokens=max(8192, args.ctx), **page)
+    row, tokens = {"requests": args.requests, "ctx": args.ctx, "new": args.new}, {}
+    for name in ("sdpa", "attn_ops"):
+        model = _model(name, args.layers, args.quick, device, dtype, state)
+        try:
+            seconds, out = _timed(lambda: model.generate_batch(
+                prompts, generation_config=config, continuous_batching_config=cb,
+                warmup=False), device, repeats=1)
+        except Exception as e:  # noqa: BLE001 -- recorded
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"generate_batch {name}: {row[f'{name}_error']}", flush=True)
+            continue
+        tokens[name] = sorted(tuple(o.generated_tokens) for o in out.values())
+        row[f"{name}_tok_s"] = args.requests * args.new / seconds
+    if len(tokens) == 2:
+        row["same_tokens"] = tokens["sdpa"] == tokens["attn_ops"]
+        row["attn_ops_vs_sdpa"] = (row["attn_ops_tok_s"] / row["sdpa_tok_s"]
+                                   if row["same_tokens"] else None)
+        print(f"generate_batch {args.requests} x {args.ctx}: paged|sdpa "
+              f"{row['sdpa_tok_s']:.1f} tok/s, paged|attn_ops {row['attn_ops_tok_s']:.1f} "
+              f"tok/s: {ratio_text(row['attn_ops_vs_sdpa'])}", flush=True)
+    return row
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (CI)")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "bench_hf_h200.json"))
+    args = parser.parse_args()
+    from attn_ops import hf
+
+    hf.register()
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.quick:
+        args.batches, args.ctx, args.new, args.requests, args.layers = [1, 3], 12, 4, 4, 2
+    sdpa = _model("sdpa", args.layers, args.quick, device, dtype)
+    state = sdpa.state_dict()
+    models = {"sdpa": sdpa, "attn_ops": _model("attn_ops", args.layers, args.quick, device,
+                                               dtype, state)}
+    if hf.cache_supported(models["attn_ops"]) is None:
+        models["attn_ops_cache"] = models["attn_ops"]
+    info = run_info("bench_hf")
+    info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
+                else "cpu", plain=plain_rows(args, models, device))
+    write_json(args.out, info)
+    del models, sdpa
+    info["generate_batch"] = batch_row(args, state, device, dtype)
+    write_json(args.out, info)
+
+
+if __name__ == "__main__":
+    main()
