@@ -24,7 +24,8 @@ Where the K/V live:
   ``past_key_values=`` before transformers 5.2x), in attn_ops' own paged caches for the
   cache's lifetime: its ``update`` returns the new tokens only and tells the attention function
   so (through the call's kwargs), which writes each row's unpadded new tokens after that row's
-  history -- pads never enter a page -- and attends over the pages; nothing is copied again;
+  history -- pads never enter a page -- and attends over the pages; nothing is copied again,
+  and the step's plan (the rows' runs, the metadata) is made once for all layers;
 * with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per
   layer per step);
@@ -222,6 +223,24 @@ def _attend_requests(layer, queries: list, keys: list, values: list) -> list:
     return out
 
 
+def _step_offsets(cache, cu_q, cu_k) -> tuple[list[int], list[int]]:
+    """The step's query and key offsets on the host, read once a step (the layers of a step
+    get the same tensors, unmodified: their version counters say so), not once a layer."""
+    import weakref
+
+    if isinstance(cu_k, dict):
+        cu_k = cu_k["full_attention"]
+    memo = cache.__dict__.get("_attn_ops_offsets")
+    # (the same tensor objects -- a freed one's address may be another's -- at the same
+    # versions: nothing wrote them since)
+    if memo is None or memo[0]() is not cu_q or memo[1]() is not cu_k or \
+            memo[2] != (cu_q._version, cu_k._version):
+        memo = cache.__dict__["_attn_ops_offsets"] = (
+            weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version),
+            cu_q.tolist(), cu_k.tolist())
+    return memo[3], memo[4]
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, sliding_window=None, softcap=None, s_aux=None,
                             **kwargs):
@@ -252,10 +271,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     keys, values = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                 read_index=kwargs["read_index"],
                                 write_index=kwargs["write_index"])
-    cu_k = kwargs["cu_seq_lens_k"]
-    if isinstance(cu_k, dict):
-        cu_k = cu_k["full_attention"]
-    cu_q, cu_k = kwargs["cu_seq_lens_q"].tolist(), cu_k.tolist()
+    cu_q, cu_k = _step_offsets(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
     t = query.shape[2]
     out = query.new_zeros(1, t, query.shape[1], value.shape[3])
     live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
@@ -390,23 +406,85 @@ def _cache_classes():
     return Cache, CacheLayerMixin
 
 
+class _Steps:
+    """What every layer of an :func:`cache` shares, by page size: one page allocator (a row's
+    pages hold its tokens in every layer, each layer in its own tensor), each row's count of
+    unpadded tokens, and the step's plan -- the rows' new-token runs, the decode-first order
+    and the metadata -- built by the first layer of a step and reused by the others (the mask
+    read on the host once a step, not once a layer)."""
+
+    def __init__(self, batch: int, max_tokens: int) -> None:
+        self.batch, self.max_tokens = batch, max_tokens
+        self.by_page: dict[int, dict] = {}
+
+    def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
+        from attn_ops.kv_cache import BlockAllocator
+        from attn_ops.metadata import build_batch
+
+        state = self.by_page.get(page)
+        if state is None:
+            blocks = self.batch * -(-self.max_tokens // page)
+            state = self.by_page[page] = dict(blocks=blocks, alloc=BlockAllocator(blocks, page),
+                                              written=[0] * self.batch, plan=None)
+        plan = state["plan"]
+        if plan is not None and plan["step"] == step:
+            return plan
+        if plan is not None:  # (the last step's tokens are history now)
+            for r, n in zip(plan["order"], plan["lens"]):
+                state["written"][r] += n
+        b = self.batch
+        new = [(0, sq)] * b
+        if mask is not None:
+            if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < sq:
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
+                                 f"{tuple(mask.shape)} is not the 2-D padding mask")
+            keep = mask[:, -sq:].bool().cpu()
+            new = []
+            for r in range(b):
+                idx = keep[r].nonzero().flatten()
+                lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (sq, sq)
+                if hi - lo != len(idx):
+                    raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
+                                     f"{r}'s new tokens are not one run")
+                new.append((lo, hi))
+        live = [r for r in range(b) if new[r][1] > new[r][0]]
+        order = sorted(live, key=lambda r: new[r][1] - new[r][0] > 1)  # (decodes first)
+        ctx = [state["written"][r] for r in order]
+        lens = [new[r][1] - new[r][0] for r in order]
+        if order and max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
+            raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
+                             f"max_tokens={self.max_tokens}; make it with more")
+        meta = build_batch(state["alloc"], order, ctx, lens, device=device) if order else None
+        plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
+                                    blocks=state["blocks"])
+        return plan
+
+    def tokens(self, page: int) -> list[int]:
+        """Each row's unpadded tokens in the pages (the current step's included)."""
+        state = self.by_page[page]
+        out = list(state["written"])
+        if state["plan"] is not None:
+            for r, n in zip(state["plan"]["order"], state["plan"]["lens"]):
+                out[r] += n
+        return out
+
+
 def _layer_class():
     _, mixin = _cache_classes()
 
     class AttnOpsLayer(mixin):
-        """One layer's K/V in attn_ops pages: ``batch`` requests (the rows), each with its own
-        pages and its count of unpadded tokens written; ``length`` counts positions HF has seen
-        (pads included), which its masks are sized by."""
+        """One layer's K/V in attn_ops pages (its tensor; the pages, counts and step plans
+        shared with the cache's other layers: :class:`_Steps`); ``length`` counts positions
+        HF has seen (pads included), which its masks are sized by."""
 
         is_sliding = False
         is_compileable = False
 
-        def __init__(self, batch: int, max_tokens: int, **kwargs):
+        def __init__(self, steps: _Steps, **kwargs):
             super().__init__()
-            self.batch, self.max_tokens = batch, max_tokens
+            self.steps = steps
             self.length = 0
-            self.written = [0] * batch
-            self.kv = self.alloc = None
+            self.kv = None
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.is_initialized = True
@@ -414,10 +492,10 @@ def _layer_class():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            if key_states.shape[0] != self.batch:
+            if key_states.shape[0] != self.steps.batch:
                 raise ValueError(f"attn_ops cache: batch {key_states.shape[0]}, the cache was "
-                                 f"made for {self.batch} rows (attn_ops.hf.cache(model, batch="
-                                 f"{key_states.shape[0]}, ...))")
+                                 f"made for {self.steps.batch} rows (attn_ops.hf.cache(model, "
+                                 f"batch={key_states.shape[0]}, ...))")
             self.length += key_states.shape[2]
             return key_states, value_states
 
@@ -428,65 +506,35 @@ def _layer_class():
             return self.length
 
         def get_max_length(self) -> int:
-            return self.max_tokens
-
-        def reset(self) -> None:
-            self.length, self.written, self.kv, self.alloc = 0, [0] * self.batch, None, None
+            return self.steps.max_tokens
 
         def _refuse(self, *args, **kwargs):
-            raise ValueError("attn_ops cache: cropping and beam reordering are not served "
-                             "(greedy / sampled generation only); use HF's DynamicCache")
+            raise ValueError("attn_ops cache: resetting, cropping and beam reordering are not "
+                             "served (one greedy / sampled generation a cache); make a new one")
 
-        crop = batch_repeat_interleave = batch_select_indices = _refuse
+        reset = crop = batch_repeat_interleave = batch_select_indices = _refuse
 
         def attend(self, module, layer, query, key, value, mask):
             """Write each row's unpadded new tokens after its history, then attend: ``[B,
             Sq, Hq, Dv]``, zeros on padded query rows."""
-            from attn_ops.kv_cache import BlockAllocator
-            from attn_ops.metadata import build_batch
-
             b, hq, sq, _ = query.shape
             if key.shape[2] != sq:
                 raise ValueError(f"attn_ops cache ({_where(module)}): {key.shape[2]} new keys "
                                  f"for {sq} queries")
-            if mask is not None and (mask.dim() != 2 or mask.shape[0] != b
-                                     or mask.shape[1] < sq):
-                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
-                                 f"{tuple(mask.shape)} is not the 2-D padding mask")
-            page = layer.block_size
-            if self.kv is None:  # (the selected backend's layout, sized once)
-                blocks = self.batch * -(-self.max_tokens // page)
-                self.kv = layer.allocate_kv_cache(blocks, query.device)
-                self.alloc = BlockAllocator(blocks, page)
-            new = [(0, sq)] * b
-            if mask is not None:
-                keep = mask[:, -sq:].bool().cpu()
-                new = []
-                for r in range(b):
-                    idx = keep[r].nonzero().flatten()
-                    lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (sq, sq)
-                    if hi - lo != len(idx):
-                        raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
-                                         f"row {r}'s new tokens are not one run")
-                    new.append((lo, hi))
-            live = [r for r in range(b) if new[r][1] > new[r][0]]
+            plan = self.steps.plan(self.length, layer.block_size, mask, sq, module,
+                                   query.device)
+            if self.kv is None:  # (the selected backend's layout)
+                self.kv = layer.allocate_kv_cache(plan["blocks"], query.device)
             out = query.new_zeros(b, sq, hq, value.shape[3])
-            if not live:
+            order, new = plan["order"], plan["new"]
+            if not order:
                 return out
-            order = sorted(live, key=lambda r: new[r][1] - new[r][0] > 1)  # (decodes first)
-            ctx = [self.written[r] for r in order]
-            lens = [new[r][1] - new[r][0] for r in order]
-            if max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
-                raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
-                                 f"max_tokens={self.max_tokens}; make it with more")
-            meta = build_batch(self.alloc, order, ctx, lens, device=query.device)
             rows = lambda t: torch.cat([t[r, :, new[r][0]:new[r][1]].transpose(0, 1)  # noqa
                                         for r in order]).contiguous()
-            got = layer(rows(query), rows(key), rows(value), self.kv, meta)
+            got = layer(rows(query), rows(key), rows(value), self.kv, plan["meta"])
             at = 0
-            for r, n in zip(order, lens):
+            for r, n in zip(order, plan["lens"]):
                 out[r, new[r][0]:new[r][1]] = got[at:at + n]
-                self.written[r] += n
                 at += n
             return out
 
@@ -536,7 +584,8 @@ def _owned_cache(num_layers: int, batch: int, max_tokens: int):
 
     class AttnOpsCache(base):
         def __init__(self):
-            super().__init__(layers=[layer_cls(batch, max_tokens) for _ in range(num_layers)])
+            self.steps = _Steps(batch, max_tokens)
+            super().__init__(layers=[layer_cls(self.steps) for _ in range(num_layers)])
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             call = kwargs.get("kwargs")

@@ -187,8 +187,11 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
-    # (the last generated token is not fed back: prompt + 5 steps written)
-    assert owned.layers[0].written == [int(m.sum()) + 5 for m in mask]
+    # (the last generated token is not fed back: prompt + 5 steps written; every layer's the
+    # same pages, one plan a step)
+    page = next(iter(owned.steps.by_page))
+    assert owned.steps.tokens(page) == [int(m.sum()) + 5 for m in mask]
+    assert len(owned.steps.by_page) == 1
 
 
 def _paged_served() -> str | None:
