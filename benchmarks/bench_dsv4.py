@@ -13,6 +13,8 @@ compressor are the model's and are timed apart as ``writes``):
 * ``c4a_indexer`` -- its indexer (scores over the ``(ctx + 1) / 4`` entries, device top-k);
   ``c4a_attn`` -- the attention over the window and the 512 picks; ``c4a`` -- both, the step;
 * ``writes`` -- the window entry and C4A's two compressor steps (DSV4_TRITON's kernels);
+* ``op_flashmla_<kind>`` -- DSV4_FLASHMLA's op (the index lists built on the device, then
+  FlashMLA's decode), where FlashMLA imports;
 * ``flashmla_<kind>`` -- FlashMLA's ``flash_mla_with_kvcache`` as vLLM calls it for V4
   (window slots as ``indices``, the compressed slots as ``extra_indices_in_kvcache``, the sink
   as ``attn_sink``), where ``vllm.third_party.flashmla`` imports;
@@ -155,6 +157,19 @@ def case(batch: int, ctx: int, gen: torch.Generator, device: str, dtype: torch.d
                                         WINDOW, *extra)
         checks[f"{kind}_vs_reference"] = cross_check(outputs[kind], want, TOLERANCE)
     fns.update(flashmla(q, window, table, sinks, caches, tables, picks, length, outputs, checks))
+    if any(k.startswith("flashmla_") for k in fns):  # (FlashMLA here: DSV4_FLASHMLA's op too)
+        from attn_ops.backends.deepseek_v4.flashmla import flashmla_attention
+
+        for kind, extra in refs.items():
+            name = f"op_flashmla_{kind.removesuffix('_attn')}"
+            fn = (lambda extra=extra: flashmla_attention(q, window, qsl, seq, table, sinks,
+                                                         scale, WINDOW, *extra))
+            try:
+                checks[name] = cross_check(fn().float(), outputs[kind], TOLERANCE)
+                fns[name] = fn
+            except Exception as e:  # noqa: BLE001 -- recorded; the others go on
+                checks[name] = {"agree": False, "parts": {},
+                                "error": f"{type(e).__name__}: {str(e)[:200]}"}
     facts = {"c4a_key_bytes": b * (n4 * INDEX_ENTRY + (TOPK + min(WINDOW, length)) * ENTRY),
              "kv_bytes_per_token": {"c4a": ENTRY / 4 + INDEX_ENTRY / 4, "c128a": ENTRY / 128,
                                     "swa": 0.0, "dense_mla_fp8_ds_mla": 656,
