@@ -315,10 +315,23 @@ def _v4_backends(dtype=torch.float32, kv_cache_dtype="auto"):
     return params
 
 
-@pytest.mark.parametrize("backend", _v4_backends())
-@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8_entries"])
-@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention",
-                                  "compressed_sparse_attention"])
+def _peer_cases():
+    """(kind, fp8, backend): every kind with rows on every backend; the 584-byte entries on
+    the reference for every kind and on the kernels for the compressed-sparse kind (which runs
+    all of their entry paths: window, compressed entries, picks)."""
+    kinds = ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
+    for b in _v4_backends():
+        for fp8 in (False, True):
+            for kind in kinds:
+                if fp8 and b.values[0] != "DSV4_REFERENCE" and \
+                        kind != "compressed_sparse_attention":
+                    continue
+                yield pytest.param(kind, fp8, *b.values, marks=b.marks,
+                                   id=f"{kind}-{'fp8_entries' if fp8 else 'dense'}-"
+                                      f"{b.values[0]}")
+
+
+@pytest.mark.parametrize("kind,fp8,backend", list(_peer_cases()))
 def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kind, fp8,
                                                                                backend):
     """Our layer, loaded from HF's ``DeepseekV4Attention`` (random weights, sinks and position
@@ -724,9 +737,8 @@ def test_triton_indexer_picks_the_references_entries(keys):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("ratio,overlap,fmt", [(8, False, "rows"), (4, True, "rows"),
-                                               (4, True, "entries"), (4, True, "index"),
-                                               (128, False, "entries")])
+@pytest.mark.parametrize("ratio,overlap,fmt", [(8, False, "rows"), (4, True, "entries"),
+                                               (4, True, "index"), (128, False, "entries")])
 def test_triton_compressor_writes_the_torch_forms_entries_and_state(ratio, overlap, fmt):
     """DSV4_TRITON's compressor step (two launches) against ``compress_into_cache`` over two
     requests' steps -- prefills, a chunk ending mid-group, decodes, an idle request, a long

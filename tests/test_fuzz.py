@@ -1168,6 +1168,7 @@ V4_KINDS = ("slot", "block_table", "seq_len_beyond", "seq_len_zero", "qsl_beyond
             "c_table_far", "state_slot_far")
 V4_TRITON_KINDS = ("slot", "block_table", "seq_len_beyond", "qsl_beyond", "c_table",
                    "state_slot", "block_table_far", "c_table_far", "state_slot_far")
+V4_TRITON_TRIALS = 1  # (a trial a kind on the kernels: each runs the whole layer interpreted)
 V4_LAYERS = {"swa": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
              "hca": ("heavily_compressed_attention", 8)}
 V4_CPAGE = 2  # (compressed entries a page)
@@ -1397,7 +1398,10 @@ def test_one_corrupted_input_is_refused_or_served_in_isolation(family, target, k
     h = harness(family, target)
     rng = _rng_for(family, target, kind)
     failures = []
-    for i in range(TRIALS[kind] * SCALE):
+    trials = TRIALS[kind]
+    if family == "deepseek_v4" and not target.startswith("DSV4_REFERENCE"):
+        trials = min(trials, V4_TRITON_TRIALS)
+    for i in range(trials * SCALE):
         trial = h.trial(kind, i, rng)
         verdict = judge(h, trial)
         fuzz_log.record(family, target, kind, trial, verdict)
