@@ -102,7 +102,7 @@ class DeepseekV4ReferenceBackend(_DeepseekV4Backend):
         return reference_attention(q, window_cache, step["query_start_loc"],
                                    step["seq_lens"], step["block_table"], sinks,
                                    spec.head_dim ** -0.5, spec.sliding_window, compressed_cache,
-                                   step["compressed_block_table"] if compressed else None,
+                                   _table(step, False) if compressed else None,
                                    spec.compress_ratio, picks)
 
     def indexer_topk(self, q_index, weights, index_cache, step):
@@ -333,7 +333,7 @@ class DeepseekV4TritonBackend(_DeepseekV4Backend):
 
         spec = self.spec
         compressed = compressed_cache is not None
-        table = step["compressed_block_table"] if compressed else None
+        table = _table(step, False) if compressed else None
         keys = spec.sliding_window
         if picks is not None:
             keys += picks.shape[1]

@@ -38,17 +38,6 @@ _V4_ARGS = ("attn_sink", "extra_k_cache", "extra_indices_in_kvcache")
 _SCHEDULES: dict[tuple, object] = {}
 
 
-def _rows(query_start_loc, seq_lens, t: int):
-    """Each row's request and position, and whether it is a request's (device ops)."""
-    qsl = query_start_loc.long()
-    rows = torch.arange(t, device=qsl.device)
-    b = seq_lens.shape[0]
-    req = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).clamp(max=b - 1)
-    start = qsl[req]
-    pos = seq_lens.long()[req] - (qsl[req + 1] - start) + (rows - start)
-    return req, pos, rows < qsl[-1]
-
-
 def _slots(table, req, entries, ok, page: int, blocks: int) -> torch.Tensor:
     """Global slots of ``entries [T, K]`` of each row's request (``ok``: wanted), -1 where not
     a slot of the cache (a column past the table, a block id outside the cache)."""
@@ -70,18 +59,22 @@ def index_lists(query_start_loc, seq_lens, block_table, window_cache, sliding_wi
                 picks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(window indices [T, 1, Kw], compressed indices [T, 1, Kc] or None)`` int32 global
     slots, -1 padded (the module docstring's rule)."""
-    req, pos, live = _rows(query_start_loc, seq_lens, t)
-    n_win = torch.where(live, (pos + 1).clamp(0, sliding_window), 0)
-    j = torch.arange(sliding_window, device=pos.device)
-    wpos = (pos - n_win + 1)[:, None] + j[None, :]
+    from attn_ops.backends.mla.indexer_kernels import visible_rows
+
+    # (each row's request, and its position + 1: 0 for padding rows)
+    req, seen = visible_rows(t, seq_lens, query_start_loc, 2 ** 31 - 1)
+    req, seen = req.long(), seen.long()
+    n_win = seen.clamp(max=sliding_window)
+    j = torch.arange(sliding_window, device=seen.device)
+    wpos = (seen - n_win)[:, None] + j[None, :]
     window = _slots(block_table, req, wpos, j[None, :] < n_win[:, None],
                     entries_a_page(window_cache), window_cache.shape[0])
     if compressed_cache is None:
         return _padded(window), None
-    visible = torch.where(live, (pos + 1).clamp(min=0) // ratio, 0)
+    visible = seen // ratio
     if picks is None:  # (every entry the table reaches, those complete at p kept)
         page = entries_a_page(compressed_cache)
-        entries = torch.arange(compressed_block_table.shape[1] * page, device=pos.device)
+        entries = torch.arange(compressed_block_table.shape[1] * page, device=seen.device)
         entries = entries[None, :].expand(t, -1)
     else:
         entries = picks.long()

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.deepseek_v4.cache import DATA_BYTES, ENTRY_BYTES, GROUP
+from attn_ops.backends.deepseek_v4.cache import DATA_BYTES, ENTRY_BYTES, GROUP, entries_a_page
 from attn_ops.backends.mla.indexer_kernels import _requests_before
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 from attn_ops.routing import combine_split_block, pow2
@@ -211,9 +211,9 @@ def dsv4_attention_triton(q, window_cache, query_start_loc, seq_lens, block_tabl
     nope_p, rope_p, dv_p = pow2(nope, 16), pow2(rope_dim, 16), pow2(d, 16)
 
     def paged(cache):
-        if cache.dtype == torch.uint8:
-            return cache, cache.shape[1] // ENTRY_BYTES, cache.stride(0), ENTRY_BYTES, True
-        return cache, cache.shape[1], cache.stride(0), cache.stride(1), False
+        entries = cache.dtype == torch.uint8
+        return (cache, entries_a_page(cache), cache.stride(0),
+                ENTRY_BYTES if entries else cache.stride(1), entries)
 
     win, wpage, stride_wb, stride_wp, win_entries = paged(window_cache)
     compressed = compressed_cache is not None

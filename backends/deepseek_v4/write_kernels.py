@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.deepseek_v4.cache import DATA_BYTES, ENTRY_BYTES, GROUP
+from attn_ops.backends.deepseek_v4.cache import DATA_BYTES, ENTRY_BYTES, GROUP, entries_a_page
 from attn_ops.backends.mla.indexer_kernels import _requests_before, _round_to_e4m3
 from attn_ops.routing import pow2
 
@@ -260,11 +260,10 @@ def compress_state_kernel(kv_ptr, gate_ptr, bias_ptr, state_ptr, qsl_ptr, seq_pt
 
 def _format(cache: torch.Tensor, d: int, index: bool) -> tuple[int, int, int, int]:
     """``(FORMAT, entries a page, page stride, row stride)`` of a cache."""
+    page = entries_a_page(cache, d if index else 0)
     if cache.dtype != torch.uint8:
-        return 0, cache.shape[1], cache.stride(0), cache.stride(1)
-    if index:
-        return 2, cache.shape[1] // (d + 4), cache.stride(0), d
-    return 1, cache.shape[1] // ENTRY_BYTES, cache.stride(0), ENTRY_BYTES
+        return 0, page, cache.stride(0), cache.stride(1)
+    return (2, page, cache.stride(0), d) if index else (1, page, cache.stride(0), ENTRY_BYTES)
 
 
 def compress_write_triton(kv, gate, bias, state, query_start_loc, seq_lens, state_indices,
