@@ -140,18 +140,44 @@ def _requests(mask, b: int, sq: int, skv: int, module) -> list[tuple[int, int, i
     keep = mask.bool().cpu()
     out = []
     for row in range(b):
-        idx = keep[row].nonzero().flatten()
-        if not len(idx):
-            out.append((skv, skv, skv))  # (no key: every query row is padding)
-            continue
-        start, end = int(idx[0]), int(idx[-1]) + 1
-        if end - start != len(idx):
+        run = _run(keep[row])  # (no key: (skv, skv), every query row padding)
+        if run is None:
             raise ValueError(
                 f"attn_ops ({_where(module)}): attention_mask row {row} keeps keys that are "
                 "not one run (holes inside it); attn_ops serves left or right padding -- use "
                 "attn_implementation='sdpa' or 'eager' for this mask")
-        out.append((start, max(start, skv - sq), end))
+        out.append((run[0], max(run[0], skv - sq), run[1]))
     return out
+
+
+def _run(keep: torch.Tensor) -> tuple[int, int] | None:
+    """The run ``[lo, hi)`` of a mask row's kept positions (``(n, n)`` where none is kept);
+    None where they are not one run."""
+    idx = keep.nonzero().flatten()
+    if not len(idx):
+        return keep.shape[0], keep.shape[0]
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    return (lo, hi) if hi - lo == len(idx) else None
+
+
+def _decodes_first(ids, lens) -> list:
+    """``ids`` in the order a step takes them: requests of one new token first."""
+    return sorted(ids, key=lambda i: lens[i] > 1)
+
+
+def _scratch_step(page: int, totals: list[int], lens: list[int], device):
+    """A step over requests given whole (request ``i``: ``totals[i]`` tokens, its last
+    ``lens[i]`` new): ``(order, allocator, blocks, metadata)`` over pages holding exactly
+    theirs."""
+    from attn_ops.kv_cache import BlockAllocator
+    from attn_ops.metadata import build_batch
+
+    order = _decodes_first(range(len(totals)), lens)
+    blocks = sum(-(-n // page) for n in totals)
+    alloc = BlockAllocator(blocks, page)
+    meta = build_batch(alloc, order, [totals[i] - lens[i] for i in order],
+                       [lens[i] for i in order], device=device)
+    return order, alloc, blocks, meta
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -198,19 +224,14 @@ def _attend_requests(layer, queries: list, keys: list, values: list) -> list:
     """One step of ``layer`` over requests given whole: request ``i``'s queries ``[n_i, Hq,
     D]`` are the last ``n_i`` of its keys / values ``[k_i, Hkv, D(v)]``, laid in a paged cache of
     the step; returns each request's ``[n_i, Hq, Dv]``."""
-    from attn_ops.kv_cache import BlockAllocator, kv_cache_update
-    from attn_ops.metadata import build_batch
+    from attn_ops.kv_cache import kv_cache_update
 
     if not queries:
         return []
     device = queries[0].device
-    page = layer.block_size
-    order = sorted(range(len(queries)), key=lambda i: queries[i].shape[0] > 1)  # (decodes 1st)
-    blocks = sum(-(-k.shape[0] // page) for k in keys)
-    alloc = BlockAllocator(blocks, page)
+    order, alloc, blocks, meta = _scratch_step(layer.block_size, [k.shape[0] for k in keys],
+                                               [q.shape[0] for q in queries], device)
     cache = layer.allocate_kv_cache(blocks, device)
-    meta = build_batch(alloc, order, [keys[i].shape[0] - queries[i].shape[0] for i in order],
-                       [queries[i].shape[0] for i in order], device=device)
     slots = torch.cat([torch.tensor(alloc.slots(i, 0, keys[i].shape[0])) for i in order])
     kv_cache_update(torch.cat([keys[i] for i in order]).contiguous(),
                     torch.cat([values[i] for i in order]).contiguous(), cache,
@@ -321,8 +342,6 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
     import sys
 
     from attn_ops.backends.mla.common import mla_cache_update
-    from attn_ops.kv_cache import BlockAllocator
-    from attn_ops.metadata import build_batch
 
     hf = sys.modules[type(self).__module__]
     cache = cache if cache is not None else past_key_values
@@ -354,16 +373,14 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
     out = q.new_zeros(b, s, self.num_heads, self.v_head_dim)
     if live:
         shift = s - skv
-        order = sorted(live, key=lambda r: rows[r][2] - rows[r][1] > 1)  # (decodes first)
-        page = layer.block_size
-        blocks = sum(-(-(rows[r][2] - rows[r][0]) // page) for r in order)
-        alloc = BlockAllocator(blocks, page)
+        steps, alloc, blocks, meta = _scratch_step(
+            layer.block_size, [rows[r][2] - rows[r][0] for r in live],
+            [rows[r][2] - rows[r][1] for r in live], q.device)
+        order = [live[i] for i in steps]
         latents = layer.allocate_cache(blocks, q.device)
-        meta = build_batch(alloc, order, [rows[r][1] - rows[r][0] for r in order],
-                           [rows[r][2] - rows[r][1] for r in order], device=q.device)
         ctx = [(kv_nope[r, 0, rows[r][0]:rows[r][1]], k_rot[r, 0, rows[r][0]:rows[r][1]],
-                torch.tensor(alloc.slots(r, 0, rows[r][1] - rows[r][0]), dtype=torch.long))
-               for r in order]
+                torch.tensor(alloc.slots(i, 0, rows[r][1] - rows[r][0]), dtype=torch.long))
+               for i, r in zip(steps, order)]
         if any(c[0].shape[0] for c in ctx):  # (the history, then the step writes its tokens)
             mla_cache_update(torch.cat([c[0] for c in ctx]).contiguous(),
                              torch.cat([c[1] for c in ctx]).contiguous(), latents,
@@ -439,18 +456,14 @@ class _Steps:
                 raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
                                  f"{tuple(mask.shape)} is not the 2-D padding mask")
             keep = mask[:, -sq:].bool().cpu()
-            new = []
-            for r in range(b):
-                idx = keep[r].nonzero().flatten()
-                lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (sq, sq)
-                if hi - lo != len(idx):
-                    raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
-                                     f"{r}'s new tokens are not one run")
-                new.append((lo, hi))
-        live = [r for r in range(b) if new[r][1] > new[r][0]]
-        order = sorted(live, key=lambda r: new[r][1] - new[r][0] > 1)  # (decodes first)
+            new = [_run(keep[r]) for r in range(b)]
+            if None in new:
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
+                                 f"{new.index(None)}'s new tokens are not one run")
+        count = [hi - lo for lo, hi in new]
+        order = _decodes_first([r for r in range(b) if count[r]], count)
         ctx = [state["written"][r] for r in order]
-        lens = [new[r][1] - new[r][0] for r in order]
+        lens = [count[r] for r in order]
         if order and max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
             raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
                              f"max_tokens={self.max_tokens}; make it with more")
