@@ -73,6 +73,30 @@ def _batch():
     return ids, mask
 
 
+def _assert_same_logits(theirs, ours):
+    """The left-padded batch's forward logits at every real position, fp32 tolerance."""
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = theirs(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
+
+
+def _assert_same_greedy(theirs, ours, new: int, **ours_kwargs):
+    """Greedy ``generate`` of ``new`` tokens over the left-padded batch: the same tokens,
+    each step's logits within fp32 tolerance (``ours_kwargs``: to ours only, e.g. a cache)."""
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False,
+                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        want = theirs.generate(ids, **kwargs)
+        got = ours.generate(ids, **ours_kwargs, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
     """Every real position's logits equal HF's own implementation's (fp32 tolerance), through
@@ -80,12 +104,7 @@ def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
     from attn_ops import hf
 
     theirs, ours = _models(name)
-    ids, mask = _batch()
-    with torch.no_grad():
-        want = theirs(ids, attention_mask=mask).logits
-        got = ours(ids, attention_mask=mask).logits
-    keep = mask.bool()
-    torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
+    _assert_same_logits(theirs, ours)
     text = hf.describe(ours)
     attention_layers = sum(t != "linear_attention" for t in
                            getattr(ours.config, "layer_types", None) or ["full_attention"] * 2)
@@ -98,15 +117,7 @@ def test_greedy_generate_gives_hfs_tokens(name):
     steps of one token each): the same tokens as HF's implementation, each step's logits
     within fp32 tolerance."""
     theirs, ours = _models(name)
-    ids, mask = _batch()
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False,
-                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    with torch.no_grad():
-        want = theirs.generate(ids, **kwargs)
-        got = ours.generate(ids, **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    _assert_same_greedy(theirs, ours, 6)
 
 
 def test_register_is_idempotent_and_says_what_it_leaves_out():
@@ -172,21 +183,14 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
         with pytest.raises(ValueError, match="passes no attention kwargs|attention layers only"):
             hf.cache(ours, batch=3, max_tokens=32)
         pytest.skip(hf.cache_supported(ours))
-    ids, mask = _batch()
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False,
-                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     owned = hf.cache(ours, batch=3, max_tokens=32)
     import inspect
 
     # (transformers 5.2x names it cache=; earlier ones past_key_values=)
     name_of = "cache" if "cache" in inspect.signature(ours.forward).parameters \
         else "past_key_values"
-    with torch.no_grad():
-        want = theirs.generate(ids, **kwargs)
-        got = ours.generate(ids, **{name_of: owned}, **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    _assert_same_greedy(theirs, ours, 6, **{name_of: owned})
+    _, mask = _batch()
     # (the last generated token is not fed back: prompt + 5 steps written; every layer's the
     # same pages, one plan a step)
     page = next(iter(owned.steps.by_page))
@@ -257,19 +261,7 @@ def test_patched_deepseek_runs_mla_absorbed_as_hf_does():
     from attn_ops import hf
 
     theirs, ours = _deepseek()
-    ids, mask = _batch()
-    with torch.no_grad():
-        want = theirs(ids, attention_mask=mask).logits
-        got = ours(ids, attention_mask=mask).logits
-    keep = mask.bool()
-    torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
+    _assert_same_logits(theirs, ours)
     text = hf.describe(ours)
     assert text.count("AttentionSpec(mla heads=4") == 2 and "not run" not in text
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-    with torch.no_grad():
-        want = theirs.generate(ids, **kwargs)
-        got = ours.generate(ids, **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    _assert_same_greedy(theirs, ours, 5)
