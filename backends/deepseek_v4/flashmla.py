@@ -109,7 +109,7 @@ def _check(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale
 
 def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
           sliding_window, compressed_cache, compressed_block_table, ratio, picks):
-    from attn_ops.routing import FLASHMLA_MAX_ROWS
+    from attn_ops.backends.mla.flashmla_sparse import ROWS_A_CALL
 
     _check(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
            sliding_window, compressed_cache, compressed_block_table, ratio, picks)
@@ -128,9 +128,8 @@ def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
     sink[:heads] = sinks.float()
     extra_kw = {} if extra is None else dict(extra_k_cache=_fp8_pages(compressed_cache))
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    rows_a_call = min(8192, FLASHMLA_MAX_ROWS)
-    for r0 in range(0, t, rows_a_call):
-        r1 = min(r0 + rows_a_call, t)
+    for r0 in range(0, t, ROWS_A_CALL):  # (the tile scheduler's bound, as for V3.2)
+        r1 = min(r0 + ROWS_A_CALL, t)
         key = (r1 - r0, hp, window.shape[2], None if extra is None else extra.shape[2],
                window_cache.shape[1], None if extra is None else compressed_cache.shape[1],
                str(q.device), capturing)
