@@ -82,12 +82,14 @@ TRIALS = {
     "topk_row": 1,          # a whole selection row -> -1
     "position": 3,          # indexer_slots position -> past the request, past the table, < 0
     "state_slot": 2,        # state_indices[r] -> num_slots, -3
+    "c_table": 2,           # a V4 compressed block-table entry -> num_blocks, -5
     # far out of range (run last)
     "slot_far": 1,          # 2**40
     "block_table_far": 1,   # 2**30
     "topk_slot_far": 1,     # 2**30
     "position_far": 1,      # 2**30
     "state_slot_far": 1,    # 2**31 - 1
+    "c_table_far": 1,       # 2**30
 }
 NAMES = {  # what a refusal must name (any of these)
     "slot": ("slot_mapping",), "block_table": ("block_table",),
@@ -96,6 +98,7 @@ NAMES = {  # what a refusal must name (any of these)
     "max_query_len": ("max_query_len",), "dtype": ("dtype",), "page_size": ("block_size", "page"),
     "topk_slot": ("topk_slots",), "topk_hole": ("topk_slots",), "topk_row": ("topk_slots",),
     "position": ("positions",), "state_slot": ("state_indices",),
+    "c_table": ("compressed_block_table",),
 }
 GLOBAL_KINDS = {"max_query_len", "dtype", "page_size"}
 PAD = 2  # padding rows past each step's tokens
@@ -1172,8 +1175,6 @@ V4_TRITON_TRIALS = 1  # (a trial a kind on the kernels: each runs the whole laye
 V4_LAYERS = {"swa": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
              "hca": ("heavily_compressed_attention", 8)}
 V4_CPAGE = 2  # (compressed entries a page)
-TRIALS["c_table"], TRIALS["c_table_far"] = 2, 1
-NAMES["c_table"] = ("compressed_block_table",)
 
 
 class DeepseekV4Harness(PagedHarness):
