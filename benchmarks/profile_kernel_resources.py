@@ -85,7 +85,7 @@ def configs() -> dict[str, tuple]:
     light = dict(DK=128, DV=128, BLOCK_K=128)
     return {
         "mamba1_chunked": (cw.mamba1_chunked_kernel, [
-            (f"chunk {c} x {d} channels", dict(m1, CHUNK=c, BLOCK_D=d), w)
+            (f"chunk {c} x {d} channels", dict(m1, CHUNK=c, BLOCK_D=d, PREFETCH=True), w)
             for c, d, w in itertools.product((8, 16, 32), (16, 32, 64), (4, 8))]),
         "lightning_chunked": (cw.lightning_chunked_kernel, [
             (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)

@@ -1,16 +1,16 @@
 """Where a chunked recurrent-state prefill spends its time on the GPU: the CUDA time of each
-launch of our GDN and Mamba2 prefills (``torch.profiler``), per case, under each of
-``--tunings`` (``ATTN_OPS_TUNING`` strings, applied in this one process; ``defaults``: none);
-beside it, ours and the anchors' (fla's ``chunk_gated_delta_rule``, mamba-ssm's
-``mamba_chunk_scan_combined``, each in its varlen and batch layouts, called by keyword as
-``bench_ssm.py`` builds them) device time, host launch time and back-to-back time a call, and
-with ``--host-profile`` where our host time goes.
+launch of our GDN, Mamba2, Mamba1 and lightning-attention prefills (``torch.profiler``), per
+case, under each of ``--tunings`` (``ATTN_OPS_TUNING`` strings, applied in this one process;
+``defaults``: none); beside it, ours and the anchors' (fla's ``chunk_gated_delta_rule`` and
+``chunk_lightning_attn``, mamba-ssm's ``mamba_chunk_scan_combined``, each in its varlen and
+batch layouts, called by keyword as ``bench_ssm.py`` builds them) device time, host launch time
+and back-to-back time a call, and with ``--host-profile`` where our host time goes.
 
 Every anchor's outputs and final states are first cross-checked against ours on the same
 inputs (``bench_ssm.cross_checks``, ``bench_ssm.TOLERANCE``); an anchor that disagrees is
 marked MISMATCH on its line, with its errors: its times are of another computation.
 
-    python benchmarks/profile_ssm_prefill.py [--cases gdn:1x8192 mamba2:64x512 ...]
+    python benchmarks/profile_ssm_prefill.py [--cases gdn:1x8192 mamba1:8x2048 ...]
         [--tunings defaults ssm.mamba2_num_stages=2 ...] [--host-profile]
 """
 
@@ -26,7 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import check_text  # noqa: E402
-from bench_ssm import TOLERANCE, cross_checks, gdn_case, mamba2_case  # noqa: E402
+from bench_ssm import (TOLERANCE, cross_checks, gdn_case, lightning_case,  # noqa: E402
+                       mamba1_case, mamba2_case)
+
+CASES = {"gdn": gdn_case, "mamba2": mamba2_case, "mamba1": mamba1_case,
+         "lightning": lightning_case}
 
 
 def main() -> None:
@@ -53,7 +57,7 @@ def profile_cases(cases, iters: int, host_profile: bool = False) -> None:
     for case in cases:
         kind, shape = case.split(":")
         batch, length = (int(v) for v in shape.split("x"))
-        make = gdn_case if kind == "gdn" else mamba2_case
+        make = CASES[kind]
         with torch.no_grad():
             contenders, errors = make(batch, [length] * batch, initial=False)
             contenders.pop("ours_with_conv", None)

@@ -38,15 +38,36 @@ def _compose(a1, b1, a2, b2):
 
 
 @triton.jit
+def _mamba1_chunk_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, rows, end, offs_d, offs_n, d_ok,
+                         n_ok, stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                         HAS_Z: tl.constexpr):
+    """A chunk's inputs as stored: ``dt``, ``x``, ``z`` as ``[chunk, channels]``, ``B``, ``C``
+    as ``[chunk, d_state]``; rows at or past ``end`` read nothing."""
+    ok = (rows < end)[:, None] & d_ok[None, :]
+    n_mask = (rows < end)[:, None] & n_ok[None, :]
+    dt = tl.load(dt_ptr + rows[:, None] * stride_dtt + offs_d[None, :], mask=ok, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + offs_d[None, :], mask=ok, other=0.0)
+    z = x
+    if HAS_Z:
+        z = tl.load(z_ptr + rows[:, None] * stride_zt + offs_d[None, :], mask=ok, other=0.0)
+    bb = tl.load(b_ptr + rows[:, None] * stride_bt + offs_n[None, :], mask=n_mask, other=0.0)
+    cc = tl.load(c_ptr + rows[:, None] * stride_ct + offs_n[None, :], mask=n_mask, other=0.0)
+    return dt, x, z, bb, cc
+
+
+@triton.jit
 def mamba1_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
                           state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
                           stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
                           stride_a, stride_ss, stride_sd, num_tokens, num_slots,
                           D_INNER: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
-                          SOFTPLUS: tl.constexpr):
+                          SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
     """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: the channels'
-    ``[BLOCK_D, d_state]`` state over the request's tokens, ``CHUNK`` at a time."""
+    ``[BLOCK_D, d_state]`` state over the request's tokens, ``CHUNK`` at a time. Every tensor
+    of the loop is 3-D ``[chunk, channels, d_state]`` or a broadcast of it, so no value
+    changes layout inside the loop; ``PREFETCH``: the next chunk's inputs are read before this
+    chunk's scan (the loop is otherwise bound by their latency)."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -61,47 +82,54 @@ def mamba1_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
     d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     last = (offs_l == CHUNK - 1)[:, None, None]
+    s3 = s[None, :, :]  # (carried 3-D: the scan's layout, not converted back each chunk)
+    if PREFETCH:
+        dt_n, x_n, z_n, b_n, c_n = _mamba1_chunk_inputs(
+            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + offs_l, end, offs_d, offs_n, d_ok, n_ok,
+            stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
     for c0 in range(start, end, CHUNK):
         rows = c0 + offs_l
+        if PREFETCH:
+            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
+            dt_n, x_n, z_n, b_n, c_n = _mamba1_chunk_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, rows + CHUNK, end, offs_d, offs_n, d_ok,
+                n_ok, stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
+        else:
+            dt_r, x_r, z_r, b_r, c_r = _mamba1_chunk_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, rows, end, offs_d, offs_n, d_ok, n_ok,
+                stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
         ok = (rows < end)[:, None] & d_ok[None, :]
-        dt = tl.load(dt_ptr + rows[:, None] * stride_dtt + offs_d[None, :], mask=ok,
-                     other=0.0).to(tl.float32) + dt_bias[None, :]
+        dt = dt_r.to(tl.float32) + dt_bias[None, :]
         if SOFTPLUS:
             dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
         # rows past the request: decay 1, input 0 -- the scan's last row is its final state
         dt = tl.where(ok, dt, 0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + offs_d[None, :], mask=ok,
-                    other=0.0).to(tl.float32)
-        n_mask = (rows < end)[:, None] & n_ok[None, :]
-        bb = tl.load(b_ptr + rows[:, None] * stride_bt + offs_n[None, :], mask=n_mask,
-                     other=0.0).to(tl.float32)
-        cc = tl.load(c_ptr + rows[:, None] * stride_ct + offs_n[None, :], mask=n_mask,
-                     other=0.0).to(tl.float32)
+        x = x_r.to(tl.float32)
         decay = tl.exp(dt[:, :, None] * a[None, :, :])
-        inp = (dt * x)[:, :, None] * bb[:, None, :]
+        inp = (dt * x)[:, :, None] * b_r.to(tl.float32)[:, None, :]
         carried, h = tl.associative_scan((decay, inp), 0, _compose)
-        h = h + carried * s[None, :, :]
-        y = tl.sum(h * cc[:, None, :], axis=2) + d_skip[None, :] * x
+        h = h + carried * s3
+        y = tl.sum(h * c_r.to(tl.float32)[:, None, :], axis=2) + d_skip[None, :] * x
         if HAS_Z:
-            z = tl.load(z_ptr + rows[:, None] * stride_zt + offs_d[None, :], mask=ok,
-                        other=0.0).to(tl.float32)
+            z = z_r.to(tl.float32)
             y = y * z / (1.0 + tl.exp(-z))
         tl.store(y_ptr + rows[:, None] * stride_yt + offs_d[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=ok)
-        s = tl.sum(tl.where(last, h, 0.0), axis=0)
-    _keep_final(state_ptr, s_ptrs, s, w_mask, 0, "")
+        s3 = tl.sum(tl.where(last, h, 0.0), axis=0, keep_dims=True)
+    _keep_final(state_ptr, s_ptrs, tl.reshape(s3, (BLOCK_D, BLOCK_N)), w_mask, 0, "")
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok)
 
 
 def mamba1_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                           state_indices, has_initial_state, dt_softplus, chunk: int = 16,
-                          block_d: int = 32, num_warps: int = 4) -> torch.Tensor:
+                          block_d: int = 32, num_warps: int = 4,
+                          prefetch: bool = True) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` ``chunk`` tokens at a time (a power of two), ``block_d``
     channels a program, one slot a request (inputs already checked)."""
     return mamba1_launch(mamba1_chunked_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
-                         block_d, num_warps, CHUNK=chunk)
+                         block_d, num_warps, CHUNK=chunk, PREFETCH=prefetch)
 
 
 @triton.jit
