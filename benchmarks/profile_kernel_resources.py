@@ -91,7 +91,7 @@ def configs() -> dict[str, tuple]:
             (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (32, 64, 128), (4, 8))]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
-            (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d), w)
+            (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=True), w)
             for d, w in itertools.product((32, 64, 128), (4, 8))]),
         "lightning_recurrent": (tk.lightning_recurrent_kernel, [
             (f"{v} columns", dict(light, NUM_WRITES=0, BLOCK_V=v, EVICT="", STORE=""), w)

@@ -47,9 +47,10 @@ class SSMTuning:
     mamba1_chunk: int = 16
     mamba1_chunk_block_d: int = 16
     mamba1_chunk_warps: int = 8
-    # Each chunk's inputs read one chunk ahead, while the previous chunk scans: the walk is a
-    # dependent loop, so a chunk's reads otherwise wait out their whole latency.
-    mamba1_chunk_prefetch: bool = True
+    # Both Mamba1 kernels read a token's (a chunk's) inputs one step ahead, while the
+    # previous step computes: their loops are dependent, so a step's reads otherwise wait out
+    # their whole latency.
+    mamba1_prefetch: bool = True
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
     # yet.

@@ -103,11 +103,12 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
         from attn_ops.backends.ssm.chunk_walk_kernels import mamba1_chunked_triton
 
         return mamba1_chunked_triton(*args, t.mamba1_chunk, t.mamba1_chunk_block_d,
-                                     t.mamba1_chunk_warps, t.mamba1_chunk_prefetch)
+                                     t.mamba1_chunk_warps, t.mamba1_prefetch)
     if kernel is Kernel.SSM_TRITON:
         from attn_ops.backends.ssm.triton_kernels import mamba1_recurrent_triton
 
-        return mamba1_recurrent_triton(*args, t.mamba1_block_d, t.decode_num_warps)
+        return mamba1_recurrent_triton(*args, t.mamba1_block_d, t.decode_num_warps,
+                                       t.mamba1_prefetch)
     y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                              state_indices, has_initial_state, dt_softplus)
     store_states(state, slots, s)

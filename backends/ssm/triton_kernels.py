@@ -438,6 +438,24 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
 
 
 @triton.jit
+def _mamba1_token_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, offs_n, d_ok, n_ok,
+                         stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                         HAS_Z: tl.constexpr):
+    """Token ``t``'s inputs as stored: ``dt``, ``x``, ``z`` of the channels, ``B``, ``C``;
+    nothing is read at or past ``end``."""
+    ok = d_ok & (offs_d * 0 + t < end)  # (vectors: scalar masks fail interpreted)
+    n_mask = n_ok & (offs_n * 0 + t < end)
+    dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=ok, other=0.0)
+    x = tl.load(x_ptr + t * stride_xt + offs_d, mask=ok, other=0.0)
+    z = x
+    if HAS_Z:
+        z = tl.load(z_ptr + t * stride_zt + offs_d, mask=ok, other=0.0)
+    bb = tl.load(b_ptr + t * stride_bt + offs_n, mask=n_mask, other=0.0)
+    cc = tl.load(c_ptr + t * stride_ct + offs_n, mask=n_mask, other=0.0)
+    return dt, x, z, bb, cc
+
+
+@triton.jit
 def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
                             state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
                             stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
@@ -445,10 +463,11 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
                             stride_ss, stride_sd, num_tokens, num_slots,
                             NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
-                            SOFTPLUS: tl.constexpr):
+                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
     """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: each channel's
     ``d_state`` row of the state in registers over the request's tokens, its own time step
-    and rates, B and C shared by the channels."""
+    and rates, B and C shared by the channels; ``PREFETCH``: each token's inputs read while
+    the previous token's step computes (the loop is otherwise bound by their latency)."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -461,18 +480,30 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
                 mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        dt_n, x_n, z_n, b_n, c_n = _mamba1_token_inputs(
+            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, offs_n, d_ok, n_ok,
+            stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
     for t in range(start, end):
-        dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        dt = dt + dt_bias
+        if PREFETCH:
+            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
+            dt_n, x_n, z_n, b_n, c_n = _mamba1_token_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, offs_n, d_ok, n_ok,
+                stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
+        else:
+            dt_r, x_r, z_r, b_r, c_r = _mamba1_token_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, offs_n, d_ok, n_ok,
+                stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
+        dt = dt_r.to(tl.float32) + dt_bias
         if SOFTPLUS:
             dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-        x = tl.load(x_ptr + t * stride_xt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        bb = tl.load(b_ptr + t * stride_bt + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        cc = tl.load(c_ptr + t * stride_ct + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        x = x_r.to(tl.float32)
+        bb = b_r.to(tl.float32)
+        cc = c_r.to(tl.float32)
         s = s * tl.exp(dt[:, None] * a) + (dt * x)[:, None] * bb[None, :]
         y = tl.sum(s * cc[None, :], axis=1) + d_skip * x
         if HAS_Z:
-            z = tl.load(z_ptr + t * stride_zt + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            z = z_r.to(tl.float32)
             y = y * z / (1.0 + tl.exp(-z))
         tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
@@ -484,12 +515,13 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
 
 def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, block_d: int = 64,
-                            num_warps: int = 4) -> torch.Tensor:
+                            num_warps: int = 4, prefetch: bool = True) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token, ``block_d`` channels a program (inputs
     already checked)."""
     return mamba1_launch(mamba1_recurrent_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
-                         block_d, num_warps, NUM_WRITES=_num_writes(state_indices))
+                         block_d, num_warps, NUM_WRITES=_num_writes(state_indices),
+                         PREFETCH=prefetch)
 
 
 def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
