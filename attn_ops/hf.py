@@ -31,7 +31,8 @@ Where the K/V live:
   layer per step);
 * under continuous batching (``"paged|attn_ops"``, where transformers accepts the name), in
   HF's ``PagedAttentionCache``: :func:`paged_attention_forward` lets it write and gather, and
-  runs each request over a copy of its gathered history.
+  runs the step's requests over a copy of their gathered histories, the step planned once for
+  all layers.
 """
 
 from __future__ import annotations
@@ -244,22 +245,58 @@ def _attend_requests(layer, queries: list, keys: list, values: list) -> list:
     return out
 
 
-def _step_offsets(cache, cu_q, cu_k) -> tuple[list[int], list[int]]:
-    """The step's query and key offsets on the host, read once a step (the layers of a step
-    get the same tensors, unmodified: their version counters say so), not once a layer."""
+class _PagedStep:
+    """One continuous-batching step's plan, made once for all its layers: the requests with new
+    tokens in the order a step takes them, pages holding exactly each one's history
+    (``metadata``, ``slots``), and the rows of HF's packed queries (``query_rows``) and
+    gathered keys (``key_rows``) in that order -- one gather of each and one scatter of the
+    output a layer, whatever the number of requests. ``scratch`` keeps one cache a layer shape
+    for the step: every layer rewrites the rows it reads."""
+
+    def __init__(self, cu_q: list[int], cu_k: list[int], page: int, device) -> None:
+        live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+        totals = [cu_k[i + 1] - cu_k[i] for i in live]
+        lens = [cu_q[i + 1] - cu_q[i] for i in live]
+        order, alloc, self.blocks, self.metadata = _scratch_step(page, totals, lens, device)
+
+        def rows(starts, counts):
+            return torch.cat([torch.arange(starts[live[j]], starts[live[j]] + counts[j])
+                              for j in order]).to(device)
+
+        self.query_rows = rows(cu_q, lens)
+        self.key_rows = rows(cu_k, totals)
+        self.slots = torch.tensor([s for j in order for s in alloc.slots(j, 0, totals[j])],
+                                  device=device)
+        self._scratch: dict = {}
+
+    def scratch(self, layer, device) -> torch.Tensor:
+        key = (layer.spec, layer.block_size, layer.selection.backend_cls)
+        if key not in self._scratch:
+            self._scratch[key] = layer.allocate_kv_cache(self.blocks, device)
+        return self._scratch[key]
+
+
+def _paged_step(cache, cu_q, cu_k, page: int, device) -> _PagedStep | None:
+    """The step's :class:`_PagedStep` (None: no request has new tokens), made by the step's
+    first layer: the layers of a step get the same offset tensors, unmodified (their version
+    counters say so), so the host reads them once a step, not once a layer."""
     import weakref
 
     if isinstance(cu_k, dict):
         cu_k = cu_k["full_attention"]
-    memo = cache.__dict__.get("_attn_ops_offsets")
+    memo = cache.__dict__.get("_attn_ops_step")
     # (the same tensor objects -- a freed one's address may be another's -- at the same
     # versions: nothing wrote them since)
     if memo is None or memo[0]() is not cu_q or memo[1]() is not cu_k or \
             memo[2] != (cu_q._version, cu_k._version):
-        memo = cache.__dict__["_attn_ops_offsets"] = (
+        memo = cache.__dict__["_attn_ops_step"] = (
             weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version),
-            cu_q.tolist(), cu_k.tolist())
-    return memo[3], memo[4]
+            cu_q.tolist(), cu_k.tolist(), {})
+    q_list, k_list, plans = memo[3], memo[4], memo[5]
+    if page not in plans:
+        live = any(q_list[i + 1] > q_list[i] for i in range(len(q_list) - 1))
+        plans[page] = _PagedStep(q_list, k_list, page, device) if live else None
+    return plans[page]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
@@ -269,9 +306,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     transformers that let the attention function write it, 5.17 and its neighbours): the
     packed step's new K/V written by the cache's own ``update`` (``write_index``) and each
     request's history gathered back (``read_index``), delimited by ``cu_seq_lens_q`` /
-    ``cu_seq_lens_k``; each request then one request of a step of the module's
-    :class:`~attn_ops.Attention` (its history copied into that step's cache). Returns ``[1, T,
-    Hq, Dv]``, padding rows zero."""
+    ``cu_seq_lens_k``; the requests then one step of the module's :class:`~attn_ops.Attention`
+    over a copy of their histories, planned once a step (:class:`_PagedStep`). Returns ``[1,
+    T, Hq, Dv]``, padding rows zero."""
+    from attn_ops.kv_cache import kv_cache_update
+
     cache = kwargs.pop("cache", None)
     if cache is None:
         raise ValueError(f"paged|attn_ops ({_where(module)}) was called without HF's paged "
@@ -292,15 +331,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     keys, values = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                 read_index=kwargs["read_index"],
                                 write_index=kwargs["write_index"])
-    cu_q, cu_k = _step_offsets(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
-    t = query.shape[2]
-    out = query.new_zeros(1, t, query.shape[1], value.shape[3])
-    live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
-    got = _attend_requests(
-        layer, [query[0, :, cu_q[i]:cu_q[i + 1]].transpose(0, 1) for i in live],
-        [keys[cu_k[i]:cu_k[i + 1]] for i in live], [values[cu_k[i]:cu_k[i + 1]] for i in live])
-    for i, o in zip(live, got):
-        out[0, cu_q[i]:cu_q[i + 1]] = o
+    out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3])
+    step = _paged_step(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+                       layer.block_size, query.device)
+    if step is None:
+        return out, None
+    scratch = step.scratch(layer, query.device)
+    kv_cache_update(keys.index_select(0, step.key_rows), values.index_select(0, step.key_rows),
+                    scratch, step.slots, layer.k_scale, layer.v_scale)
+    got = layer(query[0].transpose(0, 1).index_select(0, step.query_rows), None, None,
+                scratch, step.metadata)
+    out[0].index_copy_(0, step.query_rows, got.to(out.dtype))
     return out, None
 
 
