@@ -276,20 +276,21 @@ class _PagedStep:
         return self._scratch[key]
 
 
-def _paged_step(cache, cu_q, cu_k, page: int, device) -> _PagedStep | None:
-    """The step's :class:`_PagedStep` (None: no request has new tokens), made by the step's
-    first layer: the layers of a step get the same offset tensors, unmodified (their version
-    counters say so), so the host reads them once a step, not once a layer."""
+def _paged_step(cache, cu_q, cu_k, group: str, page: int, device) -> _PagedStep | None:
+    """The step's :class:`_PagedStep` for a layer ``group`` of HF's cache (None: no request
+    has new tokens), made by the group's first layer of the step: the layers of a step get the
+    same offset tensors, unmodified (their version counters say so), so the host reads them
+    once a step, not once a layer."""
     import weakref
 
     if isinstance(cu_k, dict):
-        cu_k = cu_k["full_attention"]
-    memo = cache.__dict__.get("_attn_ops_step")
+        cu_k = cu_k[group]
+    memo = cache.__dict__.setdefault("_attn_ops_steps", {}).get(group)
     # (the same tensor objects -- a freed one's address may be another's -- at the same
     # versions: nothing wrote them since)
     if memo is None or memo[0]() is not cu_q or memo[1]() is not cu_k or \
             memo[2] != (cu_q._version, cu_k._version):
-        memo = cache.__dict__["_attn_ops_step"] = (
+        memo = cache.__dict__["_attn_ops_steps"][group] = (
             weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version),
             cu_q.tolist(), cu_k.tolist(), {})
     q_list, k_list, plans = memo[3], memo[4], memo[5]
@@ -316,14 +317,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"paged|attn_ops ({_where(module)}) was called without HF's paged "
                          "cache: continuous batching passes one; use 'attn_ops' for a "
                          "standard forward")
-    if sliding_window:
-        raise ValueError(f"paged|attn_ops ({_where(module)}): sliding_window={sliding_window}: "
-                         "HF's paged cache gathers a window layer's keys around sentinel rows "
-                         "this path does not read yet; use 'paged|sdpa' or 'attn_ops' with "
-                         "generate")
     if dropout and module.training:
         raise ValueError(f"paged|attn_ops ({_where(module)}): dropout={dropout} in training")
-    spec = spec_of_call(module, query, key, value, scaling, None, softcap, s_aux)
+    spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     layer = _layer(module, spec, query.device)
     if s_aux is not None:
         with torch.no_grad():
@@ -332,7 +328,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                                 read_index=kwargs["read_index"],
                                 write_index=kwargs["write_index"])
     out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3])
+    # (a window layer's gathered keys: its last min(past, W - 1) tokens, then the new ones --
+    # every key its window reaches, in order, so the request's positions shift, not its
+    # distances)
     step = _paged_step(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+                       "sliding_attention" if sliding_window else "full_attention",
                        layer.block_size, query.device)
     if step is None:
         return out, None

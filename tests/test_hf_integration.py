@@ -206,11 +206,12 @@ def _paged_served() -> str | None:
 
 
 @pytest.mark.skipif(_paged_served() is not None, reason=str(_paged_served()))
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma2"])
 def test_generate_batch_over_paged_attn_ops_gives_generates_tokens(name):
     """Continuous batching (``generate_batch``, HF's paged cache, its scheduler mixing prefills
     and decodes) with ``"paged|attn_ops"``: each prompt's greedy tokens those of ``generate``
-    with HF's sdpa on the same weights."""
+    with HF's own implementation on the same weights -- window layers (Mistral; Gemma 2's
+    alternating with full ones) over the window HF's cache gathers, prompts longer than it."""
     from transformers import GenerationConfig
 
     theirs, ours = _models(name)
