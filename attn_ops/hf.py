@@ -22,10 +22,11 @@ Where the K/V live:
 
 * with :func:`cache` (``generate(..., cache=attn_ops.hf.cache(model, batch, max_tokens))``;
   ``past_key_values=`` before transformers 5.2x), in attn_ops' own paged caches for the
-  cache's lifetime: its ``update`` returns the new tokens only and tells the attention function
-  so (through the call's kwargs), which writes each row's unpadded new tokens after that row's
-  history -- pads never enter a page -- and attends over the pages; nothing is copied again,
-  and the step's plan (the rows' runs, the metadata) is made once for all layers;
+  cache's lifetime: its ``update`` returns the new tokens only, and the attention call that
+  receives that very key tensor knows them for new (a model that changes the keys in between
+  is refused at its next step), writes each row's unpadded new tokens after that row's history
+  -- pads never enter a page -- and attends over the pages; nothing is copied again, and the
+  step's plan (the rows' runs, the metadata) is made once for all layers;
 * with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per
   layer per step);
@@ -51,7 +52,8 @@ __all__ = ["ATTN_NAME", "PAGED_NAME", "Registration", "attention_forward", "cach
 ATTN_NAME = "attn_ops"
 PAGED_NAME = "paged|attn_ops"
 _LAYERS_ATTR = "_attn_ops_layers"
-_OWNED = "attn_ops_cache_layer"  # (the kwarg AttnOpsCache.update adds for the call)
+# (id(key tensor) -> (its weakref, the AttnOpsCache layer that returned it from update))
+_HANDED: dict[int, tuple] = {}
 _CONFIG: dict[str, AttentionConfig | None] = {"config": None}
 
 
@@ -204,7 +206,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if s_aux is not None:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())
-    owned = kwargs.get(_OWNED)
+    owned = _take_handover(key)
     if owned is not None:  # (key / value: the new tokens; the history is in owned's pages)
         return owned.attend(module, layer, query, key, value, attention_mask), None
     rows = _requests(attention_mask, b, sq, skv, module)
@@ -401,14 +403,14 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
     rotate = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave \
         else hf.apply_rotary_pos_emb
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    if getattr(cache, "attn_ops_owned", False):
+        raise ValueError(f"attn_ops.hf.patch ({_where(self)}) runs over HF's own caches: "
+                         "pass none of attn_ops.hf.cache's to a patched model")
     if cache is not None:  # (HF's cache keeps the latents; the history comes back with them)
         kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
     layer = self.__dict__["_attn_ops_mla"]
     q = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, S, nope + rope]
     skv = kv_nope.shape[2]
-    if _OWNED in kwargs:
-        raise ValueError(f"attn_ops.hf.patch ({_where(self)}) runs over HF's own caches: "
-                         "pass none of attn_ops.hf.cache's to a patched model")
     rows = _requests(attention_mask, b, s, skv, self)
     live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
     out = q.new_zeros(b, s, self.num_heads, self.v_head_dim)
@@ -455,6 +457,25 @@ def describe(model) -> str:
             lines.append(f"{name}: {spec.describe()} -> {sel.backend}"
                          + (f" (not: {rejected})" if rejected else ""))
     return "\n".join(lines)
+
+
+def _hand_over(key: torch.Tensor, layer) -> None:
+    """``layer`` (of an :func:`cache`) returned ``key`` from its ``update``: the attention call
+    that receives this very tensor reads the history from the layer's pages."""
+    import weakref
+
+    for k in [k for k, (ref, _) in _HANDED.items() if ref() is None]:
+        del _HANDED[k]
+    _HANDED[id(key)] = (weakref.ref(key), layer)
+
+
+def _take_handover(key: torch.Tensor):
+    """The :func:`cache` layer that handed ``key`` over (None: HF's own cache or none)."""
+    got = _HANDED.get(id(key))
+    if got is None or got[0]() is not key:
+        return None
+    del _HANDED[id(key)]
+    return got[1]
 
 
 def _cache_classes():
@@ -534,11 +555,12 @@ def _layer_class():
         is_sliding = False
         is_compileable = False
 
-        def __init__(self, steps: _Steps, **kwargs):
+        def __init__(self, steps: _Steps, index: int, **kwargs):
             super().__init__()
-            self.steps = steps
+            self.steps, self.index = steps, index
             self.length = 0
             self.kv = None
+            self.pending = False  # (new tokens returned by update, not yet attended)
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.is_initialized = True
@@ -550,7 +572,14 @@ def _layer_class():
                 raise ValueError(f"attn_ops cache: batch {key_states.shape[0]}, the cache was "
                                  f"made for {self.steps.batch} rows (attn_ops.hf.cache(model, "
                                  f"batch={key_states.shape[0]}, ...))")
+            if self.pending:
+                raise ValueError(
+                    f"attn_ops cache (layer {self.index}): the keys its last update returned "
+                    "never reached the attention function -- the model changes them in "
+                    "between, which attn_ops.hf.cache cannot follow; use HF's own cache")
             self.length += key_states.shape[2]
+            self.pending = True
+            _hand_over(key_states, self)
             return key_states, value_states
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -575,6 +604,7 @@ def _layer_class():
             if key.shape[2] != sq:
                 raise ValueError(f"attn_ops cache ({_where(module)}): {key.shape[2]} new keys "
                                  f"for {sq} queries")
+            self.pending = False
             plan = self.steps.plan(self.length, layer.block_size, mask, sq, module,
                                    query.device)
             if self.kv is None:  # (the selected backend's layout)
@@ -596,33 +626,22 @@ def _layer_class():
 
 
 def cache_supported(model) -> str | None:
-    """Why :func:`cache` cannot serve ``model`` with this transformers (None: it can): its
-    attention modules must hand the call's kwargs to ``Cache.update`` (5.2x's do)."""
-    import inspect
-
+    """Why :func:`cache` cannot serve ``model`` (None: it can): it holds attention layers
+    only."""
     kinds = set(getattr(model.config, "layer_types", None) or ())
     if kinds - {"full_attention", "sliding_attention"}:
         return (f"its layers include {sorted(kinds - {'full_attention', 'sliding_attention'})}"
                 ": attn_ops.hf.cache holds attention layers only (use HF's cache for a hybrid "
                 "model)")
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-            source = inspect.getsource(type(module).forward)
-            if "kwargs=kwargs" not in source:
-                import transformers
-
-                return (f"transformers {transformers.__version__}'s {type(module).__name__} "
-                        "passes no attention kwargs to Cache.update")
-            return None
-    return "no attention module found"
+    return None
 
 
 def cache(model, batch: int, max_tokens: int):
     """A transformers ``Cache`` keeping every attention layer's K/V of ``model`` in attn_ops
     pages (module docstring): ``batch`` rows of at most ``max_tokens`` unpadded tokens each
     (prompt and generated). Pass it as ``past_key_values`` to ``generate`` (or a forward) of a
-    model using ``attn_implementation="attn_ops"``; a transformers whose modules do not hand
-    ``Cache.update`` the call's kwargs is refused (:func:`cache_supported`)."""
+    model using ``attn_implementation="attn_ops"``; hybrid models are refused
+    (:func:`cache_supported`)."""
     why = cache_supported(model)
     if why is not None:
         raise ValueError(f"attn_ops.hf.cache: {why}; use HF's own cache (each call then copies "
@@ -637,18 +656,10 @@ def _owned_cache(num_layers: int, batch: int, max_tokens: int):
     layer_cls = _layer_class()
 
     class AttnOpsCache(base):
+        attn_ops_owned = True
+
         def __init__(self):
             self.steps = _Steps(batch, max_tokens)
-            super().__init__(layers=[layer_cls(self.steps) for _ in range(num_layers)])
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            call = kwargs.get("kwargs")
-            if call is None:
-                raise ValueError("attn_ops cache: this transformers passes no attention kwargs "
-                                 "to Cache.update, so the attention function cannot find the "
-                                 "history; use HF's DynamicCache with attn_ops")
-            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            call[_OWNED] = self.layers[layer_idx]
-            return out
+            super().__init__(layers=[layer_cls(self.steps, i) for i in range(num_layers)])
 
     return AttnOpsCache()

@@ -180,7 +180,7 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
 
     theirs, ours = _models(name)
     if hf.cache_supported(ours) is not None:  # (then it refuses, saying why)
-        with pytest.raises(ValueError, match="passes no attention kwargs|attention layers only"):
+        with pytest.raises(ValueError, match="attention layers only"):
             hf.cache(ours, batch=3, max_tokens=32)
         pytest.skip(hf.cache_supported(ours))
     owned = hf.cache(ours, batch=3, max_tokens=32)
@@ -196,6 +196,23 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
     page = next(iter(owned.steps.by_page))
     assert owned.steps.tokens(page) == [int(m.sum()) + 5 for m in mask]
     assert len(owned.steps.by_page) == 1
+
+
+def test_attn_ops_cache_refuses_a_model_that_changes_the_keys_it_returned():
+    """The attention call reads the history from the pages only when it receives the very key
+    tensor the cache's ``update`` returned; keys changed in between leave the layer's pages
+    without those tokens, and its next update refuses rather than serve a step without them."""
+    from attn_ops import hf
+
+    _, ours = _models("llama")
+    module = ours.model.layers[0].self_attn
+    owned = hf.cache(ours, batch=1, max_tokens=16)
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    new_k, new_v = owned.update(k, k.clone(), 0)
+    with torch.no_grad():
+        hf.attention_forward(module, q, new_k * 1.0, new_v, None)  # (another tensor)
+    with pytest.raises(ValueError, match=r"layer 0.*never reached the attention function"):
+        owned.update(k[:, :, :1], k[:, :, :1], 0)
 
 
 def _paged_served() -> str | None:
