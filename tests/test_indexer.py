@@ -230,17 +230,24 @@ _SPLIT = (dict(block_n=16, chunk=32, select_span=32, select_block=16), True)
 _UNFUSED = (dict(block_n=16, chunk=32), False)
 
 
+_CACHES = [("fp32", *_ONE), ("fp8_token", *_ONE), ("fp8_token_half", *_ONE),
+           ("fp8_block", *_ONE), ("fp32", *_SPLIT), ("fp8_block", *_SPLIT),
+           ("fp8_token", *_UNFUSED), ("fp8_token_fp8_query", *_SPLIT)]
+_CACHE_IDS = ["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-select",
+              "fp8_block-one-select", "fp32-split-select", "fp8_block-split-select",
+              "fp8_token-select-histograms-all", "fp8_token-fp8-query-split-select"]
+# (the product's orientation and the select's counting are independent of the key format:
+# every format with the heads as rows and block histograms, three with the other pair)
+_TOPK_CASES = [pytest.param(*c, False, 4, id=f"{i}-heads-rows-histograms")
+               for c, i in zip(_CACHES, _CACHE_IDS)] + \
+    [pytest.param(*c, True, 0, id=f"{i}-keys-rows-atomics")
+     for c, i in zip(_CACHES, _CACHE_IDS) if i in ("fp32-one-select", "fp8_block-split-select",
+                                                  "fp8_token-fp8-query-split-select")]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("cache,launch,fused", [
-    ("fp32", *_ONE), ("fp8_token", *_ONE), ("fp8_token_half", *_ONE), ("fp8_block", *_ONE),
-    ("fp32", *_SPLIT), ("fp8_block", *_SPLIT), ("fp8_token", *_UNFUSED),
-    ("fp8_token_fp8_query", *_SPLIT)],
-    ids=["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-select",
-         "fp8_block-one-select", "fp32-split-select", "fp8_block-split-select",
-         "fp8_token-select-histograms-all", "fp8_token-fp8-query-split-select"])
-@pytest.mark.parametrize("keys_as_rows,atomic_from", [(False, 4), (True, 0)],
-                         ids=["heads-rows-histograms", "keys-rows-atomics"])
+@pytest.mark.parametrize("cache,launch,fused,keys_as_rows,atomic_from", _TOPK_CASES)
 def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_as_rows,
                                                      atomic_from, poisoned_buffers):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
