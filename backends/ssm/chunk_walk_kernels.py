@@ -64,10 +64,9 @@ def mamba1_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
     """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: the channels'
-    ``[BLOCK_D, d_state]`` state over the request's tokens, ``CHUNK`` at a time. Every tensor
-    of the loop is 3-D ``[chunk, channels, d_state]`` or a broadcast of it, so no value
-    changes layout inside the loop; ``PREFETCH``: the next chunk's inputs are read before this
-    chunk's scan (the loop is otherwise bound by their latency)."""
+    ``[BLOCK_D, d_state]`` state over the request's tokens, ``CHUNK`` at a time, carried
+    between chunks in the scan's 3-D layout; ``PREFETCH``: the next chunk's inputs are read
+    before this chunk's scan (the loop is otherwise bound by their latency)."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
