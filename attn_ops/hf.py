@@ -183,6 +183,12 @@ def _scratch_step(page: int, totals: list[int], lens: list[int], device):
     return order, alloc, blocks, meta
 
 
+def _slots(alloc, order, counts: list[int], device) -> torch.Tensor:
+    """The slots of request ``i``'s first ``counts[i]`` tokens, requests in ``order``."""
+    return torch.tensor([s for i in order for s in alloc.slots(i, 0, counts[i])],
+                        dtype=torch.long, device=device)
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, s_aux=None, is_causal=None,
                       **kwargs):
@@ -232,13 +238,13 @@ def _attend_requests(layer, queries: list, keys: list, values: list) -> list:
     if not queries:
         return []
     device = queries[0].device
-    order, alloc, blocks, meta = _scratch_step(layer.block_size, [k.shape[0] for k in keys],
+    totals = [k.shape[0] for k in keys]
+    order, alloc, blocks, meta = _scratch_step(layer.block_size, totals,
                                                [q.shape[0] for q in queries], device)
     cache = layer.allocate_kv_cache(blocks, device)
-    slots = torch.cat([torch.tensor(alloc.slots(i, 0, keys[i].shape[0])) for i in order])
     kv_cache_update(torch.cat([keys[i] for i in order]).contiguous(),
                     torch.cat([values[i] for i in order]).contiguous(), cache,
-                    slots.to(device), layer.k_scale, layer.v_scale)
+                    _slots(alloc, order, totals, device), layer.k_scale, layer.v_scale)
     got = layer(torch.cat([queries[i] for i in order]).contiguous(), None, None, cache, meta)
     out, at = [None] * len(queries), 0
     for i in order:
@@ -267,8 +273,7 @@ class _PagedStep:
 
         self.query_rows = rows(cu_q, lens)
         self.key_rows = rows(cu_k, totals)
-        self.slots = torch.tensor([s for j in order for s in alloc.slots(j, 0, totals[j])],
-                                  device=device)
+        self.slots = _slots(alloc, order, totals, device)
         self._scratch: dict = {}
 
     def scratch(self, layer, device) -> torch.Tensor:
@@ -421,13 +426,12 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
             [rows[r][2] - rows[r][1] for r in live], q.device)
         order = [live[i] for i in steps]
         latents = layer.allocate_cache(blocks, q.device)
-        ctx = [(kv_nope[r, 0, rows[r][0]:rows[r][1]], k_rot[r, 0, rows[r][0]:rows[r][1]],
-                torch.tensor(alloc.slots(i, 0, rows[r][1] - rows[r][0]), dtype=torch.long))
-               for i, r in zip(steps, order)]
-        if any(c[0].shape[0] for c in ctx):  # (the history, then the step writes its tokens)
-            mla_cache_update(torch.cat([c[0] for c in ctx]).contiguous(),
-                             torch.cat([c[1] for c in ctx]).contiguous(), latents,
-                             torch.cat([c[2] for c in ctx]).to(q.device), layer.kv_scale)
+        history = [rows[r][1] - rows[r][0] for r in live]
+        if any(history):  # (the history, then the step writes its tokens)
+            mla_cache_update(
+                torch.cat([kv_nope[r, 0, rows[r][0]:rows[r][1]] for r in order]).contiguous(),
+                torch.cat([k_rot[r, 0, rows[r][0]:rows[r][1]] for r in order]).contiguous(),
+                latents, _slots(alloc, steps, history, q.device), layer.kv_scale)
         new = lambda t: torch.cat([t[r, :, rows[r][1] + shift:rows[r][2] + shift].transpose(  # noqa
             0, 1) for r in order]).contiguous()
         got = layer(new(q), torch.cat([kv_nope[r, 0, rows[r][1]:rows[r][2]] for r in order]),
