@@ -10,8 +10,8 @@ and strides specialized as divisible by 16 (as Triton's JIT specializes them at 
 over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
-        mamba1_recurrent lightning_recurrent gdn_recurrent turboquant_attention
-        turboquant_write] [--arch 90] [--out PATH]
+        lightning_state lightning_output mamba1_recurrent lightning_recurrent gdn_recurrent
+        turboquant_attention turboquant_write] [--arch 90] [--out PATH]
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ WRITE_TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr
                "inv_sqrt_d": "fp32"}
 
 
+# lightning attention's split prefill: its start-state buffer (bf16 for bf16 inputs) and chunk
+# table
+SPLIT_TYPES = {"h_ptr": "*bf16", "coff_ptr": "*i32", "start_ptr": "*i32", "end_ptr": "*i32"}
+
+
 def _turboquant_write():
     """(kernel, points) of TurboQuant's cache write: head dim 128, RoPE, 4- and 3-bit presets
     (and k8v4), tokens a program x warps."""
@@ -79,6 +84,7 @@ def _turboquant_write():
 def configs() -> dict[str, tuple]:
     """kernel name -> (the kernel, [(label, constexprs, warps), ...])."""
     from attn_ops.backends.ssm import chunk_walk_kernels as cw
+    from attn_ops.backends.ssm import chunked_kernels as ck
     from attn_ops.backends.ssm import triton_kernels as tk
 
     m1 = dict(D_INNER=5120, N=16, BLOCK_N=16, HAS_Z=True, SOFTPLUS=True)
@@ -90,6 +96,12 @@ def configs() -> dict[str, tuple]:
         "lightning_chunked": (cw.lightning_chunked_kernel, [
             (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (32, 64, 128), (4, 8))]),
+        "lightning_state": (ck.lightning_state_kernel, [
+            (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
+            for c, v, w in itertools.product((64,), (32, 64, 128), (4, 8))]),
+        "lightning_output": (ck.lightning_output_kernel, [
+            (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
+            for c, v, w in itertools.product((32, 64), (64, 128), (4, 8))]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
             (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=True), w)
             for d, w in itertools.product((32, 64, 128), (4, 8))]),
@@ -148,7 +160,8 @@ def resources(fn, constexprs: dict, warps: int, arch: int, types: dict | None = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+",
-                        default=["mamba1_chunked", "lightning_chunked", "mamba1_recurrent",
+                        default=["mamba1_chunked", "lightning_chunked", "lightning_state",
+                                 "lightning_output", "mamba1_recurrent",
                                  "lightning_recurrent", "gdn_recurrent", "turboquant_attention",
                                  "turboquant_write"])
     parser.add_argument("--arch", type=int, default=90)
@@ -163,7 +176,9 @@ def main() -> None:
             try:
                 row = resources(fn, constexprs, warps, args.arch,
                                 {"turboquant_attention": TQ_TYPES,
-                                 "turboquant_write": WRITE_TYPES}.get(name))
+                                 "turboquant_write": WRITE_TYPES,
+                                 "lightning_state": SPLIT_TYPES,
+                                 "lightning_output": SPLIT_TYPES}.get(name))
             except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
                 row = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append({"kernel": name, "config": label, "warps": warps, **row})

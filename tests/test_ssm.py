@@ -1300,16 +1300,19 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
     ("mamba1", 16, 16, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
-    ("lightning", 16, 32, torch.float16)])
-def test_one_launch_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
-                                                        poisoned_buffers):
-    """Mamba1's and lightning attention's one-launch chunked kernels against the reference:
+    ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
+    ("lightning_split", 32, 16, torch.float32), ("lightning_split", 16, 32, torch.float16)])
+def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
+                                                     poisoned_buffers):
+    """Mamba1's and lightning attention's chunked kernels that walk the chunks in one launch
+    (and lightning's split into a state hand-off and the chunks' outputs) against the reference:
     requests over several chunks with partial last ones, initial states or none, a request
     without new tokens, padding rows, a slot outside the state tensor (absent: zeros read,
     nothing written), buffers NaN-poisoned; blocks splitting the channels / value columns
     (the last block partial); fp32 (exact products) and fp16 inputs (tensor-core products for
     lightning; bf16 at real sizes on the GPU)."""
     from attn_ops.backends.ssm import chunk_walk_kernels as cw
+    from attn_ops.backends.ssm import chunked_kernels as ck
     from attn_ops.backends.ssm.lightning import lightning_reference
     from attn_ops.backends.ssm.mamba1 import mamba1_reference
 
@@ -1343,8 +1346,12 @@ def test_one_launch_chunked_kernels_match_the_reference(kind, chunk, block, dtyp
         want, want_states, where = lightning_reference(*args, state.clone(), *step,
                                                        meta.max_query_len)
         got_states = state.clone()
-        got = cw.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
-                                          block_v=block)
+        if kind == "lightning":
+            got = cw.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
+                                              block_v=block)
+        else:  # (the hand-off and the outputs over different blocks of value columns)
+            got = ck.lightning_split_triton(*args, got_states, *step, chunk=chunk,
+                                            state_block_v=block, output_block_v=2 * block)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     mine = (where >= 0) & (where < 7)  # (slot 99: absent)
@@ -1357,7 +1364,8 @@ def test_one_launch_chunked_kernels_match_the_reference(kind, chunk, block, dtyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning",
+                                  "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
@@ -1393,12 +1401,17 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
         state = torch.randn(len(lens) + 1, d, n, generator=g, device=dev) * 0.05
         tail = (meta.max_query_len, True)
         op = mamba1_scan
-    elif kind == "lightning":
+    elif kind.startswith("lightning"):
         h, d = 64, 128
         args = (rand(t, h, d, scale=0.3), rand(t, h, d, scale=0.3), rand(t, h, d),
                 torch.rand(h, generator=g, device=dev))
         state = torch.randn(len(lens) + 1, h, d, d, generator=g, device=dev) * 0.05
         tail = (meta.max_query_len,)
+        if kind == "lightning_split":  # (the prefill's split kernels, through the op)
+            from attn_ops.backends.ssm.common import SSM_PLAN
+            from attn_ops.tuning.ssm import SSMTuning
+
+            tail += (SSM_PLAN.encode(SSMTuning(lightning_split=True)),)
         op = lightning_attention
     else:
         h, p, n = 80, 64, 128

@@ -63,6 +63,17 @@ class SSMTuning:
     lightning_chunk: int = 64
     lightning_chunk_block_v: int = 32
     lightning_chunk_warps: int = 8
+    # Lightning attention's prefill split as GDN's is (``lightning_split``): a state hand-off
+    # walking the chunks with one k^T v product each, then every chunk's outputs in parallel
+    # -- the walk's single launch holds the chunk's four products beside the state, one
+    # program an SM. Value columns a program and warps of the two launches. Not timed yet;
+    # sm_90 builds (head dim 128, chunk 64): hand-off 64 columns 104 registers a thread on 8
+    # warps (221 on 4), outputs 64 columns 78 on 4 warps (128 columns 121).
+    lightning_split: bool = False
+    lightning_state_block_v: int = 64
+    lightning_output_block_v: int = 64
+    lightning_state_warps: int = 8
+    lightning_output_warps: int = 4
     # A decode kernel's state read evict-first and its write a streaming store (.cs): a
     # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
     # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68
@@ -115,7 +126,9 @@ class SSMTuning:
                           ("mamba1_block_d", 1), ("mamba1_chunk", 1),
                           ("mamba1_chunk_block_d", 1), ("mamba1_chunk_warps", 1),
                           ("lightning_block_v", 1), ("lightning_chunk", 16),
-                          ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1)):
+                          ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1),
+                          ("lightning_state_block_v", 16), ("lightning_output_block_v", 16),
+                          ("lightning_state_warps", 1), ("lightning_output_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"

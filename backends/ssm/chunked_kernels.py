@@ -8,7 +8,8 @@ sequential:
    ``C B^T``);
 2. per request, head and block of state columns, chunk after chunk: the state at every chunk
    start (into a ``[chunks, ...]`` buffer) and the final state into the request's slot -- GDN
-   a pair of small products per chunk, Mamba2 an elementwise update;
+   a pair of small products per chunk, lightning attention one, Mamba2 an elementwise update
+   (lightning attention has nothing of step 1: its chunk is its tokens);
 3. per chunk, in parallel: the outputs from the chunk's start state and its tokens.
 
 Products run on the tensor cores in the inputs' dtype with fp32 accumulation; fp32 inputs
@@ -32,7 +33,8 @@ import triton.language as tl
 from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
                                                   request_span, state_block)
 
-__all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "ssd_chunked_triton"]
+__all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "lightning_split_triton",
+           "ssd_chunked_triton"]
 
 
 def chunk_table(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
@@ -414,6 +416,127 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         q, kn, g, u, h, out, starts, ends, scale, kn.stride(0), kn.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
         BLOCK_V=out_bv, L2NORM=qk_l2norm, num_warps=warps[2], **common)
+    return out
+
+
+# --- Lightning attention -------------------------------------------------------------------
+
+@triton.jit
+def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl_ptr, coff_ptr,
+                           slot_ptr, init_ptr, stride_idx, stride_kt, stride_kh, stride_vt,
+                           stride_vh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
+                           stride_ot, stride_oh, num_tokens, num_slots, H: tl.constexpr,
+                           DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
+    """Per request, head and block of value columns, chunk after chunk: the state at the
+    chunk's start into ``h``, then ``S = a^n S + k^T (a^(n-1-j) v)`` (``a = e^-slope``, ``n``
+    the chunk's tokens) -- one product a chunk; the final state into the slot, and the last
+    request's programs zero the output rows past its end."""
+    r, hh, vb = _split_pid(H, DV, BLOCK_V)
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    start, end, s, _, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots,
+        hh * stride_sh, offs_k, offs_v, k_ok, v_ok, stride_sk, num_tokens, "")
+    slope = tl.load(slope_ptr + hh).to(tl.float32)
+    pos = offs_c.to(tl.float32)
+    h_offs = hh * stride_hh + offs_k[:, None] * DV + offs_v[None, :]
+    c = tl.load(coff_ptr + r).to(tl.int64)
+    for c0 in range(start, end, CHUNK):
+        tl.store(h_ptr + c * stride_hc + h_offs, s.to(h_ptr.dtype.element_ty), mask=s_mask)
+        rows = c0 + offs_c
+        ok = rows < end
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + hh * stride_kh + offs_k[None, :],
+                    mask=ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + hh * stride_vh + offs_v[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        n = tl.minimum(end - c0, CHUNK).to(tl.float32)
+        to_end = tl.where(ok, tl.exp(-slope * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
+        s = s * tl.exp(-slope * n) + _dot(tl.trans(k), v.to(tl.float32) * to_end[:, None],
+                                          k_ptr, IEEE)
+        c += 1
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
+    _zero_padding_rows(o_ptr, _last_outer(H, DV, BLOCK_V), end, num_tokens, stride_ot,
+                       hh * stride_oh + offs_v, v_ok)
+
+
+@triton.jit
+def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_ptr, end_ptr,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_hc, stride_hh, stride_ot, stride_oh, H: tl.constexpr,
+                            DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
+    """Per chunk, head and block of value columns: ``o_i = a^(i+1) q_i S + sum_(j <= i)
+    a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S``."""
+    c, hh, vb = _split_pid(H, DV, BLOCK_V)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        offs_c = tl.arange(0, CHUNK)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        k_ok = offs_k < DK
+        v_ok = offs_v < DV
+        rows = start + offs_c
+        ok = rows < end
+        kmask = ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + hh * stride_qh + offs_k[None, :],
+                    mask=kmask, other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + hh * stride_kh + offs_k[None, :],
+                    mask=kmask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + hh * stride_vh + offs_v[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hh * stride_hh
+                    + offs_k[:, None] * DV + offs_v[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        slope = tl.load(slope_ptr + hh).to(tl.float32)
+        pos = offs_c.to(tl.float32)
+        gap = pos[:, None] - pos[None, :]
+        scores = _dot(q, tl.trans(k), q_ptr, IEEE)
+        scores = tl.where(gap >= 0, scores * tl.exp(-slope * tl.maximum(gap, 0.0)), 0.0)
+        o = (_dot(scores, v, q_ptr, IEEE)
+             + _dot(q, s, q_ptr, IEEE) * tl.exp(-slope * (pos + 1.0))[:, None])
+        tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+
+
+def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices,
+                           has_initial_state, chunk: int = 64, state_block_v: int = 64,
+                           output_block_v: int = 64,
+                           warps: tuple[int, int] = (4, 4)) -> torch.Tensor:
+    """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16)
+    tokens, one slot a request: the state hand-off over blocks of ``state_block_v`` value
+    columns (the chunks' start states into a ``[chunks, H, D, Dv]`` buffer in the inputs'
+    dtype), then the outputs of every chunk in parallel over blocks of ``output_block_v``;
+    ``warps``: of the two launches (inputs already checked)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    t, heads, dk = q.shape
+    dv = v.shape[2]
+    b = query_start_loc.shape[0] - 1
+    if b == 0 or t == 0:
+        return torch.zeros_like(v)
+    out = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
+    m = starts.shape[0]
+    wdt = _work_dtype(q)
+    block_k, block_v = max(triton.next_power_of_2(dk), 16), max(triton.next_power_of_2(dv), 16)
+    h = torch.empty(m, heads, dk, dv, dtype=wdt, device=q.device)
+    common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, IEEE=wdt == torch.float32)
+    state_bv = min(block_v, max(state_block_v, 16))
+    lightning_state_kernel[(b * heads * triton.cdiv(dv, state_bv),)](
+        k, v, slope, h, state, out, query_start_loc, offsets, state_indices, has_initial_state,
+        state_indices.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        h.stride(0), h.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        out.stride(0), out.stride(1), t, state.shape[0], BLOCK_V=state_bv, num_warps=warps[0],
+        **common)
+    out_bv = min(block_v, max(output_block_v, 16))
+    lightning_output_kernel[(m * heads * triton.cdiv(dv, out_bv),)](
+        q, k, v, slope, h, out, starts, ends, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), h.stride(0), h.stride(1), out.stride(0),
+        out.stride(1), BLOCK_V=out_bv, num_warps=warps[1], **common)
     return out
 
 
