@@ -44,6 +44,15 @@ class AttentionBackend:
         return KVCacheLayout.for_spec(spec)
 
     @classmethod
+    def reads_kv_planes(cls, spec: AttentionSpec) -> bool:
+        """Whether the op also reads an NHD cache held as two planes -- a
+        ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor seen as ``planes.
+        transpose(0, 1)``, K and V each one contiguous block of pages (the layout HF's paged
+        cache keeps, a tensor a plane) -- as it reads the interleaved one: true for backends that
+        take K and V as the cache's halves, whatever their strides."""
+        return cls.kv_cache_layout(spec) is KVCacheLayout.NHD
+
+    @classmethod
     def preferred_block_size(cls, spec: AttentionSpec) -> int:
         return spec.block_size or cls.capabilities.preferred_block_size
 

@@ -31,9 +31,11 @@ Where the K/V live:
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per
   layer per step);
 * under continuous batching (``"paged|attn_ops"``, where transformers accepts the name), in
-  HF's ``PagedAttentionCache``: :func:`paged_attention_forward` lets it write and gather, and
-  runs the step's requests over a copy of their gathered histories, the step planned once for
-  all layers.
+  HF's ``PagedAttentionCache``: its first call makes HF's per-layer K / V tensors the planes
+  of attn_ops caches, and full-attention layers write and read HF's pages in place, the block
+  tables read from HF's read index once a step; window layers (HF keeps their windows in rings
+  of pages) let the cache write and gather and run over a copy of the gathered windows
+  (:func:`paged_attention_forward`).
 """
 
 from __future__ import annotations
@@ -283,11 +285,11 @@ class _PagedStep:
         return self._scratch[key]
 
 
-def _paged_step(cache, cu_q, cu_k, group: str, page: int, device) -> _PagedStep | None:
-    """The step's :class:`_PagedStep` for a layer ``group`` of HF's cache (None: no request
-    has new tokens), made by the group's first layer of the step: the layers of a step get the
-    same offset tensors, unmodified (their version counters say so), so the host reads them
-    once a step, not once a layer."""
+def _step_memo(cache, cu_q, cu_k, group: str) -> tuple[list[int], list[int], dict]:
+    """``(cu_seq_lens_q, cu_seq_lens_k, plans)`` of the step for a layer ``group`` of HF's
+    cache, read on the host by the group's first layer of the step: the layers of a step get
+    the same offset tensors, unmodified (their version counters say so), so the host reads
+    them once a step, not once a layer; ``plans``: the step's plans, made once each."""
     import weakref
 
     if isinstance(cu_k, dict):
@@ -300,24 +302,156 @@ def _paged_step(cache, cu_q, cu_k, group: str, page: int, device) -> _PagedStep 
         memo = cache.__dict__["_attn_ops_steps"][group] = (
             weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version),
             cu_q.tolist(), cu_k.tolist(), {})
-    q_list, k_list, plans = memo[3], memo[4], memo[5]
+    return memo[3], memo[4], memo[5]
+
+
+def _paged_step(cache, cu_q, cu_k, group: str, page: int, device) -> _PagedStep | None:
+    """The step's :class:`_PagedStep` for a layer ``group`` of HF's cache (None: no request
+    has new tokens)."""
+    q_list, k_list, plans = _step_memo(cache, cu_q, cu_k, group)
     if page not in plans:
         live = any(q_list[i + 1] > q_list[i] for i in range(len(q_list) - 1))
         plans[page] = _PagedStep(q_list, k_list, page, device) if live else None
     return plans[page]
 
 
+class _InPlaceStep:
+    """One continuous-batching step's plan over HF's own pages (a full-attention group of a
+    cache :func:`_hf_planes` took over), made once for all its layers: each request with new
+    tokens in decode-first order, its block table read from HF's read index -- the cache row of
+    its first token of every page, over the page size: HF lays a request's positions page by
+    page, position ``p`` at row ``table[p // page] * page + p % page`` -- and the rows of HF's
+    packed queries and new keys in that order. A step with no history to read has an empty
+    read index; its requests' pages are then those their new tokens are written to."""
+
+    def __init__(self, cu_q: list[int], cu_k: list[int], read_index, write_index, page: int,
+                 num_blocks: int, device) -> None:
+        from attn_ops.metadata import build_common_metadata
+        from attn_ops.ops import debug_checks_enabled
+
+        live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+        lens = [cu_q[i + 1] - cu_q[i] for i in live]
+        totals = [cu_k[i + 1] - cu_k[i] for i in live]
+        index, starts = read_index, cu_k
+        if read_index.numel() == 0:
+            if totals != lens:
+                raise ValueError(f"paged|attn_ops: HF's step has no read index but requests "
+                                 f"with history (key lengths {totals}, new tokens {lens})")
+            index, starts = write_index, cu_q
+        order = _decodes_first(range(len(live)), lens)
+        pages = [-(-totals[j] // page) for j in order]
+        firsts = torch.tensor([starts[live[j]] + p * page for j, n in zip(order, pages)
+                               for p in range(n)], dtype=torch.long, device=index.device)
+        blocks = (index.index_select(0, firsts) // page).tolist()
+        tables, at = [], 0
+        for n in pages:
+            tables.append(blocks[at:at + n])
+            at += n
+        if debug_checks_enabled():  # (every row of the index where the tables say it is)
+            for j, table in zip(order, tables):
+                pos = torch.arange(totals[j])
+                want = torch.tensor(table)[pos // page] * page + pos % page
+                got = index[starts[live[j]]:starts[live[j]] + totals[j]].cpu()
+                if not torch.equal(got, want.to(got.dtype)):
+                    raise ValueError(f"paged|attn_ops: request {live[j]}'s rows in HF's cache "
+                                     "are not laid page by page; this transformers' paged "
+                                     "cache is not one attn_ops reads in place")
+        self.metadata = build_common_metadata([lens[j] for j in order],
+                                              [totals[j] for j in order], tables, page,
+                                              num_blocks, device=device)
+        self.query_rows = torch.cat([torch.arange(cu_q[live[j]], cu_q[live[j]] + lens[j])
+                                     for j in order]).to(device)
+
+
+def _hf_planes(cache) -> list | None:
+    """The planes ``[2, blocks, page, Hkv, D]`` (K, V) of each of HF's layer tensors, which
+    the cache's first attention call made HF's own (None: it could not; :func:`_take_over`)."""
+    state = cache.__dict__.get("_attn_ops_planes")
+    if state is None:
+        state = cache.__dict__["_attn_ops_planes"] = _take_over(cache)
+    return state or None
+
+
+def _take_over(cache) -> list | bool:
+    """Replace each of HF's per-layer K / V tensors ``[(blocks + 2) * page, Hkv, D]`` by the
+    two planes of one tensor of ours, freeing each pair before allocating its replacement (no
+    more memory at any point). HF reads and writes the planes through its lists as before; an
+    attn_ops backend reads them in place (:func:`~attn_ops.kv_cache.kv_cache_planes`). Only
+    ``"paged|attn_ops"`` writes the cache, and its first call comes before any write, so
+    nothing is copied (the zeroed planes hold HF's zeroed read-trash page). A tensor held
+    beyond HF's lists (a view HF's CPU offloading keeps) is put back and nothing more is taken
+    over (False): writes into a replaced tensor would never reach that holder."""
+    import weakref
+
+    keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+    page = getattr(cache, "block_size", None)
+    if not keys or not isinstance(page, int) or values is None or len(values) != len(keys):
+        return False
+    rows, heads, dim = keys[0].shape if keys[0].dim() == 3 else (0, 0, 0)
+    dtype, device = keys[0].dtype, keys[0].device
+    if not rows or rows % page or any(t.shape != (rows, heads, dim) or t.dtype != dtype
+                                      or t.device != device for t in (*keys, *values)):
+        return False
+    planes = []
+    for j in range(len(keys)):
+        held = weakref.ref(keys[j]), weakref.ref(values[j])
+        keys[j] = values[j] = None
+        if held[0]() is not None or held[1]() is not None:
+            keys[j], values[j] = (ref() if ref() is not None else
+                                  torch.zeros(rows, heads, dim, dtype=dtype, device=device)
+                                  for ref in held)
+            return False
+        both = torch.zeros(2, rows // page, page, heads, dim, dtype=dtype, device=device)
+        keys[j], values[j] = both[0].view(rows, heads, dim), both[1].view(rows, heads, dim)
+        for t in (keys[j], values[j]):
+            torch._dynamo.mark_static_address(t)
+        planes.append(both)
+    return planes
+
+
+def _reads_in_place(cache, layer, sliding_window, layer_idx) -> str | None:
+    """Why ``layer`` does not read HF's paged cache in place (None: it does)."""
+    from attn_ops.platforms import current_platform
+
+    groups = getattr(cache, "layer_index_to_group_indices", None)
+    # (taken over at the cache's first call, whatever its layer: the layers of every group
+    # share HF's tensors, and a window layer's writes must land in the planes too)
+    planes = _hf_planes(cache) if groups is not None else None
+    if sliding_window:
+        return ("a sliding-window layer: HF keeps its window in a ring of pages it gathers "
+                "from, copied here into a cache of the step")
+    if planes is None:
+        return ("HF's paged cache could not be taken over (its layout is not one tensor a "
+                "layer and plane, or a tensor of it is held elsewhere, as by CPU offloading): "
+                "each request's history is gathered and copied into a cache of the step")
+    spec, cls = layer.spec, layer.selection.backend_cls
+    both = planes[groups[layer_idx][1]]
+    page = both.shape[2]
+    if not cls.reads_kv_planes(spec) or spec.v_head_dim != spec.head_dim:
+        return f"{cls.name} does not read a cache held as HF's K and V planes"
+    if both.dtype != spec.cache_dtype or tuple(both.shape[3:]) != (spec.kv_heads, spec.head_dim):
+        return (f"HF's cache holds {tuple(both.shape[3:])} {both.dtype}, the layer "
+                f"{(spec.kv_heads, spec.head_dim)} {spec.cache_dtype}")
+    if any(r.code == "block_size" for r in cls.not_supported_reasons(
+            spec.with_(block_size=page), current_platform())):
+        return f"{cls.name} does not take HF's page of {page} tokens"
+    return None
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, sliding_window=None, softcap=None, s_aux=None,
                             **kwargs):
     """``"paged|attn_ops"``: continuous batching over HF's ``PagedAttentionCache`` (the
-    transformers that let the attention function write it, 5.17 and its neighbours): the
-    packed step's new K/V written by the cache's own ``update`` (``write_index``) and each
-    request's history gathered back (``read_index``), delimited by ``cu_seq_lens_q`` /
-    ``cu_seq_lens_k``; the requests then one step of the module's :class:`~attn_ops.Attention`
-    over a copy of their histories, planned once a step (:class:`_PagedStep`). Returns ``[1,
-    T, Hq, Dv]``, padding rows zero."""
-    from attn_ops.kv_cache import kv_cache_update
+    transformers that let the attention function write it, 5.17 and its neighbours). A
+    full-attention layer reads and writes HF's pages in place: the cache's first call takes
+    HF's K / V tensors over as the planes of attn_ops caches (:func:`_take_over`), the step's
+    block tables are read from HF's read index once a step (:class:`_InPlaceStep`), and the
+    module's :class:`~attn_ops.Attention` writes the new tokens where HF's write index would
+    and attends. A sliding-window layer (or a cache or backend that cannot be read in place:
+    :func:`describe` says why) lets the cache's own ``update`` write and gather each request's
+    history and runs over a copy of it (:class:`_PagedStep`). Returns ``[1, T, Hq, Dv]``,
+    padding rows zero."""
+    from attn_ops.kv_cache import kv_cache_planes, kv_cache_update
 
     cache = kwargs.pop("cache", None)
     if cache is None:
@@ -326,20 +460,47 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                          "standard forward")
     if dropout and module.training:
         raise ValueError(f"paged|attn_ops ({_where(module)}): dropout={dropout} in training")
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"paged|attn_ops ({_where(module)}) plans each step on the host and "
+                         "cannot be captured in HF's CUDA graphs; run continuous batching "
+                         "with ContinuousBatchingConfig(use_cuda_graph=False), its default "
+                         "for this implementation")
     spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     layer = _layer(module, spec, query.device)
     if s_aux is not None:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())
+    out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3])
+    group = "sliding_attention" if sliding_window else "full_attention"
+    why = _reads_in_place(cache, layer, sliding_window, module.layer_idx)
+    module.__dict__["_attn_ops_paged"] = why or "reads HF's paged cache in place"
+    if why is None:
+        g, j = cache.layer_index_to_group_indices[module.layer_idx]
+        both = cache.__dict__["_attn_ops_planes"][j]
+        q_list, k_list, plans = _step_memo(cache, kwargs["cu_seq_lens_q"],
+                                           kwargs["cu_seq_lens_k"], group)
+        if "in place" not in plans:
+            live = any(q_list[i + 1] > q_list[i] for i in range(len(q_list) - 1))
+            plans["in place"] = _InPlaceStep(
+                q_list, k_list, kwargs["read_index"][g], kwargs["write_index"][g],
+                both.shape[2], both.shape[1], query.device) if live else None
+        step = plans["in place"]
+        if step is None:
+            return out, None
+        rows = step.query_rows
+        got = layer(query[0].transpose(0, 1).index_select(0, rows),
+                    key[0].transpose(0, 1).index_select(0, rows),
+                    value[0].transpose(0, 1).index_select(0, rows), kv_cache_planes(both),
+                    step.metadata)
+        out[0].index_copy_(0, rows, got.to(out.dtype))
+        return out, None
     keys, values = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                 read_index=kwargs["read_index"],
                                 write_index=kwargs["write_index"])
-    out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3])
     # (a window layer's gathered keys: its last min(past, W - 1) tokens, then the new ones --
     # every key its window reaches, in order, so the request's positions shift, not its
     # distances)
-    step = _paged_step(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
-                       "sliding_attention" if sliding_window else "full_attention",
+    step = _paged_step(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], group,
                        layer.block_size, query.device)
     if step is None:
         return out, None
@@ -446,7 +607,8 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
 
 def describe(model) -> str:
     """Each attention layer of ``model`` that has run through attn_ops: its spec and the
-    backend selected for it, with the candidates' reasons; a layer not run yet says so."""
+    backend selected for it, with the candidates' reasons, and under continuous batching
+    whether it reads HF's paged cache in place (or why not); a layer not run yet says so."""
     lines = []
     for name, module in model.named_modules():
         layers = module.__dict__.get(_LAYERS_ATTR)
@@ -458,8 +620,10 @@ def describe(model) -> str:
             sel = layer.selection
             rejected = "; ".join(f"{c.name}: {c.reasons[0].message}" for c in sel.candidates
                                  if c.reasons)[:300]
+            paged = module.__dict__.get("_attn_ops_paged")
             lines.append(f"{name}: {spec.describe()} -> {sel.backend}"
-                         + (f" (not: {rejected})" if rejected else ""))
+                         + (f" (not: {rejected})" if rejected else "")
+                         + (f"; paged|attn_ops: {paged}" if paged else ""))
     return "\n".join(lines)
 
 

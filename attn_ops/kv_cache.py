@@ -11,6 +11,11 @@ Layouts (chosen per backend, allocated by attn_ops):
   (``backends/turboquant/format.py``).
 
 Slot ``s`` is token ``s % block_size`` of block ``s // block_size``; slot ``-1`` is padding.
+
+An NHD cache may also be held as two planes, ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` seen as ``planes.transpose(0, 1)`` (:func:`kv_cache_planes`): K and V each one
+contiguous block of pages, as HF's paged cache keeps them. The backends whose
+``reads_kv_planes`` is true read it as they read the interleaved one.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from attn_ops.ops import debug_checks_enabled, define_op
 from attn_ops.spec import AttentionSpec
 
 __all__ = [
-    "BlockAllocator", "KVCacheLayout", "allocate_kv_cache", "kv_cache_shape", "split_kv_cache",
-    "kv_cache_update", "FP8_MAX",
+    "BlockAllocator", "KVCacheLayout", "allocate_kv_cache", "kv_cache_planes", "kv_cache_shape",
+    "split_kv_cache", "kv_cache_update", "FP8_MAX",
 ]
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -72,6 +77,16 @@ def allocate_kv_cache(spec: AttentionSpec, num_blocks: int, block_size: int,
     """A zeroed cache for one layer, in ``spec.cache_dtype`` (fp8 for fp8 KV specs)."""
     shape = kv_cache_shape(spec, num_blocks, block_size, layout)
     return torch.zeros(shape, dtype=spec.cache_dtype, device=device)
+
+
+def kv_cache_planes(planes: torch.Tensor) -> torch.Tensor:
+    """The NHD cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` over ``planes``
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K at ``planes[0]``, V at
+    ``planes[1]``): a view, for the backends whose ``reads_kv_planes`` is true."""
+    if planes.dim() != 5 or planes.shape[0] != 2:
+        raise ValueError(f"planes must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(planes.shape)}")
+    return planes.transpose(0, 1)
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_dim: int,

@@ -479,6 +479,12 @@ class FlexAttentionBackend(AttentionBackend):
         return platform.kind is not PlatformKind.CPU
 
     @classmethod
+    def reads_kv_planes(cls, spec) -> bool:
+        """False: the op indexes an NHD cache's pages as one slot space (K of page ``p`` at
+        slots ``p * 2 * block_size + ...``), which the planes do not form."""
+        return False
+
+    @classmethod
     def not_supported_reasons(cls, spec, platform):
         reasons = super().not_supported_reasons(spec, platform)
         if spec.has_sinks and not cls.returns_lse(platform):

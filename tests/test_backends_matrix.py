@@ -230,6 +230,42 @@ def test_a_freed_requests_nan_and_inf_never_reach_the_next_request(backend, spec
     assert_matches_reference(out, case)
 
 
+def _planes_params():
+    for name in BACKENDS:
+        cls = get_backend_class(name)
+        for sid, spec in (("base", _base(cls)), ("window", _base(cls).with_(sliding_window=7))):
+            if cls.reads_kv_planes(spec) and not cls.not_supported_reasons(spec, PLATFORM):
+                for scenario in ("decode_only", "mixed"):
+                    yield pytest.param(name, spec, scenario, id=f"{name}-{sid}-{scenario}")
+
+
+@pytest.mark.parametrize("backend,spec,scenario", list(_planes_params()))
+def test_a_cache_held_as_k_and_v_planes_reads_as_the_interleaved_one(backend, spec, scenario):
+    """Every backend that declares ``reads_kv_planes``: the case's NHD cache copied into K and
+    V planes (``[2, blocks, page, heads, dim]``, HF's paged cache layout) gives the same rows
+    and LSE as the interleaved cache, the cache write landing in the planes."""
+    import dataclasses
+
+    from attn_ops.kv_cache import kv_cache_planes, kv_cache_update
+
+    cls = get_backend_class(backend)
+    case = make_case(spec, SCENARIOS[scenario], block_size=block_size_for(cls, spec),
+                     device=DEVICE, seed=5)
+    planes = case.kv_cache.transpose(0, 1).contiguous()
+    held = kv_cache_planes(planes)
+    assert held.stride(1) != case.kv_cache.stride(1)  # (K and V a plane each, not pages apart)
+    with_lse = cls.returns_lse(PLATFORM)
+    want, want_lse = run_backend(cls, case, with_lse=with_lse)
+    got, got_lse = run_backend(cls, dataclasses.replace(case, kv_cache=held), with_lse=with_lse)
+    assert torch.equal(got, want)
+    assert not with_lse or torch.equal(got_lse, want_lse)
+    slots = case.metadata.slot_mapping[:3]
+    k = torch.randn(3, spec.kv_heads, spec.head_dim).to(spec.dtype).to(DEVICE)
+    kv_cache_update(k, k.clone(), held, slots, None, None)
+    pages, at = slots // held.shape[2], slots % held.shape[2]
+    assert torch.equal(planes[0, pages, at], k) and torch.equal(planes[1, pages, at], k)
+
+
 # Real sizes (GPU only): Llama-3-8B attention shapes, long decodes, a 1k prefill and a chunked
 # prefill in one batch, in bf16 / fp16 and each fp8 cache a backend declares.
 REAL = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -227,9 +227,12 @@ def _paged_served() -> str | None:
 def test_generate_batch_over_paged_attn_ops_gives_generates_tokens(name):
     """Continuous batching (``generate_batch``, HF's paged cache, its scheduler mixing prefills
     and decodes) with ``"paged|attn_ops"``: each prompt's greedy tokens those of ``generate``
-    with HF's own implementation on the same weights -- window layers (Mistral; Gemma 2's
-    alternating with full ones) over the window HF's cache gathers, prompts longer than it."""
+    with HF's own implementation on the same weights -- full-attention layers over HF's own
+    pages in place, window layers (Mistral; Gemma 2's alternating with full ones) over the
+    window HF's cache gathers, prompts longer than it."""
     from transformers import GenerationConfig
+
+    from attn_ops import hf
 
     theirs, ours = _models(name)
     prompts = [[5, 17, 33, 2, 9, 41, 7, 8, 60], [3, 3, 91], [11] * 13, [44, 2, 76, 19, 1, 8]]
@@ -247,6 +250,46 @@ def test_generate_batch_over_paged_attn_ops_gives_generates_tokens(name):
                                    pad_token_id=0)[0, len(p):].tolist()
             out = next(o for o in got.values() if list(o.prompt_ids) == p)
             assert list(out.generated_tokens) == want, (i, out.generated_tokens, want)
+    modes = [line.split("paged|attn_ops: ")[1] for line in hf.describe(ours).splitlines()]
+    window = _family(name)[1].get("layer_types", ["sliding_attention"] * 2 if name ==
+                                  "mistral" else ["full_attention"] * 2)
+    for mode, kind in zip(modes, window):  # (full-attention layers over HF's own pages)
+        assert (mode == "reads HF's paged cache in place") == (kind == "full_attention"), mode
+
+
+@pytest.mark.skipif(_paged_served() is not None, reason=str(_paged_served()))
+def test_paged_attn_ops_copies_where_hfs_cache_tensors_are_held_elsewhere(monkeypatch):
+    """HF's paged cache tensors held beyond its lists (as its CPU offloading keeps views of
+    them) are not taken over: every layer gathers and copies, the same tokens come out, and
+    describe says why."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    from attn_ops import hf
+
+    held = []
+    init = cb_cache.PagedAttentionCache.__init__
+
+    def holding(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        held.append(self.key_cache[0].view(-1))
+
+    monkeypatch.setattr(cb_cache.PagedAttentionCache, "__init__", holding)
+    theirs, ours = _models("llama")
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 8, 60], [3, 3, 91]]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=32,
+                                               block_size=16)
+    with torch.no_grad():
+        got = ours.generate_batch(prompts, generation_config=config,
+                                  continuous_batching_config=cb, warmup=False)
+        for p in prompts:
+            want = theirs.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False,
+                                   pad_token_id=0)[0, len(p):].tolist()
+            out = next(o for o in got.values() if list(o.prompt_ids) == p)
+            assert list(out.generated_tokens) == want
+    assert held and "held elsewhere" in hf.describe(ours)
 
 
 def _deepseek():
