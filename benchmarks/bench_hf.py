@@ -7,9 +7,12 @@ third-party paged name.
 Model: an 8-layer Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 / 8 heads of 128,
 MLP 14336, vocab 32000), bf16, random weights. Plain ``generate``: ``batch`` prompts of ``ctx``
 tokens, ``new`` greedy tokens; decode tokens/s = batch x (new - 1) / (time - time of a
-1-token generate). ``generate_batch``: ``requests`` prompts of ``ctx`` tokens, ``new`` greedy
-tokens each (HF's scheduler, its default config but the sizes below). Every contender's tokens
-are compared with sdpa's (``same_tokens``); a ratio is printed only where they are the same.
+1-token generate). ``generate_batch``: ``requests`` prompts of ``ctx`` tokens, ``new`` and ``2 x
+new`` greedy tokens each (HF's scheduler, its default config but the sizes below, page 256);
+tokens/s = requests x 2 new / time, decode tokens/s = requests x new / (time at 2 new - time at
+new), and attn_ops' layers' paged mode (``describe``: in place over HF's pages, or why not).
+Every contender's tokens are compared with sdpa's (``same_tokens``); a ratio is printed only
+where they are the same.
 
     python benchmarks/bench_hf.py [--batches 1 8 64] [--ctx 2048] [--new 32] [--requests 64]
         [--layers 8] [--quick] [--out PATH]
@@ -119,33 +122,46 @@ def batch_row(args, state, device, dtype) -> dict:
     vocab = 101 if args.quick else 32000
     prompts = [torch.randint(1, vocab, (args.ctx,), generator=g).tolist()
                for _ in range(args.requests)]
-    config = transformers.GenerationConfig(max_new_tokens=args.new, do_sample=False,
-                                           eos_token_id=-1, pad_token_id=0)
     page = {"block_size": 256} if hasattr(transformers.ContinuousBatchingConfig(),
                                           "block_size") else {"page_size": 256}
     cb = transformers.ContinuousBatchingConfig(
-        num_blocks=args.requests * (-(-(args.ctx + args.new) // 256)) + 8,
+        num_blocks=args.requests * (-(-(args.ctx + 2 * args.new) // 256)) + 8,
         max_batch_tokens=max(8192, args.ctx), **page)
     row, tokens = {"requests": args.requests, "ctx": args.ctx, "new": args.new}, {}
     for name in ("sdpa", "attn_ops"):
         model = _model(name, args.layers, args.quick, device, dtype, state)
+        seconds = {}
         try:
-            seconds, out = _timed(lambda: model.generate_batch(
-                prompts, generation_config=config, continuous_batching_config=cb,
-                warmup=False), device, repeats=1)
+            for new in (args.new, 2 * args.new):
+                config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False,
+                                                       eos_token_id=-1, pad_token_id=0)
+                seconds[new], out = _timed(lambda: model.generate_batch(
+                    prompts, generation_config=config, continuous_batching_config=cb,
+                    warmup=False), device, repeats=1)
         except Exception as e:  # noqa: BLE001 -- recorded
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(f"generate_batch {name}: {row[f'{name}_error']}", flush=True)
             continue
         tokens[name] = sorted(tuple(o.generated_tokens) for o in out.values())
-        row[f"{name}_tok_s"] = args.requests * args.new / seconds
+        row[f"{name}_tok_s"] = args.requests * 2 * args.new / seconds[2 * args.new]
+        row[f"{name}_decode_tok_s"] = args.requests * args.new / max(
+            seconds[2 * args.new] - seconds[args.new], 1e-9)
+        if name == "attn_ops":
+            row["attn_ops_paged_modes"] = sorted({
+                line.split("paged|attn_ops: ")[1] for line in hf.describe(model).splitlines()
+                if "paged|attn_ops: " in line})
     if len(tokens) == 2:
         row["same_tokens"] = tokens["sdpa"] == tokens["attn_ops"]
-        row["attn_ops_vs_sdpa"] = (row["attn_ops_tok_s"] / row["sdpa_tok_s"]
-                                   if row["same_tokens"] else None)
+        for what in ("tok_s", "decode_tok_s"):
+            row[f"attn_ops_vs_sdpa_{what}"] = (row[f"attn_ops_{what}"] / row[f"sdpa_{what}"]
+                                               if row["same_tokens"] else None)
         print(f"generate_batch {args.requests} x {args.ctx}: paged|sdpa "
-              f"{row['sdpa_tok_s']:.1f} tok/s, paged|attn_ops {row['attn_ops_tok_s']:.1f} "
-              f"tok/s: {ratio_text(row['attn_ops_vs_sdpa'])}", flush=True)
+              f"{row['sdpa_tok_s']:.1f} tok/s (decode {row['sdpa_decode_tok_s']:.1f}), "
+              f"paged|attn_ops {row['attn_ops_tok_s']:.1f} tok/s (decode "
+              f"{row['attn_ops_decode_tok_s']:.1f}): "
+              f"{ratio_text(row['attn_ops_vs_sdpa_tok_s'])}, decode "
+              f"{ratio_text(row['attn_ops_vs_sdpa_decode_tok_s'])}; "
+              f"{row['attn_ops_paged_modes']}", flush=True)
     return row
 
 
