@@ -326,3 +326,48 @@ def test_patched_deepseek_runs_mla_absorbed_as_hf_does():
     text = hf.describe(ours)
     assert text.count("AttentionSpec(mla heads=4") == 2 and "not run" not in text
     _assert_same_greedy(theirs, ours, 5)
+
+
+@pytest.mark.parametrize("heads", [(2, 4), (2, 2)])
+def test_patched_qwen3_next_runs_its_gated_deltanet_on_attn_ops(heads, monkeypatch):
+    """Qwen3-Next through ``hf.patch``: its Gated DeltaNet recurrences on attn_ops' GDN backend
+    (HF's own functions, counted, never reached from the patched model), its attention through
+    ``"attn_ops"`` -- left-padded forward logits and greedy ``generate`` tokens and logits equal
+    HF's on the same weights (a prefill, then decodes from the states in HF's cache); value
+    heads twice the key heads and equal."""
+    import sys
+
+    from attn_ops import hf
+
+    cls, extra, _ = _family("qwen3_next")
+    extra = dict(extra, linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
+    hf.register()
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        cls(**BASE, **extra, attn_implementation="sdpa")).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+    ours = transformers.AutoModelForCausalLM.from_config(
+        cls(**BASE, **extra, attn_implementation="attn_ops")).eval()
+    ours.load_state_dict(theirs.state_dict())
+    assert hf.patch(ours) == 1 and hf.patch(ours) == 0  # (one GDN layer, once)
+    module = sys.modules[type(ours.model.layers[0].linear_attn).__module__]
+    calls = []
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        def counted(*a, _hfs=getattr(module, name).__wrapped__, **k):  # (HF's own, counted)
+            calls.append(1)
+            return _hfs(*a, **k)
+
+        monkeypatch.setattr(module, name, hf._gdn_dispatcher(counted, "chunk" in name))
+    ids, mask = _batch()
+    with torch.no_grad():
+        ours(ids, attention_mask=mask)
+        ours.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                      pad_token_id=0)
+    assert not calls  # (the patched model never reaches HF's recurrence)
+    _assert_same_logits(theirs, ours)
+    assert calls  # (the peer does)
+    _assert_same_greedy(theirs, ours, 4)
+    text = hf.describe(ours)
+    assert "gated_deltanet" in text and "-> GDN" in text, text
