@@ -10,7 +10,8 @@ and strides specialized as divisible by 16 (as Triton's JIT specializes them at 
 over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
-        lightning_state lightning_output mamba1_recurrent lightning_recurrent gdn_recurrent
+        lightning_state lightning_output mamba1_unrolled mamba1_recurrent lightning_recurrent
+        gdn_recurrent
         turboquant_attention turboquant_write] [--arch 90] [--out PATH]
 """
 
@@ -102,6 +103,10 @@ def configs() -> dict[str, tuple]:
         "lightning_output": (ck.lightning_output_kernel, [
             (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (64, 128), (4, 8))]),
+        "mamba1_unrolled": (tk.mamba1_unrolled_kernel, [
+            (f"{d} channels" + (" prefetch" if p else ""),
+             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p), w)
+            for d, w, p in itertools.product((64, 128, 256), (2, 4), (True, False))]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
             (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=True), w)
             for d, w in itertools.product((32, 64, 128), (4, 8))]),
@@ -161,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+",
                         default=["mamba1_chunked", "lightning_chunked", "lightning_state",
-                                 "lightning_output", "mamba1_recurrent",
+                                 "lightning_output", "mamba1_unrolled", "mamba1_recurrent",
                                  "lightning_recurrent", "gdn_recurrent", "turboquant_attention",
                                  "turboquant_write"])
     parser.add_argument("--arch", type=int, default=90)

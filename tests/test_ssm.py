@@ -1298,14 +1298,16 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("kind,chunk,block,dtype", [
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
-    ("mamba1", 16, 16, torch.float16),
+    ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
+    ("mamba1_unrolled", 16, 64, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
     ("lightning_split", 32, 16, torch.float32), ("lightning_split", 16, 32, torch.float16)])
 def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                                      poisoned_buffers):
     """Mamba1's and lightning attention's chunked kernels that walk the chunks in one launch
-    (and lightning's split into a state hand-off and the chunks' outputs) against the reference:
+    (and lightning's split into a state hand-off and the chunks' outputs; Mamba1's token by
+    token with d_state unrolled, its prefill alternative) against the reference:
     requests over several chunks with partial last ones, initial states or none, a request
     without new tokens, padding rows, a slot outside the state tensor (absent: zeros read,
     nothing written), buffers NaN-poisoned; blocks splitting the channels / value columns
@@ -1313,6 +1315,7 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
     lightning; bf16 at real sizes on the GPU)."""
     from attn_ops.backends.ssm import chunk_walk_kernels as cw
     from attn_ops.backends.ssm import chunked_kernels as ck
+    from attn_ops.backends.ssm import triton_kernels as tk
     from attn_ops.backends.ssm.lightning import lightning_reference
     from attn_ops.backends.ssm.mamba1 import mamba1_reference
 
@@ -1327,7 +1330,7 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
     meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
                                 np.array(ctx), np.array(slots), chunk, device=dev)
     step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
-    if kind == "mamba1":
+    if kind.startswith("mamba1"):
         d, n = 40, 6
         args = (rand(t, d).to(dtype), rand(t, d).to(dtype), -rand(d, n).exp(),
                 rand(t, n).to(dtype), rand(t, n).to(dtype), rand(d), rand(t, d).to(dtype),
@@ -1336,8 +1339,12 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
         want, want_states, where = mamba1_reference(*args, state.clone(), *step,
                                                     meta.max_query_len, True)
         got_states = state.clone()
-        got = cw.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
-                                       block_d=block)
+        if kind == "mamba1":
+            got = cw.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
+                                           block_d=block)
+        else:  # (token by token, d_state unrolled: no chunks; reads ahead at fp16)
+            got = tk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
+                                            prefetch=dtype == torch.float16)
     else:
         h, dk, dv = 3, 16, 40
         args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),
@@ -1364,8 +1371,8 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "lightning",
-                                  "lightning_split"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
+                                  "lightning", "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
@@ -1392,7 +1399,7 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
         tail = (meta.max_query_len, d ** -0.5, True)
         args = (q, k, v, gate, beta)
         op = gated_delta_rule
-    elif kind == "mamba1":
+    elif kind.startswith("mamba1"):
         d, n = 5120, 16
         args = (rand(t, d), rand(t, d, scale=0.5), -torch.rand(d, n, generator=g, device=dev),
                 rand(t, n, scale=0.3), rand(t, n, scale=0.3),
@@ -1400,6 +1407,11 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
                 torch.randn(d, generator=g, device=dev) * 0.1)
         state = torch.randn(len(lens) + 1, d, n, generator=g, device=dev) * 0.05
         tail = (meta.max_query_len, True)
+        if kind == "mamba1_unrolled":  # (the prefill's unrolled kernel, through the op)
+            from attn_ops.backends.ssm.common import SSM_PLAN
+            from attn_ops.tuning.ssm import SSMTuning
+
+            tail += (SSM_PLAN.encode(SSMTuning(mamba1_unrolled=True)),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

@@ -51,6 +51,19 @@ class SSMTuning:
     # previous step computes: their loops are dependent, so a step's reads otherwise wait out
     # their whole latency.
     mamba1_prefetch: bool = True
+    # Mamba1's prefill token by token with each channel's d_state row unrolled into one
+    # thread's registers (``mamba1_unrolled``, replacing the chunked kernel above): y = sum_n
+    # h_n C_n a chain of FMAs in the thread, where the kernels above spread d_state over lanes
+    # (shuffles) and repeat each channel's time step and gate on every lane of it. Channels a
+    # program (two a thread at 256 on 4 warps: each B / C value read once for both), warps,
+    # and the one-token-ahead reads (which keep B / C packed across the loop: more
+    # instructions). Not timed yet; sm_90 builds (d_state 16, bf16): 12.2 instructions a
+    # (token, channel, state) element at 256 / 4 / no prefetch (128 registers), 14.3 at 128 /
+    # 4, 17.5 with prefetch; the chunked kernel about 25.
+    mamba1_unrolled: bool = False
+    mamba1_unrolled_block_d: int = 256
+    mamba1_unrolled_warps: int = 4
+    mamba1_unrolled_prefetch: bool = False
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
     # yet.
@@ -125,6 +138,7 @@ class SSMTuning:
                           ("mamba2_contrib_block", 16), ("mamba2_contrib_warps", 1),
                           ("mamba1_block_d", 1), ("mamba1_chunk", 1),
                           ("mamba1_chunk_block_d", 1), ("mamba1_chunk_warps", 1),
+                          ("mamba1_unrolled_block_d", 1), ("mamba1_unrolled_warps", 1),
                           ("lightning_block_v", 1), ("lightning_chunk", 16),
                           ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1),
                           ("lightning_state_block_v", 16), ("lightning_output_block_v", 16),

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["conv_triton", "gdn_recurrent_triton", "lightning_recurrent_triton",
-           "mamba1_recurrent_triton", "ssd_recurrent_triton"]
+           "mamba1_recurrent_triton", "mamba1_unrolled_triton", "ssd_recurrent_triton"]
 
 
 @triton.jit
@@ -522,6 +522,109 @@ def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=_num_writes(state_indices),
                          PREFETCH=prefetch)
+
+
+@triton.jit
+def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
+                       stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
+                       HAS_Z: tl.constexpr):
+    """Token ``t``'s inputs as stored: ``dt``, ``x``, ``z`` of the channels, and ``B`` / ``C``
+    as tuples of ``N`` values, each a vector of one address (every channel reads the same
+    ``B[t, n]``); nothing is read at or past ``end``."""
+    here = offs_d * 0 + t < end  # (vectors: scalar masks fail interpreted)
+    ok = d_ok & here
+    dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=ok, other=0.0)
+    x = tl.load(x_ptr + t * stride_xt + offs_d, mask=ok, other=0.0)
+    z = x
+    if HAS_Z:
+        z = tl.load(z_ptr + t * stride_zt + offs_d, mask=ok, other=0.0)
+    bb = ()
+    cc = ()
+    for n in tl.static_range(N):
+        bb = bb + (tl.load(b_ptr + t * stride_bt + n + offs_d * 0, mask=here, other=0.0),)
+        cc = cc + (tl.load(c_ptr + t * stride_ct + n + offs_d * 0, mask=here, other=0.0),)
+    return dt, x, z, bb, cc
+
+
+@triton.jit
+def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
+                           state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
+                           stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                           stride_a, stride_ss, stride_sd, num_tokens, num_slots,
+                           NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
+                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
+    """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
+    ``N`` registers of one thread (tuples of ``[BLOCK_D]`` vectors, a channel a thread): ``y =
+    sum_n h_n C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
+    ``d_state`` over lanes and sums it with shuffles, and the per-channel time step, skip and
+    gate are computed once a channel, not once a lane. One slot a request (``NUM_WRITES``
+    0); the state row's ``N`` reads and writes are strided, once a request."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_INNER
+    start, end = request_span(qsl_ptr, r, num_tokens)
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
+    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
+    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
+    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+    row = state_ptr + slot * stride_ss + offs_d * stride_sd
+    a = ()
+    s = ()
+    for n in tl.static_range(N):  # (A pre-scaled by log2(e): the decay an exp2)
+        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
+                 * 1.4426950408889634,)
+        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
+    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
+            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok, stride_xt,
+            stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z)
+    for t in range(start, end):
+        if PREFETCH:
+            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
+            dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, d_ok, stride_xt,
+                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z)
+        else:
+            dt_r, x_r, z_r, b_r, c_r = _mamba1_row_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok, stride_xt,
+                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z)
+        dt = dt_r.to(tl.float32) + dt_bias
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        x = x_r.to(tl.float32)
+        dtx = dt * x
+        y = d_skip * x
+        stepped = ()
+        for n in tl.static_range(N):
+            h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
+            y += h * c_r[n].to(tl.float32)
+            stepped = stepped + (h,)
+        s = stepped
+        if HAS_Z:
+            z = z_r.to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+    for n in tl.static_range(N):
+        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=d_ok & present)
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
+                       d_ok)
+
+
+def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                           state_indices, has_initial_state, dt_softplus, block_d: int = 256,
+                           num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
+    (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request
+    (inputs already checked)."""
+    if _num_writes(state_indices):
+        raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
+                         "steps run mamba1_recurrent_triton")
+    return mamba1_launch(mamba1_unrolled_kernel, x, dt, A, B, C, D, z, dt_bias, state,
+                         query_start_loc, state_indices, has_initial_state, dt_softplus,
+                         block_d, num_warps, NUM_WRITES=0, PREFETCH=prefetch)
 
 
 def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
