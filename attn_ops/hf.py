@@ -196,6 +196,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """transformers' attention-function contract: ``query [B, Hq, Sq, D]``, ``key`` /
     ``value [B, Hkv, Skv, D(v)]`` -> ``(out [B, Sq, Hq, Dv], None)`` (module docstring)."""
+    from attn_ops.kv_cache import kv_cache_update
+
     if dropout and module.training:
         raise ValueError(f"attn_ops ({_where(module)}): dropout={dropout} in training: attn_ops "
                          "serves inference; call model.eval() or use 'sdpa' to train")
@@ -217,51 +219,98 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     owned = _take_handover(key)
     if owned is not None:  # (key / value: the new tokens; the history is in owned's pages)
         return owned.attend(module, layer, query, key, value, attention_mask), None
-    rows = _requests(attention_mask, b, sq, skv, module)
-    live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
-    out = query.new_zeros(b, sq, hq, value.shape[3])
-    shift = sq - skv  # (a query row's index: its key position + shift)
-    got = _attend_requests(
-        layer, [query[r, :, rows[r][1] + shift:rows[r][2] + shift].transpose(0, 1)
-                for r in live],
-        [key[r, :, rows[r][0]:rows[r][2]].transpose(0, 1) for r in live],
-        [value[r, :, rows[r][0]:rows[r][2]].transpose(0, 1) for r in live])
-    for r, o in zip(live, got):
-        out[r, rows[r][1] + shift:rows[r][2] + shift] = o
-    return out, None
+    out = query.new_zeros(b * sq, hq, value.shape[3])
+    plan = _call_plan(attention_mask, b, sq, skv, layer.block_size, module, query.device)
+    if plan is not None:
+        scratch = plan.scratch(layer, query.device)
+        kv_cache_update(_rows_of(key), _rows_of(value), scratch, plan.key_slots, layer.k_scale,
+                        layer.v_scale)
+        if plan.query_rows is None:  # (every query row, in order: a decode step, say)
+            got = layer(_rows_of(query), None, None, scratch, plan.metadata)
+            return got.to(query.dtype).view(b, sq, hq, value.shape[3]), None
+        got = layer(_rows_of(query).index_select(0, plan.query_rows), None, None, scratch,
+                    plan.metadata)
+        out.index_copy_(0, plan.query_rows, got.to(out.dtype))
+    return out.view(b, sq, hq, value.shape[3]), None
 
 
-def _attend_requests(layer, queries: list, keys: list, values: list) -> list:
-    """One step of ``layer`` over requests given whole: request ``i``'s queries ``[n_i, Hq,
-    D]`` are the last ``n_i`` of its keys / values ``[k_i, Hkv, D(v)]``, laid in a paged cache of
-    the step; returns each request's ``[n_i, Hq, Dv]``."""
-    from attn_ops.kv_cache import kv_cache_update
-
-    if not queries:
-        return []
-    device = queries[0].device
-    totals = [k.shape[0] for k in keys]
-    order, alloc, blocks, meta = _scratch_step(layer.block_size, totals,
-                                               [q.shape[0] for q in queries], device)
-    cache = layer.allocate_kv_cache(blocks, device)
-    kv_cache_update(torch.cat([keys[i] for i in order]).contiguous(),
-                    torch.cat([values[i] for i in order]).contiguous(), cache,
-                    _slots(alloc, order, totals, device), layer.k_scale, layer.v_scale)
-    got = layer(torch.cat([queries[i] for i in order]).contiguous(), None, None, cache, meta)
-    out, at = [None] * len(queries), 0
-    for i in order:
-        out[i] = got[at:at + queries[i].shape[0]]
-        at += queries[i].shape[0]
-    return out
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, D]`` (HF's layout) as ``[B * S, H, D]`` rows, row ``b * S + s``."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-class _PagedStep:
+class _StepScratch:
+    """One cache a layer shape for a step (:meth:`scratch`), over ``blocks`` pages: every
+    layer rewrites the slots it reads."""
+
+    blocks: int
+
+    def scratch(self, layer, device) -> torch.Tensor:
+        caches = self.__dict__.setdefault("_caches", {})
+        key = (layer.spec, layer.block_size, layer.selection.backend_cls)
+        if key not in caches:
+            caches[key] = layer.allocate_kv_cache(self.blocks, device)
+        return caches[key]
+
+
+class _CallPlan(_StepScratch):
+    """One step of :func:`attention_forward` over HF's own cache, made once for all its layers
+    (the rows' runs read from the mask on the host once a step): the live rows in decode-first
+    order over pages holding exactly their keys (``metadata``), the scratch slot of every one
+    of HF's ``B * Skv`` key rows (-1: padding, not written) and the ``B * Sq`` query rows
+    attended (``query_rows``; None where they are all of them in order, as in a decode step:
+    no gather and no scatter then)."""
+
+    def __init__(self, rows, b: int, sq: int, skv: int, page: int, device) -> None:
+        live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
+        totals = [rows[r][2] - rows[r][0] for r in live]
+        order, alloc, self.blocks, self.metadata = _scratch_step(
+            page, totals, [rows[r][2] - rows[r][1] for r in live], device)
+        slots = torch.full((b * skv,), -1, dtype=torch.long)
+        queries = []
+        for j in order:
+            r = live[j]
+            s0, q0, e = rows[r]
+            slots[r * skv + s0:r * skv + e] = torch.tensor(alloc.slots(j, 0, totals[j]))
+            queries.append(torch.arange(r * sq + q0 + sq - skv, r * sq + e + sq - skv))
+        self.key_slots = slots.to(device)
+        queries = torch.cat(queries)
+        self.query_rows = None if torch.equal(queries, torch.arange(b * sq)) else \
+            queries.to(device)
+
+
+# (the last unmasked step's plans by page size: such a step's plan depends on its shapes only)
+_UNMASKED: dict[int, tuple] = {}
+
+
+def _call_plan(mask, b: int, sq: int, skv: int, page: int, module, device) -> _CallPlan | None:
+    """The step's :class:`_CallPlan` (None: no row has queries), made by its first layer and
+    kept on the mask tensor HF hands every layer of the step (a new one each step), or for an
+    unmasked step by its shapes."""
+    key = (b, sq, skv, page, str(device))
+    if mask is not None:
+        plans = mask.__dict__.setdefault("_attn_ops_plans", {})
+        held = plans.get(key)
+        if held is not None and held[0] == mask._version:
+            return held[1]
+    elif _UNMASKED.get(page, (None,))[0] == key:
+        return _UNMASKED[page][1]
+    rows = _requests(mask, b, sq, skv, module)
+    plan = _CallPlan(rows, b, sq, skv, page, device) \
+        if any(e > q0 for _, q0, e in rows) else None
+    if mask is not None:
+        plans[key] = (mask._version, plan)
+    else:
+        _UNMASKED[page] = (key, plan)
+    return plan
+
+
+class _PagedStep(_StepScratch):
     """One continuous-batching step's plan, made once for all its layers: the requests with new
     tokens in the order a step takes them, pages holding exactly each one's history
     (``metadata``, ``slots``), and the rows of HF's packed queries (``query_rows``) and
     gathered keys (``key_rows``) in that order -- one gather of each and one scatter of the
-    output a layer, whatever the number of requests. ``scratch`` keeps one cache a layer shape
-    for the step: every layer rewrites the rows it reads."""
+    output a layer, whatever the number of requests."""
 
     def __init__(self, cu_q: list[int], cu_k: list[int], page: int, device) -> None:
         live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
@@ -276,13 +325,6 @@ class _PagedStep:
         self.query_rows = rows(cu_q, lens)
         self.key_rows = rows(cu_k, totals)
         self.slots = _slots(alloc, order, totals, device)
-        self._scratch: dict = {}
-
-    def scratch(self, layer, device) -> torch.Tensor:
-        key = (layer.spec, layer.block_size, layer.selection.backend_cls)
-        if key not in self._scratch:
-            self._scratch[key] = layer.allocate_kv_cache(self.blocks, device)
-        return self._scratch[key]
 
 
 def _step_memo(cache, cu_q, cu_k, group: str) -> tuple[list[int], list[int], dict]:
@@ -808,8 +850,11 @@ class _Steps:
             raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
                              f"max_tokens={self.max_tokens}; make it with more")
         meta = build_batch(state["alloc"], order, ctx, lens, device=device) if order else None
+        rows = torch.tensor([r * sq + j for r in order for j in range(*new[r])],
+                            dtype=torch.long)  # (HF's [B * Sq] rows, in order; None: all)
+        rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
-                                    blocks=state["blocks"])
+                                    rows=rows, blocks=state["blocks"])
         return plan
 
     def tokens(self, page: int) -> list[int]:
@@ -887,18 +932,17 @@ def _layer_class():
                                    query.device)
             if self.kv is None:  # (the selected backend's layout)
                 self.kv = layer.allocate_kv_cache(plan["blocks"], query.device)
-            out = query.new_zeros(b, sq, hq, value.shape[3])
-            order, new = plan["order"], plan["new"]
-            if not order:
-                return out
-            rows = lambda t: torch.cat([t[r, :, new[r][0]:new[r][1]].transpose(0, 1)  # noqa
-                                        for r in order]).contiguous()
-            got = layer(rows(query), rows(key), rows(value), self.kv, plan["meta"])
-            at = 0
-            for r, n in zip(order, plan["lens"]):
-                out[r, new[r][0]:new[r][1]] = got[at:at + n]
-                at += n
-            return out
+            rows = plan["rows"]
+            if rows is None:  # (every row's every token, in order: a decode step, say)
+                got = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv,
+                            plan["meta"])
+                return got.to(query.dtype).view(b, sq, hq, value.shape[3])
+            out = query.new_zeros(b * sq, hq, value.shape[3])
+            if plan["order"]:
+                got = layer(*(_rows_of(t).index_select(0, rows) for t in (query, key, value)),
+                            self.kv, plan["meta"])
+                out.index_copy_(0, rows, got.to(out.dtype))
+            return out.view(b, sq, hq, value.shape[3])
 
     return AttnOpsLayer
 
