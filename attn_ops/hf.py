@@ -279,8 +279,9 @@ class _CallPlan(_StepScratch):
             queries.to(device)
 
 
-# (the last unmasked step's plans by page size: such a step's plan depends on its shapes only)
-_UNMASKED: dict[int, tuple] = {}
+# (this thread's last unmasked step's plans by page size: such a step's plan depends on its
+# shapes only, and its scratch caches are this thread's)
+_UNMASKED = __import__("threading").local()
 
 
 def _call_plan(mask, b: int, sq: int, skv: int, page: int, module, device) -> _CallPlan | None:
@@ -293,15 +294,17 @@ def _call_plan(mask, b: int, sq: int, skv: int, page: int, module, device) -> _C
         held = plans.get(key)
         if held is not None and held[0] == mask._version:
             return held[1]
-    elif _UNMASKED.get(page, (None,))[0] == key:
-        return _UNMASKED[page][1]
+    else:
+        unmasked = _UNMASKED.__dict__.setdefault("plans", {})
+        if unmasked.get(page, (None,))[0] == key:
+            return unmasked[page][1]
     rows = _requests(mask, b, sq, skv, module)
     plan = _CallPlan(rows, b, sq, skv, page, device) \
         if any(e > q0 for _, q0, e in rows) else None
     if mask is not None:
         plans[key] = (mask._version, plan)
     else:
-        _UNMASKED[page] = (key, plan)
+        unmasked[page] = (key, plan)
     return plan
 
 

@@ -120,6 +120,19 @@ def test_greedy_generate_gives_hfs_tokens(name):
     _assert_same_greedy(theirs, ours, 6)
 
 
+def test_an_unpadded_batch_runs_without_a_mask_from_one_plan_a_step():
+    """An unpadded batch (HF hands the function no mask): forward logits twice (the second
+    over the plan the first made for those shapes) and greedy ``generate`` equal sdpa's."""
+    theirs, ours = _models("llama")
+    ids = torch.randint(1, 101, (3, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        for _ in range(2):
+            torch.testing.assert_close(ours(ids).logits, want, atol=2e-4, rtol=2e-4)
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **kwargs), theirs.generate(ids, **kwargs))
+
+
 def test_register_is_idempotent_and_says_what_it_leaves_out():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
