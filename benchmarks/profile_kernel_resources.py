@@ -10,8 +10,8 @@ and strides specialized as divisible by 16 (as Triton's JIT specializes them at 
 over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
-        lightning_state lightning_output mamba1_unrolled mamba1_recurrent lightning_recurrent
-        gdn_recurrent
+        lightning_state lightning_output mamba1_unrolled mamba1_segment mamba1_segment_chain
+        mamba1_recurrent lightning_recurrent gdn_recurrent
         turboquant_attention turboquant_write] [--arch 90] [--out PATH]
 """
 
@@ -66,6 +66,9 @@ WRITE_TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr
 # lightning attention's split prefill: its start-state buffer (bf16 for bf16 inputs) and chunk
 # table
 SPLIT_TYPES = {"h_ptr": "*bf16", "coff_ptr": "*i32", "start_ptr": "*i32", "end_ptr": "*i32"}
+# Mamba1's segments: fp32 states and time-step sums, the chunk table
+SEGMENT_TYPES = {"hs_ptr": "*fp32", "sum_ptr": "*fp32", "coff_ptr": "*i32", "start_ptr": "*i32",
+                 "end_ptr": "*i32"}
 
 
 def _turboquant_write():
@@ -107,6 +110,13 @@ def configs() -> dict[str, tuple]:
             (f"{d} channels" + (" prefetch" if p else ""),
              dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p), w)
             for d, w, p in itertools.product((64, 128, 256), (2, 4), (True, False))]),
+        "mamba1_segment": (ck.mamba1_segment_kernel, [
+            (f"{d} channels" + (" outputs" if o else " states"),
+             dict(D_INNER=5120, N=16, HAS_Z=True, SOFTPLUS=True, BLOCK_D=d, PREFETCH=False,
+                  OUTPUT=o), w)
+            for d, w, o in itertools.product((128, 256), (4,), (False, True))]),
+        "mamba1_segment_chain": (ck.mamba1_segment_chain_kernel, [
+            (f"{d} channels", dict(D_INNER=5120, N=16, BLOCK_D=d), 4) for d in (128, 256)]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
             (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=True), w)
             for d, w in itertools.product((32, 64, 128), (4, 8))]),
@@ -166,7 +176,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+",
                         default=["mamba1_chunked", "lightning_chunked", "lightning_state",
-                                 "lightning_output", "mamba1_unrolled", "mamba1_recurrent",
+                                 "lightning_output", "mamba1_unrolled", "mamba1_segment",
+                                 "mamba1_segment_chain", "mamba1_recurrent",
                                  "lightning_recurrent", "gdn_recurrent", "turboquant_attention",
                                  "turboquant_write"])
     parser.add_argument("--arch", type=int, default=90)
@@ -183,7 +194,9 @@ def main() -> None:
                                 {"turboquant_attention": TQ_TYPES,
                                  "turboquant_write": WRITE_TYPES,
                                  "lightning_state": SPLIT_TYPES,
-                                 "lightning_output": SPLIT_TYPES}.get(name))
+                                 "lightning_output": SPLIT_TYPES,
+                                 "mamba1_segment": SEGMENT_TYPES,
+                                 "mamba1_segment_chain": SEGMENT_TYPES}.get(name))
             except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
                 row = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append({"kernel": name, "config": label, "warps": warps, **row})

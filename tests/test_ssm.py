@@ -1299,7 +1299,8 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
 @pytest.mark.parametrize("kind,chunk,block,dtype", [
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
     ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
-    ("mamba1_unrolled", 16, 64, torch.float16),
+    ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_segmented", 16, 16, torch.float32),
+    ("mamba1_segmented", 8, 64, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
     ("lightning_split", 32, 16, torch.float32), ("lightning_split", 16, 32, torch.float16)])
@@ -1342,9 +1343,12 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
         if kind == "mamba1":
             got = cw.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
                                            block_d=block)
-        else:  # (token by token, d_state unrolled: no chunks; reads ahead at fp16)
+        elif kind == "mamba1_unrolled":  # (token by token, d_state unrolled; fp16 reads ahead)
             got = tk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
                                             prefetch=dtype == torch.float16)
+        else:  # (the same over segments of `chunk` tokens, three launches)
+            got = ck.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
+                                             block_d=block, prefetch=dtype == torch.float16)
     else:
         h, dk, dv = 3, 16, 40
         args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),
@@ -1372,7 +1376,7 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
-                                  "lightning", "lightning_split"])
+                                  "mamba1_segmented", "lightning", "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
@@ -1407,11 +1411,12 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
                 torch.randn(d, generator=g, device=dev) * 0.1)
         state = torch.randn(len(lens) + 1, d, n, generator=g, device=dev) * 0.05
         tail = (meta.max_query_len, True)
-        if kind == "mamba1_unrolled":  # (the prefill's unrolled kernel, through the op)
+        if kind != "mamba1":  # (the prefill's unrolled kernels, through the op)
             from attn_ops.backends.ssm.common import SSM_PLAN
             from attn_ops.tuning.ssm import SSMTuning
 
-            tail += (SSM_PLAN.encode(SSMTuning(mamba1_unrolled=True)),)
+            tail += (SSM_PLAN.encode(SSMTuning(mamba1_unrolled=True, mamba1_unrolled_segment=(
+                64 if kind == "mamba1_segmented" else 0))),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

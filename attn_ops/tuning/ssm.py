@@ -64,6 +64,13 @@ class SSMTuning:
     mamba1_unrolled_block_d: int = 256
     mamba1_unrolled_warps: int = 4
     mamba1_unrolled_prefetch: bool = False
+    # The unrolled prefill over segments of this many tokens (0: one walk a request): each
+    # segment's state from zero, the hand-off between a request's segments (a segment's decays
+    # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
+    # side by side (one request of 8k has 20 programs of 256 channels otherwise), for 1.7
+    # times the instructions (sm_90 SASS: 8.4 an element for the states, 12.5 for the
+    # outputs). Not timed yet.
+    mamba1_unrolled_segment: int = 0
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
     # yet.
@@ -154,6 +161,10 @@ class SSMTuning:
         for name in ("decode_min_programs", "gdn_state_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
+        seg = self.mamba1_unrolled_segment
+        if seg and (seg < 16 or seg & (seg - 1)):
+            raise ValueError(f"tuning.ssm.mamba1_unrolled_segment={seg} must be 0 (one walk a "
+                             "request) or a power of two >= 16")
         k = self.mamba2_key_block
         if k and (k < 16 or k & (k - 1)):
             raise ValueError(f"tuning.ssm.mamba2_key_block={k} must be 0 (mamba2_block) or a "

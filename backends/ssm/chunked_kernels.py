@@ -30,11 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
+from attn_ops.backends.ssm.triton_kernels import (_inside, _mamba1_rates, _mamba1_walk,
+                                                  _or_zeros, _request_state, _zero_padding_rows,
                                                   request_span, state_block)
 
 __all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "lightning_split_triton",
-           "ssd_chunked_triton"]
+           "mamba1_segmented_triton", "ssd_chunked_triton"]
 
 
 def chunk_table(query_start_loc: torch.Tensor, num_tokens: int, chunk: int):
@@ -538,6 +539,129 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
         k.stride(1), v.stride(0), v.stride(1), h.stride(0), h.stride(1), out.stride(0),
         out.stride(1), BLOCK_V=out_bv, num_warps=warps[1], **common)
     return out
+
+
+# --- Mamba1 (segments) ----------------------------------------------------------------------
+
+@triton.jit
+def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, hs_ptr,
+                          sum_ptr, y_ptr, start_ptr, end_ptr, stride_xt, stride_yt, stride_dtt,
+                          stride_zt, stride_bt, stride_ct, stride_a, D_INNER: tl.constexpr,
+                          N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Z: tl.constexpr,
+                          SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
+                          OUTPUT: tl.constexpr):
+    """Per segment and block of channels, token by token with ``d_state`` unrolled
+    (:func:`~attn_ops.backends.ssm.triton_kernels._mamba1_walk`): without ``OUTPUT``, the
+    segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``, channels fastest)
+    and its summed time steps into ``sum[c]``; with ``OUTPUT``, its outputs from its start
+    state ``hs[c]`` (which the chain wrote over the local one)."""
+    c = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_INNER
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        a, d_skip, dt_bias = _mamba1_rates(a_ptr, d_ptr, dtb_ptr, offs_d, d_ok, stride_a, N)
+        base = hs_ptr + c.to(tl.int64) * (N * D_INNER) + offs_d
+        s = ()
+        for n in tl.static_range(N):
+            if OUTPUT:
+                s = s + (tl.load(base + n * D_INNER, mask=d_ok, other=0.0),)
+            else:
+                s = s + (d_skip * 0.0,)
+        s, total = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip,
+                                dt_bias, start, end, offs_d, d_ok, stride_xt, stride_yt,
+                                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z,
+                                SOFTPLUS, PREFETCH, OUTPUT)
+        if not OUTPUT:
+            for n in tl.static_range(N):
+                tl.store(base + n * D_INNER, s[n], mask=d_ok)
+            tl.store(sum_ptr + c.to(tl.int64) * D_INNER + offs_d, total, mask=d_ok)
+
+
+@triton.jit
+def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_ptr, coff_ptr,
+                                slot_ptr, init_ptr, stride_idx, stride_a, stride_ss, stride_sd,
+                                stride_yt, num_tokens, num_slots, D_INNER: tl.constexpr,
+                                N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per request and block of channels, segment after segment: the state at the segment's
+    start over its local one in ``hs``, then ``S = exp(A sum(dt)) S + local`` (a segment's
+    decays multiply into one: ``prod_t exp(dt_t A) = exp(A sum_t dt_t)``); the final state
+    into the request's slot, and the last request's programs zero the output rows past its
+    end."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_INNER
+    start, end = request_span(qsl_ptr, r, num_tokens)
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
+    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
+    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
+    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+    row = state_ptr + slot * stride_ss + offs_d * stride_sd
+    a = ()
+    s = ()
+    for n in tl.static_range(N):
+        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
+                 * 1.4426950408889634,)
+        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
+    c = tl.load(coff_ptr + r).to(tl.int64)
+    for _ in range(tl.load(coff_ptr + r), tl.load(coff_ptr + r + 1)):
+        base = hs_ptr + c * (N * D_INNER) + offs_d
+        total = tl.load(sum_ptr + c * D_INNER + offs_d, mask=d_ok, other=0.0)
+        chained = ()
+        for n in tl.static_range(N):
+            local = tl.load(base + n * D_INNER, mask=d_ok, other=0.0)
+            tl.store(base + n * D_INNER, s[n], mask=d_ok)
+            chained = chained + (s[n] * tl.exp2(total * a[n]) + local,)
+        s = chained
+        c += 1
+    for n in tl.static_range(N):
+        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=d_ok & present)
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
+                       d_ok)
+
+
+def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                            state_indices, has_initial_state, dt_softplus, segment: int = 256,
+                            block_d: int = 256, num_warps: int = 4,
+                            prefetch: bool = False) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
+    (one slot a request), in three launches: every segment's local state from zero, the
+    hand-off of states between a request's segments, every segment's outputs from its start
+    state -- the token loops of a long request run side by side, at 1.7 times the single
+    walk's instructions (inputs already checked)."""
+    if state_indices.dim() != 1:
+        raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
+                         "steps run mamba1_recurrent_triton")
+    x, dt, B, C = (u if u.stride(-1) == 1 else u.contiguous() for u in (x, dt, B, C))
+    z = z if z is None or z.stride(-1) == 1 else z.contiguous()
+    A = A if A.stride(-1) == 1 else A.contiguous()
+    t, d = x.shape
+    n = A.shape[1]
+    b = query_start_loc.shape[0] - 1
+    if b == 0 or t == 0:
+        return torch.zeros_like(x)
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, segment)
+    m = starts.shape[0]
+    hs = torch.empty(m, n, d, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, d, dtype=torch.float32, device=x.device)
+    block_d = min(triton.next_power_of_2(d), block_d)
+    D, dt_bias = _or_zeros(D, d, x.device), _or_zeros(dt_bias, d, x.device)
+    zz = z if z is not None else x
+    inputs = (x, dt, A, B, C, D, zz, dt_bias, hs, sums, y, starts, ends, x.stride(0),
+              y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
+              C.stride(0), A.stride(0))
+    common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
+                  PREFETCH=prefetch, num_warps=num_warps)
+    grid = (m, triton.cdiv(d, block_d))
+    mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
+    mamba1_segment_chain_kernel[(b, triton.cdiv(d, block_d))](
+        A, hs, sums, state, y, query_start_loc, offsets, state_indices, has_initial_state,
+        state_indices.stride(0), A.stride(0), state.stride(0), state.stride(1), y.stride(0), t,
+        state.shape[0], D_INNER=d, N=n, BLOCK_D=block_d, num_warps=num_warps)
+    mamba1_segment_kernel[grid](*inputs, OUTPUT=True, **common)
+    return y
 
 
 # --- Mamba2 (SSD) ---------------------------------------------------------------------------

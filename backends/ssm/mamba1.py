@@ -18,7 +18,9 @@ at once, fp32; fp64 for fp64 inputs). On GPUs, Triton: prefills with at least
 ``Tuning.ssm.chunked_min_query_len`` new tokens in a request (one slot a request) a chunk at a
 time (:func:`~attn_ops.backends.ssm.chunk_walk_kernels.mamba1_chunked_triton`; with
 ``Tuning.ssm.mamba1_unrolled`` token by token with each channel's ``d_state`` row in one
-thread: :func:`~attn_ops.backends.ssm.triton_kernels.mamba1_unrolled_triton`), other steps
+thread: :func:`~attn_ops.backends.ssm.triton_kernels.mamba1_unrolled_triton`, over segments of
+a request with ``mamba1_unrolled_segment``:
+:func:`~attn_ops.backends.ssm.chunked_kernels.mamba1_segmented_triton`), other steps
 token by token (:func:`~attn_ops.backends.ssm.triton_kernels.mamba1_recurrent_triton`), one
 program a request and block of channels, the state block in registers.
 """
@@ -101,6 +103,12 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
     kernel, t = chunked_step_kernel(x, max_query_len, state_indices, tuning)
     args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             has_initial_state, dt_softplus)
+    if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled and t.mamba1_unrolled_segment:
+        from attn_ops.backends.ssm.chunked_kernels import mamba1_segmented_triton
+
+        return mamba1_segmented_triton(*args, t.mamba1_unrolled_segment,
+                                       t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
+                                       t.mamba1_unrolled_prefetch)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled:
         from attn_ops.backends.ssm.triton_kernels import mamba1_unrolled_triton
 

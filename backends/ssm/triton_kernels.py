@@ -547,6 +547,65 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
 
 
 @triton.jit
+def _mamba1_rates(a_ptr, d_ptr, dtb_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
+    """The channels' rates as a tuple of ``N`` vectors scaled by ``log2(e)`` (each decay an
+    exp2), their skip ``D`` and ``dt_bias``."""
+    a = ()
+    for n in tl.static_range(N):
+        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
+                 * 1.4426950408889634,)
+    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    return a, d_skip, dt_bias
+
+
+@triton.jit
+def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
+                 offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
+                 stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr):
+    """Rows ``[start, end)`` token by token from the state ``s`` (a tuple of ``N`` ``[BLOCK_D]``
+    vectors: each channel's ``d_state`` row in one thread): ``h_n = h_n exp2(dt a_n) + dt x
+    B_n``, and with ``OUTPUT`` ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns
+    the final state and the channels' summed time steps."""
+    total = d_skip * 0.0
+    if PREFETCH:
+        dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
+            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok, stride_xt,
+            stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+    for t in range(start, end):
+        if PREFETCH:
+            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
+            dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, d_ok, stride_xt,
+                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+        else:
+            dt_r, x_r, z_r, b_r, c_r = _mamba1_row_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok, stride_xt,
+                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+        dt = dt_r.to(tl.float32) + dt_bias
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        total += dt
+        x = x_r.to(tl.float32)
+        dtx = dt * x
+        y = d_skip * x
+        stepped = ()
+        for n in tl.static_range(N):
+            h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
+            if OUTPUT:
+                y += h * c_r[n].to(tl.float32)
+            stepped = stepped + (h,)
+        s = stepped
+        if OUTPUT:
+            if HAS_Z:
+                z = z_r.to(tl.float32)
+                y = y * z / (1.0 + tl.exp(-z))
+            tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+    return s, total
+
+
+@triton.jit
 def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
                            state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
                            stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
@@ -555,8 +614,8 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
     """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
-    ``N`` registers of one thread (tuples of ``[BLOCK_D]`` vectors, a channel a thread): ``y =
-    sum_n h_n C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
+    ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
+    C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
     ``d_state`` over lanes and sums it with shuffles, and the per-channel time step, skip and
     gate are computed once a channel, not once a lane. One slot a request (``NUM_WRITES``
     0); the state row's ``N`` reads and writes are strided, once a request."""
@@ -569,44 +628,13 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
     init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
     slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
     row = state_ptr + slot * stride_ss + offs_d * stride_sd
-    a = ()
+    a, d_skip, dt_bias = _mamba1_rates(a_ptr, d_ptr, dtb_ptr, offs_d, d_ok, stride_a, N)
     s = ()
-    for n in tl.static_range(N):  # (A pre-scaled by log2(e): the decay an exp2)
-        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
-                 * 1.4426950408889634,)
+    for n in tl.static_range(N):
         s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
-    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    if PREFETCH:
-        dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
-            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok, stride_xt,
-            stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z)
-    for t in range(start, end):
-        if PREFETCH:
-            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
-            dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
-                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, d_ok, stride_xt,
-                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z)
-        else:
-            dt_r, x_r, z_r, b_r, c_r = _mamba1_row_inputs(
-                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok, stride_xt,
-                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z)
-        dt = dt_r.to(tl.float32) + dt_bias
-        if SOFTPLUS:
-            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-        x = x_r.to(tl.float32)
-        dtx = dt * x
-        y = d_skip * x
-        stepped = ()
-        for n in tl.static_range(N):
-            h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
-            y += h * c_r[n].to(tl.float32)
-            stepped = stepped + (h,)
-        s = stepped
-        if HAS_Z:
-            z = z_r.to(tl.float32)
-            y = y * z / (1.0 + tl.exp(-z))
-        tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+    s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start,
+                        end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
+                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True)
     for n in tl.static_range(N):
         tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=d_ok & present)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
