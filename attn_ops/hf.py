@@ -505,11 +505,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                          "standard forward")
     if dropout and module.training:
         raise ValueError(f"paged|attn_ops ({_where(module)}): dropout={dropout} in training")
-    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+    if torch.compiler.is_compiling() or (query.is_cuda
+                                         and torch.cuda.is_current_stream_capturing()):
         raise ValueError(f"paged|attn_ops ({_where(module)}) plans each step on the host and "
-                         "cannot be captured in HF's CUDA graphs; run continuous batching "
-                         "with ContinuousBatchingConfig(use_cuda_graph=False), its default "
-                         "for this implementation")
+                         "cannot be compiled or captured in HF's CUDA graphs; run continuous "
+                         "batching with ContinuousBatchingConfig(use_cuda_graph=False, "
+                         "default_compile_level=0), its defaults for this implementation")
     spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     layer = _layer(module, spec, query.device)
     if s_aux is not None:
