@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.ssm.triton_kernels import (_inside, _mamba1_rates, _mamba1_walk,
-                                                  _or_zeros, _request_state, _zero_padding_rows,
+from attn_ops.backends.ssm.triton_kernels import (_mamba1_keep_state, _mamba1_rates,
+                                                  _mamba1_slot_state, _mamba1_walk, _or_zeros,
+                                                  _request_state, _zero_padding_rows,
                                                   request_span, state_block)
 
 __all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "lightning_split_triton",
@@ -561,7 +562,8 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
-        a, d_skip, dt_bias = _mamba1_rates(a_ptr, d_ptr, dtb_ptr, offs_d, d_ok, stride_a, N)
+        d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         base = hs_ptr + c.to(tl.int64) * (N * D_INNER) + offs_d
         s = ()
         for n in tl.static_range(N):
@@ -569,7 +571,8 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                 s = s + (tl.load(base + n * D_INNER, mask=d_ok, other=0.0),)
             else:
                 s = s + (d_skip * 0.0,)
-        s, total = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip,
+        s, total = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
+                                _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip,
                                 dt_bias, start, end, offs_d, d_ok, stride_xt, stride_yt,
                                 stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z,
                                 SOFTPLUS, PREFETCH, OUTPUT)
@@ -593,17 +596,9 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D_INNER
     start, end = request_span(qsl_ptr, r, num_tokens)
-    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
-    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
-    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
-    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-    row = state_ptr + slot * stride_ss + offs_d * stride_sd
-    a = ()
-    s = ()
-    for n in tl.static_range(N):
-        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
-                 * 1.4426950408889634,)
-        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
+    row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
+                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
+    a = _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N)
     c = tl.load(coff_ptr + r).to(tl.int64)
     for _ in range(tl.load(coff_ptr + r), tl.load(coff_ptr + r + 1)):
         base = hs_ptr + c * (N * D_INNER) + offs_d
@@ -615,8 +610,7 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
             chained = chained + (s[n] * tl.exp2(total * a[n]) + local,)
         s = chained
         c += 1
-    for n in tl.static_range(N):
-        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=d_ok & present)
+    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok)
 

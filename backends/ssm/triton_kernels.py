@@ -547,16 +547,38 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
 
 
 @triton.jit
-def _mamba1_rates(a_ptr, d_ptr, dtb_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
+def _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
     """The channels' rates as a tuple of ``N`` vectors scaled by ``log2(e)`` (each decay an
-    exp2), their skip ``D`` and ``dt_bias``."""
+    exp2)."""
     a = ()
     for n in tl.static_range(N):
         a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
                  * 1.4426950408889634,)
-    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    return a, d_skip, dt_bias
+    return a
+
+
+@triton.jit
+def _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, stride_sd,
+                       num_slots, offs_d, d_ok, N: tl.constexpr):
+    """Request ``r``'s slot row pointers (``N`` strided entries a channel from there), whether
+    the slot is present, and its state as a tuple of ``N`` vectors (zeros without an initial
+    state or a present slot)."""
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
+    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
+    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
+    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+    row = state_ptr + slot * stride_ss + offs_d * stride_sd
+    s = ()
+    for n in tl.static_range(N):
+        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
+    return row, present, s
+
+
+@triton.jit
+def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
+    """The state tuple ``s`` back into the slot row (:func:`_mamba1_slot_state`)."""
+    for n in tl.static_range(N):
+        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -623,20 +645,15 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D_INNER
     start, end = request_span(qsl_ptr, r, num_tokens)
-    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
-    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
-    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
-    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-    row = state_ptr + slot * stride_ss + offs_d * stride_sd
-    a, d_skip, dt_bias = _mamba1_rates(a_ptr, d_ptr, dtb_ptr, offs_d, d_ok, stride_a, N)
-    s = ()
-    for n in tl.static_range(N):
-        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
-    s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start,
-                        end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
+    row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
+                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
+    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
+                        _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip, dt_bias,
+                        start, end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
                         stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True)
-    for n in tl.static_range(N):
-        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=d_ok & present)
+    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok)
 
