@@ -124,8 +124,14 @@ class Peer:
         x = hidden[None]
         pos = torch.arange(hidden.shape[0])[None]
         cos, sin = self.rope(x, pos)
+        import inspect
+
+        # (the cache argument's name: ``cache`` from transformers 5.2x, ``past_key_values``
+        # before)
+        cache = "cache" if "cache" in inspect.signature(self.mask_fn).parameters \
+            else "past_key_values"
         mask = self.mask_fn(config=self.config, inputs_embeds=x, attention_mask=None,
-                            cache=None, position_ids=pos)
+                            position_ids=pos, **{cache: None})
         out, _ = self.attn(x, position_embeddings=(cos, sin), attention_mask=mask)
         return out[0]
 
