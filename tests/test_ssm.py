@@ -915,7 +915,9 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
         *head, _, soft = args
         if chunked:
             return cw.mamba1_chunked_triton(*head, soft, chunk=16, block_d=16)
-        return tk.mamba1_recurrent_triton(*head, soft, block)
+        # (the hinted launch asks for more programs than it has: its block halves)
+        return tk.mamba1_recurrent_triton(*head, soft, block, streaming=streaming,
+                                          min_programs=10 ** 6 if streaming else 1)
     if kind == "lightning_attention":
         if chunked:
             return cw.lightning_chunked_triton(*args[:-1], chunk=16, block_v=16)

@@ -36,8 +36,14 @@ class SSMTuning:
     decode_block_p: int = 32
     decode_num_warps: int = 4
     # Mamba1's token-by-token kernel (decodes, speculative decodes, short prefills): channels
-    # a program, each with its d_state row in registers (not measured yet).
+    # a program, each with its d_state row in registers (H200: mamba-ssm's kernel 0.81x at
+    # batch 1, 0.96x at 256 against these defaults). The block halves (not below 32) while
+    # the launch has fewer than mamba1_min_programs programs (1: never; one request has 80
+    # programs of 64 channels, mamba-ssm's 160 of 32), and the state read can be evict-first /
+    # written as a streaming store (mamba1_decode_streaming, as GDN's). Neither timed yet.
     mamba1_block_d: int = 64
+    mamba1_min_programs: int = 1
+    mamba1_decode_streaming: bool = False
     # Mamba1's chunked prefill (one launch; a program walks its request's chunks): tokens a
     # chunk, channels a program, warps. A chunk holds [chunk, channels, d_state] decays and
     # inputs in registers (each thread scans its channel and state entry over the chunk's
@@ -158,7 +164,7 @@ class SSMTuning:
         for name in ("mamba2_num_stages", "gdn_state_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
-        for name in ("decode_min_programs", "gdn_state_min_programs"):
+        for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
         seg = self.mamba1_unrolled_segment

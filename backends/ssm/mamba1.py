@@ -123,7 +123,8 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
         from attn_ops.backends.ssm.triton_kernels import mamba1_recurrent_triton
 
         return mamba1_recurrent_triton(*args, t.mamba1_block_d, t.decode_num_warps,
-                                       t.mamba1_prefetch)
+                                       t.mamba1_prefetch, t.mamba1_min_programs,
+                                       t.mamba1_decode_streaming)
     y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                              state_indices, has_initial_state, dt_softplus)
     store_states(state, slots, s)

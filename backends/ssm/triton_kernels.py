@@ -463,11 +463,13 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
                             stride_ss, stride_sd, num_tokens, num_slots,
                             NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
-                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
+                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
+                            EVICT: tl.constexpr = "", STORE: tl.constexpr = ""):
     """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: each channel's
     ``d_state`` row of the state in registers over the request's tokens, its own time step
     and rates, B and C shared by the channels; ``PREFETCH``: each token's inputs read while
-    the previous token's step computes (the loop is otherwise bound by their latency)."""
+    the previous token's step computes (the loop is otherwise bound by their latency);
+    ``EVICT`` / ``STORE``: the state read's eviction policy and its write's cache modifier."""
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -475,7 +477,7 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
     n_ok = offs_n < N
     start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
         qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots, 0,
-        offs_d, offs_n, d_ok, n_ok, stride_sd, num_tokens, "")
+        offs_d, offs_n, d_ok, n_ok, stride_sd, num_tokens, EVICT)
     a = tl.load(a_ptr + offs_d[:, None] * stride_a + offs_n[None, :],
                 mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
@@ -508,20 +510,23 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
         tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, num_slots, offs_d, NUM_WRITES)
-    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, "")
+    _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, STORE)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok)
 
 
 def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, block_d: int = 64,
-                            num_warps: int = 4, prefetch: bool = True) -> torch.Tensor:
-    """``torch.ops.attn.mamba1_scan`` token by token, ``block_d`` channels a program (inputs
-    already checked)."""
+                            num_warps: int = 4, prefetch: bool = True, min_programs: int = 1,
+                            streaming: bool = False) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` token by token, ``block_d`` channels a program, halved
+    (not below 32) while the launch has fewer than ``min_programs`` programs; ``streaming``:
+    the state read evict-first and written as a streaming store (inputs already checked)."""
+    block_d = state_block(query_start_loc.shape[0] - 1, x.shape[1], block_d, min_programs)
     return mamba1_launch(mamba1_recurrent_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=_num_writes(state_indices),
-                         PREFETCH=prefetch)
+                         PREFETCH=prefetch, **_state_cache_hints(streaming))
 
 
 @triton.jit
