@@ -464,7 +464,7 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
                             NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                             SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                            EVICT: tl.constexpr = "", STORE: tl.constexpr = ""):
+                            EVICT: tl.constexpr, STORE: tl.constexpr):
     """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: each channel's
     ``d_state`` row of the state in registers over the request's tokens, its own time step
     and rates, B and C shared by the channels; ``PREFETCH``: each token's inputs read while
