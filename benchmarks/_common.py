@@ -96,6 +96,8 @@ def run_info(name: str) -> dict[str, object]:
         "num_interop_threads": torch.get_num_interop_threads(),
         "os_cpu_count": os.cpu_count(),
         "commit": _commit(),
+        # (the tunables changed from this device's defaults for the run, if any)
+        "tuning_overrides": os.environ.get("ATTN_OPS_TUNING", ""),
     }
 
 
