@@ -404,8 +404,9 @@ class _InPlaceStep:
         self.metadata = build_common_metadata([lens[j] for j in order],
                                               [totals[j] for j in order], tables, page,
                                               num_blocks, device=device)
-        self.query_rows = torch.cat([torch.arange(cu_q[live[j]], cu_q[live[j]] + lens[j])
-                                     for j in order]).to(device)
+        rows = torch.cat([torch.arange(cu_q[live[j]], cu_q[live[j]] + lens[j]) for j in order])
+        # (None: every packed row, in order -- a decode-only step from HF's FIFO scheduler)
+        self.query_rows = None if torch.equal(rows, torch.arange(cu_q[-1])) else rows.to(device)
 
 
 def _hf_planes(cache) -> list | None:
@@ -534,6 +535,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         if step is None:
             return out, None
         rows = step.query_rows
+        if rows is None and query.shape[2] == step.metadata.num_actual_tokens:
+            got = layer(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                        value[0].transpose(0, 1), kv_cache_planes(both), step.metadata)
+            return got.to(query.dtype)[None], None
+        if rows is None:
+            rows = torch.arange(step.metadata.num_actual_tokens, device=query.device)
         got = layer(query[0].transpose(0, 1).index_select(0, rows),
                     key[0].transpose(0, 1).index_select(0, rows),
                     value[0].transpose(0, 1).index_select(0, rows), kv_cache_planes(both),

@@ -384,3 +384,35 @@ def test_patched_qwen3_next_runs_its_gated_deltanet_on_attn_ops(heads, monkeypat
     _assert_same_greedy(theirs, ours, 4)
     text = hf.describe(ours)
     assert "gated_deltanet" in text and "-> GDN" in text, text
+
+
+def test_the_in_place_step_reads_block_tables_from_hfs_indices():
+    """``paged|attn_ops``' plan over HF's own pages: each request's block table read from HF's
+    read index (its pages' first rows), requests in decode-first order (a prefill chunk
+    packed before a decode), the slots HF's write index names; with an empty read index (no
+    history in the step) the tables come from the write index."""
+    from attn_ops.hf import _InPlaceStep
+
+    page, tables = 4, {0: [5, 2], 1: [7, 1, 3]}
+    lens, totals = [3, 1], [6, 9]  # (a 3-token chunk after 3 tokens; a decode after 8)
+
+    def rows(r, positions):
+        return [tables[r][p // page] * page + p % page for p in positions]
+
+    read = torch.tensor(rows(0, range(6)) + rows(1, range(9)))
+    write = torch.tensor(rows(0, range(3, 6)) + rows(1, [8]))
+    step = _InPlaceStep([0, 3, 4], [0, 6, 15], read, write, page, 10, "cpu")
+    meta = step.metadata
+    assert step.query_rows.tolist() == [3, 0, 1, 2]
+    assert meta.seq_lens_cpu.tolist() == [9, 6] and meta.query_lens_cpu.tolist() == [1, 3]
+    assert meta.block_table_cpu[0, :3].tolist() == [7, 1, 3]
+    assert meta.block_table_cpu[1, :2].tolist() == [5, 2]
+    assert meta.slot_mapping.tolist() == write[[3, 0, 1, 2]].tolist()
+    fresh = torch.tensor(rows(0, range(3)) + rows(1, range(1)))  # (two fresh prefills)
+    step = _InPlaceStep([0, 3, 4], [0, 3, 4], torch.empty(0, dtype=torch.long), fresh, page, 10,
+                        "cpu")
+    assert step.query_rows.tolist() == [3, 0, 1, 2]
+    assert step.metadata.slot_mapping.tolist() == fresh[[3, 0, 1, 2]].tolist()
+    with pytest.raises(ValueError, match="no read index but requests with history"):
+        _InPlaceStep([0, 3, 4], [0, 6, 15], torch.empty(0, dtype=torch.long), write, page, 10,
+                     "cpu")
