@@ -517,11 +517,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if s_aux is not None:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())
-    out = query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3])
+    out_shape = (1, query.shape[2], query.shape[1], value.shape[3])
     group = "sliding_attention" if sliding_window else "full_attention"
-    why = _reads_in_place(cache, layer, sliding_window, module.layer_idx)
-    module.__dict__["_attn_ops_paged"] = why or "reads HF's paged cache in place"
-    if why is None:
+    modes = cache.__dict__.setdefault("_attn_ops_modes", {})  # (layer -> why not in place)
+    if layer not in modes:
+        modes[layer] = _reads_in_place(cache, layer, sliding_window, module.layer_idx)
+        module.__dict__["_attn_ops_paged"] = modes[layer] or "reads HF's paged cache in place"
+    if modes[layer] is None:
         g, j = cache.layer_index_to_group_indices[module.layer_idx]
         both = cache.__dict__["_attn_ops_planes"][j]
         q_list, k_list, plans = _step_memo(cache, kwargs["cu_seq_lens_q"],
@@ -533,7 +535,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                 both.shape[2], both.shape[1], query.device) if live else None
         step = plans["in place"]
         if step is None:
-            return out, None
+            return query.new_zeros(out_shape), None
         rows = step.query_rows
         if rows is None and query.shape[2] == step.metadata.num_actual_tokens:
             got = layer(query[0].transpose(0, 1), key[0].transpose(0, 1),
@@ -545,6 +547,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                     key[0].transpose(0, 1).index_select(0, rows),
                     value[0].transpose(0, 1).index_select(0, rows), kv_cache_planes(both),
                     step.metadata)
+        out = query.new_zeros(out_shape)
         out[0].index_copy_(0, rows, got.to(out.dtype))
         return out, None
     keys, values = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
@@ -555,6 +558,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # distances)
     step = _paged_step(cache, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], group,
                        layer.block_size, query.device)
+    out = query.new_zeros(out_shape)
     if step is None:
         return out, None
     scratch = step.scratch(layer, query.device)
