@@ -528,8 +528,10 @@ def _v4_matrix():
 
 # (context, new tokens) a request, decode-first: decodes over long contexts (one completing a
 # group: 22 = 0 mod 2), a fresh one-token request, a prefill, a chunk ending mid-group (15 =
-# 3 mod 4)
-V4_SCENARIOS = {"mixed": ((21, 1), (7, 1), (0, 1), (0, 9), (9, 6))}
+# 3 mod 4); speculative decodes (2-4 draft tokens a request, as MTP verifies them), one
+# completing a group of 4 in its middle token (21 + 3), one crossing into a new window page
+V4_SCENARIOS = {"mixed": ((21, 1), (7, 1), (0, 1), (0, 9), (9, 6)),
+                "speculative": ((21, 3), (6, 2), (13, 4), (31, 2))}
 
 
 def _v4_step(alloc, ids, ctx, new, c_table, slots):
