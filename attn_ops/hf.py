@@ -73,7 +73,7 @@ def _paged_note(version: str) -> str:
     """Why ``"paged|attn_ops"`` is not registered with this transformers ("" where it is)."""
     from packaging.version import Version
 
-    if Version(version) >= Version("5.23"):
+    if Version(version) >= Version("5.19"):  # (the first that rejects other names)
         return (f"transformers {version} serves continuous batching only with 'paged|eager', "
                 "'sdpa' or a flash implementation (ContinuousBatchingManager rejects any other "
                 "name), so 'paged|attn_ops' is not registered; its own names are left as they "
