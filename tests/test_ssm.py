@@ -840,6 +840,9 @@ def test_layer_reproduces_the_hf_module_over_prefill_chunked_prefill_and_decode(
                     "tensors too); the peer is HF's torch path, run where it is absent")
     torch.manual_seed(0)
     hf, spec = PEERS[kind]()
+    if "mamba2" in kind and not hasattr(hf.norm, "group_size"):
+        pytest.skip("this transformers normalizes Mamba2's gated output over all groups at once "
+                    "(later ones, mamba-ssm and ours: per group)")
     with torch.no_grad():  # (random weights everywhere, HF's zero / one inits included)
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
