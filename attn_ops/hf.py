@@ -576,6 +576,7 @@ _MLA_MODULES = ("DeepseekV3Attention",)
 # module's file
 _GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 _GDN_ACTIVE = __import__("threading").local()  # (.layer: the patched module's recurrence)
+_GDN_STEPS: dict = {}  # (the last steps' state metadata by shape: immutable, shared)
 
 
 def patch(model, config: AttentionConfig | None = None) -> int:
@@ -701,8 +702,14 @@ def _gdn_recurrence(layer, query, key, value, g, beta, initial_state=None,
     state = torch.zeros(n + 1, hv, dk, dv, dtype=layer.spec.state_dtype, device=query.device)
     if initial_state is not None:
         state[1:].copy_(initial_state.reshape(n, hv, dk, dv))
-    meta = build_state_metadata(qsl, [int(initial_state is not None)] * n, list(range(1, n + 1)),
-                                layer.spec.chunk_size, device=query.device)
+    shape = (tuple(qsl), initial_state is not None, layer.spec.chunk_size, str(query.device))
+    meta = _GDN_STEPS.get(shape)
+    if meta is None:  # (the same for every layer of a step, and for steps of the same shape)
+        if len(_GDN_STEPS) >= 16:
+            _GDN_STEPS.pop(next(iter(_GDN_STEPS), None), None)
+        meta = _GDN_STEPS[shape] = build_state_metadata(
+            qsl, [int(initial_state is not None)] * n, list(range(1, n + 1)),
+            layer.spec.chunk_size, device=query.device)
     t = b * s
     dtype = query.dtype
     out = layer.impl.recurrence(
