@@ -34,7 +34,8 @@ Where the K/V live:
   HF's ``PagedAttentionCache``: its first call makes HF's per-layer K / V tensors the planes
   of attn_ops caches, and full-attention layers write and read HF's pages in place, the block
   tables read from HF's read index once a step; window layers (HF keeps their windows in rings
-  of pages) let the cache write and gather and run over a copy of the gathered windows
+  of pages) decode over the ring in place where the window is whole pages, and otherwise let
+  the cache write and gather and run over a copy of the gathered windows
   (:func:`paged_attention_forward`).
 """
 
@@ -409,6 +410,49 @@ class _InPlaceStep:
         self.query_rows = None if torch.equal(rows, torch.arange(cu_q[-1])) else rows.to(device)
 
 
+class _RingStep:
+    """One decode-only step of a sliding-window group over HF's own pages (a window a whole
+    number of pages: HF's ring holds position ``p`` at ring page ``(p // page) % (W /
+    page)``, offset ``p % page``). Each request's keys -- the ``k = min(past, W - 1)``
+    positions HF's read index names, then its new token at the write index -- become a
+    request of virtual positions ``u = off + v`` (``off``: the first key's offset in its
+    page), so every virtual page is one ring page; the ``off`` positions before the first key
+    fall outside the window of the one query (``W`` keys back from ``off + k``). Two small
+    reads of HF's indices a step: the first keys' rows, then each virtual page's."""
+
+    def __init__(self, cu_q: list[int], cu_k: list[int], read_index, write_index, page: int,
+                 num_blocks: int, device) -> None:
+        from attn_ops.metadata import build_common_metadata
+
+        n = len(cu_q) - 1
+        live = [i for i in range(n) if cu_q[i + 1] > cu_q[i]]
+        past = [cu_k[i + 1] - cu_k[i] - 1 for i in live]
+        rows = torch.cat([read_index, write_index])  # (a new token's row: past the reads)
+        reads = read_index.shape[0]
+
+        def row(i, k, v):  # (the index of key v of request i, of k past keys, in `rows`)
+            return cu_k[i] + v if v < k else reads + cu_q[i]
+
+        def fetch(at):
+            return rows.index_select(0, torch.tensor(at, dtype=torch.long,
+                                                     device=rows.device)).tolist()
+
+        offs = [r % page for r in fetch([row(i, k, 0) for i, k in zip(live, past)])]
+        lengths = [o + k + 1 for o, k in zip(offs, past)]
+        starts = [[row(i, k, max(j * page, o) - o) for j in range(-(-total // page))]
+                  for i, k, o, total in zip(live, past, offs, lengths)]
+        blocks = [r // page for r in fetch([a for at in starts for a in at])]
+        tables, at = [], 0
+        for first in starts:
+            tables.append(blocks[at:at + len(first)])
+            at += len(first)
+        self.metadata = build_common_metadata([1] * len(live), lengths, tables, page,
+                                              num_blocks, device=device)
+        rows_q = torch.tensor([cu_q[i] for i in live])
+        self.query_rows = None if torch.equal(rows_q, torch.arange(cu_q[-1])) else \
+            rows_q.to(device)
+
+
 def _hf_planes(cache) -> list | None:
     """The planes ``[2, blocks, page, Hkv, D]`` (K, V) of each of HF's layer tensors, which
     the cache's first attention call made HF's own (None: it could not; :func:`_take_over`)."""
@@ -463,9 +507,6 @@ def _reads_in_place(cache, layer, sliding_window, layer_idx) -> str | None:
     # (taken over at the cache's first call, whatever its layer: the layers of every group
     # share HF's tensors, and a window layer's writes must land in the planes too)
     planes = _hf_planes(cache) if groups is not None else None
-    if sliding_window:
-        return ("a sliding-window layer: HF keeps its window in a ring of pages it gathers "
-                "from, copied here into a cache of the step")
     if planes is None:
         return ("HF's paged cache could not be taken over (its layout is not one tensor a "
                 "layer and plane, or a tensor of it is held elsewhere, as by CPU offloading): "
@@ -481,6 +522,10 @@ def _reads_in_place(cache, layer, sliding_window, layer_idx) -> str | None:
     if any(r.code == "block_size" for r in cls.not_supported_reasons(
             spec.with_(block_size=page), current_platform())):
         return f"{cls.name} does not take HF's page of {page} tokens"
+    if sliding_window and sliding_window % page:
+        return (f"a sliding-window layer whose window of {sliding_window} is not whole pages of "
+                f"{page}: HF's ring of pages is indexed modulo the window; each step copies "
+                "the window HF gathers into a cache of the step")
     return None
 
 
@@ -493,10 +538,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     HF's K / V tensors over as the planes of attn_ops caches (:func:`_take_over`), the step's
     block tables are read from HF's read index once a step (:class:`_InPlaceStep`), and the
     module's :class:`~attn_ops.Attention` writes the new tokens where HF's write index would
-    and attends. A sliding-window layer (or a cache or backend that cannot be read in place:
-    :func:`describe` says why) lets the cache's own ``update`` write and gather each request's
-    history and runs over a copy of it (:class:`_PagedStep`). Returns ``[1, T, Hq, Dv]``,
-    padding rows zero."""
+    and attends. A sliding-window layer whose window is whole pages does so at decode-only
+    steps over HF's ring (:class:`_RingStep`). Other window steps (or a cache or backend that
+    cannot be read in place: :func:`describe` says why) let the cache's own ``update`` write
+    and gather each request's history and run over a copy of it (:class:`_PagedStep`).
+    Returns ``[1, T, Hq, Dv]``, padding rows zero."""
     from attn_ops.kv_cache import kv_cache_planes, kv_cache_update
 
     cache = kwargs.pop("cache", None)
@@ -522,31 +568,43 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     modes = cache.__dict__.setdefault("_attn_ops_modes", {})  # (layer -> why not in place)
     if layer not in modes:
         modes[layer] = _reads_in_place(cache, layer, sliding_window, module.layer_idx)
-        module.__dict__["_attn_ops_paged"] = modes[layer] or "reads HF's paged cache in place"
-    if modes[layer] is None:
-        g, j = cache.layer_index_to_group_indices[module.layer_idx]
-        both = cache.__dict__["_attn_ops_planes"][j]
+        module.__dict__["_attn_ops_paged"] = modes[layer] or (
+            "reads HF's paged cache in place" + (" at decode-only steps (others copy the "
+                                                 "window HF gathers)" if sliding_window else ""))
+    in_place = modes[layer] is None
+    if in_place:
         q_list, k_list, plans = _step_memo(cache, kwargs["cu_seq_lens_q"],
                                            kwargs["cu_seq_lens_k"], group)
+        lens = [q_list[i + 1] - q_list[i] for i in range(len(q_list) - 1)]
+        # (a window layer's ring holds the window only after its step's writes: in place at
+        # decode-only steps, whose one query a request needs no key the write replaces)
+        in_place = not sliding_window or max(lens, default=0) <= 1
+    if in_place:
+        g, j = cache.layer_index_to_group_indices[module.layer_idx]
+        both = cache.__dict__["_attn_ops_planes"][j]
         if "in place" not in plans:
-            live = any(q_list[i + 1] > q_list[i] for i in range(len(q_list) - 1))
-            plans["in place"] = _InPlaceStep(
+            plan = _RingStep if sliding_window else _InPlaceStep
+            plans["in place"] = plan(
                 q_list, k_list, kwargs["read_index"][g], kwargs["write_index"][g],
-                both.shape[2], both.shape[1], query.device) if live else None
+                both.shape[2], both.shape[1], query.device) if max(lens, default=0) else None
         step = plans["in place"]
         if step is None:
             return query.new_zeros(out_shape), None
         rows = step.query_rows
-        if rows is None and query.shape[2] == step.metadata.num_actual_tokens:
-            got = layer(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                        value[0].transpose(0, 1), kv_cache_planes(both), step.metadata)
-            return got.to(query.dtype)[None], None
+        whole = rows is None and query.shape[2] == step.metadata.num_actual_tokens
         if rows is None:
             rows = torch.arange(step.metadata.num_actual_tokens, device=query.device)
-        got = layer(query[0].transpose(0, 1).index_select(0, rows),
-                    key[0].transpose(0, 1).index_select(0, rows),
-                    value[0].transpose(0, 1).index_select(0, rows), kv_cache_planes(both),
-                    step.metadata)
+        q, k, v = (t[0].transpose(0, 1) if whole else t[0].transpose(0, 1).index_select(0, rows)
+                   for t in (query, key, value))
+        if sliding_window:  # (written as HF does: the layer's write would zero the rest of a
+            # ring page it enters, which holds the window's older keys)
+            slots = step.metadata.slot_mapping
+            both[0].view(-1, *both.shape[3:]).index_copy_(0, slots, k.to(both.dtype))
+            both[1].view(-1, *both.shape[3:]).index_copy_(0, slots, v.to(both.dtype))
+            k = v = None
+        got = layer(q, k, v, kv_cache_planes(both), step.metadata)
+        if whole:
+            return got.to(query.dtype)[None], None
         out = query.new_zeros(out_shape)
         out[0].index_copy_(0, rows, got.to(out.dtype))
         return out, None

@@ -283,6 +283,57 @@ def test_generate_batch_over_paged_attn_ops_gives_generates_tokens(name):
 
 
 @pytest.mark.skipif(_paged_served() is not None, reason=str(_paged_served()))
+@pytest.mark.parametrize("name,window,lengths", [("mistral", 16, (23, 7, 19)),
+                                                 ("mistral", 32, (40, 7, 23)),
+                                                 ("gemma2", 32, (40, 7, 23))])
+def test_window_layers_decode_over_hfs_ring_of_pages(name, window, lengths, monkeypatch):
+    """Windows of whole pages (16 tokens): window layers decode over HF's ring of pages in
+    place (a ring of one page and of two), other steps over the window HF gathers -- prompts
+    longer than the window, decodes wrapping the ring several times: the tokens of
+    ``generate``, and of the same run copying every step's window."""
+    from transformers import GenerationConfig
+
+    from attn_ops import hf
+
+    cls, extra, peer = _family(name)
+    hf.register()
+    torch.manual_seed(0)
+    extra = dict(extra, sliding_window=window)
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        cls(**BASE, **extra, attn_implementation=peer)).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 101, (n,), generator=g).tolist() for n in lengths]
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=64,
+                                               block_size=16)
+
+    def run():
+        ours = transformers.AutoModelForCausalLM.from_config(
+            cls(**BASE, **extra, attn_implementation="attn_ops")).eval()
+        ours.load_state_dict(theirs.state_dict())
+        with torch.no_grad():
+            got = ours.generate_batch(prompts, generation_config=config,
+                                      continuous_batching_config=cb, warmup=False)
+        return [list(next(o for o in got.values() if list(o.prompt_ids) == p)
+                     .generated_tokens) for p in prompts], hf.describe(ours)
+
+    ring, text = run()
+    assert not _per_layer_paged_cache() or "in place at decode-only steps" in text
+    with torch.no_grad():
+        for p, tokens in zip(prompts, ring):
+            assert tokens == theirs.generate(torch.tensor([p]), max_new_tokens=40,
+                                             do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+    inner = hf._reads_in_place  # (the same run, every window copied)
+    monkeypatch.setattr(hf, "_reads_in_place", lambda c, layer, w, i: inner(c, layer, w, i) or (
+        "copied" if w else None))
+    assert run()[0] == ring
+
+
+@pytest.mark.skipif(_paged_served() is not None, reason=str(_paged_served()))
 def test_paged_attn_ops_copies_where_hfs_cache_tensors_are_held_elsewhere(monkeypatch):
     if not _per_layer_paged_cache():
         pytest.skip("this transformers' paged cache is one tensor of sectors: never taken over")
@@ -407,8 +458,8 @@ def test_the_in_place_step_reads_block_tables_from_hfs_indices():
     history in the step) the tables come from the write index."""
     from attn_ops.hf import _InPlaceStep
 
+    # (request 0: a 3-token chunk after 3 tokens; request 1: a decode after 8)
     page, tables = 4, {0: [5, 2], 1: [7, 1, 3]}
-    lens, totals = [3, 1], [6, 9]  # (a 3-token chunk after 3 tokens; a decode after 8)
 
     def rows(r, positions):
         return [tables[r][p // page] * page + p % page for p in positions]
