@@ -918,8 +918,10 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
         *head, _, soft = args
         if chunked:
             return cw.mamba1_chunked_triton(*head, soft, chunk=16, block_d=16)
-        # (the hinted launch asks for more programs than it has: its block halves)
-        return tk.mamba1_recurrent_triton(*head, soft, block, streaming=streaming,
+        # (the hinted launch asks for twice the block and more programs than it has: the
+        # block halves back)
+        return tk.mamba1_recurrent_triton(*head, soft, 2 * block if streaming else block,
+                                          streaming=streaming,
                                           min_programs=10 ** 6 if streaming else 1)
     if kind == "lightning_attention":
         if chunked:
