@@ -602,7 +602,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             both[0].view(-1, *both.shape[3:]).index_copy_(0, slots, k.to(both.dtype))
             both[1].view(-1, *both.shape[3:]).index_copy_(0, slots, v.to(both.dtype))
             k = v = None
-        got = layer(q, k, v, kv_cache_planes(both), step.metadata)
+        views = cache.__dict__.setdefault("_attn_ops_views", {})  # (one view a tensor: the
+        # backends' per-cache memos hold across steps)
+        if j not in views:
+            views[j] = kv_cache_planes(both)
+        got = layer(q, k, v, views[j], step.metadata)
         if whole:
             return got.to(query.dtype)[None], None
         out = query.new_zeros(out_shape)
