@@ -227,10 +227,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         kv_cache_update(_rows_of(key), _rows_of(value), scratch, plan.key_slots, layer.k_scale,
                         layer.v_scale)
         if plan.query_rows is None:  # (every query row, in order: a decode step, say)
-            got = layer(_rows_of(query), None, None, scratch, plan.metadata)
+            got = layer(_rows_of(query), None, None, scratch,
+                        _built(plan.built, layer, plan.metadata))
             return got.to(query.dtype).view(b, sq, hq, value.shape[3]), None
         got = layer(_rows_of(query).index_select(0, plan.query_rows), None, None, scratch,
-                    plan.metadata)
+                    _built(plan.built, layer, plan.metadata))
         out.index_copy_(0, plan.query_rows, got.to(out.dtype))
     return out.view(b, sq, hq, value.shape[3]), None
 
@@ -240,11 +241,26 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-class _StepScratch:
-    """One cache a layer shape for a step (:meth:`scratch`), over ``blocks`` pages: every
-    layer rewrites the slots it reads."""
+def _built(built: dict, layer, common) -> dict:
+    """``layer``'s backend metadata for the step's ``common`` metadata, as the layer takes it
+    (``{metadata key: metadata}``), built -- host planning included -- once a step for the
+    layers sharing the key and kept in ``built``, the step plan's."""
+    key = layer._metadata_key
+    if key not in built:
+        built[key] = layer.impl.build_metadata(common)
+    return {key: built[key]}
+
+
+class _StepPlan:
+    """What a step's plan keeps for its layers: the backends' metadata, built once a step
+    (``built``, :func:`_built`), and for plans over copies one scratch cache a layer shape
+    (:meth:`scratch`, over ``blocks`` pages: every layer rewrites the slots it reads)."""
 
     blocks: int
+
+    @property
+    def built(self) -> dict:
+        return self.__dict__.setdefault("_built", {})
 
     def scratch(self, layer, device) -> torch.Tensor:
         caches = self.__dict__.setdefault("_caches", {})
@@ -254,7 +270,7 @@ class _StepScratch:
         return caches[key]
 
 
-class _CallPlan(_StepScratch):
+class _CallPlan(_StepPlan):
     """One step of :func:`attention_forward` over HF's own cache, made once for all its layers
     (the rows' runs read from the mask on the host once a step): the live rows in decode-first
     order over pages holding exactly their keys (``metadata``), the scratch slot of every one
@@ -309,7 +325,7 @@ def _call_plan(mask, b: int, sq: int, skv: int, page: int, module, device) -> _C
     return plan
 
 
-class _PagedStep(_StepScratch):
+class _PagedStep(_StepPlan):
     """One continuous-batching step's plan, made once for all its layers: the requests with new
     tokens in the order a step takes them, pages holding exactly each one's history
     (``metadata``, ``slots``), and the rows of HF's packed queries (``query_rows``) and
@@ -361,7 +377,7 @@ def _paged_step(cache, cu_q, cu_k, group: str, page: int, device) -> _PagedStep 
     return plans[page]
 
 
-class _InPlaceStep:
+class _InPlaceStep(_StepPlan):
     """One continuous-batching step's plan over HF's own pages (a full-attention group of a
     cache :func:`_hf_planes` took over), made once for all its layers: each request with new
     tokens in decode-first order, its block table read from HF's read index -- the cache row of
@@ -410,7 +426,7 @@ class _InPlaceStep:
         self.query_rows = None if torch.equal(rows, torch.arange(cu_q[-1])) else rows.to(device)
 
 
-class _RingStep:
+class _RingStep(_StepPlan):
     """One decode-only step of a sliding-window group over HF's own pages (a window a whole
     number of pages: HF's ring holds position ``p`` at ring page ``(p // page) % (W /
     page)``, offset ``p % page``). Each request's keys -- the ``k = min(past, W - 1)``
@@ -606,7 +622,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # backends' per-cache memos hold across steps)
         if j not in views:
             views[j] = kv_cache_planes(both)
-        got = layer(q, k, v, views[j], step.metadata)
+        got = layer(q, k, v, views[j], _built(step.built, layer, step.metadata))
         if whole:
             return got.to(query.dtype)[None], None
         out = query.new_zeros(out_shape)
@@ -627,7 +643,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     kv_cache_update(keys.index_select(0, step.key_rows), values.index_select(0, step.key_rows),
                     scratch, step.slots, layer.k_scale, layer.v_scale)
     got = layer(query[0].transpose(0, 1).index_select(0, step.query_rows), None, None,
-                scratch, step.metadata)
+                scratch, _built(step.built, layer, step.metadata))
     out[0].index_copy_(0, step.query_rows, got.to(out.dtype))
     return out, None
 
@@ -938,7 +954,7 @@ class _Steps:
                             dtype=torch.long)  # (HF's [B * Sq] rows, in order; None: all)
         rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
-                                    rows=rows, blocks=state["blocks"])
+                                    rows=rows, blocks=state["blocks"], built={})
         return plan
 
     def tokens(self, page: int) -> list[int]:
@@ -1019,12 +1035,12 @@ def _layer_class():
             rows = plan["rows"]
             if rows is None:  # (every row's every token, in order: a decode step, say)
                 got = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv,
-                            plan["meta"])
+                            _built(plan["built"], layer, plan["meta"]))
                 return got.to(query.dtype).view(b, sq, hq, value.shape[3])
             out = query.new_zeros(b * sq, hq, value.shape[3])
             if plan["order"]:
                 got = layer(*(_rows_of(t).index_select(0, rows) for t in (query, key, value)),
-                            self.kv, plan["meta"])
+                            self.kv, _built(plan["built"], layer, plan["meta"]))
                 out.index_copy_(0, rows, got.to(out.dtype))
             return out.view(b, sq, hq, value.shape[3])
 
