@@ -87,35 +87,35 @@ def _turboquant_write():
 
 def configs() -> dict[str, tuple]:
     """kernel name -> (the kernel, [(label, constexprs, warps), ...])."""
-    from attn_ops.backends.ssm import chunk_walk_kernels as cw
-    from attn_ops.backends.ssm import chunked_kernels as ck
+    from attn_ops.backends.ssm import lightning_kernels as lk
+    from attn_ops.backends.ssm import mamba1_kernels as mk
     from attn_ops.backends.ssm import triton_kernels as tk
 
     m1 = dict(D_INNER=5120, N=16, BLOCK_N=16, HAS_Z=True, SOFTPLUS=True)
     light = dict(DK=128, DV=128, BLOCK_K=128)
     return {
-        "mamba1_chunked": (cw.mamba1_chunked_kernel, [
+        "mamba1_chunked": (mk.mamba1_chunked_kernel, [
             (f"chunk {c} x {d} channels", dict(m1, CHUNK=c, BLOCK_D=d, PREFETCH=True), w)
             for c, d, w in itertools.product((8, 16, 32), (16, 32, 64), (4, 8))]),
-        "lightning_chunked": (cw.lightning_chunked_kernel, [
+        "lightning_chunked": (lk.lightning_chunked_kernel, [
             (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (32, 64, 128), (4, 8))]),
-        "lightning_state": (ck.lightning_state_kernel, [
+        "lightning_state": (lk.lightning_state_kernel, [
             (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((64,), (32, 64, 128), (4, 8))]),
-        "lightning_output": (ck.lightning_output_kernel, [
+        "lightning_output": (lk.lightning_output_kernel, [
             (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (64, 128), (4, 8))]),
-        "mamba1_unrolled": (tk.mamba1_unrolled_kernel, [
+        "mamba1_unrolled": (mk.mamba1_unrolled_kernel, [
             (f"{d} channels" + (" prefetch" if p else ""),
              dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p), w)
             for d, w, p in itertools.product((64, 128, 256), (2, 4), (True, False))]),
-        "mamba1_segment": (ck.mamba1_segment_kernel, [
+        "mamba1_segment": (mk.mamba1_segment_kernel, [
             (f"{d} channels" + (" outputs" if o else " states"),
              dict(D_INNER=5120, N=16, HAS_Z=True, SOFTPLUS=True, BLOCK_D=d, PREFETCH=False,
                   OUTPUT=o), w)
             for d, w, o in itertools.product((128, 256), (4,), (False, True))]),
-        "mamba1_segment_chain": (ck.mamba1_segment_chain_kernel, [
+        "mamba1_segment_chain": (mk.mamba1_segment_chain_kernel, [
             (f"{d} channels", dict(D_INNER=5120, N=16, BLOCK_D=d), 4) for d in (128, 256)]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
             (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=True, EVICT="",

@@ -899,8 +899,9 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
     """``kind``'s Triton launch on its op arguments ``args``: the conv kernels, the recurrent
     ones (``block`` state columns a program, ``streaming`` cache hints) or, with ``chunked``,
     the chunked ones (chunks of 16 tokens)."""
-    from attn_ops.backends.ssm import chunk_walk_kernels as cw
     from attn_ops.backends.ssm import chunked_kernels as ck
+    from attn_ops.backends.ssm import lightning_kernels as lk
+    from attn_ops.backends.ssm import mamba1_kernels as mk
     from attn_ops.backends.ssm import triton_kernels as tk
 
     if kind == "causal_conv1d":
@@ -917,7 +918,7 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
     if kind == "mamba1_scan":
         *head, _, soft = args
         if chunked:
-            return cw.mamba1_chunked_triton(*head, soft, chunk=16, block_d=16)
+            return mk.mamba1_chunked_triton(*head, soft, chunk=16, block_d=16)
         # (the hinted launch asks for twice the block and more programs than it has: the
         # block halves back)
         return tk.mamba1_recurrent_triton(*head, soft, 2 * block if streaming else block,
@@ -925,7 +926,7 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
                                           min_programs=10 ** 6 if streaming else 1)
     if kind == "lightning_attention":
         if chunked:
-            return cw.lightning_chunked_triton(*args[:-1], chunk=16, block_v=16)
+            return lk.lightning_chunked_triton(*args[:-1], chunk=16, block_v=16)
         return tk.lightning_recurrent_triton(*args[:-1], block, streaming=streaming)
     *head, _, soft, lo, hi = args
     if chunked:
@@ -1320,9 +1321,8 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
     nothing written), buffers NaN-poisoned; blocks splitting the channels / value columns
     (the last block partial); fp32 (exact products) and fp16 inputs (tensor-core products for
     lightning; bf16 at real sizes on the GPU)."""
-    from attn_ops.backends.ssm import chunk_walk_kernels as cw
-    from attn_ops.backends.ssm import chunked_kernels as ck
-    from attn_ops.backends.ssm import triton_kernels as tk
+    from attn_ops.backends.ssm import lightning_kernels as lk
+    from attn_ops.backends.ssm import mamba1_kernels as mk
     from attn_ops.backends.ssm.lightning import lightning_reference
     from attn_ops.backends.ssm.mamba1 import mamba1_reference
 
@@ -1347,14 +1347,14 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                                     meta.max_query_len, True)
         got_states = state.clone()
         if kind == "mamba1":
-            got = cw.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
+            got = mk.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
                                            block_d=block)
         elif kind == "mamba1_unrolled":  # (token by token, d_state unrolled; fp16 reads ahead)
-            got = tk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
+            got = mk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
                                             prefetch=dtype == torch.float16)
         else:  # (the same over segments of `chunk` tokens, three launches; the walk's
             # reads ahead are the unrolled kernel's, run above)
-            got = ck.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
+            got = mk.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
                                              block_d=block)
     else:
         h, dk, dv = 3, 16, 40
@@ -1365,10 +1365,10 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                                        meta.max_query_len)
         got_states = state.clone()
         if kind == "lightning":
-            got = cw.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
+            got = lk.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
                                               block_v=block)
         else:  # (the hand-off and the outputs over different blocks of value columns)
-            got = ck.lightning_split_triton(*args, got_states, *step, chunk=chunk,
+            got = lk.lightning_split_triton(*args, got_states, *step, chunk=chunk,
                                             state_block_v=block, output_block_v=2 * block)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

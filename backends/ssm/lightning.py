@@ -14,9 +14,9 @@ floating dtype; a state slot outside ``state`` absent). The torch body is the re
 CPU path (token by token over all requests at once, fp32; fp64 for fp64 inputs). On GPUs,
 Triton: prefills with at least ``Tuning.ssm.chunked_min_query_len`` new tokens in a request (one
 slot a request) a chunk at a time, as block-wise linear attention on the tensor cores
-(:func:`~attn_ops.backends.ssm.chunk_walk_kernels.lightning_chunked_triton`; with
+(:func:`~attn_ops.backends.ssm.lightning_kernels.lightning_chunked_triton`; with
 ``Tuning.ssm.lightning_split``, a state hand-off then the chunks' outputs in parallel:
-:func:`~attn_ops.backends.ssm.chunked_kernels.lightning_split_triton`), other steps token
+:func:`~attn_ops.backends.ssm.lightning_kernels.lightning_split_triton`), other steps token
 by token (:func:`~attn_ops.backends.ssm.triton_kernels.lightning_recurrent_triton`), one program
 a request, head and block of value columns.
 """
@@ -86,13 +86,13 @@ def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
     kernel, t = chunked_step_kernel(q, max_query_len, state_indices, tuning)
     args = (q, k, v, slope, state, query_start_loc, state_indices, has_initial_state)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.lightning_split:
-        from attn_ops.backends.ssm.chunked_kernels import lightning_split_triton
+        from attn_ops.backends.ssm.lightning_kernels import lightning_split_triton
 
         return lightning_split_triton(*args, t.lightning_chunk, t.lightning_state_block_v,
                                       t.lightning_output_block_v,
                                       (t.lightning_state_warps, t.lightning_output_warps))
     if kernel is Kernel.SSM_TRITON_CHUNKED:
-        from attn_ops.backends.ssm.chunk_walk_kernels import lightning_chunked_triton
+        from attn_ops.backends.ssm.lightning_kernels import lightning_chunked_triton
 
         return lightning_chunked_triton(*args, t.lightning_chunk, t.lightning_chunk_block_v,
                                         t.lightning_chunk_warps)

@@ -16,11 +16,11 @@ state slot outside ``state`` absent: the request runs from a zero state, none of
 written). The torch body is the reference and the CPU path (token by token over all requests
 at once, fp32; fp64 for fp64 inputs). On GPUs, Triton: prefills with at least
 ``Tuning.ssm.chunked_min_query_len`` new tokens in a request (one slot a request) a chunk at a
-time (:func:`~attn_ops.backends.ssm.chunk_walk_kernels.mamba1_chunked_triton`; with
+time (:func:`~attn_ops.backends.ssm.mamba1_kernels.mamba1_chunked_triton`; with
 ``Tuning.ssm.mamba1_unrolled`` token by token with each channel's ``d_state`` row in one
-thread: :func:`~attn_ops.backends.ssm.triton_kernels.mamba1_unrolled_triton`, over segments of
+thread: :func:`~attn_ops.backends.ssm.mamba1_kernels.mamba1_unrolled_triton`, over segments of
 a request with ``mamba1_unrolled_segment``:
-:func:`~attn_ops.backends.ssm.chunked_kernels.mamba1_segmented_triton`), other steps
+:func:`~attn_ops.backends.ssm.mamba1_kernels.mamba1_segmented_triton`), other steps
 token by token (:func:`~attn_ops.backends.ssm.triton_kernels.mamba1_recurrent_triton`), one
 program a request and block of channels, the state block in registers.
 """
@@ -104,18 +104,18 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
     args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             has_initial_state, dt_softplus)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled and t.mamba1_unrolled_segment:
-        from attn_ops.backends.ssm.chunked_kernels import mamba1_segmented_triton
+        from attn_ops.backends.ssm.mamba1_kernels import mamba1_segmented_triton
 
         return mamba1_segmented_triton(*args, t.mamba1_unrolled_segment,
                                        t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
                                        t.mamba1_unrolled_prefetch)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled:
-        from attn_ops.backends.ssm.triton_kernels import mamba1_unrolled_triton
+        from attn_ops.backends.ssm.mamba1_kernels import mamba1_unrolled_triton
 
         return mamba1_unrolled_triton(*args, t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
                                       t.mamba1_unrolled_prefetch)
     if kernel is Kernel.SSM_TRITON_CHUNKED:
-        from attn_ops.backends.ssm.chunk_walk_kernels import mamba1_chunked_triton
+        from attn_ops.backends.ssm.mamba1_kernels import mamba1_chunked_triton
 
         return mamba1_chunked_triton(*args, t.mamba1_chunk, t.mamba1_chunk_block_d,
                                      t.mamba1_chunk_warps, t.mamba1_prefetch)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["conv_triton", "gdn_recurrent_triton", "lightning_recurrent_triton",
-           "mamba1_recurrent_triton", "mamba1_unrolled_triton", "ssd_recurrent_triton"]
+           "mamba1_recurrent_triton", "ssd_recurrent_triton"]
 
 
 @triton.jit
@@ -529,163 +529,22 @@ def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
                          PREFETCH=prefetch, **_state_cache_hints(streaming))
 
 
-@triton.jit
-def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
-                       stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
-                       HAS_Z: tl.constexpr):
-    """Token ``t``'s inputs as stored: ``dt``, ``x``, ``z`` of the channels, and ``B`` / ``C``
-    as tuples of ``N`` values, each a vector of one address (every channel reads the same
-    ``B[t, n]``); nothing is read at or past ``end``."""
-    here = offs_d * 0 + t < end  # (vectors: scalar masks fail interpreted)
-    ok = d_ok & here
-    dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=ok, other=0.0)
-    x = tl.load(x_ptr + t * stride_xt + offs_d, mask=ok, other=0.0)
-    z = x
-    if HAS_Z:
-        z = tl.load(z_ptr + t * stride_zt + offs_d, mask=ok, other=0.0)
-    bb = ()
-    cc = ()
-    for n in tl.static_range(N):
-        bb = bb + (tl.load(b_ptr + t * stride_bt + n + offs_d * 0, mask=here, other=0.0),)
-        cc = cc + (tl.load(c_ptr + t * stride_ct + n + offs_d * 0, mask=here, other=0.0),)
-    return dt, x, z, bb, cc
-
-
-@triton.jit
-def _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
-    """The channels' rates as a tuple of ``N`` vectors scaled by ``log2(e)`` (each decay an
-    exp2)."""
-    a = ()
-    for n in tl.static_range(N):
-        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
-                 * 1.4426950408889634,)
-    return a
-
-
-@triton.jit
-def _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, stride_sd,
-                       num_slots, offs_d, d_ok, N: tl.constexpr):
-    """Request ``r``'s slot row pointers (``N`` strided entries a channel from there), whether
-    the slot is present, and its state as a tuple of ``N`` vectors (zeros without an initial
-    state or a present slot)."""
-    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
-    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
-    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
-    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-    row = state_ptr + slot * stride_ss + offs_d * stride_sd
-    s = ()
-    for n in tl.static_range(N):
-        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
-    return row, present, s
-
-
-@triton.jit
-def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
-    """The state tuple ``s`` back into the slot row (:func:`_mamba1_slot_state`)."""
-    for n in tl.static_range(N):
-        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
-                 offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
-                 stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr):
-    """Rows ``[start, end)`` token by token from the state ``s`` (a tuple of ``N`` ``[BLOCK_D]``
-    vectors: each channel's ``d_state`` row in one thread): ``h_n = h_n exp2(dt a_n) + dt x
-    B_n``, and with ``OUTPUT`` ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns
-    the final state and the channels' summed time steps."""
-    total = d_skip * 0.0
-    if PREFETCH:
-        dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
-            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok, stride_xt,
-            stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
-    for t in range(start, end):
-        if PREFETCH:
-            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
-            dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
-                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, d_ok, stride_xt,
-                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
-        else:
-            dt_r, x_r, z_r, b_r, c_r = _mamba1_row_inputs(
-                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok, stride_xt,
-                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
-        dt = dt_r.to(tl.float32) + dt_bias
-        if SOFTPLUS:
-            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-        total += dt
-        x = x_r.to(tl.float32)
-        dtx = dt * x
-        y = d_skip * x
-        stepped = ()
-        for n in tl.static_range(N):
-            h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
-            if OUTPUT:
-                y += h * c_r[n].to(tl.float32)
-            stepped = stepped + (h,)
-        s = stepped
-        if OUTPUT:
-            if HAS_Z:
-                z = z_r.to(tl.float32)
-                y = y * z / (1.0 + tl.exp(-z))
-            tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
-    return s, total
-
-
-@triton.jit
-def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
-                           state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
-                           stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
-                           stride_a, stride_ss, stride_sd, num_tokens, num_slots,
-                           NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
-                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
-    """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
-    ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
-    C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
-    ``d_state`` over lanes and sums it with shuffles, and the per-channel time step, skip and
-    gate are computed once a channel, not once a lane. One slot a request (``NUM_WRITES``
-    0); the state row's ``N`` reads and writes are strided, once a request."""
-    r = tl.program_id(0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D_INNER
-    start, end = request_span(qsl_ptr, r, num_tokens)
-    row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
-                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
-    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
-                        _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip, dt_bias,
-                        start, end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
-                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True)
-    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
-    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
-                       d_ok)
-
-
-def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
-                           state_indices, has_initial_state, dt_softplus, block_d: int = 256,
-                           num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
-    """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
-    (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request
-    (inputs already checked)."""
-    if _num_writes(state_indices):
-        raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
-                         "steps run mamba1_recurrent_triton")
-    return mamba1_launch(mamba1_unrolled_kernel, x, dt, A, B, C, D, z, dt_bias, state,
-                         query_start_loc, state_indices, has_initial_state, dt_softplus,
-                         block_d, num_warps, NUM_WRITES=0, PREFETCH=prefetch)
+def mamba1_operands(x, dt, A, B, C, D, z, dt_bias) -> tuple:
+    """A Mamba1 step's operands as its kernels read them: the last dim contiguous, an absent
+    ``D`` / ``dt_bias`` fp32 zeros (``z`` stays None where absent)."""
+    x, dt, A, B, C = (u if u.stride(-1) == 1 else u.contiguous() for u in (x, dt, A, B, C))
+    z = z if z is None or z.stride(-1) == 1 else z.contiguous()
+    d = x.shape[1]
+    return x, dt, A, B, C, _or_zeros(D, d, x.device), z, _or_zeros(dt_bias, d, x.device)
 
 
 def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                   has_initial_state, dt_softplus, block_d: int, num_warps: int,
                   **constexprs) -> torch.Tensor:
-    """One launch of a Mamba1 kernel -- token by token, or chunked
-    (:mod:`~attn_ops.backends.ssm.chunk_walk_kernels`): they take the same arguments -- over
+    """One launch of a Mamba1 kernel -- token by token, chunked or unrolled
+    (:mod:`~attn_ops.backends.ssm.mamba1_kernels`): they take the same arguments -- over
     a program a request and ``block_d`` channels; ``constexprs``: the kernel's own."""
-    x, dt, B, C = (u if u.stride(-1) == 1 else u.contiguous() for u in (x, dt, B, C))
-    z = z if z is None or z.stride(-1) == 1 else z.contiguous()
-    A = A if A.stride(-1) == 1 else A.contiguous()
+    x, dt, A, B, C, D, z, dt_bias = mamba1_operands(x, dt, A, B, C, D, z, dt_bias)
     t, d = x.shape
     n = A.shape[1]
     b = query_start_loc.shape[0] - 1
@@ -693,7 +552,6 @@ def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
         return torch.zeros_like(x)
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     block_d = min(triton.next_power_of_2(d), block_d)
-    D, dt_bias = _or_zeros(D, d, x.device), _or_zeros(dt_bias, d, x.device)
     kernel[(b, triton.cdiv(d, block_d))](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, state_indices.stride(0), x.stride(0), y.stride(0),
@@ -758,7 +616,7 @@ def lightning_launch(kernel, q, k, v, slope, state, query_start_loc, state_indic
                      has_initial_state, block_v: int, num_warps: int, min_block: int = 1,
                      **constexprs) -> torch.Tensor:
     """One launch of a lightning-attention kernel -- token by token, or chunked
-    (:mod:`~attn_ops.backends.ssm.chunk_walk_kernels`): they take the same arguments -- over
+    (:mod:`~attn_ops.backends.ssm.lightning_kernels`): they take the same arguments -- over
     a program a request, head and ``block_v`` value columns; the head and value blocks at
     least ``min_block`` (tensor-core tiles: 16); ``constexprs``: the kernel's own."""
     q, k, v = (u if u.stride(-1) == 1 else u.contiguous() for u in (q, k, v))

@@ -1,0 +1,388 @@
+"""Mamba1's prefill kernels beside the token-by-token one (``triton_kernels``), for steps
+whose longest request has at least ``Tuning.ssm.chunked_min_query_len`` new tokens, one state
+slot a request:
+
+* :func:`mamba1_chunked_kernel` -- one program a request and block of channels walks the
+  request's new tokens a chunk at a time: a chunk's ``[tokens, channels, d_state]`` decays and
+  inputs reduced by an associative scan along the tokens (``(a1, b1) . (a2, b2) = (a1 a2, b1 a2
+  + b2)``, products of decays only: no ratio of decays that could overflow), the chunk's start
+  state carried in by the scan's decay products; each input read once in ``[chunk, ...]``
+  tiles instead of one row a step of a dependent loop.
+* :func:`mamba1_unrolled_kernel` -- token by token with each channel's ``d_state`` row unrolled
+  into one thread's registers (``Tuning.ssm.mamba1_unrolled``).
+* :func:`mamba1_segment_kernel` / :func:`mamba1_segment_chain_kernel` -- the unrolled walk over
+  segments of a request, in three launches (``Tuning.ssm.mamba1_unrolled_segment``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_ops.backends.ssm.chunked_kernels import chunk_table_triton
+from attn_ops.backends.ssm.triton_kernels import (_inside, _keep_final, _num_writes,
+                                                  _request_state, _zero_padding_rows,
+                                                  mamba1_launch, mamba1_operands,
+                                                  request_span)
+
+__all__ = ["mamba1_chunked_triton", "mamba1_segmented_triton", "mamba1_unrolled_triton"]
+
+
+@triton.jit
+def _compose(a1, b1, a2, b2):
+    """Two steps ``s -> a s + b`` composed, the first (1) before the second (2)."""
+    return a1 * a2, b1 * a2 + b2
+
+
+@triton.jit
+def _mamba1_chunk_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, rows, end, offs_d, offs_n, d_ok,
+                         n_ok, stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                         HAS_Z: tl.constexpr):
+    """A chunk's inputs as stored: ``dt``, ``x``, ``z`` as ``[chunk, channels]``, ``B``, ``C``
+    as ``[chunk, d_state]``; rows at or past ``end`` read nothing."""
+    ok = (rows < end)[:, None] & d_ok[None, :]
+    n_mask = (rows < end)[:, None] & n_ok[None, :]
+    dt = tl.load(dt_ptr + rows[:, None] * stride_dtt + offs_d[None, :], mask=ok, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + offs_d[None, :], mask=ok, other=0.0)
+    z = x
+    if HAS_Z:
+        z = tl.load(z_ptr + rows[:, None] * stride_zt + offs_d[None, :], mask=ok, other=0.0)
+    bb = tl.load(b_ptr + rows[:, None] * stride_bt + offs_n[None, :], mask=n_mask, other=0.0)
+    cc = tl.load(c_ptr + rows[:, None] * stride_ct + offs_n[None, :], mask=n_mask, other=0.0)
+    return dt, x, z, bb, cc
+
+
+@triton.jit
+def mamba1_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
+                          state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
+                          stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                          stride_a, stride_ss, stride_sd, num_tokens, num_slots,
+                          D_INNER: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
+                          SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: the channels'
+    ``[BLOCK_D, d_state]`` state over the request's tokens, ``CHUNK`` at a time, carried
+    between chunks in the scan's 3-D layout; ``PREFETCH``: the next chunk's inputs are read
+    before this chunk's scan (the loop is otherwise bound by their latency)."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, CHUNK)
+    d_ok = offs_d < D_INNER
+    n_ok = offs_n < N
+    start, end, s, s_offs, s_ptrs, s_mask, w_mask = _request_state(
+        qsl_ptr, slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, num_slots, 0,
+        offs_d, offs_n, d_ok, n_ok, stride_sd, num_tokens, "")
+    a = tl.load(a_ptr + offs_d[:, None] * stride_a + offs_n[None, :],
+                mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    last = (offs_l == CHUNK - 1)[:, None, None]
+    s3 = s[None, :, :]  # (carried 3-D: the scan's layout, not converted back each chunk)
+    if PREFETCH:
+        dt_n, x_n, z_n, b_n, c_n = _mamba1_chunk_inputs(
+            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + offs_l, end, offs_d, offs_n, d_ok, n_ok,
+            stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
+    for c0 in range(start, end, CHUNK):
+        rows = c0 + offs_l
+        if PREFETCH:
+            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
+            dt_n, x_n, z_n, b_n, c_n = _mamba1_chunk_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, rows + CHUNK, end, offs_d, offs_n, d_ok,
+                n_ok, stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
+        else:
+            dt_r, x_r, z_r, b_r, c_r = _mamba1_chunk_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, rows, end, offs_d, offs_n, d_ok, n_ok,
+                stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, HAS_Z)
+        ok = (rows < end)[:, None] & d_ok[None, :]
+        dt = dt_r.to(tl.float32) + dt_bias[None, :]
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        # rows past the request: decay 1, input 0 -- the scan's last row is its final state
+        dt = tl.where(ok, dt, 0.0)
+        x = x_r.to(tl.float32)
+        decay = tl.exp(dt[:, :, None] * a[None, :, :])
+        inp = (dt * x)[:, :, None] * b_r.to(tl.float32)[:, None, :]
+        carried, h = tl.associative_scan((decay, inp), 0, _compose)
+        h = h + carried * s3
+        y = tl.sum(h * c_r.to(tl.float32)[:, None, :], axis=2) + d_skip[None, :] * x
+        if HAS_Z:
+            z = z_r.to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + rows[:, None] * stride_yt + offs_d[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=ok)
+        s3 = tl.sum(tl.where(last, h, 0.0), axis=0, keep_dims=True)
+    _keep_final(state_ptr, s_ptrs, tl.reshape(s3, (BLOCK_D, BLOCK_N)), w_mask, 0, "")
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
+                       d_ok)
+
+
+def mamba1_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                          state_indices, has_initial_state, dt_softplus, chunk: int = 16,
+                          block_d: int = 32, num_warps: int = 4,
+                          prefetch: bool = True) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` ``chunk`` tokens at a time (a power of two), ``block_d``
+    channels a program, one slot a request (inputs already checked)."""
+    return mamba1_launch(mamba1_chunked_kernel, x, dt, A, B, C, D, z, dt_bias, state,
+                         query_start_loc, state_indices, has_initial_state, dt_softplus,
+                         block_d, num_warps, CHUNK=chunk, PREFETCH=prefetch)
+
+
+@triton.jit
+def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
+                       stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
+                       HAS_Z: tl.constexpr):
+    """Token ``t``'s inputs as stored: ``dt``, ``x``, ``z`` of the channels, and ``B`` / ``C``
+    as tuples of ``N`` values, each a vector of one address (every channel reads the same
+    ``B[t, n]``); nothing is read at or past ``end``."""
+    here = offs_d * 0 + t < end  # (vectors: scalar masks fail interpreted)
+    ok = d_ok & here
+    dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=ok, other=0.0)
+    x = tl.load(x_ptr + t * stride_xt + offs_d, mask=ok, other=0.0)
+    z = x
+    if HAS_Z:
+        z = tl.load(z_ptr + t * stride_zt + offs_d, mask=ok, other=0.0)
+    bb = ()
+    cc = ()
+    for n in tl.static_range(N):
+        bb = bb + (tl.load(b_ptr + t * stride_bt + n + offs_d * 0, mask=here, other=0.0),)
+        cc = cc + (tl.load(c_ptr + t * stride_ct + n + offs_d * 0, mask=here, other=0.0),)
+    return dt, x, z, bb, cc
+
+
+@triton.jit
+def _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
+    """The channels' rates as a tuple of ``N`` vectors scaled by ``log2(e)`` (each decay an
+    exp2)."""
+    a = ()
+    for n in tl.static_range(N):
+        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
+                 * 1.4426950408889634,)
+    return a
+
+
+@triton.jit
+def _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, stride_sd,
+                       num_slots, offs_d, d_ok, N: tl.constexpr):
+    """Request ``r``'s slot row pointers (``N`` strided entries a channel from there), whether
+    the slot is present, and its state as a tuple of ``N`` vectors (zeros without an initial
+    state or a present slot)."""
+    slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
+    present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
+    init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
+    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+    row = state_ptr + slot * stride_ss + offs_d * stride_sd
+    s = ()
+    for n in tl.static_range(N):
+        s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
+    return row, present, s
+
+
+@triton.jit
+def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
+    """The state tuple ``s`` back into the slot row (:func:`_mamba1_slot_state`)."""
+    for n in tl.static_range(N):
+        tl.store(row + n, s[n].to(state_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
+                 offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
+                 stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr):
+    """Rows ``[start, end)`` token by token from the state ``s`` (a tuple of ``N`` ``[BLOCK_D]``
+    vectors: each channel's ``d_state`` row in one thread): ``h_n = h_n exp2(dt a_n) + dt x
+    B_n``, and with ``OUTPUT`` ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns
+    the final state and the channels' summed time steps."""
+    total = d_skip * 0.0
+    if PREFETCH:
+        dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
+            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok, stride_xt,
+            stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+    for t in range(start, end):
+        if PREFETCH:
+            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
+            dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, d_ok, stride_xt,
+                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+        else:
+            dt_r, x_r, z_r, b_r, c_r = _mamba1_row_inputs(
+                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok, stride_xt,
+                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+        dt = dt_r.to(tl.float32) + dt_bias
+        if SOFTPLUS:
+            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        total += dt
+        x = x_r.to(tl.float32)
+        dtx = dt * x
+        y = d_skip * x
+        stepped = ()
+        for n in tl.static_range(N):
+            h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
+            if OUTPUT:
+                y += h * c_r[n].to(tl.float32)
+            stepped = stepped + (h,)
+        s = stepped
+        if OUTPUT:
+            if HAS_Z:
+                z = z_r.to(tl.float32)
+                y = y * z / (1.0 + tl.exp(-z))
+            tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+    return s, total
+
+
+@triton.jit
+def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr,
+                           state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, stride_idx,
+                           stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                           stride_a, stride_ss, stride_sd, num_tokens, num_slots,
+                           NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
+                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
+    """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
+    ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
+    C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
+    ``d_state`` over lanes and sums it with shuffles, and the per-channel time step, skip and
+    gate are computed once a channel, not once a lane. One slot a request (``NUM_WRITES``
+    0); the state row's ``N`` reads and writes are strided, once a request."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_INNER
+    start, end = request_span(qsl_ptr, r, num_tokens)
+    row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
+                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
+    d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
+                        _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip, dt_bias,
+                        start, end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
+                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True)
+    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
+                       d_ok)
+
+
+def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                           state_indices, has_initial_state, dt_softplus, block_d: int = 256,
+                           num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
+    (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request
+    (inputs already checked)."""
+    if _num_writes(state_indices):
+        raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
+                         "steps run mamba1_recurrent_triton")
+    return mamba1_launch(mamba1_unrolled_kernel, x, dt, A, B, C, D, z, dt_bias, state,
+                         query_start_loc, state_indices, has_initial_state, dt_softplus,
+                         block_d, num_warps, NUM_WRITES=0, PREFETCH=prefetch)
+
+
+@triton.jit
+def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_ptr, hs_ptr,
+                          sum_ptr, y_ptr, start_ptr, end_ptr, stride_xt, stride_yt, stride_dtt,
+                          stride_zt, stride_bt, stride_ct, stride_a, D_INNER: tl.constexpr,
+                          N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Z: tl.constexpr,
+                          SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
+                          OUTPUT: tl.constexpr):
+    """Per segment and block of channels, token by token with ``d_state`` unrolled
+    (:func:`~attn_ops.backends.ssm.triton_kernels._mamba1_walk`): without ``OUTPUT``, the
+    segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``, channels fastest)
+    and its summed time steps into ``sum[c]``; with ``OUTPUT``, its outputs from its start
+    state ``hs[c]`` (which the chain wrote over the local one)."""
+    c = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_INNER
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    if start < end:
+        d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        base = hs_ptr + c.to(tl.int64) * (N * D_INNER) + offs_d
+        s = ()
+        for n in tl.static_range(N):
+            if OUTPUT:
+                s = s + (tl.load(base + n * D_INNER, mask=d_ok, other=0.0),)
+            else:
+                s = s + (d_skip * 0.0,)
+        s, total = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
+                                _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip,
+                                dt_bias, start, end, offs_d, d_ok, stride_xt, stride_yt,
+                                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z,
+                                SOFTPLUS, PREFETCH, OUTPUT)
+        if not OUTPUT:
+            for n in tl.static_range(N):
+                tl.store(base + n * D_INNER, s[n], mask=d_ok)
+            tl.store(sum_ptr + c.to(tl.int64) * D_INNER + offs_d, total, mask=d_ok)
+
+
+@triton.jit
+def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_ptr, coff_ptr,
+                                slot_ptr, init_ptr, stride_idx, stride_a, stride_ss, stride_sd,
+                                stride_yt, num_tokens, num_slots, D_INNER: tl.constexpr,
+                                N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per request and block of channels, segment after segment: the state at the segment's
+    start over its local one in ``hs``, then ``S = exp(A sum(dt)) S + local`` (a segment's
+    decays multiply into one: ``prod_t exp(dt_t A) = exp(A sum_t dt_t)``); the final state
+    into the request's slot, and the last request's programs zero the output rows past its
+    end."""
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D_INNER
+    start, end = request_span(qsl_ptr, r, num_tokens)
+    row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
+                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
+    a = _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N)
+    c = tl.load(coff_ptr + r).to(tl.int64)
+    for _ in range(tl.load(coff_ptr + r), tl.load(coff_ptr + r + 1)):
+        base = hs_ptr + c * (N * D_INNER) + offs_d
+        total = tl.load(sum_ptr + c * D_INNER + offs_d, mask=d_ok, other=0.0)
+        chained = ()
+        for n in tl.static_range(N):
+            local = tl.load(base + n * D_INNER, mask=d_ok, other=0.0)
+            tl.store(base + n * D_INNER, s[n], mask=d_ok)
+            chained = chained + (s[n] * tl.exp2(total * a[n]) + local,)
+        s = chained
+        c += 1
+    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
+    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
+                       d_ok)
+
+
+def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
+                            state_indices, has_initial_state, dt_softplus, segment: int = 256,
+                            block_d: int = 256, num_warps: int = 4,
+                            prefetch: bool = False) -> torch.Tensor:
+    """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
+    (one slot a request), in three launches: every segment's local state from zero, the
+    hand-off of states between a request's segments, every segment's outputs from its start
+    state -- the token loops of a long request run side by side, at 1.7 times the single
+    walk's instructions (inputs already checked)."""
+    if state_indices.dim() != 1:
+        raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
+                         "steps run mamba1_recurrent_triton")
+    x, dt, A, B, C, D, z, dt_bias = mamba1_operands(x, dt, A, B, C, D, z, dt_bias)
+    t, d = x.shape
+    n = A.shape[1]
+    b = query_start_loc.shape[0] - 1
+    if b == 0 or t == 0:
+        return torch.zeros_like(x)
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, segment)
+    m = starts.shape[0]
+    hs = torch.empty(m, n, d, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, d, dtype=torch.float32, device=x.device)
+    block_d = min(triton.next_power_of_2(d), block_d)
+    zz = z if z is not None else x
+    inputs = (x, dt, A, B, C, D, zz, dt_bias, hs, sums, y, starts, ends, x.stride(0),
+              y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
+              C.stride(0), A.stride(0))
+    common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
+                  PREFETCH=prefetch, num_warps=num_warps)
+    grid = (m, triton.cdiv(d, block_d))
+    mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
+    mamba1_segment_chain_kernel[(b, triton.cdiv(d, block_d))](
+        A, hs, sums, state, y, query_start_loc, offsets, state_indices, has_initial_state,
+        state_indices.stride(0), A.stride(0), state.stride(0), state.stride(1), y.stride(0), t,
+        state.shape[0], D_INNER=d, N=n, BLOCK_D=block_d, num_warps=num_warps)
+    mamba1_segment_kernel[grid](*inputs, OUTPUT=True, **common)
+    return y
