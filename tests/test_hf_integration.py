@@ -42,13 +42,14 @@ def _family(name: str):
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss", "qwen3_next"]
 
 
-def _models(name: str):
+def _models(name: str, **overrides):
     """The family's tiny model under HF's implementation and under attn_ops, same weights
-    (random, the sinks and norms too), fp32, eval."""
+    (random, the sinks and norms too), fp32, eval; ``overrides``: config fields changed."""
     from attn_ops import hf
 
     hf.register()
     cls, extra, peer = _family(name)
+    extra = dict(extra, **overrides)
     torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(
         cls(**BASE, **extra, attn_implementation=peer)).eval()
@@ -295,15 +296,7 @@ def test_window_layers_decode_over_hfs_ring_of_pages(name, window, lengths, monk
 
     from attn_ops import hf
 
-    cls, extra, peer = _family(name)
-    hf.register()
-    torch.manual_seed(0)
-    extra = dict(extra, sliding_window=window)
-    theirs = transformers.AutoModelForCausalLM.from_config(
-        cls(**BASE, **extra, attn_implementation=peer)).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+    theirs, _ = _models(name, sliding_window=window)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 101, (n,), generator=g).tolist() for n in lengths]
     config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1,
@@ -312,9 +305,7 @@ def test_window_layers_decode_over_hfs_ring_of_pages(name, window, lengths, monk
                                                block_size=16)
 
     def run():
-        ours = transformers.AutoModelForCausalLM.from_config(
-            cls(**BASE, **extra, attn_implementation="attn_ops")).eval()
-        ours.load_state_dict(theirs.state_dict())
+        ours = _models(name, sliding_window=window)[1]  # (a new model: its layers' modes)
         with torch.no_grad():
             got = ours.generate_batch(prompts, generation_config=config,
                                       continuous_batching_config=cb, warmup=False)
@@ -417,18 +408,8 @@ def test_patched_qwen3_next_runs_its_gated_deltanet_on_attn_ops(heads, monkeypat
 
     from attn_ops import hf
 
-    cls, extra, _ = _family("qwen3_next")
-    extra = dict(extra, linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
-    hf.register()
-    torch.manual_seed(0)
-    theirs = transformers.AutoModelForCausalLM.from_config(
-        cls(**BASE, **extra, attn_implementation="sdpa")).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
-    ours = transformers.AutoModelForCausalLM.from_config(
-        cls(**BASE, **extra, attn_implementation="attn_ops")).eval()
-    ours.load_state_dict(theirs.state_dict())
+    theirs, ours = _models("qwen3_next", linear_num_key_heads=heads[0],
+                           linear_num_value_heads=heads[1])
     assert hf.patch(ours) == 1 and hf.patch(ours) == 0  # (one GDN layer, once)
     module = sys.modules[type(ours.model.layers[0].linear_attn).__module__]
     calls = []
