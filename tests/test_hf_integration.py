@@ -318,8 +318,10 @@ def test_window_layers_decode_over_hfs_ring_of_pages(name, window, lengths, monk
         for p, tokens in zip(prompts, ring):
             assert tokens == theirs.generate(torch.tensor([p]), max_new_tokens=40,
                                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-    inner = hf._reads_in_place  # (the same run, every window copied)
-    monkeypatch.setattr(hf, "_reads_in_place", lambda c, layer, w, i: inner(c, layer, w, i) or (
+    from attn_ops.hf import paged
+
+    inner = paged._reads_in_place  # (the same run, every window copied)
+    monkeypatch.setattr(paged, "_reads_in_place", lambda c, layer, w, i: inner(c, layer, w, i) or (
         "copied" if w else None))
     assert run()[0] == ring
 
@@ -407,6 +409,7 @@ def test_patched_qwen3_next_runs_its_gated_deltanet_on_attn_ops(heads, monkeypat
     import sys
 
     from attn_ops import hf
+    from attn_ops.hf import patching
 
     theirs, ours = _models("qwen3_next", linear_num_key_heads=heads[0],
                            linear_num_value_heads=heads[1])
@@ -418,7 +421,7 @@ def test_patched_qwen3_next_runs_its_gated_deltanet_on_attn_ops(heads, monkeypat
             calls.append(1)
             return _hfs(*a, **k)
 
-        monkeypatch.setattr(module, name, hf._gdn_dispatcher(counted, "chunk" in name))
+        monkeypatch.setattr(module, name, patching._gdn_dispatcher(counted, "chunk" in name))
     ids, mask = _batch()
     with torch.no_grad():
         ours(ids, attention_mask=mask)
@@ -437,7 +440,7 @@ def test_the_in_place_step_reads_block_tables_from_hfs_indices():
     read index (its pages' first rows), requests in decode-first order (a prefill chunk
     packed before a decode), the slots HF's write index names; with an empty read index (no
     history in the step) the tables come from the write index."""
-    from attn_ops.hf import _InPlaceStep
+    from attn_ops.hf.paged import _InPlaceStep
 
     # (request 0: a 3-token chunk after 3 tokens; request 1: a decode after 8)
     page, tables = 4, {0: [5, 2], 1: [7, 1, 3]}

@@ -1,0 +1,139 @@
+"""What the HF integration's paths share: the layer an HF module runs (:func:`_layer`, its
+spec from the call), the requests of a padded batch (:func:`_requests`), a step's pages and
+metadata (:func:`_scratch_step`, :class:`_StepPlan`, :func:`_built`)."""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.selector import AttentionConfig
+from attn_ops.spec import AttentionSpec
+
+_LAYERS_ATTR = "_attn_ops_layers"
+_CONFIG: dict[str, AttentionConfig | None] = {"config": None}
+
+
+def _where(module) -> str:
+    layer = getattr(module, "layer_idx", None)
+    return f"{type(module).__name__}" + (f" (layer {layer})" if layer is not None else "")
+
+
+def spec_of_call(module, query, key, value, scaling, sliding_window, softcap,
+                 sinks) -> AttentionSpec:
+    """The :class:`AttentionSpec` of an HF attention call (``query [B, Hq, Sq, D]``, ``key``
+    / ``value [B, Hkv, Skv, D(v)]``)."""
+    hq, d = query.shape[1], query.shape[3]
+    dv = value.shape[3]
+    return AttentionSpec(num_heads=hq, num_kv_heads=key.shape[1], head_dim=d,
+                         head_dim_v=None if dv == d else dv, dtype=query.dtype,
+                         sliding_window=sliding_window or None, logits_soft_cap=softcap or None,
+                         has_sinks=sinks is not None, scale=scaling)
+
+
+def _layer(module, spec: AttentionSpec, device):
+    """The module's :class:`~attn_ops.Attention` for ``spec`` (built once, kept on it)."""
+    from attn_ops.layers.attention import Attention
+
+    layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
+    layer = layers.get(spec)
+    if layer is None:
+        try:
+            layer = Attention(spec, _CONFIG["config"]).to(device)
+        except ValueError as e:  # (no backend serves it here: every reason, named)
+            raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
+        layers[spec] = layer
+    return layer
+
+
+def _requests(mask, b: int, sq: int, skv: int, module) -> list[tuple[int, int, int]]:
+    """Each row's request as ``(key start, query start, end)``: keys ``[start, end)``, queries
+    ``[query start, end)`` (the row's last positions within its run of keys)."""
+    if mask is None:
+        return [(0, skv - sq, skv)] * b
+    if mask.dim() != 2 or mask.shape != (b, skv):
+        raise ValueError(
+            f"attn_ops ({_where(module)}): attention_mask {tuple(mask.shape)} is not the 2-D "
+            f"[batch={b}, keys={skv}] padding mask attn_ops serves (a custom 4-D mask, say); "
+            "load the model with attn_implementation='sdpa' or 'eager' for it, or express it "
+            "as an attn_ops FLEX_ATTENTION mask_mod")
+    keep = mask.bool().cpu()
+    out = []
+    for row in range(b):
+        run = _run(keep[row])  # (no key: (skv, skv), every query row padding)
+        if run is None:
+            raise ValueError(
+                f"attn_ops ({_where(module)}): attention_mask row {row} keeps keys that are "
+                "not one run (holes inside it); attn_ops serves left or right padding -- use "
+                "attn_implementation='sdpa' or 'eager' for this mask")
+        out.append((run[0], max(run[0], skv - sq), run[1]))
+    return out
+
+
+def _run(keep: torch.Tensor) -> tuple[int, int] | None:
+    """The run ``[lo, hi)`` of a mask row's kept positions (``(n, n)`` where none is kept);
+    None where they are not one run."""
+    idx = keep.nonzero().flatten()
+    if not len(idx):
+        return keep.shape[0], keep.shape[0]
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    return (lo, hi) if hi - lo == len(idx) else None
+
+
+def _decodes_first(ids, lens) -> list:
+    """``ids`` in the order a step takes them: requests of one new token first."""
+    return sorted(ids, key=lambda i: lens[i] > 1)
+
+
+def _scratch_step(page: int, totals: list[int], lens: list[int], device):
+    """A step over requests given whole (request ``i``: ``totals[i]`` tokens, its last
+    ``lens[i]`` new): ``(order, allocator, blocks, metadata)`` over pages holding exactly
+    theirs."""
+    from attn_ops.kv_cache import BlockAllocator
+    from attn_ops.metadata import build_batch
+
+    order = _decodes_first(range(len(totals)), lens)
+    blocks = sum(-(-n // page) for n in totals)
+    alloc = BlockAllocator(blocks, page)
+    meta = build_batch(alloc, order, [totals[i] - lens[i] for i in order],
+                       [lens[i] for i in order], device=device)
+    return order, alloc, blocks, meta
+
+
+def _slots(alloc, order, counts: list[int], device) -> torch.Tensor:
+    """The slots of request ``i``'s first ``counts[i]`` tokens, requests in ``order``."""
+    return torch.tensor([s for i in order for s in alloc.slots(i, 0, counts[i])],
+                        dtype=torch.long, device=device)
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, D]`` (HF's layout) as ``[B * S, H, D]`` rows, row ``b * S + s``."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _built(built: dict, layer, common) -> dict:
+    """``layer``'s backend metadata for the step's ``common`` metadata, as the layer takes it
+    (``{metadata key: metadata}``), built -- host planning included -- once a step for the
+    layers sharing the key and kept in ``built``, the step plan's."""
+    key = layer._metadata_key
+    if key not in built:
+        built[key] = layer.impl.build_metadata(common)
+    return {key: built[key]}
+
+
+class _StepPlan:
+    """What a step's plan keeps for its layers: the backends' metadata, built once a step
+    (``built``, :func:`_built`), and for plans over copies one scratch cache a layer shape
+    (:meth:`scratch`, over ``blocks`` pages: every layer rewrites the slots it reads)."""
+
+    blocks: int
+
+    @property
+    def built(self) -> dict:
+        return self.__dict__.setdefault("_built", {})
+
+    def scratch(self, layer, device) -> torch.Tensor:
+        caches = self.__dict__.setdefault("_caches", {})
+        key = (layer.spec, layer.block_size, layer.selection.backend_cls)
+        if key not in caches:
+            caches[key] = layer.allocate_kv_cache(self.blocks, device)
+        return caches[key]

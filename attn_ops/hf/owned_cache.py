@@ -1,0 +1,218 @@
+"""``attn_ops.hf.cache``: a transformers ``Cache`` keeping attention layers' K/V in attn_ops
+pages for its lifetime (the package docstring)."""
+
+from __future__ import annotations
+
+import torch
+
+from attn_ops.hf.common import _built, _decodes_first, _rows_of, _run, _where
+# (id(key tensor) -> (its weakref, the AttnOpsCache layer that returned it from update))
+_HANDED: dict[int, tuple] = {}
+
+
+def _hand_over(key: torch.Tensor, layer) -> None:
+    """``layer`` (of an :func:`cache`) returned ``key`` from its ``update``: the attention call
+    that receives this very tensor reads the history from the layer's pages."""
+    import weakref
+
+    for k in [k for k, (ref, _) in _HANDED.items() if ref() is None]:
+        del _HANDED[k]
+    _HANDED[id(key)] = (weakref.ref(key), layer)
+
+
+def _take_handover(key: torch.Tensor):
+    """The :func:`cache` layer that handed ``key`` over (None: HF's own cache or none)."""
+    got = _HANDED.get(id(key))
+    if got is None or got[0]() is not key:
+        return None
+    del _HANDED[id(key)]
+    return got[1]
+
+
+def _cache_classes():
+    """``(Cache, CacheLayerMixin)`` of the installed transformers."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    return Cache, CacheLayerMixin
+
+
+class _Steps:
+    """What every layer of an :func:`cache` shares, by page size: one page allocator (a row's
+    pages hold its tokens in every layer, each layer in its own tensor), each row's count of
+    unpadded tokens, and the step's plan -- the rows' new-token runs, the decode-first order
+    and the metadata -- built by the first layer of a step and reused by the others (the mask
+    read on the host once a step, not once a layer)."""
+
+    def __init__(self, batch: int, max_tokens: int) -> None:
+        self.batch, self.max_tokens = batch, max_tokens
+        self.by_page: dict[int, dict] = {}
+
+    def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
+        from attn_ops.kv_cache import BlockAllocator
+        from attn_ops.metadata import build_batch
+
+        state = self.by_page.get(page)
+        if state is None:
+            blocks = self.batch * -(-self.max_tokens // page)
+            state = self.by_page[page] = dict(blocks=blocks, alloc=BlockAllocator(blocks, page),
+                                              written=[0] * self.batch, plan=None)
+        plan = state["plan"]
+        if plan is not None and plan["step"] == step:
+            return plan
+        if plan is not None:  # (the last step's tokens are history now)
+            for r, n in zip(plan["order"], plan["lens"]):
+                state["written"][r] += n
+        b = self.batch
+        new = [(0, sq)] * b
+        if mask is not None:
+            if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < sq:
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
+                                 f"{tuple(mask.shape)} is not the 2-D padding mask")
+            keep = mask[:, -sq:].bool().cpu()
+            new = [_run(keep[r]) for r in range(b)]
+            if None in new:
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
+                                 f"{new.index(None)}'s new tokens are not one run")
+        count = [hi - lo for lo, hi in new]
+        order = _decodes_first([r for r in range(b) if count[r]], count)
+        ctx = [state["written"][r] for r in order]
+        lens = [count[r] for r in order]
+        if order and max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
+            raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
+                             f"max_tokens={self.max_tokens}; make it with more")
+        meta = build_batch(state["alloc"], order, ctx, lens, device=device) if order else None
+        rows = torch.tensor([r * sq + j for r in order for j in range(*new[r])],
+                            dtype=torch.long)  # (HF's [B * Sq] rows, in order; None: all)
+        rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
+        plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
+                                    rows=rows, blocks=state["blocks"], built={})
+        return plan
+
+    def tokens(self, page: int) -> list[int]:
+        """Each row's unpadded tokens in the pages (the current step's included)."""
+        state = self.by_page[page]
+        out = list(state["written"])
+        if state["plan"] is not None:
+            for r, n in zip(state["plan"]["order"], state["plan"]["lens"]):
+                out[r] += n
+        return out
+
+
+def _layer_class():
+    _, mixin = _cache_classes()
+
+    class AttnOpsLayer(mixin):
+        """One layer's K/V in attn_ops pages (its tensor; the pages, counts and step plans
+        shared with the cache's other layers: :class:`_Steps`); ``length`` counts positions
+        HF has seen (pads included), which its masks are sized by."""
+
+        is_sliding = False
+        is_compileable = False
+
+        def __init__(self, steps: _Steps, index: int, **kwargs):
+            super().__init__()
+            self.steps, self.index = steps, index
+            self.length = 0
+            self.kv = None
+            self.pending = False  # (new tokens returned by update, not yet attended)
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] != self.steps.batch:
+                raise ValueError(f"attn_ops cache: batch {key_states.shape[0]}, the cache was "
+                                 f"made for {self.steps.batch} rows (attn_ops.hf.cache(model, "
+                                 f"batch={key_states.shape[0]}, ...))")
+            if self.pending:
+                raise ValueError(
+                    f"attn_ops cache (layer {self.index}): the keys its last update returned "
+                    "never reached the attention function -- the model changes them in "
+                    "between, which attn_ops.hf.cache cannot follow; use HF's own cache")
+            self.length += key_states.shape[2]
+            self.pending = True
+            _hand_over(key_states, self)
+            return key_states, value_states
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return self.steps.max_tokens
+
+        def _refuse(self, *args, **kwargs):
+            raise ValueError("attn_ops cache: resetting, cropping and beam reordering are not "
+                             "served (one greedy / sampled generation a cache); make a new one")
+
+        reset = crop = batch_repeat_interleave = batch_select_indices = _refuse
+
+        def attend(self, module, layer, query, key, value, mask):
+            """Write each row's unpadded new tokens after its history, then attend: ``[B,
+            Sq, Hq, Dv]``, zeros on padded query rows."""
+            b, hq, sq, _ = query.shape
+            if key.shape[2] != sq:
+                raise ValueError(f"attn_ops cache ({_where(module)}): {key.shape[2]} new keys "
+                                 f"for {sq} queries")
+            self.pending = False
+            plan = self.steps.plan(self.length, layer.block_size, mask, sq, module,
+                                   query.device)
+            if self.kv is None:  # (the selected backend's layout)
+                self.kv = layer.allocate_kv_cache(plan["blocks"], query.device)
+            rows = plan["rows"]
+            if rows is None:  # (every row's every token, in order: a decode step, say)
+                got = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv,
+                            _built(plan["built"], layer, plan["meta"]))
+                return got.to(query.dtype).view(b, sq, hq, value.shape[3])
+            out = query.new_zeros(b * sq, hq, value.shape[3])
+            if plan["order"]:
+                got = layer(*(_rows_of(t).index_select(0, rows) for t in (query, key, value)),
+                            self.kv, _built(plan["built"], layer, plan["meta"]))
+                out.index_copy_(0, rows, got.to(out.dtype))
+            return out.view(b, sq, hq, value.shape[3])
+
+    return AttnOpsLayer
+
+
+def cache_supported(model) -> str | None:
+    """Why :func:`cache` cannot serve ``model`` (None: it can): it holds attention layers
+    only."""
+    kinds = set(getattr(model.config, "layer_types", None) or ())
+    if kinds - {"full_attention", "sliding_attention"}:
+        return (f"its layers include {sorted(kinds - {'full_attention', 'sliding_attention'})}"
+                ": attn_ops.hf.cache holds attention layers only (use HF's cache for a hybrid "
+                "model)")
+    return None
+
+
+def cache(model, batch: int, max_tokens: int):
+    """A transformers ``Cache`` keeping every attention layer's K/V of ``model`` in attn_ops
+    pages (module docstring): ``batch`` rows of at most ``max_tokens`` unpadded tokens each
+    (prompt and generated). Pass it as ``past_key_values`` to ``generate`` (or a forward) of a
+    model using ``attn_implementation="attn_ops"``; hybrid models are refused
+    (:func:`cache_supported`)."""
+    why = cache_supported(model)
+    if why is not None:
+        raise ValueError(f"attn_ops.hf.cache: {why}; use HF's own cache (each call then copies "
+                         "the history into a step cache)")
+    return _owned_cache(model.config.num_hidden_layers, batch, max_tokens)
+
+
+def _owned_cache(num_layers: int, batch: int, max_tokens: int):
+    """The cache of :func:`cache` (its classes defined on first use: transformers is imported
+    only then)."""
+    base, _ = _cache_classes()
+    layer_cls = _layer_class()
+
+    class AttnOpsCache(base):
+        attn_ops_owned = True
+
+        def __init__(self):
+            self.steps = _Steps(batch, max_tokens)
+            super().__init__(layers=[layer_cls(self.steps, i) for i in range(num_layers)])
+
+    return AttnOpsCache()
