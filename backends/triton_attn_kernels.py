@@ -258,6 +258,182 @@ def _tq_codes(base, ok, n, SIZE: tl.constexpr, BITS: tl.constexpr):
     return tl.reshape(codes, [base.shape[0], SIZE])
 
 
+# Key codes of the 4-bit presets, 8 a word, to 16-bit centroids: the codebook is symmetric
+# (c[15 - j] = -c[j]), so a code's 3-bit magnitude index selects the low and the high byte of
+# c[8 + index] from two 8-byte tables (PRMT), and a clear top bit sets the sign.
+# $8/$9: the word and the next one, $10: the bit shift aligning them (0 or 16); $11/$12: the
+# magnitudes' low bytes, $13/$14: their high bytes. Outputs $0..$7: the 8 codes in order.
+_KEYS4_ASM = tl.constexpr("""{
+.reg .b32 x, t, m, n, l, h, y, z, p;
+shf.r.clamp.b32 x, $8, $9, $10;
+shr.u32 t, x, 3;
+and.b32 t, t, 0x11111111;
+mad.lo.u32 m, t, 0xFFFFFFF9, 0x77777777;
+xor.b32 m, m, x;
+and.b32 m, m, 0x77777777;
+prmt.b32 l, $11, $12, m;
+prmt.b32 h, $13, $14, m;
+prmt.b32 y, x, x, 0x1100;
+shl.b32 z, y, 4;
+and.b32 z, z, 0x00800080;
+and.b32 y, y, 0x80008000;
+or.b32 z, z, y;
+not.b32 z, z;
+and.b32 z, z, 0x80808080;
+or.b32 h, h, z;
+prmt.b32 p, l, h, 0x5140;
+mov.b32 {$0, $1}, p;
+prmt.b32 p, l, h, 0x7362;
+mov.b32 {$2, $3}, p;
+shr.u32 n, m, 16;
+prmt.b32 l, $11, $12, n;
+prmt.b32 h, $13, $14, n;
+prmt.b32 y, x, x, 0x3322;
+shl.b32 z, y, 4;
+and.b32 z, z, 0x00800080;
+and.b32 y, y, 0x80008000;
+or.b32 z, z, y;
+not.b32 z, z;
+and.b32 z, z, 0x80808080;
+or.b32 h, h, z;
+prmt.b32 p, l, h, 0x5140;
+mov.b32 {$4, $5}, p;
+prmt.b32 p, l, h, 0x7362;
+mov.b32 {$6, $7}, p;
+}""")
+
+# Value codes of 4 bits, 8 a word, to 16-bit floats MAGIC + code (exact: MAGIC is 128 in bf16,
+# 1024 in fp16, where the spacing is 1): an AND and an OR a pair. The pairs a register holds are
+# codes (j, j + 4) of the word, so outputs $0..$7 are codes 0, 4, 1, 5, 2, 6, 3, 7: the value
+# columns this permutes are put back where the output is stored (:func:`_tq_value_column`).
+# $8/$9/$10: the words and shift as above; $11: MAGIC in both halves.
+_VALUES4_ASM = tl.constexpr("""{
+.reg .b32 x, y, p;
+shf.r.clamp.b32 x, $8, $9, $10;
+and.b32 p, x, 0x000F000F;
+or.b32 p, p, $11;
+mov.b32 {$0, $1}, p;
+shr.u32 y, x, 4;
+and.b32 p, y, 0x000F000F;
+or.b32 p, p, $11;
+mov.b32 {$2, $3}, p;
+shr.u32 y, x, 8;
+and.b32 p, y, 0x000F000F;
+or.b32 p, p, $11;
+mov.b32 {$4, $5}, p;
+shr.u32 y, x, 12;
+and.b32 p, y, 0x000F000F;
+or.b32 p, p, $11;
+mov.b32 {$6, $7}, p;
+}""")
+
+
+@triton.jit
+def _tq_value_column(c):
+    """The value dim held in column ``c`` of a 4-bit value tile (codes 0, 4, 1, 5, 2, 6, 3, 7 of
+    each word, as :data:`_VALUES4_ASM` leaves them)."""
+    return c // 8 * 8 + c % 8 // 2 + c % 2 * 4
+
+
+@triton.jit
+def _tq_magic(DTYPE: tl.constexpr):
+    """What a 4-bit value code is offset by in the ``DTYPE`` value tile (see _VALUES4_ASM)."""
+    if DTYPE == tl.bfloat16:
+        return 128.0
+    elif DTYPE == tl.float16:
+        return 1024.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def _tq_words(words_ptr, off, ok, NW: tl.constexpr):
+    """The ``NW`` 32-bit words of the bytes from byte offsets ``off [BLOCK_N]`` (even; rows
+    ``ok``) of the 4-byte aligned cache ``words_ptr``, as the word pairs a funnel shift aligns:
+    ``(word, next word, shift [BLOCK_N, 1])`` (shift 0 or 16 bits). The next word of the last
+    one reads at most 4 bytes past the field, inside its slot (the fields after it)."""
+    at = words_ptr + (off >> 2)[:, None] + tl.arange(0, NW)[None, :]
+    w = tl.load(at, mask=ok[:, None], other=0)
+    w1 = tl.load(at + 1, mask=ok[:, None], other=0)
+    return w, w1, ((off & 3) * 8).to(tl.uint32)[:, None]
+
+
+@triton.jit
+def _funnel(w, w1, sh):
+    """The 32 bits from bit ``sh`` of the 64-bit ``w1:w`` (PTX ``shf.r``)."""
+    lo = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+    hi = w1.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return ((lo | (hi << 32)) >> sh.to(tl.uint64)).to(tl.uint32)
+
+
+@triton.jit
+def _nibble(x, i: tl.constexpr):
+    return ((x >> (4 * i)) & 15).to(tl.int32)
+
+
+@triton.jit
+def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
+    """``[R, W]`` tensors as ``[R, W * 8]``: column ``8 w + i`` from ``e_i[:, w]``."""
+    t = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
+                tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+    return tl.reshape(t, [e0.shape[0], e0.shape[1] * 8])
+
+
+@triton.jit
+def _tq_keys4(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, DTYPE: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """4-bit keys ``[BLOCK_N, D]`` in ``DTYPE``: each code's centroid (rotated space)."""
+    w, w1, sh = _tq_words(words_ptr, off, ok, D // 8)
+    if USE_ASM:
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            _KEYS4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+            [w, w1, sh, tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2),
+             tl.load(lut_ptr + 3)], (tl.int16,) * 8, is_pure=True, pack=1)
+        e0, e1, e2, e3 = (e0.to(DTYPE, bitcast=True), e1.to(DTYPE, bitcast=True),
+                          e2.to(DTYPE, bitcast=True), e3.to(DTYPE, bitcast=True))
+        e4, e5, e6, e7 = (e4.to(DTYPE, bitcast=True), e5.to(DTYPE, bitcast=True),
+                          e6.to(DTYPE, bitcast=True), e7.to(DTYPE, bitcast=True))
+    else:
+        x = _funnel(w, w1, sh)
+        e0 = tl.load(codebook_ptr + _nibble(x, 0)).to(DTYPE)
+        e1 = tl.load(codebook_ptr + _nibble(x, 1)).to(DTYPE)
+        e2 = tl.load(codebook_ptr + _nibble(x, 2)).to(DTYPE)
+        e3 = tl.load(codebook_ptr + _nibble(x, 3)).to(DTYPE)
+        e4 = tl.load(codebook_ptr + _nibble(x, 4)).to(DTYPE)
+        e5 = tl.load(codebook_ptr + _nibble(x, 5)).to(DTYPE)
+        e6 = tl.load(codebook_ptr + _nibble(x, 6)).to(DTYPE)
+        e7 = tl.load(codebook_ptr + _nibble(x, 7)).to(DTYPE)
+    return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
+
+
+@triton.jit
+def _tq_values4(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, DTYPE: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """4-bit value codes ``[BLOCK_N, DV]`` in ``DTYPE``, plus :func:`_tq_magic`, their columns
+    in :func:`_tq_value_column`'s order."""
+    w, w1, sh = _tq_words(words_ptr, off, ok, DV // 8)
+    if USE_ASM:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [w, w1, sh, tl.load(lut_ptr + 4)],
+            (tl.int16,) * 8, is_pure=True, pack=1)
+        o0, o1, o2, o3 = (o0.to(DTYPE, bitcast=True), o1.to(DTYPE, bitcast=True),
+                          o2.to(DTYPE, bitcast=True), o3.to(DTYPE, bitcast=True))
+        o4, o5, o6, o7 = (o4.to(DTYPE, bitcast=True), o5.to(DTYPE, bitcast=True),
+                          o6.to(DTYPE, bitcast=True), o7.to(DTYPE, bitcast=True))
+    else:
+        x = _funnel(w, w1, sh)
+        magic = _tq_magic(DTYPE)
+        o0 = (_nibble(x, 0) + magic).to(DTYPE)
+        o1 = (_nibble(x, 4) + magic).to(DTYPE)
+        o2 = (_nibble(x, 1) + magic).to(DTYPE)
+        o3 = (_nibble(x, 5) + magic).to(DTYPE)
+        o4 = (_nibble(x, 2) + magic).to(DTYPE)
+        o5 = (_nibble(x, 6) + magic).to(DTYPE)
+        o6 = (_nibble(x, 3) + magic).to(DTYPE)
+        o7 = (_nibble(x, 7) + magic).to(DTYPE)
+    return _join8(o0, o1, o2, o3, o4, o5, o6, o7)
+
+
 @triton.jit
 def _tq_fp16(ptr, ok):
     """The little-endian fp16 at byte pointers ``ptr`` (rows ``ok``; 0 elsewhere), in fp32."""
@@ -267,30 +443,50 @@ def _tq_fp16(ptr, ok):
 
 
 @triton.jit
-def _tq_tile(base, ok, codebook_ptr, offs_d, D: tl.constexpr, D_P: tl.constexpr,
-             DV: tl.constexpr, DV_P: tl.constexpr, KEY_BITS: tl.constexpr,
-             VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
+def _tq_half(ptr, ok):
+    """The fp16 at 2-byte aligned byte pointers ``ptr`` (rows ``ok``; 0 elsewhere), in fp32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tq_tile(cache_ptr, off, ok, codebook_ptr, lut_ptr, offs_d, D: tl.constexpr,
+             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, KEY_BITS: tl.constexpr,
+             VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr, DTYPE: tl.constexpr,
+             WORDS: tl.constexpr, USE_ASM: tl.constexpr):
     """One key block of a TurboQuant cache (``backends/turboquant/format.py``) from its
-    slots' byte pointers ``base``: ``(keys, key scales, value codes, value scales, value
-    minimums)`` -- the keys in the rotated space (the query is rotated once) as codebook
-    centroids and each key's norm over the centroids' norm with norm correction (its score
-    column's scale: no division of every coordinate); fp8 keys as stored, scale 1. A value is
-    ``code * scale + minimum``: the caller folds the affine into its probabilities."""
+    slots' byte offsets ``off`` (int64): ``(keys, key scales, values, value scales, value
+    minimums)`` -- the keys in ``DTYPE``, in the rotated space (the query is rotated once) as
+    codebook centroids, each key's norm (its score column's scale: no multiplication of every
+    coordinate), over the centroids' norm with norm correction except for 4-bit words (the
+    caller's tensor cores divide those); fp8 keys as stored, scale 1. A value
+    is ``code * scale + minimum``: the caller folds the affine into its probabilities. With
+    ``WORDS`` (a 4-byte aligned cache) 4-bit codes are read 8 a 32-bit word and 4-bit values
+    come as :func:`_tq_values4` gives them (plus :func:`_tq_magic`, permuted columns)."""
+    base = cache_ptr + off
+    words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     if KEY_BITS == 8:
         k = tl.load(base[:, None] + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D),
-                    other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE)
         k_scale = tl.where(ok, 1.0, 0.0)
-        vbase = base + D
+        vstart = D
     else:
-        codes = _tq_codes(base, ok, D, D_P, KEY_BITS)
-        k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
-        k_scale = _tq_fp16(base + D * KEY_BITS // 8, ok)
-        if NORM_CORRECTION:
-            k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
-        vbase = base + D * KEY_BITS // 8 + 2
-    v_codes = _tq_codes(vbase, ok, DV, DV_P, VALUE_BITS)
-    tail = vbase + DV * VALUE_BITS // 8
-    return k, k_scale, v_codes, _tq_fp16(tail, ok), _tq_fp16(tail + 2, ok)
+        if WORDS and KEY_BITS == 4:
+            k = _tq_keys4(words, off, ok, codebook_ptr, lut_ptr, D, DTYPE, USE_ASM)
+            k_scale = _tq_half(base + D // 2, ok)
+        else:
+            codes = _tq_codes(base, ok, D, D_P, KEY_BITS)
+            k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
+            k_scale = _tq_fp16(base + D * KEY_BITS // 8, ok)
+            if NORM_CORRECTION:
+                k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
+            k = k.to(DTYPE)
+        vstart = D * KEY_BITS // 8 + 2
+    tail = base + vstart + DV * VALUE_BITS // 8
+    if WORDS and VALUE_BITS == 4:
+        v = _tq_values4(words, off + vstart, ok, lut_ptr, DV, DTYPE, USE_ASM)
+        return k, k_scale, v, _tq_half(tail, ok), _tq_half(tail + 2, ok)
+    v = _tq_codes(base + vstart, ok, DV, DV_P, VALUE_BITS).to(DTYPE)
+    return k, k_scale, v, _tq_fp16(tail, ok), _tq_fp16(tail + 2, ok)
 
 
 @triton.jit
@@ -301,8 +497,9 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
-            MASKED: tl.constexpr, codebook_ptr, KV_FORMAT: tl.constexpr,
-            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
+            MASKED: tl.constexpr, codebook_ptr, lut_ptr, KV_FORMAT: tl.constexpr,
+            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+            TQ_WORDS: tl.constexpr, TQ_ASM: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)``, are visible to every row
     of the tile whole and span only pages inside the cache (checked by the caller): their loads
@@ -329,11 +526,19 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % PAGE
         if KV_FORMAT == 1:  # TurboQuant: a byte slot a (token, KV head) holding K and V
-            slots = k_ptr + page * stride_kb + slot * stride_ks + kv_head * stride_kh
             k, k_scale, v, v_scale, v_min = _tq_tile(
-                slots, n_ok if MASKED else offs_n >= 0, codebook_ptr, offs_d, D, D_P, DV, DV_P,
-                KEY_BITS, VALUE_BITS, NORM_CORRECTION)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * k_scale[None, :]
+                k_ptr, page * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                n_ok if MASKED else offs_n >= 0, codebook_ptr, lut_ptr, offs_d, D, D_P, DV,
+                DV_P, KEY_BITS, VALUE_BITS, NORM_CORRECTION, q.dtype, TQ_WORDS, TQ_ASM)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if NORM_CORRECTION and TQ_WORDS and KEY_BITS == 4:  # every key's ||c||^2 on the
+                # tensor cores too, in each row
+                c2 = tl.dot(tl.full(q.shape, 1.0, q.dtype), tl.trans(k * k),
+                            input_precision=PRECISION)
+                k_scale = k_scale[None, :] * tl.rsqrt(c2 + 1e-16)
+            else:
+                k_scale = k_scale[None, :]
+            s = s * k_scale
         else:
             k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
                       + kv_head * stride_kh + offs_d[None, :])
@@ -386,9 +591,12 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # then the MMA accumulates into it
         if KV_FORMAT == 1:  # sum_j p_j (c_j s_j + m_j) = (p s) . c + (p . m): codes exact
-            acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc,
-                         input_precision=PRECISION)
-            acc += tl.where(offs_dv[None, :] < DV, tl.sum(p * v_min[None, :], 1)[:, None], 0.0)
+            ps = (p * v_scale[None, :]).to(q.dtype)
+            acc = tl.dot(ps, v, acc, input_precision=PRECISION)
+            shift = tl.sum(p * v_min[None, :], 1)
+            if TQ_WORDS and VALUE_BITS == 4:  # the tile's codes are offset by a constant
+                shift -= _tq_magic(q.dtype) * tl.sum(ps.to(tl.float32), 1)
+            acc += tl.where(offs_dv[None, :] < DV, shift[:, None], 0.0)
         else:
             acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
         m_i = m_new
@@ -457,8 +665,9 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
+    ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, lut_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    TQ_WORDS: tl.constexpr, TQ_ASM: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
@@ -585,17 +794,20 @@ def paged_attention_kernel(
                                 stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
                                 offs_d, offs_dv, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL,
                                 USE_WINDOW, USE_SOFTCAP, HAS_ALIBI, HAS_TREE, PRECISION,
-                                phase != 1, codebook_ptr, KV_FORMAT, KEY_BITS, VALUE_BITS,
-                                NORM_CORRECTION)
+                                phase != 1, codebook_ptr, lut_ptr, KV_FORMAT, KEY_BITS,
+                                VALUE_BITS, NORM_CORRECTION, TQ_WORDS, TQ_ASM)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     rows = q_start + tok
+    offs_out = offs_dv  # the value dim of each column of acc
+    if KV_FORMAT == 1 and TQ_WORDS and VALUE_BITS == 4:
+        offs_out = _tq_value_column(offs_dv)
     if NUM_SPLITS > 1:
         first_part = (rows * HQ + head) * NUM_SPLITS
         part = first_part + split
-        tl.store(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], out_rows,
+        tl.store(part_o_ptr + part[:, None] * DV_P + offs_out[None, :], out_rows,
                  mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         if FUSED_COMBINE:
@@ -611,7 +823,7 @@ def paged_attention_kernel(
                             WRITE_LSE)
     else:
         _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head, row_ok,
-                    offs_dv, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
+                    offs_out, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

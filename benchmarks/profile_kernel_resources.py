@@ -6,13 +6,18 @@ spill, or that leaves room for one program an SM, is a poor candidate before any
 Each kernel is built at the real shapes its op serves (Mamba-2.8B's d_inner 5120 / d_state 16,
 MiniMax-Text-01's lightning heads of 128, Qwen3-Next's GDN heads, Llama-3-8B's attention heads
 over TurboQuant slots), bf16 inputs, with pointers
-and strides specialized as divisible by 16 (as Triton's JIT specializes them at those shapes),
-over a grid of block configurations:
+and strides specialized as divisible by 16 where Triton's JIT specializes them so at those
+shapes (not a TurboQuant slot's stride), over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
         lightning_state lightning_output mamba1_unrolled mamba1_segment mamba1_segment_chain
         mamba1_recurrent lightning_recurrent gdn_recurrent
-        turboquant_attention turboquant_write] [--arch 90] [--out PATH]
+        turboquant_attention bf16_attention turboquant_write] [--arch 90] [--loop]
+        [--out PATH]
+
+``--loop`` also counts the SASS instructions of each kernel's main loop (a thread's, an
+iteration); for the attention kernel over TurboQuant slots, the warp instructions a key and KV
+head they come to (the decode's instruction budget: ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -30,21 +35,27 @@ BF16_PTRS = ("x_ptr", "dt_ptr", "b_ptr", "c_ptr", "z_ptr", "y_ptr", "q_ptr", "k_
 INT_PTRS = ("qsl_ptr", "slot_ptr")
 
 
-# TRITON_ATTN's attention kernel reading a TurboQuant cache: its arguments' types
+# TRITON_ATTN's attention kernel reading a TurboQuant cache (a bf16 one): its arguments' types
 TQ_TYPES = {"k_ptr": "*u8", "v_ptr": "*u8", "out_ptr": "*bf16", "qsl_ptr": "*i32",
             "seq_ptr": "*i32", "bt_ptr": "*i32", "tree_ptr": "*i64", "counter_ptr": "*i32",
-            "scale": "fp32", "soft_cap": "fp32", "inv_sqrt_d": "fp32"}
+            "lut_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32", "inv_sqrt_d": "fp32"}
+BF16_TYPES = dict(TQ_TYPES, k_ptr="*bf16", v_ptr="*bf16")
 
 
-def _turboquant_attention():
+DECODE_TILES = (("decode", 16, 64, 8, 8), ("decode", 16, 32, 4, 8), ("decode", 16, 64, 4, 8),
+                ("decode", 16, 64, 2, 8), ("decode", 16, 32, 2, 8), ("decode", 16, 128, 4, 8))
+
+
+def _turboquant_attention(presets=None, tiles=None):
     """(kernel, points) of TRITON_ATTN's kernel over TurboQuant slots: Llama-3-8B's heads,
-    split decode tiles and unsplit prefill tiles, each preset."""
+    split decode tiles and unsplit prefill tiles, each preset (``bf16``: a bf16 cache, the
+    bound's reference)."""
     from attn_ops.backends import triton_attn_kernels as ak
 
-    presets = {"4bit_nc": (4, 4, True), "k3v4_nc": (3, 4, True), "3bit_nc": (3, 3, True),
-               "k8v4": (8, 4, False)}
-    tiles = (("decode", 16, 64, 8, 8), ("decode", 16, 32, 4, 8), ("prefill", 128, 32, 8, 1),
-             ("prefill", 128, 64, 8, 1), ("prefill", 64, 64, 4, 1))
+    presets = presets or {"4bit_nc": (4, 4, True), "k3v4_nc": (3, 4, True),
+                          "3bit_nc": (3, 3, True), "k8v4": (8, 4, False)}
+    tiles = tiles or (*DECODE_TILES, ("prefill", 128, 32, 8, 1), ("prefill", 128, 64, 8, 1),
+                      ("prefill", 64, 64, 4, 1))
     points = []
     for (name, (kb, vb, nc)), (kind, rows, keys, warps, splits) in itertools.product(
             presets.items(), tiles):
@@ -53,7 +64,8 @@ def _turboquant_attention():
                       USE_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, FP8=False,
                       WRITE_LSE=True, NUM_SPLITS=splits, PRECISION="tf32", HAS_TREE=False,
                       FUSED_COMBINE=splits > 1, HEADS_FASTEST=False, ONE_ROW=kind == "decode",
-                      KV_FORMAT=1, KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc)
+                      KV_FORMAT=int(kb != 16), KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc,
+                      TQ_WORDS=kb != 16, TQ_ASM=kb != 16)
         points.append((f"{name} {kind} {rows} x {keys}", consts, warps))
     return ak.paged_attention_kernel, points
 
@@ -129,13 +141,19 @@ def configs() -> dict[str, tuple]:
                                   BLOCK_V=v, L2NORM=True, EVICT="evict_first", STORE=".cs"), w)
             for v, w in itertools.product((64, 128), (4, 8))]),
         "turboquant_attention": _turboquant_attention(),
+        "bf16_attention": _turboquant_attention({"bf16": (16, 16, False)}, DECODE_TILES),
         "turboquant_write": _turboquant_write(),
     }
 
 
-def resources(fn, constexprs: dict, warps: int, arch: int, types: dict | None = None) -> dict:
-    """``fn`` built for ``sm_<arch>``: registers a thread, spilled bytes (stack), static shared
-    bytes, from cuobjdump's resource usage."""
+# Arguments Triton's JIT does not specialize as divisible by 16 at the real shapes: a
+# TurboQuant slot's stride (134 bytes at 4bit_nc, head dim 128)
+UNALIGNED = {"turboquant_attention": ("stride_ks", "stride_vs")}
+
+
+def build(fn, constexprs: dict, warps: int, arch: int, types: dict | None = None,
+          unaligned: tuple = ()):
+    """``fn`` compiled for ``sm_<arch>`` (Triton's ``CompiledKernel``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -156,21 +174,59 @@ def resources(fn, constexprs: dict, warps: int, arch: int, types: dict | None = 
         else:
             signature[n] = "*fp32" if n.endswith("_ptr") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
+             if n not in constexprs and n not in unaligned
+             and (n.endswith("_ptr") or n.startswith("stride"))}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def _cuobjdump(kernel, flag: str) -> str:
+    import triton
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", usage))
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resources(kernel) -> dict:
+    """A compiled kernel's registers a thread, spilled bytes (stack), static shared bytes,
+    from cuobjdump's resource usage."""
+    found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)",
+                            _cuobjdump(kernel, "--dump-resource-usage")))
     return {"registers": int(found["REG"]), "spilled_bytes": int(found["STACK"]),
             "static_shared_bytes": int(found["SHARED"])}
+
+
+def main_loop(kernel) -> dict:
+    """The SASS instructions of a compiled kernel's main loop a thread runs an iteration -- the
+    span of a backward branch: of those with the most tensor-core instructions the shortest
+    (the attention kernel's unmasked key blocks, not its masked edges), else the longest --
+    and the opcodes among them."""
+    at = re.compile(r"/\*([0-9a-f]{4,})\*/")
+    lines = [line for line in _cuobjdump(kernel, "-sass").splitlines() if at.search(line)]
+    body, rank = [], (0, -1 << 30)
+    for line in lines:
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line)
+        end = int(at.search(line).group(1), 16)
+        if target and int(target.group(1), 16) < end:
+            start = int(target.group(1), 16)
+            span = [x for x in lines if start <= int(at.search(x).group(1), 16) <= end]
+            mma = sum("MMA" in x for x in span)
+            span_rank = (mma, -len(span) if mma else len(span))
+            if span_rank > rank:
+                body, rank = span, span_rank
+    opcodes: dict[str, int] = {}
+    for line in body:
+        op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if op:
+            opcodes[op.group(1)] = opcodes.get(op.group(1), 0) + 1
+    return {"loop_instructions": len(body),
+            "loop_opcodes": dict(sorted(opcodes.items(), key=lambda kv: -kv[1]))}
 
 
 def main() -> None:
@@ -180,8 +236,10 @@ def main() -> None:
                                  "lightning_output", "mamba1_unrolled", "mamba1_segment",
                                  "mamba1_segment_chain", "mamba1_recurrent",
                                  "lightning_recurrent", "gdn_recurrent", "turboquant_attention",
-                                 "turboquant_write"])
+                                 "bf16_attention", "turboquant_write"])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--loop", action="store_true",
+                        help="also count the SASS instructions of each kernel's main loop")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "kernel_resources.json"))
     args = parser.parse_args()
@@ -191,18 +249,29 @@ def main() -> None:
         fn, points = table[name]
         for label, constexprs, warps in points:
             try:
-                row = resources(fn, constexprs, warps, args.arch,
-                                {"turboquant_attention": TQ_TYPES,
-                                 "turboquant_write": WRITE_TYPES,
-                                 "lightning_state": SPLIT_TYPES,
-                                 "lightning_output": SPLIT_TYPES,
-                                 "mamba1_segment": SEGMENT_TYPES,
-                                 "mamba1_segment_chain": SEGMENT_TYPES}.get(name))
+                kernel = build(fn, constexprs, warps, args.arch,
+                               {"turboquant_attention": TQ_TYPES,
+                                "turboquant_write": WRITE_TYPES,
+                                "bf16_attention": BF16_TYPES,
+                                "lightning_state": SPLIT_TYPES,
+                                "lightning_output": SPLIT_TYPES,
+                                "mamba1_segment": SEGMENT_TYPES,
+                                "mamba1_segment_chain": SEGMENT_TYPES}.get(name),
+                               UNALIGNED.get(name, ()))
+                row = resources(kernel)
+                if args.loop:
+                    row.update(main_loop(kernel))
             except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
                 row = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append({"kernel": name, "config": label, "warps": warps, **row})
             shown = (f"{row['registers']:3d} registers, {row['spilled_bytes']:5d} B spilled"
                      if "error" not in row else row["error"])
+            if "loop_instructions" in row:
+                shown += f", loop {row['loop_instructions']} instructions a thread"
+                if name in ("turboquant_attention", "bf16_attention"):
+                    per_key = row["loop_instructions"] * warps / constexprs["BLOCK_N"]
+                    row["warp_instructions_a_key"] = round(per_key, 1)
+                    shown += f" ({per_key:.1f} warp instructions a key and KV head)"
             print(f"{name:20s} {label:24s} {warps} warps: {shown}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"arch": args.arch, "rows": rows}, f, indent=1)
