@@ -261,18 +261,20 @@ def _tq_codes(base, ok, n, SIZE: tl.constexpr, BITS: tl.constexpr):
 # Key codes of the 4-bit presets, 8 a word, to 16-bit centroids: the codebook is symmetric
 # (c[15 - j] = -c[j]), so a code's 3-bit magnitude index selects the low and the high byte of
 # c[8 + index] from two 8-byte tables (PRMT), and a clear top bit sets the sign.
-# $8/$9: the word and the next one, $10: the bit shift aligning them (0 or 16); $11/$12: the
-# magnitudes' low bytes, $13/$14: their high bytes. Outputs $0..$7: the 8 codes in order.
+# $4/$5: the word and the next one, $6: the bit shift aligning them (0 or 16); $7/$8: the
+# magnitudes' low bytes, $9/$10: their high bytes. Outputs $0..$3: codes (0, 1), (2, 3),
+# (4, 5), (6, 7), a register's low half first (returned whole: ptxas then needs no moves to
+# gather halves for the 16-byte shared-memory stores that stage them).
 _KEYS4_ASM = tl.constexpr("""{
 .reg .b32 x, t, m, n, l, h, y, z, p;
-shf.r.clamp.b32 x, $8, $9, $10;
+shf.r.clamp.b32 x, $4, $5, $6;
 shr.u32 t, x, 3;
 and.b32 t, t, 0x11111111;
 mad.lo.u32 m, t, 0xFFFFFFF9, 0x77777777;
 xor.b32 m, m, x;
 and.b32 m, m, 0x77777777;
-prmt.b32 l, $11, $12, m;
-prmt.b32 h, $13, $14, m;
+prmt.b32 l, $7, $8, m;
+prmt.b32 h, $9, $10, m;
 prmt.b32 y, x, x, 0x1100;
 shl.b32 z, y, 4;
 and.b32 z, z, 0x00800080;
@@ -281,13 +283,11 @@ or.b32 z, z, y;
 not.b32 z, z;
 and.b32 z, z, 0x80808080;
 or.b32 h, h, z;
-prmt.b32 p, l, h, 0x5140;
-mov.b32 {$0, $1}, p;
-prmt.b32 p, l, h, 0x7362;
-mov.b32 {$2, $3}, p;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
 shr.u32 n, m, 16;
-prmt.b32 l, $11, $12, n;
-prmt.b32 h, $13, $14, n;
+prmt.b32 l, $7, $8, n;
+prmt.b32 h, $9, $10, n;
 prmt.b32 y, x, x, 0x3322;
 shl.b32 z, y, 4;
 and.b32 z, z, 0x00800080;
@@ -296,35 +296,29 @@ or.b32 z, z, y;
 not.b32 z, z;
 and.b32 z, z, 0x80808080;
 or.b32 h, h, z;
-prmt.b32 p, l, h, 0x5140;
-mov.b32 {$4, $5}, p;
-prmt.b32 p, l, h, 0x7362;
-mov.b32 {$6, $7}, p;
+prmt.b32 $2, l, h, 0x5140;
+prmt.b32 $3, l, h, 0x7362;
 }""")
 
 # Value codes of 4 bits, 8 a word, to 16-bit floats MAGIC + code (exact: MAGIC is 128 in bf16,
 # 1024 in fp16, where the spacing is 1): an AND and an OR a pair. The pairs a register holds are
-# codes (j, j + 4) of the word, so outputs $0..$7 are codes 0, 4, 1, 5, 2, 6, 3, 7: the value
-# columns this permutes are put back where the output is stored (:func:`_tq_value_column`).
-# $8/$9/$10: the words and shift as above; $11: MAGIC in both halves.
+# codes (j, j + 4) of the word, so outputs $0..$3 hold codes 0, 4 | 1, 5 | 2, 6 | 3, 7: the
+# value columns this permutes are put back where the output is stored
+# (:func:`_tq_value_column`). $4/$5/$6: the words and shift as above; $7: MAGIC in both halves.
 _VALUES4_ASM = tl.constexpr("""{
 .reg .b32 x, y, p;
-shf.r.clamp.b32 x, $8, $9, $10;
+shf.r.clamp.b32 x, $4, $5, $6;
 and.b32 p, x, 0x000F000F;
-or.b32 p, p, $11;
-mov.b32 {$0, $1}, p;
+or.b32 $0, p, $7;
 shr.u32 y, x, 4;
 and.b32 p, y, 0x000F000F;
-or.b32 p, p, $11;
-mov.b32 {$2, $3}, p;
+or.b32 $1, p, $7;
 shr.u32 y, x, 8;
 and.b32 p, y, 0x000F000F;
-or.b32 p, p, $11;
-mov.b32 {$4, $5}, p;
+or.b32 $2, p, $7;
 shr.u32 y, x, 12;
 and.b32 p, y, 0x000F000F;
-or.b32 p, p, $11;
-mov.b32 {$6, $7}, p;
+or.b32 $3, p, $7;
 }""")
 
 
@@ -367,6 +361,13 @@ def _funnel(w, w1, sh):
 
 
 @triton.jit
+def _halves(pair, DTYPE: tl.constexpr):
+    """The two 16-bit floats a 32-bit register holds: (low half, high half)."""
+    return (pair.to(tl.uint16).to(DTYPE, bitcast=True),
+            (pair >> 16).to(tl.uint16).to(DTYPE, bitcast=True))
+
+
+@triton.jit
 def _nibble(x, i: tl.constexpr):
     return ((x >> (4 * i)) & 15).to(tl.int32)
 
@@ -385,14 +386,14 @@ def _tq_keys4(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, DTYPE:
     """4-bit keys ``[BLOCK_N, D]`` in ``DTYPE``: each code's centroid (rotated space)."""
     w, w1, sh = _tq_words(words_ptr, off, ok, D // 8)
     if USE_ASM:
-        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-            _KEYS4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _KEYS4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r",
             [w, w1, sh, tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2),
-             tl.load(lut_ptr + 3)], (tl.int16,) * 8, is_pure=True, pack=1)
-        e0, e1, e2, e3 = (e0.to(DTYPE, bitcast=True), e1.to(DTYPE, bitcast=True),
-                          e2.to(DTYPE, bitcast=True), e3.to(DTYPE, bitcast=True))
-        e4, e5, e6, e7 = (e4.to(DTYPE, bitcast=True), e5.to(DTYPE, bitcast=True),
-                          e6.to(DTYPE, bitcast=True), e7.to(DTYPE, bitcast=True))
+             tl.load(lut_ptr + 3)], (tl.uint32,) * 4, is_pure=True, pack=1)
+        e0, e1 = _halves(p0, DTYPE)
+        e2, e3 = _halves(p1, DTYPE)
+        e4, e5 = _halves(p2, DTYPE)
+        e6, e7 = _halves(p3, DTYPE)
     else:
         x = _funnel(w, w1, sh)
         e0 = tl.load(codebook_ptr + _nibble(x, 0)).to(DTYPE)
@@ -413,13 +414,13 @@ def _tq_values4(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, DTYPE: tl.constex
     in :func:`_tq_value_column`'s order."""
     w, w1, sh = _tq_words(words_ptr, off, ok, DV // 8)
     if USE_ASM:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [w, w1, sh, tl.load(lut_ptr + 4)],
-            (tl.int16,) * 8, is_pure=True, pack=1)
-        o0, o1, o2, o3 = (o0.to(DTYPE, bitcast=True), o1.to(DTYPE, bitcast=True),
-                          o2.to(DTYPE, bitcast=True), o3.to(DTYPE, bitcast=True))
-        o4, o5, o6, o7 = (o4.to(DTYPE, bitcast=True), o5.to(DTYPE, bitcast=True),
-                          o6.to(DTYPE, bitcast=True), o7.to(DTYPE, bitcast=True))
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _VALUES4_ASM, "=r,=r,=r,=r,r,r,r,r", [w, w1, sh, tl.load(lut_ptr + 4)],
+            (tl.uint32,) * 4, is_pure=True, pack=1)
+        o0, o1 = _halves(p0, DTYPE)
+        o2, o3 = _halves(p1, DTYPE)
+        o4, o5 = _halves(p2, DTYPE)
+        o6, o7 = _halves(p3, DTYPE)
     else:
         x = _funnel(w, w1, sh)
         magic = _tq_magic(DTYPE)

@@ -372,7 +372,7 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
 def _run_ptx(asm: str, inputs: list[int]) -> dict[int, int]:
     """The PTX of an inline-asm block (the few instructions the decode uses), run on 32-bit
     integers: ``inputs`` fill ``$k, $k+1, ...`` after the outputs; returns the outputs written
-    (``$0..``: 32-bit, or 16-bit where ``mov.b32 {lo, hi}`` splits a register)."""
+    (``$0..``)."""
     mask = 0xFFFFFFFF
     regs: dict[str, int] = {}
     outputs: dict[int, int] = {}
@@ -389,12 +389,6 @@ def _run_ptx(asm: str, inputs: list[int]) -> dict[int, int]:
         if not line or line in ("{", "}") or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
-        if op == "mov.b32":
-            halves, src = rest.rsplit(",", 1)
-            lo, hi = (h.strip() for h in halves.strip(" {}").split(","))
-            for reg, v in ((lo, val(src) & 0xFFFF), (hi, val(src) >> 16)):
-                outputs[int(reg[1:])] = v
-            continue
         d, *args = (a.strip() for a in rest.split(","))
         a = [val(x) for x in args]
         if op == "shf.r.clamp.b32":
@@ -429,6 +423,11 @@ def _run_ptx(asm: str, inputs: list[int]) -> dict[int, int]:
     return outputs
 
 
+def _halves(outputs: dict[int, int]) -> list[int]:
+    """The 16-bit halves of 32-bit outputs ``$0, $1, ...``, low half first."""
+    return [half for i in range(len(outputs)) for half in (outputs[i] & 0xFFFF, outputs[i] >> 16)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(d, dtype):
@@ -453,13 +452,13 @@ def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(d, dtype):
             x = ((nxt << 32 | word) >> shift) & 0xFFFFFFFF
             codes = [(x >> 4 * i) & 15 for i in range(8)]
             keys = _run_ptx(ak._KEYS4_ASM.value, [word, nxt, shift, *lut[:4]])
-            assert [keys[i] for i in range(8)] == [centroids[c] & 0xFFFF for c in codes]
+            assert _halves(keys) == [centroids[c] & 0xFFFF for c in codes]
             values = _run_ptx(ak._VALUES4_ASM.value, [word, nxt, shift, lut[4]])
             order = [0, 4, 1, 5, 2, 6, 3, 7]  # (_tq_value_column's)
             assert [ak._tq_value_column.fn(c) for c in range(8)] == order
             want = [torch.tensor(float(magic + codes[j]), dtype=dtype).view(torch.int16).item()
                     & 0xFFFF for j in order]
-            assert [values[i] for i in range(8)] == want
+            assert _halves(values) == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
