@@ -261,6 +261,9 @@ def main() -> None:
                 row = resources(kernel)
                 if args.loop:
                     row.update(main_loop(kernel))
+                    if name in ("turboquant_attention", "bf16_attention"):  # (BLOCK_N keys)
+                        row["warp_instructions_a_key"] = round(
+                            row["loop_instructions"] * warps / constexprs["BLOCK_N"], 1)
             except Exception as e:  # noqa: BLE001 -- a configuration that fails to build
                 row = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append({"kernel": name, "config": label, "warps": warps, **row})
@@ -268,10 +271,9 @@ def main() -> None:
                      if "error" not in row else row["error"])
             if "loop_instructions" in row:
                 shown += f", loop {row['loop_instructions']} instructions a thread"
-                if name in ("turboquant_attention", "bf16_attention"):
-                    per_key = row["loop_instructions"] * warps / constexprs["BLOCK_N"]
-                    row["warp_instructions_a_key"] = round(per_key, 1)
-                    shown += f" ({per_key:.1f} warp instructions a key and KV head)"
+            if "warp_instructions_a_key" in row:
+                shown += (f" ({row['warp_instructions_a_key']} warp instructions a key and KV "
+                          "head)")
             print(f"{name:20s} {label:24s} {warps} warps: {shown}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"arch": args.arch, "rows": rows}, f, indent=1)
