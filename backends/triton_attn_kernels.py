@@ -26,9 +26,9 @@ ALiBi ``slope * (j - p)``, causal / sliding-window visibility, LSE in natural lo
 sink, ``out *= sigmoid(lse - sink)``, fp8 K/V times their per-tensor scales.
 
 ``KV_FORMAT=1`` reads a TurboQuant cache (TURBOQUANT; ``backends/turboquant/format.py``): one
-byte slot a (token, KV head), K and V dequantized in registers a key block at a time (codes
-unpacked from their bytes, centroids from a 8- or 16-entry table, values from their fp16 scale
-and minimum) before the same two tensor-core products. The rotated presets' keys stay in the
+byte slot a (token, KV head), K and V dequantized in registers a key block at a time
+(``backends/turboquant/read_kernels.py``: codes to centroids, values from their fp16 scale and
+minimum) before the same two tensor-core products. The rotated presets' keys stay in the
 rotated space: the tile's queries are rotated once (``q H``, the +-1 Hadamard signs on the
 tensor cores, ``1 / sqrt(D)`` folded into the logit scale) and each key's norm scales its
 score column.
@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from attn_ops.backends.turboquant.read_kernels import tq_magic, tq_tile, tq_value_column
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -237,260 +239,6 @@ def _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_hea
 
 
 @triton.jit
-def _tq_codes(base, ok, n, SIZE: tl.constexpr, BITS: tl.constexpr):
-    """The first ``n`` codes (``0 <= c < 2^BITS``; 0 past them) of the LSB-first bit streams at
-    byte pointers ``base [BLOCK_N]`` (rows ``ok``), int32 ``[BLOCK_N, SIZE]``: each stream's
-    bytes loaded once (4 bits: both nibbles of a byte; 3 bits: 8 codes of 3 bytes)."""
-    if BITS == 4:
-        offs = tl.arange(0, SIZE // 2)
-        byte = tl.load(base[:, None] + offs[None, :],
-                       mask=ok[:, None] & (offs[None, :] < n // 2), other=0).to(tl.int32)
-        pairs = tl.join(byte & 15, byte >> 4)  # [BLOCK_N, SIZE / 2, 2]: low nibble first
-        return tl.reshape(pairs, [base.shape[0], SIZE])
-    # 3 bits: a 24-bit word holds 8 codes; its 3 bytes loaded as 3 planes of [BLOCK_N, SIZE / 8]
-    groups = tl.arange(0, SIZE // 8)
-    mask = ok[:, None] & (groups[None, :] < n // 8)
-    at = base[:, None] + (groups * 3)[None, :]
-    word = tl.load(at, mask=mask, other=0).to(tl.int32)
-    word |= tl.load(at + 1, mask=mask, other=0).to(tl.int32) << 8
-    word |= tl.load(at + 2, mask=mask, other=0).to(tl.int32) << 16
-    codes = (word[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7
-    return tl.reshape(codes, [base.shape[0], SIZE])
-
-
-# Key codes of the 4-bit presets, 8 a word, to 16-bit centroids: the codebook is symmetric
-# (c[15 - j] = -c[j]), so a code's 3-bit magnitude index selects the low and the high byte of
-# c[8 + index] from two 8-byte tables (PRMT), and a clear top bit sets the sign.
-# $4/$5: the word and the next one, $6: the bit shift aligning them (0 or 16); $7/$8: the
-# magnitudes' low bytes, $9/$10: their high bytes. Outputs $0..$3: codes (0, 1), (2, 3),
-# (4, 5), (6, 7), a register's low half first (returned whole: ptxas then needs no moves to
-# gather halves for the 16-byte shared-memory stores that stage them).
-_KEYS4_ASM = tl.constexpr("""{
-.reg .b32 x, t, m, n, l, h, y, z, p;
-shf.r.clamp.b32 x, $4, $5, $6;
-shr.u32 t, x, 3;
-and.b32 t, t, 0x11111111;
-mad.lo.u32 m, t, 0xFFFFFFF9, 0x77777777;
-xor.b32 m, m, x;
-and.b32 m, m, 0x77777777;
-prmt.b32 l, $7, $8, m;
-prmt.b32 h, $9, $10, m;
-prmt.b32 y, x, x, 0x1100;
-shl.b32 z, y, 4;
-and.b32 z, z, 0x00800080;
-and.b32 y, y, 0x80008000;
-or.b32 z, z, y;
-not.b32 z, z;
-and.b32 z, z, 0x80808080;
-or.b32 h, h, z;
-prmt.b32 $0, l, h, 0x5140;
-prmt.b32 $1, l, h, 0x7362;
-shr.u32 n, m, 16;
-prmt.b32 l, $7, $8, n;
-prmt.b32 h, $9, $10, n;
-prmt.b32 y, x, x, 0x3322;
-shl.b32 z, y, 4;
-and.b32 z, z, 0x00800080;
-and.b32 y, y, 0x80008000;
-or.b32 z, z, y;
-not.b32 z, z;
-and.b32 z, z, 0x80808080;
-or.b32 h, h, z;
-prmt.b32 $2, l, h, 0x5140;
-prmt.b32 $3, l, h, 0x7362;
-}""")
-
-# Value codes of 4 bits, 8 a word, to 16-bit floats MAGIC + code (exact: MAGIC is 128 in bf16,
-# 1024 in fp16, where the spacing is 1): an AND and an OR a pair. The pairs a register holds are
-# codes (j, j + 4) of the word, so outputs $0..$3 hold codes 0, 4 | 1, 5 | 2, 6 | 3, 7: the
-# value columns this permutes are put back where the output is stored
-# (:func:`_tq_value_column`). $4/$5/$6: the words and shift as above; $7: MAGIC in both halves.
-_VALUES4_ASM = tl.constexpr("""{
-.reg .b32 x, y, p;
-shf.r.clamp.b32 x, $4, $5, $6;
-and.b32 p, x, 0x000F000F;
-or.b32 $0, p, $7;
-shr.u32 y, x, 4;
-and.b32 p, y, 0x000F000F;
-or.b32 $1, p, $7;
-shr.u32 y, x, 8;
-and.b32 p, y, 0x000F000F;
-or.b32 $2, p, $7;
-shr.u32 y, x, 12;
-and.b32 p, y, 0x000F000F;
-or.b32 $3, p, $7;
-}""")
-
-
-@triton.jit
-def _tq_value_column(c):
-    """The value dim held in column ``c`` of a 4-bit value tile (codes 0, 4, 1, 5, 2, 6, 3, 7 of
-    each word, as :data:`_VALUES4_ASM` leaves them)."""
-    return c // 8 * 8 + c % 8 // 2 + c % 2 * 4
-
-
-@triton.jit
-def _tq_magic(DTYPE: tl.constexpr):
-    """What a 4-bit value code is offset by in the ``DTYPE`` value tile (see _VALUES4_ASM)."""
-    if DTYPE == tl.bfloat16:
-        return 128.0
-    elif DTYPE == tl.float16:
-        return 1024.0
-    else:
-        return 0.0
-
-
-@triton.jit
-def _tq_words(words_ptr, off, ok, NW: tl.constexpr):
-    """The ``NW`` 32-bit words of the bytes from byte offsets ``off [BLOCK_N]`` (even; rows
-    ``ok``) of the 4-byte aligned cache ``words_ptr``, as the word pairs a funnel shift aligns:
-    ``(word, next word, shift [BLOCK_N, 1])`` (shift 0 or 16 bits). The next word of the last
-    one reads at most 4 bytes past the field, inside its slot (the fields after it)."""
-    at = words_ptr + (off >> 2)[:, None] + tl.arange(0, NW)[None, :]
-    w = tl.load(at, mask=ok[:, None], other=0)
-    w1 = tl.load(at + 1, mask=ok[:, None], other=0)
-    return w, w1, ((off & 3) * 8).to(tl.uint32)[:, None]
-
-
-@triton.jit
-def _funnel(w, w1, sh):
-    """The 32 bits from bit ``sh`` of the 64-bit ``w1:w`` (PTX ``shf.r``)."""
-    lo = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-    hi = w1.to(tl.uint32, bitcast=True).to(tl.uint64)
-    return ((lo | (hi << 32)) >> sh.to(tl.uint64)).to(tl.uint32)
-
-
-@triton.jit
-def _halves(pair, DTYPE: tl.constexpr):
-    """The two 16-bit floats a 32-bit register holds: (low half, high half)."""
-    return (pair.to(tl.uint16).to(DTYPE, bitcast=True),
-            (pair >> 16).to(tl.uint16).to(DTYPE, bitcast=True))
-
-
-@triton.jit
-def _nibble(x, i: tl.constexpr):
-    return ((x >> (4 * i)) & 15).to(tl.int32)
-
-
-@triton.jit
-def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
-    """``[R, W]`` tensors as ``[R, W * 8]``: column ``8 w + i`` from ``e_i[:, w]``."""
-    t = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
-                tl.join(tl.join(e1, e5), tl.join(e3, e7)))
-    return tl.reshape(t, [e0.shape[0], e0.shape[1] * 8])
-
-
-@triton.jit
-def _tq_keys4(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, DTYPE: tl.constexpr,
-              USE_ASM: tl.constexpr):
-    """4-bit keys ``[BLOCK_N, D]`` in ``DTYPE``: each code's centroid (rotated space)."""
-    w, w1, sh = _tq_words(words_ptr, off, ok, D // 8)
-    if USE_ASM:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _KEYS4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r",
-            [w, w1, sh, tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2),
-             tl.load(lut_ptr + 3)], (tl.uint32,) * 4, is_pure=True, pack=1)
-        e0, e1 = _halves(p0, DTYPE)
-        e2, e3 = _halves(p1, DTYPE)
-        e4, e5 = _halves(p2, DTYPE)
-        e6, e7 = _halves(p3, DTYPE)
-    else:
-        x = _funnel(w, w1, sh)
-        e0 = tl.load(codebook_ptr + _nibble(x, 0)).to(DTYPE)
-        e1 = tl.load(codebook_ptr + _nibble(x, 1)).to(DTYPE)
-        e2 = tl.load(codebook_ptr + _nibble(x, 2)).to(DTYPE)
-        e3 = tl.load(codebook_ptr + _nibble(x, 3)).to(DTYPE)
-        e4 = tl.load(codebook_ptr + _nibble(x, 4)).to(DTYPE)
-        e5 = tl.load(codebook_ptr + _nibble(x, 5)).to(DTYPE)
-        e6 = tl.load(codebook_ptr + _nibble(x, 6)).to(DTYPE)
-        e7 = tl.load(codebook_ptr + _nibble(x, 7)).to(DTYPE)
-    return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
-
-
-@triton.jit
-def _tq_values4(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, DTYPE: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    """4-bit value codes ``[BLOCK_N, DV]`` in ``DTYPE``, plus :func:`_tq_magic`, their columns
-    in :func:`_tq_value_column`'s order."""
-    w, w1, sh = _tq_words(words_ptr, off, ok, DV // 8)
-    if USE_ASM:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _VALUES4_ASM, "=r,=r,=r,=r,r,r,r,r", [w, w1, sh, tl.load(lut_ptr + 4)],
-            (tl.uint32,) * 4, is_pure=True, pack=1)
-        o0, o1 = _halves(p0, DTYPE)
-        o2, o3 = _halves(p1, DTYPE)
-        o4, o5 = _halves(p2, DTYPE)
-        o6, o7 = _halves(p3, DTYPE)
-    else:
-        x = _funnel(w, w1, sh)
-        magic = _tq_magic(DTYPE)
-        o0 = (_nibble(x, 0) + magic).to(DTYPE)
-        o1 = (_nibble(x, 4) + magic).to(DTYPE)
-        o2 = (_nibble(x, 1) + magic).to(DTYPE)
-        o3 = (_nibble(x, 5) + magic).to(DTYPE)
-        o4 = (_nibble(x, 2) + magic).to(DTYPE)
-        o5 = (_nibble(x, 6) + magic).to(DTYPE)
-        o6 = (_nibble(x, 3) + magic).to(DTYPE)
-        o7 = (_nibble(x, 7) + magic).to(DTYPE)
-    return _join8(o0, o1, o2, o3, o4, o5, o6, o7)
-
-
-@triton.jit
-def _tq_fp16(ptr, ok):
-    """The little-endian fp16 at byte pointers ``ptr`` (rows ``ok``; 0 elsewhere), in fp32."""
-    low = tl.load(ptr, mask=ok, other=0).to(tl.uint16)
-    high = tl.load(ptr + 1, mask=ok, other=0).to(tl.uint16)
-    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _tq_half(ptr, ok):
-    """The fp16 at 2-byte aligned byte pointers ``ptr`` (rows ``ok``; 0 elsewhere), in fp32."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _tq_tile(cache_ptr, off, ok, codebook_ptr, lut_ptr, offs_d, D: tl.constexpr,
-             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, KEY_BITS: tl.constexpr,
-             VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr, DTYPE: tl.constexpr,
-             WORDS: tl.constexpr, USE_ASM: tl.constexpr):
-    """One key block of a TurboQuant cache (``backends/turboquant/format.py``) from its
-    slots' byte offsets ``off`` (int64): ``(keys, key scales, values, value scales, value
-    minimums)`` -- the keys in ``DTYPE``, in the rotated space (the query is rotated once) as
-    codebook centroids, each key's norm (its score column's scale: no multiplication of every
-    coordinate), over the centroids' norm with norm correction except for 4-bit words (the
-    caller's tensor cores divide those); fp8 keys as stored, scale 1. A value
-    is ``code * scale + minimum``: the caller folds the affine into its probabilities. With
-    ``WORDS`` (a 4-byte aligned cache) 4-bit codes are read 8 a 32-bit word and 4-bit values
-    come as :func:`_tq_values4` gives them (plus :func:`_tq_magic`, permuted columns)."""
-    base = cache_ptr + off
-    words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    if KEY_BITS == 8:
-        k = tl.load(base[:, None] + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D),
-                    other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE)
-        k_scale = tl.where(ok, 1.0, 0.0)
-        vstart = D
-    else:
-        if WORDS and KEY_BITS == 4:
-            k = _tq_keys4(words, off, ok, codebook_ptr, lut_ptr, D, DTYPE, USE_ASM)
-            k_scale = _tq_half(base + D // 2, ok)
-        else:
-            codes = _tq_codes(base, ok, D, D_P, KEY_BITS)
-            k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
-            k_scale = _tq_fp16(base + D * KEY_BITS // 8, ok)
-            if NORM_CORRECTION:
-                k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
-            k = k.to(DTYPE)
-        vstart = D * KEY_BITS // 8 + 2
-    tail = base + vstart + DV * VALUE_BITS // 8
-    if WORDS and VALUE_BITS == 4:
-        v = _tq_values4(words, off + vstart, ok, lut_ptr, DV, DTYPE, USE_ASM)
-        return k, k_scale, v, _tq_half(tail, ok), _tq_half(tail + 2, ok)
-    v = _tq_codes(base + vstart, ok, DV, DV_P, VALUE_BITS).to(DTYPE)
-    return k, k_scale, v, _tq_fp16(tail, ok), _tq_fp16(tail + 2, ok)
-
-
-@triton.jit
 def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
             slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt, stride_kb,
             stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
@@ -527,7 +275,7 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % PAGE
         if KV_FORMAT == 1:  # TurboQuant: a byte slot a (token, KV head) holding K and V
-            k, k_scale, v, v_scale, v_min = _tq_tile(
+            k, k_scale, v, v_scale, v_min = tq_tile(
                 k_ptr, page * stride_kb + slot * stride_ks + kv_head * stride_kh,
                 n_ok if MASKED else offs_n >= 0, codebook_ptr, lut_ptr, offs_d, D, D_P, DV,
                 DV_P, KEY_BITS, VALUE_BITS, NORM_CORRECTION, q.dtype, TQ_WORDS, TQ_ASM)
@@ -596,7 +344,7 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             acc = tl.dot(ps, v, acc, input_precision=PRECISION)
             shift = tl.sum(p * v_min[None, :], 1)
             if TQ_WORDS and VALUE_BITS == 4:  # the tile's codes are offset by a constant
-                shift -= _tq_magic(q.dtype) * tl.sum(ps.to(tl.float32), 1)
+                shift -= tq_magic(q.dtype) * tl.sum(ps.to(tl.float32), 1)
             acc += tl.where(offs_dv[None, :] < DV, shift[:, None], 0.0)
         else:
             acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
@@ -804,7 +552,7 @@ def paged_attention_kernel(
     rows = q_start + tok
     offs_out = offs_dv  # the value dim of each column of acc
     if KV_FORMAT == 1 and TQ_WORDS and VALUE_BITS == 4:
-        offs_out = _tq_value_column(offs_dv)
+        offs_out = tq_value_column(offs_dv)
     if NUM_SPLITS > 1:
         first_part = (rows * HQ + head) * NUM_SPLITS
         part = first_part + split

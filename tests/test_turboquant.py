@@ -436,7 +436,7 @@ def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(d, dtype):
     every code at every position, both alignments (the funnel shift of a word and the next):
     each key code reads as its codebook centroid in ``dtype``, each value code as 128 (bf16) or
     1024 (fp16) plus the code, in the column order the kernel puts back at the store."""
-    from attn_ops.backends import triton_attn_kernels as ak
+    from attn_ops.backends.turboquant import read_kernels as rk
     from attn_ops.backends.turboquant.ops import decode_tables
 
     lut = [w & 0xFFFFFFFF for w in decode_tables(tq.PRESETS[KVCacheDType.TURBOQUANT_4BIT_NC], d,
@@ -451,11 +451,11 @@ def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(d, dtype):
         for shift in (0, 16):
             x = ((nxt << 32 | word) >> shift) & 0xFFFFFFFF
             codes = [(x >> 4 * i) & 15 for i in range(8)]
-            keys = _run_ptx(ak._KEYS4_ASM.value, [word, nxt, shift, *lut[:4]])
+            keys = _run_ptx(rk.KEYS4_ASM.value, [word, nxt, shift, *lut[:4]])
             assert _halves(keys) == [centroids[c] & 0xFFFF for c in codes]
-            values = _run_ptx(ak._VALUES4_ASM.value, [word, nxt, shift, lut[4]])
-            order = [0, 4, 1, 5, 2, 6, 3, 7]  # (_tq_value_column's)
-            assert [ak._tq_value_column.fn(c) for c in range(8)] == order
+            values = _run_ptx(rk.VALUES4_ASM.value, [word, nxt, shift, lut[4]])
+            order = [0, 4, 1, 5, 2, 6, 3, 7]  # (tq_value_column's)
+            assert [rk.tq_value_column.fn(c) for c in range(8)] == order
             want = [torch.tensor(float(magic + codes[j]), dtype=dtype).view(torch.int16).item()
                     & 0xFFFF for j in order]
             assert _halves(values) == want

@@ -2,4 +2,4 @@
 or fp8 keys and 4-bit values). ``format``: the slot format byte by byte, quantize and
 dequantize in torch; ``ops``: the cache write and attention ops (torch bodies: the CPU path and
 the oracle; on GPUs the Triton write of ``write_kernels`` and TRITON_ATTN's kernels reading
-the slots); ``backend``: the registry entry."""
+the slots with ``read_kernels``); ``backend``: the registry entry."""

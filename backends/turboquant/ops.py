@@ -171,8 +171,8 @@ def _tables(kv_cache_dtype: str, head_dim: int, head_tile: int, dtype: torch.dty
 
 
 def decode_tables(preset, head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
-    """The 5 words TRITON_ATTN's PTX decode of 4-bit codes reads (``_KEYS4_ASM`` and
-    ``_VALUES4_ASM`` in ``backends/triton_attn_kernels.py``), as int32: the low bytes of the
+    """The 5 words TRITON_ATTN's PTX decode of 4-bit codes reads (``KEYS4_ASM`` and
+    ``VALUES4_ASM`` in ``read_kernels.py``), as int32: the low bytes of the
     4-bit codebook's 8 positive centroids in ``dtype`` (c[8], ..., c[15]: 4 a word, the first
     in the low byte), their high bytes, and the value tile's offset (128 in bf16, 1024 in fp16,
     where the spacing of the numbers is 1) in both halves of a word. The keys' tables assume a
