@@ -7,7 +7,7 @@ import torch
 
 from attn_ops.hf.owned_cache import _take_handover
 from attn_ops.hf.common import (_StepPlan, _built, _layer, _requests, _rows_of, _scratch_step,
-                                 _where, spec_of_call)
+                                 _where)
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, s_aux=None, is_causal=None,
                       **kwargs):
@@ -28,11 +28,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError(f"attn_ops ({_where(module)}): non-causal attention (is_causal=False "
                          f"over {sq} queries): attn_ops.hf serves decoder (causal) layers; use "
                          "attn_implementation='sdpa'")
-    spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
-    layer = _layer(module, spec, query.device)
-    if s_aux is not None:
-        with torch.no_grad():
-            layer.sinks.copy_(s_aux.detach().float())
+    layer = _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     owned = _take_handover(key)
     if owned is not None:  # (key / value: the new tokens; the history is in owned's pages)
         return owned.attend(module, layer, query, key, value, attention_mask), None

@@ -30,18 +30,23 @@ def spec_of_call(module, query, key, value, scaling, sliding_window, softcap,
                          has_sinks=sinks is not None, scale=scaling)
 
 
-def _layer(module, spec: AttentionSpec, device):
-    """The module's :class:`~attn_ops.Attention` for ``spec`` (built once, kept on it)."""
+def _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux):
+    """The module's :class:`~attn_ops.Attention` for the call's spec (:func:`spec_of_call`;
+    built once, kept on it), its sinks set to the call's ``s_aux``."""
     from attn_ops.layers.attention import Attention
 
+    spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
     layer = layers.get(spec)
     if layer is None:
         try:
-            layer = Attention(spec, _CONFIG["config"]).to(device)
+            layer = Attention(spec, _CONFIG["config"]).to(query.device)
         except ValueError as e:  # (no backend serves it here: every reason, named)
             raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
         layers[spec] = layer
+    if s_aux is not None:
+        with torch.no_grad():
+            layer.sinks.copy_(s_aux.detach().float())
     return layer
 
 

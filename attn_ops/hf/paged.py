@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attn_ops.hf.common import (_StepPlan, _built, _decodes_first, _layer, _scratch_step,
-                                 _slots, _where, spec_of_call)
+                                 _slots, _where)
 class _PagedStep(_StepPlan):
     """One continuous-batching step's plan, made once for all its layers: the requests with new
     tokens in the order a step takes them, pages holding exactly each one's history
@@ -256,11 +256,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                          "cannot be compiled or captured in HF's CUDA graphs; run continuous "
                          "batching with ContinuousBatchingConfig(use_cuda_graph=False, "
                          "default_compile_level=0), its defaults for this implementation")
-    spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
-    layer = _layer(module, spec, query.device)
-    if s_aux is not None:
-        with torch.no_grad():
-            layer.sinks.copy_(s_aux.detach().float())
+    layer = _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     out_shape = (1, query.shape[2], query.shape[1], value.shape[3])
     group = "sliding_attention" if sliding_window else "full_attention"
     modes = cache.__dict__.setdefault("_attn_ops_modes", {})  # (layer -> why not in place)
