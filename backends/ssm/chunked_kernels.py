@@ -123,11 +123,17 @@ def _dot32(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile(ptr, rows, ok, stride_t, head_off, offs, offs_ok):
+    """``[rows, cols]`` of one head as stored (0 outside)."""
+    return tl.load(ptr + rows[:, None] * stride_t + head_off + offs[None, :],
+                   mask=ok[:, None] & offs_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _rows(ptr, rows, ok, stride_t, head_off, offs, offs_ok, L2NORM: tl.constexpr):
     """``[rows, cols]`` of one head in fp32 (0 outside), each row L2-normalised if
     ``L2NORM``."""
-    x = tl.load(ptr + rows[:, None] * stride_t + head_off + offs[None, :],
-                mask=ok[:, None] & offs_ok[None, :], other=0.0).to(tl.float32)
+    x = _tile(ptr, rows, ok, stride_t, head_off, offs, offs_ok).to(tl.float32)
     if L2NORM:
         x = x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
     return x
@@ -307,14 +313,12 @@ def gdn_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h_ptr, state_ptr, o_ptr, qsl_pt
         tl.store(h_ptr + c * stride_hc + h_offs, s.to(h_ptr.dtype.element_ty), mask=s_mask)
         rows = c0 + offs_c
         ok = rows < end
-        w = tl.load(w_ptr + rows[:, None] * stride_wt + hv * stride_wh + offs_k[None, :],
-                    mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w = _tile(w_ptr, rows, ok, stride_wt, hv * stride_wh, offs_k, k_ok)
         u_ptrs = u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :]
         uv_mask = ok[:, None] & v_ok[None, :]
         d = tl.load(u_ptrs, mask=uv_mask, other=0.0).to(tl.float32) - _dot(w, s, w_ptr, IEEE)
         tl.store(u_ptrs, d.to(u_ptr.dtype.element_ty), mask=uv_mask)
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + (hv // GROUP) * stride_kh
-                    + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        k = _tile(k_ptr, rows, ok, stride_kt, (hv // GROUP) * stride_kh, offs_k, k_ok)
         g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, axis=0)
         last = tl.sum(g, axis=0)
@@ -354,8 +358,7 @@ def gdn_output_kernel(q_ptr, k_ptr, g_ptr, u_ptr, h_ptr, o_ptr, start_ptr, end_p
         s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hv * stride_hh
                     + offs_k[:, None] * DV + offs_v[None, :],
                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        d = tl.load(u_ptr + rows[:, None] * stride_ut + hv * stride_uh + offs_v[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        d = _tile(u_ptr, rows, ok, stride_ut, hv * stride_uh, offs_v, v_ok)
         decay = tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0))
         causal = tl.where(offs_c[:, None] >= offs_c[None, :],
                           _dot(q, tl.trans(k), u_ptr, IEEE) * decay, 0.0)
@@ -457,8 +460,7 @@ def _ssd_rows(dtc_ptr, cum_ptr, x_ptr, rows, end, h, num_tokens, stride_xt, stri
     at = h.to(tl.int64) * num_tokens + rows
     dt = tl.load(dtc_ptr + at, mask=ok, other=0.0)
     cum = tl.load(cum_ptr + at, mask=ok, other=0.0)
-    x = tl.load(x_ptr + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
-                mask=ok[:, None] & p_ok[None, :], other=0.0)
+    x = _tile(x_ptr, rows, ok, stride_xt, h * stride_xh, offs_p, p_ok)
     return ok, dt, cum, x
 
 

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.ssm.chunked_kernels import (_dot, _last_outer, _split_pid, _work_dtype,
-                                                   chunk_table_triton)
+from attn_ops.backends.ssm.chunked_kernels import (_dot, _last_outer, _split_pid, _tile,
+                                                   _work_dtype, chunk_table_triton)
 from attn_ops.backends.ssm.triton_kernels import (_keep_final, _request_state,
                                                   _zero_padding_rows, lightning_launch)
 
@@ -72,13 +72,9 @@ def lightning_chunked_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, o_ptr, q
     for c0 in range(start, end, CHUNK):
         rows = c0 + offs_l
         ok = rows < end
-        kmask = ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_k[None, :],
-                    mask=kmask, other=0.0)
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + offs_k[None, :],
-                    mask=kmask, other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        q = _tile(q_ptr, rows, ok, stride_qt, h * stride_qh, offs_k, k_ok)
+        k = _tile(k_ptr, rows, ok, stride_kt, h * stride_kh, offs_k, k_ok)
+        v = _tile(v_ptr, rows, ok, stride_vt, h * stride_vh, offs_v, v_ok)
         o = _chunk_out(q, k, v, s, slope, pos, q_ptr, IEEE)
         tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
@@ -126,10 +122,8 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
         tl.store(h_ptr + c * stride_hc + h_offs, s.to(h_ptr.dtype.element_ty), mask=s_mask)
         rows = c0 + offs_c
         ok = rows < end
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + hh * stride_kh + offs_k[None, :],
-                    mask=ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * stride_vt + hh * stride_vh + offs_v[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
+        v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
         s = _chunk_state(s, k, v, slope, pos, ok, tl.minimum(end - c0, CHUNK).to(tl.float32),
                          k_ptr, IEEE)
         c += 1
@@ -157,13 +151,9 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
         v_ok = offs_v < DV
         rows = start + offs_c
         ok = rows < end
-        kmask = ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + hh * stride_qh + offs_k[None, :],
-                    mask=kmask, other=0.0)
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + hh * stride_kh + offs_k[None, :],
-                    mask=kmask, other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * stride_vt + hh * stride_vh + offs_v[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
+        k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
+        v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
         s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hh * stride_hh
                     + offs_k[:, None] * DV + offs_v[None, :],
                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
