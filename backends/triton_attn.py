@@ -169,8 +169,8 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     group = hq // hk
     group_p = pow2(group)
     d_p, dv_p = triton_head_tiles(d, dv, k_cache.dtype.itemsize)
-    if turboquant is not None:  # 4-bit codes read 8 a word from a 4-byte aligned cache into
-        # unpadded tiles, decoded by PTX where its tables exist (16-bit queries)
+    if turboquant is not None:  # 3- and 4-bit codes read 8 at a time from a 4-byte aligned
+        # cache into unpadded tiles, decoded by PTX where its tables exist (16-bit queries)
         tq.update(TQ_WORDS=k_cache.data_ptr() % 4 == 0 and (d, dv) == (d_p, dv_p),
                   TQ_ASM=turboquant[3] is not None and not interpreting())
     rows, block_n, warps, stages = tile

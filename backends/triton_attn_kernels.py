@@ -280,7 +280,7 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
                 n_ok if MASKED else offs_n >= 0, codebook_ptr, lut_ptr, offs_d, D, D_P, DV,
                 DV_P, KEY_BITS, VALUE_BITS, NORM_CORRECTION, q.dtype, TQ_WORDS, TQ_ASM)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if NORM_CORRECTION and TQ_WORDS and KEY_BITS == 4:  # every key's ||c||^2 on the
+            if NORM_CORRECTION and TQ_WORDS and KEY_BITS < 8:  # every key's ||c||^2 on the
                 # tensor cores too, in each row
                 c2 = tl.dot(tl.full(q.shape, 1.0, q.dtype), tl.trans(k * k),
                             input_precision=PRECISION)
@@ -343,7 +343,7 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             ps = (p * v_scale[None, :]).to(q.dtype)
             acc = tl.dot(ps, v, acc, input_precision=PRECISION)
             shift = tl.sum(p * v_min[None, :], 1)
-            if TQ_WORDS and VALUE_BITS == 4:  # the tile's codes are offset by a constant
+            if TQ_WORDS:  # the tile's codes are offset by a constant
                 shift -= tq_magic(q.dtype) * tl.sum(ps.to(tl.float32), 1)
             acc += tl.where(offs_dv[None, :] < DV, shift[:, None], 0.0)
         else:
@@ -551,7 +551,7 @@ def paged_attention_kernel(
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     rows = q_start + tok
     offs_out = offs_dv  # the value dim of each column of acc
-    if KV_FORMAT == 1 and TQ_WORDS and VALUE_BITS == 4:
+    if KV_FORMAT == 1 and TQ_WORDS:
         offs_out = tq_value_column(offs_dv)
     if NUM_SPLITS > 1:
         first_part = (rows * HQ + head) * NUM_SPLITS

@@ -407,6 +407,8 @@ def _run_ptx(asm: str, inputs: list[int]) -> dict[int, int]:
             r = ~a[0] & mask
         elif op == "mad.lo.u32":
             r = (a[0] * a[1] + a[2]) & mask
+        elif op == "add.u32":
+            r = (a[0] + a[1]) & mask
         elif op == "prmt.b32":  # the default mode: bytes of b:a picked by nibbles of c
             source = (a[1] << 32 | a[0]).to_bytes(8, "little")
             picked = []
@@ -428,37 +430,60 @@ def _halves(outputs: dict[int, int]) -> list[int]:
     return [half for i in range(len(outputs)) for half in (outputs[i] & 0xFFFF, outputs[i] >> 16)]
 
 
+def _ptx_code_groups(bits: int, seed: int):
+    """``(word, next word, shift, codes)`` of code groups as TRITON_ATTN's word reads hand them
+    to the PTX decode (``read_kernels._tq_words``): fields of random and patterned bytes at byte
+    offsets 0 and 2 of their first word, every group of 8 codes of each."""
+    rng = np.random.default_rng(seed)
+    fields = [bytes(rng.integers(0, 256, 3 * 32, dtype=np.uint8))]
+    if bits == 4:  # every code at every position; two codes in order
+        fields += [bytes([n * 17] * 4) for n in range(16)] + [bytes.fromhex("1032547698badcfe")]
+    else:  # every code at every position: 8 copies of a code are 3 bytes
+        fields += [int("".join(f"{n:03b}" for _ in range(8)), 2).to_bytes(3, "little") * 4
+                   for n in range(8)] + [int("".join(f"{n:03b}" for n in range(8)), 2)
+                                         .to_bytes(3, "little") * 4]
+    for field in fields:
+        stream = int.from_bytes(field, "little")
+        for start in (0, 2):  # the field's byte offset in its first word
+            padded = int.from_bytes(bytes(start) + field + bytes(8), "little")
+            for g in range(len(field) * 8 // (8 * bits)):
+                bit = start * 8 + 8 * bits * g
+                word, nxt = (padded >> 32 * (bit // 32 + i) & 0xFFFFFFFF for i in range(2))
+                codes = [(stream >> bits * (8 * g + i)) & (2 ** bits - 1) for i in range(8)]
+                yield word, nxt, bit % 32, codes
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(d, dtype):
-    """TRITON_ATTN's PTX decode of 4-bit codes (it runs on GPUs only; the interpreter runs the
-    same tiles from Triton arithmetic), its instructions emulated bit for bit over words of
-    every code at every position, both alignments (the funnel shift of a word and the next):
-    each key code reads as its codebook centroid in ``dtype``, each value code as 128 (bf16) or
-    1024 (fp16) plus the code, in the column order the kernel puts back at the store."""
+@pytest.mark.parametrize("bits", [3, 4])
+def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(bits, d, dtype):
+    """TRITON_ATTN's PTX decode of 3- and 4-bit codes (it runs on GPUs only; the interpreter
+    runs the same tiles from Triton arithmetic), its instructions emulated bit for bit over code
+    groups of every code at every position, at both field alignments (the funnel shift of a
+    word and the next): each key code reads as its codebook centroid in ``dtype``, each value
+    code as 128 (bf16) or 1024 (fp16) plus the code, in the column order the kernel puts back
+    at the store."""
     from attn_ops.backends.turboquant import read_kernels as rk
     from attn_ops.backends.turboquant.ops import decode_tables
 
-    lut = [w & 0xFFFFFFFF for w in decode_tables(tq.PRESETS[KVCacheDType.TURBOQUANT_4BIT_NC], d,
-                                                 dtype)]
-    centroids = tq.codebook(d, 4)[0].to(dtype).view(torch.int16).tolist()
+    preset = {3: KVCacheDType.TURBOQUANT_3BIT_NC, 4: KVCacheDType.TURBOQUANT_4BIT_NC}[bits]
+    lut = [w & 0xFFFFFFFF for w in decode_tables(tq.PRESETS[preset], d, dtype)]
+    keys_asm, values_asm = {3: (rk.KEYS3_ASM, rk.VALUES3_ASM),
+                            4: (rk.KEYS4_ASM, rk.VALUES4_ASM)}[bits]
+    centroids = tq.codebook(d, bits)[0].to(dtype).view(torch.int16).tolist()
     magic = 128 if dtype == torch.bfloat16 else 1024
-    rng = np.random.default_rng(d)
-    words = [int(w) for w in rng.integers(0, 1 << 32, 300, dtype=np.uint64)]
-    words += [int(f"{n:x}" * 8, 16) for n in range(16)]  # every code at every position
-    words += [0x76543210, 0xFEDCBA98]
-    for word, nxt in zip(words, words[1:] + words[:1]):
-        for shift in (0, 16):
-            x = ((nxt << 32 | word) >> shift) & 0xFFFFFFFF
-            codes = [(x >> 4 * i) & 15 for i in range(8)]
-            keys = _run_ptx(rk.KEYS4_ASM.value, [word, nxt, shift, *lut[:4]])
-            assert _halves(keys) == [centroids[c] & 0xFFFF for c in codes]
-            values = _run_ptx(rk.VALUES4_ASM.value, [word, nxt, shift, lut[4]])
-            order = [0, 4, 1, 5, 2, 6, 3, 7]  # (tq_value_column's)
-            assert [rk.tq_value_column.fn(c) for c in range(8)] == order
-            want = [torch.tensor(float(magic + codes[j]), dtype=dtype).view(torch.int16).item()
-                    & 0xFFFF for j in order]
-            assert _halves(values) == want
+    order = [0, 4, 1, 5, 2, 6, 3, 7]  # (tq_value_column's)
+    assert [rk.tq_value_column.fn(c) for c in range(8)] == order
+    seen = set()
+    for word, nxt, shift, codes in _ptx_code_groups(bits, d):
+        seen.update(enumerate(codes))
+        keys = _run_ptx(keys_asm.value, [word, nxt, shift, *lut[:4]])
+        assert _halves(keys) == [centroids[c] & 0xFFFF for c in codes]
+        values = _run_ptx(values_asm.value, [word, nxt, shift, lut[4]])
+        want = [torch.tensor(float(magic + codes[j]), dtype=dtype).view(torch.int16).item()
+                & 0xFFFF for j in order]
+        assert _halves(values) == want
+    assert len(seen) == 8 * 2 ** bits  # every code at every position of a group
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -171,21 +171,23 @@ def _tables(kv_cache_dtype: str, head_dim: int, head_tile: int, dtype: torch.dty
 
 
 def decode_tables(preset, head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
-    """The 5 words TRITON_ATTN's PTX decode of 4-bit codes reads (``KEYS4_ASM`` and
-    ``VALUES4_ASM`` in ``read_kernels.py``), as int32: the low bytes of the
-    4-bit codebook's 8 positive centroids in ``dtype`` (c[8], ..., c[15]: 4 a word, the first
-    in the low byte), their high bytes, and the value tile's offset (128 in bf16, 1024 in fp16,
-    where the spacing of the numbers is 1) in both halves of a word. The keys' tables assume a
-    symmetric codebook (c[15 - j] = -c[j], which Lloyd-Max of a Gaussian is), and are zero
-    without 4-bit keys."""
+    """The 5 words TRITON_ATTN's PTX decode of 3- and 4-bit codes reads (``read_kernels.py``),
+    as int32: two words of the low bytes of 8 centroids in ``dtype`` (4 a word, the first in the
+    low byte), two of their high bytes, and the value tile's offset (128 in bf16, 1024 in fp16,
+    where the spacing of the numbers is 1) in both halves of a word. The 8 centroids are the
+    3-bit codebook's (``KEYS3_ASM``) or the 4-bit codebook's positive half c[8], ..., c[15]
+    (``KEYS4_ASM``, which assumes a symmetric codebook, c[15 - j] = -c[j], as Lloyd-Max of a
+    Gaussian is); the key tables are zero for fp8 keys."""
     magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}[dtype]
     words = [0, 0, 0, 0, magic | magic << 16]
-    if preset.key_bits == 4:
-        c = codebook(head_dim, 4)[0].to(dtype)
-        if not torch.equal(c.flip(0), -c):
-            raise ValueError(f"the {head_dim}-dim 4-bit codebook is not symmetric in {dtype}: "
-                             "its PTX tables would misread the negative centroids")
-        bits = [int(b) & 0xFFFF for b in c[8:].view(torch.int16)]
+    if preset.key_bits in (3, 4):
+        c = codebook(head_dim, preset.key_bits)[0].to(dtype)
+        if preset.key_bits == 4:
+            if not torch.equal(c.flip(0), -c):
+                raise ValueError(f"the {head_dim}-dim 4-bit codebook is not symmetric in "
+                                 f"{dtype}: its PTX tables would misread the negative centroids")
+            c = c[8:]
+        bits = [int(b) & 0xFFFF for b in c.view(torch.int16)]
         for i, b in enumerate(bits):
             words[i // 4] |= (b & 0xFF) << 8 * (i % 4)
             words[2 + i // 4] |= (b >> 8) << 8 * (i % 4)

@@ -2,10 +2,12 @@
 ``backends/triton_attn_kernels.py``): a key block's keys, their score scales and its values
 from the slots' bytes (``format.py``), dequantized in registers.
 
-4-bit codes are read 8 a 32-bit word (``TQ_WORDS``: a 4-byte aligned cache, unpadded head
-tiles) and, on GPUs, decoded by inline PTX (``TQ_ASM``: :data:`KEYS4_ASM`,
-:data:`VALUES4_ASM`, whose tables ``ops.decode_tables`` builds); the interpreter computes the
-same tiles with Triton arithmetic. Other slots are read byte by byte.
+3- and 4-bit codes are read 8 at a time (``TQ_WORDS``: a 4-byte aligned cache, unpadded head
+tiles): a 32-bit word of 4-bit codes, or a 24-bit group of 3-bit ones funnel-shifted out of the
+word pair holding it. On GPUs inline PTX decodes them (``TQ_ASM``: :data:`KEYS4_ASM`,
+:data:`KEYS3_ASM`, :data:`VALUES4_ASM`, :data:`VALUES3_ASM`, whose tables
+``ops.decode_tables`` builds); the interpreter computes the same tiles with Triton arithmetic.
+Other slots are read byte by byte.
 """
 
 from __future__ import annotations
@@ -74,18 +76,57 @@ and.b32 m, m, 0x77777777;
 """ + _keys4_half("m", 0x1100, 0) + "shr.u32 n, m, 16;\n" + _keys4_half("n", 0x3322, 2) + "}")
 
 
-# Value codes of 4 bits, 8 a word, to 16-bit floats MAGIC + code (exact: MAGIC is 128 in bf16,
+# 3-bit codes, 8 a 24-bit group (bit 3 i: code i), spread to a 4-bit code a nibble, as a 32-bit
+# word of 4-bit codes holds them: codes 4-7 up 4 bits, then each half's second pair up 2, then
+# each byte's second code up 1 (adding a masked field to itself moves it up by one bit: x + t
+# == x - t + 2 t; mad.lo by 2^k - 1 moves it k bits). $4/$5/$6: the word holding the group's
+# first bit, the next one and the group's bit offset in the first (0..31).
+_SPREAD3 = """shf.r.clamp.b32 x, $4, $5, $6;
+and.b32 t, x, 0x00FFF000;
+and.b32 x, x, 0x00000FFF;
+mad.lo.u32 x, t, 16, x;
+and.b32 t, x, 0x0FC00FC0;
+mad.lo.u32 x, t, 3, x;
+and.b32 t, x, 0x38383838;
+add.u32 x, x, t;
+"""
+
+# 3-bit key codes to 16-bit centroids: a code (a nibble of x, at most 7) selects the low and the
+# high byte of its centroid from two 8-byte tables (PRMT over a register pair), no symmetry
+# needed. $7/$8: the 8 centroids' low bytes, $9/$10: their high bytes. Outputs as KEYS4_ASM's.
+KEYS3_ASM = tl.constexpr("""{
+.reg .b32 x, t, n, l, h;
+""" + _SPREAD3 + """prmt.b32 l, $7, $8, x;
+prmt.b32 h, $9, $10, x;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+shr.u32 n, x, 16;
+prmt.b32 l, $7, $8, n;
+prmt.b32 h, $9, $10, n;
+prmt.b32 $2, l, h, 0x5140;
+prmt.b32 $3, l, h, 0x7362;
+}""")
+
+# Value codes, 4 bits a nibble of x, to 16-bit floats MAGIC + code (exact: MAGIC is 128 in bf16,
 # 1024 in fp16, where the spacing is 1): an AND and an OR a pair. The pairs a register holds are
 # codes (j, j + 4) of the word, so outputs $0..$3 hold codes 0, 4 | 1, 5 | 2, 6 | 3, 7: the
 # value columns this permutes are put back where the output is stored
-# (:func:`tq_value_column`). $4/$5/$6: the words and shift as above; $7: MAGIC in both halves.
+# (:func:`tq_value_column`). $7: MAGIC in both halves.
+_VALUE_PAIRS = "".join(f"""shr.u32 y, x, {4 * i};
+and.b32 p, y, 0x000F000F;
+or.b32 ${i}, p, $7;
+""" for i in range(4))
+
+# 4-bit value codes, 8 a word: $4/$5/$6 the words and shift as KEYS4_ASM's.
 VALUES4_ASM = tl.constexpr("""{
 .reg .b32 x, y, p;
 shf.r.clamp.b32 x, $4, $5, $6;
-""" + "".join(f"""shr.u32 y, x, {4 * i};
-and.b32 p, y, 0x000F000F;
-or.b32 ${i}, p, $7;
-""" for i in range(4)) + "}")
+""" + _VALUE_PAIRS + "}")
+
+# 3-bit value codes, 8 a 24-bit group: $4/$5/$6 as _SPREAD3's; the same outputs.
+VALUES3_ASM = tl.constexpr("""{
+.reg .b32 x, t, y, p;
+""" + _SPREAD3 + _VALUE_PAIRS + "}")
 
 
 @triton.jit
@@ -108,14 +149,38 @@ def tq_magic(DTYPE: tl.constexpr):
 
 @triton.jit
 def _tq_words(words_ptr, off, ok, NW: tl.constexpr):
-    """The ``NW`` 32-bit words of the bytes from byte offsets ``off [BLOCK_N]`` (even; rows
-    ``ok``) of the 4-byte aligned cache ``words_ptr``, as the word pairs a funnel shift aligns:
-    ``(word, next word, shift [BLOCK_N, 1])`` (shift 0 or 16 bits). The next word of the last
-    one reads at most 4 bytes past the field, inside its slot (the fields after it)."""
+    """The ``NW`` 32-bit words of the bytes from byte offsets ``off [BLOCK_N]`` (rows ``ok``)
+    of the 4-byte aligned cache ``words_ptr``, as the word pairs a funnel shift aligns:
+    ``(word, next word, bit shift [BLOCK_N, 1])``: 8 4-bit codes a word. The next word of the
+    last one reads at most 4 bytes past the field, inside its slot (the fields after it)."""
     at = words_ptr + (off >> 2)[:, None] + tl.arange(0, NW)[None, :]
     w = tl.load(at, mask=ok[:, None], other=0)
     w1 = tl.load(at + 1, mask=ok[:, None], other=0)
     return w, w1, ((off & 3) * 8).to(tl.uint32)[:, None]
+
+
+@triton.jit
+def _tq_groups(words_ptr, off, ok, NG: tl.constexpr):
+    """The ``NG`` 24-bit groups (8 3-bit codes each) of the bytes from byte offsets ``off``
+    as :func:`_tq_words` hands words: the word holding each group's first bit, the next one
+    (only where the group reaches it) and the group's bit offset in the first, ``[BLOCK_N,
+    NG]``."""
+    bit = (tl.arange(0, NG) * 24)[:, None] + ((off & 3) * 8).to(tl.int32)[None, :]
+    at = words_ptr + (off >> 2)[None, :] + (bit >> 5)
+    sh = (bit & 31).to(tl.uint32)
+    w = tl.load(at, mask=ok[None, :], other=0)
+    w1 = tl.load(at + 1, mask=ok[None, :] & (sh > 8), other=0)
+    return tl.trans(w), tl.trans(w1), tl.trans(sh)
+
+
+@triton.jit
+def _tq_code_words(words_ptr, off, ok, N: tl.constexpr, BITS: tl.constexpr):
+    """``N`` codes of ``BITS`` (3 or 4), 8 an element: :func:`_tq_words` or :func:`_tq_groups`."""
+    if BITS == 4:
+        w, w1, sh = _tq_words(words_ptr, off, ok, N // 8)
+    else:
+        w, w1, sh = _tq_groups(words_ptr, off, ok, N // 8)
+    return w, w1, sh
 
 
 @triton.jit
@@ -134,8 +199,9 @@ def _halves(pair, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _nibble(x, i: tl.constexpr):
-    return ((x >> (4 * i)) & 15).to(tl.int32)
+def _code(x, i: tl.constexpr, BITS: tl.constexpr):
+    """Code ``i`` of the ``BITS``-bit codes packed LSB first in ``x``."""
+    return ((x >> (BITS * i)) & ((1 << BITS) - 1)).to(tl.int32)
 
 
 @triton.jit
@@ -147,13 +213,13 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
 
 
 @triton.jit
-def _tq_keys4(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, DTYPE: tl.constexpr,
-              USE_ASM: tl.constexpr):
-    """4-bit keys ``[BLOCK_N, D]`` in ``DTYPE``: each code's centroid (rotated space)."""
-    w, w1, sh = _tq_words(words_ptr, off, ok, D // 8)
+def _tq_keys(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, BITS: tl.constexpr,
+             DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """3- or 4-bit keys ``[BLOCK_N, D]`` in ``DTYPE``: each code's centroid (rotated space)."""
+    w, w1, sh = _tq_code_words(words_ptr, off, ok, D, BITS)
     if USE_ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            KEYS4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r",
+            KEYS4_ASM if BITS == 4 else KEYS3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r",
             [w, w1, sh, tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2),
              tl.load(lut_ptr + 3)], (tl.uint32,) * 4, is_pure=True, pack=1)
         e0, e1 = _halves(p0, DTYPE)
@@ -162,27 +228,27 @@ def _tq_keys4(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, DTYPE:
         e6, e7 = _halves(p3, DTYPE)
     else:
         x = _funnel(w, w1, sh)
-        e0 = tl.load(codebook_ptr + _nibble(x, 0)).to(DTYPE)
-        e1 = tl.load(codebook_ptr + _nibble(x, 1)).to(DTYPE)
-        e2 = tl.load(codebook_ptr + _nibble(x, 2)).to(DTYPE)
-        e3 = tl.load(codebook_ptr + _nibble(x, 3)).to(DTYPE)
-        e4 = tl.load(codebook_ptr + _nibble(x, 4)).to(DTYPE)
-        e5 = tl.load(codebook_ptr + _nibble(x, 5)).to(DTYPE)
-        e6 = tl.load(codebook_ptr + _nibble(x, 6)).to(DTYPE)
-        e7 = tl.load(codebook_ptr + _nibble(x, 7)).to(DTYPE)
+        e0 = tl.load(codebook_ptr + _code(x, 0, BITS)).to(DTYPE)
+        e1 = tl.load(codebook_ptr + _code(x, 1, BITS)).to(DTYPE)
+        e2 = tl.load(codebook_ptr + _code(x, 2, BITS)).to(DTYPE)
+        e3 = tl.load(codebook_ptr + _code(x, 3, BITS)).to(DTYPE)
+        e4 = tl.load(codebook_ptr + _code(x, 4, BITS)).to(DTYPE)
+        e5 = tl.load(codebook_ptr + _code(x, 5, BITS)).to(DTYPE)
+        e6 = tl.load(codebook_ptr + _code(x, 6, BITS)).to(DTYPE)
+        e7 = tl.load(codebook_ptr + _code(x, 7, BITS)).to(DTYPE)
     return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
 
 
 @triton.jit
-def _tq_values4(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, DTYPE: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    """4-bit value codes ``[BLOCK_N, DV]`` in ``DTYPE``, plus :func:`tq_magic`, their columns
-    in :func:`tq_value_column`'s order."""
-    w, w1, sh = _tq_words(words_ptr, off, ok, DV // 8)
+def _tq_values(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, BITS: tl.constexpr,
+               DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """3- or 4-bit value codes ``[BLOCK_N, DV]`` in ``DTYPE``, plus :func:`tq_magic`, their
+    columns in :func:`tq_value_column`'s order."""
+    w, w1, sh = _tq_code_words(words_ptr, off, ok, DV, BITS)
     if USE_ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            VALUES4_ASM, "=r,=r,=r,=r,r,r,r,r", [w, w1, sh, tl.load(lut_ptr + 4)],
-            (tl.uint32,) * 4, is_pure=True, pack=1)
+            VALUES4_ASM if BITS == 4 else VALUES3_ASM, "=r,=r,=r,=r,r,r,r,r",
+            [w, w1, sh, tl.load(lut_ptr + 4)], (tl.uint32,) * 4, is_pure=True, pack=1)
         o0, o1 = _halves(p0, DTYPE)
         o2, o3 = _halves(p1, DTYPE)
         o4, o5 = _halves(p2, DTYPE)
@@ -190,14 +256,14 @@ def _tq_values4(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, DTYPE: tl.constex
     else:
         x = _funnel(w, w1, sh)
         magic = tq_magic(DTYPE)
-        o0 = (_nibble(x, 0) + magic).to(DTYPE)
-        o1 = (_nibble(x, 4) + magic).to(DTYPE)
-        o2 = (_nibble(x, 1) + magic).to(DTYPE)
-        o3 = (_nibble(x, 5) + magic).to(DTYPE)
-        o4 = (_nibble(x, 2) + magic).to(DTYPE)
-        o5 = (_nibble(x, 6) + magic).to(DTYPE)
-        o6 = (_nibble(x, 3) + magic).to(DTYPE)
-        o7 = (_nibble(x, 7) + magic).to(DTYPE)
+        o0 = (_code(x, 0, BITS) + magic).to(DTYPE)
+        o1 = (_code(x, 4, BITS) + magic).to(DTYPE)
+        o2 = (_code(x, 1, BITS) + magic).to(DTYPE)
+        o3 = (_code(x, 5, BITS) + magic).to(DTYPE)
+        o4 = (_code(x, 2, BITS) + magic).to(DTYPE)
+        o5 = (_code(x, 6, BITS) + magic).to(DTYPE)
+        o6 = (_code(x, 3, BITS) + magic).to(DTYPE)
+        o7 = (_code(x, 7, BITS) + magic).to(DTYPE)
     return _join8(o0, o1, o2, o3, o4, o5, o6, o7)
 
 
@@ -216,6 +282,15 @@ def _tq_half(ptr, ok):
 
 
 @triton.jit
+def _tq_scale(ptr, ok, EVEN: tl.constexpr):
+    """The fp16 at byte pointers ``ptr`` in fp32 (0 past rows ``ok``): one 2-byte load where
+    ``EVEN`` (the pointers are 2-byte aligned), else two byte loads."""
+    if EVEN:
+        return _tq_half(ptr, ok)
+    return _tq_fp16(ptr, ok)
+
+
+@triton.jit
 def tq_tile(cache_ptr, off, ok, codebook_ptr, lut_ptr, offs_d, D: tl.constexpr,
              D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, KEY_BITS: tl.constexpr,
              VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr, DTYPE: tl.constexpr,
@@ -224,11 +299,12 @@ def tq_tile(cache_ptr, off, ok, codebook_ptr, lut_ptr, offs_d, D: tl.constexpr,
     slots' byte offsets ``off`` (int64): ``(keys, key scales, values, value scales, value
     minimums)`` -- the keys in ``DTYPE``, in the rotated space (the query is rotated once) as
     codebook centroids, each key's norm (its score column's scale: no multiplication of every
-    coordinate), over the centroids' norm with norm correction except for 4-bit words (the
-    caller's tensor cores divide those); fp8 keys as stored, scale 1. A value
-    is ``code * scale + minimum``: the caller folds the affine into its probabilities. With
-    ``WORDS`` (a 4-byte aligned cache) 4-bit codes are read 8 a 32-bit word and 4-bit values
-    come as :func:`_tq_values4` gives them (plus :func:`tq_magic`, permuted columns)."""
+    coordinate), over the centroids' norm with norm correction except for code words (the
+    caller's tensor cores divide those); fp8 keys as stored, scale 1. A value is ``code * scale
+    + minimum``: the caller folds the affine into its probabilities. With ``WORDS`` (a 4-byte
+    aligned cache of even-sized slots, unpadded head tiles) 3- and 4-bit codes are read 8 at a
+    time (:func:`_tq_code_words`) and the values come as :func:`_tq_values` gives them (plus
+    :func:`tq_magic`, permuted columns)."""
     base = cache_ptr + off
     words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     if KEY_BITS == 8:
@@ -237,20 +313,22 @@ def tq_tile(cache_ptr, off, ok, codebook_ptr, lut_ptr, offs_d, D: tl.constexpr,
         k_scale = tl.where(ok, 1.0, 0.0)
         vstart = D
     else:
-        if WORDS and KEY_BITS == 4:
-            k = _tq_keys4(words, off, ok, codebook_ptr, lut_ptr, D, DTYPE, USE_ASM)
-            k_scale = _tq_half(base + D // 2, ok)
+        vstart = D * KEY_BITS // 8 + 2
+        if WORDS:
+            k = _tq_keys(words, off, ok, codebook_ptr, lut_ptr, D, KEY_BITS, DTYPE, USE_ASM)
+            k_scale = _tq_scale(base + (vstart - 2), ok, vstart % 2 == 0)
         else:
             codes = _tq_codes(base, ok, D, D_P, KEY_BITS)
             k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
-            k_scale = _tq_fp16(base + D * KEY_BITS // 8, ok)
+            k_scale = _tq_fp16(base + (vstart - 2), ok)
             if NORM_CORRECTION:
                 k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
             k = k.to(DTYPE)
-        vstart = D * KEY_BITS // 8 + 2
-    tail = base + vstart + DV * VALUE_BITS // 8
-    if WORDS and VALUE_BITS == 4:
-        v = _tq_values4(words, off + vstart, ok, lut_ptr, DV, DTYPE, USE_ASM)
-        return k, k_scale, v, _tq_half(tail, ok), _tq_half(tail + 2, ok)
+    tail = vstart + DV * VALUE_BITS // 8
+    if WORDS:
+        v = _tq_values(words, off + vstart, ok, lut_ptr, DV, VALUE_BITS, DTYPE, USE_ASM)
+        even = tail % 2 == 0
+        return (k, k_scale, v, _tq_scale(base + tail, ok, even),
+                _tq_scale(base + (tail + 2), ok, even))
     v = _tq_codes(base + vstart, ok, DV, DV_P, VALUE_BITS).to(DTYPE)
-    return k, k_scale, v, _tq_fp16(tail, ok), _tq_fp16(tail + 2, ok)
+    return k, k_scale, v, _tq_fp16(base + tail, ok), _tq_fp16(base + (tail + 2), ok)
