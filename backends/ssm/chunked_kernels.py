@@ -140,6 +140,34 @@ def _rows(ptr, rows, ok, stride_t, head_off, offs, offs_ok, L2NORM: tl.constexpr
 
 
 @triton.jit
+def _chunk_output_program(start_ptr, end_ptr, HEADS: tl.constexpr, DK: tl.constexpr,
+                          DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
+    """What a program of a chunk-output launch (:func:`_split_pid` over chunks, heads and
+    blocks of value columns) covers: ``(chunk, head, start, end, offs_c, rows, ok, offs_k,
+    k_ok, offs_v, v_ok)`` -- the chunk's token rows ``rows = start + offs_c`` (``ok`` below its
+    ``end``), all key columns, its block of value columns."""
+    c, head, vb = _split_pid(HEADS, DV, BLOCK_V)
+    start = tl.load(start_ptr + c)
+    end = tl.load(end_ptr + c)
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = start + offs_c
+    return c, head, start, end, offs_c, rows, rows < end, offs_k, offs_k < DK, offs_v, offs_v < DV
+
+
+@triton.jit
+def _chunk_start_state(h_ptr, c, head, stride_hc, stride_hh, offs_k, k_ok, offs_v, v_ok,
+                       DV: tl.constexpr):
+    """A chunk's start state ``[BLOCK_K, BLOCK_V]`` of one head (0 outside), as the hand-off
+    wrote it into ``h [chunks, heads, DK, DV]``."""
+    return tl.load(h_ptr + c.to(tl.int64) * stride_hc + head * stride_hh
+                   + offs_k[:, None] * DV + offs_v[None, :],
+                   mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _split_pid(HEADS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
     """``(outer, head, column block)`` of a flattened launch axis, column blocks fastest then
     heads: programs reading the same rows and heads run side by side and share them in L2 (and
@@ -339,25 +367,15 @@ def gdn_output_kernel(q_ptr, k_ptr, g_ptr, u_ptr, h_ptr, o_ptr, start_ptr, end_p
     """Per chunk, value head and block of value columns: ``o = (e^G q) S + tril(q k^T
     e^(G_i - G_j)) d`` from the chunk's start state ``S`` and corrected values ``d``
     (``k``: the normalised keys; ``q`` normalised here with ``L2NORM``)."""
-    c, hv, vb = _split_pid(HV, DV, BLOCK_V)
-    start = tl.load(start_ptr + c)
-    end = tl.load(end_ptr + c)
+    c, hv, start, end, offs_c, rows, ok, offs_k, k_ok, offs_v, v_ok = _chunk_output_program(
+        start_ptr, end_ptr, HV, DK, DV, CHUNK, BLOCK_K, BLOCK_V)
     if start < end:
-        offs_c = tl.arange(0, CHUNK)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        k_ok = offs_k < DK
-        v_ok = offs_v < DV
-        rows = start + offs_c
-        ok = rows < end
         head = (hv // GROUP) * stride_kh
         q = _rows(q_ptr, rows, ok, stride_kt, head, offs_k, k_ok, L2NORM) * scale
         k = _rows(k_ptr, rows, ok, stride_kt, head, offs_k, k_ok, False)
         g = tl.load(g_ptr + rows * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, axis=0)
-        s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hv * stride_hh
-                    + offs_k[:, None] * DV + offs_v[None, :],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        s = _chunk_start_state(h_ptr, c, hv, stride_hc, stride_hh, offs_k, k_ok, offs_v, v_ok, DV)
         d = _tile(u_ptr, rows, ok, stride_ut, hv * stride_uh, offs_v, v_ok)
         decay = tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0))
         causal = tl.where(offs_c[:, None] >= offs_c[None, :],

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.backends.ssm.chunked_kernels import (_dot, _last_outer, _split_pid, _tile,
+from attn_ops.backends.ssm.chunked_kernels import (_chunk_output_program, _chunk_start_state,
+                                                   _dot, _last_outer, _split_pid, _tile,
                                                    _work_dtype, chunk_table_triton)
 from attn_ops.backends.ssm.triton_kernels import (_keep_final, _request_state,
                                                   _zero_padding_rows, lightning_launch)
@@ -140,23 +141,13 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
     """Per chunk, head and block of value columns: ``o_i = a^(i+1) q_i S + sum_(j <= i)
     a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S``."""
-    c, hh, vb = _split_pid(H, DV, BLOCK_V)
-    start = tl.load(start_ptr + c)
-    end = tl.load(end_ptr + c)
+    c, hh, start, end, offs_c, rows, ok, offs_k, k_ok, offs_v, v_ok = _chunk_output_program(
+        start_ptr, end_ptr, H, DK, DV, CHUNK, BLOCK_K, BLOCK_V)
     if start < end:
-        offs_c = tl.arange(0, CHUNK)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        k_ok = offs_k < DK
-        v_ok = offs_v < DV
-        rows = start + offs_c
-        ok = rows < end
         q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
         k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
         v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
-        s = tl.load(h_ptr + c.to(tl.int64) * stride_hc + hh * stride_hh
-                    + offs_k[:, None] * DV + offs_v[None, :],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        s = _chunk_start_state(h_ptr, c, hh, stride_hc, stride_hh, offs_k, k_ok, offs_v, v_ok, DV)
         o = _chunk_out(q, k, v, s, tl.load(slope_ptr + hh).to(tl.float32),
                        offs_c.to(tl.float32), q_ptr, IEEE)
         tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
