@@ -4,8 +4,8 @@ from the slots' bytes (``format.py``), dequantized in registers.
 
 3- and 4-bit codes are read 8 at a time (``TQ_WORDS``: a 4-byte aligned cache, unpadded head
 tiles): a 32-bit word of 4-bit codes, or a 24-bit group of 3-bit ones funnel-shifted out of the
-word pair holding it. On GPUs inline PTX decodes them (``TQ_ASM``: :data:`KEYS4_ASM`,
-:data:`KEYS3_ASM`, :data:`VALUES4_ASM`, :data:`VALUES3_ASM`, whose tables
+word pair holding it; fp8 keys 4 a word. On GPUs inline PTX decodes the codes (``TQ_ASM``:
+:data:`KEYS4_ASM`, :data:`KEYS3_ASM`, :data:`VALUES4_ASM`, :data:`VALUES3_ASM`, whose tables
 ``ops.decode_tables`` builds); the interpreter computes the same tiles with Triton arithmetic.
 Other slots are read byte by byte.
 """
@@ -240,6 +240,23 @@ def _tq_keys(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, BITS: t
 
 
 @triton.jit
+def _fp8_byte(x, i: tl.constexpr, DTYPE: tl.constexpr):
+    """Byte ``i`` of the 32-bit ``x`` as an e4m3 number in ``DTYPE``."""
+    return ((x >> (8 * i)) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+
+
+@triton.jit
+def _tq_fp8_keys(words_ptr, off, ok, D: tl.constexpr, DTYPE: tl.constexpr):
+    """fp8 e4m3 keys ``[BLOCK_N, D]`` in ``DTYPE``, read 4 a 32-bit word (as
+    :func:`_tq_words`), not byte by byte."""
+    w, w1, sh = _tq_words(words_ptr, off, ok, D // 4)
+    x = _funnel(w, w1, sh)
+    t = tl.join(tl.join(_fp8_byte(x, 0, DTYPE), _fp8_byte(x, 2, DTYPE)),
+                tl.join(_fp8_byte(x, 1, DTYPE), _fp8_byte(x, 3, DTYPE)))
+    return tl.reshape(t, [x.shape[0], D])
+
+
+@triton.jit
 def _tq_values(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, BITS: tl.constexpr,
                DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
     """3- or 4-bit value codes ``[BLOCK_N, DV]`` in ``DTYPE``, plus :func:`tq_magic`, their
@@ -303,13 +320,17 @@ def tq_tile(cache_ptr, off, ok, codebook_ptr, lut_ptr, offs_d, D: tl.constexpr,
     caller's tensor cores divide those); fp8 keys as stored, scale 1. A value is ``code * scale
     + minimum``: the caller folds the affine into its probabilities. With ``WORDS`` (a 4-byte
     aligned cache of even-sized slots, unpadded head tiles) 3- and 4-bit codes are read 8 at a
-    time (:func:`_tq_code_words`) and the values come as :func:`_tq_values` gives them (plus
-    :func:`tq_magic`, permuted columns)."""
+    time (:func:`_tq_code_words`), fp8 keys 4 a word, and the values come as
+    :func:`_tq_values` gives them (plus :func:`tq_magic`, permuted columns)."""
     base = cache_ptr + off
     words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     if KEY_BITS == 8:
-        k = tl.load(base[:, None] + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D),
-                    other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE)
+        if WORDS:
+            k = _tq_fp8_keys(words, off, ok, D, DTYPE)
+        else:
+            k = tl.load(base[:, None] + offs_d[None, :],
+                        mask=ok[:, None] & (offs_d[None, :] < D),
+                        other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE)
         k_scale = tl.where(ok, 1.0, 0.0)
         vstart = D
     else:
