@@ -151,8 +151,9 @@ def tq_magic(DTYPE: tl.constexpr):
 def _tq_words(words_ptr, off, ok, NW: tl.constexpr):
     """The ``NW`` 32-bit words of the bytes from byte offsets ``off [BLOCK_N]`` (rows ``ok``)
     of the 4-byte aligned cache ``words_ptr``, as the word pairs a funnel shift aligns:
-    ``(word, next word, bit shift [BLOCK_N, 1])``: 8 4-bit codes a word. The next word of the
-    last one reads at most 4 bytes past the field, inside its slot (the fields after it)."""
+    ``(word, next word, bit shift [BLOCK_N, 1])``: 8 4-bit codes or 4 fp8 keys a word. The
+    next word of the last one reads at most 4 bytes past the field, inside its slot (the fields
+    after it)."""
     at = words_ptr + (off >> 2)[:, None] + tl.arange(0, NW)[None, :]
     w = tl.load(at, mask=ok[:, None], other=0)
     w1 = tl.load(at + 1, mask=ok[:, None], other=0)
@@ -164,7 +165,9 @@ def _tq_groups(words_ptr, off, ok, NG: tl.constexpr):
     """The ``NG`` 24-bit groups (8 3-bit codes each) of the bytes from byte offsets ``off``
     as :func:`_tq_words` hands words: the word holding each group's first bit, the next one
     (only where the group reaches it) and the group's bit offset in the first, ``[BLOCK_N,
-    NG]``."""
+    NG]``. Built groups by rows and transposed: Triton lays a gather's threads along its first
+    axis, and the decoded key tile then keeps the rows' 8 consecutive coordinates in a thread
+    (16-byte stores to shared memory, not 2-byte ones)."""
     bit = (tl.arange(0, NG) * 24)[:, None] + ((off & 3) * 8).to(tl.int32)[None, :]
     at = words_ptr + (off >> 2)[None, :] + (bit >> 5)
     sh = (bit & 31).to(tl.uint32)
