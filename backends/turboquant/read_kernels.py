@@ -216,6 +216,17 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7):
 
 
 @triton.jit
+def _pairs_tile(p0, p1, p2, p3, DTYPE: tl.constexpr):
+    """``[R, W * 8]`` from the PTX decode's 4 outputs ``[R, W]`` of two 16-bit floats each
+    (register ``i`` holds columns ``2 i`` and ``2 i + 1`` of a group of 8, low half first)."""
+    e0, e1 = _halves(p0, DTYPE)
+    e2, e3 = _halves(p1, DTYPE)
+    e4, e5 = _halves(p2, DTYPE)
+    e6, e7 = _halves(p3, DTYPE)
+    return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
+
+
+@triton.jit
 def _tq_keys(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, BITS: tl.constexpr,
              DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
     """3- or 4-bit keys ``[BLOCK_N, D]`` in ``DTYPE``: each code's centroid (rotated space)."""
@@ -225,20 +236,16 @@ def _tq_keys(words_ptr, off, ok, codebook_ptr, lut_ptr, D: tl.constexpr, BITS: t
             KEYS4_ASM if BITS == 4 else KEYS3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r",
             [w, w1, sh, tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2),
              tl.load(lut_ptr + 3)], (tl.uint32,) * 4, is_pure=True, pack=1)
-        e0, e1 = _halves(p0, DTYPE)
-        e2, e3 = _halves(p1, DTYPE)
-        e4, e5 = _halves(p2, DTYPE)
-        e6, e7 = _halves(p3, DTYPE)
-    else:
-        x = _funnel(w, w1, sh)
-        e0 = tl.load(codebook_ptr + _code(x, 0, BITS)).to(DTYPE)
-        e1 = tl.load(codebook_ptr + _code(x, 1, BITS)).to(DTYPE)
-        e2 = tl.load(codebook_ptr + _code(x, 2, BITS)).to(DTYPE)
-        e3 = tl.load(codebook_ptr + _code(x, 3, BITS)).to(DTYPE)
-        e4 = tl.load(codebook_ptr + _code(x, 4, BITS)).to(DTYPE)
-        e5 = tl.load(codebook_ptr + _code(x, 5, BITS)).to(DTYPE)
-        e6 = tl.load(codebook_ptr + _code(x, 6, BITS)).to(DTYPE)
-        e7 = tl.load(codebook_ptr + _code(x, 7, BITS)).to(DTYPE)
+        return _pairs_tile(p0, p1, p2, p3, DTYPE)
+    x = _funnel(w, w1, sh)
+    e0 = tl.load(codebook_ptr + _code(x, 0, BITS)).to(DTYPE)
+    e1 = tl.load(codebook_ptr + _code(x, 1, BITS)).to(DTYPE)
+    e2 = tl.load(codebook_ptr + _code(x, 2, BITS)).to(DTYPE)
+    e3 = tl.load(codebook_ptr + _code(x, 3, BITS)).to(DTYPE)
+    e4 = tl.load(codebook_ptr + _code(x, 4, BITS)).to(DTYPE)
+    e5 = tl.load(codebook_ptr + _code(x, 5, BITS)).to(DTYPE)
+    e6 = tl.load(codebook_ptr + _code(x, 6, BITS)).to(DTYPE)
+    e7 = tl.load(codebook_ptr + _code(x, 7, BITS)).to(DTYPE)
     return _join8(e0, e1, e2, e3, e4, e5, e6, e7)
 
 
@@ -269,21 +276,17 @@ def _tq_values(words_ptr, off, ok, lut_ptr, DV: tl.constexpr, BITS: tl.constexpr
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             VALUES4_ASM if BITS == 4 else VALUES3_ASM, "=r,=r,=r,=r,r,r,r,r",
             [w, w1, sh, tl.load(lut_ptr + 4)], (tl.uint32,) * 4, is_pure=True, pack=1)
-        o0, o1 = _halves(p0, DTYPE)
-        o2, o3 = _halves(p1, DTYPE)
-        o4, o5 = _halves(p2, DTYPE)
-        o6, o7 = _halves(p3, DTYPE)
-    else:
-        x = _funnel(w, w1, sh)
-        magic = tq_magic(DTYPE)
-        o0 = (_code(x, 0, BITS) + magic).to(DTYPE)
-        o1 = (_code(x, 4, BITS) + magic).to(DTYPE)
-        o2 = (_code(x, 1, BITS) + magic).to(DTYPE)
-        o3 = (_code(x, 5, BITS) + magic).to(DTYPE)
-        o4 = (_code(x, 2, BITS) + magic).to(DTYPE)
-        o5 = (_code(x, 6, BITS) + magic).to(DTYPE)
-        o6 = (_code(x, 3, BITS) + magic).to(DTYPE)
-        o7 = (_code(x, 7, BITS) + magic).to(DTYPE)
+        return _pairs_tile(p0, p1, p2, p3, DTYPE)
+    x = _funnel(w, w1, sh)
+    magic = tq_magic(DTYPE)
+    o0 = (_code(x, 0, BITS) + magic).to(DTYPE)
+    o1 = (_code(x, 4, BITS) + magic).to(DTYPE)
+    o2 = (_code(x, 1, BITS) + magic).to(DTYPE)
+    o3 = (_code(x, 5, BITS) + magic).to(DTYPE)
+    o4 = (_code(x, 2, BITS) + magic).to(DTYPE)
+    o5 = (_code(x, 6, BITS) + magic).to(DTYPE)
+    o6 = (_code(x, 3, BITS) + magic).to(DTYPE)
+    o7 = (_code(x, 7, BITS) + magic).to(DTYPE)
     return _join8(o0, o1, o2, o3, o4, o5, o6, o7)
 
 
