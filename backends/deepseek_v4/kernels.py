@@ -46,8 +46,9 @@ def _key_tile(cache_ptr, slot, ok, stride_b, stride_p, PAGE: tl.constexpr,
               ENTRIES: tl.constexpr, NOPE_D: tl.constexpr, NOPE_P: tl.constexpr,
               ROPE_D: tl.constexpr, ROPE_P: tl.constexpr, COMPUTE: tl.constexpr):
     """Keys ``slot`` [BLOCK_N] of a paged cache (``ok``: present), as ``(nope [BLOCK_N,
-    NOPE_P], rope [BLOCK_N, ROPE_P])`` in ``COMPUTE``; absent rows are zero."""
-    slot = tl.where(ok, slot, 0)
+    NOPE_P], rope [BLOCK_N, ROPE_P])`` in ``COMPUTE``; absent rows are zero. An absent row's
+    slot may be anything: every load of it is masked by ``ok`` (clamping it with ``tl.where``
+    instead breaks Triton 3.6's sm_90 layout pass at fp32 with small pages)."""
     page = slot // PAGE
     row = slot % PAGE
     offs_n = tl.arange(0, NOPE_P)
