@@ -43,6 +43,18 @@ SLOTS = {"capacity": lambda cap: cap, "2**40": lambda cap: 2**40, "-7": lambda c
 
 # --- harness ------------------------------------------------------------------------------------
 
+def as_in_the_child(run):
+    """``run()`` on one CPU thread, as :func:`isolated`'s child runs (forked, it cannot use
+    the parent's thread pool): a CPU kernel's reductions split by thread count, so outputs
+    compared bit for bit with the child's must be computed with the same count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def isolated(check, *restore: torch.Tensor, fork: bool = True, timeout: float = 900.0) -> None:
     """Run ``check()`` in a forked child (it sees the parent's tensors as they are now, and its
     changes stay there): passes, or fails this test with the child's traceback, the signal
@@ -51,7 +63,7 @@ def isolated(check, *restore: torch.Tensor, fork: bool = True, timeout: float = 
     if not fork:
         saved = [t.clone() for t in restore]
         try:
-            check()
+            as_in_the_child(check)
         finally:
             for t, s in zip(restore, saved):
                 t.copy_(s)
@@ -213,7 +225,7 @@ def _prepared(case_id):
         def run(c=case):
             return run_backend(cls, c, with_lse=with_lse, **options)
 
-        out, lse = run()
+        out, lse = as_in_the_child(run)
         n = case.metadata.num_actual_tokens
         assert bool(out[:n].isfinite().all())
         _PREPARED[case_id] = (case, cache, out, lse, run)
@@ -595,7 +607,7 @@ def _mla_prepared(backend, page):
                                w_uk=layer.w_uk, w_uv=layer.w_uv, kv_scale=None)
             return out
 
-        clean = run()
+        clean = as_in_the_child(run)
         assert bool(clean.isfinite().all())
         _MLA[backend, page] = (meta, cache, clean, run, common)
     return _MLA[backend, page]
