@@ -14,6 +14,7 @@ from attn_ops import (Attention, AttentionConfig, AttentionSpec, CUDAGraphSuppor
                       get_backend_class)
 from attn_ops.cudagraph import CUDAGraphBatch
 from attn_ops.registry import list_backends
+from attn_ops.selector import _same_family
 from attn_ops.spec import Feature
 from attn_ops.testing import FEATURE_SPECS, capture_graph, random_decode_batch, tolerance
 
@@ -146,6 +147,8 @@ def _graph_params():
         try:
             cls = get_backend_class(name)
         except ImportError:
+            continue
+        if not _same_family(name, GPU_BASE):  # (MLA, recurrent and V4 backends: own tests)
             continue
         if cls.cudagraph_support(GPU_BASE, PLATFORM) < CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
             continue
