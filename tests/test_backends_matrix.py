@@ -283,8 +283,9 @@ def _real_params():
         if Feature.FP8_KV in cls.capabilities.features:
             specs.update(fp8_e4m3=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
                          fp8_e5m2=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2))
-        specs.update({d.value: REAL.with_(kv_cache_dtype=d)
-                      for d in cls.capabilities.kv_cache_dtypes if d.is_turboquant})
+        specs.update({d.value: REAL.with_(kv_cache_dtype=d)  # (sorted: xdist's workers
+                      for d in sorted(cls.capabilities.kv_cache_dtypes,  # collect alike)
+                                      key=lambda d: d.value) if d.is_turboquant})
         for sid, spec in specs.items():
             if not cls.not_supported_reasons(spec, PLATFORM):
                 for bid, batch in (("mixed", REAL_BATCH), ("wave", REAL_WAVE)):
