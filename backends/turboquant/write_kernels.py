@@ -89,8 +89,10 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
         tl.store(base[:, None] + offs_d[None, :], k8.to(tl.uint8, bitcast=True), mask=mask)
         vbase = base + D
     else:
-        norm = tl.sqrt(tl.sum(k * k, axis=1))
-        x = k / (norm + 1e-8)[:, None]
+        # (IEEE sqrt and division, as torch's: the GPU's defaults are approximate, and a
+        # code at a rounding boundary would differ from the torch write's)
+        norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
+        x = tl.div_rn(k, (norm + 1e-8)[:, None])
         signs = tl.load(hadamard_ptr + offs_d[:, None] * D_P + offs_d[None, :])
         y = tl.dot(x, signs, input_precision="ieee") * inv_sqrt_d
         idx = tl.zeros([BLOCK_T, D_P], tl.int32)
@@ -102,8 +104,8 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
     top: tl.constexpr = 2 ** VALUE_BITS - 1
     lo = tl.min(tl.where(d_ok[None, :], v, float("inf")), axis=1)
     hi = tl.max(tl.where(d_ok[None, :], v, float("-inf")), axis=1)
-    scale = tl.maximum((hi - lo) / top, 1e-8)
-    codes = tl.floor((v - lo[:, None]) / scale[:, None] + 0.5)
+    scale = tl.maximum(tl.div_rn(hi - lo, tl.full(hi.shape, top, tl.float32)), 1e-8)
+    codes = tl.floor(tl.div_rn(v - lo[:, None], scale[:, None]) + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), top).to(tl.int32)
     _store_packed(codes, vbase, ok, D, D_P, VALUE_BITS, BLOCK_T)
     tail = vbase + D * VALUE_BITS // 8
