@@ -107,12 +107,13 @@ def compile_all(path: str, arch: int, verbose: bool = False) -> int:
     with open(path, "rb") as f:
         launches = pickle.load(f)
     target = GPUTarget("cuda", arch, 32)
-    failed, per_kernel = 0, Counter()
+    failed, skipped, per_kernel = 0, 0, Counter()
     for module, qualname, signature, constexprs, options, test in launches:
         try:
             fn = _jit_function(module, qualname)
         except (ImportError, AttributeError) as e:
             print(f"skipped {module}.{qualname}: not importable here ({e})")
+            skipped += 1
             continue
         constexprs = pickle.loads(constexprs)
         names = fn.arg_names
@@ -143,7 +144,8 @@ def compile_all(path: str, arch: int, verbose: bool = False) -> int:
             if verbose:
                 print(f"ok {qualname} {options} {shown}")
     print(f"compiled for sm_{arch} with Triton {triton.__version__}: "
-          f"{len(launches) - failed} of {len(launches)} launches "
+          f"{len(launches) - failed - skipped} of {len(launches)} launches"
+          + (f", {skipped} not importable" if skipped else "") + " "
           f"({len(per_kernel)} kernels: " + ", ".join(
               f"{k} x{n}" for k, n in sorted(per_kernel.items())) + ")")
     return failed
