@@ -69,10 +69,17 @@ def _variants(cls):
         spec = base.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2)
         if not cls.not_supported_reasons(spec, PLATFORM):
             out.append(("fp8_e5m2", spec))
-    for dtype in sorted(cls.capabilities.kv_cache_dtypes, key=lambda d: d.value):
-        if dtype.is_turboquant and dtype is not base.kv_cache_dtype:
+    for dtype in _turboquant_dtypes(cls):
+        if dtype is not base.kv_cache_dtype:
             out.append((dtype.value, base.with_(kv_cache_dtype=dtype)))
     return out
+
+
+def _turboquant_dtypes(cls) -> list:
+    """The TurboQuant presets ``cls`` declares, in one order (a frozenset's differs between
+    processes, and pytest-xdist's workers must collect alike)."""
+    return sorted((d for d in cls.capabilities.kv_cache_dtypes if d.is_turboquant),
+                  key=lambda d: d.value)
 
 
 # FlexAttention compiles a kernel per shape and mods on the CPU (seconds each, with a cold
@@ -283,9 +290,7 @@ def _real_params():
         if Feature.FP8_KV in cls.capabilities.features:
             specs.update(fp8_e4m3=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E4M3),
                          fp8_e5m2=REAL.with_(kv_cache_dtype=KVCacheDType.FP8_E5M2))
-        specs.update({d.value: REAL.with_(kv_cache_dtype=d)  # (sorted: xdist's workers
-                      for d in sorted(cls.capabilities.kv_cache_dtypes,  # collect alike)
-                                      key=lambda d: d.value) if d.is_turboquant})
+        specs.update({d.value: REAL.with_(kv_cache_dtype=d) for d in _turboquant_dtypes(cls)})
         for sid, spec in specs.items():
             if not cls.not_supported_reasons(spec, PLATFORM):
                 for bid, batch in (("mixed", REAL_BATCH), ("wave", REAL_WAVE)):

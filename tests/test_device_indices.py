@@ -44,9 +44,9 @@ SLOTS = {"capacity": lambda cap: cap, "2**40": lambda cap: 2**40, "-7": lambda c
 # --- harness ------------------------------------------------------------------------------------
 
 def as_in_the_child(run):
-    """``run()`` on one CPU thread, as :func:`isolated`'s child runs (forked, it cannot use
-    the parent's thread pool): a CPU kernel's reductions split by thread count, so outputs
-    compared bit for bit with the child's must be computed with the same count."""
+    """``run()`` on one CPU thread, as :func:`isolated`'s child runs it (forked, it cannot
+    use the parent's thread pool): a CPU kernel's reductions split by thread count, so outputs
+    compared bit for bit with the child's are computed with the same count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -72,9 +72,8 @@ def isolated(check, *restore: torch.Tensor, fork: bool = True, timeout: float = 
     receive, send = ctx.Pipe(duplex=False)
 
     def run():
-        torch.set_num_threads(1)
         try:
-            check()
+            as_in_the_child(check)
             send.send("")
         except BaseException:  # (pytest's failures too)
             send.send(traceback.format_exc())
