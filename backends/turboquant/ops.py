@@ -201,14 +201,18 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`)."""
     from attn_ops.backends.triton_attn import triton_paged_attention
     from attn_ops.routing import triton_head_tiles
+    from attn_ops.tuning import default_tuning
 
     d = query.shape[-1]
     tile, _ = triton_head_tiles(d, d, 1)
     codebook_, signs, lut = _tables(kv_cache_dtype, d, tile, query.dtype, query.device)
+    tuning = default_tuning().triton
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, None, None, None, None, scale, None, None, True,
                            turboquant=(_preset(kv_cache_dtype, "turboquant_attention"),
-                                       codebook_, signs, lut))
+                                       codebook_, signs,
+                                       lut if tuning.turboquant_ptx_decode else None,
+                                       tuning.turboquant_word_reads))
 
 
 def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,
