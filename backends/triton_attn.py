@@ -145,10 +145,9 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     them) whose queries are at most ``num_tokens`` rows, from row ``first_row`` of the batch
     (what the host planned: the rows the launch's row check answers for), in ``tile`` (rows,
     keys, warps, stages), with ``splits`` splits of each request's keys (combined in the kernel
-    if ``fused``). ``turboquant``: ``(preset, codebook, signs, lut, words)`` of a TurboQuant
-    cache (both ``k_cache`` and ``v_cache``: ``uint8 [blocks, Hk, page, slot]``; the codebook's
-    centroids, the Hadamard signs padded to the head tile, the PTX decode's tables or None,
-    whether codes may be read 8 a word)."""
+    if ``fused``). ``turboquant``: ``(preset, codebook, signs)`` of a TurboQuant cache (both
+    ``k_cache`` and ``v_cache``: ``uint8 [blocks, Hk, page, slot]``; the codebook's centroids,
+    the Hadamard signs padded to the head tile)."""
     from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
                                                        paged_attention_kernel)
 
@@ -157,23 +156,18 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         page, hk = k_cache.shape[1], k_cache.shape[2]
         k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-        tq = dict(codebook_ptr=query, signs_ptr=query, lut_ptr=query, inv_sqrt_d=1.0,
-                  KV_FORMAT=0, KEY_BITS=0, VALUE_BITS=0, NORM_CORRECTION=False, TQ_WORDS=False,
-                  TQ_ASM=False)  # (unread)
+        tq = dict(codebook_ptr=query, signs_ptr=query, inv_sqrt_d=1.0, KV_FORMAT=0,
+                  KEY_BITS=0, VALUE_BITS=0, NORM_CORRECTION=False)  # (unread)
     else:  # [blocks, Hk, page, slot] bytes
-        preset, codebook, signs, lut, words = turboquant
+        preset, codebook, signs = turboquant
         page, hk = k_cache.shape[2], k_cache.shape[1]
         k_strides = v_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
-        tq = dict(codebook_ptr=codebook, signs_ptr=signs, lut_ptr=lut if lut is not None else
-                  codebook, inv_sqrt_d=d ** -0.5, KV_FORMAT=1, KEY_BITS=preset.key_bits,
-                  VALUE_BITS=preset.value_bits, NORM_CORRECTION=preset.norm_correction)
+        tq = dict(codebook_ptr=codebook, signs_ptr=signs, inv_sqrt_d=d ** -0.5, KV_FORMAT=1,
+                  KEY_BITS=preset.key_bits, VALUE_BITS=preset.value_bits,
+                  NORM_CORRECTION=preset.norm_correction)
     group = hq // hk
     group_p = pow2(group)
     d_p, dv_p = triton_head_tiles(d, dv, k_cache.dtype.itemsize)
-    if turboquant is not None:  # 3- and 4-bit codes read 8 at a time from a 4-byte aligned
-        # cache into unpadded tiles, decoded by PTX where its tables exist (16-bit queries)
-        words = words and k_cache.data_ptr() % 4 == 0 and (d, dv) == (d_p, dv_p)
-        tq.update(TQ_WORDS=words, TQ_ASM=words and lut is not None and not interpreting())
     rows, block_n, warps, stages = tile
     block_q = max(1, rows // group_p)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -235,8 +229,8 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
                            lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window,
                            soft_cap, causal, tree=None, turboquant=None) -> None:
     """The op's kernel side (``tree``: TREE_ATTN's ancestor bitmasks, int64 ``[nodes]``;
-    ``turboquant``: a TurboQuant cache's ``(preset, codebook, signs, lut, words)``, as
-    :func:`_launch` takes them, its inputs checked by TURBOQUANT's op)."""
+    ``turboquant``: a TurboQuant cache's ``(preset, codebook, signs)``, as :func:`_launch`
+    takes them, its inputs checked by TURBOQUANT's op)."""
     if turboquant is None:
         check_triton_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                             lse, sinks, alibi_slopes, k_scale, v_scale)

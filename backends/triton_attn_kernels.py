@@ -57,7 +57,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attn_ops.backends.turboquant.read_kernels import tq_magic, tq_tile, tq_value_column
+from attn_ops.backends.turboquant.read_kernels import tq_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -246,9 +246,8 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
-            MASKED: tl.constexpr, codebook_ptr, lut_ptr, KV_FORMAT: tl.constexpr,
-            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-            TQ_WORDS: tl.constexpr, TQ_ASM: tl.constexpr):
+            MASKED: tl.constexpr, codebook_ptr, KV_FORMAT: tl.constexpr,
+            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)``, are visible to every row
     of the tile whole and span only pages inside the cache (checked by the caller): their loads
@@ -277,17 +276,9 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         if KV_FORMAT == 1:  # TurboQuant: a byte slot a (token, KV head) holding K and V
             k, k_scale, v, v_scale, v_min = tq_tile(
                 k_ptr, page * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                n_ok if MASKED else offs_n >= 0, codebook_ptr, lut_ptr, offs_d, D, D_P, DV,
-                DV_P, KEY_BITS, VALUE_BITS, NORM_CORRECTION, q.dtype, TQ_WORDS, TQ_ASM)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if NORM_CORRECTION and TQ_WORDS and KEY_BITS < 8:  # every key's ||c||^2 on the
-                # tensor cores too, in each row
-                c2 = tl.dot(tl.full(q.shape, 1.0, q.dtype), tl.trans(k * k),
-                            input_precision=PRECISION)
-                k_scale = k_scale[None, :] * tl.rsqrt(c2 + 1e-16)
-            else:
-                k_scale = k_scale[None, :]
-            s = s * k_scale
+                n_ok if MASKED else offs_n >= 0, codebook_ptr, offs_d, offs_dv, D, DV,
+                KEY_BITS, VALUE_BITS, NORM_CORRECTION, q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
         else:
             k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
                       + kv_head * stride_kh + offs_d[None, :])
@@ -343,8 +334,6 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             ps = (p * v_scale[None, :]).to(q.dtype)
             acc = tl.dot(ps, v, acc, input_precision=PRECISION)
             shift = tl.sum(p * v_min[None, :], 1)
-            if TQ_WORDS:  # the tile's codes are offset by a constant
-                shift -= tq_magic(q.dtype) * tl.sum(ps.to(tl.float32), 1)
             acc += tl.where(offs_dv[None, :] < DV, shift[:, None], 0.0)
         else:
             acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
@@ -414,9 +403,8 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, lut_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
+    ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-    TQ_WORDS: tl.constexpr, TQ_ASM: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
@@ -543,20 +531,17 @@ def paged_attention_kernel(
                                 stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
                                 offs_d, offs_dv, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL,
                                 USE_WINDOW, USE_SOFTCAP, HAS_ALIBI, HAS_TREE, PRECISION,
-                                phase != 1, codebook_ptr, lut_ptr, KV_FORMAT, KEY_BITS,
-                                VALUE_BITS, NORM_CORRECTION, TQ_WORDS, TQ_ASM)
+                                phase != 1, codebook_ptr, KV_FORMAT, KEY_BITS, VALUE_BITS,
+                                NORM_CORRECTION)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     rows = q_start + tok
-    offs_out = offs_dv  # the value dim of each column of acc
-    if KV_FORMAT == 1 and TQ_WORDS:
-        offs_out = tq_value_column(offs_dv)
     if NUM_SPLITS > 1:
         first_part = (rows * HQ + head) * NUM_SPLITS
         part = first_part + split
-        tl.store(part_o_ptr + part[:, None] * DV_P + offs_out[None, :], out_rows,
+        tl.store(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], out_rows,
                  mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         if FUSED_COMBINE:
@@ -572,7 +557,7 @@ def paged_attention_kernel(
                             WRITE_LSE)
     else:
         _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head, row_ok,
-                    offs_out, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
+                    offs_dv, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

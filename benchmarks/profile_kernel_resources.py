@@ -38,7 +38,7 @@ INT_PTRS = ("qsl_ptr", "slot_ptr")
 # TRITON_ATTN's attention kernel reading a TurboQuant cache (a bf16 one): its arguments' types
 TQ_TYPES = {"k_ptr": "*u8", "v_ptr": "*u8", "out_ptr": "*bf16", "qsl_ptr": "*i32",
             "seq_ptr": "*i32", "bt_ptr": "*i32", "tree_ptr": "*i64", "counter_ptr": "*i32",
-            "lut_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32", "inv_sqrt_d": "fp32"}
+            "scale": "fp32", "soft_cap": "fp32", "inv_sqrt_d": "fp32"}
 BF16_TYPES = dict(TQ_TYPES, k_ptr="*bf16", v_ptr="*bf16")
 
 
@@ -64,8 +64,7 @@ def _turboquant_attention(presets=None, tiles=None):
                       USE_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, FP8=False,
                       WRITE_LSE=True, NUM_SPLITS=splits, PRECISION="tf32", HAS_TREE=False,
                       FUSED_COMBINE=splits > 1, HEADS_FASTEST=False, ONE_ROW=kind == "decode",
-                      KV_FORMAT=int(kb != 16), KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc,
-                      TQ_WORDS=kb != 16, TQ_ASM=kb != 16)
+                      KV_FORMAT=int(kb != 16), KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc)
         points.append((f"{name} {kind} {rows} x {keys}", consts, warps))
     return ak.paged_attention_kernel, points
 

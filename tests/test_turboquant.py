@@ -6,7 +6,6 @@ values read back, the spec's and the selector's answers, opcheck and compile."""
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
@@ -328,10 +327,9 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     in registers, norm correction, values from their fp16 scale and minimum) against the torch
     body on the same cache: a mixed step -- decodes over NaN-poisoned permuted pages, a prefill,
     a chunked-prefill continuation, a 1-token request -- whole and with its decodes' keys split
-    (combined in a second launch, or by the last split), LSE too. Head dim 16 reads the slots
-    byte by byte into padded tiles, 64 reads 4-bit codes 8 a word (the values' columns
-    permuted, offset by 1024 in fp16), unless the cache is not 4-byte aligned; fp32 products
-    are exact."""
+    (combined in a second launch, or by the last split), LSE too; head dim 16 in padded tiles,
+    64 in fp16 (tensor-core products of the decoded tiles on GPUs) and from a cache 2 bytes
+    into its buffer; fp32 products are exact."""
     from attn_ops.backends.turboquant.backend import TurboQuantBackend
     from attn_ops.backends.turboquant.ops import triton_turboquant_attention
     from attn_ops.tuning import default_tuning
@@ -367,123 +365,6 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     tol = 2e-3 if fp16 else 2e-6
     torch.testing.assert_close(out.cpu(), want.cpu(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=tol, rtol=tol)
-
-
-def _run_ptx(asm: str, inputs: list[int]) -> dict[int, int]:
-    """The PTX of an inline-asm block (the few instructions the decode uses), run on 32-bit
-    integers: ``inputs`` fill ``$k, $k+1, ...`` after the outputs; returns the outputs written
-    (``$0..``)."""
-    mask = 0xFFFFFFFF
-    regs: dict[str, int] = {}
-    outputs: dict[int, int] = {}
-    first_input = max(int(n) for n in re.findall(r"\$(\d+)", asm)) + 1 - len(inputs)
-    for i, value in enumerate(inputs):
-        regs[f"${first_input + i}"] = value & mask
-
-    def val(token):
-        token = token.strip()
-        return regs[token] if token in regs else int(token, 0) & mask
-
-    for line in asm.replace("{\n", "\n").splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in ("{", "}") or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        d, *args = (a.strip() for a in rest.split(","))
-        a = [val(x) for x in args]
-        if op == "shf.r.clamp.b32":
-            r = ((a[1] << 32 | a[0]) >> min(a[2], 32)) & mask
-        elif op == "shr.u32":
-            r = a[0] >> a[1]
-        elif op == "shl.b32":
-            r = (a[0] << a[1]) & mask
-        elif op == "and.b32":
-            r = a[0] & a[1]
-        elif op == "or.b32":
-            r = a[0] | a[1]
-        elif op == "xor.b32":
-            r = a[0] ^ a[1]
-        elif op == "not.b32":
-            r = ~a[0] & mask
-        elif op == "mad.lo.u32":
-            r = (a[0] * a[1] + a[2]) & mask
-        elif op == "add.u32":
-            r = (a[0] + a[1]) & mask
-        elif op == "prmt.b32":  # the default mode: bytes of b:a picked by nibbles of c
-            source = (a[1] << 32 | a[0]).to_bytes(8, "little")
-            picked = []
-            for i in range(4):
-                sel = (a[2] >> 4 * i) & 15
-                byte = source[sel & 7]
-                picked.append((0xFF if byte & 0x80 else 0) if sel & 8 else byte)
-            r = int.from_bytes(bytes(picked), "little")
-        else:
-            raise AssertionError(f"the emulator lacks {op}")
-        regs[d] = r
-        if d.startswith("$"):
-            outputs[int(d[1:])] = r
-    return outputs
-
-
-def _halves(outputs: dict[int, int]) -> list[int]:
-    """The 16-bit halves of 32-bit outputs ``$0, $1, ...``, low half first."""
-    return [half for i in range(len(outputs)) for half in (outputs[i] & 0xFFFF, outputs[i] >> 16)]
-
-
-def _ptx_code_groups(bits: int, seed: int):
-    """``(word, next word, shift, codes)`` of code groups as TRITON_ATTN's word reads hand them
-    to the PTX decode (``read_kernels._tq_words``): fields of random and patterned bytes at byte
-    offsets 0 and 2 of their first word, every group of 8 codes of each."""
-    rng = np.random.default_rng(seed)
-    fields = [bytes(rng.integers(0, 256, 3 * 32, dtype=np.uint8))]
-    if bits == 4:  # every code at every position; two codes in order
-        fields += [bytes([n * 17] * 4) for n in range(16)] + [bytes.fromhex("1032547698badcfe")]
-    else:  # every code at every position: 8 copies of a code are 3 bytes
-        fields += [int("".join(f"{n:03b}" for _ in range(8)), 2).to_bytes(3, "little") * 4
-                   for n in range(8)] + [int("".join(f"{n:03b}" for n in range(8)), 2)
-                                         .to_bytes(3, "little") * 4]
-    for field in fields:
-        stream = int.from_bytes(field, "little")
-        for start in (0, 2):  # the field's byte offset in its first word
-            padded = int.from_bytes(bytes(start) + field + bytes(8), "little")
-            for g in range(len(field) * 8 // (8 * bits)):
-                bit = start * 8 + 8 * bits * g
-                word, nxt = (padded >> 32 * (bit // 32 + i) & 0xFFFFFFFF for i in range(2))
-                codes = [(stream >> bits * (8 * g + i)) & (2 ** bits - 1) for i in range(8)]
-                yield word, nxt, bit % 32, codes
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("bits", [3, 4])
-def test_the_ptx_decode_gives_each_codes_centroid_and_offset_value(bits, d, dtype):
-    """TRITON_ATTN's PTX decode of 3- and 4-bit codes (it runs on GPUs only; the interpreter
-    runs the same tiles from Triton arithmetic), its instructions emulated bit for bit over code
-    groups of every code at every position, at both field alignments (the funnel shift of a
-    word and the next): each key code reads as its codebook centroid in ``dtype``, each value
-    code as 128 (bf16) or 1024 (fp16) plus the code, in the column order the kernel puts back
-    at the store."""
-    from attn_ops.backends.turboquant import read_kernels as rk
-    from attn_ops.backends.turboquant.ops import decode_tables
-
-    preset = {3: KVCacheDType.TURBOQUANT_3BIT_NC, 4: KVCacheDType.TURBOQUANT_4BIT_NC}[bits]
-    lut = [w & 0xFFFFFFFF for w in decode_tables(tq.PRESETS[preset], d, dtype)]
-    keys_asm, values_asm = {3: (rk.KEYS3_ASM, rk.VALUES3_ASM),
-                            4: (rk.KEYS4_ASM, rk.VALUES4_ASM)}[bits]
-    centroids = tq.codebook(d, bits)[0].to(dtype).view(torch.int16).tolist()
-    magic = 128 if dtype == torch.bfloat16 else 1024
-    order = [0, 4, 1, 5, 2, 6, 3, 7]  # (tq_value_column's)
-    assert [rk.tq_value_column.fn(c) for c in range(8)] == order
-    seen = set()
-    for word, nxt, shift, codes in _ptx_code_groups(bits, d):
-        seen.update(enumerate(codes))
-        keys = _run_ptx(keys_asm.value, [word, nxt, shift, *lut[:4]])
-        assert _halves(keys) == [centroids[c] & 0xFFFF for c in codes]
-        values = _run_ptx(values_asm.value, [word, nxt, shift, lut[4]])
-        want = [torch.tensor(float(magic + codes[j]), dtype=dtype).view(torch.int16).item()
-                & 0xFFFF for j in order]
-        assert _halves(values) == want
-    assert len(seen) == 8 * 2 ** bits  # every code at every position of a group
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

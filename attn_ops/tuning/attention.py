@@ -71,11 +71,6 @@ class TritonTuning:
     # 0-40; prefill 128 x 32 on 8 warps 255, 56-128; 128 x 64 on 8 warps 255, 264-384.
     turboquant_decode_tile: Tile = Tile(16, 32, 4, 2)
     turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
-    # 3- and 4-bit codes read 8 a 32-bit word where the cache is 4-byte aligned and the head
-    # tiles unpadded (else byte by byte), decoded by inline PTX for 16-bit queries on GPUs
-    # (else by Triton arithmetic): the fast paths, each switchable for A/B runs.
-    turboquant_word_reads: bool = True
-    turboquant_ptx_decode: bool = True
 
 
 @dataclass(frozen=True)

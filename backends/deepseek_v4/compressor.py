@@ -148,12 +148,19 @@ emits -- where ``(p + 1) % ratio == 0`` for its position ``p`` -- else 0; the re
 slots updated with the step's rows (module docstring)."""
 
 
+def _request_of_token(qsl: torch.Tensor, t: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """Each token's request (int64 ``query_start_loc`` ``qsl``; tokens past the step's go to
+    the last), searched over the whole ``qsl``: Inductor cannot lower ``searchsorted`` over a
+    slice of it on CUDA (``NotImplementedError: SliceView``)."""
+    return (torch.searchsorted(qsl, t, right=True) - 1).clamp(0, num_reqs - 1)
+
+
 def _slot_mapping_impl(query_start_loc, seq_lens, block_table, ratio, block_size, num_tokens):
     """Device ops only (no host read): capturable in CUDA graphs."""
     dev = seq_lens.device
     t = torch.arange(num_tokens, device=dev)
     qsl = query_start_loc.long()
-    r = (torch.searchsorted(qsl[1:].contiguous(), t, right=True)).clamp(max=seq_lens.shape[0] - 1)
+    r = _request_of_token(qsl, t, seq_lens.shape[0])
     inside = t < qsl[-1]
     new = qsl[r + 1] - qsl[r]
     pos = seq_lens.long()[r] - new + (t - qsl[r])
@@ -228,7 +235,7 @@ def compress_into_cache(kv, gate, bias, state, query_start_loc, seq_lens, state_
                                     kv.shape[0])
     t = torch.arange(kv.shape[0], device=kv.device)
     qsl = query_start_loc.long()
-    r = torch.searchsorted(qsl[1:].contiguous(), t, right=True).clamp(max=seq_lens.shape[0] - 1)
+    r = _request_of_token(qsl, t, seq_lens.shape[0])
     pos = seq_lens.long()[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
     start = (pos.clamp(min=0) // ratio * ratio).clamp(max=rope_table.shape[0] - 1)
     entries = finish_entries(raw, norm_weight, eps, rope_table[start])

@@ -153,45 +153,15 @@ def _check_attention(query, kv_cache, query_start_loc, seq_lens, block_table, ou
 
 
 @functools.cache
-def _tables(kv_cache_dtype: str, head_dim: int, head_tile: int, dtype: torch.dtype,
-            device: torch.device):
-    """``(codebook, signs, lut)`` of TRITON_ATTN's TurboQuant read: the keys' centroids (fp32),
-    the +-1 Hadamard signs zero-padded to ``[head_tile, head_tile]`` and, for 16-bit queries,
-    the PTX decode's tables (:func:`decode_tables`; None otherwise)."""
+def _tables(kv_cache_dtype: str, head_dim: int, head_tile: int, device: torch.device):
+    """``(codebook, signs)`` of TRITON_ATTN's TurboQuant read: the keys' centroids (fp32) and
+    the +-1 Hadamard signs zero-padded to ``[head_tile, head_tile]``."""
     preset = _preset(kv_cache_dtype, "turboquant_attention")
     signs = torch.zeros(head_tile, head_tile, dtype=torch.float32)
-    lut = None
-    if dtype in (torch.bfloat16, torch.float16):
-        lut = torch.tensor(decode_tables(preset, head_dim, dtype), dtype=torch.int32,
-                           device=device)
     if preset.fp8_keys:
-        return torch.zeros(1, device=device), signs.to(device), lut
+        return torch.zeros(1, device=device), signs.to(device)
     signs[:head_dim, :head_dim] = (hadamard(head_dim) * head_dim ** 0.5).round()
-    return codebook(head_dim, preset.key_bits, device)[0], signs.to(device), lut
-
-
-def decode_tables(preset, head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
-    """The 5 words TRITON_ATTN's PTX decode of 3- and 4-bit codes reads (``read_kernels.py``),
-    as int32: two words of the low bytes of 8 centroids in ``dtype`` (4 a word, the first in the
-    low byte), two of their high bytes, and the value tile's offset (128 in bf16, 1024 in fp16,
-    where the spacing of the numbers is 1) in both halves of a word. The 8 centroids are the
-    3-bit codebook's (``KEYS3_ASM``) or the 4-bit codebook's positive half c[8], ..., c[15]
-    (``KEYS4_ASM``, which assumes a symmetric codebook, c[15 - j] = -c[j], as Lloyd-Max of a
-    Gaussian is); the key tables are zero for fp8 keys."""
-    magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}[dtype]
-    words = [0, 0, 0, 0, magic | magic << 16]
-    if preset.key_bits in (3, 4):
-        c = codebook(head_dim, preset.key_bits)[0].to(dtype)
-        if preset.key_bits == 4:
-            if not torch.equal(c.flip(0), -c):
-                raise ValueError(f"the {head_dim}-dim 4-bit codebook is not symmetric in "
-                                 f"{dtype}: its PTX tables would misread the negative centroids")
-            c = c[8:]
-        bits = [int(b) & 0xFFFF for b in c.view(torch.int16)]
-        for i, b in enumerate(bits):
-            words[i // 4] |= (b & 0xFF) << 8 * (i % 4)
-            words[2 + i // 4] |= (b >> 8) << 8 * (i % 4)
-    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
+    return codebook(head_dim, preset.key_bits, device)[0], signs.to(device)
 
 
 def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan,
@@ -201,18 +171,14 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`)."""
     from attn_ops.backends.triton_attn import triton_paged_attention
     from attn_ops.routing import triton_head_tiles
-    from attn_ops.tuning import default_tuning
 
     d = query.shape[-1]
     tile, _ = triton_head_tiles(d, d, 1)
-    codebook_, signs, lut = _tables(kv_cache_dtype, d, tile, query.dtype, query.device)
-    tuning = default_tuning().triton
+    codebook_, signs = _tables(kv_cache_dtype, d, tile, query.device)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, None, None, None, None, scale, None, None, True,
                            turboquant=(_preset(kv_cache_dtype, "turboquant_attention"),
-                                       codebook_, signs,
-                                       lut if tuning.turboquant_ptx_decode else None,
-                                       tuning.turboquant_word_reads))
+                                       codebook_, signs))
 
 
 def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,
