@@ -21,7 +21,7 @@ from attn_ops.platforms import PlatformKind
 __all__ = [
     "Backend", "BackendHandle", "ENTRY_POINT_GROUP", "KIND_BACKENDS", "MLA_BACKENDS",
     "RECURRENT_BACKENDS",
-    "get_backend_class", "list_backends",
+    "backend_family", "get_backend_class", "list_backends",
     "register_backend", "resolve_name",
 ]
 
@@ -248,6 +248,26 @@ def get_backend_class(name: Backend | str) -> type:
     if target is not None:
         return _load(target)
     return _planned_class(key)
+
+
+def backend_family(name: Backend | str) -> str:
+    """Backend ``name``'s family: ``"attention"`` (standard attention), ``"mla"``, or the layer
+    kind it serves (``"gated_deltanet"``, ``"mamba2"``, ..., ``"deepseek_v4"``). A plugin is MLA
+    when its class says ``serves_mla = True``, of a kind when it names one (``kind``); one
+    whose module cannot be imported counts as standard attention."""
+    key = resolve_name(name)
+    if key in MLA_BACKENDS:
+        return "mla"
+    for kind, backends in KIND_BACKENDS.items():
+        if any(b.value == key for b in backends):
+            return kind
+    try:
+        cls = get_backend_class(key)
+    except ImportError:
+        return "attention"
+    if getattr(cls, "kind", ""):
+        return cls.kind
+    return "mla" if getattr(cls, "serves_mla", False) else "attention"
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from attn_ops.capabilities import Reason
 from attn_ops.platforms import Platform, PlatformKind, current_platform
-from attn_ops.registry import (KIND_BACKENDS, MLA_BACKENDS, Backend, get_backend_class,
+from attn_ops.registry import (KIND_BACKENDS, Backend, backend_family, get_backend_class,
                                list_backends, resolve_name)
 from attn_ops.spec import AttentionSpec, Feature, LayerKind
 from attn_ops.tuning import Tuning
@@ -124,28 +124,11 @@ def _kind_of(spec) -> str | None:
     return None if isinstance(spec, AttentionSpec) else getattr(spec, "kind", None)
 
 
-def _family(name: str) -> str:
-    """Backend ``name``'s family: ``"mla"``, a recurrent kind, or ``"attention"``. A plugin is
-    MLA when its class says ``serves_mla = True``, recurrent when it names a ``kind``."""
-    if name in MLA_BACKENDS:
-        return "mla"
-    kinds = {b.value: k for k, bs in KIND_BACKENDS.items() for b in bs}
-    if name in kinds:
-        return kinds[name]
-    try:
-        cls = get_backend_class(name)
-    except ImportError:
-        return "attention"
-    if getattr(cls, "kind", ""):
-        return cls.kind
-    return "mla" if getattr(cls, "serves_mla", False) else "attention"
-
-
 def _same_family(name: str, spec: AttentionSpec) -> bool:
     """Whether backend ``name`` is of the spec's family (MLA, a recurrent kind, or the
     rest)."""
     kind = _kind_of(spec)
-    return _family(name) == (kind or ("mla" if spec.use_mla else "attention"))
+    return backend_family(name) == (kind or ("mla" if spec.use_mla else "attention"))
 
 
 @dataclass(frozen=True)
@@ -212,7 +195,7 @@ def _reasons_of(name: str, spec: AttentionSpec, platform: Platform) -> tuple[Rea
         cls = get_backend_class(name)
     except (ImportError, OSError, AttributeError) as e:
         return (Reason(name, "import_error", f"cannot import {name}: {type(e).__name__}: {e}"),)
-    kind, family = _kind_of(spec), _family(name)
+    kind, family = _kind_of(spec), backend_family(name)
     if (kind is not None or family not in ("attention", "mla")) and family != kind:
         # (a recurrent layer and an attention backend, or another kind's: no common spec)
         layers = "attention" if family in ("attention", "mla") else family

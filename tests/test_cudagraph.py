@@ -13,8 +13,7 @@ from attn_ops import (Attention, AttentionConfig, AttentionSpec, CUDAGraphSuppor
                       build_common_metadata, build_step_metadata, current_platform,
                       get_backend_class)
 from attn_ops.cudagraph import CUDAGraphBatch
-from attn_ops.registry import list_backends
-from attn_ops.selector import _same_family
+from attn_ops.registry import backend_family, list_backends
 from attn_ops.spec import Feature
 from attn_ops.testing import FEATURE_SPECS, capture_graph, random_decode_batch, tolerance
 
@@ -148,7 +147,7 @@ def _graph_params():
             cls = get_backend_class(name)
         except ImportError:
             continue
-        if not _same_family(name, GPU_BASE):  # (MLA, recurrent and V4 backends: own tests)
+        if backend_family(name) != "attention":  # (MLA, recurrent and V4 backends: own tests)
             continue
         if cls.cudagraph_support(GPU_BASE, PLATFORM) < CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
             continue

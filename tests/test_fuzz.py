@@ -56,7 +56,7 @@ import torch
 
 from attn_ops import (Attention, AttentionConfig, AttentionSpec, BlockAllocator, MLAAttention,
                       build_batch, current_platform, get_backend_class)
-from attn_ops.registry import MLA_BACKENDS, list_backends
+from attn_ops.registry import MLA_BACKENDS, backend_family, list_backends
 
 PLATFORM = current_platform()
 ON_GPU = torch.cuda.is_available()
@@ -723,7 +723,7 @@ def _attention_targets():
             cls = get_backend_class(name)
         except ImportError:
             continue
-        if not getattr(cls, "serves_mla", False) and _first_spec(cls, ATTN_SPECS) is not None:
+        if backend_family(name) == "attention" and _first_spec(cls, ATTN_SPECS) is not None:
             yield name
 
 
