@@ -151,8 +151,9 @@ def _clear_rows(rows, clear, head, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, o
     """Rows no tile writes: output (and LSE) 0, as padding rows; split partials empty (LSE
     -inf, output 0), which the combine turns into 0."""
     zeros = tl.zeros([BLOCK_M, DV_P], tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-             zeros.to(out_ptr.dtype.element_ty), mask=clear[:, None] & (offs_dv[None, :] < DV))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+             + offs_dv[None, :], zeros.to(out_ptr.dtype.element_ty),
+             mask=clear[:, None] & (offs_dv[None, :] < DV))
     if WRITE_LSE:
         tl.store(lse_ptr + rows * stride_lt + head, tl.zeros([BLOCK_M], tl.float32),
                  mask=clear)
@@ -379,7 +380,7 @@ def _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, h
         out_rows = out_rows * tl.sigmoid(lse - sink)[:, None]
     if FP8:
         out_rows = out_rows * tl.load(v_scale_ptr)
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
              + offs_dv[None, :], out_rows.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if WRITE_LSE:
@@ -451,8 +452,10 @@ def paged_attention_kernel(
     pos = context + tok  # the query's position
     offs_d = tl.arange(0, D_P)
     offs_dv = tl.arange(0, DV_P)
-    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    # (row offsets in int64: tokens x heads x head dim passes 2^31 at about 500k tokens)
+    q = tl.load(q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt
+                + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
 
     # The keys any row of the tile can see, then this split's chunk of them.
     last = context + tl.minimum(t0 + BLOCK_Q, q_len) - 1

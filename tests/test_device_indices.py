@@ -58,15 +58,19 @@ def as_in_the_child(run):
 def isolated(check, *restore: torch.Tensor, fork: bool = True, timeout: float = 900.0) -> None:
     """Run ``check()`` in a forked child (it sees the parent's tensors as they are now, and its
     changes stay there): passes, or fails this test with the child's traceback, the signal
-    that killed it, or the timeout. ``fork=False``: in this process, the tensors ``restore``
-    put back as they were afterwards."""
-    if not fork:
+    that killed it, or the timeout. ``fork=False``, and always on GPUs (a forked child cannot
+    use the parent's CUDA context; a fault there fails this test and ends the worker's CUDA
+    use, tests/conftest.py): in this process, the tensors ``restore`` put back as they were
+    afterwards (without them, the prepared cases dropped: the check may have changed them)."""
+    if not fork or DEVICE != "cpu":
         saved = [t.clone() for t in restore]
         try:
             as_in_the_child(check)
         finally:
             for t, s in zip(restore, saved):
                 t.copy_(s)
+            if not restore:
+                _PREPARED.clear()
         return
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)

@@ -71,18 +71,19 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
     in_page = slot % PAGE
     base = cache_ptr + (slot // PAGE) * stride_cb + head * stride_ch + in_page * stride_cs
     mask = ok[:, None] & d_ok[None, :]
-    k_row = k_ptr + rows[:, None] * stride_kt + head * stride_kh
+    wide = rows.to(tl.int64)[:, None]  # (tokens x heads x head dim may pass 2^31)
+    k_row = k_ptr + wide * stride_kt + head * stride_kh
     k = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
     if ROPE:  # (the key rotated first, rounded to its dtype as torch.ops.attn.rope leaves it)
         half: tl.constexpr = D // 2
         partner = tl.load(k_row + ((offs_d + half) % D)[None, :], mask=mask, other=0.0)
-        cs_row = cs_ptr + rows[:, None] * stride_cst + (offs_d % half)[None, :]
+        cs_row = cs_ptr + wide * stride_cst + (offs_d % half)[None, :]
         cos = tl.load(cs_row, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(cs_row + half, mask=mask, other=0.0).to(tl.float32)
         sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
         k = (k.to(tl.float32) * cos + sign * partner.to(tl.float32) * sin).to(k.dtype)
     k = k.to(tl.float32)
-    v = tl.load(v_ptr + rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :],
+    v = tl.load(v_ptr + wide * stride_vt + head * stride_vh + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     if KEY_BITS == 8:  # fp8 e4m3 keys, saturated, no rotation
         k8 = tl.minimum(tl.maximum(k, -448.0), 448.0).to(tl.float8e4nv)
