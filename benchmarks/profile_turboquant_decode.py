@@ -1,0 +1,83 @@
+"""TurboQuant decode launches alone, to time or profile (Nsight Compute) without the rest of
+``bench_turboquant.py``: Llama-3-8B's heads (32 query / 8 KV heads of 128, bf16), ``--batch``
+requests of ``--ctx`` tokens each, their caches written by the Triton write (no prefill
+attention); per preset, ``--iters`` eager calls of TRITON_ATTN's kernels over the slots and
+their median device time (CUDA events) with the slot bytes' TB/s.
+
+    python benchmarks/profile_turboquant_decode.py [--presets turboquant_4bit_nc ...]
+        [--batch 8] [--ctx 8192] [--iters 20] [--tuning "triton.turboquant_decode_tile=..."]
+    ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \\
+        python benchmarks/profile_turboquant_decode.py --iters 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+HQ, HK, D = 32, 8, 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["turboquant_4bit_nc",
+                                                         "turboquant_k8v4"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tuning", default=None, help="ATTN_OPS_TUNING for the run")
+    args = parser.parse_args()
+    if args.tuning is not None:
+        os.environ["ATTN_OPS_TUNING"] = args.tuning
+
+    from attn_ops import AttentionSpec, BlockAllocator, build_batch
+    from attn_ops.backends.turboquant.backend import TurboQuantBackend
+    from attn_ops.backends.turboquant.ops import (triton_turboquant_attention,
+                                                  turboquant_cache_update)
+    from attn_ops.kv_cache import allocate_kv_cache
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    b, ctx = args.batch, args.ctx
+    g = torch.Generator(device=dev).manual_seed(0)
+    for preset in args.presets:
+        spec = AttentionSpec(num_heads=HQ, num_kv_heads=HK, head_dim=D, dtype=torch.bfloat16,
+                             kv_cache_dtype=preset)
+        impl = TurboQuantBackend(spec)
+        blocks = b * -(-ctx // 16) + 1
+        alloc = BlockAllocator(blocks, 16)
+        cache = allocate_kv_cache(spec, blocks, 16, dev)
+        ids = list(range(b))
+        fill = build_batch(alloc, ids, [0] * b, [ctx] * b, device=dev)
+        for rows in torch.arange(b * ctx, device=dev).split(1 << 18):  # (the whole context)
+            k, v = (torch.randn(rows.shape[0], HK, D, generator=g, device=dev,
+                                dtype=torch.bfloat16) for _ in range(2))
+            turboquant_cache_update(k, v, cache, fill.slot_mapping[rows], preset)
+        step = build_batch(alloc, ids, [ctx - 1] * b, [1] * b, device=dev)
+        plan = impl.build_metadata(step)
+        q = torch.randn(b, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        call = impl.op_arguments(q, cache, plan, out)
+        times = []
+        for _ in range(args.iters):
+            if dev == "cpu":
+                triton_turboquant_attention(*call)
+                continue
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            start.record()
+            triton_turboquant_attention(*call)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        slot_bytes = b * ctx * HK * cache.shape[-1]
+        if times:
+            us = sorted(times)[len(times) // 2]
+            print(f"{preset:22s} B={b} ctx={ctx}: {us:8.1f} us  "
+                  f"{slot_bytes / us / 1e6:5.2f} TB/s of slot bytes")
+        else:
+            print(f"{preset:22s} B={b} ctx={ctx}: ran (no GPU: no time)")
+
+
+if __name__ == "__main__":
+    main()
