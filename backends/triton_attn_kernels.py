@@ -57,7 +57,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attn_ops.backends.turboquant.read_kernels import tq_tile
+from attn_ops.backends.turboquant.read_kernels import tq_keys, tq_values
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -240,7 +240,8 @@ def _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_hea
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, logit_scale,
+def _attend(acc, acc2, l_i, m_i, b0, b1, q, q2, lo, hi, r, pos, row_ok, context, kv_head,
+            logit_scale,
             slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt, stride_kb,
             stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
             offs_dv, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
@@ -248,12 +249,15 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
             MASKED: tl.constexpr, codebook_ptr, KV_FORMAT: tl.constexpr,
-            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr):
+            KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+            KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)``, are visible to every row
     of the tile whole and span only pages inside the cache (checked by the caller): their loads
     and scores need no mask, and no row's maximum is -inf. In masked blocks a key whose block
-    id is outside ``[0, num_pages)`` is masked like one past ``hi``."""
+    id is outside ``[0, num_pages)`` is masked like one past ``hi``. A TurboQuant cache's
+    4-bit planes (``KEY_PLANES`` / ``VALUE_PLANES``): ``q2`` / ``acc2`` are the odd
+    coordinates' query and output columns, ``offs_d`` / ``offs_dv`` the fields' bytes."""
     qk_scale = logit_scale * LOG2E  # the scale and base 2 in one multiply
     bt_row = bt_ptr + r * stride_bt
     if not MASKED:  # whole blocks' page numbers are loaded one block ahead (below)
@@ -275,11 +279,14 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         page = page.to(tl.int64)  # page * stride overflows int32 past 2 GiB
         slot = offs_n % PAGE
         if KV_FORMAT == 1:  # TurboQuant: a byte slot a (token, KV head) holding K and V
-            k, k_scale, v, v_scale, v_min = tq_tile(
-                k_ptr, page * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                n_ok if MASKED else offs_n >= 0, codebook_ptr, offs_d, offs_dv, D, DV,
-                KEY_BITS, VALUE_BITS, NORM_CORRECTION, q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
+            tq_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
+            tq_ok = n_ok if MASKED else offs_n >= 0
+            k, k2, k_scale = tq_keys(k_ptr, tq_off, tq_ok, codebook_ptr, offs_d, D, KEY_BITS,
+                                     NORM_CORRECTION, KEY_PLANES, q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if KEY_PLANES:
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+            s = s * k_scale[None, :]
         else:
             k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
                       + kv_head * stride_kh + offs_d[None, :])
@@ -332,14 +339,22 @@ def _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context, kv_head, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # then the MMA accumulates into it
         if KV_FORMAT == 1:  # sum_j p_j (c_j s_j + m_j) = (p s) . c + (p . m): codes exact
+            v, v2, v_scale, v_min = tq_values(k_ptr, tq_off, tq_ok, offs_dv, D, DV, KEY_BITS,
+                                              VALUE_BITS, VALUE_PLANES, q.dtype)
             ps = (p * v_scale[None, :]).to(q.dtype)
             acc = tl.dot(ps, v, acc, input_precision=PRECISION)
             shift = tl.sum(p * v_min[None, :], 1)
-            acc += tl.where(offs_dv[None, :] < DV, shift[:, None], 0.0)
+            if VALUE_PLANES:
+                acc2 = tl.dot(ps, v2, acc2 * alpha[:, None], input_precision=PRECISION)
+                shift = tl.where(offs_dv[None, :] < DV // 2, shift[:, None], 0.0)
+                acc += shift
+                acc2 += shift
+            else:
+                acc += tl.where(offs_dv[None, :] < DV, shift[:, None], 0.0)
         else:
             acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc2, l_i, m_i
 
 
 @triton.jit
@@ -406,6 +421,7 @@ def paged_attention_kernel(
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
@@ -476,9 +492,18 @@ def paged_attention_kernel(
     logit_scale = scale
     if FP8:
         logit_scale = logit_scale * tl.load(k_scale_ptr)  # dequantizes K inside q.k
+    q2 = q  # (the odd coordinates' query of 4-bit key planes)
+    offs_kc, offs_vc = offs_d, offs_dv  # the K / V tiles' columns (planes: the fields' bytes)
     if KV_FORMAT == 1 and KEY_BITS != 8:  # TurboQuant's rotated keys: rotate q once instead
-        signs = tl.load(signs_ptr + offs_d[:, None] * D_P + offs_d[None, :]).to(q.dtype)
-        q = tl.dot(q, signs, input_precision=PRECISION).to(q.dtype)  # (+-1: exact operands)
+        if KEY_PLANES:  # (the even and the odd columns of the rotation, a product each)
+            offs_kc = tl.arange(0, D_P // 2)
+            signs = signs_ptr + offs_d[:, None] * D_P + 2 * offs_kc[None, :]
+            q2 = tl.dot(q, tl.load(signs + 1).to(q.dtype), input_precision=PRECISION)
+            q2 = q2.to(q.dtype)
+            q = tl.dot(q, tl.load(signs).to(q.dtype), input_precision=PRECISION).to(q.dtype)
+        else:
+            signs = tl.load(signs_ptr + offs_d[:, None] * D_P + offs_d[None, :]).to(q.dtype)
+            q = tl.dot(q, signs, input_precision=PRECISION).to(q.dtype)  # (+-1: exact)
         logit_scale = logit_scale * inv_sqrt_d
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E
@@ -487,7 +512,13 @@ def paged_attention_kernel(
         ancestors = tl.load(tree_ptr + tok, mask=row_ok & ~not_tree, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
+    if VALUE_PLANES:  # (the even and the odd output columns)
+        offs_vc = tl.arange(0, DV_P // 2)
+        acc = tl.zeros([BLOCK_M, DV_P // 2], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, DV_P // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, 1], tl.float32)  # (unused)
     if not HAS_ALIBI:
         slope = m_i  # (unused)
     if not HAS_TREE:
@@ -528,39 +559,49 @@ def paged_attention_kernel(
             b0, b1 = first_full, end_full
         else:
             b0, b1 = end_full, num_blocks
-        acc, l_i, m_i = _attend(acc, l_i, m_i, b0, b1, q, lo, hi, r, pos, row_ok, context,
-                                kv_head, logit_scale, slope, ancestors, not_tree, bt_ptr,
-                                num_pages, k_ptr, v_ptr, stride_bt, stride_kb, stride_ks,
-                                stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
-                                offs_d, offs_dv, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL,
-                                USE_WINDOW, USE_SOFTCAP, HAS_ALIBI, HAS_TREE, PRECISION,
-                                phase != 1, codebook_ptr, KV_FORMAT, KEY_BITS, VALUE_BITS,
-                                NORM_CORRECTION)
+        acc, acc2, l_i, m_i = _attend(
+            acc, acc2, l_i, m_i, b0, b1, q, q2, lo, hi, r, pos, row_ok, context, kv_head,
+            logit_scale, slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
+            offs_kc, offs_vc, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+            HAS_ALIBI, HAS_TREE, PRECISION, phase != 1, codebook_ptr, KV_FORMAT, KEY_BITS,
+            VALUE_BITS, NORM_CORRECTION, KEY_PLANES, VALUE_PLANES)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     rows = q_start + tok
+    out_cols = offs_dv  # (value planes: acc holds the even columns, acc2 the odd ones)
+    if VALUE_PLANES:
+        out_cols = 2 * offs_vc
+        out2 = acc2 / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS > 1:
         first_part = (rows * HQ + head) * NUM_SPLITS
         part = first_part + split
-        tl.store(part_o_ptr + part[:, None] * DV_P + offs_dv[None, :], out_rows,
+        tl.store(part_o_ptr + part[:, None] * DV_P + out_cols[None, :], out_rows,
                  mask=row_ok[:, None])
+        if VALUE_PLANES:
+            tl.store(part_o_ptr + part[:, None] * DV_P + (out_cols + 1)[None, :], out2,
+                     mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         if FUSED_COMBINE:
             tl.debug_barrier()  # every thread's partial stores come before the ticket
             counter = counter_ptr + tile * tl.num_programs(1) + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == NUM_SPLITS - 1:  # the tile's last split: combine, then reset
-                out_rows, lse = _combine_parts(part_o_ptr, part_lse_ptr, first_part, row_ok,
-                                               offs_dv, NUM_SPLITS, DV_P, BLOCK_M)
+                whole, whole_lse = _combine_parts(part_o_ptr, part_lse_ptr, first_part, row_ok,
+                                                  offs_dv, NUM_SPLITS, DV_P, BLOCK_M)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head,
-                            row_ok, offs_dv, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8,
-                            WRITE_LSE)
+                _store_rows(whole, whole_lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows,
+                            head, row_ok, offs_dv, stride_ot, stride_oh, stride_lt, DV,
+                            HAS_SINKS, FP8, WRITE_LSE)
     else:
         _store_rows(out_rows, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head, row_ok,
-                    offs_dv, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
+                    out_cols, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS, FP8, WRITE_LSE)
+        if VALUE_PLANES:
+            _store_rows(out2, lse, out_ptr, lse_ptr, sinks_ptr, v_scale_ptr, rows, head,
+                        row_ok, out_cols + 1, stride_ot, stride_oh, stride_lt, DV, HAS_SINKS,
+                        FP8, False)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

@@ -320,7 +320,9 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("route,case", [
     *((route, "d16") for route in ("one_split", "splits", "fused_splits")),
-    ("fused_splits", "d64"), ("splits", "d64_fp16"), ("one_split", "d64_fp16_unaligned")])
+    ("fused_splits", "d64"), ("splits", "d64_fp16"), ("one_split", "d64_fp16_unaligned"),
+    ("one_split", "d64_planes"), ("splits", "d64_fp16_planes"),
+    ("fused_splits", "d64_fp16_unaligned_planes")])
 @pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
 def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, case):
     """TRITON_ATTN's kernels reading the TurboQuant format (the rotated query, codes unpacked
@@ -329,18 +331,20 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     a chunked-prefill continuation, a 1-token request -- whole and with its decodes' keys split
     (combined in a second launch, or by the last split), LSE too; head dim 16 in padded tiles,
     64 in fp16 (tensor-core products of the decoded tiles on GPUs) and from a cache 2 bytes
-    into its buffer; fp32 products are exact."""
+    into its buffer; ``planes``: 4-bit fields read as nibble planes
+    (``Tuning.triton.turboquant_planes``); fp32 products are exact."""
+    from attn_ops.backends.triton_attn import PLAN
     from attn_ops.backends.turboquant.backend import TurboQuantBackend
     from attn_ops.backends.turboquant.ops import triton_turboquant_attention
     from attn_ops.tuning import default_tuning
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     head_dim = 16 if case == "d16" else 64
-    fp16 = case.startswith("d64_fp16")
+    fp16 = "fp16" in case
     spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_dim=head_dim,
                          dtype=torch.float16 if fp16 else torch.float32, kv_cache_dtype=dtype)
     _, cache, meta, q, k, v = _step(spec, [9, 30, 0, 0, 7], [1, 1, 1, 12, 5], device=dev)
-    if case.endswith("unaligned"):  # the same cache 2 bytes into a buffer
+    if "unaligned" in case:  # the same cache 2 bytes into a buffer
         buffer = torch.empty(cache.numel() + 2, dtype=torch.uint8, device=dev)
         buffer[2:].copy_(cache.flatten())
         cache = buffer[2:].view(cache.shape)
@@ -349,8 +353,10 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
               "splits": dict(min_keys_per_split=4, programs_per_sm=64, fused_combine=False),
               "fused_splits": dict(min_keys_per_split=4, programs_per_sm=64,
                                    fused_combine=True)}[route]
+    triton["turboquant_planes"] = case.endswith("planes")
     impl = TurboQuantBackend(spec, tuning=default_tuning().with_(triton=triton))
     plan = impl.build_metadata(meta)
+    assert PLAN.decode(plan.plan).turboquant_planes == case.endswith("planes")
     out = torch.full((q.shape[0], 6, head_dim), float("nan"), dtype=spec.dtype, device=dev)
     lse = torch.full((q.shape[0], 6), float("nan"), device=dev)
     args = impl.op_arguments(q, cache, plan, out, lse=lse)
@@ -358,8 +364,6 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     turboquant_attention(*want)  # (the torch body: on the CPU)
     triton_turboquant_attention(*args)
     if route != "one_split":
-        from attn_ops.backends.triton_attn import PLAN
-
         assert PLAN.decode(plan.plan).splits > 1
     want, want_lse = want[6], want[7]
     tol = 2e-3 if fp16 else 2e-6

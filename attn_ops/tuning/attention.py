@@ -71,6 +71,10 @@ class TritonTuning:
     # 0-40; prefill 128 x 32 on 8 warps 255, 56-128; 128 x 64 on 8 warps 255, 264-384.
     turboquant_decode_tile: Tile = Tile(16, 32, 4, 2)
     turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
+    # 4-bit key and value fields read as contiguous bytes, their low and high nibbles the even
+    # and the odd coordinates, a tensor-core product each (backends/turboquant/read_kernels.py),
+    # in place of a byte gather a coordinate. Off until a GPU run checks and times it.
+    turboquant_planes: bool = False
 
 
 @dataclass(frozen=True)

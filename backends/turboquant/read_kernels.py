@@ -9,6 +9,11 @@ neighbouring elements share bytes (L1 hits), never assembled from narrower tenso
 sm_90 tensor-core product (wrong codes: errors of order 1, NaN outputs and codebook reads out
 of bounds; on other shapes its ``TritonGPUOptimizeDotOperands`` pass aborts), while the
 interpreter computes it right.
+
+With ``PLANES`` (``Tuning.triton.turboquant_planes``) 4-bit fields are read as contiguous
+bytes instead, their low and high nibbles two tiles -- the even and the odd coordinates --
+each its own tensor-core product (the query's columns and the output's split alike): no
+per-coordinate byte gather, and still no assembled tile.
 """
 
 from __future__ import annotations
@@ -41,31 +46,57 @@ def _tq_fp16(ptr, ok):
 
 
 @triton.jit
-def tq_tile(cache_ptr, off, ok, codebook_ptr, offs_d, offs_dv, D: tl.constexpr,
-            DV: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
-            NORM_CORRECTION: tl.constexpr, DTYPE: tl.constexpr):
-    """One key block of a TurboQuant cache (``backends/turboquant/format.py``) from its
-    slots' byte offsets ``off`` (int64, rows ``ok``), tiles over the columns ``offs_d`` /
-    ``offs_dv`` (0 past ``D`` / ``DV``): ``(keys, key scales, value codes, value scales,
-    value minimums)`` -- the keys in ``DTYPE`` in the rotated space (the query is rotated
-    once) as codebook centroids and each key's norm, over the centroids' norm with norm
-    correction, as its score column's scale (no multiplication of every coordinate); fp8 keys
-    as stored, scale 1. A value is ``code * scale + minimum``: the caller folds the affine
-    into its probabilities."""
+def tq_keys(cache_ptr, off, ok, codebook_ptr, offs, D: tl.constexpr, KEY_BITS: tl.constexpr,
+            NORM_CORRECTION: tl.constexpr, PLANES: tl.constexpr, DTYPE: tl.constexpr):
+    """A key block of a TurboQuant cache (``backends/turboquant/format.py``) from its slots'
+    byte offsets ``off`` (int64, rows ``ok``): ``(keys, odd keys, key scales)``. The keys in
+    ``DTYPE``, in the rotated space (the query is rotated once) as codebook centroids, over the
+    columns ``offs`` (0 past ``D``); fp8 keys as stored. Each key's scale is its norm, over the
+    centroids' norm with norm correction (scale 1 for fp8 keys): its score column's factor, no
+    multiplication of every coordinate. ``PLANES`` (4-bit keys): ``offs`` are the fields'
+    bytes, read contiguously, and the two tiles hold the even and the odd coordinates (each a
+    byte's low and high nibble; the query is split alike); else the odd tile is the first."""
     base = cache_ptr + off
     if KEY_BITS == 8:
-        k = tl.load(base[:, None] + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D),
+        k = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < D),
                     other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE)
-        k_scale = tl.where(ok, 1.0, 0.0)
-        vstart = D
+        return k, k, tl.where(ok, 1.0, 0.0)
+    if PLANES:
+        col_ok = offs[None, :] < D // 2
+        raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & col_ok,
+                      other=0).to(tl.int32)
+        k = tl.where(col_ok, tl.load(codebook_ptr + (raw & 15)), 0.0)
+        k2 = tl.where(col_ok, tl.load(codebook_ptr + (raw >> 4)), 0.0)
+        norm2 = tl.sum(k * k, axis=1) + tl.sum(k2 * k2, axis=1)
     else:
-        vstart = D * KEY_BITS // 8 + 2
-        codes = _tq_codes(base, ok, D, offs_d, KEY_BITS)
-        k = tl.where(offs_d[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
-        k_scale = _tq_fp16(base + (vstart - 2), ok)
-        if NORM_CORRECTION:
-            k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
-        k = k.to(DTYPE)
-    tail = vstart + DV * VALUE_BITS // 8
-    v = _tq_codes(base + vstart, ok, DV, offs_dv, VALUE_BITS).to(DTYPE)
-    return k, k_scale, v, _tq_fp16(base + tail, ok), _tq_fp16(base + (tail + 2), ok)
+        codes = _tq_codes(base, ok, D, offs, KEY_BITS)
+        k = tl.where(offs[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
+        k2 = k
+        norm2 = tl.sum(k * k, axis=1)
+    k_scale = _tq_fp16(base + (D * KEY_BITS // 8), ok)
+    if NORM_CORRECTION:
+        k_scale = k_scale / tl.sqrt(norm2 + 1e-16)
+    return k.to(DTYPE), k2.to(DTYPE), k_scale
+
+
+@triton.jit
+def tq_values(cache_ptr, off, ok, offs, D: tl.constexpr, DV: tl.constexpr,
+              KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, PLANES: tl.constexpr,
+              DTYPE: tl.constexpr):
+    """A key block's values from the same slots: ``(codes, odd codes, scales, minimums)``,
+    the codes in ``DTYPE`` over the columns ``offs`` (0 past ``DV``); a value is ``code *
+    scale + minimum`` (the caller folds the affine into its probabilities). ``PLANES`` (4-bit
+    values): ``offs`` are the field's bytes and the tiles hold the even and the odd
+    coordinates, as :func:`tq_keys`'s."""
+    vstart = D if KEY_BITS == 8 else D * KEY_BITS // 8 + 2
+    base = cache_ptr + off + vstart
+    if PLANES:
+        raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < DV // 2),
+                      other=0).to(tl.int32)
+        v = (raw & 15).to(DTYPE)
+        v2 = (raw >> 4).to(DTYPE)
+    else:
+        v = _tq_codes(base, ok, DV, offs, VALUE_BITS).to(DTYPE)
+        v2 = v
+    tail = DV * VALUE_BITS // 8
+    return v, v2, _tq_fp16(base + tail, ok), _tq_fp16(base + (tail + 2), ok)
