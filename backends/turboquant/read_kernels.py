@@ -90,13 +90,15 @@ def tq_values(cache_ptr, off, ok, offs, D: tl.constexpr, DV: tl.constexpr,
     coordinates, as :func:`tq_keys`'s."""
     vstart = D if KEY_BITS == 8 else D * KEY_BITS // 8 + 2
     base = cache_ptr + off + vstart
+    # (codes to DTYPE through fp32: the GPU converts so anyway, and Triton's interpreter turns
+    # an int32 straight into bf16 bits)
     if PLANES:
         raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < DV // 2),
                       other=0).to(tl.int32)
-        v = (raw & 15).to(DTYPE)
-        v2 = (raw >> 4).to(DTYPE)
+        v = (raw & 15).to(tl.float32).to(DTYPE)
+        v2 = (raw >> 4).to(tl.float32).to(DTYPE)
     else:
-        v = _tq_codes(base, ok, DV, offs, VALUE_BITS).to(DTYPE)
+        v = _tq_codes(base, ok, DV, offs, VALUE_BITS).to(tl.float32).to(DTYPE)
         v2 = v
     tail = DV * VALUE_BITS // 8
     return v, v2, _tq_fp16(base + tail, ok), _tq_fp16(base + (tail + 2), ok)
