@@ -241,10 +241,9 @@ def _clear_uncovered(qsl_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_hea
 
 @triton.jit
 def _attend(acc, acc2, l_i, m_i, b0, b1, q, q2, lo, hi, r, pos, row_ok, context, kv_head,
-            logit_scale,
-            slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt, stride_kb,
-            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap, offs_d,
-            offs_dv, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+            logit_scale, slope, ancestors, not_tree, bt_ptr, num_pages, k_ptr, v_ptr, stride_bt,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
+            offs_d, offs_dv, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
             D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
             CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,

@@ -65,10 +65,9 @@ class TritonTuning:
     fused_combine: bool | None = None
     # TURBOQUANT runs these kernels with its slots dequantized in registers a key block at a
     # time (codes, centroids, value codes: several [keys, head_dim] tensors live at once), so
-    # narrower key blocks than the 16-bit tiles'. Not timed yet; sm_90 builds at head dim 128
-    # (profile_kernel_resources.py; registers a thread, bytes spilled, the 4-bit / k3v4 / 3-bit
-    # presets): decode 16 rows x 32 keys on 4 warps 192-247, none; 16 x 64 on 8 warps 232-255,
-    # 0-40; prefill 128 x 32 on 8 warps 255, 56-128; 128 x 64 on 8 warps 255, 264-384.
+    # narrower key blocks than the 16-bit tiles'. On an H100 its decode is L1-bound on the
+    # reads' gathers; one stage ran 2x faster there (docs/tuning.md), not yet checked for
+    # correctness, so two stay.
     turboquant_decode_tile: Tile = Tile(16, 32, 4, 2)
     turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
     # 4-bit key and value fields read as contiguous bytes, their low and high nibbles the even
