@@ -75,6 +75,10 @@
 #   tq       TurboQuant: tests/test_turboquant.py, the matrix, device-index, opcheck and CUDA-graph
 #            cases of TURBOQUANT (its Triton write and TRITON_ATTN's read compiled; real sizes)
 #   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases and Triton tests
+#   tqsweep  TurboQuant's read test (every route, the planes and bf16 cases), then
+#            benchmarks/profile_turboquant_decode.py under each of TQ_SWEEP's ATTN_OPS_TUNING
+#            strings ("defaults", the nibble planes, one stage, both; space-separated), each
+#            row's output checked against REFERENCE; TQ_SWEEP_ARGS its arguments
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
 #   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over COMPOSITE_SM90 and
@@ -231,6 +235,13 @@ for spec in "$@"; do
     tqcheck) stage tqcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_turboquant.py \
         tests/test_backends_matrix.py -k "TURBOQUANT and (mixed or long_context) or triton" ;;
+    tqsweep) stage tqsweep_reads "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
+        -p no:cacheprovider -rfE tests/test_turboquant.py -k "reads_the_slots"
+      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_planes=true triton.turboquant_decode_tile=16/32/4/1 triton.turboquant_planes=true,triton.turboquant_decode_tile=16/32/4/1}; do
+        [ "$cfg" = defaults ] && cfg=""
+        stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
+          --tuning "$cfg" ${TQ_SWEEP_ARGS:---presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
+      done ;;
     tqbench) stage tqbench "$limit" python benchmarks/bench_turboquant.py ${TQ_ARGS:-} \
         --out "$OUT/bench_turboquant_h200.json" ;;
     tqmodel) stage tqmodel "$limit" python benchmarks/bench_model_decode.py --ctx 8192 --no-hf \
@@ -256,6 +267,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k|generate|generate_batch) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ |^(gated_deltanet|mamba2|mamba1|lightning) +(cached|uncached|first)" \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k|generate|generate_batch) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ |^(gated_deltanet|mamba2|mamba1|lightning) +(cached|uncached|first)|^turboquant_[a-z0-9_]+ +B=" \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80

@@ -79,7 +79,7 @@ def main() -> None:
                                   None, None, None, None, None, D ** -0.5, None, None, True)
         check = cross_check(out.float(), ref, 2e-2)
         verdict = (f"{'agree' if check['agree'] else 'MISMATCH'} "
-                   f"(max rel err {check['max_rel_err']:.1e})")
+                   f"(max rel err {check['max_rel_err']:.1e})  [{args.tuning or 'defaults'}]")
         times = []
         for _ in range(args.iters):
             if dev == "cpu":
