@@ -148,10 +148,9 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
     them) whose queries are at most ``num_tokens`` rows, from row ``first_row`` of the batch
     (what the host planned: the rows the launch's row check answers for), in ``tile`` (rows,
     keys, warps, stages), with ``splits`` splits of each request's keys (combined in the kernel
-    if ``fused``). ``turboquant``: ``(preset, codebook, signs)`` of a TurboQuant cache (both
-    ``k_cache`` and ``v_cache``: ``uint8 [blocks, Hk, page, slot]``; the codebook's centroids,
-    the Hadamard signs padded to the head tile), its 4-bit fields read as planes where
-    ``planes`` (``backends/turboquant/read_kernels.py``)."""
+    if ``fused``). ``turboquant``: ``(preset, codebook)`` of a TurboQuant cache (both
+    ``k_cache`` and ``v_cache``: ``uint8 [blocks, Hk, page, slot]``; the keys' centroids), its
+    4-bit fields read as planes where ``planes`` (``backends/turboquant/read_kernels.py``)."""
     from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
                                                        paged_attention_kernel)
 
@@ -160,14 +159,14 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         page, hk = k_cache.shape[1], k_cache.shape[2]
         k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-        tq = dict(codebook_ptr=query, signs_ptr=query, inv_sqrt_d=1.0, KV_FORMAT=0,
+        tq = dict(codebook_ptr=query, inv_sqrt_d=1.0, KV_FORMAT=0,
                   KEY_BITS=0, VALUE_BITS=0, NORM_CORRECTION=False, KEY_PLANES=False,
                   VALUE_PLANES=False)  # (unread)
     else:  # [blocks, Hk, page, slot] bytes
-        preset, codebook, signs = turboquant
+        preset, codebook = turboquant
         page, hk = k_cache.shape[2], k_cache.shape[1]
         k_strides = v_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
-        tq = dict(codebook_ptr=codebook, signs_ptr=signs, inv_sqrt_d=d ** -0.5, KV_FORMAT=1,
+        tq = dict(codebook_ptr=codebook, inv_sqrt_d=d ** -0.5, KV_FORMAT=1,
                   KEY_BITS=preset.key_bits, VALUE_BITS=preset.value_bits,
                   NORM_CORRECTION=preset.norm_correction,
                   KEY_PLANES=planes and preset.key_bits == 4,
@@ -236,7 +235,7 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
                            lse, sinks, alibi_slopes, k_scale, v_scale, scale, sliding_window,
                            soft_cap, causal, tree=None, turboquant=None) -> None:
     """The op's kernel side (``tree``: TREE_ATTN's ancestor bitmasks, int64 ``[nodes]``;
-    ``turboquant``: a TurboQuant cache's ``(preset, codebook, signs)``, as :func:`_launch`
+    ``turboquant``: a TurboQuant cache's ``(preset, codebook)``, as :func:`_launch`
     takes them, its inputs checked by TURBOQUANT's op)."""
     if turboquant is None:
         check_triton_inputs(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,

@@ -57,7 +57,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attn_ops.backends.turboquant.read_kernels import tq_keys, tq_values
+from attn_ops.backends.turboquant.read_kernels import sylvester_signs, tq_keys, tq_values
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -418,7 +418,7 @@ def paged_attention_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
     WRITE_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ONE_ROW: tl.constexpr, codebook_ptr, signs_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
+    ONE_ROW: tl.constexpr, codebook_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr,
 ):
@@ -496,13 +496,13 @@ def paged_attention_kernel(
     if KV_FORMAT == 1 and KEY_BITS != 8:  # TurboQuant's rotated keys: rotate q once instead
         if KEY_PLANES:  # (the even and the odd columns of the rotation, a product each)
             offs_kc = tl.arange(0, D_P // 2)
-            signs = signs_ptr + offs_d[:, None] * D_P + 2 * offs_kc[None, :]
-            q2 = tl.dot(q, tl.load(signs + 1).to(q.dtype), input_precision=PRECISION)
-            q2 = q2.to(q.dtype)
-            q = tl.dot(q, tl.load(signs).to(q.dtype), input_precision=PRECISION).to(q.dtype)
-        else:
-            signs = tl.load(signs_ptr + offs_d[:, None] * D_P + offs_d[None, :]).to(q.dtype)
-            q = tl.dot(q, signs, input_precision=PRECISION).to(q.dtype)  # (+-1: exact)
+            odd = sylvester_signs(offs_d, 2 * offs_kc + 1, D).to(q.dtype)
+            q2 = tl.dot(q, odd, input_precision=PRECISION).to(q.dtype)
+            even = sylvester_signs(offs_d, 2 * offs_kc, D).to(q.dtype)
+            q = tl.dot(q, even, input_precision=PRECISION).to(q.dtype)
+        else:  # (+-1: exact operands)
+            signs = sylvester_signs(offs_d, offs_d, D).to(q.dtype)
+            q = tl.dot(q, signs, input_precision=PRECISION).to(q.dtype)
         logit_scale = logit_scale * inv_sqrt_d
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E

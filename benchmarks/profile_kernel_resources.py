@@ -74,8 +74,7 @@ def _turboquant_attention(presets=None, tiles=None):
 
 
 WRITE_TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64",
-               "hadamard_ptr": "*fp32", "mid_ptr": "*fp32", "cs_ptr": "*fp32",
-               "inv_sqrt_d": "fp32"}
+               "mid_ptr": "*fp32", "cs_ptr": "*fp32", "inv_sqrt_d": "fp32"}
 
 
 # lightning attention's split prefill: its start-state buffer (bf16 for bf16 inputs) and chunk
@@ -232,6 +231,22 @@ def main_loop(kernel) -> dict:
             "loop_opcodes": dict(sorted(opcodes.items(), key=lambda kv: -kv[1]))}
 
 
+def load_layouts(kernel) -> dict:
+    """A compiled kernel's dynamic shared memory and the distinct layouts of its global loads
+    (TTGIR): ``"SHAPE ELEMENT": "sizePerThread / threadsPerWarp / order"`` -- whether a warp's
+    lanes run along a row's contiguous bytes or across rows (one cache line each)."""
+    ttgir = kernel.asm["ttgir"]
+    named = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
+    loads = {}
+    for shape, elem, name in re.findall(
+            r"tt\.load [^:]*: tensor<([0-9x]+)x!tt\.ptr<(\w+)>, (#\w+)>", ttgir):
+        fields = dict(re.findall(r"(sizePerThread|threadsPerWarp|order) = \[([0-9, ]+)\]",
+                                 named.get(name, "")))
+        loads[f"{shape} {elem}"] = " / ".join(f"{k} [{fields.get(k, '?')}]" for k in
+                                              ("sizePerThread", "threadsPerWarp", "order"))
+    return {"dynamic_shared_bytes": kernel.metadata.shared, "loads": loads}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+",
@@ -243,6 +258,10 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--loop", action="store_true",
                         help="also count the SASS instructions of each kernel's main loop")
+    parser.add_argument("--layouts", action="store_true",
+                        help="also record each build's dynamic shared memory and load layouts")
+    parser.add_argument("--only", default="",
+                        help="only the configurations whose label contains this text")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "kernel_resources.json"))
     args = parser.parse_args()
@@ -251,6 +270,8 @@ def main() -> None:
     for name in args.kernels:
         fn, points = table[name]
         for label, constexprs, warps in points:
+            if args.only not in label:
+                continue
             try:
                 kernel = build(fn, constexprs, warps, args.arch,
                                {"turboquant_attention": TQ_TYPES,
@@ -262,6 +283,8 @@ def main() -> None:
                                 "mamba1_segment_chain": SEGMENT_TYPES}.get(name),
                                UNALIGNED.get(name, ()))
                 row = resources(kernel)
+                if args.layouts:
+                    row.update(load_layouts(kernel))
                 if args.loop:
                     row.update(main_loop(kernel))
                     if name in ("turboquant_attention", "bf16_attention"):  # (BLOCK_N keys)
@@ -278,6 +301,10 @@ def main() -> None:
                 shown += (f" ({row['warp_instructions_a_key']} warp instructions a key and KV "
                           "head)")
             print(f"{name:20s} {label:24s} {warps} warps: {shown}", flush=True)
+            for load, layout in row.get("loads", {}).items():
+                print(f"    load {load:16s} {layout}")
+            if "dynamic_shared_bytes" in row:
+                print(f"    dynamic shared memory {row['dynamic_shared_bytes']} B")
     with open(args.out, "w") as f:
         json.dump({"arch": args.arch, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")

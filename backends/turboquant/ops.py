@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from attn_ops.backends.turboquant.format import (PRESETS, codebook, dequantize_slots, hadamard,
+from attn_ops.backends.turboquant.format import (PRESETS, codebook, dequantize_slots,
                                                 quantize_slots)
 from attn_ops.glue import _rope_impl
 from attn_ops.kv_cache import clear_entered_page_tails
@@ -153,15 +153,13 @@ def _check_attention(query, kv_cache, query_start_loc, seq_lens, block_table, ou
 
 
 @functools.cache
-def _tables(kv_cache_dtype: str, head_dim: int, head_tile: int, device: torch.device):
-    """``(codebook, signs)`` of TRITON_ATTN's TurboQuant read: the keys' centroids (fp32) and
-    the +-1 Hadamard signs zero-padded to ``[head_tile, head_tile]``."""
+def _codebook(kv_cache_dtype: str, head_dim: int, device: torch.device) -> torch.Tensor:
+    """The keys' centroids (fp32) TRITON_ATTN's TurboQuant read looks codes up in (a
+    placeholder for fp8 keys)."""
     preset = _preset(kv_cache_dtype, "turboquant_attention")
-    signs = torch.zeros(head_tile, head_tile, dtype=torch.float32)
     if preset.fp8_keys:
-        return torch.zeros(1, device=device), signs.to(device)
-    signs[:head_dim, :head_dim] = (hadamard(head_dim) * head_dim ** 0.5).round()
-    return codebook(head_dim, preset.key_bits, device)[0], signs.to(device)
+        return torch.zeros(1, device=device)
+    return codebook(head_dim, preset.key_bits, device)[0]
 
 
 def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan,
@@ -170,15 +168,12 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     TurboQuant format in registers (``KV_FORMAT=1``), planned by ``plan``
     (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`)."""
     from attn_ops.backends.triton_attn import triton_paged_attention
-    from attn_ops.routing import triton_head_tiles
 
-    d = query.shape[-1]
-    tile, _ = triton_head_tiles(d, d, 1)
-    codebook_, signs = _tables(kv_cache_dtype, d, tile, query.device)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, None, None, None, None, scale, None, None, True,
                            turboquant=(_preset(kv_cache_dtype, "turboquant_attention"),
-                                       codebook_, signs))
+                                       _codebook(kv_cache_dtype, query.shape[-1],
+                                                 query.device)))
 
 
 def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,

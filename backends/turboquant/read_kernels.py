@@ -23,6 +23,21 @@ import triton.language as tl
 
 
 @triton.jit
+def sylvester_signs(rows, cols, D: tl.constexpr):
+    """Sylvester's Hadamard matrix times ``sqrt(D)`` at ``[rows, cols]`` (0 outside ``D x D``):
+    ``(-1)^popcount(i & j)``, the parity folded in registers -- no ``[D, D]`` table loaded by
+    every program."""
+    tl.static_assert(D <= 1 << 16)
+    x = rows[:, None] & cols[None, :]
+    x ^= x >> 8
+    x ^= x >> 4
+    x ^= x >> 2
+    x ^= x >> 1
+    signs = 1.0 - 2.0 * (x & 1).to(tl.float32)
+    return tl.where((rows[:, None] < D) & (cols[None, :] < D), signs, 0.0)
+
+
+@triton.jit
 def _tq_codes(base, ok, n, offs, BITS: tl.constexpr):
     """Codes ``[BLOCK_N, len(offs)]`` (int32, ``0 <= c < 2^BITS``) of the LSB-first bit
     streams at byte pointers ``base [BLOCK_N]`` (rows ``ok``): column ``j`` holds code

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_ops.backends.turboquant.read_kernels import sylvester_signs
+
 __all__ = ["cache_write_triton"]
 
 
@@ -55,7 +57,7 @@ def _store_fp16(ptr, x, ok):
 
 
 @triton.jit
-def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr, cs_ptr,
+def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
                        num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cb, stride_ch, stride_cs, stride_cst, inv_sqrt_d,
                        D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
@@ -94,8 +96,7 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, hadamard_ptr, mid_ptr,
         # code at a rounding boundary would differ from the torch write's)
         norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
         x = tl.div_rn(k, (norm + 1e-8)[:, None])
-        signs = tl.load(hadamard_ptr + offs_d[:, None] * D_P + offs_d[None, :])
-        y = tl.dot(x, signs, input_precision="ieee") * inv_sqrt_d
+        y = tl.dot(x, sylvester_signs(offs_d, offs_d, D), input_precision="ieee") * inv_sqrt_d
         idx = tl.zeros([BLOCK_T, D_P], tl.int32)
         for m in tl.static_range(2 ** KEY_BITS - 1):
             idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
@@ -136,7 +137,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     first with ``cos_sin`` (inputs already checked). 16 tokens on 8 warps: the sm_90 build at
     head dim 128 takes 72-80 registers a thread, at most 16 B spilled; on 4 warps the exact
     fp32 rotation spills 7.6-8.2 KB (``profile_kernel_resources.py``)."""
-    from attn_ops.backends.turboquant.format import codebook, hadamard
+    from attn_ops.backends.turboquant.format import codebook
 
     t, hk, d = key.shape
     if t == 0:
@@ -144,15 +145,13 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     d_p = triton.next_power_of_2(d)
-    if preset.fp8_keys:  # (no rotation: placeholders)
-        signs, mid = key.new_zeros(1, dtype=torch.float32), key.new_zeros(1, dtype=torch.float32)
-    else:  # +-1 (exact), 1 / sqrt(D) applied to the product
-        signs = (hadamard(d, key.device) * d ** 0.5).round()
+    mid = key.new_zeros(1, dtype=torch.float32)  # (fp8 keys: a placeholder)
+    if not preset.fp8_keys:  # (the rotation: +-1 in the kernel, 1 / sqrt(D) on the product)
         _, mid = codebook(d, preset.key_bits, key.device)
     nb, _, page, slot = kv_cache.shape
     cs = cos_sin if cos_sin is None or cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     cache_write_kernel[(triton.cdiv(t, block_t), hk)](
-        key, value, kv_cache, slot_mapping, signs, mid, cs if cs is not None else key, t,
+        key, value, kv_cache, slot_mapping, mid, cs if cs is not None else key, t,
         nb * page, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         cs.stride(0) if cs is not None else 0, d ** -0.5, D=d, D_P=d_p, PAGE=page,
