@@ -75,7 +75,8 @@ class TritonPlan:
     KV head fastest in launch order where ``heads_fastest``), ``num_tokens`` real rows (None:
     known on the device only, as in CUDA graphs) and ``max_seq_len``, the longest context or
     an upper bound of it; a TurboQuant cache's 4-bit fields read as planes where
-    ``turboquant_planes``. Routes from :mod:`attn_ops.routing`."""
+    ``turboquant_planes``, its other codes gathered along a slot's bytes where
+    ``turboquant_coalesced``. Routes from :mod:`attn_ops.routing`."""
 
     num_decodes: int
     num_decode_tokens: int
@@ -87,6 +88,7 @@ class TritonPlan:
     fused_combine: bool
     heads_fastest: bool
     turboquant_planes: bool = False
+    turboquant_coalesced: bool = False
 
 
 PLAN = PlanCodec(TritonPlan)
@@ -143,14 +145,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
             prefill, tile, fused, heads_fastest=False, first_row=0, turboquant=None,
-            planes=False):
+            planes=False, coalesced=False):
     """One launch of the attention kernel over ``num_reqs`` requests (tensors already sliced to
     them) whose queries are at most ``num_tokens`` rows, from row ``first_row`` of the batch
     (what the host planned: the rows the launch's row check answers for), in ``tile`` (rows,
     keys, warps, stages), with ``splits`` splits of each request's keys (combined in the kernel
     if ``fused``). ``turboquant``: ``(preset, codebook)`` of a TurboQuant cache (both
     ``k_cache`` and ``v_cache``: ``uint8 [blocks, Hk, page, slot]``; the keys' centroids), its
-    4-bit fields read as planes where ``planes`` (``backends/turboquant/read_kernels.py``)."""
+    4-bit fields read as planes where ``planes``, its other codes gathered along a slot's
+    bytes where ``coalesced`` (``backends/turboquant/read_kernels.py``)."""
     from attn_ops.backends.triton_attn_kernels import (combine_splits_kernel,
                                                        paged_attention_kernel)
 
@@ -161,7 +164,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         tq = dict(codebook_ptr=query, inv_sqrt_d=1.0, KV_FORMAT=0,
                   KEY_BITS=0, VALUE_BITS=0, NORM_CORRECTION=False, KEY_PLANES=False,
-                  VALUE_PLANES=False)  # (unread)
+                  VALUE_PLANES=False, TQ_COALESCED=False)  # (unread)
     else:  # [blocks, Hk, page, slot] bytes
         preset, codebook = turboquant
         page, hk = k_cache.shape[2], k_cache.shape[1]
@@ -170,7 +173,7 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
                   KEY_BITS=preset.key_bits, VALUE_BITS=preset.value_bits,
                   NORM_CORRECTION=preset.norm_correction,
                   KEY_PLANES=planes and preset.key_bits == 4,
-                  VALUE_PLANES=planes and preset.value_bits == 4)
+                  VALUE_PLANES=planes and preset.value_bits == 4, TQ_COALESCED=coalesced)
     group = hq // hk
     group_p = pow2(group)
     d_p, dv_p = triton_head_tiles(d, dv, k_cache.dtype.itemsize)
@@ -258,7 +261,8 @@ def triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tab
         check_query_start_loc(query_start_loc.tolist(), rows)
     args = dict(sinks=sinks, alibi=alibi_slopes, k_scale=k_scale, v_scale=v_scale, tree=tree,
                 scale=scale, window=sliding_window, soft_cap=soft_cap, causal=causal,
-                turboquant=turboquant, planes=p.turboquant_planes)
+                turboquant=turboquant, planes=p.turboquant_planes,
+                coalesced=p.turboquant_coalesced)
     if p.num_decodes:
         _launch(query, k_cache, v_cache, out, lse, query_start_loc, seq_lens, block_table,
                 num_reqs=p.num_decodes, num_tokens=p.num_decode_tokens, splits=p.splits,

@@ -249,7 +249,7 @@ def _attend(acc, acc2, l_i, m_i, b0, b1, q, q2, lo, hi, r, pos, row_ok, context,
             HAS_ALIBI: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
             MASKED: tl.constexpr, codebook_ptr, KV_FORMAT: tl.constexpr,
             KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-            KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr):
+            KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr, TQ_COALESCED: tl.constexpr):
     """Online softmax over key blocks ``b0..b1-1`` (of ``BLOCK_N`` keys from ``lo``), gathered
     page by page; ``MASKED=False`` blocks lie inside ``[lo, hi)``, are visible to every row
     of the tile whole and span only pages inside the cache (checked by the caller): their loads
@@ -281,11 +281,19 @@ def _attend(acc, acc2, l_i, m_i, b0, b1, q, q2, lo, hi, r, pos, row_ok, context,
             tq_off = page * stride_kb + slot * stride_ks + kv_head * stride_kh
             tq_ok = n_ok if MASKED else offs_n >= 0
             k, k2, k_scale = tq_keys(k_ptr, tq_off, tq_ok, codebook_ptr, offs_d, D, KEY_BITS,
-                                     NORM_CORRECTION, KEY_PLANES, q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                                     NORM_CORRECTION, KEY_PLANES, TQ_COALESCED, q.dtype)
+            s = tl.dot(q, k, input_precision=PRECISION)  # (the keys come transposed)
             if KEY_PLANES:
-                s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-            s = s * k_scale[None, :]
+                s = tl.dot(q2, k2, s, input_precision=PRECISION)
+            if NORM_CORRECTION and (KEY_PLANES or TQ_COALESCED) and KEY_BITS != 8:
+                # each key's ||c||^2 on the tensor cores, in every row
+                c2 = tl.dot(tl.full(q.shape, 1.0, q.dtype), k * k, input_precision=PRECISION)
+                if KEY_PLANES:
+                    c2 = tl.dot(tl.full(q2.shape, 1.0, q.dtype), k2 * k2, c2,
+                                input_precision=PRECISION)
+                s = s * (k_scale[None, :] * tl.rsqrt(c2 + 1e-16))
+            else:
+                s = s * k_scale[None, :]
         else:
             k_ptrs = (k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
                       + kv_head * stride_kh + offs_d[None, :])
@@ -339,7 +347,7 @@ def _attend(acc, acc2, l_i, m_i, b0, b1, q, q2, lo, hi, r, pos, row_ok, context,
         acc = acc * alpha[:, None]  # then the MMA accumulates into it
         if KV_FORMAT == 1:  # sum_j p_j (c_j s_j + m_j) = (p s) . c + (p . m): codes exact
             v, v2, v_scale, v_min = tq_values(k_ptr, tq_off, tq_ok, offs_dv, D, DV, KEY_BITS,
-                                              VALUE_BITS, VALUE_PLANES, q.dtype)
+                                              VALUE_BITS, VALUE_PLANES, TQ_COALESCED, q.dtype)
             ps = (p * v_scale[None, :]).to(q.dtype)
             acc = tl.dot(ps, v, acc, input_precision=PRECISION)
             shift = tl.sum(p * v_min[None, :], 1)
@@ -420,7 +428,7 @@ def paged_attention_kernel(
     HAS_TREE: tl.constexpr, FUSED_COMBINE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     ONE_ROW: tl.constexpr, codebook_ptr, inv_sqrt_d, KV_FORMAT: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-    KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr,
+    KEY_PLANES: tl.constexpr, VALUE_PLANES: tl.constexpr, TQ_COALESCED: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Tiles in reverse: a causal request's last tiles see the most keys, so they start first
@@ -564,7 +572,7 @@ def paged_attention_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, window, soft_cap,
             offs_kc, offs_vc, PAGE, BLOCK_N, D, D_P, DV, DV_P, CAUSAL, USE_WINDOW, USE_SOFTCAP,
             HAS_ALIBI, HAS_TREE, PRECISION, phase != 1, codebook_ptr, KV_FORMAT, KEY_BITS,
-            VALUE_BITS, NORM_CORRECTION, KEY_PLANES, VALUE_PLANES)
+            VALUE_BITS, NORM_CORRECTION, KEY_PLANES, VALUE_PLANES, TQ_COALESCED)
 
     has_keys = l_i > 0
     out_rows = acc / tl.where(has_keys, l_i, 1.0)[:, None]

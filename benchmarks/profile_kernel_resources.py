@@ -54,21 +54,24 @@ def _turboquant_attention(presets=None, tiles=None):
 
     presets = presets or {"4bit_nc": (4, 4, True), "k3v4_nc": (3, 4, True),
                           "3bit_nc": (3, 3, True), "k8v4": (8, 4, False),
-                          "4bit_nc planes": (4, 4, True, True),
-                          "k8v4 planes": (8, 4, False, True)}
+                          "4bit_nc planes": (4, 4, True, "planes"),
+                          "k8v4 planes": (8, 4, False, "planes"),
+                          "4bit_nc coalesced": (4, 4, True, "coalesced"),
+                          "3bit_nc coalesced": (3, 3, True, "coalesced")}
     tiles = tiles or (*DECODE_TILES, ("prefill", 128, 32, 8, 1), ("prefill", 128, 64, 8, 1),
                       ("prefill", 64, 64, 4, 1))
     points = []
-    for (name, (kb, vb, nc, *planes)), (kind, rows, keys, warps, splits) in itertools.product(
+    for (name, (kb, vb, nc, *read)), (kind, rows, keys, warps, splits) in itertools.product(
             presets.items(), tiles):
-        planes = bool(planes and planes[0])
+        planes, coalesced = "planes" in read, "coalesced" in read
         consts = dict(GROUP=4, GROUP_P=4, HQ=32, PAGE=16, BLOCK_Q=rows // 4, BLOCK_N=keys, D=128,
                       D_P=128, DV=128, DV_P=128, CAUSAL=True, USE_WINDOW=False,
                       USE_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, FP8=False,
                       WRITE_LSE=True, NUM_SPLITS=splits, PRECISION="tf32", HAS_TREE=False,
                       FUSED_COMBINE=splits > 1, HEADS_FASTEST=False, ONE_ROW=kind == "decode",
                       KV_FORMAT=int(kb != 16), KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc,
-                      KEY_PLANES=planes and kb == 4, VALUE_PLANES=planes and vb == 4)
+                      KEY_PLANES=planes and kb == 4, VALUE_PLANES=planes and vb == 4,
+                      TQ_COALESCED=coalesced)
         points.append((f"{name} {kind} {rows} x {keys}", consts, warps))
     return ak.paged_attention_kernel, points
 

@@ -323,7 +323,8 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     ("fused_splits", "d64"), ("splits", "d64_fp16"), ("one_split", "d64_fp16_unaligned"),
     ("fused_splits", "d64_bf16"),
     ("one_split", "d64_planes"), ("splits", "d64_fp16_planes"),
-    ("fused_splits", "d64_fp16_unaligned_planes")])
+    ("fused_splits", "d64_fp16_unaligned_planes"), ("one_split", "d16_coalesced"),
+    ("splits", "d64_fp16_coalesced"), ("fused_splits", "d64_unaligned_coalesced")])
 @pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
 def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, case):
     """TRITON_ATTN's kernels reading the TurboQuant format (the rotated query, codes unpacked
@@ -332,8 +333,9 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     a chunked-prefill continuation, a 1-token request -- whole and with its decodes' keys split
     (combined in a second launch, or by the last split), LSE too; head dim 16 in padded tiles,
     64 in fp16 and bf16 (tensor-core products of the decoded tiles on GPUs) and from a cache 2
-    bytes into its buffer; ``planes``: 4-bit fields read as nibble planes
-    (``Tuning.triton.turboquant_planes``); fp32 products are exact."""
+    bytes into its buffer; ``planes`` / ``coalesced``: 4-bit fields read as nibble planes,
+    codes gathered along a slot's bytes (``Tuning.triton.turboquant_*``); fp32 products are
+    exact."""
     from attn_ops.backends.triton_attn import PLAN
     from attn_ops.backends.turboquant.backend import TurboQuantBackend
     from attn_ops.backends.turboquant.ops import triton_turboquant_attention
@@ -342,7 +344,7 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if "bf16" in case and dev == "cpu":
         pytest.skip("GPU only: Triton's interpreter computes bf16 tl.dot products wrong")
-    head_dim = 16 if case == "d16" else 64
+    head_dim = 16 if case.startswith("d16") else 64
     dtype_ = torch.float16 if "fp16" in case else torch.bfloat16 if "bf16" in case else \
         torch.float32
     spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_dim=head_dim, dtype=dtype_,
@@ -357,10 +359,10 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
               "splits": dict(min_keys_per_split=4, programs_per_sm=64, fused_combine=False),
               "fused_splits": dict(min_keys_per_split=4, programs_per_sm=64,
                                    fused_combine=True)}[route]
-    triton["turboquant_planes"] = case.endswith("planes")
+    triton.update(turboquant_planes="planes" in case, turboquant_coalesced="coalesced" in case)
     impl = TurboQuantBackend(spec, tuning=default_tuning().with_(triton=triton))
     plan = impl.build_metadata(meta)
-    assert PLAN.decode(plan.plan).turboquant_planes == case.endswith("planes")
+    assert PLAN.decode(plan.plan).turboquant_planes == ("planes" in case)
     out = torch.full((q.shape[0], 6, head_dim), float("nan"), dtype=spec.dtype, device=dev)
     lse = torch.full((q.shape[0], 6), float("nan"), device=dev)
     args = impl.op_arguments(q, cache, plan, out, lse=lse)

@@ -72,8 +72,11 @@ class TritonTuning:
     turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
     # 4-bit key and value fields read as contiguous bytes, their low and high nibbles the even
     # and the odd coordinates, a tensor-core product each (backends/turboquant/read_kernels.py),
-    # in place of a byte gather a coordinate. Off until a GPU run checks and times it.
+    # in place of a byte gather a coordinate. Codes gathered with a warp's lanes along a
+    # slot's bytes (one cache line a load, not 32 slots) and the centroids' norms taken from
+    # the tensor cores. Both off until a GPU run checks and times them.
     turboquant_planes: bool = False
+    turboquant_coalesced: bool = False
 
 
 @dataclass(frozen=True)

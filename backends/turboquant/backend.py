@@ -81,7 +81,8 @@ class TurboQuantBackend(TritonAttnBackend):
         """TRITON_ATTN's plan (splits, fused combine, launch order) with K/V of the query's
         dtype -- the slots are dequantized into them in registers -- in TurboQuant's own tiles
         (``Tuning.triton.turboquant_*_tile``: narrower key blocks, fitted to the device), its
-        4-bit fields read as planes where ``Tuning.triton.turboquant_planes``."""
+        4-bit fields read as planes and its codes gathered along a slot's bytes where
+        ``Tuning.triton.turboquant_planes`` / ``turboquant_coalesced``."""
         from attn_ops.backends.triton_attn import plan_launches
         from attn_ops.platforms import shared_memory_per_block
         from attn_ops.routing import triton_fit_tile, triton_head_tiles
@@ -97,7 +98,8 @@ class TurboQuantBackend(TritonAttnBackend):
             decode = triton_fit_tile(decode, d_p, dv_p, b, b, smem)
             prefill = triton_fit_tile(prefill, d_p, dv_p, b, b, smem)
         return dataclasses.replace(plan, decode_tile=decode, prefill_tile=prefill,
-                                   turboquant_planes=t.turboquant_planes)
+                                   turboquant_planes=t.turboquant_planes,
+                                   turboquant_coalesced=t.turboquant_coalesced)
 
     def op_arguments(self, query, kv_cache, metadata, out, *, lse=None, **unused) -> tuple:
         return (query, kv_cache, metadata.query_start_loc, metadata.seq_lens,

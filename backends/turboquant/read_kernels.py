@@ -40,8 +40,9 @@ def sylvester_signs(rows, cols, D: tl.constexpr):
 @triton.jit
 def _tq_codes(base, ok, n, offs, BITS: tl.constexpr):
     """Codes ``[BLOCK_N, len(offs)]`` (int32, ``0 <= c < 2^BITS``) of the LSB-first bit
-    streams at byte pointers ``base [BLOCK_N]`` (rows ``ok``): column ``j`` holds code
-    ``offs[j]``, 0 where that is ``n`` or more."""
+    streams at byte pointers ``base [BLOCK_N]`` (keys ``ok``): column ``j`` holds code
+    ``offs[j]``, 0 where that is ``n`` or more. (Triton lays a warp's lanes along the keys:
+    each load touches 32 slots; :func:`_tq_codes_t` lays them along a slot's bytes.)"""
     col_ok = ok[:, None] & (offs[None, :] < n)
     bit = offs * BITS
     at = base[:, None] + (bit // 8)[None, :]
@@ -49,6 +50,23 @@ def _tq_codes(base, ok, n, offs, BITS: tl.constexpr):
     if BITS == 3:  # a code from bit 6 or 7 of its byte ends in the next one
         b |= tl.load(at + 1, mask=col_ok & (bit % 8 > 5)[None, :], other=0).to(tl.int32) << 8
     return (b >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _tq_codes_t(base, ok, n, offs, BITS: tl.constexpr):
+    """Codes ``[len(offs), BLOCK_N]`` (int32, ``0 <= c < 2^BITS``; transposed: a key a
+    column) of the LSB-first bit streams at byte pointers ``base [BLOCK_N]`` (keys ``ok``):
+    row ``j`` holds code ``offs[j]``, 0 where that is ``n`` or more. Built with the coordinates
+    along the first axis: neither axis of the gather is contiguous, and Triton then lays a
+    warp's lanes along the first -- here along a slot's bytes (one cache line a load), not
+    across 32 slots."""
+    row_ok = (offs[:, None] < n) & ok[None, :]
+    bit = offs * BITS
+    at = base[None, :] + (bit // 8)[:, None]
+    b = tl.load(at, mask=row_ok, other=0).to(tl.int32)
+    if BITS == 3:  # a code from bit 6 or 7 of its byte ends in the next one
+        b |= tl.load(at + 1, mask=row_ok & (bit % 8 > 5)[:, None], other=0).to(tl.int32) << 8
+    return (b >> (bit % 8)[:, None]) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -62,47 +80,55 @@ def _tq_fp16(ptr, ok):
 
 @triton.jit
 def tq_keys(cache_ptr, off, ok, codebook_ptr, offs, D: tl.constexpr, KEY_BITS: tl.constexpr,
-            NORM_CORRECTION: tl.constexpr, PLANES: tl.constexpr, DTYPE: tl.constexpr):
+            NORM_CORRECTION: tl.constexpr, PLANES: tl.constexpr, COALESCED: tl.constexpr,
+            DTYPE: tl.constexpr):
     """A key block of a TurboQuant cache (``backends/turboquant/format.py``) from its slots'
-    byte offsets ``off`` (int64, rows ``ok``): ``(keys, odd keys, key scales)``. The keys in
-    ``DTYPE``, in the rotated space (the query is rotated once) as codebook centroids, over the
-    columns ``offs`` (0 past ``D``); fp8 keys as stored. Each key's scale is its norm, over the
-    centroids' norm with norm correction (scale 1 for fp8 keys): its score column's factor, no
-    multiplication of every coordinate. ``PLANES`` (4-bit keys): ``offs`` are the fields'
+    byte offsets ``off`` (int64, keys ``ok``): ``(keys, odd keys, key scales)``, the keys
+    transposed (``[coordinates, BLOCK_N]``, the product's right operand) in ``DTYPE``, in the
+    rotated space (the query is rotated once) as codebook centroids, over the coordinates
+    ``offs`` (0 past ``D``); fp8 keys as stored. Each key's scale is its stored norm (1 for
+    fp8 keys), over the centroids' norm with ``NORM_CORRECTION``: its score column's factor,
+    no multiplication of every coordinate. ``COALESCED`` (and ``PLANES``): the codes gathered
+    with a warp's lanes along a slot's bytes (:func:`_tq_codes_t`), and the centroids' norm
+    left to the caller (its tensor cores: a sum over coordinates here would cross lanes).
+    ``PLANES`` (4-bit keys): ``offs`` are the fields'
     bytes, read contiguously, and the two tiles hold the even and the odd coordinates (each a
     byte's low and high nibble; the query is split alike); else the odd tile is the first."""
     base = cache_ptr + off
     if KEY_BITS == 8:
         k = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < D),
                     other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE)
-        return k, k, tl.where(ok, 1.0, 0.0)
+        return tl.trans(k), tl.trans(k), tl.where(ok, 1.0, 0.0)
+    k_scale = _tq_fp16(base + (D * KEY_BITS // 8), ok)
     if PLANES:
         col_ok = offs[None, :] < D // 2
         raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & col_ok,
                       other=0).to(tl.int32)
-        k = tl.where(col_ok, tl.load(codebook_ptr + (raw & 15)), 0.0)
-        k2 = tl.where(col_ok, tl.load(codebook_ptr + (raw >> 4)), 0.0)
-        norm2 = tl.sum(k * k, axis=1) + tl.sum(k2 * k2, axis=1)
+        k = tl.trans(tl.where(col_ok, tl.load(codebook_ptr + (raw & 15)), 0.0))
+        k2 = tl.trans(tl.where(col_ok, tl.load(codebook_ptr + (raw >> 4)), 0.0))
+    elif COALESCED:
+        codes = _tq_codes_t(base, ok, D, offs, KEY_BITS)
+        k = tl.where(offs[:, None] < D, tl.load(codebook_ptr + codes), 0.0)
+        k2 = k
     else:
         codes = _tq_codes(base, ok, D, offs, KEY_BITS)
         k = tl.where(offs[None, :] < D, tl.load(codebook_ptr + codes), 0.0)
+        if NORM_CORRECTION:
+            k_scale = k_scale / tl.sqrt(tl.sum(k * k, axis=1) + 1e-16)
+        k = tl.trans(k)
         k2 = k
-        norm2 = tl.sum(k * k, axis=1)
-    k_scale = _tq_fp16(base + (D * KEY_BITS // 8), ok)
-    if NORM_CORRECTION:
-        k_scale = k_scale / tl.sqrt(norm2 + 1e-16)
     return k.to(DTYPE), k2.to(DTYPE), k_scale
 
 
 @triton.jit
 def tq_values(cache_ptr, off, ok, offs, D: tl.constexpr, DV: tl.constexpr,
               KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, PLANES: tl.constexpr,
-              DTYPE: tl.constexpr):
+              COALESCED: tl.constexpr, DTYPE: tl.constexpr):
     """A key block's values from the same slots: ``(codes, odd codes, scales, minimums)``,
     the codes in ``DTYPE`` over the columns ``offs`` (0 past ``DV``); a value is ``code *
     scale + minimum`` (the caller folds the affine into its probabilities). ``PLANES`` (4-bit
     values): ``offs`` are the field's bytes and the tiles hold the even and the odd
-    coordinates, as :func:`tq_keys`'s."""
+    coordinates, as :func:`tq_keys`'s; ``COALESCED`` as there."""
     vstart = D if KEY_BITS == 8 else D * KEY_BITS // 8 + 2
     base = cache_ptr + off + vstart
     # (codes to DTYPE through fp32: the GPU converts so anyway, and Triton's interpreter turns
@@ -113,7 +139,11 @@ def tq_values(cache_ptr, off, ok, offs, D: tl.constexpr, DV: tl.constexpr,
         v = (raw & 15).to(tl.float32).to(DTYPE)
         v2 = (raw >> 4).to(tl.float32).to(DTYPE)
     else:
-        v = _tq_codes(base, ok, DV, offs, VALUE_BITS).to(tl.float32).to(DTYPE)
+        if COALESCED:
+            v = tl.trans(_tq_codes_t(base, ok, DV, offs, VALUE_BITS))
+        else:
+            v = _tq_codes(base, ok, DV, offs, VALUE_BITS)
+        v = v.to(tl.float32).to(DTYPE)
         v2 = v
     tail = DV * VALUE_BITS // 8
     return v, v2, _tq_fp16(base + tail, ok), _tq_fp16(base + (tail + 2), ok)
