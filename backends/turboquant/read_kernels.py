@@ -13,7 +13,10 @@ interpreter computes it right.
 With ``PLANES`` (``Tuning.triton.turboquant_planes``) 4-bit fields are read as contiguous
 bytes instead, their low and high nibbles two tiles -- the even and the odd coordinates --
 each its own tensor-core product (the query's columns and the output's split alike): no
-per-coordinate byte gather, and still no assembled tile.
+per-coordinate byte gather, and still no assembled tile. With ``COALESCED``
+(``Tuning.triton.turboquant_coalesced``) the gathers are built transposed, so a warp's lanes
+run along a slot's bytes rather than across 32 slots. Both take the centroids' norms from the
+tensor cores.
 """
 
 from __future__ import annotations
