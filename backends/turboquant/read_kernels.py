@@ -73,6 +73,17 @@ def _tq_codes_t(base, ok, n, offs, BITS: tl.constexpr):
 
 
 @triton.jit
+def _tq_nibbles(base, ok, offs, n):
+    """The low and the high nibbles (int32 ``[BLOCK_N, len(offs)]``, 0 where ``offs >= n``) of
+    the bytes ``offs`` from byte pointers ``base [BLOCK_N]`` (keys ``ok``), read contiguously:
+    a 4-bit field's even and odd codes."""
+    col_ok = offs[None, :] < n
+    raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & col_ok,
+                  other=0).to(tl.int32)
+    return raw & 15, raw >> 4
+
+
+@triton.jit
 def _tq_fp16(ptr, ok):
     """The little-endian fp16 at byte pointers ``ptr`` (rows ``ok``; 0 elsewhere), in fp32:
     two byte loads (a slot's fields are only 2-byte aligned, its cache may not be)."""
@@ -94,9 +105,9 @@ def tq_keys(cache_ptr, off, ok, codebook_ptr, offs, D: tl.constexpr, KEY_BITS: t
     no multiplication of every coordinate. ``COALESCED`` (and ``PLANES``): the codes gathered
     with a warp's lanes along a slot's bytes (:func:`_tq_codes_t`), and the centroids' norm
     left to the caller (its tensor cores: a sum over coordinates here would cross lanes).
-    ``PLANES`` (4-bit keys): ``offs`` are the fields'
-    bytes, read contiguously, and the two tiles hold the even and the odd coordinates (each a
-    byte's low and high nibble; the query is split alike); else the odd tile is the first."""
+    ``PLANES`` (4-bit keys): ``offs`` are the field's bytes, read contiguously, and the two
+    tiles hold the even and the odd coordinates (each a byte's low and high nibble; the query
+    is split alike); else the odd tile is the first."""
     base = cache_ptr + off
     if KEY_BITS == 8:
         k = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < D),
@@ -104,11 +115,10 @@ def tq_keys(cache_ptr, off, ok, codebook_ptr, offs, D: tl.constexpr, KEY_BITS: t
         return tl.trans(k), tl.trans(k), tl.where(ok, 1.0, 0.0)
     k_scale = _tq_fp16(base + (D * KEY_BITS // 8), ok)
     if PLANES:
+        low, high = _tq_nibbles(base, ok, offs, D // 2)
         col_ok = offs[None, :] < D // 2
-        raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & col_ok,
-                      other=0).to(tl.int32)
-        k = tl.trans(tl.where(col_ok, tl.load(codebook_ptr + (raw & 15)), 0.0))
-        k2 = tl.trans(tl.where(col_ok, tl.load(codebook_ptr + (raw >> 4)), 0.0))
+        k = tl.trans(tl.where(col_ok, tl.load(codebook_ptr + low), 0.0))
+        k2 = tl.trans(tl.where(col_ok, tl.load(codebook_ptr + high), 0.0))
     elif COALESCED:
         codes = _tq_codes_t(base, ok, D, offs, KEY_BITS)
         k = tl.where(offs[:, None] < D, tl.load(codebook_ptr + codes), 0.0)
@@ -137,10 +147,9 @@ def tq_values(cache_ptr, off, ok, offs, D: tl.constexpr, DV: tl.constexpr,
     # (codes to DTYPE through fp32: the GPU converts so anyway, and Triton's interpreter turns
     # an int32 straight into bf16 bits)
     if PLANES:
-        raw = tl.load(base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < DV // 2),
-                      other=0).to(tl.int32)
-        v = (raw & 15).to(tl.float32).to(DTYPE)
-        v2 = (raw >> 4).to(tl.float32).to(DTYPE)
+        low, high = _tq_nibbles(base, ok, offs, DV // 2)
+        v = low.to(tl.float32).to(DTYPE)
+        v2 = high.to(tl.float32).to(DTYPE)
     else:
         if COALESCED:
             v = tl.trans(_tq_codes_t(base, ok, DV, offs, VALUE_BITS))
