@@ -29,6 +29,7 @@ _EXPORTS = {
     "AttentionSpec": "spec", "AttentionType": "spec", "KVCacheDType": "spec",
     "LayerKind": "spec", "Feature": "spec", "yarn_mscale": "spec", "MLAAttention": "layers.mla",
     "Platform": "platforms", "PlatformKind": "platforms", "current_platform": "platforms",
+    "platform_of": "platforms",
     "Reason": "capabilities", "BackendCapabilities": "capabilities",
     "CUDAGraphSupport": "capabilities", "HeadDims": "capabilities", "MultipleOf": "capabilities",
     "Backend": "registry", "register_backend": "registry", "get_backend_class": "registry",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Platform", "PlatformKind", "current_platform", "shared_memory_per_block"]
+__all__ = ["Platform", "PlatformKind", "current_platform", "platform_of", "shared_memory_per_block"]
 
 
 class PlatformKind(enum.Enum):
@@ -98,14 +98,37 @@ def _parse_capability(detail: str, text: str) -> tuple[int, int]:
 def current_platform() -> Platform:
     """The platform of the default device, detected once."""
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        if torch.version.hip is not None:
-            arch = getattr(props, "gcnArchName", "").split(":")[0] or None
-            return Platform(PlatformKind.ROCM, props.name, None, arch)
-        return Platform(PlatformKind.CUDA, props.name, (props.major, props.minor))
+        return _gpu_platform(torch.cuda.current_device())
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
         return Platform(PlatformKind.XPU, xpu.get_device_name())
+    return _cpu_platform()
+
+
+def platform_of(device: torch.device | str) -> Platform:
+    """The platform that runs tensors on ``device``. A CPU tensor runs on the CPU's backends
+    even where a GPU is present (a model kept on the CPU of a GPU machine); a CUDA device is
+    the platform of that card, not of the default one."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _cpu_platform()
+    if device.type == "cuda":
+        return _gpu_platform(device.index if device.index is not None
+                             else torch.cuda.current_device())
+    return current_platform()
+
+
+@functools.cache
+def _gpu_platform(index: int) -> Platform:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        arch = getattr(props, "gcnArchName", "").split(":")[0] or None
+        return Platform(PlatformKind.ROCM, props.name, None, arch)
+    return Platform(PlatformKind.CUDA, props.name, (props.major, props.minor))
+
+
+@functools.cache
+def _cpu_platform() -> Platform:
     return Platform(PlatformKind.CPU, _cpu_name())
 
 

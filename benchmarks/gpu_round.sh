@@ -77,8 +77,9 @@
 #   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases and Triton tests
 #   tqsweep  TurboQuant's read test (every route; the planes, coalesced and bf16 cases), then
 #            benchmarks/profile_turboquant_decode.py under each of TQ_SWEEP's ATTN_OPS_TUNING
-#            strings ("defaults", coalesced gathers, with the nibble planes, one stage, all;
-#            space-separated), each row's output checked against REFERENCE; TQ_SWEEP_ARGS
+#            strings ("defaults", without the nibble planes, without the coalesced gathers,
+#            other key blocks and warps; space-separated), each row's output checked against
+#            REFERENCE; TQ_SWEEP_ARGS
 #            its arguments
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
@@ -238,7 +239,7 @@ for spec in "$@"; do
         tests/test_backends_matrix.py -k "TURBOQUANT and (mixed or long_context) or triton" ;;
     tqsweep) stage tqsweep_reads "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
         -p no:cacheprovider -rfE tests/test_turboquant.py -k "reads_the_slots"
-      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_coalesced=true triton.turboquant_planes=true,triton.turboquant_coalesced=true triton.turboquant_decode_tile=16/32/4/1 triton.turboquant_planes=true,triton.turboquant_coalesced=true,triton.turboquant_decode_tile=16/32/4/1}; do
+      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_planes=false triton.turboquant_planes=false,triton.turboquant_coalesced=false triton.turboquant_decode_tile=16/64/4/1 triton.turboquant_decode_tile=16/16/4/1 triton.turboquant_decode_tile=16/32/8/1}; do
         [ "$cfg" = defaults ] && cfg=""
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}

@@ -121,6 +121,23 @@ def test_greedy_generate_gives_hfs_tokens(name):
     _assert_same_greedy(theirs, ours, 6)
 
 
+def test_a_model_on_the_cpu_of_a_gpu_machine_runs_the_cpus_backends(monkeypatch):
+    """The default device is a GPU (simulated: an H100) and the model stays on the CPU: each
+    layer is selected for the device its tensors are on, so the CPU's backends serve it and
+    the logits are HF's; a GPU backend handed CPU tensors would refuse them."""
+    import attn_ops.selector
+    from attn_ops import Platform, hf
+
+    h100 = Platform.parse("cuda:9.0")
+    monkeypatch.setattr(attn_ops.selector, "current_platform", lambda: h100)
+    theirs, ours = _models("llama")
+    _assert_same_logits(theirs, ours)
+    assert "[simulated]" not in repr([layer.selection.platform for module in ours.modules()
+                                      for layer in module.__dict__.get("_attn_ops_layers",
+                                                                       {}).values()])
+    assert hf.describe(ours).count("-> CPU_ATTN") == 2
+
+
 def test_an_unpadded_batch_runs_without_a_mask_from_one_plan_a_step():
     """An unpadded batch (HF hands the function no mask): forward logits twice (the second
     over the plan the first made for those shapes) and greedy ``generate`` equal sdpa's."""

@@ -109,7 +109,7 @@ def describe(model) -> str:
             if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
                 lines.append(f"{name}: not run through attn_ops yet")
             continue
-        for spec, layer in layers.items():
+        for (spec, _), layer in layers.items():
             sel = layer.selection
             rejected = "; ".join(f"{c.name}: {c.reasons[0].message}" for c in sel.candidates
                                  if c.reasons)[:300]

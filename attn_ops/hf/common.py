@@ -34,16 +34,19 @@ def _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux):
     """The module's :class:`~attn_ops.Attention` for the call's spec (:func:`spec_of_call`;
     built once, kept on it), its sinks set to the call's ``s_aux``."""
     from attn_ops.layers.attention import Attention
+    from attn_ops.platforms import platform_of
 
     spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
-    layer = layers.get(spec)
+    # (per device too: a model kept on the CPU of a GPU machine runs the CPU's backends)
+    layer = layers.get((spec, query.device))
     if layer is None:
         try:
-            layer = Attention(spec, _CONFIG["config"]).to(query.device)
+            layer = Attention(spec, _CONFIG["config"],
+                              platform=platform_of(query.device)).to(query.device)
         except ValueError as e:  # (no backend serves it here: every reason, named)
             raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
-        layers[spec] = layer
+        layers[(spec, query.device)] = layer
     if s_aux is not None:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())

@@ -199,7 +199,7 @@ def _take_over(cache) -> list | bool:
 
 def _reads_in_place(cache, layer, sliding_window, layer_idx) -> str | None:
     """Why ``layer`` does not read HF's paged cache in place (None: it does)."""
-    from attn_ops.platforms import current_platform
+    from attn_ops.platforms import platform_of
 
     groups = getattr(cache, "layer_index_to_group_indices", None)
     # (taken over at the cache's first call, whatever its layer: the layers of every group
@@ -218,7 +218,7 @@ def _reads_in_place(cache, layer, sliding_window, layer_idx) -> str | None:
         return (f"HF's cache holds {tuple(both.shape[3:])} {both.dtype}, the layer "
                 f"{(spec.kv_heads, spec.head_dim)} {spec.cache_dtype}")
     if any(r.code == "block_size" for r in cls.not_supported_reasons(
-            spec.with_(block_size=page), current_platform())):
+            spec.with_(block_size=page), platform_of(both.device))):
         return f"{cls.name} does not take HF's page of {page} tokens"
     if sliding_window and sliding_window % page:
         return (f"a sliding-window layer whose window of {sliding_window} is not whole pages of "

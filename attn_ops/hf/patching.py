@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from attn_ops.hf.common import _LAYERS_ATTR, _requests, _scratch_step, _slots, _where
+from attn_ops.platforms import platform_of
 from attn_ops.selector import AttentionConfig
 from attn_ops.spec import AttentionSpec
 
@@ -52,10 +53,11 @@ def patch(model, config: AttentionConfig | None = None) -> int:
             qk_nope_head_dim=module.qk_nope_head_dim, qk_rope_head_dim=module.qk_rope_head_dim,
             v_head_dim=module.v_head_dim, q_lora_rank=module.q_lora_rank,
             dtype=module.kv_b_proj.weight.dtype, scale=module.scaling)
-        layer = MLAAttention(spec, config).to(module.kv_b_proj.weight.device)
+        device = module.kv_b_proj.weight.device
+        layer = MLAAttention(spec, config, platform=platform_of(device)).to(device)
         layer.load_kv_b_proj(module.kv_b_proj.weight.detach())
         module.__dict__["_attn_ops_mla"] = layer
-        module.__dict__[_LAYERS_ATTR] = {spec: layer}
+        module.__dict__[_LAYERS_ATTR] = {(spec, device): layer}
         module.forward = _mla_forward.__get__(module)
         count += 1
     return count
@@ -80,9 +82,9 @@ def _patch_gdn(module, config) -> bool:
     spec = GatedDeltaNetSpec(num_k_heads=module.num_k_heads, num_v_heads=module.num_v_heads,
                              head_k_dim=module.head_k_dim, head_v_dim=module.head_v_dim,
                              conv_kernel=module.conv_kernel_size, dtype=weight.dtype)
-    layer = StateLayer(spec, config).to(weight.device)
+    layer = StateLayer(spec, config, platform=platform_of(weight.device)).to(weight.device)
     module.__dict__["_attn_ops_gdn"] = layer
-    module.__dict__[_LAYERS_ATTR] = {spec: layer}
+    module.__dict__[_LAYERS_ATTR] = {(spec, weight.device): layer}
     module.forward = _gdn_forward.__get__(module)
     return True
 

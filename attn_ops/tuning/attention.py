@@ -65,18 +65,17 @@ class TritonTuning:
     fused_combine: bool | None = None
     # TURBOQUANT runs these kernels with its slots dequantized in registers a key block at a
     # time (codes, centroids, value codes: several [keys, head_dim] tensors live at once), so
-    # narrower key blocks than the 16-bit tiles'. On an H100 its decode is L1-bound on the
-    # reads' gathers; one stage ran 2x faster there (docs/tuning.md), not yet checked for
-    # correctness, so two stay.
-    turboquant_decode_tile: Tile = Tile(16, 32, 4, 2)
+    # narrower key blocks than the 16-bit tiles'; its decode runs one stage: pipelining turns
+    # its byte gathers into byte-wide asynchronous copies (2.5x slower on an H100).
+    turboquant_decode_tile: Tile = Tile(16, 32, 4, 1)
     turboquant_prefill_tile: Tile = Tile(128, 32, 8, 2)
     # 4-bit key and value fields read as contiguous bytes, their low and high nibbles the even
     # and the odd coordinates, a tensor-core product each (backends/turboquant/read_kernels.py),
     # in place of a byte gather a coordinate. Codes gathered with a warp's lanes along a
     # slot's bytes (one cache line a load, not 32 slots) and the centroids' norms taken from
-    # the tensor cores. Both off until a GPU run checks and times them.
-    turboquant_planes: bool = False
-    turboquant_coalesced: bool = False
+    # the tensor cores.
+    turboquant_planes: bool = True
+    turboquant_coalesced: bool = True
 
 
 @dataclass(frozen=True)
