@@ -14,6 +14,27 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             pad_token_id=0)
 
 
+@pytest.fixture(autouse=True)
+def _hfs_own_recurrence_on_the_cpu(monkeypatch):
+    """HF's Qwen3-Next calls fla's Triton kernels wherever fla is installed, whatever the
+    tensors' device, so its CPU models fail on a GPU machine: these CPU tests hold ours to
+    HF's own torch recurrence, which it runs where fla is absent."""
+    import functools
+    import importlib
+
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        hub = getattr(module, name, None)
+        if getattr(hub, "__wrapped__", None) is None:
+            continue
+
+        @functools.wraps(hub.__wrapped__)
+        def own(*args, _torch=hub.__wrapped__, **kwargs):
+            return _torch(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, own)
+
+
 def _family(name: str):
     """``(config class, config kwargs, the HF implementation it is held to)``."""
     t = transformers
