@@ -18,7 +18,13 @@ error; random weights give nearly flat logits, so bf16 rounding decides some arg
 ratio is printed only where the contender agrees.
 
     python benchmarks/bench_hf.py [--batches 1 8 64] [--ctx 2048] [--new 32] [--requests 64]
-        [--layers 8] [--quick] [--out PATH]
+        [--layers 8] [--quick] [--profile] [--out PATH]
+
+``--profile``: before the rows, each contender's host time at the first batch size (a
+``generate`` of ``new`` tokens under cProfile: the functions with the most time of their own,
+written to ``profile_hf_<name>.txt`` beside ``--out``) and, on a GPU, the host-device
+synchronizations of its decode steps (``torch.cuda.set_sync_debug_mode``: each distinct
+place that synchronizes, counted).
 """
 
 from __future__ import annotations
@@ -98,8 +104,6 @@ def _agreement_text(check: dict) -> str:
 
 
 def plain_rows(args, models, device) -> list[dict]:
-    from attn_ops import hf
-
     rows = []
     g = torch.Generator().manual_seed(1)
     for batch in args.batches:
@@ -107,18 +111,11 @@ def plain_rows(args, models, device) -> list[dict]:
                             generator=g).to(device)
         row, tokens = {"batch": batch, "ctx": args.ctx, "new": args.new}, {}
         for name, model in models.items():
-            def run(n, name=name, model=model):
-                extra = {}
-                if name == "attn_ops_cache":
-                    extra["cache" if "cache" in __import__("inspect").signature(
-                        model.forward).parameters else "past_key_values"] = hf.cache(
-                        model, batch, args.ctx + args.new)
-                with torch.no_grad():
-                    return model.generate(ids, max_new_tokens=n, do_sample=False,
-                                          pad_token_id=0, **extra)
             try:
-                full, out = _timed(lambda: run(args.new), device)
-                first, _ = _timed(lambda: run(1), device)
+                full, out = _timed(_generate_fn(model, name, ids, args.new,
+                                                args.ctx + args.new), device)
+                first, _ = _timed(_generate_fn(model, name, ids, 1, args.ctx + args.new),
+                                  device)
             except Exception as e:  # noqa: BLE001 -- recorded; the others go on
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(f"B={batch} {name}: {row[f'{name}_error']}", flush=True)
@@ -139,6 +136,73 @@ def plain_rows(args, models, device) -> list[dict]:
             f"{n} {ratio_text(row.get(f'{n}_vs_sdpa'))} ({_agreement_text(row[f'{n}_check'])})"
             for n in tokens if f"{n}_check" in row), flush=True)
     return rows
+
+
+def _generate_fn(model, name, ids, new, max_tokens):
+    from attn_ops import hf
+
+    def run():
+        extra = {}
+        if name == "attn_ops_cache":
+            extra["cache" if "cache" in __import__("inspect").signature(
+                model.forward).parameters else "past_key_values"] = hf.cache(
+                model, ids.shape[0], max_tokens)
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                  **extra)
+    return run
+
+
+def profile_hosts(args, models, device) -> dict:
+    """Each contender's host profile and device synchronizations (``--profile``)."""
+    import cProfile
+    import io
+    import pstats
+    import warnings
+
+    batch = args.batches[0]
+    ids = torch.randint(1, models["sdpa"].config.vocab_size, (batch, args.ctx),
+                        generator=torch.Generator().manual_seed(3)).to(device)
+    found = {}
+    for name, model in models.items():
+        run = _generate_fn(model, name, ids, args.new, args.ctx + args.new)
+        run()
+        _sync(device)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        run()
+        prof.disable()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        folder = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"profile_hf_{name}.txt")
+        with open(path, "w") as f:
+            f.write(text.getvalue())
+        syncs: dict[str, int] = {}
+        if device == "cuda":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    where = f"{os.path.relpath(w.filename)}:{w.lineno}"
+                    syncs[where] = syncs.get(where, 0) + 1
+        found[name] = {"profiled_s": seconds, "profile": path, "syncs": syncs}
+        top = [line for line in text.getvalue().splitlines()
+               if line.strip()[:1].isdigit() and ("{" in line or ".py:" in line)][:8]
+        print(f"profile B={batch} {name}: {seconds * 1e3:.1f} ms for {args.new} tokens under "
+              f"cProfile; {sum(syncs.values())} synchronizations"
+              + "".join(f"\n    sync x{n} at {w}" for w, n in sorted(syncs.items()))
+              + "".join(f"\n    {line}" for line in top), flush=True)
+    return found
 
 
 def batch_row(args, state, device, dtype) -> dict:
@@ -213,6 +277,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (CI)")
+    parser.add_argument("--profile", action="store_true",
+                        help="each contender's host profile and device synchronizations first")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "bench_hf_h200.json"))
     args = parser.parse_args()
@@ -231,7 +297,10 @@ def main() -> None:
         models["attn_ops_cache"] = models["attn_ops"]
     info = run_info("bench_hf")
     info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
-                else "cpu", plain=plain_rows(args, models, device))
+                else "cpu")
+    if args.profile:
+        info["profile"] = profile_hosts(args, models, device)
+    info["plain"] = plain_rows(args, models, device)
     write_json(args.out, info)
     del models, sdpa
     info["generate_batch"] = batch_row(args, state, device, dtype)

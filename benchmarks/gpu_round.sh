@@ -81,6 +81,9 @@
 #            other key blocks and warps; space-separated), each row's output checked against
 #            REFERENCE; TQ_SWEEP_ARGS
 #            its arguments
+#   tqncu    Nsight Compute over one TurboQuant decode launch (speed of light, memory, warp
+#            stalls, occupancy; TQ_NCU_ARGS: profile_turboquant_decode.py's, default 3bit_nc
+#            at B=32)
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
 #   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over COMPOSITE_SM90 and
@@ -91,8 +94,9 @@
 #            widths against the reference, 200 decode steps replayed in a CUDA graph)
 #   dsv4check compute-sanitizer memcheck over DSV4_TRITON's kernel tests and its real sizes
 #   hf       tests/test_hf_integration.py on the GPU's transformers (5.17: paged|attn_ops too)
-#            and benchmarks/bench_hf.py (generate against sdpa, generate_batch against
-#            paged|sdpa; HF_ARGS)
+#   hfbench  benchmarks/bench_hf.py (generate against sdpa, generate_batch against paged|sdpa;
+#            HF_ARGS, e.g. "--profile --batches 1 64": host profiles and synchronizations
+#            first)
 #   dsv4bench benchmarks/bench_dsv4.py (a decode step of each V4 layer kind at 128k and 1M
 #            against a dense MLA layer, FlashMLA's V4 decode and the C4A key-read floor;
 #            DSV4_ARGS)
@@ -244,6 +248,10 @@ for spec in "$@"; do
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
       done ;;
+    tqncu) stage tqncu "$limit" ncu --kernel-name regex:paged_attention --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section LaunchStats python benchmarks/profile_turboquant_decode.py \
+        --iters 1 ${TQ_NCU_ARGS:---batch 32 --presets turboquant_3bit_nc} ;;
     tqbench) stage tqbench "$limit" python benchmarks/bench_turboquant.py ${TQ_ARGS:-} \
         --out "$OUT/bench_turboquant_h200.json" ;;
     tqmodel) stage tqmodel "$limit" python benchmarks/bench_model_decode.py --ctx 8192 --no-hf \
@@ -254,9 +262,10 @@ for spec in "$@"; do
     dsv4check) stage dsv4check "$limit" compute-sanitizer --tool memcheck \
         --report-api-errors no python -m pytest -q -p no:cacheprovider \
         tests/test_deepseek_v4.py -k "triton or gpu_real_sizes" ;;
-    hf) stage hf "$limit" bash -c "python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider \
-        -rfE tests/test_hf_integration.py; python benchmarks/bench_hf.py ${HF_ARGS:-} \
-        --out $OUT/bench_hf_h200.json" ;;
+    hf) stage hf "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
+        tests/test_hf_integration.py ;;
+    hfbench) stage hfbench "$limit" python benchmarks/bench_hf.py ${HF_ARGS:-} \
+        --out "$OUT/bench_hf_h200.json" ;;
     dsv4bench) stage dsv4bench "$limit" python benchmarks/bench_dsv4.py ${DSV4_ARGS:-} \
         --out "$OUT/bench_dsv4_h200.json" ;;
     hybrid) stage hybrid "$limit" python benchmarks/bench_hybrid_decode.py \
