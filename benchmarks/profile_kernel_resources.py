@@ -12,7 +12,7 @@ shapes (not a TurboQuant slot's stride), over a grid of block configurations:
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
         lightning_state lightning_output mamba1_unrolled mamba1_segment mamba1_segment_chain
         mamba1_recurrent lightning_recurrent gdn_recurrent
-        turboquant_attention bf16_attention turboquant_write] [--arch 90] [--loop]
+        turboquant_attention bf16_attention turboquant_write] [--arch 90] [--stages N] [--loop]
         [--out PATH]
 
 ``--loop`` also counts the SASS instructions of each kernel's main loop (a thread's, an
@@ -43,7 +43,8 @@ BF16_TYPES = dict(TQ_TYPES, k_ptr="*bf16", v_ptr="*bf16")
 
 
 DECODE_TILES = (("decode", 16, 64, 8, 8), ("decode", 16, 32, 4, 8), ("decode", 16, 64, 4, 8),
-                ("decode", 16, 64, 2, 8), ("decode", 16, 32, 2, 8), ("decode", 16, 128, 4, 8))
+                ("decode", 16, 64, 2, 8), ("decode", 16, 32, 2, 8), ("decode", 16, 128, 4, 8),
+                ("decode", 16, 16, 4, 8), ("decode", 16, 16, 2, 8))
 
 
 def _turboquant_attention(presets=None, tiles=None):
@@ -57,7 +58,10 @@ def _turboquant_attention(presets=None, tiles=None):
                           "4bit_nc planes": (4, 4, True, "planes"),
                           "k8v4 planes": (8, 4, False, "planes"),
                           "4bit_nc coalesced": (4, 4, True, "coalesced"),
-                          "3bit_nc coalesced": (3, 3, True, "coalesced")}
+                          "3bit_nc coalesced": (3, 3, True, "coalesced"),
+                          "4bit_nc planes coalesced": (4, 4, True, "planes", "coalesced"),
+                          "k3v4_nc planes coalesced": (3, 4, True, "planes", "coalesced"),
+                          "k8v4 planes coalesced": (8, 4, False, "planes", "coalesced")}
     tiles = tiles or (*DECODE_TILES, ("prefill", 128, 32, 8, 1), ("prefill", 128, 64, 8, 1),
                       ("prefill", 64, 64, 4, 1))
     points = []
@@ -157,8 +161,9 @@ UNALIGNED = {"turboquant_attention": ("stride_ks", "stride_vs")}
 
 
 def build(fn, constexprs: dict, warps: int, arch: int, types: dict | None = None,
-          unaligned: tuple = ()):
-    """``fn`` compiled for ``sm_<arch>`` (Triton's ``CompiledKernel``)."""
+          unaligned: tuple = (), stages: int | None = None):
+    """``fn`` compiled for ``sm_<arch>`` (Triton's ``CompiledKernel``; ``stages``: its
+    ``num_stages``, Triton's default where None)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -183,7 +188,9 @@ def build(fn, constexprs: dict, warps: int, arch: int, types: dict | None = None
              and (n.endswith("_ptr") or n.startswith("stride"))}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    options = {"num_warps": warps} if stages is None else {"num_warps": warps,
+                                                           "num_stages": stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def _cuobjdump(kernel, flag: str) -> str:
@@ -263,6 +270,9 @@ def main() -> None:
                         help="also count the SASS instructions of each kernel's main loop")
     parser.add_argument("--layouts", action="store_true",
                         help="also record each build's dynamic shared memory and load layouts")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="num_stages of every build (default: Triton's; TurboQuant's "
+                             "decode runs 1)")
     parser.add_argument("--only", default="",
                         help="only the configurations whose label contains this text")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
@@ -284,7 +294,7 @@ def main() -> None:
                                 "lightning_output": SPLIT_TYPES,
                                 "mamba1_segment": SEGMENT_TYPES,
                                 "mamba1_segment_chain": SEGMENT_TYPES}.get(name),
-                               UNALIGNED.get(name, ()))
+                               UNALIGNED.get(name, ()), args.stages)
                 row = resources(kernel)
                 if args.layouts:
                     row.update(load_layouts(kernel))
