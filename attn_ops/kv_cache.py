@@ -576,6 +576,15 @@ class BlockAllocator:
         owned, bs = self._blocks[request_id], self.block_size
         return [owned[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def slot_array(self, request_id: object, start: int, end: int) -> np.ndarray:
+        """:meth:`slots` as an int64 array, computed without a Python loop over the tokens
+        (a whole request's history a step: thousands of tokens)."""
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        owned = np.asarray(self._blocks[request_id][first:last], dtype=np.int64)
+        pages = (owned[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)
+        return pages[start - first * bs:end - first * bs]
+
 
 def gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, end: int,
                   start: int = 0) -> torch.Tensor:

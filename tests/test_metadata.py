@@ -31,6 +31,25 @@ def test_positions_and_slots_match_a_per_token_computation():
     assert meta.seq_lens.tolist() == seq_lens
 
 
+def test_the_allocators_slot_array_is_its_per_token_slots():
+    """``slot_array`` (vectorized) gives ``slots``' per-token answer over shuffled pages, for
+    ranges starting and ending inside pages, at a page edge, and empty."""
+    from attn_ops.kv_cache import BlockAllocator
+
+    rng = random.Random(1)
+    alloc = BlockAllocator(40, 8)
+    for rid in range(3):
+        alloc.reserve(rid, rng.randint(1, 60))
+    # (free and re-reserve: the later requests' pages out of order)
+    alloc.free(1)
+    alloc.reserve(3, 45)
+    for rid in (0, 2, 3):
+        n = len(alloc.blocks(rid)) * 8
+        for start, end in ((0, n), (3, n - 2), (8, 16), (5, 5), (n - 1, n), (0, 1)):
+            got = alloc.slot_array(rid, start, end)
+            assert got.dtype.name == "int64" and got.tolist() == alloc.slots(rid, start, end)
+
+
 def test_allocator_rows_and_the_dense_path_build_the_list_paths_metadata():
     """The allocator's numpy rows follow reserve/free/reuse; metadata built from them equals
     metadata built from the block lists."""

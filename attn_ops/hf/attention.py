@@ -66,7 +66,7 @@ class _CallPlan(_StepPlan):
         for j in order:
             r = live[j]
             s0, q0, e = rows[r]
-            slots[r * skv + s0:r * skv + e] = torch.tensor(alloc.slots(j, 0, totals[j]))
+            slots[r * skv + s0:r * skv + e] = torch.from_numpy(alloc.slot_array(j, 0, totals[j]))
             queries.append(torch.arange(r * sq + q0 + sq - skv, r * sq + e + sq - skv))
         self.key_slots = slots.to(device)
         queries = torch.cat(queries)

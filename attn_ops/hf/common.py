@@ -4,6 +4,7 @@ metadata (:func:`_scratch_step`, :class:`_StepPlan`, :func:`_built`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attn_ops.selector import AttentionConfig
@@ -116,8 +117,10 @@ def _scratch_step(page: int, totals: list[int], lens: list[int], device):
 
 def _slots(alloc, order, counts: list[int], device) -> torch.Tensor:
     """The slots of request ``i``'s first ``counts[i]`` tokens, requests in ``order``."""
-    return torch.tensor([s for i in order for s in alloc.slots(i, 0, counts[i])],
-                        dtype=torch.long, device=device)
+    if not order:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.from_numpy(np.concatenate([alloc.slot_array(i, 0, counts[i])
+                                            for i in order])).to(device)
 
 
 def _rows_of(x: torch.Tensor) -> torch.Tensor:
