@@ -246,7 +246,7 @@ for spec in "$@"; do
       for cfg in ${TQ_SWEEP:-defaults triton.turboquant_planes=false triton.turboquant_planes=false,triton.turboquant_coalesced=false triton.turboquant_decode_tile=16/64/4/1 triton.turboquant_decode_tile=16/16/4/1 triton.turboquant_decode_tile=16/32/8/1}; do
         [ "$cfg" = defaults ] && cfg=""
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
-          --tuning "$cfg" ${TQ_SWEEP_ARGS:---presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
+          --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
       done ;;
     tqncu) stage tqncu "$limit" ncu --kernel-name regex:paged_attention --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \

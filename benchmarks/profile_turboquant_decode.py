@@ -1,13 +1,13 @@
 """TurboQuant decode launches alone, to time or profile (Nsight Compute) without the rest of
 ``bench_turboquant.py``: Llama-3-8B's heads (32 query / 8 KV heads of 128, bf16), ``--batch``
-requests of ``--ctx`` tokens each, their caches written by the Triton write (no prefill
-attention); per preset, ``--iters`` eager calls of TRITON_ATTN's kernels over the slots and
+requests (each size given) of ``--ctx`` tokens each, their caches written by the Triton write
+(no prefill attention); per preset and batch, ``--iters`` eager calls of TRITON_ATTN's kernels over the slots and
 their median device time (CUDA events) with the slot bytes' TB/s, the output first checked
 against REFERENCE over the cache read back in fp32 (its row says "agree" or "MISMATCH"), so
 that a tuning variant's time comes with its correctness.
 
     python benchmarks/profile_turboquant_decode.py [--presets turboquant_4bit_nc ...]
-        [--batch 8] [--ctx 8192] [--iters 20] [--tuning "triton.turboquant_decode_tile=..."]
+        [--batch 8 32] [--ctx 8192] [--iters 20] [--tuning "triton.turboquant_decode_tile=..."]
         [--dtype float16]
     ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \\
         python benchmarks/profile_turboquant_decode.py --iters 1
@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["turboquant_4bit_nc",
                                                          "turboquant_k8v4"])
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, nargs="+", default=[8])
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tuning", default=None, help="ATTN_OPS_TUNING for the run")
@@ -52,9 +52,9 @@ def main() -> None:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
-    b, ctx = args.batch, args.ctx
+    ctx = args.ctx
     g = torch.Generator(device=dev).manual_seed(0)
-    for preset in args.presets:
+    for preset, b in ((p, b) for p in args.presets for b in args.batch):
         spec = AttentionSpec(num_heads=HQ, num_kv_heads=HK, head_dim=D, dtype=dtype,
                              kv_cache_dtype=preset)
         impl = TurboQuantBackend(spec)
