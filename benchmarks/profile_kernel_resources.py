@@ -44,7 +44,7 @@ BF16_TYPES = dict(TQ_TYPES, k_ptr="*bf16", v_ptr="*bf16")
 
 DECODE_TILES = (("decode", 16, 64, 8, 8), ("decode", 16, 32, 4, 8), ("decode", 16, 64, 4, 8),
                 ("decode", 16, 64, 2, 8), ("decode", 16, 32, 2, 8), ("decode", 16, 128, 4, 8),
-                ("decode", 16, 16, 4, 8), ("decode", 16, 16, 2, 8))
+                ("decode", 16, 16, 4, 8), ("decode", 16, 16, 2, 8), ("decode", 16, 32, 8, 8))
 
 
 def _turboquant_attention(presets=None, tiles=None):
