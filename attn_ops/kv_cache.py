@@ -198,16 +198,26 @@ def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
         return kv_cache_update_triton(key, value, k_cache, v_cache, slot_mapping, k_scale,
                                       v_scale)
     clear_entered_page_tails(slot_mapping, k_cache, v_cache)
-    valid = (slot_mapping >= 0) & (slot_mapping < k_cache.shape[0] * block_size)
-    rows = valid.nonzero().squeeze(1)  # (the host's own tensors: no device to sync with)
-    slots = slot_mapping.long().index_select(0, rows)
-    blocks, offsets = slots // block_size, slots % block_size
+    rows, blocks, offsets = _written_rows(slot_mapping, k_cache.shape[0], block_size)
     for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        new = new.index_select(0, rows)
+        if rows is not None:
+            new = new.index_select(0, rows)
         if cache.dtype in FP8_MAX:
             new = quantize_fp8(new, scale, cache.dtype)
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)  # (no fp8 index_put)
-        cache[blocks, offsets] = new
+        cache.index_put_((blocks, offsets), new)
+
+
+def _written_rows(slot_mapping: torch.Tensor, num_blocks: int, block_size: int):
+    """``(rows, blocks, offsets)`` of a host write: the tokens whose slots are inside the
+    cache (None: all of them) and their pages and rows, read through numpy -- a decode's few
+    tokens cost a few small array operations, not a dozen tensor ones."""
+    slots = slot_mapping.numpy().astype(np.int64, copy=False)
+    valid = (slots >= 0) & (slots < num_blocks * block_size)
+    rows = None
+    if not valid.all():
+        rows, slots = torch.from_numpy(np.flatnonzero(valid)), slots[valid]
+    return rows, torch.from_numpy(slots // block_size), torch.from_numpy(slots % block_size)
 
 
 def clear_entered_page_tails(slot_mapping: torch.Tensor, *caches: torch.Tensor) -> None:
