@@ -138,6 +138,16 @@ cuda:9.0 diff-v: FLASH_ATTN_DIFFKV, COMPOSITE_SM90, FLASHINFER, FLASH_ATTN, TRIT
         with self.assertRaisesRegex(ValueError, "platform 'tpu' is not understood"):
             Platform.parse("tpu")
 
+    def test_the_platform_of_a_device_is_where_its_tensors_run(self):
+        from attn_ops import PlatformKind, platform_of
+
+        for device in ("cpu", torch.device("cpu"), torch.zeros(1).device):
+            self.assertIs(platform_of(device).kind, PlatformKind.CPU)
+            self.assertFalse(platform_of(device).simulated)
+        if torch.cuda.is_available():
+            self.assertEqual(platform_of("cuda:0").capability,
+                             torch.cuda.get_device_capability(0))
+
 
 def test_override_precedence(monkeypatch):
     assert select_backend(SPEC, CPU).forced_by is None
