@@ -109,8 +109,8 @@ def describe(model) -> str:
             if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
                 lines.append(f"{name}: not run through attn_ops yet")
             continue
-        for (spec, _), layer in layers.items():
-            sel = layer.selection
+        for layer in layers.values():
+            spec, sel = layer.spec, layer.selection
             rejected = "; ".join(f"{c.name}: {c.reasons[0].message}" for c in sel.candidates
                                  if c.reasons)[:300]
             paged = module.__dict__.get("_attn_ops_paged")

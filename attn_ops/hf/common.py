@@ -32,29 +32,25 @@ def spec_of_call(module, query, key, value, scaling, sliding_window, softcap,
 
 
 def _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux):
-    """The module's :class:`~attn_ops.Attention` for the call's spec (:func:`spec_of_call`;
-    built once, kept on it), its sinks set to the call's ``s_aux``."""
+    """The module's :class:`~attn_ops.Attention` for the call's spec (:func:`spec_of_call`),
+    built once for the call's shapes, options and device and kept on it (a spec validated
+    once, not at every call; a model kept on the CPU of a GPU machine runs the CPU's
+    backends), its sinks set to the call's ``s_aux``."""
     from attn_ops.layers.attention import Attention
     from attn_ops.platforms import platform_of
 
-    # (the call's shapes and options first: a spec is validated once, not at every call)
-    shape = (query.shape[1], query.shape[3], key.shape[1], value.shape[3], query.dtype,
-             query.device, scaling, sliding_window, softcap, s_aux is None)
-    by_shape = module.__dict__.setdefault("_attn_ops_by_shape", {})
-    layer = by_shape.get(shape)
+    call = (query.shape[1], query.shape[3], key.shape[1], value.shape[3], query.dtype,
+            query.device, scaling, sliding_window, softcap, s_aux is None)
+    layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
+    layer = layers.get(call)
     if layer is None:
         spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
-        layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
-        # (per device too: a model kept on the CPU of a GPU machine runs the CPU's backends)
-        layer = layers.get((spec, query.device))
-        if layer is None:
-            try:
-                layer = Attention(spec, _CONFIG["config"],
-                                  platform=platform_of(query.device)).to(query.device)
-            except ValueError as e:  # (no backend serves it here: every reason, named)
-                raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
-            layers[(spec, query.device)] = layer
-        by_shape[shape] = layer
+        try:
+            layer = Attention(spec, _CONFIG["config"],
+                              platform=platform_of(query.device)).to(query.device)
+        except ValueError as e:  # (no backend serves it here: every reason, named)
+            raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
+        layers[call] = layer
     if s_aux is not None:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())

@@ -57,7 +57,7 @@ def patch(model, config: AttentionConfig | None = None) -> int:
         layer = MLAAttention(spec, config, platform=platform_of(device)).to(device)
         layer.load_kv_b_proj(module.kv_b_proj.weight.detach())
         module.__dict__["_attn_ops_mla"] = layer
-        module.__dict__[_LAYERS_ATTR] = {(spec, device): layer}
+        module.__dict__[_LAYERS_ATTR] = {spec: layer}
         module.forward = _mla_forward.__get__(module)
         count += 1
     return count
@@ -84,7 +84,7 @@ def _patch_gdn(module, config) -> bool:
                              conv_kernel=module.conv_kernel_size, dtype=weight.dtype)
     layer = StateLayer(spec, config, platform=platform_of(weight.device)).to(weight.device)
     module.__dict__["_attn_ops_gdn"] = layer
-    module.__dict__[_LAYERS_ATTR] = {(spec, weight.device): layer}
+    module.__dict__[_LAYERS_ATTR] = {spec: layer}
     module.forward = _gdn_forward.__get__(module)
     return True
 
