@@ -583,15 +583,17 @@ class BlockAllocator:
 
     def slots(self, request_id: object, start: int, end: int) -> list[int]:
         """Cache slots of token positions ``start..end-1`` of a request."""
-        owned, bs = self._blocks[request_id], self.block_size
-        return [owned[p // bs] * bs + p % bs for p in range(start, end)]
+        return self.slot_array(request_id, start, end).tolist()
 
     def slot_array(self, request_id: object, start: int, end: int) -> np.ndarray:
         """:meth:`slots` as an int64 array, computed without a Python loop over the tokens
         (a whole request's history a step: thousands of tokens)."""
-        bs = self.block_size
+        blocks, bs = self._blocks[request_id], self.block_size
+        if end > len(blocks) * bs:
+            raise IndexError(f"request {request_id!r} holds {len(blocks) * bs} slots "
+                             f"({len(blocks)} blocks of {bs}); position {end - 1} is past them")
         first, last = start // bs, -(-end // bs)
-        owned = np.asarray(self._blocks[request_id][first:last], dtype=np.int64)
+        owned = np.asarray(blocks[first:last], dtype=np.int64)
         pages = (owned[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)
         return pages[start - first * bs:end - first * bs]
 

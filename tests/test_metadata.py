@@ -3,6 +3,7 @@
 import dataclasses
 import random
 
+import pytest
 import torch
 
 from attn_ops.metadata import build_common_metadata
@@ -32,8 +33,9 @@ def test_positions_and_slots_match_a_per_token_computation():
 
 
 def test_the_allocators_slot_array_is_its_per_token_slots():
-    """``slot_array`` (vectorized) gives ``slots``' per-token answer over shuffled pages, for
-    ranges starting and ending inside pages, at a page edge, and empty."""
+    """``slot_array`` (vectorized) and ``slots`` give the per-token answer (page of the
+    position, row in it) over shuffled pages, for ranges starting and ending inside pages, at
+    a page edge, and empty; a position past the request's pages is refused."""
     from attn_ops.kv_cache import BlockAllocator
 
     rng = random.Random(1)
@@ -46,8 +48,12 @@ def test_the_allocators_slot_array_is_its_per_token_slots():
     for rid in (0, 2, 3):
         n = len(alloc.blocks(rid)) * 8
         for start, end in ((0, n), (3, n - 2), (8, 16), (5, 5), (n - 1, n), (0, 1)):
+            want = [alloc.blocks(rid)[p // 8] * 8 + p % 8 for p in range(start, end)]
             got = alloc.slot_array(rid, start, end)
-            assert got.dtype.name == "int64" and got.tolist() == alloc.slots(rid, start, end)
+            assert got.dtype.name == "int64" and got.tolist() == want
+            assert alloc.slots(rid, start, end) == want
+        with pytest.raises(IndexError, match="is past them"):
+            alloc.slot_array(rid, 0, n + 1)
 
 
 def test_allocator_rows_and_the_dense_path_build_the_list_paths_metadata():
