@@ -74,17 +74,22 @@ def _timed(fn, device, repeats: int = 2):
     return best, out
 
 
-def agreement(ref, model, prompts, ref_new, new) -> dict:
-    """``model``'s greedy tokens ``new`` [B, n] against ``ref``'s ``ref_new`` after ``prompts``
-    [B, ctx]: the two models' logits teacher-forced over ``ref``'s sequence differ by at most
-    ``logit_err``; the requests whose tokens equal ``ref``'s, and the largest margin ``ref``
-    gave its token over ``model``'s where a request first parts from it. ``agrees``: each
-    parting is a near-tie (margin <= 2 x logit_err) and logit_err is within bf16's reach."""
+def teacher_forced(model, prompts, ref_new) -> torch.Tensor:
+    """``model``'s logits (fp32, CPU) at the ``n`` positions that chose ``ref_new`` [B, n],
+    the reference's greedy tokens after ``prompts`` [B, ctx], fed that sequence."""
     n = ref_new.shape[1]
     seq = torch.cat([prompts, ref_new.to(prompts.device)], 1)[:, :-1]
     with torch.no_grad():
-        want = ref(seq, logits_to_keep=n).logits.float().cpu()
-        got = model(seq, logits_to_keep=n).logits.float().cpu()
+        return model(seq, logits_to_keep=n).logits.float().cpu()
+
+
+def agreement(want, got, ref_new, new) -> dict:
+    """A model's greedy tokens ``new`` [B, n] against the reference's ``ref_new``, from both
+    models' :func:`teacher_forced` logits over the reference's sequence (``want``, ``got``):
+    they differ by at most ``logit_err``; the requests whose tokens equal the reference's, and
+    the largest margin the reference gave its token over the model's where a request first
+    parts from it. ``agrees``: each parting is a near-tie (margin <= 2 x logit_err) and
+    logit_err is within bf16's reach."""
     err = (got - want).abs().max().item()
     parted = new != ref_new
     margin = 0.0
@@ -123,11 +128,19 @@ def plain_rows(args, models, device) -> list[dict]:
             tokens[name] = out[:, args.ctx:].cpu()
             row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
             row[f"{name}_s"] = full
+        forced = {}  # (once a model: attn_ops over HF's cache and over hf.cache is one)
+
+        def logits_of(model):
+            if id(model) not in forced:
+                forced[id(model)] = teacher_forced(model, ids, tokens["sdpa"])
+            return forced[id(model)]
+
         for name in tokens:
             if name == "sdpa" or "sdpa" not in tokens:
                 continue
-            check = row[f"{name}_check"] = agreement(models["sdpa"], models[name], ids,
-                                                     tokens["sdpa"], tokens[name])
+            check = row[f"{name}_check"] = agreement(
+                logits_of(models["sdpa"]), logits_of(models[name]), tokens["sdpa"],
+                tokens[name])
             row[f"{name}_vs_sdpa"] = (row[f"{name}_decode_tok_s"] / row["sdpa_decode_tok_s"]
                                       if check["agrees"] else None)
         rows.append(row)
@@ -251,8 +264,9 @@ def batch_row(args, state, device, dtype) -> dict:
                 line.split("paged|attn_ops: ")[1] for line in hf.describe(model).splitlines()
                 if "paged|attn_ops: " in line})
     if len(tokens) == 2:
+        prompt_ids = torch.tensor(prompts, device=device)
         check = row["attn_ops_check"] = agreement(
-            models["sdpa"], models["attn_ops"], torch.tensor(prompts, device=device),
+            *(teacher_forced(models[n], prompt_ids, tokens["sdpa"]) for n in ("sdpa", "attn_ops")),
             tokens["sdpa"], tokens["attn_ops"])
         for what in ("tok_s", "decode_tok_s"):
             row[f"attn_ops_vs_sdpa_{what}"] = (row[f"attn_ops_{what}"] / row[f"sdpa_{what}"]
