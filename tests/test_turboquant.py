@@ -324,7 +324,8 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     ("fused_splits", "d64_bf16"),
     ("one_split", "d64_planes"), ("splits", "d64_fp16_planes"),
     ("fused_splits", "d64_fp16_unaligned_planes"), ("one_split", "d16_coalesced"),
-    ("splits", "d64_fp16_coalesced"), ("fused_splits", "d64_unaligned_coalesced")])
+    ("splits", "d64_fp16_coalesced"), ("fused_splits", "d64_unaligned_coalesced"),
+    ("splits", "d64_fp16_planes_coalesced")])
 @pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
 def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, case):
     """TRITON_ATTN's kernels reading the TurboQuant format (the rotated query, codes unpacked
@@ -334,8 +335,8 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     (combined in a second launch, or by the last split), LSE too; head dim 16 in padded tiles,
     64 in fp16 and bf16 (tensor-core products of the decoded tiles on GPUs) and from a cache 2
     bytes into its buffer; ``planes`` / ``coalesced``: 4-bit fields read as nibble planes,
-    codes gathered along a slot's bytes (``Tuning.triton.turboquant_*``); fp32 products are
-    exact."""
+    codes gathered along a slot's bytes (``Tuning.triton.turboquant_*``; both: the defaults);
+    fp32 products are exact."""
     from attn_ops.backends.triton_attn import PLAN
     from attn_ops.backends.turboquant.backend import TurboQuantBackend
     from attn_ops.backends.turboquant.ops import triton_turboquant_attention
