@@ -14,8 +14,9 @@ same keys and values in the same run, and the cache write against the copy bandw
   (``kv_cache_update``); bytes = the K/V read (bf16) + the slots written, against a copy of the
   same bytes.
 
-Cross-checks before timing: each preset's output against the bf16 backend run on the keys and
-values its cache reads back as (the format's dequantization, the same attention): they must
+Cross-checks before timing: each preset's output (and fp8's) against the bf16 backend run on
+the keys and values its cache reads back as (the format's dequantization, the same attention;
+fp8: its codes times their scales): they must
 agree to bf16 rounding (``TOLERANCE``), else its row prints "mismatch" and gets no ratio. The
 fp8 and preset outputs' SQNR against the bf16 output of the unquantized cache is reported (the
 format's error, not a check).
@@ -68,6 +69,7 @@ def _timings(fns, rounds):
 def decode_point(batch: int, ctx: int, rounds: int) -> dict:
     from attn_ops import BlockAllocator, build_batch, build_step_metadata
     from attn_ops.backends.turboquant.ops import turboquant_dense_cache
+    from attn_ops.kv_cache import split_kv_cache
     from attn_ops.testing import sqnr_db
 
     g = torch.Generator(device=DEVICE).manual_seed(batch * 7 + ctx)
@@ -114,11 +116,17 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
     fns["copy"] = lambda: dst.copy_(src)
     bytes_["copy"] = 2 * src.numel() * src.element_size()
     checks, sqnr = {}, {}
-    for name in [*tq, "fp8_e4m3"]:
+    for name in [*tq, "fp8_e4m3"]:  # the bf16 backend over the keys and values the cache
+        # reads back as
         sqnr[name] = sqnr_db(outs[name].float(), outs["bf16"].float())
-    for name in tq:  # the bf16 backend over the keys and values the preset's slots read as
         layer, cache, step = layers[name]
-        dense = turboquant_dense_cache(cache, names[name], D, BF16)
+        if name == "fp8_e4m3":
+            dense = torch.empty(cache.shape, dtype=BF16, device=DEVICE)
+            for part, stored, s in zip(split_kv_cache(dense, D, D), split_kv_cache(cache, D, D),
+                                       (layer.k_scale, layer.v_scale)):
+                part.copy_(stored.float() * s)
+        else:
+            dense = turboquant_dense_cache(cache, names[name], D, BF16)
         ref = torch.empty_like(q)
         ref_impl = _layer("auto", layer.block_size).impl
         ref_impl.forward(q, dense.contiguous(), step, ref)
