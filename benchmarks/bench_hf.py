@@ -18,11 +18,12 @@ error; random weights give nearly flat logits, so bf16 rounding decides some arg
 ratio is printed only where the contender agrees.
 
     python benchmarks/bench_hf.py [--batches 1 8 64] [--ctx 2048] [--new 32] [--requests 64]
-        [--layers 8] [--quick] [--profile] [--out PATH]
+        [--layers 8] [--quick] [--profile [B ...]] [--out PATH]
 
-``--profile``: before the rows, each contender's host time at the first batch size (a
-``generate`` of ``new`` tokens under cProfile: the functions with the most time of their own,
-written to ``profile_hf_<name>.txt`` beside ``--out``) and, on a GPU, the host-device
+``--profile [B ...]``: before the rows, each contender's host time at batch sizes ``B`` (none
+given: the first of ``--batches``; a ``generate`` of ``new`` tokens under cProfile: the
+functions with the most time of their own, written to ``profile_hf_<name>_b<B>.txt`` beside
+``--out``) and, on a GPU, the host-device
 synchronizations of its decode steps (``torch.cuda.set_sync_debug_mode``: each distinct
 place that synchronizes, counted).
 """
@@ -167,13 +168,20 @@ def _generate_fn(model, name, ids, new, max_tokens):
 
 
 def profile_hosts(args, models, device) -> dict:
-    """Each contender's host profile and device synchronizations (``--profile``)."""
+    """Each contender's host profile and device synchronizations (``--profile``), by batch
+    size."""
+    found = {}
+    for batch in args.profile or args.batches[:1]:
+        found[batch] = _profile_batch(args, models, device, batch)
+    return found
+
+
+def _profile_batch(args, models, device, batch: int) -> dict:
     import cProfile
     import io
     import pstats
     import warnings
 
-    batch = args.batches[0]
     ids = torch.randint(1, models["sdpa"].config.vocab_size, (batch, args.ctx),
                         generator=torch.Generator().manual_seed(3)).to(device)
     found = {}
@@ -192,7 +200,7 @@ def profile_hosts(args, models, device) -> dict:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
         folder = os.path.dirname(os.path.abspath(args.out))
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"profile_hf_{name}.txt")
+        path = os.path.join(folder, f"profile_hf_{name}_b{batch}.txt")
         with open(path, "w") as f:
             f.write(text.getvalue())
         syncs: dict[str, int] = {}
@@ -291,8 +299,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (CI)")
-    parser.add_argument("--profile", action="store_true",
-                        help="each contender's host profile and device synchronizations first")
+    parser.add_argument("--profile", type=int, nargs="*", default=None, metavar="B",
+                        help="each contender's host profile and device synchronizations first, "
+                        "at batch sizes B (none given: the first of --batches)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "bench_hf_h200.json"))
     args = parser.parse_args()
@@ -312,7 +321,7 @@ def main() -> None:
     info = run_info("bench_hf")
     info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
                 else "cpu")
-    if args.profile:
+    if args.profile is not None:
         info["profile"] = profile_hosts(args, models, device)
     info["plain"] = plain_rows(args, models, device)
     write_json(args.out, info)
