@@ -142,6 +142,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return counters
 
 
+def turboquant_read_constants(key_bits: int, value_bits: int, norm_correction: bool,
+                              planes: bool, coalesced: bool) -> dict:
+    """The attention kernel's constants for a TurboQuant cache: nibble planes are a layout of
+    4-bit fields only (a 3-bit or fp8 field is gathered whatever ``planes`` says)."""
+    return dict(KV_FORMAT=1, KEY_BITS=key_bits, VALUE_BITS=value_bits,
+                NORM_CORRECTION=norm_correction, KEY_PLANES=planes and key_bits == 4,
+                VALUE_PLANES=planes and value_bits == 4, TQ_COALESCED=coalesced)
+
+
 def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks, alibi,
             k_scale, v_scale, tree, scale, window, soft_cap, causal, num_reqs, num_tokens, splits,
             prefill, tile, fused, heads_fastest=False, first_row=0, turboquant=None,
@@ -169,11 +178,9 @@ def _launch(query, k_cache, v_cache, out, lse, qsl, seq_lens, block_table, sinks
         preset, codebook = turboquant
         page, hk = k_cache.shape[2], k_cache.shape[1]
         k_strides = v_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
-        tq = dict(codebook_ptr=codebook, inv_sqrt_d=d ** -0.5, KV_FORMAT=1,
-                  KEY_BITS=preset.key_bits, VALUE_BITS=preset.value_bits,
-                  NORM_CORRECTION=preset.norm_correction,
-                  KEY_PLANES=planes and preset.key_bits == 4,
-                  VALUE_PLANES=planes and preset.value_bits == 4, TQ_COALESCED=coalesced)
+        tq = dict(codebook_ptr=codebook, inv_sqrt_d=d ** -0.5,
+                  **turboquant_read_constants(preset.key_bits, preset.value_bits,
+                                              preset.norm_correction, planes, coalesced))
     group = hq // hk
     group_p = pow2(group)
     d_p, dv_p = triton_head_tiles(d, dv, k_cache.dtype.itemsize)

@@ -52,6 +52,7 @@ def _turboquant_attention(presets=None, tiles=None):
     split decode tiles and unsplit prefill tiles, each preset (``bf16``: a bf16 cache, the
     bound's reference)."""
     from attn_ops.backends import triton_attn_kernels as ak
+    from attn_ops.backends.triton_attn import turboquant_read_constants
 
     presets = presets or {"4bit_nc": (4, 4, True), "k3v4_nc": (3, 4, True),
                           "3bit_nc": (3, 3, True), "k8v4": (8, 4, False),
@@ -73,9 +74,10 @@ def _turboquant_attention(presets=None, tiles=None):
                       USE_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, FP8=False,
                       WRITE_LSE=True, NUM_SPLITS=splits, PRECISION="tf32", HAS_TREE=False,
                       FUSED_COMBINE=splits > 1, HEADS_FASTEST=False, ONE_ROW=kind == "decode",
-                      KV_FORMAT=int(kb != 16), KEY_BITS=kb, VALUE_BITS=vb, NORM_CORRECTION=nc,
-                      KEY_PLANES=planes and kb == 4, VALUE_PLANES=planes and vb == 4,
-                      TQ_COALESCED=coalesced)
+                      **(turboquant_read_constants(kb, vb, nc, planes, coalesced) if kb != 16
+                         else dict(KV_FORMAT=0, KEY_BITS=kb, VALUE_BITS=vb,
+                                   NORM_CORRECTION=nc, KEY_PLANES=False,
+                                   VALUE_PLANES=False, TQ_COALESCED=False)))
         points.append((f"{name} {kind} {rows} x {keys}", consts, warps))
     return ak.paged_attention_kernel, points
 
