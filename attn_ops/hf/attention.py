@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attn_ops.hf.owned_cache import _take_handover
-from attn_ops.hf.common import (_StepPlan, _built, _layer, _requests, _rows_of, _scratch_step,
-                                 _where)
+from attn_ops.hf.common import (_StepPlan, _built, _layer, _ranges, _requests, _rows_of,
+                                 _scratch_step, _where)
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       sliding_window=None, softcap=None, s_aux=None, is_causal=None,
                       **kwargs):
@@ -59,17 +62,16 @@ class _CallPlan(_StepPlan):
     def __init__(self, rows, b: int, sq: int, skv: int, page: int, device) -> None:
         live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
         totals = [rows[r][2] - rows[r][0] for r in live]
-        order, alloc, self.blocks, self.metadata = _scratch_step(
+        order, pages, self.blocks, self.metadata = _scratch_step(
             page, totals, [rows[r][2] - rows[r][1] for r in live], device)
+        took = [live[j] for j in order]
+        s0, q0, e = (np.array([rows[r][i] for r in took], dtype=np.int64) for i in range(3))
+        base = np.array(took, dtype=np.int64)
         slots = torch.full((b * skv,), -1, dtype=torch.long)
-        queries = []
-        for j in order:
-            r = live[j]
-            s0, q0, e = rows[r]
-            slots[r * skv + s0:r * skv + e] = torch.from_numpy(alloc.slot_array(j, 0, totals[j]))
-            queries.append(torch.arange(r * sq + q0 + sq - skv, r * sq + e + sq - skv))
+        slots[torch.from_numpy(_ranges(base * skv + s0, e - s0))] = torch.from_numpy(
+            pages.slots(order, e - s0))
         self.key_slots = slots.to(device)
-        queries = torch.cat(queries)
+        queries = torch.from_numpy(_ranges(base * sq + q0 + sq - skv, e - q0))
         self.query_rows = None if torch.equal(queries, torch.arange(b * sq)) else \
             queries.to(device)
 

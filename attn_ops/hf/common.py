@@ -68,27 +68,33 @@ def _requests(mask, b: int, sq: int, skv: int, module) -> list[tuple[int, int, i
             f"[batch={b}, keys={skv}] padding mask attn_ops serves (a custom 4-D mask, say); "
             "load the model with attn_implementation='sdpa' or 'eager' for it, or express it "
             "as an attn_ops FLEX_ATTENTION mask_mod")
-    keep = mask.bool().cpu()
-    out = []
-    for row in range(b):
-        run = _run(keep[row])  # (no key: (skv, skv), every query row padding)
-        if run is None:
-            raise ValueError(
-                f"attn_ops ({_where(module)}): attention_mask row {row} keeps keys that are "
-                "not one run (holes inside it); attn_ops serves left or right padding -- use "
-                "attn_implementation='sdpa' or 'eager' for this mask")
-        out.append((run[0], max(run[0], skv - sq), run[1]))
-    return out
+    lo, hi, bad = _runs(mask)
+    if bad is not None:
+        raise ValueError(
+            f"attn_ops ({_where(module)}): attention_mask row {bad} keeps keys that are "
+            "not one run (holes inside it); attn_ops serves left or right padding -- use "
+            "attn_implementation='sdpa' or 'eager' for this mask")
+    return [(s0, max(s0, skv - sq), e) for s0, e in zip(lo.tolist(), hi.tolist())]
 
 
-def _run(keep: torch.Tensor) -> tuple[int, int] | None:
-    """The run ``[lo, hi)`` of a mask row's kept positions (``(n, n)`` where none is kept);
-    None where they are not one run."""
-    idx = keep.nonzero().flatten()
-    if not len(idx):
-        return keep.shape[0], keep.shape[0]
-    lo, hi = int(idx[0]), int(idx[-1]) + 1
-    return (lo, hi) if hi - lo == len(idx) else None
+def _runs(mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """``(lo, hi, bad)``: the run ``[lo[r], hi[r])`` of each mask row's kept positions
+    (``(n, n)`` where none is kept), read on the host in one copy and a few array operations;
+    ``bad``: the first row whose kept positions are not one run (None: every row's are)."""
+    keep = mask.bool().cpu().numpy()
+    n = keep.shape[1]
+    count = keep.sum(1)
+    lo = np.where(count > 0, keep.argmax(1), n)
+    hi = np.where(count > 0, n - keep[:, ::-1].argmax(1), n)
+    holes = np.flatnonzero(hi - lo != count)
+    return lo, hi, (int(holes[0]) if len(holes) else None)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``arange(starts[i], starts[i] + counts[i])`` for each ``i``, concatenated."""
+    total = int(counts.sum())
+    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    return offsets + np.arange(total)
 
 
 def _decodes_first(ids, lens) -> list:
@@ -96,27 +102,42 @@ def _decodes_first(ids, lens) -> list:
     return sorted(ids, key=lambda i: lens[i] > 1)
 
 
+class _ScratchPages:
+    """A step's scratch pages, laid request after request in the step's order: request ``i``'s
+    tokens fill blocks ``first[i], first[i] + 1, ...`` (slots computed, not allocated: a step
+    of 64 requests of 2k tokens would otherwise hand out 8k blocks one by one)."""
+
+    def __init__(self, page: int, totals: list[int], order: list[int]) -> None:
+        self.page = page
+        pages = np.array([-(-totals[i] // page) for i in order], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(pages)[:-1])).astype(np.int64)
+        self.first = dict(zip(order, starts.tolist()))
+        self.blocks = int(pages.sum())
+        self.tables = starts[:, None] + np.arange(max(int(pages.max(initial=0)), 1))
+
+    def slots(self, ids, counts) -> np.ndarray:
+        """The slots of request ``ids[j]``'s first ``counts[j]`` tokens, concatenated."""
+        return _ranges(np.array([self.first[i] * self.page for i in ids], dtype=np.int64),
+                       np.asarray(counts, dtype=np.int64))
+
+
 def _scratch_step(page: int, totals: list[int], lens: list[int], device):
     """A step over requests given whole (request ``i``: ``totals[i]`` tokens, its last
-    ``lens[i]`` new): ``(order, allocator, blocks, metadata)`` over pages holding exactly
-    theirs."""
-    from attn_ops.kv_cache import BlockAllocator
-    from attn_ops.metadata import build_batch
+    ``lens[i]`` new): ``(order, pages, blocks, metadata)`` over pages holding exactly theirs
+    (:class:`_ScratchPages`)."""
+    from attn_ops.metadata import build_common_metadata
 
     order = _decodes_first(range(len(totals)), lens)
-    blocks = sum(-(-n // page) for n in totals)
-    alloc = BlockAllocator(blocks, page)
-    meta = build_batch(alloc, order, [totals[i] - lens[i] for i in order],
-                       [lens[i] for i in order], device=device)
-    return order, alloc, blocks, meta
+    pages = _ScratchPages(page, totals, order)
+    meta = build_common_metadata([lens[i] for i in order], [totals[i] for i in order],
+                                 np.minimum(pages.tables, max(pages.blocks - 1, 0)), page,
+                                 max(pages.blocks, 1), device=device)
+    return order, pages, pages.blocks, meta
 
 
-def _slots(alloc, order, counts: list[int], device) -> torch.Tensor:
+def _slots(pages: _ScratchPages, order, counts: list[int], device) -> torch.Tensor:
     """The slots of request ``i``'s first ``counts[i]`` tokens, requests in ``order``."""
-    if not order:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    return torch.from_numpy(np.concatenate([alloc.slot_array(i, 0, counts[i])
-                                            for i in order])).to(device)
+    return torch.from_numpy(pages.slots(order, [counts[i] for i in order])).to(device)
 
 
 def _rows_of(x: torch.Tensor) -> torch.Tensor:

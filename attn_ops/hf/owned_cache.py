@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from attn_ops.hf.common import _built, _decodes_first, _rows_of, _run, _where
+import numpy as np
+
+from attn_ops.hf.common import _built, _decodes_first, _ranges, _rows_of, _runs, _where
 # (id(key tensor) -> (its weakref, the AttnOpsCache layer that returned it from update))
 _HANDED: dict[int, tuple] = {}
 
@@ -68,11 +70,11 @@ class _Steps:
             if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < sq:
                 raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
                                  f"{tuple(mask.shape)} is not the 2-D padding mask")
-            keep = mask[:, -sq:].bool().cpu()
-            new = [_run(keep[r]) for r in range(b)]
-            if None in new:
+            lo, hi, bad = _runs(mask[:, -sq:])
+            if bad is not None:
                 raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
-                                 f"{new.index(None)}'s new tokens are not one run")
+                                 f"{bad}'s new tokens are not one run")
+            new = list(zip(lo.tolist(), hi.tolist()))
         count = [hi - lo for lo, hi in new]
         order = _decodes_first([r for r in range(b) if count[r]], count)
         ctx = [state["written"][r] for r in order]
@@ -81,8 +83,9 @@ class _Steps:
             raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
                              f"max_tokens={self.max_tokens}; make it with more")
         meta = build_batch(state["alloc"], order, ctx, lens, device=device) if order else None
-        rows = torch.tensor([r * sq + j for r in order for j in range(*new[r])],
-                            dtype=torch.long)  # (HF's [B * Sq] rows, in order; None: all)
+        rows = torch.from_numpy(_ranges(  # (HF's [B * Sq] rows, in order; None: all)
+            np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
+            np.array(lens, dtype=np.int64)))
         rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
                                     rows=rows, blocks=state["blocks"], built={})
