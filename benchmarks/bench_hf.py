@@ -1,6 +1,6 @@
 """HF transformers with attn_ops against its own implementations, in one run: plain
-``generate`` (``"attn_ops"`` over HF's cache and over :func:`attn_ops.hf.cache`, against
-``"sdpa"``) at several batch sizes, and continuous batching (``generate_batch`` with
+``generate`` (``"attn_ops"`` over the cache ``generate`` makes for it -- attn_ops pages -- and
+over HF's ``DynamicCache`` asked for by name, against ``"sdpa"``) at several batch sizes, and continuous batching (``generate_batch`` with
 ``"paged|attn_ops"`` against ``"paged|sdpa"``) where the installed transformers accepts a
 third-party paged name.
 
@@ -118,9 +118,8 @@ def plain_rows(args, models, device) -> list[dict]:
         row, tokens = {"batch": batch, "ctx": args.ctx, "new": args.new}, {}
         for name, model in models.items():
             try:
-                full, out = _timed(_generate_fn(model, name, ids, args.new,
-                                                args.ctx + args.new), device)
-                first, _ = _timed(_generate_fn(model, name, ids, 1, args.ctx + args.new),
+                full, out = _timed(_generate_fn(model, name, ids, args.new), device)
+                first, _ = _timed(_generate_fn(model, name, ids, 1),
                                   device)
             except Exception as e:  # noqa: BLE001 -- recorded; the others go on
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -129,7 +128,7 @@ def plain_rows(args, models, device) -> list[dict]:
             tokens[name] = out[:, args.ctx:].cpu()
             row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
             row[f"{name}_s"] = full
-        forced = {}  # (once a model: attn_ops over HF's cache and over hf.cache is one)
+        forced = {}  # (once a model: attn_ops over its pages and over HF's cache is one)
 
         def logits_of(model):
             if id(model) not in forced:
@@ -152,15 +151,9 @@ def plain_rows(args, models, device) -> list[dict]:
     return rows
 
 
-def _generate_fn(model, name, ids, new, max_tokens):
-    from attn_ops import hf
-
+def _generate_fn(model, name, ids, new):
     def run():
-        extra = {}
-        if name == "attn_ops_cache":
-            extra["cache" if "cache" in __import__("inspect").signature(
-                model.forward).parameters else "past_key_values"] = hf.cache(
-                model, ids.shape[0], max_tokens)
+        extra = {"cache_implementation": "dynamic"} if name == "attn_ops_dynamic" else {}
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
                                   **extra)
@@ -186,7 +179,7 @@ def _profile_batch(args, models, device, batch: int) -> dict:
                         generator=torch.Generator().manual_seed(3)).to(device)
     found = {}
     for name, model in models.items():
-        run = _generate_fn(model, name, ids, args.new, args.ctx + args.new)
+        run = _generate_fn(model, name, ids, args.new)
         run()
         _sync(device)
         prof = cProfile.Profile()
@@ -316,8 +309,8 @@ def main() -> None:
     state = sdpa.state_dict()
     models = {"sdpa": sdpa, "attn_ops": _model("attn_ops", args.layers, args.quick, device,
                                                dtype, state)}
-    if hf.cache_supported(models["attn_ops"]) is None:
-        models["attn_ops_cache"] = models["attn_ops"]
+    if hf.cache_supported(models["attn_ops"]) is None:  # (else "attn_ops" is over HF's cache)
+        models["attn_ops_dynamic"] = models["attn_ops"]
     info = run_info("bench_hf")
     info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
                 else "cpu")

@@ -117,6 +117,13 @@ def _assert_same_greedy(theirs, ours, new: int, **ours_kwargs):
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    return got
+
+
+def _returned_cache(out):
+    """The cache a ``generate`` returned (``cache`` in transformers 5.2x, ``past_key_values``
+    before)."""
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -133,13 +140,41 @@ def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
     assert text.count("-> ") == attention_layers and "not run" not in text
 
 
+@pytest.mark.parametrize("cache", ["default", "dynamic"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_generate_gives_hfs_tokens(name):
-    """Greedy ``generate`` of 6 tokens over the left-padded batch (HF's DynamicCache, decode
-    steps of one token each): the same tokens as HF's implementation, each step's logits
-    within fp32 tolerance."""
+def test_greedy_generate_gives_hfs_tokens(name, cache):
+    """Greedy ``generate`` of 6 tokens over the left-padded batch (decode steps of one token
+    each): the same tokens as HF's implementation, each step's logits within fp32 tolerance --
+    over the cache ``generate`` makes by default (attn_ops pages where every layer is
+    attention; HF's for a hybrid model) and over HF's ``DynamicCache`` asked for by name."""
+    from attn_ops import hf
+
     theirs, ours = _models(name)
-    _assert_same_greedy(theirs, ours, 6)
+    kwargs = {} if cache == "default" else {"cache_implementation": "dynamic"}
+    got = _assert_same_greedy(theirs, ours, 6, **kwargs)
+    owned = getattr(_returned_cache(got), "attn_ops_owned", False)
+    assert owned == (cache == "default" and hf.cache_supported(ours) is None)
+
+
+def test_generate_keeps_hfs_cache_where_attn_ops_pages_cannot_follow():
+    """Beam search reorders and ``register(generate_cache=False)`` opts out: ``generate`` then
+    makes HF's own cache, and the tokens are still HF's implementation's."""
+    from attn_ops import hf
+
+    theirs, ours = _models("llama")
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=2,
+                  return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        want, got = theirs.generate(ids, **kwargs), ours.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert not getattr(_returned_cache(got), "attn_ops_owned", False)
+    try:
+        hf.register(generate_cache=False)
+        got = _assert_same_greedy(theirs, ours, 3)
+        assert not getattr(_returned_cache(got), "attn_ops_owned", False)
+    finally:
+        hf.register()
 
 
 def test_a_model_on_the_cpu_of_a_gpu_machine_runs_the_cpus_backends(monkeypatch):

@@ -21,8 +21,10 @@ layer through our selector and ops:
 Where the K/V live:
 
 * with :func:`cache` (``generate(..., cache=attn_ops.hf.cache(model, batch, max_tokens))``;
-  ``past_key_values=`` before transformers 5.2x), in attn_ops' own paged caches for the
-  cache's lifetime: its ``update`` returns the new tokens only, and the attention call that
+  ``past_key_values=`` before transformers 5.2x) -- and so by default in a ``generate`` of a
+  model whose layers are all attention, greedy or sampled, where the caller passes no cache
+  (``register(generate_cache=False)`` or ``cache_implementation="dynamic"``: HF's) -- in
+  attn_ops' own paged caches for the cache's lifetime: its ``update`` returns the new tokens only, and the attention call that
   receives that very key tensor knows them for new (a model that changes the keys in between
   is refused at its next step), writes each row's unpadded new tokens after that row's history
   -- pads never enter a page -- and attends over the pages; nothing is copied again, and the
@@ -45,7 +47,8 @@ from dataclasses import dataclass
 
 from attn_ops.hf.attention import attention_forward
 from attn_ops.hf.common import _CONFIG, _LAYERS_ATTR, spec_of_call
-from attn_ops.hf.owned_cache import cache, cache_supported
+from attn_ops.hf.owned_cache import (_GENERATE_CACHE, _install_generate_cache, cache,
+                                     cache_supported)
 from attn_ops.hf.paged import paged_attention_forward
 from attn_ops.hf.patching import patch
 from attn_ops.selector import AttentionConfig
@@ -80,15 +83,22 @@ def _paged_note(version: str) -> str:
     return ""
 
 
-def register(config: AttentionConfig | None = None) -> Registration:
+def register(config: AttentionConfig | None = None, *,
+             generate_cache: bool = True) -> Registration:
     """Register ``"attn_ops"`` in transformers' attention and mask interfaces (again: the
     same entries). ``config``: the :class:`~attn_ops.AttentionConfig` every layer is built with
-    (a forced backend, tuning); layers already built keep theirs."""
+    (a forced backend, tuning); layers already built keep theirs. ``generate_cache``:
+    ``generate`` of a model running ``"attn_ops"`` keeps its K/V in attn_ops pages where the
+    caller passes no cache (:func:`~attn_ops.hf.owned_cache.generate_cache_for`); False: HF's
+    own cache, as ``cache_implementation="dynamic"`` asks for one call."""
     import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     _CONFIG["config"] = config
+    _GENERATE_CACHE["on"] = generate_cache
+    if generate_cache:
+        _install_generate_cache()
     AttentionInterface.register(ATTN_NAME, attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
     note = _paged_note(transformers.__version__)

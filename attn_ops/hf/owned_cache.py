@@ -183,12 +183,16 @@ def _layer_class():
 
 def cache_supported(model) -> str | None:
     """Why :func:`cache` cannot serve ``model`` (None: it can): it holds attention layers
-    only."""
+    only, called through the attention interface (not MLA modules :func:`~attn_ops.hf.patch`
+    runs over HF's latent caches)."""
     kinds = set(getattr(model.config, "layer_types", None) or ())
     if kinds - {"full_attention", "sliding_attention"}:
         return (f"its layers include {sorted(kinds - {'full_attention', 'sliding_attention'})}"
                 ": attn_ops.hf.cache holds attention layers only (use HF's cache for a hybrid "
                 "model)")
+    if any("_attn_ops_mla" in m.__dict__ for m in model.modules()):
+        return ("its MLA modules are patched (attn_ops.hf.patch), and they read HF's latent "
+                "caches (use HF's cache)")
     return None
 
 
@@ -219,3 +223,62 @@ def _owned_cache(num_layers: int, batch: int, max_tokens: int):
             super().__init__(layers=[layer_cls(self.steps, i) for i in range(num_layers)])
 
     return AttnOpsCache()
+
+
+# (whether generate() of a model running "attn_ops" makes an attn_ops cache by default:
+# register(generate_cache=...))
+_GENERATE_CACHE = {"on": False}
+_SERVED_MODES = ("greedy_search", "sample")
+
+
+def generate_cache_for(model, generation_config, model_kwargs, generation_mode,
+                       batch_size: int, max_cache_length: int):
+    """The :func:`cache` that ``generate`` of ``model`` makes where the caller passed none
+    (None: HF makes its own): a model running ``"attn_ops"`` whose layers are all attention
+    (:func:`cache_supported`), generating greedily or by sampling, one sequence a cache row,
+    with no ``cache_implementation`` asked for (``"dynamic"`` keeps HF's ``DynamicCache``) --
+    not beam search, assisted decoding or an assistant model, which crop and reorder rows."""
+    text = model.config.get_text_config(decoder=True)
+    if not _GENERATE_CACHE["on"] or getattr(text, "_attn_implementation", None) != "attn_ops":
+        return None
+    if any(model_kwargs.get(n) is not None for n in ("cache", "past_key_values")):
+        return None
+    mode = getattr(generation_mode, "value", generation_mode)
+    if (mode not in _SERVED_MODES or generation_config.use_cache is False
+            or generation_config.cache_implementation is not None
+            or getattr(generation_config, "is_assistant", False)
+            or model.config.is_encoder_decoder or not model._supports_default_dynamic_cache()
+            or cache_supported(model) is not None):
+        return None
+    rows = batch_size * max(generation_config.num_beams or 1,
+                            generation_config.num_return_sequences or 1)
+    return _owned_cache(text.num_hidden_layers, rows, max_cache_length)
+
+
+def _install_generate_cache() -> None:
+    """Let ``generate`` make :func:`generate_cache_for`'s cache (once: the hook reads
+    ``_GENERATE_CACHE`` at every call, so turning it off needs no unpatching)."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin._prepare_cache_for_generation
+    if getattr(original, "_attn_ops", False):
+        return
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
+                                      batch_size, max_cache_length):
+        owned = generate_cache_for(self, generation_config, model_kwargs, generation_mode,
+                                   batch_size, max_cache_length)
+        if owned is None:
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size,
+                            max_cache_length)
+        # (transformers 5.2x names it cache=; earlier ones past_key_values=)
+        name = "cache" if "cache" in inspect.signature(self.forward).parameters \
+            else "past_key_values"
+        model_kwargs[name] = owned
+
+    _prepare_cache_for_generation._attn_ops = True
+    _prepare_cache_for_generation.__doc__ = original.__doc__
+    GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+
