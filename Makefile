@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.attn_ops-installed
 
-.PHONY: demo test wheel-check install clean
+.PHONY: demo test test-hf-paged wheel-check install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,22 @@ demo: $(STAMP)
 
 test: $(STAMP)  # two workers: the suite is compile-bound, one core each
 	$(PY) -m pytest -q -p no:cacheprovider -n 2
+	$(MAKE) --no-print-directory test-hf-paged
+
+# The HF tests again over transformers 5.17, the last release that accepts a third-party
+# continuous-batching name, so "paged|attn_ops" runs here too, not only on the GPU machine.
+# Installed beside $(VENV), not into it (its newer transformers stays); psutil is what HF's
+# continuous batching sizes its cache by on a CPU.
+HF_PAGED := $(VENV)/transformers-5.17
+$(HF_PAGED)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(HF_PAGED) "transformers==5.17.0" \
+		"huggingface-hub==1.5.0" "httpx==0.29.0" "httpcore==1.0.9" "certifi==2026.10.19.post1" \
+		"psutil==7.2.2"
+	touch $@
+
+test-hf-paged: $(HF_PAGED)/.installed
+	PYTHONPATH=$(HF_PAGED) ATTN_OPS_EXPECT_PAGED=1 $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_hf_integration.py
 
 # The package as a user installs it: build the wheel, install it into a fresh virtualenv and run
 # both demos and the console script from there, in a temporary folder so that the checkout is not

@@ -303,10 +303,17 @@ def test_attn_ops_cache_refuses_a_model_that_changes_the_keys_it_returned():
 
 
 def _paged_served() -> str | None:
-    """Why this transformers cannot run ``"paged|attn_ops"`` (None: it can)."""
+    """Why this transformers cannot run ``"paged|attn_ops"`` (None: it can). Under
+    ``ATTN_OPS_EXPECT_PAGED=1`` (``make test-hf-paged``, over a transformers that must serve
+    it) a reason is an error, not a skip."""
+    import os
+
     from attn_ops import hf
 
-    return hf.register().paged_note or None
+    note = hf.register().paged_note or None
+    if note and os.environ.get("ATTN_OPS_EXPECT_PAGED") == "1":
+        raise RuntimeError(f"ATTN_OPS_EXPECT_PAGED=1, but {note}")
+    return note
 
 
 def _per_layer_paged_cache() -> bool:
