@@ -90,8 +90,10 @@ WRITE_TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr
 # table
 SPLIT_TYPES = {"h_ptr": "*bf16", "coff_ptr": "*i32", "start_ptr": "*i32", "end_ptr": "*i32"}
 # Mamba1's segments: fp32 states and time-step sums, the chunk table
+# (the unrolled walks read B / C converted to fp32 once a launch)
+UNROLLED_TYPES = {"b_ptr": "*fp32", "c_ptr": "*fp32"}
 SEGMENT_TYPES = {"hs_ptr": "*fp32", "sum_ptr": "*fp32", "coff_ptr": "*i32", "start_ptr": "*i32",
-                 "end_ptr": "*i32"}
+                 "end_ptr": "*i32", **UNROLLED_TYPES}
 
 
 def _turboquant_write():
@@ -294,6 +296,7 @@ def main() -> None:
                                 "bf16_attention": BF16_TYPES,
                                 "lightning_state": SPLIT_TYPES,
                                 "lightning_output": SPLIT_TYPES,
+                                "mamba1_unrolled": UNROLLED_TYPES,
                                 "mamba1_segment": SEGMENT_TYPES,
                                 "mamba1_segment_chain": SEGMENT_TYPES}.get(name),
                                UNALIGNED.get(name, ()), args.stages)

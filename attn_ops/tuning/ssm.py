@@ -62,10 +62,10 @@ class SSMTuning:
     # h_n C_n a chain of FMAs in the thread, where the kernels above spread d_state over lanes
     # (shuffles) and repeat each channel's time step and gate on every lane of it. Channels a
     # program (two a thread at 256 on 4 warps: each B / C value read once for both), warps,
-    # and the one-token-ahead reads (which keep B / C packed across the loop: more
-    # instructions). Not timed yet; sm_90 builds (d_state 16, bf16): 12.2 instructions a
-    # (token, channel, state) element at 256 / 4 / no prefetch (128 registers), 14.3 at 128 /
-    # 4, 17.5 with prefetch; the chunked kernel about 25.
+    # and the one-token-ahead reads. B / C are converted to fp32 once a launch. Not timed
+    # yet; sm_90 builds (d_state 16, bf16 inputs): 10.3 instructions a (token, channel,
+    # state) element at 256 / 4 / no prefetch (128 registers), 12.3 at 128 / 4, 14.6 at 256 /
+    # 4 with prefetch (250 registers); the chunked kernel about 25.
     mamba1_unrolled: bool = False
     mamba1_unrolled_block_d: int = 256
     mamba1_unrolled_warps: int = 4
@@ -74,8 +74,8 @@ class SSMTuning:
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
     # side by side (one request of 8k has 20 programs of 256 channels otherwise), for 1.7
-    # times the instructions (sm_90 SASS: 8.4 an element for the states, 12.5 for the
-    # outputs). Not timed yet.
+    # times the instructions (sm_90 SASS at 256 channels: 7.4 an element for the states,
+    # 10.5 for the outputs). Not timed yet.
     mamba1_unrolled_segment: int = 0
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed

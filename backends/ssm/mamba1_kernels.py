@@ -263,6 +263,14 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                        d_ok)
 
 
+def _float_rows(u: torch.Tensor) -> torch.Tensor:
+    """``B`` / ``C`` ``[tokens, d_state]`` in fp32 for the unrolled walks: every channel's
+    thread reads each of a token's ``d_state`` values, so converting them once (a tiny pass,
+    ``d_state`` values a token) takes two instructions an element out of the loop (sm_90, bf16
+    inputs: 229 -> 197 a thread a token at 128 channels on 4 warps)."""
+    return u if u.dtype == torch.float32 else u.float()
+
+
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                            state_indices, has_initial_state, dt_softplus, block_d: int = 256,
                            num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
@@ -272,6 +280,7 @@ def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc
     if _num_writes(state_indices):
         raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
+    B, C = _float_rows(B), _float_rows(C)
     return mamba1_launch(mamba1_unrolled_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=0, PREFETCH=prefetch)
@@ -361,6 +370,7 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
         raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
     x, dt, A, B, C, D, z, dt_bias = mamba1_operands(x, dt, A, B, C, D, z, dt_bias)
+    B, C = _float_rows(B), _float_rows(C)
     t, d = x.shape
     n = A.shape[1]
     b = query_start_loc.shape[0] - 1
