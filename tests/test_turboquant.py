@@ -42,6 +42,15 @@ def test_codebooks_are_vllms(d):
         assert np.allclose(c, [-x for x in reversed(c)], atol=1e-7)
 
 
+def test_codebooks_and_rotation_are_made_once_a_device():
+    """A write or read asks for them every call: made again, each would copy from the host
+    (a device sync, and a failure under CUDA-graph capture)."""
+    for bits in (3, 4):
+        first = tq.codebook(128, bits, "cpu")
+        assert all(a is b for a, b in zip(first, tq.codebook(128, bits, torch.device("cpu"))))
+    assert tq.hadamard(64, "cpu") is tq.hadamard(64)
+
+
 def test_hadamard_is_sylvesters_orthonormal_and_its_own_inverse():
     h = tq.hadamard(8)
     assert torch.equal(h, h.T)

@@ -122,12 +122,32 @@ def _hadamard_cpu(head_dim: int) -> torch.Tensor:
 
 def hadamard(head_dim: int, device=None) -> torch.Tensor:
     """``[head_dim, head_dim]`` fp32: Sylvester's Hadamard matrix over ``sqrt(head_dim)``
-    (symmetric and orthonormal: its own inverse)."""
-    return _hadamard_cpu(head_dim).to(device)
+    (symmetric and orthonormal: its own inverse); one tensor a device, read-only."""
+    return _hadamard_on(head_dim, _device(device))
 
 
 def codebook(head_dim: int, bits: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(centroids [2^bits], midpoints [2^bits - 1])`` in fp32."""
+    """``(centroids [2^bits], midpoints [2^bits - 1])`` in fp32; one pair a device,
+    read-only: a write builds none, so it copies nothing from the host -- a copy at every call
+    would wait for the device and cannot be captured in a CUDA graph."""
+    return _codebook_on(head_dim, bits, _device(device))
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@functools.cache
+def _hadamard_on(head_dim: int, device: torch.device) -> torch.Tensor:
+    return _hadamard_cpu(head_dim).to(device)
+
+
+@functools.cache
+def _codebook_on(head_dim: int, bits: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     c = torch.tensor(lloyd_max_centroids(head_dim, bits), dtype=torch.float32, device=device)
     return c, (c[:-1] + c[1:]) / 2
 
