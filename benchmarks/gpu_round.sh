@@ -83,7 +83,8 @@
 #            its arguments
 #   tqncu    Nsight Compute over one TurboQuant decode launch (speed of light, memory, warp
 #            stalls, occupancy; TQ_NCU_ARGS: profile_turboquant_decode.py's, default 3bit_nc
-#            at B=32)
+#            at B=32); TQ_NCU_KERNEL=cache_write_kernel profiles the cache write instead (the
+#            script fills its caches with it)
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
 #   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over COMPOSITE_SM90 and
@@ -248,7 +249,8 @@ for spec in "$@"; do
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
       done ;;
-    tqncu) stage tqncu "$limit" ncu --kernel-name regex:paged_attention --launch-count 1 \
+    tqncu) stage tqncu "$limit" ncu --kernel-name "regex:${TQ_NCU_KERNEL:-paged_attention}" \
+        --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section Occupancy --section LaunchStats python benchmarks/profile_turboquant_decode.py \
         --iters 1 ${TQ_NCU_ARGS:---batch 32 --presets turboquant_3bit_nc} ;;
