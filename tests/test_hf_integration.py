@@ -285,6 +285,25 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
     assert len(owned.steps.by_page) == 1
 
 
+def test_attn_ops_cache_holds_the_pages_its_rows_reach():
+    """A cache made for far more tokens than a generation uses holds pages for what its rows
+    reached (its capacity doubling as they grow, the pages copied over), not ``batch x
+    max_tokens`` up front -- and the tokens are still HF's."""
+    from attn_ops import hf
+
+    theirs, ours = _models("llama")
+    owned = hf.cache(ours, batch=3, max_tokens=100_000)
+    import inspect
+
+    name_of = "cache" if "cache" in inspect.signature(ours.forward).parameters \
+        else "past_key_values"
+    _assert_same_greedy(theirs, ours, 20, **{name_of: owned})
+    page = next(iter(owned.steps.by_page))
+    reached = sum(-(-n // page) for n in owned.steps.tokens(page))
+    held = {layer.kv.shape[0] for layer in owned.layers}
+    assert len(held) == 1 and reached <= held.pop() <= 2 * reached
+
+
 def test_attn_ops_cache_refuses_a_model_that_changes_the_keys_it_returned():
     """The attention call reads the history from the pages only when it receives the very key
     tensor the cache's ``update`` returned; keys changed in between leave the layer's pages

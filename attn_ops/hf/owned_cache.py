@@ -41,9 +41,10 @@ def _cache_classes():
 class _Steps:
     """What every layer of an :func:`cache` shares, by page size: one page allocator (a row's
     pages hold its tokens in every layer, each layer in its own tensor), each row's count of
-    unpadded tokens, and the step's plan -- the rows' new-token runs, the decode-first order
-    and the metadata -- built by the first layer of a step and reused by the others (the mask
-    read on the host once a step, not once a layer)."""
+    unpadded tokens, the blocks the layers' pages hold (``capacity``: doubling as the rows'
+    pages outgrow it, :func:`_grown`), and the step's plan -- the rows' new-token runs, the
+    decode-first order and the metadata -- built by the first layer of a step and reused by the
+    others (the mask read on the host once a step, not once a layer)."""
 
     def __init__(self, batch: int, max_tokens: int) -> None:
         self.batch, self.max_tokens = batch, max_tokens
@@ -51,13 +52,13 @@ class _Steps:
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
         from attn_ops.kv_cache import BlockAllocator
-        from attn_ops.metadata import build_batch
+        from attn_ops.metadata import build_common_metadata
 
         state = self.by_page.get(page)
         if state is None:
             blocks = self.batch * -(-self.max_tokens // page)
             state = self.by_page[page] = dict(blocks=blocks, alloc=BlockAllocator(blocks, page),
-                                              written=[0] * self.batch, plan=None)
+                                              written=[0] * self.batch, plan=None, capacity=0)
         plan = state["plan"]
         if plan is not None and plan["step"] == step:
             return plan
@@ -82,13 +83,22 @@ class _Steps:
         if order and max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
             raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
                              f"max_tokens={self.max_tokens}; make it with more")
-        meta = build_batch(state["alloc"], order, ctx, lens, device=device) if order else None
+        alloc, seq = state["alloc"], [c + n for c, n in zip(ctx, lens)]
+        for r, n in zip(order, seq):
+            alloc.reserve(r, n)
+        # (blocks go out in ascending order and none comes back: the pages the layers hold
+        # are the ones handed out, the capacity doubling as they grow -- see _grown)
+        need = alloc.num_blocks - alloc.num_free_blocks
+        if need > state["capacity"]:
+            state["capacity"] = min(state["blocks"], max(need, 2 * state["capacity"]))
+        meta = build_common_metadata(lens, seq, alloc.block_table(order), page,
+                                     state["capacity"], device=device) if order else None
         rows = torch.from_numpy(_ranges(  # (HF's [B * Sq] rows, in order; None: all)
             np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
             np.array(lens, dtype=np.int64)))
         rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
-                                    rows=rows, blocks=state["blocks"], built={})
+                                    rows=rows, capacity=state["capacity"], built={})
         return plan
 
     def tokens(self, page: int) -> list[int]:
@@ -99,6 +109,18 @@ class _Steps:
             for r, n in zip(state["plan"]["order"], state["plan"]["lens"]):
                 out[r] += n
         return out
+
+
+def _grown(layer, kv, capacity: int, device):
+    """A layer's pages (the selected backend's layout) at the step's ``capacity`` blocks, the
+    held ones copied over. The capacity doubles as the rows' pages outgrow it (at most the
+    cache's ``max_tokens`` for every row): a cache made for a long ``max_tokens`` holds the
+    pages its rows have reached, as HF's dynamic cache does, and copies them a logarithmic
+    number of times a generation."""
+    grown = layer.allocate_kv_cache(capacity, device)
+    if kv is not None:
+        grown[:kv.shape[0]].copy_(kv)
+    return grown
 
 
 def _layer_class():
@@ -164,8 +186,8 @@ def _layer_class():
             self.pending = False
             plan = self.steps.plan(self.length, layer.block_size, mask, sq, module,
                                    query.device)
-            if self.kv is None:  # (the selected backend's layout)
-                self.kv = layer.allocate_kv_cache(plan["blocks"], query.device)
+            if self.kv is None or self.kv.shape[0] != plan["capacity"]:
+                self.kv = _grown(layer, self.kv, plan["capacity"], query.device)
             rows = plan["rows"]
             if rows is None:  # (every row's every token, in order: a decode step, say)
                 got = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv,
