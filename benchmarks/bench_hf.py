@@ -1,8 +1,8 @@
 """HF transformers with attn_ops against its own implementations, in one run: plain
 ``generate`` (``"attn_ops"`` over the cache ``generate`` makes for it -- attn_ops pages -- and
-over HF's ``DynamicCache`` asked for by name, against ``"sdpa"``) at several batch sizes, and continuous batching (``generate_batch`` with
-``"paged|attn_ops"`` against ``"paged|sdpa"``) where the installed transformers accepts a
-third-party paged name.
+over HF's ``DynamicCache`` asked for by name, against ``"sdpa"``) at several batch sizes,
+and continuous batching (``generate_batch`` with ``"paged|attn_ops"`` against
+``"paged|sdpa"``) where the installed transformers accepts a third-party paged name.
 
 Model: an 8-layer Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 / 8 heads of 128,
 MLP 14336, vocab 32000), bf16, random weights. Plain ``generate``: ``batch`` prompts of ``ctx``
@@ -23,9 +23,8 @@ ratio is printed only where the contender agrees.
 ``--profile [B ...]``: before the rows, each contender's host time at batch sizes ``B`` (none
 given: the first of ``--batches``; a ``generate`` of ``new`` tokens under cProfile: the
 functions with the most time of their own, written to ``profile_hf_<name>_b<B>.txt`` beside
-``--out``) and, on a GPU, the host-device
-synchronizations of its decode steps (``torch.cuda.set_sync_debug_mode``: each distinct
-place that synchronizes, counted).
+``--out``) and, on a GPU, the host-device synchronizations of its decode steps
+(``torch.cuda.set_sync_debug_mode``: each distinct place that synchronizes, counted).
 """
 
 from __future__ import annotations
@@ -119,8 +118,7 @@ def plain_rows(args, models, device) -> list[dict]:
         for name, model in models.items():
             try:
                 full, out = _timed(_generate_fn(model, name, ids, args.new), device)
-                first, _ = _timed(_generate_fn(model, name, ids, 1),
-                                  device)
+                first, _ = _timed(_generate_fn(model, name, ids, 1), device)
             except Exception as e:  # noqa: BLE001 -- recorded; the others go on
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(f"B={batch} {name}: {row[f'{name}_error']}", flush=True)

@@ -123,7 +123,17 @@ def _assert_same_greedy(theirs, ours, new: int, **ours_kwargs):
 def _returned_cache(out):
     """The cache a ``generate`` returned (``cache`` in transformers 5.2x, ``past_key_values``
     before)."""
-    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    got = getattr(out, "cache", None)
+    return got if got is not None else getattr(out, "past_key_values", None)
+
+
+def _with_cache(model, cache) -> dict:
+    """``generate``'s keyword for a cache: ``cache=`` in transformers 5.2x, ``past_key_values=``
+    before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters
+            else "past_key_values": cache}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -271,12 +281,7 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
             hf.cache(ours, batch=3, max_tokens=32)
         pytest.skip(hf.cache_supported(ours))
     owned = hf.cache(ours, batch=3, max_tokens=32)
-    import inspect
-
-    # (transformers 5.2x names it cache=; earlier ones past_key_values=)
-    name_of = "cache" if "cache" in inspect.signature(ours.forward).parameters \
-        else "past_key_values"
-    _assert_same_greedy(theirs, ours, 6, **{name_of: owned})
+    _assert_same_greedy(theirs, ours, 6, **_with_cache(ours, owned))
     _, mask = _batch()
     # (the last generated token is not fed back: prompt + 5 steps written; every layer's the
     # same pages, one plan a step)
@@ -293,11 +298,7 @@ def test_attn_ops_cache_holds_the_pages_its_rows_reach():
 
     theirs, ours = _models("llama")
     owned = hf.cache(ours, batch=3, max_tokens=100_000)
-    import inspect
-
-    name_of = "cache" if "cache" in inspect.signature(ours.forward).parameters \
-        else "past_key_values"
-    _assert_same_greedy(theirs, ours, 20, **{name_of: owned})
+    _assert_same_greedy(theirs, ours, 20, **_with_cache(ours, owned))
     page = next(iter(owned.steps.by_page))
     reached = sum(-(-n // page) for n in owned.steps.tokens(page))
     held = {layer.kv.shape[0] for layer in owned.layers}

@@ -24,10 +24,11 @@ Where the K/V live:
   ``past_key_values=`` before transformers 5.2x) -- and so by default in a ``generate`` of a
   model whose layers are all attention, greedy or sampled, where the caller passes no cache
   (``register(generate_cache=False)`` or ``cache_implementation="dynamic"``: HF's) -- in
-  attn_ops' own paged caches for the cache's lifetime: its ``update`` returns the new tokens only, and the attention call that
-  receives that very key tensor knows them for new (a model that changes the keys in between
-  is refused at its next step), writes each row's unpadded new tokens after that row's history
-  -- pads never enter a page -- and attends over the pages; nothing is copied again, and the
+  attn_ops' own paged caches for the cache's lifetime (their pages growing as the rows do):
+  its ``update`` returns the new tokens only, and the attention call that receives that very
+  key tensor knows them for new (a model that changes the keys in between is refused at its
+  next step), writes each row's unpadded new tokens after that row's history -- pads never
+  enter a page -- and attends over the pages; nothing is copied again, and the
   step's plan (the rows' runs, the metadata) is made once for all layers;
 * with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per

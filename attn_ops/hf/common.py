@@ -110,7 +110,7 @@ class _ScratchPages:
     def __init__(self, page: int, totals: list[int], order: list[int]) -> None:
         self.page = page
         pages = np.array([-(-totals[i] // page) for i in order], dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(pages)[:-1])).astype(np.int64)
+        starts = np.cumsum(pages) - pages
         self.first = dict(zip(order, starts.tolist()))
         self.blocks = int(pages.sum())
         self.tables = starts[:, None] + np.arange(max(int(pages.max(initial=0)), 1))

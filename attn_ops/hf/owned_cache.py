@@ -3,9 +3,8 @@ pages for its lifetime (the package docstring)."""
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from attn_ops.hf.common import _built, _decodes_first, _ranges, _rows_of, _runs, _where
 # (id(key tensor) -> (its weakref, the AttnOpsCache layer that returned it from update))
