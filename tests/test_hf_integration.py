@@ -269,17 +269,13 @@ def test_what_attn_ops_cannot_serve_raises_naming_the_layer_and_feature():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
-    """``generate`` with ``past_key_values=attn_ops.hf.cache(...)``: the K/V written once into
-    attn_ops pages (pads never), each decode step reading them there -- the same tokens and
-    logits as HF's implementation with its own cache; the cache's pages hold exactly the
-    unpadded tokens."""
+    """``generate`` with ``cache=attn_ops.hf.cache(...)``: the K/V written once into attn_ops
+    pages (pads never), each decode step reading them there -- the same tokens and logits as
+    HF's implementation with its own cache; the cache's pages hold exactly the unpadded tokens.
+    A hybrid model's recurrent layers keep HF's own cache layers beside them."""
     from attn_ops import hf
 
     theirs, ours = _models(name)
-    if hf.cache_supported(ours) is not None:  # (then it refuses, saying why)
-        with pytest.raises(ValueError, match="attention layers only"):
-            hf.cache(ours, batch=3, max_tokens=32)
-        pytest.skip(hf.cache_supported(ours))
     owned = hf.cache(ours, batch=3, max_tokens=32)
     _assert_same_greedy(theirs, ours, 6, **_with_cache(ours, owned))
     _, mask = _batch()
@@ -496,7 +492,11 @@ def test_patched_deepseek_runs_mla_absorbed_as_hf_does():
     _assert_same_logits(theirs, ours)
     text = hf.describe(ours)
     assert text.count("AttentionSpec(mla heads=4") == 2 and "not run" not in text
-    _assert_same_greedy(theirs, ours, 5)
+    got = _assert_same_greedy(theirs, ours, 5)
+    # (its MLA modules read HF's latent cache: generate keeps HF's, hf.cache refuses, saying why)
+    assert not getattr(_returned_cache(got), "attn_ops_owned", False)
+    with pytest.raises(ValueError, match="MLA modules are patched"):
+        hf.cache(ours, batch=3, max_tokens=32)
 
 
 @pytest.mark.parametrize("heads", [(2, 4), (2, 2)])

@@ -21,10 +21,11 @@ layer through our selector and ops:
 Where the K/V live:
 
 * with :func:`cache` (``generate(..., cache=attn_ops.hf.cache(model, batch, max_tokens))``;
-  ``past_key_values=`` before transformers 5.2x) -- and so by default in a ``generate`` of a
-  model whose layers are all attention, greedy or sampled, where the caller passes no cache
-  (``register(generate_cache=False)`` or ``cache_implementation="dynamic"``: HF's) -- in
-  attn_ops' own paged caches for the cache's lifetime (their pages growing as the rows do):
+  ``past_key_values=`` before transformers 5.2x) -- and so by default in a greedy or sampled
+  ``generate`` where the caller passes no cache (``register(generate_cache=False)`` or
+  ``cache_implementation="dynamic"``: HF's) -- in attn_ops' own paged caches for the cache's
+  lifetime (their pages growing as the rows do; a hybrid model's recurrent layers keep HF's
+  own cache layers beside them):
   its ``update`` returns the new tokens only, and the attention call that receives that very
   key tensor knows them for new (a model that changes the keys in between is refused at its
   next step), writes each row's unpadded new tokens after that row's history -- pads never

@@ -202,46 +202,71 @@ def _layer_class():
     return AttnOpsLayer
 
 
+def _hf_layers(model) -> list:
+    """The layers HF's ``DynamicCache`` makes for ``model``'s text config, one an index."""
+    from transformers import DynamicCache
+
+    return list(DynamicCache(config=model.config.get_text_config(decoder=True)).layers)
+
+
+def _attention_layer(layer) -> bool:
+    """Whether an HF cache layer holds an attention layer's K/V alone (a full or a sliding
+    layer: the ones attn_ops pages replace)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+
+
 def cache_supported(model) -> str | None:
-    """Why :func:`cache` cannot serve ``model`` (None: it can): it holds attention layers
-    only, called through the attention interface (not MLA modules :func:`~attn_ops.hf.patch`
-    runs over HF's latent caches)."""
-    kinds = set(getattr(model.config, "layer_types", None) or ())
-    if kinds - {"full_attention", "sliding_attention"}:
-        return (f"its layers include {sorted(kinds - {'full_attention', 'sliding_attention'})}"
-                ": attn_ops.hf.cache holds attention layers only (use HF's cache for a hybrid "
-                "model)")
+    """Why :func:`cache` cannot serve ``model`` (None: it can): its attention layers go
+    through the attention interface, each its own cache layer -- a hybrid model's recurrent
+    layers keep HF's (their conv and recurrent states), the MLA modules
+    :func:`~attn_ops.hf.patch` runs over HF's latent caches do not."""
     if any("_attn_ops_mla" in m.__dict__ for m in model.modules()):
         return ("its MLA modules are patched (attn_ops.hf.patch), and they read HF's latent "
                 "caches (use HF's cache)")
+    try:
+        layers = _hf_layers(model)
+    except Exception as e:  # noqa: BLE001 -- a config HF's dynamic cache cannot lay out
+        return f"HF's DynamicCache cannot lay out its layers ({type(e).__name__}: {e})"
+    mixed = sorted({type(layer).__name__ for layer in layers if not _attention_layer(layer)
+                    and hasattr(layer, "keys")})
+    if mixed:  # (a layer keeping K/V beside other state: one cache layer, not two)
+        return (f"its cache layers {mixed} hold K/V beside other state, which attn_ops.hf.cache "
+                "cannot split (use HF's cache)")
+    if not any(_attention_layer(layer) for layer in layers):
+        return "it has no attention layer"
     return None
 
 
 def cache(model, batch: int, max_tokens: int):
     """A transformers ``Cache`` keeping every attention layer's K/V of ``model`` in attn_ops
-    pages (module docstring): ``batch`` rows of at most ``max_tokens`` unpadded tokens each
-    (prompt and generated). Pass it as ``past_key_values`` to ``generate`` (or a forward) of a
-    model using ``attn_implementation="attn_ops"``; hybrid models are refused
-    (:func:`cache_supported`)."""
+    pages (module docstring), a hybrid model's other layers in HF's own cache layers:
+    ``batch`` rows of at most ``max_tokens`` unpadded tokens each (prompt and generated). Pass
+    it as ``cache`` (``past_key_values`` before transformers 5.2x) to ``generate`` (or a
+    forward) of a model using ``attn_implementation="attn_ops"``; what it cannot serve is
+    refused (:func:`cache_supported`)."""
     why = cache_supported(model)
     if why is not None:
         raise ValueError(f"attn_ops.hf.cache: {why}; use HF's own cache (each call then copies "
                          "the history into a step cache)")
-    return _owned_cache(model.config.num_hidden_layers, batch, max_tokens)
+    return _owned_cache(model, batch, max_tokens)
 
 
-def _owned_cache(num_layers: int, batch: int, max_tokens: int):
+def _owned_cache(model, batch: int, max_tokens: int):
     """The cache of :func:`cache` (its classes defined on first use: transformers is imported
-    only then)."""
+    only then): HF's layers for ``model``, its attention ones replaced by attn_ops'."""
     base, _ = _cache_classes()
     layer_cls = _layer_class()
+    layers = _hf_layers(model)
 
     class AttnOpsCache(base):
         attn_ops_owned = True
 
         def __init__(self):
             self.steps = _Steps(batch, max_tokens)
-            super().__init__(layers=[layer_cls(self.steps, i) for i in range(num_layers)])
+            super().__init__(layers=[layer_cls(self.steps, i) if _attention_layer(layer)
+                                     else layer for i, layer in enumerate(layers)])
 
     return AttnOpsCache()
 
@@ -255,8 +280,8 @@ _SERVED_MODES = ("greedy_search", "sample")
 def generate_cache_for(model, generation_config, model_kwargs, generation_mode,
                        batch_size: int, max_cache_length: int):
     """The :func:`cache` that ``generate`` of ``model`` makes where the caller passed none
-    (None: HF makes its own): a model running ``"attn_ops"`` whose layers are all attention
-    (:func:`cache_supported`), generating greedily or by sampling, one sequence a cache row,
+    (None: HF makes its own): a model running ``"attn_ops"`` that :func:`cache_supported`
+    serves, generating greedily or by sampling, one sequence a cache row,
     with no ``cache_implementation`` asked for (``"dynamic"`` keeps HF's ``DynamicCache``) --
     not beam search, assisted decoding or an assistant model, which crop and reorder rows."""
     text = model.config.get_text_config(decoder=True)
@@ -273,7 +298,7 @@ def generate_cache_for(model, generation_config, model_kwargs, generation_mode,
         return None
     rows = batch_size * max(generation_config.num_beams or 1,
                             generation_config.num_return_sequences or 1)
-    return _owned_cache(text.num_hidden_layers, rows, max_cache_length)
+    return _owned_cache(model, rows, max_cache_length)
 
 
 def _install_generate_cache() -> None:
