@@ -76,6 +76,19 @@ class TritonTuning:
     # the tensor cores.
     turboquant_planes: bool = True
     turboquant_coalesced: bool = True
+    # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
+    # and warps a program. The write op reads the machine's tuning (default_tuning: its
+    # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no
+    # plan. Untimed; the sm_90 builds at head dim 128 take 48-96 registers at 16 tokens on 8
+    # warps, 125-128 and a quarter fewer instructions a token at 32.
+    turboquant_write_tokens: int = 16
+    turboquant_write_warps: int = 8
+
+    def __post_init__(self) -> None:
+        for name, low in (("turboquant_write_tokens", 16), ("turboquant_write_warps", 1)):
+            v = getattr(self, name)
+            if v < low or v & (v - 1):
+                raise ValueError(f"tuning.triton.{name}={v} must be a power of two >= {low}")
 
 
 @dataclass(frozen=True)

@@ -164,13 +164,17 @@ def _written(slot_ptr, rows, slot, p, entering, num_tokens):
 
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, preset, cos_sin: torch.Tensor | None = None,
-                       block_t: int = 16, num_warps: int = 8) -> None:
+                       block_t: int | None = None, num_warps: int | None = None) -> None:
     """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
-    first with ``cos_sin`` (inputs already checked). 16 tokens on 8 warps: the sm_90 build at
-    head dim 128 takes 48-96 registers a thread, at most 8 B spilled; 32 tokens on 8 warps
-    125-128 and about a quarter fewer instructions a token (untimed;
-    ``profile_kernel_resources.py``)."""
+    first with ``cos_sin`` (inputs already checked); ``block_t`` tokens on ``num_warps``
+    warps a program (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` of the
+    machine's tuning)."""
     from attn_ops.backends.turboquant.format import codebook
+    from attn_ops.tuning import default_tuning
+
+    tuning = default_tuning().triton
+    block_t = block_t or tuning.turboquant_write_tokens
+    num_warps = num_warps or tuning.turboquant_write_warps
 
     t, hk, d = key.shape
     if t == 0:
