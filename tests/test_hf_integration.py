@@ -148,6 +148,7 @@ def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
     attention_layers = sum(t != "linear_attention" for t in
                            getattr(ours.config, "layer_types", None) or ["full_attention"] * 2)
     assert text.count("-> ") == attention_layers and "not run" not in text
+    assert text.splitlines()[-1] == "generate: K/V in attn_ops pages"
 
 
 @pytest.mark.parametrize("cache", ["default", "dynamic"])
@@ -492,6 +493,7 @@ def test_patched_deepseek_runs_mla_absorbed_as_hf_does():
     _assert_same_logits(theirs, ours)
     text = hf.describe(ours)
     assert text.count("AttentionSpec(mla heads=4") == 2 and "not run" not in text
+    assert "generate: HF's own cache (its MLA modules are patched" in text
     got = _assert_same_greedy(theirs, ours, 5)
     # (its MLA modules read HF's latent cache: generate keeps HF's, hf.cache refuses, saying why)
     assert not getattr(_returned_cache(got), "attn_ops_owned", False)

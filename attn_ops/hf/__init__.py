@@ -113,7 +113,8 @@ def register(config: AttentionConfig | None = None, *,
 def describe(model) -> str:
     """Each attention layer of ``model`` that has run through attn_ops: its spec and the
     backend selected for it, with the candidates' reasons, and under continuous batching
-    whether it reads HF's paged cache in place (or why not); a layer not run yet says so."""
+    whether it reads HF's paged cache in place (or why not); a layer not run yet says so.
+    Last, for a model running ``"attn_ops"``, where ``generate`` keeps its K/V."""
     lines = []
     for name, module in model.named_modules():
         layers = module.__dict__.get(_LAYERS_ATTR)
@@ -129,4 +130,10 @@ def describe(model) -> str:
             lines.append(f"{name}: {spec.describe()} -> {sel.backend}"
                          + (f" (not: {rejected})" if rejected else "")
                          + (f"; paged|attn_ops: {paged}" if paged else ""))
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == ATTN_NAME:
+        why = cache_supported(model)
+        lines.append("generate: K/V in attn_ops pages" if why is None and _GENERATE_CACHE["on"]
+                     else "generate: HF's own cache (" + (why or "register(generate_cache="
+                                                           "False)") + ")")
     return "\n".join(lines)
