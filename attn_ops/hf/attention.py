@@ -62,8 +62,9 @@ class _CallPlan(_StepPlan):
     def __init__(self, rows, b: int, sq: int, skv: int, page: int, device) -> None:
         live = [r for r, (s0, q0, e) in enumerate(rows) if e > q0]
         totals = [rows[r][2] - rows[r][0] for r in live]
-        order, pages, self.blocks, self.metadata = _scratch_step(
+        order, pages, self.metadata = _scratch_step(
             page, totals, [rows[r][2] - rows[r][1] for r in live], device)
+        self.blocks = pages.blocks
         took = [live[j] for j in order]
         s0, q0, e = (np.array([rows[r][i] for r in took], dtype=np.int64) for i in range(3))
         base = np.array(took, dtype=np.int64)

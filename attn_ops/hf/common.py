@@ -113,7 +113,10 @@ class _ScratchPages:
         starts = np.cumsum(pages) - pages
         self.first = dict(zip(order, starts.tolist()))
         self.blocks = int(pages.sum())
-        self.tables = starts[:, None] + np.arange(max(int(pages.max(initial=0)), 1))
+        # (each request's row of the block table: its own blocks, then ids the metadata
+        # ignores past them, held inside the cache)
+        self.tables = np.minimum(starts[:, None] + np.arange(max(int(pages.max(initial=0)), 1)),
+                                 max(self.blocks - 1, 0))
 
     def slots(self, ids, counts) -> np.ndarray:
         """The slots of request ``ids[j]``'s first ``counts[j]`` tokens, concatenated."""
@@ -123,16 +126,15 @@ class _ScratchPages:
 
 def _scratch_step(page: int, totals: list[int], lens: list[int], device):
     """A step over requests given whole (request ``i``: ``totals[i]`` tokens, its last
-    ``lens[i]`` new): ``(order, pages, blocks, metadata)`` over pages holding exactly theirs
-    (:class:`_ScratchPages`)."""
+    ``lens[i]`` new): ``(order, pages, metadata)`` over pages holding exactly theirs
+    (:class:`_ScratchPages`, ``pages.blocks`` of them)."""
     from attn_ops.metadata import build_common_metadata
 
     order = _decodes_first(range(len(totals)), lens)
     pages = _ScratchPages(page, totals, order)
     meta = build_common_metadata([lens[i] for i in order], [totals[i] for i in order],
-                                 np.minimum(pages.tables, max(pages.blocks - 1, 0)), page,
-                                 max(pages.blocks, 1), device=device)
-    return order, pages, pages.blocks, meta
+                                 pages.tables, page, max(pages.blocks, 1), device=device)
+    return order, pages, meta
 
 
 def _slots(pages: _ScratchPages, order, counts: list[int], device) -> torch.Tensor:

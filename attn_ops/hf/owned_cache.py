@@ -222,21 +222,27 @@ def cache_supported(model) -> str | None:
     through the attention interface, each its own cache layer -- a hybrid model's recurrent
     layers keep HF's (their conv and recurrent states), the MLA modules
     :func:`~attn_ops.hf.patch` runs over HF's latent caches do not."""
+    return _refusal(model)[0]
+
+
+def _refusal(model) -> tuple[str | None, list]:
+    """``(why not, HF's cache layers for model)`` (:func:`cache_supported`; the layers, laid
+    out once, are what :func:`_owned_cache` builds on)."""
     if any("_attn_ops_mla" in m.__dict__ for m in model.modules()):
         return ("its MLA modules are patched (attn_ops.hf.patch), and they read HF's latent "
-                "caches (use HF's cache)")
+                "caches (use HF's cache)"), []
     try:
         layers = _hf_layers(model)
     except Exception as e:  # noqa: BLE001 -- a config HF's dynamic cache cannot lay out
-        return f"HF's DynamicCache cannot lay out its layers ({type(e).__name__}: {e})"
+        return f"HF's DynamicCache cannot lay out its layers ({type(e).__name__}: {e})", []
     mixed = sorted({type(layer).__name__ for layer in layers if not _attention_layer(layer)
                     and hasattr(layer, "keys")})
     if mixed:  # (a layer keeping K/V beside other state: one cache layer, not two)
         return (f"its cache layers {mixed} hold K/V beside other state, which attn_ops.hf.cache "
-                "cannot split (use HF's cache)")
+                "cannot split (use HF's cache)"), layers
     if not any(_attention_layer(layer) for layer in layers):
-        return "it has no attention layer"
-    return None
+        return "it has no attention layer", layers
+    return None, layers
 
 
 def cache(model, batch: int, max_tokens: int):
@@ -246,19 +252,19 @@ def cache(model, batch: int, max_tokens: int):
     it as ``cache`` (``past_key_values`` before transformers 5.2x) to ``generate`` (or a
     forward) of a model using ``attn_implementation="attn_ops"``; what it cannot serve is
     refused (:func:`cache_supported`)."""
-    why = cache_supported(model)
+    why, layers = _refusal(model)
     if why is not None:
         raise ValueError(f"attn_ops.hf.cache: {why}; use HF's own cache (each call then copies "
                          "the history into a step cache)")
-    return _owned_cache(model, batch, max_tokens)
+    return _owned_cache(layers, batch, max_tokens)
 
 
-def _owned_cache(model, batch: int, max_tokens: int):
+def _owned_cache(layers: list, batch: int, max_tokens: int):
     """The cache of :func:`cache` (its classes defined on first use: transformers is imported
-    only then): HF's layers for ``model``, its attention ones replaced by attn_ops'."""
+    only then): HF's cache ``layers`` for the model, its attention ones replaced by
+    attn_ops'."""
     base, _ = _cache_classes()
     layer_cls = _layer_class()
-    layers = _hf_layers(model)
 
     class AttnOpsCache(base):
         attn_ops_owned = True
@@ -293,12 +299,14 @@ def generate_cache_for(model, generation_config, model_kwargs, generation_mode,
     if (mode not in _SERVED_MODES or generation_config.use_cache is False
             or generation_config.cache_implementation is not None
             or getattr(generation_config, "is_assistant", False)
-            or model.config.is_encoder_decoder or not model._supports_default_dynamic_cache()
-            or cache_supported(model) is not None):
+            or model.config.is_encoder_decoder or not model._supports_default_dynamic_cache()):
+        return None
+    why, layers = _refusal(model)
+    if why is not None:
         return None
     rows = batch_size * max(generation_config.num_beams or 1,
                             generation_config.num_return_sequences or 1)
-    return _owned_cache(model, rows, max_cache_length)
+    return _owned_cache(layers, rows, max_cache_length)
 
 
 def _install_generate_cache() -> None:

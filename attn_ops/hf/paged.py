@@ -18,7 +18,8 @@ class _PagedStep(_StepPlan):
         live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
         totals = [cu_k[i + 1] - cu_k[i] for i in live]
         lens = [cu_q[i + 1] - cu_q[i] for i in live]
-        order, alloc, self.blocks, self.metadata = _scratch_step(page, totals, lens, device)
+        order, pages, self.metadata = _scratch_step(page, totals, lens, device)
+        self.blocks = pages.blocks
 
         def rows(starts, counts):
             return torch.cat([torch.arange(starts[live[j]], starts[live[j]] + counts[j])
@@ -26,7 +27,7 @@ class _PagedStep(_StepPlan):
 
         self.query_rows = rows(cu_q, lens)
         self.key_rows = rows(cu_k, totals)
-        self.slots = _slots(alloc, order, totals, device)
+        self.slots = _slots(pages, order, totals, device)
 
 
 def _step_memo(cache, cu_q, cu_k, group: str) -> tuple[list[int], list[int], dict]:

@@ -197,17 +197,17 @@ def _mla_forward(self, hidden_states, position_embeddings, attention_mask, cache
     out = q.new_zeros(b, s, self.num_heads, self.v_head_dim)
     if live:
         shift = s - skv
-        steps, alloc, blocks, meta = _scratch_step(
+        steps, pages, meta = _scratch_step(
             layer.block_size, [rows[r][2] - rows[r][0] for r in live],
             [rows[r][2] - rows[r][1] for r in live], q.device)
         order = [live[i] for i in steps]
-        latents = layer.allocate_cache(blocks, q.device)
+        latents = layer.allocate_cache(pages.blocks, q.device)
         history = [rows[r][1] - rows[r][0] for r in live]
         if any(history):  # (the history, then the step writes its tokens)
             mla_cache_update(
                 torch.cat([kv_nope[r, 0, rows[r][0]:rows[r][1]] for r in order]).contiguous(),
                 torch.cat([k_rot[r, 0, rows[r][0]:rows[r][1]] for r in order]).contiguous(),
-                latents, _slots(alloc, steps, history, q.device), layer.kv_scale)
+                latents, _slots(pages, steps, history, q.device), layer.kv_scale)
         new = lambda t: torch.cat([t[r, :, rows[r][1] + shift:rows[r][2] + shift].transpose(  # noqa
             0, 1) for r in order]).contiguous()
         got = layer(new(q), torch.cat([kv_nope[r, 0, rows[r][1]:rows[r][2]] for r in order]),
