@@ -22,7 +22,8 @@ ratio is printed only where the contender agrees.
 
 ``--profile [B ...]``: before the rows, each contender's host time at batch sizes ``B`` (none
 given: the first of ``--batches``; a ``generate`` of ``new`` tokens under cProfile: the
-functions with the most time of their own, written to ``profile_hf_<name>_b<B>.txt`` beside
+functions with the most time of their own, then attn_ops', FlashInfer's and Triton's launch
+functions by time with their callees, written to ``profile_hf_<name>_b<B>.txt`` beside
 ``--out``) and, on a GPU, the host-device synchronizations of its decode steps
 (``torch.cuda.set_sync_debug_mode``: each distinct place that synchronizes, counted).
 """
@@ -188,7 +189,10 @@ def _profile_batch(args, models, device, batch: int) -> dict:
         _sync(device)
         seconds = time.perf_counter() - t0
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        # (then where the attention path's time goes, callees included)
+        stats.sort_stats("cumulative").print_stats("attn_ops|flashinfer|triton/runtime", 40)
         folder = os.path.dirname(os.path.abspath(args.out))
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"profile_hf_{name}_b{batch}.txt")

@@ -105,7 +105,7 @@ def _turboquant_write():
     for (kb, vb, slot), (tokens, warps) in itertools.product(
             ((4, 4, 134), (3, 3, 102), (8, 4, 196)), ((16, 8), (16, 4), (32, 8))):
         consts = dict(D=128, D_P=128, PAGE=16, SLOT=slot, SLOT_P=256, KEY_BITS=kb,
-                      VALUE_BITS=vb, PAD=False, ROPE=True, BLOCK_T=tokens)
+                      VALUE_BITS=vb, PAD=False, ROPE=True, BLOCK_T=tokens, CHECK=16, CLEAR=16)
         points.append((f"k{kb}v{vb} {tokens} tokens", consts, warps))
     return cache_write_kernel, points
 

@@ -308,26 +308,51 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     the same launch. fp8 keys are compared on the GPU only: the interpreter's fp32 -> e4m3
     conversion is wrong (0.4845 -> 0.25); there the inputs are fp16, not bf16 (its fp32 ->
     bf16 conversion truncates)."""
+    if d == 96 and dtype is not KVCacheDType.TURBOQUANT_K8V4:
+        pytest.skip("rotated presets: power-of-two head dims")
+    # (a padding row inside a page's run: rows after it still written, the gap cleared)
+    slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
+    _triton_write_against_torch(dtype, d, rope, slots, blocks=6, page=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+def test_triton_write_clears_long_pages_across_programs(dtype):
+    """As above at page 128: a prefill of 100 tokens entering a page (seven programs of 16
+    tokens; a padding row at row 80, its gap and the tail past row 99 seen only in the second
+    tile of 64 rows the following tokens' slots are read in), a decode entering a page (127
+    rows cleared, in tiles of 32 rows: head dim 64 gives slots of 65 to 128 bytes), tokens
+    inside a page, a slot outside."""
+    run = [128 + i for i in range(100)]
+    run[80] = -1
+    slots = [*run, 256, 70, 71, 999]
+    _triton_write_against_torch(dtype, 64, False, slots, blocks=3, page=128)
+
+
+def _triton_write_against_torch(dtype, d, rope, slots, blocks, page):
+    """The Triton write of ``len(slots)`` tokens (2 KV heads of ``d``) into a cache of 0xFF
+    bytes (``blocks`` pages of ``page``) equals the torch write byte for byte, but a key index
+    at a codebook midpoint."""
     from attn_ops.backends.turboquant.write_kernels import cache_write_triton
     from attn_ops.glue import _rope_impl
 
-    if d == 96 and dtype is not KVCacheDType.TURBOQUANT_K8V4:
-        pytest.skip("rotated presets: power-of-two head dims")
     preset = tq.PRESETS[dtype]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     # (fp16 in the interpreter: its fp32 -> bf16 conversion truncates, and the RoPE write
     # rounds the rotated key to the input dtype)
     io = torch.bfloat16 if dev == "cuda" else torch.float16
+    t = len(slots)
     g = torch.Generator().manual_seed(d)
-    key, value = (torch.randn(14, 2, d, generator=g).to(io).to(dev) for _ in range(2))
-    # (a padding row inside a page's run: rows after it still written, the gap cleared)
-    slots = torch.tensor([8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]).to(dev)
-    cache = torch.full((6, 2, 4, preset.slot_bytes(d)), 0xFF, dtype=torch.uint8, device=dev)
+    key, value = (torch.randn(t, 2, d, generator=g).to(io).to(dev) for _ in range(2))
+    slots = torch.tensor(slots).to(dev)
+    cache = torch.full((blocks, 2, page, preset.slot_bytes(d)), 0xFF, dtype=torch.uint8,
+                       device=dev)
     cos_sin = None
     if rope:
         from attn_ops.models.llama import rope_cache
 
-        cos_sin = rope_cache(d, 64, 10000.0)[torch.randint(64, (14,), generator=g)].to(dev)
+        cos_sin = rope_cache(d, 64, 10000.0)[torch.randint(64, (t,), generator=g)].to(dev)
     want = cache.cpu().clone()  # (a copy: on the CPU .cpu() is the cache itself)
     turboquant_cache_update(key.cpu(), value.cpu(), want, slots.cpu(), dtype.value,
                             cos_sin.cpu() if rope else None)  # (the torch body)
@@ -338,9 +363,9 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
     rotated = _rope_impl(key.cpu(), cos_sin.cpu()) if rope else key.cpu()
     written = slots.cpu().tolist()
     for block, head, row, byte in (got != want).nonzero().tolist():
-        assert block * 4 + row in written, ("a slot no token writes", block, head, row, byte)
-        t = written.index(block * 4 + row)
-        assert byte in _bytes_at_midpoints(rotated[t, head].float(), preset, d), \
+        assert block * page + row in written, ("a slot no token writes", block, head, row, byte)
+        i = written.index(block * page + row)
+        assert byte in _bytes_at_midpoints(rotated[i, head].float(), preset, d), \
             (block, head, row, byte)
 
 

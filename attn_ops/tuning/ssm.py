@@ -62,11 +62,12 @@ class SSMTuning:
     # h_n C_n a chain of FMAs in the thread, where the kernels above spread d_state over lanes
     # (shuffles) and repeat each channel's time step and gate on every lane of it. Channels a
     # program (two a thread at 256 on 4 warps: each B / C value read once for both), warps,
-    # and the one-token-ahead reads. B / C are converted to fp32 once a launch. Not timed
-    # yet; sm_90 builds (d_state 16, bf16 inputs): 10.3 instructions a (token, channel,
-    # state) element at 256 / 4 / no prefetch (128 registers), 12.3 at 128 / 4, 14.6 at 256 /
-    # 4 with prefetch (250 registers); the chunked kernel about 25.
-    mamba1_unrolled: bool = False
+    # and the one-token-ahead reads. B / C are converted to fp32 once a launch. sm_90 builds
+    # (d_state 16, bf16 inputs): 10.3 instructions a (token, channel, state) element at 256 /
+    # 4 / no prefetch (128 registers), 12.3 at 128 / 4, 14.6 at 256 / 4 with prefetch (250
+    # registers); the chunked kernel about 25. H100, Mamba-2.8B shapes, ms at 8 x 2k / 1 x
+    # 8k: chunked 3.11 / -, one walk a request 3.27 / 13.2, with prefetch 1.70 / 6.12.
+    mamba1_unrolled: bool = True
     mamba1_unrolled_block_d: int = 256
     mamba1_unrolled_warps: int = 4
     mamba1_unrolled_prefetch: bool = False
@@ -75,8 +76,11 @@ class SSMTuning:
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
     # side by side (one request of 8k has 20 programs of 256 channels otherwise), for 1.7
     # times the instructions (sm_90 SASS at 256 channels: 7.4 an element for the states,
-    # 10.5 for the outputs). Not timed yet.
-    mamba1_unrolled_segment: int = 0
+    # 10.5 for the outputs). The launch holds (tokens / segment + requests) x d_state x
+    # d_inner fp32 states. H100 (as above), ms at 8 x 2k / 1 x 8k: 1.54 / 0.79 at 256, 1.46 /
+    # 1.32 at 512; with the prefetch 1.88 / 1.12 at 256 (it adds registers the segments'
+    # parallelism no longer needs).
+    mamba1_unrolled_segment: int = 256
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
     # yet.

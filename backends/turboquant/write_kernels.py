@@ -80,7 +80,7 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
                        D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
                        SLOT: tl.constexpr, SLOT_P: tl.constexpr, KEY_BITS: tl.constexpr,
                        VALUE_BITS: tl.constexpr, PAD: tl.constexpr, ROPE: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
+                       BLOCK_T: tl.constexpr, CHECK: tl.constexpr, CLEAR: tl.constexpr):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D_P)
@@ -132,34 +132,47 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
     _store_fp16(tail + 2, lo, ok)
     if PAD:  # (the byte that makes the slot's size even)
         tl.store(tail + 4, tl.zeros([BLOCK_T], tl.uint8), mask=ok)
-    # A token entering its page (row 0) zeroes the page's rows this call does not write: row p
-    # is the next p-th token's when its slot is the entering one's + p (a request's new tokens
-    # are consecutive), the rule of attn_ops.glue_kernels' writes. No other program writes a
-    # row cleared here, so the clear races with no write. Most programs have nothing to clear
-    # (no token of theirs enters a page, or a prefill fills the pages it enters): they skip
-    # the stores, which were about half of the k8v4 write's instructions (sm_90), and the
-    # gaps are counted before any is stored.
+    # A token entering its page (row 0) zeroes the page's rows this call does not write: row j
+    # is the token j places later's when its slot is the entering one's + j (a request's new
+    # tokens are consecutive), the rule of attn_ops.glue_kernels' writes. No other program
+    # writes a row cleared here, so the clear races with no write. The following tokens'
+    # slots are read as [BLOCK_T, CHECK] tiles (a read a tile, not one dependent read a row:
+    # that chain was most of a prefill write's time), and only a token whose page keeps rows
+    # unwritten (a decode entering a page, a request's last partial page) stores zeros, a
+    # [CLEAR, SLOT] tile at a time.
     entering = ok & (in_page == 0)
     if tl.max(entering.to(tl.int32), axis=0) > 0:
-        gaps = tl.zeros([BLOCK_T], tl.int32)
-        for p in range(1, PAGE):
-            gaps += (entering & ~_written(slot_ptr, rows, slot, p, entering,
-                                          num_tokens)).to(tl.int32)
-        if tl.max(gaps, axis=0) > 0:
+        short = tl.zeros([BLOCK_T], tl.int32)
+        for r0 in range(0, PAGE, CHECK):
+            j = r0 + tl.arange(0, CHECK)
+            want = entering[:, None] & ((j >= 1) & (j < PAGE))[None, :]
+            short += tl.sum((want & ~_written(slot_ptr, rows[:, None], slot[:, None],
+                                              j[None, :], want, num_tokens)).to(tl.int32),
+                            axis=1)
+        if tl.max(short, axis=0) > 0:
+            offs_i = tl.arange(0, BLOCK_T)
             offs_s = tl.arange(0, SLOT_P)
-            for p in range(1, PAGE):
-                clear = entering & ~_written(slot_ptr, rows, slot, p, entering, num_tokens)
-                tl.store(base[:, None] + p * stride_cs + offs_s[None, :],
-                         tl.zeros([BLOCK_T, SLOT_P], tl.uint8),
-                         mask=clear[:, None] & (offs_s[None, :] < SLOT))
+            for i in range(BLOCK_T):
+                if tl.max(tl.where(offs_i == i, short, 0), axis=0) > 0:
+                    first = tl.max(tl.where(offs_i == i, slot, -1), axis=0)
+                    row = tl.program_id(0) * BLOCK_T + i
+                    page = cache_ptr + (first // PAGE) * stride_cb + head * stride_ch
+                    for r0 in range(0, PAGE, CLEAR):
+                        j = r0 + tl.arange(0, CLEAR)
+                        inside = (j >= 1) & (j < PAGE)
+                        clear = inside & ~_written(slot_ptr, row, first, j, inside, num_tokens)
+                        tl.store(page + j[:, None] * stride_cs + offs_s[None, :],
+                                 tl.zeros([CLEAR, SLOT_P], tl.uint8),
+                                 mask=clear[:, None] & (offs_s[None, :] < SLOT))
 
 
 @triton.jit
-def _written(slot_ptr, rows, slot, p, entering, num_tokens):
-    """Whether the ``p``-th token after each entering one writes the slot ``p`` after its."""
-    later = rows + p
-    return tl.load(slot_ptr + later, mask=entering & (later < num_tokens),
-                   other=-1).to(tl.int64) == slot + p
+def _written(slot_ptr, rows, slot, j, want, num_tokens):
+    """Whether the token ``j`` places after each of ``rows`` writes the slot ``j`` after its
+    ``slot`` (broadcast shapes; only where ``want``)."""
+    later = rows + j
+    return tl.load(slot_ptr + later, mask=want & (later < num_tokens),
+                   other=-1).to(tl.int64) == slot + j
 
 
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -195,4 +208,6 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         SLOT=slot, SLOT_P=triton.next_power_of_2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
-        BLOCK_T=block_t, num_warps=num_warps)
+        BLOCK_T=block_t, CHECK=min(triton.next_power_of_2(page), 64),
+        CLEAR=min(triton.next_power_of_2(page), max(1, 4096 // triton.next_power_of_2(slot))),
+        num_warps=num_warps)
