@@ -79,8 +79,9 @@ class TritonTuning:
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no
-    # plan. Untimed; the sm_90 builds at head dim 128 take 48-96 registers at 16 tokens on 8
-    # warps, 125-128 and a quarter fewer instructions a token at 32.
+    # plan. The sm_90 builds at head dim 128 take 44-102 registers at 16 tokens on 8 warps,
+    # 58-128 at 32. The tilings were timed (docs/tuning.md) before the page-tail check read
+    # its slots in tiles, which was most of that write's time; not re-timed since.
     turboquant_write_tokens: int = 16
     turboquant_write_warps: int = 8
 
