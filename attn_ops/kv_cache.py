@@ -208,39 +208,73 @@ def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
         cache.index_put_((blocks, offsets), new)
 
 
+# A host write of at most this many tokens reads its slots as Python ints: a decode's one to a
+# few tokens then cost a short loop, where each of the numpy path's array operations costs
+# about as much as that whole loop.
+FEW_SLOTS = 16
+
+
 def _written_rows(slot_mapping: torch.Tensor, num_blocks: int, block_size: int):
     """``(rows, blocks, offsets)`` of a host write: the tokens whose slots are inside the
-    cache (None: all of them) and their pages and rows, read through numpy -- a decode's few
-    tokens cost a few small array operations, not a dozen tensor ones."""
+    cache (None: all of them) and their pages and rows."""
+    capacity = num_blocks * block_size
+    if slot_mapping.shape[0] <= FEW_SLOTS:
+        slots = slot_mapping.tolist()
+        kept = [t for t, s in enumerate(slots) if 0 <= s < capacity]
+        rows = None
+        if len(kept) < len(slots):
+            rows, slots = torch.tensor(kept, dtype=torch.long), [slots[t] for t in kept]
+        return (rows, torch.tensor([s // block_size for s in slots], dtype=torch.long),
+                torch.tensor([s % block_size for s in slots], dtype=torch.long))
     slots = slot_mapping.numpy().astype(np.int64, copy=False)
-    valid = (slots >= 0) & (slots < num_blocks * block_size)
+    valid = (slots >= 0) & (slots < capacity)
     rows = None
     if not valid.all():
         rows, slots = torch.from_numpy(np.flatnonzero(valid)), slots[valid]
     return rows, torch.from_numpy(slots // block_size), torch.from_numpy(slots % block_size)
 
 
-def clear_entered_page_tails(slot_mapping: torch.Tensor, *caches: torch.Tensor) -> None:
-    """Zero, in every page whose row 0 this write fills (a request entering a page that may
-    hold anything an earlier request left, NaN included), the rows the write does not fill --
-    so a page's unused tail is always finite, and no kernel that loads whole pages multiplies a
-    zero probability by a NaN. The rows a write fills are the following tokens' (a request's
-    new tokens are consecutive, in position order). A slot outside the caches enters no page
-    (the write skips it). Host tensors (the GPU does this inside its write kernel).
-    ``caches``: paged views ``[num_blocks, block_size, ...]`` the write fills (K and V; an MLA
-    latent cache)."""
-    num_blocks, block_size = caches[0].shape[:2]
+def entered_pages(slot_mapping: torch.Tensor, num_blocks: int,
+                  block_size: int) -> list[tuple[int, int]]:
+    """``(page, rows filled)`` of every page whose row 0 a host write fills and whose later
+    rows it does not all fill: row ``j`` is filled when the token ``j`` places after the
+    entering one has the entering slot + ``j`` (a request's new tokens are consecutive, in
+    position order). A slot outside the cache enters no page (the write skips it)."""
+    capacity = num_blocks * block_size
+    found = []
+    if slot_mapping.shape[0] <= FEW_SLOTS:
+        slots = slot_mapping.tolist()
+        for t, first in enumerate(slots):
+            if 0 <= first < capacity and first % block_size == 0:
+                filled = 1
+                while (filled < block_size and t + filled < len(slots)
+                       and slots[t + filled] == first + filled):
+                    filled += 1
+                if filled < block_size:
+                    found.append((first // block_size, filled))
+        return found
     slots = slot_mapping.numpy() if slot_mapping.dtype == torch.int64 else \
         slot_mapping.long().numpy()
-    entering = (slots >= 0) & (slots < num_blocks * block_size) & (slots % block_size == 0)
+    entering = (slots >= 0) & (slots < capacity) & (slots % block_size == 0)
     for t in np.flatnonzero(entering):
         run = slots[t:t + block_size]
         filled = int(np.argmin(np.append(run == slots[t] + np.arange(run.shape[0]), False)))
         if filled < block_size:
-            page = int(slots[t]) // block_size
-            for cache in caches:
-                raw = cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
-                raw[page, filled:].zero_()
+            found.append((int(slots[t]) // block_size, filled))
+    return found
+
+
+def clear_entered_page_tails(slot_mapping: torch.Tensor, *caches: torch.Tensor) -> None:
+    """Zero, in every page whose row 0 this write fills (a request entering a page that may
+    hold anything an earlier request left, NaN included), the rows the write does not fill
+    (:func:`entered_pages`) -- so a page's unused tail is always finite, and no kernel that
+    loads whole pages multiplies a zero probability by a NaN. Host tensors (the GPU does this
+    inside its write kernel). ``caches``: paged views ``[num_blocks, block_size, ...]`` the
+    write fills (K and V; an MLA latent cache)."""
+    for page, filled in entered_pages(slot_mapping, *caches[0].shape[:2]):
+        for cache in caches:
+            raw = cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
+            raw[page, filled:].zero_()
 
 
 def _kv_cache_update_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale):

@@ -243,3 +243,33 @@ def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case, 
         got, want = got.cpu().float(), want.float()
         assert torch.equal(got.isnan(), want.isnan())
         torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_few_slots_read_as_ints_give_the_array_path_s_pages_and_rows(seed, monkeypatch):
+    """The host write's two readings of its slots -- Python ints for a write of at most
+    ``FEW_SLOTS`` tokens, numpy arrays above -- name the same entered pages with the same
+    filled rows, and the same written rows, pages and offsets: random decode-and-prefill
+    mixes with padding, slots outside the cache and runs that stop inside a page."""
+    from attn_ops import kv_cache as kc
+
+    g = torch.Generator().manual_seed(seed)
+    page, blocks = 4, 12
+    slots = []
+    for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+        start = int(torch.randint(0, blocks * page, (1,), generator=g))
+        slots += range(start, start + int(torch.randint(1, 7, (1,), generator=g)))
+        slots += [-1] * int(torch.randint(0, 2, (1,), generator=g))
+    slots += [blocks * page + seed % 3] * (seed % 2)  # (outside the cache; its edge at 3)
+    slots = torch.tensor(slots[:kc.FEW_SLOTS], dtype=torch.long)
+
+    def read():
+        rows, b, o = kc._written_rows(slots, blocks, page)
+        return kc.entered_pages(slots, blocks, page), rows, b.tolist(), o.tolist()
+
+    few = read()
+    monkeypatch.setattr(kc, "FEW_SLOTS", 0)
+    arrays = read()
+    assert few[0] == arrays[0] and few[2:] == arrays[2:]
+    assert (few[1] is None) == (arrays[1] is None)
+    assert few[1] is None or few[1].tolist() == arrays[1].tolist()
