@@ -47,9 +47,9 @@
 #   ssmcheck compute-sanitizer memcheck over the recurrent-state kernels' real-size, mixed-step
 #            and graph-replay tests
 #   ssmsweep benchmarks/bench_ssm.py under each of SSM_SWEEP's ATTN_OPS_TUNING strings (space-
-#            separated; default: the decode blocks and warps), SSM_SWEEP_ARGS its arguments
-#            (default: decode, 5 batches, graph replays only), each run under the stage's limit;
-#            JSON sweep_ssm_N.json
+#            separated, "defaults" for none; default: the decode blocks and warps),
+#            SSM_SWEEP_ARGS its arguments (default: decode, 5 batches, graph replays only),
+#            each run under the stage's limit; JSON sweep_ssm_N.json
 #            (N-th string; the JSON records the tuning)
 #   ssmbench benchmarks/bench_ssm.py (GDN / Mamba2 decode and prefill against fla and
 #            mamba-ssm in each of their layouts, outputs and final states cross-checked, CUDA
@@ -87,6 +87,9 @@
 #            script fills its caches with it)
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
+#   tqwrite  TurboQuant's write tests compiled, then bench_turboquant.py --only write under each
+#            of TQ_WRITE_SWEEP's ATTN_OPS_TUNING strings (default: the defaults and the
+#            write's tilings), JSON bench_turboquant_write_N.json
 #   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over COMPOSITE_SM90 and
 #            TURBOQUANT:turboquant_4bit_nc (the whole 8-layer step, bf16 against 4-bit)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
@@ -201,7 +204,8 @@ for spec in "$@"; do
     ssmsweep) i=0
       for cfg in ${SSM_SWEEP:-ssm.decode_block_v=32,ssm.decode_block_p=32 ssm.decode_block_v=16,ssm.decode_block_p=16 ssm.decode_block_v=64,ssm.decode_block_p=64 ssm.decode_num_warps=2 ssm.decode_num_warps=8 ssm.decode_block_v=64,ssm.decode_block_p=64,ssm.decode_num_warps=8 ssm.decode_block_v=128,ssm.decode_num_warps=8}; do
         i=$((i + 1))
-        echo "ssmsweep $i: $cfg" >> "$LOG"
+        [ "$cfg" = defaults ] && cfg=""
+        echo "ssmsweep $i: ${cfg:-defaults}" >> "$LOG"
         ATTN_OPS_TUNING="$cfg" stage "ssmsweep_$i" "$limit" python benchmarks/bench_ssm.py \
           ${SSM_SWEEP_ARGS:---only decode --batches 1 8 64 256 1024 --rounds 1 --no-eager} \
           --out "$OUT/sweep_ssm_$i.json"
@@ -256,6 +260,16 @@ for spec in "$@"; do
         --iters 1 ${TQ_NCU_ARGS:---batch 32 --presets turboquant_3bit_nc} ;;
     tqbench) stage tqbench "$limit" python benchmarks/bench_turboquant.py ${TQ_ARGS:-} \
         --out "$OUT/bench_turboquant_h200.json" ;;
+    tqwrite) stage tqwrite_tests "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
+        -p no:cacheprovider -rfE tests/test_turboquant.py -k "write"
+      i=0
+      for cfg in ${TQ_WRITE_SWEEP:-defaults triton.turboquant_write_warps=4 triton.turboquant_write_tokens=32 triton.turboquant_write_tokens=32,triton.turboquant_write_warps=4}; do
+        i=$((i + 1))
+        [ "$cfg" = defaults ] && cfg=""
+        echo "tqwrite $i: ${cfg:-defaults}" >> "$LOG"
+        ATTN_OPS_TUNING="$cfg" stage "tqwrite_$i" "$limit" python benchmarks/bench_turboquant.py \
+          --only write --rounds 2 --out "$OUT/bench_turboquant_write_$i.json"
+      done ;;
     tqmodel) stage tqmodel "$limit" python benchmarks/bench_model_decode.py --ctx 8192 --no-hf \
         --backends COMPOSITE_SM90 TURBOQUANT:turboquant_4bit_nc \
         --out "$OUT/bench_model_decode_turboquant_h200.json" ;;
@@ -280,6 +294,6 @@ done
 echo "##### summary"
 cat "$SUMMARY"
 # pytest's result lines, failures and the benchmarks' printed rows
-grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k|generate|generate_batch) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ |^(gated_deltanet|mamba2|mamba1|lightning) +(cached|uncached|first)|^turboquant_[a-z0-9_]+ +B=" \
+grep -E "^(FAILED|ERROR|PASSED)|ERROR SUMMARY|passed|failed|^\{|^\||^(decode|prefill|triton prefill|B=|H=|1x8k|4x4k|16x1k|4k_over_28k|generate|generate_batch|write) |^    .* us |^    built: |^== |^## |^   failed: |^ +[0-9.]+ ms  x[0-9]+ +(gdn|ssd)_|^ +[0-9.]+ us  x[0-9]+ |^(gated_deltanet|mamba2|mamba1|lightning) +(cached|uncached|first)|^turboquant_[a-z0-9_]+ +B=" \
   "$LOG" \
   | grep -v -E "DEBUG|Warning" | tail -n 80
