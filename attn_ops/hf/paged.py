@@ -3,10 +3,11 @@ docstring)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from attn_ops.hf.common import (_StepPlan, _built, _decodes_first, _layer, _scratch_step,
-                                 _slots, _where)
+from attn_ops.hf.common import (_StepPlan, _built, _decodes_first, _layer, _ranges,
+                                 _scratch_step, _slots, _where)
 class _PagedStep(_StepPlan):
     """One continuous-batching step's plan, made once for all its layers: the requests with new
     tokens in the order a step takes them, pages holding exactly each one's history
@@ -22,8 +23,9 @@ class _PagedStep(_StepPlan):
         self.blocks = pages.blocks
 
         def rows(starts, counts):
-            return torch.cat([torch.arange(starts[live[j]], starts[live[j]] + counts[j])
-                              for j in order]).to(device)
+            return torch.from_numpy(_ranges(
+                np.array([starts[live[j]] for j in order], dtype=np.int64),
+                np.array([counts[j] for j in order], dtype=np.int64))).to(device)
 
         self.query_rows = rows(cu_q, lens)
         self.key_rows = rows(cu_k, totals)
@@ -104,7 +106,8 @@ class _InPlaceStep(_StepPlan):
         self.metadata = build_common_metadata([lens[j] for j in order],
                                               [totals[j] for j in order], tables, page,
                                               num_blocks, device=device)
-        rows = torch.cat([torch.arange(cu_q[live[j]], cu_q[live[j]] + lens[j]) for j in order])
+        rows = torch.from_numpy(_ranges(np.array([cu_q[live[j]] for j in order], dtype=np.int64),
+                                        np.array([lens[j] for j in order], dtype=np.int64)))
         # (None: every packed row, in order -- a decode-only step from HF's FIFO scheduler)
         self.query_rows = None if torch.equal(rows, torch.arange(cu_q[-1])) else rows.to(device)
 
