@@ -197,8 +197,9 @@ def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
 
         return kv_cache_update_triton(key, value, k_cache, v_cache, slot_mapping, k_scale,
                                       v_scale)
-    clear_entered_page_tails(slot_mapping, k_cache, v_cache)
-    rows, blocks, offsets = _written_rows(slot_mapping, k_cache.shape[0], block_size)
+    slots = host_slots(slot_mapping)
+    _zero_tails(entered_pages(slots, k_cache.shape[0], block_size), (k_cache, v_cache))
+    rows, blocks, offsets = _written_rows(slots, k_cache.shape[0], block_size)
     for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         if rows is not None:
             new = new.index_select(0, rows)
@@ -214,19 +215,25 @@ def write_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) ->
 FEW_SLOTS = 16
 
 
-def _written_rows(slot_mapping: torch.Tensor, num_blocks: int, block_size: int):
-    """``(rows, blocks, offsets)`` of a host write: the tokens whose slots are inside the
-    cache (None: all of them) and their pages and rows."""
-    capacity = num_blocks * block_size
+def host_slots(slot_mapping: torch.Tensor) -> list[int] | np.ndarray:
+    """A host write's slots, read once: Python ints for at most ``FEW_SLOTS`` tokens, else an
+    int64 array (what :func:`entered_pages` and :func:`_written_rows` take)."""
     if slot_mapping.shape[0] <= FEW_SLOTS:
-        slots = slot_mapping.tolist()
+        return slot_mapping.tolist()
+    return slot_mapping.numpy().astype(np.int64, copy=False)
+
+
+def _written_rows(slots: list[int] | np.ndarray, num_blocks: int, block_size: int):
+    """``(rows, blocks, offsets)`` of a host write (its :func:`host_slots`): the tokens whose
+    slots are inside the cache (None: all of them) and their pages and rows."""
+    capacity = num_blocks * block_size
+    if isinstance(slots, list):
         kept = [t for t, s in enumerate(slots) if 0 <= s < capacity]
         rows = None
         if len(kept) < len(slots):
             rows, slots = torch.tensor(kept, dtype=torch.long), [slots[t] for t in kept]
         return (rows, torch.tensor([s // block_size for s in slots], dtype=torch.long),
                 torch.tensor([s % block_size for s in slots], dtype=torch.long))
-    slots = slot_mapping.numpy().astype(np.int64, copy=False)
     valid = (slots >= 0) & (slots < capacity)
     rows = None
     if not valid.all():
@@ -234,16 +241,16 @@ def _written_rows(slot_mapping: torch.Tensor, num_blocks: int, block_size: int):
     return rows, torch.from_numpy(slots // block_size), torch.from_numpy(slots % block_size)
 
 
-def entered_pages(slot_mapping: torch.Tensor, num_blocks: int,
+def entered_pages(slots: list[int] | np.ndarray, num_blocks: int,
                   block_size: int) -> list[tuple[int, int]]:
-    """``(page, rows filled)`` of every page whose row 0 a host write fills and whose later
-    rows it does not all fill: row ``j`` is filled when the token ``j`` places after the
-    entering one has the entering slot + ``j`` (a request's new tokens are consecutive, in
-    position order). A slot outside the cache enters no page (the write skips it)."""
+    """``(page, rows filled)`` of every page whose row 0 a host write (its
+    :func:`host_slots`) fills and whose later rows it does not all fill: row ``j`` is filled
+    when the token ``j`` places after the entering one has the entering slot + ``j`` (a
+    request's new tokens are consecutive, in position order). A slot outside the cache enters
+    no page (the write skips it)."""
     capacity = num_blocks * block_size
     found = []
-    if slot_mapping.shape[0] <= FEW_SLOTS:
-        slots = slot_mapping.tolist()
+    if isinstance(slots, list):
         for t, first in enumerate(slots):
             if 0 <= first < capacity and first % block_size == 0:
                 filled = 1
@@ -253,8 +260,6 @@ def entered_pages(slot_mapping: torch.Tensor, num_blocks: int,
                 if filled < block_size:
                     found.append((first // block_size, filled))
         return found
-    slots = slot_mapping.numpy() if slot_mapping.dtype == torch.int64 else \
-        slot_mapping.long().numpy()
     entering = (slots >= 0) & (slots < capacity) & (slots % block_size == 0)
     for t in np.flatnonzero(entering):
         run = slots[t:t + block_size]
@@ -271,7 +276,12 @@ def clear_entered_page_tails(slot_mapping: torch.Tensor, *caches: torch.Tensor) 
     loads whole pages multiplies a zero probability by a NaN. Host tensors (the GPU does this
     inside its write kernel). ``caches``: paged views ``[num_blocks, block_size, ...]`` the
     write fills (K and V; an MLA latent cache)."""
-    for page, filled in entered_pages(slot_mapping, *caches[0].shape[:2]):
+    _zero_tails(entered_pages(host_slots(slot_mapping), *caches[0].shape[:2]), caches)
+
+
+def _zero_tails(pages: list[tuple[int, int]], caches) -> None:
+    """Rows ``filled`` on of each of ``pages`` (:func:`entered_pages`), zero in ``caches``."""
+    for page, filled in pages:
         for cache in caches:
             raw = cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
             raw[page, filled:].zero_()

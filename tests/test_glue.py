@@ -246,11 +246,12 @@ def test_kv_write_kernel_matches_the_torch_write_and_clears_entered_pages(case, 
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_few_slots_read_as_ints_give_the_array_path_s_pages_and_rows(seed, monkeypatch):
-    """The host write's two readings of its slots -- Python ints for a write of at most
-    ``FEW_SLOTS`` tokens, numpy arrays above -- name the same entered pages with the same
-    filled rows, and the same written rows, pages and offsets: random decode-and-prefill
-    mixes with padding, slots outside the cache and runs that stop inside a page."""
+def test_a_few_slots_read_as_ints_give_the_array_path_s_pages_and_rows(seed):
+    """The host write's two readings of its slots (``host_slots``) -- Python ints for a write
+    of at most ``FEW_SLOTS`` tokens, an int64 array above -- name the same entered pages with
+    the same filled rows, and the same written rows, pages and offsets: random
+    decode-and-prefill mixes with padding, slots outside the cache and runs that stop inside
+    a page."""
     from attn_ops import kv_cache as kc
 
     g = torch.Generator().manual_seed(seed)
@@ -262,14 +263,13 @@ def test_a_few_slots_read_as_ints_give_the_array_path_s_pages_and_rows(seed, mon
         slots += [-1] * int(torch.randint(0, 2, (1,), generator=g))
     slots += [blocks * page + seed % 3] * (seed % 2)  # (outside the cache; its edge at 3)
     slots = torch.tensor(slots[:kc.FEW_SLOTS], dtype=torch.long)
+    assert isinstance(kc.host_slots(slots), list)
 
-    def read():
-        rows, b, o = kc._written_rows(slots, blocks, page)
-        return kc.entered_pages(slots, blocks, page), rows, b.tolist(), o.tolist()
+    def read(host):
+        rows, b, o = kc._written_rows(host, blocks, page)
+        return kc.entered_pages(host, blocks, page), rows, b.tolist(), o.tolist()
 
-    few = read()
-    monkeypatch.setattr(kc, "FEW_SLOTS", 0)
-    arrays = read()
+    few, arrays = read(slots.tolist()), read(slots.numpy())
     assert few[0] == arrays[0] and few[2:] == arrays[2:]
     assert (few[1] is None) == (arrays[1] is None)
     assert few[1] is None or few[1].tolist() == arrays[1].tolist()
