@@ -99,13 +99,13 @@ SEGMENT_TYPES = {"hs_ptr": "*fp32", "sum_ptr": "*fp32", "coff_ptr": "*i32", "sta
 def _turboquant_write():
     """(kernel, points) of TurboQuant's cache write: head dim 128, RoPE, 4- and 3-bit presets
     (and k8v4), tokens a program x warps."""
-    from attn_ops.backends.turboquant.write_kernels import cache_write_kernel
+    from attn_ops.backends.turboquant.write_kernels import cache_write_kernel, clear_tiles
 
     points = []
     for (kb, vb, slot), (tokens, warps) in itertools.product(
             ((4, 4, 134), (3, 3, 102), (8, 4, 196)), ((16, 8), (16, 4), (32, 8))):
         consts = dict(D=128, D_P=128, PAGE=16, SLOT=slot, SLOT_P=256, KEY_BITS=kb,
-                      VALUE_BITS=vb, PAD=False, ROPE=True, BLOCK_T=tokens, CHECK=16, CLEAR=16)
+                      VALUE_BITS=vb, PAD=False, ROPE=True, BLOCK_T=tokens, **clear_tiles(16, slot))
         points.append((f"k{kb}v{vb} {tokens} tokens", consts, warps))
     return cache_write_kernel, points
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from attn_ops.backends.turboquant.read_kernels import sylvester_signs
 
-__all__ = ["cache_write_triton"]
+__all__ = ["cache_write_triton", "clear_tiles"]
 
 
 @triton.jit
@@ -208,6 +208,12 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         SLOT=slot, SLOT_P=triton.next_power_of_2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
-        BLOCK_T=block_t, CHECK=min(triton.next_power_of_2(page), 64),
-        CLEAR=min(triton.next_power_of_2(page), max(1, 4096 // triton.next_power_of_2(slot))),
-        num_warps=num_warps)
+        BLOCK_T=block_t, **clear_tiles(page, slot), num_warps=num_warps)
+
+
+def clear_tiles(page: int, slot: int) -> dict:
+    """:func:`cache_write_kernel`'s page-tail tiles for ``page``-token pages of ``slot``-byte
+    slots: the following tokens' slots read ``CHECK`` rows a tile, zeros stored ``CLEAR`` rows
+    of a page a tile (about 4096 bytes)."""
+    rows = triton.next_power_of_2(page)
+    return dict(CHECK=min(rows, 64), CLEAR=min(rows, max(1, 4096 // triton.next_power_of_2(slot))))
