@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from attn_ops.kv_cache import FP8_MAX, split_kv_cache
+from attn_ops.routing import cdiv, pow2
 
 
 @triton.jit
@@ -101,9 +102,9 @@ def _clear_meta(num_tokens: int, block_size: int, k_row: int, v_row: int) -> tup
     many programs as it takes to clear a page in shares of at most 32 rows (all but column 0
     exit at once unless their token enters a page), each storing tiles of about 4096 values
     (``k_row``/``v_row``: values in a K/V cache row)."""
-    columns = triton.cdiv(block_size, 32)
-    rows = triton.next_power_of_2(triton.cdiv(block_size, columns))
-    fk, fv = triton.next_power_of_2(k_row), triton.next_power_of_2(v_row)
+    columns = cdiv(block_size, 32)
+    rows = pow2(cdiv(block_size, columns))
+    fk, fv = pow2(k_row), pow2(v_row)
     tile_rows = min(rows, max(1, 4096 // max(fk, fv)))
     return (num_tokens, columns), dict(CLEAR_ROWS=rows, RB=tile_rows, FK=fk, FV=fv)
 
@@ -153,8 +154,8 @@ def kv_cache_update_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale
         key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2),
-        HKV=hkv, D=d, DV=dv, BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv), FP8=fp8,
+        HKV=hkv, D=d, DV=dv, BLOCK_HKV=pow2(hkv),
+        BLOCK_D=pow2(d), BLOCK_DV=pow2(dv), FP8=fp8,
         FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), **clear,
         num_warps=4 if hkv * d >= 2048 else 1)
 
@@ -319,9 +320,9 @@ def rope_write_paged(query, key, value, cos_sin, k_cache, v_cache, slots, positi
         q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
-        HQ=hq, HKV=hkv, HALF=rot // 2, DV=dv, NOPE=nope, BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(rot // 2),
-        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)),
+        HQ=hq, HKV=hkv, HALF=rot // 2, DV=dv, NOPE=nope, BLOCK_HQ=pow2(hq),
+        BLOCK_HKV=pow2(hkv), BLOCK_HALF=pow2(rot // 2),
+        BLOCK_DV=pow2(dv), BLOCK_NOPE=pow2(max(nope, 1)),
         HAS_SLOTS=has_slots, KEY_OUT=key_out, FP8=fp8,
         FP8_LIMIT=FP8_MAX.get(k_cache.dtype, 0.0), **clear,
         ACC=tl.float64 if query.dtype == torch.float64 else tl.float32,
@@ -378,9 +379,9 @@ def merge_states_triton(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix
         unit(x) for x in (prefix_out, suffix_out, prefix_lse, suffix_lse))
     target = unit(out)
     target_lse = unit(out_lse) if out_lse is not None else prefix_lse  # (unwritten when None)
-    block_d = triton.next_power_of_2(d)
-    block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_d))
-    merge_states_kernel[(t, triton.cdiv(h, block_h))](
+    block_d = pow2(d)
+    block_h = min(pow2(h), max(1, 4096 // block_d))
+    merge_states_kernel[(t, cdiv(h, block_h))](
         target, target_lse, prefix_out, prefix_lse, suffix_out, suffix_lse, h,
         target.stride(0), target.stride(1), prefix_out.stride(0), prefix_out.stride(1),
         suffix_out.stride(0), suffix_out.stride(1), target_lse.stride(0), prefix_lse.stride(0),

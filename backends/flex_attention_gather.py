@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from attn_ops.routing import pow2
+
 # Keys per gathered page (GATHER_PAGE // block_size physical pages each).
 GATHER_PAGE = 128
 
@@ -72,8 +74,6 @@ def gather_pages_torch(kv_cache, page_map, pages):
 def _copy_with_kernel(slots, page_map, out):
     """:func:`gather_pages`'s copy by ``gather_pages_kernel`` (a slot of every head per
     program; ``slots`` from :func:`slot_major`, last dim contiguous)."""
-    import triton
-
     from attn_ops.backends.flex_attention_kernels import gather_pages_kernel
 
     c, h, total, dc = out.shape
@@ -82,7 +82,7 @@ def _copy_with_kernel(slots, page_map, out):
     gather_pages_kernel[(page_map.numel(), bs)](
         slots, page_map.contiguous(), out, slots.shape[0], slots.stride(0), slots.stride(1),
         slots.stride(2), slots.stride(3) if c > 1 else 0, total, BLOCK_SIZE=bs, H=h,
-        H_P=triton.next_power_of_2(h), C=c, DC=dc, DC_P=triton.next_power_of_2(dc))
+        H_P=pow2(h), C=c, DC=dc, DC_P=pow2(dc))
 
 
 def slot_major(kv_cache):

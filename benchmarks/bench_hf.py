@@ -193,6 +193,8 @@ def _profile_batch(args, models, device, batch: int) -> dict:
         stats.sort_stats("tottime").print_stats(30)
         # (then where the attention path's time goes, callees included)
         stats.sort_stats("cumulative").print_stats("attn_ops|flashinfer|triton/runtime", 40)
+        kernels = _torch_profile(run, device)
+        text.write(kernels)
         folder = os.path.dirname(os.path.abspath(args.out))
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"profile_hf_{name}_b{batch}.txt")
@@ -219,6 +221,25 @@ def _profile_batch(args, models, device, batch: int) -> dict:
               + "".join(f"\n    sync x{n} at {w}" for w, n in sorted(syncs.items()))
               + "".join(f"\n    {line}" for line in top), flush=True)
     return found
+
+
+def _torch_profile(run, device) -> str:
+    """``run`` under ``torch.profiler``: the ops and the CUDA runtime calls (launches, copies,
+    synchronizations) by host time of their own, and the kernels by device time -- what
+    cProfile cannot see: the host time spent inside C++ and waiting on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+    _sync(device)
+    table = prof.key_averages()
+    text = "\n\ntorch.profiler, by host time of their own:\n" + table.table(
+        sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    if device == "cuda":
+        text += "\ntorch.profiler, by device time:\n" + table.table(
+            sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+    return text
 
 
 def batch_row(args, state, device, dtype) -> dict:

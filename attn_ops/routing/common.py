@@ -13,7 +13,7 @@ import torch
 from attn_ops.tuning import FA4Tile
 
 __all__ = ["DeviceFacts", "Kernel", "PartRoute", "Split", "SplitMode", "combine_split_block",
-           "pow2", "triton_head_tiles"]
+           "cdiv", "pow2", "triton_head_tiles"]
 
 # SM counts of GPUs by compute capability, for simulated platforms (the CLI, tests): a real
 # device's count is read from it.
@@ -140,8 +140,12 @@ def triton_head_tiles(head_dim: int, v_head_dim: int, cache_bytes: int) -> tuple
 
 
 def pow2(n: int, at_least: int = 1) -> int:
-    """The smallest power of two >= ``n`` (and >= ``at_least``): padded tile dims."""
-    p = at_least
-    while p < n:
-        p *= 2
-    return p
+    """The smallest power of two >= ``n`` (and >= ``at_least``): padded tile dims. Launch
+    wrappers use this and :func:`cdiv`, not ``triton.next_power_of_2`` / ``triton.cdiv``: from
+    Triton 3.5 those are constexpr functions, about 2 us a host call, several a launch."""
+    return max(at_least, 1 << (n - 1).bit_length() if n > 1 else 1)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of integers (grid sizes)."""
+    return -(-a // b)

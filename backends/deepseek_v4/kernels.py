@@ -32,7 +32,7 @@ import triton.language as tl
 from attn_ops.backends.deepseek_v4.cache import DATA_BYTES, ENTRY_BYTES, GROUP, entries_a_page
 from attn_ops.backends.mla.indexer_kernels import _requests_before
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
-from attn_ops.routing import combine_split_block, pow2
+from attn_ops.routing import cdiv, combine_split_block, pow2
 
 __all__ = ["dsv4_attention_kernel", "dsv4_attention_triton"]
 
@@ -229,7 +229,7 @@ def dsv4_attention_triton(q, window_cache, query_start_loc, seq_lens, block_tabl
         part_lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
     b = seq_lens.shape[0]
     compute = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(q.dtype, tl.float32)
-    dsv4_attention_kernel[(t, triton.cdiv(h, block_h), splits)](
+    dsv4_attention_kernel[(t, cdiv(h, block_h), splits)](
         q, win, comp, query_start_loc, seq_lens, block_table, cbt, pk, sinks, out, part_o,
         part_lse, b, max(1, b.bit_length()), win.shape[0], comp.shape[0], block_table.shape[1],
         cbt.shape[1], pk.shape[1] if picks is not None else 0, sliding_window, max(ratio, 1),

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_ops.routing import indexer_score_chunk, indexer_select_span, pow2
+from attn_ops.routing import cdiv, indexer_score_chunk, indexer_select_span, pow2
 
 __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
            "indexer_k_write_device", "indexer_topk_device", "topk_count_kernel",
@@ -305,7 +305,7 @@ def visible_rows_triton(t: int, seq_lens, query_start_loc, limit: int,
     b = seq_lens.shape[0]
     out = torch.empty(2, t, dtype=torch.int32, device=seq_lens.device)
     block = 128
-    visible_rows_kernel[(triton.cdiv(t, block),)](query_start_loc, seq_lens, out[0], out[1], t,
+    visible_rows_kernel[(cdiv(t, block),)](query_start_loc, seq_lens, out[0], out[1], t,
                                                   b, b.bit_length(), limit, ratio,
                                                   BLOCK=block,
                                                   num_warps=4)
@@ -350,7 +350,7 @@ def indexer_slots_device(positions, block_table, query_start_loc, page: int,
         return out
     b = query_start_loc.shape[0] - 1
     block = min(pow2(topk), 1024)
-    index_slots_kernel[(t, triton.cdiv(topk, block))](
+    index_slots_kernel[(t, cdiv(topk, block))](
         positions, block_table, query_start_loc,
         seq_lens if seq_lens is not None else query_start_loc, out, b, block_table.shape[0],
         block_table.shape[1], topk, b.bit_length(), positions.stride(0),
@@ -413,7 +413,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         span = chunk or indexer_score_chunk(n, num_positions, block_n, sms, tuning)
         scores = torch.empty(n, num_positions, dtype=torch.float32, device=q.device)
         hist = torch.zeros(n, 4, 256, dtype=torch.int32, device=q.device)
-        index_score_kernel[(n, triton.cdiv(num_positions, span))](
+        index_score_kernel[(n, cdiv(num_positions, span))](
             q, w, keys, scales if scales is not None else w, block_table, req, vis, scores,
             hist, r0, topk, span, keys.shape[0], q.stride(0), q.stride(1), w.stride(0),
             keys.stride(0), keys.stride(1), scales.stride(0) if scales is not None else 0,
@@ -439,7 +439,7 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     rows, positions = scores.shape
     block = block or tuning.index_select_block  # (below 2^16: MLATuning checks it)
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
-    blocks = triton.cdiv(positions, span)
+    blocks = cdiv(positions, span)
     if blocks * span < topk:  # (columns no span's program reaches)
         out[:, blocks * span:].fill_(-1)
     grid = (rows, blocks)

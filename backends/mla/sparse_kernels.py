@@ -26,7 +26,7 @@ import triton.language as tl
 
 from attn_ops.backends.mla.triton_mla_kernels import online_softmax_step
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
-from attn_ops.routing import combine_split_block, pow2, triton_head_tiles
+from attn_ops.routing import cdiv, combine_split_block, pow2, triton_head_tiles
 
 __all__ = ["pack_selection", "pack_selection_torch", "sparse_mla_kernel", "sparse_mla_triton"]
 
@@ -108,7 +108,7 @@ def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
     block_h, block_n, warps, stages, splits = launch
     if row_flags is not None:
         splits = 1
-    block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # (tl.dot: M >= 16)
+    block_h = max(16, min(block_h, pow2(heads)))  # (tl.dot: M >= 16)
     rank_p, rope_p = triton_head_tiles(rank, rope, latent_cache.dtype.itemsize)
     fp8 = latent_cache.dtype == torch.float8_e4m3fn
     slots = topk_slots if topk_slots.stride(1) == 1 else topk_slots.contiguous()
@@ -117,7 +117,7 @@ def sparse_mla_triton(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scale,
         part_o = torch.empty(tokens, heads, splits, rank_p, dtype=torch.float32,
                              device=ql.device)
         part_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=ql.device)
-    sparse_mla_kernel[(tokens, triton.cdiv(heads, block_h), splits)](
+    sparse_mla_kernel[(tokens, cdiv(heads, block_h), splits)](
         ql, q_pe, latent_cache, slots, out, part_o, part_lse, kv_scale if fp8 else out,
         row_flags if row_flags is not None else slots, scale, slots.shape[1],
         latent_cache.shape[0] * latent_cache.shape[1], ql.stride(0), ql.stride(1),

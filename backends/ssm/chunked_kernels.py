@@ -32,6 +32,7 @@ import triton.language as tl
 
 from attn_ops.backends.ssm.triton_kernels import (_or_zeros, _request_state, _zero_padding_rows,
                                                   request_span, state_block)
+from attn_ops.routing import cdiv, pow2
 
 __all__ = ["chunk_table", "chunk_table_triton", "gdn_chunked_triton", "ssd_chunked_triton"]
 
@@ -413,7 +414,7 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     m = starts.shape[0]
     wdt = _work_dtype(q)
     ieee = wdt == torch.float32
-    block_k, block_v = max(triton.next_power_of_2(dk), 16), max(triton.next_power_of_2(dv), 16)
+    block_k, block_v = max(pow2(dk), 16), max(pow2(dv), 16)
     w = torch.empty(t, hv, dk, dtype=wdt, device=q.device)
     u = torch.empty(t, hv, dv, dtype=wdt, device=q.device)
     h = torch.empty(m, hv, dk, dv, dtype=wdt, device=q.device)
@@ -425,14 +426,14 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
         LOG2_CHUNK=chunk.bit_length() - 1, BLOCK_V=block_v, L2NORM=qk_l2norm,
         num_warps=warps[0], **common)
     state_bv = state_block(b * hv, dv, state_block_v, state_min_programs)
-    gdn_state_kernel[(b * hv * triton.cdiv(dv, state_bv),)](
+    gdn_state_kernel[(b * hv * cdiv(dv, state_bv),)](
         kn, g, w, u, h, state, out, query_start_loc, offsets, state_indices,
         has_initial_state, kn.stride(0), kn.stride(1), g.stride(0), w.stride(0), w.stride(1),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), state.stride(0), state.stride(1),
         state.stride(2), out.stride(0), out.stride(1), t, state.shape[0], BLOCK_V=state_bv,
         EVICT="", num_warps=warps[1], num_stages=state_stages, **common)
     out_bv = min(block_v, output_block_v)
-    gdn_output_kernel[(m * hv * triton.cdiv(dv, out_bv),)](
+    gdn_output_kernel[(m * hv * cdiv(dv, out_bv),)](
         q, kn, g, u, h, out, starts, ends, scale, kn.stride(0), kn.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
         BLOCK_V=out_bv, L2NORM=qk_l2norm, num_warps=warps[2], **common)
@@ -658,25 +659,25 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     ieee = _work_dtype(x) == torch.float32
     block = block or min(chunk, 32)
     key_block = min(key_block or block, chunk)
-    block_p = max(min(triton.next_power_of_2(p), 64), 16)
-    block_n = max(triton.next_power_of_2(n), 16)
+    block_p = max(min(pow2(p), 64), 16)
+    block_n = max(pow2(n), 16)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
     dtc = torch.empty(h, t, dtype=torch.float32, device=x.device)
     cum = torch.empty_like(dtc)
-    block_h = min(triton.next_power_of_2(h), max(4096 // chunk, 1))
-    ssd_dt_kernel[(m, triton.cdiv(h, block_h))](
+    block_h = min(pow2(h), max(4096 // chunk, 1))
+    ssd_dt_kernel[(m, cdiv(h, block_h))](
         dt, A, dt_bias, dtc, cum, starts, ends, float(dt_min), float(min(dt_max, 3.0e38)),
         dt.stride(0), t, H=h, CHUNK=chunk, BLOCK_H=block_h, SOFTPLUS=dt_softplus, num_warps=4)
     st = torch.empty(m, h, p, n, dtype=torch.float32, device=x.device)
     shape = dict(H=h, P=p, N=n, CHUNK=chunk)
-    n_pb = triton.cdiv(p, block_p)
+    n_pb = cdiv(p, block_p)
     ssd_contrib_kernel[(m * h * n_pb,)](
         x, dtc, cum, B, st, starts, ends, t, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
         st.stride(0), st.stride(1), HEADS_PER_GROUP=h // g, BLOCK=min(contrib_block, chunk),
         BLOCK_P=block_p, BLOCK_N=block_n, IEEE=ieee, num_warps=contrib_warps, **shape)
     state_bp = min(block_p, state_block_p)
     hs = torch.empty(st.shape, dtype=_work_dtype(x), device=x.device)
-    ssd_state_kernel[(b * h * triton.cdiv(p, state_bp),)](
+    ssd_state_kernel[(b * h * cdiv(p, state_bp),)](
         cum, st, hs, state, y, query_start_loc, offsets, state_indices, has_initial_state, t,
         state.shape[0], st.stride(0), st.stride(1), state.stride(0), state.stride(1),
         state.stride(2), y.stride(0), y.stride(1), EVICT="", BLOCK_P=state_bp, BLOCK_N=block_n,

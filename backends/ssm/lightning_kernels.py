@@ -23,6 +23,7 @@ from attn_ops.backends.ssm.chunked_kernels import (_chunk_output_program, _chunk
                                                    _work_dtype, chunk_table_triton)
 from attn_ops.backends.ssm.triton_kernels import (_keep_final, _request_state,
                                                   _zero_padding_rows, lightning_launch)
+from attn_ops.routing import cdiv, pow2
 
 __all__ = ["lightning_chunked_triton", "lightning_split_triton"]
 
@@ -173,18 +174,18 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
     m = starts.shape[0]
     wdt = _work_dtype(q)
-    block_k, block_v = max(triton.next_power_of_2(dk), 16), max(triton.next_power_of_2(dv), 16)
+    block_k, block_v = max(pow2(dk), 16), max(pow2(dv), 16)
     h = torch.empty(m, heads, dk, dv, dtype=wdt, device=q.device)
     common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, IEEE=wdt == torch.float32)
     state_bv = min(block_v, max(state_block_v, 16))
-    lightning_state_kernel[(b * heads * triton.cdiv(dv, state_bv),)](
+    lightning_state_kernel[(b * heads * cdiv(dv, state_bv),)](
         k, v, slope, h, state, out, query_start_loc, offsets, state_indices, has_initial_state,
         state_indices.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         h.stride(0), h.stride(1), state.stride(0), state.stride(1), state.stride(2),
         out.stride(0), out.stride(1), t, state.shape[0], BLOCK_V=state_bv, num_warps=warps[0],
         **common)
     out_bv = min(block_v, max(output_block_v, 16))
-    lightning_output_kernel[(m * heads * triton.cdiv(dv, out_bv),)](
+    lightning_output_kernel[(m * heads * cdiv(dv, out_bv),)](
         q, k, v, slope, h, out, starts, ends, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), h.stride(0), h.stride(1), out.stride(0),
         out.stride(1), BLOCK_V=out_bv, num_warps=warps[1], **common)

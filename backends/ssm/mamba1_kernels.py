@@ -25,6 +25,7 @@ from attn_ops.backends.ssm.triton_kernels import (_inside, _keep_final, _num_wri
                                                   _request_state, _zero_padding_rows,
                                                   mamba1_launch, mamba1_operands,
                                                   request_span)
+from attn_ops.routing import cdiv, pow2
 
 __all__ = ["mamba1_chunked_triton", "mamba1_segmented_triton", "mamba1_unrolled_triton"]
 
@@ -381,16 +382,16 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
     m = starts.shape[0]
     hs = torch.empty(m, n, d, dtype=torch.float32, device=x.device)
     sums = torch.empty(m, d, dtype=torch.float32, device=x.device)
-    block_d = min(triton.next_power_of_2(d), block_d)
+    block_d = min(pow2(d), block_d)
     zz = z if z is not None else x
     inputs = (x, dt, A, B, C, D, zz, dt_bias, hs, sums, y, starts, ends, x.stride(0),
               y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
               C.stride(0), A.stride(0))
     common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
                   PREFETCH=prefetch, num_warps=num_warps)
-    grid = (m, triton.cdiv(d, block_d))
+    grid = (m, cdiv(d, block_d))
     mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
-    mamba1_segment_chain_kernel[(b, triton.cdiv(d, block_d))](
+    mamba1_segment_chain_kernel[(b, cdiv(d, block_d))](
         A, hs, sums, state, y, query_start_loc, offsets, state_indices, has_initial_state,
         state_indices.stride(0), A.stride(0), state.stride(0), state.stride(1), y.stride(0), t,
         state.shape[0], D_INNER=d, N=n, BLOCK_D=block_d, num_warps=num_warps)

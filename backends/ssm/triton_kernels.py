@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_ops.routing import cdiv, pow2
+
 __all__ = ["conv_triton", "gdn_recurrent_triton", "lightning_recurrent_triton",
            "mamba1_recurrent_triton", "ssd_recurrent_triton"]
 
@@ -185,8 +187,8 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
     else:
         src = conv_state
     if t and b:
-        block_d = min(triton.next_power_of_2(d), 128)
-        conv_kernel[(triton.cdiv(t, 16), triton.cdiv(d, block_d))](
+        block_d = min(pow2(d), 128)
+        conv_kernel[(cdiv(t, 16), cdiv(d, block_d))](
             x, weight, bias if bias is not None else weight, src, y, query_start_loc,
             state_indices, has_initial_state, t, b, slots, d, x.stride(0), y.stride(0),
             src.stride(0), src.stride(1), state_indices.stride(0), K=k,
@@ -195,12 +197,12 @@ def conv_triton(x, weight, bias, conv_state, query_start_loc, state_indices, has
     elif t:
         y.zero_()
     if b:
-        block_d = min(triton.next_power_of_2(d), 256)
-        conv_state_kernel[(b, triton.cdiv(d, block_d))](
+        block_d = min(pow2(d), 256)
+        conv_state_kernel[(b, cdiv(d, block_d))](
             x, src, conv_state, query_start_loc, state_indices, has_initial_state, slots, d, t,
             x.stride(0), src.stride(0), src.stride(1), conv_state.stride(0),
             conv_state.stride(1), state_indices.stride(0), NUM_WRITES=_num_writes(state_indices),
-            K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_D=block_d)
+            K=k, BLOCK_K=pow2(k - 1), BLOCK_D=block_d)
     return y
 
 
@@ -325,9 +327,9 @@ def state_block(rows: int, cols: int, block: int, min_programs: int) -> int:
     ``cols`` columns (the decodes', the chunked GDN hand-off's): ``block`` (at most the
     columns' power of two), halved -- not below 32 or the block asked for -- while the launch
     has fewer than ``min_programs`` programs."""
-    block = min(triton.next_power_of_2(cols), block)
+    block = min(pow2(cols), block)
     floor = min(block, 32)
-    while block > floor and rows * triton.cdiv(cols, block) < min_programs:
+    while block > floor and rows * cdiv(cols, block) < min_programs:
         block //= 2
     return block
 
@@ -351,13 +353,13 @@ def gdn_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_indices
         return torch.zeros_like(v)
     out = torch.empty_like(v)
     block_v = state_block(b * hv, dv, block_v, min_programs)
-    gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
+    gdn_recurrent_kernel[(b, hv, cdiv(dv, block_v))](
         q, k, v, g, beta, state, out, query_start_loc, state_indices, has_initial_state, scale,
         state_indices.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         g.stride(0), state.stride(0), state.stride(1), state.stride(2), out.stride(0),
         out.stride(1), t, state.shape[0], NUM_WRITES=_num_writes(state_indices), GROUP=hv // hk,
         DK=dk, DV=dv,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
+        BLOCK_K=pow2(dk), BLOCK_V=block_v, L2NORM=qk_l2norm,
         **_state_cache_hints(streaming), num_warps=num_warps)
     return out
 
@@ -424,15 +426,15 @@ def ssd_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, 
     if b == 0:
         return torch.zeros_like(x)
     y = torch.empty_like(x)
-    block_p = min(triton.next_power_of_2(p), block_p)
+    block_p = min(pow2(p), block_p)
     D, dt_bias = _or_zeros(D, h, x.device), _or_zeros(dt_bias, h, x.device)
-    ssd_recurrent_kernel[(b, h, triton.cdiv(p, block_p))](
+    ssd_recurrent_kernel[(b, h, cdiv(p, block_p))](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, float(dt_min), float(min(dt_max, 3.0e38)),
         state_indices.stride(0), x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
         B.stride(1), state.stride(0), state.stride(1), state.stride(2), t, state.shape[0],
         NUM_WRITES=_num_writes(state_indices), HEADS_PER_GROUP=h // g, P=p, N=n,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
+        BLOCK_P=block_p, BLOCK_N=pow2(n), HAS_Z=z is not None,
         SOFTPLUS=dt_softplus, **_state_cache_hints(streaming), num_warps=num_warps)
     return y
 
@@ -551,13 +553,13 @@ def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
     if b == 0:
         return torch.zeros_like(x)
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    block_d = min(triton.next_power_of_2(d), block_d)
-    kernel[(b, triton.cdiv(d, block_d))](
+    block_d = min(pow2(d), block_d)
+    kernel[(b, cdiv(d, block_d))](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, state_indices.stride(0), x.stride(0), y.stride(0),
         dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0), C.stride(0),
         A.stride(0), state.stride(0), state.stride(1), t, state.shape[0], D_INNER=d, N=n,
-        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n), HAS_Z=z is not None,
+        BLOCK_D=block_d, BLOCK_N=pow2(n), HAS_Z=z is not None,
         SOFTPLUS=dt_softplus, num_warps=num_warps, **constexprs)
     return y
 
@@ -626,13 +628,13 @@ def lightning_launch(kernel, q, k, v, slope, state, query_start_loc, state_indic
     if b == 0:
         return torch.zeros_like(v)
     out = torch.empty(t, h, dv, dtype=v.dtype, device=v.device)
-    block_v = max(min(triton.next_power_of_2(dv), block_v), min_block)
-    kernel[(b, h, triton.cdiv(dv, block_v))](
+    block_v = max(min(pow2(dv), block_v), min_block)
+    kernel[(b, h, cdiv(dv, block_v))](
         q, k, v, slope, state, out, query_start_loc, state_indices, has_initial_state,
         state_indices.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), state.stride(0), state.stride(1), state.stride(2),
         out.stride(0), out.stride(1), t, state.shape[0], DK=dk, DV=dv,
-        BLOCK_K=max(triton.next_power_of_2(dk), min_block), BLOCK_V=block_v,
+        BLOCK_K=max(pow2(dk), min_block), BLOCK_V=block_v,
         num_warps=num_warps, **constexprs)
     return out
 

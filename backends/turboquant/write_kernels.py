@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from attn_ops.backends.turboquant.read_kernels import sylvester_signs
+from attn_ops.routing import cdiv, pow2
 
 __all__ = ["cache_write_triton", "clear_tiles"]
 
@@ -194,18 +195,18 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         return
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    d_p = triton.next_power_of_2(d)
+    d_p = pow2(d)
     mid = key.new_zeros(1, dtype=torch.float32)  # (fp8 keys: a placeholder)
     if not preset.fp8_keys:  # (the rotation: +-1 in the kernel, 1 / sqrt(D) on the product)
         _, mid = codebook(d, preset.key_bits, key.device)
     nb, _, page, slot = kv_cache.shape
     cs = cos_sin if cos_sin is None or cos_sin.stride(-1) == 1 else cos_sin.contiguous()
-    cache_write_kernel[(triton.cdiv(t, block_t), hk)](
+    cache_write_kernel[(cdiv(t, block_t), hk)](
         key, value, kv_cache, slot_mapping, mid, cs if cs is not None else key, t,
         nb * page, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         cs.stride(0) if cs is not None else 0, d ** -0.5, D=d, D_P=d_p, PAGE=page,
-        SLOT=slot, SLOT_P=triton.next_power_of_2(slot), KEY_BITS=preset.key_bits,
+        SLOT=slot, SLOT_P=pow2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
         BLOCK_T=block_t, **clear_tiles(page, slot), num_warps=num_warps)
@@ -215,5 +216,5 @@ def clear_tiles(page: int, slot: int) -> dict:
     """:func:`cache_write_kernel`'s page-tail tiles for ``page``-token pages of ``slot``-byte
     slots: the following tokens' slots read ``CHECK`` rows a tile, zeros stored ``CLEAR`` rows
     of a page a tile (about 4096 bytes)."""
-    rows = triton.next_power_of_2(page)
-    return dict(CHECK=min(rows, 64), CLEAR=min(rows, max(1, 4096 // triton.next_power_of_2(slot))))
+    rows = pow2(page)
+    return dict(CHECK=min(rows, 64), CLEAR=min(rows, max(1, 4096 // pow2(slot))))
