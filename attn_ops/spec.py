@@ -44,37 +44,35 @@ class KVCacheDType(enum.Enum):
     TURBOQUANT_K3V4_NC = "turboquant_k3v4_nc"
     TURBOQUANT_3BIT_NC = "turboquant_3bit_nc"
 
-    @property
-    def is_fp8(self) -> bool:
-        return self in (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2, KVCacheDType.FP8_DS_MLA)
-
-    @property
-    def is_turboquant(self) -> bool:
-        return self in TURBOQUANT_KV_DTYPES
-
-    @property
-    def is_quantized(self) -> bool:
-        return self is not KVCacheDType.AUTO
+    # Each member also carries, as plain attributes set below (read in every layer call, where
+    # a property or a set lookup would hash the member in Python each time):
+    #   is_fp8        -- stored in an fp8 dtype (FP8_E4M3, FP8_E5M2, FP8_DS_MLA);
+    #   is_turboquant -- one of the TurboQuant presets;
+    #   is_quantized  -- anything but AUTO;
+    #   inline_scales -- the cache rows carry their own scales (no per-tensor ``kv_scale``):
+    #                    FP8_DS_MLA and the TurboQuant presets.
+    is_fp8: bool
+    is_turboquant: bool
+    is_quantized: bool
+    inline_scales: bool
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        if self.is_turboquant:
-            return torch.uint8
-        return {
-            KVCacheDType.AUTO: model_dtype,
-            KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
-            KVCacheDType.FP8_E5M2: torch.float8_e5m2,
-            KVCacheDType.FP8_DS_MLA: torch.float8_e4m3fn,
-        }[self]
-
-    @property
-    def inline_scales(self) -> bool:
-        """Whether the cache rows carry their own scales (no per-tensor ``kv_scale``)."""
-        return self is KVCacheDType.FP8_DS_MLA or self.is_turboquant
+        """The dtype the cache is stored in for a model of ``model_dtype``."""
+        return self._storage or model_dtype
 
 
 TURBOQUANT_KV_DTYPES = frozenset({KVCacheDType.TURBOQUANT_K8V4, KVCacheDType.TURBOQUANT_4BIT_NC,
                                   KVCacheDType.TURBOQUANT_K3V4_NC,
                                   KVCacheDType.TURBOQUANT_3BIT_NC})
+for _kv in KVCacheDType:
+    _kv.is_turboquant = _kv in TURBOQUANT_KV_DTYPES
+    _kv.is_fp8 = _kv in (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2, KVCacheDType.FP8_DS_MLA)
+    _kv.is_quantized = _kv is not KVCacheDType.AUTO
+    _kv.inline_scales = _kv is KVCacheDType.FP8_DS_MLA or _kv.is_turboquant
+    _kv._storage = torch.uint8 if _kv.is_turboquant else {
+        KVCacheDType.FP8_E4M3: torch.float8_e4m3fn, KVCacheDType.FP8_E5M2: torch.float8_e5m2,
+        KVCacheDType.FP8_DS_MLA: torch.float8_e4m3fn}.get(_kv)
+del _kv
 
 
 class LayerKind(enum.Enum):
