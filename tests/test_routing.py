@@ -216,3 +216,17 @@ def test_the_h200_entry_is_measured_and_others_get_the_generic_one():
     assert resolve_tuning(h200).measured and resolve_tuning(h200).device == "NVIDIA H200"
     other = resolve_tuning(Platform(h200.kind, "NVIDIA A100-SXM4-80GB", (8, 0)))
     assert not other.measured and other.describe() == "generic (unmeasured defaults)"
+
+
+@pytest.mark.parametrize("requests,tokens,longest,blocks,expected", [
+    (8, 8 * 2048, 2048, 20, 0),      # 160 programs on 132 SMs, even lengths: one walk each
+    (1, 8192, 8192, 20, 256),        # 20 programs: segments
+    (64, 8192 + 63 * 100, 8192, 20, 256),  # one long request among short ones: segments
+    (32, 32 * 1024, 1024, 40, 0),
+])
+def test_mamba1_walks_whole_requests_only_where_they_fill_the_gpu(requests, tokens, longest,
+                                                                  blocks, expected):
+    assert routing.mamba1_segment(requests, tokens, longest, blocks, 132, 256, 1) == expected
+    # (0 programs an SM: always segments; segment 0: never)
+    assert routing.mamba1_segment(requests, tokens, longest, blocks, 132, 256, 0) == 256
+    assert routing.mamba1_segment(requests, tokens, longest, blocks, 132, 0, 1) == 0

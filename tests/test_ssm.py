@@ -1307,7 +1307,8 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
 @pytest.mark.parametrize("kind,chunk,block,dtype", [
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
     ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
-    ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_segmented", 16, 16, torch.float32),
+    ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_unrolled_2", 16, 16, torch.float32),
+    ("mamba1_segmented", 16, 16, torch.float32), ("mamba1_segmented_2", 8, 64, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
     ("lightning_split", 16, 32, torch.float16)])
@@ -1349,13 +1350,16 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
         if kind == "mamba1":
             got = mk.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
                                            block_d=block)
-        elif kind == "mamba1_unrolled":  # (token by token, d_state unrolled; fp16 reads ahead)
+        elif kind.startswith("mamba1_unrolled"):  # (token by token, d_state unrolled; fp16
+            # reads one token ahead, "_2" two tokens ahead, two an iteration)
             got = mk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
-                                            prefetch=dtype == torch.float16)
-        else:  # (the same over segments of `chunk` tokens, three launches; the walk's
-            # reads ahead are the unrolled kernel's, run above)
+                                            prefetch=2 if kind.endswith("_2") else
+                                            int(dtype == torch.float16))
+        else:  # (the same over segments of `chunk` tokens, three launches; "_2" reads two
+            # tokens ahead)
             got = mk.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
-                                             block_d=block)
+                                             block_d=block,
+                                             prefetch=2 if kind.endswith("_2") else 0)
     else:
         h, dk, dv = 3, 16, 40
         args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),
@@ -1383,7 +1387,8 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
-                                  "mamba1_segmented", "lightning", "lightning_split"])
+                                  "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
+                                  "lightning", "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
@@ -1422,8 +1427,9 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
             from attn_ops.backends.ssm.common import SSM_PLAN
             from attn_ops.tuning.ssm import SSMTuning
 
-            tail += (SSM_PLAN.encode(SSMTuning(mamba1_unrolled=True, mamba1_unrolled_segment=(
-                64 if kind == "mamba1_segmented" else 0))),)
+            tail += (SSM_PLAN.encode(SSMTuning(  # ("_2": two tokens read ahead)
+                mamba1_unrolled=True, mamba1_unrolled_segment=64 if "segmented" in kind else 0,
+                mamba1_unrolled_prefetch=2 if kind.endswith("_2") else 0)),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

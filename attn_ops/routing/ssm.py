@@ -6,7 +6,8 @@ import torch
 
 from attn_ops.routing.common import Kernel
 
-__all__ = ["ssm_kernel"]
+__all__ = ["mamba1_segment", "ssm_kernel"]
+
 
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
                max_query_len: int = 1, one_slot: bool = True,
@@ -21,3 +22,21 @@ def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
     if chunked_min_query_len is not None and one_slot and max_query_len >= chunked_min_query_len:
         return Kernel.SSM_TRITON_CHUNKED
     return Kernel.SSM_TRITON
+
+
+def mamba1_segment(requests: int, tokens: int, max_query_len: int, channel_blocks: int,
+                   num_sms: int, segment: int, walk_min_programs: int) -> int:
+    """The segment length of Mamba1's unrolled prefill for a step (0: one walk a request).
+
+    One walk a request steps each token once; segments step it twice (each segment's state
+    from zero, then its outputs from its start state) but run a long request's token loops
+    side by side. So a step walks its requests whole where its programs (a request and a
+    block of channels) fill the GPU -- ``walk_min_programs`` an SM -- and its longest request
+    is at most twice the mean (the walk lasts as long as the longest); otherwise, and always
+    where ``walk_min_programs`` is 0, it runs segments of ``segment`` tokens."""
+    if not segment:
+        return 0
+    filled = walk_min_programs and requests * channel_blocks >= walk_min_programs * num_sms
+    if filled and max_query_len * requests <= 2 * max(tokens, 1):
+        return 0
+    return segment

@@ -70,7 +70,13 @@ class SSMTuning:
     mamba1_unrolled: bool = True
     mamba1_unrolled_block_d: int = 256
     mamba1_unrolled_warps: int = 4
-    mamba1_unrolled_prefetch: bool = False
+    # The unrolled walks' reads ahead: 0 none, 1 one token ahead (the inputs rotate through
+    # registers, a move each a step), 2 two tokens ahead over two buffers, two tokens an
+    # iteration (no moves). Reads past a request's end read its last row (unmasked: a masked
+    # read zeroes a register first and loads B / C once a channel, not once a thread). sm_90
+    # SASS a token a thread, 128 channels on 4 warps: 195 / 208 / 198 instructions (64 / 96 /
+    # 127 registers); 256 channels: 327 / 375 / 329 (128 / 174 / 196).
+    mamba1_unrolled_prefetch: int = 0
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
@@ -81,6 +87,11 @@ class SSMTuning:
     # 1.32 at 512; with the prefetch 1.88 / 1.12 at 256 (it adds registers the segments'
     # parallelism no longer needs).
     mamba1_unrolled_segment: int = 256
+    # A step walks its requests whole, without segments, where its programs (a request and
+    # mamba1_unrolled_block_d channels) number at least this many an SM and its longest
+    # request is at most twice the mean (``attn_ops.routing.mamba1_segment``): each token is
+    # then stepped once, not twice. 0: always segments.
+    mamba1_walk_min_programs: int = 0
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
     # yet.
@@ -171,6 +182,12 @@ class SSMTuning:
         for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
+        if self.mamba1_unrolled_prefetch not in (0, 1, 2):
+            raise ValueError(f"tuning.ssm.mamba1_unrolled_prefetch={self.mamba1_unrolled_prefetch}"
+                             " must be 0 (no reads ahead), 1 (one token ahead) or 2 (two)")
+        if self.mamba1_walk_min_programs < 0:
+            raise ValueError(f"tuning.ssm.mamba1_walk_min_programs={self.mamba1_walk_min_programs}"
+                             " must be >= 0 (0: always segments)")
         seg = self.mamba1_unrolled_segment
         if seg and (seg < 16 or seg & (seg - 1)):
             raise ValueError(f"tuning.ssm.mamba1_unrolled_segment={seg} must be 0 (one walk a "

@@ -103,12 +103,13 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
     kernel, t = chunked_step_kernel(x, max_query_len, state_indices, tuning)
     args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             has_initial_state, dt_softplus)
-    if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled and t.mamba1_unrolled_segment:
+    segment = _segment(x, query_start_loc, max_query_len, t) \
+        if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled else 0
+    if segment:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_segmented_triton
 
-        return mamba1_segmented_triton(*args, t.mamba1_unrolled_segment,
-                                       t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
-                                       t.mamba1_unrolled_prefetch)
+        return mamba1_segmented_triton(*args, segment, t.mamba1_unrolled_block_d,
+                                       t.mamba1_unrolled_warps, t.mamba1_unrolled_prefetch)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_unrolled_triton
 
@@ -129,6 +130,18 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                              state_indices, has_initial_state, dt_softplus)
     store_states(state, slots, s)
     return y.to(x.dtype)
+
+
+def _segment(x, query_start_loc, max_query_len: int, t) -> int:
+    """The unrolled prefill's segment length for the step (:func:`attn_ops.routing.
+    mamba1_segment`; 0: one walk a request)."""
+    from attn_ops.routing import DeviceFacts, mamba1_segment, pow2
+
+    d = x.shape[1]
+    return mamba1_segment(query_start_loc.shape[0] - 1, x.shape[0], max_query_len,
+                          -(-d // min(pow2(d), t.mamba1_unrolled_block_d)),
+                          DeviceFacts.of(x.device).num_sms, t.mamba1_unrolled_segment,
+                          t.mamba1_walk_min_programs)
 
 
 def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,

@@ -136,19 +136,22 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
                        HAS_Z: tl.constexpr):
     """Token ``t``'s inputs as stored: ``dt``, ``x``, ``z`` of the channels, and ``B`` / ``C``
     as tuples of ``N`` values, each a vector of one address (every channel reads the same
-    ``B[t, n]``); nothing is read at or past ``end``."""
-    here = offs_d * 0 + t < end  # (vectors: scalar masks fail interpreted)
-    ok = d_ok & here
-    dt = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=ok, other=0.0)
-    x = tl.load(x_ptr + t * stride_xt + offs_d, mask=ok, other=0.0)
+    ``B[t, n]``). A token at or past ``end`` (a read ahead) reads row ``end - 1`` (row 0 for
+    an empty request) instead: unmasked reads -- a masked one costs a zeroed register and,
+    for the ``B`` / ``C`` vectors, a load a channel where one serves a thread's channels --
+    of a row the walk never steps with (:func:`_mamba1_token` zeroes such a token's time
+    step)."""
+    row = tl.maximum(tl.minimum(t, end - 1), 0)
+    dt = tl.load(dt_ptr + row * stride_dtt + offs_d, mask=d_ok, other=0.0)
+    x = tl.load(x_ptr + row * stride_xt + offs_d, mask=d_ok, other=0.0)
     z = x
     if HAS_Z:
-        z = tl.load(z_ptr + t * stride_zt + offs_d, mask=ok, other=0.0)
+        z = tl.load(z_ptr + row * stride_zt + offs_d, mask=d_ok, other=0.0)
     bb = ()
     cc = ()
     for n in tl.static_range(N):
-        bb = bb + (tl.load(b_ptr + t * stride_bt + n + offs_d * 0, mask=here, other=0.0),)
-        cc = cc + (tl.load(c_ptr + t * stride_ct + n + offs_d * 0, mask=here, other=0.0),)
+        bb = bb + (tl.load(b_ptr + row * stride_bt + n + offs_d * 0),)
+        cc = cc + (tl.load(c_ptr + row * stride_ct + n + offs_d * 0),)
     return dt, x, z, bb, cc
 
 
@@ -188,48 +191,92 @@ def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
 
 
 @triton.jit
+def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d, d_ok,
+                  N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+                  OUTPUT: tl.constexpr, MASKED: tl.constexpr):
+    """Token ``t``'s step from the state ``s`` over its ``inputs``
+    (:func:`_mamba1_row_inputs`): ``h_n = h_n exp2(dt a_n) + dt x B_n``, and with ``OUTPUT``
+    ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns the new state and the
+    channels' time step. ``MASKED``: ``t`` may be at or past ``end`` -- then its time step is
+    0 (the state unchanged: its inputs read as zeros, but softplus(0 + bias) is not 0) and
+    nothing is stored."""
+    dt_r, x_r, z_r, b_r, c_r = inputs
+    dt = dt_r.to(tl.float32) + dt_bias
+    if SOFTPLUS:
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    if MASKED:
+        dt = tl.where(offs_d * 0 + t < end, dt, 0.0)
+    x = x_r.to(tl.float32)
+    dtx = dt * x
+    y = d_skip * x
+    stepped = ()
+    for n in tl.static_range(N):
+        h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
+        if OUTPUT:
+            y += h * c_r[n].to(tl.float32)
+        stepped = stepped + (h,)
+    if OUTPUT:
+        if HAS_Z:
+            z = z_r.to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        ok = d_ok
+        if MASKED:
+            ok = ok & (offs_d * 0 + t < end)
+        tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=ok)
+    return stepped, dt
+
+
+@triton.jit
 def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
                  offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                  stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
                  PREFETCH: tl.constexpr, OUTPUT: tl.constexpr):
-    """Rows ``[start, end)`` token by token from the state ``s`` (a tuple of ``N`` ``[BLOCK_D]``
-    vectors: each channel's ``d_state`` row in one thread): ``h_n = h_n exp2(dt a_n) + dt x
-    B_n``, and with ``OUTPUT`` ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns
-    the final state and the channels' summed time steps."""
+    """Rows ``[start, end)`` token by token (:func:`_mamba1_token`) from the state ``s`` (a
+    tuple of ``N`` ``[BLOCK_D]`` vectors: each channel's ``d_state`` row in one thread);
+    returns the final state and the channels' summed time steps. ``PREFETCH``: 0 reads a
+    token's inputs when it steps; 1 one token ahead (the inputs rotate through registers: a
+    move each a step); 2 two tokens ahead, two tokens an iteration, each of the two buffers
+    reloaded right after its token steps (no moves; an odd request's last iteration steps a
+    masked token)."""
     total = d_skip * 0.0
-    if PREFETCH:
-        dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
-            x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok, stride_xt,
-            stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
-    for t in range(start, end):
+    if PREFETCH == 2:
+        even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d, d_ok,
+                                  stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N,
+                                  HAS_Z and OUTPUT)
+        odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + 1, end, offs_d,
+                                 d_ok, stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N,
+                                 HAS_Z and OUTPUT)
+        for t in range(start, end, 2):
+            s, dt = _mamba1_token(s, a, even, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d,
+                                  d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False)
+            total += dt
+            even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 2, end, offs_d,
+                                      d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
+                                      stride_ct, N, HAS_Z and OUTPUT)
+            s, dt = _mamba1_token(s, a, odd, t + 1, end, d_skip, dt_bias, y_ptr, stride_yt,
+                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, True)
+            total += dt
+            odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 3, end, offs_d,
+                                     d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
+                                     stride_ct, N, HAS_Z and OUTPUT)
+    else:
         if PREFETCH:
-            dt_r, x_r, z_r, b_r, c_r = dt_n, x_n, z_n, b_n, c_n
-            dt_n, x_n, z_n, b_n, c_n = _mamba1_row_inputs(
-                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end, offs_d, d_ok, stride_xt,
-                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
-        else:
-            dt_r, x_r, z_r, b_r, c_r = _mamba1_row_inputs(
-                x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok, stride_xt,
-                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z and OUTPUT)
-        dt = dt_r.to(tl.float32) + dt_bias
-        if SOFTPLUS:
-            dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-        total += dt
-        x = x_r.to(tl.float32)
-        dtx = dt * x
-        y = d_skip * x
-        stepped = ()
-        for n in tl.static_range(N):
-            h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
-            if OUTPUT:
-                y += h * c_r[n].to(tl.float32)
-            stepped = stepped + (h,)
-        s = stepped
-        if OUTPUT:
-            if HAS_Z:
-                z = z_r.to(tl.float32)
-                y = y * z / (1.0 + tl.exp(-z))
-            tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+            ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_d,
+                                       d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
+                                       stride_ct, N, HAS_Z and OUTPUT)
+        for t in range(start, end):
+            if PREFETCH:
+                inputs = ahead
+                ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end,
+                                           offs_d, d_ok, stride_xt, stride_dtt, stride_zt,
+                                           stride_bt, stride_ct, N, HAS_Z and OUTPUT)
+            else:
+                inputs = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d,
+                                            d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
+                                            stride_ct, N, HAS_Z and OUTPUT)
+            s, dt = _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt,
+                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False)
+            total += dt
     return s, total
 
 
@@ -274,7 +321,7 @@ def _float_rows(u: torch.Tensor) -> torch.Tensor:
 
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                            state_indices, has_initial_state, dt_softplus, block_d: int = 256,
-                           num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
+                           num_warps: int = 4, prefetch: int = 0) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
     (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request
     (inputs already checked)."""
@@ -284,7 +331,8 @@ def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc
     B, C = _float_rows(B), _float_rows(C)
     return mamba1_launch(mamba1_unrolled_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
-                         block_d, num_warps, NUM_WRITES=0, PREFETCH=prefetch)
+                         block_d, num_warps, NUM_WRITES=0,
+                         PREFETCH=int(prefetch) if x.shape[0] else 0)  # (reads ahead read a row)
 
 
 @triton.jit
@@ -361,7 +409,7 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
 def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, segment: int = 256,
                             block_d: int = 256, num_warps: int = 4,
-                            prefetch: bool = False) -> torch.Tensor:
+                            prefetch: int = 0) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
     (one slot a request), in three launches: every segment's local state from zero, the
     hand-off of states between a request's segments, every segment's outputs from its start
@@ -388,7 +436,7 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
               y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
               C.stride(0), A.stride(0))
     common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
-                  PREFETCH=prefetch, num_warps=num_warps)
+                  PREFETCH=int(prefetch), num_warps=num_warps)
     grid = (m, cdiv(d, block_d))
     mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
     mamba1_segment_chain_kernel[(b, cdiv(d, block_d))](
