@@ -68,15 +68,16 @@ class SSMTuning:
     # registers); the chunked kernel about 25. H100, Mamba-2.8B shapes, ms at 8 x 2k / 1 x
     # 8k: chunked 3.11 / -, one walk a request 3.27 / 13.2, with prefetch 1.70 / 6.12.
     mamba1_unrolled: bool = True
-    mamba1_unrolled_block_d: int = 256
+    mamba1_unrolled_block_d: int = 128
     mamba1_unrolled_warps: int = 4
     # The unrolled walks' reads ahead: 0 none, 1 one token ahead (the inputs rotate through
     # registers, a move each a step), 2 two tokens ahead over two buffers, two tokens an
     # iteration (no moves). Reads past a request's end read its last row (unmasked: a masked
     # read zeroes a register first and loads B / C once a channel, not once a thread). sm_90
     # SASS a token a thread, 128 channels on 4 warps: 195 / 208 / 198 instructions (64 / 96 /
-    # 127 registers); 256 channels: 327 / 375 / 329 (128 / 174 / 196).
-    mamba1_unrolled_prefetch: int = 0
+    # 127 registers); 256 channels: 327 / 375 / 329 (128 / 174 / 196). H200, Mamba-2.8B, ms
+    # at 8 x 2k walked whole, 128 channels: 2.77 without, 1.10 two tokens ahead.
+    mamba1_unrolled_prefetch: int = 2
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
@@ -90,27 +91,32 @@ class SSMTuning:
     # A step walks its requests whole, without segments, where its programs (a request and
     # mamba1_unrolled_block_d channels) number at least this many an SM and its longest
     # request is at most twice the mean (``attn_ops.routing.mamba1_segment``): each token is
-    # then stepped once, not twice. 0: always segments.
-    mamba1_walk_min_programs: int = 0
+    # then stepped once, not twice. 0: always segments. H200 (two tokens ahead), ms at 8 x 2k /
+    # 32 x 1k: segments of 256 1.69 / 3.27, walked whole 1.10 / 1.70 at 128 channels (2.4
+    # programs an SM at 8 x 2k) and 1.22 / 1.76 at 256 (1.2 an SM).
+    mamba1_walk_min_programs: int = 1
     # Lightning attention's token-by-token kernel: value columns a program, and its state
     # read evict-first / written as a streaming store (as gdn_decode_streaming). Not timed
     # yet.
     lightning_block_v: int = 64
     lightning_decode_streaming: bool = False
     # Lightning attention's chunked prefill (one launch, chunks walked in order, tensor-core
-    # products): tokens a chunk (the side of its q k^T), value columns a program, warps. Not
-    # timed yet; sm_90 builds (head dim 128): 64 x 32 on 8 warps 208 registers a thread, no
-    # spill; 64 x 64 spills on 4 and 8 warps.
+    # products): tokens a chunk (the side of its q k^T), value columns a program, warps. sm_90
+    # builds (head dim 128): 64 x 32 on 8 warps 208 registers a thread, no spill; 64 x 64
+    # spills on 4 and 8 warps. The chunk size and the value columns are the split's too.
     lightning_chunk: int = 64
     lightning_chunk_block_v: int = 32
     lightning_chunk_warps: int = 8
     # Lightning attention's prefill split as GDN's is (``lightning_split``): a state hand-off
     # walking the chunks with one k^T v product each, then every chunk's outputs in parallel
     # -- the walk's single launch holds the chunk's four products beside the state, one
-    # program an SM. Value columns a program and warps of the two launches. Not timed yet;
-    # sm_90 builds (head dim 128, chunk 64): hand-off 64 columns 104 registers a thread on 8
-    # warps (221 on 4), outputs 64 columns 78 on 4 warps (128 columns 121).
-    lightning_split: bool = False
+    # program an SM. Value columns a program and warps of the two launches. sm_90 builds (head
+    # dim 128, chunk 64): hand-off 64 columns 104 registers a thread on 8 warps (221 on 4),
+    # outputs 64 columns 78 on 4 warps (128 columns 121). H200, MiniMax-Text-01's heads, 8 x
+    # 2k: one launch 1.00 ms (0.77x fla's chunk kernel), split 0.78 (0.97x; hand-off on 32
+    # columns 0.82, on 4 warps 0.78, outputs on 128 columns 0.78); H100, M tokens/s at 8 x 2k
+    # / 1 x 8k: one launch 15.3 / 16.9, split 16.4 / 16.6.
+    lightning_split: bool = True
     lightning_state_block_v: int = 64
     lightning_output_block_v: int = 64
     lightning_state_warps: int = 8
