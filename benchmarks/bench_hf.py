@@ -23,8 +23,9 @@ ratio is printed only where the contender agrees.
 ``--profile [B ...]``: before the rows, each contender's host time at batch sizes ``B`` (none
 given: the first of ``--batches``; a ``generate`` of ``new`` tokens under cProfile: the
 functions with the most time of their own, then attn_ops', FlashInfer's and Triton's launch
-functions by time with their callees, written to ``profile_hf_<name>_b<B>.txt`` beside
-``--out``) and, on a GPU, the host-device synchronizations of its decode steps
+functions by time with their callees, then ``torch.profiler``'s ops and CUDA runtime calls by
+host time of their own and kernels by device time, written to ``profile_hf_<name>_b<B>.txt``
+beside ``--out``) and, on a GPU, the host-device synchronizations of its decode steps
 (``torch.cuda.set_sync_debug_mode``: each distinct place that synchronizes, counted).
 """
 
