@@ -197,9 +197,9 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
     """Token ``t``'s step from the state ``s`` over its ``inputs``
     (:func:`_mamba1_row_inputs`): ``h_n = h_n exp2(dt a_n) + dt x B_n``, and with ``OUTPUT``
     ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns the new state and the
-    channels' time step. ``MASKED``: ``t`` may be at or past ``end`` -- then its time step is
-    0 (the state unchanged: its inputs read as zeros, but softplus(0 + bias) is not 0) and
-    nothing is stored."""
+    channels' time step. ``MASKED``: ``t`` may be at or past ``end`` -- then its inputs are the
+    request's last row (:func:`_mamba1_row_inputs`), its time step is set to 0 (the state
+    unchanged: ``exp2(0) = 1``, ``0 x B = 0``) and nothing is stored."""
     dt_r, x_r, z_r, b_r, c_r = inputs
     dt = dt_r.to(tl.float32) + dt_bias
     if SOFTPLUS:
