@@ -1131,10 +1131,8 @@ def test_flashmla_sparse_runs_what_reference_mla_sparse_does_on_the_cache(
 def test_flashmla_sparse_runs_long_steps_in_calls_its_scheduler_takes(flashmla_sparse_h200,
                                                                        monkeypatch):
     """A step of more tokens than FlashMLA's tile scheduler takes rows (a long prefill over
-    the fp8_ds_mla cache) runs in calls of at most ROWS_A_CALL rows, each with its schedule,
-    with the result of one call."""
-    from attn_ops.backends.mla import flashmla_sparse
-
+    the fp8_ds_mla cache) runs in calls of at most Tuning.mla.flashmla_rows_a_call rows, each
+    with its schedule, with the result of one call."""
     platform, mod = flashmla_sparse_h200
     w, cache, meta, slots, q, new = _ds_step(DS_SPEC, SCENARIOS["mixed"])
 
@@ -1145,7 +1143,7 @@ def test_flashmla_sparse_runs_long_steps_in_calls_its_scheduler_takes(flashmla_s
         return layer(q, new[:, :512], new[:, 512:], cache.clone(), meta, topk_slots=slots)
 
     whole = run()
-    monkeypatch.setattr(flashmla_sparse, "ROWS_A_CALL", 4)
+    monkeypatch.setenv("ATTN_OPS_TUNING", "mla.flashmla_rows_a_call=4")
     mod.calls.clear()
     assert torch.equal(run(), whole)
     assert mod.calls == [min(4, q.shape[0] - r) for r in range(0, q.shape[0], 4)]

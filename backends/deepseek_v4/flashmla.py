@@ -12,7 +12,7 @@ built on the device from ``query_start_loc`` / ``seq_lens`` (no host read); any 
 not a slot of its cache -- a block id outside it or -1 (a released window page), a pick past the
 visible entries -- is -1. No ``topk_length`` is passed, so the kernel's tile schedule depends on
 the shapes only: one a shape, reused across steps and inside CUDA graphs. Calls hold at most
-``ROWS_A_CALL`` rows (the tile scheduler's bound).
+``Tuning.mla.flashmla_rows_a_call`` rows (the tile scheduler's bound).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from attn_ops.capabilities import CUDAGraphSupport, Reason
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
+from attn_ops.tuning import default_tuning
 
 __all__ = ["DeepseekV4FlashMLABackend", "flashmla_attention", "index_lists"]
 
@@ -109,8 +110,6 @@ def _check(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale
 
 def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
           sliding_window, compressed_cache, compressed_block_table, ratio, picks):
-    from attn_ops.backends.mla.flashmla_sparse import ROWS_A_CALL
-
     _check(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
            sliding_window, compressed_cache, compressed_block_table, ratio, picks)
     _, fm = PROVIDERS.require("DSV4_FLASHMLA")
@@ -128,8 +127,9 @@ def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
     sink[:heads] = sinks.float()
     extra_kw = {} if extra is None else dict(extra_k_cache=_fp8_pages(compressed_cache))
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    for r0 in range(0, t, ROWS_A_CALL):  # (the tile scheduler's bound, as for V3.2)
-        r1 = min(r0 + ROWS_A_CALL, t)
+    per_call = default_tuning().mla.flashmla_rows_a_call  # (the tile scheduler's bound)
+    for r0 in range(0, t, per_call):
+        r1 = min(r0 + per_call, t)
         key = (r1 - r0, hp, window.shape[2], None if extra is None else extra.shape[2],
                window_cache.shape[1], None if extra is None else compressed_cache.shape[1],
                str(q.device), capturing)

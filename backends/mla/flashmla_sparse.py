@@ -8,7 +8,7 @@ Two caches, two kernels, as vLLM runs them:
   token of a step -- decodes and prefill tokens alike -- is one row of FlashMLA's sparse decode
   (``flash_mla_with_kvcache`` with ``indices``, ``is_fp8_kvcache=True``): ``[tokens, 1, heads,
   576]`` queries against their selected global slots, in calls of at most
-  :data:`ROWS_A_CALL` rows (its tile scheduler's bound). Its prefill kernel reads bf16 rows
+  ``Tuning.mla.flashmla_rows_a_call`` rows (its tile scheduler's bound). Its prefill kernel reads bf16 rows
   only, not this layout.
 * ``kv_cache_dtype="auto"`` (bf16 latents of 512 + 64) -- every token through FlashMLA's sparse
   prefill kernel (``flash_mla_sparse_fwd``), which reads the cache in place as ``[slots, 1,
@@ -36,8 +36,8 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
                                    MultipleOf, Reason)
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
-from attn_ops.routing import FLASHMLA_MAX_ROWS
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
+from attn_ops.tuning import default_tuning
 
 __all__ = ["FlashMLASparseBackend", "flashmla_sparse_rows"]
 
@@ -45,9 +45,6 @@ RANK, ROPE = 512, 64  # the latent widths of FlashMLA's sparse kernels
 BLOCK_SLOTS = 64  # the decode kernel's selected slots a block: the selection is padded to it
 PREFILL_BLOCK_SLOTS = 128  # the prefill kernel's (two blocks of 64 a step, no bound checks)
 HEAD_COUNTS = (64, 128)  # the query heads its sm90 kernels take
-# Rows a decode call takes: every token is a batch row of the tile scheduler, which holds at
-# most FLASHMLA_MAX_ROWS; longer steps (prefills) run in calls of this many rows.
-ROWS_A_CALL = min(8192, FLASHMLA_MAX_ROWS)
 
 _SCHEDULES: dict[tuple, tuple] = {}  # (rows, heads, slots, device) -> (meta, splits)
 
@@ -105,8 +102,9 @@ def flashmla_sparse_rows(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scal
     slots = _padded_slots(torch.where(valid, topk_slots, -1).to(torch.int32), BLOCK_SLOTS)
     q = _query(ql, q_pe, hp).unsqueeze(1)
     capturing = ql.is_cuda and torch.cuda.is_current_stream_capturing()
-    for r0 in range(0, t, ROWS_A_CALL):  # (the tile scheduler's bound on rows)
-        r1 = min(r0 + ROWS_A_CALL, t)
+    per_call = default_tuning().mla.flashmla_rows_a_call  # (the tile scheduler's bound)
+    for r0 in range(0, t, per_call):
+        r1 = min(r0 + per_call, t)
         meta, splits = _schedule(fm, (r1 - r0, hp, slots.shape[2], str(ql.device), capturing))
         o, _ = fm.flash_mla_with_kvcache(q[r0:r1], latent_cache.unsqueeze(2), None, None, rank,
                                          meta, splits, softmax_scale=scale, causal=False,

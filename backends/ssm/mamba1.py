@@ -135,11 +135,11 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
 def _segment(x, query_start_loc, max_query_len: int, t) -> int:
     """The unrolled prefill's segment length for the step (:func:`attn_ops.routing.
     mamba1_segment`; 0: one walk a request)."""
-    from attn_ops.routing import DeviceFacts, mamba1_segment, pow2
+    from attn_ops.routing import DeviceFacts, cdiv, mamba1_segment, pow2
 
     d = x.shape[1]
     return mamba1_segment(query_start_loc.shape[0] - 1, x.shape[0], max_query_len,
-                          -(-d // min(pow2(d), t.mamba1_unrolled_block_d)),
+                          cdiv(d, min(pow2(d), t.mamba1_unrolled_block_d)),
                           DeviceFacts.of(x.device).num_sms, t.mamba1_unrolled_segment,
                           t.mamba1_walk_min_programs)
 
