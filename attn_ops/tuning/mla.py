@@ -102,16 +102,13 @@ class MLATuning:
     # FlashMLA's decode kernel (FLASHMLA_SPARSE over fp8_ds_mla, DeepSeek-V4's layers) takes
     # every token as a batch row of its tile scheduler, which holds at most
     # routing.FLASHMLA_MAX_ROWS: a longer step (a prefill) runs in calls of this many rows (at
-    # most that bound), each with its own schedule.
+    # most that bound: the ops take the smaller), each with its own schedule.
     flashmla_rows_a_call: int = 8192
 
     def __post_init__(self) -> None:
-        from attn_ops.routing.mla import FLASHMLA_MAX_ROWS
-
-        if not 1 <= self.flashmla_rows_a_call <= FLASHMLA_MAX_ROWS:
+        if self.flashmla_rows_a_call < 1:
             raise ValueError(f"tuning.mla.flashmla_rows_a_call={self.flashmla_rows_a_call} "
-                             f"must be in [1, {FLASHMLA_MAX_ROWS}] (FlashMLA's tile scheduler "
-                             "holds at most that many rows)")
+                             "must be >= 1")
         if not 1 <= self.index_select_block < 1 << 16:
             raise ValueError(f"tuning.mla.index_select_block={self.index_select_block} must be "
                              "in [1, 65536): the select's write packs two counts of a block in "

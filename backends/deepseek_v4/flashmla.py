@@ -29,6 +29,7 @@ from attn_ops.capabilities import CUDAGraphSupport, Reason
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
+from attn_ops.routing import FLASHMLA_MAX_ROWS
 from attn_ops.tuning import default_tuning
 
 __all__ = ["DeepseekV4FlashMLABackend", "flashmla_attention", "index_lists"]
@@ -127,7 +128,7 @@ def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
     sink[:heads] = sinks.float()
     extra_kw = {} if extra is None else dict(extra_k_cache=_fp8_pages(compressed_cache))
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    per_call = default_tuning().mla.flashmla_rows_a_call  # (the tile scheduler's bound)
+    per_call = min(default_tuning().mla.flashmla_rows_a_call, FLASHMLA_MAX_ROWS)
     for r0 in range(0, t, per_call):
         r1 = min(r0 + per_call, t)
         key = (r1 - r0, hp, window.shape[2], None if extra is None else extra.shape[2],

@@ -36,6 +36,7 @@ from attn_ops.capabilities import (BackendCapabilities, CUDAGraphSupport, HeadDi
                                    MultipleOf, Reason)
 from attn_ops.platforms import Platform, PlatformKind
 from attn_ops.providers import FLASHMLA as PROVIDERS
+from attn_ops.routing import FLASHMLA_MAX_ROWS
 from attn_ops.spec import AttentionSpec, Feature, KVCacheDType
 from attn_ops.tuning import default_tuning
 
@@ -102,7 +103,7 @@ def flashmla_sparse_rows(ql, q_pe, latent_cache, topk_slots, out, kv_scale, scal
     slots = _padded_slots(torch.where(valid, topk_slots, -1).to(torch.int32), BLOCK_SLOTS)
     q = _query(ql, q_pe, hp).unsqueeze(1)
     capturing = ql.is_cuda and torch.cuda.is_current_stream_capturing()
-    per_call = default_tuning().mla.flashmla_rows_a_call  # (the tile scheduler's bound)
+    per_call = min(default_tuning().mla.flashmla_rows_a_call, FLASHMLA_MAX_ROWS)
     for r0 in range(0, t, per_call):
         r1 = min(r0 + per_call, t)
         meta, splits = _schedule(fm, (r1 - r0, hp, slots.shape[2], str(ql.device), capturing))
