@@ -1308,6 +1308,7 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
     ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
     ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_unrolled_2", 16, 16, torch.float32),
+    ("mamba1_unrolled_2_odd", 16, 16, torch.float32),
     ("mamba1_segmented", 16, 16, torch.float32), ("mamba1_segmented_2", 8, 64, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
@@ -1339,10 +1340,12 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                 np.array(ctx), np.array(slots), chunk, device=dev)
     step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
     if kind.startswith("mamba1"):
-        d, n = 40, 6
-        args = (rand(t, d).to(dtype), rand(t, d).to(dtype), -rand(d, n).exp(),
-                rand(t, n).to(dtype), rand(t, n).to(dtype), rand(d), rand(t, d).to(dtype),
-                rand(d))
+        d, n = 40, 5 if kind.endswith("_odd") else 6
+        # (B / C: columns of a wider projection at an odd offset, as a model's x_proj split
+        # gives them: rows neither contiguous nor 8-byte aligned)
+        b, c = (rand(t, n + 3)[:, 1:1 + n].to(dtype) for _ in range(2))
+        args = (rand(t, d).to(dtype), rand(t, d).to(dtype), -rand(d, n).exp(), b, c, rand(d),
+                rand(t, d).to(dtype), rand(d))
         state = rand(7, d, n)
         want, want_states, where = mamba1_reference(*args, state.clone(), *step,
                                                     meta.max_query_len, True)
@@ -1351,9 +1354,10 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
             got = mk.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
                                            block_d=block)
         elif kind.startswith("mamba1_unrolled"):  # (token by token, d_state unrolled; fp16
-            # reads one token ahead, "_2" two tokens ahead, two an iteration)
+            # reads one token ahead, "_2" two tokens ahead, two an iteration; "_odd": an odd
+            # d_state, B / C read a value at a time rather than in pairs)
             got = mk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
-                                            prefetch=2 if kind.endswith("_2") else
+                                            prefetch=2 if "_2" in kind else
                                             int(dtype == torch.float16))
         else:  # (the same over segments of `chunk` tokens, three launches; "_2" reads two
             # tokens ahead)
@@ -1382,6 +1386,25 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                rtol=tol)
     untouched = [s for s in range(7) if s not in where.tolist()]
     assert torch.equal(got_states[untouched], state[untouched])
+
+
+def test_mamba1_walk_rows_pair_into_aligned_words():
+    """The unrolled walks read an even ``d_state``'s ``B`` / ``C`` two fp32 values a 64-bit
+    load, which the GPU faults on unless each row starts 8-byte aligned: the rows they are
+    handed are fp32 with an even row stride on an aligned base -- the caller's own where they
+    already are (no copy), a copy where not (a slice at an odd column, an odd row stride,
+    bf16); an odd ``d_state`` is read a value at a time and needs no alignment."""
+    from attn_ops.backends.ssm.mamba1_kernels import _float_rows
+
+    wide = torch.randn(9, 40)
+    for u in (wide[:, 1:17], torch.randn(9, 15)[:, :14], torch.randn(9, 17)[:, :16],
+              wide[:, :16].bfloat16()):
+        got = _float_rows(u)
+        assert got.dtype == torch.float32 and got.stride(-1) == 1
+        assert got.stride(0) % 2 == 0 and got.data_ptr() % 8 == 0, (u.stride(), u.data_ptr())
+        torch.testing.assert_close(got, u.float())
+    for u in (wide[:, 2:18], torch.randn(9, 16), wide[:, 1:6]):  # (aligned pairs; odd width)
+        assert _float_rows(u) is u
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")

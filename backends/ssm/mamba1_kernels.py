@@ -16,6 +16,8 @@ slot a request:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -110,7 +112,7 @@ def mamba1_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
         y = tl.sum(h * c_r.to(tl.float32)[:, None, :], axis=2) + d_skip[None, :] * x
         if HAS_Z:
             z = z_r.to(tl.float32)
-            y = y * z / (1.0 + tl.exp(-z))
+            y = tl.fdiv(y * z, 1.0 + _exp2(z * -1.4426950408889634))
         tl.store(y_ptr + rows[:, None] * stride_yt + offs_d[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=ok)
         s3 = tl.sum(tl.where(last, h, 0.0), axis=0, keep_dims=True)
@@ -128,6 +130,33 @@ def mamba1_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
     return mamba1_launch(mamba1_chunked_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, CHUNK=chunk, PREFETCH=prefetch)
+
+
+# Compiled, the walk's per-channel exponentials and logarithm are MUFU's approximate ones
+# (``ex2`` / ``lg2.approx.ftz``: one instruction each, where ``tl.exp`` adds a denormal range
+# check and ``tl.log`` is a precise polynomial of ~15 instructions a token a channel); the
+# interpreter has no inline PTX and runs ``tl.exp2`` / ``tl.log2``.
+_MUFU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _exp2(v):
+    if _MUFU:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [v],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.exp2(v)
+
+
+@triton.jit
+def _softplus(v):
+    """``log(1 + exp(v))``, ``v`` itself above 20 (as mamba-ssm)."""
+    if _MUFU:
+        one_plus = 1.0 + _exp2(v * 1.4426950408889634)
+        log2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [one_plus],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        log2 = tl.log2(1.0 + tl.exp2(v * 1.4426950408889634))
+    return tl.where(v > 20.0, v, log2 * 0.6931471805599453)
 
 
 @triton.jit
@@ -149,9 +178,21 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
         z = tl.load(z_ptr + row * stride_zt + offs_d, mask=d_ok, other=0.0)
     bb = ()
     cc = ()
-    for n in tl.static_range(N):
-        bb = bb + (tl.load(b_ptr + row * stride_bt + n + offs_d * 0),)
-        cc = cc + (tl.load(c_ptr + row * stride_ct + n + offs_d * 0),)
+    if N % 2 == 0:  # (value pairs, one little-endian 64-bit load each: rows aligned by
+        # _float_rows)
+        b_pairs = (b_ptr + row * stride_bt).to(tl.pointer_type(tl.int64)) + offs_d * 0
+        c_pairs = (c_ptr + row * stride_ct).to(tl.pointer_type(tl.int64)) + offs_d * 0
+        for n in tl.static_range(N // 2):
+            bp = tl.load(b_pairs + n)
+            cp = tl.load(c_pairs + n)
+            bb = bb + (bp.to(tl.int32).to(tl.float32, bitcast=True),
+                       (bp >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+            cc = cc + (cp.to(tl.int32).to(tl.float32, bitcast=True),
+                       (cp >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+    else:
+        for n in tl.static_range(N):
+            bb = bb + (tl.load(b_ptr + row * stride_bt + n + offs_d * 0),)
+            cc = cc + (tl.load(c_ptr + row * stride_ct + n + offs_d * 0),)
     return dt, x, z, bb, cc
 
 
@@ -203,7 +244,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
     dt_r, x_r, z_r, b_r, c_r = inputs
     dt = dt_r.to(tl.float32) + dt_bias
     if SOFTPLUS:
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = _softplus(dt)
     if MASKED:
         dt = tl.where(offs_d * 0 + t < end, dt, 0.0)
     x = x_r.to(tl.float32)
@@ -218,7 +259,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
     if OUTPUT:
         if HAS_Z:
             z = z_r.to(tl.float32)
-            y = y * z / (1.0 + tl.exp(-z))
+            y = tl.fdiv(y * z, 1.0 + _exp2(z * -1.4426950408889634))
         ok = d_ok
         if MASKED:
             ok = ok & (offs_d * 0 + t < end)
@@ -312,11 +353,17 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
 
 
 def _float_rows(u: torch.Tensor) -> torch.Tensor:
-    """``B`` / ``C`` ``[tokens, d_state]`` in fp32 for the unrolled walks: every channel's
-    thread reads each of a token's ``d_state`` values, so converting them once (a tiny pass,
-    ``d_state`` values a token) takes two instructions an element out of the loop (sm_90, bf16
-    inputs: 229 -> 197 a thread a token at 128 channels on 4 warps)."""
-    return u if u.dtype == torch.float32 else u.float()
+    """``B`` / ``C`` ``[tokens, d_state]`` as the unrolled walks read them: fp32 -- every
+    channel's thread reads each of a token's ``d_state`` values, so converting them once (a
+    tiny pass, ``d_state`` values a token) takes two instructions an element out of the loop
+    (sm_90, bf16 inputs: 229 -> 197 a thread a token at 128 channels on 4 warps) -- and, for
+    an even ``d_state``, rows of 8-byte aligned value pairs, which :func:`_mamba1_row_inputs`
+    reads as one 64-bit load (a copy where the rows are not)."""
+    pairs = u.shape[-1] % 2 == 0
+    if u.dtype == torch.float32 and u.stride(-1) == 1 and (
+            not pairs or (u.stride(0) % 2 == 0 and u.data_ptr() % 8 == 0)):
+        return u
+    return torch.empty(u.shape, dtype=torch.float32, device=u.device).copy_(u)
 
 
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
