@@ -287,6 +287,32 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
     assert len(owned.steps.by_page) == 1
 
 
+def test_attn_ops_cache_scatters_a_decode_steps_tokens_as_the_write_op_does():
+    """A decode step of an attn_ops cache whose new tokens enter no page writes them with two
+    index copies into the NHD cache: the same bytes as the cache-write op. A step with a token
+    entering a page (whose tail the op clears), more than one token a row, or a cache the
+    copies cannot address (fp8, another layout) keeps the op."""
+    import numpy as np
+
+    from attn_ops.hf.owned_cache import _scatter_rows, _scatter_write
+    from attn_ops.kv_cache import kv_cache_update
+
+    page, g = 4, torch.Generator().manual_seed(3)
+    table = np.array([[5, 2, 7], [1, 6, 0]], dtype=np.int32)
+    ctx = [9, 2]  # (request 0 at row 1 of its third page, request 1 at row 2 of its first)
+    rows = _scatter_rows(table, ctx, [1, 1], page, "cpu")
+    key, value = (torch.randn(2, 3, 8, generator=g) for _ in range(2))
+    want = torch.randn(8, 2, page, 3, 8, generator=g)
+    got = want.clone()
+    kv_cache_update(key, value, want, torch.tensor([7 * page + 1, 1 * page + 2]), None, None)
+    assert _scatter_write(got, key, value, rows)
+    assert torch.equal(got, want)
+    assert _scatter_rows(table, [8, 2], [1, 1], page, "cpu") is None  # (9th token enters)
+    assert _scatter_rows(table, [9, 2], [2, 1], page, "cpu") is None
+    assert not _scatter_write(got.to(torch.float16), key, value, rows)
+    assert not _scatter_write(got.transpose(0, 1), key, value, rows)
+
+
 def test_attn_ops_cache_holds_the_pages_its_rows_reach():
     """A cache made for far more tokens than a generation uses holds pages for what its rows
     reached (its capacity doubling as they grow, the pages copied over), not ``batch x

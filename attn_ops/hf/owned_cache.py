@@ -90,14 +90,16 @@ class _Steps:
         need = alloc.num_blocks - alloc.num_free_blocks
         if need > state["capacity"]:
             state["capacity"] = min(state["blocks"], max(need, 2 * state["capacity"]))
-        meta = build_common_metadata(lens, seq, alloc.block_table(order), page,
-                                     state["capacity"], device=device) if order else None
+        table = alloc.block_table(order)
+        meta = build_common_metadata(lens, seq, table, page, state["capacity"],
+                                     device=device) if order else None
         rows = torch.from_numpy(_ranges(  # (HF's [B * Sq] rows, in order; None: all)
             np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
             np.array(lens, dtype=np.int64)))
         rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
-                                    rows=rows, capacity=state["capacity"], built={})
+                                    rows=rows, capacity=state["capacity"], built={},
+                                    scatter=_scatter_rows(table, ctx, lens, page, device))
         return plan
 
     def tokens(self, page: int) -> list[int]:
@@ -108,6 +110,36 @@ class _Steps:
             for r, n in zip(state["plan"]["order"], state["plan"]["lens"]):
                 out[r] += n
         return out
+
+
+def _scatter_rows(table: np.ndarray, ctx: list[int], lens: list[int], page: int, device):
+    """For a step of one new token a row, none entering a page: the rows of the new tokens'
+    keys and values in an NHD cache viewed as ``[blocks * 2 * page, heads, dim]`` (``[2,
+    tokens]``; :func:`_scatter_write`); else None. A token entering a page goes through the
+    cache-write op, which also clears the page's tail (what an earlier owner left there)."""
+    if not lens or any(n != 1 for n in lens) or any(c % page == 0 for c in ctx):
+        return None
+    at = np.array(ctx, dtype=np.int64)
+    blocks = table[np.arange(len(ctx)), at // page].astype(np.int64)
+    keys = blocks * 2 * page + at % page
+    return torch.from_numpy(np.stack([keys, keys + page])).to(device)
+
+
+def _scatter_write(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   rows: torch.Tensor) -> bool:
+    """Write a step's new ``key`` / ``value`` ``[T, H, D]`` at ``rows``
+    (:func:`_scatter_rows`) into ``kv``, a contiguous NHD cache of their dtype, with two
+    ``index_copy_`` calls: a decode's write then costs two native launches on the host, not
+    the write op's checks and Triton launch. False (nothing written): another layout or an
+    fp8 / quantized cache, which the layer's own write serves."""
+    if (kv.dim() != 5 or kv.dtype != key.dtype or value.dtype != key.dtype
+            or tuple(kv.shape[3:]) != tuple(key.shape[1:])
+            or tuple(value.shape[1:]) != tuple(key.shape[1:]) or not kv.is_contiguous()):
+        return False
+    flat = kv.view(-1, kv.shape[3], kv.shape[4])
+    flat.index_copy_(0, rows[0], key)
+    flat.index_copy_(0, rows[1], value)
+    return True
 
 
 def _grown(layer, kv, capacity: int, device):
@@ -189,7 +221,11 @@ def _layer_class():
                 self.kv = _grown(layer, self.kv, plan["capacity"], query.device)
             rows = plan["rows"]
             if rows is None:  # (every row's every token, in order: a decode step, say)
-                got = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv,
+                new_k, new_v = _rows_of(key), _rows_of(value)
+                if plan["scatter"] is not None and _scatter_write(self.kv, new_k, new_v,
+                                                                  plan["scatter"]):
+                    new_k = new_v = None  # (written: the layer attends over the cache)
+                got = layer(_rows_of(query), new_k, new_v, self.kv,
                             _built(plan["built"], layer, plan["meta"]))
                 return got.to(query.dtype).view(b, sq, hq, value.shape[3])
             out = query.new_zeros(b * sq, hq, value.shape[3])
