@@ -74,9 +74,10 @@ class SSMTuning:
     # registers, a move each a step), 2 two tokens ahead over two buffers, two tokens an
     # iteration (no moves). Reads past a request's end read its last row (unmasked: a masked
     # read zeroes a register first and loads B / C once a channel, not once a thread). sm_90
-    # SASS a token a thread, 128 channels on 4 warps: 195 / 208 / 198 instructions (64 / 96 /
-    # 127 registers); 256 channels: 327 / 375 / 329 (128 / 174 / 196). H200, Mamba-2.8B, ms
-    # at 8 x 2k walked whole, 128 channels: 2.77 without, 1.10 two tokens ahead.
+    # SASS a token a thread, 128 channels on 4 warps: 151 / 172 / 155 instructions (66 / 104 /
+    # 127 registers); 256 channels: 255 / 289 / 261 (128 / 176 / 168). H200, Mamba-2.8B, ms
+    # at 8 x 2k walked whole, 128 channels, before B / C were read in pairs: 2.77 without,
+    # 1.10 two tokens ahead.
     mamba1_unrolled_prefetch: int = 2
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays

@@ -160,6 +160,13 @@ def _softplus(v):
 
 
 @triton.jit
+def _halves(pair):
+    """The two fp32 values of a little-endian 64-bit word, the lower address first."""
+    return (pair.to(tl.int32).to(tl.float32, bitcast=True),
+            (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
                        stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
                        HAS_Z: tl.constexpr):
@@ -183,12 +190,8 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, d_ok,
         b_pairs = (b_ptr + row * stride_bt).to(tl.pointer_type(tl.int64)) + offs_d * 0
         c_pairs = (c_ptr + row * stride_ct).to(tl.pointer_type(tl.int64)) + offs_d * 0
         for n in tl.static_range(N // 2):
-            bp = tl.load(b_pairs + n)
-            cp = tl.load(c_pairs + n)
-            bb = bb + (bp.to(tl.int32).to(tl.float32, bitcast=True),
-                       (bp >> 32).to(tl.int32).to(tl.float32, bitcast=True))
-            cc = cc + (cp.to(tl.int32).to(tl.float32, bitcast=True),
-                       (cp >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+            bb = bb + _halves(tl.load(b_pairs + n))
+            cc = cc + _halves(tl.load(c_pairs + n))
     else:
         for n in tl.static_range(N):
             bb = bb + (tl.load(b_ptr + row * stride_bt + n + offs_d * 0),)
