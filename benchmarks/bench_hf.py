@@ -4,6 +4,9 @@ over HF's ``DynamicCache`` asked for by name, against ``"sdpa"``) at several bat
 and continuous batching (``generate_batch`` with ``"paged|attn_ops"`` against
 ``"paged|sdpa"``) where the installed transformers accepts a third-party paged name.
 
+``attn_ops`` replays its decode steps from per-layer CUDA graphs on a GPU (``attn_ops.hf.cache``),
+``attn_ops_eager`` runs them eagerly (``register(cuda_graphs=False)``).
+
 Model: an 8-layer Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 / 8 heads of 128,
 MLP 14336, vocab 32000), bf16, random weights. Plain ``generate``: ``batch`` prompts of ``ctx``
 tokens, ``new`` greedy tokens; decode tokens/s = batch x (new - 1) / (time - time of a
@@ -152,11 +155,17 @@ def plain_rows(args, models, device) -> list[dict]:
 
 
 def _generate_fn(model, name, ids, new):
+    from attn_ops import hf
+
     def run():
         extra = {"cache_implementation": "dynamic"} if name == "attn_ops_dynamic" else {}
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                                  **extra)
+        hf.register(cuda_graphs=name != "attn_ops_eager")
+        try:
+            with torch.no_grad():
+                return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                      **extra)
+        finally:
+            hf.register()
     return run
 
 
@@ -334,6 +343,8 @@ def main() -> None:
     models = {"sdpa": sdpa, "attn_ops": _model("attn_ops", args.layers, args.quick, device,
                                                dtype, state)}
     if hf.cache_supported(models["attn_ops"]) is None:  # (else "attn_ops" is over HF's cache)
+        if device == "cuda":  # (its decode steps without the per-layer graphs)
+            models["attn_ops_eager"] = models["attn_ops"]
         models["attn_ops_dynamic"] = models["attn_ops"]
     info = run_info("bench_hf")
     info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"

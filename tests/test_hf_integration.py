@@ -105,10 +105,10 @@ def _assert_same_logits(theirs, ours):
     torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
 
 
-def _assert_same_greedy(theirs, ours, new: int, **ours_kwargs):
+def _assert_same_greedy(theirs, ours, new: int, device: str = "cpu", **ours_kwargs):
     """Greedy ``generate`` of ``new`` tokens over the left-padded batch: the same tokens,
     each step's logits within fp32 tolerance (``ours_kwargs``: to ours only, e.g. a cache)."""
-    ids, mask = _batch()
+    ids, mask = (t.to(device) for t in _batch())
     kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False,
                   output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
@@ -285,6 +285,31 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
     page = next(iter(owned.steps.by_page))
     assert owned.steps.tokens(page) == [int(m.sum()) + 5 for m in mask]
     assert len(owned.steps.by_page) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt_oss"])
+def test_attn_ops_cache_replays_decode_steps_from_per_layer_cuda_graphs(name):
+    """On a GPU an attn_ops cache's decode steps replay each layer's write and attention
+    from a CUDA graph (its sinks, windows and soft-caps included): HF's tokens and logits
+    still, over prompts whose pages fill and grow during the generation (the graphs
+    recaptured over the grown pages) -- every layer replayed on all but its first two
+    decode steps, and the same tokens as the cache run eagerly (``cuda_graphs=False``)."""
+    from attn_ops import hf
+
+    theirs, ours = (m.cuda() for m in _models(name))
+    owned = hf.cache(ours, batch=3, max_tokens=64)
+    new = 24
+    got = _assert_same_greedy(theirs, ours, new, "cuda", **_with_cache(ours, owned))
+    page = next(iter(owned.steps.by_page))
+    grown = {layer.kv.shape[0] for layer in owned.layers}
+    assert max(owned.steps.tokens(page)) > page and len(grown) == 1
+    # (decode steps: new - 1; the first over graph metadata runs eagerly, a warm-up)
+    assert [layer.replays for layer in owned.layers] == [new - 2] * len(owned.layers)
+    eager = hf.cache(ours, batch=3, max_tokens=64, cuda_graphs=False)
+    again = _assert_same_greedy(theirs, ours, new, "cuda", **_with_cache(ours, eager))
+    assert torch.equal(again.sequences, got.sequences)
+    assert all(layer.replays == 0 for layer in eager.layers)
 
 
 def test_attn_ops_cache_scatters_a_decode_steps_tokens_as_the_write_op_does():

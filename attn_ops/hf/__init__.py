@@ -30,7 +30,9 @@ Where the K/V live:
   key tensor knows them for new (a model that changes the keys in between is refused at its
   next step), writes each row's unpadded new tokens after that row's history -- pads never
   enter a page -- and attends over the pages; nothing is copied again, and the
-  step's plan (the rows' runs, the metadata) is made once for all layers;
+  step's plan (the rows' runs, the metadata) is made once for all layers; on a GPU its decode
+  steps replay each layer's write and attention from a CUDA graph where the layer's backend
+  allows (``cuda_graphs=False``: eagerly);
 * with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per
   layer per step);
@@ -86,19 +88,20 @@ def _paged_note(version: str) -> str:
 
 
 def register(config: AttentionConfig | None = None, *,
-             generate_cache: bool = True) -> Registration:
+             generate_cache: bool = True, cuda_graphs: bool = True) -> Registration:
     """Register ``"attn_ops"`` in transformers' attention and mask interfaces (again: the
     same entries). ``config``: the :class:`~attn_ops.AttentionConfig` every layer is built with
     (a forced backend, tuning); layers already built keep theirs. ``generate_cache``:
     ``generate`` of a model running ``"attn_ops"`` keeps its K/V in attn_ops pages where the
     caller passes no cache (:func:`~attn_ops.hf.owned_cache.generate_cache_for`); False: HF's
-    own cache, as ``cache_implementation="dynamic"`` asks for one call."""
+    own cache, as ``cache_implementation="dynamic"`` asks for one call. ``cuda_graphs``: that
+    cache replays decode steps on a GPU from per-layer CUDA graphs (:func:`cache`)."""
     import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     _CONFIG["config"] = config
-    _GENERATE_CACHE["on"] = generate_cache
+    _GENERATE_CACHE["on"], _GENERATE_CACHE["graphs"] = generate_cache, cuda_graphs
     if generate_cache:
         _install_generate_cache()
     AttentionInterface.register(ATTN_NAME, attention_forward)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attn_ops.capabilities import CUDAGraphSupport
 from attn_ops.hf.common import _built, _decodes_first, _ranges, _rows_of, _runs, _where
+
+_DECODE_GRAPHS = CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
 # (id(key tensor) -> (its weakref, the AttnOpsCache layer that returned it from update))
 _HANDED: dict[int, tuple] = {}
 
@@ -43,11 +46,20 @@ class _Steps:
     unpadded tokens, the blocks the layers' pages hold (``capacity``: doubling as the rows'
     pages outgrow it, :func:`_grown`), and the step's plan -- the rows' new-token runs, the
     decode-first order and the metadata -- built by the first layer of a step and reused by the
-    others (the mask read on the host once a step, not once a layer)."""
+    others (the mask read on the host once a step, not once a layer).
 
-    def __init__(self, batch: int, max_tokens: int) -> None:
+    ``cuda_graphs``: a step of one new token in every row, on a GPU, runs each layer whose
+    backend replays uniform decodes from a CUDA graph of its own (:meth:`graph_metadata`,
+    ``AttnOpsLayer._graphed``): the write and the attention of a layer cost three input copies
+    and a replay on the host, not the ops' Python and launches -- what a decode of a few rows
+    is bound by. The graphs share one memory pool (they replay one after another)."""
+
+    def __init__(self, batch: int, max_tokens: int, cuda_graphs: bool = True) -> None:
         self.batch, self.max_tokens = batch, max_tokens
+        self.cuda_graphs = cuda_graphs
         self.by_page: dict[int, dict] = {}
+        self.pool = None  # (the graphs' memory pool, once one is captured)
+        self.stream = None  # (the side stream graphs are captured on)
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
         from attn_ops.kv_cache import BlockAllocator
@@ -97,10 +109,40 @@ class _Steps:
             np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
             np.array(lens, dtype=np.int64)))
         rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
+        graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
+                   and len(order) == b and not torch.is_grad_enabled())
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
                                     rows=rows, capacity=state["capacity"], built={},
-                                    scatter=_scatter_rows(table, ctx, lens, page, device))
+                                    scatter_of=(table, ctx, lens, page, device),
+                                    graph=dict(padded=None, built={}) if graphed else None)
         return plan
+
+    @staticmethod
+    def scatter(plan: dict):
+        """The plan's :func:`_scatter_rows`, made on first use (a step whose layers all
+        replay graphs uploads none)."""
+        if "scatter" not in plan:
+            plan["scatter"] = _scatter_rows(*plan.pop("scatter_of"))
+        return plan["scatter"]
+
+    def graph_metadata(self, plan: dict, layer, page: int) -> dict:
+        """``layer``'s CUDA-graph metadata for a decode step's ``plan`` (``{metadata key:
+        metadata}``): the step padded into the page size's persistent buffers once, each
+        backend's metadata built from them once (host planning included) for the layers
+        sharing its key. The buffers are as wide as a row of ``max_tokens`` needs, so the
+        graphs stay valid as the rows grow."""
+        from attn_ops.cudagraph import CUDAGraphBatch
+
+        state, step = self.by_page[page], plan["graph"]
+        if step["padded"] is None:
+            if state.get("graphs") is None:
+                state["graphs"] = CUDAGraphBatch((self.batch,), -(-self.max_tokens // page), page,
+                                                 plan["meta"].query_start_loc.device)
+            step["padded"] = state["graphs"].pad(plan["meta"])
+        key = layer._metadata_key
+        if key not in step["built"]:
+            step["built"][key] = layer.impl.graph_metadata(step["padded"], state["graphs"])
+        return {key: step["built"][key]}
 
     def tokens(self, page: int) -> list[int]:
         """Each row's unpadded tokens in the pages (the current step's included)."""
@@ -171,6 +213,9 @@ def _layer_class():
             self.length = 0
             self.kv = None
             self.pending = False  # (new tokens returned by update, not yet attended)
+            # (the decode graph: (layer, kv, static inputs, graph, output), and the layer whose
+            # graph-metadata run warmed it up -- _graphed)
+            self.graph, self.warmed, self.replays = None, None, 0
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.is_initialized = True
@@ -220,10 +265,15 @@ def _layer_class():
             if self.kv is None or self.kv.shape[0] != plan["capacity"]:
                 self.kv = _grown(layer, self.kv, plan["capacity"], query.device)
             rows = plan["rows"]
+            if plan["graph"] is not None and layer.cudagraph_support >= _DECODE_GRAPHS:
+                got = self._graphed(layer, self.steps.graph_metadata(plan, layer,
+                                                                     layer.block_size),
+                                    _rows_of(query), _rows_of(key), _rows_of(value))
+                return got.to(query.dtype).view(b, sq, hq, value.shape[3])
             if rows is None:  # (every row's every token, in order: a decode step, say)
                 new_k, new_v = _rows_of(key), _rows_of(value)
-                if plan["scatter"] is not None and _scatter_write(self.kv, new_k, new_v,
-                                                                  plan["scatter"]):
+                scatter = self.steps.scatter(plan)
+                if scatter is not None and _scatter_write(self.kv, new_k, new_v, scatter):
                     new_k = new_v = None  # (written: the layer attends over the cache)
                 got = layer(_rows_of(query), new_k, new_v, self.kv,
                             _built(plan["built"], layer, plan["meta"]))
@@ -234,6 +284,44 @@ def _layer_class():
                             self.kv, _built(plan["built"], layer, plan["meta"]))
                 out.index_copy_(0, rows, got.to(out.dtype))
             return out.view(b, sq, hq, value.shape[3])
+
+        def _graphed(self, layer, meta, query, key, value):
+            """A decode step's write and attention (rows ``[B, H, D]``) replayed from this
+            layer's CUDA graph: captured on the step after its first run over graph metadata
+            (which compiles and sets up what the capture cannot) and again whenever its pages
+            are reallocated (:func:`_grown`: a logarithmic number of times); the output is the
+            graph's, rewritten by the layer's next replay (the model consumes it before)."""
+            got = self.graph
+            if got is not None and got[0] is layer and got[1] is self.kv:
+                for static, new in zip(got[2], (query, key, value)):
+                    static.copy_(new)
+                got[3].replay()
+                self.replays += 1
+                return got[4]
+            if self.warmed is not layer:
+                self.warmed = layer
+                return layer(query, key, value, self.kv, meta)
+            steps = self.steps
+            statics = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+                            for t in (query, key, value))
+            current = torch.cuda.current_stream()
+            steps.stream = steps.stream or torch.cuda.Stream(device=query.device)
+            steps.stream.wait_stream(current)
+            graph = torch.cuda.CUDAGraph()
+            # (capture_begin directly: torch.cuda.graph would also synchronize the device and
+            # collect garbage, milliseconds a capture)
+            with torch.cuda.stream(steps.stream):
+                graph.capture_begin(pool=steps.pool, capture_error_mode="thread_local")
+                try:
+                    out = layer(*statics, self.kv, meta)
+                finally:
+                    graph.capture_end()
+            current.wait_stream(steps.stream)
+            steps.pool = graph.pool()
+            self.graph = (layer, self.kv, statics, graph, out)
+            graph.replay()
+            self.replays += 1
+            return out
 
     return AttnOpsLayer
 
@@ -281,21 +369,23 @@ def _refusal(model) -> tuple[str | None, list]:
     return None, layers
 
 
-def cache(model, batch: int, max_tokens: int):
+def cache(model, batch: int, max_tokens: int, *, cuda_graphs: bool = True):
     """A transformers ``Cache`` keeping every attention layer's K/V of ``model`` in attn_ops
     pages (module docstring), a hybrid model's other layers in HF's own cache layers:
     ``batch`` rows of at most ``max_tokens`` unpadded tokens each (prompt and generated). Pass
     it as ``cache`` (``past_key_values`` before transformers 5.2x) to ``generate`` (or a
     forward) of a model using ``attn_implementation="attn_ops"``; what it cannot serve is
-    refused (:func:`cache_supported`)."""
+    refused (:func:`cache_supported`). ``cuda_graphs``: decode steps on a GPU replay each
+    layer's write and attention from a CUDA graph where its backend allows (:class:`_Steps`);
+    False: every step eagerly."""
     why, layers = _refusal(model)
     if why is not None:
         raise ValueError(f"attn_ops.hf.cache: {why}; use HF's own cache (each call then copies "
                          "the history into a step cache)")
-    return _owned_cache(layers, batch, max_tokens)
+    return _owned_cache(layers, batch, max_tokens, cuda_graphs)
 
 
-def _owned_cache(layers: list, batch: int, max_tokens: int):
+def _owned_cache(layers: list, batch: int, max_tokens: int, cuda_graphs: bool = True):
     """The cache of :func:`cache` (its classes defined on first use: transformers is imported
     only then): HF's cache ``layers`` for the model, its attention ones replaced by
     attn_ops'."""
@@ -306,16 +396,16 @@ def _owned_cache(layers: list, batch: int, max_tokens: int):
         attn_ops_owned = True
 
         def __init__(self):
-            self.steps = _Steps(batch, max_tokens)
+            self.steps = _Steps(batch, max_tokens, cuda_graphs)
             super().__init__(layers=[layer_cls(self.steps, i) if _attention_layer(layer)
                                      else layer for i, layer in enumerate(layers)])
 
     return AttnOpsCache()
 
 
-# (whether generate() of a model running "attn_ops" makes an attn_ops cache by default:
-# register(generate_cache=...))
-_GENERATE_CACHE = {"on": False}
+# (whether generate() of a model running "attn_ops" makes an attn_ops cache by default, and
+# with decode graphs: register(generate_cache=..., cuda_graphs=...))
+_GENERATE_CACHE = {"on": False, "graphs": True}
 _SERVED_MODES = ("greedy_search", "sample")
 
 
@@ -342,7 +432,7 @@ def generate_cache_for(model, generation_config, model_kwargs, generation_mode,
         return None
     rows = batch_size * max(generation_config.num_beams or 1,
                             generation_config.num_return_sequences or 1)
-    return _owned_cache(layers, rows, max_cache_length)
+    return _owned_cache(layers, rows, max_cache_length, _GENERATE_CACHE["graphs"])
 
 
 def _install_generate_cache() -> None:
