@@ -302,10 +302,14 @@ def test_attn_ops_cache_replays_decode_steps_from_per_layer_cuda_graphs(name):
     new = 24
     got = _assert_same_greedy(theirs, ours, new, "cuda", **_with_cache(ours, owned))
     page = next(iter(owned.steps.by_page))
-    grown = {layer.kv.shape[0] for layer in owned.layers}
-    assert max(owned.steps.tokens(page)) > page and len(grown) == 1
-    # (decode steps: new - 1; the first over graph metadata runs eagerly, a warm-up)
+    # (decode steps: new - 1; the first over graph metadata runs eagerly, a warm-up; each
+    # growth of the pages after it recaptures)
     assert [layer.replays for layer in owned.layers] == [new - 2] * len(owned.layers)
+    captures = {tuple(layer.captures) for layer in owned.layers}
+    assert len(captures) == 1, captures
+    held = captures.pop()
+    assert len(held) >= 2 and list(held) == sorted(set(held)), (page, held)
+    assert held[-1] == owned.layers[0].kv.shape[0]
     eager = hf.cache(ours, batch=3, max_tokens=64, cuda_graphs=False)
     again = _assert_same_greedy(theirs, ours, new, "cuda", **_with_cache(ours, eager))
     assert torch.equal(again.sequences, got.sequences)

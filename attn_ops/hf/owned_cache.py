@@ -216,6 +216,7 @@ def _layer_class():
             # (the decode graph: (layer, kv, static inputs, graph, output), and the layer whose
             # graph-metadata run warmed it up -- _graphed)
             self.graph, self.warmed, self.replays = None, None, 0
+            self.captures: list[int] = []  # (the pages held at each capture)
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.is_initialized = True
@@ -319,6 +320,7 @@ def _layer_class():
             current.wait_stream(steps.stream)
             steps.pool = graph.pool()
             self.graph = (layer, self.kv, statics, graph, out)
+            self.captures.append(self.kv.shape[0])
             graph.replay()
             self.replays += 1
             return out
