@@ -42,27 +42,6 @@ def _chunk_out(q, k, v, s, slope, pos, like, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_out_factored(q, k, v, s, slope, pos, CHUNK: tl.constexpr, like, IEEE: tl.constexpr,
-                        FACTOR: tl.constexpr):
-    """:func:`_chunk_out` with the decay within the chunk split over its middle ``m``:
-    ``a^(i-j) = a^(i-m) a^(m-j)``, a factor on each of ``q``'s rows and on each of ``k``'s
-    before the product -- an exponential a token, not one a (token, token) pair, which would
-    otherwise cost about as much issue as the chunk's products. The factors reach ``e^(slope
-    (CHUNK - 1))``: slopes where that passes ``e^80`` (and fp16 operands, whose range ends
-    at 65504) take :func:`_chunk_out`."""
-    if FACTOR and slope * (CHUNK - 1.0) < 80.0:
-        mid = (CHUNK - 1.0) * 0.5
-        qa = q.to(tl.float32) * tl.exp(-slope * (pos - mid))[:, None]
-        ka = k.to(tl.float32) * tl.exp(slope * (pos - mid))[:, None]
-        scores = tl.where(pos[:, None] >= pos[None, :], _dot(qa, tl.trans(ka), like, IEEE), 0.0)
-        out = (_dot(scores, v, like, IEEE)
-               + _dot(q, s, like, IEEE) * tl.exp(-slope * (pos + 1.0))[:, None])
-    else:
-        out = _chunk_out(q, k, v, s, slope, pos, like, IEEE)
-    return out
-
-
-@triton.jit
 def _chunk_state(s, k, v, slope, pos, ok, n, like, IEEE: tl.constexpr):
     """The state after a chunk of ``n`` tokens (rows ``ok``): ``a^n s + k^T (a^(n-1-j) v)``."""
     to_end = tl.where(ok, tl.exp(-slope * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
@@ -160,11 +139,9 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_hc, stride_hh, stride_ot, stride_oh, H: tl.constexpr,
                             DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr,
-                            FACTOR: tl.constexpr):
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
     """Per chunk, head and block of value columns: ``o_i = a^(i+1) q_i S + sum_(j <= i)
-    a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S`` (the decay factored onto
-    ``q`` and ``k`` with ``FACTOR``: :func:`_chunk_out_factored`)."""
+    a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S``."""
     c, hh, start, end, offs_c, rows, ok, offs_k, k_ok, offs_v, v_ok = _chunk_output_program(
         start_ptr, end_ptr, H, DK, DV, CHUNK, BLOCK_K, BLOCK_V)
     if start < end:
@@ -172,8 +149,8 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
         k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
         v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
         s = _chunk_start_state(h_ptr, c, hh, stride_hc, stride_hh, offs_k, k_ok, offs_v, v_ok, DV)
-        o = _chunk_out_factored(q, k, v, s, tl.load(slope_ptr + hh).to(tl.float32),
-                                offs_c.to(tl.float32), CHUNK, q_ptr, IEEE, FACTOR)
+        o = _chunk_out(q, k, v, s, tl.load(slope_ptr + hh).to(tl.float32),
+                       offs_c.to(tl.float32), q_ptr, IEEE)
         tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
 
@@ -211,6 +188,5 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     lightning_output_kernel[(m * heads * cdiv(dv, out_bv),)](
         q, k, v, slope, h, out, starts, ends, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), h.stride(0), h.stride(1), out.stride(0),
-        out.stride(1), BLOCK_V=out_bv, num_warps=warps[1], FACTOR=q.dtype != torch.float16,
-        **common)
+        out.stride(1), BLOCK_V=out_bv, num_warps=warps[1], **common)
     return out
