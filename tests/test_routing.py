@@ -244,3 +244,11 @@ def test_mamba1_op_counts_its_programs_for_the_walk_rule():
     assert _segment(torch.zeros(200, 1024), qsl, 100, t) == 0  # 2 x 8 programs on 8 SMs
     assert _segment(torch.zeros(200, 256), qsl, 100, t) == 256  # 2 x 2 programs
     assert _segment(torch.zeros(400, 1024), torch.tensor([0, 370, 380, 390, 400]), 370, t) == 256
+
+
+def test_mamba1_reads_ahead_only_where_a_request_has_a_next_token():
+    """A step of one token a request reads nothing ahead (every read past its end); longer
+    steps read ahead as Tuning.ssm.mamba1_prefetch says."""
+    assert not routing.mamba1_read_ahead(1, True)
+    assert routing.mamba1_read_ahead(2, True) and routing.mamba1_read_ahead(63, True)
+    assert not routing.mamba1_read_ahead(8, False)

@@ -6,7 +6,7 @@ import torch
 
 from attn_ops.routing.common import Kernel
 
-__all__ = ["mamba1_segment", "ssm_kernel"]
+__all__ = ["mamba1_read_ahead", "mamba1_segment", "ssm_kernel"]
 
 
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
@@ -40,3 +40,11 @@ def mamba1_segment(requests: int, tokens: int, max_query_len: int, channel_block
     if filled and max_query_len * requests <= 2 * max(tokens, 1):
         return 0
     return segment
+
+
+def mamba1_read_ahead(max_query_len: int, prefetch: bool) -> bool:
+    """Whether Mamba1's token-by-token kernel reads each token's inputs a step ahead
+    (``Tuning.ssm.mamba1_prefetch``): not for a step of one token a request, whose reads ahead
+    all fall past its end -- they would only hold registers (sm_90, 64 channels on 4 warps: 77
+    a thread with them, 64 without) and the occupancy a state read needs."""
+    return prefetch and max_query_len > 1

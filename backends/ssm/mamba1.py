@@ -34,7 +34,7 @@ from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_v
                                           chunked_step_kernel, compute_dtype, scan_requests,
                                           store_states)
 from attn_ops.ops import define_op
-from attn_ops.routing import Kernel
+from attn_ops.routing import Kernel, mamba1_read_ahead
 
 __all__ = ["mamba1_reference", "mamba1_scan"]
 
@@ -124,7 +124,8 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
         from attn_ops.backends.ssm.triton_kernels import mamba1_recurrent_triton
 
         return mamba1_recurrent_triton(*args, t.mamba1_block_d, t.decode_num_warps,
-                                       t.mamba1_prefetch, t.mamba1_min_programs,
+                                       mamba1_read_ahead(max_query_len, t.mamba1_prefetch),
+                                       t.mamba1_min_programs,
                                        t.mamba1_decode_streaming)
     y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                              state_indices, has_initial_state, dt_softplus)
