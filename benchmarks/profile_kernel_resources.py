@@ -110,6 +110,29 @@ def _turboquant_write():
     return cache_write_kernel, points
 
 
+# DSV4_TRITON's attention kernel over vLLM's 584-byte entries: its arguments' types
+DSV4_TYPES = {"q_ptr": "*bf16", "win_ptr": "*u8", "comp_ptr": "*u8", "qsl_ptr": "*i32",
+              "seq_ptr": "*i32", "bt_ptr": "*i32", "cbt_ptr": "*i32", "picks_ptr": "*i32",
+              "out_ptr": "*bf16", "sm_scale": "fp32"}
+
+
+def _dsv4_attention():
+    """(kernel, points) of DSV4_TRITON's attention: V4-Flash's 64 heads of 448 + 64 over the
+    window and the indexer's picks (C4A), heads a program x keys a step x warps (``--stages``
+    sets the pipeline depth; the default launch runs 2)."""
+    import triton.language as tl
+
+    from attn_ops.backends.deepseek_v4.kernels import dsv4_attention_kernel
+
+    points = []
+    for heads, keys, warps in itertools.product((64, 32, 16), (64, 32), (8, 4)):
+        consts = dict(H=64, HEADS=heads, NOPE_D=448, NOPE_P=512, ROPE_D=64, ROPE_P=64,
+                      DV_P=512, WPAGE=64, CPAGE=64, BLOCK_N=keys, SPLITS=2, WIN_ENTRIES=True,
+                      COMP_ENTRIES=True, MODE=2, COMPUTE=tl.bfloat16, PRECISION="tf32")
+        points.append((f"{heads} heads x {keys} keys", consts, warps))
+    return dsv4_attention_kernel, points
+
+
 def configs() -> dict[str, tuple]:
     """kernel name -> (the kernel, [(label, constexprs, warps), ...])."""
     from attn_ops.backends.ssm import lightning_kernels as lk
@@ -156,6 +179,7 @@ def configs() -> dict[str, tuple]:
         "turboquant_attention": _turboquant_attention(),
         "bf16_attention": _turboquant_attention({"bf16": (16, 16, False)}, DECODE_TILES),
         "turboquant_write": _turboquant_write(),
+        "dsv4_attention": _dsv4_attention(),
     }
 
 
@@ -298,7 +322,8 @@ def main() -> None:
                                 "lightning_output": SPLIT_TYPES,
                                 "mamba1_unrolled": UNROLLED_TYPES,
                                 "mamba1_segment": SEGMENT_TYPES,
-                                "mamba1_segment_chain": SEGMENT_TYPES}.get(name),
+                                "mamba1_segment_chain": SEGMENT_TYPES,
+                                "dsv4_attention": DSV4_TYPES}.get(name),
                                UNALIGNED.get(name, ()), args.stages)
                 row = resources(kernel)
                 if args.layouts:

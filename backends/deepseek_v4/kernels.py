@@ -42,6 +42,15 @@ GROUP_C: tl.constexpr = tl.constexpr(GROUP)
 
 
 @triton.jit
+def _ue8m0(exponent):
+    """UE8M0 scale bytes as fp32 ``2^(e - 127)``: the byte is the float's exponent field (an
+    integer shift, not an exponential an element); 0 is the one subnormal, 255 infinity as
+    ``exp2(128)``."""
+    bits = exponent.to(tl.int32) << 23
+    return tl.where(exponent == 0, 5.877471754111438e-39, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _key_tile(cache_ptr, slot, ok, stride_b, stride_p, PAGE: tl.constexpr,
               ENTRIES: tl.constexpr, NOPE_D: tl.constexpr, NOPE_P: tl.constexpr,
               ROPE_D: tl.constexpr, ROPE_P: tl.constexpr, COMPUTE: tl.constexpr):
@@ -61,8 +70,7 @@ def _key_tile(cache_ptr, slot, ok, stride_b, stride_p, PAGE: tl.constexpr,
         raw = tl.load(data[:, None] + offs_n[None, :], mask=n_mask, other=0)
         exponent = tl.load(base[:, None] + PAGE * DATA_BYTES_C + row[:, None] * SCALE_BYTES_C
                            + (offs_n // GROUP_C)[None, :], mask=n_mask, other=127)
-        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(
-            exponent.to(tl.float32) - 127.0)
+        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(exponent)
         rope = tl.load((data + NOPE_D).to(tl.pointer_type(tl.bfloat16))[:, None]
                        + offs_r[None, :], mask=r_mask, other=0.0)
     else:
