@@ -1213,6 +1213,43 @@ def standin_flashmla_v4():
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
     return mod
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("mode", ["window", "dense", "picks"])
+def test_flashmla_index_lists_in_one_launch_are_the_torch_forms(mode):
+    """DSV4_FLASHMLA's index lists built by one Triton launch equal the torch form's, entry for
+    entry: decodes, a prefill, a chunk, padding rows; window pages released (-1), block ids
+    past the cache or below -1, a table column never reached; picks with -1, repeats, entries
+    not yet complete and past the compressed table."""
+    from attn_ops.backends.deepseek_v4.flashmla import index_lists, index_lists_triton
+
+    g = torch.Generator().manual_seed(8)
+    reqs, window_len, ratio, page, cpage = ((23, 1), (7, 1), (0, 6), (9, 5), (25, 2)), 6, 4, 4, 2
+    window, compressed, table, c_table = _paged_v4(reqs, 512, True, page, cpage, ratio, g)
+    table = torch.cat([table, table], 1)  # (columns past every request's window: unread)
+    new = torch.tensor([n for _, n in reqs])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).int()
+    seq = torch.tensor([c + n for c, n in reqs]).int()
+    t = int(qsl[-1]) + 2
+    table[0, :2] = -1  # (released behind request 0's window)
+    table[4, 5], table[4, 6] = 10 ** 6, -7  # (corrupt ids inside request 4's window)
+    c_table[3, 1] = 10 ** 6
+    c_table[1, 0] = -5
+    picks = None
+    if mode == "picks":
+        picks = torch.randint(-1, 12, (t, 20), generator=g).int()
+        picks[:, 3] = picks[:, 2]
+    extra = ((compressed, c_table, ratio, picks) if mode != "window" else (None, None, 0, None))
+    want = index_lists(qsl, seq, table, window, window_len, t, *extra)
+    got = _on_device(index_lists_triton, qsl, seq, table, window, window_len, t, *extra)
+    assert got[0].dtype == torch.int32 and torch.equal(got[0], want[0])
+    assert (got[1] is None) == (want[1] is None) == (mode == "window")
+    if mode != "window":
+        assert got[1].dtype == torch.int32 and torch.equal(got[1], want[1])
+        assert (want[1] >= 0).sum() > 10 and (want[1] == -1).sum() > 10
+    assert (want[0] >= 0).sum() > 10 and (want[0][t - 2:] == -1).all()
+
+
 
 @pytest.mark.parametrize("mode", ["window", "dense", "picks"])
 def test_flashmla_glue_runs_what_the_reference_does(monkeypatch, mode):

@@ -8,10 +8,10 @@ window's block table, -1 after them, padded to a multiple of 64) and its compres
 ``extra_indices_in_kvcache`` over ``extra_k_cache`` (C4A: the indexer's picks as global slots;
 C128A: every entry complete at ``p``), the sink as ``attn_sink`` (fp32; the heads FlashMLA pads
 to 64 or 128 get zero queries and a -inf sink, and their rows are dropped). The index lists are
-built on the device from ``query_start_loc`` / ``seq_lens`` (no host read); any entry that is
-not a slot of its cache -- a block id outside it or -1 (a released window page), a pick past the
-visible entries -- is -1. No ``topk_length`` is passed, so the kernel's tile schedule depends on
-the shapes only: one a shape, reused across steps and inside CUDA graphs. Calls hold at most
+built on the device from ``query_start_loc`` / ``seq_lens`` (no host read; on GPUs in one
+launch, :func:`index_lists_triton`); any entry that is not a slot of its cache -- a block id
+outside it or -1 (a released window page), a pick past the visible entries -- is -1. No
+``topk_length`` is passed, so the kernel's tile schedule depends on the shapes only: one a shape, reused across steps and inside CUDA graphs. Calls hold at most
 ``Tuning.mla.flashmla_rows_a_call`` rows (the tile scheduler's bound).
 """
 
@@ -21,10 +21,13 @@ import inspect
 from typing import ClassVar
 
 import torch
+import triton
+import triton.language as tl
 
 from attn_ops.backends.deepseek_v4.backend import (DeepseekV4TritonBackend, _table,
                                                    check_attention)
 from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entries_a_page
+from attn_ops.backends.mla.indexer_kernels import _requests_before
 from attn_ops.capabilities import CUDAGraphSupport, Reason
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
@@ -32,7 +35,8 @@ from attn_ops.providers import FLASHMLA as PROVIDERS
 from attn_ops.routing import FLASHMLA_MAX_ROWS
 from attn_ops.tuning import default_tuning
 
-__all__ = ["DeepseekV4FlashMLABackend", "flashmla_attention", "index_lists"]
+__all__ = ["DeepseekV4FlashMLABackend", "flashmla_attention", "index_lists",
+           "index_lists_triton"]
 
 HEAD_COUNTS = (64, 128)  # the query heads its sm90 sparse decode takes
 BLOCK_SLOTS = 64  # its index lists are padded to multiples of this
@@ -85,6 +89,86 @@ def index_lists(query_start_loc, seq_lens, block_table, window_cache, sliding_wi
     return _padded(window), _padded(extra)
 
 
+@triton.jit
+def _slot_of(table_ptr, req, entry, ok, width, stride, blocks, PAGE: tl.constexpr):
+    """:func:`_slots` for one row's ``entry`` block: the global slot, -1 where not a slot."""
+    col = entry // PAGE
+    ok = ok & (entry >= 0) & (col < width)
+    block = tl.load(table_ptr + req * stride + col, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (block >= 0) & (block < blocks)
+    return tl.where(ok, block * PAGE + entry % PAGE, -1).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "steps", "bt_width", "cbt_width", "win_blocks",
+                               "comp_blocks", "num_cols", "window", "ratio"])
+def index_lists_kernel(qsl_ptr, seq_ptr, bt_ptr, cbt_ptr, picks_ptr, win_ptr, comp_ptr,
+                       num_reqs, steps, bt_width, cbt_width, win_blocks, comp_blocks, num_cols,
+                       window, ratio, stride_bt, stride_cbt, stride_pk, KW: tl.constexpr,
+                       KC: tl.constexpr, WPAGE: tl.constexpr, CPAGE: tl.constexpr,
+                       MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(t, b)``: row ``t``'s index-list columns ``b * BLOCK ...`` -- the window's
+    ``KW`` padded columns, then the compressed entries' ``KC`` (``MODE`` 1: entry ``c``, 2:
+    ``picks[t, c]``; ``num_cols`` of them) -- as :func:`index_lists`' torch form writes them."""
+    t = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK
+    req = tl.minimum(_requests_before(qsl_ptr, t, num_reqs, steps), num_reqs - 1)
+    start = tl.load(qsl_ptr + req)
+    pos = tl.load(seq_ptr + req) - (tl.load(qsl_ptr + req + 1) - start) + (t - start)
+    seen = tl.where(t < tl.load(qsl_ptr + num_reqs), tl.maximum(pos + 1, 0), 0).to(tl.int64)
+    req = req.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if col0 < KW:
+        j = col0 + offs
+        n_win = tl.minimum(seen, window)
+        slot = _slot_of(bt_ptr, req, seen - n_win + j, j < n_win, bt_width, stride_bt,
+                        win_blocks, WPAGE)
+        tl.store(win_ptr + t.to(tl.int64) * KW + j, slot)
+    else:
+        c = col0 - KW + offs
+        if MODE == 1:
+            entry = c.to(tl.int64)
+        else:
+            entry = tl.load(picks_ptr + t.to(tl.int64) * stride_pk + c, mask=c < num_cols,
+                            other=-1).to(tl.int64)
+        slot = _slot_of(cbt_ptr, req, entry, (c < num_cols) & (entry < seen // ratio),
+                        cbt_width, stride_cbt, comp_blocks, CPAGE)
+        tl.store(comp_ptr + t.to(tl.int64) * KC + c, slot)
+
+
+def index_lists_triton(query_start_loc, seq_lens, block_table, window_cache,
+                       sliding_window: int, t: int, compressed_cache=None,
+                       compressed_block_table=None, ratio: int = 0,
+                       picks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`index_lists` in one launch (its torch form is about twenty small launches)."""
+    def padded(k: int) -> int:
+        return max(BLOCK_SLOTS, -(-k // BLOCK_SLOTS) * BLOCK_SLOTS)
+
+    device = seq_lens.device
+    kw = padded(sliding_window)
+    window = torch.empty(t, 1, kw, dtype=torch.int32, device=device)
+    mode, cols, kc, extra = 0, 0, 0, window
+    c_table, c_blocks, c_page = block_table, 1, 1
+    if compressed_cache is not None:
+        mode = 1 if picks is None else 2
+        c_page = entries_a_page(compressed_cache)
+        cols = (compressed_block_table.shape[1] * c_page if picks is None
+                else picks.shape[1])
+        kc = padded(cols)
+        extra = torch.empty(t, 1, kc, dtype=torch.int32, device=device)
+        c_table, c_blocks = compressed_block_table, compressed_cache.shape[0]
+    if t == 0:
+        return window, extra if mode else None
+    b = seq_lens.shape[0]
+    pk = picks if picks is not None else c_table
+    index_lists_kernel[(t, (kw + kc) // BLOCK_SLOTS)](
+        query_start_loc, seq_lens, block_table, c_table, pk, window, extra, b,
+        max(1, b.bit_length()), block_table.shape[1], c_table.shape[1], window_cache.shape[0],
+        c_blocks, cols, sliding_window, max(ratio, 1), block_table.stride(0),
+        c_table.stride(0), pk.stride(0), KW=kw, KC=kc, WPAGE=entries_a_page(window_cache),
+        CPAGE=c_page, MODE=mode, BLOCK=BLOCK_SLOTS, num_warps=2)
+    return window, extra if mode else None
+
+
 def _fp8_pages(cache: torch.Tensor) -> torch.Tensor:
     """A 584-byte cache as FlashMLA reads it: ``[blocks, page, 1, 584]`` e4m3."""
     page = entries_a_page(cache)
@@ -119,9 +203,9 @@ def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
     if t == 0:
         return out
     hp = next(h for h in HEAD_COUNTS if heads <= h)
-    window, extra = index_lists(query_start_loc, seq_lens, block_table, window_cache,
-                                sliding_window, t, compressed_cache, compressed_block_table,
-                                ratio, picks)
+    lists = index_lists_triton if q.is_cuda else index_lists
+    window, extra = lists(query_start_loc, seq_lens, block_table, window_cache, sliding_window,
+                          t, compressed_cache, compressed_block_table, ratio, picks)
     qp = q.new_zeros(t, 1, hp, d)
     qp[:, 0, :heads] = q
     sink = torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device)
