@@ -11,7 +11,8 @@ to 64 or 128 get zero queries and a -inf sink, and their rows are dropped). The 
 built on the device from ``query_start_loc`` / ``seq_lens`` (no host read; on GPUs in one
 launch, :func:`index_lists_triton`); any entry that is not a slot of its cache -- a block id
 outside it or -1 (a released window page), a pick past the visible entries -- is -1. No
-``topk_length`` is passed, so the kernel's tile schedule depends on the shapes only: one a shape, reused across steps and inside CUDA graphs. Calls hold at most
+``topk_length`` is passed, so the kernel's tile schedule depends on the shapes only: one a
+shape, reused across steps and inside CUDA graphs. Calls hold at most
 ``Tuning.mla.flashmla_rows_a_call`` rows (the tile scheduler's bound).
 """
 
