@@ -108,7 +108,7 @@ class _Steps:
         rows = torch.from_numpy(_ranges(  # (HF's [B * Sq] rows, in order; None: all)
             np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
             np.array(lens, dtype=np.int64)))
-        rows = None if torch.equal(rows, torch.arange(b * sq)) else rows.to(device)
+        rows = None if torch.equal(rows, torch.arange(b * sq)) else _upload(rows.numpy(), device)
         graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
                    and len(order) == b and not torch.is_grad_enabled())
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
@@ -164,7 +164,18 @@ def _scatter_rows(table: np.ndarray, ctx: list[int], lens: list[int], page: int,
     at = np.array(ctx, dtype=np.int64)
     blocks = table[np.arange(len(ctx)), at // page].astype(np.int64)
     keys = blocks * 2 * page + at % page
-    return torch.from_numpy(np.stack([keys, keys + page])).to(device)
+    return _upload(np.stack([keys, keys + page]), device)
+
+
+def _upload(a: np.ndarray, device) -> torch.Tensor:
+    """An int64 host array on ``device`` without blocking the host: through a pinned staging
+    block on a GPU (a copy from pageable memory first waits for the stream to drain, as in
+    :func:`attn_ops.metadata.pack_upload`)."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(a)
+    staged = torch.empty(a.shape, dtype=torch.int64, pin_memory=True)
+    staged.numpy()[...] = a
+    return staged.to(device, non_blocking=True)
 
 
 def _scatter_write(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
