@@ -55,7 +55,9 @@ class SSMTuning:
     mamba1_chunk_warps: int = 8
     # Both Mamba1 kernels read a token's (a chunk's) inputs one step ahead, while the
     # previous step computes: their loops are dependent, so a step's reads otherwise wait out
-    # their whole latency.
+    # their whole latency. Steps of one token a request read nothing ahead
+    # (routing.mamba1_read_ahead). H100, batch 256 / 1024 decodes: 78.8 / 312.0 us with the
+    # read-ahead, 76.5 / 303.2 without.
     mamba1_prefetch: bool = True
     # Mamba1's prefill token by token with each channel's d_state row unrolled into one
     # thread's registers (``mamba1_unrolled``, replacing the chunked kernel above): y = sum_n
