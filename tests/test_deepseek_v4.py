@@ -450,9 +450,20 @@ def test_memory_arithmetic_of_a_long_request():
     assert m.v32_layer_bytes(ctx) == ctx * 788
 
 
+def _v4_gpu_choice(spec) -> str:
+    """The backend an sm90 GPU selects for a V4 ``spec``: DSV4_FLASHMLA where it serves it
+    (FlashMLA imports with V4's interface, fp8 entries), else DSV4_TRITON."""
+    from attn_ops.platforms import Platform
+    from attn_ops.registry import get_backend_class
+
+    flashmla = get_backend_class("DSV4_FLASHMLA")
+    return ("DSV4_FLASHMLA" if not flashmla.not_supported_reasons(
+        spec, Platform.parse("cuda:9.0")) else "DSV4_TRITON")
+
+
 def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
-    """A DeepSeek-V4 spec is offered its family's backends only (DSV4_TRITON on the H200,
-    DSV4_REFERENCE on the CPU); forcing an attention backend on its kind names the mismatch;
+    """A DeepSeek-V4 spec is offered its family's backends only (on the H200 DSV4_FLASHMLA
+    where FlashMLA imports, else DSV4_TRITON; DSV4_REFERENCE on the CPU); forcing an attention backend on its kind names the mismatch;
     DSV4_REFERENCE refuses an attention spec; a spec outside the model's shapes is refused
     naming the value."""
     from attn_ops import AttentionConfig, AttentionSpec, select_backend
@@ -464,7 +475,7 @@ def test_v4_specs_select_their_family_and_are_refused_elsewhere_naming_why():
 
     spec = DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4, index_heads=64,
                           index_head_dim=128, index_topk=512, kv_cache_dtype="fp8_ds_mla")
-    for platform, backend in (("cpu", "DSV4_REFERENCE"), ("cuda:9.0", "DSV4_TRITON")):
+    for platform, backend in (("cpu", "DSV4_REFERENCE"), ("cuda:9.0", _v4_gpu_choice(spec))):
         selection = select_backend(spec, Platform.parse(platform))
         assert selection.backend == backend
         assert {c.name for c in selection.candidates} == {"DSV4_REFERENCE", "DSV4_TRITON",
@@ -491,7 +502,14 @@ def test_select_and_info_show_v4_layers(capsys, flag):
     assert main(["select", "--dsv4", flag, "--kv-cache-dtype", "fp8_ds_mla", "--platform",
                  "cuda:9.0"]) == 0
     out = capsys.readouterr().out
-    assert "selected: DSV4_TRITON (auto)" in out and "kv_cache_dtype=fp8_ds_mla" in out
+    from attn_ops.backends.deepseek_v4.spec import DeepseekV4Spec
+
+    kind = {"swa": "sliding_attention", "csa": "compressed_sparse_attention",
+            "hca": "heavily_compressed_attention"}[flag]
+    extra = dict(compress_ratio=4, index_heads=64, index_head_dim=128, index_topk=512) \
+        if flag == "csa" else dict(compress_ratio=128) if flag == "hca" else {}
+    choice = _v4_gpu_choice(DeepseekV4Spec(kind, kv_cache_dtype="fp8_ds_mla", **extra))
+    assert f"selected: {choice} (auto)" in out and "kv_cache_dtype=fp8_ds_mla" in out
     assert main(["info", "--dsv4", flag]) == 0
     out = capsys.readouterr().out
     assert "DSV4_REFERENCE     available" in out and "DSV4_TRITON        " in out
@@ -1298,6 +1316,12 @@ def test_flashmla_glue_runs_what_the_reference_does(monkeypatch, mode):
     spec = DeepseekV4Spec("compressed_sparse_attention", compress_ratio=4, index_heads=64,
                           index_head_dim=128, index_topk=512, kv_cache_dtype="fp8_ds_mla")
     assert DeepseekV4FlashMLABackend.not_supported_reasons(spec, h200) == []
+    # (selected first where it serves the spec; rows in the model dtype are DSV4_TRITON's)
+    from attn_ops import select_backend
+
+    assert select_backend(spec, h200).backend == "DSV4_FLASHMLA"
+    assert select_backend(dc.replace(spec, kv_cache_dtype="auto"), h200).backend == \
+        "DSV4_TRITON"
     for bad, code in ((dc.replace(spec, kv_cache_dtype="auto"), "kv_cache_dtype"),
                       (dc.replace(spec, dtype=torch.float16), "dtype"),
                       (dc.replace(spec, num_heads=256), "num_heads")):
