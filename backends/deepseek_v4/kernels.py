@@ -54,44 +54,49 @@ def _ue8m0(exponent):
 def _key_tile(cache_ptr, slot, ok, stride_b, stride_p, PAGE: tl.constexpr,
               ENTRIES: tl.constexpr, NOPE_D: tl.constexpr, NOPE_P: tl.constexpr,
               ROPE_D: tl.constexpr, ROPE_P: tl.constexpr, COMPUTE: tl.constexpr):
-    """Keys ``slot`` [BLOCK_N] of a paged cache (``ok``: present), as ``(nope [BLOCK_N,
-    NOPE_P], rope [BLOCK_N, ROPE_P])`` in ``COMPUTE``; absent rows are zero. An absent row's
-    slot may be anything: every load of it is masked by ``ok`` (clamping it with ``tl.where``
-    instead breaks Triton 3.6's sm_90 layout pass at fp32 with small pages)."""
+    """Keys ``slot`` [BLOCK_N] of a paged cache (``ok``: present), transposed -- ``(nope
+    [NOPE_P, BLOCK_N], rope [ROPE_P, BLOCK_N])`` in ``COMPUTE``, a key a column (the score
+    product's right operand); absent keys are zero. The gathers are built with a key's bytes
+    along the first axis, the contiguous one, so a warp's lanes run along a key's bytes (a
+    load a few cache lines): built the other way, Triton lays the lanes across 32 keys for
+    the product's operand, and each one-byte load touches 32 lines. An absent key's slot may
+    be anything: every load of it is masked by ``ok`` (clamping it with ``tl.where`` instead
+    breaks Triton 3.6's sm_90 layout pass at fp32 with small pages)."""
     page = slot // PAGE
     row = slot % PAGE
     offs_n = tl.arange(0, NOPE_P)
     offs_r = tl.arange(0, ROPE_P)
-    n_mask = ok[:, None] & (offs_n < NOPE_D)[None, :]
-    r_mask = ok[:, None] & (offs_r < ROPE_D)[None, :]
+    n_mask = (offs_n < NOPE_D)[:, None] & ok[None, :]
+    r_mask = (offs_r < ROPE_D)[:, None] & ok[None, :]
     if ENTRIES:  # (planar 584-byte entries: data plane, then the scale plane)
         base = cache_ptr + page * stride_b
         data = base + row * DATA_BYTES_C
-        raw = tl.load(data[:, None] + offs_n[None, :], mask=n_mask, other=0)
-        exponent = tl.load(base[:, None] + PAGE * DATA_BYTES_C + row[:, None] * SCALE_BYTES_C
-                           + (offs_n // GROUP_C)[None, :], mask=n_mask, other=127)
+        raw = tl.load(data[None, :] + offs_n[:, None], mask=n_mask, other=0)
+        exponent = tl.load(base[None, :] + PAGE * DATA_BYTES_C + row[None, :] * SCALE_BYTES_C
+                           + (offs_n // GROUP_C)[:, None], mask=n_mask, other=127)
         nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(exponent)
-        rope = tl.load((data + NOPE_D).to(tl.pointer_type(tl.bfloat16))[:, None]
-                       + offs_r[None, :], mask=r_mask, other=0.0)
+        rope = tl.load((data + NOPE_D).to(tl.pointer_type(tl.bfloat16))[None, :]
+                       + offs_r[:, None], mask=r_mask, other=0.0)
     else:
         rows = cache_ptr + page * stride_b + row * stride_p
-        nope = tl.load(rows[:, None] + offs_n[None, :], mask=n_mask, other=0.0)
-        rope = tl.load(rows[:, None] + NOPE_D + offs_r[None, :], mask=r_mask, other=0.0)
+        nope = tl.load(rows[None, :] + offs_n[:, None], mask=n_mask, other=0.0)
+        rope = tl.load(rows[None, :] + NOPE_D + offs_r[:, None], mask=r_mask, other=0.0)
     return nope.to(COMPUTE), rope.to(COMPUTE)
-
 
 
 @triton.jit
 def _softmax_step(s, kn, kr, m_i, l_i, acc_n, acc_r, PRECISION: tl.constexpr):
     """One key block into the running softmax (base 2; ``s`` -inf where absent): the values
-    are the keys' two parts."""
+    are the keys' two parts (``kn`` / ``kr`` as :func:`_key_tile` gives them, transposed)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc_n = tl.dot(p.to(kn.dtype), kn, acc_n * alpha[:, None], input_precision=PRECISION)
-    acc_r = tl.dot(p.to(kr.dtype), kr, acc_r * alpha[:, None], input_precision=PRECISION)
+    acc_n = tl.dot(p.to(kn.dtype), tl.trans(kn), acc_n * alpha[:, None],
+                   input_precision=PRECISION)
+    acc_r = tl.dot(p.to(kr.dtype), tl.trans(kr), acc_r * alpha[:, None],
+                   input_precision=PRECISION)
     return m_new, l_i, acc_n, acc_r
 
 
@@ -155,8 +160,8 @@ def dsv4_attention_kernel(
         ok = ok & (block >= 0) & (block < win_blocks)
         kn, kr = _key_tile(win_ptr, block * WPAGE + wpos % WPAGE, ok, stride_wb, stride_wp,
                            WPAGE, WIN_ENTRIES, NOPE_D, NOPE_P, ROPE_D, ROPE_P, COMPUTE)
-        s = tl.dot(qn, tl.trans(kn), input_precision=PRECISION)
-        s = tl.dot(qr, tl.trans(kr), s, input_precision=PRECISION)
+        s = tl.dot(qn, kn, input_precision=PRECISION)
+        s = tl.dot(qr, kr, s, input_precision=PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc_n, acc_r = _softmax_step(s, kn, kr, m_i, l_i, acc_n, acc_r, PRECISION)
     if MODE > 0:  # the compressed entries
@@ -174,8 +179,8 @@ def dsv4_attention_kernel(
             kn, kr = _key_tile(comp_ptr, block * CPAGE + entry % CPAGE, ok, stride_cb,
                                stride_cp, CPAGE, COMP_ENTRIES, NOPE_D, NOPE_P, ROPE_D, ROPE_P,
                                COMPUTE)
-            s = tl.dot(qn, tl.trans(kn), input_precision=PRECISION)
-            s = tl.dot(qr, tl.trans(kr), s, input_precision=PRECISION)
+            s = tl.dot(qn, kn, input_precision=PRECISION)
+            s = tl.dot(qr, kr, s, input_precision=PRECISION)
             s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
             m_i, l_i, acc_n, acc_r = _softmax_step(s, kn, kr, m_i, l_i, acc_n, acc_r,
                                                    PRECISION)
