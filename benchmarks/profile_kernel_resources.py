@@ -133,6 +133,47 @@ def _dsv4_attention():
     return dsv4_attention_kernel, points
 
 
+# The sparse-MLA indexer's scoring over fp8 keys with a scale a key (DeepSeek-V3.2 / V4)
+INDEX_TYPES = {"q_ptr": "*bf16", "w_ptr": "*fp32", "keys_ptr": "*fp8e4nv", "scales_ptr": "*fp32",
+               "table_ptr": "*i32", "req_ptr": "*i32", "vis_ptr": "*i32", "out_ptr": "*fp32",
+               "hist_ptr": "*i32"}
+
+
+def _index_score():
+    """(kernel, points) of the indexer's scoring: 64 heads of 128, fp8 keys, page 64, the
+    query in e4m3 (``Tuning.mla.index_fp8_query``), keys a step x keys as rows or not."""
+    import triton.language as tl
+
+    from attn_ops.backends.mla.indexer_kernels import index_score_kernel
+
+    points = []
+    for block_n, rows in itertools.product((256, 128, 64), (True, False)):
+        consts = dict(H=64, H_P=64, D=128, D_P=128, PAGE=64, GROUP=128, HAS_SCALES=True,
+                      SCALE_AFTER=True, COMPUTE=tl.bfloat16, BLOCK_N=block_n, PRECISION="tf32",
+                      HIST=False, FP8_Q=True, KEYS_M=rows)
+        points.append((f"{block_n} keys" + (", keys as rows" if rows else ""), consts, 4))
+    return index_score_kernel, points
+
+
+def _sparse_mla(fp8: bool):
+    """(kernel, points) of TRITON_MLA_SPARSE: DeepSeek-V3.2's 128 heads over latents of 512 +
+    64 gathered by slot (fp8 e4m3 or bf16), the default tile and a smaller one."""
+    import triton.language as tl
+
+    from attn_ops.backends.mla.sparse_kernels import sparse_mla_kernel
+
+    points = []
+    for heads, keys, warps in ((64, 64, 8), (32, 32, 4)):
+        consts = dict(H=128, HEADS=heads, RANK=512, RANK_P=512, ROPE=64, ROPE_P=64, PAGE=64,
+                      BLOCK_N=keys, SPLITS=2, FP8=fp8, PRECISION="tf32", FLAGGED=False)
+        points.append((f"{heads} heads x {keys} keys", consts, warps))
+    return sparse_mla_kernel, points
+
+
+SPARSE_TYPES = {"ql_ptr": "*bf16", "qpe_ptr": "*bf16", "cache_ptr": "*fp8e4nv",
+                "slots_ptr": "*i32", "out_ptr": "*bf16", "sm_scale": "fp32"}
+
+
 def configs() -> dict[str, tuple]:
     """kernel name -> (the kernel, [(label, constexprs, warps), ...])."""
     from attn_ops.backends.ssm import lightning_kernels as lk
@@ -180,6 +221,9 @@ def configs() -> dict[str, tuple]:
         "bf16_attention": _turboquant_attention({"bf16": (16, 16, False)}, DECODE_TILES),
         "turboquant_write": _turboquant_write(),
         "dsv4_attention": _dsv4_attention(),
+        "index_score": _index_score(),
+        "sparse_mla_fp8": _sparse_mla(True),
+        "sparse_mla_bf16": _sparse_mla(False),
     }
 
 
@@ -323,7 +367,11 @@ def main() -> None:
                                 "mamba1_unrolled": UNROLLED_TYPES,
                                 "mamba1_segment": SEGMENT_TYPES,
                                 "mamba1_segment_chain": SEGMENT_TYPES,
-                                "dsv4_attention": DSV4_TYPES}.get(name),
+                                "dsv4_attention": DSV4_TYPES,
+                                "index_score": INDEX_TYPES,
+                                "sparse_mla_fp8": SPARSE_TYPES,
+                                "sparse_mla_bf16": dict(SPARSE_TYPES, cache_ptr="*bf16")
+                                }.get(name),
                                UNALIGNED.get(name, ()), args.stages)
                 row = resources(kernel)
                 if args.layouts:
