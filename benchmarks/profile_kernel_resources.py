@@ -1,18 +1,20 @@
-"""Registers, spills and static shared memory of the recurrent-state Triton kernels, compiled
+"""Registers, spills and static shared memory of our Triton kernels, compiled
 ahead of time for sm_90 (the H200) on any machine -- no GPU needed: Triton's compiler and its
 bundled ptxas build the cubin, its cuobjdump reads the resources. A kernel whose registers
 spill, or that leaves room for one program an SM, is a poor candidate before any timing.
 
 Each kernel is built at the real shapes its op serves (Mamba-2.8B's d_inner 5120 / d_state 16,
 MiniMax-Text-01's lightning heads of 128, Qwen3-Next's GDN heads, Llama-3-8B's attention heads
-over TurboQuant slots), bf16 inputs, with pointers
+over TurboQuant slots, DeepSeek-V4's attention over 584-byte entries, V3.2's indexer scoring and
+sparse MLA), bf16 inputs, with pointers
 and strides specialized as divisible by 16 where Triton's JIT specializes them so at those
 shapes (not a TurboQuant slot's stride), over a grid of block configurations:
 
     python benchmarks/profile_kernel_resources.py [--kernels mamba1_chunked lightning_chunked
         lightning_state lightning_output mamba1_unrolled mamba1_segment mamba1_segment_chain
         mamba1_recurrent lightning_recurrent gdn_recurrent
-        turboquant_attention bf16_attention turboquant_write] [--arch 90] [--stages N] [--loop]
+        turboquant_attention bf16_attention turboquant_write dsv4_attention index_score
+        sparse_mla_fp8 sparse_mla_bf16] [--arch 90] [--stages N] [--loop] [--layouts]
         [--out PATH]
 
 ``--loop`` also counts the SASS instructions of each kernel's main loop (a thread's, an
