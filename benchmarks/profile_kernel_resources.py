@@ -160,8 +160,6 @@ def _index_score():
 def _sparse_mla(fp8: bool):
     """(kernel, points) of TRITON_MLA_SPARSE: DeepSeek-V3.2's 128 heads over latents of 512 +
     64 gathered by slot (fp8 e4m3 or bf16), the default tile and a smaller one."""
-    import triton.language as tl
-
     from attn_ops.backends.mla.sparse_kernels import sparse_mla_kernel
 
     points = []
