@@ -59,8 +59,9 @@ def _key_tile(cache_ptr, slot, ok, stride_b, stride_p, PAGE: tl.constexpr,
     product's right operand); absent keys are zero. Built so (a key's bytes along the first
     axis), the tiles enter the products with fewer changes of layout through shared memory:
     built as ``[BLOCK_N, D]`` and transposed, the sm_90 build spent about 250 shared-memory
-    instructions a thread more per 64 keys. An absent key's slot may be anything: every load of it is masked by ``ok`` (clamping it with ``tl.where`` instead
-    breaks Triton 3.6's sm_90 layout pass at fp32 with small pages)."""
+    instructions a thread more per 64 keys. An absent key's slot may be anything: every load
+    of it is masked by ``ok`` (clamping it with ``tl.where`` instead breaks Triton 3.6's sm_90
+    layout pass at fp32 with small pages)."""
     page = slot // PAGE
     row = slot % PAGE
     offs_n = tl.arange(0, NOPE_P)
