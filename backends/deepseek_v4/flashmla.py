@@ -28,7 +28,7 @@ import triton.language as tl
 from attn_ops.backends.deepseek_v4.backend import (DeepseekV4TritonBackend, _table,
                                                    check_attention)
 from attn_ops.backends.deepseek_v4.cache import ENTRY_BYTES, entries_a_page
-from attn_ops.backends.mla.indexer_kernels import _requests_before
+from attn_ops.backends.mla.indexer_kernels import _row_position
 from attn_ops.capabilities import CUDAGraphSupport, Reason
 from attn_ops.ops import define_op
 from attn_ops.platforms import Platform, PlatformKind
@@ -55,10 +55,14 @@ def _slots(table, req, entries, ok, page: int, blocks: int) -> torch.Tensor:
     return torch.where(ok, block * page + entries % page, -1).to(torch.int32)
 
 
+def _padded_width(k: int) -> int:
+    """An index list of ``k`` entries padded to FlashMLA's multiple of ``BLOCK_SLOTS``."""
+    return max(BLOCK_SLOTS, -(-k // BLOCK_SLOTS) * BLOCK_SLOTS)
+
+
 def _padded(slots: torch.Tensor) -> torch.Tensor:
     k = slots.shape[1]
-    kp = max(BLOCK_SLOTS, -(-k // BLOCK_SLOTS) * BLOCK_SLOTS)
-    return torch.nn.functional.pad(slots, (0, kp - k), value=-1).unsqueeze(1)
+    return torch.nn.functional.pad(slots, (0, _padded_width(k) - k), value=-1).unsqueeze(1)
 
 
 def index_lists(query_start_loc, seq_lens, block_table, window_cache, sliding_window: int,
@@ -112,9 +116,7 @@ def index_lists_kernel(qsl_ptr, seq_ptr, bt_ptr, cbt_ptr, picks_ptr, win_ptr, co
     ``picks[t, c]``; ``num_cols`` of them) -- as :func:`index_lists`' torch form writes them."""
     t = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK
-    req = tl.minimum(_requests_before(qsl_ptr, t, num_reqs, steps), num_reqs - 1)
-    start = tl.load(qsl_ptr + req)
-    pos = tl.load(seq_ptr + req) - (tl.load(qsl_ptr + req + 1) - start) + (t - start)
+    req, pos = _row_position(qsl_ptr, seq_ptr, t, num_reqs, steps)
     seen = tl.where(t < tl.load(qsl_ptr + num_reqs), tl.maximum(pos + 1, 0), 0).to(tl.int64)
     req = req.to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -141,11 +143,8 @@ def index_lists_triton(query_start_loc, seq_lens, block_table, window_cache,
                        compressed_block_table=None, ratio: int = 0,
                        picks=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`index_lists` in one launch (its torch form is about twenty small launches)."""
-    def padded(k: int) -> int:
-        return max(BLOCK_SLOTS, -(-k // BLOCK_SLOTS) * BLOCK_SLOTS)
-
     device = seq_lens.device
-    kw = padded(sliding_window)
+    kw = _padded_width(sliding_window)
     window = torch.empty(t, 1, kw, dtype=torch.int32, device=device)
     mode, cols, kc, extra = 0, 0, 0, window
     c_table, c_blocks, c_page = block_table, 1, 1
@@ -154,7 +153,7 @@ def index_lists_triton(query_start_loc, seq_lens, block_table, window_cache,
         c_page = entries_a_page(compressed_cache)
         cols = (compressed_block_table.shape[1] * c_page if picks is None
                 else picks.shape[1])
-        kc = padded(cols)
+        kc = _padded_width(cols)
         extra = torch.empty(t, 1, kc, dtype=torch.int32, device=device)
         c_table, c_blocks = compressed_block_table, compressed_cache.shape[0]
     if t == 0:

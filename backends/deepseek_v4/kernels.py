@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from attn_ops.backends.deepseek_v4.cache import DATA_BYTES, ENTRY_BYTES, GROUP, entries_a_page
-from attn_ops.backends.mla.indexer_kernels import _requests_before
+from attn_ops.backends.mla.indexer_kernels import _row_position
 from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 from attn_ops.routing import cdiv, combine_split_block, pow2
 
@@ -116,10 +116,8 @@ def dsv4_attention_kernel(
 ):
     t = tl.program_id(0)
     split = tl.program_id(2)
-    req = tl.minimum(_requests_before(qsl_ptr, t, num_reqs, steps), num_reqs - 1)
+    req, pos = _row_position(qsl_ptr, seq_ptr, t, num_reqs, steps)
     live = t < tl.load(qsl_ptr + num_reqs)
-    start = tl.load(qsl_ptr + req)
-    pos = tl.load(seq_ptr + req) - (tl.load(qsl_ptr + req + 1) - start) + (t - start)
     pos = pos.to(tl.int64)
     n_win = tl.where(live, tl.minimum(tl.maximum(pos + 1, 0), window), 0)
     visible = tl.maximum(pos + 1, 0) // ratio

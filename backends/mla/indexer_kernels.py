@@ -282,15 +282,24 @@ def _requests_before(qsl_ptr, rows, num_reqs, steps):
 
 
 @triton.jit
+def _row_position(qsl_ptr, seq_ptr, rows, num_reqs, steps):
+    """``(request, position)`` of each of ``rows`` (a query row or a block of them): its
+    request by :func:`_requests_before` (clamped to the last), its position in the request
+    from ``seq_lens`` and ``query_start_loc`` (rows past the last request's get a position
+    the caller masks by ``rows < qsl[num_reqs]``)."""
+    req = tl.minimum(_requests_before(qsl_ptr, rows, num_reqs, steps), num_reqs - 1)
+    start = tl.load(qsl_ptr + req)
+    pos = tl.load(seq_ptr + req) - (tl.load(qsl_ptr + req + 1) - start) + (rows - start)
+    return req, pos
+
+
+@triton.jit
 def visible_rows_kernel(qsl_ptr, seq_ptr, req_ptr, vis_ptr, num_rows, num_reqs, steps,
                         limit, ratio, BLOCK: tl.constexpr):
     """``BLOCK`` rows a program: each row's request (a binary search of ``steps`` halvings
     over the requests' ends) and its visible keys, as :func:`visible_rows`."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    req = tl.minimum(_requests_before(qsl_ptr, rows, num_reqs, steps), num_reqs - 1)
-    start = tl.load(qsl_ptr + req)
-    end = tl.load(qsl_ptr + req + 1)
-    pos = tl.load(seq_ptr + req) - (end - start) + (rows - start)
+    req, pos = _row_position(qsl_ptr, seq_ptr, rows, num_reqs, steps)
     vis = tl.where(rows < tl.load(qsl_ptr + num_reqs),
                    tl.minimum(tl.maximum(pos + 1, 0) // ratio, limit), 0)
     ok = rows < num_rows
