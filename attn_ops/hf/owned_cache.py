@@ -168,14 +168,12 @@ def _scatter_rows(table: np.ndarray, ctx: list[int], lens: list[int], page: int,
 
 
 def _upload(a: np.ndarray, device) -> torch.Tensor:
-    """An int64 host array on ``device`` without blocking the host: through a pinned staging
-    block on a GPU (a copy from pageable memory first waits for the stream to drain, as in
-    :func:`attn_ops.metadata.pack_upload`)."""
-    if torch.device(device).type == "cpu":
-        return torch.from_numpy(a)
-    staged = torch.empty(a.shape, dtype=torch.int64, pin_memory=True)
-    staged.numpy()[...] = a
-    return staged.to(device, non_blocking=True)
+    """An int64 host array on ``device`` without blocking the host
+    (:func:`attn_ops.metadata.pack_upload`: pinned staging on a GPU)."""
+    from attn_ops.metadata import pack_upload
+
+    packed, _ = pack_upload([a], [], device)  # (an int64 array first: at offset 0)
+    return packed[:2 * a.size].view(torch.int64).view(a.shape)
 
 
 def _scatter_write(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

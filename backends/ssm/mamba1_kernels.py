@@ -27,6 +27,7 @@ from attn_ops.backends.ssm.triton_kernels import (_inside, _keep_final, _num_wri
                                                   _request_state, _zero_padding_rows,
                                                   mamba1_launch, mamba1_operands,
                                                   request_span)
+from attn_ops.backends.triton_attn_kernels import LN2, LOG2E
 from attn_ops.routing import cdiv, pow2
 
 __all__ = ["mamba1_chunked_triton", "mamba1_segmented_triton", "mamba1_unrolled_triton"]
@@ -112,7 +113,7 @@ def mamba1_chunked_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
         y = tl.sum(h * c_r.to(tl.float32)[:, None, :], axis=2) + d_skip[None, :] * x
         if HAS_Z:
             z = z_r.to(tl.float32)
-            y = tl.fdiv(y * z, 1.0 + _exp2(z * -1.4426950408889634))
+            y = _silu_gate(y, z)
         tl.store(y_ptr + rows[:, None] * stride_yt + offs_d[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=ok)
         s3 = tl.sum(tl.where(last, h, 0.0), axis=0, keep_dims=True)
@@ -151,12 +152,18 @@ def _exp2(v):
 def _softplus(v):
     """``log(1 + exp(v))``, ``v`` itself above 20 (as mamba-ssm)."""
     if _MUFU:
-        one_plus = 1.0 + _exp2(v * 1.4426950408889634)
+        one_plus = 1.0 + _exp2(v * LOG2E)
         log2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [one_plus],
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
-        log2 = tl.log2(1.0 + tl.exp2(v * 1.4426950408889634))
-    return tl.where(v > 20.0, v, log2 * 0.6931471805599453)
+        log2 = tl.log2(1.0 + tl.exp2(v * LOG2E))
+    return tl.where(v > 20.0, v, log2 * LN2)
+
+
+@triton.jit
+def _silu_gate(y, z):
+    """``y * silu(z)``: the gate's exponential on :func:`_exp2`, its division not IEEE."""
+    return tl.fdiv(y * z, 1.0 + _exp2(z * -LOG2E))
 
 
 @triton.jit
@@ -206,7 +213,7 @@ def _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
     a = ()
     for n in tl.static_range(N):
         a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
-                 * 1.4426950408889634,)
+                 * LOG2E,)
     return a
 
 
@@ -262,7 +269,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
     if OUTPUT:
         if HAS_Z:
             z = z_r.to(tl.float32)
-            y = tl.fdiv(y * z, 1.0 + _exp2(z * -1.4426950408889634))
+            y = _silu_gate(y, z)
         ok = d_ok
         if MASKED:
             ok = ok & (offs_d * 0 + t < end)
