@@ -5,7 +5,7 @@ and continuous batching (``generate_batch`` with ``"paged|attn_ops"`` against
 ``"paged|sdpa"``) where the installed transformers accepts a third-party paged name.
 
 ``attn_ops`` replays its decode steps from per-layer CUDA graphs on a GPU (``attn_ops.hf.cache``),
-``attn_ops_eager`` runs them eagerly (``register(cuda_graphs=False)``).
+``attn_ops_eager`` runs them eagerly (``hf.cache(..., cuda_graphs=False)``).
 
 Model: an 8-layer Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 / 8 heads of 128,
 MLP 14336, vocab 32000), bf16, random weights. Plain ``generate``: ``batch`` prompts of ``ctx``
@@ -155,17 +155,22 @@ def plain_rows(args, models, device) -> list[dict]:
 
 
 def _generate_fn(model, name, ids, new):
+    import inspect
+
     from attn_ops import hf
+
+    # (transformers 5.2x names generate's cache argument cache=, earlier ones past_key_values=)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
 
     def run():
         extra = {"cache_implementation": "dynamic"} if name == "attn_ops_dynamic" else {}
-        hf.register(cuda_graphs=name != "attn_ops_eager")
-        try:
-            with torch.no_grad():
-                return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                                      **extra)
-        finally:
-            hf.register()
+        if name == "attn_ops_eager":  # (the cache generate makes by default, graphs off)
+            extra = {cache_arg: hf.cache(model, ids.shape[0], ids.shape[1] + new,
+                                         cuda_graphs=False)}
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                  **extra)
     return run
 
 
