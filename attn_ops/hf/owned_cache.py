@@ -105,10 +105,10 @@ class _Steps:
         table = alloc.block_table(order)
         meta = build_common_metadata(lens, seq, table, page, state["capacity"],
                                      device=device) if order else None
-        rows = torch.from_numpy(_ranges(  # (HF's [B * Sq] rows, in order; None: all)
+        rows = _ranges(  # (HF's [B * Sq] rows, in order; None: all)
             np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
-            np.array(lens, dtype=np.int64)))
-        rows = None if torch.equal(rows, torch.arange(b * sq)) else _upload(rows.numpy(), device)
+            np.array(lens, dtype=np.int64))
+        rows = None if np.array_equal(rows, np.arange(b * sq)) else _upload(rows, device)
         graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
                    and len(order) == b and not torch.is_grad_enabled())
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
