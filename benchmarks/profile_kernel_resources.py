@@ -208,7 +208,7 @@ def configs() -> dict[str, tuple]:
             (f"{d} channels", dict(D_INNER=5120, N=16, BLOCK_D=d), 4) for d in (128, 256)]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [
             (f"{d} channels", dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=True, EVICT="",
-                                  STORE=""), w)
+                                  STORE="", CHANNEL_MAJOR=False), w)
             for d, w in itertools.product((32, 64, 128), (4, 8))]),
         "lightning_recurrent": (tk.lightning_recurrent_kernel, [
             (f"{v} columns", dict(light, NUM_WRITES=0, BLOCK_V=v, EVICT="", STORE=""), w)

@@ -920,10 +920,11 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
         if chunked:
             return mk.mamba1_chunked_triton(*head, soft, chunk=16, block_d=16)
         # (the hinted launch asks for twice the block and more programs than it has: the
-        # block halves back)
+        # block halves back; the other one runs the channel-major grid)
         return tk.mamba1_recurrent_triton(*head, soft, 2 * block if streaming else block,
                                           streaming=streaming,
-                                          min_programs=10 ** 6 if streaming else 1)
+                                          min_programs=10 ** 6 if streaming else 1,
+                                          channel_major=not streaming)
     if kind == "lightning_attention":
         if chunked:
             return lk.lightning_chunked_triton(*args[:-1], chunk=16, block_v=16)

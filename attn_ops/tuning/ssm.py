@@ -44,6 +44,10 @@ class SSMTuning:
     mamba1_block_d: int = 64
     mamba1_min_programs: int = 1
     mamba1_decode_streaming: bool = False
+    # The token-by-token kernel's grid with a request's channel blocks on its fastest axis
+    # (as mamba-ssm's selective_state_update): programs running together then read
+    # neighbouring blocks of a few slots rather than one block of many slots.
+    mamba1_channel_major: bool = False
     # Mamba1's chunked prefill (one launch; a program walks its request's chunks): tokens a
     # chunk, channels a program, warps. A chunk holds [chunk, channels, d_state] decays and
     # inputs in registers (each thread scans its channel and state entry over the chunk's

@@ -126,7 +126,7 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
         return mamba1_recurrent_triton(*args, t.mamba1_block_d, t.decode_num_warps,
                                        mamba1_read_ahead(max_query_len, t.mamba1_prefetch),
                                        t.mamba1_min_programs,
-                                       t.mamba1_decode_streaming)
+                                       t.mamba1_decode_streaming, t.mamba1_channel_major)
     y, s, slots = _reference(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                              state_indices, has_initial_state, dt_softplus)
     store_states(state, slots, s)

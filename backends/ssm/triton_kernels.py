@@ -32,6 +32,8 @@ import triton.language as tl
 
 from attn_ops.routing import cdiv, pow2
 
+_MAX_GRID_YZ = 65535  # (CUDA's bound on a grid's second and third axes)
+
 __all__ = ["conv_triton", "gdn_recurrent_triton", "lightning_recurrent_triton",
            "mamba1_recurrent_triton", "ssd_recurrent_triton"]
 
@@ -466,14 +468,16 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
                             NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                             SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                            EVICT: tl.constexpr, STORE: tl.constexpr):
-    """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...``: each channel's
-    ``d_state`` row of the state in registers over the request's tokens, its own time step
-    and rates, B and C shared by the channels; ``PREFETCH``: each token's inputs read while
-    the previous token's step computes (the loop is otherwise bound by their latency);
-    ``EVICT`` / ``STORE``: the state read's eviction policy and its write's cache modifier."""
-    r = tl.program_id(0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+                            EVICT: tl.constexpr, STORE: tl.constexpr,
+                            CHANNEL_MAJOR: tl.constexpr):
+    """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ...`` (the axes swapped
+    with ``CHANNEL_MAJOR``): each channel's ``d_state`` row of the state in registers over
+    the request's tokens, its own time step and rates, B and C shared by the channels;
+    ``PREFETCH``: each token's inputs read while the previous token's step computes (the loop
+    is otherwise bound by their latency); ``EVICT`` / ``STORE``: the state read's eviction
+    policy and its write's cache modifier."""
+    r = tl.program_id(1 if CHANNEL_MAJOR else 0)
+    offs_d = tl.program_id(0 if CHANNEL_MAJOR else 1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < D_INNER
     n_ok = offs_n < N
@@ -513,22 +517,26 @@ def mamba1_recurrent_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dt
         _keep_step(state_ptr, slot_ptr, s, s_offs, s_mask, r, t - start, end - start,
                    stride_idx, stride_ss, num_slots, offs_d, NUM_WRITES)
     _keep_final(state_ptr, s_ptrs, s, w_mask, NUM_WRITES, STORE)
-    _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
-                       d_ok)
+    _zero_padding_rows(y_ptr, r == tl.num_programs(1 if CHANNEL_MAJOR else 0) - 1, end,
+                       num_tokens, stride_yt, offs_d, d_ok)
 
 
 def mamba1_recurrent_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, block_d: int = 64,
                             num_warps: int = 4, prefetch: bool = True, min_programs: int = 1,
-                            streaming: bool = False) -> torch.Tensor:
+                            streaming: bool = False,
+                            channel_major: bool = False) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token, ``block_d`` channels a program, halved
     (not below 32) while the launch has fewer than ``min_programs`` programs; ``streaming``:
-    the state read evict-first and written as a streaming store (inputs already checked)."""
+    the state read evict-first and written as a streaming store; ``channel_major``: the
+    grid's first (fastest) axis over a request's channel blocks, so programs launched
+    together read neighbouring blocks of one slot (inputs already checked)."""
     block_d = state_block(query_start_loc.shape[0] - 1, x.shape[1], block_d, min_programs)
     return mamba1_launch(mamba1_recurrent_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
-                         block_d, num_warps, NUM_WRITES=_num_writes(state_indices),
-                         PREFETCH=prefetch, **_state_cache_hints(streaming))
+                         block_d, num_warps, channel_major=channel_major,
+                         NUM_WRITES=_num_writes(state_indices), PREFETCH=prefetch,
+                         **_state_cache_hints(streaming))
 
 
 def mamba1_operands(x, dt, A, B, C, D, z, dt_bias) -> tuple:
@@ -542,10 +550,12 @@ def mamba1_operands(x, dt, A, B, C, D, z, dt_bias) -> tuple:
 
 def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
                   has_initial_state, dt_softplus, block_d: int, num_warps: int,
-                  **constexprs) -> torch.Tensor:
+                  channel_major: bool | None = None, **constexprs) -> torch.Tensor:
     """One launch of a Mamba1 kernel -- token by token, chunked or unrolled
     (:mod:`~attn_ops.backends.ssm.mamba1_kernels`): they take the same arguments -- over
-    a program a request and ``block_d`` channels; ``constexprs``: the kernel's own."""
+    a program a request and ``block_d`` channels; ``constexprs``: the kernel's own.
+    ``channel_major`` (a kernel with ``CHANNEL_MAJOR``; None: one without): the grid's axes
+    swapped where the requests fit its second axis."""
     x, dt, A, B, C, D, z, dt_bias = mamba1_operands(x, dt, A, B, C, D, z, dt_bias)
     t, d = x.shape
     n = A.shape[1]
@@ -554,7 +564,11 @@ def mamba1_launch(kernel, x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
         return torch.zeros_like(x)
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     block_d = min(pow2(d), block_d)
-    kernel[(b, cdiv(d, block_d))](
+    grid = (b, cdiv(d, block_d))
+    if channel_major is not None:
+        constexprs["CHANNEL_MAJOR"] = channel_major = channel_major and b <= _MAX_GRID_YZ
+        grid = grid[::-1] if channel_major else grid
+    kernel[grid](
         x, dt, A, B, C, D, z if z is not None else x, dt_bias, state, y, query_start_loc,
         state_indices, has_initial_state, state_indices.stride(0), x.stride(0), y.stride(0),
         dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0), C.stride(0),
