@@ -36,18 +36,17 @@ class SSMTuning:
     decode_block_p: int = 32
     decode_num_warps: int = 4
     # Mamba1's token-by-token kernel (decodes, speculative decodes, short prefills): channels
-    # a program, each with its d_state row in registers (H200: mamba-ssm's kernel 0.81x at
-    # batch 1, 0.96x at 256 against these defaults). The block halves (not below 32) while
-    # the launch has fewer than mamba1_min_programs programs (1: never; one request has 80
-    # programs of 64 channels, mamba-ssm's 160 of 32), and the state read can be evict-first /
-    # written as a streaming store (mamba1_decode_streaming, as GDN's). Neither timed yet.
-    mamba1_block_d: int = 64
-    mamba1_min_programs: int = 1
-    mamba1_decode_streaming: bool = False
-    # The token-by-token kernel's grid with a request's channel blocks on its fastest axis
-    # (as mamba-ssm's selective_state_update): programs running together then read
-    # neighbouring blocks of a few slots rather than one block of many slots.
-    mamba1_channel_major: bool = False
+    # a program, each with its d_state row in registers, the grid's fastest axis over a
+    # request's channel blocks (mamba1_channel_major, as mamba-ssm's selective_state_update:
+    # programs running together read neighbouring blocks of a few slots, not one block of
+    # many), the state read evict-first and written as a streaming store
+    # (mamba1_decode_streaming); the block halves (not below 32) while the launch has fewer
+    # than mamba1_min_programs programs. H100, Mamba-2.8B's state, batch 256 / 1024: 76.5 /
+    # 303.2 us request-major at 64 channels, 59.1 / 250.6 with these (mamba-ssm 63.2 / 246.7).
+    mamba1_block_d: int = 128
+    mamba1_min_programs: int = 4096
+    mamba1_decode_streaming: bool = True
+    mamba1_channel_major: bool = True
     # Mamba1's chunked prefill (one launch; a program walks its request's chunks): tokens a
     # chunk, channels a program, warps. A chunk holds [chunk, channels, d_state] decays and
     # inputs in registers (each thread scans its channel and state entry over the chunk's
