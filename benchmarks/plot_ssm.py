@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_gpu_attention import save  # noqa: E402
 
 KINDS = {"gated_deltanet": "Gated DeltaNet (16/32 heads x 128)",
-         "mamba2": "Mamba2 (80 heads x 64, d_state 128)"}
+         "mamba2": "Mamba2 (80 heads x 64, d_state 128)",
+         "mamba1": "Mamba1 (5120 channels, d_state 16)",
+         "lightning": "lightning attention (64 heads of 128)"}
 LABELS = {"ours_with_conv": "ours + conv update", "copy": "copy of the state bytes"}
 
 
