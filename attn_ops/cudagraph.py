@@ -74,6 +74,7 @@ class CUDAGraphBatch:
         # block past column _cols, and query_start_loc is set for (requests, size) _starts_for
         # -- so a step writes only what changed (each device call costs host time).
         self._rows, self._cols, self._starts_for = 0, 0, None
+        self._table_host = None  # (pad_arrays: the block table its buffer holds, rows [:n])
 
     @property
     def required_support(self) -> CUDAGraphSupport:
@@ -121,7 +122,7 @@ class CUDAGraphBatch:
             self.seq_lens[n:self._rows].zero_()
             self.block_table[n:self._rows].zero_()
             self.slot_mapping[n * q:self._rows * q].fill_(-1)
-        self._rows, self._cols = n, width
+        self._rows, self._cols, self._table_host = n, width, None
         # Host side: the same batch, padded (numpy: a third of torch's cost per small op) --
         # the batch's own arrays where it fills its capture size.
         qsl_cpu, seq_cpu = common.query_start_loc_cpu, common.seq_lens_cpu
@@ -160,6 +161,71 @@ class CUDAGraphBatch:
             num_blocks=common.num_blocks,
             block_indptr_cpu=indptr_cpu,
             block_indices_cpu=common.block_indices_cpu,
+        )
+
+    def pad_arrays(self, seq_lens: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
+                   num_blocks: int | None = None) -> CommonAttentionMetadata:
+        """:meth:`pad` of a batch given as host arrays -- ``seq_lens [n]``, ``block_table [n,
+        width]`` (int32; each row's pages in order, zeros after) and ``slots [n * query_len]``
+        (int64) -- from a caller that keeps its own pages and trusts them (no checks of the
+        block ids): no metadata built and uploaded first to be copied on, but two uploads into
+        the buffers (lengths and slots), and the block table's only where it changed since
+        the last call (a decode enters a new page every ``block_size`` steps)."""
+        from attn_ops.metadata import upload_int32
+
+        n, q = seq_lens.shape[0], self.query_len
+        width = block_table.shape[1]
+        if n == 0 or slots.shape[0] != n * q or block_table.shape[0] != n:
+            raise ValueError(f"pad_arrays: {n} lengths, {block_table.shape[0]} block-table rows "
+                             f"and {slots.shape[0]} slots for {q} query token(s) a request")
+        if width > self.max_blocks_per_req:
+            raise ValueError(f"the batch's block table is {width} blocks wide, more than "
+                             f"max_blocks_per_req={self.max_blocks_per_req}; raise it")
+        size = self.size_for(n)
+        if self._starts_for != (n, size):
+            torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
+            self._starts_for = (n, size)
+        seq_np = np.zeros(size, dtype=np.int32)
+        seq_np[:n] = seq_lens
+        upload_int32([seq_np], self.seq_lens)
+        staged = torch.full((size * q,), -1, dtype=torch.int64,
+                            pin_memory=self.device.type != "cpu")
+        staged.numpy()[:n * q] = slots
+        self.slot_mapping[:size * q].copy_(staged, non_blocking=True)
+        table = np.array(block_table, dtype=np.int32)  # (a copy: kept to compare with)
+        last = self._table_host
+        if last is None or last.shape != table.shape or not np.array_equal(last, table):
+            staged = torch.empty(table.shape, dtype=torch.int32,
+                                 pin_memory=self.device.type != "cpu")
+            staged.numpy()[:] = table
+            self.block_table[:n, :width].copy_(staged, non_blocking=True)
+            if width < self._cols:
+                self.block_table[:n, width:self._cols].zero_()
+            self._table_host = table
+        if self._rows > size:
+            self.seq_lens[size:self._rows].zero_()
+            self.slot_mapping[size * q:self._rows * q].fill_(-1)
+        if self._rows > n:
+            self.block_table[n:self._rows].zero_()
+        self._rows, self._cols = n, width
+        table_np = np.zeros((size, width), dtype=np.int32)
+        table_np[:n] = table
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[:size + 1],
+            query_start_loc_cpu=torch.from_numpy(np.minimum(
+                np.arange(size + 1, dtype=np.int32) * q, n * q)),
+            seq_lens=self.seq_lens[:size],
+            seq_lens_cpu=torch.from_numpy(seq_np),
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size * q],
+            num_actual_tokens=n * q,
+            max_query_len=q,
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=size if q == 1 else 0,
+            num_decode_tokens=n * q if q == 1 else 0,
+            block_size=self.block_size,
+            block_table_cpu=torch.from_numpy(table_np),
+            num_blocks=num_blocks,
         )
 
     @property

@@ -6,6 +6,7 @@ replayed with batches of changing size and lengths, checked against REFERENCE ev
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +93,58 @@ def test_padding_writes_only_what_changed_and_matches_a_fresh_pad():
         assert (graphs.block_table[:size, common.block_table.shape[1]:] == 0).all()
         assert (graphs.seq_lens[n:] == 0).all() and (graphs.block_table[n:] == 0).all()
         assert (graphs.slot_mapping[n:] == -1).all()
+
+
+def test_padding_host_arrays_matches_padding_their_metadata():
+    """``pad_arrays`` (a caller's own lengths, block table and slots) gives what ``pad`` of
+    the same batch's metadata gives, in buffers shared with ``pad`` calls: batches growing and
+    shrinking, decode steps within a page (the block table not uploaded again) and into a new
+    one, the buffers' padding kept clean."""
+    rng = random.Random(5)
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    fields = ("query_start_loc", "seq_lens", "block_table", "slot_mapping",
+              "query_start_loc_cpu", "seq_lens_cpu", "block_table_cpu")
+
+    def arrays(common):
+        return (common.seq_lens_cpu.numpy(), common.block_table_cpu.numpy(),
+                common.slot_mapping.cpu().numpy())
+
+    for n, max_len, via_pad in ((16, 190, False), (3, 40, False), (4, 180, True),
+                                (1, 10, False), (16, 60, True), (9, 190, False),
+                                (2, 190, False), (9, 190, True), (16, 190, False)):
+        common = _random_batch(n, 400, rng, DEVICE, max_len=max_len)
+        if via_pad:
+            graphs.pad(common)
+            continue
+        seq, table, slots = arrays(common)
+        for step in range(3):  # (the batch, then decode steps: one more token a request)
+            if step:
+                had = -(-seq // BLOCK)
+                seq = seq + 1
+                need = -(-seq // BLOCK)
+                if need.max() > WIDTH:
+                    break
+                grown = np.zeros((n, max(table.shape[1], int(need.max()))), dtype=np.int32)
+                grown[:, :table.shape[1]] = table
+                for r in np.nonzero(need > had)[0]:
+                    grown[r, need[r] - 1] = 300 + r  # (a request entering a new page)
+                table = grown
+                pos = seq - 1
+                slots = table[np.arange(n), pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
+                common = build_common_metadata([1] * n, seq.tolist(), table, BLOCK, 400,
+                                               device=DEVICE)
+            got = graphs.pad_arrays(seq, table, slots, 400)
+            want = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE).pad(common)
+            for field in fields:
+                assert torch.equal(getattr(got, field), getattr(want, field)), (n, step, field)
+            for a, b in zip(got.block_csr(), want.block_csr()):
+                assert np.array_equal(a, b), (n, step)
+            assert (got.num_actual_tokens, got.max_seq_len, got.num_decodes) == (
+                want.num_actual_tokens, want.max_seq_len, want.num_decodes)
+            size = graphs.size_for(n)
+            assert (graphs.block_table[:size, table.shape[1]:] == 0).all()
+            assert (graphs.seq_lens[n:] == 0).all() and (graphs.block_table[n:] == 0).all()
+            assert (graphs.slot_mapping[n:] == -1).all()
 
 
 def test_batches_a_graph_cannot_hold_are_refused_with_the_fix():

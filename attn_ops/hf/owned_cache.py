@@ -63,7 +63,6 @@ class _Steps:
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
         from attn_ops.kv_cache import BlockAllocator
-        from attn_ops.metadata import build_common_metadata
 
         state = self.by_page.get(page)
         if state is None:
@@ -103,19 +102,31 @@ class _Steps:
         if need > state["capacity"]:
             state["capacity"] = min(state["blocks"], max(need, 2 * state["capacity"]))
         table = alloc.block_table(order)
-        meta = build_common_metadata(lens, seq, table, page, state["capacity"],
-                                     device=device) if order else None
         rows = _ranges(  # (HF's [B * Sq] rows, in order; None: all)
             np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
             np.array(lens, dtype=np.int64))
         rows = None if np.array_equal(rows, np.arange(b * sq)) else _upload(rows, device)
         graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
                    and len(order) == b and not torch.is_grad_enabled())
-        plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, meta=meta,
-                                    rows=rows, capacity=state["capacity"], built={},
+        plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, rows=rows,
+                                    capacity=state["capacity"], built={},
+                                    meta_of=(lens, seq, table, page, state["capacity"], device),
                                     scatter_of=(table, ctx, lens, page, device),
                                     graph=dict(padded=None, built={}) if graphed else None)
         return plan
+
+    @staticmethod
+    def meta(plan: dict):
+        """The plan's step metadata (:func:`~attn_ops.metadata.build_common_metadata`), made on
+        first use: a decode step whose layers all replay graphs needs none -- its graph
+        metadata comes from the host arrays (:meth:`graph_metadata`)."""
+        if "meta" not in plan:
+            from attn_ops.metadata import build_common_metadata
+
+            lens, seq, table, page, capacity, device = plan["meta_of"]
+            plan["meta"] = build_common_metadata(lens, seq, table, page, capacity,
+                                                 device=device) if lens else None
+        return plan["meta"]
 
     @staticmethod
     def scatter(plan: dict):
@@ -135,10 +146,15 @@ class _Steps:
 
         state, step = self.by_page[page], plan["graph"]
         if step["padded"] is None:
+            lens, seq, table, _, capacity, device = plan["meta_of"]
             if state.get("graphs") is None:
                 state["graphs"] = CUDAGraphBatch((self.batch,), -(-self.max_tokens // page), page,
-                                                 plan["meta"].query_start_loc.device)
-            step["padded"] = state["graphs"].pad(plan["meta"])
+                                                 device)
+            # (a step of one new token a row, in row order: each token's slot from the table)
+            at = np.array(seq, dtype=np.int64) - 1
+            slots = table[np.arange(len(seq)), at // page].astype(np.int64) * page + at % page
+            step["padded"] = state["graphs"].pad_arrays(np.array(seq, dtype=np.int32), table,
+                                                        slots, capacity)
         key = layer._metadata_key
         if key not in step["built"]:
             step["built"][key] = layer.impl.graph_metadata(step["padded"], state["graphs"])
@@ -286,12 +302,12 @@ def _layer_class():
                 if scatter is not None and _scatter_write(self.kv, new_k, new_v, scatter):
                     new_k = new_v = None  # (written: the layer attends over the cache)
                 got = layer(_rows_of(query), new_k, new_v, self.kv,
-                            _built(plan["built"], layer, plan["meta"]))
+                            _built(plan["built"], layer, self.steps.meta(plan)))
                 return got.to(query.dtype).view(b, sq, hq, value.shape[3])
             out = query.new_zeros(b * sq, hq, value.shape[3])
             if plan["order"]:
                 got = layer(*(_rows_of(t).index_select(0, rows) for t in (query, key, value)),
-                            self.kv, _built(plan["built"], layer, plan["meta"]))
+                            self.kv, _built(plan["built"], layer, self.steps.meta(plan)))
                 out.index_copy_(0, rows, got.to(out.dtype))
             return out.view(b, sq, hq, value.shape[3])
 
