@@ -97,6 +97,8 @@
 #   dsv4     tests/test_deepseek_v4.py (DeepSeek-V4: DSV4_TRITON's kernels compiled, V4-Flash
 #            widths against the reference, 200 decode steps replayed in a CUDA graph)
 #   dsv4check compute-sanitizer memcheck over DSV4_TRITON's kernel tests and its real sizes
+#            (DSV4CHECK_K selects: about 7 minutes on the H200 reach only the kernel tests,
+#            e.g. DSV4CHECK_K="gpu_real_sizes or replay" for the rest)
 #   hf       tests/test_hf_integration.py on the GPU's transformers (5.17: paged|attn_ops too)
 #   hfbench  benchmarks/bench_hf.py (generate against sdpa, generate_batch against paged|sdpa;
 #            HF_ARGS, e.g. "--profile --batches 1 64": host profiles and synchronizations
@@ -277,7 +279,7 @@ for spec in "$@"; do
         tests/test_deepseek_v4.py ;;
     dsv4check) stage dsv4check "$limit" compute-sanitizer --tool memcheck \
         --report-api-errors no python -m pytest -q -p no:cacheprovider \
-        tests/test_deepseek_v4.py -k "triton or gpu_real_sizes" ;;
+        tests/test_deepseek_v4.py -k "${DSV4CHECK_K:-triton or gpu_real_sizes}" ;;
     hf) stage hf "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_hf_integration.py ;;
     hfbench) stage hfbench "$limit" python benchmarks/bench_hf.py ${HF_ARGS:-} \
