@@ -102,10 +102,11 @@ class _Steps:
         if need > state["capacity"]:
             state["capacity"] = min(state["blocks"], max(need, 2 * state["capacity"]))
         table = alloc.block_table(order)
-        rows = _ranges(  # (HF's [B * Sq] rows, in order; None: all)
-            np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
-            np.array(lens, dtype=np.int64))
-        rows = None if np.array_equal(rows, np.arange(b * sq)) else _upload(rows, device)
+        rows = None  # (HF's [B * Sq] rows, in order; None: all of them, as in a decode step)
+        if len(order) != b or any(n != sq for n in lens) or order != list(range(b)):
+            rows = _ranges(np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
+                           np.array(lens, dtype=np.int64))
+            rows = None if np.array_equal(rows, np.arange(b * sq)) else _upload(rows, device)
         graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
                    and len(order) == b and not torch.is_grad_enabled())
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, rows=rows,
