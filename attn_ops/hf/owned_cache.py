@@ -320,8 +320,9 @@ def _layer_class():
             graph's, rewritten by the layer's next replay (the model consumes it before)."""
             got = self.graph
             if got is not None and got[0] is layer and got[1] is self.kv:
-                for static, new in zip(got[2], (query, key, value)):
-                    static.copy_(new)
+                # (one call for the three inputs: one launch where they are dense, as a decode
+                # step's rows are)
+                torch._foreach_copy_(got[2], (query, key, value))
                 got[3].replay()
                 self.replays += 1
                 return got[4]
