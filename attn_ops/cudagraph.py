@@ -91,6 +91,19 @@ class CUDAGraphBatch:
                              f"size >= {num_reqs}")
         return self.capture_sizes[i]
 
+    def _size_and_starts(self, n: int, width: int) -> int:
+        """The capture size of a batch of ``n`` requests and ``width`` table columns (refused
+        past the buffers), its query offsets set in the buffer where they differ."""
+        if width > self.max_blocks_per_req:
+            raise ValueError(f"the batch's block table is {width} blocks wide, more than "
+                             f"max_blocks_per_req={self.max_blocks_per_req}; raise it")
+        size = self.size_for(n)
+        if self._starts_for != (n, size):
+            q = self.query_len
+            torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
+            self._starts_for = (n, size)
+        return size
+
     def pad(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """``common`` copied into the persistent buffers, padded to its capture size."""
         n, q = common.num_reqs, self.query_len
@@ -104,15 +117,9 @@ class CUDAGraphBatch:
             raise ValueError(f"block_size={common.block_size} differs from the graphs' "
                              f"block_size={self.block_size}")
         width = common.block_table.shape[1]
-        if width > self.max_blocks_per_req:
-            raise ValueError(f"the batch's block table is {width} blocks wide, more than "
-                             f"max_blocks_per_req={self.max_blocks_per_req}; raise it")
-        size = self.size_for(n)
         # Device side: copies and fills in place (no host sync, no new allocations), and only
         # where the buffers differ from what this batch needs: each call costs host time.
-        if self._starts_for != (n, size):
-            torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
-            self._starts_for = (n, size)
+        size = self._size_and_starts(n, width)
         self.seq_lens[:n].copy_(common.seq_lens, non_blocking=True)
         self.block_table[:n, :width].copy_(common.block_table, non_blocking=True)
         if width < self._cols:
@@ -178,13 +185,7 @@ class CUDAGraphBatch:
         if n == 0 or slots.shape[0] != n * q or block_table.shape[0] != n:
             raise ValueError(f"pad_arrays: {n} lengths, {block_table.shape[0]} block-table rows "
                              f"and {slots.shape[0]} slots for {q} query token(s) a request")
-        if width > self.max_blocks_per_req:
-            raise ValueError(f"the batch's block table is {width} blocks wide, more than "
-                             f"max_blocks_per_req={self.max_blocks_per_req}; raise it")
-        size = self.size_for(n)
-        if self._starts_for != (n, size):
-            torch.clamp_max(self._starts[:size + 1], n * q, out=self.query_start_loc[:size + 1])
-            self._starts_for = (n, size)
+        size = self._size_and_starts(n, width)
         seq_np = np.zeros(size, dtype=np.int32)
         seq_np[:n] = seq_lens
         upload_int32([seq_np], self.seq_lens)
