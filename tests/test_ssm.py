@@ -1355,16 +1355,20 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
             got = mk.mamba1_chunked_triton(*args, got_states, *step, True, chunk=chunk,
                                            block_d=block)
         elif kind.startswith("mamba1_unrolled"):  # (token by token, d_state unrolled; fp16
-            # reads one token ahead, "_2" two tokens ahead, two an iteration; "_odd": an odd
-            # d_state, B / C read a value at a time rather than in pairs)
+            # reads one token ahead and sums y in two parts, "_2" two tokens ahead, two an
+            # iteration, y in four parts; "_odd": an odd d_state, B / C read a value at a time
+            # rather than in pairs)
             got = mk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
                                             prefetch=2 if "_2" in kind else
-                                            int(dtype == torch.float16))
+                                            int(dtype == torch.float16),
+                                            y_parts=4 if "_2" in kind else
+                                            2 if dtype == torch.float16 else 1)
         else:  # (the same over segments of `chunk` tokens, three launches; "_2" reads two
-            # tokens ahead)
+            # tokens ahead and sums y in two parts)
             got = mk.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
                                              block_d=block,
-                                             prefetch=2 if kind.endswith("_2") else 0)
+                                             prefetch=2 if kind.endswith("_2") else 0,
+                                             y_parts=2 if kind.endswith("_2") else 1)
     else:
         h, dk, dv = 3, 16, 40
         args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),

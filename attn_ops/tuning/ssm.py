@@ -84,6 +84,11 @@ class SSMTuning:
     # at 8 x 2k walked whole, 128 channels, before B / C were read in pairs: 2.77 without,
     # 1.10 two tokens ahead.
     mamba1_unrolled_prefetch: int = 2
+    # The unrolled walks' y = sum_n h_n C_n in this many interleaved partial sums (1, 2 or 4),
+    # added at the end: a token's output waits on a chain of d_state / parts multiply-adds,
+    # not d_state. Not yet timed; sm_90 SASS at 128 channels on 4 warps, two tokens ahead:
+    # 309 / 312 / 316 instructions an iteration (two tokens) at 1 / 2 / 4, 127-128 registers.
+    mamba1_unrolled_y_parts: int = 1
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
@@ -194,6 +199,9 @@ class SSMTuning:
         for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
+        if self.mamba1_unrolled_y_parts not in (1, 2, 4):
+            raise ValueError(f"tuning.ssm.mamba1_unrolled_y_parts={self.mamba1_unrolled_y_parts}"
+                             " must be 1, 2 or 4 (partial sums of y)")
         if self.mamba1_unrolled_prefetch not in (0, 1, 2):
             raise ValueError(f"tuning.ssm.mamba1_unrolled_prefetch={self.mamba1_unrolled_prefetch}"
                              " must be 0 (no reads ahead), 1 (one token ahead) or 2 (two)")

@@ -244,13 +244,16 @@ def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
 @triton.jit
 def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d, d_ok,
                   N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                  OUTPUT: tl.constexpr, MASKED: tl.constexpr):
+                  OUTPUT: tl.constexpr, MASKED: tl.constexpr, Y_PARTS: tl.constexpr = 1):
     """Token ``t``'s step from the state ``s`` over its ``inputs``
     (:func:`_mamba1_row_inputs`): ``h_n = h_n exp2(dt a_n) + dt x B_n``, and with ``OUTPUT``
     ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns the new state and the
     channels' time step. ``MASKED``: ``t`` may be at or past ``end`` -- then its inputs are the
     request's last row (:func:`_mamba1_row_inputs`), its time step is set to 0 (the state
-    unchanged: ``exp2(0) = 1``, ``0 x B = 0``) and nothing is stored."""
+    unchanged: ``exp2(0) = 1``, ``0 x B = 0``) and nothing is stored. ``Y_PARTS`` (1, 2 or 4):
+    the sum over ``n`` in that many interleaved partial sums, added at the end -- dependent
+    chains of ``N / Y_PARTS`` multiply-adds instead of one of ``N``."""
+    tl.static_assert(Y_PARTS == 1 or Y_PARTS == 2 or Y_PARTS == 4)
     dt_r, x_r, z_r, b_r, c_r = inputs
     dt = dt_r.to(tl.float32) + dt_bias
     if SOFTPLUS:
@@ -260,12 +263,29 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
     x = x_r.to(tl.float32)
     dtx = dt * x
     y = d_skip * x
+    y1 = y
+    y2 = y
+    y3 = y
     stepped = ()
     for n in tl.static_range(N):
         h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
         if OUTPUT:
-            y += h * c_r[n].to(tl.float32)
+            hc = h * c_r[n].to(tl.float32)
+            if n % Y_PARTS == 0:
+                y += hc
+            elif n % Y_PARTS == 1:
+                y1 = hc if n == 1 else y1 + hc
+            elif n % Y_PARTS == 2:
+                y2 = hc if n == 2 else y2 + hc
+            else:
+                y3 = hc if n == 3 else y3 + hc
         stepped = stepped + (h,)
+    if OUTPUT and Y_PARTS == 4 and N > 3:
+        y2 = y2 + y3
+    if OUTPUT and Y_PARTS == 4 and N > 2:
+        y1 = y1 + y2
+    if OUTPUT and Y_PARTS > 1 and N > 1:
+        y = y + y1
     if OUTPUT:
         if HAS_Z:
             z = z_r.to(tl.float32)
@@ -281,7 +301,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
 def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
                  offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                  stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr):
+                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr = 1):
     """Rows ``[start, end)`` token by token (:func:`_mamba1_token`) from the state ``s`` (a
     tuple of ``N`` ``[BLOCK_D]`` vectors: each channel's ``d_state`` row in one thread);
     returns the final state and the channels' summed time steps. ``PREFETCH``: 0 reads a
@@ -299,13 +319,13 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
                                  HAS_Z and OUTPUT)
         for t in range(start, end, 2):
             s, dt = _mamba1_token(s, a, even, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d,
-                                  d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False)
+                                  d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False, Y_PARTS)
             total += dt
             even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 2, end, offs_d,
                                       d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
                                       stride_ct, N, HAS_Z and OUTPUT)
             s, dt = _mamba1_token(s, a, odd, t + 1, end, d_skip, dt_bias, y_ptr, stride_yt,
-                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, True)
+                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, True, Y_PARTS)
             total += dt
             odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 3, end, offs_d,
                                      d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
@@ -326,7 +346,7 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
                                             d_ok, stride_xt, stride_dtt, stride_zt, stride_bt,
                                             stride_ct, N, HAS_Z and OUTPUT)
             s, dt = _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt,
-                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False)
+                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False, Y_PARTS)
             total += dt
     return s, total
 
@@ -338,7 +358,8 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                            stride_a, stride_ss, stride_sd, num_tokens, num_slots,
                            NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
-                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr):
+                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
+                           Y_PARTS: tl.constexpr):
     """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
     ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
     C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
@@ -356,7 +377,7 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
     s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
                         _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip, dt_bias,
                         start, end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
-                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True)
+                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS)
     _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok)
@@ -378,10 +399,12 @@ def _float_rows(u: torch.Tensor) -> torch.Tensor:
 
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                            state_indices, has_initial_state, dt_softplus, block_d: int = 256,
-                           num_warps: int = 4, prefetch: int = 0) -> torch.Tensor:
+                           num_warps: int = 4, prefetch: int = 0,
+                           y_parts: int = 1) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
-    (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request
-    (inputs already checked)."""
+    (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request,
+    ``y = sum_n h_n C_n`` in ``y_parts`` partial sums (:func:`_mamba1_token`; inputs already
+    checked)."""
     if _num_writes(state_indices):
         raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -389,7 +412,8 @@ def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc
     return mamba1_launch(mamba1_unrolled_kernel, x, dt, A, B, C, D, z, dt_bias, state,
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=0,
-                         PREFETCH=int(prefetch) if x.shape[0] else 0)  # (reads ahead read a row)
+                         PREFETCH=int(prefetch) if x.shape[0] else 0,  # (reads ahead read a row)
+                         Y_PARTS=y_parts)
 
 
 @triton.jit
@@ -398,7 +422,7 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                           stride_zt, stride_bt, stride_ct, stride_a, D_INNER: tl.constexpr,
                           N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Z: tl.constexpr,
                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                          OUTPUT: tl.constexpr):
+                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr):
     """Per segment and block of channels, token by token with ``d_state`` unrolled
     (:func:`~attn_ops.backends.ssm.triton_kernels._mamba1_walk`): without ``OUTPUT``, the
     segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``, channels fastest)
@@ -423,7 +447,7 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                                 _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip,
                                 dt_bias, start, end, offs_d, d_ok, stride_xt, stride_yt,
                                 stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z,
-                                SOFTPLUS, PREFETCH, OUTPUT)
+                                SOFTPLUS, PREFETCH, OUTPUT, Y_PARTS)
         if not OUTPUT:
             for n in tl.static_range(N):
                 tl.store(base + n * D_INNER, s[n], mask=d_ok)
@@ -465,13 +489,14 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
 
 def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, segment: int = 256,
-                            block_d: int = 256, num_warps: int = 4,
-                            prefetch: int = 0) -> torch.Tensor:
+                            block_d: int = 256, num_warps: int = 4, prefetch: int = 0,
+                            y_parts: int = 1) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
     (one slot a request), in three launches: every segment's local state from zero, the
     hand-off of states between a request's segments, every segment's outputs from its start
     state -- the token loops of a long request run side by side, at 1.7 times the single
-    walk's instructions (inputs already checked)."""
+    walk's instructions; ``y_parts`` as :func:`mamba1_unrolled_triton`'s (inputs already
+    checked)."""
     if state_indices.dim() != 1:
         raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -493,7 +518,7 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
               y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
               C.stride(0), A.stride(0))
     common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
-                  PREFETCH=int(prefetch), num_warps=num_warps)
+                  PREFETCH=int(prefetch), Y_PARTS=y_parts, num_warps=num_warps)
     grid = (m, cdiv(d, block_d))
     mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
     mamba1_segment_chain_kernel[(b, cdiv(d, block_d))](
