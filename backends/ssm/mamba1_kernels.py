@@ -244,7 +244,7 @@ def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
 @triton.jit
 def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d, d_ok,
                   N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                  OUTPUT: tl.constexpr, MASKED: tl.constexpr, Y_PARTS: tl.constexpr = 1):
+                  OUTPUT: tl.constexpr, MASKED: tl.constexpr, Y_PARTS: tl.constexpr):
     """Token ``t``'s step from the state ``s`` over its ``inputs``
     (:func:`_mamba1_row_inputs`): ``h_n = h_n exp2(dt a_n) + dt x B_n``, and with ``OUTPUT``
     ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns the new state and the
@@ -301,7 +301,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
 def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
                  offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                  stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr = 1):
+                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr):
     """Rows ``[start, end)`` token by token (:func:`_mamba1_token`) from the state ``s`` (a
     tuple of ``N`` ``[BLOCK_D]`` vectors: each channel's ``d_state`` row in one thread);
     returns the final state and the channels' summed time steps. ``PREFETCH``: 0 reads a
