@@ -1269,10 +1269,12 @@ def test_flashmla_index_lists_in_one_launch_are_the_torch_forms(mode):
 
 
 
-@pytest.mark.parametrize("mode", ["window", "dense", "picks"])
-def test_flashmla_glue_runs_what_the_reference_does(monkeypatch, mode):
+@pytest.mark.parametrize("mode,heads", [("window", 3), ("dense", 3), ("picks", 3),
+                                        ("picks", 64)])
+def test_flashmla_glue_runs_what_the_reference_does(monkeypatch, mode, heads):
     """DSV4_FLASHMLA's glue (index lists built on the device, heads padded to 64 with -inf
-    sinks, e4m3 page views, one schedule a shape) against a stand-in of FlashMLA's V4 decode
+    sinks -- 64 heads passed as they are, FlashMLA's output returned as the op's --, e4m3 page
+    views, one schedule a shape) against a stand-in of FlashMLA's V4 decode
     with its call contract: the reference's outputs over the same 584-byte caches -- decodes,
     a prefill, a chunk, two padding rows, released window pages (-1), picks with -1, repeats
     and entries not yet complete, a block id outside the cache. Its selection: sm90 with a
@@ -1296,8 +1298,8 @@ def test_flashmla_glue_runs_what_the_reference_does(monkeypatch, mode):
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).int()
     seq = torch.tensor([c + n for c, n in reqs]).int()
     t = int(qsl[-1]) + 2
-    q = torch.randn(t, 3, 512, generator=g).bfloat16()
-    sinks = torch.randn(3, generator=g)
+    q = torch.randn(t, heads, 512, generator=g).bfloat16()
+    sinks = torch.randn(heads, generator=g)
     table[0, :2] = -1  # (released behind request 0's window)
     c_table[3, 7] = 10 ** 6  # (a column past request 3's entries: never read)
     picks = None

@@ -199,20 +199,24 @@ def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
            sliding_window, compressed_cache, compressed_block_table, ratio, picks)
     _, fm = PROVIDERS.require("DSV4_FLASHMLA")
     t, heads, d = q.shape
-    out = torch.zeros_like(q)
     if t == 0:
-        return out
+        return torch.zeros_like(q)
     hp = next(h for h in HEAD_COUNTS if heads <= h)
     lists = index_lists_triton if q.is_cuda else index_lists
     window, extra = lists(query_start_loc, seq_lens, block_table, window_cache, sliding_window,
                           t, compressed_cache, compressed_block_table, ratio, picks)
-    qp = q.new_zeros(t, 1, hp, d)
-    qp[:, 0, :heads] = q
-    sink = torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device)
-    sink[:heads] = sinks.float()
+    per_call = min(default_tuning().mla.flashmla_rows_a_call, FLASHMLA_MAX_ROWS)
+    if heads == hp and q.is_contiguous():  # (the kernel's head count: q and sinks as given)
+        qp, sink = q.view(t, 1, hp, d), sinks.float().contiguous()
+    else:
+        qp = q.new_zeros(t, 1, hp, d)
+        qp[:, 0, :heads] = q
+        sink = torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device)
+        sink[:heads] = sinks.float()
+    # (one call at the kernel's head count: its output is the op's, no copy)
+    out = None if heads == hp and t <= per_call else torch.zeros_like(q)
     extra_kw = {} if extra is None else dict(extra_k_cache=_fp8_pages(compressed_cache))
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    per_call = min(default_tuning().mla.flashmla_rows_a_call, FLASHMLA_MAX_ROWS)
     for r0 in range(0, t, per_call):
         r1 = min(r0 + per_call, t)
         key = (r1 - r0, hp, window.shape[2], None if extra is None else extra.shape[2],
@@ -228,6 +232,9 @@ def _impl(q, window_cache, query_start_loc, seq_lens, block_table, sinks, scale,
             cache_seqlens=None, head_dim_v=d, tile_scheduler_metadata=meta, num_splits=None,
             softmax_scale=scale, causal=False, is_fp8_kvcache=True, indices=window[r0:r1],
             attn_sink=sink, **extra_kw)
+        if out is None and o.is_contiguous():  # (strides as the fake's: contiguous)
+            return o.view(t, hp, d)
+        out = torch.zeros_like(q) if out is None else out
         out[r0:r1] = o[:, 0, :heads]
     return out
 
