@@ -151,6 +151,24 @@ def test_forward_logits_are_hfs_on_a_left_padded_batch(name):
     assert text.splitlines()[-1] == "generate: K/V in attn_ops pages"
 
 
+def test_sinks_changed_in_place_or_replaced_are_read_again():
+    """GPT-OSS's sinks reach each layer's attention once, not at every call, and again after
+    they change in place or the module gets another tensor: the logits stay HF's."""
+    theirs, ours = _models("gpt_oss")
+    _assert_same_logits(theirs, ours)
+    with torch.no_grad():
+        for model in (theirs, ours):
+            for m in model.modules():
+                if hasattr(m, "sinks"):
+                    m.sinks.add_(0.7)
+    _assert_same_logits(theirs, ours)
+    for model in (theirs, ours):
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks = torch.nn.Parameter(-m.sinks.detach().clone())
+    _assert_same_logits(theirs, ours)
+
+
 @pytest.mark.parametrize("cache", ["default", "dynamic"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_generate_gives_hfs_tokens(name, cache):

@@ -4,6 +4,8 @@ metadata (:func:`_scratch_step`, :class:`_StepPlan`, :func:`_built`)."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -51,9 +53,14 @@ def _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux):
         except ValueError as e:  # (no backend serves it here: every reason, named)
             raise ValueError(f"attn_ops ({_where(module)}): {spec.describe()}: {e}") from e
         layers[call] = layer
-    if s_aux is not None:
+    # (the sinks copied when they are another tensor or changed in place since: a copy a
+    # layer every step would cost two launches)
+    seen = layer.__dict__.get("_hf_sinks_of")
+    if s_aux is not None and (seen is None or seen[0]() is not s_aux
+                              or seen[1] != s_aux._version):
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())
+        layer.__dict__["_hf_sinks_of"] = (weakref.ref(s_aux), s_aux._version)
     return layer
 
 
