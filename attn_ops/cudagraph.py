@@ -130,26 +130,37 @@ class CUDAGraphBatch:
             self.block_table[n:self._rows].zero_()
             self.slot_mapping[n * q:self._rows * q].fill_(-1)
         self._rows, self._cols, self._table_host = n, width, None
-        # Host side: the same batch, padded (numpy: a third of torch's cost per small op) --
-        # the batch's own arrays where it fills its capture size.
-        qsl_cpu, seq_cpu = common.query_start_loc_cpu, common.seq_lens_cpu
-        table_cpu, indptr_cpu = common.block_table_cpu, common.block_indptr_cpu
-        if size > n:
+        decodes = common.num_decodes == n
+        return self._padded(n, size, common.query_start_loc_cpu, common.seq_lens_cpu,
+                            common.block_table_cpu, common.block_indptr_cpu,
+                            max_seq_len=common.max_seq_len,
+                            num_decodes=size if decodes else 0,
+                            num_decode_tokens=n * q if decodes else 0, causal=common.causal,
+                            num_blocks=common.num_blocks,
+                            block_indices_cpu=common.block_indices_cpu)
+
+    def _padded(self, n: int, size: int, qsl_cpu, seq_cpu, table_cpu, indptr_cpu,
+                **fields) -> CommonAttentionMetadata:
+        """The batch of ``n`` requests padded to ``size``: the buffers' views, and its host
+        arrays padded with empty requests (numpy: a third of torch's cost per small op) --
+        the batch's own where they already hold ``size`` rows; ``qsl_cpu`` None: made."""
+        q = self.query_len
+        if qsl_cpu is None or qsl_cpu.shape[0] < size + 1:
+            qsl_cpu = torch.from_numpy(np.minimum(np.arange(size + 1, dtype=np.int32) * q,
+                                                  n * q))
+        if seq_cpu.shape[0] < size:
             seq_np = np.zeros(size, dtype=np.int32)
             seq_np[:n] = seq_cpu.numpy()
             seq_cpu = torch.from_numpy(seq_np)
-            qsl_cpu = torch.from_numpy(np.minimum(np.arange(size + 1, dtype=np.int32) * q,
-                                                  n * q))
-            if table_cpu is not None:
-                table_np = np.zeros((size, width), dtype=np.int32)
-                table_np[:n] = table_cpu.numpy()
-                table_cpu = torch.from_numpy(table_np)
-            if indptr_cpu is not None:  # (padding requests have no pages)
-                indptr = np.empty(size + 1, dtype=np.int32)
-                indptr[:n + 1] = indptr_cpu.numpy()
-                indptr[n + 1:] = indptr[n]
-                indptr_cpu = torch.from_numpy(indptr)
-        decodes = common.num_decodes == n
+        if table_cpu is not None and table_cpu.shape[0] < size:
+            table_np = np.zeros((size, table_cpu.shape[1]), dtype=np.int32)
+            table_np[:n] = table_cpu.numpy()
+            table_cpu = torch.from_numpy(table_np)
+        if indptr_cpu is not None and indptr_cpu.shape[0] < size + 1:  # (no pages: padding)
+            indptr = np.empty(size + 1, dtype=np.int32)
+            indptr[:n + 1] = indptr_cpu.numpy()
+            indptr[n + 1:] = indptr[n]
+            indptr_cpu = torch.from_numpy(indptr)
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1],
             query_start_loc_cpu=qsl_cpu,
@@ -159,15 +170,10 @@ class CUDAGraphBatch:
             slot_mapping=self.slot_mapping[:size * q],
             num_actual_tokens=n * q,
             max_query_len=q,
-            max_seq_len=common.max_seq_len,
-            num_decodes=size if decodes else 0,
-            num_decode_tokens=n * q if decodes else 0,
             block_size=self.block_size,
-            causal=common.causal,
             block_table_cpu=table_cpu,
-            num_blocks=common.num_blocks,
             block_indptr_cpu=indptr_cpu,
-            block_indices_cpu=common.block_indices_cpu,
+            **fields,
         )
 
     def pad_arrays(self, seq_lens: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
@@ -209,25 +215,13 @@ class CUDAGraphBatch:
         if self._rows > n:
             self.block_table[n:self._rows].zero_()
         self._rows, self._cols = n, width
-        table_np = np.zeros((size, width), dtype=np.int32)
-        table_np[:n] = table
-        return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1],
-            query_start_loc_cpu=torch.from_numpy(np.minimum(
-                np.arange(size + 1, dtype=np.int32) * q, n * q)),
-            seq_lens=self.seq_lens[:size],
-            seq_lens_cpu=torch.from_numpy(seq_np),
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size * q],
-            num_actual_tokens=n * q,
-            max_query_len=q,
-            max_seq_len=int(seq_lens.max()),
-            num_decodes=size if q == 1 else 0,
-            num_decode_tokens=n * q if q == 1 else 0,
-            block_size=self.block_size,
-            block_table_cpu=torch.from_numpy(table_np),
-            num_blocks=num_blocks,
-        )
+        # (the caller's table on the host side, as pad passes its batch's: the kept copy is
+        # only compared with)
+        return self._padded(n, size, None, torch.from_numpy(seq_np),
+                            torch.from_numpy(np.asarray(block_table, dtype=np.int32)), None,
+                            max_seq_len=int(seq_lens.max()),
+                            num_decodes=size if q == 1 else 0,
+                            num_decode_tokens=n * q if q == 1 else 0, num_blocks=num_blocks)
 
     @property
     def max_seq_len(self) -> int:

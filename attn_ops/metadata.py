@@ -22,7 +22,7 @@ from attn_ops.kv_cache import BlockAllocator
 
 __all__ = [
     "CommonAttentionMetadata", "DeviceTables", "block_csr", "build_common_metadata",
-    "build_batch", "decode_first_order", "split_decodes_and_prefills",
+    "build_batch", "decode_first_order", "host_slots", "split_decodes_and_prefills",
 ]
 
 
@@ -118,6 +118,14 @@ def _token_positions(qsl: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.n
         return seq - 1, np.arange(n)
     req = np.repeat(np.arange(n), q)  # request of every token
     return np.arange(int(qsl[-1])) - qsl[req] + (seq - q)[req], req
+
+
+def host_slots(block_table: np.ndarray, req: np.ndarray, pos: np.ndarray,
+               block_size: int) -> np.ndarray:
+    """The cache slot (int64) of each token at position ``pos`` of request ``req`` through the
+    dense host ``block_table``: ``table[req, pos // block_size] * block_size + pos %
+    block_size``."""
+    return block_table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
 def block_csr(seq_lens: np.ndarray, block_table: np.ndarray,
@@ -388,8 +396,7 @@ def build_common_metadata(
     pos, req = _token_positions(qsl, s_np)  # (position and request of every token)
     positions[:num_tokens] = pos
     slots = np.full(padded, -1, dtype=np.int64)
-    slots[:num_tokens] = table_np[req, pos // block_size].astype(np.int64) * block_size \
-        + pos % block_size
+    slots[:num_tokens] = host_slots(table_np, req, pos, block_size)
     qsl32, seq32 = qsl.astype(np.int32), s_np.astype(np.int32)
     # One upload: the int64 slots and positions, then the int32 tables (offsets in `at`).
     buffer, at = pack_upload((slots, positions), (

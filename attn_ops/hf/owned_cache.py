@@ -147,13 +147,15 @@ class _Steps:
 
         state, step = self.by_page[page], plan["graph"]
         if step["padded"] is None:
-            lens, seq, table, _, capacity, device = plan["meta_of"]
+            _, seq, table, _, capacity, device = plan["meta_of"]
             if state.get("graphs") is None:
                 state["graphs"] = CUDAGraphBatch((self.batch,), -(-self.max_tokens // page), page,
                                                  device)
             # (a step of one new token a row, in row order: each token's slot from the table)
-            at = np.array(seq, dtype=np.int64) - 1
-            slots = table[np.arange(len(seq)), at // page].astype(np.int64) * page + at % page
+            from attn_ops.metadata import host_slots
+
+            slots = host_slots(table, np.arange(len(seq)), np.array(seq, dtype=np.int64) - 1,
+                               page)
             step["padded"] = state["graphs"].pad_arrays(np.array(seq, dtype=np.int32), table,
                                                         slots, capacity)
         key = layer._metadata_key

@@ -34,7 +34,7 @@ from attn_ops.backend import AttentionBackend
 from attn_ops.backends.mla.ds_cache import ds_row_width, ds_write, is_ds_cache
 from attn_ops.capabilities import Reason
 from attn_ops.kv_cache import FP8_MAX, write_paged
-from attn_ops.metadata import CommonAttentionMetadata
+from attn_ops.metadata import CommonAttentionMetadata, host_slots
 from attn_ops.ops import check_query_start_loc, define_op
 from attn_ops.plan_codec import PlanCodec
 from attn_ops.platforms import Platform
@@ -249,7 +249,7 @@ def chunk_tables(context_lens: np.ndarray, chunk_tokens: int, block_table: torch
         pos = np.arange(int(cu[-1])) - cu[req] + ranges[req, 0]
         if block_table_cpu is not None:
             table = block_table_cpu.numpy()
-            rows = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+            rows = host_slots(table, req, pos, block_size)
             slots.append(torch.from_numpy(rows).to(device, non_blocking=True))
         else:
             req_t, pos_t = (torch.from_numpy(x).to(device) for x in (req, pos))
