@@ -85,6 +85,10 @@
 #            stalls, occupancy; TQ_NCU_ARGS: profile_turboquant_decode.py's, default 3bit_nc
 #            at B=32); TQ_NCU_KERNEL=cache_write_kernel profiles the cache write instead (the
 #            script fills its caches with it)
+#   ssmncu   Nsight Compute over one recurrent prefill launch (the tqncu sections, pipes,
+#            schedulers, instruction mix, the SASS lines that stall most): SSM_NCU_KERNEL a
+#            regex (default mamba1_unrolled), SSM_NCU_COUNT launches, SSM_NCU_CASES
+#            profile_ssm_prefill.py's cases (default mamba1:8x2048)
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
 #   tqwrite  TurboQuant's write tests compiled, then bench_turboquant.py --only write under each
@@ -127,6 +131,9 @@ if [ -n "${PYTEST_WORKERS:-}" ]; then
   PYTEST_FLAGS="${PYTEST_FLAGS:--q} -n $PYTEST_WORKERS"
 fi
 SUMMARY=$(mktemp)
+# Nsight Compute's sections for one launch: speed of light, memory, warp stalls, occupancy.
+NCU_SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
+              --section Occupancy --section LaunchStats)
 
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2
@@ -256,10 +263,12 @@ for spec in "$@"; do
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
       done ;;
     tqncu) stage tqncu "$limit" ncu --kernel-name "regex:${TQ_NCU_KERNEL:-paged_attention}" \
-        --launch-count 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section LaunchStats python benchmarks/profile_turboquant_decode.py \
+        --launch-count 1 "${NCU_SECTIONS[@]}" python benchmarks/profile_turboquant_decode.py \
         --iters 1 ${TQ_NCU_ARGS:---batch 32 --presets turboquant_3bit_nc} ;;
+    ssmncu) stage ssmncu "$limit" ncu --kernel-name "regex:${SSM_NCU_KERNEL:-mamba1_unrolled}" \
+        --launch-count "${SSM_NCU_COUNT:-1}" "${NCU_SECTIONS[@]}" --section ComputeWorkloadAnalysis \
+        --section SchedulerStats --section InstructionStats --section SourceCounters \
+        python benchmarks/profile_ssm_prefill.py --iters 1 --cases ${SSM_NCU_CASES:-mamba1:8x2048} ;;
     tqbench) stage tqbench "$limit" python benchmarks/bench_turboquant.py ${TQ_ARGS:-} \
         --out "$OUT/bench_turboquant_h200.json" ;;
     tqwrite) stage tqwrite_tests "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
