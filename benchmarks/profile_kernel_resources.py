@@ -199,7 +199,7 @@ def configs() -> dict[str, tuple]:
             (f"{d} channels" + (f" prefetch {p}" if p else "") + (f" y parts {y}" if y > 1
                                                                    else "")
              + (f" lanes {n}" if n > 1 else ""),
-             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p, Y_PARTS=y, LANES=n), w)
+             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p, Y_PARTS=y, LANES=n, STAGES=1), w)
             for d, w, p, y, n in itertools.product((64, 128, 256), (2, 4, 8), (0, 1, 2),
                                                    (1, 2, 4), (1, 2))
             if (n == 1 and w < 8) or d * n == 32 * w]),
@@ -207,7 +207,7 @@ def configs() -> dict[str, tuple]:
             (f"{d} channels" + (" outputs" if o else " states") + (f" prefetch {p}" if p else "")
              + (f" y parts {y}" if y > 1 else "") + (f" lanes {n}" if n > 1 else ""),
              dict(D_INNER=5120, N=16, HAS_Z=True, SOFTPLUS=True, BLOCK_D=d, PREFETCH=p,
-                  OUTPUT=o, Y_PARTS=y, LANES=n), w)
+                  OUTPUT=o, Y_PARTS=y, LANES=n, STAGES=1), w)
             for d, w, o, p, y, n in itertools.product((64, 128, 256), (4,), (False, True),
                                                       (0, 2), (1, 2, 4), (1, 2))
             if (o or y == 1) and (d > 64 if n == 1 else d * n == 32 * w)]),

@@ -1424,6 +1424,7 @@ def test_mamba1_walk_rows_pair_into_aligned_words():
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
                                   "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
                                   "mamba1_unrolled_lanes_2", "mamba1_segmented_lanes_2",
+                                  "mamba1_unrolled_stages",
                                   "lightning", "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
@@ -1464,11 +1465,13 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
             from attn_ops.tuning.ssm import SSMTuning
 
             tail += (SSM_PLAN.encode(SSMTuning(  # ("_2": two tokens read ahead; "_lanes": two
-                # lanes a channel, 64 channels a program on 4 warps)
+                # lanes a channel, 64 channels a program on 4 warps; "_stages": the walk
+                # pipelined by Triton, B / C through shared memory)
                 mamba1_unrolled=True, mamba1_unrolled_segment=64 if "segmented" in kind else 0,
                 mamba1_unrolled_prefetch=2 if kind.endswith("_2") else 0,
                 mamba1_unrolled_lanes=2 if "_lanes" in kind else 1,
-                mamba1_unrolled_block_d=64 if "_lanes" in kind else 128)),)
+                mamba1_unrolled_block_d=64 if "_lanes" in kind else 128,
+                mamba1_unrolled_stages=3 if "_stages" in kind else 1)),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

@@ -97,6 +97,13 @@ class SSMTuning:
     # mamba1_unrolled_block_d = 32 x mamba1_unrolled_warps keeps one lane an element. Not yet
     # timed.
     mamba1_unrolled_lanes: int = 1
+    # The unrolled walks' loop software-pipelined by Triton over this many stages (1: not):
+    # its B / C reads become asynchronous copies into shared memory read back a step or more
+    # later. ptxas issues the walk's own reads ahead (mamba1_unrolled_prefetch) at the end of
+    # an iteration, into the registers the last token frees, so they are waited on at the
+    # next iteration's top: on an H100 at 8 x 2k half the walk's stalls are on those reads
+    # (Nsight Compute). Not yet timed.
+    mamba1_unrolled_stages: int = 1
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
@@ -207,6 +214,9 @@ class SSMTuning:
         for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
+        if self.mamba1_unrolled_stages < 1:
+            raise ValueError(f"tuning.ssm.mamba1_unrolled_stages={self.mamba1_unrolled_stages}"
+                             " must be >= 1")
         if self.mamba1_unrolled_lanes not in (1, 2, 4):
             raise ValueError(f"tuning.ssm.mamba1_unrolled_lanes={self.mamba1_unrolled_lanes}"
                              " must be 1, 2 or 4")

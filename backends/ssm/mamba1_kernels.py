@@ -174,22 +174,46 @@ def _halves(pair):
 
 
 @triton.jit
-def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, n0, d_ok,
-                       stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
-                       HAS_Z: tl.constexpr):
-    """Token ``t``'s inputs as stored: ``dt``, ``x``, ``z`` of the channels, and ``B`` / ``C``
-    as tuples of ``N`` values from state ``n0`` on (:func:`_mamba1_lanes`), each a vector of
-    one address a lane (every channel reads the same ``B[t, n]``). A token at or past ``end`` (a read ahead) reads row ``end - 1`` (row 0 for
-    an empty request) instead: unmasked reads -- a masked one costs a zeroed register and,
-    for the ``B`` / ``C`` vectors, a load a channel where one serves a thread's channels --
-    of a row the walk never steps with (:func:`_mamba1_token` zeroes such a token's time
-    step)."""
+def _read(ptr, NC: tl.constexpr):
+    """``*ptr`` of memory the kernel never writes, compiled as a non-coherent load
+    (``ld.global.nc``): ptxas may then issue it ahead of the walk's output stores, which a
+    plain load must follow (they might alias), so a read ahead stays ahead. ``NC`` False: a
+    plain ``tl.load`` (which Triton's pipeliner can turn into an asynchronous copy)."""
+    if _MUFU and NC:
+        if ptr.dtype.element_ty.primitive_bitwidth == 64:
+            return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr],
+                                             dtype=tl.int64, is_pure=True, pack=1)
+        elif ptr.dtype.element_ty.primitive_bitwidth == 32:
+            return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr],
+                                             dtype=tl.int32, is_pure=True,
+                                             pack=1).to(ptr.dtype.element_ty, bitcast=True)
+        else:
+            tl.static_assert(ptr.dtype.element_ty.primitive_bitwidth == 16)
+            return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptr],
+                                             dtype=tl.int16, is_pure=True,
+                                             pack=1).to(ptr.dtype.element_ty, bitcast=True)
+    return tl.load(ptr)
+
+
+@triton.jit
+def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_r, n0, stride_xt,
+                       stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
+                       HAS_Z: tl.constexpr, NC: tl.constexpr):
+    """Token ``t``'s inputs as stored (:func:`_read`): ``dt``, ``x``, ``z`` of the channels
+    ``offs_r`` (in range: a lane past the channels reads one it does not store), and ``B`` /
+    ``C`` as tuples of ``N`` values from state ``n0`` on (:func:`_mamba1_lanes`), each a
+    vector of one address a lane (every channel reads the same ``B[t, n]``). A token at or
+    past ``end`` (a read ahead) reads row ``end - 1`` (row 0 for an empty request) instead:
+    unmasked reads -- a masked one costs a zeroed register and, for the ``B`` / ``C`` vectors,
+    a load a channel where one serves a thread's channels -- of a row the walk never steps
+    with (:func:`_mamba1_token` zeroes such a token's time step). ``NC``: ``B`` / ``C`` read
+    non-coherent (:func:`_read`)."""
     row = tl.maximum(tl.minimum(t, end - 1), 0)
-    dt = tl.load(dt_ptr + row * stride_dtt + offs_d, mask=d_ok, other=0.0)
-    x = tl.load(x_ptr + row * stride_xt + offs_d, mask=d_ok, other=0.0)
+    dt = _read(dt_ptr + row * stride_dtt + offs_r, True)
+    x = _read(x_ptr + row * stride_xt + offs_r, True)
     z = x
     if HAS_Z:
-        z = tl.load(z_ptr + row * stride_zt + offs_d, mask=d_ok, other=0.0)
+        z = _read(z_ptr + row * stride_zt + offs_r, True)
     bb = ()
     cc = ()
     if N % 2 == 0:  # (value pairs, one little-endian 64-bit load each: rows aligned by
@@ -197,12 +221,12 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_d, n0, d
         b_pairs = (b_ptr + row * stride_bt).to(tl.pointer_type(tl.int64)) + n0 // 2
         c_pairs = (c_ptr + row * stride_ct).to(tl.pointer_type(tl.int64)) + n0 // 2
         for n in tl.static_range(N // 2):
-            bb = bb + _halves(tl.load(b_pairs + n))
-            cc = cc + _halves(tl.load(c_pairs + n))
+            bb = bb + _halves(_read(b_pairs + n, NC))
+            cc = cc + _halves(_read(c_pairs + n, NC))
     else:
         for n in tl.static_range(N):
-            bb = bb + (tl.load(b_ptr + row * stride_bt + n + n0),)
-            cc = cc + (tl.load(c_ptr + row * stride_ct + n + n0),)
+            bb = bb + (_read(b_ptr + row * stride_bt + n + n0, NC),)
+            cc = cc + (_read(c_ptr + row * stride_ct + n + n0, NC),)
     return dt, x, z, bb, cc
 
 
@@ -331,46 +355,50 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
                  offs_d, n0, d_ok, y_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                  stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
                  PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr,
-                 BLOCK_D: tl.constexpr, LANES: tl.constexpr):
+                 BLOCK_D: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr):
     """Rows ``[start, end)`` token by token (:func:`_mamba1_token`) from the state ``s`` (a
     tuple of ``N`` vectors: each channel's ``d_state`` row in one thread, or split over its
     ``LANES`` lanes from state ``n0`` on: :func:`_mamba1_lanes`); returns the final state and
     the channels' summed time steps. ``PREFETCH``: 0 reads a token's inputs when it steps; 1
     one token ahead (the inputs rotate through registers: a move each a step); 2 two tokens
     ahead, two tokens an iteration, each of the two buffers reloaded right after its token
-    steps (no moves; an odd request's last iteration steps a masked token)."""
+    steps (no moves; an odd request's last iteration steps a masked token). ``STAGES`` > 1:
+    the loop software-pipelined by Triton over that many stages (its ``B`` / ``C`` reads
+    become asynchronous copies into shared memory, read back a step later)."""
     total = d_skip * 0.0
     # (runtime values only: a constexpr packed into a tuple reaches the callee as a value)
-    reads = (offs_d, n0, d_ok, stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct)
+    reads = (tl.where(d_ok, offs_d, 0), n0, stride_xt, stride_dtt, stride_zt, stride_bt,
+             stride_ct)
+    NC: tl.constexpr = STAGES == 1  # (Triton pipelines plain loads only)
     step = (d_skip, dt_bias, y_ptr, stride_yt, offs_d, y_ok)
     if PREFETCH == 2:
         even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, *reads, N,
-                                  HAS_Z and OUTPUT)
+                                  HAS_Z and OUTPUT, NC)
         odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + 1, end, *reads, N,
-                                 HAS_Z and OUTPUT)
-        for t in range(start, end, 2):
+                                 HAS_Z and OUTPUT, NC)
+        for t in tl.range(start, end, 2, num_stages=STAGES):
             s, dt = _mamba1_token(s, a, even, t, end, *step, N, HAS_Z, SOFTPLUS, OUTPUT, False,
                                   Y_PARTS, BLOCK_D, LANES)
             total += dt
             even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 2, end, *reads, N,
-                                      HAS_Z and OUTPUT)
+                                      HAS_Z and OUTPUT, NC)
             s, dt = _mamba1_token(s, a, odd, t + 1, end, *step, N, HAS_Z, SOFTPLUS, OUTPUT, True,
                                   Y_PARTS, BLOCK_D, LANES)
             total += dt
             odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 3, end, *reads, N,
-                                     HAS_Z and OUTPUT)
+                                     HAS_Z and OUTPUT, NC)
     else:
         if PREFETCH:
             ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, *reads,
-                                       N, HAS_Z and OUTPUT)
-        for t in range(start, end):
+                                       N, HAS_Z and OUTPUT, NC)
+        for t in tl.range(start, end, num_stages=STAGES):
             if PREFETCH:
                 inputs = ahead
                 ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end,
-                                           *reads, N, HAS_Z and OUTPUT)
+                                           *reads, N, HAS_Z and OUTPUT, NC)
             else:
                 inputs = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, *reads,
-                                            N, HAS_Z and OUTPUT)
+                                            N, HAS_Z and OUTPUT, NC)
             s, dt = _mamba1_token(s, a, inputs, t, end, *step, N, HAS_Z, SOFTPLUS, OUTPUT,
                                   False, Y_PARTS, BLOCK_D, LANES)
             total += dt
@@ -385,14 +413,15 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                            NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                           Y_PARTS: tl.constexpr, LANES: tl.constexpr):
+                           Y_PARTS: tl.constexpr, LANES: tl.constexpr,
+                           STAGES: tl.constexpr):
     """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
     ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
     C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
     ``d_state`` over lanes and sums it with shuffles, and the per-channel time step, skip and
     gate are computed once a channel, not once a lane. One slot a request (``NUM_WRITES``
     0); the state row's ``N`` reads and writes are strided, once a request. ``LANES``: lanes a
-    channel (:func:`_mamba1_lanes`)."""
+    channel (:func:`_mamba1_lanes`); ``STAGES``: the walk's pipelining (:func:`_mamba1_walk`)."""
     r = tl.program_id(0)
     local, n0, lead = _mamba1_lanes(BLOCK_D, LANES, N)
     offs_d = tl.program_id(1) * BLOCK_D + local
@@ -407,7 +436,7 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                         _mamba1_rates(a_ptr, offs_d, n0, d_ok, stride_a, N // LANES), s, d_skip,
                         dt_bias, start, end, offs_d, n0, d_ok, d_ok & lead, stride_xt,
                         stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct, N // LANES,
-                        HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS, BLOCK_D, LANES)
+                        HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS, BLOCK_D, LANES, STAGES)
     _mamba1_keep_state(state_ptr, row, s, d_ok & present, N // LANES)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok & lead)
@@ -430,12 +459,12 @@ def _float_rows(u: torch.Tensor) -> torch.Tensor:
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                            state_indices, has_initial_state, dt_softplus, block_d: int = 256,
                            num_warps: int = 4, prefetch: int = 0, y_parts: int = 1,
-                           lanes: int = 1) -> torch.Tensor:
+                           lanes: int = 1, stages: int = 1) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
     (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request,
     ``y = sum_n h_n C_n`` in ``y_parts`` partial sums (:func:`_mamba1_token`), ``d_state``
-    split over ``lanes`` lanes a channel where it divides (:func:`_mamba1_lanes`; inputs
-    already checked)."""
+    split over ``lanes`` lanes a channel where it divides (:func:`_mamba1_lanes`), the walk
+    pipelined over ``stages`` (:func:`_mamba1_walk`; inputs already checked)."""
     if _num_writes(state_indices):
         raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -444,7 +473,7 @@ def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=0,
                          PREFETCH=int(prefetch) if x.shape[0] else 0,  # (reads ahead read a row)
-                         Y_PARTS=y_parts, LANES=_lanes(lanes, A.shape[1]))
+                         Y_PARTS=y_parts, LANES=_lanes(lanes, A.shape[1]), STAGES=stages)
 
 
 def _lanes(lanes: int, d_state: int) -> int:
@@ -459,7 +488,8 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                           stride_zt, stride_bt, stride_ct, stride_a, D_INNER: tl.constexpr,
                           N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Z: tl.constexpr,
                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr, LANES: tl.constexpr):
+                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr, LANES: tl.constexpr,
+                          STAGES: tl.constexpr):
     """Per segment and block of channels, token by token with ``d_state`` unrolled
     (:func:`_mamba1_walk`; ``LANES`` lanes a channel: :func:`_mamba1_lanes`): without
     ``OUTPUT``, the segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``,
@@ -486,7 +516,7 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                                 s, d_skip, dt_bias, start, end, offs_d, n0, d_ok, d_ok & lead,
                                 stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                                 stride_ct, N // LANES, HAS_Z, SOFTPLUS, PREFETCH, OUTPUT,
-                                Y_PARTS, BLOCK_D, LANES)
+                                Y_PARTS, BLOCK_D, LANES, STAGES)
         if not OUTPUT:
             for n in tl.static_range(N // LANES):
                 tl.store(base + n * D_INNER, s[n], mask=d_ok)
@@ -530,13 +560,13 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
 def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, segment: int = 256,
                             block_d: int = 256, num_warps: int = 4, prefetch: int = 0,
-                            y_parts: int = 1, lanes: int = 1) -> torch.Tensor:
+                            y_parts: int = 1, lanes: int = 1, stages: int = 1) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
     (one slot a request), in three launches: every segment's local state from zero, the
     hand-off of states between a request's segments, every segment's outputs from its start
     state -- the token loops of a long request run side by side, at 1.7 times the single
-    walk's instructions; ``y_parts`` and ``lanes`` as :func:`mamba1_unrolled_triton`'s
-    (inputs already checked)."""
+    walk's instructions; ``y_parts``, ``lanes`` and ``stages`` as
+    :func:`mamba1_unrolled_triton`'s (inputs already checked)."""
     if state_indices.dim() != 1:
         raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -559,7 +589,7 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
               C.stride(0), A.stride(0))
     common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
                   PREFETCH=int(prefetch), Y_PARTS=y_parts, LANES=_lanes(lanes, n),
-                  num_warps=num_warps)
+                  STAGES=stages, num_warps=num_warps)
     grid = (m, cdiv(d, block_d))
     mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
     mamba1_segment_chain_kernel[(b, cdiv(d, block_d))](
