@@ -197,20 +197,16 @@ def configs() -> dict[str, tuple]:
             for c, v, w in itertools.product((32, 64), (64, 128), (4, 8))]),
         "mamba1_unrolled": (mk.mamba1_unrolled_kernel, [
             (f"{d} channels" + (f" prefetch {p}" if p else "") + (f" y parts {y}" if y > 1
-                                                                   else "")
-             + (f" lanes {n}" if n > 1 else ""),
-             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p, Y_PARTS=y, LANES=n, STAGES=1), w)
-            for d, w, p, y, n in itertools.product((64, 128, 256), (2, 4, 8), (0, 1, 2),
-                                                   (1, 2, 4), (1, 2))
-            if (n == 1 and w < 8) or d * n == 32 * w]),
+                                                                   else ""),
+             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p, Y_PARTS=y), w)
+            for d, w, p, y in itertools.product((64, 128, 256), (2, 4), (0, 1, 2), (1, 2, 4))]),
         "mamba1_segment": (mk.mamba1_segment_kernel, [
             (f"{d} channels" + (" outputs" if o else " states") + (f" prefetch {p}" if p else "")
-             + (f" y parts {y}" if y > 1 else "") + (f" lanes {n}" if n > 1 else ""),
+             + (f" y parts {y}" if y > 1 else ""),
              dict(D_INNER=5120, N=16, HAS_Z=True, SOFTPLUS=True, BLOCK_D=d, PREFETCH=p,
-                  OUTPUT=o, Y_PARTS=y, LANES=n, STAGES=1), w)
-            for d, w, o, p, y, n in itertools.product((64, 128, 256), (4,), (False, True),
-                                                      (0, 2), (1, 2, 4), (1, 2))
-            if (o or y == 1) and (d > 64 if n == 1 else d * n == 32 * w)]),
+                  OUTPUT=o, Y_PARTS=y), w)
+            for d, w, o, p, y in itertools.product((128, 256), (4,), (False, True), (0, 2),
+                                                   (1, 2, 4)) if o or y == 1]),
         "mamba1_segment_chain": (mk.mamba1_segment_chain_kernel, [
             (f"{d} channels", dict(D_INNER=5120, N=16, BLOCK_D=d), 4) for d in (128, 256)]),
         "mamba1_recurrent": (tk.mamba1_recurrent_kernel, [

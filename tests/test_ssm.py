@@ -1310,10 +1310,7 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
     ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_unrolled_2", 16, 16, torch.float32),
     ("mamba1_unrolled_2_odd", 16, 16, torch.float32),
-    ("mamba1_unrolled_lanes", 16, 16, torch.float32),
-    ("mamba1_unrolled_lanes_2", 16, 8, torch.float16),
     ("mamba1_segmented", 16, 16, torch.float32), ("mamba1_segmented_2", 8, 64, torch.float16),
-    ("mamba1_segmented_lanes_2", 8, 16, torch.float32),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
     ("lightning_split", 16, 32, torch.float16)])
@@ -1344,10 +1341,7 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                 np.array(ctx), np.array(slots), chunk, device=dev)
     step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
     if kind.startswith("mamba1"):
-        # ("_lanes": d_state split over two lanes a channel, 3 states a lane, y's partial sums
-        # added across the lanes; its fp16 case over 4 lanes at d_state 8, pairs of B / C)
-        d, n = 40, 5 if kind.endswith("_odd") else 8 if kind == "mamba1_unrolled_lanes_2" else 6
-        lanes = (4 if n == 8 else 2) if "_lanes" in kind else 1
+        d, n = 40, 5 if kind.endswith("_odd") else 6
         # (B / C: columns of a wider projection at an odd offset, as a model's x_proj split
         # gives them: rows neither contiguous nor 8-byte aligned)
         b, c = (rand(t, n + 3)[:, 1:1 + n].to(dtype) for _ in range(2))
@@ -1368,14 +1362,13 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                             prefetch=2 if "_2" in kind else
                                             int(dtype == torch.float16),
                                             y_parts=4 if "_2" in kind else
-                                            2 if dtype == torch.float16 else 1, lanes=lanes)
+                                            2 if dtype == torch.float16 else 1)
         else:  # (the same over segments of `chunk` tokens, three launches; "_2" reads two
             # tokens ahead and sums y in two parts)
             got = mk.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
                                              block_d=block,
                                              prefetch=2 if kind.endswith("_2") else 0,
-                                             y_parts=2 if kind.endswith("_2") else 1,
-                                             lanes=lanes)
+                                             y_parts=2 if kind.endswith("_2") else 1)
     else:
         h, dk, dv = 3, 16, 40
         args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),
@@ -1423,8 +1416,6 @@ def test_mamba1_walk_rows_pair_into_aligned_words():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
                                   "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
-                                  "mamba1_unrolled_lanes_2", "mamba1_segmented_lanes_2",
-                                  "mamba1_unrolled_stages",
                                   "lightning", "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
@@ -1464,14 +1455,9 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
             from attn_ops.backends.ssm.common import SSM_PLAN
             from attn_ops.tuning.ssm import SSMTuning
 
-            tail += (SSM_PLAN.encode(SSMTuning(  # ("_2": two tokens read ahead; "_lanes": two
-                # lanes a channel, 64 channels a program on 4 warps; "_stages": the walk
-                # pipelined by Triton, B / C through shared memory)
+            tail += (SSM_PLAN.encode(SSMTuning(  # ("_2": two tokens read ahead)
                 mamba1_unrolled=True, mamba1_unrolled_segment=64 if "segmented" in kind else 0,
-                mamba1_unrolled_prefetch=2 if kind.endswith("_2") else 0,
-                mamba1_unrolled_lanes=2 if "_lanes" in kind else 1,
-                mamba1_unrolled_block_d=64 if "_lanes" in kind else 128,
-                mamba1_unrolled_stages=3 if "_stages" in kind else 1)),)
+                mamba1_unrolled_prefetch=2 if kind.endswith("_2") else 0)),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

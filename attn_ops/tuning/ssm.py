@@ -89,21 +89,6 @@ class SSMTuning:
     # not d_state. Not yet timed; sm_90 SASS at 128 channels on 4 warps, two tokens ahead:
     # 309 / 312 / 316 instructions an iteration (two tokens) at 1 / 2 / 4, 127-128 registers.
     mamba1_unrolled_y_parts: int = 1
-    # The unrolled walks' lanes a channel (1, 2 or 4; where they divide d_state): d_state split
-    # across a channel's adjacent lanes, y's partial sums added by shuffles. At 8 x 2k one lane
-    # a channel is 1280 warps, about 2.4 a scheduler -- too few to hide the MUFU and FMA
-    # latencies of the walk's dependent steps; two lanes run twice the warps over the same
-    # channels for the channel's own work (time step, softplus, gate) done on both. Lanes x
-    # mamba1_unrolled_block_d = 32 x mamba1_unrolled_warps keeps one lane an element. Not yet
-    # timed.
-    mamba1_unrolled_lanes: int = 1
-    # The unrolled walks' loop software-pipelined by Triton over this many stages (1: not):
-    # its B / C reads become asynchronous copies into shared memory read back a step or more
-    # later. ptxas issues the walk's own reads ahead (mamba1_unrolled_prefetch) at the end of
-    # an iteration, into the registers the last token frees, so they are waited on at the
-    # next iteration's top: on an H100 at 8 x 2k half the walk's stalls are on those reads
-    # (Nsight Compute). Not yet timed.
-    mamba1_unrolled_stages: int = 1
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
@@ -214,12 +199,6 @@ class SSMTuning:
         for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
-        if self.mamba1_unrolled_stages < 1:
-            raise ValueError(f"tuning.ssm.mamba1_unrolled_stages={self.mamba1_unrolled_stages}"
-                             " must be >= 1")
-        if self.mamba1_unrolled_lanes not in (1, 2, 4):
-            raise ValueError(f"tuning.ssm.mamba1_unrolled_lanes={self.mamba1_unrolled_lanes}"
-                             " must be 1, 2 or 4")
         if self.mamba1_unrolled_y_parts not in (1, 2, 4):
             raise ValueError(f"tuning.ssm.mamba1_unrolled_y_parts={self.mamba1_unrolled_y_parts}"
                              " must be 1, 2 or 4 (partial sums of y)")

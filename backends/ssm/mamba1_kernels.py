@@ -174,12 +174,11 @@ def _halves(pair):
 
 
 @triton.jit
-def _read(ptr, NC: tl.constexpr):
+def _read(ptr):
     """``*ptr`` of memory the kernel never writes, compiled as a non-coherent load
     (``ld.global.nc``): ptxas may then issue it ahead of the walk's output stores, which a
-    plain load must follow (they might alias), so a read ahead stays ahead. ``NC`` False: a
-    plain ``tl.load`` (which Triton's pipeliner can turn into an asynchronous copy)."""
-    if _MUFU and NC:
+    plain load must follow (they might alias), so a read ahead stays ahead."""
+    if _MUFU:
         if ptr.dtype.element_ty.primitive_bitwidth == 64:
             return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr],
                                              dtype=tl.int64, is_pure=True, pack=1)
@@ -196,62 +195,61 @@ def _read(ptr, NC: tl.constexpr):
 
 
 @triton.jit
-def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_r, n0, stride_xt,
+def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_r, stride_xt,
                        stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
-                       HAS_Z: tl.constexpr, NC: tl.constexpr):
+                       HAS_Z: tl.constexpr):
     """Token ``t``'s inputs as stored (:func:`_read`): ``dt``, ``x``, ``z`` of the channels
     ``offs_r`` (in range: a lane past the channels reads one it does not store), and ``B`` /
-    ``C`` as tuples of ``N`` values from state ``n0`` on (:func:`_mamba1_lanes`), each a
-    vector of one address a lane (every channel reads the same ``B[t, n]``). A token at or
-    past ``end`` (a read ahead) reads row ``end - 1`` (row 0 for an empty request) instead:
-    unmasked reads -- a masked one costs a zeroed register and, for the ``B`` / ``C`` vectors,
-    a load a channel where one serves a thread's channels -- of a row the walk never steps
-    with (:func:`_mamba1_token` zeroes such a token's time step). ``NC``: ``B`` / ``C`` read
-    non-coherent (:func:`_read`)."""
+    ``C`` as tuples of ``N`` values, each a vector of one address (every channel reads the
+    same ``B[t, n]``). A token at or past ``end`` (a read ahead) reads row ``end - 1`` (row 0
+    for an empty request) instead: unmasked reads -- a masked one costs a zeroed register
+    and, for the ``B`` / ``C`` vectors, a load a channel where one serves a thread's channels
+    -- of a row the walk never steps with (:func:`_mamba1_token` zeroes such a token's time
+    step)."""
     row = tl.maximum(tl.minimum(t, end - 1), 0)
-    dt = _read(dt_ptr + row * stride_dtt + offs_r, True)
-    x = _read(x_ptr + row * stride_xt + offs_r, True)
+    dt = _read(dt_ptr + row * stride_dtt + offs_r)
+    x = _read(x_ptr + row * stride_xt + offs_r)
     z = x
     if HAS_Z:
-        z = _read(z_ptr + row * stride_zt + offs_r, True)
+        z = _read(z_ptr + row * stride_zt + offs_r)
     bb = ()
     cc = ()
     if N % 2 == 0:  # (value pairs, one little-endian 64-bit load each: rows aligned by
-        # _float_rows, n0 even)
-        b_pairs = (b_ptr + row * stride_bt).to(tl.pointer_type(tl.int64)) + n0 // 2
-        c_pairs = (c_ptr + row * stride_ct).to(tl.pointer_type(tl.int64)) + n0 // 2
+        # _float_rows)
+        b_pairs = (b_ptr + row * stride_bt).to(tl.pointer_type(tl.int64)) + offs_r * 0
+        c_pairs = (c_ptr + row * stride_ct).to(tl.pointer_type(tl.int64)) + offs_r * 0
         for n in tl.static_range(N // 2):
-            bb = bb + _halves(_read(b_pairs + n, NC))
-            cc = cc + _halves(_read(c_pairs + n, NC))
+            bb = bb + _halves(_read(b_pairs + n))
+            cc = cc + _halves(_read(c_pairs + n))
     else:
         for n in tl.static_range(N):
-            bb = bb + (_read(b_ptr + row * stride_bt + n + n0, NC),)
-            cc = cc + (_read(c_ptr + row * stride_ct + n + n0, NC),)
+            bb = bb + (_read(b_ptr + row * stride_bt + n + offs_r * 0),)
+            cc = cc + (_read(c_ptr + row * stride_ct + n + offs_r * 0),)
     return dt, x, z, bb, cc
 
 
 @triton.jit
-def _mamba1_rates(a_ptr, offs_d, n0, d_ok, stride_a, N: tl.constexpr):
-    """The channels' rates of ``N`` states from state ``n0`` on as a tuple of vectors scaled
-    by ``log2(e)`` (each decay an exp2)."""
+def _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N: tl.constexpr):
+    """The channels' rates as a tuple of ``N`` vectors scaled by ``log2(e)`` (each decay an
+    exp2)."""
     a = ()
     for n in tl.static_range(N):
-        a = a + (tl.load(a_ptr + offs_d * stride_a + n0 + n, mask=d_ok,
-                         other=0.0).to(tl.float32) * LOG2E,)
+        a = a + (tl.load(a_ptr + offs_d * stride_a + n, mask=d_ok, other=0.0).to(tl.float32)
+                 * LOG2E,)
     return a
 
 
 @triton.jit
 def _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx, stride_ss, stride_sd,
-                       num_slots, offs_d, n0, d_ok, N: tl.constexpr):
-    """Request ``r``'s slot row pointers (at state ``n0`` of each channel, ``N`` entries from
-    there), whether the slot is present, and its state as a tuple of ``N`` vectors (zeros
-    without an initial state or a present slot)."""
+                       num_slots, offs_d, d_ok, N: tl.constexpr):
+    """Request ``r``'s slot row pointers (``N`` strided entries a channel from there), whether
+    the slot is present, and its state as a tuple of ``N`` vectors (zeros without an initial
+    state or a present slot)."""
     slot = tl.load(slot_ptr + r * stride_idx).to(tl.int64)
     present = _inside(slot + offs_d * 0, num_slots)  # (vectors: scalar masks fail interpreted)
     init = (tl.load(init_ptr + r + offs_d * 0) != 0) & present
     slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-    row = state_ptr + slot * stride_ss + offs_d * stride_sd + n0
+    row = state_ptr + slot * stride_ss + offs_d * stride_sd
     s = ()
     for n in tl.static_range(N):
         s = s + (tl.load(row + n, mask=d_ok & init, other=0.0).to(tl.float32),)
@@ -266,42 +264,17 @@ def _mamba1_keep_state(state_ptr, row, s, mask, N: tl.constexpr):
 
 
 @triton.jit
-def _mamba1_lanes(BLOCK_D: tl.constexpr, LANES: tl.constexpr, N: tl.constexpr):
-    """A program's vectors of ``BLOCK_D`` channels with ``LANES`` adjacent lanes a channel,
-    ``d_state`` (``N``) split across them: each lane's channel in the block, the first of its
-    ``N // LANES`` states, and whether it leads its channel (stores the channel's values).
-    Two lanes a channel hold half the registers a thread and run twice the warps over the
-    same channels, for one shuffle a token and the channel's own work (time step, gate) done
-    on both lanes."""
-    offs = tl.arange(0, BLOCK_D * LANES)
-    if LANES == 1:
-        return offs, offs * 0, offs == offs
-    return offs // LANES, (offs % LANES) * (N // LANES), offs % LANES == 0
-
-
-@triton.jit
-def _lane_sum(v, BLOCK_D: tl.constexpr, LANES: tl.constexpr):
-    """``v`` summed over each channel's ``LANES`` adjacent lanes (:func:`_mamba1_lanes`), the
-    sum on every one of them (a butterfly of shuffles in the warp)."""
-    total = tl.sum(tl.reshape(v, (BLOCK_D, LANES)), axis=1)
-    return tl.reshape(tl.broadcast_to(total[:, None], (BLOCK_D, LANES)), (BLOCK_D * LANES,))
-
-
-@triton.jit
-def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d, y_ok,
+def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d, d_ok,
                   N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                  OUTPUT: tl.constexpr, MASKED: tl.constexpr, Y_PARTS: tl.constexpr,
-                  BLOCK_D: tl.constexpr, LANES: tl.constexpr):
+                  OUTPUT: tl.constexpr, MASKED: tl.constexpr, Y_PARTS: tl.constexpr):
     """Token ``t``'s step from the state ``s`` over its ``inputs``
     (:func:`_mamba1_row_inputs`): ``h_n = h_n exp2(dt a_n) + dt x B_n``, and with ``OUTPUT``
-    ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored where ``y_ok``; returns the new state
-    and the channels' time step. ``MASKED``: ``t`` may be at or past ``end`` -- then its inputs
-    are the request's last row (:func:`_mamba1_row_inputs`), its time step is set to 0 (the
-    state unchanged: ``exp2(0) = 1``, ``0 x B = 0``) and nothing is stored. ``Y_PARTS`` (1, 2
-    or 4): the sum over ``n`` in that many interleaved partial sums, added at the end --
-    dependent chains of ``N / Y_PARTS`` multiply-adds instead of one of ``N``. ``LANES``
-    (:func:`_mamba1_lanes`): ``s`` holds this lane's ``N`` of the channel's states, the
-    channel's ``LANES`` partial sums of ``y`` added across its lanes."""
+    ``y = sum_n h_n C_n + D x`` (times ``silu(z)``) stored; returns the new state and the
+    channels' time step. ``MASKED``: ``t`` may be at or past ``end`` -- then its inputs are the
+    request's last row (:func:`_mamba1_row_inputs`), its time step is set to 0 (the state
+    unchanged: ``exp2(0) = 1``, ``0 x B = 0``) and nothing is stored. ``Y_PARTS`` (1, 2 or 4):
+    the sum over ``n`` in that many interleaved partial sums, added at the end -- dependent
+    chains of ``N / Y_PARTS`` multiply-adds instead of one of ``N``."""
     tl.static_assert(Y_PARTS == 1 or Y_PARTS == 2 or Y_PARTS == 4)
     dt_r, x_r, z_r, b_r, c_r = inputs
     dt = dt_r.to(tl.float32) + dt_bias
@@ -311,7 +284,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
         dt = tl.where(offs_d * 0 + t < end, dt, 0.0)
     x = x_r.to(tl.float32)
     dtx = dt * x
-    y = d_skip * x  # (with lanes, added once the lanes' sums are)
+    y = d_skip * x
     y1 = y
     y2 = y
     y3 = y
@@ -320,9 +293,7 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
         h = s[n] * tl.exp2(dt * a[n]) + dtx * b_r[n].to(tl.float32)
         if OUTPUT:
             hc = h * c_r[n].to(tl.float32)
-            if n == 0 and LANES > 1:
-                y = hc
-            elif n % Y_PARTS == 0:
+            if n % Y_PARTS == 0:
                 y += hc
             elif n % Y_PARTS == 1:
                 y1 = hc if n == 1 else y1 + hc
@@ -338,12 +309,10 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
     if OUTPUT and Y_PARTS > 1 and N > 1:
         y = y + y1
     if OUTPUT:
-        if LANES > 1:
-            y = _lane_sum(y, BLOCK_D, LANES) + d_skip * x
         if HAS_Z:
             z = z_r.to(tl.float32)
             y = _silu_gate(y, z)
-        ok = y_ok
+        ok = d_ok
         if MASKED:
             ok = ok & (offs_d * 0 + t < end)
         tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=ok)
@@ -352,55 +321,55 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
 
 @triton.jit
 def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
-                 offs_d, n0, d_ok, y_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
+                 offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                  stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr,
-                 BLOCK_D: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr):
+                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr):
     """Rows ``[start, end)`` token by token (:func:`_mamba1_token`) from the state ``s`` (a
-    tuple of ``N`` vectors: each channel's ``d_state`` row in one thread, or split over its
-    ``LANES`` lanes from state ``n0`` on: :func:`_mamba1_lanes`); returns the final state and
-    the channels' summed time steps. ``PREFETCH``: 0 reads a token's inputs when it steps; 1
-    one token ahead (the inputs rotate through registers: a move each a step); 2 two tokens
-    ahead, two tokens an iteration, each of the two buffers reloaded right after its token
-    steps (no moves; an odd request's last iteration steps a masked token). ``STAGES`` > 1:
-    the loop software-pipelined by Triton over that many stages (its ``B`` / ``C`` reads
-    become asynchronous copies into shared memory, read back a step later)."""
+    tuple of ``N`` ``[BLOCK_D]`` vectors: each channel's ``d_state`` row in one thread);
+    returns the final state and the channels' summed time steps. ``PREFETCH``: 0 reads a
+    token's inputs when it steps; 1 one token ahead (the inputs rotate through registers: a
+    move each a step); 2 two tokens ahead, two tokens an iteration, each of the two buffers
+    reloaded right after its token steps (no moves; an odd request's last iteration steps a
+    masked token)."""
     total = d_skip * 0.0
-    # (runtime values only: a constexpr packed into a tuple reaches the callee as a value)
-    reads = (tl.where(d_ok, offs_d, 0), n0, stride_xt, stride_dtt, stride_zt, stride_bt,
-             stride_ct)
-    NC: tl.constexpr = STAGES == 1  # (Triton pipelines plain loads only)
-    step = (d_skip, dt_bias, y_ptr, stride_yt, offs_d, y_ok)
+    offs_r = tl.where(d_ok, offs_d, 0)
     if PREFETCH == 2:
-        even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, *reads, N,
-                                  HAS_Z and OUTPUT, NC)
-        odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + 1, end, *reads, N,
-                                 HAS_Z and OUTPUT, NC)
-        for t in tl.range(start, end, 2, num_stages=STAGES):
-            s, dt = _mamba1_token(s, a, even, t, end, *step, N, HAS_Z, SOFTPLUS, OUTPUT, False,
-                                  Y_PARTS, BLOCK_D, LANES)
+        even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_r,
+                                  stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N,
+                                  HAS_Z and OUTPUT)
+        odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + 1, end, offs_r,
+                                 stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N,
+                                 HAS_Z and OUTPUT)
+        for t in range(start, end, 2):
+            s, dt = _mamba1_token(s, a, even, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d,
+                                  d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False, Y_PARTS)
             total += dt
-            even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 2, end, *reads, N,
-                                      HAS_Z and OUTPUT, NC)
-            s, dt = _mamba1_token(s, a, odd, t + 1, end, *step, N, HAS_Z, SOFTPLUS, OUTPUT, True,
-                                  Y_PARTS, BLOCK_D, LANES)
+            even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 2, end, offs_r,
+                                      stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                                      N, HAS_Z and OUTPUT)
+            s, dt = _mamba1_token(s, a, odd, t + 1, end, d_skip, dt_bias, y_ptr, stride_yt,
+                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, True, Y_PARTS)
             total += dt
-            odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 3, end, *reads, N,
-                                     HAS_Z and OUTPUT, NC)
+            odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 3, end, offs_r,
+                                     stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                                     N, HAS_Z and OUTPUT)
     else:
         if PREFETCH:
-            ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, *reads,
-                                       N, HAS_Z and OUTPUT, NC)
-        for t in tl.range(start, end, num_stages=STAGES):
+            ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_r,
+                                       stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
+                                       N, HAS_Z and OUTPUT)
+        for t in range(start, end):
             if PREFETCH:
                 inputs = ahead
                 ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end,
-                                           *reads, N, HAS_Z and OUTPUT, NC)
+                                           offs_r, stride_xt, stride_dtt, stride_zt, stride_bt,
+                                           stride_ct, N, HAS_Z and OUTPUT)
             else:
-                inputs = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, *reads,
-                                            N, HAS_Z and OUTPUT, NC)
-            s, dt = _mamba1_token(s, a, inputs, t, end, *step, N, HAS_Z, SOFTPLUS, OUTPUT,
-                                  False, Y_PARTS, BLOCK_D, LANES)
+                inputs = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_r,
+                                            stride_xt, stride_dtt, stride_zt, stride_bt,
+                                            stride_ct, N, HAS_Z and OUTPUT)
+            s, dt = _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt,
+                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False, Y_PARTS)
             total += dt
     return s, total
 
@@ -413,33 +382,28 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                            NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                           Y_PARTS: tl.constexpr, LANES: tl.constexpr,
-                           STAGES: tl.constexpr):
+                           Y_PARTS: tl.constexpr):
     """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
     ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
     C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
     ``d_state`` over lanes and sums it with shuffles, and the per-channel time step, skip and
     gate are computed once a channel, not once a lane. One slot a request (``NUM_WRITES``
-    0); the state row's ``N`` reads and writes are strided, once a request. ``LANES``: lanes a
-    channel (:func:`_mamba1_lanes`); ``STAGES``: the walk's pipelining (:func:`_mamba1_walk`)."""
+    0); the state row's ``N`` reads and writes are strided, once a request."""
     r = tl.program_id(0)
-    local, n0, lead = _mamba1_lanes(BLOCK_D, LANES, N)
-    offs_d = tl.program_id(1) * BLOCK_D + local
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D_INNER
     start, end = request_span(qsl_ptr, r, num_tokens)
     row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
-                                         stride_ss, stride_sd, num_slots, offs_d, n0, d_ok,
-                                         N // LANES)
+                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
     d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
-                        _mamba1_rates(a_ptr, offs_d, n0, d_ok, stride_a, N // LANES), s, d_skip,
-                        dt_bias, start, end, offs_d, n0, d_ok, d_ok & lead, stride_xt,
-                        stride_yt, stride_dtt, stride_zt, stride_bt, stride_ct, N // LANES,
-                        HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS, BLOCK_D, LANES, STAGES)
-    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N // LANES)
+                        _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip, dt_bias,
+                        start, end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
+                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS)
+    _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
-                       d_ok & lead)
+                       d_ok)
 
 
 def _float_rows(u: torch.Tensor) -> torch.Tensor:
@@ -458,13 +422,12 @@ def _float_rows(u: torch.Tensor) -> torch.Tensor:
 
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                            state_indices, has_initial_state, dt_softplus, block_d: int = 256,
-                           num_warps: int = 4, prefetch: int = 0, y_parts: int = 1,
-                           lanes: int = 1, stages: int = 1) -> torch.Tensor:
+                           num_warps: int = 4, prefetch: int = 0,
+                           y_parts: int = 1) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
     (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request,
-    ``y = sum_n h_n C_n`` in ``y_parts`` partial sums (:func:`_mamba1_token`), ``d_state``
-    split over ``lanes`` lanes a channel where it divides (:func:`_mamba1_lanes`), the walk
-    pipelined over ``stages`` (:func:`_mamba1_walk`; inputs already checked)."""
+    ``y = sum_n h_n C_n`` in ``y_parts`` partial sums (:func:`_mamba1_token`; inputs already
+    checked)."""
     if _num_writes(state_indices):
         raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -473,13 +436,7 @@ def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=0,
                          PREFETCH=int(prefetch) if x.shape[0] else 0,  # (reads ahead read a row)
-                         Y_PARTS=y_parts, LANES=_lanes(lanes, A.shape[1]), STAGES=stages)
-
-
-def _lanes(lanes: int, d_state: int) -> int:
-    """Lanes a channel for a walk over ``d_state`` states: ``lanes`` where it divides them,
-    else one."""
-    return lanes if d_state % lanes == 0 else 1
+                         Y_PARTS=y_parts)
 
 
 @triton.jit
@@ -488,39 +445,36 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                           stride_zt, stride_bt, stride_ct, stride_a, D_INNER: tl.constexpr,
                           N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Z: tl.constexpr,
                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr, LANES: tl.constexpr,
-                          STAGES: tl.constexpr):
+                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr):
     """Per segment and block of channels, token by token with ``d_state`` unrolled
-    (:func:`_mamba1_walk`; ``LANES`` lanes a channel: :func:`_mamba1_lanes`): without
-    ``OUTPUT``, the segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``,
-    channels fastest) and its summed time steps into ``sum[c]``; with ``OUTPUT``, its outputs
-    from its start state ``hs[c]`` (which the chain wrote over the local one)."""
+    (:func:`~attn_ops.backends.ssm.triton_kernels._mamba1_walk`): without ``OUTPUT``, the
+    segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``, channels fastest)
+    and its summed time steps into ``sum[c]``; with ``OUTPUT``, its outputs from its start
+    state ``hs[c]`` (which the chain wrote over the local one)."""
     c = tl.program_id(0)
-    local, n0, lead = _mamba1_lanes(BLOCK_D, LANES, N)
-    offs_d = tl.program_id(1) * BLOCK_D + local
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D_INNER
     start = tl.load(start_ptr + c)
     end = tl.load(end_ptr + c)
     if start < end:
         d_skip = tl.load(d_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         dt_bias = tl.load(dtb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        base = hs_ptr + c.to(tl.int64) * (N * D_INNER) + n0 * D_INNER + offs_d
+        base = hs_ptr + c.to(tl.int64) * (N * D_INNER) + offs_d
         s = ()
-        for n in tl.static_range(N // LANES):
+        for n in tl.static_range(N):
             if OUTPUT:
                 s = s + (tl.load(base + n * D_INNER, mask=d_ok, other=0.0),)
             else:
                 s = s + (d_skip * 0.0,)
         s, total = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
-                                _mamba1_rates(a_ptr, offs_d, n0, d_ok, stride_a, N // LANES),
-                                s, d_skip, dt_bias, start, end, offs_d, n0, d_ok, d_ok & lead,
-                                stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
-                                stride_ct, N // LANES, HAS_Z, SOFTPLUS, PREFETCH, OUTPUT,
-                                Y_PARTS, BLOCK_D, LANES, STAGES)
+                                _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip,
+                                dt_bias, start, end, offs_d, d_ok, stride_xt, stride_yt,
+                                stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z,
+                                SOFTPLUS, PREFETCH, OUTPUT, Y_PARTS)
         if not OUTPUT:
-            for n in tl.static_range(N // LANES):
+            for n in tl.static_range(N):
                 tl.store(base + n * D_INNER, s[n], mask=d_ok)
-            tl.store(sum_ptr + c.to(tl.int64) * D_INNER + offs_d, total, mask=d_ok & lead)
+            tl.store(sum_ptr + c.to(tl.int64) * D_INNER + offs_d, total, mask=d_ok)
 
 
 @triton.jit
@@ -538,9 +492,8 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
     d_ok = offs_d < D_INNER
     start, end = request_span(qsl_ptr, r, num_tokens)
     row, present, s = _mamba1_slot_state(slot_ptr, init_ptr, state_ptr, r, stride_idx,
-                                         stride_ss, stride_sd, num_slots, offs_d, offs_d * 0,
-                                         d_ok, N)
-    a = _mamba1_rates(a_ptr, offs_d, offs_d * 0, d_ok, stride_a, N)
+                                         stride_ss, stride_sd, num_slots, offs_d, d_ok, N)
+    a = _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N)
     c = tl.load(coff_ptr + r).to(tl.int64)
     for _ in range(tl.load(coff_ptr + r), tl.load(coff_ptr + r + 1)):
         base = hs_ptr + c * (N * D_INNER) + offs_d
@@ -560,13 +513,13 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
 def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, segment: int = 256,
                             block_d: int = 256, num_warps: int = 4, prefetch: int = 0,
-                            y_parts: int = 1, lanes: int = 1, stages: int = 1) -> torch.Tensor:
+                            y_parts: int = 1) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
     (one slot a request), in three launches: every segment's local state from zero, the
     hand-off of states between a request's segments, every segment's outputs from its start
     state -- the token loops of a long request run side by side, at 1.7 times the single
-    walk's instructions; ``y_parts``, ``lanes`` and ``stages`` as
-    :func:`mamba1_unrolled_triton`'s (inputs already checked)."""
+    walk's instructions; ``y_parts`` as :func:`mamba1_unrolled_triton`'s (inputs already
+    checked)."""
     if state_indices.dim() != 1:
         raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -588,8 +541,7 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
               y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
               C.stride(0), A.stride(0))
     common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
-                  PREFETCH=int(prefetch), Y_PARTS=y_parts, LANES=_lanes(lanes, n),
-                  STAGES=stages, num_warps=num_warps)
+                  PREFETCH=int(prefetch), Y_PARTS=y_parts, num_warps=num_warps)
     grid = (m, cdiv(d, block_d))
     mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
     mamba1_segment_chain_kernel[(b, cdiv(d, block_d))](
