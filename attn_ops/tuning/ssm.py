@@ -131,7 +131,16 @@ class SSMTuning:
     lightning_state_block_v: int = 64
     lightning_output_block_v: int = 64
     lightning_state_warps: int = 8
-    lightning_output_warps: int = 4
+    lightning_output_warps: int = 8
+    # The split's chunk (tokens; a power of two >= 16). Both launches are bound by the chunk
+    # start states the hand-off writes and the outputs read back ([chunks, H, D, Dv] in the
+    # inputs' dtype: at chunk 64 as many bytes as q, k and v together). Nsight Compute, H100,
+    # 8 x 2k, chunk 64: hand-off 401 us, outputs 588 us, both at 82% of DRAM bandwidth.
+    # Chunk 128 halves those states (sm_90: outputs 114 registers on 8 warps, 96 KB of shared
+    # memory). H200, 8 x 2k / 1 x 8k: 0.759 / 0.378 ms on 128 tokens and 8 output warps
+    # against fla's chunk kernel 0.760 / 0.375 (128 tokens, 4 output warps: 0.827 / 0.419;
+    # outputs on 128 columns: 0.854 / 0.429).
+    lightning_split_chunk: int = 128
     # A decode kernel's state read evict-first and its write a streaming store (.cs): a
     # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
     # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68
@@ -185,6 +194,7 @@ class SSMTuning:
                           ("mamba1_chunk_block_d", 1), ("mamba1_chunk_warps", 1),
                           ("mamba1_unrolled_block_d", 1), ("mamba1_unrolled_warps", 1),
                           ("lightning_block_v", 1), ("lightning_chunk", 16),
+                          ("lightning_split_chunk", 16),
                           ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1),
                           ("lightning_state_block_v", 16), ("lightning_output_block_v", 16),
                           ("lightning_state_warps", 1), ("lightning_output_warps", 1)):

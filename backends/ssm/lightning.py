@@ -88,7 +88,7 @@ def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.lightning_split:
         from attn_ops.backends.ssm.lightning_kernels import lightning_split_triton
 
-        return lightning_split_triton(*args, t.lightning_chunk, t.lightning_state_block_v,
+        return lightning_split_triton(*args, t.lightning_split_chunk, t.lightning_state_block_v,
                                       t.lightning_output_block_v,
                                       (t.lightning_state_warps, t.lightning_output_warps))
     if kernel is Kernel.SSM_TRITON_CHUNKED:
