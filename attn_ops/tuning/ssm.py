@@ -86,8 +86,8 @@ class SSMTuning:
     mamba1_unrolled_prefetch: int = 2
     # The unrolled walks' y = sum_n h_n C_n in this many interleaved partial sums (1, 2 or 4),
     # added at the end: a token's output waits on a chain of d_state / parts multiply-adds,
-    # not d_state. Not yet timed; sm_90 SASS at 128 channels on 4 warps, two tokens ahead:
-    # 309 / 312 / 316 instructions an iteration (two tokens) at 1 / 2 / 4, 127-128 registers.
+    # not d_state. H100, 8 x 2k: 0.976 ms at 2 against 0.961 at 1 (the walk waits on its
+    # reads, not this chain: docs/tuning.md).
     mamba1_unrolled_y_parts: int = 1
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
