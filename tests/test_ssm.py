@@ -1309,7 +1309,7 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
     ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
     ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_unrolled_2", 16, 16, torch.float32),
-    ("mamba1_unrolled_2_odd", 16, 16, torch.float32),
+    ("mamba1_unrolled_2_odd", 16, 16, torch.float32), ("mamba1_unrolled_3", 16, 16, torch.float16),
     ("mamba1_segmented", 16, 16, torch.float32), ("mamba1_segmented_2", 8, 64, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
@@ -1356,11 +1356,11 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                            block_d=block)
         elif kind.startswith("mamba1_unrolled"):  # (token by token, d_state unrolled; fp16
             # reads one token ahead and sums y in two parts, "_2" two tokens ahead, two an
-            # iteration, y in four parts; "_odd": an odd d_state, B / C read a value at a time
-            # rather than in pairs)
+            # iteration, y in four parts, "_3" three; "_odd": an odd d_state, B / C read a
+            # value at a time rather than in pairs)
             got = mk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
-                                            prefetch=2 if "_2" in kind else
-                                            int(dtype == torch.float16),
+                                            prefetch=2 if "_2" in kind else 3 if "_3" in kind
+                                            else int(dtype == torch.float16),
                                             y_parts=4 if "_2" in kind else
                                             2 if dtype == torch.float16 else 1)
         else:  # (the same over segments of `chunk` tokens, three launches; "_2" reads two
@@ -1416,12 +1416,12 @@ def test_mamba1_walk_rows_pair_into_aligned_words():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
                                   "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
-                                  "lightning", "lightning_split"])
+                                  "mamba1_unrolled_3", "lightning", "lightning_split"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
-    attention (64 heads of 128) on the device: a step of 6 decodes, a 300-token prefill resuming at 37
-    (chunked kernel) and a fresh 5-token one, with fp32 states -- the routed Triton kernels
+    attention (64 heads of 128) on the device: a step of 6 decodes, a 300-token prefill
+    resuming at 37 (chunked kernel) and a fresh 5-token one, with fp32 states -- the routed Triton kernels
     against the fp64 reference on the same states."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(10)
@@ -1455,9 +1455,10 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
             from attn_ops.backends.ssm.common import SSM_PLAN
             from attn_ops.tuning.ssm import SSMTuning
 
-            tail += (SSM_PLAN.encode(SSMTuning(  # ("_2": two tokens read ahead)
+            tail += (SSM_PLAN.encode(SSMTuning(  # ("_2" / "_3": two / three tokens an
+                # iteration)
                 mamba1_unrolled=True, mamba1_unrolled_segment=64 if "segmented" in kind else 0,
-                mamba1_unrolled_prefetch=2 if kind.endswith("_2") else 0)),)
+                mamba1_unrolled_prefetch=int(kind[-1]) if kind[-2:] in ("_2", "_3") else 0)),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

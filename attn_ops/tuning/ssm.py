@@ -76,13 +76,15 @@ class SSMTuning:
     mamba1_unrolled_block_d: int = 128
     mamba1_unrolled_warps: int = 4
     # The unrolled walks' reads ahead: 0 none, 1 one token ahead (the inputs rotate through
-    # registers, a move each a step), 2 two tokens ahead over two buffers, two tokens an
-    # iteration (no moves). Reads past a request's end read its last row (unmasked: a masked
-    # read zeroes a register first and loads B / C once a channel, not once a thread). sm_90
-    # SASS a token a thread, 128 channels on 4 warps: 151 / 172 / 155 instructions (66 / 104 /
-    # 127 registers); 256 channels: 255 / 289 / 261 (128 / 176 / 168). H200, Mamba-2.8B, ms
-    # at 8 x 2k walked whole, 128 channels, before B / C were read in pairs: 2.77 without,
-    # 1.10 two tokens ahead.
+    # registers, a move each a step), 2-4 that many tokens an iteration over as many buffers
+    # (no moves). Reads past a request's end read its last row (unmasked: a masked read zeroes
+    # a register first and loads B / C once a channel, not once a thread). ptxas issues all of
+    # an iteration's reads at its end (docs/tuning.md), so an iteration exposes about one read
+    # latency, spread over its tokens. sm_90 SASS a token a thread, 128 channels on 4 warps:
+    # 151 / 172 / 150.5 / 147 / 146 instructions at 0-4 (66 / 104 / 128 / 168 / 255
+    # registers: at 4 two programs an SM). H200, Mamba-2.8B, ms at 8 x 2k walked whole, 128
+    # channels, before B / C were read in pairs: 2.77 without, 1.10 two tokens ahead; 3 and 4
+    # not yet timed.
     mamba1_unrolled_prefetch: int = 2
     # The unrolled walks' y = sum_n h_n C_n in this many interleaved partial sums (1, 2 or 4),
     # added at the end: a token's output waits on a chain of d_state / parts multiply-adds,
@@ -212,9 +214,10 @@ class SSMTuning:
         if self.mamba1_unrolled_y_parts not in (1, 2, 4):
             raise ValueError(f"tuning.ssm.mamba1_unrolled_y_parts={self.mamba1_unrolled_y_parts}"
                              " must be 1, 2 or 4 (partial sums of y)")
-        if self.mamba1_unrolled_prefetch not in (0, 1, 2):
+        if self.mamba1_unrolled_prefetch not in (0, 1, 2, 3, 4):
             raise ValueError(f"tuning.ssm.mamba1_unrolled_prefetch={self.mamba1_unrolled_prefetch}"
-                             " must be 0 (no reads ahead), 1 (one token ahead) or 2 (two)")
+                             " must be 0 (no reads ahead), 1 (one token ahead) or 2-4 (that "
+                             "many tokens an iteration)")
         if self.mamba1_walk_min_programs < 0:
             raise ValueError(f"tuning.ssm.mamba1_walk_min_programs={self.mamba1_walk_min_programs}"
                              " must be >= 0 (0: always segments)")

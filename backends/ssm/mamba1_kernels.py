@@ -328,31 +328,30 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
     tuple of ``N`` ``[BLOCK_D]`` vectors: each channel's ``d_state`` row in one thread);
     returns the final state and the channels' summed time steps. ``PREFETCH``: 0 reads a
     token's inputs when it steps; 1 one token ahead (the inputs rotate through registers: a
-    move each a step); 2 two tokens ahead, two tokens an iteration, each of the two buffers
-    reloaded right after its token steps (no moves; an odd request's last iteration steps a
-    masked token)."""
+    move each a step); ``P`` >= 2: ``P`` tokens an iteration over ``P`` buffers, each
+    reloaded with the row ``P`` ahead (no moves; an iteration past the request's end steps
+    masked tokens). ptxas issues all of an iteration's reads at its end, waited for at the
+    next one's top: an iteration exposes about one read latency, spread over ``P`` tokens."""
     total = d_skip * 0.0
     offs_r = tl.where(d_ok, offs_d, 0)
-    if PREFETCH == 2:
-        even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_r,
-                                  stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N,
-                                  HAS_Z and OUTPUT)
-        odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + 1, end, offs_r,
-                                 stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct, N,
-                                 HAS_Z and OUTPUT)
-        for t in range(start, end, 2):
-            s, dt = _mamba1_token(s, a, even, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_d,
-                                  d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, False, Y_PARTS)
-            total += dt
-            even = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 2, end, offs_r,
-                                      stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
-                                      N, HAS_Z and OUTPUT)
-            s, dt = _mamba1_token(s, a, odd, t + 1, end, d_skip, dt_bias, y_ptr, stride_yt,
-                                  offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, True, Y_PARTS)
-            total += dt
-            odd = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 3, end, offs_r,
-                                     stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
-                                     N, HAS_Z and OUTPUT)
+    if PREFETCH >= 2:
+        rows = ()
+        for i in tl.static_range(PREFETCH):
+            rows = rows + (_mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start + i, end,
+                                              offs_r, stride_xt, stride_dtt, stride_zt,
+                                              stride_bt, stride_ct, N, HAS_Z and OUTPUT),)
+        for t in range(start, end, PREFETCH):
+            ahead = ()
+            for i in tl.static_range(PREFETCH):
+                s, dt = _mamba1_token(s, a, rows[i], t + i, end, d_skip, dt_bias, y_ptr,
+                                      stride_yt, offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, i > 0,
+                                      Y_PARTS)
+                total += dt
+                ahead = ahead + (_mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
+                                                    t + PREFETCH + i, end, offs_r, stride_xt,
+                                                    stride_dtt, stride_zt, stride_bt, stride_ct,
+                                                    N, HAS_Z and OUTPUT),)
+            rows = ahead
     else:
         if PREFETCH:
             ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, start, end, offs_r,
