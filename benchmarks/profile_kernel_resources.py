@@ -198,13 +198,13 @@ def configs() -> dict[str, tuple]:
         "mamba1_unrolled": (mk.mamba1_unrolled_kernel, [
             (f"{d} channels" + (f" prefetch {p}" if p else "") + (f" y parts {y}" if y > 1
                                                                    else ""),
-             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p, Y_PARTS=y), w)
+             dict(m1, NUM_WRITES=0, BLOCK_D=d, PREFETCH=p, Y_PARTS=y, L2_AHEAD=0), w)
             for d, w, p, y in itertools.product((64, 128, 256), (2, 4), (0, 1, 2), (1, 2, 4))]),
         "mamba1_segment": (mk.mamba1_segment_kernel, [
             (f"{d} channels" + (" outputs" if o else " states") + (f" prefetch {p}" if p else "")
              + (f" y parts {y}" if y > 1 else ""),
              dict(D_INNER=5120, N=16, HAS_Z=True, SOFTPLUS=True, BLOCK_D=d, PREFETCH=p,
-                  OUTPUT=o, Y_PARTS=y), w)
+                  OUTPUT=o, Y_PARTS=y, L2_AHEAD=0), w)
             for d, w, o, p, y in itertools.product((128, 256), (4,), (False, True), (0, 2),
                                                    (1, 2, 4)) if o or y == 1]),
         "mamba1_segment_chain": (mk.mamba1_segment_chain_kernel, [

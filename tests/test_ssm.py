@@ -1356,13 +1356,14 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                            block_d=block)
         elif kind.startswith("mamba1_unrolled"):  # (token by token, d_state unrolled; fp16
             # reads one token ahead and sums y in two parts, "_2" two tokens ahead, two an
-            # iteration, y in four parts, "_3" three; "_odd": an odd d_state, B / C read a
-            # value at a time rather than in pairs)
+            # iteration, y in four parts, "_3" three with the rows four ahead asked into L2;
+            # "_odd": an odd d_state, B / C read a value at a time rather than in pairs)
             got = mk.mamba1_unrolled_triton(*args, got_states, *step, True, block_d=block,
                                             prefetch=2 if "_2" in kind else 3 if "_3" in kind
                                             else int(dtype == torch.float16),
                                             y_parts=4 if "_2" in kind else
-                                            2 if dtype == torch.float16 else 1)
+                                            2 if dtype == torch.float16 else 1,
+                                            l2_ahead=4 if "_3" in kind else 0)
         else:  # (the same over segments of `chunk` tokens, three launches; "_2" reads two
             # tokens ahead and sums y in two parts)
             got = mk.mamba1_segmented_triton(*args, got_states, *step, True, segment=chunk,
@@ -1456,9 +1457,10 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
             from attn_ops.tuning.ssm import SSMTuning
 
             tail += (SSM_PLAN.encode(SSMTuning(  # ("_2" / "_3": two / three tokens an
-                # iteration)
+                # iteration, "_3" with the rows eight ahead asked into L2)
                 mamba1_unrolled=True, mamba1_unrolled_segment=64 if "segmented" in kind else 0,
-                mamba1_unrolled_prefetch=int(kind[-1]) if kind[-2:] in ("_2", "_3") else 0)),)
+                mamba1_unrolled_prefetch=int(kind[-1]) if kind[-2:] in ("_2", "_3") else 0,
+                mamba1_unrolled_l2_ahead=8 if kind.endswith("_3") else 0)),)
         op = mamba1_scan
     elif kind.startswith("lightning"):
         h, d = 64, 128

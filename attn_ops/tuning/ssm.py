@@ -91,6 +91,12 @@ class SSMTuning:
     # not d_state. H100, 8 x 2k: 0.976 ms at 2 against 0.961 at 1 (the walk waits on its
     # reads, not this chain: docs/tuning.md).
     mamba1_unrolled_y_parts: int = 1
+    # The unrolled walks ask the x / dt / z rows this many tokens ahead into L2 at each step
+    # (prefetch.global.L2; 0: not): the reads ahead (mamba1_unrolled_prefetch) still expose
+    # one read latency an iteration -- DRAM's for those rows, which one program alone reads;
+    # B / C, read by every program of the request, come from L2 already. Three instructions
+    # and their addresses a token. Not yet timed.
+    mamba1_unrolled_l2_ahead: int = 0
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays
     # multiply into exp(A sum dt)), then each segment's outputs -- a long request's token loops
@@ -218,6 +224,9 @@ class SSMTuning:
             raise ValueError(f"tuning.ssm.mamba1_unrolled_prefetch={self.mamba1_unrolled_prefetch}"
                              " must be 0 (no reads ahead), 1 (one token ahead) or 2-4 (that "
                              "many tokens an iteration)")
+        if self.mamba1_unrolled_l2_ahead < 0:
+            raise ValueError(f"tuning.ssm.mamba1_unrolled_l2_ahead={self.mamba1_unrolled_l2_ahead}"
+                             " must be >= 0 (tokens ahead; 0: no L2 prefetch)")
         if self.mamba1_walk_min_programs < 0:
             raise ValueError(f"tuning.ssm.mamba1_walk_min_programs={self.mamba1_walk_min_programs}"
                              " must be >= 0 (0: always segments)")

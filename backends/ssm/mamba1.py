@@ -110,12 +110,13 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
 
         return mamba1_segmented_triton(*args, segment, t.mamba1_unrolled_block_d,
                                        t.mamba1_unrolled_warps, t.mamba1_unrolled_prefetch,
-                                       t.mamba1_unrolled_y_parts)
+                                       t.mamba1_unrolled_y_parts, t.mamba1_unrolled_l2_ahead)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_unrolled_triton
 
         return mamba1_unrolled_triton(*args, t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
-                                      t.mamba1_unrolled_prefetch, t.mamba1_unrolled_y_parts)
+                                      t.mamba1_unrolled_prefetch, t.mamba1_unrolled_y_parts,
+                                      t.mamba1_unrolled_l2_ahead)
     if kernel is Kernel.SSM_TRITON_CHUNKED:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_chunked_triton
 

@@ -195,6 +195,27 @@ def _read(ptr):
 
 
 @triton.jit
+def _to_l2(ptr):
+    """Ask for ``*ptr``'s line in L2 (``prefetch.global.L2``: no register, nothing waits on
+    it); compiled only."""
+    if _MUFU:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptr],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mamba1_rows_to_l2(x_ptr, dt_ptr, z_ptr, t, end, offs_r, stride_xt, stride_dtt, stride_zt,
+                       HAS_Z: tl.constexpr):
+    """Token ``t``'s ``x``, ``dt`` and ``z`` rows of the channels asked into L2 (rows past
+    ``end`` as its last): a later read of them then waits on L2, not on DRAM."""
+    row = tl.maximum(tl.minimum(t, end - 1), 0)
+    _to_l2(dt_ptr + row * stride_dtt + offs_r)
+    _to_l2(x_ptr + row * stride_xt + offs_r)
+    if HAS_Z:
+        _to_l2(z_ptr + row * stride_zt + offs_r)
+
+
+@triton.jit
 def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_r, stride_xt,
                        stride_dtt, stride_zt, stride_bt, stride_ct, N: tl.constexpr,
                        HAS_Z: tl.constexpr):
@@ -323,7 +344,8 @@ def _mamba1_token(s, a, inputs, t, end, d_skip, dt_bias, y_ptr, stride_yt, offs_
 def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bias, start, end,
                  offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt, stride_bt,
                  stride_ct, N: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr):
+                 PREFETCH: tl.constexpr, OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr,
+                 L2_AHEAD: tl.constexpr):
     """Rows ``[start, end)`` token by token (:func:`_mamba1_token`) from the state ``s`` (a
     tuple of ``N`` ``[BLOCK_D]`` vectors: each channel's ``d_state`` row in one thread);
     returns the final state and the channels' summed time steps. ``PREFETCH``: 0 reads a
@@ -331,7 +353,9 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
     move each a step); ``P`` >= 2: ``P`` tokens an iteration over ``P`` buffers, each
     reloaded with the row ``P`` ahead (no moves; an iteration past the request's end steps
     masked tokens). ptxas issues all of an iteration's reads at its end, waited for at the
-    next one's top: an iteration exposes about one read latency, spread over ``P`` tokens."""
+    next one's top: an iteration exposes about one read latency, spread over ``P`` tokens.
+    ``L2_AHEAD`` > 0: each step also asks the ``x`` / ``dt`` / ``z`` rows that many tokens
+    ahead into L2 (:func:`_mamba1_rows_to_l2`), so the exposed latency is L2's, not DRAM's."""
     total = d_skip * 0.0
     offs_r = tl.where(d_ok, offs_d, 0)
     if PREFETCH >= 2:
@@ -347,6 +371,9 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
                                       stride_yt, offs_d, d_ok, N, HAS_Z, SOFTPLUS, OUTPUT, i > 0,
                                       Y_PARTS)
                 total += dt
+                if L2_AHEAD:
+                    _mamba1_rows_to_l2(x_ptr, dt_ptr, z_ptr, t + L2_AHEAD + i, end, offs_r,
+                                       stride_xt, stride_dtt, stride_zt, HAS_Z and OUTPUT)
                 ahead = ahead + (_mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr,
                                                     t + PREFETCH + i, end, offs_r, stride_xt,
                                                     stride_dtt, stride_zt, stride_bt, stride_ct,
@@ -358,6 +385,9 @@ def _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr, a, s, d_skip, dt_bia
                                        stride_xt, stride_dtt, stride_zt, stride_bt, stride_ct,
                                        N, HAS_Z and OUTPUT)
         for t in range(start, end):
+            if L2_AHEAD:
+                _mamba1_rows_to_l2(x_ptr, dt_ptr, z_ptr, t + L2_AHEAD, end, offs_r, stride_xt,
+                                   stride_dtt, stride_zt, HAS_Z and OUTPUT)
             if PREFETCH:
                 inputs = ahead
                 ahead = _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t + 1, end,
@@ -381,7 +411,7 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
                            NUM_WRITES: tl.constexpr, D_INNER: tl.constexpr, N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_Z: tl.constexpr,
                            SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                           Y_PARTS: tl.constexpr):
+                           Y_PARTS: tl.constexpr, L2_AHEAD: tl.constexpr):
     """:func:`mamba1_recurrent_kernel` with each channel's ``d_state`` row unrolled into
     ``N`` registers of one thread (:func:`_mamba1_walk`, a channel a thread): ``y = sum_n h_n
     C_n`` is a chain of fused multiply-adds in the thread, where the 2-D form spreads
@@ -399,7 +429,8 @@ def mamba1_unrolled_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb
     s, _ = _mamba1_walk(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, y_ptr,
                         _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip, dt_bias,
                         start, end, offs_d, d_ok, stride_xt, stride_yt, stride_dtt, stride_zt,
-                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS)
+                        stride_bt, stride_ct, N, HAS_Z, SOFTPLUS, PREFETCH, True, Y_PARTS,
+                        L2_AHEAD)
     _mamba1_keep_state(state_ptr, row, s, d_ok & present, N)
     _zero_padding_rows(y_ptr, r == tl.num_programs(0) - 1, end, num_tokens, stride_yt, offs_d,
                        d_ok)
@@ -421,12 +452,12 @@ def _float_rows(u: torch.Tensor) -> torch.Tensor:
 
 def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                            state_indices, has_initial_state, dt_softplus, block_d: int = 256,
-                           num_warps: int = 4, prefetch: int = 0,
-                           y_parts: int = 1) -> torch.Tensor:
+                           num_warps: int = 4, prefetch: int = 0, y_parts: int = 1,
+                           l2_ahead: int = 0) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` token by token with ``d_state`` unrolled
     (:func:`mamba1_unrolled_kernel`), ``block_d`` channels a program, one slot a request,
-    ``y = sum_n h_n C_n`` in ``y_parts`` partial sums (:func:`_mamba1_token`; inputs already
-    checked)."""
+    ``y = sum_n h_n C_n`` in ``y_parts`` partial sums (:func:`_mamba1_token`), the rows
+    ``l2_ahead`` tokens ahead asked into L2 (:func:`_mamba1_walk`; inputs already checked)."""
     if _num_writes(state_indices):
         raise ValueError("mamba1_unrolled_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -435,7 +466,7 @@ def mamba1_unrolled_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc
                          query_start_loc, state_indices, has_initial_state, dt_softplus,
                          block_d, num_warps, NUM_WRITES=0,
                          PREFETCH=int(prefetch) if x.shape[0] else 0,  # (reads ahead read a row)
-                         Y_PARTS=y_parts)
+                         Y_PARTS=y_parts, L2_AHEAD=l2_ahead)
 
 
 @triton.jit
@@ -444,7 +475,8 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                           stride_zt, stride_bt, stride_ct, stride_a, D_INNER: tl.constexpr,
                           N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Z: tl.constexpr,
                           SOFTPLUS: tl.constexpr, PREFETCH: tl.constexpr,
-                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr):
+                          OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr,
+                          L2_AHEAD: tl.constexpr):
     """Per segment and block of channels, token by token with ``d_state`` unrolled
     (:func:`~attn_ops.backends.ssm.triton_kernels._mamba1_walk`): without ``OUTPUT``, the
     segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``, channels fastest)
@@ -469,7 +501,7 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                                 _mamba1_rates(a_ptr, offs_d, d_ok, stride_a, N), s, d_skip,
                                 dt_bias, start, end, offs_d, d_ok, stride_xt, stride_yt,
                                 stride_dtt, stride_zt, stride_bt, stride_ct, N, HAS_Z,
-                                SOFTPLUS, PREFETCH, OUTPUT, Y_PARTS)
+                                SOFTPLUS, PREFETCH, OUTPUT, Y_PARTS, L2_AHEAD)
         if not OUTPUT:
             for n in tl.static_range(N):
                 tl.store(base + n * D_INNER, s[n], mask=d_ok)
@@ -512,13 +544,13 @@ def mamba1_segment_chain_kernel(a_ptr, hs_ptr, sum_ptr, state_ptr, y_ptr, qsl_pt
 def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                             state_indices, has_initial_state, dt_softplus, segment: int = 256,
                             block_d: int = 256, num_warps: int = 4, prefetch: int = 0,
-                            y_parts: int = 1) -> torch.Tensor:
+                            y_parts: int = 1, l2_ahead: int = 0) -> torch.Tensor:
     """``torch.ops.attn.mamba1_scan`` over segments of ``segment`` tokens of each request
     (one slot a request), in three launches: every segment's local state from zero, the
     hand-off of states between a request's segments, every segment's outputs from its start
     state -- the token loops of a long request run side by side, at 1.7 times the single
-    walk's instructions; ``y_parts`` as :func:`mamba1_unrolled_triton`'s (inputs already
-    checked)."""
+    walk's instructions; ``y_parts`` and ``l2_ahead`` as :func:`mamba1_unrolled_triton`'s
+    (inputs already checked)."""
     if state_indices.dim() != 1:
         raise ValueError("mamba1_segmented_triton keeps one state a request; speculative "
                          "steps run mamba1_recurrent_triton")
@@ -540,7 +572,8 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
               y.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, B.stride(0),
               C.stride(0), A.stride(0))
     common = dict(D_INNER=d, N=n, BLOCK_D=block_d, HAS_Z=z is not None, SOFTPLUS=dt_softplus,
-                  PREFETCH=int(prefetch), Y_PARTS=y_parts, num_warps=num_warps)
+                  PREFETCH=int(prefetch), Y_PARTS=y_parts, L2_AHEAD=l2_ahead,
+                  num_warps=num_warps)
     grid = (m, cdiv(d, block_d))
     mamba1_segment_kernel[grid](*inputs, OUTPUT=False, **common)
     mamba1_segment_chain_kernel[(b, cdiv(d, block_d))](
