@@ -89,6 +89,9 @@
 #            schedulers, instruction mix, the SASS lines that stall most): SSM_NCU_KERNEL a
 #            regex (default mamba1_unrolled), SSM_NCU_COUNT launches, SSM_NCU_CASES
 #            profile_ssm_prefill.py's cases (default mamba1:8x2048)
+#   ncu      Nsight Compute (ssmncu's sections) over NCU_COUNT launches (default 1) of the
+#            kernels matching NCU_KERNEL while NCU_CMD runs (a script and its arguments), e.g.
+#            NCU_KERNEL=index_score NCU_CMD="benchmarks/profile_indexer.py --cases 8x262144"
 #   tqbench  benchmarks/bench_turboquant.py (decode over each preset against bf16 / fp8, the
 #            write against copy; TQ_ARGS)
 #   tqwrite  TurboQuant's write tests compiled, then bench_turboquant.py --only write under each
@@ -143,6 +146,15 @@ stage() {  # stage NAME SECONDS CMD...
   timeout "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG" "$SUMMARY"
+}
+
+ncu_stage() {  # ncu_stage NAME SECONDS KERNEL_REGEX LAUNCHES SCRIPT ARGS...: the pipes,
+  # schedulers, instruction mix and the SASS lines that stall most, beside NCU_SECTIONS
+  local name=$1 limit=$2 kernel=$3 count=$4
+  shift 4
+  stage "$name" "$limit" ncu --kernel-name "regex:$kernel" --launch-count "$count" \
+    "${NCU_SECTIONS[@]}" --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --section InstructionStats --section SourceCounters python "$@"
 }
 
 for spec in "$@"; do
@@ -265,10 +277,10 @@ for spec in "$@"; do
     tqncu) stage tqncu "$limit" ncu --kernel-name "regex:${TQ_NCU_KERNEL:-paged_attention}" \
         --launch-count 1 "${NCU_SECTIONS[@]}" python benchmarks/profile_turboquant_decode.py \
         --iters 1 ${TQ_NCU_ARGS:---batch 32 --presets turboquant_3bit_nc} ;;
-    ssmncu) stage ssmncu "$limit" ncu --kernel-name "regex:${SSM_NCU_KERNEL:-mamba1_unrolled}" \
-        --launch-count "${SSM_NCU_COUNT:-1}" "${NCU_SECTIONS[@]}" --section ComputeWorkloadAnalysis \
-        --section SchedulerStats --section InstructionStats --section SourceCounters \
-        python benchmarks/profile_ssm_prefill.py --iters 1 --cases ${SSM_NCU_CASES:-mamba1:8x2048} ;;
+    ssmncu) ncu_stage ssmncu "$limit" "${SSM_NCU_KERNEL:-mamba1_unrolled}" "${SSM_NCU_COUNT:-1}" \
+        benchmarks/profile_ssm_prefill.py --iters 1 --cases ${SSM_NCU_CASES:-mamba1:8x2048} ;;
+    ncu) ncu_stage ncu "$limit" "${NCU_KERNEL:?NCU_KERNEL: a kernel regex}" "${NCU_COUNT:-1}" \
+        ${NCU_CMD:?NCU_CMD: a script and its arguments} ;;
     tqbench) stage tqbench "$limit" python benchmarks/bench_turboquant.py ${TQ_ARGS:-} \
         --out "$OUT/bench_turboquant_h200.json" ;;
     tqwrite) stage tqwrite_tests "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
