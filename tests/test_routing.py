@@ -246,6 +246,18 @@ def test_mamba1_op_counts_its_programs_for_the_walk_rule():
     assert _segment(torch.zeros(400, 1024), torch.tensor([0, 370, 380, 390, 400]), 370, t) == 256
 
 
+def test_mamba1_walk_reads_ahead_only_what_fits_a_threads_registers():
+    """The unrolled walk's reads ahead as asked at Mamba's d_state 16 (up to 5 tokens), fewer
+    where each token's B and C rows would spill the registers: 2 at 32 (247 in the sm_90
+    build), none from 64 (one token spilled there)."""
+    assert [routing.mamba1_walk_read_ahead(16, p) for p in range(5)] == [0, 1, 2, 3, 4]
+    assert routing.mamba1_walk_read_ahead(16, 9) == 5
+    assert routing.mamba1_walk_read_ahead(5, 4) == 4
+    assert routing.mamba1_walk_read_ahead(32, 4) == 2
+    assert routing.mamba1_walk_read_ahead(64, 2) == 0
+    assert routing.mamba1_walk_read_ahead(256, 2) == 0
+
+
 def test_mamba1_reads_ahead_only_where_a_request_has_a_next_token():
     """A step of one token a request reads nothing ahead (every read past its end); longer
     steps read ahead as Tuning.ssm.mamba1_prefetch says."""

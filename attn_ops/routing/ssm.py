@@ -6,7 +6,12 @@ import torch
 
 from attn_ops.routing.common import Kernel
 
-__all__ = ["mamba1_read_ahead", "mamba1_segment", "ssm_kernel"]
+__all__ = ["mamba1_read_ahead", "mamba1_segment", "mamba1_walk_read_ahead", "ssm_kernel"]
+
+# sm_90 registers a thread (the most ptxas gives before spilling, and about what Mamba1's
+# unrolled walk holds beside its state, rates and reads ahead: 128 channels on 4 warps)
+_SM90_REGISTERS = 255
+_WALK_OTHER_REGISTERS = 40
 
 
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
@@ -48,3 +53,14 @@ def mamba1_read_ahead(max_query_len: int, prefetch: bool) -> bool:
     all fall past its end -- they would only hold registers (sm_90, 64 channels on 4 warps: 77
     a thread with them, 64 without) and the occupancy a state read needs."""
     return prefetch and max_query_len > 1
+
+
+def mamba1_walk_read_ahead(d_state: int, prefetch: int) -> int:
+    """The tokens Mamba1's unrolled walk reads ahead for a ``d_state``
+    (``Tuning.ssm.mamba1_unrolled_prefetch``), at most as many as keep a thread's registers
+    from spilling: each channel's state and rates take ``2 d_state`` of them, each token read
+    ahead ``2 d_state + 3`` (its ``B``, ``C``, ``x``, ``dt``, ``z``). sm_90 builds: d_state 16
+    at 2 / 3 / 4 tokens 128 / 168 / 255 registers; 32 at 2 247; 64 at 1 255 and 48 bytes
+    spilled, at 0 168; 128 at 0 255 and 200 bytes spilled (the state alone)."""
+    fit = (_SM90_REGISTERS - _WALK_OTHER_REGISTERS - 2 * d_state) // (2 * d_state + 3)
+    return max(0, min(prefetch, fit))

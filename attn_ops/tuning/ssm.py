@@ -84,7 +84,8 @@ class SSMTuning:
     # 151 / 172 / 150.5 / 147 / 146 instructions at 0-4 (66 / 104 / 128 / 168 / 255
     # registers: at 4 two programs an SM). H200, Mamba-2.8B, ms at 8 x 2k walked whole, 128
     # channels, before B / C were read in pairs: 2.77 without, 1.10 two tokens ahead; 3 and 4
-    # not yet timed.
+    # not yet timed. A larger d_state reads fewer ahead, as many as fit the registers
+    # (routing.mamba1_walk_read_ahead: 2 at 32, none from 64).
     mamba1_unrolled_prefetch: int = 2
     # The unrolled walks' y = sum_n h_n C_n in this many interleaved partial sums (1, 2 or 4),
     # added at the end: a token's output waits on a chain of d_state / parts multiply-adds,

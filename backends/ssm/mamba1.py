@@ -34,7 +34,7 @@ from attn_ops.backends.ssm.common import (check_inputs, check_step, check_step_v
                                           chunked_step_kernel, compute_dtype, scan_requests,
                                           store_states)
 from attn_ops.ops import define_op
-from attn_ops.routing import Kernel, mamba1_read_ahead
+from attn_ops.routing import Kernel, mamba1_read_ahead, mamba1_walk_read_ahead
 
 __all__ = ["mamba1_reference", "mamba1_scan"]
 
@@ -105,17 +105,18 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             has_initial_state, dt_softplus)
     segment = _segment(x, query_start_loc, max_query_len, t) \
         if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled else 0
+    ahead = mamba1_walk_read_ahead(A.shape[1], t.mamba1_unrolled_prefetch)
     if segment:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_segmented_triton
 
         return mamba1_segmented_triton(*args, segment, t.mamba1_unrolled_block_d,
-                                       t.mamba1_unrolled_warps, t.mamba1_unrolled_prefetch,
+                                       t.mamba1_unrolled_warps, ahead,
                                        t.mamba1_unrolled_y_parts, t.mamba1_unrolled_l2_ahead)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_unrolled_triton
 
         return mamba1_unrolled_triton(*args, t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
-                                      t.mamba1_unrolled_prefetch, t.mamba1_unrolled_y_parts,
+                                      ahead, t.mamba1_unrolled_y_parts,
                                       t.mamba1_unrolled_l2_ahead)
     if kernel is Kernel.SSM_TRITON_CHUNKED:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_chunked_triton
