@@ -258,6 +258,18 @@ def test_mamba1_walk_reads_ahead_only_what_fits_a_threads_registers():
     assert routing.mamba1_walk_read_ahead(256, 2) == 0
 
 
+def test_lightning_split_chunk_fits_the_hand_offs_tiles_in_shared_memory():
+    """The split's chunk as asked where the hand-off's three pipelined k / v tiles fit a
+    block's shared memory (the H200's 232,448 bytes), halved where not (head dim 256 in bf16,
+    head dim 128 in fp32), never below 16; unchanged without a CUDA device's figure."""
+    h200 = 232448
+    assert routing.lightning_split_chunk(128, 128, 64, 2, h200) == 128
+    assert routing.lightning_split_chunk(128, 256, 64, 2, h200) == 64
+    assert routing.lightning_split_chunk(128, 128, 64, 4, h200) == 64
+    assert routing.lightning_split_chunk(128, 1024, 128, 4, h200) == 16
+    assert routing.lightning_split_chunk(128, 256, 64, 2, None) == 128
+
+
 def test_mamba1_reads_ahead_only_where_a_request_has_a_next_token():
     """A step of one token a request reads nothing ahead (every read past its end); longer
     steps read ahead as Tuning.ssm.mamba1_prefetch says."""

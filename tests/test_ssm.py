@@ -1417,13 +1417,14 @@ def test_mamba1_walk_rows_pair_into_aligned_words():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
                                   "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
-                                  "mamba1_unrolled_3", "lightning", "lightning_split"])
+                                  "mamba1_unrolled_3", "lightning", "lightning_split",
+                                  "lightning_split_d256"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
-    attention (64 heads of 128) on the device: a step of 6 decodes, a 300-token prefill
-    resuming at 37 (chunked kernel) and a fresh 5-token one, with fp32 states -- the routed Triton kernels
-    against the fp64 reference on the same states."""
+    attention (64 heads of 128; 8 of 256) on the device: a step of 6 decodes, a 300-token
+    prefill resuming at 37 (chunked kernel) and a fresh 5-token one, with fp32 states -- the
+    routed Triton kernels against the fp64 reference on the same states."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(10)
     lens, ctx = [1] * 6 + [300, 5], [40] * 6 + [37, 0]
@@ -1462,13 +1463,14 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
                 mamba1_unrolled_prefetch=int(kind[-1]) if kind[-2:] in ("_2", "_3") else 0,
                 mamba1_unrolled_l2_ahead=8 if kind.endswith("_3") else 0)),)
         op = mamba1_scan
-    elif kind.startswith("lightning"):
-        h, d = 64, 128
+    elif kind.startswith("lightning"):  # ("_d256": 8 heads of 256, the split's chunk halved
+        # to fit the hand-off's tiles in shared memory)
+        h, d = (8, 256) if kind.endswith("_d256") else (64, 128)
         args = (rand(t, h, d, scale=0.3), rand(t, h, d, scale=0.3), rand(t, h, d),
                 torch.rand(h, generator=g, device=dev))
         state = torch.randn(len(lens) + 1, h, d, d, generator=g, device=dev) * 0.05
         tail = (meta.max_query_len,)
-        if kind == "lightning_split":  # (the prefill's split kernels, through the op)
+        if kind.startswith("lightning_split"):  # (the prefill's split kernels, through the op)
             from attn_ops.backends.ssm.common import SSM_PLAN
             from attn_ops.tuning.ssm import SSMTuning
 

@@ -6,7 +6,8 @@ import torch
 
 from attn_ops.routing.common import Kernel
 
-__all__ = ["mamba1_read_ahead", "mamba1_segment", "mamba1_walk_read_ahead", "ssm_kernel"]
+__all__ = ["lightning_split_chunk", "mamba1_read_ahead", "mamba1_segment",
+           "mamba1_walk_read_ahead", "ssm_kernel"]
 
 # sm_90 registers a thread (the most ptxas gives before spilling, and about what Mamba1's
 # unrolled walk holds beside its state, rates and reads ahead: 128 channels on 4 warps)
@@ -64,3 +65,22 @@ def mamba1_walk_read_ahead(d_state: int, prefetch: int) -> int:
     spilled, at 0 168; 128 at 0 255 and 200 bytes spilled (the state alone)."""
     fit = (_SM90_REGISTERS - _WALK_OTHER_REGISTERS - 2 * d_state) // (2 * d_state + 3)
     return max(0, min(prefetch, fit))
+
+
+# Triton's default software-pipelining depth on NVIDIA GPUs (the split's launches set none)
+_TRITON_STAGES = 3
+
+
+def lightning_split_chunk(chunk: int, dk: int, state_block_v: int, elem_bytes: int,
+                          shared_per_block: int | None) -> int:
+    """The chunk of lightning attention's split prefill (``Tuning.ssm.lightning_split_chunk``,
+    a power of two >= 16) for a head dim ``dk`` (padded to a power of two), halved while the
+    hand-off launch's pipelined ``k`` and ``v`` tiles -- ``_TRITON_STAGES`` x chunk x (``dk``
+    + ``state_block_v``) values -- would not fit a block's shared memory (``None``: not a CUDA
+    device, nothing to fit). sm_90 builds, bf16, 64 columns: head dim 128 at 128 tokens
+    147,456 bytes, head dim 256 at 128 245,760 -- over the H100's and H200's 232,448 -- and at
+    64 131,072, as counted here (fp32 inputs build smaller than counted: an upper bound)."""
+    while (shared_per_block is not None and chunk > 16
+           and _TRITON_STAGES * chunk * (dk + state_block_v) * elem_bytes > shared_per_block):
+        chunk //= 2
+    return chunk

@@ -23,7 +23,7 @@ from attn_ops.backends.ssm.chunked_kernels import (_chunk_output_program, _chunk
                                                    _work_dtype, chunk_table_triton)
 from attn_ops.backends.ssm.triton_kernels import (_keep_final, _request_state,
                                                   _zero_padding_rows, lightning_launch)
-from attn_ops.routing import cdiv, pow2
+from attn_ops.routing import DeviceFacts, cdiv, lightning_split_chunk, pow2
 
 __all__ = ["lightning_chunked_triton", "lightning_split_triton"]
 
@@ -159,11 +159,13 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
                            has_initial_state, chunk: int = 64, state_block_v: int = 64,
                            output_block_v: int = 64,
                            warps: tuple[int, int] = (4, 4)) -> torch.Tensor:
-    """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16)
-    tokens, one slot a request: the state hand-off over blocks of ``state_block_v`` value
-    columns (the chunks' start states into a ``[chunks, H, D, Dv]`` buffer in the inputs'
-    dtype), then the outputs of every chunk in parallel over blocks of ``output_block_v``;
-    ``warps``: of the two launches (inputs already checked)."""
+    """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16;
+    shorter where the hand-off's tiles would not fit a block's shared memory:
+    :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
+    hand-off over blocks of ``state_block_v`` value columns (the chunks' start states into a
+    ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
+    parallel over blocks of ``output_block_v``; ``warps``: of the two launches (inputs already
+    checked)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, heads, dk = q.shape
     dv = v.shape[2]
@@ -171,13 +173,16 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     if b == 0 or t == 0:
         return torch.zeros_like(v)
     out = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
-    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
-    m = starts.shape[0]
     wdt = _work_dtype(q)
     block_k, block_v = max(pow2(dk), 16), max(pow2(dv), 16)
+    state_bv = min(block_v, max(state_block_v, 16))
+    shared = DeviceFacts.of(q.device).shared_memory
+    chunk = lightning_split_chunk(chunk, block_k, state_bv, wdt.itemsize,
+                                  shared[1] if shared else None)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
+    m = starts.shape[0]
     h = torch.empty(m, heads, dk, dv, dtype=wdt, device=q.device)
     common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, IEEE=wdt == torch.float32)
-    state_bv = min(block_v, max(state_block_v, 16))
     lightning_state_kernel[(b * heads * cdiv(dv, state_bv),)](
         k, v, slope, h, state, out, query_start_loc, offsets, state_indices, has_initial_state,
         state_indices.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
