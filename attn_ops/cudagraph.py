@@ -184,7 +184,7 @@ class CUDAGraphBatch:
         block ids): no metadata built and uploaded first to be copied on, but two uploads into
         the buffers (lengths and slots), and the block table's only where it changed since
         the last call (a decode enters a new page every ``block_size`` steps)."""
-        from attn_ops.metadata import upload_int32
+        from attn_ops.metadata import upload
 
         n, q = seq_lens.shape[0], self.query_len
         width = block_table.shape[1]
@@ -194,18 +194,14 @@ class CUDAGraphBatch:
         size = self._size_and_starts(n, width)
         seq_np = np.zeros(size, dtype=np.int32)
         seq_np[:n] = seq_lens
-        upload_int32([seq_np], self.seq_lens)
-        staged = torch.full((size * q,), -1, dtype=torch.int64,
-                            pin_memory=self.device.type != "cpu")
-        staged.numpy()[:n * q] = slots
-        self.slot_mapping[:size * q].copy_(staged, non_blocking=True)
+        upload(seq_np, self.seq_lens[:size])
+        slots_np = np.full(size * q, -1, dtype=np.int64)
+        slots_np[:n * q] = slots
+        upload(slots_np, self.slot_mapping[:size * q])
         table = np.array(block_table, dtype=np.int32)  # (a copy: kept to compare with)
         last = self._table_host
         if last is None or last.shape != table.shape or not np.array_equal(last, table):
-            staged = torch.empty(table.shape, dtype=torch.int32,
-                                 pin_memory=self.device.type != "cpu")
-            staged.numpy()[:] = table
-            self.block_table[:n, :width].copy_(staged, non_blocking=True)
+            upload(table, self.block_table[:n, :width])
             if width < self._cols:
                 self.block_table[:n, width:self._cols].zero_()
             self._table_host = table

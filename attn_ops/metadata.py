@@ -22,7 +22,7 @@ from attn_ops.kv_cache import BlockAllocator
 
 __all__ = [
     "CommonAttentionMetadata", "DeviceTables", "block_csr", "build_common_metadata",
-    "build_batch", "decode_first_order", "host_slots", "split_decodes_and_prefills",
+    "build_batch", "decode_first_order", "host_slots", "split_decodes_and_prefills", "upload",
 ]
 
 
@@ -230,16 +230,20 @@ def upload_tables(common: CommonAttentionMetadata) -> DeviceTables:
     return _device_tables(buffer, offsets)
 
 
+def upload(array: np.ndarray, into: torch.Tensor) -> None:
+    """A host array into the persistent device tensor (or view) ``into`` of its shape: one
+    pinned staging block and one copy without blocking, as in :func:`pack_upload`. (The
+    caching host allocator records the copy and reuses the block only after it ran, at half
+    the host time of a ring of pinned buffers guarded by CUDA events recorded from Python.)"""
+    staged = torch.empty(array.shape, dtype=into.dtype, pin_memory=into.device.type != "cpu")
+    staged.numpy()[...] = array
+    into.copy_(staged, non_blocking=True)
+
+
 def upload_int32(arrays: Sequence[np.ndarray], into: torch.Tensor) -> None:
     """1-D int32 host arrays, concatenated, into the front of the persistent device tensor
-    ``into``: one pinned staging block and one copy without blocking, as in
-    :func:`pack_upload`. (The caching host allocator records the copy and reuses the block
-    only after it ran, at half the host time of a ring of pinned buffers guarded by CUDA
-    events recorded from Python.)"""
-    total = sum(a.shape[0] for a in arrays)
-    staged = torch.empty(total, dtype=torch.int32, pin_memory=into.device.type != "cpu")
-    np.concatenate(arrays, out=staged.numpy())
-    into[:total].copy_(staged, non_blocking=True)
+    ``into`` (:func:`upload`)."""
+    upload(np.concatenate(arrays), into[:sum(a.shape[0] for a in arrays)])
 
 
 def sizes_not_specialized(*tensors: torch.Tensor) -> None:
