@@ -133,16 +133,17 @@ def mamba1_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc,
                          block_d, num_warps, CHUNK=chunk, PREFETCH=prefetch)
 
 
-# Compiled, the walk's per-channel exponentials and logarithm are MUFU's approximate ones
-# (``ex2`` / ``lg2.approx.ftz``: one instruction each, where ``tl.exp`` adds a denormal range
-# check and ``tl.log`` is a precise polynomial of ~15 instructions a token a channel); the
-# interpreter has no inline PTX and runs ``tl.exp2`` / ``tl.log2``.
-_MUFU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# Compiled, the walk runs inline PTX: its per-channel exponentials and logarithm are MUFU's
+# approximate ones (``ex2`` / ``lg2.approx.ftz``: one instruction each, where ``tl.exp`` adds a
+# denormal range check and ``tl.log`` is a precise polynomial of ~15 instructions a token a
+# channel), its reads non-coherent loads and L2 prefetches. The interpreter has no inline PTX
+# and runs ``tl.exp2`` / ``tl.log2`` / ``tl.load``.
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
 def _exp2(v):
-    if _MUFU:
+    if _PTX:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [v],
                                          dtype=tl.float32, is_pure=True, pack=1)
     return tl.exp2(v)
@@ -151,7 +152,7 @@ def _exp2(v):
 @triton.jit
 def _softplus(v):
     """``log(1 + exp(v))``, ``v`` itself above 20 (as mamba-ssm)."""
-    if _MUFU:
+    if _PTX:
         one_plus = 1.0 + _exp2(v * LOG2E)
         log2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [one_plus],
                                          dtype=tl.float32, is_pure=True, pack=1)
@@ -178,7 +179,7 @@ def _read(ptr):
     """``*ptr`` of memory the kernel never writes, compiled as a non-coherent load
     (``ld.global.nc``): ptxas may then issue it ahead of the walk's output stores, which a
     plain load must follow (they might alias), so a read ahead stays ahead."""
-    if _MUFU:
+    if _PTX:
         if ptr.dtype.element_ty.primitive_bitwidth == 64:
             return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr],
                                              dtype=tl.int64, is_pure=True, pack=1)
@@ -198,17 +199,24 @@ def _read(ptr):
 def _to_l2(ptr):
     """Ask for ``*ptr``'s line in L2 (``prefetch.global.L2``: no register, nothing waits on
     it); compiled only."""
-    if _MUFU:
+    if _PTX:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptr],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
+def _mamba1_row(t, end):
+    """The row a walk reads for token ``t``: ``t``, or the request's last row at or past
+    ``end`` (a read ahead; row 0 for an empty request)."""
+    return tl.maximum(tl.minimum(t, end - 1), 0)
+
+
+@triton.jit
 def _mamba1_rows_to_l2(x_ptr, dt_ptr, z_ptr, t, end, offs_r, stride_xt, stride_dtt, stride_zt,
                        HAS_Z: tl.constexpr):
-    """Token ``t``'s ``x``, ``dt`` and ``z`` rows of the channels asked into L2 (rows past
-    ``end`` as its last): a later read of them then waits on L2, not on DRAM."""
-    row = tl.maximum(tl.minimum(t, end - 1), 0)
+    """Token ``t``'s ``x``, ``dt`` and ``z`` rows of the channels (:func:`_mamba1_row`) asked
+    into L2: a later read of them then waits on L2, not on DRAM."""
+    row = _mamba1_row(t, end)
     _to_l2(dt_ptr + row * stride_dtt + offs_r)
     _to_l2(x_ptr + row * stride_xt + offs_r)
     if HAS_Z:
@@ -227,7 +235,7 @@ def _mamba1_row_inputs(x_ptr, dt_ptr, b_ptr, c_ptr, z_ptr, t, end, offs_r, strid
     and, for the ``B`` / ``C`` vectors, a load a channel where one serves a thread's channels
     -- of a row the walk never steps with (:func:`_mamba1_token` zeroes such a token's time
     step)."""
-    row = tl.maximum(tl.minimum(t, end - 1), 0)
+    row = _mamba1_row(t, end)
     dt = _read(dt_ptr + row * stride_dtt + offs_r)
     x = _read(x_ptr + row * stride_xt + offs_r)
     z = x
