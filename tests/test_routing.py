@@ -247,15 +247,35 @@ def test_mamba1_op_counts_its_programs_for_the_walk_rule():
 
 
 def test_mamba1_walk_reads_ahead_only_what_fits_a_threads_registers():
-    """The unrolled walk's reads ahead as asked at Mamba's d_state 16 (up to 5 tokens), fewer
+    """The unrolled walk's reads ahead as asked at Mamba's d_state 16 (up to 4 tokens), fewer
     where each token's B and C rows would spill the registers: 2 at 32 (247 in the sm_90
     build), none from 64 (one token spilled there)."""
     assert [routing.mamba1_walk_read_ahead(16, p) for p in range(5)] == [0, 1, 2, 3, 4]
-    assert routing.mamba1_walk_read_ahead(16, 9) == 5
+    assert routing.mamba1_walk_read_ahead(16, 9) == 4  # (the kernel's most)
     assert routing.mamba1_walk_read_ahead(5, 4) == 4
     assert routing.mamba1_walk_read_ahead(32, 4) == 2
     assert routing.mamba1_walk_read_ahead(64, 2) == 0
     assert routing.mamba1_walk_read_ahead(256, 2) == 0
+
+
+def test_mamba1_walk_reads_ahead_by_waves_and_pace():
+    """Of the read-aheads that fit, the one of the least waves x pace: at d_state 16, one
+    channel a thread on 4 warps, seven / four / four / three / two programs an SM at 0-4
+    tokens ahead (Mamba-2.8B, 40 programs a request, 132 SMs: 8 x 2k one wave at three, 12 x
+    2k one wave only up to two, 16 x 2k two waves from one on -- one wave only without reads
+    ahead, at three times the pace); two channels a thread hold twice the registers."""
+    def ahead(programs, prefetch=3, channels=1, sms=132):
+        return routing.mamba1_walk_read_ahead(16, prefetch, programs, sms, channels, 4)
+
+    assert ahead(8 * 40) == 3 and ahead(4 * 40) == 3
+    assert ahead(12 * 40) == 2  # (528 resident at two, 396 at three)
+    assert ahead(16 * 40) == 3
+    assert ahead(24 * 40) == 2 and ahead(32 * 40) == 2 and ahead(64 * 40) == 2
+    assert ahead(264, prefetch=4) == 4 and ahead(265, prefetch=4) == 3
+    assert ahead(8 * 40, prefetch=2) == 2 and ahead(8 * 40, prefetch=0) == 0
+    assert ahead(8 * 20, channels=2) == 2  # (three would spill: 310 registers modelled)
+    assert ahead(100 * 40, prefetch=0) == 0
+    assert routing.mamba1_walk_read_ahead(16, 3, 0, 132) == 3  # (no launch given: the fit)
 
 
 def test_lightning_split_chunk_fits_the_hand_offs_tiles_in_shared_memory():

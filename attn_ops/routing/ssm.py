@@ -9,11 +9,18 @@ from attn_ops.routing.common import Kernel
 __all__ = ["lightning_split_chunk", "mamba1_read_ahead", "mamba1_segment",
            "mamba1_walk_read_ahead", "ssm_kernel"]
 
-# sm_90 registers a thread (the most ptxas gives before spilling, and about what Mamba1's
-# unrolled walk holds beside its state, rates and reads ahead: 128 channels on 4 warps)
+# sm_90 registers a thread (the most ptxas gives before spilling), a multiprocessor's register
+# file (sm_70 on), and the registers of Mamba1's unrolled walk at d_state 16, one channel a
+# thread, reading 0-4 tokens ahead (its sm_90 builds; beside each channel's state, rates and
+# reads ahead it holds about 26)
 _SM90_REGISTERS = 255
-_WALK_OTHER_REGISTERS = 40
-
+_REGISTERS_PER_SM = 65536
+_WALK_REGISTERS_D16 = (66, 104, 128, 168, 255)
+_WALK_OTHER_REGISTERS = 26
+# The walk's time at 0-4 tokens ahead relative to three, at one wave of programs (H100,
+# Mamba-2.8B walked whole: 8 x 2k 2.473 / 1.171 / 0.898 / 0.801 ms at 0-3; 4 x 4k 1.388 /
+# 1.323 ms at 3 / 4)
+_WALK_PACE = (3.09, 1.46, 1.12, 1.0, 0.953)
 
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
                max_query_len: int = 1, one_slot: bool = True,
@@ -56,15 +63,42 @@ def mamba1_read_ahead(max_query_len: int, prefetch: bool) -> bool:
     return prefetch and max_query_len > 1
 
 
-def mamba1_walk_read_ahead(d_state: int, prefetch: int) -> int:
+def mamba1_walk_read_ahead(d_state: int, prefetch: int, programs: int = 0, num_sms: int = 0,
+                           channels_a_thread: int = 1, warps: int = 4) -> int:
     """The tokens Mamba1's unrolled walk reads ahead for a ``d_state``
-    (``Tuning.ssm.mamba1_unrolled_prefetch``), at most as many as keep a thread's registers
-    from spilling: each channel's state and rates take ``2 d_state`` of them, each token read
-    ahead ``2 d_state + 3`` (its ``B``, ``C``, ``x``, ``dt``, ``z``). sm_90 builds: d_state 16
-    at 2 / 3 / 4 tokens 128 / 168 / 255 registers; 32 at 2 247; 64 at 1 255 and 48 bytes
-    spilled, at 0 168; 128 at 0 255 and 200 bytes spilled (the state alone)."""
-    fit = (_SM90_REGISTERS - _WALK_OTHER_REGISTERS - 2 * d_state) // (2 * d_state + 3)
-    return max(0, min(prefetch, fit))
+    (``Tuning.ssm.mamba1_unrolled_prefetch``, at most four: the kernel's buffers), as many as
+    keep a thread's registers from spilling -- each channel's state and rates take ``2
+    d_state`` of them, each token read ahead ``2 d_state`` more (its ``B`` and ``C``): sm_90
+    builds, d_state 16 at 0-4 tokens 66 / 104 / 128 / 168 / 255 registers; 32 at 2 247; 64 at
+    1 255 and 48 bytes spilled, at 0 168; 128 at 0 255 and 200 bytes spilled (the state
+    alone).
+
+    Given the launch's ``programs`` (of ``warps`` warps, ``channels_a_thread``) and the
+    device's ``num_sms``: the one of the least waves of resident programs x its pace
+    (:data:`_WALK_PACE`; ties: the most). More tokens an iteration spread its exposed read
+    latency wider, but their registers fit fewer programs on an SM, and a second wave costs a
+    whole walk. H100,
+    Mamba-2.8B (128 channels a program, 40 a request), ms two / three tokens ahead: 8 x 2k
+    0.898 / 0.801 (320 programs: one wave of 4 or 3 an SM), 16 x 2k 1.754 / 1.582 (two
+    waves either way), 12 x 2k 1.076 / 1.463 (480: one wave of 4 an SM, two of 3), 32 x 1k
+    1.427 / 1.519, 64 x 512 1.334 / 1.400; four ahead at 4 x 4k (160: one wave of 2 an SM)
+    1.323 against three's 1.388."""
+    def registers(ahead: int) -> int:  # (the d_state 16 build's, scaled by the state's size)
+        own = _WALK_REGISTERS_D16[ahead] - _WALK_OTHER_REGISTERS + (2 + 2 * ahead) * (d_state - 16)
+        return _WALK_OTHER_REGISTERS + channels_a_thread * own
+
+    most = max(0, min(prefetch, len(_WALK_REGISTERS_D16) - 1))
+    while most and registers(most) > _SM90_REGISTERS:
+        most -= 1
+    if not (programs and num_sms):
+        return most
+
+    def waves(ahead: int) -> int:
+        warp_registers = -(-registers(ahead) // 8) * 8 * 32  # (allocated in 8s a thread)
+        resident = max(1, _REGISTERS_PER_SM // warp_registers // warps) * num_sms
+        return -(-programs // resident)
+
+    return min(range(most + 1), key=lambda ahead: (waves(ahead) * _WALK_PACE[ahead], -ahead))
 
 
 # Triton's default software-pipelining depth on NVIDIA GPUs (the split's launches set none)

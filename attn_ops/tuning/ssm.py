@@ -75,18 +75,20 @@ class SSMTuning:
     mamba1_unrolled: bool = True
     mamba1_unrolled_block_d: int = 128
     mamba1_unrolled_warps: int = 4
-    # The unrolled walks' reads ahead: 0 none, 1 one token ahead (the inputs rotate through
-    # registers, a move each a step), 2-4 that many tokens an iteration over as many buffers
-    # (no moves). Reads past a request's end read its last row (unmasked: a masked read zeroes
-    # a register first and loads B / C once a channel, not once a thread). ptxas issues all of
-    # an iteration's reads at its end (docs/tuning.md), so an iteration exposes about one read
-    # latency, spread over its tokens. sm_90 SASS a token a thread, 128 channels on 4 warps:
-    # 151 / 172 / 150.5 / 147 / 146 instructions at 0-4 (66 / 104 / 128 / 168 / 255
-    # registers: at 4 two programs an SM). H200, Mamba-2.8B, ms at 8 x 2k walked whole, 128
-    # channels, before B / C were read in pairs: 2.77 without, 1.10 two tokens ahead; 3 and 4
-    # not yet timed. A larger d_state reads fewer ahead, as many as fit the registers
-    # (routing.mamba1_walk_read_ahead: 2 at 32, none from 64).
-    mamba1_unrolled_prefetch: int = 2
+    # The unrolled walks' reads ahead, at most: 0 none, 1 one token ahead (the inputs rotate
+    # through registers, a move each a step), 2-4 that many tokens an iteration over as many
+    # buffers (no moves). Reads past a request's end read its last row (unmasked: a masked
+    # read zeroes a register first and loads B / C once a channel, not once a thread). ptxas
+    # issues all of an iteration's reads at its end (docs/tuning.md), so an iteration exposes
+    # about one read latency, spread over its tokens. sm_90 SASS a token a thread, 128
+    # channels on 4 warps: 151 / 172 / 150.5 / 147 / 146 instructions at 0-4 (66 / 104 / 128 /
+    # 168 / 255 registers: four / three / two programs an SM at 2 / 3 / 4). A step reads as
+    # many ahead as fit the registers for its d_state (2 at 32, none from 64) and, of those,
+    # the most whose programs run in the fewest waves (routing.mamba1_walk_read_ahead). H100,
+    # Mamba-2.8B, ms at 8 x 2k / 1 x 8k / 32 x 1k: 0.898 / 0.727 / 1.426 at 2, 0.801 / 0.727 /
+    # 1.524 at 3, 1.204 / 0.752 / 1.645 at 4 (every step forced to it); routed, at most 4:
+    # 0.798 / 0.727 / 1.420, and 4 x 4k 1.323 (1.388 at 3).
+    mamba1_unrolled_prefetch: int = 4
     # The unrolled walks' y = sum_n h_n C_n in this many interleaved partial sums (1, 2 or 4),
     # added at the end: a token's output waits on a chain of d_state / parts multiply-adds,
     # not d_state. H100, 8 x 2k: 0.976 ms at 2 against 0.961 at 1 (the walk waits on its
@@ -96,7 +98,9 @@ class SSMTuning:
     # (prefetch.global.L2; 0: not): the reads ahead (mamba1_unrolled_prefetch) still expose
     # one read latency an iteration -- DRAM's for those rows, which one program alone reads;
     # B / C, read by every program of the request, come from L2 already. Three instructions
-    # and their addresses a token. Not yet timed.
+    # and their addresses a token. H100, 8 x 2k / 1 x 8k / 32 x 1k at 8 tokens: 0.862 / 0.716 /
+    # 1.457 ms two tokens ahead (0.898 / 0.727 / 1.426 without), 0.866 / 0.710 / 1.458 three
+    # ahead (0.801 / 0.727 / 1.524 without).
     mamba1_unrolled_l2_ahead: int = 0
     # The unrolled prefill over segments of this many tokens (0: one walk a request): each
     # segment's state from zero, the hand-off between a request's segments (a segment's decays

@@ -105,7 +105,7 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             has_initial_state, dt_softplus)
     segment = _segment(x, query_start_loc, max_query_len, t) \
         if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled else 0
-    ahead = mamba1_walk_read_ahead(A.shape[1], t.mamba1_unrolled_prefetch)
+    ahead = _walk_read_ahead(x, A, query_start_loc, segment, t)
     if segment:
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_segmented_triton
 
@@ -146,6 +146,21 @@ def _segment(x, query_start_loc, max_query_len: int, t) -> int:
                           cdiv(d, min(pow2(d), t.mamba1_unrolled_block_d)),
                           DeviceFacts.of(x.device).num_sms, t.mamba1_unrolled_segment,
                           t.mamba1_walk_min_programs)
+
+
+def _walk_read_ahead(x, A, query_start_loc, segment: int, t) -> int:
+    """The unrolled walk's tokens read ahead for the step (:func:`attn_ops.routing.
+    mamba1_walk_read_ahead`): its programs are a request's (or, with segments, about a
+    segment's) blocks of channels."""
+    from attn_ops.routing import DeviceFacts, cdiv, pow2
+
+    d = x.shape[1]
+    block_d = min(pow2(d), t.mamba1_unrolled_block_d)
+    walks = cdiv(x.shape[0], segment) if segment else query_start_loc.shape[0] - 1
+    lanes = 32 * t.mamba1_unrolled_warps
+    return mamba1_walk_read_ahead(A.shape[1], t.mamba1_unrolled_prefetch,
+                                  walks * cdiv(d, block_d), DeviceFacts.of(x.device).num_sms,
+                                  max(1, block_d // lanes), t.mamba1_unrolled_warps)
 
 
 def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
