@@ -73,10 +73,14 @@ class MLATuning:
     # programs_per_sm x SMs); whether it also adds the select's first digit histogram as it
     # stores the scores (else the select's own launch reads them back for it); the top-k
     # select's scores a step, and the programs an SM its launches aim at
-    # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 256
-    # positions a step on 4 warps over chunks of 4096, the first histogram in the select's own
-    # launch (in the scoring it cost 2.5x that launch), is the fastest swept.
-    index_block_n: int = 256
+    # (routing.indexer_select_span). H200, 64 heads x 128, fp8 keys (docs/tuning.md): 4 warps
+    # over chunks of 4096, the first histogram in the select's own launch (in the scoring it
+    # cost 2.5x that launch), is the fastest swept. H100 (fp8 query, keys as rows), the
+    # scoring at 8 x 256k / 1 x 256k / 128 x 32k: 110.7 / 15.7 / 215.9 us at 128 positions a
+    # step, 127.7 / 20.7 / 250.5 at 256 (its [256, 64] fp32 products hold 172 registers a
+    # thread: two programs an SM, 2 warps a scheduler, 0.4 of them eligible), 127.0 / 18.0 /
+    # 268.5 at 64.
+    index_block_n: int = 128
     index_warps: int = 4
     index_stages: int = 3
     index_chunk: int = 4096
