@@ -23,7 +23,7 @@ __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "to
            "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "MIN_SQNR_DB",
            "option_variants",
            "compiled_and_eager_layer", "assert_matches_reference", "random_decode_batch",
-           "capture_graph"]
+           "capture_graph", "random_kv"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
@@ -226,6 +226,19 @@ def random_decode_batch(n: int, num_blocks: int, rng, block_size: int, max_len: 
         tables.append(pages[at:at + count])
         at += count
     return build_common_metadata([qlen] * n, seq, tables, block_size, num_blocks, device=device)
+
+
+def random_kv(spec: AttentionSpec, n: int, generator: torch.Generator, poison: float | None = None,
+              device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` tokens' random K and V ``[n, kv_heads, head_dim(_v)]`` in the spec's dtype; with
+    ``poison`` every other key element (every other value element from the second) set to it
+    and every third to +Inf (values: -Inf) -- a request whose pages must never reach another."""
+    k = torch.randn(n, spec.kv_heads, spec.head_dim, generator=generator)
+    v = torch.randn(n, spec.kv_heads, spec.v_head_dim, generator=generator)
+    if poison is not None:
+        k.view(-1)[::2], v.view(-1)[1::2] = poison, poison
+        k.view(-1)[1::3], v.view(-1)[::3] = float("inf"), float("-inf")
+    return k.to(spec.dtype).to(device), v.to(spec.dtype).to(device)
 
 
 def capture_graph(fn):

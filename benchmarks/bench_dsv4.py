@@ -14,7 +14,8 @@ compressor are the model's and are timed apart as ``writes``):
   ``c4a_attn`` -- the attention over the window and the 512 picks; ``c4a`` -- both, the step;
 * ``writes`` -- the window entry and C4A's two compressor steps (DSV4_TRITON's kernels);
 * ``op_flashmla_<kind>`` -- DSV4_FLASHMLA's op (the index lists built on the device, then
-  FlashMLA's decode), where FlashMLA imports;
+  FlashMLA's decode), where FlashMLA imports; ``op_flashmla_c4a_step`` -- the indexer and
+  that op, the C4A step as selected there (its floor ratio ``op_flashmla_c4a_step_floor_ratio``);
 * ``flashmla_<kind>`` -- FlashMLA's ``flash_mla_with_kvcache`` as vLLM calls it for V4
   (window slots as ``indices``, the compressed slots as ``extra_indices_in_kvcache``, the sink
   as ``attn_sink``), where ``vllm.third_party.flashmla`` imports;
@@ -170,6 +171,11 @@ def case(batch: int, ctx: int, gen: torch.Generator, device: str, dtype: torch.d
             except Exception as e:  # noqa: BLE001 -- recorded; the others go on
                 checks[name] = {"agree": False, "parts": {},
                                 "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        if "op_flashmla_c4a" in fns:  # (the C4A step as selected where FlashMLA imports)
+            fns["op_flashmla_c4a_step"] = lambda: flashmla_attention(
+                q, window, qsl, seq, table, sinks, scale, WINDOW, caches["c4a"], tables["c4a"],
+                4, triton_indexer_topk(q_index, weights, index_cache, qsl, seq, index_table, 4,
+                                       TOPK))
     facts = {"c4a_key_bytes": b * (n4 * INDEX_ENTRY + (TOPK + min(WINDOW, length)) * ENTRY),
              "kv_bytes_per_token": {"c4a": ENTRY / 4 + INDEX_ENTRY / 4, "c128a": ENTRY / 128,
                                     "swa": 0.0, "dense_mla_fp8_ds_mla": 656,
@@ -318,15 +324,21 @@ def main() -> None:
             # (over its floor only where C4A's output agreed with the oracle; n/a untimed)
             c4a_ok = all(c.get("agree") for k, c in checks.items() if k.startswith("c4a"))
             floor_ratio = (graph.get("c4a", float("nan")) / floor_ms) if c4a_ok else None
+            fm_step_ok = c4a_ok and checks.get("op_flashmla_c4a", {}).get("agree", False)
+            fm_floor_ratio = (graph["op_flashmla_c4a_step"] / floor_ms
+                              if fm_step_ok and "op_flashmla_c4a_step" in graph else None)
             row = {"batch": batch, "ctx": ctx, "graph_us": {k: v * 1e3 for k, v in graph.items()},
                    "eager_us": {k: v * 1e3 for k, v in eager.items()}, "cross_check": checks,
                    "errors": errors, "c4a_floor_us": floor_ms * 1e3,
                    "c4a_floor_ratio": floor_ratio,
+                   "op_flashmla_c4a_step_floor_ratio": fm_floor_ratio,
                    "flashmla_time_over_ours": fm_ratio, **facts}
             rows.append(row)
             print(f"B={batch:<3d} ctx={ctx:<8d} " + "  ".join(
                 f"{k} {v * 1e3:8.1f} us" for k, v in graph.items())
-                + f"  C4A step {ratio_text(floor_ratio)} its key-read floor; "
+                + f"  C4A step {ratio_text(floor_ratio)} its key-read floor"
+                + (f" ({ratio_text(fm_floor_ratio)} with DSV4_FLASHMLA's op); "
+                   if "op_flashmla_c4a_step" in fns else "; ")
                 + (", ".join(f"{k} time / ours {ratio_text(v)}" for k, v in fm_ratio.items())
                    or f"FlashMLA absent ({checks['flashmla']['error'][:60]})")
                 + "; checks " + ", ".join(f"{k} {'ok' if c.get('agree') else 'MISMATCH'}"

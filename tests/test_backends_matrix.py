@@ -203,7 +203,7 @@ def test_a_freed_requests_nan_and_inf_never_reach_the_next_request(backend, spec
     mid-page. Their outputs must be finite and REFERENCE's."""
     from attn_ops import BlockAllocator, build_batch
     from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
-    from attn_ops.testing import PagedCase, assert_matches_reference
+    from attn_ops.testing import PagedCase, assert_matches_reference, random_kv
 
     cls = get_backend_class(backend)
     block = block_size_for(cls, spec)
@@ -212,23 +212,18 @@ def test_a_freed_requests_nan_and_inf_never_reach_the_next_request(backend, spec
     cache = allocate_kv_cache(spec, num_blocks, block, DEVICE, cls.kv_cache_layout(spec))
     g = torch.Generator().manual_seed(0)
 
-    def kv(n, fill=None):
-        k = torch.randn(n, spec.kv_heads, spec.head_dim, generator=g)
-        v = torch.randn(n, spec.kv_heads, spec.v_head_dim, generator=g)
-        if fill is not None:
-            k.view(-1)[::2], v.view(-1)[1::2] = fill, fill
-            k.view(-1)[1::3], v.view(-1)[::3] = float("inf"), float("-inf")
-        return k.to(spec.dtype).to(DEVICE), v.to(spec.dtype).to(DEVICE)
-
     a_len = 5 * block + 3
     write = build_batch(alloc, ["A"], [0], [a_len], device=DEVICE)
-    kv_cache_update(*kv(a_len, float("nan")), cache, write.slot_mapping, None, None)
+    kv_cache_update(*random_kv(spec, a_len, g, float("nan"), DEVICE),
+                    cache, write.slot_mapping, None, None)
     alloc.free("A")
     b_ctx, c_len = 2 * block + 1, block + 2  # both end mid-page, on A's pages
     step = build_batch(alloc, ["B"], [0], [b_ctx], device=DEVICE)  # B's first chunk
-    kv_cache_update(*kv(b_ctx), cache, step.slot_mapping, None, None)
+    kv_cache_update(*random_kv(spec, b_ctx, g, device=DEVICE),
+                    cache, step.slot_mapping, None, None)
     step = build_batch(alloc, ["B", "C"], [b_ctx, 0], [1, c_len], device=DEVICE)
-    kv_cache_update(*kv(1 + c_len), cache, step.slot_mapping, None, None)
+    kv_cache_update(*random_kv(spec, 1 + c_len, g, device=DEVICE),
+                    cache, step.slot_mapping, None, None)
     query = torch.randn(step.slot_mapping.shape[0], spec.num_heads, spec.head_dim,
                         generator=g).to(spec.dtype).to(DEVICE)
     case = PagedCase(spec, step, query, cache, None, None, None, None)

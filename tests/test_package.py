@@ -124,7 +124,7 @@ def test_import_attn_ops_makes_every_op_resolvable():
 
 
 def test_wheel_holds_the_whole_package(tmp_path):
-    """A wheel built from the sources holds every module and C source of the mapped folders,
+    """A wheel built from the sources holds every module and C / CUDA source of the mapped folders,
     each under the one ``attn_ops`` namespace, and nothing else (no top-level ``backends``,
     ``tests``, ``benchmarks``)."""
     pytest.importorskip("setuptools", minversion="68")
@@ -146,6 +146,7 @@ def test_wheel_holds_the_whole_package(tmp_path):
     expected = {
         "/".join([*package.split("."), *p.relative_to(src / folder).parts])
         for package, folder in PACKAGE_DIRS.items() for p in _sources(src / folder)
-        if p.suffix in (".py", ".c")}
+        if p.suffix in (".py", ".c", ".cu")}
     assert "attn_ops/backends/cpu_attn_kernels.c" in expected
+    assert "attn_ops/backends/turboquant/decode_kernels.cu" in expected
     assert sorted(expected - names) == []

@@ -120,30 +120,25 @@ def test_a_freed_requests_nan_and_inf_never_reach_a_tree_request():
     finite and REFERENCE's under the tree's explicit mask."""
     from attn_ops import BlockAllocator, build_batch
     from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
-    from attn_ops.testing import PagedCase
+    from attn_ops.testing import PagedCase, random_kv
 
     block = 16
     alloc = BlockAllocator(24, block, shuffle=True, seed=3)
     cache = allocate_kv_cache(SPEC, 24, block, DEVICE, TREE.kv_cache_layout(SPEC))
     g = torch.Generator().manual_seed(0)
 
-    def kv(n, fill=None):
-        k = torch.randn(n, SPEC.kv_heads, SPEC.head_dim, generator=g)
-        v = torch.randn(n, SPEC.kv_heads, SPEC.v_head_dim, generator=g)
-        if fill is not None:
-            k.view(-1)[::2], v.view(-1)[1::2] = fill, fill
-            k.view(-1)[1::3], v.view(-1)[::3] = float("inf"), float("-inf")
-        return k.to(DTYPE).to(DEVICE), v.to(DTYPE).to(DEVICE)
-
     a_len = 5 * block + 3
     write = build_batch(alloc, ["A"], [0], [a_len], device=DEVICE)
-    kv_cache_update(*kv(a_len, float("nan")), cache, write.slot_mapping, None, None)
+    kv_cache_update(*random_kv(SPEC, a_len, g, float("nan"), DEVICE),
+                    cache, write.slot_mapping, None, None)
     alloc.free("A")
     b_ctx, drafts, c_len = 2 * block + 1, len(PARENTS), block + 2
     step = build_batch(alloc, ["B"], [0], [b_ctx], device=DEVICE)
-    kv_cache_update(*kv(b_ctx), cache, step.slot_mapping, None, None)
+    kv_cache_update(*random_kv(SPEC, b_ctx, g, device=DEVICE),
+                    cache, step.slot_mapping, None, None)
     step = build_batch(alloc, ["B", "C"], [b_ctx, 0], [drafts, c_len], device=DEVICE)
-    kv_cache_update(*kv(drafts + c_len), cache, step.slot_mapping, None, None)
+    kv_cache_update(*random_kv(SPEC, drafts + c_len, g, device=DEVICE),
+                    cache, step.slot_mapping, None, None)
     query = torch.randn(drafts + c_len, SPEC.num_heads, SPEC.head_dim,
                         generator=g).to(DTYPE).to(DEVICE)
     case = PagedCase(SPEC, step, query, cache, None, None, None, None)

@@ -76,6 +76,12 @@ class TritonTuning:
     # the tensor cores.
     turboquant_planes: bool = True
     turboquant_coalesced: bool = True
+    # Uniform decode steps over 4-bit TurboQuant keys and values on the CUDA kernel of
+    # backends/turboquant/decode_kernels.cu (centroid pairs from a shared-memory table straight
+    # into the tensor-core fragments; built with nvcc on first use) instead of these kernels.
+    # sm_90 build at head dim 128: 180 registers, about 48 warp instructions a key against
+    # the Triton read's 130.6. Off until run on a GPU.
+    turboquant_cuda_decode: bool = False
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no

@@ -166,14 +166,23 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
                                 out, lse, scale, kv_cache_dtype) -> None:
     """The op on GPUs (and in Triton's interpreter, tests): TRITON_ATTN's kernels reading the
     TurboQuant format in registers (``KV_FORMAT=1``), planned by ``plan``
-    (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`)."""
+    (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`); uniform 4-bit decode steps
+    on the CUDA kernel of :mod:`.cuda_decode` where ``Tuning.triton.turboquant_cuda_decode``."""
     from attn_ops.backends.triton_attn import triton_paged_attention
+    from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_serves,
+                                                          turboquant_cuda_decode)
+    from attn_ops.tuning import default_tuning
 
+    preset = _preset(kv_cache_dtype, "turboquant_attention")
+    if default_tuning().triton.turboquant_cuda_decode and cuda_decode_serves(
+            query, kv_cache, seq_lens, preset):
+        return turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table,
+                                      out, lse, scale, preset,
+                                      _codebook(kv_cache_dtype, query.shape[-1], query.device))
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, None, None, None, None, scale, None, None, True,
-                           turboquant=(_preset(kv_cache_dtype, "turboquant_attention"),
-                                       _codebook(kv_cache_dtype, query.shape[-1],
-                                                 query.device)))
+                           turboquant=(preset, _codebook(kv_cache_dtype, query.shape[-1],
+                                                         query.device)))
 
 
 def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,

@@ -1,0 +1,356 @@
+// TurboQuant decode on the tensor cores (sm_80+), 4-bit keys and 4-bit values (4bit_nc).
+//
+// One CTA per (split of the context, KV head, decode row); its four warps each walk every
+// fourth step of 16 keys of the split and keep their own online softmax (a split each for the
+// combine). A warp's 16 query rows are the KV head's GQA group (up to 16 heads; the rest zero).
+//
+//   scores  S[16 x 16] = Q_rot[16 x D] . C[D x 16]   (two m16n8k16 products a 16-coordinate chunk)
+//   output  O[16 x D] += P'[16 x 16] . codes[16 x D] (one product an 8-column tile)
+//
+// Keys: a byte of a slot's index field holds two coordinates' codes, and a B fragment register
+// of the score product holds two consecutive coordinates of one key: one shared-memory lookup
+// of a 256-entry table (both centroids as a bf16 / fp16 pair, and the sum of their squares for
+// the norm correction) gives the register. The coordinates are permuted so that lane t of a
+// key reads the contiguous bytes [t D / 8, (t + 1) D / 8) of its field (the query is permuted
+// alike when it is loaded: lane t's query words are coordinates [t D / 4, (t + 1) D / 4)).
+// Values: a value is code * scale + min; the scale multiplies P (per key column) and the min
+// adds sum_j P_j min_j to every column, so the product runs on the raw codes, exact in 16
+// bits. A byte holds two coordinates of one key, a B register two keys of one coordinate:
+// two lookups and two byte permutes give two registers. Lane g of a warp owns the value bytes
+// [g D / 16, (g + 1) D / 16) of its keys, so output tile 2p + s, column n holds coordinate
+// 2 (n D / 16 + p) + s.
+//
+// Slot bytes (format.py, 4bit_nc at head dim D): [D / 2 index bytes | norm fp16 | D / 2 code
+// bytes | scale fp16 | min fp16]; slots are only 2-byte aligned, read in 16-bit words.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace attn_ops_tq {
+
+constexpr int kWarps = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float fp16_at(const uint8_t* p) {
+  return __half2float(*reinterpret_cast<const __half*>(p));
+}
+
+__device__ __forceinline__ uint32_t u16_at(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);
+}
+
+struct Params {
+  const uint16_t* q;          // [rows, num_heads, D] rotated queries (bf16 / fp16 bits)
+  const uint8_t* cache;       // [blocks, kv_heads, page, slot]
+  const int32_t* block_table;  // [rows, max_blocks]
+  const int32_t* seq_lens;    // [rows]: keys [0, seq_len) of each decode row
+  const float* codebook;      // [16] centroids
+  float* part_out;            // [rows, num_heads, splits * kWarps, D]
+  float* part_lse;            // [rows, num_heads, splits * kWarps], natural log
+  int64_t bt_stride;
+  int num_blocks, kv_heads, group, page_shift, slot, splits, keys_per_split;  // (page 2^shift)
+  float scale_log2;           // softmax scale * log2(e)
+};
+
+// The slot of position `pos` of `row` for KV head `h` (pos < seq_len; a block id outside the
+// cache reads block 0: slots are never trusted, and the row's result is then meaningless but
+// no read leaves the cache).
+__device__ __forceinline__ const uint8_t* slot_at(const Params& p, int row, int h, int pos) {
+  int64_t blk = p.block_table[row * p.bt_stride + (pos >> p.page_shift)];
+  blk = (blk < 0 || blk >= p.num_blocks) ? 0 : blk;
+  const int64_t in_page = pos & ((1 << p.page_shift) - 1);
+  return p.cache + (((blk * p.kv_heads + h) << p.page_shift) + in_page) * p.slot;
+}
+
+template <int D, bool BF16, bool NC>
+__global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
+  static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32, 32-256");
+  constexpr int KC = D / 16;        // 16-coordinate chunks of the score product
+  constexpr int KB = D / 8;         // index bytes a lane of a key reads
+  constexpr int VB = D / 16;        // value bytes a lane reads of each of its keys
+  constexpr int VSTART = D / 2 + 2;
+
+  __shared__ uint2 klut[256];       // (centroid pair, sum of their squares)
+  __shared__ uint32_t vlut[256];    // (code pair)
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    float lo = p.codebook[b & 15], hi = p.codebook[b >> 4];
+    klut[b] = make_uint2(pack2<BF16>(lo, hi), __float_as_uint(lo * lo + hi * hi));
+    vlut[b] = pack2<BF16>(float(b & 15), float(b >> 4));
+  }
+  __syncthreads();
+
+  const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int num_heads = p.kv_heads * p.group;
+  const int seq = p.seq_lens[row];
+  const int lo_key = split * p.keys_per_split;
+  const int hi_key = min(seq, lo_key + p.keys_per_split);
+
+  // the query fragments: rows g and g + 8 of the group, lane t's coordinates [t D/4, (t+1) D/4)
+  uint32_t qa[KC][4];
+  {
+    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(
+        p.q + ((int64_t)row * num_heads + h * p.group + g) * D) + t * (D / 8);
+    const uint32_t* q1 = q0 + 8 * D / 2;
+    const bool ok0 = g < p.group, ok1 = g + 8 < p.group;
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      qa[c][0] = ok0 ? q0[2 * c] : 0u;
+      qa[c][1] = ok1 ? q1[2 * c] : 0u;
+      qa[c][2] = ok0 ? q0[2 * c + 1] : 0u;
+      qa[c][3] = ok1 ? q1[2 * c + 1] : 0u;
+    }
+  }
+
+  float o[2 * KC][4];
+#pragma unroll
+  for (int j = 0; j < 2 * KC; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running maxima of rows g, g + 8 (log2 units)
+  float l0 = 0.f, l1 = 0.f;              // this lane's part of the rows' sums
+  float n0 = 0.f, n1 = 0.f;              // this lane's part of sum_j P_j min_j
+
+  for (int key0 = lo_key + 16 * warp; key0 < hi_key; key0 += 16 * kWarps) {
+    // this lane's own keys (the score product's columns g and 8 + g): index bytes, scales
+    float s[2][4];
+    float kscale[2], vscale[2], vmin[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int pos = key0 + 8 * nt + g;
+      const uint8_t* sl = slot_at(p, row, h, min(pos, hi_key - 1));
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      float sq = 0.f;
+#pragma unroll
+      for (int c = 0; c < KC; ++c) {
+        const uint32_t w = u16_at(sl + t * KB + 2 * c);
+        const uint2 e0 = klut[w & 255], e1 = klut[w >> 8];
+        if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
+        mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
+      }
+      float norm = fp16_at(sl + D / 2);
+      if (NC) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+        norm *= rsqrtf(sq + 1e-16f);
+      }
+      kscale[nt] = norm * p.scale_log2;
+      vscale[nt] = fp16_at(sl + D + 2);
+      vmin[nt] = fp16_at(sl + D + 4);
+    }
+    // each column's factors from the lanes owning its key (lane 4 k holds key k of a tile)
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+    float cvs[2][2], cvm[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int src = (2 * t + e) * 4;
+        const float ks = __shfl_sync(0xffffffffu, kscale[nt], src);
+        cvs[nt][e] = __shfl_sync(0xffffffffu, vscale[nt], src);
+        cvm[nt][e] = __shfl_sync(0xffffffffu, vmin[nt], src);
+        const bool ok = key0 + 8 * nt + 2 * t + e < hi_key;
+        s[nt][e] = ok ? s[nt][e] * ks : -INFINITY;
+        s[nt][2 + e] = ok ? s[nt][2 + e] * ks : -INFINITY;
+        mx0 = fmaxf(mx0, s[nt][e]);
+        mx1 = fmaxf(mx1, s[nt][2 + e]);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+    // (a row that has seen only masked keys keeps -inf: its factors stay finite at 0)
+    const float base0 = new0 == -INFINITY ? 0.f : new0, base1 = new1 == -INFINITY ? 0.f : new1;
+    const float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
+    m0 = new0;
+    m1 = new1;
+    l0 *= a0;
+    l1 *= a1;
+    n0 *= a0;
+    n1 *= a1;
+    if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {  // (a new maximum: rarely, later)
+#pragma unroll
+      for (int j = 0; j < 2 * KC; ++j) {
+        o[j][0] *= a0;
+        o[j][1] *= a0;
+        o[j][2] *= a1;
+        o[j][3] *= a1;
+      }
+    }
+    uint32_t pa[4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        pr[e] = exp2f(s[nt][e] - base0);
+        pr[2 + e] = exp2f(s[nt][2 + e] - base1);
+        l0 += pr[e];
+        l1 += pr[2 + e];
+        n0 += pr[e] * cvm[nt][e];
+        n1 += pr[2 + e] * cvm[nt][e];
+        pr[e] *= cvs[nt][e];
+        pr[2 + e] *= cvs[nt][e];
+      }
+      pa[2 * nt] = pack2<BF16>(pr[0], pr[1]);
+      pa[2 * nt + 1] = pack2<BF16>(pr[2], pr[3]);
+    }
+    // (A fragment order: rows g / g + 8 of keys 2t, 2t+1, then of keys 8 + 2t, 9 + 2t)
+    const uint32_t pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+    // the value codes of this lane's columns' keys (2t, 2t+1, 8+2t, 9+2t): bytes [g VB, (g+1) VB)
+    const uint8_t* vsl[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int pos = key0 + 2 * t + (k & 1) + 8 * (k >> 1);
+      vsl[k] = slot_at(p, row, h, min(pos, hi_key - 1)) + VSTART + g * VB;
+    }
+#pragma unroll
+    for (int pp = 0; pp < VB; pp += 2) {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[k] = u16_at(vsl[k] + pp);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int sh = 8 * half;
+        const uint32_t e0 = vlut[(w[0] >> sh) & 255], e1 = vlut[(w[1] >> sh) & 255];
+        const uint32_t e2 = vlut[(w[2] >> sh) & 255], e3 = vlut[(w[3] >> sh) & 255];
+        const int j = 2 * (pp + half);
+        // low codes of keys (2t, 2t+1) and (8+2t, 9+2t): coordinate 2 (g VB + pp + half)
+        mma16816<BF16>(o[j], pfrag, __byte_perm(e0, e1, 0x5410), __byte_perm(e2, e3, 0x5410));
+        // high codes: coordinate 2 (g VB + pp + half) + 1
+        mma16816<BF16>(o[j + 1], pfrag, __byte_perm(e0, e1, 0x7632),
+                       __byte_perm(e2, e3, 0x7632));
+      }
+    }
+  }
+
+  // the warp's split: rows' sums across the lanes of a row, then out = (O + n) / l
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  n0 += __shfl_xor_sync(0xffffffffu, n0, 1);
+  n0 += __shfl_xor_sync(0xffffffffu, n0, 2);
+  n1 += __shfl_xor_sync(0xffffffffu, n1, 1);
+  n1 += __shfl_xor_sync(0xffffffffu, n1, 2);
+  const int splits = p.splits * kWarps, part = split * kWarps + warp;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head_in_group = g + 8 * r;
+    if (head_in_group >= p.group) continue;
+    const float l = r ? l1 : l0, n = r ? n1 : n0, m = r ? m1 : m0;
+    const int64_t at = ((int64_t)row * num_heads + h * p.group + head_in_group) * splits + part;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float* out = p.part_out + at * D;
+#pragma unroll
+    for (int j = 0; j < 2 * KC; ++j) {
+      const int pair = j >> 1, odd = j & 1;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 2 * t + e;  // the tile's column: coordinate 2 (col VB + pair) + odd
+        out[2 * (col * VB + pair) + odd] = (o[j][2 * r + e] + n) * inv;
+      }
+    }
+    if (t == 0) p.part_lse[at] = l > 0.f ? (m + log2f(l)) / kLog2e : -INFINITY;
+  }
+}
+
+}  // namespace attn_ops_tq
+
+#ifndef ATTN_OPS_KERNEL_ONLY
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+// decode(q_rot [rows, Hq, D] bf16/fp16, cache uint8 [blocks, Hk, page, slot], block_table
+// int32 [rows, max_blocks], seq_lens int32 [rows], codebook fp32 [16], part_out fp32 [rows,
+// Hq, splits * 4, D], part_lse fp32 [rows, Hq, splits * 4], splits, keys_per_split, scale,
+// norm_correction): every decode row's splits (inputs checked by the caller).
+void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
+            torch::Tensor seq_lens, torch::Tensor codebook, torch::Tensor part_out,
+            torch::Tensor part_lse, int64_t splits, int64_t keys_per_split, double scale,
+            bool norm_correction) {
+  using namespace attn_ops_tq;
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && block_table.stride(1) == 1 &&
+                  part_out.is_contiguous() && part_lse.is_contiguous() && codebook.numel() == 16,
+              "turboquant decode: contiguous inputs and a 16-centroid codebook");
+  const int rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int kv_heads = cache.size(1);
+  Params p;
+  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  p.cache = cache.data_ptr<uint8_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.codebook = codebook.data_ptr<float>();
+  p.part_out = part_out.data_ptr<float>();
+  p.part_lse = part_lse.data_ptr<float>();
+  p.bt_stride = block_table.stride(0);
+  p.num_blocks = cache.size(0);
+  p.kv_heads = kv_heads;
+  p.group = heads / kv_heads;
+  const int page = cache.size(2);
+  TORCH_CHECK(page > 0 && (page & (page - 1)) == 0, "turboquant decode: page ", page,
+              " must be a power of two");
+  p.page_shift = __builtin_ctz(page);
+  p.slot = cache.size(3);
+  p.splits = splits;
+  p.keys_per_split = keys_per_split;
+  p.scale_log2 = float(scale) * kLog2e;
+  if (rows == 0) return;
+  const dim3 grid(splits, kv_heads, rows), block(kWarps * 32);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_) \
+  tq4_decode_kernel<D_, B_, N_><<<grid, block, 0, stream>>>(p)
+#define ATTN_OPS_TQ_DISPATCH(D_)                                      \
+  if (d == D_) {                                                      \
+    if (bf16 && norm_correction) ATTN_OPS_TQ_LAUNCH(D_, true, true);   \
+    else if (bf16) ATTN_OPS_TQ_LAUNCH(D_, true, false);                \
+    else if (norm_correction) ATTN_OPS_TQ_LAUNCH(D_, false, true);     \
+    else ATTN_OPS_TQ_LAUNCH(D_, false, false);                         \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                    \
+    return;                                                           \
+  }
+  ATTN_OPS_TQ_DISPATCH(64)
+  ATTN_OPS_TQ_DISPATCH(128)
+  ATTN_OPS_TQ_DISPATCH(256)
+  TORCH_CHECK(false, "turboquant decode: head_dim=", d, " must be 64, 128 or 256");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode); }
+#else
+template __global__ void attn_ops_tq::tq4_decode_kernel<128, true, true>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq4_decode_kernel<64, true, true>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq4_decode_kernel<256, false, false>(attn_ops_tq::Params);
+#endif
