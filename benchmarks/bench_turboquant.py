@@ -5,10 +5,12 @@ same keys and values in the same run, and the cache write against the copy bandw
   token a request, 32 query / 8 KV heads of 128, bf16 queries. Contenders: ``bf16`` (the
   backend attn_ops selects for an unquantized cache: COMPOSITE_SM90 on the H200), ``fp8_e4m3``
   (the one it selects for an e4m3 cache, per-tensor scales), ``TURBOQUANT:<preset>`` for each
-  preset (our op: TRITON_ATTN's kernels reading the slots), and ``copy`` (a device copy of the
-  4bit_nc cache's bytes). Bytes = every slot of the context read once (bf16 512 B, fp8 256 B, a
-  preset its slot, a token and KV head) -> TB/s. Target: a preset's time <= bf16's x (its slot
-  bytes / 512) x 1.3 (``target_ms``; ``meets_target``).
+  preset (our op: TRITON_ATTN's kernels reading the slots), ``TURBOQUANT:4bit_nc cuda`` (the
+  same cache read by the CUDA decode of ``backends/turboquant/decode_kernels.cu``, where it
+  builds), and ``copy`` (a device copy of the 4bit_nc cache's bytes). Bytes = every slot of
+  the context read once (bf16 512 B, fp8 256 B, a preset its slot, a token and KV head) ->
+  TB/s. Target: a preset's time <= bf16's x (its slot bytes / 512) x 1.3 (``target_ms``;
+  ``meets_target``).
 * ``write`` -- ``--write-tokens`` tokens (default 8192) of K and V written into each preset's
   cache (``torch.ops.attn.turboquant_cache_update``, one Triton launch) and into a bf16 cache
   (``kv_cache_update``); bytes = the K/V read (bf16) + the slots written, against a copy of the
@@ -112,6 +114,7 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
         slot = cache.numel() * cache.element_size() / (blocks * page * HK)
         bytes_[name] = batch * ctx * HK * slot
         layers[name] = (layer, cache, step)
+    _cuda_decode_contender(q, names, fns, outs, bytes_, layers)
     tq = [n for n in names if n.startswith("TURBOQUANT")]
     # a copy moving (read + written) the 4bit_nc slots' bytes: the bandwidth that size gets
     src = torch.empty(int(bytes_["TURBOQUANT:4bit_nc"]) // 4, dtype=BF16, device=DEVICE)
@@ -161,6 +164,38 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
     for n, e in errors.items():
         print(f"decode B={batch} ctx={ctx} {n}: {e}", flush=True)
     return row
+
+
+def _cuda_decode_contender(q, names, fns, outs, bytes_, layers) -> None:
+    """``TURBOQUANT:4bit_nc cuda``: the 4bit_nc layer's cache and step read by the CUDA decode
+    (``backends/turboquant/decode_kernels.cu``, built here on first use) where it serves the
+    step; a failed build is printed and the other contenders go on."""
+    from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_serves,
+                                                          turboquant_cuda_decode)
+    from attn_ops.backends.turboquant.format import PRESETS as FORMATS, codebook
+    from attn_ops.spec import KVCacheDType
+
+    base = "TURBOQUANT:4bit_nc"
+    layer, cache, step = layers[base]
+    preset = FORMATS[KVCacheDType.TURBOQUANT_4BIT_NC]
+    if not cuda_decode_serves(q, cache, step.seq_lens, preset):
+        return
+    out = torch.empty_like(q)
+    centroids = codebook(D, 4, q.device)[0]
+
+    def call():
+        turboquant_cuda_decode(q, cache, step.query_start_loc, step.seq_lens, step.block_table,
+                               out, None, layer.impl.scale, preset, centroids)
+        return out
+
+    name = f"{base} cuda"
+    try:
+        outs[name] = call().clone()
+    except Exception as e:  # noqa: BLE001 -- recorded; the other contenders go on
+        print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return
+    fns[name], bytes_[name], layers[name] = call, bytes_[base], layers[base]
+    names[name] = names[base]
 
 
 def write_point(tokens: int, rounds: int) -> dict:
