@@ -521,14 +521,15 @@ def test_a_rope_write_is_the_rotated_keys_write():
     assert torch.equal(got, want) and torch.equal(cache, rotated_cache)
 
 
-def _cuda_decode_step(d, heads, kv_heads, dtype_, device, rounded=False):
-    """A uniform decode step over a 4bit_nc cache (NaN-poisoned, permuted pages; contexts of 0
-    to 300 tokens): ``(impl, cache, meta, q, torch body's out, its lse)``; ``rounded``: the
-    body's query rotated, rounded to bf16 and rotated back (as the CUDA decode reads it)."""
+def _cuda_decode_step(kv_dtype, d, heads, kv_heads, dtype_, device, rounded=False):
+    """A uniform decode step over a ``kv_dtype`` cache (NaN-poisoned, permuted pages; contexts of
+    0 to 300 tokens): ``(impl, cache, meta, q, torch body's out, its lse)``; ``rounded``: the
+    body's query as the CUDA decode reads it (4-bit keys: rotated, rounded to bf16, rotated
+    back; fp8 keys: rounded to fp16)."""
     from attn_ops.backends.turboquant.backend import TurboQuantBackend
 
     spec = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=dtype_,
-                         kv_cache_dtype=KVCacheDType.TURBOQUANT_4BIT_NC)
+                         kv_cache_dtype=kv_dtype)
     _, cache, meta, q, k, v = _step(spec, [9, 300, 0, 130, 31], [1] * 5, device=device)
     turboquant_cache_update(k, v, cache, meta.slot_mapping, spec.kv_cache_dtype.value)
     impl = TurboQuantBackend(spec)
@@ -536,21 +537,24 @@ def _cuda_decode_step(d, heads, kv_heads, dtype_, device, rounded=False):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], heads), float("nan"), device=device)
     h = tq.hadamard(d, q.device)
-    oracle_q = ((q.float() @ h).bfloat16().float() @ h).to(q.dtype) if rounded else q
+    oracle_q = q if not rounded else q.half().to(q.dtype) \
+        if kv_dtype == KVCacheDType.TURBOQUANT_K8V4 else \
+        ((q.float() @ h).bfloat16().float() @ h).to(q.dtype)
     want = [a.cpu().clone() if torch.is_tensor(a) else a
             for a in impl.op_arguments(oracle_q, cache, plan, out, lse=lse)]
     turboquant_attention(*want)
     return impl, cache, meta, q, want[6], want[7]
 
 
-def _emulated_decode(q_rot, cache, block_table, seq_lens, codebook, part_out, part_lse, splits,
-                     keys, scale, norm_correction):
+def _emulated_decode(q_in, cache, block_table, seq_lens, codebook, part_out, part_lse, splits,
+                     keys, scale, norm_correction, fp8_keys):
     """``decode_kernels.cu``'s contract in torch: split ``s``'s warp ``w`` of each (row, head)
     attends the keys of ``[s keys, min(seq, (s + 1) keys))`` in its every fourth step of 16,
     its normalized output and natural log-sum-exp (-inf, zeros: no keys) in part ``4 s + w``."""
-    d = q_rot.shape[2]
-    dense = turboquant_dense_cache(cache, "turboquant_4bit_nc", d, torch.float64)
-    q = q_rot.double() @ tq.hadamard(d).double()
+    d = q_in.shape[2]
+    kv_dtype = "turboquant_k8v4" if fp8_keys else "turboquant_4bit_nc"
+    dense = turboquant_dense_cache(cache, kv_dtype, d, torch.float64)
+    q = q_in.double() if fp8_keys else q_in.double() @ tq.hadamard(d).double()
     page, group = cache.shape[2], q.shape[1] // cache.shape[1]
     part_out.zero_()
     part_lse.fill_(float("-inf"))
@@ -573,16 +577,18 @@ def _emulated_decode(q_rot, cache, block_table, seq_lens, codebook, part_out, pa
                 part_lse[row, head, part] = logits.logsumexp(0).float()
 
 
-def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [KVCacheDType.TURBOQUANT_4BIT_NC,
+                                      KVCacheDType.TURBOQUANT_K8V4], ids=lambda d: d.value)
+def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monkeypatch):
     """The CUDA decode's glue on the CPU, the kernel emulated by its contract
-    (:func:`_emulated_decode`): the rotated query in (in bf16), every split's partials merged
-    into the torch body's output and LSE over the same slots, more splits than keys in short rows, a
+    (:func:`_emulated_decode`): the query in (4-bit keys: rotated, in bf16; fp8 keys: fp16),
+    every split's partials merged into the torch body's output and LSE over the same slots, more splits than keys in short rows, a
     padded row (past ``query_start_loc[-1]``) zero; what it serves."""
     from attn_ops.backends.turboquant import cuda_decode
 
-    impl, cache, meta, q, want, want_lse = _cuda_decode_step(128, 8, 2, torch.float32, "cpu",
-                                                             rounded=True)
-    preset = tq.PRESETS[KVCacheDType.TURBOQUANT_4BIT_NC]
+    impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, 128, 8, 2, torch.float32,
+                                                             "cpu", rounded=True)
+    preset = tq.PRESETS[kv_dtype]
     monkeypatch.setattr(cuda_decode, "_module",
                         lambda: type("M", (), {"decode": staticmethod(_emulated_decode)}))
     monkeypatch.setattr(cuda_decode, "_MIN_SPLIT_KEYS", 64)  # (splits of 64 keys, 16 a warp)
@@ -601,30 +607,36 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(monkeypatch):
     assert (out[4] == 0).all() and (lse[4] == 0).all()
     torch.testing.assert_close(out[:4], want[:4].to(out.dtype), atol=1e-5, rtol=1e-5)
     assert not cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens, preset)  # (a CPU tensor)
-    k8v4 = tq.PRESETS[KVCacheDType.TURBOQUANT_K8V4]
-    assert not cuda_decode.cuda_decode_serves(q.to("meta"), cache, meta.seq_lens, k8v4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode kernel needs a GPU")
 @pytest.mark.parametrize("dtype_", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (32, 2), (16, 1)])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_cuda_decode_reads_the_slots_as_the_torch_body_does(d, heads, kv_heads, dtype_):
+@pytest.mark.parametrize("kv_dtype", [KVCacheDType.TURBOQUANT_4BIT_NC,
+                                      KVCacheDType.TURBOQUANT_K8V4], ids=lambda d: d.value)
+def test_cuda_decode_reads_the_slots_as_the_torch_body_does(kv_dtype, d, heads, kv_heads,
+                                                            dtype_):
     """``decode_kernels.cu`` (built with nvcc here) against the torch body on the same cache:
-    head dims 64-256, GQA groups of 1 to 16, bf16 and fp16, contexts of 1 to 301 keys over
-    NaN-poisoned permuted pages; and captured in a CUDA graph, replayed equal."""
+    4-bit and fp8 keys, head dims 64-256, GQA groups of 1 to 16, bf16 and fp16, contexts of 1
+    to 301 keys over NaN-poisoned permuted pages; and captured in a CUDA graph, replayed
+    equal; the 3-bit presets not served."""
     from attn_ops.backends.turboquant import cuda_decode
 
-    impl, cache, meta, q, want, want_lse = _cuda_decode_step(d, heads, kv_heads, dtype_, "cuda")
-    preset = tq.PRESETS[KVCacheDType.TURBOQUANT_4BIT_NC]
+    impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, d, heads, kv_heads, dtype_,
+                                                             "cuda")
+    preset = tq.PRESETS[kv_dtype]
     assert cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens, preset)
+    assert not cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens,
+                                              tq.PRESETS[KVCacheDType.TURBOQUANT_K3V4_NC])
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"), device="cuda")
+    centroids = tq.codebook(d, 4, q.device)[0]
 
     def run():
         cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,
                                            meta.block_table, out, lse, impl.scale, preset,
-                                           tq.codebook(d, 4, q.device)[0])
+                                           centroids)
 
     run()
     tol = 2e-2 if dtype_ == torch.bfloat16 else 4e-3

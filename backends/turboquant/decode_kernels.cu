@@ -1,4 +1,5 @@
-// TurboQuant decode on the tensor cores (sm_80+), 4-bit keys and 4-bit values (4bit_nc).
+// TurboQuant decode on the tensor cores (sm_80+): 4-bit values under 4-bit keys (4bit_nc) or
+// fp8 e4m3 keys (k8v4).
 //
 // One CTA per (split of the context, KV head, decode row); its four warps each walk every
 // fourth step of 16 keys of the split and keep their own online softmax (a split each for the
@@ -7,12 +8,14 @@
 //   scores  S[16 x 16] = Q_rot[16 x D] . C[D x 16]   (two m16n8k16 products a 16-coordinate chunk)
 //   output  O[16 x D] += P'[16 x 16] . codes[16 x D] (one product an 8-column tile)
 //
-// Keys: a byte of a slot's index field holds two coordinates' codes, and a B fragment register
+// 4-bit keys: a byte of a slot's index field holds two coordinates' codes, and a B fragment register
 // of the score product holds two consecutive coordinates of one key: one shared-memory lookup
 // of a 256-entry table (both centroids as a bf16 / fp16 pair, and the sum of their squares for
 // the norm correction) gives the register. The coordinates are permuted so that lane t of a
 // key reads the contiguous bytes [t D / 8, (t + 1) D / 8) of its field (the query is permuted
 // alike when it is loaded: lane t's query words are coordinates [t D / 4, (t + 1) D / 4)).
+// fp8 keys (not rotated, no norm): two bytes convert to the fp16 pair of a B register, the lane
+// reading its key's contiguous bytes [t D / 4, (t + 1) D / 4) in 32-bit words.
 // Values: a value is code * scale + min; the scale multiplies P (per key column) and the min
 // adds sum_j P_j min_j to every column, so the product runs on the raw codes, exact in 16
 // bits. A byte holds two coordinates of one key, a B register two keys of one coordinate:
@@ -20,11 +23,13 @@
 // [g D / 16, (g + 1) D / 16) of its keys, so output tile 2p + s, column n holds coordinate
 // 2 (n D / 16 + p) + s.
 //
-// Slot bytes (format.py, 4bit_nc at head dim D): [D / 2 index bytes | norm fp16 | D / 2 code
-// bytes | scale fp16 | min fp16]; slots are only 2-byte aligned, read in 16-bit words.
+// Slot bytes (format.py, head dim D): 4bit_nc [D / 2 index bytes | norm fp16 | D / 2 code bytes |
+// scale fp16 | min fp16], only 2-byte aligned, read in 16-bit words; k8v4 [D fp8 bytes | D / 2
+// code bytes | scale | min], 4-byte aligned.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace attn_ops_tq {
@@ -69,6 +74,13 @@ __device__ __forceinline__ uint32_t u16_at(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
+// two e4m3 bytes (the low 16 bits of `w`) as an fp16 pair, the first byte low
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
 struct Params {
   const uint16_t* q;          // [rows, num_heads, D] rotated queries (bf16 / fp16 bits)
   const uint8_t* cache;       // [blocks, kv_heads, page, slot]
@@ -92,19 +104,22 @@ __device__ __forceinline__ const uint8_t* slot_at(const Params& p, int row, int 
   return p.cache + (((blk * p.kv_heads + h) << p.page_shift) + in_page) * p.slot;
 }
 
-template <int D, bool BF16, bool NC>
+template <int D, bool BF16, bool NC, bool FP8K>
 __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32, 32-256");
+  static_assert(!FP8K || (!BF16 && !NC), "fp8 keys: fp16 products, no norm correction");
   constexpr int KC = D / 16;        // 16-coordinate chunks of the score product
-  constexpr int KB = D / 8;         // index bytes a lane of a key reads
+  constexpr int KB = FP8K ? D / 4 : D / 8;  // key bytes a lane of a key reads
   constexpr int VB = D / 16;        // value bytes a lane reads of each of its keys
-  constexpr int VSTART = D / 2 + 2;
+  constexpr int VSTART = FP8K ? D : D / 2 + 2;  // (the value codes; then scale, min)
 
   __shared__ uint2 klut[256];       // (centroid pair, sum of their squares)
   __shared__ uint32_t vlut[256];    // (code pair)
   for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-    float lo = p.codebook[b & 15], hi = p.codebook[b >> 4];
-    klut[b] = make_uint2(pack2<BF16>(lo, hi), __float_as_uint(lo * lo + hi * hi));
+    if constexpr (!FP8K) {
+      const float lo = p.codebook[b & 15], hi = p.codebook[b >> 4];
+      klut[b] = make_uint2(pack2<BF16>(lo, hi), __float_as_uint(lo * lo + hi * hi));
+    }
     vlut[b] = pack2<BF16>(float(b & 15), float(b >> 4));
   }
   __syncthreads();
@@ -152,20 +167,25 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
       float sq = 0.f;
 #pragma unroll
       for (int c = 0; c < KC; ++c) {
-        const uint32_t w = u16_at(sl + t * KB + 2 * c);
-        const uint2 e0 = klut[w & 255], e1 = klut[w >> 8];
-        if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
-        mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
+        if constexpr (FP8K) {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(sl + t * KB + 4 * c);
+          mma16816<false>(s[nt], qa[c], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+        } else {
+          const uint32_t w = u16_at(sl + t * KB + 2 * c);
+          const uint2 e0 = klut[w & 255], e1 = klut[w >> 8];
+          if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
+          mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
+        }
       }
-      float norm = fp16_at(sl + D / 2);
+      float norm = FP8K ? 1.f : fp16_at(sl + D / 2);
       if (NC) {
         sq += __shfl_xor_sync(0xffffffffu, sq, 1);
         sq += __shfl_xor_sync(0xffffffffu, sq, 2);
         norm *= rsqrtf(sq + 1e-16f);
       }
       kscale[nt] = norm * p.scale_log2;
-      vscale[nt] = fp16_at(sl + D + 2);
-      vmin[nt] = fp16_at(sl + D + 4);
+      vscale[nt] = fp16_at(sl + VSTART + D / 2);
+      vmin[nt] = fp16_at(sl + VSTART + D / 2 + 2);
     }
     // each column's factors from the lanes owning its key (lane 4 k holds key k of a tile)
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -293,17 +313,19 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-// decode(q_rot [rows, Hq, D] bf16/fp16, cache uint8 [blocks, Hk, page, slot], block_table
-// int32 [rows, max_blocks], seq_lens int32 [rows], codebook fp32 [16], part_out fp32 [rows,
-// Hq, splits * 4, D], part_lse fp32 [rows, Hq, splits * 4], splits, keys_per_split, scale,
-// norm_correction): every decode row's splits (inputs checked by the caller).
+// decode(q [rows, Hq, D] bf16 / fp16 (rotated for 4-bit keys; fp16 for fp8 keys), cache uint8
+// [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
+// codebook fp32 [16], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq, splits
+// * 4], splits, keys_per_split, scale, norm_correction, fp8_keys): every decode row's splits
+// (inputs checked by the caller).
 void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
             torch::Tensor seq_lens, torch::Tensor codebook, torch::Tensor part_out,
             torch::Tensor part_lse, int64_t splits, int64_t keys_per_split, double scale,
-            bool norm_correction) {
+            bool norm_correction, bool fp8_keys) {
   using namespace attn_ops_tq;
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && block_table.stride(1) == 1 &&
-                  part_out.is_contiguous() && part_lse.is_contiguous() && codebook.numel() == 16,
+                  part_out.is_contiguous() && part_lse.is_contiguous() &&
+                  (fp8_keys || codebook.numel() == 16),
               "turboquant decode: contiguous inputs and a 16-centroid codebook");
   const int rows = q.size(0), heads = q.size(1), d = q.size(2);
   const int kv_heads = cache.size(1);
@@ -331,16 +353,19 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
   const dim3 grid(splits, kv_heads, rows), block(kWarps * 32);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_) \
-  tq4_decode_kernel<D_, B_, N_><<<grid, block, 0, stream>>>(p)
-#define ATTN_OPS_TQ_DISPATCH(D_)                                      \
-  if (d == D_) {                                                      \
-    if (bf16 && norm_correction) ATTN_OPS_TQ_LAUNCH(D_, true, true);   \
-    else if (bf16) ATTN_OPS_TQ_LAUNCH(D_, true, false);                \
-    else if (norm_correction) ATTN_OPS_TQ_LAUNCH(D_, false, true);     \
-    else ATTN_OPS_TQ_LAUNCH(D_, false, false);                         \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                    \
-    return;                                                           \
+  TORCH_CHECK(!fp8_keys || (!bf16 && !norm_correction),
+              "turboquant decode: fp8 keys take an fp16 query and no norm correction");
+#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_, F_) \
+  tq4_decode_kernel<D_, B_, N_, F_><<<grid, block, 0, stream>>>(p)
+#define ATTN_OPS_TQ_DISPATCH(D_)                                             \
+  if (d == D_) {                                                             \
+    if (fp8_keys) ATTN_OPS_TQ_LAUNCH(D_, false, false, true);                 \
+    else if (bf16 && norm_correction) ATTN_OPS_TQ_LAUNCH(D_, true, true, false); \
+    else if (bf16) ATTN_OPS_TQ_LAUNCH(D_, true, false, false);                \
+    else if (norm_correction) ATTN_OPS_TQ_LAUNCH(D_, false, true, false);     \
+    else ATTN_OPS_TQ_LAUNCH(D_, false, false, false);                         \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                           \
+    return;                                                                  \
   }
   ATTN_OPS_TQ_DISPATCH(64)
   ATTN_OPS_TQ_DISPATCH(128)
@@ -350,7 +375,11 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode); }
 #else
-template __global__ void attn_ops_tq::tq4_decode_kernel<128, true, true>(attn_ops_tq::Params);
-template __global__ void attn_ops_tq::tq4_decode_kernel<64, true, true>(attn_ops_tq::Params);
-template __global__ void attn_ops_tq::tq4_decode_kernel<256, false, false>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq4_decode_kernel<128, true, true, false>(
+    attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq4_decode_kernel<64, true, true, false>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq4_decode_kernel<256, false, false, false>(
+    attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq4_decode_kernel<128, false, false, true>(
+    attn_ops_tq::Params);
 #endif
