@@ -547,14 +547,15 @@ def _cuda_decode_step(kv_dtype, d, heads, kv_heads, dtype_, device, rounded=Fals
 
 
 def _emulated_decode(q_in, cache, block_table, seq_lens, codebook, part_out, part_lse, splits,
-                     keys, scale, norm_correction, fp8_keys):
+                     keys, scale, key_bits, value_bits):
     """``decode_kernels.cu``'s contract in torch: split ``s``'s warp ``w`` of each (row, head)
     attends the keys of ``[s keys, min(seq, (s + 1) keys))`` in its every fourth step of 16,
     its normalized output and natural log-sum-exp (-inf, zeros: no keys) in part ``4 s + w``."""
     d = q_in.shape[2]
-    kv_dtype = "turboquant_k8v4" if fp8_keys else "turboquant_4bit_nc"
+    kv_dtype = next(k.value for k, p in tq.PRESETS.items()
+                    if (p.key_bits, p.value_bits) == (key_bits, value_bits))
     dense = turboquant_dense_cache(cache, kv_dtype, d, torch.float64)
-    q = q_in.double() if fp8_keys else q_in.double() @ tq.hadamard(d).double()
+    q = q_in.double() if key_bits == 8 else q_in.double() @ tq.hadamard(d).double()
     page, group = cache.shape[2], q.shape[1] // cache.shape[1]
     part_out.zero_()
     part_lse.fill_(float("-inf"))
@@ -577,13 +578,13 @@ def _emulated_decode(q_in, cache, block_table, seq_lens, codebook, part_out, par
                 part_lse[row, head, part] = logits.logsumexp(0).float()
 
 
-@pytest.mark.parametrize("kv_dtype", [KVCacheDType.TURBOQUANT_4BIT_NC,
-                                      KVCacheDType.TURBOQUANT_K8V4], ids=lambda d: d.value)
+@pytest.mark.parametrize("kv_dtype", PRESETS, ids=lambda d: d.value)
 def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monkeypatch):
     """The CUDA decode's glue on the CPU, the kernel emulated by its contract
-    (:func:`_emulated_decode`): the query in (4-bit keys: rotated, in bf16; fp8 keys: fp16),
-    every split's partials merged into the torch body's output and LSE over the same slots, more splits than keys in short rows, a
-    padded row (past ``query_start_loc[-1]``) zero; what it serves."""
+    (:func:`_emulated_decode`), every preset: the query in (rotated, in bf16; fp8 keys:
+    fp16), every split's partials merged into the torch body's output and LSE over the same
+    slots, more splits than keys in short rows, a padded row (past ``query_start_loc[-1]``)
+    zero; what it serves."""
     from attn_ops.backends.turboquant import cuda_decode
 
     impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, 128, 8, 2, torch.float32,
@@ -594,7 +595,7 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     monkeypatch.setattr(cuda_decode, "_MIN_SPLIT_KEYS", 64)  # (splits of 64 keys, 16 a warp)
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
-    codebook = tq.codebook(128, 4)[0]
+    codebook = tq.codebook(128, tq.PRESETS[kv_dtype].key_bits % 8 or 4)[0]
     cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_table, out, lse, impl.scale, preset, codebook)
     assert cuda_decode._splits(5, 2, meta.block_table.shape[1] * cache.shape[2], 8)[0] > 1
@@ -613,25 +614,22 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
 @pytest.mark.parametrize("dtype_", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (32, 2), (16, 1)])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("kv_dtype", [KVCacheDType.TURBOQUANT_4BIT_NC,
-                                      KVCacheDType.TURBOQUANT_K8V4], ids=lambda d: d.value)
+@pytest.mark.parametrize("kv_dtype", PRESETS, ids=lambda d: d.value)
 def test_cuda_decode_reads_the_slots_as_the_torch_body_does(kv_dtype, d, heads, kv_heads,
                                                             dtype_):
     """``decode_kernels.cu`` (built with nvcc here) against the torch body on the same cache:
-    4-bit and fp8 keys, head dims 64-256, GQA groups of 1 to 16, bf16 and fp16, contexts of 1
-    to 301 keys over NaN-poisoned permuted pages; and captured in a CUDA graph, replayed
-    equal; the 3-bit presets not served."""
+    every preset, head dims 64-256, GQA groups of 1 to 16, bf16 and fp16, contexts of 1 to
+    301 keys over NaN-poisoned permuted pages; and captured in a CUDA graph, replayed
+    equal."""
     from attn_ops.backends.turboquant import cuda_decode
 
     impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, d, heads, kv_heads, dtype_,
                                                              "cuda")
     preset = tq.PRESETS[kv_dtype]
     assert cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens, preset)
-    assert not cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens,
-                                              tq.PRESETS[KVCacheDType.TURBOQUANT_K3V4_NC])
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"), device="cuda")
-    centroids = tq.codebook(d, 4, q.device)[0]
+    centroids = tq.codebook(d, preset.key_bits % 8 or 4, q.device)[0]
 
     def run():
         cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,

@@ -22,6 +22,7 @@ _WALK_OTHER_REGISTERS = 26
 # 1.323 ms at 3 / 4)
 _WALK_PACE = (3.09, 1.46, 1.12, 1.0, 0.953)
 
+
 def ssm_kernel(on_gpu: bool, dtype: torch.dtype, triton_available: bool,
                max_query_len: int = 1, one_slot: bool = True,
                chunked_min_query_len: int | None = None) -> Kernel:
@@ -77,14 +78,14 @@ def mamba1_walk_read_ahead(d_state: int, prefetch: int, programs: int = 0, num_s
     device's ``num_sms``: the one of the least waves of resident programs x its pace
     (:data:`_WALK_PACE`; ties: the most). More tokens an iteration spread its exposed read
     latency wider, but their registers fit fewer programs on an SM, and a second wave costs a
-    whole walk. H100,
-    Mamba-2.8B (128 channels a program, 40 a request), ms two / three tokens ahead: 8 x 2k
-    0.898 / 0.801 (320 programs: one wave of 4 or 3 an SM), 16 x 2k 1.754 / 1.582 (two
-    waves either way), 12 x 2k 1.076 / 1.463 (480: one wave of 4 an SM, two of 3), 32 x 1k
-    1.427 / 1.519, 64 x 512 1.334 / 1.400; four ahead at 4 x 4k (160: one wave of 2 an SM)
-    1.323 against three's 1.388."""
+    whole walk. H100, Mamba-2.8B (128 channels a program, 40 a request), ms two / three tokens
+    ahead: 8 x 2k 0.898 / 0.801 (320 programs: one wave of 4 or 3 an SM), 16 x 2k 1.754 /
+    1.582 (two waves either way), 12 x 2k 1.076 / 1.463 (480: one wave of 4 an SM, two of 3),
+    32 x 1k 1.427 / 1.519, 64 x 512 1.334 / 1.400; four ahead at 4 x 4k (160: one wave of 2
+    an SM) 1.323 against three's 1.388."""
     def registers(ahead: int) -> int:  # (the d_state 16 build's, scaled by the state's size)
-        own = _WALK_REGISTERS_D16[ahead] - _WALK_OTHER_REGISTERS + (2 + 2 * ahead) * (d_state - 16)
+        own = (_WALK_REGISTERS_D16[ahead] - _WALK_OTHER_REGISTERS
+               + (2 + 2 * ahead) * (d_state - 16))
         return _WALK_OTHER_REGISTERS + channels_a_thread * own
 
     most = max(0, min(prefetch, len(_WALK_REGISTERS_D16) - 1))

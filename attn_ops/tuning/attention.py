@@ -76,11 +76,11 @@ class TritonTuning:
     # the tensor cores.
     turboquant_planes: bool = True
     turboquant_coalesced: bool = True
-    # Uniform decode steps over 4-bit TurboQuant values under 4-bit or fp8 keys (4bit_nc,
-    # k8v4) on the CUDA kernel of backends/turboquant/decode_kernels.cu (centroid pairs from a
-    # shared-memory table, or fp8 pairs converted, straight into the tensor-core fragments;
-    # built with nvcc on first use) instead of these kernels. sm_90 builds at head dim 128:
-    # about 48 / 37 warp instructions a key against the Triton read's 130.6 / 136.8. Off until
+    # Uniform TurboQuant decode steps (every preset) on the CUDA kernel of
+    # backends/turboquant/decode_kernels.cu (code pairs looked up in a shared-memory table, or
+    # fp8 pairs converted, straight into the tensor-core fragments; built with nvcc on first
+    # use) instead of these kernels. sm_90 builds at head dim 128: about 48 (3- and 4-bit
+    # keys) / 37 (k8v4) warp instructions a key against the Triton read's 131-168. Off until
     # run on a GPU.
     turboquant_cuda_decode: bool = False
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)

@@ -1,14 +1,13 @@
 """TurboQuant's decode on the tensor cores (``decode_kernels.cu``, built with the machine's
-nvcc on first use): uniform decode steps (one query a request) over 4-bit values under 4-bit
-keys (``turboquant_4bit_nc``) or fp8 keys (``turboquant_k8v4``) at head dims 64 / 128 / 256
-and power-of-two pages; every other step and preset runs TRITON_ATTN's kernels
+nvcc on first use): uniform decode steps (one query a request) over every preset's cache at
+head dims 64 / 128 / 256 and power-of-two pages; every other step runs TRITON_ATTN's kernels
 (:func:`~attn_ops.backends.turboquant.ops.triton_turboquant_attention`). Chosen by
 ``Tuning.triton.turboquant_cuda_decode``.
 
-The query is rotated once for 4-bit keys (``q H``; they are stored rotated); each (request, KV
-head) runs ``splits`` CTAs of four warps, each warp a split of its own, and the splits'
-partial outputs and log-sum-exps are merged here. Every decision reads shapes only (the block
-table's width is the context bound), so a step captures in a CUDA graph."""
+The query is rotated once for 3- and 4-bit keys (``q H``; they are stored rotated); each
+(request, KV head) runs ``splits`` CTAs of four warps, each warp a split of its own, and the
+splits' partial outputs and log-sum-exps are merged here. Every decision reads shapes only (the
+block table's width is the context bound), so a step captures in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -27,14 +26,14 @@ _MIN_SPLIT_KEYS = 256  # (64 a warp)
 
 def cuda_decode_serves(query, kv_cache, seq_lens, preset) -> bool:
     """Whether :func:`turboquant_cuda_decode` serves the call: one query a request (its rows
-    are the requests), 4-bit values under 4-bit or fp8 keys, a head dim it was built for, a
-    power-of-two page, a GQA group of at most 16 query heads, a cache at a 4-byte aligned
-    address, on a CUDA device."""
+    are the requests), a head dim it was built for, a power-of-two page, a GQA group of at
+    most 16 query heads, a cache at a 2-byte aligned address (4 for fp8 keys: their 32-bit
+    reads), on a CUDA device."""
     page = kv_cache.shape[2]
     heads, kv_heads = query.shape[1], kv_cache.shape[1]
     return (query.is_cuda and query.shape[0] == seq_lens.shape[0]
-            and preset.key_bits in (4, 8) and preset.value_bits == 4
-            and kv_cache.data_ptr() % 4 == 0
+            and preset.key_bits in (3, 4, 8) and preset.value_bits in (3, 4)
+            and kv_cache.data_ptr() % (4 if preset.fp8_keys else 2) == 0
             and query.shape[2] in _HEAD_DIMS and page > 0 and page & (page - 1) == 0
             and heads % kv_heads == 0 and heads // kv_heads <= 16)
 
@@ -60,7 +59,7 @@ def _splits(rows: int, kv_heads: int, capacity: int, num_sms: int) -> tuple[int,
 def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
                            scale: float, preset, codebook: torch.Tensor) -> None:
     """``out [rows, Hq, D]`` (and ``lse [rows, Hq]``, natural log) of a uniform decode step
-    over a TurboQuant cache of 4-bit values, row ``i`` request ``i``'s query; rows from
+    over a TurboQuant cache, row ``i`` request ``i``'s query; rows from
     ``query_start_loc[-1]`` on (a padded batch's) and rows without keys zero (inputs already
     checked; see :func:`cuda_decode_serves`)."""
     from attn_ops.backends.turboquant.format import hadamard
@@ -81,7 +80,7 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     part_lse = torch.empty(rows, heads, parts, dtype=torch.float32, device=query.device)
     _module().decode(q_in, kv_cache, block_table.int().contiguous(),
                      seq_lens.int().contiguous(), codebook.float().contiguous(), part_out,
-                     part_lse, splits, keys, float(scale), preset.norm_correction, fp8_keys)
+                     part_lse, splits, keys, float(scale), preset.key_bits, preset.value_bits)
     top = part_lse.amax(-1, keepdim=True)
     top = torch.where(top.isfinite(), top, torch.zeros_like(top))
     weight = (part_lse - top).exp()

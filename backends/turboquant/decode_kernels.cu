@@ -1,5 +1,5 @@
-// TurboQuant decode on the tensor cores (sm_80+): 4-bit values under 4-bit keys (4bit_nc) or
-// fp8 e4m3 keys (k8v4).
+// TurboQuant decode on the tensor cores (sm_80+): every preset -- 4-bit keys (4bit_nc), 3-bit
+// keys (k3v4_nc, 3bit_nc), fp8 e4m3 keys (k8v4); 4-bit values, 3-bit under 3bit_nc.
 //
 // One CTA per (split of the context, KV head, decode row); its four warps each walk every
 // fourth step of 16 keys of the split and keep their own online softmax (a split each for the
@@ -14,18 +14,20 @@
 // the norm correction) gives the register. The coordinates are permuted so that lane t of a
 // key reads the contiguous bytes [t D / 8, (t + 1) D / 8) of its field (the query is permuted
 // alike when it is loaded: lane t's query words are coordinates [t D / 4, (t + 1) D / 4)).
-// fp8 keys (not rotated, no norm): two bytes convert to the fp16 pair of a B register, the lane
-// reading its key's contiguous bytes [t D / 4, (t + 1) D / 4) in 32-bit words.
+// 3-bit keys: eight codes a group of three bytes, a register's pair six bits of it, looked up in
+// the table's first 64 entries. fp8 keys (not rotated, no norm): two bytes convert to the fp16
+// pair of a B register. Either way lane t reads its key's codes of coordinates [t D / 4,
+// (t + 1) D / 4).
 // Values: a value is code * scale + min; the scale multiplies P (per key column) and the min
 // adds sum_j P_j min_j to every column, so the product runs on the raw codes, exact in 16
-// bits. A byte holds two coordinates of one key, a B register two keys of one coordinate:
-// two lookups and two byte permutes give two registers. Lane g of a warp owns the value bytes
-// [g D / 16, (g + 1) D / 16) of its keys, so output tile 2p + s, column n holds coordinate
-// 2 (n D / 16 + p) + s.
+// bits. A byte (3-bit: six bits) holds two coordinates of one key, a B register two keys of one
+// coordinate: two lookups and two byte permutes give two registers. Lane g of a warp owns the
+// value codes of coordinates [g D / 8, (g + 1) D / 8) of its keys, so output tile 2p + s,
+// column n holds coordinate n D / 8 + 2 p + s.
 //
-// Slot bytes (format.py, head dim D): 4bit_nc [D / 2 index bytes | norm fp16 | D / 2 code bytes |
-// scale fp16 | min fp16], only 2-byte aligned, read in 16-bit words; k8v4 [D fp8 bytes | D / 2
-// code bytes | scale | min], 4-byte aligned.
+// Slot bytes (format.py, head dim D, LSB-first bit streams): [D KBITS / 8 key bytes | norm fp16 |
+// D VBITS / 8 code bytes | scale fp16 | min fp16] (fp8 keys: no norm), only 2-byte aligned but
+// for k8v4 (4), read in 16-bit words (k8v4's keys in 32-bit words).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -104,23 +106,34 @@ __device__ __forceinline__ const uint8_t* slot_at(const Params& p, int row, int 
   return p.cache + (((blk * p.kv_heads + h) << p.page_shift) + in_page) * p.slot;
 }
 
-template <int D, bool BF16, bool NC, bool FP8K>
-__global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
-  static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32, 32-256");
+// three bytes from `p` (2-byte aligned, `odd`: one byte past it) as the low 24 bits
+__device__ __forceinline__ uint32_t u24_at(const uint8_t* p, bool odd) {
+  return (u16_at(p) | (u16_at(p + 2) << 16)) >> (odd ? 8 : 0);
+}
+
+template <int D, bool BF16, bool NC, int KBITS, int VBITS>
+__global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
+  static_assert(D % 64 == 0 && D <= 256, "head dim: 64, 128 or 256");
+  static_assert(KBITS == 3 || KBITS == 4 || KBITS == 8, "keys: 3 or 4 bits, or fp8");
+  static_assert(VBITS == 3 || VBITS == 4, "values: 3 or 4 bits");
+  constexpr bool FP8K = KBITS == 8;
   static_assert(!FP8K || (!BF16 && !NC), "fp8 keys: fp16 products, no norm correction");
   constexpr int KC = D / 16;        // 16-coordinate chunks of the score product
-  constexpr int KB = FP8K ? D / 4 : D / 8;  // key bytes a lane of a key reads
-  constexpr int VB = D / 16;        // value bytes a lane reads of each of its keys
-  constexpr int VSTART = FP8K ? D : D / 2 + 2;  // (the value codes; then scale, min)
+  constexpr int KEY_BYTES = D * KBITS / 8;
+  constexpr int KB = KEY_BYTES / 4;  // key bytes a lane of a key reads
+  constexpr int VALUE_BYTES = D * VBITS / 8;
+  constexpr int VB = VALUE_BYTES / 8;  // value bytes a lane reads of each of its keys
+  constexpr int VSTART = FP8K ? D : KEY_BYTES + 2;  // (the value codes; then scale, min)
 
   __shared__ uint2 klut[256];       // (centroid pair, sum of their squares)
   __shared__ uint32_t vlut[256];    // (code pair)
   for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-    if constexpr (!FP8K) {
-      const float lo = p.codebook[b & 15], hi = p.codebook[b >> 4];
+    constexpr int KMASK = (1 << KBITS) - 1, VMASK = (1 << VBITS) - 1;
+    if constexpr (!FP8K) {  // (a pair of codes: the low one first; 3-bit: entries 0-63)
+      const float lo = p.codebook[b & KMASK], hi = p.codebook[(b >> KBITS) & KMASK];
       klut[b] = make_uint2(pack2<BF16>(lo, hi), __float_as_uint(lo * lo + hi * hi));
     }
-    vlut[b] = pack2<BF16>(float(b & 15), float(b >> 4));
+    vlut[b] = pack2<BF16>(float(b & VMASK), float((b >> VBITS) & VMASK));
   }
   __syncthreads();
 
@@ -170,6 +183,12 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
         if constexpr (FP8K) {
           const uint32_t w = *reinterpret_cast<const uint32_t*>(sl + t * KB + 4 * c);
           mma16816<false>(s[nt], qa[c], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+        } else if constexpr (KBITS == 3) {  // (chunk c: group c / 2's pairs 2 (c % 2), +1)
+          const int b = 3 * (c >> 1);
+          const uint32_t bits = u24_at(sl + t * KB + (b & ~1), b & 1) >> (12 * (c & 1));
+          const uint2 e0 = klut[bits & 63], e1 = klut[(bits >> 6) & 63];
+          if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
+          mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
         } else {
           const uint32_t w = u16_at(sl + t * KB + 2 * c);
           const uint2 e0 = klut[w & 255], e1 = klut[w >> 8];
@@ -184,8 +203,8 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
         norm *= rsqrtf(sq + 1e-16f);
       }
       kscale[nt] = norm * p.scale_log2;
-      vscale[nt] = fp16_at(sl + VSTART + D / 2);
-      vmin[nt] = fp16_at(sl + VSTART + D / 2 + 2);
+      vscale[nt] = fp16_at(sl + VSTART + VALUE_BYTES);
+      vmin[nt] = fp16_at(sl + VSTART + VALUE_BYTES + 2);
     }
     // each column's factors from the lanes owning its key (lane 4 k holds key k of a tile)
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -248,29 +267,47 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
     }
     // (A fragment order: rows g / g + 8 of keys 2t, 2t+1, then of keys 8 + 2t, 9 + 2t)
     const uint32_t pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-    // the value codes of this lane's columns' keys (2t, 2t+1, 8+2t, 9+2t): bytes [g VB, (g+1) VB)
+    // the value codes of this lane's columns' keys (2t, 2t+1, 8+2t, 9+2t): bytes [g VB, (g+1) VB),
+    // coordinates [g D / 8, (g + 1) D / 8): pair q (coordinates g D / 8 + 2 q, + 1) to tiles 2 q,
+    // 2 q + 1
     const uint8_t* vsl[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int pos = key0 + 2 * t + (k & 1) + 8 * (k >> 1);
       vsl[k] = slot_at(p, row, h, min(pos, hi_key - 1)) + VSTART + g * VB;
     }
+    auto pair_product = [&](int q, uint32_t e0, uint32_t e1, uint32_t e2, uint32_t e3) {
+      // low codes of keys (2t, 2t+1) and (8+2t, 9+2t), then the high codes
+      mma16816<BF16>(o[2 * q], pfrag, __byte_perm(e0, e1, 0x5410), __byte_perm(e2, e3, 0x5410));
+      mma16816<BF16>(o[2 * q + 1], pfrag, __byte_perm(e0, e1, 0x7632),
+                     __byte_perm(e2, e3, 0x7632));
+    };
+    if constexpr (VBITS == 4) {
 #pragma unroll
-    for (int pp = 0; pp < VB; pp += 2) {
-      uint32_t w[4];
+      for (int pp = 0; pp < VB; pp += 2) {
+        uint32_t w[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) w[k] = u16_at(vsl[k] + pp);
+        for (int k = 0; k < 4; ++k) w[k] = u16_at(vsl[k] + pp);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int sh = 8 * half;
-        const uint32_t e0 = vlut[(w[0] >> sh) & 255], e1 = vlut[(w[1] >> sh) & 255];
-        const uint32_t e2 = vlut[(w[2] >> sh) & 255], e3 = vlut[(w[3] >> sh) & 255];
-        const int j = 2 * (pp + half);
-        // low codes of keys (2t, 2t+1) and (8+2t, 9+2t): coordinate 2 (g VB + pp + half)
-        mma16816<BF16>(o[j], pfrag, __byte_perm(e0, e1, 0x5410), __byte_perm(e2, e3, 0x5410));
-        // high codes: coordinate 2 (g VB + pp + half) + 1
-        mma16816<BF16>(o[j + 1], pfrag, __byte_perm(e0, e1, 0x7632),
-                       __byte_perm(e2, e3, 0x7632));
+        for (int half = 0; half < 2; ++half) {
+          const int sh = 8 * half;
+          pair_product(pp + half, vlut[(w[0] >> sh) & 255], vlut[(w[1] >> sh) & 255],
+                       vlut[(w[2] >> sh) & 255], vlut[(w[3] >> sh) & 255]);
+        }
+      }
+    } else {  // (3-bit: a group of eight codes in three bytes, four pairs)
+#pragma unroll
+      for (int grp = 0; grp < VB / 3; ++grp) {
+        const int b = g * VB + 3 * grp;  // (the group's byte in the field)
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = u24_at(vsl[k] - g * VB + (b & ~1), b & 1);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int sh = 6 * q;
+          pair_product(4 * grp + q, vlut[(w[0] >> sh) & 63], vlut[(w[1] >> sh) & 63],
+                       vlut[(w[2] >> sh) & 63], vlut[(w[3] >> sh) & 63]);
+        }
       }
     }
   }
@@ -298,8 +335,8 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
       const int pair = j >> 1, odd = j & 1;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = 2 * t + e;  // the tile's column: coordinate 2 (col VB + pair) + odd
-        out[2 * (col * VB + pair) + odd] = (o[j][2 * r + e] + n) * inv;
+        const int col = 2 * t + e;  // the tile's column: coordinate col D / 8 + 2 pair + odd
+        out[col * (D / 8) + 2 * pair + odd] = (o[j][2 * r + e] + n) * inv;
       }
     }
     if (t == 0) p.part_lse[at] = l > 0.f ? (m + log2f(l)) / kLog2e : -INFINITY;
@@ -313,20 +350,20 @@ __global__ void __launch_bounds__(kWarps * 32) tq4_decode_kernel(Params p) {
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-// decode(q [rows, Hq, D] bf16 / fp16 (rotated for 4-bit keys; fp16 for fp8 keys), cache uint8
-// [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
-// codebook fp32 [16], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq, splits
-// * 4], splits, keys_per_split, scale, norm_correction, fp8_keys): every decode row's splits
-// (inputs checked by the caller).
+// decode(q [rows, Hq, D] bf16 / fp16 (rotated for 3- / 4-bit keys; fp16 for fp8 keys), cache
+// uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
+// codebook fp32 [2^key_bits], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq,
+// splits * 4], splits, keys_per_split, scale, key_bits (3, 4; 8: fp8), value_bits (3, 4)): every
+// decode row's splits (inputs checked by the caller; the 3- and 4-bit keys norm-corrected).
 void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
             torch::Tensor seq_lens, torch::Tensor codebook, torch::Tensor part_out,
             torch::Tensor part_lse, int64_t splits, int64_t keys_per_split, double scale,
-            bool norm_correction, bool fp8_keys) {
+            int64_t key_bits, int64_t value_bits) {
   using namespace attn_ops_tq;
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && block_table.stride(1) == 1 &&
                   part_out.is_contiguous() && part_lse.is_contiguous() &&
-                  (fp8_keys || codebook.numel() == 16),
-              "turboquant decode: contiguous inputs and a 16-centroid codebook");
+                  (key_bits == 8 || codebook.numel() == (1 << key_bits)),
+              "turboquant decode: contiguous inputs and a codebook of 2^key_bits centroids");
   const int rows = q.size(0), heads = q.size(1), d = q.size(2);
   const int kv_heads = cache.size(1);
   Params p;
@@ -353,19 +390,22 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
   const dim3 grid(splits, kv_heads, rows), block(kWarps * 32);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(!fp8_keys || (!bf16 && !norm_correction),
-              "turboquant decode: fp8 keys take an fp16 query and no norm correction");
-#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_, F_) \
-  tq4_decode_kernel<D_, B_, N_, F_><<<grid, block, 0, stream>>>(p)
-#define ATTN_OPS_TQ_DISPATCH(D_)                                             \
-  if (d == D_) {                                                             \
-    if (fp8_keys) ATTN_OPS_TQ_LAUNCH(D_, false, false, true);                 \
-    else if (bf16 && norm_correction) ATTN_OPS_TQ_LAUNCH(D_, true, true, false); \
-    else if (bf16) ATTN_OPS_TQ_LAUNCH(D_, true, false, false);                \
-    else if (norm_correction) ATTN_OPS_TQ_LAUNCH(D_, false, true, false);     \
-    else ATTN_OPS_TQ_LAUNCH(D_, false, false, false);                         \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                           \
-    return;                                                                  \
+  TORCH_CHECK(key_bits != 8 || !bf16, "turboquant decode: fp8 keys take an fp16 query");
+#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_, K_, V_) \
+  tq_decode_kernel<D_, B_, N_, K_, V_><<<grid, block, 0, stream>>>(p)
+#define ATTN_OPS_TQ_PRESETS(D_, B_)                                          \
+  if (key_bits == 4 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 4, 4);  \
+  else if (key_bits == 3 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 3, 4); \
+  else if (key_bits == 3 && value_bits == 3) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 3, 3); \
+  else TORCH_CHECK(false, "turboquant decode: no preset of ", key_bits, "-bit keys and ", \
+                   value_bits, "-bit values");
+#define ATTN_OPS_TQ_DISPATCH(D_)                                                 \
+  if (d == D_) {                                                                 \
+    if (key_bits == 8 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, false, false, 8, 4); \
+    else if (bf16) { ATTN_OPS_TQ_PRESETS(D_, true) }                             \
+    else { ATTN_OPS_TQ_PRESETS(D_, false) }                                      \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                              \
+    return;                                                                      \
   }
   ATTN_OPS_TQ_DISPATCH(64)
   ATTN_OPS_TQ_DISPATCH(128)
@@ -375,11 +415,11 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode); }
 #else
-template __global__ void attn_ops_tq::tq4_decode_kernel<128, true, true, false>(
+template __global__ void attn_ops_tq::tq_decode_kernel<128, true, true, 4, 4>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq_decode_kernel<128, true, true, 3, 4>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq_decode_kernel<128, true, true, 3, 3>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq_decode_kernel<128, false, false, 8, 4>(
     attn_ops_tq::Params);
-template __global__ void attn_ops_tq::tq4_decode_kernel<64, true, true, false>(attn_ops_tq::Params);
-template __global__ void attn_ops_tq::tq4_decode_kernel<256, false, false, false>(
-    attn_ops_tq::Params);
-template __global__ void attn_ops_tq::tq4_decode_kernel<128, false, false, true>(
-    attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq_decode_kernel<64, false, true, 3, 3>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq_decode_kernel<256, true, true, 4, 4>(attn_ops_tq::Params);
 #endif
