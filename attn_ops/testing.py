@@ -23,7 +23,7 @@ __all__ = ["SCENARIOS", "Scenario", "PagedCase", "make_case", "run_backend", "to
            "sqnr_db", "FEATURE_SPECS", "EPSILON", "FP8_MIN_SQNR_DB", "MIN_SQNR_DB",
            "option_variants",
            "compiled_and_eager_layer", "assert_matches_reference", "random_decode_batch",
-           "capture_graph", "random_kv"]
+           "capture_graph", "random_kv", "freed_pages_case"]
 
 EPSILON = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 FP8_MIN_SQNR_DB = {KVCacheDType.FP8_E4M3: 25.0, KVCacheDType.FP8_E5M2: 18.0}
@@ -239,6 +239,36 @@ def random_kv(spec: AttentionSpec, n: int, generator: torch.Generator, poison: f
         k.view(-1)[::2], v.view(-1)[1::2] = poison, poison
         k.view(-1)[1::3], v.view(-1)[::3] = float("inf"), float("-inf")
     return k.to(spec.dtype).to(device), v.to(spec.dtype).to(device)
+
+
+def freed_pages_case(spec: AttentionSpec, block_size: int, num_blocks: int, layout,
+                     b_new: int = 1, device="cpu") -> PagedCase:
+    """Request A writes NaN and +-Inf K/V (:func:`random_kv`) over five pages and three tokens
+    and is freed; B (a first chunk of two pages and a token, then ``b_new`` tokens) and C (a
+    fresh prefill of a page and two tokens) get A's pages back -- the allocator hands freed
+    blocks out again -- and end mid-page, their K/V written through the cache-write op: the B
+    + C step as a case over a ``layout`` cache (queries B's new tokens, then C's)."""
+    from attn_ops.kv_cache import BlockAllocator, allocate_kv_cache, kv_cache_update
+    from attn_ops.metadata import build_batch
+
+    alloc = BlockAllocator(num_blocks, block_size, shuffle=True, seed=3)
+    cache = allocate_kv_cache(spec, num_blocks, block_size, device, layout)
+    g = torch.Generator().manual_seed(0)
+    a_len = 5 * block_size + 3
+    write = build_batch(alloc, ["A"], [0], [a_len], device=device)
+    kv_cache_update(*random_kv(spec, a_len, g, float("nan"), device), cache, write.slot_mapping,
+                    None, None)
+    alloc.free("A")
+    b_ctx, c_len = 2 * block_size + 1, block_size + 2
+    step = build_batch(alloc, ["B"], [0], [b_ctx], device=device)
+    kv_cache_update(*random_kv(spec, b_ctx, g, device=device), cache, step.slot_mapping, None,
+                    None)
+    step = build_batch(alloc, ["B", "C"], [b_ctx, 0], [b_new, c_len], device=device)
+    kv_cache_update(*random_kv(spec, b_new + c_len, g, device=device), cache,
+                    step.slot_mapping, None, None)
+    query = torch.randn(b_new + c_len, spec.num_heads, spec.head_dim, generator=g)
+    return PagedCase(spec, step, query.to(spec.dtype).to(device), cache, None, None, None,
+                     None)
 
 
 def capture_graph(fn):

@@ -201,32 +201,12 @@ def test_a_freed_requests_nan_and_inf_never_reach_the_next_request(backend, spec
     chunked prefill, then decodes) and C (a fresh prefill) get A's pages back -- the allocator
     hands freed blocks out again -- and write their own K/V through the cache-write op, ending
     mid-page. Their outputs must be finite and REFERENCE's."""
-    from attn_ops import BlockAllocator, build_batch
-    from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
-    from attn_ops.testing import PagedCase, assert_matches_reference, random_kv
+    from attn_ops.testing import assert_matches_reference, freed_pages_case
 
     cls = get_backend_class(backend)
     block = block_size_for(cls, spec)
     num_blocks = 64 * 4 // min(block, 4) if block <= 16 else 24
-    alloc = BlockAllocator(num_blocks, block, shuffle=True, seed=3)
-    cache = allocate_kv_cache(spec, num_blocks, block, DEVICE, cls.kv_cache_layout(spec))
-    g = torch.Generator().manual_seed(0)
-
-    a_len = 5 * block + 3
-    write = build_batch(alloc, ["A"], [0], [a_len], device=DEVICE)
-    kv_cache_update(*random_kv(spec, a_len, g, float("nan"), DEVICE),
-                    cache, write.slot_mapping, None, None)
-    alloc.free("A")
-    b_ctx, c_len = 2 * block + 1, block + 2  # both end mid-page, on A's pages
-    step = build_batch(alloc, ["B"], [0], [b_ctx], device=DEVICE)  # B's first chunk
-    kv_cache_update(*random_kv(spec, b_ctx, g, device=DEVICE),
-                    cache, step.slot_mapping, None, None)
-    step = build_batch(alloc, ["B", "C"], [b_ctx, 0], [1, c_len], device=DEVICE)
-    kv_cache_update(*random_kv(spec, 1 + c_len, g, device=DEVICE),
-                    cache, step.slot_mapping, None, None)
-    query = torch.randn(step.slot_mapping.shape[0], spec.num_heads, spec.head_dim,
-                        generator=g).to(spec.dtype).to(DEVICE)
-    case = PagedCase(spec, step, query, cache, None, None, None, None)
+    case = freed_pages_case(spec, block, num_blocks, cls.kv_cache_layout(spec), device=DEVICE)
     out, _ = run_backend(cls, case, with_lse=cls.returns_lse(PLATFORM))
     assert out.isfinite().all(), "a freed request's NaN/Inf reached another request"
     assert_matches_reference(out, case)

@@ -118,32 +118,12 @@ def test_a_freed_requests_nan_and_inf_never_reach_a_tree_request():
     context in a first chunk, then a draft tree) and C (a fresh prefill) get A's pages back --
     the allocator hands freed blocks out again -- and end mid-page. TREE_ATTN's outputs must be
     finite and REFERENCE's under the tree's explicit mask."""
-    from attn_ops import BlockAllocator, build_batch
-    from attn_ops.kv_cache import allocate_kv_cache, kv_cache_update
-    from attn_ops.testing import PagedCase, random_kv
+    from attn_ops.testing import freed_pages_case
 
-    block = 16
-    alloc = BlockAllocator(24, block, shuffle=True, seed=3)
-    cache = allocate_kv_cache(SPEC, 24, block, DEVICE, TREE.kv_cache_layout(SPEC))
-    g = torch.Generator().manual_seed(0)
-
-    a_len = 5 * block + 3
-    write = build_batch(alloc, ["A"], [0], [a_len], device=DEVICE)
-    kv_cache_update(*random_kv(SPEC, a_len, g, float("nan"), DEVICE),
-                    cache, write.slot_mapping, None, None)
-    alloc.free("A")
-    b_ctx, drafts, c_len = 2 * block + 1, len(PARENTS), block + 2
-    step = build_batch(alloc, ["B"], [0], [b_ctx], device=DEVICE)
-    kv_cache_update(*random_kv(SPEC, b_ctx, g, device=DEVICE),
-                    cache, step.slot_mapping, None, None)
-    step = build_batch(alloc, ["B", "C"], [b_ctx, 0], [drafts, c_len], device=DEVICE)
-    kv_cache_update(*random_kv(SPEC, drafts + c_len, g, device=DEVICE),
-                    cache, step.slot_mapping, None, None)
-    query = torch.randn(drafts + c_len, SPEC.num_heads, SPEC.head_dim,
-                        generator=g).to(DTYPE).to(DEVICE)
-    case = PagedCase(SPEC, step, query, cache, None, None, None, None)
+    case = freed_pages_case(SPEC, 16, 24, TREE.kv_cache_layout(SPEC), b_new=len(PARENTS),
+                            device=DEVICE)
     out, _ = run_backend(TREE, case)
-    assert out[:drafts + c_len].isfinite().all(), "a freed request's NaN/Inf reached B or C"
+    assert out[:case.query.shape[0]].isfinite().all(), "a freed request's NaN/Inf reached B or C"
     oracle = dataclasses.replace(case, spec=SPEC.with_(spec_tree=None,
                                                        mask_mod=explicit_mask(case, PARENTS)))
     assert_matches_reference(out, case, oracle)
