@@ -27,8 +27,9 @@ ratio is printed only where the contender agrees.
 given: the first of ``--batches``; a ``generate`` of ``new`` tokens under cProfile: the
 functions with the most time of their own, then attn_ops', FlashInfer's and Triton's launch
 functions by time with their callees, then ``torch.profiler``'s ops and CUDA runtime calls by
-host time of their own and kernels by device time, written to ``profile_hf_<name>_b<B>.txt``
-beside ``--out``) and, on a GPU, the host-device synchronizations of its decode steps
+host time of their own and kernels by device time; every contender in one
+``profile_hf_b<B>.txt`` beside ``--out``, with each one's op-by-op host difference from sdpa's
+in the same run) and, on a GPU, the host-device synchronizations of its decode steps
 (``torch.cuda.set_sync_debug_mode``: each distinct place that synchronizes, counted).
 """
 
@@ -191,7 +192,7 @@ def _profile_batch(args, models, device, batch: int) -> dict:
 
     ids = torch.randint(1, models["sdpa"].config.vocab_size, (batch, args.ctx),
                         generator=torch.Generator().manual_seed(3)).to(device)
-    found = {}
+    found, sections, host_ops = {}, [], {}
     for name, model in models.items():
         run = _generate_fn(model, name, ids, args.new)
         run()
@@ -208,13 +209,9 @@ def _profile_batch(args, models, device, batch: int) -> dict:
         stats.sort_stats("tottime").print_stats(30)
         # (then where the attention path's time goes, callees included)
         stats.sort_stats("cumulative").print_stats("attn_ops|flashinfer|triton/runtime", 40)
-        kernels = _torch_profile(run, device)
+        kernels, host_ops[name] = _torch_profile(run, device)
         text.write(kernels)
-        folder = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"profile_hf_{name}_b{batch}.txt")
-        with open(path, "w") as f:
-            f.write(text.getvalue())
+        sections.append(f"===== {name}, batch {batch}\n" + text.getvalue())
         syncs: dict[str, int] = {}
         if device == "cuda":
             with warnings.catch_warnings(record=True) as caught:
@@ -228,20 +225,45 @@ def _profile_batch(args, models, device, batch: int) -> dict:
                 if "synchroniz" in str(w.message):
                     where = f"{os.path.relpath(w.filename)}:{w.lineno}"
                     syncs[where] = syncs.get(where, 0) + 1
-        found[name] = {"profiled_s": seconds, "profile": path, "syncs": syncs}
+        found[name] = {"profiled_s": seconds, "syncs": syncs}
         top = [line for line in text.getvalue().splitlines()
                if line.strip()[:1].isdigit() and ("{" in line or ".py:" in line)][:8]
         print(f"profile B={batch} {name}: {seconds * 1e3:.1f} ms for {args.new} tokens under "
               f"cProfile; {sum(syncs.values())} synchronizations"
               + "".join(f"\n    sync x{n} at {w}" for w, n in sorted(syncs.items()))
               + "".join(f"\n    {line}" for line in top), flush=True)
+    for name in (n for n in host_ops if n != "sdpa" and "sdpa" in host_ops):
+        sections.append(_host_difference(name, host_ops[name], host_ops["sdpa"]))
+    folder = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"profile_hf_b{batch}.txt")  # (one file: a call returns few)
+    with open(path, "w") as f:
+        f.write("\n\n".join(sections))
+    for row in found.values():
+        row["profile"] = path
     return found
 
 
-def _torch_profile(run, device) -> str:
+def _host_difference(name: str, ours: dict, sdpa: dict, rows: int = 25) -> str:
+    """The ops whose host time of their own differs most between ``name``'s run and sdpa's,
+    same process, same machine (torch.profiler; ms over the profiled generate, calls)."""
+    lines = [f"===== {name} against sdpa: host time of their own, ms (calls)"]
+    ops = sorted(set(ours) | set(sdpa), key=lambda op: -abs(ours.get(op, (0, 0))[0]
+                                                            - sdpa.get(op, (0, 0))[0]))
+    for op in ops[:rows]:
+        (a, na), (b, nb) = ours.get(op, (0.0, 0)), sdpa.get(op, (0.0, 0))
+        lines.append(f"{a - b:+9.2f}  {name} {a:8.2f} ({na:5d})  sdpa {b:8.2f} ({nb:5d})  {op}")
+    total_a = sum(v[0] for v in ours.values())
+    total_b = sum(v[0] for v in sdpa.values())
+    lines.append(f"{total_a - total_b:+9.2f}  {name} {total_a:8.2f}  sdpa {total_b:8.2f}  (all)")
+    return "\n".join(lines)
+
+
+def _torch_profile(run, device) -> tuple[str, dict]:
     """``run`` under ``torch.profiler``: the ops and the CUDA runtime calls (launches, copies,
     synchronizations) by host time of their own, and the kernels by device time -- what
-    cProfile cannot see: the host time spent inside C++ and waiting on the device."""
+    cProfile cannot see: the host time spent inside C++ and waiting on the device; and
+    ``{op: (host ms of its own, calls)}``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -254,7 +276,7 @@ def _torch_profile(run, device) -> str:
     if device == "cuda":
         text += "\ntorch.profiler, by device time:\n" + table.table(
             sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
-    return text
+    return text, {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in table}
 
 
 def batch_row(args, state, device, dtype) -> dict:
