@@ -166,7 +166,7 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
                                 out, lse, scale, kv_cache_dtype) -> None:
     """The op on GPUs (and in Triton's interpreter, tests): TRITON_ATTN's kernels reading the
     TurboQuant format in registers (``KV_FORMAT=1``), planned by ``plan``
-    (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`); uniform 4-bit decode steps
+    (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`); uniform decode steps
     on the CUDA kernel of :mod:`.cuda_decode` where ``Tuning.triton.turboquant_cuda_decode``."""
     from attn_ops.backends.triton_attn import triton_paged_attention
     from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_serves,
