@@ -578,10 +578,24 @@ def _emulated_decode(q_in, cache, block_table, seq_lens, codebook, part_out, par
                 part_lse[row, head, part] = logits.logsumexp(0).float()
 
 
+def _emulated_combine(part_out, part_lse, query_start_loc, out, lse):
+    """``tq_combine_kernel``'s contract in torch: the splits merged by their log-sum-exps, rows
+    from ``query_start_loc[-1]`` on and rows without keys zero (LSE too)."""
+    top = part_lse.amax(-1, keepdim=True)
+    top = torch.where(top.isfinite(), top, torch.zeros_like(top))
+    weight = (part_lse - top).exp()
+    total = weight.sum(-1)
+    live = (torch.arange(out.shape[0]) < query_start_loc[-1]).unsqueeze(1) & (total > 0)
+    merged = (weight.unsqueeze(-1) * part_out).sum(-2) / total.clamp_min(1e-30).unsqueeze(-1)
+    out.copy_(merged * live.unsqueeze(-1))
+    if lse is not None:
+        lse.copy_(torch.where(live, top.squeeze(-1) + total.clamp_min(1e-30).log(), 0.0))
+
+
 @pytest.mark.parametrize("kv_dtype", PRESETS, ids=lambda d: d.value)
 def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monkeypatch):
-    """The CUDA decode's glue on the CPU, the kernel emulated by its contract
-    (:func:`_emulated_decode`), every preset: the query in (rotated, in bf16; fp8 keys:
+    """The CUDA decode's glue on the CPU, the kernels emulated by their contracts
+    (:func:`_emulated_decode`, :func:`_emulated_combine`), every preset: the query in (rotated, in bf16; fp8 keys:
     fp16), every split's partials merged into the torch body's output and LSE over the same
     slots, more splits than keys in short rows, a padded row (past ``query_start_loc[-1]``)
     zero; what it serves."""
@@ -590,8 +604,8 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, 128, 8, 2, torch.float32,
                                                              "cpu", rounded=True)
     preset = tq.PRESETS[kv_dtype]
-    monkeypatch.setattr(cuda_decode, "_module",
-                        lambda: type("M", (), {"decode": staticmethod(_emulated_decode)}))
+    monkeypatch.setattr(cuda_decode, "_module", lambda: type("M", (), {
+        "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine)}))
     monkeypatch.setattr(cuda_decode, "_MIN_SPLIT_KEYS", 64)  # (splits of 64 keys, 16 a warp)
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))

@@ -6,8 +6,9 @@ head dims 64 / 128 / 256 and power-of-two pages; every other step runs TRITON_AT
 
 The query is rotated once for 3- and 4-bit keys (``q H``; they are stored rotated); each
 (request, KV head) runs ``splits`` CTAs of four warps, each warp a split of its own, and the
-splits' partial outputs and log-sum-exps are merged here. Every decision reads shapes only (the
-block table's width is the context bound), so a step captures in a CUDA graph."""
+splits' partial outputs and log-sum-exps are merged by a second launch. Every decision reads
+shapes only (the block table's width is the context bound), so a step captures in a CUDA
+graph."""
 
 from __future__ import annotations
 
@@ -78,16 +79,8 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     parts = splits * _WARPS
     part_out = torch.empty(rows, heads, parts, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, parts, dtype=torch.float32, device=query.device)
-    _module().decode(q_in, kv_cache, block_table.int().contiguous(),
-                     seq_lens.int().contiguous(), codebook.float().contiguous(), part_out,
-                     part_lse, splits, keys, float(scale), preset.key_bits, preset.value_bits)
-    top = part_lse.amax(-1, keepdim=True)
-    top = torch.where(top.isfinite(), top, torch.zeros_like(top))
-    weight = (part_lse - top).exp()
-    total = weight.sum(-1)
-    live = (torch.arange(rows, device=query.device) < query_start_loc[-1]).unsqueeze(1) \
-        & (total > 0)
-    merged = (weight.unsqueeze(-1) * part_out).sum(-2) / total.clamp_min(1e-30).unsqueeze(-1)
-    out.copy_(merged * live.unsqueeze(-1))
-    if lse is not None:
-        lse.copy_(torch.where(live, top.squeeze(-1) + total.clamp_min(1e-30).log(), 0.0))
+    module = _module()
+    module.decode(q_in, kv_cache, block_table.int().contiguous(), seq_lens.int().contiguous(),
+                  codebook.float().contiguous(), part_out, part_lse, splits, keys, float(scale),
+                  preset.key_bits, preset.value_bits)
+    module.combine(part_out, part_lse, query_start_loc.int().contiguous(), out, lse)

@@ -3,7 +3,8 @@
 //
 // One CTA per (split of the context, KV head, decode row); its four warps each walk every
 // fourth step of 16 keys of the split and keep their own online softmax (a split each for the
-// combine). A warp's 16 query rows are the KV head's GQA group (up to 16 heads; the rest zero).
+// combine, tq_combine_kernel). A warp's 16 query rows are the KV head's GQA group (up to 16
+// heads; the rest zero).
 //
 //   scores  S[16 x 16] = Q_rot[16 x D] . C[D x 16]   (two m16n8k16 products a 16-coordinate chunk)
 //   output  O[16 x D] += P'[16 x 16] . codes[16 x D] (one product an 8-column tile)
@@ -343,6 +344,35 @@ __global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
   }
 }
 
+// The splits merged: out[row, head] = sum_p w_p o_p / sum_p w_p with w_p = exp(lse_p - max),
+// lse = max + log sum_p w_p; rows from query_start_loc[-1] on (padding) and rows without keys
+// zero. One CTA a (head, row); `out` [rows, heads, D] at its strides, in its dtype.
+template <typename T>
+__global__ void tq_combine_kernel(const float* __restrict__ part_out,
+                                  const float* __restrict__ part_lse, const int32_t* live_rows,
+                                  T* out, float* lse, int parts, int d, int64_t out_row,
+                                  int64_t out_head) {
+  const int head = blockIdx.x, row = blockIdx.y, heads = gridDim.x;
+  const int64_t at = (int64_t)row * heads + head;
+  const float* l = part_lse + at * parts;
+  float top = -INFINITY;
+  for (int i = 0; i < parts; ++i) top = fmaxf(top, l[i]);
+  const bool live = row < *live_rows && top > -INFINITY;
+  float total = 0.f;
+  for (int i = 0; i < parts; ++i) total += live ? __expf(l[i] - top) : 0.f;
+  const float inv = live ? 1.f / total : 0.f;
+  T* dst = out + row * out_row + head * out_head;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    float acc = 0.f;
+    if (live) {
+      const float* o = part_out + at * parts * d + c;
+      for (int i = 0; i < parts; ++i) acc += __expf(l[i] - top) * o[(int64_t)i * d];
+    }
+    dst[c] = static_cast<T>(acc * inv);
+  }
+  if (lse != nullptr && threadIdx.x == 0) lse[at] = live ? top + __logf(total) : 0.f;
+}
+
 }  // namespace attn_ops_tq
 
 #ifndef ATTN_OPS_KERNEL_ONLY
@@ -413,7 +443,37 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
   TORCH_CHECK(false, "turboquant decode: head_dim=", d, " must be 64, 128 or 256");
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode); }
+// combine(part_out, part_lse, query_start_loc, out [rows, Hq, D] (any float dtype, unit last
+// stride), lse [rows, Hq] fp32 or None): tq_combine_kernel, one launch.
+void combine(torch::Tensor part_out, torch::Tensor part_lse, torch::Tensor query_start_loc,
+             torch::Tensor out, c10::optional<torch::Tensor> lse) {
+  using namespace attn_ops_tq;
+  const int rows = out.size(0), heads = out.size(1), d = out.size(2);
+  TORCH_CHECK(out.stride(2) == 1 && part_out.is_contiguous() && part_lse.is_contiguous() &&
+                  query_start_loc.scalar_type() == at::kInt &&
+                  (!lse.has_value() || (lse->is_contiguous() && lse->numel() == rows * heads)),
+              "turboquant combine: contiguous partials, unit-stride out, int32 query_start_loc");
+  if (rows == 0) return;
+  const int parts = part_lse.size(2);
+  const int32_t* live = query_start_loc.data_ptr<int32_t>() + (query_start_loc.numel() - 1);
+  float* lse_ptr = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  const dim3 grid(heads, rows), block(128);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+#define ATTN_OPS_TQ_COMBINE(T_, C_)                                                          \
+  tq_combine_kernel<T_><<<grid, block, 0, stream>>>(                                        \
+      part_out.data_ptr<float>(), part_lse.data_ptr<float>(), live,                          \
+      reinterpret_cast<T_*>(out.data_ptr<C_>()), lse_ptr, parts, d, out.stride(0),            \
+      out.stride(1))
+  if (out.scalar_type() == at::kBFloat16) ATTN_OPS_TQ_COMBINE(__nv_bfloat16, at::BFloat16);
+  else if (out.scalar_type() == at::kHalf) ATTN_OPS_TQ_COMBINE(__half, at::Half);
+  else ATTN_OPS_TQ_COMBINE(float, float);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode);
+  m.def("combine", &combine);
+}
 #else
 template __global__ void attn_ops_tq::tq_decode_kernel<128, true, true, 4, 4>(attn_ops_tq::Params);
 template __global__ void attn_ops_tq::tq_decode_kernel<128, true, true, 3, 4>(attn_ops_tq::Params);
@@ -422,4 +482,7 @@ template __global__ void attn_ops_tq::tq_decode_kernel<128, false, false, 8, 4>(
     attn_ops_tq::Params);
 template __global__ void attn_ops_tq::tq_decode_kernel<64, false, true, 3, 3>(attn_ops_tq::Params);
 template __global__ void attn_ops_tq::tq_decode_kernel<256, true, true, 4, 4>(attn_ops_tq::Params);
+template __global__ void attn_ops_tq::tq_combine_kernel<__nv_bfloat16>(
+    const float*, const float*, const int32_t*, __nv_bfloat16*, float*, int, int, int64_t,
+    int64_t);
 #endif
