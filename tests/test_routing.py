@@ -235,12 +235,15 @@ def test_mamba1_walks_whole_requests_only_where_they_fill_the_gpu(requests, toke
 def test_mamba1_op_counts_its_programs_for_the_walk_rule():
     """The op's glue hands the rule its step: requests from query_start_loc, channel blocks of
     Tuning.ssm.mamba1_unrolled_block_d (the CPU "device" counts 8 SMs)."""
-    from attn_ops.backends.ssm.mamba1 import _segment
+    from attn_ops.backends.ssm.mamba1 import _walk_plan
     from attn_ops.tuning.ssm import SSMTuning
 
     t = SSMTuning(mamba1_unrolled_block_d=128, mamba1_unrolled_segment=256,
                   mamba1_walk_min_programs=1)
     qsl = torch.tensor([0, 100, 200])
+    def _segment(x, qsl, longest, t):
+        return _walk_plan(x, torch.zeros(1, 16), qsl, longest, t)[0]
+
     assert _segment(torch.zeros(200, 1024), qsl, 100, t) == 0  # 2 x 8 programs on 8 SMs
     assert _segment(torch.zeros(200, 256), qsl, 100, t) == 256  # 2 x 2 programs
     assert _segment(torch.zeros(400, 1024), torch.tensor([0, 370, 380, 390, 400]), 370, t) == 256

@@ -103,16 +103,15 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
     kernel, t = chunked_step_kernel(x, max_query_len, state_indices, tuning)
     args = (x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
             has_initial_state, dt_softplus)
-    segment = _segment(x, query_start_loc, max_query_len, t) \
-        if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled else 0
-    ahead = _walk_read_ahead(x, A, query_start_loc, segment, t)
-    if segment:
-        from attn_ops.backends.ssm.mamba1_kernels import mamba1_segmented_triton
-
-        return mamba1_segmented_triton(*args, segment, t.mamba1_unrolled_block_d,
-                                       t.mamba1_unrolled_warps, ahead,
-                                       t.mamba1_unrolled_y_parts, t.mamba1_unrolled_l2_ahead)
     if kernel is Kernel.SSM_TRITON_CHUNKED and t.mamba1_unrolled:
+        segment, ahead = _walk_plan(x, A, query_start_loc, max_query_len, t)
+        if segment:
+            from attn_ops.backends.ssm.mamba1_kernels import mamba1_segmented_triton
+
+            return mamba1_segmented_triton(*args, segment, t.mamba1_unrolled_block_d,
+                                           t.mamba1_unrolled_warps, ahead,
+                                           t.mamba1_unrolled_y_parts,
+                                           t.mamba1_unrolled_l2_ahead)
         from attn_ops.backends.ssm.mamba1_kernels import mamba1_unrolled_triton
 
         return mamba1_unrolled_triton(*args, t.mamba1_unrolled_block_d, t.mamba1_unrolled_warps,
@@ -136,31 +135,24 @@ def _impl(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
     return y.to(x.dtype)
 
 
-def _segment(x, query_start_loc, max_query_len: int, t) -> int:
-    """The unrolled prefill's segment length for the step (:func:`attn_ops.routing.
-    mamba1_segment`; 0: one walk a request)."""
+def _walk_plan(x, A, query_start_loc, max_query_len: int, t) -> tuple[int, int]:
+    """The unrolled prefill's ``(segment length, tokens read ahead)`` for the step
+    (:func:`attn_ops.routing.mamba1_segment`, 0: one walk a request;
+    :func:`attn_ops.routing.mamba1_walk_read_ahead`): its programs are a request's -- or, with
+    segments, about a segment's -- blocks of ``Tuning.ssm.mamba1_unrolled_block_d`` channels."""
     from attn_ops.routing import DeviceFacts, cdiv, mamba1_segment, pow2
 
     d = x.shape[1]
-    return mamba1_segment(query_start_loc.shape[0] - 1, x.shape[0], max_query_len,
-                          cdiv(d, min(pow2(d), t.mamba1_unrolled_block_d)),
-                          DeviceFacts.of(x.device).num_sms, t.mamba1_unrolled_segment,
-                          t.mamba1_walk_min_programs)
-
-
-def _walk_read_ahead(x, A, query_start_loc, segment: int, t) -> int:
-    """The unrolled walk's tokens read ahead for the step (:func:`attn_ops.routing.
-    mamba1_walk_read_ahead`): its programs are a request's (or, with segments, about a
-    segment's) blocks of channels."""
-    from attn_ops.routing import DeviceFacts, cdiv, pow2
-
-    d = x.shape[1]
     block_d = min(pow2(d), t.mamba1_unrolled_block_d)
-    walks = cdiv(x.shape[0], segment) if segment else query_start_loc.shape[0] - 1
-    lanes = 32 * t.mamba1_unrolled_warps
-    return mamba1_walk_read_ahead(A.shape[1], t.mamba1_unrolled_prefetch,
-                                  walks * cdiv(d, block_d), DeviceFacts.of(x.device).num_sms,
-                                  max(1, block_d // lanes), t.mamba1_unrolled_warps)
+    blocks, sms = cdiv(d, block_d), DeviceFacts.of(x.device).num_sms
+    requests = query_start_loc.shape[0] - 1
+    segment = mamba1_segment(requests, x.shape[0], max_query_len, blocks, sms,
+                             t.mamba1_unrolled_segment, t.mamba1_walk_min_programs)
+    walks = cdiv(x.shape[0], segment) if segment else requests
+    ahead = mamba1_walk_read_ahead(A.shape[1], t.mamba1_unrolled_prefetch, walks * blocks, sms,
+                                   max(1, block_d // (32 * t.mamba1_unrolled_warps)),
+                                   t.mamba1_unrolled_warps)
+    return segment, ahead
 
 
 def _fake(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, state_indices,
