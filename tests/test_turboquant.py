@@ -600,25 +600,27 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     slots, more splits than keys in short rows, a padded row (past ``query_start_loc[-1]``)
     zero; what it serves."""
     from attn_ops.backends.turboquant import cuda_decode
+    from attn_ops.tuning import default_tuning
 
     impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, 128, 8, 2, torch.float32,
                                                              "cpu", rounded=True)
     preset = tq.PRESETS[kv_dtype]
     monkeypatch.setattr(cuda_decode, "_module", lambda: type("M", (), {
         "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine)}))
-    monkeypatch.setattr(cuda_decode, "_MIN_SPLIT_KEYS", 64)  # (splits of 64 keys, 16 a warp)
+    tuning = default_tuning().with_(triton=dict(turboquant_cuda_split_keys=64))  # (16 a warp)
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
     codebook = tq.codebook(128, tq.PRESETS[kv_dtype].key_bits % 8 or 4)[0]
     cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,
-                                       meta.block_table, out, lse, impl.scale, preset, codebook)
-    assert cuda_decode._splits(5, 2, meta.block_table.shape[1] * cache.shape[2], 8)[0] > 1
+                                       meta.block_table, out, lse, impl.scale, preset, codebook,
+                                       tuning)
+    assert cuda_decode._splits(5, 2, meta.block_table.shape[1] * cache.shape[2], 8, 64)[0] > 1
     torch.testing.assert_close(out, want.to(out.dtype), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     padded = meta.query_start_loc.clone()
     padded[-1] = 4  # (the last row: padding)
     cuda_decode.turboquant_cuda_decode(q, cache, padded, meta.seq_lens, meta.block_table, out,
-                                       lse, impl.scale, preset, codebook)
+                                       lse, impl.scale, preset, codebook, tuning)
     assert (out[4] == 0).all() and (lse[4] == 0).all()
     torch.testing.assert_close(out[:4], want[:4].to(out.dtype), atol=1e-5, rtol=1e-5)
     assert not cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens, preset)  # (a CPU tensor)

@@ -81,8 +81,10 @@ class TritonTuning:
     # fp8 pairs converted, straight into the tensor-core fragments; built with nvcc on first
     # use) instead of these kernels. sm_90 builds at head dim 128: about 48 (3- and 4-bit
     # keys) / 37 (k8v4) warp instructions a key against the Triton read's 131-168. Off until
-    # run on a GPU.
+    # run on a GPU. Its splits hold at least turboquant_cuda_split_keys keys (a multiple of
+    # 64: a 16-key step for each of a CTA's four warps), as many as give about four CTAs an SM.
     turboquant_cuda_decode: bool = False
+    turboquant_cuda_split_keys: int = 256
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no
@@ -97,6 +99,9 @@ class TritonTuning:
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.triton.{name}={v} must be a power of two >= {low}")
+        if self.turboquant_cuda_split_keys < 64 or self.turboquant_cuda_split_keys % 64:
+            raise ValueError(f"tuning.triton.turboquant_cuda_split_keys="
+                             f"{self.turboquant_cuda_split_keys} must be a positive multiple of 64")
 
 
 @dataclass(frozen=True)

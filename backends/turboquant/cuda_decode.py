@@ -22,7 +22,6 @@ __all__ = ["cuda_decode_serves", "turboquant_cuda_decode"]
 _SOURCE = Path(__file__).with_name("decode_kernels.cu")
 _WARPS = 4  # (the kernel's warps a CTA, each a split)
 _HEAD_DIMS = (64, 128, 256)
-_MIN_SPLIT_KEYS = 256  # (64 a warp)
 
 
 def cuda_decode_serves(query, kv_cache, seq_lens, preset) -> bool:
@@ -47,24 +46,27 @@ def _module():
                 extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
 
 
-def _splits(rows: int, kv_heads: int, capacity: int, num_sms: int) -> tuple[int, int]:
+def _splits(rows: int, kv_heads: int, capacity: int, num_sms: int,
+            split_keys: int) -> tuple[int, int]:
     """``(splits, keys a split)``: about four CTAs an SM over the step's (request, KV head)
-    pairs, each split at least :data:`_MIN_SPLIT_KEYS` of the table's ``capacity``."""
+    pairs, each split at least ``split_keys`` (``Tuning.triton.turboquant_cuda_split_keys``)
+    of the table's ``capacity``."""
     want = max(1, -(-4 * num_sms // max(1, rows * kv_heads)))
-    most = max(1, capacity // _MIN_SPLIT_KEYS)
-    splits = min(want, most)
+    splits = min(want, max(1, capacity // split_keys))
     keys = -(-capacity // splits)
     return splits, -(-keys // 64) * 64
 
 
 def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
-                           scale: float, preset, codebook: torch.Tensor) -> None:
+                           scale: float, preset, codebook: torch.Tensor, tuning=None) -> None:
     """``out [rows, Hq, D]`` (and ``lse [rows, Hq]``, natural log) of a uniform decode step
     over a TurboQuant cache, row ``i`` request ``i``'s query; rows from
     ``query_start_loc[-1]`` on (a padded batch's) and rows without keys zero (inputs already
-    checked; see :func:`cuda_decode_serves`)."""
+    checked; see :func:`cuda_decode_serves`), under ``tuning`` (a
+    :class:`~attn_ops.tuning.Tuning`; default: this machine's)."""
     from attn_ops.backends.turboquant.format import hadamard
     from attn_ops.routing import DeviceFacts
+    from attn_ops.tuning import default_tuning
 
     rows, heads, d = query.shape
     kv_heads, page = kv_cache.shape[1], kv_cache.shape[2]
@@ -75,7 +77,8 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     q_in = query if fp8_keys else query.float() @ hadamard(d, query.device)
     q_in = q_in.to(low).contiguous()
     splits, keys = _splits(rows, kv_heads, block_table.shape[1] * page,
-                           DeviceFacts.of(query.device).num_sms)
+                           DeviceFacts.of(query.device).num_sms,
+                           (tuning or default_tuning()).triton.turboquant_cuda_split_keys)
     parts = splits * _WARPS
     part_out = torch.empty(rows, heads, parts, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, parts, dtype=torch.float32, device=query.device)

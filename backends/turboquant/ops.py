@@ -173,12 +173,13 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
                                                           turboquant_cuda_decode)
     from attn_ops.tuning import default_tuning
 
-    preset = _preset(kv_cache_dtype, "turboquant_attention")
-    if default_tuning().triton.turboquant_cuda_decode and cuda_decode_serves(
-            query, kv_cache, seq_lens, preset):
+    preset, tuning = _preset(kv_cache_dtype, "turboquant_attention"), default_tuning()
+    if tuning.triton.turboquant_cuda_decode and cuda_decode_serves(query, kv_cache, seq_lens,
+                                                                   preset):
         return turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table,
                                       out, lse, scale, preset,
-                                      _codebook(kv_cache_dtype, query.shape[-1], query.device))
+                                      _codebook(kv_cache_dtype, query.shape[-1], query.device),
+                                      tuning)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, None, None, None, None, scale, None, None, True,
                            turboquant=(preset, _codebook(kv_cache_dtype, query.shape[-1],
