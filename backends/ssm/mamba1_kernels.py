@@ -486,7 +486,7 @@ def mamba1_segment_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, dtb_
                           OUTPUT: tl.constexpr, Y_PARTS: tl.constexpr,
                           L2_AHEAD: tl.constexpr):
     """Per segment and block of channels, token by token with ``d_state`` unrolled
-    (:func:`~attn_ops.backends.ssm.triton_kernels._mamba1_walk`): without ``OUTPUT``, the
+    (:func:`_mamba1_walk`): without ``OUTPUT``, the
     segment's state from zero into ``hs[c]`` (``[segments, N, d_inner]``, channels fastest)
     and its summed time steps into ``sum[c]``; with ``OUTPUT``, its outputs from its start
     state ``hs[c]`` (which the chain wrote over the local one)."""
