@@ -42,7 +42,10 @@ def main() -> None:
                         default=["1x131072", "8x32768", "64x32768", "128x32768", "128x131072",
                                  "4096x4096", "16384x16384"])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--topk", type=int, default=2048,
+                        help="2048: DeepSeek-V3.2; 512: DeepSeek-V4's C4A layers")
     args = parser.parse_args()
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
@@ -52,7 +55,7 @@ def main() -> None:
         inputs, key_bytes = case(rows, ctx)
 
         def fn():
-            return indexer_topk_device(*inputs, 2048)
+            return indexer_topk_device(*inputs, args.topk)
 
         fn()
         torch.cuda.synchronize()
@@ -67,7 +70,17 @@ def main() -> None:
               f" -> {key_bytes / 4.27e6:.1f} us at 4.27 TB/s")
         for key, t, n in sorted(found, key=lambda r: -r[1])[:8]:
             print(f"   {t:9.1f} us  x{n:<3d} {key[:80]}")
-
+        # each launch of a call in its order (the select's passes share one kernel name)
+        launches = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                          key=lambda e: e.time_range.start)
+        per = len(launches) // args.iters
+        if per * args.iters == len(launches):
+            steps = []
+            for i in range(per):
+                us = sum(launches[k * per + i].time_range.elapsed_us()
+                         for k in range(args.iters)) / args.iters
+                steps.append(f"{launches[i].name.split('(')[0][:20]} {us:.1f} us")
+            print("    in order: " + ", ".join(steps))
 
 if __name__ == "__main__":
     main()
