@@ -97,6 +97,9 @@ class MLATuning:
     # three later passes 72 -> 38 µs at 128 x 32k); the first pass counts every key.
     index_atomic_from_pass: int = 1
     index_select_programs_per_sm: int = 8
+    # The select's warps a program: each program first descends its row's digit histograms
+    # (256 bins a pass, scans and reductions across the program's warps), then reads its span.
+    index_select_warps: int = 4
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of
     # 128 channels, one a head at head dim 128) and multiplies fp8 by fp8 on the tensor cores
@@ -117,6 +120,9 @@ class MLATuning:
             raise ValueError(f"tuning.mla.index_select_block={self.index_select_block} must be "
                              "in [1, 65536): the select's write packs two counts of a block in "
                              "one int32 scan")
+        if self.index_select_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"tuning.mla.index_select_warps={self.index_select_warps} must be "
+                             "1, 2, 4, 8 or 16")
         if not 0 <= self.index_atomic_from_pass <= 4:
             raise ValueError(f"tuning.mla.index_atomic_from_pass={self.index_atomic_from_pass} "
                              "must be 0-3 (a pass of the select) or 4 (none)")

@@ -451,18 +451,19 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     blocks = cdiv(positions, span)
     if blocks * span < topk:  # (columns no span's program reaches)
         out[:, blocks * span:].fill_(-1)
-    grid = (rows, blocks)
+    grid, warps = (rows, blocks), tuning.index_select_warps
     if hist is None:
         hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
     for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
-                               BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass)
+                               BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
+                               num_warps=warps)
     counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
     topk_count_kernel[grid](scores, vis, hist, counts, row0, topk, span, blocks,
-                            scores.stride(0), BLOCK=block)
+                            scores.stride(0), BLOCK=block, num_warps=warps)
     topk_write_kernel[grid](scores, vis, hist, counts, out, row0, topk, span, blocks,
                             scores.stride(0), out.stride(0), BLOCK=block,
-                            BLOCKS_P=pow2(blocks, 1))
+                            BLOCKS_P=pow2(blocks, 1), num_warps=warps)
 
 
 @triton.jit
