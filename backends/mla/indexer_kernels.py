@@ -13,9 +13,8 @@ for each query row of ``vis`` visible positions (its position + 1; 0 for padding
    four 256-bin histograms of 8-bit digits from the top, each of the next digit among the
    keys sharing the digits decided so far (:func:`topk_hist_kernel` launches, the later
    ones by an atomic add a key; or the first added by the scoring as it stores the scores),
-   give the ``topk``-th key ``T`` and how many keys equal to it the row takes -- each pass's
-   last program of a row descends its digit once, into the row's state, so no program reads
-   the histograms back (:func:`_flush_and_resolve`); :func:`topk_count_kernel` counts each
+   give the ``topk``-th key ``T``
+   and how many keys equal to it the row takes; :func:`topk_count_kernel` counts each
    span's keys above and equal to ``T``, and :func:`topk_write_kernel`, from the counts of
    the spans before its own, writes the positions above ``T`` and the first of those equal
    to it: ascending, equal scores keeping the lower position (the reference's stable sort).
@@ -42,12 +41,6 @@ __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
 
 ROWS_A_PASS = 2048
 _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
-# A row's select state, int32 words: four passes' 256 digit bins, each pass's tickets, then the
-# decided prefix of its top-k-th key and how many keys of that prefix it takes.
-HIST_ROW = 4 * 256 + 8
-_ROW = tl.constexpr(HIST_ROW)
-_TICKETS = tl.constexpr(4 * 256)
-_PREFIX = tl.constexpr(4 * 256 + 4)
 
 
 @triton.jit
@@ -59,32 +52,22 @@ def _order_key(s):
 
 
 @triton.jit
-def _flush_and_resolve(hrow, local, topk, PASS: tl.constexpr, FLUSH: tl.constexpr):
-    """End of a program of pass ``PASS`` over row ``hrow`` (its :data:`HIST_ROW` words): add
-    its histogram ``local`` into the row's bins (``FLUSH``; else its keys added their own),
-    then take a ticket; the row's last program to finish descends one digit -- the bin of the
-    row's ``topk``-th key among those sharing the decided digits -- into the row's state
-    (``prefix`` and the ``remaining`` keys of that prefix it takes), which every program of
-    the next launch reads instead of descending the histograms itself."""
+def _descend(hist_ptr, topk, PASSES: tl.constexpr):
+    """From a row's first ``PASSES`` 8-bit digit histograms: the decided high bits of its
+    ``topk``-th key and how many keys sharing them it still takes."""
     bins = tl.arange(0, 256)
-    if FLUSH:
-        tl.atomic_add(hrow + PASS * 256 + bins, local, mask=local > 0)
-    # (every thread's adds performed before the ticket; the last program then sees them all)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(hrow + _TICKETS + PASS, 1, sem="acq_rel")
-    if ticket == tl.num_programs(1) - 1:
-        hist = tl.load(hrow + PASS * 256 + bins, volatile=True)
-        if PASS == 0:
-            prefix = tl.full([], 0, tl.int32)
-            remaining = tl.minimum(tl.sum(hist, axis=0), topk)
-        else:
-            prefix = tl.load(hrow + _PREFIX)
-            remaining = tl.load(hrow + _PREFIX + 1)
-        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # (this digit or above)
+    prefix = tl.full([], 0, tl.int32)
+    remaining = tl.full([], 0, tl.int32) + topk
+    for p in tl.static_range(PASSES):
+        hist = tl.load(hist_ptr + p * 256 + bins)
+        total = tl.sum(hist, axis=0)
+        if p == 0:
+            remaining = tl.minimum(remaining, total)
+        suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
         digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
         remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        tl.store(hrow + _PREFIX, prefix | (digit << (24 - 8 * PASS)))
-        tl.store(hrow + _PREFIX + 1, remaining)
+        prefix = prefix | (digit << (24 - 8 * p))
+    return prefix, remaining
 
 
 @triton.jit
@@ -93,6 +76,12 @@ def _histogram(u, ok, PASS: tl.constexpr):
     ``u`` where ``ok`` (the others counted in bin 0, then taken out of it)."""
     local = tl.histogram(tl.where(ok, (u >> (24 - 8 * PASS)) & 255, 0), 256)
     return local - tl.where(tl.arange(0, 256) == 0, tl.sum((ok == 0).to(tl.int32), axis=0), 0)
+
+
+@triton.jit
+def _flush_histogram(hist_ptr, local, PASS: tl.constexpr):
+    """Add a program's histogram into its row's pass ``PASS`` bins."""
+    tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), local, mask=local > 0)
 
 
 @triton.jit
@@ -171,15 +160,15 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
         if HIST:
             local += _histogram(_order_key(score), ok, 0)
     if HIST:
-        _flush_and_resolve(hist_ptr + i.to(tl.int64) * _ROW, local, topk, 0, True)
+        _flush_histogram(hist_ptr + i.to(tl.int64) * (4 * 256), local, 0)
 
 
 @triton.jit
 def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
                      PASS: tl.constexpr, BLOCK: tl.constexpr, ATOMIC: tl.constexpr):
     """Program ``(i, b)``: pass ``PASS``'s digit histogram of row ``i``'s keys in ``[b * span,
-    (b + 1) * span)`` that share the digits decided so far (the row's state), added into
-    its pass ``PASS`` bins (rows seeing at most ``topk`` positions: none). ``ATOMIC``: each such key adds its own
+    (b + 1) * span)`` that share the digits decided so far, added into ``hist[i, PASS]``
+    (rows seeing at most ``topk`` positions: none). ``ATOMIC``: each such key adds its own
     count to the row's bins -- for the later passes, where few keys still share the decided
     digits, cheaper than a block's histogram (about a hundred integer operations a key)."""
     i = tl.program_id(0)
@@ -187,8 +176,8 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
     n = tl.where(vis > topk, vis, 0)
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, n)
-    hrow = hist_ptr + i.to(tl.int64) * _ROW
-    prefix = tl.load(hrow + _PREFIX)  # (pass 0: its digits are all still to decide)
+    hrow = hist_ptr + i.to(tl.int64) * (4 * 256)
+    prefix, _ = _descend(hrow, topk, PASS)
     src = scores_ptr + i.to(tl.int64) * stride_s
     local = tl.zeros([256], tl.int32)
     for start in range(lo, hi, BLOCK):
@@ -202,7 +191,8 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
                           sem="relaxed")
         else:
             local += _histogram(u, ok, PASS)
-    _flush_and_resolve(hrow, local, topk, PASS, not ATOMIC)
+    if not ATOMIC:
+        _flush_histogram(hrow, local, PASS)
 
 
 @triton.jit
@@ -216,7 +206,8 @@ def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, spa
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
-    threshold = tl.load(hist_ptr + i.to(tl.int64) * _ROW + _PREFIX) ^ _SIGN  # (compared as a signed int32: the same order)
+    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * (4 * 256), topk, 4)
+    threshold = prefix ^ _SIGN  # (compared as a signed int32: the same order)
     src = scores_ptr + i.to(tl.int64) * stride_s
     above = tl.full([], 0, tl.int32)
     equal = tl.full([], 0, tl.int32)
@@ -243,9 +234,8 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, 
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
-    state = hist_ptr + i.to(tl.int64) * _ROW + _PREFIX
-    threshold = tl.load(state) ^ _SIGN
-    remaining = tl.load(state + 1)
+    prefix, remaining = _descend(hist_ptr + i.to(tl.int64) * (4 * 256), topk, 4)
+    threshold = prefix ^ _SIGN
     src = scores_ptr + i.to(tl.int64) * stride_s
     dst = out_ptr + i.to(tl.int64) * stride_o
     spans = tl.arange(0, BLOCKS_P)
@@ -431,7 +421,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         n = min(ROWS_A_PASS, t - r0)
         span = chunk or indexer_score_chunk(n, num_positions, block_n, sms, tuning)
         scores = torch.empty(n, num_positions, dtype=torch.float32, device=q.device)
-        hist = torch.zeros(n, HIST_ROW, dtype=torch.int32, device=q.device)
+        hist = torch.zeros(n, 4, 256, dtype=torch.int32, device=q.device)
         index_score_kernel[(n, cdiv(num_positions, span))](
             q, w, keys, scales if scales is not None else w, block_table, req, vis, scores,
             hist, r0, topk, span, keys.shape[0], q.stride(0), q.stride(1), w.stride(0),
@@ -451,10 +441,10 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
 def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None,
             first: int = 0) -> None:
     """``out`` [rows, topk] (any contents): each row's top-k of ``scores`` (its first ``vis``
-    entries), -1 after a row's last -- four digit histograms into ``hist`` [rows,
-    :data:`HIST_ROW`] (zeroed; or with the first ``first`` passes already done by the same
-    spans' programs: the scoring may add the first), the counts, the write; each launch over
-    (rows x spans of the positions) programs."""
+    entries), -1 after a row's last -- four digit histograms into ``hist`` [rows, 4, 256]
+    (zeroed; or with the first ``first`` passes' already there: the scoring may add the
+    first), the counts, the write; each launch over (rows x spans of the positions)
+    programs."""
     rows, positions = scores.shape
     block = block or tuning.index_select_block  # (below 2^16: MLATuning checks it)
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
@@ -463,7 +453,7 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
         out[:, blocks * span:].fill_(-1)
     grid, warps = (rows, blocks), tuning.index_select_warps
     if hist is None:
-        hist = torch.zeros(rows, HIST_ROW, dtype=torch.int32, device=scores.device)
+        hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
     for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
                                BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
