@@ -344,6 +344,14 @@ __global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
   }
 }
 
+// The output's dtype from fp32, rounded to nearest (torch builds extensions without the
+// implicit half / bfloat16 conversions).
+__device__ __forceinline__ void store_out(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_out(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+
 // The splits merged: out[row, head] = sum_p w_p o_p / sum_p w_p with w_p = exp(lse_p - max),
 // lse = max + log sum_p w_p; rows from query_start_loc[-1] on (padding) and rows without keys
 // zero. One CTA a (head, row); `out` [rows, heads, D] at its strides, in its dtype.
@@ -368,7 +376,7 @@ __global__ void tq_combine_kernel(const float* __restrict__ part_out,
       const float* o = part_out + at * parts * d + c;
       for (int i = 0; i < parts; ++i) acc += __expf(l[i] - top) * o[(int64_t)i * d];
     }
-    dst[c] = static_cast<T>(acc * inv);
+    store_out(dst + c, acc * inv);
   }
   if (lse != nullptr && threadIdx.x == 0) lse[at] = live ? top + __logf(total) : 0.f;
 }
