@@ -99,6 +99,7 @@ class MLATuning:
     index_select_programs_per_sm: int = 8
     # The select's warps a program: each program first descends its row's digit histograms
     # (256 bins a pass, scans and reductions across the program's warps), then reads its span.
+    # H100, top-k 512 (docs/tuning.md): 4 fastest, 1 warp 24% slower at 8 x 256k.
     index_select_warps: int = 4
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of
