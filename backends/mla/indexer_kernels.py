@@ -13,8 +13,9 @@ for each query row of ``vis`` visible positions (its position + 1; 0 for padding
    four 256-bin histograms of 8-bit digits from the top, each of the next digit among the
    keys sharing the digits decided so far (:func:`topk_hist_kernel` launches, the later
    ones by an atomic add a key; or the first added by the scoring as it stores the scores),
-   give the ``topk``-th key ``T``
-   and how many keys equal to it the row takes; :func:`topk_count_kernel` counts each
+   give the ``topk``-th key ``T`` and how many keys equal to it the row takes (each launch's
+   programs descend one histogram, from the state the launch before stored:
+   :func:`_descend`); :func:`topk_count_kernel` counts each
    span's keys above and equal to ``T``, and :func:`topk_write_kernel`, from the counts of
    the spans before its own, writes the positions above ``T`` and the first of those equal
    to it: ascending, equal scores keeping the lower position (the reference's stable sort).
@@ -41,6 +42,11 @@ __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
 
 ROWS_A_PASS = 2048
 _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
+# A row's select, int32 words: the four passes' 256 digit bins, then the state after each pass
+# (the decided prefix of its top-k-th key, how many keys of that prefix it takes).
+HIST_ROW = 4 * 256 + 8
+_ROW = tl.constexpr(HIST_ROW)
+_STATE = tl.constexpr(4 * 256)
 
 
 @triton.jit
@@ -52,21 +58,27 @@ def _order_key(s):
 
 
 @triton.jit
-def _descend(hist_ptr, topk, PASSES: tl.constexpr):
-    """From a row's first ``PASSES`` 8-bit digit histograms: the decided high bits of its
-    ``topk``-th key and how many keys sharing them it still takes."""
+def _descend(hrow, topk, PASS: tl.constexpr):
+    """One digit down a row's select (``hrow``: its :data:`HIST_ROW` words): from the state
+    after pass ``PASS - 1`` (the decided high bits of its ``topk``-th key and how many keys
+    sharing them it still takes; none before pass 0) and pass ``PASS``'s histogram, the state
+    after pass ``PASS``, stored for the launch after this one. Every program of a launch
+    stores the same values, so each descends one histogram, not all of those before it."""
     bins = tl.arange(0, 256)
-    prefix = tl.full([], 0, tl.int32)
-    remaining = tl.full([], 0, tl.int32) + topk
-    for p in tl.static_range(PASSES):
-        hist = tl.load(hist_ptr + p * 256 + bins)
-        total = tl.sum(hist, axis=0)
-        if p == 0:
-            remaining = tl.minimum(remaining, total)
-        suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
-        digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
-        remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        prefix = prefix | (digit << (24 - 8 * p))
+    hist = tl.load(hrow + PASS * 256 + bins)
+    total = tl.sum(hist, axis=0)
+    if PASS == 0:
+        prefix = tl.full([], 0, tl.int32)
+        remaining = tl.minimum(total, topk)
+    else:
+        prefix = tl.load(hrow + _STATE + 2 * (PASS - 1))
+        remaining = tl.load(hrow + _STATE + 2 * (PASS - 1) + 1)
+    suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
+    digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
+    remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+    prefix = prefix | (digit << (24 - 8 * PASS))
+    tl.store(hrow + _STATE + 2 * PASS, prefix)
+    tl.store(hrow + _STATE + 2 * PASS + 1, remaining)
     return prefix, remaining
 
 
@@ -160,7 +172,7 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
         if HIST:
             local += _histogram(_order_key(score), ok, 0)
     if HIST:
-        _flush_histogram(hist_ptr + i.to(tl.int64) * (4 * 256), local, 0)
+        _flush_histogram(hist_ptr + i.to(tl.int64) * _ROW, local, 0)
 
 
 @triton.jit
@@ -176,8 +188,10 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
     n = tl.where(vis > topk, vis, 0)
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, n)
-    hrow = hist_ptr + i.to(tl.int64) * (4 * 256)
-    prefix, _ = _descend(hrow, topk, PASS)
+    hrow = hist_ptr + i.to(tl.int64) * _ROW
+    prefix = tl.full([], 0, tl.int32)
+    if PASS > 0:
+        prefix, _ = _descend(hrow, topk, PASS - 1)
     src = scores_ptr + i.to(tl.int64) * stride_s
     local = tl.zeros([256], tl.int32)
     for start in range(lo, hi, BLOCK):
@@ -206,7 +220,7 @@ def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, spa
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
-    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * (4 * 256), topk, 4)
+    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * _ROW, topk, 3)
     threshold = prefix ^ _SIGN  # (compared as a signed int32: the same order)
     src = scores_ptr + i.to(tl.int64) * stride_s
     above = tl.full([], 0, tl.int32)
@@ -234,8 +248,9 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, 
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
-    prefix, remaining = _descend(hist_ptr + i.to(tl.int64) * (4 * 256), topk, 4)
-    threshold = prefix ^ _SIGN
+    state = hist_ptr + i.to(tl.int64) * _ROW + _STATE + 2 * 3  # (the count launch's)
+    threshold = tl.load(state) ^ _SIGN
+    remaining = tl.load(state + 1)
     src = scores_ptr + i.to(tl.int64) * stride_s
     dst = out_ptr + i.to(tl.int64) * stride_o
     spans = tl.arange(0, BLOCKS_P)
@@ -421,7 +436,7 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
         n = min(ROWS_A_PASS, t - r0)
         span = chunk or indexer_score_chunk(n, num_positions, block_n, sms, tuning)
         scores = torch.empty(n, num_positions, dtype=torch.float32, device=q.device)
-        hist = torch.zeros(n, 4, 256, dtype=torch.int32, device=q.device)
+        hist = torch.zeros(n, HIST_ROW, dtype=torch.int32, device=q.device)
         index_score_kernel[(n, cdiv(num_positions, span))](
             q, w, keys, scales if scales is not None else w, block_table, req, vis, scores,
             hist, r0, topk, span, keys.shape[0], q.stride(0), q.stride(1), w.stride(0),
@@ -441,10 +456,10 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
 def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None,
             first: int = 0) -> None:
     """``out`` [rows, topk] (any contents): each row's top-k of ``scores`` (its first ``vis``
-    entries), -1 after a row's last -- four digit histograms into ``hist`` [rows, 4, 256]
-    (zeroed; or with the first ``first`` passes' already there: the scoring may add the
-    first), the counts, the write; each launch over (rows x spans of the positions)
-    programs."""
+    entries), -1 after a row's last -- four digit histograms into ``hist`` [rows,
+    :data:`HIST_ROW`] (zeroed; or with the first ``first`` passes' already there: the scoring
+    may add the first), the counts, the write; each launch over (rows x spans of the
+    positions) programs."""
     rows, positions = scores.shape
     block = block or tuning.index_select_block  # (below 2^16: MLATuning checks it)
     span = span or indexer_select_span(rows, positions, block, sms, tuning)
@@ -453,7 +468,7 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
         out[:, blocks * span:].fill_(-1)
     grid, warps = (rows, blocks), tuning.index_select_warps
     if hist is None:
-        hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
+        hist = torch.zeros(rows, HIST_ROW, dtype=torch.int32, device=scores.device)
     for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
                                BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
