@@ -16,8 +16,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """transformers' attention-function contract: ``query [B, Hq, Sq, D]``, ``key`` /
     ``value [B, Hkv, Skv, D(v)]`` -> ``(out [B, Sq, Hq, Dv], None)`` (module docstring)."""
-    from attn_ops.kv_cache import kv_cache_update
-
     if dropout and module.training:
         raise ValueError(f"attn_ops ({_where(module)}): dropout={dropout} in training: attn_ops "
                          "serves inference; call model.eval() or use 'sdpa' to train")
@@ -35,6 +33,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     owned = _take_handover(key)
     if owned is not None:  # (key / value: the new tokens; the history is in owned's pages)
         return owned.attend(module, layer, query, key, value, attention_mask), None
+    from attn_ops.kv_cache import kv_cache_update
+
     out = query.new_zeros(b * sq, hq, value.shape[3])
     plan = _call_plan(attention_mask, b, sq, skv, layer.block_size, module, query.device)
     if plan is not None:

@@ -38,14 +38,17 @@ def _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux):
     built once for the call's shapes, options and device and kept on it (a spec validated
     once, not at every call; a model kept on the CPU of a GPU machine runs the CPU's
     backends), its sinks set to the call's ``s_aux``."""
-    from attn_ops.layers.attention import Attention
-    from attn_ops.platforms import platform_of
-
-    call = (query.shape[1], query.shape[3], key.shape[1], value.shape[3], query.dtype,
-            query.device, scaling, sliding_window, softcap, s_aux is None)
-    layers = module.__dict__.setdefault(_LAYERS_ATTR, {})
+    qs = query.shape
+    call = (qs[1], qs[3], key.shape[1], value.shape[3], query.dtype, query.device, scaling,
+            sliding_window, softcap, s_aux is None)
+    layers = module.__dict__.get(_LAYERS_ATTR)
+    if layers is None:
+        layers = module.__dict__[_LAYERS_ATTR] = {}
     layer = layers.get(call)
     if layer is None:
+        from attn_ops.layers.attention import Attention
+        from attn_ops.platforms import platform_of
+
         spec = spec_of_call(module, query, key, value, scaling, sliding_window, softcap, s_aux)
         try:
             layer = Attention(spec, _CONFIG["config"],
@@ -55,9 +58,10 @@ def _layer(module, query, key, value, scaling, sliding_window, softcap, s_aux):
         layers[call] = layer
     # (the sinks copied when they are another tensor or changed in place since: a copy a
     # layer every step would cost two launches)
+    if s_aux is None:
+        return layer
     seen = layer.__dict__.get("_hf_sinks_of")
-    if s_aux is not None and (seen is None or seen[0]() is not s_aux
-                              or seen[1] != s_aux._version):
+    if seen is None or seen[0]() is not s_aux or seen[1] != s_aux._version:
         with torch.no_grad():
             layer.sinks.copy_(s_aux.detach().float())
         layer.__dict__["_hf_sinks_of"] = (weakref.ref(s_aux), s_aux._version)
@@ -150,7 +154,10 @@ def _slots(pages: _ScratchPages, order, counts: list[int], device) -> torch.Tens
 
 
 def _rows_of(x: torch.Tensor) -> torch.Tensor:
-    """``[B, H, S, D]`` (HF's layout) as ``[B * S, H, D]`` rows, row ``b * S + s``."""
+    """``[B, H, S, D]`` (HF's layout) as ``[B * S, H, D]`` rows, row ``b * S + s`` (a view
+    at ``S = 1``: one op where a decode step's layer calls it three times)."""
+    if x.shape[2] == 1:
+        return x.select(2, 0)
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 

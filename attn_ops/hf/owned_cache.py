@@ -3,6 +3,8 @@ pages for its lifetime (the package docstring)."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -17,8 +19,6 @@ _HANDED: dict[int, tuple] = {}
 def _hand_over(key: torch.Tensor, layer) -> None:
     """``layer`` (of an :func:`cache`) returned ``key`` from its ``update``: the attention call
     that receives this very tensor reads the history from the layer's pages."""
-    import weakref
-
     for k in [k for k, (ref, _) in _HANDED.items() if ref() is None]:
         del _HANDED[k]
     _HANDED[id(key)] = (weakref.ref(key), layer)
@@ -62,10 +62,10 @@ class _Steps:
         self.stream = None  # (the side stream graphs are captured on)
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
-        from attn_ops.kv_cache import BlockAllocator
-
         state = self.by_page.get(page)
         if state is None:
+            from attn_ops.kv_cache import BlockAllocator
+
             blocks = self.batch * -(-self.max_tokens // page)
             state = self.by_page[page] = dict(blocks=blocks, alloc=BlockAllocator(blocks, page),
                                               written=[0] * self.batch, plan=None, capacity=0)
@@ -143,10 +143,10 @@ class _Steps:
         backend's metadata built from them once (host planning included) for the layers
         sharing its key. The buffers are as wide as a row of ``max_tokens`` needs, so the
         graphs stay valid as the rows grow."""
-        from attn_ops.cudagraph import CUDAGraphBatch
-
         state, step = self.by_page[page], plan["graph"]
         if step["padded"] is None:
+            from attn_ops.cudagraph import CUDAGraphBatch
+
             _, seq, table, _, capacity, device = plan["meta_of"]
             if state.get("graphs") is None:
                 state["graphs"] = CUDAGraphBatch((self.batch,), -(-self.max_tokens // page), page,
@@ -289,14 +289,13 @@ def _layer_class():
                 raise ValueError(f"attn_ops cache ({_where(module)}): {key.shape[2]} new keys "
                                  f"for {sq} queries")
             self.pending = False
-            plan = self.steps.plan(self.length, layer.block_size, mask, sq, module,
-                                   query.device)
+            page = layer.block_size
+            plan = self.steps.plan(self.length, page, mask, sq, module, query.device)
             if self.kv is None or self.kv.shape[0] != plan["capacity"]:
                 self.kv = _grown(layer, self.kv, plan["capacity"], query.device)
             rows = plan["rows"]
             if plan["graph"] is not None and layer.cudagraph_support >= _DECODE_GRAPHS:
-                got = self._graphed(layer, self.steps.graph_metadata(plan, layer,
-                                                                     layer.block_size),
+                got = self._graphed(layer, self.steps.graph_metadata(plan, layer, page),
                                     _rows_of(query), _rows_of(key), _rows_of(value))
                 return got.to(query.dtype).view(b, sq, hq, value.shape[3])
             if rows is None:  # (every row's every token, in order: a decode step, say)
