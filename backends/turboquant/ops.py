@@ -174,16 +174,14 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     from attn_ops.tuning import default_tuning
 
     preset, tuning = _preset(kv_cache_dtype, "turboquant_attention"), default_tuning()
+    codebook = _codebook(kv_cache_dtype, query.shape[-1], query.device)
     if tuning.triton.turboquant_cuda_decode and cuda_decode_serves(query, kv_cache, seq_lens,
                                                                    preset):
         return turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table,
-                                      out, lse, scale, preset,
-                                      _codebook(kv_cache_dtype, query.shape[-1], query.device),
-                                      tuning)
+                                      out, lse, scale, preset, codebook, tuning)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
                            lse, None, None, None, None, scale, None, None, True,
-                           turboquant=(preset, _codebook(kv_cache_dtype, query.shape[-1],
-                                                         query.device)))
+                           turboquant=(preset, codebook))
 
 
 def _attention_impl(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out, lse,
