@@ -1093,14 +1093,24 @@ def test_the_route_keeps_flashmla_to_batches_its_tile_scheduler_takes():
     assert big.kernel is Kernel.FLASHINFER_MLA_FA3
 
 
-def test_flashmla_refuses_more_requests_than_its_scheduler_takes(flashmla_h200, monkeypatch):
-    from attn_ops.backends.mla import flashmla
+def test_flashmla_refuses_more_requests_than_its_scheduler_takes(flashmla_h200):
+    """One request past the bound (the op's glue called with FLASHMLA_MAX_ROWS + 1 decode rows:
+    the count is read before any other input) is refused, naming both numbers and the fix."""
+    from attn_ops.backends.mla.flashmla import absorbed_flashmla
+    from attn_ops.routing import FLASHMLA_MAX_ROWS
 
-    platform, _ = flashmla_h200
-    monkeypatch.setattr(flashmla, "FLASHMLA_MAX_ROWS", 2)
-    with pytest.raises(ValueError, match="3 requests in one step's absorbed part; FlashMLA's "
-                       "tile scheduler takes at most 2"):
-        _matches_reference_at_fm_widths("FLASHMLA", platform, [(70, 1), (130, 1), (5, 1)])
+    b = FLASHMLA_MAX_ROWS + 1
+    ql, q_pe = torch.zeros(b, 16, 512, dtype=torch.float16), torch.zeros(b, 16, 64,
+                                                                          dtype=torch.float16)
+    ones = torch.ones(b, dtype=torch.int32)
+    plan = types.SimpleNamespace(absorbed_max_query_len=1)
+    with pytest.raises(ValueError, match=f"{b} requests in one step's absorbed part; FlashMLA's "
+                       f"tile scheduler takes at most {FLASHMLA_MAX_ROWS} .*use "
+                       "COMPOSITE_MLA_SM90 / FLASHINFER_MLA"):
+        absorbed_flashmla(ql, q_pe, torch.zeros(1, 64, 576, dtype=torch.float16),
+                          torch.arange(b + 1, dtype=torch.int32), ones,
+                          torch.zeros(b, 1, dtype=torch.int32), torch.empty_like(ql), None,
+                          1.0, plan)
 
 
 def test_flashmla_and_fa3_mla_are_selected_only_where_they_run_after_flashinfer_mla(

@@ -243,6 +243,7 @@ def test_mamba1_op_counts_its_programs_for_the_walk_rule():
     t = SSMTuning(mamba1_unrolled_block_d=128, mamba1_unrolled_segment=256,
                   mamba1_walk_min_programs=1)
     qsl = torch.tensor([0, 100, 200])
+
     def _segment(x, qsl, longest, t):
         return _walk_plan(x, torch.zeros(1, 16), qsl, longest, t)[0]
 
