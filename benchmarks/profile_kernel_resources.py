@@ -157,6 +157,21 @@ def _index_score():
     return index_score_kernel, points
 
 
+SELECT_TYPES = {"scores_ptr": "*fp32", "vis_ptr": "*i32", "hist_ptr": "*i32",
+                "counts_ptr": "*i32", "out_ptr": "*i32"}
+
+
+def _index_select(name: str, **consts):
+    """(kernel, points) of one of the indexer's top-k select launches (``indexer_kernels.
+    <name>``: fp32 scores, 1024 a tile, 4 warps), its first tile read before the row's
+    histogram state or not (``Tuning.mla.index_select_read_first``)."""
+    from attn_ops.backends.mla import indexer_kernels as ik
+
+    return getattr(ik, name), [("read first" if first else "in order",
+                                dict(consts, BLOCK=1024, READ_FIRST=first), 4)
+                               for first in (True, False)]
+
+
 def _sparse_mla(fp8: bool):
     """(kernel, points) of TRITON_MLA_SPARSE: DeepSeek-V3.2's 128 heads over latents of 512 +
     64 gathered by slot (fp8 e4m3 or bf16), the default tile and a smaller one."""
@@ -225,6 +240,10 @@ def configs() -> dict[str, tuple]:
         "turboquant_write": _turboquant_write(),
         "dsv4_attention": _dsv4_attention(),
         "index_score": _index_score(),
+        "index_hist_pass0": _index_select("topk_hist_kernel", PASS=0, ATOMIC=False),
+        "index_hist_pass2": _index_select("topk_hist_kernel", PASS=2, ATOMIC=True),
+        "index_count": _index_select("topk_count_kernel"),
+        "index_write": _index_select("topk_write_kernel", BLOCKS_P=128),
         "sparse_mla_fp8": _sparse_mla(True),
         "sparse_mla_bf16": _sparse_mla(False),
     }
@@ -372,6 +391,8 @@ def main() -> None:
                                 "mamba1_segment_chain": SEGMENT_TYPES,
                                 "dsv4_attention": DSV4_TYPES,
                                 "index_score": INDEX_TYPES,
+                                **dict.fromkeys(("index_hist_pass0", "index_hist_pass2",
+                                                 "index_count", "index_write"), SELECT_TYPES),
                                 "sparse_mla_fp8": SPARSE_TYPES,
                                 "sparse_mla_bf16": dict(SPARSE_TYPES, cache_ptr="*bf16")
                                 }.get(name),

@@ -101,6 +101,10 @@ class MLATuning:
     # (256 bins a pass, scans and reductions across the program's warps), then reads its span.
     # H100, top-k 512 (docs/tuning.md): 4 fastest, 1 warp 24% slower at 8 x 256k.
     index_select_warps: int = 4
+    # Each select program reads its first tile of scores before it waits on its row's
+    # histogram state (the previous launch's, from L2), and each later tile one iteration
+    # ahead: the two latencies overlap instead of adding up.
+    index_select_read_first: bool = True
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of
     # 128 channels, one a head at head dim 128) and multiplies fp8 by fp8 on the tensor cores

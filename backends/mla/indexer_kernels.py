@@ -97,6 +97,27 @@ def _flush_histogram(hist_ptr, local, PASS: tl.constexpr):
 
 
 @triton.jit
+def _first_tile(src, lo, hi, BLOCK: tl.constexpr, READ_FIRST: tl.constexpr):
+    """A select program's first tile of scores, ``[lo, lo + BLOCK)`` below ``hi``, read before
+    the program waits on its row's histogram state (``READ_FIRST``; else a placeholder
+    :func:`_tile` replaces): the two reads' latencies overlap."""
+    offs = lo + tl.arange(0, BLOCK)
+    if READ_FIRST:
+        return tl.load(src + offs, mask=offs < hi, other=0.0)
+    return tl.zeros([BLOCK], tl.float32)
+
+
+@triton.jit
+def _tile(src, s, offs, hi, BLOCK: tl.constexpr, READ_FIRST: tl.constexpr):
+    """The scores at ``offs`` (below ``hi``) and the next tile's: read one tile ahead (``s``
+    already holds these, :func:`_first_tile`), or this one now (the next: a placeholder)."""
+    if READ_FIRST:
+        after = offs + BLOCK
+        return s, tl.load(src + after, mask=after < hi, other=0.0)
+    return tl.load(src + offs, mask=offs < hi, other=0.0), s
+
+
+@triton.jit
 def _round_to_e4m3(x):
     """``x`` (fp32, ``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, by exact
     arithmetic on its exponent bits (3 mantissa bits; below 2^-6 the subnormals' step 2^-9):
@@ -177,7 +198,8 @@ def index_score_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, req_ptr, v
 
 @triton.jit
 def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
-                     PASS: tl.constexpr, BLOCK: tl.constexpr, ATOMIC: tl.constexpr):
+                     PASS: tl.constexpr, BLOCK: tl.constexpr, ATOMIC: tl.constexpr,
+                     READ_FIRST: tl.constexpr):
     """Program ``(i, b)``: pass ``PASS``'s digit histogram of row ``i``'s keys in ``[b * span,
     (b + 1) * span)`` that share the digits decided so far, added into ``hist[i, PASS]``
     (rows seeing at most ``topk`` positions: none). ``ATOMIC``: each such key adds its own
@@ -189,15 +211,18 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, n)
     hrow = hist_ptr + i.to(tl.int64) * _ROW
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    s = _first_tile(src, lo, hi, BLOCK, READ_FIRST)
     prefix = tl.full([], 0, tl.int32)
     if PASS > 0:
         prefix, _ = _descend(hrow, topk, PASS - 1)
-    src = scores_ptr + i.to(tl.int64) * stride_s
     local = tl.zeros([256], tl.int32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
-        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        s, s_next = _tile(src, s, offs, hi, BLOCK, READ_FIRST)
+        u = _order_key(s)
+        s = s_next
         if PASS > 0:
             ok = ok & ((u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
         if ATOMIC:
@@ -211,7 +236,7 @@ def topk_hist_kernel(scores_ptr, vis_ptr, hist_ptr, row0, topk, span, stride_s,
 
 @triton.jit
 def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, span, blocks,
-                      stride_s, BLOCK: tl.constexpr):
+                      stride_s, BLOCK: tl.constexpr, READ_FIRST: tl.constexpr):
     """Program ``(i, b)``: how many of row ``i``'s keys in its ``b``-th span are above its
     ``topk``-th key and how many equal it, into ``counts[i, 0, b]`` and ``counts[i, 1, b]``."""
     i = tl.program_id(0)
@@ -220,15 +245,18 @@ def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, spa
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    s = _first_tile(src, lo, hi, BLOCK, READ_FIRST)
     prefix, _ = _descend(hist_ptr + i.to(tl.int64) * _ROW, topk, 3)
     threshold = prefix ^ _SIGN  # (compared as a signed int32: the same order)
-    src = scores_ptr + i.to(tl.int64) * stride_s
     above = tl.full([], 0, tl.int32)
     equal = tl.full([], 0, tl.int32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
-        o = _order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN
+        s, s_next = _tile(src, s, offs, hi, BLOCK, READ_FIRST)
+        o = _order_key(s) ^ _SIGN
+        s = s_next
         above += tl.sum((ok & (o > threshold)).to(tl.int32), axis=0)
         equal += tl.sum((ok & (o == threshold)).to(tl.int32), axis=0)
     tl.store(counts_ptr + i.to(tl.int64) * 2 * blocks + b, above)
@@ -237,7 +265,8 @@ def topk_count_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, row0, topk, spa
 
 @triton.jit
 def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, topk, span,
-                      blocks, stride_s, stride_o, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr):
+                      blocks, stride_s, stride_o, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
+                      READ_FIRST: tl.constexpr):
     """Program ``(i, b)``: row ``i``'s chosen positions in its ``b``-th span -- those above
     its ``topk``-th key and the first of those equal to it -- at their ranks in position order
     (from the counts of the spans before it); a row seeing at most ``topk`` positions writes
@@ -248,10 +277,11 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, 
     n = tl.where(vis > topk, vis, 0)
     lo = b * span
     hi = tl.minimum(lo + span, n)
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    s = _first_tile(src, lo, hi, BLOCK, READ_FIRST)
     state = hist_ptr + i.to(tl.int64) * _ROW + _STATE + 2 * 3  # (the count launch's)
     threshold = tl.load(state) ^ _SIGN
     remaining = tl.load(state + 1)
-    src = scores_ptr + i.to(tl.int64) * stride_s
     dst = out_ptr + i.to(tl.int64) * stride_o
     spans = tl.arange(0, BLOCKS_P)
     before = spans < b
@@ -261,7 +291,9 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, 
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
-        o = _order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN
+        s, s_next = _tile(src, s, offs, hi, BLOCK, READ_FIRST)
+        o = _order_key(s) ^ _SIGN
+        s = s_next
         above = ok & (o > threshold)
         eq = ok & (o == threshold)
         # one scan for both: the keys above (low 16 bits) and the equal ones (high), inclusive
@@ -467,18 +499,20 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     if blocks * span < topk:  # (columns no span's program reaches)
         out[:, blocks * span:].fill_(-1)
     grid, warps = (rows, blocks), tuning.index_select_warps
+    read_first = tuning.index_select_read_first
     if hist is None:
         hist = torch.zeros(rows, HIST_ROW, dtype=torch.int32, device=scores.device)
     for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
                                BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
-                               num_warps=warps)
+                               READ_FIRST=read_first, num_warps=warps)
     counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
     topk_count_kernel[grid](scores, vis, hist, counts, row0, topk, span, blocks,
-                            scores.stride(0), BLOCK=block, num_warps=warps)
+                            scores.stride(0), BLOCK=block, READ_FIRST=read_first,
+                            num_warps=warps)
     topk_write_kernel[grid](scores, vis, hist, counts, out, row0, topk, span, blocks,
                             scores.stride(0), out.stride(0), BLOCK=block,
-                            BLOCKS_P=pow2(blocks, 1), num_warps=warps)
+                            BLOCKS_P=pow2(blocks, 1), READ_FIRST=read_first, num_warps=warps)
 
 
 @triton.jit
