@@ -5,7 +5,7 @@ same keys and values in the same run, and the cache write against the copy bandw
   token a request, 32 query / 8 KV heads of 128, bf16 queries. Contenders: ``bf16`` (the
   backend attn_ops selects for an unquantized cache: COMPOSITE_SM90 on the H200), ``fp8_e4m3``
   (the one it selects for an e4m3 cache, per-tensor scales), ``TURBOQUANT:<preset>`` for each
-  preset (our op: TRITON_ATTN's kernels reading the slots), ``TURBOQUANT:4bit_nc cuda`` (the
+  preset (our op: TRITON_ATTN's kernels reading the slots), ``TURBOQUANT:<preset> cuda`` (the
   same cache read by the CUDA decode of ``backends/turboquant/decode_kernels.cu``, where it
   builds), and ``copy`` (a device copy of the 4bit_nc cache's bytes). Bytes = every slot of
   the context read once (bf16 512 B, fp8 256 B, a preset its slot, a token and KV head) ->
@@ -167,35 +167,36 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
 
 
 def _cuda_decode_contender(q, names, fns, outs, bytes_, layers) -> None:
-    """``TURBOQUANT:4bit_nc cuda``: the 4bit_nc layer's cache and step read by the CUDA decode
-    (``backends/turboquant/decode_kernels.cu``, built here on first use) where it serves the
-    step; a failed build is printed and the other contenders go on."""
+    """``TURBOQUANT:<preset> cuda`` for every preset: its layer's cache and step read by the
+    CUDA decode (``backends/turboquant/decode_kernels.cu``, built here on first use) where it
+    serves the step; a failure is printed and the other contenders go on."""
     from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_serves,
                                                           turboquant_cuda_decode)
-    from attn_ops.backends.turboquant.format import PRESETS as FORMATS, codebook
-    from attn_ops.spec import KVCacheDType
+    from attn_ops.backends.turboquant.ops import _codebook, _preset
 
-    base = "TURBOQUANT:4bit_nc"
-    layer, cache, step = layers[base]
-    preset = FORMATS[KVCacheDType.TURBOQUANT_4BIT_NC]
-    if not cuda_decode_serves(q, cache, step.seq_lens, preset):
-        return
-    out = torch.empty_like(q)
-    centroids = codebook(D, 4, q.device)[0]
+    for base in [n for n in names if n.startswith("TURBOQUANT")]:
+        layer, cache, step = layers[base]
+        preset = _preset(names[base], "bench")
+        if not cuda_decode_serves(q, cache, step.seq_lens, preset):
+            continue
+        out = torch.empty_like(q)
+        centroids = _codebook(names[base], D, q.device)
 
-    def call():
-        turboquant_cuda_decode(q, cache, step.query_start_loc, step.seq_lens, step.block_table,
-                               out, None, layer.impl.scale, preset, centroids)
-        return out
+        def call(layer=layer, cache=cache, step=step, preset=preset, out=out,
+                 centroids=centroids):
+            turboquant_cuda_decode(q, cache, step.query_start_loc, step.seq_lens,
+                                   step.block_table, out, None, layer.impl.scale, preset,
+                                   centroids)
+            return out
 
-    name = f"{base} cuda"
-    try:
-        outs[name] = call().clone()
-    except Exception as e:  # noqa: BLE001 -- recorded; the other contenders go on
-        print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return
-    fns[name], bytes_[name], layers[name] = call, bytes_[base], layers[base]
-    names[name] = names[base]
+        name = f"{base} cuda"
+        try:
+            outs[name] = call().clone()
+        except Exception as e:  # noqa: BLE001 -- recorded; the other contenders go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        fns[name], bytes_[name], layers[name] = call, bytes_[base], layers[base]
+        names[name] = names[base]
 
 
 def write_point(tokens: int, rounds: int) -> dict:

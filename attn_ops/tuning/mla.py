@@ -103,8 +103,10 @@ class MLATuning:
     index_select_warps: int = 4
     # Each select program reads its first tile of scores before it waits on its row's
     # histogram state (the previous launch's, from L2), and each later tile one iteration
-    # ahead: the two latencies overlap instead of adding up.
-    index_select_read_first: bool = True
+    # ahead. H100, top-k 512 (docs/tuning.md): the select 49.0 against 44.6 us at 8 x 256k
+    # (two tiles a program), 16.9 against 22.4 at 1 x 256k and 18.8 against 19.3 at 8 x 32k
+    # (one tile): off, for V4's 8 x 256k.
+    index_select_read_first: bool = False
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of
     # 128 channels, one a head at head dim 128) and multiplies fp8 by fp8 on the tensor cores

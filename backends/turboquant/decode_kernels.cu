@@ -107,11 +107,6 @@ __device__ __forceinline__ const uint8_t* slot_at(const Params& p, int row, int 
   return p.cache + (((blk * p.kv_heads + h) << p.page_shift) + in_page) * p.slot;
 }
 
-// three bytes from `p` (2-byte aligned, `odd`: one byte past it) as the low 24 bits
-__device__ __forceinline__ uint32_t u24_at(const uint8_t* p, bool odd) {
-  return (u16_at(p) | (u16_at(p + 2) << 16)) >> (odd ? 8 : 0);
-}
-
 template <int D, bool BF16, bool NC, int KBITS, int VBITS>
 __global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
   static_assert(D % 64 == 0 && D <= 256, "head dim: 64, 128 or 256");
@@ -169,43 +164,103 @@ __global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
   float l0 = 0.f, l1 = 0.f;              // this lane's part of the rows' sums
   float n0 = 0.f, n1 = 0.f;              // this lane's part of sum_j P_j min_j
 
-  for (int key0 = lo_key + 16 * warp; key0 < hi_key; key0 += 16 * kWarps) {
-    // this lane's own keys (the score product's columns g and 8 + g): index bytes, scales
+  // The slot words of a 16-key step this lane reads: its score keys' (g, 8 + g) index codes
+  // (KW words of its KB bytes; 32-bit words for fp8 keys, whose slots are 4-byte aligned) and
+  // factors, its value keys' (2t, 2t + 1, 8 + 2t, 9 + 2t) code bytes (VW 16-bit words from the
+  // even byte at or before g VB).
+  constexpr int KW = FP8K ? KB / 4 : KB / 2;
+  constexpr int VW = VB / 2 + (VB & 1);
+  static_assert(KB % (FP8K ? 4 : 2) == 0, "a lane's key bytes: whole words");
+  static_assert(VB % 2 == 0 || VB == 3, "an odd value field a lane: one group of three bytes");
+  constexpr bool AHEAD = D <= 128;
+  struct Step {
+    uint32_t k[2][KW];
+    uint32_t v[4][VW];
+    float norm[2], vs[2], vm[2];
+  };
+  const int vodd = (g * VB) & 1;  // (a lane's value bytes from an odd byte: D 64, 3 bits)
+  auto load_keys = [&](int first, Step& st) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint8_t* sl = slot_at(p, row, h, min(first + 8 * nt + g, hi_key - 1));
+      const uint8_t* kp = sl + t * KB;
+#pragma unroll
+      for (int i = 0; i < KW; ++i) {
+        if constexpr (FP8K) {
+          st.k[nt][i] = *reinterpret_cast<const uint32_t*>(kp + 4 * i);
+        } else {
+          st.k[nt][i] = u16_at(kp + 2 * i);
+        }
+      }
+      st.norm[nt] = FP8K ? 1.f : fp16_at(sl + KEY_BYTES);  // (the norm follows the codes)
+      st.vs[nt] = fp16_at(sl + VSTART + VALUE_BYTES);
+      st.vm[nt] = fp16_at(sl + VSTART + VALUE_BYTES + 2);
+    }
+  };
+  auto load_values = [&](int first, Step& st) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int pos = first + 2 * t + (k & 1) + 8 * (k >> 1);
+      const uint8_t* vp = slot_at(p, row, h, min(pos, hi_key - 1)) + VSTART + g * VB - vodd;
+#pragma unroll
+      for (int i = 0; i < VW; ++i) st.v[k][i] = u16_at(vp + 2 * i);
+    }
+  };
+
+  // At head dims up to 128 a step's slot words are all loaded one step ahead, while the step
+  // before computes; at 256 (the query and output fragments already hold 192 registers a
+  // thread) the keys' at the step's top and the values' after its softmax.
+  Step cur, nxt;
+  int key0 = lo_key + 16 * warp;
+  if (AHEAD && key0 < hi_key) {
+    load_keys(key0, cur);
+    load_values(key0, cur);
+  }
+  for (; key0 < hi_key; key0 += 16 * kWarps) {
+    const int next0 = key0 + 16 * kWarps;
+    if constexpr (AHEAD) {
+      if (next0 < hi_key) {
+        load_keys(next0, nxt);
+        load_values(next0, nxt);
+      }
+    } else {
+      load_keys(key0, cur);
+    }
+    // this lane's own keys (the score product's columns g and 8 + g): index codes, factors
     float s[2][4];
     float kscale[2], vscale[2], vmin[2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const int pos = key0 + 8 * nt + g;
-      const uint8_t* sl = slot_at(p, row, h, min(pos, hi_key - 1));
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
       float sq = 0.f;
 #pragma unroll
       for (int c = 0; c < KC; ++c) {
         if constexpr (FP8K) {
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(sl + t * KB + 4 * c);
+          const uint32_t w = cur.k[nt][c];
           mma16816<false>(s[nt], qa[c], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
         } else if constexpr (KBITS == 3) {  // (chunk c: group c / 2's pairs 2 (c % 2), +1)
-          const int b = 3 * (c >> 1);
-          const uint32_t bits = u24_at(sl + t * KB + (b & ~1), b & 1) >> (12 * (c & 1));
+          const int b = 3 * (c >> 1);  // (the group's first byte in the lane's field)
+          const uint32_t bits = ((cur.k[nt][b >> 1] | (cur.k[nt][(b >> 1) + 1] << 16)) >>
+                                 (8 * (b & 1))) >> (12 * (c & 1));
           const uint2 e0 = klut[bits & 63], e1 = klut[(bits >> 6) & 63];
           if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
           mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
         } else {
-          const uint32_t w = u16_at(sl + t * KB + 2 * c);
+          const uint32_t w = cur.k[nt][c];
           const uint2 e0 = klut[w & 255], e1 = klut[w >> 8];
           if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
           mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
         }
       }
-      float norm = FP8K ? 1.f : fp16_at(sl + D / 2);
+      float norm = cur.norm[nt];
       if (NC) {
         sq += __shfl_xor_sync(0xffffffffu, sq, 1);
         sq += __shfl_xor_sync(0xffffffffu, sq, 2);
         norm *= rsqrtf(sq + 1e-16f);
       }
       kscale[nt] = norm * p.scale_log2;
-      vscale[nt] = fp16_at(sl + VSTART + VALUE_BYTES);
-      vmin[nt] = fp16_at(sl + VSTART + VALUE_BYTES + 2);
+      vscale[nt] = cur.vs[nt];
+      vmin[nt] = cur.vm[nt];
     }
     // each column's factors from the lanes owning its key (lane 4 k holds key k of a tile)
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -268,15 +323,10 @@ __global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
     }
     // (A fragment order: rows g / g + 8 of keys 2t, 2t+1, then of keys 8 + 2t, 9 + 2t)
     const uint32_t pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+    if constexpr (!AHEAD) load_values(key0, cur);
     // the value codes of this lane's columns' keys (2t, 2t+1, 8+2t, 9+2t): bytes [g VB, (g+1) VB),
     // coordinates [g D / 8, (g + 1) D / 8): pair q (coordinates g D / 8 + 2 q, + 1) to tiles 2 q,
     // 2 q + 1
-    const uint8_t* vsl[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int pos = key0 + 2 * t + (k & 1) + 8 * (k >> 1);
-      vsl[k] = slot_at(p, row, h, min(pos, hi_key - 1)) + VSTART + g * VB;
-    }
     auto pair_product = [&](int q, uint32_t e0, uint32_t e1, uint32_t e2, uint32_t e3) {
       // low codes of keys (2t, 2t+1) and (8+2t, 9+2t), then the high codes
       mma16816<BF16>(o[2 * q], pfrag, __byte_perm(e0, e1, 0x5410), __byte_perm(e2, e3, 0x5410));
@@ -286,31 +336,32 @@ __global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
     if constexpr (VBITS == 4) {
 #pragma unroll
       for (int pp = 0; pp < VB; pp += 2) {
-        uint32_t w[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = u16_at(vsl[k] + pp);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int sh = 8 * half;
-          pair_product(pp + half, vlut[(w[0] >> sh) & 255], vlut[(w[1] >> sh) & 255],
-                       vlut[(w[2] >> sh) & 255], vlut[(w[3] >> sh) & 255]);
+          pair_product(pp + half, vlut[(cur.v[0][pp / 2] >> sh) & 255],
+                       vlut[(cur.v[1][pp / 2] >> sh) & 255], vlut[(cur.v[2][pp / 2] >> sh) & 255],
+                       vlut[(cur.v[3][pp / 2] >> sh) & 255]);
         }
       }
     } else {  // (3-bit: a group of eight codes in three bytes, four pairs)
 #pragma unroll
       for (int grp = 0; grp < VB / 3; ++grp) {
-        const int b = g * VB + 3 * grp;  // (the group's byte in the field)
+        // (the group's first byte from the lane's first word: 3 grp, one more where the field
+        // starts at an odd byte -- only when VB is 3, a single group)
+        const int wi = (3 * grp) >> 1, sh = 8 * (((3 * grp) & 1) + vodd);
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = u24_at(vsl[k] - g * VB + (b & ~1), b & 1);
+        for (int k = 0; k < 4; ++k) w[k] = (cur.v[k][wi] | (cur.v[k][wi + 1] << 16)) >> sh;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int sh = 6 * q;
-          pair_product(4 * grp + q, vlut[(w[0] >> sh) & 63], vlut[(w[1] >> sh) & 63],
-                       vlut[(w[2] >> sh) & 63], vlut[(w[3] >> sh) & 63]);
+          const int qs = 6 * q;
+          pair_product(4 * grp + q, vlut[(w[0] >> qs) & 63], vlut[(w[1] >> qs) & 63],
+                       vlut[(w[2] >> qs) & 63], vlut[(w[3] >> qs) & 63]);
         }
       }
     }
+    if constexpr (AHEAD) cur = nxt;
   }
 
   // the warp's split: rows' sums across the lanes of a row, then out = (O + n) / l
