@@ -79,11 +79,12 @@ class TritonTuning:
     # Uniform TurboQuant decode steps (every preset) on the CUDA kernel of
     # backends/turboquant/decode_kernels.cu (code pairs looked up in a shared-memory table, or
     # fp8 pairs converted, straight into the tensor-core fragments; built with nvcc on first
-    # use) instead of these kernels. sm_90 builds at head dim 128: about 48 (3- and 4-bit
-    # keys) / 37 (k8v4) warp instructions a key against the Triton read's 131-168. Off until
-    # run on a GPU. Its splits hold at least turboquant_cuda_split_keys keys (a multiple of
-    # 64: a 16-key step for each of a CTA's four warps), as many as give about four CTAs an SM.
-    turboquant_cuda_decode: bool = False
+    # use; where it does not build, these kernels, with a warning) instead of these kernels.
+    # H100, 8k contexts (docs/performance.md): 1.3-1.8x the Triton read at batch 8 and
+    # 2.5-12.5x at 32, every preset. Its splits hold at least turboquant_cuda_split_keys keys
+    # (a multiple of 64: a 16-key step for each of a CTA's four warps), as many as give about
+    # four CTAs an SM.
+    turboquant_cuda_decode: bool = True
     turboquant_cuda_split_keys: int = 256
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cuda_decode_serves", "turboquant_cuda_decode"]
+__all__ = ["cuda_decode_built", "cuda_decode_serves", "turboquant_cuda_decode"]
 
 _SOURCE = Path(__file__).with_name("decode_kernels.cu")
 _WARPS = 4  # (the kernel's warps a CTA, each a split)
@@ -44,6 +44,24 @@ def _module():
 
     return load(name="attn_ops_turboquant_decode", sources=[str(_SOURCE)],
                 extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
+
+
+@functools.cache
+def cuda_decode_built() -> bool:
+    """Whether the kernels build (nvcc and ninja on the machine; once a process, about a
+    minute the first time, cached by torch after). A failed build is logged once with its
+    reason, and the decode steps stay on TRITON_ATTN's kernels."""
+    try:
+        _module()
+        return True
+    except Exception as e:  # noqa: BLE001 -- any build failure: the Triton read serves
+        import logging
+
+        logging.getLogger("attn_ops").warning(
+            "TurboQuant's CUDA decode did not build (%s: %s); its uniform decode steps run on "
+            "TRITON_ATTN's kernels. Set tuning triton.turboquant_cuda_decode=false to skip the "
+            "build.", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+        return False
 
 
 def _splits(rows: int, kv_heads: int, capacity: int, num_sms: int,

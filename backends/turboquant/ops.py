@@ -169,14 +169,15 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`); uniform decode steps
     on the CUDA kernel of :mod:`.cuda_decode` where ``Tuning.triton.turboquant_cuda_decode``."""
     from attn_ops.backends.triton_attn import triton_paged_attention
-    from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_serves,
+    from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_built,
+                                                          cuda_decode_serves,
                                                           turboquant_cuda_decode)
     from attn_ops.tuning import default_tuning
 
     preset, tuning = _preset(kv_cache_dtype, "turboquant_attention"), default_tuning()
     codebook = _codebook(kv_cache_dtype, query.shape[-1], query.device)
-    if tuning.triton.turboquant_cuda_decode and cuda_decode_serves(query, kv_cache, seq_lens,
-                                                                   preset):
+    if tuning.triton.turboquant_cuda_decode and cuda_decode_serves(
+            query, kv_cache, seq_lens, preset) and cuda_decode_built():
         return turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table,
                                       out, lse, scale, preset, codebook, tuning)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
