@@ -132,6 +132,11 @@ def plain_rows(args, models, device) -> list[dict]:
             tokens[name] = out[:, args.ctx:].cpu()
             row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
             row[f"{name}_s"] = full
+        if "sdpa" in tokens and len(tokens) > 1:  # (sdpa once more, after the others: whether
+            # their runs left the process slower -- its first rate is the ratios' base)
+            full, _ = _timed(_generate_fn(models["sdpa"], "sdpa", ids, args.new), device)
+            first, _ = _timed(_generate_fn(models["sdpa"], "sdpa", ids, 1), device)
+            row["sdpa_again_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
         forced = {}  # (once a model: attn_ops over its pages and over HF's cache is one)
 
         def logits_of(model):
@@ -148,8 +153,10 @@ def plain_rows(args, models, device) -> list[dict]:
             row[f"{name}_vs_sdpa"] = (row[f"{name}_decode_tok_s"] / row["sdpa_decode_tok_s"]
                                       if check["agrees"] else None)
         rows.append(row)
+        again = row.get("sdpa_again_decode_tok_s")
         print(f"generate B={batch:<3d} " + "  ".join(
-            f"{n} {row[f'{n}_decode_tok_s']:9.1f} tok/s" for n in tokens) + "  " + ", ".join(
+            f"{n} {row[f'{n}_decode_tok_s']:9.1f} tok/s" for n in tokens)
+            + (f"  sdpa again {again:9.1f} tok/s" if again else "") + "  " + ", ".join(
             f"{n} {ratio_text(row.get(f'{n}_vs_sdpa'))} ({_agreement_text(row[f'{n}_check'])})"
             for n in tokens if f"{n}_check" in row), flush=True)
     return rows
