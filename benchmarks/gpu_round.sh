@@ -77,14 +77,15 @@
 #   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases and Triton tests
 #   tqsweep  TurboQuant's read test (every route; the planes, coalesced and bf16 cases), then
 #            benchmarks/profile_turboquant_decode.py under each of TQ_SWEEP's ATTN_OPS_TUNING
-#            strings ("defaults", without the nibble planes, without the coalesced gathers,
-#            other key blocks and warps; space-separated), each row's output checked against
-#            REFERENCE; TQ_SWEEP_ARGS
-#            its arguments
+#            strings ("defaults": the CUDA decode; the Triton read, without the nibble
+#            planes, another key block; the CUDA decode's splits longer and shorter;
+#            space-separated), each row's output checked against REFERENCE; TQ_SWEEP_ARGS its
+#            arguments
 #   tqncu    Nsight Compute over one TurboQuant decode launch (speed of light, memory, warp
 #            stalls, occupancy; TQ_NCU_ARGS: profile_turboquant_decode.py's, default 3bit_nc
-#            at B=32); TQ_NCU_KERNEL=cache_write_kernel profiles the cache write instead (the
-#            script fills its caches with it)
+#            at B=32; TQ_NCU_KERNEL a regex, default the CUDA decode's tq_decode_kernel;
+#            paged_attention for the Triton read under TQ_NCU_ARGS="... --tuning
+#            triton.turboquant_cuda_decode=false", cache_write_kernel for the cache write)
 #   ssmncu   Nsight Compute over one recurrent prefill launch (the tqncu sections, pipes,
 #            schedulers, instruction mix, the SASS lines that stall most): SSM_NCU_KERNEL a
 #            regex (default mamba1_unrolled), SSM_NCU_COUNT launches, SSM_NCU_CASES
@@ -269,12 +270,12 @@ for spec in "$@"; do
         tests/test_backends_matrix.py -k "TURBOQUANT and (mixed or long_context) or triton" ;;
     tqsweep) stage tqsweep_reads "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
         -p no:cacheprovider -rfE tests/test_turboquant.py -k "reads_the_slots"
-      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_planes=false triton.turboquant_planes=false,triton.turboquant_coalesced=false triton.turboquant_decode_tile=16/64/4/1 triton.turboquant_decode_tile=16/16/4/1 triton.turboquant_decode_tile=16/32/8/1}; do
+      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_decode=false triton.turboquant_cuda_decode=false,triton.turboquant_planes=false triton.turboquant_cuda_decode=false,triton.turboquant_decode_tile=16/64/4/1 triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_split_keys=128}; do
         [ "$cfg" = defaults ] && cfg=""
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
       done ;;
-    tqncu) stage tqncu "$limit" ncu --kernel-name "regex:${TQ_NCU_KERNEL:-paged_attention}" \
+    tqncu) stage tqncu "$limit" ncu --kernel-name "regex:${TQ_NCU_KERNEL:-tq_decode_kernel}" \
         --launch-count 1 "${NCU_SECTIONS[@]}" python benchmarks/profile_turboquant_decode.py \
         --iters 1 ${TQ_NCU_ARGS:---batch 32 --presets turboquant_3bit_nc} ;;
     ssmncu) ncu_stage ssmncu "$limit" "${SSM_NCU_KERNEL:-mamba1_unrolled}" "${SSM_NCU_COUNT:-1}" \

@@ -1,15 +1,17 @@
 """TurboQuant decode launches alone, to time or profile (Nsight Compute) without the rest of
 ``bench_turboquant.py``: Llama-3-8B's heads (32 query / 8 KV heads of 128, bf16), ``--batch``
 requests (each size given) of ``--ctx`` tokens each, their caches written by the Triton write
-(no prefill attention); per preset and batch, ``--iters`` eager calls of TRITON_ATTN's kernels over the slots and
-their median device time (CUDA events) with the slot bytes' TB/s, the output first checked
-against REFERENCE over the cache read back in fp32 (its row says "agree" or "MISMATCH"), so
-that a tuning variant's time comes with its correctness.
+(no prefill attention); per preset and batch, ``--iters`` eager calls of the op's GPU read
+(the CUDA decode of ``decode_kernels.cu`` by default; TRITON_ATTN's kernels under ``--tuning
+triton.turboquant_cuda_decode=false``) and their median device time (CUDA events) with the
+slot bytes' TB/s, the output first checked against REFERENCE over the cache read back in fp32
+(its row says "agree" or "MISMATCH"), so that a tuning variant's time comes with its
+correctness.
 
     python benchmarks/profile_turboquant_decode.py [--presets turboquant_4bit_nc ...]
         [--batch 8 32] [--ctx 8192] [--iters 20] [--tuning "triton.turboquant_decode_tile=..."]
         [--dtype float16]
-    ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \\
+    ncu --kernel-name regex:tq_decode_kernel --launch-count 1 --section SpeedOfLight \\
         python benchmarks/profile_turboquant_decode.py --iters 1
 """
 

@@ -546,6 +546,32 @@ def _cuda_decode_step(kv_dtype, d, heads, kv_heads, dtype_, device, rounded=Fals
     return impl, cache, meta, q, want[6], want[7]
 
 
+def test_cuda_decode_that_does_not_build_says_why_and_stays_off(monkeypatch, caplog):
+    """A machine where the CUDA decode's extension does not build (no nvcc, say): the check
+    logs the build's error once, with the setting that skips it, and answers False, so the
+    decode steps stay on TRITON_ATTN's kernels; a later check asks nothing again."""
+    from attn_ops.backends.turboquant import cuda_decode
+
+    calls = []
+
+    def failing_build():
+        calls.append(1)
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    cuda_decode.cuda_decode_built.cache_clear()
+    monkeypatch.setattr(cuda_decode, "_module", failing_build)
+    try:
+        with caplog.at_level("WARNING", logger="attn_ops"):
+            assert cuda_decode.cuda_decode_built() is False
+            assert cuda_decode.cuda_decode_built() is False
+        assert len(calls) == 1
+        text = " ".join(r.getMessage() for r in caplog.records)
+        assert "RuntimeError: Ninja is required" in text
+        assert "triton.turboquant_cuda_decode=false" in text
+    finally:
+        cuda_decode.cuda_decode_built.cache_clear()
+
+
 def _emulated_decode(q_in, cache, block_table, seq_lens, codebook, part_out, part_lse, splits,
                      keys, scale, key_bits, value_bits):
     """``decode_kernels.cu``'s contract in torch: split ``s``'s warp ``w`` of each (row, head)
