@@ -51,13 +51,16 @@ def cuda_decode_built() -> bool:
     """Whether the kernels build (nvcc and ninja on the machine; once a process, about a
     minute the first time, cached by torch after). A failed build is logged once with its
     reason, and the decode steps stay on TRITON_ATTN's kernels."""
+    import logging
+
+    log = logging.getLogger("attn_ops")
+    log.info("TurboQuant's CUDA decode: loading its extension (built with nvcc on a machine's "
+             "first use, about a minute; torch caches it)")
     try:
         _module()
         return True
     except Exception as e:  # noqa: BLE001 -- any build failure: the Triton read serves
-        import logging
-
-        logging.getLogger("attn_ops").warning(
+        log.warning(
             "TurboQuant's CUDA decode did not build (%s: %s); its uniform decode steps run on "
             "TRITON_ATTN's kernels. Set tuning triton.turboquant_cuda_decode=false to skip the "
             "build.", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
