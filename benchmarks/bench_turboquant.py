@@ -5,9 +5,10 @@ same keys and values in the same run, and the cache write against the copy bandw
   token a request, 32 query / 8 KV heads of 128, bf16 queries. Contenders: ``bf16`` (the
   backend attn_ops selects for an unquantized cache: COMPOSITE_SM90 on the H200), ``fp8_e4m3``
   (the one it selects for an e4m3 cache, per-tensor scales), ``TURBOQUANT:<preset>`` for each
-  preset (our op: TRITON_ATTN's kernels reading the slots), ``TURBOQUANT:<preset> cuda`` (the
-  same cache read by the CUDA decode of ``backends/turboquant/decode_kernels.cu``, where it
-  builds), and ``copy`` (a device copy of the 4bit_nc cache's bytes). Bytes = every slot of
+  preset (our op: its uniform decode steps on the CUDA decode of
+  ``backends/turboquant/decode_kernels.cu`` where it builds, ``op_read`` in the JSON),
+  ``TURBOQUANT:<preset> triton`` (the same cache read by TRITON_ATTN's kernels), and ``copy``
+  (a device copy of the 4bit_nc cache's bytes). Bytes = every slot of
   the context read once (bf16 512 B, fp8 256 B, a preset its slot, a token and KV head) ->
   TB/s. Target: a preset's time <= bf16's x (its slot bytes / 512) x 1.3 (``target_ms``;
   ``meets_target``).
@@ -83,7 +84,7 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
     q = torch.randn(batch, HQ, D, generator=g, device=DEVICE, dtype=BF16)
     names = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3",
              **{f"TURBOQUANT:{p.removeprefix('turboquant_')}": p for p in PRESETS}}
-    fns, outs, bytes_, layers = {}, {}, {}, {}
+    fns, outs, bytes_, layers, metas = {}, {}, {}, {}, {}
     for name, kv_dtype in names.items():
         layer = _layer(kv_dtype)
         if kv_dtype == "fp8_e4m3":
@@ -113,8 +114,8 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
         fns[name], outs[name] = call, call().clone()
         slot = cache.numel() * cache.element_size() / (blocks * page * HK)
         bytes_[name] = batch * ctx * HK * slot
-        layers[name] = (layer, cache, step)
-    _cuda_decode_contender(q, names, fns, outs, bytes_, layers)
+        layers[name], metas[name] = (layer, cache, step), meta
+    _triton_read_contender(q, names, fns, outs, bytes_, layers, metas)
     tq = [n for n in names if n.startswith("TURBOQUANT")]
     # a copy moving (read + written) the 4bit_nc slots' bytes: the bandwidth that size gets
     src = torch.empty(int(bytes_["TURBOQUANT:4bit_nc"]) // 4, dtype=BF16, device=DEVICE)
@@ -166,37 +167,36 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
     return row
 
 
-def _cuda_decode_contender(q, names, fns, outs, bytes_, layers) -> None:
-    """``TURBOQUANT:<preset> cuda`` for every preset: its layer's cache and step read by the
-    CUDA decode (``backends/turboquant/decode_kernels.cu``, built here on first use) where it
-    serves the step; a failure is printed and the other contenders go on."""
-    from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_serves,
-                                                          turboquant_cuda_decode)
-    from attn_ops.backends.turboquant.ops import _codebook, _preset
+def _op_read() -> str:
+    """Which read the op's uniform decode steps take here: "cuda" (the CUDA decode, built) or
+    "triton"."""
+    from attn_ops.backends.turboquant.cuda_decode import cuda_decode_built
+    from attn_ops.tuning import default_tuning
 
+    on = DEVICE == "cuda" and default_tuning().triton.turboquant_cuda_decode
+    return "cuda" if on and cuda_decode_built() else "triton"
+
+
+def _triton_read_contender(q, names, fns, outs, bytes_, layers, metas) -> None:
+    """``TURBOQUANT:<preset> triton`` for every preset: its layer's cache and step read by
+    TRITON_ATTN's kernels (the op's read where the CUDA decode is off or does not build); none
+    on the CPU (--quick: the op's torch body there)."""
+    from attn_ops.backends.turboquant.ops import triton_turboquant_attention
+
+    if DEVICE != "cuda":
+        return
     for base in [n for n in names if n.startswith("TURBOQUANT")]:
         layer, cache, step = layers[base]
-        preset = _preset(names[base], "bench")
-        if not cuda_decode_serves(q, cache, step.seq_lens, preset):
-            continue
         out = torch.empty_like(q)
-        centroids = _codebook(names[base], D, q.device)
+        args = layer.impl.op_arguments(q, cache, metas[base], out)
 
-        def call(layer=layer, cache=cache, step=step, preset=preset, out=out,
-                 centroids=centroids):
-            turboquant_cuda_decode(q, cache, step.query_start_loc, step.seq_lens,
-                                   step.block_table, out, None, layer.impl.scale, preset,
-                                   centroids)
+        def call(args=args, out=out):
+            triton_turboquant_attention(*args, cuda_decode=False)
             return out
 
-        name = f"{base} cuda"
-        try:
-            outs[name] = call().clone()
-        except Exception as e:  # noqa: BLE001 -- recorded; the other contenders go on
-            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        fns[name], bytes_[name], layers[name] = call, bytes_[base], layers[base]
-        names[name] = names[base]
+        name = f"{base} triton"
+        fns[name], outs[name] = call, call().clone()
+        bytes_[name], layers[name], names[name] = bytes_[base], layers[base], names[base]
 
 
 def write_point(tokens: int, rounds: int) -> dict:
@@ -257,7 +257,7 @@ def main() -> None:
     info = run_info("bench_turboquant")
     info.update(quick=args.quick, device=torch.cuda.get_device_name() if DEVICE == "cuda"
                 else "cpu", tolerance=TOLERANCE,
-                target_slack=TARGET_SLACK, decode=[], write=[])
+                target_slack=TARGET_SLACK, op_read=_op_read(), decode=[], write=[])
     if "decode" in args.only:
         for ctx in args.ctxs:
             for batch in args.batches:

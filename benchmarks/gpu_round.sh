@@ -78,9 +78,9 @@
 #   tqsweep  TurboQuant's read test (every route; the planes, coalesced and bf16 cases), then
 #            benchmarks/profile_turboquant_decode.py under each of TQ_SWEEP's ATTN_OPS_TUNING
 #            strings ("defaults": the CUDA decode; the Triton read, without the nibble
-#            planes, another key block; the CUDA decode's splits longer and shorter;
-#            space-separated), each row's output checked against REFERENCE; TQ_SWEEP_ARGS its
-#            arguments
+#            planes, another key block; the CUDA decode's splits longer and shorter, its
+#            registers for three CTAs an SM; space-separated), each row's output checked
+#            against REFERENCE; TQ_SWEEP_ARGS its arguments
 #   tqncu    Nsight Compute over one TurboQuant decode launch (speed of light, memory, warp
 #            stalls, occupancy; TQ_NCU_ARGS: profile_turboquant_decode.py's, default 3bit_nc
 #            at B=32; TQ_NCU_KERNEL a regex, default the CUDA decode's tq_decode_kernel;
@@ -270,7 +270,7 @@ for spec in "$@"; do
         tests/test_backends_matrix.py -k "TURBOQUANT and (mixed or long_context) or triton" ;;
     tqsweep) stage tqsweep_reads "$limit" python -m pytest ${PYTEST_FLAGS:--q} \
         -p no:cacheprovider -rfE tests/test_turboquant.py -k "reads_the_slots"
-      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_decode=false triton.turboquant_cuda_decode=false,triton.turboquant_planes=false triton.turboquant_cuda_decode=false,triton.turboquant_decode_tile=16/64/4/1 triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_split_keys=128}; do
+      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_decode=false triton.turboquant_cuda_decode=false,triton.turboquant_planes=false triton.turboquant_cuda_decode=false,triton.turboquant_decode_tile=16/64/4/1 triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_split_keys=128 triton.turboquant_cuda_min_blocks=3}; do
         [ "$cfg" = defaults ] && cfg=""
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}

@@ -199,6 +199,9 @@ def test_tuning_overrides_parse_by_field_type_and_name_what_is_wrong():
                          ("ssm.gdn_chunk=48", r"gdn_chunk=48 must be a power of two >= 16"),
                          ("triton.turboquant_write_tokens=8",
                           r"turboquant_write_tokens=8 must be a power of two >= 16"),
+                         ("triton.turboquant_cuda_min_blocks=9",
+                          r"turboquant_cuda_min_blocks=9 must be 0 \(the compiler's choice\) "
+                          "to 8"),
                          ("ssm.mamba2_block=128", r"mamba2_block=128 must be <= 64"),
                          ("ssm.decode_min_programs=0", r"decode_min_programs=0 must be >= 1"),
                          ("mla.index_select_block=65536",

@@ -86,6 +86,11 @@ class TritonTuning:
     # four CTAs an SM.
     turboquant_cuda_decode: bool = True
     turboquant_cuda_split_keys: int = 256
+    # The CUDA decode's CTAs an SM its registers must allow (``__launch_bounds__(128, n)``,
+    # a build of its own); 0: the compiler's choice. sm_90, head dim 128: 243 registers a thread
+    # (two CTAs an SM, two warps a scheduler -- the kernel is bound by latency) at 0; 168 with
+    # 72-132 bytes spilled at 3. Not yet timed.
+    turboquant_cuda_min_blocks: int = 0
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no
@@ -100,6 +105,10 @@ class TritonTuning:
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.triton.{name}={v} must be a power of two >= {low}")
+        if not 0 <= self.turboquant_cuda_min_blocks <= 8:
+            raise ValueError(f"tuning.triton.turboquant_cuda_min_blocks="
+                             f"{self.turboquant_cuda_min_blocks} must be 0 (the compiler's "
+                             "choice) to 8")
         if self.turboquant_cuda_split_keys < 64 or self.turboquant_cuda_split_keys % 64:
             raise ValueError(f"tuning.triton.turboquant_cuda_split_keys="
                              f"{self.turboquant_cuda_split_keys} must be a positive multiple of 64")

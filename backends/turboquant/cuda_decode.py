@@ -39,25 +39,30 @@ def cuda_decode_serves(query, kv_cache, seq_lens, preset) -> bool:
 
 
 @functools.cache
-def _module():
+def _module(min_blocks: int = 0):
+    """The extension, built for ``min_blocks`` CTAs an SM (0: the compiler's choice;
+    ``Tuning.triton.turboquant_cuda_min_blocks``), each a build of its own."""
     from torch.utils.cpp_extension import load
 
-    return load(name="attn_ops_turboquant_decode", sources=[str(_SOURCE)],
-                extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
+    name, flags = "attn_ops_turboquant_decode", ["-O3", "-std=c++17"]
+    if min_blocks:
+        name, flags = f"{name}_mb{min_blocks}", flags + [f"-DATTN_OPS_TQ_MIN_BLOCKS={min_blocks}"]
+    return load(name=name, sources=[str(_SOURCE)], extra_cuda_cflags=flags, verbose=False)
 
 
 @functools.cache
-def cuda_decode_built() -> bool:
-    """Whether the kernels build (nvcc and ninja on the machine; once a process, about a
-    minute the first time, cached by torch after). A failed build is logged once with its
-    reason, and the decode steps stay on TRITON_ATTN's kernels."""
+def cuda_decode_built(min_blocks: int = 0) -> bool:
+    """Whether the kernels build for ``min_blocks`` (:func:`_module`; nvcc and ninja on the
+    machine; once a process, about a minute the first time, cached by torch after). A failed
+    build is logged once with its reason, and the decode steps stay on TRITON_ATTN's
+    kernels."""
     import logging
 
     log = logging.getLogger("attn_ops")
     log.info("TurboQuant's CUDA decode: loading its extension (built with nvcc on a machine's "
              "first use, about a minute; torch caches it)")
     try:
-        _module()
+        _module(min_blocks)
         return True
     except Exception as e:  # noqa: BLE001 -- any build failure: the Triton read serves
         log.warning(
@@ -93,17 +98,18 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     kv_heads, page = kv_cache.shape[1], kv_cache.shape[2]
     if rows == 0:
         return
+    t = (tuning or default_tuning()).triton
     fp8_keys = preset.fp8_keys
     low = torch.float16 if fp8_keys or query.dtype == torch.float16 else torch.bfloat16
     q_in = query if fp8_keys else query.float() @ hadamard(d, query.device)
     q_in = q_in.to(low).contiguous()
     splits, keys = _splits(rows, kv_heads, block_table.shape[1] * page,
                            DeviceFacts.of(query.device).num_sms,
-                           (tuning or default_tuning()).triton.turboquant_cuda_split_keys)
+                           t.turboquant_cuda_split_keys)
     parts = splits * _WARPS
     part_out = torch.empty(rows, heads, parts, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, parts, dtype=torch.float32, device=query.device)
-    module = _module()
+    module = _module(t.turboquant_cuda_min_blocks)
     module.decode(q_in, kv_cache, block_table.int().contiguous(), seq_lens.int().contiguous(),
                   codebook.float().contiguous(), part_out, part_lse, splits, keys, float(scale),
                   preset.key_bits, preset.value_bits)

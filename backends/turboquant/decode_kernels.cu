@@ -107,8 +107,16 @@ __device__ __forceinline__ const uint8_t* slot_at(const Params& p, int row, int 
   return p.cache + (((blk * p.kv_heads + h) << p.page_shift) + in_page) * p.slot;
 }
 
+// ATTN_OPS_TQ_MIN_BLOCKS (Tuning.triton.turboquant_cuda_min_blocks, a build of its own): the
+// CTAs an SM the decode's registers must allow; unset, the compiler's choice.
+#ifdef ATTN_OPS_TQ_MIN_BLOCKS
+#define ATTN_OPS_TQ_BOUNDS __launch_bounds__(kWarps * 32, ATTN_OPS_TQ_MIN_BLOCKS)
+#else
+#define ATTN_OPS_TQ_BOUNDS __launch_bounds__(kWarps * 32)
+#endif
+
 template <int D, bool BF16, bool NC, int KBITS, int VBITS>
-__global__ void __launch_bounds__(kWarps * 32) tq_decode_kernel(Params p) {
+__global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
   static_assert(D % 64 == 0 && D <= 256, "head dim: 64, 128 or 256");
   static_assert(KBITS == 3 || KBITS == 4 || KBITS == 8, "keys: 3 or 4 bits, or fp8");
   static_assert(VBITS == 3 || VBITS == 4, "values: 3 or 4 bits");

@@ -163,11 +163,13 @@ def _codebook(kv_cache_dtype: str, head_dim: int, device: torch.device) -> torch
 
 
 def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan,
-                                out, lse, scale, kv_cache_dtype) -> None:
+                                out, lse, scale, kv_cache_dtype,
+                                cuda_decode: bool | None = None) -> None:
     """The op on GPUs (and in Triton's interpreter, tests): TRITON_ATTN's kernels reading the
     TurboQuant format in registers (``KV_FORMAT=1``), planned by ``plan``
     (:class:`~attn_ops.backends.triton_attn.TritonAttnMetadata`); uniform decode steps
-    on the CUDA kernel of :mod:`.cuda_decode` where ``Tuning.triton.turboquant_cuda_decode``."""
+    on the CUDA kernel of :mod:`.cuda_decode` where ``Tuning.triton.turboquant_cuda_decode``
+    (``cuda_decode``: that choice made by the caller -- benchmarks comparing the two reads)."""
     from attn_ops.backends.triton_attn import triton_paged_attention
     from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_built,
                                                           cuda_decode_serves,
@@ -176,8 +178,9 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
 
     preset, tuning = _preset(kv_cache_dtype, "turboquant_attention"), default_tuning()
     codebook = _codebook(kv_cache_dtype, query.shape[-1], query.device)
-    if tuning.triton.turboquant_cuda_decode and cuda_decode_serves(
-            query, kv_cache, seq_lens, preset) and cuda_decode_built():
+    wanted = tuning.triton.turboquant_cuda_decode if cuda_decode is None else cuda_decode
+    if wanted and cuda_decode_serves(query, kv_cache, seq_lens, preset) and cuda_decode_built(
+            tuning.triton.turboquant_cuda_min_blocks):
         return turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table,
                                       out, lse, scale, preset, codebook, tuning)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
