@@ -158,7 +158,13 @@ def _index_score():
 
 
 SELECT_TYPES = {"scores_ptr": "*fp32", "vis_ptr": "*i32", "hist_ptr": "*i32",
-                "counts_ptr": "*i32", "out_ptr": "*i32"}
+                "counts_ptr": "*i32", "out_ptr": "*i32", "cand_ptr": "*i32"}
+
+
+def _ik():
+    from attn_ops.backends.mla import indexer_kernels
+
+    return indexer_kernels
 
 
 def _index_select(name: str, **consts):
@@ -244,6 +250,10 @@ def configs() -> dict[str, tuple]:
         "index_hist_pass2": _index_select("topk_hist_kernel", PASS=2, ATOMIC=True),
         "index_count": _index_select("topk_count_kernel"),
         "index_write": _index_select("topk_write_kernel", BLOCKS_P=128),
+        "index_compact": (_ik().topk_compact_kernel, [("compact", dict(BLOCK=1024), 4)]),
+        "index_finish": (_ik().topk_finish_kernel, [
+            (f"{cap} candidates, top-k {k}", dict(CAP_P=cap, TOPK_P=k, BLOCK=1024), 8)
+            for cap, k in ((4096, 512), (4096, 2048))]),
         "sparse_mla_fp8": _sparse_mla(True),
         "sparse_mla_bf16": _sparse_mla(False),
     }
@@ -392,7 +402,9 @@ def main() -> None:
                                 "dsv4_attention": DSV4_TYPES,
                                 "index_score": INDEX_TYPES,
                                 **dict.fromkeys(("index_hist_pass0", "index_hist_pass2",
-                                                 "index_count", "index_write"), SELECT_TYPES),
+                                                 "index_count", "index_write",
+                                                 "index_compact", "index_finish"),
+                                                SELECT_TYPES),
                                 "sparse_mla_fp8": SPARSE_TYPES,
                                 "sparse_mla_bf16": dict(SPARSE_TYPES, cache_ptr="*bf16")
                                 }.get(name),

@@ -238,18 +238,22 @@ _CACHE_IDS = ["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-sel
               "fp8_token-select-histograms-all", "fp8_token-fp8-query-split-select"]
 # (the product's orientation and the select's counting are independent of the key format:
 # every format with the heads as rows and block histograms, three with the other pair)
-_TOPK_CASES = [pytest.param(*c, False, 4, id=f"{i}-heads-rows-histograms")
+_TOPK_CASES = [pytest.param(*c, False, 4, 0, id=f"{i}-heads-rows-histograms")
                for c, i in zip(_CACHES, _CACHE_IDS)] + \
-    [pytest.param(*c, True, 0, id=f"{i}-keys-rows-atomics")
+    [pytest.param(*c, True, 0, 0, id=f"{i}-keys-rows-atomics")
      for c, i in zip(_CACHES, _CACHE_IDS) if i in ("fp32-one-select", "fp8_block-split-select",
-                                                  "fp8_token-fp8-query-split-select")]
+                                                  "fp8_token-fp8-query-split-select")] + \
+    [pytest.param(*c, True, 1, 8, id=f"{i}-candidates")
+     for c, i in zip(_CACHES, _CACHE_IDS) if i in ("fp32-split-select",
+                                                  "fp8_token-select-histograms-all")]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("cache,launch,fused,keys_as_rows,atomic_from", _TOPK_CASES)
+@pytest.mark.parametrize("cache,launch,fused,keys_as_rows,atomic_from,candidates",
+                         _TOPK_CASES)
 def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_as_rows,
-                                                     atomic_from, poisoned_buffers):
+                                                     atomic_from, candidates, poisoned_buffers):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
@@ -259,8 +263,9 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     the position axis in one program or several, the select's spans of positions in one
     program or several, its first digit histogram added by the scoring or by its own
     launch, the product with the heads or the positions as its rows, the select's passes
-    counted by block histograms or by each key's atomic add; every buffer poisoned (the
-    output's -1 tail written by the select)."""
+    counted by block histograms or by each key's atomic add, or finished over 8 candidates a
+    row (``index_select_candidates``); every buffer poisoned (the output's -1 tail written by
+    the select)."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
     from attn_ops.tuning import Tuning
@@ -287,7 +292,8 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     fp8_query = cache == "fp8_token_fp8_query"
     got = indexer_topk_device(*args, topk, **launch, tuning=Tuning().with_(
         mla={"index_fused_histogram": fused, "index_fp8_query": fp8_query,
-             "index_keys_as_rows": keys_as_rows, "index_atomic_from_pass": atomic_from}))
+             "index_keys_as_rows": keys_as_rows, "index_atomic_from_pass": atomic_from,
+             "index_select_candidates": candidates}))
     if fp8_query:  # the reference over the query as the scoring quantizes it
         args[0] = _fp8_query(q).to(dev)
     want = topk_reference(*args, topk)
@@ -369,28 +375,81 @@ def test_visible_rows_in_one_launch_equal_their_torch_definition(num_reqs, index
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("span", [256, 64, 16])
-def test_device_select_breaks_ties_by_position(span):
+@pytest.mark.parametrize("candidates,values", [(0, "five"), (0, "normal"), (64, "five"),
+                                               (64, "normal"), (2, "five"), (2, "normal")])
+def test_device_select_breaks_ties_by_position(span, candidates, values):
     """The radix select alone on scores drawn from five values (-0.0 and +0.0 among them: one
-    value), so the top-k threshold falls inside a run of equal scores in every row: positions
-    above it and the lowest-positioned equal ones, ascending, as a stable sort gives; rows
-    seeing fewer than top-k positions take them all, padding rows none."""
+    value), so the top-k threshold falls inside a run of equal scores in every row, or from a
+    normal distribution: positions above it and the lowest-positioned equal ones, ascending,
+    as a stable sort gives; rows seeing fewer than top-k positions take them all, padding
+    rows none. By six launches, or by three over candidates (``index_select_candidates``:
+    64 hold a row's run of equal scores; 2 overflow, and the finish reads its row again)."""
     from attn_ops.backends.mla.indexer_kernels import _select
     from attn_ops.tuning import default_tuning
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(11)
     rows, width, topk = 6, 200, 24
-    values = torch.tensor([-1.5, -0.0, 0.0, 0.75, 2.0])
-    scores = values[torch.randint(0, 5, (rows, width), generator=g)]
+    if values == "five":
+        scores = torch.tensor([-1.5, -0.0, 0.0, 0.75, 2.0])[
+            torch.randint(0, 5, (rows, width), generator=g)]
+    else:
+        scores = torch.randn(rows, width, generator=g)
     vis = torch.tensor([200, 150, 25, 24, 7, 0], dtype=torch.int32)
     out = torch.full((rows, topk), -7, dtype=torch.int32, device=dev)  # (the select fills -1)
-    _select(scores.to(dev), None, vis.to(dev), out, 0, topk, 1, default_tuning().mla, span, 16)
+    tuning = default_tuning().with_(mla={"index_select_candidates": candidates}).mla
+    _select(scores.to(dev), None, vis.to(dev), out, 0, topk, 1, tuning, span, 16)
     for r in range(rows):
         n = int(vis[r])
         order = torch.sort(-scores[r, :n], stable=True).indices[:topk]
         want = torch.full((topk,), -1, dtype=torch.int32)
         want[:order.numel()] = order.sort().values.to(torch.int32)
         assert torch.equal(out[r].cpu(), want), r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("cap", [64, 8])
+def test_select_finish_takes_candidates_in_any_order(cap):
+    """The candidates' finish alone (``topk_finish_kernel``), handed what the compact launch
+    leaves on a GPU -- the positions above the decided 16 bits and the candidates sharing
+    them, each in a shuffled order (atomic slots) -- over scores of five values, so equal keys
+    straddle the top-k-th: the row sorted, the lowest-positioned equal keys taken; 8
+    candidates overflow, and the row's scores are read again instead."""
+    import numpy as np
+
+    from attn_ops.backends.mla.indexer_kernels import HIST_ROW, topk_finish_kernel
+    from attn_ops.routing import pow2
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    width, topk = 120, 40  # (about 24 of each value: the 40th among the second highest)
+    scores = torch.tensor([-1.5, 0.5, 0.75, 2.0, 3.0])[torch.randint(0, 5, (width,),
+                                                                       generator=g)]
+    bits = scores.numpy().view(np.int32).astype(np.int64) & 0xFFFFFFFF
+    keys = np.where(bits >> 31, bits ^ 0xFFFFFFFF, bits | 0x80000000)  # (the order key)
+    order = torch.sort(-scores, stable=True).indices[:topk]
+    top = int(keys[int(order[-1])]) >> 16
+    above = np.flatnonzero((keys >> 16) > top)
+    shared = np.flatnonzero((keys >> 16) == top)
+    rng = np.random.default_rng(0)
+    rng.shuffle(above)
+    rng.shuffle(shared)
+    out = torch.full((1, topk), -7, dtype=torch.int32)
+    out[0, :above.size] = torch.from_numpy(above.astype(np.int32))
+    cand = torch.full((1, cap), -7, dtype=torch.int32)
+    cand[0, :min(cap, shared.size)] = torch.from_numpy(shared[:cap].astype(np.int32))
+    hist = torch.zeros(1, HIST_ROW, dtype=torch.int32)
+    state = 4 * 256 + 2  # (the state after the second pass)
+    hist[0, state] = int(np.int64(top << 16).astype(np.uint32).view(np.int32))
+    hist[0, state + 1] = topk - above.size
+    counts = torch.tensor([[above.size, shared.size]], dtype=torch.int32)
+    vis = torch.tensor([width], dtype=torch.int32)
+    args = [x.to(dev) for x in (scores[None], vis, hist, counts, out, cand)]
+    topk_finish_kernel[(1,)](*args, 0, topk, cap, width, topk, CAP_P=pow2(cap, 1),
+                             TOPK_P=pow2(topk, 1), BLOCK=64, num_warps=4)
+    assert above.size > 0 and 8 < shared.size <= 64 and topk - above.size < shared.size
+    assert torch.equal(args[4][0].cpu(), order.sort().values.to(torch.int32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(

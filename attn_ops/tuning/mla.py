@@ -107,6 +107,13 @@ class MLATuning:
     # (two tiles a program), 16.9 against 22.4 at 1 x 256k and 18.8 against 19.3 at 8 x 32k
     # (one tile): off, for V4's 8 x 256k.
     index_select_read_first: bool = False
+    # n > 0: the select reads the scores three times, not six -- two digit passes decide the
+    # top 16 bits of each row's top-k-th key, one launch sends the positions above them to
+    # the output and those sharing them to n candidates a row, and a program a row finishes
+    # on the candidates (the last two digits, the ties by a sort) and sorts the row (a row
+    # whose candidates overflow n reads its scores again in that program). 0: the six
+    # launches. Not yet timed.
+    index_select_candidates: int = 0
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of
     # 128 channels, one a head at head dim 128) and multiplies fp8 by fp8 on the tensor cores
@@ -127,6 +134,10 @@ class MLATuning:
             raise ValueError(f"tuning.mla.index_select_block={self.index_select_block} must be "
                              "in [1, 65536): the select's write packs two counts of a block in "
                              "one int32 scan")
+        if self.index_select_candidates < 0:
+            raise ValueError(f"tuning.mla.index_select_candidates="
+                             f"{self.index_select_candidates} must be >= 0 (0: the six-launch "
+                             "select)")
         if self.index_select_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"tuning.mla.index_select_warps={self.index_select_warps} must be "
                              "1, 2, 4, 8 or 16")

@@ -36,9 +36,9 @@ import triton.language as tl
 from attn_ops.routing import cdiv, indexer_score_chunk, indexer_select_span, pow2
 
 __all__ = ["ROWS_A_PASS", "index_k_write_kernel", "index_score_kernel",
-           "indexer_k_write_device", "indexer_topk_device", "topk_count_kernel",
-           "indexer_slots_device", "topk_hist_kernel", "topk_write_kernel", "visible_rows",
-           "visible_rows_triton"]
+           "indexer_k_write_device", "indexer_topk_device", "topk_compact_kernel",
+           "topk_count_kernel", "topk_finish_kernel", "indexer_slots_device",
+           "topk_hist_kernel", "topk_write_kernel", "visible_rows", "visible_rows_triton"]
 
 ROWS_A_PASS = 2048
 _SIGN = tl.constexpr(-2147483648)  # (the int32 sign bit)
@@ -58,24 +58,31 @@ def _order_key(s):
 
 
 @triton.jit
+def _descend_local(hist, remaining):
+    """One digit down a 256-bin histogram ``hist`` of the keys sharing the digits decided so
+    far, ``remaining`` of which are taken: the top-k-th key's digit and how many keys sharing
+    it are still taken."""
+    bins = tl.arange(0, 256)
+    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # (this digit or above)
+    digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
+    return digit, remaining - tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+
+
+@triton.jit
 def _descend(hrow, topk, PASS: tl.constexpr):
     """One digit down a row's select (``hrow``: its :data:`HIST_ROW` words): from the state
     after pass ``PASS - 1`` (the decided high bits of its ``topk``-th key and how many keys
     sharing them it still takes; none before pass 0) and pass ``PASS``'s histogram, the state
     after pass ``PASS``, stored for the launch after this one. Every program of a launch
     stores the same values, so each descends one histogram, not all of those before it."""
-    bins = tl.arange(0, 256)
-    hist = tl.load(hrow + PASS * 256 + bins)
-    total = tl.sum(hist, axis=0)
+    hist = tl.load(hrow + PASS * 256 + tl.arange(0, 256))
     if PASS == 0:
         prefix = tl.full([], 0, tl.int32)
-        remaining = tl.minimum(total, topk)
+        remaining = tl.minimum(tl.sum(hist, axis=0), topk)
     else:
         prefix = tl.load(hrow + _STATE + 2 * (PASS - 1))
         remaining = tl.load(hrow + _STATE + 2 * (PASS - 1) + 1)
-    suffix = total - tl.cumsum(hist, axis=0) + hist  # (keys with this digit or above)
-    digit = tl.max(tl.where(suffix >= remaining, bins, 0), axis=0)
-    remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+    digit, remaining = _descend_local(hist, remaining)
     prefix = prefix | (digit << (24 - 8 * PASS))
     tl.store(hrow + _STATE + 2 * PASS, prefix)
     tl.store(hrow + _STATE + 2 * PASS + 1, remaining)
@@ -313,6 +320,135 @@ def topk_write_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, row0, 
 
 
 @triton.jit
+def topk_compact_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, cand_ptr, row0,
+                        topk, span, cap, stride_s, stride_o, BLOCK: tl.constexpr):
+    """Program ``(i, b)``, after the first two passes decided the top 16 bits of row ``i``'s
+    ``topk``-th key: its span's positions whose keys are above those bits go straight to the
+    row's output, those sharing them to the row's ``cap`` candidates -- either at slots
+    claimed by an atomic add on ``counts[i, 0]`` / ``counts[i, 1]`` (any order: the finish
+    sorts the row; the candidates' count goes on past ``cap``, and the finish then reads the
+    row again instead)."""
+    i = tl.program_id(0)
+    vis = tl.load(vis_ptr + row0 + i)
+    n = tl.where(vis > topk, vis, 0)
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(lo + span, n)
+    prefix, _ = _descend(hist_ptr + i.to(tl.int64) * _ROW, topk, 1)
+    top = (prefix ^ _SIGN) >> 16  # (signed compares of key ^ sign: the keys' order)
+    src = scores_ptr + i.to(tl.int64) * stride_s
+    dst = out_ptr + i.to(tl.int64) * stride_o
+    cand = cand_ptr + i.to(tl.int64) * cap
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < hi
+        o = (_order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN) >> 16
+        above = ok & (o > top)
+        match = ok & (o == top)
+        # one scan for both (BLOCK < 2^16): the keys above (low 16 bits), those sharing (high)
+        both = tl.cumsum(above.to(tl.int32) | (match.to(tl.int32) << 16), axis=0)
+        base = tl.atomic_add(counts_ptr + 2 * i, tl.sum(above.to(tl.int32), axis=0))
+        tl.store(dst + base + (both & 0xFFFF) - 1, offs, mask=above)
+        base = tl.atomic_add(counts_ptr + 2 * i + 1, tl.sum(match.to(tl.int32), axis=0))
+        at = base + (both >> 16) - 1
+        tl.store(cand + at, offs, mask=match & (at < cap))
+
+
+@triton.jit
+def _finish_candidates(src, dst, cand, m, top, remaining, topk, CAP_P: tl.constexpr):
+    """:func:`topk_finish_kernel` over a row's ``m`` candidates (positions at ``cand``, any
+    order; their keys share the decided 16 bits ``top``): the ``remaining`` it takes of them
+    into the row's last ``remaining`` output columns -- those above its top-k-th key, then the
+    lowest-positioned equal ones."""
+    c = tl.arange(0, CAP_P)
+    live = c < m
+    pos = tl.load(cand + c, mask=live, other=0)
+    u = _order_key(tl.load(src + pos, mask=live, other=0.0))
+    d2, r2 = _descend_local(_histogram(u, live, 2), remaining)
+    d3, r3 = _descend_local(_histogram(u, live & (((u >> 8) & 255) == d2), 3), r2)
+    low, t16 = u & 0xFFFF, (d2 << 8) | d3
+    eq = live & (low == t16)
+    if tl.sum(eq.to(tl.int32), axis=0) > r3:  # (more equal keys than it takes: by position)
+        above = live & (low > t16)
+        tl.store(dst + topk - remaining + tl.cumsum(above.to(tl.int32), axis=0) - 1, pos,
+                 mask=above)
+        ties = tl.sort(tl.where(eq, pos, 2147483647))
+        tl.store(dst + topk - r3 + c, ties, mask=c < r3)
+    else:  # (every key from the top-k-th up)
+        chosen = live & (low >= t16)
+        tl.store(dst + topk - remaining + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, pos,
+                 mask=chosen)
+
+
+@triton.jit
+def _finish_row(src, dst, vis, top, remaining, topk, BLOCK: tl.constexpr):
+    """:func:`_finish_candidates` for a row whose candidates overflowed: the last two digits
+    and the chosen positions from its ``vis`` scores, read in order (three times)."""
+    h2 = tl.zeros([256], tl.int32)
+    for start in range(0, vis, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < vis
+        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        h2 += _histogram(u, ok & ((u >> 16) == top), 2)
+    d2, r2 = _descend_local(h2, remaining)
+    h3 = tl.zeros([256], tl.int32)
+    for start in range(0, vis, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < vis
+        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        h3 += _histogram(u, ok & ((u >> 8) == ((top << 8) | d2)), 3)
+    d3, r3 = _descend_local(h3, r2)
+    t16 = (d2 << 8) | d3
+    taken = topk - remaining  # (the compact launch's, at the row's start)
+    ties = tl.full([], 0, tl.int32)
+    for start in range(0, vis, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < vis
+        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        shared = ok & ((u >> 16) == top)
+        above = shared & ((u & 0xFFFF) > t16)
+        eq = shared & ((u & 0xFFFF) == t16)
+        eq_upto = ties + tl.cumsum(eq.to(tl.int32), axis=0)
+        chosen = above | (eq & (eq_upto <= r3))
+        tl.store(dst + taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, offs, mask=chosen)
+        taken += tl.sum(chosen.to(tl.int32), axis=0)
+        ties += tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def topk_finish_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, cand_ptr, row0,
+                       topk, cap, stride_s, stride_o, CAP_P: tl.constexpr,
+                       TOPK_P: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``i``: row ``i``'s output completed and sorted. A row seeing at most ``topk``
+    positions takes them all, -1 after; another holds ``topk - r`` positions from
+    :func:`topk_compact_kernel` and takes ``r`` of the keys sharing the decided 16 bits: the
+    last two digits' histograms among its candidates, then the ones above the top-k-th key
+    and the lowest-positioned equal ones (its candidates came in any order: a sort) -- or,
+    where they overflowed ``cap``, the same digits from the whole row read in order."""
+    i = tl.program_id(0)
+    vis = tl.load(vis_ptr + row0 + i)
+    dst = out_ptr + i.to(tl.int64) * stride_o
+    ks = tl.arange(0, TOPK_P)
+    if vis <= topk:
+        tl.store(dst + ks, tl.where(ks < vis, ks, -1), mask=ks < topk)
+    else:
+        hrow = hist_ptr + i.to(tl.int64) * _ROW
+        top = tl.load(hrow + _STATE + 2) >> 16  # (the decided 16 bits, sign-extended)
+        remaining = tl.load(hrow + _STATE + 3)
+        m = tl.load(counts_ptr + 2 * i + 1)
+        src = scores_ptr + i.to(tl.int64) * stride_s
+        if m <= cap:
+            _finish_candidates(src, dst, cand_ptr + i.to(tl.int64) * cap, m, top, remaining,
+                               topk, CAP_P)
+        else:
+            _finish_row(src, dst, vis, top, remaining, topk, BLOCK)
+        tl.debug_barrier()  # (the row's positions, stored by this program's threads and the
+        # compact launch, read back whole)
+        row = tl.sort(tl.load(dst + ks, mask=ks < topk, other=2147483647))
+        tl.debug_barrier()
+        tl.store(dst + ks, row, mask=ks < topk)
+
+
+@triton.jit
 def _requests_before(qsl_ptr, rows, num_reqs, steps):
     """How many requests end at or before each of ``rows`` (a row or a block of them;
     ``searchsorted(qsl[1:], rows, right=True)``): a binary search of ``steps`` halvings over
@@ -502,6 +638,22 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     read_first = tuning.index_select_read_first
     if hist is None:
         hist = torch.zeros(rows, HIST_ROW, dtype=torch.int32, device=scores.device)
+    cap = tuning.index_select_candidates
+    if cap:  # (two passes, then the compact launch and a program a row: the scores read 3x)
+        for p in range(first, 2):
+            topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0),
+                                   PASS=p, BLOCK=block,
+                                   ATOMIC=p >= tuning.index_atomic_from_pass,
+                                   READ_FIRST=read_first, num_warps=warps)
+        counts = torch.zeros(rows, 2, dtype=torch.int32, device=scores.device)
+        cand = torch.empty(rows, cap, dtype=torch.int32, device=scores.device)
+        topk_compact_kernel[grid](scores, vis, hist, counts, out, cand, row0, topk, span, cap,
+                                  scores.stride(0), out.stride(0), BLOCK=block,
+                                  num_warps=warps)
+        topk_finish_kernel[(rows,)](scores, vis, hist, counts, out, cand, row0, topk, cap,
+                                    scores.stride(0), out.stride(0), CAP_P=pow2(cap, 1),
+                                    TOPK_P=pow2(topk, 1), BLOCK=block, num_warps=8)
+        return
     for p in range(first, 4):
         topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
                                BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
