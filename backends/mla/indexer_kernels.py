@@ -20,7 +20,9 @@ for each query row of ``vis`` visible positions (its position + 1; 0 for padding
    the spans before its own, writes the positions above ``T`` and the first of those equal
    to it: ascending, equal scores keeping the lower position (the reference's stable sort).
    Every launch runs rows x spans programs (``routing.indexer_select_span``), so one long
-   row fills the GPU as many short ones do. A row that sees at most ``topk`` positions takes
+   row fills the GPU as many short ones do. With ``Tuning.mla.index_select_candidates`` the
+   select reads the scores three times instead: two passes, :func:`topk_compact_kernel`,
+   :func:`topk_finish_kernel`. A row that sees at most ``topk`` positions takes
    them all without a score; the write fills the rest with -1.
 
 The position axis is the block table's capacity (pages x page), a shape; long steps run in
@@ -95,6 +97,15 @@ def _histogram(u, ok, PASS: tl.constexpr):
     ``u`` where ``ok`` (the others counted in bin 0, then taken out of it)."""
     local = tl.histogram(tl.where(ok, (u >> (24 - 8 * PASS)) & 255, 0), 256)
     return local - tl.where(tl.arange(0, 256) == 0, tl.sum((ok == 0).to(tl.int32), axis=0), 0)
+
+
+@triton.jit
+def _keys_at(src, start, hi, BLOCK: tl.constexpr):
+    """Positions ``[start, start + BLOCK)``, which of them are below ``hi``, and their scores'
+    order keys (the others' from 0.0)."""
+    offs = start + tl.arange(0, BLOCK)
+    ok = offs < hi
+    return offs, ok, _order_key(tl.load(src + offs, mask=ok, other=0.0))
 
 
 @triton.jit
@@ -324,10 +335,10 @@ def topk_compact_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, cand
                         topk, span, cap, stride_s, stride_o, BLOCK: tl.constexpr):
     """Program ``(i, b)``, after the first two passes decided the top 16 bits of row ``i``'s
     ``topk``-th key: its span's positions whose keys are above those bits go straight to the
-    row's output, those sharing them to the row's ``cap`` candidates -- either at slots
-    claimed by an atomic add on ``counts[i, 0]`` / ``counts[i, 1]`` (any order: the finish
-    sorts the row; the candidates' count goes on past ``cap``, and the finish then reads the
-    row again instead)."""
+    row's output, those sharing them to the row's ``cap`` candidates, each at slots claimed
+    by an atomic add on ``counts[i, 0]`` / ``counts[i, 1]`` (any order: the finish sorts the
+    row; the candidates' count goes on past ``cap``, and the finish then reads the row again
+    instead)."""
     i = tl.program_id(0)
     vis = tl.load(vis_ptr + row0 + i)
     n = tl.where(vis > topk, vis, 0)
@@ -339,9 +350,8 @@ def topk_compact_kernel(scores_ptr, vis_ptr, hist_ptr, counts_ptr, out_ptr, cand
     dst = out_ptr + i.to(tl.int64) * stride_o
     cand = cand_ptr + i.to(tl.int64) * cap
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < hi
-        o = (_order_key(tl.load(src + offs, mask=ok, other=0.0)) ^ _SIGN) >> 16
+        offs, ok, u = _keys_at(src, start, hi, BLOCK)
+        o = (u ^ _SIGN) >> 16
         above = ok & (o > top)
         match = ok & (o == top)
         # one scan for both (BLOCK < 2^16): the keys above (low 16 bits), those sharing (high)
@@ -385,25 +395,19 @@ def _finish_row(src, dst, vis, top, remaining, topk, BLOCK: tl.constexpr):
     and the chosen positions from its ``vis`` scores, read in order (three times)."""
     h2 = tl.zeros([256], tl.int32)
     for start in range(0, vis, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < vis
-        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        offs, ok, u = _keys_at(src, start, vis, BLOCK)
         h2 += _histogram(u, ok & ((u >> 16) == top), 2)
     d2, r2 = _descend_local(h2, remaining)
     h3 = tl.zeros([256], tl.int32)
     for start in range(0, vis, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < vis
-        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        offs, ok, u = _keys_at(src, start, vis, BLOCK)
         h3 += _histogram(u, ok & ((u >> 8) == ((top << 8) | d2)), 3)
     d3, r3 = _descend_local(h3, r2)
     t16 = (d2 << 8) | d3
     taken = topk - remaining  # (the compact launch's, at the row's start)
     ties = tl.full([], 0, tl.int32)
     for start in range(0, vis, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < vis
-        u = _order_key(tl.load(src + offs, mask=ok, other=0.0))
+        offs, ok, u = _keys_at(src, start, vis, BLOCK)
         shared = ok & ((u >> 16) == top)
         above = shared & ((u & 0xFFFF) > t16)
         eq = shared & ((u & 0xFFFF) == t16)
@@ -639,12 +643,13 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
     if hist is None:
         hist = torch.zeros(rows, HIST_ROW, dtype=torch.int32, device=scores.device)
     cap = tuning.index_select_candidates
-    if cap:  # (two passes, then the compact launch and a program a row: the scores read 3x)
-        for p in range(first, 2):
-            topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0),
-                                   PASS=p, BLOCK=block,
-                                   ATOMIC=p >= tuning.index_atomic_from_pass,
-                                   READ_FIRST=read_first, num_warps=warps)
+    # (over candidates: two passes, then the compact launch and a program a row -- the scores
+    # read three times; else four passes, the counts and the write)
+    for p in range(first, 2 if cap else 4):
+        topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
+                               BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
+                               READ_FIRST=read_first, num_warps=warps)
+    if cap:
         counts = torch.zeros(rows, 2, dtype=torch.int32, device=scores.device)
         cand = torch.empty(rows, cap, dtype=torch.int32, device=scores.device)
         topk_compact_kernel[grid](scores, vis, hist, counts, out, cand, row0, topk, span, cap,
@@ -654,10 +659,6 @@ def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=No
                                     scores.stride(0), out.stride(0), CAP_P=pow2(cap, 1),
                                     TOPK_P=pow2(topk, 1), BLOCK=block, num_warps=8)
         return
-    for p in range(first, 4):
-        topk_hist_kernel[grid](scores, vis, hist, row0, topk, span, scores.stride(0), PASS=p,
-                               BLOCK=block, ATOMIC=p >= tuning.index_atomic_from_pass,
-                               READ_FIRST=read_first, num_warps=warps)
     counts = torch.empty(rows, 2, blocks, dtype=torch.int32, device=scores.device)
     topk_count_kernel[grid](scores, vis, hist, counts, row0, topk, span, blocks,
                             scores.stride(0), BLOCK=block, READ_FIRST=read_first,
