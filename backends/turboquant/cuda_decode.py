@@ -1,8 +1,8 @@
 """TurboQuant's decode on the tensor cores (``decode_kernels.cu``, built with the machine's
 nvcc on first use): uniform decode steps (one query a request) over every preset's cache at
-head dims 64 / 128 / 256 and power-of-two pages; every other step runs TRITON_ATTN's kernels
-(:func:`~attn_ops.backends.turboquant.ops.triton_turboquant_attention`). Chosen by
-``Tuning.triton.turboquant_cuda_decode``.
+head dims 64 / 128 / 256 and power-of-two pages of 16 or more; every other step runs
+TRITON_ATTN's kernels (:func:`~attn_ops.backends.turboquant.ops.triton_turboquant_attention`).
+Chosen by ``Tuning.triton.turboquant_cuda_decode``.
 
 The query is rotated once for 3- and 4-bit keys (``q H``; they are stored rotated); each
 (request, KV head) runs ``splits`` CTAs of four warps, each warp a split of its own, and the
@@ -26,15 +26,16 @@ _HEAD_DIMS = (64, 128, 256)
 
 def cuda_decode_serves(query, kv_cache, seq_lens, preset) -> bool:
     """Whether :func:`turboquant_cuda_decode` serves the call: one query a request (its rows
-    are the requests), a head dim it was built for, a power-of-two page, a GQA group of at
-    most 16 query heads, a cache at a 2-byte aligned address (4 for fp8 keys: their 32-bit
-    reads), on a CUDA device."""
+    are the requests), a head dim it was built for, a power-of-two page of at least 16
+    positions (a step's 16 slots are one contiguous run, copied in 16-byte chunks), a GQA
+    group of at most 16 query heads, a cache at a 16-byte aligned address, on a CUDA
+    device."""
     page = kv_cache.shape[2]
     heads, kv_heads = query.shape[1], kv_cache.shape[1]
     return (query.is_cuda and query.shape[0] == seq_lens.shape[0]
             and preset.key_bits in (3, 4, 8) and preset.value_bits in (3, 4)
-            and kv_cache.data_ptr() % (4 if preset.fp8_keys else 2) == 0
-            and query.shape[2] in _HEAD_DIMS and page > 0 and page & (page - 1) == 0
+            and kv_cache.data_ptr() % 16 == 0
+            and query.shape[2] in _HEAD_DIMS and page >= 16 and page & (page - 1) == 0
             and heads % kv_heads == 0 and heads // kv_heads <= 16)
 
 

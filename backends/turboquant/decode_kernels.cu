@@ -9,22 +9,29 @@
 //   scores  S[16 x 16] = Q_rot[16 x D] . C[D x 16]   (two m16n8k16 products a 16-coordinate chunk)
 //   output  O[16 x D] += P'[16 x 16] . codes[16 x D] (one product an 8-column tile)
 //
+// A step's 16 slots are one contiguous run of its page (pages of 16 positions or more): the
+// warp copies them into shared memory as 16-byte chunks (cp.async, kStages - 1 steps ahead),
+// and its lanes read their fields from there. (Reading them from global memory in 2-byte words
+// cost a dozen L1 wavefronts a load -- eight slots a warp instruction -- and with the
+// table lookups kept the L1 the busiest unit at a fifth of the copy bandwidth.)
+//
 // 4-bit keys: a byte of a slot's index field holds two coordinates' codes, and a B fragment register
-// of the score product holds two consecutive coordinates of one key: one shared-memory lookup
-// of a 256-entry table (both centroids as a bf16 / fp16 pair, and the sum of their squares for
-// the norm correction) gives the register. The coordinates are permuted so that lane t of a
+// of the score product holds two consecutive coordinates of one key: one lookup of a 256-entry
+// table (both centroids as a bf16 / fp16 pair) gives the register; the table is kept in 32
+// copies, lane l reading bank l, so a warp's lookup costs one wavefront. The norm correction
+// sums the looked-up pairs' squares. The coordinates are permuted so that lane t of a
 // key reads the contiguous bytes [t D / 8, (t + 1) D / 8) of its field (the query is permuted
 // alike when it is loaded: lane t's query words are coordinates [t D / 4, (t + 1) D / 4)).
 // 3-bit keys: eight codes a group of three bytes, a register's pair six bits of it, looked up in
-// the table's first 64 entries. fp8 keys (not rotated, no norm): two bytes convert to the fp16
+// a table of 64 entries. fp8 keys (not rotated, no norm): two bytes convert to the fp16
 // pair of a B register. Either way lane t reads its key's codes of coordinates [t D / 4,
 // (t + 1) D / 4).
 // Values: a value is code * scale + min; the scale multiplies P (per key column) and the min
 // adds sum_j P_j min_j to every column, so the product runs on the raw codes, exact in 16
-// bits. A byte (3-bit: six bits) holds two coordinates of one key, a B register two keys of one
-// coordinate: two lookups and two byte permutes give two registers. Lane g of a warp owns the
-// value codes of coordinates [g D / 8, (g + 1) D / 8) of its keys, so output tile 2p + s,
-// column n holds coordinate n D / 8 + 2 p + s.
+// bits (kMagic + code: the code in a half's mantissa, no table). A B register holds two keys
+// of one coordinate: one byte permute brings two keys' code words together, a shift and a mask
+// give each register. Lane g of a warp owns the value codes of coordinates [g D / 8,
+// (g + 1) D / 8) of its keys, so output tile 2p + s, column n holds coordinate n D / 8 + 2 p + s.
 //
 // Slot bytes (format.py, head dim D, LSB-first bit streams): [D KBITS / 8 key bytes | norm fp16 |
 // D VBITS / 8 code bytes | scale fp16 | min fp16] (fp8 keys: no norm), only 2-byte aligned but
@@ -38,6 +45,7 @@
 namespace attn_ops_tq {
 
 constexpr int kWarps = 4;
+constexpr int kStages = 3;  // (a warp's tile buffers: steps in flight)
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <bool BF16>
@@ -107,6 +115,58 @@ __device__ __forceinline__ const uint8_t* slot_at(const Params& p, int row, int 
   return p.cache + (((blk * p.kv_heads + h) << p.page_shift) + in_page) * p.slot;
 }
 
+// A preset's slot at head dim D (format.py): the key field (codes then the fp16 norm; fp8 keys:
+// D bytes), the value field (codes, fp16 scale, fp16 min), padded to an even size; a decode
+// step's 16 slots (a tile) are a whole number of 16-byte chunks.
+template <int D, int KBITS, int VBITS>
+struct SlotLayout {
+  static constexpr bool FP8K = KBITS == 8;
+  static constexpr int KEY_BYTES = D * KBITS / 8;  // (the codes; fp8: the key)
+  static constexpr int KEY_FIELD = FP8K ? D : KEY_BYTES + 2;
+  static constexpr int VALUE_BYTES = D * VBITS / 8;
+  static constexpr int FIELDS = KEY_FIELD + VALUE_BYTES + 4;
+  static constexpr int SLOT = FIELDS + FIELDS % 2;
+  static constexpr int TILE = 16 * SLOT;
+  // the key table's entries (a byte of 4-bit codes, six bits of 3-bit ones; none for fp8)
+  static constexpr int KLUT = FP8K ? 0 : (KBITS == 4 ? 256 : 64);
+  // dynamic shared memory: the key table in 32 copies, then each warp's tile buffers
+  static constexpr int SMEM = KLUT * 32 * 4 + kWarps * kStages * TILE;
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// a bf16 / fp16 pair as two floats, the low half first
+template <bool BF16>
+__device__ __forceinline__ void unpack2(uint32_t w, float& lo, float& hi) {
+  if constexpr (BF16) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+  } else {
+    const __half2 h = *reinterpret_cast<const __half2*>(&w);
+    lo = __low2float(h);
+    hi = __high2float(h);
+  }
+}
+
+// Value codes as numbers without a table: the code in a half's low mantissa bits under the
+// exponent of kMagic (bf16 128, fp16 1024, whose unit in the last place is 1) reads kMagic +
+// code exactly; the product's kMagic sum_j P'_j is taken off with the minima's term.
+template <bool BF16>
+constexpr float kMagic = BF16 ? 128.f : 1024.f;
+template <bool BF16, int BITS>
+__device__ __forceinline__ uint32_t codes2(uint32_t x) {  // bits 0.. and 16.. of x
+  constexpr uint32_t mask = BITS == 4 ? 0x000f000fu : 0x00070007u;
+  return (x & mask) | (BF16 ? 0x43004300u : 0x64006400u);
+}
+
 // ATTN_OPS_TQ_MIN_BLOCKS (Tuning.triton.turboquant_cuda_min_blocks, a build of its own): the
 // CTAs an SM the decode's registers must allow; unset, the compiler's choice.
 #ifdef ATTN_OPS_TQ_MIN_BLOCKS
@@ -120,34 +180,56 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
   static_assert(D % 64 == 0 && D <= 256, "head dim: 64, 128 or 256");
   static_assert(KBITS == 3 || KBITS == 4 || KBITS == 8, "keys: 3 or 4 bits, or fp8");
   static_assert(VBITS == 3 || VBITS == 4, "values: 3 or 4 bits");
-  constexpr bool FP8K = KBITS == 8;
+  using L = SlotLayout<D, KBITS, VBITS>;
+  constexpr bool FP8K = L::FP8K;
   static_assert(!FP8K || (!BF16 && !NC), "fp8 keys: fp16 products, no norm correction");
   constexpr int KC = D / 16;        // 16-coordinate chunks of the score product
-  constexpr int KEY_BYTES = D * KBITS / 8;
+  constexpr int KEY_BYTES = L::KEY_BYTES, SLOT = L::SLOT, TILE = L::TILE;
   constexpr int KB = KEY_BYTES / 4;  // key bytes a lane of a key reads
-  constexpr int VALUE_BYTES = D * VBITS / 8;
+  constexpr int VALUE_BYTES = L::VALUE_BYTES;
   constexpr int VB = VALUE_BYTES / 8;  // value bytes a lane reads of each of its keys
-  constexpr int VSTART = FP8K ? D : KEY_BYTES + 2;  // (the value codes; then scale, min)
+  constexpr int VSTART = L::KEY_FIELD;  // (the value codes; then scale, min)
 
-  __shared__ uint2 klut[256];       // (centroid pair, sum of their squares)
-  __shared__ uint32_t vlut[256];    // (code pair)
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-    constexpr int KMASK = (1 << KBITS) - 1, VMASK = (1 << VBITS) - 1;
-    if constexpr (!FP8K) {  // (a pair of codes: the low one first; 3-bit: entries 0-63)
-      const float lo = p.codebook[b & KMASK], hi = p.codebook[(b >> KBITS) & KMASK];
-      klut[b] = make_uint2(pack2<BF16>(lo, hi), __float_as_uint(lo * lo + hi * hi));
-    }
-    vlut[b] = pack2<BF16>(float(b & VMASK), float((b >> VBITS) & VMASK));
-  }
-  __syncthreads();
-
-  const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
+  extern __shared__ __align__(16) uint8_t smem[];
+  // klut[e * 32 + lane]: entry e (a pair of codes, the low one first) as a bf16 / fp16 pair of
+  // centroids, one copy a bank: a warp's 32 lookups are one shared-memory wavefront
+  uint32_t* klut = reinterpret_cast<uint32_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint8_t* const tiles = smem + L::KLUT * 32 * 4 + warp * kStages * TILE;  // this warp's
+  const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   const int g = lane >> 2, t = lane & 3;
   const int num_heads = p.kv_heads * p.group;
   const int seq = p.seq_lens[row];
   const int lo_key = split * p.keys_per_split;
   const int hi_key = min(seq, lo_key + p.keys_per_split);
+
+  // The warp's steps (16 keys each, every fourth of the split) arrive by cp.async, kStages - 1
+  // ahead: a step's 16 slots are contiguous in their page (a page of at least 16 positions, a
+  // step starting at a multiple of 16), read as 16-byte chunks. Slots past the context in the
+  // step's page are read too and never used: their keys are masked, their factors zeroed.
+  auto fetch = [&](int step) {
+    const int key0 = lo_key + 16 * (warp + kWarps * step);
+    if (key0 < hi_key) {
+      const uint8_t* src = slot_at(p, row, h, key0);
+      uint8_t* dst = tiles + (step % kStages) * TILE;
+#pragma unroll
+      for (int c = lane; c < SLOT; c += 32) cp_async16(dst + 16 * c, src + 16 * c);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) fetch(s);
+
+  if constexpr (!FP8K) {
+    constexpr int KMASK = (1 << KBITS) - 1;
+    const float centroid = p.codebook[lane & KMASK];
+    for (int e = warp; e < L::KLUT; e += kWarps) {
+      const float lo = __shfl_sync(0xffffffffu, centroid, e & KMASK);
+      const float hi = __shfl_sync(0xffffffffu, centroid, (e >> KBITS) & KMASK);
+      klut[e * 32 + lane] = pack2<BF16>(lo, hi);
+    }
+  }
+  __syncthreads();
 
   // the query fragments: rows g and g + 8 of the group, lane t's coordinates [t D/4, (t+1) D/4)
   uint32_t qa[KC][4];
@@ -170,105 +252,79 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
   for (int j = 0; j < 2 * KC; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY;  // running maxima of rows g, g + 8 (log2 units)
   float l0 = 0.f, l1 = 0.f;              // this lane's part of the rows' sums
-  float n0 = 0.f, n1 = 0.f;              // this lane's part of sum_j P_j min_j
+  float n0 = 0.f, n1 = 0.f;              // this lane's part of sum_j P_j min_j - kMagic P'_j
 
-  // The slot words of a 16-key step this lane reads: its score keys' (g, 8 + g) index codes
-  // (KW words of its KB bytes; 32-bit words for fp8 keys, whose slots are 4-byte aligned) and
-  // factors, its value keys' (2t, 2t + 1, 8 + 2t, 9 + 2t) code bytes (VW 16-bit words from the
-  // even byte at or before g VB).
+  // The slot words of a step this lane reads from the tile: its score keys' (g, 8 + g) index
+  // codes (KW words of its KB bytes; 32-bit words for fp8 keys, whose slots are 4-byte
+  // aligned) and factors, its value keys' (2t, 2t + 1, 8 + 2t, 9 + 2t) code bytes (VW 16-bit
+  // words from the even byte at or before g VB).
   constexpr int KW = FP8K ? KB / 4 : KB / 2;
   constexpr int VW = VB / 2 + (VB & 1);
   static_assert(KB % (FP8K ? 4 : 2) == 0, "a lane's key bytes: whole words");
   static_assert(VB % 2 == 0 || VB == 3, "an odd value field a lane: one group of three bytes");
-  constexpr bool AHEAD = D <= 128;
-  struct Step {
-    uint32_t k[2][KW];
-    uint32_t v[4][VW];
-    float norm[2], vs[2], vm[2];
-  };
   const int vodd = (g * VB) & 1;  // (a lane's value bytes from an odd byte: D 64, 3 bits)
-  auto load_keys = [&](int first, Step& st) {
+
+  int step = 0;
+  for (int key0 = lo_key + 16 * warp; key0 < hi_key; key0 += 16 * kWarps, ++step) {
+    fetch(step + kStages - 1);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const uint8_t* tile = tiles + (step % kStages) * TILE;
+    uint32_t kw[2][KW];
+    float kscale[2], vscale[2], vmin[2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const uint8_t* sl = slot_at(p, row, h, min(first + 8 * nt + g, hi_key - 1));
-      const uint8_t* kp = sl + t * KB;
+      const uint8_t* sl = tile + (8 * nt + g) * SLOT;
 #pragma unroll
       for (int i = 0; i < KW; ++i) {
         if constexpr (FP8K) {
-          st.k[nt][i] = *reinterpret_cast<const uint32_t*>(kp + 4 * i);
+          kw[nt][i] = *reinterpret_cast<const uint32_t*>(sl + t * KB + 4 * i);
         } else {
-          st.k[nt][i] = u16_at(kp + 2 * i);
+          kw[nt][i] = u16_at(sl + t * KB + 2 * i);
         }
       }
-      st.norm[nt] = FP8K ? 1.f : fp16_at(sl + KEY_BYTES);  // (the norm follows the codes)
-      st.vs[nt] = fp16_at(sl + VSTART + VALUE_BYTES);
-      st.vm[nt] = fp16_at(sl + VSTART + VALUE_BYTES + 2);
+      const bool mine = key0 + 8 * nt + g < hi_key;
+      kscale[nt] = mine ? (FP8K ? 1.f : fp16_at(sl + KEY_BYTES)) * p.scale_log2 : 0.f;
+      vscale[nt] = mine ? fp16_at(sl + VSTART + VALUE_BYTES) : 0.f;
+      vmin[nt] = mine ? fp16_at(sl + VSTART + VALUE_BYTES + 2) : 0.f;
     }
-  };
-  auto load_values = [&](int first, Step& st) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int pos = first + 2 * t + (k & 1) + 8 * (k >> 1);
-      const uint8_t* vp = slot_at(p, row, h, min(pos, hi_key - 1)) + VSTART + g * VB - vodd;
-#pragma unroll
-      for (int i = 0; i < VW; ++i) st.v[k][i] = u16_at(vp + 2 * i);
-    }
-  };
 
-  // At head dims up to 128 a step's slot words are all loaded one step ahead, while the step
-  // before computes; at 256 (the query and output fragments already hold 192 registers a
-  // thread) the keys' at the step's top and the values' after its softmax.
-  Step cur, nxt;
-  int key0 = lo_key + 16 * warp;
-  if (AHEAD && key0 < hi_key) {
-    load_keys(key0, cur);
-    load_values(key0, cur);
-  }
-  for (; key0 < hi_key; key0 += 16 * kWarps) {
-    const int next0 = key0 + 16 * kWarps;
-    if constexpr (AHEAD) {
-      if (next0 < hi_key) {
-        load_keys(next0, nxt);
-        load_values(next0, nxt);
-      }
-    } else {
-      load_keys(key0, cur);
-    }
-    // this lane's own keys (the score product's columns g and 8 + g): index codes, factors
+    // S = Q C^T over this lane's own keys (the product's columns g and 8 + g)
     float s[2][4];
-    float kscale[2], vscale[2], vmin[2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
       float sq = 0.f;
+      auto add_sq = [&](uint32_t e) {
+        float a, b;
+        unpack2<BF16>(e, a, b);
+        sq = fmaf(a, a, fmaf(b, b, sq));
+      };
 #pragma unroll
       for (int c = 0; c < KC; ++c) {
         if constexpr (FP8K) {
-          const uint32_t w = cur.k[nt][c];
+          const uint32_t w = kw[nt][c];
           mma16816<false>(s[nt], qa[c], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
         } else if constexpr (KBITS == 3) {  // (chunk c: group c / 2's pairs 2 (c % 2), +1)
           const int b = 3 * (c >> 1);  // (the group's first byte in the lane's field)
-          const uint32_t bits = ((cur.k[nt][b >> 1] | (cur.k[nt][(b >> 1) + 1] << 16)) >>
+          const uint32_t bits = ((kw[nt][b >> 1] | (kw[nt][(b >> 1) + 1] << 16)) >>
                                  (8 * (b & 1))) >> (12 * (c & 1));
-          const uint2 e0 = klut[bits & 63], e1 = klut[(bits >> 6) & 63];
-          if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
-          mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
+          const uint32_t e0 = klut[(bits & 63) * 32 + lane];
+          const uint32_t e1 = klut[((bits >> 6) & 63) * 32 + lane];
+          if (NC) add_sq(e0), add_sq(e1);
+          mma16816<BF16>(s[nt], qa[c], e0, e1);
         } else {
-          const uint32_t w = cur.k[nt][c];
-          const uint2 e0 = klut[w & 255], e1 = klut[w >> 8];
-          if (NC) sq += __uint_as_float(e0.y) + __uint_as_float(e1.y);
-          mma16816<BF16>(s[nt], qa[c], e0.x, e1.x);
+          const uint32_t w = kw[nt][c];
+          const uint32_t e0 = klut[(w & 255) * 32 + lane], e1 = klut[(w >> 8) * 32 + lane];
+          if (NC) add_sq(e0), add_sq(e1);
+          mma16816<BF16>(s[nt], qa[c], e0, e1);
         }
       }
-      float norm = cur.norm[nt];
-      if (NC) {
+      if (NC) {  // (the key's centroid vector to unit length: its norm over the lanes of a key)
         sq += __shfl_xor_sync(0xffffffffu, sq, 1);
         sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-        norm *= rsqrtf(sq + 1e-16f);
+        kscale[nt] *= rsqrtf(sq + 1e-16f);
       }
-      kscale[nt] = norm * p.scale_log2;
-      vscale[nt] = cur.vs[nt];
-      vmin[nt] = cur.vm[nt];
     }
     // each column's factors from the lanes owning its key (lane 4 k holds key k of a tile)
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -311,7 +367,8 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
         o[j][3] *= a1;
       }
     }
-    uint32_t pa[4];
+    // P' = P scale, rounded as the product reads it: kMagic sum_j P'_j leaves with n
+    uint32_t pfrag[4];  // (A fragment order: rows g / g + 8 of keys 2t, 2t+1, then 8+2t, 9+2t)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float pr[4];
@@ -326,31 +383,38 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
         pr[e] *= cvs[nt][e];
         pr[2 + e] *= cvs[nt][e];
       }
-      pa[2 * nt] = pack2<BF16>(pr[0], pr[1]);
-      pa[2 * nt + 1] = pack2<BF16>(pr[2], pr[3]);
+      pfrag[2 * nt] = pack2<BF16>(pr[0], pr[1]);
+      pfrag[2 * nt + 1] = pack2<BF16>(pr[2], pr[3]);
+      float r0, r1, r2, r3;
+      unpack2<BF16>(pfrag[2 * nt], r0, r1);
+      unpack2<BF16>(pfrag[2 * nt + 1], r2, r3);
+      n0 -= kMagic<BF16> * (r0 + r1);
+      n1 -= kMagic<BF16> * (r2 + r3);
     }
-    // (A fragment order: rows g / g + 8 of keys 2t, 2t+1, then of keys 8 + 2t, 9 + 2t)
-    const uint32_t pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-    if constexpr (!AHEAD) load_values(key0, cur);
-    // the value codes of this lane's columns' keys (2t, 2t+1, 8+2t, 9+2t): bytes [g VB, (g+1) VB),
-    // coordinates [g D / 8, (g + 1) D / 8): pair q (coordinates g D / 8 + 2 q, + 1) to tiles 2 q,
-    // 2 q + 1
-    auto pair_product = [&](int q, uint32_t e0, uint32_t e1, uint32_t e2, uint32_t e3) {
-      // low codes of keys (2t, 2t+1) and (8+2t, 9+2t), then the high codes
-      mma16816<BF16>(o[2 * q], pfrag, __byte_perm(e0, e1, 0x5410), __byte_perm(e2, e3, 0x5410));
-      mma16816<BF16>(o[2 * q + 1], pfrag, __byte_perm(e0, e1, 0x7632),
-                     __byte_perm(e2, e3, 0x7632));
+    uint32_t v[4][VW];  // (read here, after the softmax: fewer registers live across it)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* vp = tile + (2 * t + (k & 1) + 8 * (k >> 1)) * SLOT + VSTART + g * VB - vodd;
+#pragma unroll
+      for (int i = 0; i < VW; ++i) v[k][i] = u16_at(vp + 2 * i);
+    }
+    // O += P' codes: lane g owns coordinates [g D / 8, (g + 1) D / 8) of its value keys; pair
+    // q (coordinates g D / 8 + 2 q, + 1) goes to tiles 2 q, 2 q + 1; a B register holds two
+    // keys' codes of one coordinate: x01 (keys 2t, 2t + 1) and x23 (8 + 2t, 9 + 2t) hold a
+    // code field of each key in their low and high halves
+    auto pair_product = [&](int q, uint32_t x01, uint32_t x23, int lo_bit, int hi_bit) {
+      mma16816<BF16>(o[2 * q], pfrag, codes2<BF16, VBITS>(x01 >> lo_bit),
+                     codes2<BF16, VBITS>(x23 >> lo_bit));
+      mma16816<BF16>(o[2 * q + 1], pfrag, codes2<BF16, VBITS>(x01 >> hi_bit),
+                     codes2<BF16, VBITS>(x23 >> hi_bit));
     };
-    if constexpr (VBITS == 4) {
+    if constexpr (VBITS == 4) {  // (a 16-bit word: two bytes, each two coordinates' codes)
 #pragma unroll
-      for (int pp = 0; pp < VB; pp += 2) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int sh = 8 * half;
-          pair_product(pp + half, vlut[(cur.v[0][pp / 2] >> sh) & 255],
-                       vlut[(cur.v[1][pp / 2] >> sh) & 255], vlut[(cur.v[2][pp / 2] >> sh) & 255],
-                       vlut[(cur.v[3][pp / 2] >> sh) & 255]);
-        }
+      for (int w = 0; w < VB / 2; ++w) {
+        const uint32_t x01 = __byte_perm(v[0][w], v[1][w], 0x5410);
+        const uint32_t x23 = __byte_perm(v[2][w], v[3][w], 0x5410);
+        pair_product(2 * w, x01, x23, 0, 4);
+        pair_product(2 * w + 1, x01, x23, 8, 12);
       }
     } else {  // (3-bit: a group of eight codes in three bytes, four pairs)
 #pragma unroll
@@ -360,16 +424,17 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
         const int wi = (3 * grp) >> 1, sh = 8 * (((3 * grp) & 1) + vodd);
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = (cur.v[k][wi] | (cur.v[k][wi + 1] << 16)) >> sh;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int qs = 6 * q;
-          pair_product(4 * grp + q, vlut[(w[0] >> qs) & 63], vlut[(w[1] >> qs) & 63],
-                       vlut[(w[2] >> qs) & 63], vlut[(w[3] >> qs) & 63]);
-        }
+        for (int k = 0; k < 4; ++k) w[k] = (v[k][wi] | (v[k][wi + 1] << 16)) >> sh;
+        // bits 0-15 of each key's group (pairs 0, 1), then bits 8-23 (pairs 2, 3)
+        const uint32_t y01 = __byte_perm(w[0], w[1], 0x5410), y23 = __byte_perm(w[2], w[3], 0x5410);
+        const uint32_t z01 = __byte_perm(w[0], w[1], 0x6521), z23 = __byte_perm(w[2], w[3], 0x6521);
+        pair_product(4 * grp, y01, y23, 0, 3);
+        pair_product(4 * grp + 1, y01, y23, 6, 9);
+        pair_product(4 * grp + 2, z01, z23, 4, 7);
+        pair_product(4 * grp + 3, z01, z23, 10, 13);
       }
     }
-    if constexpr (AHEAD) cur = nxt;
+    __syncwarp();  // (every lane done with the buffer before a later fetch refills it)
   }
 
   // the warp's split: rows' sums across the lanes of a row, then out = (O + n) / l
@@ -447,6 +512,23 @@ __global__ void tq_combine_kernel(const float* __restrict__ part_out,
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+// One decode launch: its dynamic shared memory allowed once a device (above 48 KB).
+template <int D, bool BF16, bool NC, int KBITS, int VBITS>
+void launch(const attn_ops_tq::Params& p, dim3 grid, cudaStream_t stream) {
+  using namespace attn_ops_tq;
+  using L = SlotLayout<D, KBITS, VBITS>;
+  TORCH_CHECK(p.slot == L::SLOT, "turboquant decode: slot of ", p.slot, " bytes, expected ",
+              L::SLOT, " at head dim ", D);
+  static bool allowed[64] = {};
+  const int dev = c10::cuda::current_device();
+  if (dev >= 64 || !allowed[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(tq_decode_kernel<D, BF16, NC, KBITS, VBITS>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM));
+    if (dev < 64) allowed[dev] = true;
+  }
+  tq_decode_kernel<D, BF16, NC, KBITS, VBITS><<<grid, kWarps * 32, L::SMEM, stream>>>(p);
+}
+
 // decode(q [rows, Hq, D] bf16 / fp16 (rotated for 3- / 4-bit keys; fp16 for fp8 keys), cache
 // uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
 // codebook fp32 [2^key_bits], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq,
@@ -476,20 +558,21 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
   p.kv_heads = kv_heads;
   p.group = heads / kv_heads;
   const int page = cache.size(2);
-  TORCH_CHECK(page > 0 && (page & (page - 1)) == 0, "turboquant decode: page ", page,
-              " must be a power of two");
+  TORCH_CHECK(page >= 16 && (page & (page - 1)) == 0, "turboquant decode: page ", page,
+              " must be a power of two of at least 16 (a step's 16 slots in one page)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(p.cache) % 16 == 0,
+              "turboquant decode: the cache must start at a 16-byte aligned address");
   p.page_shift = __builtin_ctz(page);
   p.slot = cache.size(3);
   p.splits = splits;
   p.keys_per_split = keys_per_split;
   p.scale_log2 = float(scale) * kLog2e;
   if (rows == 0) return;
-  const dim3 grid(splits, kv_heads, rows), block(kWarps * 32);
+  const dim3 grid(splits, kv_heads, rows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(key_bits != 8 || !bf16, "turboquant decode: fp8 keys take an fp16 query");
-#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_, K_, V_) \
-  tq_decode_kernel<D_, B_, N_, K_, V_><<<grid, block, 0, stream>>>(p)
+#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_, K_, V_) launch<D_, B_, N_, K_, V_>(p, grid, stream)
 #define ATTN_OPS_TQ_PRESETS(D_, B_)                                          \
   if (key_bits == 4 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 4, 4);  \
   else if (key_bits == 3 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 3, 4); \
