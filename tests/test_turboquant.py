@@ -633,6 +633,7 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     preset = tq.PRESETS[kv_dtype]
     monkeypatch.setattr(cuda_decode, "_module", lambda min_blocks=0: type("M", (), {
         "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine)}))
+    monkeypatch.setattr(cuda_decode, "_slots", lambda *args: 64)  # (64 CTAs at once)
     tuning = default_tuning().with_(triton=dict(turboquant_cuda_split_keys=64))  # (16 a warp)
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
@@ -640,7 +641,11 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_table, out, lse, impl.scale, preset, codebook,
                                        tuning)
-    assert cuda_decode._splits(5, 2, meta.block_table.shape[1] * cache.shape[2], 8, 64)[0] > 1
+    assert cuda_decode._splits(5, 2, meta.block_table.shape[1] * cache.shape[2], 64, 64)[0] > 1
+    # whole waves of an H100's 396 CTAs (3 an SM): 8 and 32 requests of 8 KV heads over 8k
+    # keys take 6 and 3 splits (384 and 768 CTAs), one request all 32 of 256 keys
+    assert [cuda_decode._splits(b, 8, 8192, 396, 256) for b in (8, 32, 1)] == [
+        (6, 1408), (3, 2752), (32, 256)]
     torch.testing.assert_close(out, want.to(out.dtype), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     padded = meta.query_start_loc.clone()

@@ -73,15 +73,34 @@ def cuda_decode_built(min_blocks: int = 0) -> bool:
         return False
 
 
-def _splits(rows: int, kv_heads: int, capacity: int, num_sms: int,
+_SPLIT_COST = 4  # (a CTA's own work -- key table, query, partials -- in a warp's 16-key steps)
+
+
+def _splits(rows: int, kv_heads: int, capacity: int, slots: int,
             split_keys: int) -> tuple[int, int]:
-    """``(splits, keys a split)``: about four CTAs an SM over the step's (request, KV head)
-    pairs, each split at least ``split_keys`` (``Tuning.triton.turboquant_cuda_split_keys``)
-    of the table's ``capacity``."""
-    want = max(1, -(-4 * num_sms // max(1, rows * kv_heads)))
-    splits = min(want, max(1, capacity // split_keys))
+    """``(splits, keys a split)``: of the split counts leaving each split at least
+    ``split_keys`` of the table's ``capacity`` (``Tuning.triton.turboquant_cuda_split_keys``),
+    the one of the least time, in waves of the device's ``slots`` (CTAs an SM x SMs) over the
+    step's (request, KV head) pairs x (a warp's steps a split + a CTA's own work); the fewest
+    splits of equal time. (A last wave a third full costs a whole wave.)"""
+    pairs = max(1, rows * kv_heads)
+
+    def time(s: int) -> int:
+        return -(-pairs * s // slots) * (-(-capacity // (64 * s)) + _SPLIT_COST)
+
+    splits = min(range(1, max(1, capacity // split_keys) + 1), key=lambda s: (time(s), s))
     keys = -(-capacity // splits)
     return splits, -(-keys // 64) * 64
+
+
+@functools.cache
+def _slots(device: torch.device, d: int, bf16: bool, key_bits: int, value_bits: int,
+           min_blocks: int) -> int:
+    """The decode's CTAs ``device`` runs at once (its occupancy x SMs)."""
+    module = _module(min_blocks)
+    with torch.cuda.device(device):
+        blocks = module.blocks_per_sm(d, bf16, key_bits, value_bits)
+        return max(1, blocks) * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
@@ -92,7 +111,6 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     checked; see :func:`cuda_decode_serves`), under ``tuning`` (a
     :class:`~attn_ops.tuning.Tuning`; default: this machine's)."""
     from attn_ops.backends.turboquant.format import hadamard
-    from attn_ops.routing import DeviceFacts
     from attn_ops.tuning import default_tuning
 
     rows, heads, d = query.shape
@@ -104,8 +122,9 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     low = torch.float16 if fp8_keys or query.dtype == torch.float16 else torch.bfloat16
     q_in = query if fp8_keys else query.float() @ hadamard(d, query.device)
     q_in = q_in.to(low).contiguous()
-    splits, keys = _splits(rows, kv_heads, block_table.shape[1] * page,
-                           DeviceFacts.of(query.device).num_sms,
+    slots = _slots(query.device, d, low == torch.bfloat16, preset.key_bits, preset.value_bits,
+                   t.turboquant_cuda_min_blocks)
+    splits, keys = _splits(rows, kv_heads, block_table.shape[1] * page, slots,
                            t.turboquant_cuda_split_keys)
     parts = splits * _WARPS
     part_out = torch.empty(rows, heads, parts, d, dtype=torch.float32, device=query.device)

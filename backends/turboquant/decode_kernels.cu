@@ -512,28 +512,87 @@ __global__ void tq_combine_kernel(const float* __restrict__ part_out,
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-// One decode launch: its dynamic shared memory allowed once a device (above 48 KB).
+// The decode kernel of a (head dim, query dtype, preset), its dynamic shared memory allowed
+// once a device (above 48 KB).
 template <int D, bool BF16, bool NC, int KBITS, int VBITS>
-void launch(const attn_ops_tq::Params& p, dim3 grid, cudaStream_t stream) {
+const void* decode_kernel() {
   using namespace attn_ops_tq;
-  using L = SlotLayout<D, KBITS, VBITS>;
-  TORCH_CHECK(p.slot == L::SLOT, "turboquant decode: slot of ", p.slot, " bytes, expected ",
-              L::SLOT, " at head dim ", D);
   static bool allowed[64] = {};
   const int dev = c10::cuda::current_device();
+  const void* kernel = reinterpret_cast<const void*>(tq_decode_kernel<D, BF16, NC, KBITS, VBITS>);
   if (dev >= 64 || !allowed[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(tq_decode_kernel<D, BF16, NC, KBITS, VBITS>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        SlotLayout<D, KBITS, VBITS>::SMEM));
     if (dev < 64) allowed[dev] = true;
   }
-  tq_decode_kernel<D, BF16, NC, KBITS, VBITS><<<grid, kWarps * 32, L::SMEM, stream>>>(p);
+  return kernel;
+}
+
+struct Launch {  // one decode launch
+  const attn_ops_tq::Params& p;
+  dim3 grid;
+  cudaStream_t stream;
+  template <int D, bool BF16, bool NC, int KBITS, int VBITS>
+  void run() const {
+    using namespace attn_ops_tq;
+    using L = SlotLayout<D, KBITS, VBITS>;
+    TORCH_CHECK(p.slot == L::SLOT, "turboquant decode: slot of ", p.slot, " bytes, expected ",
+                L::SLOT, " at head dim ", D);
+    decode_kernel<D, BF16, NC, KBITS, VBITS>();
+    tq_decode_kernel<D, BF16, NC, KBITS, VBITS><<<grid, kWarps * 32, L::SMEM, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+struct Occupancy {  // the decode kernel's CTAs an SM
+  int* blocks;
+  template <int D, bool BF16, bool NC, int KBITS, int VBITS>
+  void run() const {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks, decode_kernel<D, BF16, NC, KBITS, VBITS>(), attn_ops_tq::kWarps * 32,
+        attn_ops_tq::SlotLayout<D, KBITS, VBITS>::SMEM));
+  }
+};
+
+// f.run<D, BF16, NC, KBITS, VBITS>() for a head dim, query dtype and preset (3- and 4-bit keys
+// norm-corrected; fp8 keys with fp16 queries)
+template <typename F>
+void dispatch(int64_t d, bool bf16, int64_t key_bits, int64_t value_bits, const F& f) {
+  TORCH_CHECK(key_bits != 8 || !bf16, "turboquant decode: fp8 keys take an fp16 query");
+#define ATTN_OPS_TQ_PRESETS(D_, B_)                                                        \
+  if (key_bits == 4 && value_bits == 4) f.template run<D_, B_, true, 4, 4>();               \
+  else if (key_bits == 3 && value_bits == 4) f.template run<D_, B_, true, 3, 4>();          \
+  else if (key_bits == 3 && value_bits == 3) f.template run<D_, B_, true, 3, 3>();          \
+  else TORCH_CHECK(false, "turboquant decode: no preset of ", key_bits, "-bit keys and ",   \
+                   value_bits, "-bit values");
+#define ATTN_OPS_TQ_DISPATCH(D_)                                                           \
+  if (d == D_) {                                                                           \
+    if (key_bits == 8 && value_bits == 4) f.template run<D_, false, false, 8, 4>();         \
+    else if (bf16) { ATTN_OPS_TQ_PRESETS(D_, true) }                                       \
+    else { ATTN_OPS_TQ_PRESETS(D_, false) }                                                \
+    return;                                                                                \
+  }
+  ATTN_OPS_TQ_DISPATCH(64)
+  ATTN_OPS_TQ_DISPATCH(128)
+  ATTN_OPS_TQ_DISPATCH(256)
+#undef ATTN_OPS_TQ_DISPATCH
+#undef ATTN_OPS_TQ_PRESETS
+  TORCH_CHECK(false, "turboquant decode: head_dim=", d, " must be 64, 128 or 256");
+}
+
+// blocks_per_sm(head_dim, bf16, key_bits, value_bits): the decode's CTAs an SM of this device at
+// its registers and shared memory (the splits are chosen to fill whole waves of them).
+int64_t blocks_per_sm(int64_t d, bool bf16, int64_t key_bits, int64_t value_bits) {
+  int blocks = 0;
+  dispatch(d, bf16, key_bits, value_bits, Occupancy{&blocks});
+  return blocks;
 }
 
 // decode(q [rows, Hq, D] bf16 / fp16 (rotated for 3- / 4-bit keys; fp16 for fp8 keys), cache
 // uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
 // codebook fp32 [2^key_bits], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq,
 // splits * 4], splits, keys_per_split, scale, key_bits (3, 4; 8: fp8), value_bits (3, 4)): every
-// decode row's splits (inputs checked by the caller; the 3- and 4-bit keys norm-corrected).
+// decode row's splits (inputs checked by the caller).
 void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
             torch::Tensor seq_lens, torch::Tensor codebook, torch::Tensor part_out,
             torch::Tensor part_lse, int64_t splits, int64_t keys_per_split, double scale,
@@ -543,7 +602,7 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
                   part_out.is_contiguous() && part_lse.is_contiguous() &&
                   (key_bits == 8 || codebook.numel() == (1 << key_bits)),
               "turboquant decode: contiguous inputs and a codebook of 2^key_bits centroids");
-  const int rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int rows = q.size(0), heads = q.size(1);
   const int kv_heads = cache.size(1);
   Params p;
   p.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -568,29 +627,8 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
   p.keys_per_split = keys_per_split;
   p.scale_log2 = float(scale) * kLog2e;
   if (rows == 0) return;
-  const dim3 grid(splits, kv_heads, rows);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(key_bits != 8 || !bf16, "turboquant decode: fp8 keys take an fp16 query");
-#define ATTN_OPS_TQ_LAUNCH(D_, B_, N_, K_, V_) launch<D_, B_, N_, K_, V_>(p, grid, stream)
-#define ATTN_OPS_TQ_PRESETS(D_, B_)                                          \
-  if (key_bits == 4 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 4, 4);  \
-  else if (key_bits == 3 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 3, 4); \
-  else if (key_bits == 3 && value_bits == 3) ATTN_OPS_TQ_LAUNCH(D_, B_, true, 3, 3); \
-  else TORCH_CHECK(false, "turboquant decode: no preset of ", key_bits, "-bit keys and ", \
-                   value_bits, "-bit values");
-#define ATTN_OPS_TQ_DISPATCH(D_)                                                 \
-  if (d == D_) {                                                                 \
-    if (key_bits == 8 && value_bits == 4) ATTN_OPS_TQ_LAUNCH(D_, false, false, 8, 4); \
-    else if (bf16) { ATTN_OPS_TQ_PRESETS(D_, true) }                             \
-    else { ATTN_OPS_TQ_PRESETS(D_, false) }                                      \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                              \
-    return;                                                                      \
-  }
-  ATTN_OPS_TQ_DISPATCH(64)
-  ATTN_OPS_TQ_DISPATCH(128)
-  ATTN_OPS_TQ_DISPATCH(256)
-  TORCH_CHECK(false, "turboquant decode: head_dim=", d, " must be 64, 128 or 256");
+  dispatch(q.size(2), q.scalar_type() == at::kBFloat16, key_bits, value_bits,
+           Launch{p, dim3(splits, kv_heads, rows), c10::cuda::getCurrentCUDAStream()});
 }
 
 // combine(part_out, part_lse, query_start_loc, out [rows, Hq, D] (any float dtype, unit last
@@ -622,6 +660,7 @@ void combine(torch::Tensor part_out, torch::Tensor part_lse, torch::Tensor query
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode);
+  m.def("blocks_per_sm", &blocks_per_sm);
   m.def("combine", &combine);
 }
 #else
