@@ -20,7 +20,8 @@ glue).
     python benchmarks/bench_model_decode.py [--backends A B ..] [--layers 8] [--batch 64]
         [--ctx 2048] [--steps 20] [--quick] [--mla] [--out PATH]
 
-A backend ``TURBOQUANT:<preset>`` (e.g. ``TURBOQUANT:turboquant_4bit_nc``) runs the model with
+A backend ``auto`` runs the model with each layer's backend left to the selector; a backend
+``TURBOQUANT:<preset>`` (e.g. ``TURBOQUANT:turboquant_4bit_nc``) runs the model with
 that TurboQuant cache: its layers select TURBOQUANT and vLLM's boundary layers (the first and
 last two) an unquantized cache with the backend auto-selected, all at pages of 16; the floor
 counts each layer's bytes a token (run it with ``--no-hf``: HF's model has no such cache).
@@ -105,6 +106,8 @@ class Engine:
         backend, _, kv_dtype = backend.partition(":")  # ("TURBOQUANT:<preset>": its layers)
         if kv_dtype:  # (TurboQuant layers select TURBOQUANT; vLLM's boundary layers, auto)
             cfg = dataclasses.replace(cfg, kv_cache_dtype=kv_dtype, block_size=16)
+            backend = None
+        elif backend == "auto":  # (the selector's choice on this machine)
             backend = None
         with torch.device(device):  # (initializing 2B parameters on the host takes minutes)
             self.model = model_cls(cfg, AttentionConfig(backend=backend)).to(cfg.dtype)

@@ -98,7 +98,8 @@
 #   tqwrite  TurboQuant's write tests compiled, then bench_turboquant.py --only write under each
 #            of TQ_WRITE_SWEEP's ATTN_OPS_TUNING strings (default: the defaults and the
 #            write's tilings), JSON bench_turboquant_write_N.json
-#   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over COMPOSITE_SM90 and
+#   tqmodel  benchmarks/bench_model_decode.py --ctx 8192 --no-hf over the selector's bf16 backend
+#            (TQ_MODEL_BF16 names one, e.g. COMPOSITE_SM90 where FA4 is installed) and
 #            TURBOQUANT:turboquant_4bit_nc (the whole 8-layer step, bf16 against 4-bit)
 #   hybrid   benchmarks/bench_hybrid_decode.py (a Qwen3-Next-like hybrid step, compiled and
 #            graphed, against HF's Qwen3NextForCausalLM)
@@ -295,7 +296,7 @@ for spec in "$@"; do
           --only write --rounds 2 --out "$OUT/bench_turboquant_write_$i.json"
       done ;;
     tqmodel) stage tqmodel "$limit" python benchmarks/bench_model_decode.py --ctx 8192 --no-hf \
-        --backends COMPOSITE_SM90 TURBOQUANT:turboquant_4bit_nc \
+        --backends ${TQ_MODEL_BF16:-auto} TURBOQUANT:turboquant_4bit_nc \
         --out "$OUT/bench_model_decode_turboquant_h200.json" ;;
     dsv4) stage dsv4 "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_deepseek_v4.py ;;

@@ -76,6 +76,7 @@ def cuda_decode_built(min_blocks: int = 0) -> bool:
 _SPLIT_COST = 4  # (a CTA's own work -- key table, query, partials -- in a warp's 16-key steps)
 
 
+@functools.lru_cache(maxsize=4096)  # (a loop over the split counts: once a shape, not a step)
 def _splits(rows: int, kv_heads: int, capacity: int, slots: int,
             split_keys: int) -> tuple[int, int]:
     """``(splits, keys a split)``: of the split counts leaving each split at least
