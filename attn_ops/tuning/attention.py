@@ -77,19 +77,19 @@ class TritonTuning:
     turboquant_planes: bool = True
     turboquant_coalesced: bool = True
     # Uniform TurboQuant decode steps (every preset) on the CUDA kernel of
-    # backends/turboquant/decode_kernels.cu (code pairs looked up in a shared-memory table, or
-    # fp8 pairs converted, straight into the tensor-core fragments; built with nvcc on first
-    # use; where it does not build, these kernels, with a warning) instead of these kernels.
-    # H100, 8k contexts (docs/performance.md): 1.3-1.8x the Triton read at batch 8 and
-    # 2.5-12.5x at 32, every preset. Its splits hold at least turboquant_cuda_split_keys keys
-    # (a multiple of 64: a 16-key step for each of a CTA's four warps), as many as give about
-    # four CTAs an SM.
+    # backends/turboquant/decode_kernels.cu (a step's slots copied into shared memory, code
+    # pairs looked up in a bank-replicated table, or fp8 pairs converted, straight into the
+    # tensor-core fragments; built with nvcc on first use; where it does not build, these
+    # kernels, with a warning) instead of these kernels. H100, 8k contexts
+    # (docs/performance.md): 2.2-3.3x the Triton read at batch 8, 4.1-17.7x at 32, faster than
+    # bf16 at both. Its splits hold at least turboquant_cuda_split_keys keys (a multiple of 64:
+    # a 16-key step for each of a CTA's four warps); their count fills whole waves of the
+    # kernel's occupancy.
     turboquant_cuda_decode: bool = True
     turboquant_cuda_split_keys: int = 256
     # The CUDA decode's CTAs an SM its registers must allow (``__launch_bounds__(128, n)``,
-    # a build of its own); 0: the compiler's choice. sm_90, head dim 128: 243 registers a thread
-    # (two CTAs an SM, two warps a scheduler -- the kernel is bound by latency) at 0; 168 with
-    # 72-132 bytes spilled at 3. Not yet timed.
+    # a build of its own); 0: the compiler's choice. sm_90, head dim 128: 155 registers (three
+    # CTAs an SM) at 0; at 4, 128 registers and 5-60% slower (H100).
     turboquant_cuda_min_blocks: int = 0
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
