@@ -674,7 +674,8 @@ def test_cuda_decode_reads_the_slots_as_the_torch_body_does(kv_dtype, d, heads, 
                                                              "cuda")
     preset = tq.PRESETS[kv_dtype]
     assert cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens, preset)
-    # (pages under 16 positions, or a cache off 16-byte alignment: the Triton read)
+    # (pages under 16 positions, a cache off 16-byte alignment or strided: the Triton read)
+    assert not cuda_decode.cuda_decode_serves(q, cache[::2], meta.seq_lens, preset)
     assert not cuda_decode.cuda_decode_serves(q, cache[:, :, :8], meta.seq_lens, preset)
     shifted = torch.empty(cache.numel() + 2, dtype=cache.dtype, device=cache.device)[2:]
     assert not cuda_decode.cuda_decode_serves(q, shifted.view(cache.shape), meta.seq_lens, preset)

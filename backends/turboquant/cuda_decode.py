@@ -28,13 +28,13 @@ def cuda_decode_serves(query, kv_cache, seq_lens, preset) -> bool:
     """Whether :func:`turboquant_cuda_decode` serves the call: one query a request (its rows
     are the requests), a head dim it was built for, a power-of-two page of at least 16
     positions (a step's 16 slots are one contiguous run, copied in 16-byte chunks), a GQA
-    group of at most 16 query heads, a cache at a 16-byte aligned address, on a CUDA
-    device."""
+    group of at most 16 query heads, a contiguous cache at a 16-byte aligned address, on a
+    CUDA device."""
     page = kv_cache.shape[2]
     heads, kv_heads = query.shape[1], kv_cache.shape[1]
     return (query.is_cuda and query.shape[0] == seq_lens.shape[0]
             and preset.key_bits in (3, 4, 8) and preset.value_bits in (3, 4)
-            and kv_cache.data_ptr() % 16 == 0
+            and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
             and query.shape[2] in _HEAD_DIMS and page >= 16 and page & (page - 1) == 0
             and heads % kv_heads == 0 and heads // kv_heads <= 16)
 
