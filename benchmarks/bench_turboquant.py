@@ -170,11 +170,12 @@ def decode_point(batch: int, ctx: int, rounds: int) -> dict:
 def _op_read() -> str:
     """Which read the op's uniform decode steps take here: "cuda" (the CUDA decode, built) or
     "triton"."""
-    from attn_ops.backends.turboquant.cuda_decode import cuda_decode_built
+    from attn_ops.backends.turboquant.cuda_decode import build_of, cuda_decode_built
     from attn_ops.tuning import default_tuning
 
-    on = DEVICE == "cuda" and default_tuning().triton.turboquant_cuda_decode
-    return "cuda" if on and cuda_decode_built() else "triton"
+    triton = default_tuning().triton
+    on = DEVICE == "cuda" and triton.turboquant_cuda_decode
+    return "cuda" if on and cuda_decode_built(*build_of(triton)) else "triton"
 
 
 def _triton_read_contender(q, names, fns, outs, bytes_, layers, metas) -> None:

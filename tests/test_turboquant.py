@@ -554,8 +554,8 @@ def test_cuda_decode_that_does_not_build_says_why_and_stays_off(monkeypatch, cap
 
     calls = []
 
-    def failing_build(min_blocks=0):
-        calls.append(min_blocks)
+    def failing_build(min_blocks=0, norm_mma=False):
+        calls.append((min_blocks, norm_mma))
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     cuda_decode.cuda_decode_built.cache_clear()
@@ -631,7 +631,7 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, 128, 8, 2, torch.float32,
                                                              "cpu", rounded=True)
     preset = tq.PRESETS[kv_dtype]
-    monkeypatch.setattr(cuda_decode, "_module", lambda min_blocks=0: type("M", (), {
+    monkeypatch.setattr(cuda_decode, "_module", lambda *build: type("M", (), {
         "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine)}))
     monkeypatch.setattr(cuda_decode, "_slots", lambda *args: 64)  # (64 CTAs at once)
     tuning = default_tuning().with_(triton=dict(turboquant_cuda_split_keys=64))  # (16 a warp)

@@ -91,6 +91,12 @@ class TritonTuning:
     # a build of its own); 0: the compiler's choice. sm_90, head dim 128: 155 registers (three
     # CTAs an SM) at 0; at 4, 128 registers and 5-60% slower (H100).
     turboquant_cuda_min_blocks: int = 0
+    # The CUDA decode's norm correction (3- and 4-bit keys) on the tensor cores, a build of its
+    # own: a lane's B registers of a chunk's two key tiles are the A fragment of their
+    # transpose, so two more products a chunk give each key's squared centroid norm on the
+    # diagonal, where four FP32 operations a B register sum them now (sm_90, head dim 128:
+    # 167 registers against 156, 1587 PTX instructions against 1767). Not yet run on a GPU.
+    turboquant_cuda_norm_mma: bool = False
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no

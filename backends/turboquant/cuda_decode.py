@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cuda_decode_built", "cuda_decode_serves", "turboquant_cuda_decode"]
+__all__ = ["build_of", "cuda_decode_built", "cuda_decode_serves", "turboquant_cuda_decode"]
 
 _SOURCE = Path(__file__).with_name("decode_kernels.cu")
 _WARPS = 4  # (the kernel's warps a CTA, each a split)
@@ -39,21 +39,32 @@ def cuda_decode_serves(query, kv_cache, seq_lens, preset) -> bool:
             and heads % kv_heads == 0 and heads // kv_heads <= 16)
 
 
+def build_of(triton_tuning) -> tuple[int, bool]:
+    """The extension build a tuning asks for: ``(turboquant_cuda_min_blocks,
+    turboquant_cuda_norm_mma)``, the arguments of :func:`cuda_decode_built`."""
+    return triton_tuning.turboquant_cuda_min_blocks, triton_tuning.turboquant_cuda_norm_mma
+
+
 @functools.cache
-def _module(min_blocks: int = 0):
+def _module(min_blocks: int = 0, norm_mma: bool = False):
     """The extension, built for ``min_blocks`` CTAs an SM (0: the compiler's choice;
-    ``Tuning.triton.turboquant_cuda_min_blocks``), each a build of its own."""
+    ``Tuning.triton.turboquant_cuda_min_blocks``) and with the norm correction on the tensor
+    cores where ``norm_mma`` (``Tuning.triton.turboquant_cuda_norm_mma``), each a build of its
+    own."""
     from torch.utils.cpp_extension import load
 
     name, flags = "attn_ops_turboquant_decode", ["-O3", "-std=c++17"]
     if min_blocks:
         name, flags = f"{name}_mb{min_blocks}", flags + [f"-DATTN_OPS_TQ_MIN_BLOCKS={min_blocks}"]
+    if norm_mma:
+        name, flags = f"{name}_nm", flags + ["-DATTN_OPS_TQ_NORM_MMA"]
     return load(name=name, sources=[str(_SOURCE)], extra_cuda_cflags=flags, verbose=False)
 
 
 @functools.cache
-def cuda_decode_built(min_blocks: int = 0) -> bool:
-    """Whether the kernels build for ``min_blocks`` (:func:`_module`; nvcc and ninja on the
+def cuda_decode_built(min_blocks: int = 0, norm_mma: bool = False) -> bool:
+    """Whether the kernels build for ``min_blocks`` and ``norm_mma`` (:func:`_module`,
+    :func:`build_of`; nvcc and ninja on the
     machine; once a process, about a minute the first time, cached by torch after). A failed
     build is logged once with its reason, and the decode steps stay on TRITON_ATTN's
     kernels."""
@@ -63,7 +74,7 @@ def cuda_decode_built(min_blocks: int = 0) -> bool:
     log.info("TurboQuant's CUDA decode: loading its extension (built with nvcc on a machine's "
              "first use, about a minute; torch caches it)")
     try:
-        _module(min_blocks)
+        _module(min_blocks, norm_mma)
         return True
     except Exception as e:  # noqa: BLE001 -- any build failure: the Triton read serves
         log.warning(
@@ -96,9 +107,9 @@ def _splits(rows: int, kv_heads: int, capacity: int, slots: int,
 
 @functools.cache
 def _slots(device: torch.device, d: int, bf16: bool, key_bits: int, value_bits: int,
-           min_blocks: int) -> int:
-    """The decode's CTAs ``device`` runs at once (its occupancy x SMs)."""
-    module = _module(min_blocks)
+           build: tuple[int, bool]) -> int:
+    """The decode's CTAs ``device`` runs at once (its occupancy x SMs) in ``build``."""
+    module = _module(*build)
     with torch.cuda.device(device):
         blocks = module.blocks_per_sm(d, bf16, key_bits, value_bits)
         return max(1, blocks) * torch.cuda.get_device_properties(device).multi_processor_count
@@ -124,13 +135,13 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     q_in = query if fp8_keys else query.float() @ hadamard(d, query.device)
     q_in = q_in.to(low).contiguous()
     slots = _slots(query.device, d, low == torch.bfloat16, preset.key_bits, preset.value_bits,
-                   t.turboquant_cuda_min_blocks)
+                   build_of(t))
     splits, keys = _splits(rows, kv_heads, block_table.shape[1] * page, slots,
                            t.turboquant_cuda_split_keys)
     parts = splits * _WARPS
     part_out = torch.empty(rows, heads, parts, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, parts, dtype=torch.float32, device=query.device)
-    module = _module(t.turboquant_cuda_min_blocks)
+    module = _module(*build_of(t))
     module.decode(q_in, kv_cache, block_table.int().contiguous(), seq_lens.int().contiguous(),
                   codebook.float().contiguous(), part_out, part_lse, splits, keys, float(scale),
                   preset.key_bits, preset.value_bits)

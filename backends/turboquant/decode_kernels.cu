@@ -167,6 +167,15 @@ __device__ __forceinline__ uint32_t codes2(uint32_t x) {  // bits 0.. and 16.. o
   return (x & mask) | (BF16 ? 0x43004300u : 0x64006400u);
 }
 
+// ATTN_OPS_TQ_NORM_MMA (Tuning.triton.turboquant_cuda_norm_mma, a build of its own): the norm
+// correction's squared centroid norms on the tensor cores (two products a chunk) instead of
+// four FP32 operations a B register.
+#ifdef ATTN_OPS_TQ_NORM_MMA
+constexpr bool kNormMma = true;
+#else
+constexpr bool kNormMma = false;
+#endif
+
 // ATTN_OPS_TQ_MIN_BLOCKS (Tuning.triton.turboquant_cuda_min_blocks, a build of its own): the
 // CTAs an SM the decode's registers must allow; unset, the compiler's choice.
 #ifdef ATTN_OPS_TQ_MIN_BLOCKS
@@ -289,51 +298,75 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
       vmin[nt] = mine ? fp16_at(sl + VSTART + VALUE_BYTES + 2) : 0.f;
     }
 
-    // S = Q C^T over this lane's own keys (the product's columns g and 8 + g)
-    float s[2][4];
+    // S = Q C^T over this lane's own keys (the product's columns g and 8 + g); b[nt] the
+    // B fragment of chunk c, keys 8 nt + g
+    float s[2][4], sq[2] = {0.f, 0.f}, nsq[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      float sq = 0.f;
-      auto add_sq = [&](uint32_t e) {
-        float a, b;
-        unpack2<BF16>(e, a, b);
-        sq = fmaf(a, a, fmaf(b, b, sq));
-      };
+      nsq[nt][0] = nsq[nt][1] = nsq[nt][2] = nsq[nt][3] = 0.f;
+    }
 #pragma unroll
-      for (int c = 0; c < KC; ++c) {
+    for (int c = 0; c < KC; ++c) {
+      uint32_t b[2][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
         if constexpr (FP8K) {
           const uint32_t w = kw[nt][c];
-          mma16816<false>(s[nt], qa[c], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+          b[nt][0] = e4m3x2_to_f16x2(w);
+          b[nt][1] = e4m3x2_to_f16x2(w >> 16);
         } else if constexpr (KBITS == 3) {  // (chunk c: group c / 2's pairs 2 (c % 2), +1)
-          const int b = 3 * (c >> 1);  // (the group's first byte in the lane's field)
-          const uint32_t bits = ((kw[nt][b >> 1] | (kw[nt][(b >> 1) + 1] << 16)) >>
-                                 (8 * (b & 1))) >> (12 * (c & 1));
-          const uint32_t e0 = klut[(bits & 63) * 32 + lane];
-          const uint32_t e1 = klut[((bits >> 6) & 63) * 32 + lane];
-          if (NC) add_sq(e0), add_sq(e1);
-          mma16816<BF16>(s[nt], qa[c], e0, e1);
+          const int g3 = 3 * (c >> 1);  // (the group's first byte in the lane's field)
+          const uint32_t bits = ((kw[nt][g3 >> 1] | (kw[nt][(g3 >> 1) + 1] << 16)) >>
+                                 (8 * (g3 & 1))) >> (12 * (c & 1));
+          b[nt][0] = klut[(bits & 63) * 32 + lane];
+          b[nt][1] = klut[((bits >> 6) & 63) * 32 + lane];
         } else {
           const uint32_t w = kw[nt][c];
-          const uint32_t e0 = klut[(w & 255) * 32 + lane], e1 = klut[(w >> 8) * 32 + lane];
-          if (NC) add_sq(e0), add_sq(e1);
-          mma16816<BF16>(s[nt], qa[c], e0, e1);
+          b[nt][0] = klut[(w & 255) * 32 + lane];
+          b[nt][1] = klut[(w >> 8) * 32 + lane];
         }
+        if constexpr (NC && !kNormMma) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float lo, hi;
+            unpack2<BF16>(b[nt][i], lo, hi);
+            sq[nt] = fmaf(lo, lo, fmaf(hi, hi, sq[nt]));
+          }
+        }
+        mma16816<BF16>(s[nt], qa[c], b[nt][0], b[nt][1]);
       }
-      if (NC) {  // (the key's centroid vector to unit length: its norm over the lanes of a key)
-        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-        kscale[nt] *= rsqrtf(sq + 1e-16f);
+      if constexpr (NC && kNormMma) {
+        // A = the two tiles' B fragments transposed (rows g: key g, rows 8 + g: key 8 + g --
+        // a lane's own registers): A B's diagonal is each key's squared centroid norm, D[g][g]
+        // of tile 0 and D[8 + g][g] of tile 1, at lane (g, g / 2)
+        const uint32_t at[4] = {b[0][0], b[1][0], b[0][1], b[1][1]};
+        mma16816<BF16>(nsq[0], at, b[0][0], b[0][1]);
+        mma16816<BF16>(nsq[1], at, b[1][0], b[1][1]);
       }
     }
-    // each column's factors from the lanes owning its key (lane 4 k holds key k of a tile)
+    if constexpr (NC) {  // (the key's centroid vector to unit length)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        float n2;
+        if constexpr (kNormMma) {  // (right at lane (g, g / 2) only: the columns read there)
+          n2 = (g & 1) ? nsq[nt][2 * nt + 1] : nsq[nt][2 * nt];
+        } else {  // (over the lanes of a key)
+          n2 = sq[nt] + __shfl_xor_sync(0xffffffffu, sq[nt], 1);
+          n2 += __shfl_xor_sync(0xffffffffu, n2, 2);
+        }
+        kscale[nt] *= rsqrtf(n2 + 1e-16f);
+      }
+    }
+    // each column's factors from a lane owning its key (lanes 4 k to 4 k + 3 hold key k of a
+    // tile; its norm by the tensor cores at 4 k + k / 2)
     float mx0 = -INFINITY, mx1 = -INFINITY;
     float cvs[2][2], cvm[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int src = (2 * t + e) * 4;
+        const int key = 2 * t + e, src = 4 * key + (NC && kNormMma ? key >> 1 : 0);
         const float ks = __shfl_sync(0xffffffffu, kscale[nt], src);
         cvs[nt][e] = __shfl_sync(0xffffffffu, vscale[nt], src);
         cvm[nt][e] = __shfl_sync(0xffffffffu, vmin[nt], src);

@@ -171,7 +171,7 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     on the CUDA kernel of :mod:`.cuda_decode` where ``Tuning.triton.turboquant_cuda_decode``
     (``cuda_decode``: that choice made by the caller -- benchmarks comparing the two reads)."""
     from attn_ops.backends.triton_attn import triton_paged_attention
-    from attn_ops.backends.turboquant.cuda_decode import (cuda_decode_built,
+    from attn_ops.backends.turboquant.cuda_decode import (build_of, cuda_decode_built,
                                                           cuda_decode_serves,
                                                           turboquant_cuda_decode)
     from attn_ops.tuning import default_tuning
@@ -180,7 +180,7 @@ def triton_turboquant_attention(query, kv_cache, query_start_loc, seq_lens, bloc
     codebook = _codebook(kv_cache_dtype, query.shape[-1], query.device)
     wanted = tuning.triton.turboquant_cuda_decode if cuda_decode is None else cuda_decode
     if wanted and cuda_decode_serves(query, kv_cache, seq_lens, preset) and cuda_decode_built(
-            tuning.triton.turboquant_cuda_min_blocks):
+            *build_of(tuning.triton)):
         return turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table,
                                       out, lse, scale, preset, codebook, tuning)
     triton_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, plan, out,
