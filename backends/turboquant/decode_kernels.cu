@@ -161,10 +161,25 @@ __device__ __forceinline__ void unpack2(uint32_t w, float& lo, float& hi) {
 // code exactly; the product's kMagic sum_j P'_j is taken off with the minima's term.
 template <bool BF16>
 constexpr float kMagic = BF16 ? 128.f : 1024.f;
-template <bool BF16, int BITS>
-__device__ __forceinline__ uint32_t codes2(uint32_t x) {  // bits 0.. and 16.. of x
-  constexpr uint32_t mask = BITS == 4 ? 0x000f000fu : 0x00070007u;
-  return (x & mask) | (BF16 ? 0x43004300u : 0x64006400u);
+template <bool BF16>
+constexpr uint32_t kMagic2 = BF16 ? 0x43004300u : 0x64006400u;  // (kMagic, twice)
+// bits 0.. and 16.. of x under kMagic2 (in a register: one LOP3, where the compiler would
+// spend two on two immediates)
+template <int BITS>
+__device__ __forceinline__ uint32_t codes2(uint32_t x, uint32_t magic2) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;"  // (a & b) | c
+      : "=r"(r)
+      : "r"(x), "n"(BITS == 4 ? 0x000f000f : 0x00070007), "r"(magic2));
+  return r;
+}
+
+// 2^x on the MUFU unit alone (exp2f adds a range check and a fix-up for results below
+// 2^-126; probabilities that small flush to zero)
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // ATTN_OPS_TQ_NORM_MMA (Tuning.triton.turboquant_cuda_norm_mma, a build of its own): the norm
@@ -204,6 +219,14 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
   // centroids, one copy a bank: a warp's 32 lookups are one shared-memory wavefront
   uint32_t* klut = reinterpret_cast<uint32_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // entry e of this lane's copy at shared address kbase + 128 e: a byte permute takes e out
+  // of the codes' word, one multiply-add makes the address
+  const uint32_t kbase = static_cast<uint32_t>(__cvta_generic_to_shared(klut)) + 4 * lane;
+  auto klookup = [kbase](uint32_t e) {
+    uint32_t v;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(kbase + e * 128u));
+    return v;
+  };
   uint8_t* const tiles = smem + L::KLUT * 32 * 4 + warp * kStages * TILE;  // this warp's
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   const int g = lane >> 2, t = lane & 3;
@@ -272,6 +295,7 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
   static_assert(KB % (FP8K ? 4 : 2) == 0, "a lane's key bytes: whole words");
   static_assert(VB % 2 == 0 || VB == 3, "an odd value field a lane: one group of three bytes");
   const int vodd = (g * VB) & 1;  // (a lane's value bytes from an odd byte: D 64, 3 bits)
+  const uint32_t magic2 = kMagic2<BF16>;
 
   int step = 0;
   for (int key0 = lo_key + 16 * warp; key0 < hi_key; key0 += 16 * kWarps, ++step) {
@@ -319,12 +343,12 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
           const int g3 = 3 * (c >> 1);  // (the group's first byte in the lane's field)
           const uint32_t bits = ((kw[nt][g3 >> 1] | (kw[nt][(g3 >> 1) + 1] << 16)) >>
                                  (8 * (g3 & 1))) >> (12 * (c & 1));
-          b[nt][0] = klut[(bits & 63) * 32 + lane];
-          b[nt][1] = klut[((bits >> 6) & 63) * 32 + lane];
+          b[nt][0] = klookup(bits & 63);
+          b[nt][1] = klookup((bits >> 6) & 63);
         } else {
           const uint32_t w = kw[nt][c];
-          b[nt][0] = klut[(w & 255) * 32 + lane];
-          b[nt][1] = klut[(w >> 8) * 32 + lane];
+          b[nt][0] = klookup(__byte_perm(w, 0u, 0x4440));  // (byte 0 of w, zero-extended)
+          b[nt][1] = klookup(__byte_perm(w, 0u, 0x4441));  // (byte 1)
         }
         if constexpr (NC && !kNormMma) {
 #pragma unroll
@@ -384,7 +408,7 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
     const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
     // (a row that has seen only masked keys keeps -inf: its factors stay finite at 0)
     const float base0 = new0 == -INFINITY ? 0.f : new0, base1 = new1 == -INFINITY ? 0.f : new1;
-    const float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
+    const float a0 = fast_exp2(m0 - base0), a1 = fast_exp2(m1 - base1);
     m0 = new0;
     m1 = new1;
     l0 *= a0;
@@ -407,8 +431,8 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
       float pr[4];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        pr[e] = exp2f(s[nt][e] - base0);
-        pr[2 + e] = exp2f(s[nt][2 + e] - base1);
+        pr[e] = fast_exp2(s[nt][e] - base0);
+        pr[2 + e] = fast_exp2(s[nt][2 + e] - base1);
         l0 += pr[e];
         l1 += pr[2 + e];
         n0 += pr[e] * cvm[nt][e];
@@ -436,10 +460,10 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
     // keys' codes of one coordinate: x01 (keys 2t, 2t + 1) and x23 (8 + 2t, 9 + 2t) hold a
     // code field of each key in their low and high halves
     auto pair_product = [&](int q, uint32_t x01, uint32_t x23, int lo_bit, int hi_bit) {
-      mma16816<BF16>(o[2 * q], pfrag, codes2<BF16, VBITS>(x01 >> lo_bit),
-                     codes2<BF16, VBITS>(x23 >> lo_bit));
-      mma16816<BF16>(o[2 * q + 1], pfrag, codes2<BF16, VBITS>(x01 >> hi_bit),
-                     codes2<BF16, VBITS>(x23 >> hi_bit));
+      mma16816<BF16>(o[2 * q], pfrag, codes2<VBITS>(x01 >> lo_bit, magic2),
+                     codes2<VBITS>(x23 >> lo_bit, magic2));
+      mma16816<BF16>(o[2 * q + 1], pfrag, codes2<VBITS>(x01 >> hi_bit, magic2),
+                     codes2<VBITS>(x23 >> hi_bit, magic2));
     };
     if constexpr (VBITS == 4) {  // (a 16-bit word: two bytes, each two coordinates' codes)
 #pragma unroll
