@@ -14,12 +14,14 @@ shapes (not a TurboQuant slot's stride), over a grid of block configurations:
         lightning_state lightning_output mamba1_unrolled mamba1_segment mamba1_segment_chain
         mamba1_recurrent lightning_recurrent gdn_recurrent
         turboquant_attention bf16_attention turboquant_write dsv4_attention index_score
-        sparse_mla_fp8 sparse_mla_bf16] [--arch 90] [--stages N] [--loop] [--layouts]
-        [--out PATH]
+        sparse_mla_fp8 sparse_mla_bf16 cuda_decode] [--arch 90] [--stages N] [--loop]
+        [--layouts] [--cuda-defines MACRO ...] [--out PATH]
 
 ``--loop`` also counts the SASS instructions of each kernel's main loop (a thread's, an
 iteration); for the attention kernel over TurboQuant slots, the warp instructions a key and KV
 head they come to (the decode's instruction budget: ``docs/performance.md``).
+``cuda_decode`` builds TurboQuant's CUDA decode (``decode_kernels.cu``) with the machine's
+nvcc instead, each instantiation a row (``--cuda-defines``: its build's macros).
 """
 
 from __future__ import annotations
@@ -297,15 +299,16 @@ def build(fn, constexprs: dict, warps: int, arch: int, types: dict | None = None
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _cuobjdump(kernel, flag: str) -> str:
+def _cuobjdump(kernel, *flags: str) -> str:
+    """cuobjdump (Triton's) over a compiled Triton kernel or a cubin's bytes."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(kernel if isinstance(kernel, bytes) else kernel.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True,
                               check=True).stdout
 
 
@@ -318,13 +321,16 @@ def resources(kernel) -> dict:
             "static_shared_bytes": int(found["SHARED"])}
 
 
-def main_loop(kernel) -> dict:
+def main_loop(kernel, function: str | None = None) -> dict:
     """The SASS instructions of a compiled kernel's main loop a thread runs an iteration -- the
     span of a backward branch: of those with the most tensor-core instructions the shortest
     (the attention kernel's unmasked key blocks, not its masked edges), else the longest --
-    and the opcodes among them."""
+    and the opcodes among them; ``loop_instructions_common``: less the largest block in it
+    that a forward branch skips (a path most iterations do not take, as the rescale of the
+    output a new running maximum takes). ``function``: one function of a cubin's."""
     at = re.compile(r"/\*([0-9a-f]{4,})\*/")
-    lines = [line for line in _cuobjdump(kernel, "-sass").splitlines() if at.search(line)]
+    sass = _cuobjdump(kernel, "-sass", *(("-fun", function) if function else ()))
+    lines = [line for line in sass.splitlines() if at.search(line)]
     body, rank = [], (0, -1 << 30)
     for line in lines:
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line)
@@ -341,8 +347,52 @@ def main_loop(kernel) -> dict:
         op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if op:
             opcodes[op.group(1)] = opcodes.get(op.group(1), 0) + 1
-    return {"loop_instructions": len(body),
+    addresses = [int(at.search(x).group(1), 16) for x in body]
+    skipped = 0
+    for line, here in zip(body, addresses):
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line)
+        if target and here < int(target.group(1), 16) <= (addresses[-1] if addresses else 0):
+            skipped = max(skipped, sum(here < a < int(target.group(1), 16) for a in addresses))
+    return {"loop_instructions": len(body), "loop_instructions_common": len(body) - skipped,
             "loop_opcodes": dict(sorted(opcodes.items(), key=lambda kv: -kv[1]))}
+
+
+CUDA_DECODE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "backends", "turboquant", "decode_kernels.cu")
+
+
+def cuda_decode_rows(arch: int, defines: list[str], loop: bool) -> list[dict]:
+    """TurboQuant's CUDA decode (``decode_kernels.cu``, its kernels alone, built with this
+    machine's nvcc for ``arch`` under ``-D`` ``defines``, e.g. ATTN_OPS_TQ_NORM_MMA): each
+    instantiation's registers and spills and, with ``loop``, its step loop (a warp's 16 keys;
+    ``loop_instructions_common`` leaves out the output's rescale)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "decode.cubin")
+        subprocess.run(["nvcc", f"-arch=sm_{arch}", "-O3", "-cubin", "-std=c++17",
+                        "--expt-relaxed-constexpr", "-DATTN_OPS_KERNEL_ONLY",
+                        *(f"-D{d}" for d in defines),
+                        *(f"-D__CUDA_NO_{x}__" for x in ("HALF_OPERATORS", "HALF_CONVERSIONS",
+                                                           "BFLOAT16_CONVERSIONS",
+                                                           "HALF2_OPERATORS")),
+                        "-o", cubin, CUDA_DECODE], check=True)
+        with open(cubin, "rb") as f:
+            data = f.read()
+    usage = _cuobjdump(data, "--dump-resource-usage")
+    rows = []
+    for name, body in re.findall(r"Function (\S*tq_decode_kernel\S*):\n(.*)", usage):
+        found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", body))
+        # (_ZN...tq_decode_kernelILi128ELb1ELb1ELi4ELi4EE...: head dim, bf16, norm corrected,
+        # key bits, value bits)
+        d, bf16, nc, kb, vb = re.search(r"ILi(\d+)ELb(\d)ELb(\d)ELi(\d)ELi(\d)E", name).groups()
+        row = {"kernel": "cuda_decode", "warps": 4,
+               "config": f"D{d} {'bf16' if bf16 == '1' else 'fp16'} k{kb}v{vb}"
+                         + (" " + " ".join(defines) if defines else ""),
+               "registers": int(found["REG"]), "spilled_bytes": int(found["STACK"]),
+               "static_shared_bytes": int(found["SHARED"])}
+        if loop:
+            row.update(main_loop(data, name))
+        rows.append(row)
+    return rows
 
 
 def load_layouts(kernel) -> dict:
@@ -377,6 +427,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=None,
                         help="num_stages of every build (default: Triton's; TurboQuant's "
                              "decode runs 1)")
+    parser.add_argument("--cuda-defines", nargs="*", default=[],
+                        help="kernel cuda_decode: -D macros of its build (e.g. "
+                             "ATTN_OPS_TQ_NORM_MMA, ATTN_OPS_TQ_MIN_BLOCKS=3)")
     parser.add_argument("--only", default="",
                         help="only the configurations whose label contains this text")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
@@ -385,6 +438,15 @@ def main() -> None:
     table = configs()
     rows = []
     for name in args.kernels:
+        if name == "cuda_decode":  # (CUDA C++, built with nvcc, not Triton)
+            for row in cuda_decode_rows(args.arch, args.cuda_defines, args.loop):
+                rows.append(row)
+                print(f"{name:20s} {row['config']:24s} 4 warps: {row['registers']:3d} "
+                      f"registers, {row['spilled_bytes']:5d} B spilled"
+                      + (f", loop {row['loop_instructions']} instructions a thread "
+                         f"({row['loop_instructions_common']} without the rescale)"
+                         if args.loop else ""), flush=True)
+            continue
         fn, points = table[name]
         for label, constexprs, warps in points:
             if args.only not in label:

@@ -95,7 +95,7 @@ class TritonTuning:
     # own: a lane's B registers of a chunk's two key tiles are the A fragment of their
     # transpose, so two more products a chunk give each key's squared centroid norm on the
     # diagonal, where four FP32 operations a B register sum them now (sm_90, head dim 128:
-    # a 16-key step 572 SASS instructions against 640, 166 registers against 157). Not yet
+    # a 16-key step 567 SASS instructions against 637, 166 registers against 157). Not yet
     # run on a GPU.
     turboquant_cuda_norm_mma: bool = False
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
