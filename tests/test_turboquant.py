@@ -531,6 +531,8 @@ def _cuda_decode_step(kv_dtype, d, heads, kv_heads, dtype_, device, rounded=Fals
     spec = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=dtype_,
                          kv_cache_dtype=kv_dtype)
     _, cache, meta, q, k, v = _step(spec, [9, 300, 0, 130, 31], [1] * 5, device=device)
+    if rounded and kv_dtype != KVCacheDType.TURBOQUANT_K8V4:  # (bf16 queries, as models pass:
+        q = q.bfloat16().to(q.dtype)  # the CUDA decode may take them unrotated and rotate them)
     turboquant_cache_update(k, v, cache, meta.slot_mapping, spec.kv_cache_dtype.value)
     impl = TurboQuantBackend(spec)
     plan = impl.build_metadata(meta)
@@ -573,14 +575,19 @@ def test_cuda_decode_that_does_not_build_says_why_and_stays_off(monkeypatch, cap
 
 
 def _emulated_decode(q_in, cache, block_table, seq_lens, codebook, part_out, part_lse, splits,
-                     keys, scale, key_bits, value_bits):
+                     keys, scale, key_bits, value_bits, rotate):
     """``decode_kernels.cu``'s contract in torch: split ``s``'s warp ``w`` of each (row, head)
     attends the keys of ``[s keys, min(seq, (s + 1) keys))`` in its every fourth step of 16,
-    its normalized output and natural log-sum-exp (-inf, zeros: no keys) in part ``4 s + w``."""
+    its normalized output and natural log-sum-exp (-inf, zeros: no keys) in part ``4 s + w``;
+    ``q_in`` rotated (3- and 4-bit keys) unless ``rotate`` (the kernel rotates it then)."""
     d = q_in.shape[2]
     kv_dtype = next(k.value for k, p in tq.PRESETS.items()
                     if (p.key_bits, p.value_bits) == (key_bits, value_bits))
     dense = turboquant_dense_cache(cache, kv_dtype, d, torch.float64)
+    # (the dense cache is in the keys' own coordinates: the rotated query -- here, in fp32 and
+    # rounded to the query's dtype, where the kernel rotates it -- is rotated back)
+    if rotate and key_bits != 8:
+        q_in = (q_in.float() @ tq.hadamard(d)).to(q_in.dtype)
     q = q_in.double() if key_bits == 8 else q_in.double() @ tq.hadamard(d).double()
     page, group = cache.shape[2], q.shape[1] // cache.shape[1]
     part_out.zero_()
@@ -621,8 +628,8 @@ def _emulated_combine(part_out, part_lse, query_start_loc, out, lse):
 @pytest.mark.parametrize("kv_dtype", PRESETS, ids=lambda d: d.value)
 def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monkeypatch):
     """The CUDA decode's glue on the CPU, the kernels emulated by their contracts
-    (:func:`_emulated_decode`, :func:`_emulated_combine`), every preset: the query in (rotated, in bf16; fp8 keys:
-    fp16), every split's partials merged into the torch body's output and LSE over the same
+    (:func:`_emulated_decode`, :func:`_emulated_combine`), every preset: the query in (rotated,
+    in bf16, before the launch or in it; fp8 keys: fp16), every split's partials merged into the torch body's output and LSE over the same
     slots, more splits than keys in short rows, a padded row (past ``query_start_loc[-1]``)
     zero; what it serves."""
     from attn_ops.backends.turboquant import cuda_decode
@@ -638,6 +645,13 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
     codebook = tq.codebook(128, tq.PRESETS[kv_dtype].key_bits % 8 or 4)[0]
+    fused = tuning.with_(triton=dict(turboquant_cuda_fused_rotation=True))  # (rotated in it)
+    cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,
+                                       meta.block_table, out, lse, impl.scale, preset, codebook,
+                                       fused)
+    torch.testing.assert_close(out, want.to(out.dtype), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    out.fill_(float("nan"))
     cuda_decode.turboquant_cuda_decode(q, cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_table, out, lse, impl.scale, preset, codebook,
                                        tuning)

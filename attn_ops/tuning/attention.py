@@ -98,6 +98,11 @@ class TritonTuning:
     # a 16-key step 567 SASS instructions against 637, 166 registers against 157). Not yet
     # run on a GPU.
     turboquant_cuda_norm_mma: bool = False
+    # The CUDA decode rotates 3- and 4-bit keys' queries itself (a fast Walsh-Hadamard
+    # transform of the CTA's query rows in shared memory before its first tile) instead of a
+    # cast, a matmul and a cast before the launch -- three launches a step fewer, which count
+    # at small batches. Not yet run on a GPU.
+    turboquant_cuda_fused_rotation: bool = False
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no

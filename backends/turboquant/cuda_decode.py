@@ -4,7 +4,8 @@ head dims 64 / 128 / 256 and power-of-two pages of 16 or more; every other step 
 TRITON_ATTN's kernels (:func:`~attn_ops.backends.turboquant.ops.triton_turboquant_attention`).
 Chosen by ``Tuning.triton.turboquant_cuda_decode``.
 
-The query is rotated once for 3- and 4-bit keys (``q H``; they are stored rotated); each
+The query is rotated once for 3- and 4-bit keys (``q H``; they are stored rotated; before the
+launch, or in it under ``Tuning.triton.turboquant_cuda_fused_rotation``); each
 (request, KV head) runs ``splits`` CTAs of four warps, each warp a split of its own, and the
 splits' partial outputs and log-sum-exps are merged by a second launch. Every decision reads
 shapes only (the block table's width is the context bound), so a step captures in a CUDA
@@ -132,7 +133,10 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     t = (tuning or default_tuning()).triton
     fp8_keys = preset.fp8_keys
     low = torch.float16 if fp8_keys or query.dtype == torch.float16 else torch.bfloat16
-    q_in = query if fp8_keys else query.float() @ hadamard(d, query.device)
+    # (3- and 4-bit keys: the query rotated, here or -- turboquant_cuda_fused_rotation -- in
+    # the kernel, three launches fewer)
+    fused = not fp8_keys and t.turboquant_cuda_fused_rotation
+    q_in = query if fp8_keys or fused else query.float() @ hadamard(d, query.device)
     q_in = q_in.to(low).contiguous()
     slots = _slots(query.device, d, low == torch.bfloat16, preset.key_bits, preset.value_bits,
                    build_of(t))
@@ -144,5 +148,5 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     module = _module(*build_of(t))
     module.decode(q_in, kv_cache, block_table.int().contiguous(), seq_lens.int().contiguous(),
                   codebook.float().contiguous(), part_out, part_lse, splits, keys, float(scale),
-                  preset.key_bits, preset.value_bits)
+                  preset.key_bits, preset.value_bits, fused)
     module.combine(part_out, part_lse, query_start_loc.int().contiguous(), out, lse)

@@ -93,7 +93,8 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t w) {
 }
 
 struct Params {
-  const uint16_t* q;          // [rows, num_heads, D] rotated queries (bf16 / fp16 bits)
+  const uint16_t* q;          // [rows, num_heads, D] queries (bf16 / fp16 bits), rotated unless
+                              // `rotate`
   const uint8_t* cache;       // [blocks, kv_heads, page, slot]
   const int32_t* block_table;  // [rows, max_blocks]
   const int32_t* seq_lens;    // [rows]: keys [0, seq_len) of each decode row
@@ -103,6 +104,7 @@ struct Params {
   int64_t bt_stride;
   int num_blocks, kv_heads, group, page_shift, slot, splits, keys_per_split;  // (page 2^shift)
   float scale_log2;           // softmax scale * log2(e)
+  int rotate;                 // 3- / 4-bit keys: rotate the queries here (q H)
 };
 
 // The slot of position `pos` of `row` for KV head `h` (pos < seq_len; a block id outside the
@@ -141,6 +143,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// a bf16 / fp16 number's bits as a float
+template <bool BF16>
+__device__ __forceinline__ float half_bits_to_float(uint16_t x) {
+  if constexpr (BF16) {
+    return __uint_as_float(static_cast<uint32_t>(x) << 16);
+  } else {
+    return __half2float(__ushort_as_half(x));
+  }
 }
 
 // a bf16 / fp16 pair as two floats, the low half first
@@ -249,6 +261,52 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
     }
     cp_async_commit();
   };
+  // the query fragments: rows g and g + 8 of the group, lane t's coordinates [t D/4, (t+1) D/4)
+  uint32_t qa[KC][4];
+  const bool ok0 = g < p.group, ok1 = g + 8 < p.group;
+  if (!FP8K && p.rotate) {
+    // The group's queries rotated here: q H (Sylvester's H / sqrt(D)) as a fast Walsh-Hadamard
+    // transform in fp32, in the tile buffers' space before the first fetch; rounded once.
+    static_assert(16 * D * 4 <= kWarps * kStages * TILE, "the tile buffers hold 16 queries");
+    float* qs = reinterpret_cast<float*>(smem + L::KLUT * 32 * 4);
+    const uint16_t* qg = p.q + ((int64_t)row * num_heads + h * p.group) * D;
+    const int n = p.group * D;
+    for (int i = threadIdx.x; i < n; i += kWarps * 32) qs[i] = half_bits_to_float<BF16>(qg[i]);
+#pragma unroll
+    for (int len = 1; len < D; len <<= 1) {
+      __syncthreads();
+      for (int pr = threadIdx.x; pr < n / 2; pr += kWarps * 32) {
+        const int i0 = (pr / (D / 2)) * D + (pr % (D / 2)) / len * 2 * len + pr % len;
+        const float a = qs[i0], b = qs[i0 + len];
+        qs[i0] = a + b;
+        qs[i0 + len] = a - b;
+      }
+    }
+    __syncthreads();
+    const float rs = rsqrtf(float(D));
+    const float* q0 = qs + g * D + t * (D / 4);
+    const float* q1 = q0 + 8 * D;
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      qa[c][0] = ok0 ? pack2<BF16>(q0[4 * c] * rs, q0[4 * c + 1] * rs) : 0u;
+      qa[c][1] = ok1 ? pack2<BF16>(q1[4 * c] * rs, q1[4 * c + 1] * rs) : 0u;
+      qa[c][2] = ok0 ? pack2<BF16>(q0[4 * c + 2] * rs, q0[4 * c + 3] * rs) : 0u;
+      qa[c][3] = ok1 ? pack2<BF16>(q1[4 * c + 2] * rs, q1[4 * c + 3] * rs) : 0u;
+    }
+    __syncthreads();  // (the space is the tiles' again)
+  } else {
+    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(
+        p.q + ((int64_t)row * num_heads + h * p.group + g) * D) + t * (D / 8);
+    const uint32_t* q1 = q0 + 8 * D / 2;
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      qa[c][0] = ok0 ? q0[2 * c] : 0u;
+      qa[c][1] = ok1 ? q1[2 * c] : 0u;
+      qa[c][2] = ok0 ? q0[2 * c + 1] : 0u;
+      qa[c][3] = ok1 ? q1[2 * c + 1] : 0u;
+    }
+  }
+
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) fetch(s);
 
@@ -262,22 +320,6 @@ __global__ void ATTN_OPS_TQ_BOUNDS tq_decode_kernel(Params p) {
     }
   }
   __syncthreads();
-
-  // the query fragments: rows g and g + 8 of the group, lane t's coordinates [t D/4, (t+1) D/4)
-  uint32_t qa[KC][4];
-  {
-    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(
-        p.q + ((int64_t)row * num_heads + h * p.group + g) * D) + t * (D / 8);
-    const uint32_t* q1 = q0 + 8 * D / 2;
-    const bool ok0 = g < p.group, ok1 = g + 8 < p.group;
-#pragma unroll
-    for (int c = 0; c < KC; ++c) {
-      qa[c][0] = ok0 ? q0[2 * c] : 0u;
-      qa[c][1] = ok1 ? q1[2 * c] : 0u;
-      qa[c][2] = ok0 ? q0[2 * c + 1] : 0u;
-      qa[c][3] = ok1 ? q1[2 * c + 1] : 0u;
-    }
-  }
 
   float o[2 * KC][4];
 #pragma unroll
@@ -645,15 +687,16 @@ int64_t blocks_per_sm(int64_t d, bool bf16, int64_t key_bits, int64_t value_bits
   return blocks;
 }
 
-// decode(q [rows, Hq, D] bf16 / fp16 (rotated for 3- / 4-bit keys; fp16 for fp8 keys), cache
-// uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
+// decode(q [rows, Hq, D] bf16 / fp16 (for 3- / 4-bit keys rotated unless `rotate`; fp16 for fp8
+// keys), cache uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
 // codebook fp32 [2^key_bits], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq,
-// splits * 4], splits, keys_per_split, scale, key_bits (3, 4; 8: fp8), value_bits (3, 4)): every
-// decode row's splits (inputs checked by the caller).
+// splits * 4], splits, keys_per_split, scale, key_bits (3, 4; 8: fp8), value_bits (3, 4), rotate
+// (3- and 4-bit keys: q comes unrotated, the kernel rotates it)): every decode row's splits
+// (inputs checked by the caller).
 void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
             torch::Tensor seq_lens, torch::Tensor codebook, torch::Tensor part_out,
             torch::Tensor part_lse, int64_t splits, int64_t keys_per_split, double scale,
-            int64_t key_bits, int64_t value_bits) {
+            int64_t key_bits, int64_t value_bits, bool rotate) {
   using namespace attn_ops_tq;
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && block_table.stride(1) == 1 &&
                   part_out.is_contiguous() && part_lse.is_contiguous() &&
@@ -683,6 +726,7 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
   p.splits = splits;
   p.keys_per_split = keys_per_split;
   p.scale_log2 = float(scale) * kLog2e;
+  p.rotate = rotate ? 1 : 0;
   if (rows == 0) return;
   dispatch(q.size(2), q.scalar_type() == at::kBFloat16, key_bits, value_bits,
            Launch{p, dim3(splits, kv_heads, rows), c10::cuda::getCurrentCUDAStream()});
