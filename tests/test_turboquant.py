@@ -629,9 +629,9 @@ def _emulated_combine(part_out, part_lse, query_start_loc, out, lse):
 def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monkeypatch):
     """The CUDA decode's glue on the CPU, the kernels emulated by their contracts
     (:func:`_emulated_decode`, :func:`_emulated_combine`), every preset: the query in (rotated,
-    in bf16, before the launch or in it; fp8 keys: fp16), every split's partials merged into the torch body's output and LSE over the same
-    slots, more splits than keys in short rows, a padded row (past ``query_start_loc[-1]``)
-    zero; what it serves."""
+    in bf16, before the launch or in it; fp8 keys: fp16), every split's partials merged into
+    the torch body's output and LSE over the same slots, more splits than keys in short rows,
+    a padded row (past ``query_start_loc[-1]``) zero; what it serves."""
     from attn_ops.backends.turboquant import cuda_decode
     from attn_ops.tuning import default_tuning
 

@@ -11,15 +11,15 @@
 //
 // A step's 16 slots are one contiguous run of its page (pages of 16 positions or more): the
 // warp copies them into shared memory as 16-byte chunks (cp.async, kStages - 1 steps ahead),
-// and its lanes read their fields from there. (Reading them from global memory in 2-byte words
-// cost a dozen L1 wavefronts a load -- eight slots a warp instruction -- and with the
-// table lookups kept the L1 the busiest unit at a fifth of the copy bandwidth.)
+// and its lanes read their fields from there. (Read from global memory in 2-byte words, a
+// warp's load touches eight slots: a dozen L1 wavefronts, the L1 the busiest unit.)
 //
-// 4-bit keys: a byte of a slot's index field holds two coordinates' codes, and a B fragment register
-// of the score product holds two consecutive coordinates of one key: one lookup of a 256-entry
-// table (both centroids as a bf16 / fp16 pair) gives the register; the table is kept in 32
-// copies, lane l reading bank l, so a warp's lookup costs one wavefront. The norm correction
-// sums the looked-up pairs' squares. The coordinates are permuted so that lane t of a
+// 4-bit keys: a byte of a slot's index field holds two coordinates' codes, and a B fragment
+// register of the score product holds two consecutive coordinates of one key: one lookup of a
+// 256-entry table (both centroids as a bf16 / fp16 pair) gives the register; the table is kept
+// in 32 copies, lane l reading bank l, so a warp's lookup costs one wavefront. The norm
+// correction sums the looked-up pairs' squares (on the tensor cores with
+// ATTN_OPS_TQ_NORM_MMA). The coordinates are permuted so that lane t of a
 // key reads the contiguous bytes [t D / 8, (t + 1) D / 8) of its field (the query is permuted
 // alike when it is loaded: lane t's query words are coordinates [t D / 4, (t + 1) D / 4)).
 // 3-bit keys: eight codes a group of three bytes, a register's pair six bits of it, looked up in
@@ -687,12 +687,12 @@ int64_t blocks_per_sm(int64_t d, bool bf16, int64_t key_bits, int64_t value_bits
   return blocks;
 }
 
-// decode(q [rows, Hq, D] bf16 / fp16 (for 3- / 4-bit keys rotated unless `rotate`; fp16 for fp8
-// keys), cache uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks], seq_lens int32 [rows],
-// codebook fp32 [2^key_bits], part_out fp32 [rows, Hq, splits * 4, D], part_lse fp32 [rows, Hq,
-// splits * 4], splits, keys_per_split, scale, key_bits (3, 4; 8: fp8), value_bits (3, 4), rotate
-// (3- and 4-bit keys: q comes unrotated, the kernel rotates it)): every decode row's splits
-// (inputs checked by the caller).
+// decode(q [rows, Hq, D] bf16 / fp16 (for 3- / 4-bit keys rotated unless `rotate`; fp16 for
+// fp8 keys), cache uint8 [blocks, Hk, page, slot], block_table int32 [rows, max_blocks],
+// seq_lens int32 [rows], codebook fp32 [2^key_bits], part_out fp32 [rows, Hq, splits * 4, D],
+// part_lse fp32 [rows, Hq, splits * 4], splits, keys_per_split, scale, key_bits (3, 4; 8: fp8),
+// value_bits (3, 4), rotate (3- and 4-bit keys: q comes unrotated, the kernel rotates it)):
+// every decode row's splits (inputs checked by the caller).
 void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
             torch::Tensor seq_lens, torch::Tensor codebook, torch::Tensor part_out,
             torch::Tensor part_lse, int64_t splits, int64_t keys_per_split, double scale,
