@@ -638,9 +638,11 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     impl, cache, meta, q, want, want_lse = _cuda_decode_step(kv_dtype, 128, 8, 2, torch.float32,
                                                              "cpu", rounded=True)
     preset = tq.PRESETS[kv_dtype]
+    # (8 CTAs an SM of the CPU's 8 "SMs": 64 at once)
     monkeypatch.setattr(cuda_decode, "_module", lambda *build: type("M", (), {
-        "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine)}))
-    monkeypatch.setattr(cuda_decode, "_slots", lambda *args: 64)  # (64 CTAs at once)
+        "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine),
+        "blocks_per_sm": staticmethod(lambda *args: 8)}))
+    cuda_decode._slots.cache_clear()  # (a device's CTAs, from the emulated build's occupancy)
     tuning = default_tuning().with_(triton=dict(turboquant_cuda_split_keys=64))  # (16 a warp)
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
@@ -669,6 +671,7 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
     assert (out[4] == 0).all() and (lse[4] == 0).all()
     torch.testing.assert_close(out[:4], want[:4].to(out.dtype), atol=1e-5, rtol=1e-5)
     assert not cuda_decode.cuda_decode_serves(q, cache, meta.seq_lens, preset)  # (a CPU tensor)
+    cuda_decode._slots.cache_clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode kernel needs a GPU")

@@ -65,10 +65,9 @@ def _module(min_blocks: int = 0, norm_mma: bool = False):
 @functools.cache
 def cuda_decode_built(min_blocks: int = 0, norm_mma: bool = False) -> bool:
     """Whether the kernels build for ``min_blocks`` and ``norm_mma`` (:func:`_module`,
-    :func:`build_of`; nvcc and ninja on the
-    machine; once a process, about a minute the first time, cached by torch after). A failed
-    build is logged once with its reason, and the decode steps stay on TRITON_ATTN's
-    kernels."""
+    :func:`build_of`; nvcc and ninja on the machine; once a process, about a minute the first
+    time, cached by torch after). A failed build is logged once with its reason, and the
+    decode steps stay on TRITON_ATTN's kernels."""
     import logging
 
     log = logging.getLogger("attn_ops")
@@ -109,11 +108,12 @@ def _splits(rows: int, kv_heads: int, capacity: int, slots: int,
 @functools.cache
 def _slots(device: torch.device, d: int, bf16: bool, key_bits: int, value_bits: int,
            build: tuple[int, bool]) -> int:
-    """The decode's CTAs ``device`` runs at once (its occupancy x SMs) in ``build``."""
-    module = _module(*build)
-    with torch.cuda.device(device):
-        blocks = module.blocks_per_sm(d, bf16, key_bits, value_bits)
-        return max(1, blocks) * torch.cuda.get_device_properties(device).multi_processor_count
+    """The decode's CTAs ``device`` runs at once in ``build``: its occupancy x the SMs."""
+    from attn_ops.routing import DeviceFacts
+
+    blocks = _module(*build).blocks_per_sm(device.index if device.index is not None else 0, d,
+                                           bf16, key_bits, value_bits)
+    return max(1, blocks) * DeviceFacts.of(device).num_sms
 
 
 def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_table, out, lse,
@@ -138,14 +138,15 @@ def turboquant_cuda_decode(query, kv_cache, query_start_loc, seq_lens, block_tab
     fused = not fp8_keys and t.turboquant_cuda_fused_rotation
     q_in = query if fp8_keys or fused else query.float() @ hadamard(d, query.device)
     q_in = q_in.to(low).contiguous()
+    build = build_of(t)
     slots = _slots(query.device, d, low == torch.bfloat16, preset.key_bits, preset.value_bits,
-                   build_of(t))
+                   build)
     splits, keys = _splits(rows, kv_heads, block_table.shape[1] * page, slots,
                            t.turboquant_cuda_split_keys)
     parts = splits * _WARPS
     part_out = torch.empty(rows, heads, parts, d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, parts, dtype=torch.float32, device=query.device)
-    module = _module(*build_of(t))
+    module = _module(*build)
     module.decode(q_in, kv_cache, block_table.int().contiguous(), seq_lens.int().contiguous(),
                   codebook.float().contiguous(), part_out, part_lse, splits, keys, float(scale),
                   preset.key_bits, preset.value_bits, fused)

@@ -608,6 +608,7 @@ __global__ void tq_combine_kernel(const float* __restrict__ part_out,
 
 #ifndef ATTN_OPS_KERNEL_ONLY
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -679,9 +680,12 @@ void dispatch(int64_t d, bool bf16, int64_t key_bits, int64_t value_bits, const 
   TORCH_CHECK(false, "turboquant decode: head_dim=", d, " must be 64, 128 or 256");
 }
 
-// blocks_per_sm(head_dim, bf16, key_bits, value_bits): the decode's CTAs an SM of this device at
-// its registers and shared memory (the splits are chosen to fill whole waves of them).
-int64_t blocks_per_sm(int64_t d, bool bf16, int64_t key_bits, int64_t value_bits) {
+// blocks_per_sm(device, head_dim, bf16, key_bits, value_bits): the decode's CTAs an SM of CUDA
+// device `device` at its registers and shared memory (the splits are chosen to fill whole waves
+// of them).
+int64_t blocks_per_sm(int64_t device, int64_t d, bool bf16, int64_t key_bits,
+                      int64_t value_bits) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   int blocks = 0;
   dispatch(d, bf16, key_bits, value_bits, Occupancy{&blocks});
   return blocks;
