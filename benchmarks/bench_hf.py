@@ -114,6 +114,14 @@ def _agreement_text(check: dict) -> str:
             + ("agree" if check["agrees"] else "DISAGREE"))
 
 
+def _decode_rate(model, name, ids, new: int, device) -> tuple[float, float, torch.Tensor]:
+    """``(decode tokens/s, seconds, tokens)`` of a greedy ``generate`` of ``new`` tokens: batch
+    x (new - 1) over its time less a 1-token generate's."""
+    full, out = _timed(_generate_fn(model, name, ids, new), device)
+    first, _ = _timed(_generate_fn(model, name, ids, 1), device)
+    return ids.shape[0] * (new - 1) / max(full - first, 1e-9), full, out
+
+
 def plain_rows(args, models, device) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(1)
@@ -123,20 +131,17 @@ def plain_rows(args, models, device) -> list[dict]:
         row, tokens = {"batch": batch, "ctx": args.ctx, "new": args.new}, {}
         for name, model in models.items():
             try:
-                full, out = _timed(_generate_fn(model, name, ids, args.new), device)
-                first, _ = _timed(_generate_fn(model, name, ids, 1), device)
+                rate, full, out = _decode_rate(model, name, ids, args.new, device)
             except Exception as e:  # noqa: BLE001 -- recorded; the others go on
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(f"B={batch} {name}: {row[f'{name}_error']}", flush=True)
                 continue
             tokens[name] = out[:, args.ctx:].cpu()
-            row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
-            row[f"{name}_s"] = full
+            row[f"{name}_decode_tok_s"], row[f"{name}_s"] = rate, full
         if "sdpa" in tokens and len(tokens) > 1:  # (sdpa once more, after the others: whether
             # their runs left the process slower -- its first rate is the ratios' base)
-            full, _ = _timed(_generate_fn(models["sdpa"], "sdpa", ids, args.new), device)
-            first, _ = _timed(_generate_fn(models["sdpa"], "sdpa", ids, 1), device)
-            row["sdpa_again_decode_tok_s"] = batch * (args.new - 1) / max(full - first, 1e-9)
+            row["sdpa_again_decode_tok_s"] = _decode_rate(models["sdpa"], "sdpa", ids, args.new,
+                                                          device)[0]
         forced = {}  # (once a model: attn_ops over its pages and over HF's cache is one)
 
         def logits_of(model):

@@ -315,8 +315,12 @@ def _cuobjdump(kernel, *flags: str) -> str:
 def resources(kernel) -> dict:
     """A compiled kernel's registers a thread, spilled bytes (stack), static shared bytes,
     from cuobjdump's resource usage."""
-    found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)",
-                            _cuobjdump(kernel, "--dump-resource-usage")))
+    return _usage(_cuobjdump(kernel, "--dump-resource-usage"))
+
+
+def _usage(text: str) -> dict:
+    """:func:`resources` of one function's line of cuobjdump's resource usage."""
+    found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
     return {"registers": int(found["REG"]), "spilled_bytes": int(found["STACK"]),
             "static_shared_bytes": int(found["SHARED"])}
 
@@ -380,15 +384,13 @@ def cuda_decode_rows(arch: int, defines: list[str], loop: bool) -> list[dict]:
     usage = _cuobjdump(data, "--dump-resource-usage")
     rows = []
     for name, body in re.findall(r"Function (\S*tq_decode_kernel\S*):\n(.*)", usage):
-        found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", body))
         # (_ZN...tq_decode_kernelILi128ELb1ELb1ELi4ELi4EE...: head dim, bf16, norm corrected,
         # key bits, value bits)
         d, bf16, nc, kb, vb = re.search(r"ILi(\d+)ELb(\d)ELb(\d)ELi(\d)ELi(\d)E", name).groups()
         row = {"kernel": "cuda_decode", "warps": 4,
                "config": f"D{d} {'bf16' if bf16 == '1' else 'fp16'} k{kb}v{vb}"
                          + (" " + " ".join(defines) if defines else ""),
-               "registers": int(found["REG"]), "spilled_bytes": int(found["STACK"]),
-               "static_shared_bytes": int(found["SHARED"])}
+               **_usage(body)}
         if loop:
             row.update(main_loop(data, name))
         rows.append(row)
