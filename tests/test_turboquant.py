@@ -643,7 +643,8 @@ def test_cuda_decode_merges_its_splits_as_the_torch_body_attends(kv_dtype, monke
         "decode": staticmethod(_emulated_decode), "combine": staticmethod(_emulated_combine),
         "blocks_per_sm": staticmethod(lambda *args: 8)}))
     cuda_decode._slots.cache_clear()  # (a device's CTAs, from the emulated build's occupancy)
-    tuning = default_tuning().with_(triton=dict(turboquant_cuda_split_keys=64))  # (16 a warp)
+    tuning = default_tuning().with_(triton=dict(  # (16 keys a warp; the query rotated before)
+        turboquant_cuda_split_keys=64, turboquant_cuda_fused_rotation=False))
     out = torch.full_like(q, float("nan"))
     lse = torch.full_like(want_lse, float("nan"))
     codebook = tq.codebook(128, tq.PRESETS[kv_dtype].key_bits % 8 or 4)[0]

@@ -95,14 +95,14 @@ class TritonTuning:
     # own: a lane's B registers of a chunk's two key tiles are the A fragment of their
     # transpose, so two more products a chunk give each key's squared centroid norm on the
     # diagonal, where four FP32 operations a B register sum them now (sm_90, head dim 128:
-    # a 16-key step 567 SASS instructions against 637, 166 registers against 157). Not yet
-    # run on a GPU.
+    # a 16-key step 567 SASS instructions against 637, 166 registers against 157). H100:
+    # within 3% at 4 bits, 2-27% slower at 3 (docs/tuning.md), so off.
     turboquant_cuda_norm_mma: bool = False
     # The CUDA decode rotates 3- and 4-bit keys' queries itself (a fast Walsh-Hadamard
     # transform of the CTA's query rows in shared memory before its first tile) instead of a
-    # cast, a matmul and a cast before the launch -- three launches a step fewer, which count
-    # at small batches. Not yet run on a GPU.
-    turboquant_cuda_fused_rotation: bool = False
+    # cast, a matmul and a cast before the launch -- three launches a step fewer (H100, 8k
+    # keys: 130 -> 87 us a call at 8 requests, 250 -> 201 at 32).
+    turboquant_cuda_fused_rotation: bool = True
     # TURBOQUANT's cache write: tokens (a power of two >= 16, the rotation's tensor-core rows)
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no
