@@ -269,7 +269,7 @@ for spec in "$@"; do
         tests/test_ops.py tests/test_cudagraph.py -k "turbo or TURBO" ;;
     tqcheck) stage tqcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_turboquant.py \
-        tests/test_backends_matrix.py -k "TURBOQUANT and (mixed or long_context) or triton" ;;
+        tests/test_backends_matrix.py -k "${TQCHECK_K:-TURBOQUANT and (mixed or long_context) or triton or cuda_decode}" ;;
     tqsweep) for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=true triton.turboquant_cuda_norm_mma=true,triton.turboquant_cuda_fused_rotation=true triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
         [ "$cfg" = defaults ] && cfg=""
         case "$cfg" in ""|*norm_mma*|*min_blocks*|*fused_rotation*)  # (another kernel or path)
