@@ -1536,7 +1536,7 @@ def test_triton_attn_serves_a_corrupt_device_query_start_loc(combine, monkeypatc
     rng = _rng_for("triton_device_qsl", combine)
     failures = []
     for kind in ("qsl_beyond", "qsl_nonmonotone"):
-        for i in range(8):
+        for i in range(5):  # (the interpreter's second a trial)
             trial = h.trial(kind, i, rng)
             verdict = judge(h, trial)
             if verdict.outcome != "served":

@@ -1306,8 +1306,8 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("kind,chunk,block,dtype", [
-    ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float32),
-    ("mamba1", 16, 16, torch.float16), ("mamba1_unrolled", 16, 16, torch.float32),
+    ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float16),
+    ("mamba1_unrolled", 16, 16, torch.float32),
     ("mamba1_unrolled", 16, 64, torch.float16), ("mamba1_unrolled_2", 16, 16, torch.float32),
     ("mamba1_unrolled_2_odd", 16, 16, torch.float32), ("mamba1_unrolled_3", 16, 16, torch.float16),
     ("mamba1_segmented", 16, 16, torch.float32), ("mamba1_segmented_2", 8, 64, torch.float16),
