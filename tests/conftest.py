@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import pytest
@@ -22,6 +23,37 @@ def pytest_collection_modifyitems(config, items):
 def _clean_backend_env(monkeypatch):
     # A developer's ATTN_OPS_BACKEND must not change what the tests select.
     monkeypatch.delenv("ATTN_OPS_BACKEND", raising=False)
+
+
+# Triton's interpreter checks every int32 add, subtract and multiply of a kernel for overflow
+# (each recomputed in int64 and asserted: about a third of its time). The CPU tests' tensors are
+# far below 2**31 elements, so only the files whose inputs carry extreme values (ids and lengths
+# of 2**30 and 2**31 - 1) keep the check; a kernel compiled for the GPU runs without it anyway.
+_OVERFLOW_CHECKED = {"test_fuzz.py", "test_device_indices.py", "test_mla_sparse.py"}
+
+
+def _interpreter_builder():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    builder = getattr(interpreter, "interpreter_builder", None)
+    return builder if hasattr(getattr(builder, "options", None), "sanitize_overflow") else None
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_overflow_check(request):
+    builder = _interpreter_builder()
+    if builder is None:
+        yield
+        return
+    before = builder.options
+    builder.options = dataclasses.replace(
+        before, sanitize_overflow=request.node.path.name in _OVERFLOW_CHECKED)
+    yield
+    builder.options = before
 
 
 # A device fault (an illegal address) leaves the process's CUDA context unusable: every later
