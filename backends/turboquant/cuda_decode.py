@@ -14,6 +14,7 @@ graph."""
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 import torch
@@ -51,15 +52,19 @@ def _module(min_blocks: int = 0, norm_mma: bool = False):
     """The extension, built for ``min_blocks`` CTAs an SM (0: the compiler's choice;
     ``Tuning.triton.turboquant_cuda_min_blocks``) and with the norm correction on the tensor
     cores where ``norm_mma`` (``Tuning.triton.turboquant_cuda_norm_mma``), each a build of its
-    own."""
+    own. The build's name carries a hash of the source and the flags: torch's extension cache
+    (``TORCH_EXTENSIONS_DIR``) keeps builds by name, so one copied from another machine or
+    left by an older checkout is reused only for the same source."""
     from torch.utils.cpp_extension import load
 
-    name, flags = "attn_ops_turboquant_decode", ["-O3", "-std=c++17"]
+    flags = ["-O3", "-std=c++17"]
     if min_blocks:
-        name, flags = f"{name}_mb{min_blocks}", flags + [f"-DATTN_OPS_TQ_MIN_BLOCKS={min_blocks}"]
+        flags.append(f"-DATTN_OPS_TQ_MIN_BLOCKS={min_blocks}")
     if norm_mma:
-        name, flags = f"{name}_nm", flags + ["-DATTN_OPS_TQ_NORM_MMA"]
-    return load(name=name, sources=[str(_SOURCE)], extra_cuda_cflags=flags, verbose=False)
+        flags.append("-DATTN_OPS_TQ_NORM_MMA")
+    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    return load(name=f"attn_ops_turboquant_decode_{digest}", sources=[str(_SOURCE)],
+                extra_cuda_cflags=flags, verbose=False)
 
 
 @functools.cache
