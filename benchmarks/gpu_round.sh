@@ -270,14 +270,14 @@ for spec in "$@"; do
     tqcheck) stage tqcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_turboquant.py \
         tests/test_backends_matrix.py -k "${TQCHECK_K:-TURBOQUANT and (mixed or long_context) or triton or cuda_decode}" ;;
-    tqsweep) for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=true triton.turboquant_cuda_norm_mma=true,triton.turboquant_cuda_fused_rotation=true triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
+    tqsweep) for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=false triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
         [ "$cfg" = defaults ] && cfg=""
         case "$cfg" in ""|*norm_mma*|*min_blocks*|*fused_rotation*)  # (another kernel or path)
           ATTN_OPS_TUNING="$cfg" stage "tqsweep_tests ${cfg:-defaults}" "$limit" python -m pytest \
             ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE tests/test_turboquant.py -k cuda_decode ;;
         esac
       done
-      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=true triton.turboquant_cuda_norm_mma=true,triton.turboquant_cuda_fused_rotation=true triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
+      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=false triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
         [ "$cfg" = defaults ] && cfg=""
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}
