@@ -238,22 +238,24 @@ _CACHE_IDS = ["fp32-one-select", "fp8_token-one-select", "fp8_token_half-one-sel
               "fp8_token-select-histograms-all", "fp8_token-fp8-query-split-select"]
 # (the product's orientation and the select's counting are independent of the key format:
 # every format with the heads as rows and block histograms, three with the other pair)
-_TOPK_CASES = [pytest.param(*c, False, 4, 0, id=f"{i}-heads-rows-histograms")
+_TOPK_CASES = [pytest.param(*c, False, 4, 0, 1, id=f"{i}-heads-rows-histograms")
                for c, i in zip(_CACHES, _CACHE_IDS)] + \
-    [pytest.param(*c, True, 0, 0, id=f"{i}-keys-rows-atomics")
+    [pytest.param(*c, True, 0, 0, 1, id=f"{i}-keys-rows-atomics")
      for c, i in zip(_CACHES, _CACHE_IDS) if i in ("fp32-one-select", "fp8_block-split-select",
                                                   "fp8_token-fp8-query-split-select")] + \
-    [pytest.param(*c, True, 1, 8, id=f"{i}-candidates")
+    [pytest.param(*c, True, 1, 8, 1, id=f"{i}-candidates")
      for c, i in zip(_CACHES, _CACHE_IDS) if i in ("fp32-split-select",
-                                                  "fp8_token-select-histograms-all")]
+                                                  "fp8_token-select-histograms-all")] + \
+    [pytest.param(*_CACHES[1], True, 1, 0, 3, id=f"{_CACHE_IDS[1]}-three-row-groups")]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("cache,launch,fused,keys_as_rows,atomic_from,candidates",
+@pytest.mark.parametrize("cache,launch,fused,keys_as_rows,atomic_from,candidates,groups",
                          _TOPK_CASES)
 def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_as_rows,
-                                                     atomic_from, candidates, poisoned_buffers):
+                                                     atomic_from, candidates, groups,
+                                                     poisoned_buffers):
     """The GPU path (Triton scores, then a radix select; the interpreter here) against the
     torch reference: mixed decode / prefill rows, a request at exactly top-k visible keys,
     padding rows, permuted pages with NaN in every unowned slot, ties (repeated keys: the
@@ -264,8 +266,9 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     program or several, its first digit histogram added by the scoring or by its own
     launch, the product with the heads or the positions as its rows, the select's passes
     counted by block histograms or by each key's atomic add, or finished over 8 candidates a
-    row (``index_select_candidates``); every buffer poisoned (the output's -1 tail written by
-    the select)."""
+    row (``index_select_candidates``), the rows in one group or three (each group's select
+    on a side stream on a GPU: ``index_overlap_groups``); every buffer poisoned (the output's
+    -1 tail written by the select)."""
     from attn_ops.backends.mla.indexer import topk_reference
     from attn_ops.backends.mla.indexer_kernels import indexer_topk_device
     from attn_ops.tuning import Tuning
@@ -293,7 +296,7 @@ def test_device_topk_selects_what_the_reference_does(cache, launch, fused, keys_
     got = indexer_topk_device(*args, topk, **launch, tuning=Tuning().with_(
         mla={"index_fused_histogram": fused, "index_fp8_query": fp8_query,
              "index_keys_as_rows": keys_as_rows, "index_atomic_from_pass": atomic_from,
-             "index_select_candidates": candidates}))
+             "index_select_candidates": candidates, "index_overlap_groups": groups}))
     if fp8_query:  # the reference over the query as the scoring quantizes it
         args[0] = _fp8_query(q).to(dev)
     want = topk_reference(*args, topk)

@@ -211,7 +211,8 @@ def test_tuning_overrides_parse_by_field_type_and_name_what_is_wrong():
                          ("mla.index_select_warps=3",
                           r"index_select_warps=3 must be 1, 2, 4, 8 or 16"),
                          ("mla.index_select_candidates=-1",
-                          r"index_select_candidates=-1 must be >= 0")):
+                          r"index_select_candidates=-1 must be >= 0"),
+                         ("mla.index_overlap_groups=0", r"index_overlap_groups=0 must be >= 1")):
         with pytest.raises(ValueError, match=message):
             apply_overrides(Tuning(), bad)
 

@@ -115,6 +115,11 @@ class MLATuning:
     # launches. H100, top-k 512: 48.5 against 49.0 us at 8 x 256k at 1024 candidates, 2-3 us
     # slower on shorter rows and slower at 4096: off.
     index_select_candidates: int = 0
+    # n > 1: a step of at most 2048 rows (a decode batch) scored and selected in n groups of
+    # rows, each group's select on a side stream while the next group is scored (the scoring
+    # bound by memory, the select by its launches' latency; CUDA-graph capture joins the side
+    # stream). 1: one group. Not yet timed on a GPU.
+    index_overlap_groups: int = 1
     # With an fp8 index cache at per-token scales: the scoring quantizes each query head to
     # e4m3 (its own scale, amax / 448 -- DeepSeek-V3.2 quantizes the indexer query by blocks of
     # 128 channels, one a head at head dim 128) and multiplies fp8 by fp8 on the tensor cores
@@ -139,6 +144,9 @@ class MLATuning:
             raise ValueError(f"tuning.mla.index_select_candidates="
                              f"{self.index_select_candidates} must be >= 0 (0: the six-launch "
                              "select)")
+        if self.index_overlap_groups < 1:
+            raise ValueError(f"tuning.mla.index_overlap_groups={self.index_overlap_groups} "
+                             "must be >= 1 (1: one group)")
         if self.index_select_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"tuning.mla.index_select_warps={self.index_select_warps} must be "
                              "1, 2, 4, 8 or 16")

@@ -604,8 +604,17 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
     block_n = block_n or tuning.index_block_n
     fused = tuning.index_fused_histogram
-    for r0 in range(0, t, ROWS_A_PASS):
-        n = min(ROWS_A_PASS, t - r0)
+    # (index_overlap_groups: a step of at most ROWS_A_PASS rows in that many groups, each
+    # group's select on a side stream while the next group is scored -- the select waits on
+    # its launches' latency, the scoring on memory; the buffers are kept until the side stream
+    # joins, so the caching allocator reuses none of them before its launches end)
+    groups = min(tuning.index_overlap_groups, t) if t <= ROWS_A_PASS else 1
+    per = cdiv(t, groups) if groups > 1 else ROWS_A_PASS
+    main = torch.cuda.current_stream(q.device) if groups > 1 and q.is_cuda else None
+    side = _side_stream(q.device) if main is not None else None
+    held = []
+    for r0 in range(0, t, per):
+        n = min(per, t - r0)
         span = chunk or indexer_score_chunk(n, num_positions, block_n, sms, tuning)
         scores = torch.empty(n, num_positions, dtype=torch.float32, device=q.device)
         hist = torch.zeros(n, HIST_ROW, dtype=torch.int32, device=q.device)
@@ -620,9 +629,29 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             BLOCK_N=block_n, PRECISION=precision, HIST=fused, FP8_Q=fp8_query,
             KEYS_M=tuning.index_keys_as_rows, num_warps=tuning.index_warps,
             num_stages=tuning.index_stages)
-        _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
-                select_block, first=1 if fused else 0)
+        if side is None:
+            _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
+                    select_block, first=1 if fused else 0)
+            continue
+        held.append((scores, hist))
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
+                    select_block, first=1 if fused else 0)
+    if side is not None:
+        main.wait_stream(side)
     return out
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The indexer's side stream of ``device`` (one a device, made on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def _select(scores, hist, vis, out, row0, topk, sms, tuning, span=None, block=None,
