@@ -74,9 +74,10 @@
 #            each under the stage's limit; JSON bench_prefix_cache_KIND.json
 #   tq       TurboQuant: tests/test_turboquant.py, the matrix, device-index, opcheck and CUDA-graph
 #            cases of TURBOQUANT (its Triton write and TRITON_ATTN's read compiled; real sizes)
-#   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases and Triton tests
+#   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases, Triton and CUDA decode
+#            tests (TQCHECK_K: another pytest -k)
 #   tqsweep  for each of TQ_SWEEP's ATTN_OPS_TUNING strings ("defaults": the CUDA decode; its
-#            norm correction on the tensor cores; the query rotated in it; both; its splits
+#            norm correction on the tensor cores; the query rotated before it; its splits
 #            longer; the Triton read; space-separated): the CUDA decode's tests (pytest -k
 #            cuda_decode) under those that change its kernel (defaults, norm_mma, min_blocks,
 #            fused_rotation), then
@@ -270,14 +271,15 @@ for spec in "$@"; do
     tqcheck) stage tqcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_turboquant.py \
         tests/test_backends_matrix.py -k "${TQCHECK_K:-TURBOQUANT and (mixed or long_context) or triton or cuda_decode}" ;;
-    tqsweep) for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=false triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
+    tqsweep) sweep=${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=false triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}
+      for cfg in $sweep; do
         [ "$cfg" = defaults ] && cfg=""
         case "$cfg" in ""|*norm_mma*|*min_blocks*|*fused_rotation*)  # (another kernel or path)
           ATTN_OPS_TUNING="$cfg" stage "tqsweep_tests ${cfg:-defaults}" "$limit" python -m pytest \
             ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE tests/test_turboquant.py -k cuda_decode ;;
         esac
       done
-      for cfg in ${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=false triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}; do
+      for cfg in $sweep; do
         [ "$cfg" = defaults ] && cfg=""
         stage "tqsweep ${cfg:-defaults}" "$limit" python benchmarks/profile_turboquant_decode.py \
           --tuning "$cfg" ${TQ_SWEEP_ARGS:---batch 8 32 --presets turboquant_4bit_nc turboquant_k3v4_nc turboquant_3bit_nc turboquant_k8v4}

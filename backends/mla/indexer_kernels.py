@@ -31,6 +31,8 @@ groups of :data:`ROWS_A_PASS` rows to bound the ``[rows, positions]`` buffers.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -629,13 +631,10 @@ def indexer_topk_device(q, weights, keys, scales, block_table, seq_lens, query_s
             BLOCK_N=block_n, PRECISION=precision, HIST=fused, FP8_Q=fp8_query,
             KEYS_M=tuning.index_keys_as_rows, num_warps=tuning.index_warps,
             num_stages=tuning.index_stages)
-        if side is None:
-            _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
-                    select_block, first=1 if fused else 0)
-            continue
-        held.append((scores, hist))
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        if side is not None:
+            held.append((scores, hist))
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _select(scores, hist, vis, out[r0:r0 + n], r0, topk, sms, tuning, select_span,
                     select_block, first=1 if fused else 0)
     if side is not None:
