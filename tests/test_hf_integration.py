@@ -332,6 +332,18 @@ def test_attn_ops_cache_replays_decode_steps_from_per_layer_cuda_graphs(name):
     again = _assert_same_greedy(theirs, ours, new, "cuda", **_with_cache(ours, eager))
     assert torch.equal(again.sequences, got.sequences)
     assert all(layer.replays == 0 for layer in eager.layers)
+    # (generate's own cache: the second generate takes over the first's graphs and replays
+    # them from its first decode step, capturing none)
+    hf.release(ours)
+    captured = []
+    for _ in range(2):
+        out = _assert_same_greedy(theirs, ours, new, "cuda")
+        made = _returned_cache(out)
+        captured.append([list(layer.captures) for layer in made.layers])
+        replays = [layer.replays for layer in made.layers]
+        del out, made
+    assert captured[0] == captured[1] and replays == [new - 1] * len(replays)
+    hf.release(ours)
 
 
 def test_attn_ops_cache_scatters_a_decode_steps_tokens_as_the_write_op_does():
@@ -373,6 +385,49 @@ def test_attn_ops_cache_holds_the_pages_its_rows_reach():
     reached = sum(-(-n // page) for n in owned.steps.tokens(page))
     held = {layer.kv.shape[0] for layer in owned.layers}
     assert len(held) == 1 and reached <= held.pop() <= 2 * reached
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_generate_takes_over_the_pages_its_last_cache_left(name):
+    """The cache ``generate`` made, once gone, leaves its attention layers' pages (and on a
+    GPU their decode graphs) to the model's next ``generate`` of as many rows and no more
+    tokens: the same tensors, every leftover in them NaN and never read -- HF's tokens and
+    logits again, a hybrid's recurrent layers in fresh HF cache layers. While a returned
+    cache is alive, or for more rows, a generate makes its own; ``release`` drops them."""
+    import gc
+
+    from attn_ops import hf
+
+    theirs, ours = _models(name)
+    hf.release(ours)
+    out = _assert_same_greedy(theirs, ours, 6)
+    first = _returned_cache(out)
+    steps = first.steps
+    held = {i: layer.kv for i, layer in enumerate(first.layers) if hasattr(layer, "kv")}
+    recurrent = [layer for layer in first.layers if not hasattr(layer, "kv")]
+    assert held and (name == "qwen3_next") == bool(recurrent)
+    alive = _returned_cache(_assert_same_greedy(theirs, ours, 4))  # (the first still held)
+    assert alive.steps is not steps
+    del alive  # (then the first: the last cache gone is the one kept)
+    del out, first
+    gc.collect()
+    for kv in held.values():
+        kv.fill_(float("nan"))
+    again = _returned_cache(_assert_same_greedy(theirs, ours, 5))
+    assert again.steps is steps
+    assert all(again.layers[i].kv is kv for i, kv in held.items())
+    assert not any(layer in recurrent for layer in again.layers)
+    del again  # (then six tokens again: what the first cache's blocks hold, though the last
+    # generation asked for five)
+    assert _returned_cache(_assert_same_greedy(theirs, ours, 6)).steps is steps
+    ids, mask = _batch()
+    with torch.no_grad():  # (four rows: a cache of its own)
+        more = ours.generate(torch.cat([ids, ids[:1]]), attention_mask=torch.cat([mask, mask[:1]]),
+                             max_new_tokens=2, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)
+    assert _returned_cache(more).steps is not steps
+    del more
+    assert hf.release(ours) and not hf.release(ours)
 
 
 def test_attn_ops_cache_refuses_a_model_that_changes_the_keys_it_returned():

@@ -32,7 +32,9 @@ Where the K/V live:
   enter a page -- and attends over the pages; nothing is copied again, and the
   step's plan (the rows' runs, the metadata) is made once for all layers; on a GPU its decode
   steps replay each layer's write and attention from a CUDA graph where the layer's backend
-  allows (``cuda_graphs=False``: eagerly);
+  allows (``cuda_graphs=False``: eagerly); the cache ``generate`` made, once gone, leaves its
+  pages and graphs to the model's next ``generate`` of as many rows and no more tokens (the
+  graphs captured once, not once a call; :func:`release` frees them);
 * with HF's own caches (``DynamicCache``, static, sliding) each call is self-contained: the
   K/V HF hands over are copied into a paged cache of that step (a copy of the history per
   layer per step);
@@ -52,14 +54,14 @@ from dataclasses import dataclass
 from attn_ops.hf.attention import attention_forward
 from attn_ops.hf.common import _CONFIG, _LAYERS_ATTR, spec_of_call
 from attn_ops.hf.owned_cache import (_GENERATE_CACHE, _install_generate_cache, cache,
-                                     cache_supported)
+                                     cache_supported, release)
 from attn_ops.hf.paged import paged_attention_forward
 from attn_ops.hf.patching import patch
 from attn_ops.selector import AttentionConfig
 
 __all__ = ["ATTN_NAME", "PAGED_NAME", "Registration", "attention_forward", "cache",
            "cache_supported", "describe", "paged_attention_forward", "patch", "register",
-           "spec_of_call"]
+           "release", "spec_of_call"]
 
 ATTN_NAME = "attn_ops"
 PAGED_NAME = "paged|attn_ops"

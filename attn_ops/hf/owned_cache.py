@@ -56,10 +56,22 @@ class _Steps:
 
     def __init__(self, batch: int, max_tokens: int, cuda_graphs: bool = True) -> None:
         self.batch, self.max_tokens = batch, max_tokens
+        self.reach = max_tokens  # (what the blocks hold a row: restart keeps it)
         self.cuda_graphs = cuda_graphs
         self.by_page: dict[int, dict] = {}
         self.pool = None  # (the graphs' memory pool, once one is captured)
         self.stream = None  # (the side stream graphs are captured on)
+
+    def restart(self, max_tokens: int) -> None:
+        """Serve a new generation of at most ``max_tokens`` tokens a row (no more than the
+        blocks kept allow): every row empty, the pages' blocks free again; the blocks' count,
+        the layers' capacity, the graph buffers, memory pool and stream kept."""
+        from attn_ops.kv_cache import BlockAllocator
+
+        self.max_tokens = max_tokens
+        for page, state in self.by_page.items():
+            state.update(alloc=BlockAllocator(state["blocks"], page), written=[0] * self.batch,
+                         plan=None)
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
         state = self.by_page.get(page)
@@ -245,6 +257,12 @@ def _layer_class():
             # graph-metadata run warmed it up -- _graphed)
             self.graph, self.warmed, self.replays = None, None, 0
             self.captures: list[int] = []  # (the pages held at each capture)
+            self.kv_for = None  # (the attn_ops layer whose layout kv has)
+
+        def restart(self) -> None:
+            """Serve a new generation (:meth:`_Steps.restart`): no tokens seen; the pages and
+            the decode graph kept (the graph replays again from its first decode step)."""
+            self.length, self.pending, self.replays = 0, False, 0
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.is_initialized = True
@@ -291,8 +309,12 @@ def _layer_class():
             self.pending = False
             page = layer.block_size
             plan = self.steps.plan(self.length, page, mask, sq, module, query.device)
+            if self.kv is not None and (self.kv_for is not layer
+                                        or self.kv.device != query.device):
+                # (pages kept from a generation over another layer or device: not reused)
+                self.kv = self.graph = None
             if self.kv is None or self.kv.shape[0] != plan["capacity"]:
-                self.kv = _grown(layer, self.kv, plan["capacity"], query.device)
+                self.kv, self.kv_for = _grown(layer, self.kv, plan["capacity"], query.device), layer
             rows = plan["rows"]
             if plan["graph"] is not None and layer.cudagraph_support >= _DECODE_GRAPHS:
                 got = self._graphed(layer, self.steps.graph_metadata(plan, layer, page),
@@ -415,20 +437,67 @@ def cache(model, batch: int, max_tokens: int, *, cuda_graphs: bool = True):
     return _owned_cache(layers, batch, max_tokens, cuda_graphs)
 
 
-def _owned_cache(layers: list, batch: int, max_tokens: int, cuda_graphs: bool = True):
+# (model -> (steps, {index: attn_ops cache layer}) of the last cache generate made for it
+# that is gone: what the next generate of as many rows and no more tokens takes over -- the
+# pages, graph buffers and decode graphs, so a model captures its graphs once, not once a
+# generate)
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keep(model_ref, steps: _Steps, ours: dict) -> None:
+    """A generate cache of ``model_ref()`` is gone: keep its pages and graphs for the next
+    (one set a model: the last replaces the one before)."""
+    model = model_ref()
+    if model is not None:
+        _KEPT[model] = (steps, ours)
+
+
+def _take_kept(model, batch: int, max_tokens: int, cuda_graphs: bool, indices: list[int]):
+    """What :func:`_keep` kept for ``model`` if it serves ``batch`` rows of ``max_tokens``
+    tokens over the attention layers ``indices``, restarted (:meth:`_Steps.restart`); else
+    None (and what was kept is dropped: the pages a model keeps are its last generation's)."""
+    kept = _KEPT.pop(model, None) if model is not None else None
+    if kept is None:
+        return None
+    steps, ours = kept
+    if (steps.batch != batch or steps.reach < max_tokens or steps.cuda_graphs != cuda_graphs
+            or sorted(ours) != indices):
+        return None
+    steps.restart(max_tokens)
+    for layer in ours.values():
+        layer.restart()
+    return steps, ours
+
+
+def release(model) -> bool:
+    """Drop the pages and decode graphs ``model``'s last ``generate`` left for the next one
+    (:func:`generate_cache_for`); their memory goes back to torch's allocator. False: none
+    were kept."""
+    return _KEPT.pop(model, None) is not None
+
+
+def _owned_cache(layers: list, batch: int, max_tokens: int, cuda_graphs: bool = True,
+                 model=None):
     """The cache of :func:`cache` (its classes defined on first use: transformers is imported
-    only then): HF's cache ``layers`` for the model, its attention ones replaced by
-    attn_ops'."""
+    only then): HF's cache ``layers`` for the model, its attention ones replaced by attn_ops'.
+    ``model``: a cache ``generate`` makes -- it takes over what the model's last such cache
+    kept (:func:`_take_kept`) and keeps its own when it is gone."""
     base, _ = _cache_classes()
     layer_cls = _layer_class()
+    indices = [i for i, layer in enumerate(layers) if _attention_layer(layer)]
 
     class AttnOpsCache(base):
         attn_ops_owned = True
 
         def __init__(self):
-            self.steps = _Steps(batch, max_tokens, cuda_graphs)
-            super().__init__(layers=[layer_cls(self.steps, i) if _attention_layer(layer)
-                                     else layer for i, layer in enumerate(layers)])
+            kept = _take_kept(model, batch, max_tokens, cuda_graphs, indices)
+            if kept is None:
+                steps = _Steps(batch, max_tokens, cuda_graphs)
+                kept = steps, {i: layer_cls(steps, i) for i in indices}
+            self.steps, ours = kept
+            super().__init__(layers=[ours.get(i, layer) for i, layer in enumerate(layers)])
+            if model is not None:
+                weakref.finalize(self, _keep, weakref.ref(model), self.steps, ours)
 
     return AttnOpsCache()
 
@@ -462,7 +531,7 @@ def generate_cache_for(model, generation_config, model_kwargs, generation_mode,
         return None
     rows = batch_size * max(generation_config.num_beams or 1,
                             generation_config.num_return_sequences or 1)
-    return _owned_cache(layers, rows, max_cache_length, _GENERATE_CACHE["graphs"])
+    return _owned_cache(layers, rows, max_cache_length, _GENERATE_CACHE["graphs"], model)
 
 
 def _install_generate_cache() -> None:
