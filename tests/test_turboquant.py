@@ -317,6 +317,20 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("dtype,d", [(KVCacheDType.TURBOQUANT_4BIT_NC, 128),
+                                     (KVCacheDType.TURBOQUANT_3BIT_NC, 64),
+                                     (KVCacheDType.TURBOQUANT_K3V4_NC, 16)],
+                         ids=["4bit_nc-128", "3bit_nc-64", "k3v4_nc-16"])
+def test_triton_write_rotates_by_butterflies_as_by_the_product(dtype, d):
+    """The write's Hadamard rotation as a fast Walsh-Hadamard transform
+    (``triton.turboquant_write_fwht``): the torch write's bytes as the product's are, but a key
+    index at a codebook midpoint, with RoPE, over head dims 16 to 128 (four to seven stages)."""
+    slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
+    _triton_write_against_torch(dtype, d, True, slots, blocks=6, page=4, fwht=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
 def test_triton_write_clears_long_pages_across_programs(dtype):
     """As above at page 128: a prefill of 100 tokens entering a page (seven programs of 16
@@ -330,7 +344,7 @@ def test_triton_write_clears_long_pages_across_programs(dtype):
     _triton_write_against_torch(dtype, 64, False, slots, blocks=3, page=128)
 
 
-def _triton_write_against_torch(dtype, d, rope, slots, blocks, page):
+def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None):
     """The Triton write of ``len(slots)`` tokens (2 KV heads of ``d``) into a cache of 0xFF
     bytes (``blocks`` pages of ``page``) equals the torch write byte for byte, but a key index
     at a codebook midpoint."""
@@ -356,7 +370,7 @@ def _triton_write_against_torch(dtype, d, rope, slots, blocks, page):
     want = cache.cpu().clone()  # (a copy: on the CPU .cpu() is the cache itself)
     turboquant_cache_update(key.cpu(), value.cpu(), want, slots.cpu(), dtype.value,
                             cos_sin.cpu() if rope else None)  # (the torch body)
-    cache_write_triton(key, value, cache, slots, preset, cos_sin)
+    cache_write_triton(key, value, cache, slots, preset, cos_sin, fwht=fwht)
     got = cache.cpu()
     if preset.fp8_keys and dev == "cpu":
         got, want = got[..., d:], want[..., d:]

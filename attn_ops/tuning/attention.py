@@ -111,6 +111,12 @@ class TritonTuning:
     # its slots in tiles, which was most of that write's time; not re-timed since.
     turboquant_write_tokens: int = 16
     turboquant_write_warps: int = 8
+    # The write rotates 3- and 4-bit keys by a fast Walsh-Hadamard transform in fp32 (seven
+    # butterfly stages at head dim 128) instead of the product with the +-1 matrix on the
+    # tensor cores (the matrix made in registers, three fp16 parts of each key). sm_90, head
+    # dim 128, 16 tokens on 8 warps: 1672 SASS instructions a thread against 2552, 63
+    # registers against 80. Not timed yet.
+    turboquant_write_fwht: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("turboquant_write_tokens", 16), ("turboquant_write_warps", 1)):

@@ -68,6 +68,20 @@ def _rotate(x, offs_d, D: tl.constexpr):
 
 
 @triton.jit
+def _fwht(x, BLOCK_T: tl.constexpr, D_P: tl.constexpr):
+    """``x [BLOCK_T, D_P] @ H`` (Sylvester's signs, +-1) as a fast Walsh-Hadamard transform in
+    fp32: log2(D_P) butterfly stages of one geometry (Pease's), each pairing neighbouring
+    coordinates (2i, 2i + 1) and putting their sum at i and their difference at i + D_P / 2 --
+    D_P log2(D_P) additions a row, no matrix. Its sums round in another order than the
+    product's, as any two fp32 orders do (a code at a midpoint may differ)."""
+    for s in tl.static_range(16):
+        if (1 << s) < D_P:
+            a, b = tl.split(tl.reshape(x, [BLOCK_T, D_P // 2, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BLOCK_T, D_P])
+    return x
+
+
+@triton.jit
 def _store_fp16(ptr, x, ok):
     lo, hi = _fp16_bytes(x)
     tl.store(ptr, lo, mask=ok)
@@ -81,7 +95,8 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
                        D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
                        SLOT: tl.constexpr, SLOT_P: tl.constexpr, KEY_BITS: tl.constexpr,
                        VALUE_BITS: tl.constexpr, PAD: tl.constexpr, ROPE: tl.constexpr,
-                       BLOCK_T: tl.constexpr, CHECK: tl.constexpr, CLEAR: tl.constexpr):
+                       BLOCK_T: tl.constexpr, CHECK: tl.constexpr, CLEAR: tl.constexpr,
+                       FWHT: tl.constexpr = False):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D_P)
@@ -114,7 +129,10 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
         # code at a rounding boundary would differ from the torch write's)
         norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
         x = tl.div_rn(k, (norm + 1e-8)[:, None])
-        y = _rotate(x, offs_d, D) * inv_sqrt_d
+        if FWHT:
+            y = _fwht(x, BLOCK_T, D_P) * inv_sqrt_d
+        else:
+            y = _rotate(x, offs_d, D) * inv_sqrt_d
         idx = tl.zeros([BLOCK_T, D_P], tl.int32)
         for m in tl.static_range(2 ** KEY_BITS - 1):
             idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
@@ -178,10 +196,12 @@ def _written(slot_ptr, rows, slot, j, want, num_tokens):
 
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, preset, cos_sin: torch.Tensor | None = None,
-                       block_t: int | None = None, num_warps: int | None = None) -> None:
+                       block_t: int | None = None, num_warps: int | None = None,
+                       fwht: bool | None = None) -> None:
     """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
     first with ``cos_sin`` (inputs already checked); ``block_t`` tokens on ``num_warps``
-    warps a program (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` of the
+    warps a program, the Hadamard rotation as a butterfly transform (``fwht``) or a product
+    (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` / ``_fwht`` of the
     machine's tuning)."""
     from attn_ops.backends.turboquant.format import codebook
     from attn_ops.tuning import default_tuning
@@ -189,6 +209,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     tuning = default_tuning().triton
     block_t = block_t or tuning.turboquant_write_tokens
     num_warps = num_warps or tuning.turboquant_write_warps
+    fwht = tuning.turboquant_write_fwht if fwht is None else fwht
 
     t, hk, d = key.shape
     if t == 0:
@@ -209,7 +230,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         SLOT=slot, SLOT_P=pow2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
-        BLOCK_T=block_t, **clear_tiles(page, slot), num_warps=num_warps)
+        BLOCK_T=block_t, **clear_tiles(page, slot), FWHT=fwht, num_warps=num_warps)
 
 
 def clear_tiles(page: int, slot: int) -> dict:
