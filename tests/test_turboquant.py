@@ -344,6 +344,30 @@ def test_triton_write_clears_long_pages_across_programs(dtype):
     _triton_write_against_torch(dtype, 64, False, slots, blocks=3, page=128)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("dtype", [KVCacheDType.TURBOQUANT_4BIT_NC,
+                                   KVCacheDType.TURBOQUANT_3BIT_NC], ids=lambda d: d.value)
+def test_triton_write_finds_codes_by_search_as_by_count(dtype):
+    """Key codes by a binary search over the midpoints (``triton.turboquant_write_search``):
+    the very bytes the count of midpoints gives, every key index included."""
+    from attn_ops.backends.turboquant.write_kernels import cache_write_triton
+
+    preset, dev = tq.PRESETS[dtype], "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    key, value = (torch.randn(40, 2, 32, generator=g).to(torch.float16).to(dev)
+                  for _ in range(2))
+    key[:, :, 3] *= 8  # (an outlier channel: codes at both ends of the codebook)
+    slots = torch.randperm(48, generator=g)[:40].to(dev)
+    caches = []
+    for search in (False, True):
+        cache = torch.full((12, 2, 4, preset.slot_bytes(32)), 0xFF, dtype=torch.uint8,
+                           device=dev)
+        cache_write_triton(key, value, cache, slots, preset, search=search)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+
+
 def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None):
     """The Triton write of ``len(slots)`` tokens (2 KV heads of ``d``) into a cache of 0xFF
     bytes (``blocks`` pages of ``page``) equals the torch write byte for byte, but a key index

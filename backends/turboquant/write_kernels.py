@@ -96,7 +96,7 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
                        SLOT: tl.constexpr, SLOT_P: tl.constexpr, KEY_BITS: tl.constexpr,
                        VALUE_BITS: tl.constexpr, PAD: tl.constexpr, ROPE: tl.constexpr,
                        BLOCK_T: tl.constexpr, CHECK: tl.constexpr, CLEAR: tl.constexpr,
-                       FWHT: tl.constexpr = False):
+                       FWHT: tl.constexpr = False, SEARCH: tl.constexpr = False):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D_P)
@@ -134,8 +134,14 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
         else:
             y = _rotate(x, offs_d, D) * inv_sqrt_d
         idx = tl.zeros([BLOCK_T, D_P], tl.int32)
-        for m in tl.static_range(2 ** KEY_BITS - 1):
-            idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
+        if SEARCH:  # (a binary search: KEY_BITS compares a coordinate, each against the
+            # midpoint its last step leaves -- the same predicates, so the same index)
+            for b in tl.static_range(KEY_BITS):
+                idx += tl.where(y >= tl.load(mid_ptr + idx + ((1 << (KEY_BITS - 1 - b)) - 1)),
+                                1 << (KEY_BITS - 1 - b), 0)
+        else:
+            for m in tl.static_range(2 ** KEY_BITS - 1):
+                idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
         _store_packed(idx, base, ok, D, D_P, KEY_BITS, BLOCK_T)
         _store_fp16(base + D * KEY_BITS // 8, norm, ok)
         vbase = base + D * KEY_BITS // 8 + 2
@@ -197,12 +203,13 @@ def _written(slot_ptr, rows, slot, j, want, num_tokens):
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, preset, cos_sin: torch.Tensor | None = None,
                        block_t: int | None = None, num_warps: int | None = None,
-                       fwht: bool | None = None) -> None:
+                       fwht: bool | None = None, search: bool | None = None) -> None:
     """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
     first with ``cos_sin`` (inputs already checked); ``block_t`` tokens on ``num_warps``
-    warps a program, the Hadamard rotation as a butterfly transform (``fwht``) or a product
-    (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` / ``_fwht`` of the
-    machine's tuning)."""
+    warps a program, the Hadamard rotation as a butterfly transform (``fwht``) or a product,
+    the key codes by a binary search over the midpoints (``search``) or a count of them
+    (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` / ``_fwht`` / ``_search`` of
+    the machine's tuning)."""
     from attn_ops.backends.turboquant.format import codebook
     from attn_ops.tuning import default_tuning
 
@@ -210,6 +217,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     block_t = block_t or tuning.turboquant_write_tokens
     num_warps = num_warps or tuning.turboquant_write_warps
     fwht = tuning.turboquant_write_fwht if fwht is None else fwht
+    search = tuning.turboquant_write_search if search is None else search
 
     t, hk, d = key.shape
     if t == 0:
@@ -230,7 +238,8 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
         SLOT=slot, SLOT_P=pow2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
-        BLOCK_T=block_t, **clear_tiles(page, slot), FWHT=fwht, num_warps=num_warps)
+        BLOCK_T=block_t, **clear_tiles(page, slot), FWHT=fwht, SEARCH=search,
+        num_warps=num_warps)
 
 
 def clear_tiles(page: int, slot: int) -> dict:
