@@ -113,15 +113,15 @@ class TritonTuning:
     turboquant_write_warps: int = 8
     # The write rotates 3- and 4-bit keys by a fast Walsh-Hadamard transform in fp32 (seven
     # butterfly stages at head dim 128) instead of the product with the +-1 matrix on the
-    # tensor cores (the matrix made in registers, three fp16 parts of each key). sm_90, head
-    # dim 128, 16 tokens on 8 warps: 1672 SASS instructions a thread against 2552, 63
-    # registers against 80. Not timed yet.
+    # tensor cores (the matrix made in registers, three fp16 parts of each key). sm_90, bf16,
+    # head dim 128, 16 tokens on 8 warps, 4 bits: 1704 SASS instructions a thread against
+    # 2520, 75 registers against 102 (no spill against 8 B). Not timed yet.
     turboquant_write_fwht: bool = False
     # The write finds a 3- or 4-bit key's code by a binary search over the codebook's
     # midpoints (KEY_BITS compares, each midpoint gathered from the table) instead of counting
     # the midpoints at or below it (2^KEY_BITS - 1 compares): the same predicates, the same
-    # bytes. sm_90, head dim 128, with the butterflies: 4 bits 1504 instructions a thread
-    # against 1672, 3 bits 1568 against 1536. Not timed yet.
+    # bytes. sm_90, bf16, head dim 128, with the butterflies: 4 bits 1488 instructions a
+    # thread against 1704 (64 registers), 3 bits 1472 against 1512. Not timed yet.
     turboquant_write_search: bool = False
 
     def __post_init__(self) -> None:

@@ -96,7 +96,7 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
                        SLOT: tl.constexpr, SLOT_P: tl.constexpr, KEY_BITS: tl.constexpr,
                        VALUE_BITS: tl.constexpr, PAD: tl.constexpr, ROPE: tl.constexpr,
                        BLOCK_T: tl.constexpr, CHECK: tl.constexpr, CLEAR: tl.constexpr,
-                       FWHT: tl.constexpr = False, SEARCH: tl.constexpr = False):
+                       FWHT: tl.constexpr, SEARCH: tl.constexpr):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D_P)
