@@ -496,8 +496,9 @@ def _owned_cache(layers: list, batch: int, max_tokens: int, cuda_graphs: bool = 
                 kept = steps, {i: layer_cls(steps, i) for i in indices}
             self.steps, ours = kept
             super().__init__(layers=[ours.get(i, layer) for i, layer in enumerate(layers)])
-            if model is not None:
-                weakref.finalize(self, _keep, weakref.ref(model), self.steps, ours)
+            if model is not None:  # (not at the interpreter's exit: nothing to keep for)
+                weakref.finalize(self, _keep, weakref.ref(model), self.steps,
+                                 ours).atexit = False
 
     return AttnOpsCache()
 
