@@ -321,12 +321,13 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
                                      (KVCacheDType.TURBOQUANT_3BIT_NC, 64),
                                      (KVCacheDType.TURBOQUANT_K3V4_NC, 16)],
                          ids=["4bit_nc-128", "3bit_nc-64", "k3v4_nc-16"])
-def test_triton_write_rotates_by_butterflies_as_by_the_product(dtype, d):
-    """The write's Hadamard rotation as a fast Walsh-Hadamard transform
-    (``triton.turboquant_write_fwht``): the torch write's bytes as the product's are, but a key
-    index at a codebook midpoint, with RoPE, over head dims 16 to 128 (four to seven stages)."""
+def test_triton_write_rotates_by_the_product_as_by_butterflies(dtype, d):
+    """The write's Hadamard rotation as the +-1 product on the tensor cores
+    (``triton.turboquant_write_fwht=false``; the butterflies are the default the tests above
+    run): the torch write's bytes, but a key index at a codebook midpoint, with RoPE, over head
+    dims 16 to 128."""
     slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
-    _triton_write_against_torch(dtype, d, True, slots, blocks=6, page=4, fwht=True)
+    _triton_write_against_torch(dtype, d, True, slots, blocks=6, page=4, fwht=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(

@@ -115,14 +115,15 @@ class TritonTuning:
     # butterfly stages at head dim 128) instead of the product with the +-1 matrix on the
     # tensor cores (the matrix made in registers, three fp16 parts of each key). sm_90, bf16,
     # head dim 128, 16 tokens on 8 warps, 4 bits: 1704 SASS instructions a thread against
-    # 2520, 75 registers against 102 (no spill against 8 B). Not timed yet.
-    turboquant_write_fwht: bool = False
-    # The write finds a 3- or 4-bit key's code by a binary search over the codebook's
-    # midpoints (KEY_BITS compares, each midpoint gathered from the table) instead of counting
-    # the midpoints at or below it (2^KEY_BITS - 1 compares): the same predicates, the same
-    # bytes. sm_90, bf16, head dim 128, with the butterflies: 4 bits 1488 instructions a
-    # thread against 1704 (64 registers), 3 bits 1472 against 1512. Not timed yet.
-    turboquant_write_search: bool = False
+    # 2520, 75 registers against 102. H100, 8192 tokens (graph replays): 4bit_nc 166.8 ->
+    # 88.7 us, k3v4_nc 156.0 -> 84.5, 3bit_nc 153.7 -> 91.4.
+    turboquant_write_fwht: bool = True
+    # The write finds a 4-bit key's code by a binary search over the codebook's midpoints
+    # (four compares, each midpoint gathered from the table) instead of counting the
+    # midpoints at or below it (fifteen): the same predicates, the same bytes. H100, with the
+    # butterflies: 4bit_nc 88.7 -> 75.2 us; 3-bit keys (three gathers against seven
+    # compares) slower, k3v4_nc 84.5 -> 110.5, so they always count.
+    turboquant_write_search: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("turboquant_write_tokens", 16), ("turboquant_write_warps", 1)):

@@ -209,7 +209,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     warps a program, the Hadamard rotation as a butterfly transform (``fwht``) or a product,
     the key codes by a binary search over the midpoints (``search``) or a count of them
     (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` / ``_fwht`` / ``_search`` of
-    the machine's tuning)."""
+    the machine's tuning, the search for 4-bit keys only)."""
     from attn_ops.backends.turboquant.format import codebook
     from attn_ops.tuning import default_tuning
 
@@ -217,7 +217,8 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     block_t = block_t or tuning.turboquant_write_tokens
     num_warps = num_warps or tuning.turboquant_write_warps
     fwht = tuning.turboquant_write_fwht if fwht is None else fwht
-    search = tuning.turboquant_write_search if search is None else search
+    if search is None:  # (3-bit keys count: seven compares beat three gathers)
+        search = tuning.turboquant_write_search and preset.key_bits == 4
 
     t, hk, d = key.shape
     if t == 0:
