@@ -2,9 +2,10 @@
 
 :func:`cache_write_kernel` -- one program a block of ``BLOCK_T`` tokens and a KV head: keys'
 RoPE (with ``ROPE``: each coordinate with its partner in the other half), norms, the rotation
-(``[BLOCK_T, D] x [D, D]`` to fp32 accuracy, as vLLM's fp32 matmul, on the tensor cores: the
-Hadamard entries +-1 with 1 / sqrt(D) applied after, :func:`_rotate`), each coordinate's codebook
-index as a count of the midpoints at or below it, values' minimum, maximum, scale and codes, the
+(vLLM's fp32 product with the Hadamard matrix, 1 / sqrt(D) applied after: as butterflies in
+fp32, :func:`_fwht`, or as the +-1 product on the tensor cores to fp32 accuracy,
+:func:`_rotate`), each coordinate's codebook index as the count of the midpoints at or below it
+(or the same found by a binary search), values' minimum, maximum, scale and codes, the
 LSB-first packing (4 bits: two codes a byte; 3 bits: eight codes a 3-byte word), the fp16
 fields, and -- for tokens entering a page -- the page's slots no token of the call writes
 zeroed. Slots outside the cache are skipped, as ``-1`` is.
