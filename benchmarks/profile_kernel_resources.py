@@ -14,14 +14,15 @@ shapes (not a TurboQuant slot's stride), over a grid of block configurations:
         lightning_state lightning_output mamba1_unrolled mamba1_segment mamba1_segment_chain
         mamba1_recurrent lightning_recurrent gdn_recurrent
         turboquant_attention bf16_attention turboquant_write dsv4_attention index_score
-        sparse_mla_fp8 sparse_mla_bf16 cuda_decode] [--arch 90] [--stages N] [--loop]
+        sparse_mla_fp8 sparse_mla_bf16 cuda_decode cuda_write] [--arch 90] [--stages N] [--loop]
         [--layouts] [--cuda-defines MACRO ...] [--out PATH]
 
 ``--loop`` also counts the SASS instructions of each kernel's main loop (a thread's, an
 iteration); for the attention kernel over TurboQuant slots, the warp instructions a key and KV
 head they come to (the decode's instruction budget: ``docs/performance.md``).
 ``cuda_decode`` builds TurboQuant's CUDA decode (``decode_kernels.cu``) with the machine's
-nvcc instead, each instantiation a row (``--cuda-defines``: its build's macros).
+nvcc instead, each instantiation a row (``--cuda-defines``: its build's macros); ``cuda_write``
+its CUDA write (``write_kernels.cu``), with each instantiation's static instruction count.
 """
 
 from __future__ import annotations
@@ -371,6 +372,37 @@ CUDA_DECODE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "backends", "turboquant", "decode_kernels.cu")
 
 
+CUDA_WRITE = os.path.join(os.path.dirname(CUDA_DECODE), "write_kernels.cu")
+
+
+def cuda_write_rows(arch: int) -> list[dict]:
+    """TurboQuant's CUDA write (``write_kernels.cu``, its kernels alone, built with this
+    machine's nvcc for ``arch``): each instantiation's registers, spills and SASS instructions
+    a thread (static: one key and value a warp, the page clear included)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "write.cubin")
+        subprocess.run(["nvcc", f"-arch=sm_{arch}", "-O3", "-cubin", "-std=c++17",
+                        "--expt-relaxed-constexpr", "-DATTN_OPS_KERNEL_ONLY",
+                        *(f"-D__CUDA_NO_{x}__" for x in ("HALF_OPERATORS", "HALF_CONVERSIONS",
+                                                           "BFLOAT16_CONVERSIONS",
+                                                           "HALF2_OPERATORS")),
+                        "-o", cubin, CUDA_WRITE], check=True)
+        with open(cubin, "rb") as f:
+            data = f.read()
+    usage = _cuobjdump(data, "--dump-resource-usage")
+    sass = _cuobjdump(data, "-sass")
+    rows = []
+    for name, body in re.findall(r"Function (\S*tq_write_kernel\S*):\n(.*)", usage):
+        # (_ZN...tq_write_kernelILi128E13__nv_bfloat16Li4ELi4EE...: head dim, dtype, bits)
+        d, dtype, kb, vb = re.search(r"ILi(\d+)E(\w+?)Li(\d)ELi(\d)E", name).groups()
+        code = sass.split(f"Function : {name}")[1].split("Function : ")[0]
+        count = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", code))
+        rows.append({"kernel": "cuda_write", "warps": 4, "instructions": count,
+                     "config": f"D{d} {dtype.lstrip('0123456789_')} k{kb}v{vb}",
+                     **_usage(body)})
+    return rows
+
+
 def cuda_decode_rows(arch: int, defines: list[str], loop: bool) -> list[dict]:
     """TurboQuant's CUDA decode (``decode_kernels.cu``, its kernels alone, built with this
     machine's nvcc for ``arch`` under ``-D`` ``defines``, e.g. ATTN_OPS_TQ_NORM_MMA): each
@@ -446,6 +478,13 @@ def main() -> None:
     table = configs()
     rows = []
     for name in args.kernels:
+        if name == "cuda_write":  # (CUDA C++, built with nvcc, not Triton)
+            for row in cuda_write_rows(args.arch):
+                rows.append(row)
+                print(f"{name:20s} {row['config']:24s} 4 warps: {row['registers']:3d} "
+                      f"registers, {row['spilled_bytes']:5d} B spilled, "
+                      f"{row['instructions']} instructions a thread", flush=True)
+            continue
         if name == "cuda_decode":  # (CUDA C++, built with nvcc, not Triton)
             for row in cuda_decode_rows(args.arch, args.cuda_defines, args.loop):
                 rows.append(row)

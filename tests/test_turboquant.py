@@ -369,10 +369,36 @@ def test_triton_write_finds_codes_by_search_as_by_count(dtype):
     assert torch.equal(caches[0], caches[1])
 
 
-def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None):
-    """The Triton write of ``len(slots)`` tokens (2 KV heads of ``d``) into a cache of 0xFF
-    bytes (``blocks`` pages of ``page``) equals the torch write byte for byte, but a key index
-    at a codebook midpoint."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA write needs a GPU")
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
+    """The CUDA write (``triton.turboquant_cuda_write``) against the torch write, byte for
+    byte but a key index at a codebook midpoint: every preset, head dims 64 / 128 / 256, with
+    and without RoPE, on a step of requests entering pages of 4 (tails cleared), padding and a
+    slot outside the cache; then a prefill entering a page of 128 and a decode entering one."""
+    from attn_ops.backends.turboquant.cuda_write import (cuda_write_built, cuda_write_serves,
+                                                         turboquant_cuda_write)
+
+    assert cuda_write_built()
+
+    def write(key, value, cache, slots, preset, cos_sin):
+        assert cuda_write_serves(key, value, cache, slots, preset, cos_sin)
+        turboquant_cuda_write(key, value, cache, slots, preset, cos_sin)
+
+    slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
+    _triton_write_against_torch(dtype, d, rope, slots, blocks=6, page=4, writer=write)
+    run = [128 + i for i in range(100)]
+    run[80] = -1
+    _triton_write_against_torch(dtype, d, rope, [*run, 256, 70, 71, 999], blocks=3, page=128,
+                                writer=write)
+
+
+def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None, writer=None):
+    """The Triton write (``writer``: another with its arguments) of ``len(slots)`` tokens (2
+    KV heads of ``d``) into a cache of 0xFF bytes (``blocks`` pages of ``page``) equals the
+    torch write byte for byte, but a key index at a codebook midpoint."""
     from attn_ops.backends.turboquant.write_kernels import cache_write_triton
     from attn_ops.glue import _rope_impl
 
@@ -395,7 +421,10 @@ def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None):
     want = cache.cpu().clone()  # (a copy: on the CPU .cpu() is the cache itself)
     turboquant_cache_update(key.cpu(), value.cpu(), want, slots.cpu(), dtype.value,
                             cos_sin.cpu() if rope else None)  # (the torch body)
-    cache_write_triton(key, value, cache, slots, preset, cos_sin, fwht=fwht)
+    if writer is None:
+        cache_write_triton(key, value, cache, slots, preset, cos_sin, fwht=fwht)
+    else:
+        writer(key, value, cache, slots, preset, cos_sin)
     got = cache.cpu()
     if preset.fp8_keys and dev == "cpu":
         got, want = got[..., d:], want[..., d:]

@@ -124,6 +124,12 @@ class TritonTuning:
     # butterflies: 4bit_nc 88.7 -> 75.2 us; 3-bit keys (three gathers against seven
     # compares) slower, k3v4_nc 84.5 -> 110.5, so they always count.
     turboquant_write_search: bool = True
+    # The write on a CUDA kernel of its own (backends/turboquant/write_kernels.cu, built with
+    # nvcc on first use): a warp a (token, KV head), its coordinates in registers, the
+    # rotation a butterfly transform over the lanes by shuffles. sm_90, head dim 128, bf16,
+    # 4 bits: 40 registers, 1120 SASS instructions a thread (static) for one key and value
+    # (the Triton write's 1488 serve 16 tokens on 8 warps). Not yet run on a GPU, so off.
+    turboquant_cuda_write: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("turboquant_write_tokens", 16), ("turboquant_write_warps", 1)):

@@ -95,7 +95,18 @@ def _update_impl(key, value, kv_cache, slot_mapping, kv_cache_dtype, cos_sin=Non
             raise ValueError(f"turboquant_cache_update: slot_mapping holds slot "
                              f"{int(slots[bad][0])} but the cache has slots 0..{capacity - 1} "
                              "and -1 marks padding")
-    if key.is_cuda:  # one Triton launch, entered pages' tails cleared in it
+    if key.is_cuda:  # one launch, entered pages' tails cleared in it
+        from attn_ops.tuning import default_tuning
+
+        if default_tuning().triton.turboquant_cuda_write:
+            from attn_ops.backends.turboquant.cuda_write import (cuda_write_built,
+                                                                cuda_write_serves,
+                                                                turboquant_cuda_write)
+
+            if cuda_write_serves(key, value, kv_cache, slot_mapping, preset, cos_sin) \
+                    and cuda_write_built():
+                return turboquant_cuda_write(key, value, kv_cache, slot_mapping, preset,
+                                             cos_sin)
         from attn_ops.backends.turboquant.write_kernels import cache_write_triton
 
         return cache_write_triton(key, value, kv_cache, slot_mapping, preset, cos_sin)
