@@ -375,20 +375,28 @@ CUDA_DECODE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 CUDA_WRITE = os.path.join(os.path.dirname(CUDA_DECODE), "write_kernels.cu")
 
 
+def _kernels_cubin(source: str, arch: int, defines: list[str]) -> bytes:
+    """A CUDA source's kernels alone (``ATTN_OPS_KERNEL_ONLY``: no torch host code) built by
+    this machine's nvcc for ``arch`` under ``-D`` ``defines``, with torch's extension flags:
+    the cubin's bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernels.cubin")
+        subprocess.run(["nvcc", f"-arch=sm_{arch}", "-O3", "-cubin", "-std=c++17",
+                        "--expt-relaxed-constexpr", "-DATTN_OPS_KERNEL_ONLY",
+                        *(f"-D{d}" for d in defines),
+                        *(f"-D__CUDA_NO_{x}__" for x in ("HALF_OPERATORS", "HALF_CONVERSIONS",
+                                                           "BFLOAT16_CONVERSIONS",
+                                                           "HALF2_OPERATORS")),
+                        "-o", cubin, source], check=True)
+        with open(cubin, "rb") as f:
+            return f.read()
+
+
 def cuda_write_rows(arch: int) -> list[dict]:
     """TurboQuant's CUDA write (``write_kernels.cu``, its kernels alone, built with this
     machine's nvcc for ``arch``): each instantiation's registers, spills and SASS instructions
     a thread (static: one key and value a warp, the page clear included)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "write.cubin")
-        subprocess.run(["nvcc", f"-arch=sm_{arch}", "-O3", "-cubin", "-std=c++17",
-                        "--expt-relaxed-constexpr", "-DATTN_OPS_KERNEL_ONLY",
-                        *(f"-D__CUDA_NO_{x}__" for x in ("HALF_OPERATORS", "HALF_CONVERSIONS",
-                                                           "BFLOAT16_CONVERSIONS",
-                                                           "HALF2_OPERATORS")),
-                        "-o", cubin, CUDA_WRITE], check=True)
-        with open(cubin, "rb") as f:
-            data = f.read()
+    data = _kernels_cubin(CUDA_WRITE, arch, [])
     usage = _cuobjdump(data, "--dump-resource-usage")
     sass = _cuobjdump(data, "-sass")
     rows = []
@@ -408,17 +416,7 @@ def cuda_decode_rows(arch: int, defines: list[str], loop: bool) -> list[dict]:
     machine's nvcc for ``arch`` under ``-D`` ``defines``, e.g. ATTN_OPS_TQ_NORM_MMA): each
     instantiation's registers and spills and, with ``loop``, its step loop (a warp's 16 keys;
     ``loop_instructions_common`` leaves out the output's rescale)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "decode.cubin")
-        subprocess.run(["nvcc", f"-arch=sm_{arch}", "-O3", "-cubin", "-std=c++17",
-                        "--expt-relaxed-constexpr", "-DATTN_OPS_KERNEL_ONLY",
-                        *(f"-D{d}" for d in defines),
-                        *(f"-D__CUDA_NO_{x}__" for x in ("HALF_OPERATORS", "HALF_CONVERSIONS",
-                                                           "BFLOAT16_CONVERSIONS",
-                                                           "HALF2_OPERATORS")),
-                        "-o", cubin, CUDA_DECODE], check=True)
-        with open(cubin, "rb") as f:
-            data = f.read()
+    data = _kernels_cubin(CUDA_DECODE, arch, defines)
     usage = _cuobjdump(data, "--dump-resource-usage")
     rows = []
     for name, body in re.findall(r"Function (\S*tq_decode_kernel\S*):\n(.*)", usage):
