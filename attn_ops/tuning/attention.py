@@ -127,7 +127,7 @@ class TritonTuning:
     # The write on a CUDA kernel of its own (backends/turboquant/write_kernels.cu, built with
     # nvcc on first use): a warp a (token, KV head), its coordinates in registers, the
     # rotation a butterfly transform over the lanes by shuffles. sm_90, head dim 128, bf16,
-    # 4 bits: 40 registers, 1120 SASS instructions a thread (static) for one key and value
+    # 4 bits: 32 registers, 992 SASS instructions a thread (static) for one key and value
     # (the Triton write's 1488 serve 16 tokens on 8 warps). Not yet run on a GPU, so off.
     turboquant_cuda_write: bool = False
 

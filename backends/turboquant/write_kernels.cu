@@ -8,7 +8,8 @@
 //   - the norm, and the values' minimum and maximum: warp reductions;
 //   - the Hadamard rotation: a fast Walsh-Hadamard transform, its log2 C low stages within a
 //     lane, its five high ones across lanes (shfl_xor 1 ... 16);
-//   - the codes: each coordinate's count of codebook midpoints at or below it;
+//   - the codes: each coordinate's count of codebook midpoints at or below it, by a binary
+//     search over the midpoints held one a lane (lookups by shuffle);
 //   - the packing: a lane's codes at their bit offsets of the LSB-first stream; 3-bit codes
 //     come in 3-byte groups of eight, OR-ed together over the lanes a group spans, then stored
 //     by the group's first lane.
@@ -187,17 +188,19 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
         y[c] = upper ? other - y[c] : y[c] + other;
       }
     }
+    // a coordinate's code: how many midpoints are at or below it, by a binary search whose
+    // midpoint lookups are shuffles (lane m holds midpoint m) -- the same predicates as the
+    // count, so the same code
     constexpr int kMids = (1 << KBITS) - 1;
-    float mid[kMids];
-#pragma unroll
-    for (int m = 0; m < kMids; ++m) mid[m] = __ldg(p.mid + m);
+    const float my_mid = __ldg(p.mid + (lane < kMids ? lane : 0));
     int code[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const float r = y[c] * p.inv_sqrt_d;
       int n = 0;
 #pragma unroll
-      for (int m = 0; m < kMids; ++m) n += r >= mid[m];
+      for (int step = 1 << (KBITS - 1); step > 0; step >>= 1)
+        n += r >= __shfl_sync(kFull, my_mid, n + step - 1) ? step : 0;
       code[c] = n;
     }
     store_codes<C, KBITS>(base, code, lane);
