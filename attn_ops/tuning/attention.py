@@ -107,7 +107,7 @@ class TritonTuning:
     # and warps a program. The write op reads the machine's tuning (default_tuning: its
     # measured entry and ATTN_OPS_TUNING), not a layer's AttentionConfig: the op takes no
     # plan. The sm_90 builds at head dim 128 take 44-102 registers at 16 tokens on 8 warps,
-    # 58-128 at 32 (the product rotation; 44-75 with the butterflies). 16 tokens on 4 warps
+    # 58-128 at 32 (the product rotation; 44-64 with the butterflies). 16 tokens on 4 warps
     # against 8 (H100, the butterflies and the search, 8192 tokens): k8v4 57.4 / 68.2 us,
     # 4bit_nc 71.5 / 75.2, k3v4_nc 114.3 / 110.5 -- no tiling wins throughout (docs/tuning.md).
     turboquant_write_tokens: int = 16
