@@ -74,8 +74,8 @@
 #            each under the stage's limit; JSON bench_prefix_cache_KIND.json
 #   tq       TurboQuant: tests/test_turboquant.py, the matrix, device-index, opcheck and CUDA-graph
 #            cases of TURBOQUANT (its Triton write and TRITON_ATTN's read compiled; real sizes)
-#   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases, Triton and CUDA decode
-#            tests (TQCHECK_K: another pytest -k)
+#   tqcheck  compute-sanitizer memcheck over TURBOQUANT's matrix cases, Triton, CUDA decode
+#            and CUDA write tests (TQCHECK_K: another pytest -k)
 #   tqsweep  for each of TQ_SWEEP's ATTN_OPS_TUNING strings ("defaults": the CUDA decode; its
 #            norm correction on the tensor cores; the query rotated before it; its splits
 #            longer; the Triton read; space-separated): the CUDA decode's tests (pytest -k
@@ -270,7 +270,7 @@ for spec in "$@"; do
         tests/test_ops.py tests/test_cudagraph.py -k "turbo or TURBO" ;;
     tqcheck) stage tqcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_turboquant.py \
-        tests/test_backends_matrix.py -k "${TQCHECK_K:-TURBOQUANT and (mixed or long_context) or triton or cuda_decode}" ;;
+        tests/test_backends_matrix.py -k "${TQCHECK_K:-TURBOQUANT and (mixed or long_context) or triton or cuda_decode or cuda_write}" ;;
     tqsweep) sweep=${TQ_SWEEP:-defaults triton.turboquant_cuda_norm_mma=true triton.turboquant_cuda_fused_rotation=false triton.turboquant_cuda_split_keys=512 triton.turboquant_cuda_decode=false}
       for cfg in $sweep; do
         [ "$cfg" = defaults ] && cfg=""
