@@ -393,7 +393,8 @@ def test_generate_takes_over_the_pages_its_last_cache_left(name):
     GPU their decode graphs) to the model's next ``generate`` of as many rows and no more
     tokens: the same tensors, every leftover in them NaN and never read -- HF's tokens and
     logits again, a hybrid's recurrent layers in fresh HF cache layers. While a returned
-    cache is alive, or for more rows, a generate makes its own; ``release`` drops them."""
+    cache is alive, or for more rows, a generate makes its own; ``release`` drops them, and
+    kept pages never keep their model alive."""
     import gc
 
     from attn_ops import hf
@@ -428,6 +429,15 @@ def test_generate_takes_over_the_pages_its_last_cache_left(name):
     assert _returned_cache(more).steps is not steps
     del more
     assert hf.release(ours) and not hf.release(ours)
+    with torch.no_grad():  # (pages kept again: they do not keep the model alive)
+        ours.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                      pad_token_id=0)
+    import weakref
+
+    model = weakref.ref(ours)
+    del ours, steps, held
+    gc.collect()
+    assert model() is None
 
 
 def test_attn_ops_cache_refuses_a_model_that_changes_the_keys_it_returned():
