@@ -14,10 +14,11 @@ graph."""
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 import torch
+
+from attn_ops.backends.turboquant.cuda_build import build_or_report, load_extension
 
 __all__ = ["build_of", "cuda_decode_built", "cuda_decode_serves", "turboquant_cuda_decode"]
 
@@ -52,41 +53,23 @@ def _module(min_blocks: int = 0, norm_mma: bool = False):
     """The extension, built for ``min_blocks`` CTAs an SM (0: the compiler's choice;
     ``Tuning.triton.turboquant_cuda_min_blocks``) and with the norm correction on the tensor
     cores where ``norm_mma`` (``Tuning.triton.turboquant_cuda_norm_mma``), each a build of its
-    own. The build's name carries a hash of the source and the flags: torch's extension cache
-    (``TORCH_EXTENSIONS_DIR``) keeps builds by name, so one copied from another machine or
-    left by an older checkout is reused only for the same source."""
-    from torch.utils.cpp_extension import load
-
+    own (:func:`~attn_ops.backends.turboquant.cuda_build.load_extension`)."""
     flags = ["-O3", "-std=c++17"]
     if min_blocks:
         flags.append(f"-DATTN_OPS_TQ_MIN_BLOCKS={min_blocks}")
     if norm_mma:
         flags.append("-DATTN_OPS_TQ_NORM_MMA")
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    return load(name=f"attn_ops_turboquant_decode_{digest}", sources=[str(_SOURCE)],
-                extra_cuda_cflags=flags, verbose=False)
+    return load_extension(_SOURCE, "attn_ops_turboquant_decode", flags)
 
 
 @functools.cache
 def cuda_decode_built(min_blocks: int = 0, norm_mma: bool = False) -> bool:
     """Whether the kernels build for ``min_blocks`` and ``norm_mma`` (:func:`_module`,
-    :func:`build_of`; nvcc and ninja on the machine; once a process, about a minute the first
-    time, cached by torch after). A failed build is logged once with its reason, and the
+    :func:`build_of`; once a process). A failed build is logged once with its reason, and the
     decode steps stay on TRITON_ATTN's kernels."""
-    import logging
-
-    log = logging.getLogger("attn_ops")
-    log.info("TurboQuant's CUDA decode: loading its extension (built with nvcc on a machine's "
-             "first use, about a minute; torch caches it)")
-    try:
-        _module(min_blocks, norm_mma)
-        return True
-    except Exception as e:  # noqa: BLE001 -- any build failure: the Triton read serves
-        log.warning(
-            "TurboQuant's CUDA decode did not build (%s: %s); its uniform decode steps run on "
-            "TRITON_ATTN's kernels. Set tuning triton.turboquant_cuda_decode=false to skip the "
-            "build.", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-        return False
+    return build_or_report(lambda: _module(min_blocks, norm_mma), "TurboQuant's CUDA decode",
+                           "its uniform decode steps run on TRITON_ATTN's kernels",
+                           "triton.turboquant_cuda_decode")
 
 
 _SPLIT_COST = 4  # (a CTA's own work -- key table, query, partials -- in a warp's 16-key steps)

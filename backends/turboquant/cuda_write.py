@@ -7,10 +7,11 @@ fp32, the keys' RoPE and the entered pages' tails in the same launch. Chosen by
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 import torch
+
+from attn_ops.backends.turboquant.cuda_build import build_or_report, load_extension
 
 __all__ = ["cuda_write_built", "cuda_write_serves", "turboquant_cuda_write"]
 
@@ -33,32 +34,16 @@ def cuda_write_serves(key, value, kv_cache, slot_mapping, preset, cos_sin=None) 
 
 @functools.cache
 def _module():
-    """The extension; its name carries a hash of the source and flags, so a build another
-    checkout or machine left in torch's extension cache is reused only for the same source."""
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-std=c++17"]
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    return load(name=f"attn_ops_turboquant_write_{digest}", sources=[str(_SOURCE)],
-                extra_cuda_cflags=flags, verbose=False)
+    """The extension (:func:`~attn_ops.backends.turboquant.cuda_build.load_extension`)."""
+    return load_extension(_SOURCE, "attn_ops_turboquant_write", ["-O3", "-std=c++17"])
 
 
 @functools.cache
 def cuda_write_built() -> bool:
-    """Whether the write builds (nvcc and ninja on the machine; once a process). A failed
-    build is logged once with its reason, and the writes stay on the Triton kernel."""
-    import logging
-
-    log = logging.getLogger("attn_ops")
-    try:
-        _module()
-        return True
-    except Exception as e:  # noqa: BLE001 -- any build failure: the Triton write serves
-        log.warning(
-            "TurboQuant's CUDA write did not build (%s: %s); writes run on the Triton kernel. "
-            "Set tuning triton.turboquant_cuda_write=false to skip the build.",
-            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-        return False
+    """Whether the write builds (once a process). A failed build is logged once with its
+    reason, and the writes stay on the Triton kernel."""
+    return build_or_report(_module, "TurboQuant's CUDA write", "writes run on the Triton kernel",
+                           "triton.turboquant_cuda_write")
 
 
 def turboquant_cuda_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
