@@ -312,7 +312,7 @@ def test_triton_write_gives_the_torch_writes_bytes(dtype, d, rope):
         pytest.skip("rotated presets: power-of-two head dims")
     # (a padding row inside a page's run: rows after it still written, the gap cleared)
     slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
-    _triton_write_against_torch(dtype, d, rope, slots, blocks=6, page=4)
+    _write_against_torch(dtype, d, rope, slots, blocks=6, page=4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
@@ -326,8 +326,14 @@ def test_triton_write_rotates_by_the_product_as_by_butterflies(dtype, d):
     (``triton.turboquant_write_fwht=false``; the butterflies are the default the tests above
     run): the torch write's bytes, but a key index at a codebook midpoint, with RoPE, over head
     dims 16 to 128."""
+    from attn_ops.backends.turboquant.write_kernels import cache_write_triton
+
     slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
-    _triton_write_against_torch(dtype, d, True, slots, blocks=6, page=4, fwht=False)
+
+    def product(key, value, cache, slots, preset, cos_sin):
+        cache_write_triton(key, value, cache, slots, preset, cos_sin, fwht=False)
+
+    _write_against_torch(dtype, d, True, slots, blocks=6, page=4, writer=product)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
@@ -342,7 +348,7 @@ def test_triton_write_clears_long_pages_across_programs(dtype):
     run = [128 + i for i in range(100)]
     run[80] = -1
     slots = [*run, 256, 70, 71, 999]
-    _triton_write_against_torch(dtype, 64, False, slots, blocks=3, page=128)
+    _write_against_torch(dtype, 64, False, slots, blocks=3, page=128)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
@@ -388,14 +394,14 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
         turboquant_cuda_write(key, value, cache, slots, preset, cos_sin)
 
     slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
-    _triton_write_against_torch(dtype, d, rope, slots, blocks=6, page=4, writer=write)
+    _write_against_torch(dtype, d, rope, slots, blocks=6, page=4, writer=write)
     run = [128 + i for i in range(100)]
     run[80] = -1
-    _triton_write_against_torch(dtype, d, rope, [*run, 256, 70, 71, 999], blocks=3, page=128,
+    _write_against_torch(dtype, d, rope, [*run, 256, 70, 71, 999], blocks=3, page=128,
                                 writer=write)
 
 
-def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None, writer=None):
+def _write_against_torch(dtype, d, rope, slots, blocks, page, writer=None):
     """The Triton write (``writer``: another with its arguments) of ``len(slots)`` tokens (2
     KV heads of ``d``) into a cache of 0xFF bytes (``blocks`` pages of ``page``) equals the
     torch write byte for byte, but a key index at a codebook midpoint."""
@@ -421,10 +427,7 @@ def _triton_write_against_torch(dtype, d, rope, slots, blocks, page, fwht=None, 
     want = cache.cpu().clone()  # (a copy: on the CPU .cpu() is the cache itself)
     turboquant_cache_update(key.cpu(), value.cpu(), want, slots.cpu(), dtype.value,
                             cos_sin.cpu() if rope else None)  # (the torch body)
-    if writer is None:
-        cache_write_triton(key, value, cache, slots, preset, cos_sin, fwht=fwht)
-    else:
-        writer(key, value, cache, slots, preset, cos_sin)
+    (writer or cache_write_triton)(key, value, cache, slots, preset, cos_sin)
     got = cache.cpu()
     if preset.fp8_keys and dev == "cpu":
         got, want = got[..., d:], want[..., d:]
