@@ -66,21 +66,24 @@ class _Steps:
         """Serve a new generation of at most ``max_tokens`` tokens a row (no more than the
         blocks kept allow): every row empty, the pages' blocks free again; the blocks' count,
         the layers' capacity, the graph buffers, memory pool and stream kept."""
-        from attn_ops.kv_cache import BlockAllocator
-
         self.max_tokens = max_tokens
         for page, state in self.by_page.items():
-            state.update(alloc=BlockAllocator(state["blocks"], page), written=[0] * self.batch,
-                         plan=None)
+            self._empty(state, page)
+
+    def _empty(self, state: dict, page: int) -> None:
+        """A page size's ``state`` with every row empty: all its blocks free, nothing written,
+        no step planned."""
+        from attn_ops.kv_cache import BlockAllocator
+
+        state.update(alloc=BlockAllocator(state["blocks"], page), written=[0] * self.batch,
+                     plan=None)
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
         state = self.by_page.get(page)
         if state is None:
-            from attn_ops.kv_cache import BlockAllocator
-
-            blocks = self.batch * -(-self.max_tokens // page)
-            state = self.by_page[page] = dict(blocks=blocks, alloc=BlockAllocator(blocks, page),
-                                              written=[0] * self.batch, plan=None, capacity=0)
+            state = self.by_page[page] = dict(blocks=self.batch * -(-self.max_tokens // page),
+                                              capacity=0)
+            self._empty(state, page)
         plan = state["plan"]
         if plan is not None and plan["step"] == step:
             return plan
