@@ -67,16 +67,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _once(fn, device):
+    """(seconds of one call, from an idle device to its end; the result)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
 def _timed(fn, device, repeats: int = 2):
     """(best seconds of ``repeats`` calls after one warm-up, the last result)."""
     out = fn()
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        seconds, out = _once(fn, device)
+        best = min(best, seconds)
     return best, out
 
 
@@ -133,14 +139,9 @@ def _decode_rates(models: dict, ids, new: int, device, rounds: int = 2) -> dict:
         for name, (full, first) in fns.items():
             if isinstance(out[name], str):
                 continue
-            for i, fn in enumerate((full, first)):
-                _sync(device)
-                t0 = time.perf_counter()
-                got = fn()
-                _sync(device)
-                best[name][i] = min(best[name][i], time.perf_counter() - t0)
-                if i == 0:
-                    out[name] = got
+            seconds, out[name] = _once(full, device)
+            best[name][0] = min(best[name][0], seconds)
+            best[name][1] = min(best[name][1], _once(first, device)[0])
     return {name: out[name] if isinstance(out[name], str) else
             (ids.shape[0] * (new - 1) / max(best[name][0] - best[name][1], 1e-9),
              best[name][0], out[name]) for name in models}
