@@ -147,6 +147,33 @@ def _bytes_at_midpoints(key: torch.Tensor, preset, d: int) -> set[int]:
     return {i * bits // 8 for i in close} | {(i * bits + bits - 1) // 8 for i in close}
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_code_lookup_counts_the_midpoints_at_or_below(d, bits):
+    """The CUDA write's one-read key codes (``format.code_lookup``): a coordinate on the grid
+    ``u = y S + A`` (fp32, as the kernel computes it) read from cell ``round(u)`` (ties to
+    even, as the add of 1.5 2^23 rounds) gives ``count + (u >= threshold)``: the count of
+    midpoints at or below it on the grid, for coordinates across [-1, 1], on every midpoint, an
+    fp32 step either side of one, and on the cells' edges; and so the torch write's
+    ``searchsorted(right=True)`` but within 1e-6 of a midpoint (where fp32 sums in another
+    order may go either way too)."""
+    cells, scale, offset = tq.code_lookup(d, bits)
+    _, mid = tq.codebook(d, bits)
+    assert math.log2(scale).is_integer() and cells.shape[0] == 2 * offset + 1
+    g = torch.Generator().manual_seed(d + bits)
+    edges = ((torch.arange(int(2 * offset) + 1) - offset + 0.5) / scale).float()
+    y = torch.cat([torch.rand(20000, generator=g) * 2 - 1, mid, mid.nextafter(mid - 1),
+                   mid.nextafter(mid + 1), edges, torch.tensor([-1.0, 1.0, 0.0])])
+    u = y * scale + offset  # (y S exact: S is a power of two; one rounding, as the FMA's)
+    cell = torch.round(u).long().clamp(0, cells.shape[0] - 1)
+    code = (cells.view(torch.int32)[:, 1][cell] + (u >= cells[:, 0][cell]).int()).long()
+    on_grid = (u[:, None] >= (mid.double() * scale + offset).float()[None, :]).sum(1)
+    torch.testing.assert_close(code, on_grid, rtol=0, atol=0)
+    far = ((y[:, None] - mid[None, :]).abs() > 1e-6).all(1) | torch.isin(y, mid)
+    torch.testing.assert_close(code[far], torch.searchsorted(mid, y, right=True)[far], rtol=0,
+                               atol=0)
+
+
 def test_round_trip_error_is_the_formats():
     """Relative MSE of keys read back from their slots, head dim 128, Gaussian keys with four
     outlier channels: ~0.0086 at 4 bits and ~0.031 at 3 bits (norm correction changes it by
@@ -383,7 +410,8 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
     """The CUDA write (``triton.turboquant_cuda_write``) against the torch write, byte for
     byte but a key index at a codebook midpoint: every preset, head dims 64 / 128 / 256, with
     and without RoPE, on a step of requests entering pages of 4 (tails cleared), padding and a
-    slot outside the cache; then a prefill entering a page of 128 and a decode entering one."""
+    slot outside the cache; then a prefill entering a page of 128 and a decode entering one;
+    then a 1024-token prefill. Keys whose rows are not 16-byte aligned pieces are refused."""
     from attn_ops.backends.turboquant.cuda_write import (cuda_write_built, cuda_write_serves,
                                                          turboquant_cuda_write)
 
@@ -399,6 +427,16 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
     run[80] = -1
     _write_against_torch(dtype, d, rope, [*run, 256, 70, 71, 999], blocks=3, page=128,
                                 writer=write)
+    # (a prefill of 1024 tokens: 2048 vectors' values divided as torch divides)
+    _write_against_torch(dtype, d, rope, list(range(1024)), blocks=64, page=16, writer=write)
+    # rows not in 16-byte pieces are not its to serve (the Triton write takes them)
+    key = torch.randn(4, 2, d + 1, device="cuda", dtype=torch.bfloat16)[..., 1:]
+    value = torch.randn(4, 2, d, device="cuda", dtype=torch.bfloat16)
+    cache = torch.zeros(1, 2, 16, tq.PRESETS[dtype].slot_bytes(d), dtype=torch.uint8,
+                        device="cuda")
+    slots = torch.arange(4, device="cuda")
+    assert not cuda_write_serves(key, value, cache, slots, tq.PRESETS[dtype])
+    assert cuda_write_serves(key.contiguous(), value, cache, slots, tq.PRESETS[dtype])
 
 
 def _write_against_torch(dtype, d, rope, slots, blocks, page, writer=None):

@@ -38,8 +38,8 @@ import torch
 
 from attn_ops.spec import KVCacheDType
 
-__all__ = ["PRESETS", "TurboQuantPreset", "dequantize_slots", "hadamard", "lloyd_max_centroids",
-           "quantize_slots", "slot_bytes"]
+__all__ = ["PRESETS", "TurboQuantPreset", "code_lookup", "dequantize_slots", "hadamard",
+           "lloyd_max_centroids", "quantize_slots", "slot_bytes"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,40 @@ def _device(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def code_lookup(head_dim: int, bits: int, device=None) -> tuple[torch.Tensor, float, float]:
+    """A key code as one table read: ``(cells fp32 [n, 2], S, A)`` for ``bits``-bit keys of
+    ``head_dim``. A rotated, normalized coordinate ``y`` (``|y| <= 1``) is put on the grid
+    ``u = y S + A`` and read from cell ``round(u)``, which holds the midpoints' count below the
+    cell and the one midpoint inside it (on the grid; +inf where none): the code -- how many
+    midpoints are ``<= y`` -- is ``count + (u >= threshold)``. Each cell is widened by 0.05 on
+    either side (a ``u`` at a cell's edge may round either way, and ``u``'s fp32 rounding moves
+    it by about 1e-5) and still holds one midpoint at most: ``S`` is the smallest power of two
+    from 16 for which this holds, ``A = S + 1`` keeps cells from 0 on for ``y >= -1``. One table
+    a device, read-only (None where no ``S`` up to 256 separates the midpoints)."""
+    return _code_lookup_on(head_dim, bits, _device(device))
+
+
+@functools.cache
+def _code_lookup_on(head_dim: int, bits: int, device: torch.device):
+    _, mid = _codebook_on(head_dim, bits, torch.device("cpu"))
+    mid = mid.double()
+    for scale in (16, 32, 64, 128, 256):
+        offset = scale + 1
+        grid = mid * scale + offset
+        edges = torch.arange(2 * offset + 1, dtype=torch.float64)
+        low, high = edges - 0.55, edges + 0.55
+        inside = (grid[None, :] > low[:, None]) & (grid[None, :] <= high[:, None])
+        if int(inside.sum(1).max()) > 1:
+            continue
+        count = (grid[None, :] <= low[:, None]).sum(1).to(torch.int32)
+        threshold = torch.full((len(edges),), math.inf, dtype=torch.float64)
+        cell, which = inside.nonzero(as_tuple=True)
+        threshold[cell] = grid[which]
+        cells = torch.stack([threshold.float().view(torch.int32), count], 1)
+        return cells.view(torch.float32).to(device), float(scale), float(offset)
+    return None
 
 
 @functools.cache
