@@ -88,7 +88,8 @@ def _turboquant_attention(presets=None, tiles=None):
 
 
 WRITE_TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64",
-               "mid_ptr": "*fp32", "cs_ptr": "*fp32", "inv_sqrt_d": "fp32"}
+               "mid_ptr": "*fp32", "cell_ptr": "*i32", "cs_ptr": "*fp32", "inv_sqrt_d": "fp32",
+               "grid_scale": "fp32", "grid_offset": "fp32"}
 
 
 # lightning attention's split prefill: its start-state buffer (bf16 for bf16 inputs) and chunk
@@ -104,19 +105,22 @@ SEGMENT_TYPES = {"hs_ptr": "*fp32", "sum_ptr": "*fp32", "coff_ptr": "*i32", "sta
 def _turboquant_write():
     """(kernel, points) of TurboQuant's cache write: head dim 128, RoPE, 4- and 3-bit presets
     (and k8v4), tokens a program x warps; the rotated presets also with the butterfly
-    rotation and the codes' binary search (``triton.turboquant_write_fwht`` / ``_search``)."""
+    rotation and the codes' binary search (``triton.turboquant_write_fwht`` / ``_search``),
+    and every preset with the codes from cells and the values by Markstein steps
+    (``triton.turboquant_write_lookup``)."""
     from attn_ops.backends.turboquant.write_kernels import cache_write_kernel, clear_tiles
 
     points = []
-    for (kb, vb, slot), (tokens, warps), fast in itertools.product(
+    for (kb, vb, slot), (tokens, warps), mode in itertools.product(
             ((4, 4, 134), (3, 3, 102), (8, 4, 196)), ((16, 8), (16, 4), (32, 8)),
-            (False, True)):
-        if fast and kb == 8:  # (fp8 keys: no rotation, no codebook)
+            ("", "fwht search", "lookup")):
+        if mode == "fwht search" and kb == 8:  # (fp8 keys: no rotation, no codebook)
             continue
         consts = dict(D=128, D_P=128, PAGE=16, SLOT=slot, SLOT_P=256, KEY_BITS=kb,
                       VALUE_BITS=vb, PAD=False, ROPE=True, BLOCK_T=tokens, **clear_tiles(16, slot),
-                      FWHT=fast, SEARCH=fast)
-        points.append((f"k{kb}v{vb} {tokens} tokens" + (" fwht search" if fast else ""), consts,
+                      FWHT=mode == "fwht search", SEARCH=mode == "fwht search",
+                      LOOKUP=mode == "lookup")
+        points.append((f"k{kb}v{vb} {tokens} tokens" + (f" {mode}" if mode else ""), consts,
                        warps))
     return cache_write_kernel, points
 

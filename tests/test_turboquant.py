@@ -366,6 +366,51 @@ def test_triton_write_rotates_by_the_product_as_by_butterflies(dtype, d):
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+@pytest.mark.parametrize("d", [16, 64])
+def test_triton_write_reads_codes_from_cells(dtype, d):
+    """The Triton write computing as the CUDA write does (``triton.turboquant_write_lookup``:
+    the raw key rotated, key codes from ``format.code_lookup``'s cells, values by a
+    reciprocal and Markstein steps): the torch write's bytes but a key index at a midpoint,
+    with RoPE, entering pages, padding and a slot outside the cache; then 256 tokens' values
+    (every value code as torch's division gives it)."""
+    from attn_ops.backends.turboquant.write_kernels import cache_write_triton
+
+    def lookup(key, value, cache, slots, preset, cos_sin):
+        cache_write_triton(key, value, cache, slots, preset, cos_sin, lookup=True)
+
+    slots = [8, -1, 10, 11, 999, 12, 13, 14, 15, 16, 17, 3, -1, -1]
+    _write_against_torch(dtype, d, True, slots, blocks=6, page=4, writer=lookup)
+    _write_against_torch(dtype, d, False, list(range(256)), blocks=16, page=16, writer=lookup)
+    _values_at_ties_as_torch(dtype, d, lookup)
+
+
+def _values_at_ties_as_torch(dtype, d, writer):
+    """``writer``'s value bytes equal the torch write's for fp32 values a few ulps from a code's
+    rounding tie (``(v - lo) / s`` near ``k + 0.5``), where a quotient off by an ulp takes the
+    other code: one in twenty of them without the division's correction steps."""
+    preset = tq.PRESETS[dtype]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(d)
+    t, top = 64, 2 ** preset.value_bits - 1
+    span = torch.rand(t, 2, 1, generator=g) * 8 + 0.5
+    step = (span / top).float()
+    code = torch.randint(0, top, (t, 2, d), generator=g)
+    value = ((code + 0.5) * step.double()).float()
+    value += torch.randint(-2, 3, value.shape, generator=g) * (value.nextafter(value + 1) - value)
+    value[..., 0], value[..., 1] = 0.0, span[..., 0]  # (each row's minimum and maximum)
+    key = torch.randn(t, 2, d, generator=g)
+    slots = torch.arange(t)
+    want = torch.zeros(t // 16, 2, 16, preset.slot_bytes(d), dtype=torch.uint8)
+    turboquant_cache_update(key, value, want, slots, dtype.value, None)  # (the torch body)
+    got = torch.zeros_like(want).to(dev)
+    writer(key.to(dev), value.to(dev), got, slots.to(dev), preset, None)
+    kb = preset.key_bytes(d)
+    assert torch.equal(got.cpu()[..., kb:], want[..., kb:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
 def test_triton_write_clears_long_pages_across_programs(dtype):
     """As above at page 128: a prefill of 100 tokens entering a page (seven programs of 16
     tokens; a padding row at row 80, its gap and the tail past row 99 seen only in the second
@@ -411,7 +456,8 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
     byte but a key index at a codebook midpoint: every preset, head dims 64 / 128 / 256, with
     and without RoPE, on a step of requests entering pages of 4 (tails cleared), padding and a
     slot outside the cache; then a prefill entering a page of 128 and a decode entering one;
-    then a 1024-token prefill. Keys whose rows are not 16-byte aligned pieces are refused."""
+    then a 1024-token prefill, and fp32 values at codes' rounding ties. Keys whose rows are not
+    16-byte aligned pieces are refused."""
     from attn_ops.backends.turboquant.cuda_write import (cuda_write_built, cuda_write_serves,
                                                          turboquant_cuda_write)
 
@@ -427,8 +473,9 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
     run[80] = -1
     _write_against_torch(dtype, d, rope, [*run, 256, 70, 71, 999], blocks=3, page=128,
                                 writer=write)
-    # (a prefill of 1024 tokens: 2048 vectors' values divided as torch divides)
+    # (a prefill of 1024 tokens; fp32 values at rounding ties, divided as torch divides)
     _write_against_torch(dtype, d, rope, list(range(1024)), blocks=64, page=16, writer=write)
+    _values_at_ties_as_torch(dtype, d, write)
     # rows not in 16-byte pieces are not its to serve (the Triton write takes them)
     key = torch.randn(4, 2, d + 1, device="cuda", dtype=torch.bfloat16)[..., 1:]
     value = torch.randn(4, 2, d, device="cuda", dtype=torch.bfloat16)

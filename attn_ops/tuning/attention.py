@@ -125,11 +125,18 @@ class TritonTuning:
     # butterflies: 4bit_nc 88.7 -> 75.2 us; 3-bit keys (three gathers against seven
     # compares) slower, k3v4_nc 84.5 -> 110.5, so they always count.
     turboquant_write_search: bool = True
+    # The Triton write as the CUDA write computes (below): the raw key rotated, its codes read
+    # from format.code_lookup's cells (one gather and one compare a coordinate), the values
+    # divided by a reciprocal and Markstein steps (the same quotients as an IEEE division).
+    # Not yet timed on a GPU, so off.
+    turboquant_write_lookup: bool = False
     # The write on a CUDA kernel of its own (backends/turboquant/write_kernels.cu, built with
-    # nvcc on first use): a warp a (token, KV head), its coordinates in registers, the
-    # rotation a butterfly transform over the lanes by shuffles. sm_90, head dim 128, bf16,
-    # 4 bits: 32 registers, 992 SASS instructions a thread (static) for one key and value
-    # (the Triton write's 1488 serve 16 tokens on 8 warps). Not yet run on a GPU, so off.
+    # nvcc on first use): 16 coordinates a lane in 16-byte loads, four of the rotation's
+    # butterfly stages in the lane and the rest by shuffles, a key code from one read of a
+    # cell table (format.code_lookup), values divided by a reciprocal and Markstein steps.
+    # sm_90, head dim 128, bf16, 4 bits: 62 registers, 1496 SASS instructions a thread
+    # (static, slow paths included) for 16 coordinates of a key and of a value -- the Triton
+    # write's 1488 serve 8 of each. Not yet run on a GPU, so off.
     turboquant_cuda_write: bool = False
 
     def __post_init__(self) -> None:

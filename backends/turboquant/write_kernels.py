@@ -90,14 +90,15 @@ def _store_fp16(ptr, x, ok):
 
 
 @triton.jit
-def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
-                       num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
-                       stride_cb, stride_ch, stride_cs, stride_cst, inv_sqrt_d,
+def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cell_ptr, cs_ptr,
+                       num_tokens, num_slots, num_cells, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_cb, stride_ch, stride_cs, stride_cst, inv_sqrt_d,
+                       grid_scale, grid_offset,
                        D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
                        SLOT: tl.constexpr, SLOT_P: tl.constexpr, KEY_BITS: tl.constexpr,
                        VALUE_BITS: tl.constexpr, PAD: tl.constexpr, ROPE: tl.constexpr,
                        BLOCK_T: tl.constexpr, CHECK: tl.constexpr, CLEAR: tl.constexpr,
-                       FWHT: tl.constexpr, SEARCH: tl.constexpr):
+                       FWHT: tl.constexpr, SEARCH: tl.constexpr, LOOKUP: tl.constexpr):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D_P)
@@ -129,20 +130,32 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
         # (IEEE sqrt and division, as torch's: the GPU's defaults are approximate, and a
         # code at a rounding boundary would differ from the torch write's)
         norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
-        x = tl.div_rn(k, (norm + 1e-8)[:, None])
-        if FWHT:
-            y = _fwht(x, BLOCK_T, D_P) * inv_sqrt_d
+        if LOOKUP:  # (the raw key rotated -- the rotation is linear -- then put on the code
+            # grid u = y S + A of format.code_lookup: cell round(u) by the add of 1.5 2^23,
+            # unsigned-clamped into the table; code = its count + (u >= its threshold))
+            to_grid = tl.div_rn(tl.full([BLOCK_T], grid_scale * inv_sqrt_d, tl.float32),
+                                norm + 1e-8)
+            u = tl.fma(_fwht(k, BLOCK_T, D_P), to_grid[:, None], grid_offset)
+            cell = (u + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            cell = tl.minimum(cell.to(tl.uint32, bitcast=True), num_cells - 1).to(tl.int32)
+            threshold = tl.load(cell_ptr + 2 * cell).to(tl.float32, bitcast=True)
+            idx = tl.load(cell_ptr + 2 * cell + 1) + (u >= threshold).to(tl.int32)
         else:
-            y = _rotate(x, offs_d, D) * inv_sqrt_d
-        idx = tl.zeros([BLOCK_T, D_P], tl.int32)
-        if SEARCH:  # (a binary search: KEY_BITS compares a coordinate, each against the
-            # midpoint its last step leaves -- the same predicates, so the same index)
-            for b in tl.static_range(KEY_BITS):
-                idx += tl.where(y >= tl.load(mid_ptr + idx + ((1 << (KEY_BITS - 1 - b)) - 1)),
-                                1 << (KEY_BITS - 1 - b), 0)
-        else:
-            for m in tl.static_range(2 ** KEY_BITS - 1):
-                idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
+            x = tl.div_rn(k, (norm + 1e-8)[:, None])
+            if FWHT:
+                y = _fwht(x, BLOCK_T, D_P) * inv_sqrt_d
+            else:
+                y = _rotate(x, offs_d, D) * inv_sqrt_d
+            idx = tl.zeros([BLOCK_T, D_P], tl.int32)
+            if SEARCH:  # (a binary search: KEY_BITS compares a coordinate, each against the
+                # midpoint its last step leaves -- the same predicates, so the same index)
+                for b in tl.static_range(KEY_BITS):
+                    idx += tl.where(
+                        y >= tl.load(mid_ptr + idx + ((1 << (KEY_BITS - 1 - b)) - 1)),
+                        1 << (KEY_BITS - 1 - b), 0)
+            else:
+                for m in tl.static_range(2 ** KEY_BITS - 1):
+                    idx += (y >= tl.load(mid_ptr + m)).to(tl.int32)
         _store_packed(idx, base, ok, D, D_P, KEY_BITS, BLOCK_T)
         _store_fp16(base + D * KEY_BITS // 8, norm, ok)
         vbase = base + D * KEY_BITS // 8 + 2
@@ -150,7 +163,17 @@ def cache_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, mid_ptr, cs_ptr,
     lo = tl.min(tl.where(d_ok[None, :], v, float("inf")), axis=1)
     hi = tl.max(tl.where(d_ok[None, :], v, float("-inf")), axis=1)
     scale = tl.maximum(tl.div_rn(hi - lo, tl.full(hi.shape, top, tl.float32)), 1e-8)
-    codes = tl.floor(tl.div_rn(v - lo[:, None], scale[:, None]) + 0.5)
+    if LOOKUP:  # ((v - lo) / scale rounded to nearest by the reciprocal's product and two
+        # Markstein steps: the residual a - s q is exact in an FMA, and q + r / s rounds to
+        # the correctly rounded quotient once q is within an ulp, which the first step gives)
+        a = v - lo[:, None]
+        inv = tl.div_rn(tl.full(hi.shape, 1.0, tl.float32), scale)[:, None]
+        q = a * inv
+        q = tl.fma(tl.fma(-q, scale[:, None], a), inv, q)
+        q = tl.fma(tl.fma(-q, scale[:, None], a), inv, q)
+        codes = tl.floor(q + 0.5)
+    else:
+        codes = tl.floor(tl.div_rn(v - lo[:, None], scale[:, None]) + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), top).to(tl.int32)
     _store_packed(codes, vbase, ok, D, D_P, VALUE_BITS, BLOCK_T)
     tail = vbase + D * VALUE_BITS // 8
@@ -204,14 +227,18 @@ def _written(slot_ptr, rows, slot, j, want, num_tokens):
 def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, preset, cos_sin: torch.Tensor | None = None,
                        block_t: int | None = None, num_warps: int | None = None,
-                       fwht: bool | None = None, search: bool | None = None) -> None:
+                       fwht: bool | None = None, search: bool | None = None,
+                       lookup: bool | None = None) -> None:
     """``torch.ops.attn.turboquant_cache_update`` in one launch, the keys rotated by RoPE
     first with ``cos_sin`` (inputs already checked); ``block_t`` tokens on ``num_warps``
     warps a program, the Hadamard rotation as a butterfly transform (``fwht``) or a product,
-    the key codes by a binary search over the midpoints (``search``) or a count of them
-    (None: ``Tuning.triton.turboquant_write_tokens`` / ``_warps`` / ``_fwht`` / ``_search`` of
-    the machine's tuning, the search for 4-bit keys only)."""
-    from attn_ops.backends.turboquant.format import codebook
+    the key codes by a binary search over the midpoints (``search``) or a count of them, or --
+    ``lookup`` -- the raw key rotated by butterflies and its codes read from
+    :func:`~attn_ops.backends.turboquant.format.code_lookup`'s cells, the values divided by a
+    reciprocal and Markstein steps (None: ``Tuning.triton.turboquant_write_tokens`` /
+    ``_warps`` / ``_fwht`` / ``_search`` / ``_lookup`` of the machine's tuning, the search for
+    4-bit keys only)."""
+    from attn_ops.backends.turboquant.format import code_lookup, codebook
     from attn_ops.tuning import default_tuning
 
     tuning = default_tuning().triton
@@ -220,6 +247,7 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     fwht = tuning.turboquant_write_fwht if fwht is None else fwht
     if search is None:  # (3-bit keys count: seven compares beat three gathers)
         search = tuning.turboquant_write_search and preset.key_bits == 4
+    lookup = tuning.turboquant_write_lookup if lookup is None else lookup
 
     t, hk, d = key.shape
     if t == 0:
@@ -227,21 +255,26 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     d_p = pow2(d)
-    mid = key.new_zeros(1, dtype=torch.float32)  # (fp8 keys: a placeholder)
+    mid = key.new_zeros(1, dtype=torch.float32)  # (fp8 keys: placeholders)
+    cells, grid = key.new_zeros(1, 2, dtype=torch.float32), (0.0, 0.0)
     if not preset.fp8_keys:  # (the rotation: +-1 in the kernel, 1 / sqrt(D) on the product)
         _, mid = codebook(d, preset.key_bits, key.device)
+        lookup = lookup and code_lookup(d, preset.key_bits, key.device) is not None
+        if lookup:
+            cells, *grid = code_lookup(d, preset.key_bits, key.device)
     nb, _, page, slot = kv_cache.shape
     cs = cos_sin if cos_sin is None or cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     cache_write_kernel[(cdiv(t, block_t), hk)](
-        key, value, kv_cache, slot_mapping, mid, cs if cs is not None else key, t,
-        nb * page, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        cs.stride(0) if cs is not None else 0, d ** -0.5, D=d, D_P=d_p, PAGE=page,
+        key, value, kv_cache, slot_mapping, mid, cells.view(torch.int32),
+        cs if cs is not None else key, t, nb * page, cells.shape[0], key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), cs.stride(0) if cs is not None else 0, d ** -0.5, *grid, D=d,
+        D_P=d_p, PAGE=page,
         SLOT=slot, SLOT_P=pow2(slot), KEY_BITS=preset.key_bits,
         VALUE_BITS=preset.value_bits,
         PAD=preset.key_bytes(d) + preset.value_bytes(d) < slot, ROPE=cs is not None,
         BLOCK_T=block_t, **clear_tiles(page, slot), FWHT=fwht, SEARCH=search,
-        num_warps=num_warps)
+        LOOKUP=bool(lookup), num_warps=num_warps)
 
 
 def clear_tiles(page: int, slot: int) -> dict:
