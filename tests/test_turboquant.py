@@ -457,7 +457,7 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
     and without RoPE, on a step of requests entering pages of 4 (tails cleared), padding and a
     slot outside the cache; then a prefill entering a page of 128 and a decode entering one;
     then a 1024-token prefill, and fp32 values at codes' rounding ties. Keys whose rows are not
-    16-byte aligned pieces are refused."""
+    16-byte aligned pieces, and a cache at an odd address, are refused."""
     from attn_ops.backends.turboquant.cuda_write import (cuda_write_built, cuda_write_serves,
                                                          turboquant_cuda_write)
 
@@ -484,6 +484,8 @@ def test_cuda_write_gives_the_torch_writes_bytes(dtype, d, rope):
     slots = torch.arange(4, device="cuda")
     assert not cuda_write_serves(key, value, cache, slots, tq.PRESETS[dtype])
     assert cuda_write_serves(key.contiguous(), value, cache, slots, tq.PRESETS[dtype])
+    odd = torch.zeros(cache.numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(cache.shape)
+    assert not cuda_write_serves(key.contiguous(), value, odd, slots, tq.PRESETS[dtype])
 
 
 def _write_against_torch(dtype, d, rope, slots, blocks, page, writer=None):

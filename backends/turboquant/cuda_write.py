@@ -24,14 +24,15 @@ _PRESETS = ((8, 4), (4, 4), (3, 4), (3, 3))  # (key bits, value bits; 8: fp8 key
 def cuda_write_serves(key, value, kv_cache, slot_mapping, preset, cos_sin=None) -> bool:
     """Whether :func:`turboquant_cuda_write` serves the call: CUDA tensors, a head dim it was
     built for, keys and values of one float dtype in rows of 16-byte aligned 16-element
-    pieces (its loads), int64 slots, a cache whose slots are contiguous bytes (fewer than
-    2^31 of them), fp32 cos / sin in aligned rows, a key codebook the one-read lookup
-    separates."""
+    pieces (its loads), int64 slots, a cache whose slots are contiguous bytes at even
+    addresses (its 16-bit stores; fewer than 2^31 slots), fp32 cos / sin in aligned rows, a
+    key codebook the one-read lookup separates."""
     d = key.shape[2]
     return (key.is_cuda and d in _HEAD_DIMS
             and key.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and value.dtype == key.dtype and slot_mapping.dtype == torch.int64
-            and kv_cache.stride(-1) == 1 and kv_cache.shape[-1] % 2 == 0
+            and kv_cache.stride(-1) == 1 and kv_cache.data_ptr() % 2 == 0
+            and all(st % 2 == 0 for st in (*kv_cache.stride()[:-1], kv_cache.shape[-1]))
             and kv_cache.shape[0] * kv_cache.shape[2] < 2 ** 31
             and key.shape[0] * key.shape[1] < 2 ** 31
             and all(_aligned(x) for x in (key, value))
