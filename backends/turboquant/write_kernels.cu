@@ -58,21 +58,17 @@ struct Params {
   float inv_sqrt_d;
 };
 
-// 16 elements from a 16-byte aligned address, as fp32
-__device__ __forceinline__ void load16(const __nv_bfloat16* p, float (&x)[kC]) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint4 w = q[i];
-    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      x[8 * i + 2 * k] = __uint_as_float(ws[k] << 16);
-      x[8 * i + 2 * k + 1] = __uint_as_float(ws[k] & 0xffff0000u);
-    }
-  }
+// two packed 16-bit elements as fp32
+__device__ __forceinline__ float2 pair_f32(uint32_t w, const __nv_bfloat16*) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
-__device__ __forceinline__ void load16(const __half* p, float (&x)[kC]) {
+__device__ __forceinline__ float2 pair_f32(uint32_t w, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// 16 elements from a 16-byte aligned address, as fp32
+template <typename T> __device__ __forceinline__ void load16(const T* p, float (&x)[kC]) {
+  static_assert(sizeof(T) == 2, "16-bit elements (fp32: the overload below)");
   const uint4* q = reinterpret_cast<const uint4*>(p);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -80,7 +76,7 @@ __device__ __forceinline__ void load16(const __half* p, float (&x)[kC]) {
     const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[k]));
+      const float2 f = pair_f32(ws[k], p);
       x[8 * i + 2 * k] = f.x;
       x[8 * i + 2 * k + 1] = f.y;
     }
