@@ -146,10 +146,10 @@ def code_lookup(head_dim: int, bits: int, device=None) -> tuple[torch.Tensor, fl
     ``u = y S + A`` and read from cell ``round(u)``, which holds the midpoints' count below the
     cell and the one midpoint inside it (on the grid; +inf where none): the code -- how many
     midpoints are ``<= y`` -- is ``count + (u >= threshold)``. Each cell is widened by 0.05 on
-    either side (a ``u`` at a cell's edge may round either way, and ``u``'s fp32 rounding moves
-    it by about 1e-5) and still holds one midpoint at most: ``S`` is the smallest power of two
-    from 16 for which this holds, ``A = S + 1`` keeps cells from 0 on for ``y >= -1``. One table
-    a device, read-only (None where no ``S`` up to 256 separates the midpoints)."""
+    either side (a ``u`` on the edge of two cells may round to either) and still holds one
+    midpoint at most: ``S`` is the smallest power of two from 16 for which this holds, ``A = S
+    + 1`` keeps cells from 0 on for ``y >= -1``. One table a device, read-only (None where no
+    ``S`` up to 256 separates the midpoints)."""
     return _code_lookup_on(head_dim, bits, _device(device))
 
 
