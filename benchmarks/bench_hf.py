@@ -10,8 +10,9 @@ and continuous batching (``generate_batch`` with ``"paged|attn_ops"`` against
 Model: an 8-layer Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 / 8 heads of 128,
 MLP 14336, vocab 32000), bf16, random weights. Plain ``generate``: ``batch`` prompts of ``ctx``
 tokens, ``new`` greedy tokens; decode tokens/s = batch x (new - 1) / (time - time of a
-1-token generate), the best of two rounds that each time every contender once in turn. ``generate_batch``: ``requests`` prompts of ``ctx`` tokens, ``new`` and ``2 x
-new`` greedy tokens each (HF's scheduler, its default config but the sizes below, page 256);
+1-token generate), the best of two rounds that each time every contender once in turn.
+``generate_batch``: ``requests`` prompts of ``ctx`` tokens, ``new`` and ``2 x new`` greedy
+tokens each (HF's scheduler, its default config but the sizes below, page 256);
 tokens/s = requests x 2 new / time, decode tokens/s = requests x new / (time at 2 new - time at
 new), and attn_ops' layers' paged mode (``describe``: in place over HF's pages, or why not).
 Every contender's tokens are cross-checked against sdpa's: both models' logits teacher-forced

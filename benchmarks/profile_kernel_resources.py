@@ -399,7 +399,8 @@ def _kernels_cubin(source: str, arch: int, defines: list[str]) -> bytes:
 def cuda_write_rows(arch: int) -> list[dict]:
     """TurboQuant's CUDA write (``write_kernels.cu``, its kernels alone, built with this
     machine's nvcc for ``arch``): each instantiation's registers, spills and SASS instructions
-    a thread (static: one key and value a warp, the page clear included)."""
+    a thread (static: 16 coordinates of a key and of a value a thread, the slow paths and the
+    page clear included)."""
     data = _kernels_cubin(CUDA_WRITE, arch, [])
     usage = _cuobjdump(data, "--dump-resource-usage")
     sass = _cuobjdump(data, "-sass")

@@ -259,9 +259,10 @@ def cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     cells, grid = key.new_zeros(1, 2, dtype=torch.float32), (0.0, 0.0)
     if not preset.fp8_keys:  # (the rotation: +-1 in the kernel, 1 / sqrt(D) on the product)
         _, mid = codebook(d, preset.key_bits, key.device)
-        lookup = lookup and code_lookup(d, preset.key_bits, key.device) is not None
+        table = code_lookup(d, preset.key_bits, key.device) if lookup else None
+        lookup = table is not None
         if lookup:
-            cells, *grid = code_lookup(d, preset.key_bits, key.device)
+            cells, *grid = table
     nb, _, page, slot = kv_cache.shape
     cs = cos_sin if cos_sin is None or cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     cache_write_kernel[(cdiv(t, block_t), hk)](
