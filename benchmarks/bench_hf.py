@@ -244,7 +244,17 @@ def _profile_batch(args, models, device, batch: int) -> dict:
         text.write(kernels)
         sections.append(f"===== {name}, batch {batch}\n" + text.getvalue())
         syncs: dict[str, int] = {}
-        if device == "cuda":
+        allocator = {}
+        if device == "cuda":  # (the caching allocator's trips to the driver in one generate:
+            # a cudaMalloc / cudaFree there, or a retry after freeing its cache, stalls the host
+            # and, for a free, the device -- invisible to the sync debug mode below)
+            keys = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                    "num_sync_all_streams")
+            before = torch.cuda.memory_stats()
+            run()
+            _sync(device)
+            after = torch.cuda.memory_stats()
+            allocator = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
@@ -256,11 +266,11 @@ def _profile_batch(args, models, device, batch: int) -> dict:
                 if "synchroniz" in str(w.message):
                     where = f"{os.path.relpath(w.filename)}:{w.lineno}"
                     syncs[where] = syncs.get(where, 0) + 1
-        found[name] = {"profiled_s": seconds, "syncs": syncs}
+        found[name] = {"profiled_s": seconds, "syncs": syncs, "allocator": allocator}
         top = [line for line in text.getvalue().splitlines()
                if line.strip()[:1].isdigit() and ("{" in line or ".py:" in line)][:8]
         print(f"profile B={batch} {name}: {seconds * 1e3:.1f} ms for {args.new} tokens under "
-              f"cProfile; {sum(syncs.values())} synchronizations"
+              f"cProfile; {sum(syncs.values())} synchronizations; allocator {allocator}"
               + "".join(f"\n    sync x{n} at {w}" for w, n in sorted(syncs.items()))
               + "".join(f"\n    {line}" for line in top), flush=True)
     for name in (n for n in host_ops if n != "sdpa" and "sdpa" in host_ops):
