@@ -224,13 +224,11 @@ def configs() -> dict[str, tuple]:
             (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (32, 64, 128), (4, 8))]),
         "lightning_state": (lk.lightning_state_kernel, [
-            (f"chunk {c} x {v} columns" + (f" span {n}" if n > 1 else ""),
-             dict(light, H=64, CHUNK=c, SPAN=n, BLOCK_V=v, IEEE=False), w)
-            for c, v, w, n in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2))]),
+            (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
+            for c, v, w in itertools.product((64, 128), (32, 64, 128), (4, 8))]),
         "lightning_output": (lk.lightning_output_kernel, [
-            (f"chunk {c} x {v} columns" + (f" span {n}" if n > 1 else ""),
-             dict(light, H=64, CHUNK=c, SPAN=n, BLOCK_V=v, IEEE=False), w)
-            for c, v, w, n in itertools.product((64, 128), (64, 128), (4, 8), (1, 2))]),
+            (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
+            for c, v, w in itertools.product((64, 128), (64, 128), (4, 8))]),
         "mamba1_unrolled": (mk.mamba1_unrolled_kernel, [
             (f"{d} channels" + (f" prefetch {p}" if p else "") + (f" y parts {y}" if y > 1
                                                                    else ""),

@@ -1313,8 +1313,7 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     ("mamba1_segmented", 16, 16, torch.float32), ("mamba1_segmented_2", 8, 64, torch.float16),
     ("lightning", 16, 16, torch.float32), ("lightning", 32, 16, torch.float32),
     ("lightning", 16, 32, torch.float16), ("lightning_split", 16, 16, torch.float32),
-    ("lightning_split", 16, 32, torch.float16), ("lightning_split_span2", 16, 16, torch.float32),
-    ("lightning_split_span3", 16, 32, torch.float16)])
+    ("lightning_split", 16, 32, torch.float16)])
 def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                                      poisoned_buffers):
     """Mamba1's and lightning attention's chunked kernels that walk the chunks in one launch
@@ -1382,12 +1381,9 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
         if kind == "lightning":
             got = lk.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
                                               block_v=block)
-        else:  # (the hand-off and the outputs over different blocks of value columns;
-            # "_spanN": each output program carries the state over N chunks, the last span of
-            # a request partial or past its end)
+        else:  # (the hand-off and the outputs over different blocks of value columns)
             got = lk.lightning_split_triton(*args, got_states, *step, chunk=chunk,
-                                            state_block_v=block, output_block_v=2 * block,
-                                            span=int(kind[-1]) if "_span" in kind else 1)
+                                            state_block_v=block, output_block_v=2 * block)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     mine = (where >= 0) & (where < 7)  # (slot 99: absent)
@@ -1422,7 +1418,7 @@ def test_mamba1_walk_rows_pair_into_aligned_words():
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
                                   "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
                                   "mamba1_unrolled_3", "lightning", "lightning_split",
-                                  "lightning_split_d256", "lightning_split_span2"])
+                                  "lightning_split_d256"])
 def test_real_sizes_match_the_fp64_reference(kind, dtype):
     """Qwen3-Next's GDN shapes (16 key / 32 value heads of 128), Mamba2-2.7B's (80 heads x
     64, d_state 128), Mamba-2.8B's (d_inner 5120, d_state 16) and MiniMax-Text-01's lightning
@@ -1478,8 +1474,7 @@ def test_real_sizes_match_the_fp64_reference(kind, dtype):
             from attn_ops.backends.ssm.common import SSM_PLAN
             from attn_ops.tuning.ssm import SSMTuning
 
-            tail += (SSM_PLAN.encode(SSMTuning(
-                lightning_split=True, lightning_output_span=2 if "span" in kind else 1)),)
+            tail += (SSM_PLAN.encode(SSMTuning(lightning_split=True)),)
         op = lightning_attention
     else:
         h, p, n = 80, 64, 128

@@ -154,13 +154,6 @@ class SSMTuning:
     # against fla's chunk kernel 0.760 / 0.375 (128 tokens, 4 output warps: 0.827 / 0.419;
     # outputs on 128 columns: 0.854 / 0.429).
     lightning_split_chunk: int = 128
-    # Chunks an output program of the split walks (``lightning_split``): the hand-off writes
-    # the start state of every ``span`` chunks and the output program carries it over its
-    # chunks with one more k^T v product each. At 128 tokens and head dim 128 (bf16) the
-    # start states are a quarter of the split's bytes: 32 of the 160 KB a chunk and head the
-    # outputs move, 32 of the hand-off's 96. A span of 2 halves them (12% of the bytes) for
-    # half as many output programs. Not yet timed.
-    lightning_output_span: int = 1
     # A decode kernel's state read evict-first and its write a streaming store (.cs): a
     # state is read once and written once a step. H200: GDN 3.55 / 3.59 against 3.26 / 3.45
     # TB/s at batch 64 / 128; Mamba2 2-5% slower with them (3.66 / 3.50 against 3.71 / 3.68
@@ -217,8 +210,7 @@ class SSMTuning:
                           ("lightning_split_chunk", 16),
                           ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1),
                           ("lightning_state_block_v", 16), ("lightning_output_block_v", 16),
-                          ("lightning_state_warps", 1), ("lightning_output_warps", 1),
-                          ("lightning_output_span", 1)):
+                          ("lightning_state_warps", 1), ("lightning_output_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"

@@ -102,13 +102,11 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
                            stride_vh, stride_hc, stride_hh, stride_ss, stride_sh, stride_sk,
                            stride_ot, stride_oh, num_tokens, num_slots, H: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                           SPAN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                           IEEE: tl.constexpr):
+                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
     """Per request, head and block of value columns, chunk after chunk: the state at the
-    start of every ``SPAN`` chunks into ``h``, and after each chunk ``S = a^n S + k^T
-    (a^(n-1-j) v)`` (``a = e^-slope``, ``n`` the chunk's tokens, 0 past the request's end) --
-    one product a chunk; the final state into the slot, and the last request's programs zero
-    the output rows past its end."""
+    chunk's start into ``h``, then ``S = a^n S + k^T (a^(n-1-j) v)`` (``a = e^-slope``, ``n``
+    the chunk's tokens) -- one product a chunk; the final state into the slot, and the last
+    request's programs zero the output rows past its end."""
     r, hh, vb = _split_pid(H, DV, BLOCK_V)
     offs_c = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BLOCK_K)
@@ -122,15 +120,14 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
     pos = offs_c.to(tl.float32)
     h_offs = hh * stride_hh + offs_k[:, None] * DV + offs_v[None, :]
     c = tl.load(coff_ptr + r).to(tl.int64)
-    for c0 in range(start, end, CHUNK * SPAN):
+    for c0 in range(start, end, CHUNK):
         tl.store(h_ptr + c * stride_hc + h_offs, s.to(h_ptr.dtype.element_ty), mask=s_mask)
-        for i in tl.static_range(SPAN):
-            rows = c0 + i * CHUNK + offs_c
-            ok = rows < end
-            k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
-            v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
-            n = tl.minimum(tl.maximum(end - c0 - i * CHUNK, 0), CHUNK).to(tl.float32)
-            s = _chunk_state(s, k, v, slope, pos, ok, n, k_ptr, IEEE)
+        rows = c0 + offs_c
+        ok = rows < end
+        k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
+        v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
+        s = _chunk_state(s, k, v, slope, pos, ok, tl.minimum(end - c0, CHUNK).to(tl.float32),
+                         k_ptr, IEEE)
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
     _zero_padding_rows(o_ptr, _last_outer(H, DV, BLOCK_V), end, num_tokens, stride_ot,
@@ -142,49 +139,33 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_hc, stride_hh, stride_ot, stride_oh, H: tl.constexpr,
                             DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                            SPAN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                            IEEE: tl.constexpr):
-    """Per span of ``SPAN`` chunks, head and block of value columns: ``o_i = a^(i+1) q_i S +
-    sum_(j <= i) a^(i-j) (q_i . k_j) v_j`` over the span's tokens from its start state ``S``
-    (as the hand-off wrote it): chunk after chunk, each reading the span's earlier chunks
-    again (from L2) rather than carrying the state, whose fp32 tile beside the scores would
-    not fit the registers."""
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
+    """Per chunk, head and block of value columns: ``o_i = a^(i+1) q_i S + sum_(j <= i)
+    a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S``."""
     c, hh, start, end, offs_c, rows, ok, offs_k, k_ok, offs_v, v_ok = _chunk_output_program(
         start_ptr, end_ptr, H, DK, DV, CHUNK, BLOCK_K, BLOCK_V)
     if start < end:
+        q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
+        k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
+        v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
         s = _chunk_start_state(h_ptr, c, hh, stride_hc, stride_hh, offs_k, k_ok, offs_v, v_ok, DV)
-        slope = tl.load(slope_ptr + hh).to(tl.float32)
-        pos = offs_c.to(tl.float32)
-        for i in tl.static_range(SPAN):
-            if start + i * CHUNK < end:
-                rows = start + i * CHUNK + offs_c
-                ok = rows < end
-                q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
-                k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
-                v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
-                o = _chunk_out(q, k, v, s, slope, pos + i * CHUNK, q_ptr, IEEE)
-                for j in tl.static_range(i):  # (whole chunks: this one has rows)
-                    past = start + j * CHUNK + offs_c
-                    k = _tile(k_ptr, past, past < end, stride_kt, hh * stride_kh, offs_k, k_ok)
-                    v = _tile(v_ptr, past, past < end, stride_vt, hh * stride_vh, offs_v, v_ok)
-                    gap = (i - j) * CHUNK + pos[:, None] - pos[None, :]
-                    o += _dot(_dot(q, tl.trans(k), q_ptr, IEEE) * tl.exp(-slope * gap), v,
-                              q_ptr, IEEE)
-                tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
-                         o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+        o = _chunk_out(q, k, v, s, tl.load(slope_ptr + hh).to(tl.float32),
+                       offs_c.to(tl.float32), q_ptr, IEEE)
+        tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
 
 
 def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices,
                            has_initial_state, chunk: int = 64, state_block_v: int = 64,
-                           output_block_v: int = 64, warps: tuple[int, int] = (4, 4),
-                           span: int = 1) -> torch.Tensor:
+                           output_block_v: int = 64,
+                           warps: tuple[int, int] = (4, 4)) -> torch.Tensor:
     """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16;
     shorter where the hand-off's tiles would not fit a block's shared memory:
     :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
-    hand-off over blocks of ``state_block_v`` value columns (the start states of every ``span``
-    chunks into a ``[spans, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every
-    span in parallel over blocks of ``output_block_v``, each program carrying the state over
-    its span's chunks; ``warps``: of the two launches (inputs already checked)."""
+    hand-off over blocks of ``state_block_v`` value columns (the chunks' start states into a
+    ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
+    parallel over blocks of ``output_block_v``; ``warps``: of the two launches (inputs already
+    checked)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, heads, dk = q.shape
     dv = v.shape[2]
@@ -198,11 +179,10 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     shared = DeviceFacts.of(q.device).shared_memory
     chunk = lightning_split_chunk(chunk, block_k, state_bv, wdt.itemsize,
                                   shared[1] if shared else None)
-    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk * span)
+    offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
     m = starts.shape[0]
     h = torch.empty(m, heads, dk, dv, dtype=wdt, device=q.device)
-    common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, SPAN=span, BLOCK_K=block_k,
-                  IEEE=wdt == torch.float32)
+    common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, IEEE=wdt == torch.float32)
     lightning_state_kernel[(b * heads * cdiv(dv, state_bv),)](
         k, v, slope, h, state, out, query_start_loc, offsets, state_indices, has_initial_state,
         state_indices.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
