@@ -134,8 +134,9 @@ def test_slots_are_the_bytes_vllms_rules_give(dtype, d):
 
 def _bytes_at_midpoints(key: torch.Tensor, preset, d: int) -> set[int]:
     """The slot bytes holding a key index whose rotated coordinate sits within 1e-6 of a
-    codebook midpoint: fp32 products summed in another order may put it on either side (none
-    for fp8 keys)."""
+    codebook midpoint, and the fp16 norm's two bytes where the norm sits within 1e-6 of an
+    fp16 rounding tie: fp32 products summed in another order may put either on either side
+    (none for fp8 keys)."""
     if preset.fp8_keys:
         return set()
     c = torch.tensor(tq.lloyd_max_centroids(d, preset.key_bits))
@@ -144,7 +145,11 @@ def _bytes_at_midpoints(key: torch.Tensor, preset, d: int) -> set[int]:
     y = (key / (key.norm() + 1e-8) @ tq.hadamard(d).double()).float()
     close = ((y[:, None] - mid).abs() < 1e-6).any(1).nonzero().flatten().tolist()
     bits = preset.key_bits
-    return {i * bits // 8 for i in close} | {(i * bits + bits - 1) // 8 for i in close}
+    out = {i * bits // 8 for i in close} | {(i * bits + bits - 1) // 8 for i in close}
+    norm = key.norm()
+    if (norm * (1 - 1e-6)).half() != (norm * (1 + 1e-6)).half():
+        out |= {d * bits // 8, d * bits // 8 + 1}
+    return out
 
 
 @pytest.mark.parametrize("bits", [3, 4])
