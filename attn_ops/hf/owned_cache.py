@@ -61,8 +61,6 @@ class _Steps:
         self.by_page: dict[int, dict] = {}
         self.pool = None  # (the graphs' memory pool, once one is captured)
         self.stream = None  # (the side stream graphs are captured on)
-        self.last_layer: dict[int, int] = {}  # (page -> the last layer index attending in it)
-        self.ahead_taken = 0  # (steps that took the plan their step before made: plan_ahead)
 
     def restart(self, max_tokens: int) -> None:
         """Serve a new generation of at most ``max_tokens`` tokens a row (no more than the
@@ -87,78 +85,25 @@ class _Steps:
                                               capacity=0)
             self._empty(state, page)
         plan = state["plan"]
-        if plan is not None and plan["ahead"]:  # (foreseen by the step before: plan_ahead)
-            before = plan["before"]
-            if step == before["step"]:  # (that step still going: a layer after the one
-                # that was its last -- its graph buffers, which the foreseen step's metadata
-                # overwrote, padded again for the layers still to come)
-                if before["graph"] is not None:
-                    before["graph"] = dict(padded=None, built={}, layers={})
-                state["plan"] = before
-                return before
-            state["written"] = plan["written"]  # (that step's tokens are history now)
-            plan["ahead"] = False
-            new = self._new_runs(mask, sq, module)
-            if step == plan["step"] and new == plan["new"]:
-                self.ahead_taken += 1
-                return plan
-            return self._build(state, page, step, new, sq, module, device, state["written"])
         if plan is not None and plan["step"] == step:
             return plan
-        written = state["written"]
         if plan is not None:  # (the last step's tokens are history now)
-            written = state["written"] = _folded(written, plan)
-        return self._build(state, page, step, self._new_runs(mask, sq, module), sq, module,
-                           device, written)
-
-    def _new_runs(self, mask, sq: int, module) -> list[tuple[int, int]]:
-        """Each row's run of new tokens ``(lo, hi)`` among the step's ``sq``, from the 2-D
-        padding ``mask`` (None: all of them), read on the host."""
+            for r, n in zip(plan["order"], plan["lens"]):
+                state["written"][r] += n
         b = self.batch
-        if mask is None:
-            return [(0, sq)] * b
-        if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < sq:
-            raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
-                             f"{tuple(mask.shape)} is not the 2-D padding mask")
-        lo, hi, bad = _runs(mask[:, -sq:])
-        if bad is not None:
-            raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
-                             f"{bad}'s new tokens are not one run")
-        return list(zip(lo.tolist(), hi.tolist()))
-
-    def plan_ahead(self, page: int, device) -> None:
-        """After a step's last layer attended: the next step's plan, foreseen as one new
-        token in every row (what a generation's decode steps are), with its metadata -- made
-        while the device still runs this step's remaining layers and head, not at the next
-        step's first layer, where the device would wait for it (a decode of a few rows is
-        bound by the host). The next step takes it if it is that step (:meth:`plan`). The
-        uploads it makes into the graph buffers run after this step's replays, in stream
-        order."""
-        state = self.by_page[page]
-        plan = state["plan"]
-        if plan is None or plan["ahead"] or not plan["order"]:
-            return
-        written = _folded(state["written"], plan)
-        if max(written) + 1 > self.max_tokens:  # (a step this cache cannot hold: never made)
-            return
-        nxt = self._build(state, page, plan["step"] + 1, [(0, 1)] * self.batch, 1, None,
-                          device, written)
-        nxt.update(ahead=True, before=plan, written=written)
-        if nxt["graph"] is not None:
-            for layer in (plan["graph"] or {}).get("layers", {}).values():
-                self.graph_metadata(nxt, layer, page)
-        else:
-            self.meta(nxt)
-            self.scatter(nxt)
-
-    def _build(self, state: dict, page: int, step: int, new: list, sq: int, module, device,
-               written: list[int]) -> dict:
-        """The plan of ``step`` whose rows bring the runs ``new`` after their ``written``
-        tokens in pages of ``page``; it becomes the state's plan."""
-        b = self.batch
+        new = [(0, sq)] * b
+        if mask is not None:
+            if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < sq:
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask "
+                                 f"{tuple(mask.shape)} is not the 2-D padding mask")
+            lo, hi, bad = _runs(mask[:, -sq:])
+            if bad is not None:
+                raise ValueError(f"attn_ops cache ({_where(module)}): attention_mask row "
+                                 f"{bad}'s new tokens are not one run")
+            new = list(zip(lo.tolist(), hi.tolist()))
         count = [hi - lo for lo, hi in new]
         order = _decodes_first([r for r in range(b) if count[r]], count)
-        ctx = [written[r] for r in order]
+        ctx = [state["written"][r] for r in order]
         lens = [count[r] for r in order]
         if order and max(c + n for c, n in zip(ctx, lens)) > self.max_tokens:
             raise ValueError(f"attn_ops cache ({_where(module)}): a row passes the cache's "
@@ -180,11 +125,10 @@ class _Steps:
         graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
                    and len(order) == b and not torch.is_grad_enabled())
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, rows=rows,
-                                    capacity=state["capacity"], built={}, ahead=False,
+                                    capacity=state["capacity"], built={},
                                     meta_of=(lens, seq, table, page, state["capacity"], device),
                                     scatter_of=(table, ctx, lens, page, device),
-                                    graph=dict(padded=None, built={}, layers={}) if graphed
-                                    else None)
+                                    graph=dict(padded=None, built={}) if graphed else None)
         return plan
 
     @staticmethod
@@ -232,25 +176,16 @@ class _Steps:
         key = layer._metadata_key
         if key not in step["built"]:
             step["built"][key] = layer.impl.graph_metadata(step["padded"], state["graphs"])
-            step["layers"][key] = layer
         return {key: step["built"][key]}
 
     def tokens(self, page: int) -> list[int]:
         """Each row's unpadded tokens in the pages (the current step's included)."""
         state = self.by_page[page]
-        plan = state["plan"]
-        if plan is not None and plan["ahead"]:  # (a step foreseen, not yet come: the one
-            # before it the last)
-            plan = plan["before"]
-        return state["written"] if plan is None else _folded(state["written"], plan)
-
-
-def _folded(written: list[int], plan: dict) -> list[int]:
-    """Each row's tokens in the pages once ``plan``'s step wrote its own."""
-    out = list(written)
-    for r, n in zip(plan["order"], plan["lens"]):
-        out[r] += n
-    return out
+        out = list(state["written"])
+        if state["plan"] is not None:
+            for r, n in zip(state["plan"]["order"], state["plan"]["lens"]):
+                out[r] += n
+        return out
 
 
 def _scatter_rows(table: np.ndarray, ctx: list[int], lens: list[int], page: int, device):
@@ -375,22 +310,8 @@ def _layer_class():
                 raise ValueError(f"attn_ops cache ({_where(module)}): {key.shape[2]} new keys "
                                  f"for {sq} queries")
             self.pending = False
-            page, steps = layer.block_size, self.steps
-            plan = steps.plan(self.length, page, mask, sq, module, query.device)
-            # (the last layer a step attends in this page size, as the step before saw it:
-            # the one after which the next step is planned)
-            state = steps.by_page[page]
-            if state.get("opened") is not plan:
-                state.update(opened=plan, last=state.get("latest"), latest=self.index)
-            else:
-                state["latest"] = max(state["latest"], self.index)
-            out = self._attend(module, layer, query, key, value, plan, page)
-            if self.index == state["last"]:
-                steps.plan_ahead(page, query.device)
-            return out
-
-        def _attend(self, module, layer, query, key, value, plan, page):
-            b, hq, sq, _ = query.shape
+            page = layer.block_size
+            plan = self.steps.plan(self.length, page, mask, sq, module, query.device)
             if self.kv is not None and (self.kv_for is not layer
                                         or self.kv.device != query.device):
                 # (pages kept from a generation over another layer or device: not reused)
