@@ -26,7 +26,8 @@
 //
 // A token entering its page (row 0 of it) zeroes the page's rows no token of the call writes:
 // row j is written when the token j places later has the entering slot + j (a request's new
-// tokens are consecutive); no other vector writes a row cleared there.
+// tokens are consecutive); no other vector writes a row cleared there. Its lanes clear each
+// row together, in 4-byte words (clear_tail).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -146,6 +147,39 @@ __device__ __forceinline__ void store_codes(uint8_t* out, const uint32_t (&code)
     for (int c = 0; c < kC; ++c) s |= static_cast<uint64_t>(code[c]) << (3 * c);
 #pragma unroll
     for (int w = 0; w < 3; ++w) store_u16(at + 2 * w, static_cast<uint32_t>(s >> (16 * w)));
+  }
+}
+
+// A token entering its page (its slot at row 0, its vector's lanes j = 0..L-1): zero the
+// page's rows no token of the call writes -- row r is written when the token r places later
+// has slot + r. The lanes read the later tokens' slots side by side (a row each, 32 rows a
+// round), agree on the rows to clear, and clear each row together in 4-byte words (a 16-bit
+// piece first where the row starts 2 bytes off a word, and last where one is left), so a
+// store instruction covers 4 L contiguous bytes of one row.
+template <int L>
+__device__ __forceinline__ void clear_tail(const Params& p, uint8_t* base, int t, int slot,
+                                           int j) {
+  // (the vector's own lanes: other vectors of the warp may be elsewhere)
+  const unsigned group =
+      L == 32 ? kFull : ((1u << (L & 31)) - 1) << ((threadIdx.x & 31) & ~(L - 1));
+  for (int r0 = 1; r0 < p.page; r0 += 32) {
+    uint32_t clear = 0;
+    for (int i = j; i < 32; i += L) {
+      const int r = r0 + i, later = t + r;
+      if (r < p.page && !(later < p.num_tokens && p.slots[later] == slot + r)) clear |= 1u << i;
+    }
+#pragma unroll
+    for (int o = 1; o < L; o <<= 1) clear |= __shfl_xor_sync(group, clear, o);
+    while (clear != 0) {
+      const int i = __ffs(clear) - 1;
+      clear &= clear - 1;
+      uint8_t* row = base + (r0 + i) * p.stride_cs;
+      const int lead = (reinterpret_cast<uintptr_t>(row) & 2) ? 2 : 0;
+      if (lead != 0 && j == 0) store_u16(row, 0);
+      const int words = (p.slot_bytes - lead) / 4;
+      for (int w = j; w < words; w += L) *reinterpret_cast<uint32_t*>(row + lead + 4 * w) = 0;
+      if ((p.slot_bytes - lead) % 4 != 0 && j == L - 1) store_u16(row + p.slot_bytes - 2, 0);
+    }
   }
 }
 
@@ -285,14 +319,7 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
     if (tail + 4 < base + p.slot_bytes) tail[4] = 0;  // (the byte making the slot's size even)
   }
 
-  if (in_page == 0) {  // entering its page: clear the rows no token of this call writes
-    for (int r = 1 + j; r < p.page; r += L) {
-      const int later = t + r;
-      if (later < p.num_tokens && p.slots[later] == slot + r) continue;
-      uint8_t* row = base + r * p.stride_cs;
-      for (int b = 0; b < p.slot_bytes; b += 2) store_u16(row + b, 0);
-    }
-  }
+  if (in_page == 0) clear_tail<L>(p, base, t, slot, j);
 }
 
 }  // namespace attn_ops_tqw
