@@ -320,9 +320,8 @@ def _layer_class():
                 self.kv, self.kv_for = _grown(layer, self.kv, plan["capacity"], query.device), layer
             rows = plan["rows"]
             if plan["graph"] is not None and layer.cudagraph_support >= _DECODE_GRAPHS:
-                got = self._graphed(layer, self.steps.graph_metadata(plan, layer, page),
-                                    _rows_of(query), _rows_of(key), _rows_of(value))
-                return got.to(query.dtype).view(b, sq, hq, value.shape[3])
+                return self._graphed(layer, self.steps.graph_metadata(plan, layer, page), query,
+                                     key, value)
             if rows is None:  # (every row's every token, in order: a decode step, say)
                 new_k, new_v = _rows_of(key), _rows_of(value)
                 scatter = self.steps.scatter(plan)
@@ -339,11 +338,13 @@ def _layer_class():
             return out.view(b, sq, hq, value.shape[3])
 
         def _graphed(self, layer, meta, query, key, value):
-            """A decode step's write and attention (rows ``[B, H, D]``) replayed from this
-            layer's CUDA graph: captured on the step after its first run over graph metadata
-            (which compiles and sets up what the capture cannot) and again whenever its pages
-            are reallocated (:func:`_grown`: a logarithmic number of times); the output is the
-            graph's, rewritten by the layer's next replay (the model consumes it before)."""
+            """A decode step's write and attention (HF's ``[B, H, 1, D]``, ``[B, 1, Hq, Dv]``
+            out) replayed from this layer's CUDA graph: captured on the step after its first
+            run over graph metadata (which compiles and sets up what the capture cannot) and
+            again whenever its pages are reallocated (:func:`_grown`: a logarithmic number of
+            times); the output is the graph's, rewritten by the layer's next replay (the model
+            consumes it before). The graph takes HF's tensors as they are and gives its output
+            as HF takes it: a replay's host cost is one copy call and the launch, no views."""
             got = self.graph
             if got is not None and got[0] is layer and got[1] is self.kv:
                 # (one call for the three inputs: one launch where they are dense, as a decode
@@ -352,9 +353,11 @@ def _layer_class():
                 got[3].replay()
                 self.replays += 1
                 return got[4]
+            b, hq, _, _ = query.shape
             if self.warmed is not layer:
                 self.warmed = layer
-                return layer(query, key, value, self.kv, meta)
+                out = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv, meta)
+                return out.to(query.dtype).view(b, 1, hq, value.shape[3])
             steps = self.steps
             statics = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
                             for t in (query, key, value))
@@ -367,7 +370,8 @@ def _layer_class():
             with torch.cuda.stream(steps.stream):
                 graph.capture_begin(pool=steps.pool, capture_error_mode="thread_local")
                 try:
-                    out = layer(*statics, self.kv, meta)
+                    out = layer(*(_rows_of(t) for t in statics), self.kv, meta)
+                    out = out.to(query.dtype).view(b, 1, hq, value.shape[3])
                 finally:
                     graph.capture_end()
             current.wait_stream(steps.stream)
