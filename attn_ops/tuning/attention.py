@@ -128,7 +128,8 @@ class TritonTuning:
     # The Triton write as the CUDA write computes (below): the raw key rotated, its codes read
     # from format.code_lookup's cells (one gather and one compare a coordinate), the values
     # divided by a reciprocal and Markstein steps (the same quotients as an IEEE division).
-    # Not yet timed on a GPU, so off.
+    # H100, 8192 tokens (graph replays, one run): 4bit_nc 76.7 -> 68.1 us, k3v4_nc 85.1 ->
+    # 108.1, 3bit_nc 92.2 -> 105.7: faster for one preset only, so off.
     turboquant_write_lookup: bool = False
     # The write on a CUDA kernel of its own (backends/turboquant/write_kernels.cu, built with
     # nvcc on first use): 16 coordinates a lane in 16-byte loads, four of the rotation's
@@ -136,7 +137,9 @@ class TritonTuning:
     # cell table (format.code_lookup), values divided by a reciprocal and Markstein steps.
     # sm_90, head dim 128, bf16, 4 bits: 62 registers, 1496 SASS instructions a thread
     # (static, slow paths included) for 16 coordinates of a key and of a value -- the Triton
-    # write's 1488 serve 8 of each. Not yet run on a GPU, so off.
+    # write's 1488 serve 8 of each. H100 (its tests and memcheck pass), 8192 tokens: k8v4
+    # 164.6 us against the Triton write's 69.8, 4bit_nc 109.8 / 76.7, 3bit_nc 76.4 / 92.2 --
+    # faster for 3bit_nc only, so off (the page clear since rewritten, not yet timed).
     turboquant_cuda_write: bool = False
 
     def __post_init__(self) -> None:
