@@ -245,16 +245,13 @@ def _profile_batch(args, models, device, batch: int) -> dict:
         sections.append(f"===== {name}, batch {batch}\n" + text.getvalue())
         syncs: dict[str, int] = {}
         allocator = {}
-        if device == "cuda":  # (the caching allocator's trips to the driver in one generate:
-            # a cudaMalloc / cudaFree there, or a retry after freeing its cache, stalls the host
-            # and, for a free, the device -- invisible to the sync debug mode below)
+        if device == "cuda":  # (one generate's synchronizing places, and its caching
+            # allocator's trips to the driver: a cudaMalloc / cudaFree, or a retry after freeing
+            # its cache, stalls the host and, for a free, the device -- invisible to the sync
+            # debug mode)
             keys = ("num_device_alloc", "num_device_free", "num_alloc_retries",
                     "num_sync_all_streams")
             before = torch.cuda.memory_stats()
-            run()
-            _sync(device)
-            after = torch.cuda.memory_stats()
-            allocator = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
@@ -262,6 +259,9 @@ def _profile_batch(args, models, device, batch: int) -> dict:
                     run()
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
+            _sync(device)
+            after = torch.cuda.memory_stats()
+            allocator = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
             for w in caught:
                 if "synchroniz" in str(w.message):
                     where = f"{os.path.relpath(w.filename)}:{w.lineno}"
