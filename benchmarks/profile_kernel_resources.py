@@ -224,8 +224,10 @@ def configs() -> dict[str, tuple]:
             (f"chunk {c} x {v} columns", dict(light, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((32, 64), (32, 64, 128), (4, 8))]),
         "lightning_state": (lk.lightning_state_kernel, [
-            (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
-            for c, v, w in itertools.product((64, 128), (32, 64, 128), (4, 8))]),
+            (f"chunk {c} x {kr} rows x {v} columns",
+             dict(light, H=64, CHUNK=c, BLOCK_K=kr, BLOCK_V=v, IEEE=False), w)
+            for c, kr, v, w in itertools.product((64, 128), (32, 64, 128), (32, 64, 128),
+                                                 (4, 8))]),
         "lightning_output": (lk.lightning_output_kernel, [
             (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
             for c, v, w in itertools.product((64, 128), (64, 128), (4, 8))]),

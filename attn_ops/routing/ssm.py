@@ -109,12 +109,12 @@ _TRITON_STAGES = 3
 def lightning_split_chunk(chunk: int, dk: int, state_block_v: int, elem_bytes: int,
                           shared_per_block: int | None) -> int:
     """The chunk of lightning attention's split prefill (``Tuning.ssm.lightning_split_chunk``,
-    a power of two >= 16) for a head dim ``dk`` (padded to a power of two), halved while the
-    hand-off launch's pipelined ``k`` and ``v`` tiles -- ``_TRITON_STAGES`` x chunk x (``dk``
-    + ``state_block_v``) values -- would not fit a block's shared memory (``None``: not a CUDA
-    device, nothing to fit). sm_90 builds, bf16, 64 columns: head dim 128 at 128 tokens
-    147,456 bytes, head dim 256 at 128 245,760 -- over the H100's and H200's 232,448 -- and at
-    64 131,072, as counted here (fp32 inputs build smaller than counted: an upper bound)."""
+    a power of two >= 16) for the hand-off's ``dk`` key rows a program (a power of two),
+    halved while its pipelined ``k`` and ``v`` tiles -- ``_TRITON_STAGES`` x chunk x (``dk`` +
+    ``state_block_v``) values -- would not fit a block's shared memory (``None``: not a CUDA
+    device, nothing to fit). sm_90 builds, bf16, 64 columns: 128 rows at 128 tokens 147,456
+    bytes, 256 rows at 128 245,760 -- over the H100's and H200's 232,448 -- and at 64 131,072,
+    as counted here (fp32 inputs build smaller than counted: an upper bound)."""
     while (shared_per_block is not None and chunk > 16
            and _TRITON_STAGES * chunk * (dk + state_block_v) * elem_bytes > shared_per_block):
         chunk //= 2

@@ -142,6 +142,11 @@ class SSMTuning:
     # / 1 x 8k: one launch 15.3 / 16.9, split 16.4 / 16.6.
     lightning_split: bool = True
     lightning_state_block_v: int = 64
+    # The hand-off's key rows a program (the state's rows are independent: a scalar decay a
+    # head). Fewer: more programs walking the same chunks with half the product each -- for
+    # few requests, whose programs are fewer than the SMs (1 x 8k at 64 heads of 128: 128
+    # programs on 64 x 128 blocks). Not timed yet.
+    lightning_state_block_k: int = 128
     lightning_output_block_v: int = 64
     lightning_state_warps: int = 8
     lightning_output_warps: int = 8
@@ -210,6 +215,7 @@ class SSMTuning:
                           ("lightning_split_chunk", 16),
                           ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1),
                           ("lightning_state_block_v", 16), ("lightning_output_block_v", 16),
+                          ("lightning_state_block_k", 16),
                           ("lightning_state_warps", 1), ("lightning_output_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):

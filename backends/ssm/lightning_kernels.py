@@ -103,13 +103,18 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
                            stride_ot, stride_oh, num_tokens, num_slots, H: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
-    """Per request, head and block of value columns, chunk after chunk: the state at the
-    chunk's start into ``h``, then ``S = a^n S + k^T (a^(n-1-j) v)`` (``a = e^-slope``, ``n``
-    the chunk's tokens) -- one product a chunk; the final state into the slot, and the last
-    request's programs zero the output rows past its end."""
-    r, hh, vb = _split_pid(H, DV, BLOCK_V)
+    """Per request, head and ``[BLOCK_K, BLOCK_V]`` block of the state, chunk after chunk: the
+    state at the chunk's start into ``h``, then ``S = a^n S + k^T (a^(n-1-j) v)`` (``a =
+    e^-slope``, ``n`` the chunk's tokens) -- one product a chunk. A row of the state depends on
+    its own key column only (the decay is a scalar a head), so the key dim splits across
+    programs as the value columns do: more, shorter chains for few requests. The final state
+    into the slot, and the last request's first key block zeroes the output rows past its
+    end."""
+    nk: tl.constexpr = (DK + BLOCK_K - 1) // BLOCK_K
+    r, hh, kv = _split_pid(H, nk * ((DV + BLOCK_V - 1) // BLOCK_V), 1)
+    kb, vb = kv // ((DV + BLOCK_V - 1) // BLOCK_V), kv % ((DV + BLOCK_V - 1) // BLOCK_V)
     offs_c = tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < DK
     v_ok = offs_v < DV
@@ -130,8 +135,8 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
                          k_ptr, IEEE)
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
-    _zero_padding_rows(o_ptr, _last_outer(H, DV, BLOCK_V), end, num_tokens, stride_ot,
-                       hh * stride_oh + offs_v, v_ok)
+    _zero_padding_rows(o_ptr, _last_outer(H, nk * ((DV + BLOCK_V - 1) // BLOCK_V), 1)
+                       & (kb == 0), end, num_tokens, stride_ot, hh * stride_oh + offs_v, v_ok)
 
 
 @triton.jit
@@ -157,12 +162,13 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
 
 def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices,
                            has_initial_state, chunk: int = 64, state_block_v: int = 64,
-                           output_block_v: int = 64,
-                           warps: tuple[int, int] = (4, 4)) -> torch.Tensor:
+                           output_block_v: int = 64, warps: tuple[int, int] = (4, 4),
+                           state_block_k: int = 128) -> torch.Tensor:
     """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16;
     shorter where the hand-off's tiles would not fit a block's shared memory:
     :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
-    hand-off over blocks of ``state_block_v`` value columns (the chunks' start states into a
+    hand-off over blocks of ``state_block_k`` key rows x ``state_block_v`` value columns of
+    the state (the chunks' start states into a
     ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
     parallel over blocks of ``output_block_v``; ``warps``: of the two launches (inputs already
     checked)."""
@@ -176,22 +182,23 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     wdt = _work_dtype(q)
     block_k, block_v = max(pow2(dk), 16), max(pow2(dv), 16)
     state_bv = min(block_v, max(state_block_v, 16))
+    state_bk = min(block_k, max(state_block_k, 16))
     shared = DeviceFacts.of(q.device).shared_memory
-    chunk = lightning_split_chunk(chunk, block_k, state_bv, wdt.itemsize,
+    chunk = lightning_split_chunk(chunk, state_bk, state_bv, wdt.itemsize,
                                   shared[1] if shared else None)
     offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
     m = starts.shape[0]
     h = torch.empty(m, heads, dk, dv, dtype=wdt, device=q.device)
-    common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, BLOCK_K=block_k, IEEE=wdt == torch.float32)
-    lightning_state_kernel[(b * heads * cdiv(dv, state_bv),)](
+    common = dict(H=heads, DK=dk, DV=dv, CHUNK=chunk, IEEE=wdt == torch.float32)
+    lightning_state_kernel[(b * heads * cdiv(dk, state_bk) * cdiv(dv, state_bv),)](
         k, v, slope, h, state, out, query_start_loc, offsets, state_indices, has_initial_state,
         state_indices.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         h.stride(0), h.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        out.stride(0), out.stride(1), t, state.shape[0], BLOCK_V=state_bv, num_warps=warps[0],
-        **common)
+        out.stride(0), out.stride(1), t, state.shape[0], BLOCK_K=state_bk, BLOCK_V=state_bv,
+        num_warps=warps[0], **common)
     out_bv = min(block_v, max(output_block_v, 16))
     lightning_output_kernel[(m * heads * cdiv(dv, out_bv),)](
         q, k, v, slope, h, out, starts, ends, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), h.stride(0), h.stride(1), out.stride(0),
-        out.stride(1), BLOCK_V=out_bv, num_warps=warps[1], **common)
+        out.stride(1), BLOCK_K=block_k, BLOCK_V=out_bv, num_warps=warps[1], **common)
     return out
