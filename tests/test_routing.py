@@ -203,6 +203,9 @@ def test_tuning_overrides_parse_by_field_type_and_name_what_is_wrong():
                           r"turboquant_cuda_min_blocks=9 must be 0 \(the compiler's choice\) "
                           "to 8"),
                          ("ssm.mamba2_block=128", r"mamba2_block=128 must be <= 64"),
+                         ("ssm.lightning_state_block_k=8",
+                          r"lightning_state_block_k=8 must be 0 \(the whole head dim\) or a "
+                          "power of two >= 16"),
                          ("ssm.decode_min_programs=0", r"decode_min_programs=0 must be >= 1"),
                          ("mla.index_select_block=65536",
                           r"index_select_block=65536 must be in \[1, 65536\)"),

@@ -142,11 +142,11 @@ class SSMTuning:
     # / 1 x 8k: one launch 15.3 / 16.9, split 16.4 / 16.6.
     lightning_split: bool = True
     lightning_state_block_v: int = 64
-    # The hand-off's key rows a program (the state's rows are independent: a scalar decay a
-    # head). Fewer: more programs walking the same chunks with half the product each -- for
-    # few requests, whose programs are fewer than the SMs (1 x 8k at 64 heads of 128: 128
-    # programs on 64 x 128 blocks). Not timed yet.
-    lightning_state_block_k: int = 128
+    # The hand-off's key rows a program (0: the whole head dim; the state's rows are
+    # independent: a scalar decay a head). Fewer: more programs walking the same chunks with
+    # a smaller product each -- for few requests, whose programs are fewer than the SMs (1 x
+    # 8k at 64 heads of 128: 128 programs of 128 x 64). Not timed yet.
+    lightning_state_block_k: int = 0
     lightning_output_block_v: int = 64
     lightning_state_warps: int = 8
     lightning_output_warps: int = 8
@@ -215,13 +215,17 @@ class SSMTuning:
                           ("lightning_split_chunk", 16),
                           ("lightning_chunk_block_v", 16), ("lightning_chunk_warps", 1),
                           ("lightning_state_block_v", 16), ("lightning_output_block_v", 16),
-                          ("lightning_state_block_k", 16),
                           ("lightning_state_warps", 1), ("lightning_output_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"tuning.ssm.{name}={v} must be a power of two >= {low}"
                                  + (" (the chunked kernels' tensor-core tiles)" if low == 16
                                     else ""))
+        k = self.lightning_state_block_k
+        if k and (k < 16 or k & (k - 1)):
+            raise ValueError(f"tuning.ssm.lightning_state_block_k={k} must be 0 (the whole "
+                             "head dim) or a power of two >= 16 (the chunked kernels' "
+                             "tensor-core tiles)")
         for name in ("mamba2_num_stages", "gdn_state_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")

@@ -163,12 +163,12 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
 def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices,
                            has_initial_state, chunk: int = 64, state_block_v: int = 64,
                            output_block_v: int = 64, warps: tuple[int, int] = (4, 4),
-                           state_block_k: int = 128) -> torch.Tensor:
+                           state_block_k: int = 0) -> torch.Tensor:
     """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16;
     shorter where the hand-off's tiles would not fit a block's shared memory:
     :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
-    hand-off over blocks of ``state_block_k`` key rows x ``state_block_v`` value columns of
-    the state (the chunks' start states into a
+    hand-off over blocks of ``state_block_k`` key rows (0: all) x ``state_block_v`` value
+    columns of the state (the chunks' start states into a
     ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
     parallel over blocks of ``output_block_v``; ``warps``: of the two launches (inputs already
     checked)."""
@@ -182,7 +182,7 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     wdt = _work_dtype(q)
     block_k, block_v = max(pow2(dk), 16), max(pow2(dv), 16)
     state_bv = min(block_v, max(state_block_v, 16))
-    state_bk = min(block_k, max(state_block_k, 16))
+    state_bk = min(block_k, max(state_block_k, 16)) if state_block_k else block_k
     shared = DeviceFacts.of(q.device).shared_memory
     chunk = lightning_split_chunk(chunk, state_bk, state_bv, wdt.itemsize,
                                   shared[1] if shared else None)
