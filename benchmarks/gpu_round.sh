@@ -45,7 +45,7 @@
 #   ssm      tests/test_ssm.py and tests/test_hybrid_model.py (the recurrent-state family; its
 #            Triton kernels compiled, 200-batch CUDA-graph replays; SSM_K selects)
 #   ssmcheck compute-sanitizer memcheck over the recurrent-state kernels' real-size, mixed-step
-#            and graph-replay tests
+#            and graph-replay tests (SSMCHECK_K: another pytest -k)
 #   ssmsweep benchmarks/bench_ssm.py under each of SSM_SWEEP's ATTN_OPS_TUNING strings (space-
 #            separated, "defaults" for none; default: the decode blocks and warps),
 #            SSM_SWEEP_ARGS its arguments (default: decode, 5 batches, graph replays only),
@@ -225,7 +225,7 @@ for spec in "$@"; do
         tests/test_ssm.py tests/test_hybrid_model.py -k "${SSM_K:-}" ;;
     ssmcheck) stage ssmcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
         python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
-        -k "(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays" ;;
+        -k "${SSMCHECK_K:-(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays}" ;;
     ssmsweep) i=0
       for cfg in ${SSM_SWEEP:-ssm.decode_block_v=32,ssm.decode_block_p=32 ssm.decode_block_v=16,ssm.decode_block_p=16 ssm.decode_block_v=64,ssm.decode_block_p=64 ssm.decode_num_warps=2 ssm.decode_num_warps=8 ssm.decode_block_v=64,ssm.decode_block_p=64,ssm.decode_num_warps=8 ssm.decode_block_v=128,ssm.decode_num_warps=8}; do
         i=$((i + 1))

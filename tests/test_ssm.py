@@ -1416,7 +1416,7 @@ def test_mamba1_walk_rows_pair_into_aligned_words():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes run on the GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1", "mamba1_unrolled",
                                   "mamba1_segmented", "mamba1_unrolled_2", "mamba1_segmented_2",
                                   "mamba1_unrolled_3", "lightning", "lightning_split",
