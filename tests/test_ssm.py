@@ -1371,7 +1371,7 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
                                              prefetch=2 if kind.endswith("_2") else 0,
                                              y_parts=2 if kind.endswith("_2") else 1)
     else:
-        h, dk, dv = 3, 40, 40
+        h, dk, dv = 3, 40, 72
         args = (rand(t, h, dk).to(dtype), rand(t, h, dk).to(dtype), rand(t, h, dv).to(dtype),
                 rand(h).abs() * 0.5)
         state = rand(7, h, dk, dv)
@@ -1381,11 +1381,15 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
         if kind == "lightning":
             got = lk.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
                                               block_v=block)
-        else:  # (the hand-off over blocks of key rows too, the last partial, and the
-            # outputs over other blocks of value columns)
+        else:  # (the hand-off over blocks of key rows too, the last partial; the outputs
+            # over other blocks of value columns, or two blocks a program -- at dv 72 in blocks
+            # of 16 the last program's first block partial, its second past the columns)
+            two = dtype == torch.float32
             got = lk.lightning_split_triton(*args, got_states, *step, chunk=chunk,
-                                            state_block_v=block, output_block_v=2 * block,
-                                            state_block_k=block)
+                                            state_block_v=block,
+                                            output_block_v=block if two else 2 * block,
+                                            state_block_k=block,
+                                            output_value_blocks=2 if two else 1)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     mine = (where >= 0) & (where < 7)  # (slot 99: absent)
