@@ -123,9 +123,10 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
     programs as the value columns do: more, shorter chains for few requests. The final state
     into the slot, and the last request's first key block zeroes the output rows past its
     end."""
-    nk: tl.constexpr = (DK + BLOCK_K - 1) // BLOCK_K
-    r, hh, kv = _split_pid(H, nk * ((DV + BLOCK_V - 1) // BLOCK_V), 1)
-    kb, vb = kv // ((DV + BLOCK_V - 1) // BLOCK_V), kv % ((DV + BLOCK_V - 1) // BLOCK_V)
+    nv: tl.constexpr = (DV + BLOCK_V - 1) // BLOCK_V
+    blocks: tl.constexpr = nv * ((DK + BLOCK_K - 1) // BLOCK_K)  # (the state's, a head)
+    r, hh, kv = _split_pid(H, blocks, 1)
+    kb, vb = kv // nv, kv % nv
     offs_c = tl.arange(0, CHUNK)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -148,8 +149,8 @@ def lightning_state_kernel(k_ptr, v_ptr, slope_ptr, h_ptr, state_ptr, o_ptr, qsl
                          k_ptr, IEEE)
         c += 1
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=w_mask)
-    _zero_padding_rows(o_ptr, _last_outer(H, nk * ((DV + BLOCK_V - 1) // BLOCK_V), 1)
-                       & (kb == 0), end, num_tokens, stride_ot, hh * stride_oh + offs_v, v_ok)
+    _zero_padding_rows(o_ptr, _last_outer(H, blocks, 1) & (kb == 0), end, num_tokens,
+                       stride_ot, hh * stride_oh + offs_v, v_ok)
 
 
 @triton.jit
@@ -211,11 +212,10 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     shorter where the hand-off's tiles would not fit a block's shared memory:
     :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
     hand-off over blocks of ``state_block_k`` key rows (0: all) x ``state_block_v`` value
-    columns of the state (the chunks' start states into a
-    ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
-    parallel over blocks of ``output_block_v``, ``output_value_blocks`` of them a program
-    (the chunk's scores computed once for them); ``warps``: of the two launches (inputs
-    already checked)."""
+    columns of the state (the chunks' start states into a ``[chunks, H, D, Dv]`` buffer in
+    the inputs' dtype), then the outputs of every chunk in parallel over blocks of
+    ``output_block_v``, ``output_value_blocks`` of them a program (the chunk's scores
+    computed once for them); ``warps``: of the two launches (inputs already checked)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, heads, dk = q.shape
     dv = v.shape[2]
