@@ -30,7 +30,9 @@ functions with the most time of their own, then attn_ops', FlashInfer's and Trit
 functions by time with their callees, then ``torch.profiler``'s ops and CUDA runtime calls by
 host time of their own and kernels by device time; every contender in one
 ``profile_hf_b<B>.txt`` beside ``--out``, with each one's op-by-op host difference from sdpa's
-in the same run) and, on a GPU, the host-device synchronizations of its decode steps
+in the same run), its decode steps timed on the host clock without a profiler (the period,
+the forward's host time, its attention calls', the time between forwards:
+:func:`step_timeline`) and, on a GPU, the host-device synchronizations of its decode steps
 (``torch.cuda.set_sync_debug_mode``: each distinct place that synchronizes, counted).
 """
 
@@ -228,6 +230,7 @@ def _profile_batch(args, models, device, batch: int) -> dict:
         run = _generate_fn(model, name, ids, args.new)
         run()
         _sync(device)
+        timeline = step_timeline(model, run)
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
@@ -266,10 +269,15 @@ def _profile_batch(args, models, device, batch: int) -> dict:
                 if "synchroniz" in str(w.message):
                     where = f"{os.path.relpath(w.filename)}:{w.lineno}"
                     syncs[where] = syncs.get(where, 0) + 1
-        found[name] = {"profiled_s": seconds, "syncs": syncs, "allocator": allocator}
+        found[name] = {"profiled_s": seconds, "syncs": syncs, "allocator": allocator,
+                       "timeline": timeline}
         top = [line for line in text.getvalue().splitlines()
                if line.strip()[:1].isdigit() and ("{" in line or ".py:" in line)][:8]
-        print(f"profile B={batch} {name}: {seconds * 1e3:.1f} ms for {args.new} tokens under "
+        print(f"profile B={batch} {name}: decode step {timeline['step_ms']:.3f} ms = forward "
+              f"{timeline['forward_ms']:.3f} (attention calls {timeline['attention_ms']:.3f}, "
+              f"{timeline['attention_calls']} a step) + between forwards "
+              f"{timeline['between_ms']:.3f} (medians, host clock, no profiler); "
+              f"{seconds * 1e3:.1f} ms for {args.new} tokens under "
               f"cProfile; {sum(syncs.values())} synchronizations; allocator {allocator}"
               + "".join(f"\n    sync x{n} at {w}" for w, n in sorted(syncs.items()))
               + "".join(f"\n    {line}" for line in top), flush=True)
@@ -283,6 +291,59 @@ def _profile_batch(args, models, device, batch: int) -> dict:
     for row in found.values():
         row["profile"] = path
     return found
+
+
+def step_timeline(model, run) -> dict:
+    """One ``run`` (a ``generate``) timed on the host clock at the model's forward calls and
+    its attention function's calls -- no profiler, no synchronization added: the medians over
+    the decode steps (every forward after the prefill) of the period from one forward's start
+    to the next (``step_ms``), the forward's own host time (``forward_ms``; it returns when
+    its launches are queued, unless something in it waits on the device), the attention
+    calls' host time within it and the time between forwards (``between_ms``: generate's own
+    Python, and its wait on the device where it reads the step's tokens)."""
+    import statistics
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = model.config.get_text_config(decoder=True)._attn_implementation
+    spans, calls = [], []
+    attention = ALL_ATTENTION_FUNCTIONS[name]
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return attention(*a, **k)
+        finally:
+            calls.append((t0, time.perf_counter()))
+
+    def before(module, args, kwargs):
+        spans.append([time.perf_counter(), None])
+
+    def after(module, args, kwargs, out):
+        spans[-1][1] = time.perf_counter()
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]
+    ALL_ATTENTION_FUNCTIONS[name] = timed
+    try:
+        run()
+    finally:
+        ALL_ATTENTION_FUNCTIONS[name] = attention
+        for hook in hooks:
+            hook.remove()
+    decode = spans[1:]  # (the first forward is the prefill)
+    if len(decode) < 2:
+        return {"step_ms": float("nan"), "forward_ms": float("nan"),
+                "attention_ms": float("nan"), "between_ms": float("nan"),
+                "attention_calls": 0, "steps": len(decode)}
+    step = [b[0] - a[0] for a, b in zip(decode, decode[1:])]
+    forward = [e - s for s, e in decode]
+    inside = [sum(e - s for s, e in calls if start <= s and e <= end) for start, end in decode]
+    n_calls = sum(1 for s, e in calls if decode[0][0] <= s and e <= decode[0][1])
+    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    return {"step_ms": ms(step), "forward_ms": ms(forward), "attention_ms": ms(inside),
+            "between_ms": ms([b[0] - a[1] for a, b in zip(decode, decode[1:])]),
+            "attention_calls": n_calls, "steps": len(decode)}
 
 
 def _host_difference(name: str, ours: dict, sdpa: dict, rows: int = 25) -> str:
