@@ -142,11 +142,11 @@ def _bytes_at_midpoints(key: torch.Tensor, preset, d: int) -> set[int]:
     c = torch.tensor(tq.lloyd_max_centroids(d, preset.key_bits))
     mid = (c[:-1] + c[1:]) / 2
     key = key.double()
-    y = (key / (key.norm() + 1e-8) @ tq.hadamard(d).double()).float()
+    norm = key.norm()
+    y = (key / (norm + 1e-8) @ tq.hadamard(d).double()).float()
     close = ((y[:, None] - mid).abs() < 1e-6).any(1).nonzero().flatten().tolist()
     bits = preset.key_bits
     out = {i * bits // 8 for i in close} | {(i * bits + bits - 1) // 8 for i in close}
-    norm = key.norm()
     if (norm * (1 - 1e-6)).half() != (norm * (1 + 1e-6)).half():
         out |= {d * bits // 8, d * bits // 8 + 1}
     return out

@@ -353,11 +353,14 @@ def _layer_class():
                 got[3].replay()
                 self.replays += 1
                 return got[4]
-            b, hq, _, _ = query.shape
+
+            def step(q, k, v):  # (HF's tensors in, HF's output shape out)
+                out = layer(_rows_of(q), _rows_of(k), _rows_of(v), self.kv, meta)
+                return out.to(q.dtype).view(q.shape[0], 1, q.shape[1], v.shape[3])
+
             if self.warmed is not layer:
                 self.warmed = layer
-                out = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv, meta)
-                return out.to(query.dtype).view(b, 1, hq, value.shape[3])
+                return step(query, key, value)
             steps = self.steps
             statics = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
                             for t in (query, key, value))
@@ -370,8 +373,7 @@ def _layer_class():
             with torch.cuda.stream(steps.stream):
                 graph.capture_begin(pool=steps.pool, capture_error_mode="thread_local")
                 try:
-                    out = layer(*(_rows_of(t) for t in statics), self.kv, meta)
-                    out = out.to(query.dtype).view(b, 1, hq, value.shape[3])
+                    out = step(*statics)
                 finally:
                     graph.capture_end()
             current.wait_stream(steps.stream)
