@@ -229,10 +229,8 @@ def configs() -> dict[str, tuple]:
             for c, kr, v, w in itertools.product((64, 128), (32, 64, 128), (32, 64, 128),
                                                  (4, 8))]),
         "lightning_output": (lk.lightning_output_kernel, [
-            (f"chunk {c} x {v} columns" + (f" x {n} blocks" if n > 1 else ""),
-             dict(light, H=64, CHUNK=c, BLOCK_V=v, VALUE_BLOCKS=n, IEEE=False), w)
-            for c, v, n, w in itertools.product((64, 128), (32, 64, 128), (1, 2, 4), (4, 8))
-            if v * n <= 128]),
+            (f"chunk {c} x {v} columns", dict(light, H=64, CHUNK=c, BLOCK_V=v, IEEE=False), w)
+            for c, v, w in itertools.product((64, 128), (64, 128), (4, 8))]),
         "mamba1_unrolled": (mk.mamba1_unrolled_kernel, [
             (f"{d} channels" + (f" prefetch {p}" if p else "") + (f" y parts {y}" if y > 1
                                                                    else ""),

@@ -1382,14 +1382,10 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
             got = lk.lightning_chunked_triton(*args, got_states, *step, chunk=chunk,
                                               block_v=block)
         else:  # (the hand-off over blocks of key rows too, the last partial; the outputs
-            # over other blocks of value columns, or two blocks a program -- at dv 72 in blocks
-            # of 16 the last program's first block partial, its second past the columns)
-            two = dtype == torch.float32
+            # over other blocks of value columns -- at dv 72 the last one partial)
             got = lk.lightning_split_triton(*args, got_states, *step, chunk=chunk,
-                                            state_block_v=block,
-                                            output_block_v=block if two else 2 * block,
-                                            state_block_k=block,
-                                            output_value_blocks=2 if two else 1)
+                                            state_block_v=block, output_block_v=2 * block,
+                                            state_block_k=block)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     mine = (where >= 0) & (where < 7)  # (slot 99: absent)

@@ -147,10 +147,6 @@ class SSMTuning:
     # a smaller product each -- for few requests, whose programs are fewer than the SMs (1 x
     # 8k at 64 heads of 128: 128 programs of 128 x 64). Not timed yet.
     lightning_state_block_k: int = 0
-    # Blocks of lightning_output_block_v value columns an output program takes one after
-    # another, the chunk's scores (its q k^T) computed once for them rather than once a block.
-    # Not timed yet.
-    lightning_output_value_blocks: int = 1
     lightning_output_block_v: int = 64
     lightning_state_warps: int = 8
     lightning_output_warps: int = 8
@@ -233,8 +229,7 @@ class SSMTuning:
         for name in ("mamba2_num_stages", "gdn_state_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
-        for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs",
-                     "lightning_output_value_blocks"):
+        for name in ("decode_min_programs", "gdn_state_min_programs", "mamba1_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning.ssm.{name}={getattr(self, name)} must be >= 1")
         if self.mamba1_unrolled_y_parts not in (1, 2, 4):

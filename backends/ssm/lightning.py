@@ -91,8 +91,7 @@ def _impl(q, k, v, slope, state, query_start_loc, state_indices, has_initial_sta
         return lightning_split_triton(*args, t.lightning_split_chunk, t.lightning_state_block_v,
                                       t.lightning_output_block_v,
                                       (t.lightning_state_warps, t.lightning_output_warps),
-                                      t.lightning_state_block_k,
-                                      t.lightning_output_value_blocks)
+                                      t.lightning_state_block_k)
     if kernel is Kernel.SSM_TRITON_CHUNKED:
         from attn_ops.backends.ssm.lightning_kernels import lightning_chunked_triton
 

@@ -29,29 +29,16 @@ __all__ = ["lightning_chunked_triton", "lightning_split_triton"]
 
 
 @triton.jit
-def _chunk_scores(q, k, slope, pos, like, IEEE: tl.constexpr):
-    """A chunk's ``[chunk, chunk]`` scores: token ``i`` reads token ``j <= i`` of its chunk at
-    ``a^(i - j)``; ``pos``: the chunk's positions as floats."""
+def _chunk_out(q, k, v, s, slope, pos, like, IEEE: tl.constexpr):
+    """A chunk's outputs ``[chunk, columns]``: token ``i`` reads token ``j <= i`` of its chunk
+    at ``a^(i - j)`` and the chunk's start state ``s`` at ``a^(i+1)`` (the decays scale rows of
+    the products' outputs, not ``q`` and ``k``: fp32 copies of those would not fit in registers
+    beside a walked state); ``pos``: the chunk's positions as floats."""
     gap = pos[:, None] - pos[None, :]
     scores = _dot(q, tl.trans(k), like, IEEE)
-    return tl.where(gap >= 0, scores * tl.exp(-slope * tl.maximum(gap, 0.0)), 0.0)
-
-
-@triton.jit
-def _chunk_out_of(scores, q, v, s, slope, pos, like, IEEE: tl.constexpr):
-    """A chunk's outputs ``[chunk, columns]`` from its :func:`_chunk_scores`: those over ``v``
-    and the chunk's start state ``s`` read at ``a^(i+1)`` (the decays scale rows of the
-    products' outputs, not ``q`` and ``k``: fp32 copies of those would not fit in registers
-    beside a walked state)."""
+    scores = tl.where(gap >= 0, scores * tl.exp(-slope * tl.maximum(gap, 0.0)), 0.0)
     return (_dot(scores, v, like, IEEE)
             + _dot(q, s, like, IEEE) * tl.exp(-slope * (pos + 1.0))[:, None])
-
-
-@triton.jit
-def _chunk_out(q, k, v, s, slope, pos, like, IEEE: tl.constexpr):
-    """A chunk's outputs ``[chunk, columns]`` (:func:`_chunk_scores`, :func:`_chunk_out_of`)."""
-    return _chunk_out_of(_chunk_scores(q, k, slope, pos, like, IEEE), q, v, s, slope, pos, like,
-                         IEEE)
 
 
 @triton.jit
@@ -158,65 +145,34 @@ def lightning_output_kernel(q_ptr, k_ptr, v_ptr, slope_ptr, h_ptr, o_ptr, start_
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_hc, stride_hh, stride_ot, stride_oh, H: tl.constexpr,
                             DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                            VALUE_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
-    """Per chunk, head and ``VALUE_BLOCKS`` blocks of value columns: ``o_i = a^(i+1) q_i S +
-    sum_(j <= i) a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S`` -- the scores
-    computed once for the program's blocks, which it takes one after another (one block's
-    products live at a time)."""
-    if VALUE_BLOCKS == 1:  # (its own path: the loop's form builds at 157 registers and 64 KB
-        # of shared memory at chunk 128 on sm_90, this one at the 114 and 96 KB measured)
-        c, hh, start, end, offs_c, rows, ok, offs_k, k_ok, offs_v, v_ok = _chunk_output_program(
-            start_ptr, end_ptr, H, DK, DV, CHUNK, BLOCK_K, BLOCK_V)
-        if start < end:
-            q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
-            k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
-            v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
-            s = _chunk_start_state(h_ptr, c, hh, stride_hc, stride_hh, offs_k, k_ok, offs_v,
-                                   v_ok, DV)
-            o = _chunk_out(q, k, v, s, tl.load(slope_ptr + hh).to(tl.float32),
-                           offs_c.to(tl.float32), q_ptr, IEEE)
-            tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
-    else:
-        width: tl.constexpr = BLOCK_V * VALUE_BLOCKS
-        c, hh, start, end, offs_c, rows, ok, offs_k, k_ok, _, _ = _chunk_output_program(
-            start_ptr, end_ptr, H, DK, DV, CHUNK, BLOCK_K, width)
-        if start < end:
-            q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
-            k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
-            slope = tl.load(slope_ptr + hh).to(tl.float32)
-            pos = offs_c.to(tl.float32)
-            scores = _chunk_scores(q, k, slope, pos, q_ptr, IEEE)
-            if not IEEE:  # (once for the blocks, not once a block)
-                scores = scores.to(q_ptr.dtype.element_ty)
-            first = (tl.program_id(0) % ((DV + width - 1) // width)) * width
-            for j in tl.static_range(VALUE_BLOCKS):
-                if first + j * BLOCK_V < DV:
-                    offs_v = first + j * BLOCK_V + tl.arange(0, BLOCK_V)
-                    v_ok = offs_v < DV
-                    v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
-                    s = _chunk_start_state(h_ptr, c, hh, stride_hc, stride_hh, offs_k, k_ok,
-                                           offs_v, v_ok, DV)
-                    o = _chunk_out_of(scores, q, v, s, slope, pos, q_ptr, IEEE)
-                    tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh
-                             + offs_v[None, :], o.to(o_ptr.dtype.element_ty),
-                             mask=ok[:, None] & v_ok[None, :])
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
+    """Per chunk, head and block of value columns: ``o_i = a^(i+1) q_i S + sum_(j <= i)
+    a^(i-j) (q_i . k_j) v_j`` from the chunk's start state ``S``."""
+    c, hh, start, end, offs_c, rows, ok, offs_k, k_ok, offs_v, v_ok = _chunk_output_program(
+        start_ptr, end_ptr, H, DK, DV, CHUNK, BLOCK_K, BLOCK_V)
+    if start < end:
+        q = _tile(q_ptr, rows, ok, stride_qt, hh * stride_qh, offs_k, k_ok)
+        k = _tile(k_ptr, rows, ok, stride_kt, hh * stride_kh, offs_k, k_ok)
+        v = _tile(v_ptr, rows, ok, stride_vt, hh * stride_vh, offs_v, v_ok)
+        s = _chunk_start_state(h_ptr, c, hh, stride_hc, stride_hh, offs_k, k_ok, offs_v, v_ok, DV)
+        o = _chunk_out(q, k, v, s, tl.load(slope_ptr + hh).to(tl.float32),
+                       offs_c.to(tl.float32), q_ptr, IEEE)
+        tl.store(o_ptr + rows[:, None] * stride_ot + hh * stride_oh + offs_v[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
 
 
 def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices,
                            has_initial_state, chunk: int = 64, state_block_v: int = 64,
                            output_block_v: int = 64, warps: tuple[int, int] = (4, 4),
-                           state_block_k: int = 0,
-                           output_value_blocks: int = 1) -> torch.Tensor:
+                           state_block_k: int = 0) -> torch.Tensor:
     """``torch.ops.attn.lightning_attention`` in chunks of ``chunk`` (a power of two >= 16;
     shorter where the hand-off's tiles would not fit a block's shared memory:
     :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
     hand-off over blocks of ``state_block_k`` key rows (0: all) x ``state_block_v`` value
-    columns of the state (the chunks' start states into a ``[chunks, H, D, Dv]`` buffer in
-    the inputs' dtype), then the outputs of every chunk in parallel over blocks of
-    ``output_block_v``, ``output_value_blocks`` of them a program (the chunk's scores
-    computed once for them); ``warps``: of the two launches (inputs already checked)."""
+    columns of the state (the chunks' start states into a
+    ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
+    parallel over blocks of ``output_block_v``; ``warps``: of the two launches (inputs already
+    checked)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, heads, dk = q.shape
     dv = v.shape[2]
@@ -242,10 +198,8 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
         out.stride(0), out.stride(1), t, state.shape[0], BLOCK_K=state_bk, BLOCK_V=state_bv,
         num_warps=warps[0], **common)
     out_bv = min(block_v, max(output_block_v, 16))
-    nvb = max(1, min(output_value_blocks, cdiv(dv, out_bv)))
-    lightning_output_kernel[(m * heads * cdiv(dv, out_bv * nvb),)](
+    lightning_output_kernel[(m * heads * cdiv(dv, out_bv),)](
         q, k, v, slope, h, out, starts, ends, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), h.stride(0), h.stride(1), out.stride(0),
-        out.stride(1), BLOCK_K=block_k, BLOCK_V=out_bv, VALUE_BLOCKS=nvb, num_warps=warps[1],
-        **common)
+        out.stride(1), BLOCK_K=block_k, BLOCK_V=out_bv, num_warps=warps[1], **common)
     return out
