@@ -145,7 +145,8 @@ class SSMTuning:
     # The hand-off's key rows a program (0: the whole head dim; the state's rows are
     # independent: a scalar decay a head). Fewer: more programs walking the same chunks with
     # a smaller product each -- for few requests, whose programs are fewer than the SMs (1 x
-    # 8k at 64 heads of 128: 128 programs of 128 x 64). Not timed yet.
+    # 8k at 64 heads of 128: 128 programs of 128 x 64). 64 and 32 were slower on an H100
+    # (docs/tuning.md).
     lightning_state_block_k: int = 0
     lightning_output_block_v: int = 64
     lightning_state_warps: int = 8
