@@ -109,7 +109,8 @@
 #            widths against the reference, 200 decode steps replayed in a CUDA graph)
 #   dsv4check compute-sanitizer memcheck over DSV4_TRITON's kernel tests and its real sizes
 #            (DSV4CHECK_K selects: about 7 minutes on the H200 reach only the kernel tests,
-#            e.g. DSV4CHECK_K="gpu_real_sizes or replay" for the rest)
+#            e.g. DSV4CHECK_K="gpu_real_sizes or replay" for the rest; ATTN_OPS_MEMCHECK=1:
+#            the real-size test runs the backend alone over a shorter first step)
 #   hf       tests/test_hf_integration.py on the GPU's transformers (5.17: paged|attn_ops too)
 #   hfbench  benchmarks/bench_hf.py (generate against sdpa, generate_batch against paged|sdpa;
 #            HF_ARGS, e.g. "--profile --batches 1 64": host profiles and synchronizations
@@ -308,7 +309,7 @@ for spec in "$@"; do
         --out "$OUT/bench_model_decode_turboquant_h200.json" ;;
     dsv4) stage dsv4 "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_deepseek_v4.py ;;
-    dsv4check) stage dsv4check "$limit" compute-sanitizer --tool memcheck \
+    dsv4check) ATTN_OPS_MEMCHECK=1 stage dsv4check "$limit" compute-sanitizer --tool memcheck \
         --report-api-errors no python -m pytest -q -p no:cacheprovider \
         tests/test_deepseek_v4.py -k "${DSV4CHECK_K:-triton or gpu_real_sizes}" ;;
     hf) stage hf "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \

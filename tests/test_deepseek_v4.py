@@ -1074,20 +1074,32 @@ def test_gpu_real_sizes_match_the_reference(monkeypatch, kind, backend):
     bf16's tolerance of each other (the indexer's picks may differ only at ties). The indexer
     scores with the query as given (``mla.index_fp8_query`` off): its e4m3 query, the default,
     swaps entries near the top-k's edge, each a whole entry's weight of attention (2.8% here);
-    test_indexer bounds that approximation against the reference."""
+    test_indexer bounds that approximation against the reference.
+
+    Under compute-sanitizer (``ATTN_OPS_MEMCHECK=1``, as ``gpu_round.sh dsv4check`` sets it)
+    the backend runs alone, its outputs checked finite, over a first step of 4097 tokens for
+    one request and short ones for the others (mid-group ends kept): the instrumented
+    reference over all four prompts outlasts a device call, and the comparison is the plain
+    GPU run's."""
+    import os
+
     from attn_ops import BlockAllocator, build_batch
 
     monkeypatch.setenv("ATTN_OPS_TUNING", "mla.index_fp8_query=false")
+    memcheck = os.environ.get("ATTN_OPS_MEMCHECK") == "1"
+    first = (129, 67, 4097, 3) if memcheck else (2049, 1500, 4097, 3001)
 
-    layers = {b: _gpu_layer(kind, b) for b in (backend, "DSV4_REFERENCE")}
-    layers["DSV4_REFERENCE"].load_state_dict(layers[backend].state_dict())
+    layers = {b: _gpu_layer(kind, b) for b in (backend,) + (() if memcheck
+                                                            else ("DSV4_REFERENCE",))}
+    if not memcheck:
+        layers["DSV4_REFERENCE"].load_state_dict(layers[backend].state_dict())
     table = torch.randn(8192, 64, device="cuda")
     caches = {b: _gpu_caches(layer, 512, 6) for b, layer in layers.items()}
     allocs = {b: BlockAllocator(512, 64, shuffle=True, seed=1) for b in layers}
     c_table = torch.randperm(512)[:4 * 32].view(4, 32).int().cuda()
     lens = [0, 0, 0, 0]
     g = torch.Generator().manual_seed(1)
-    for new in ((2049, 1500, 4097, 3001), (1, 1, 1023, 2), (1, 1, 1, 1), (1, 1, 1, 1)):
+    for new in (first, (1, 1, 1023, 2), (1, 1, 1, 1), (1, 1, 1, 1)):
         x = torch.randn(sum(new), 1024, generator=g).cuda().to(torch.bfloat16)
         pos = torch.cat([torch.arange(c, c + n) for c, n in zip(lens, new)]).cuda()
         outs = {}
@@ -1100,8 +1112,9 @@ def test_gpu_real_sizes_match_the_reference(monkeypatch, kind, backend):
             with torch.no_grad():
                 outs[b] = layer(x, pos, table, caches[b][0], step, *caches[b][1:]).float()
         assert outs[backend].isfinite().all()
-        err = (outs[backend] - outs["DSV4_REFERENCE"]).norm() / outs["DSV4_REFERENCE"].norm()
-        assert err < 2e-2, (kind, new, float(err))
+        if not memcheck:
+            err = (outs[backend] - outs["DSV4_REFERENCE"]).norm() / outs["DSV4_REFERENCE"].norm()
+            assert err < 2e-2, (kind, new, float(err))
         lens = [c + n for c, n in zip(lens, new)]
 
 
