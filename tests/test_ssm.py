@@ -1396,6 +1396,62 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
     assert torch.equal(got_states[untouched], state[untouched])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("kernel", ["lightning_chunked", "lightning_split", "gdn_chunked",
+                                    "mamba2_chunked", "mamba1_chunked", "mamba1_unrolled",
+                                    "mamba1_segmented"])
+def test_chunked_kernels_write_states_of_a_step_without_tokens(kernel):
+    """A step whose requests bring no new tokens (no rows at all: a caller's
+    ``max_query_len`` is only a bound, and routes it to the prefill kernels) still writes each
+    request's state as the reference does -- its initial state, or zeros without one -- and
+    leaves the other slots alone; nothing returns before the state launch."""
+    from attn_ops.backends.ssm import chunked_kernels as ck
+    from attn_ops.backends.ssm import lightning_kernels as lk
+    from attn_ops.backends.ssm import mamba1_kernels as mk
+
+    dev = _device()
+    g = torch.Generator().manual_seed(21)
+    meta = build_state_metadata(torch.zeros(4, dtype=torch.int64), np.array([5, 0, 3]),
+                                np.array([3, 1, 4]), 16, device=dev)
+    step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    if kernel.startswith("lightning"):
+        args, shape = (r(0, 2, 16), r(0, 2, 16), r(0, 2, 24), r(2).abs()), (2, 16, 24)
+        op, tail = lightning_attention, (64,)
+        run = {"lightning_chunked": lambda st: lk.lightning_chunked_triton(*args, st, *step),
+               "lightning_split": lambda st: lk.lightning_split_triton(*args, st, *step,
+                                                                       chunk=16)}[kernel]
+    elif kernel == "gdn_chunked":
+        args, shape = (r(0, 1, 16), r(0, 1, 16), r(0, 2, 16), -r(0, 2).abs(), r(0, 2).abs()), \
+            (2, 16, 16)
+        op, tail = gated_delta_rule, (64, 0.25, True)
+        run = lambda st: ck.gdn_chunked_triton(*args, st, *step, 0.25, True, chunk=16)  # noqa: E731
+    elif kernel == "mamba2_chunked":
+        args = (r(0, 2, 16), r(0, 2), -r(2).abs(), r(0, 1, 16), r(0, 1, 16), r(2), r(0, 2, 16),
+                r(2))
+        shape, op, tail = (2, 16, 16), mamba2_ssd, (64, True, 0.0, math.inf)
+        run = lambda st: ck.ssd_chunked_triton(*args, st, *step, True, 0.0, math.inf,  # noqa: E731
+                                               chunk=16)
+    else:
+        args = (r(0, 16), r(0, 16), -r(16, 4).abs(), r(0, 4), r(0, 4), r(16), r(0, 16), r(16))
+        shape, op, tail = (16, 4), mamba1_scan, (64, True)
+        run = {"mamba1_chunked": lambda st: mk.mamba1_chunked_triton(*args, st, *step, True),
+               "mamba1_unrolled": lambda st: mk.mamba1_unrolled_triton(*args, st, *step, True),
+               "mamba1_segmented": lambda st: mk.mamba1_segmented_triton(*args, st, *step, True,
+                                                                         segment=16)}[kernel]
+    state = r(6, *shape)
+    want = state.clone().cpu()
+    op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), *tail)
+    got = state.clone()
+    run(got)
+    torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
+    assert not torch.equal(want[1], state[1].cpu())  # (no initial state: zeros written)
+
+
 def test_mamba1_walk_rows_pair_into_aligned_words():
     """The unrolled walks read an even ``d_state``'s ``B`` / ``C`` two fp32 values a 64-bit
     load, which the GPU faults on unless each row starts 8-byte aligned: the rows they are

@@ -407,7 +407,7 @@ def gdn_chunked_triton(q, k, v, g, beta, state, query_start_loc, state_indices,
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     b = query_start_loc.shape[0] - 1
-    if b == 0 or t == 0:
+    if b == 0:
         return torch.zeros_like(v)
     out = torch.empty_like(v)
     offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)
@@ -651,7 +651,7 @@ def ssd_chunked_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_loc, st
     t, h, p = x.shape
     g, n = B.shape[1:]
     b = query_start_loc.shape[0] - 1
-    if b == 0 or t == 0:
+    if b == 0:
         return torch.zeros_like(x)
     y = torch.empty_like(x)
     offsets, starts, ends = chunk_table_triton(query_start_loc, t, chunk)

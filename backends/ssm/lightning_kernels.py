@@ -177,7 +177,7 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     t, heads, dk = q.shape
     dv = v.shape[2]
     b = query_start_loc.shape[0] - 1
-    if b == 0 or t == 0:
+    if b == 0:
         return torch.zeros_like(v)
     out = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
     wdt = _work_dtype(q)

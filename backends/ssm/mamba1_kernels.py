@@ -567,7 +567,7 @@ def mamba1_segmented_triton(x, dt, A, B, C, D, z, dt_bias, state, query_start_lo
     t, d = x.shape
     n = A.shape[1]
     b = query_start_loc.shape[0] - 1
-    if b == 0 or t == 0:
+    if b == 0:
         return torch.zeros_like(x)
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     offsets, starts, ends = chunk_table_triton(query_start_loc, t, segment)
