@@ -169,10 +169,9 @@ def lightning_split_triton(q, k, v, slope, state, query_start_loc, state_indices
     shorter where the hand-off's tiles would not fit a block's shared memory:
     :func:`attn_ops.routing.lightning_split_chunk`) tokens, one slot a request: the state
     hand-off over blocks of ``state_block_k`` key rows (0: all) x ``state_block_v`` value
-    columns of the state (the chunks' start states into a
-    ``[chunks, H, D, Dv]`` buffer in the inputs' dtype), then the outputs of every chunk in
-    parallel over blocks of ``output_block_v``; ``warps``: of the two launches (inputs already
-    checked)."""
+    columns of the state (the chunks' start states into a ``[chunks, H, D, Dv]`` buffer in
+    the inputs' dtype), then the outputs of every chunk in parallel over blocks of
+    ``output_block_v``; ``warps``: of the two launches (inputs already checked)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     t, heads, dk = q.shape
     dv = v.shape[2]
