@@ -224,9 +224,14 @@ for spec in "$@"; do
         --out "$OUT/bench_model_decode_mla_h200.json" ;;
     ssm) stage ssm "$limit" python -m pytest ${PYTEST_FLAGS:--q} -p no:cacheprovider -rfE \
         tests/test_ssm.py tests/test_hybrid_model.py -k "${SSM_K:-}" ;;
-    ssmcheck) stage ssmcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
-        python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
-        -k "${SSMCHECK_K:-(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays}" ;;
+    ssmcheck) k="${SSMCHECK_K:-(real_sizes and bfloat16) or (triton_kernels and mixed) or graph_replays}"
+      # (the real sizes in a process of their own: after the others in one memcheck process,
+      # lightning's real-size references once found the device memory held)
+      for part in "not real_sizes" "real_sizes"; do
+        stage "ssmcheck ($part)" "$limit" compute-sanitizer --tool memcheck \
+          --report-api-errors no python -m pytest -q -p no:cacheprovider tests/test_ssm.py \
+          -k "($k) and $part"
+      done ;;
     ssmsweep) i=0
       for cfg in ${SSM_SWEEP:-ssm.decode_block_v=32,ssm.decode_block_p=32 ssm.decode_block_v=16,ssm.decode_block_p=16 ssm.decode_block_v=64,ssm.decode_block_p=64 ssm.decode_num_warps=2 ssm.decode_num_warps=8 ssm.decode_block_v=64,ssm.decode_block_p=64,ssm.decode_num_warps=8 ssm.decode_block_v=128,ssm.decode_num_warps=8}; do
         i=$((i + 1))
