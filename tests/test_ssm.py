@@ -1398,17 +1398,19 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("kernel", ["lightning_chunked", "lightning_split", "gdn_chunked",
-                                    "mamba2_chunked", "mamba1_chunked", "mamba1_unrolled",
-                                    "mamba1_segmented"])
-def test_chunked_kernels_write_states_of_a_step_without_tokens(kernel):
-    """A step whose requests bring no new tokens (no rows at all: a caller's
-    ``max_query_len`` is only a bound, and routes it to the prefill kernels) still writes each
-    request's state as the reference does -- its initial state, or zeros without one -- and
-    leaves the other slots alone; nothing returns before the state launch."""
+@pytest.mark.parametrize("kernel", ["lightning_chunked", "lightning_split", "lightning_recurrent",
+                                    "gdn_chunked", "gdn_recurrent", "mamba2_chunked",
+                                    "mamba2_recurrent", "mamba1_chunked", "mamba1_unrolled",
+                                    "mamba1_segmented", "mamba1_recurrent", "conv"])
+def test_kernels_write_states_of_a_step_without_tokens(kernel):
+    """A step whose requests bring no new tokens (no rows at all; a caller's
+    ``max_query_len`` is only a bound, so any kernel may get it) still writes each request's
+    state as the reference does -- its initial state, or zeros without one -- and leaves the
+    other slots alone: no kernel returns before its state launch."""
     from attn_ops.backends.ssm import chunked_kernels as ck
     from attn_ops.backends.ssm import lightning_kernels as lk
     from attn_ops.backends.ssm import mamba1_kernels as mk
+    from attn_ops.backends.ssm import triton_kernels as tk
 
     dev = _device()
     g = torch.Generator().manual_seed(21)
@@ -1424,25 +1426,38 @@ def test_chunked_kernels_write_states_of_a_step_without_tokens(kernel):
         op, tail = lightning_attention, (64,)
         run = {"lightning_chunked": lambda st: lk.lightning_chunked_triton(*args, st, *step),
                "lightning_split": lambda st: lk.lightning_split_triton(*args, st, *step,
-                                                                       chunk=16)}[kernel]
-    elif kernel == "gdn_chunked":
+                                                                       chunk=16),
+               "lightning_recurrent": lambda st: tk.lightning_recurrent_triton(*args, st, *step)
+               }[kernel]
+    elif kernel.startswith("gdn"):
         args, shape = (r(0, 1, 16), r(0, 1, 16), r(0, 2, 16), -r(0, 2).abs(), r(0, 2).abs()), \
             (2, 16, 16)
         op, tail = gated_delta_rule, (64, 0.25, True)
-        run = lambda st: ck.gdn_chunked_triton(*args, st, *step, 0.25, True, chunk=16)  # noqa: E731
-    elif kernel == "mamba2_chunked":
+        run = {"gdn_chunked": lambda st: ck.gdn_chunked_triton(*args, st, *step, 0.25, True,
+                                                               chunk=16),
+               "gdn_recurrent": lambda st: tk.gdn_recurrent_triton(*args, st, *step, 0.25, True)
+               }[kernel]
+    elif kernel.startswith("mamba2"):
         args = (r(0, 2, 16), r(0, 2), -r(2).abs(), r(0, 1, 16), r(0, 1, 16), r(2), r(0, 2, 16),
                 r(2))
         shape, op, tail = (2, 16, 16), mamba2_ssd, (64, True, 0.0, math.inf)
-        run = lambda st: ck.ssd_chunked_triton(*args, st, *step, True, 0.0, math.inf,  # noqa: E731
-                                               chunk=16)
+        run = {"mamba2_chunked": lambda st: ck.ssd_chunked_triton(*args, st, *step, True, 0.0,
+                                                                  math.inf, chunk=16),
+               "mamba2_recurrent": lambda st: tk.ssd_recurrent_triton(*args, st, *step, True,
+                                                                      0.0, math.inf)}[kernel]
+    elif kernel == "conv":
+        args, shape = (r(0, 16), r(16, 4), r(16)), (3, 16)
+        op, tail = causal_conv1d, ("silu",)
+        run = lambda st: tk.conv_triton(*args, st, *step, "silu")  # noqa: E731
     else:
         args = (r(0, 16), r(0, 16), -r(16, 4).abs(), r(0, 4), r(0, 4), r(16), r(0, 16), r(16))
         shape, op, tail = (16, 4), mamba1_scan, (64, True)
         run = {"mamba1_chunked": lambda st: mk.mamba1_chunked_triton(*args, st, *step, True),
                "mamba1_unrolled": lambda st: mk.mamba1_unrolled_triton(*args, st, *step, True),
                "mamba1_segmented": lambda st: mk.mamba1_segmented_triton(*args, st, *step, True,
-                                                                         segment=16)}[kernel]
+                                                                         segment=16),
+               "mamba1_recurrent": lambda st: tk.mamba1_recurrent_triton(*args, st, *step, True)
+               }[kernel]
     state = r(6, *shape)
     want = state.clone().cpu()
     op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), *tail)

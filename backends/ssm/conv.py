@@ -84,7 +84,9 @@ def _states_after(x, states, query_start_loc, kernel, ends):
     qsl = query_start_loc.long()
     i = torch.arange(kernel - 1, device=x.device)
     p = ends[:, None] - (kernel - 1) + i[None, :]  # [B, K - 1]
-    from_x = x.to(dtype)[(qsl[:-1, None] + p).clamp(0, max(x.shape[0] - 1, 0))]
+    xs = x.to(dtype) if x.shape[0] else x.new_zeros(1, x.shape[1], dtype=dtype)  # (a step
+    # without rows takes every entry from the states: p < 0)
+    from_x = xs[(qsl[:-1, None] + p).clamp(0, xs.shape[0] - 1)]
     from_state = states.gather(1, (kernel - 1 + p).clamp(0, kernel - 2)[..., None].expand(
         -1, -1, x.shape[1]))
     return torch.where((p >= 0)[..., None], from_x, from_state)
