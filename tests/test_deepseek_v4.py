@@ -387,7 +387,7 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
     assert ours.backend == backend
     rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
     kind_rope = "main" if kind == "sliding_attention" else "compress"
-    steps, total = (13, 3, 1, 1, 6, 1), 25
+    steps, total = (13, 0, 3, 1, 1, 6, 1), 25  # (a step without rows: served, nothing changes)
     x = torch.randn(1, total, cfg.hidden_size)
     cos, sin = rotary(x, torch.arange(total)[None], layer_type=kind_rope)
     table = torch.cat([cos[0], sin[0]], -1)
@@ -407,6 +407,16 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
     cache, done = DynamicCache(config=cfg), 0
     for n in steps:
         pos = torch.arange(done, done + n)
+        if n == 0:
+            meta = build_batch(alloc, [0], [done], [0])
+            step = dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                        block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+                        compressed_block_table=c_table, state_indices=torch.tensor([1]))
+            with torch.no_grad():
+                got = _on_device(ours, x[0, :0], pos, table, window, step, compressed, state,
+                                 index_keys, index_state)
+            assert got.shape == (0, cfg.hidden_size)
+            continue
         embeddings = {r: rotary(x, pos[None], layer_type=r) for r in ("main", "compress")}
         cached = min(done, cfg.sliding_window - 1)
         key_pos = torch.arange(done - cached, done + n)

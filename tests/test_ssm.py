@@ -822,6 +822,7 @@ PEERS = {"gated_deltanet": _hf_gdn, "mamba2": _hf_mamba2, "bamba_mamba2": _hf_ba
          "short_conv": _hf_short_conv, "mamba1": _hf_mamba1, "falcon_mamba": _hf_falcon_mamba,
          "lightning": _hf_lightning}
 LAYER_SCHEDULE = [[(0, 6), (1, 1), (2, 9)],          # prefills (one of one token)
+                  [(0, 0), (1, 0), (2, 0)],          # a step without rows: nothing changes
                   [(1, 1), (0, 5), (2, 3)],          # a decode, prefills resuming mid-chunk
                   [(0, 1), (1, 1), (2, 1)], [(2, 1), (0, 1), (1, 1)]]  # decodes
 

@@ -157,7 +157,7 @@ class DeepseekV4Attention(SelectedLayer):
             self.impl.compress(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
                                index_state, step, True, self.i_kv_norm, self.eps, rope_table,
                                index_cache, index=True)
-            q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, -1),
+            q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, self.index_head_dim),
                                        cos_sin)
             weights = self.i_weights_proj(x).float() * self.index_heads ** -0.5
             picks = self.impl.indexer_topk(q_index, weights, index_cache, step)
@@ -165,7 +165,9 @@ class DeepseekV4Attention(SelectedLayer):
                                   compressed_cache if self.compressed else None,
                                   picks if self.sparse else None)
         out = interleaved_rope(out, cos_sin, inverse=True)
-        grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H d / g]
+        # (sizes spelled out, not -1: a step may have no rows)
+        grouped = out.reshape(t, self.o_groups, out.shape[1] * out.shape[2] // self.o_groups)
         w = self.o_a_proj.view(self.o_groups, self.o_lora_rank, -1)
-        mixed = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, -1)
+        mixed = torch.einsum("tgi,goi->tgo", grouped, w).reshape(t, self.o_groups
+                                                                  * self.o_lora_rank)
         return self.o_b_proj(mixed)

@@ -115,14 +115,17 @@ class GatedDeltaNet(StateLayer):
         t = hidden.shape[0]
         per_k = s.num_v_heads // s.num_k_heads
         # in_proj_qkvz's rows are grouped by key head: [q | k | v (per_k heads) | z (per_k)]
-        qkvz = self.in_proj_qkvz(hidden).view(t, s.num_k_heads, -1)
+        # (sizes spelled out, not -1: a step may have no rows)
+        qkvz = self.in_proj_qkvz(hidden).view(t, s.num_k_heads,
+                                              2 * (s.head_k_dim + per_k * s.head_v_dim))
         q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, per_k * s.head_v_dim,
                                  per_k * s.head_v_dim], dim=-1)
         b, a = self.in_proj_ba(hidden).view(t, s.num_k_heads, 2 * per_k).split(per_k, dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        key_dim, value_dim = s.num_k_heads * s.head_k_dim, s.num_v_heads * s.head_v_dim
+        mixed = torch.cat([q.reshape(t, key_dim), k.reshape(t, key_dim),
+                           v.reshape(t, value_dim)], dim=-1)
         mixed = self.impl.conv(mixed, self.conv_weight, None, states.conv, meta)
-        key_dim = s.num_k_heads * s.head_k_dim
-        q, k, v = mixed.split([key_dim, key_dim, s.num_v_heads * s.head_v_dim], dim=-1)
+        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
         beta = b.reshape(t, s.num_v_heads).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, s.num_v_heads).float()
                                                    + self.dt_bias)
@@ -132,7 +135,7 @@ class GatedDeltaNet(StateLayer):
                                  states.recurrent, meta, s.head_k_dim ** -0.5, True)
         o = gated_rms_norm(o, z.reshape(t, s.num_v_heads, s.head_v_dim), self.norm_weight,
                            self.eps)
-        return self.out_proj(o.reshape(t, -1))
+        return self.out_proj(o.reshape(t, value_dim))
 
 
 class Mamba2Mixer(StateLayer):
@@ -289,7 +292,7 @@ class LightningAttention(StateLayer):
         qkv = F.silu(self.qkv_proj(hidden)).view(t, s.num_heads, 3 * s.head_dim)
         q, k, v = qkv.split(s.head_dim, dim=-1)
         o = self.impl.attention(q, k, v, self.slope, states.recurrent, meta)
-        o = o.reshape(t, -1)
+        o = o.reshape(t, s.num_heads * s.head_dim)
         h = o.float()
         o = self.norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
                                 ).to(o.dtype)

@@ -193,7 +193,7 @@ class MLADecoderLayer(nn.Module):
         else:
             q_resid = self.q_a_norm(self.q_a_proj(hidden))
             q = self.q_b_proj(q_resid)
-        q = q.view(x.shape[0], cfg.num_heads, -1)
+        q = q.view(x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         kv_c, k_pe = self.kv_a_proj(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         sparse = {}
         if self.indexer is not None:
