@@ -157,8 +157,8 @@ class DeepseekV4Attention(SelectedLayer):
             self.impl.compress(self.i_kv_proj(x), self.i_gate_proj(x), self.i_position_bias,
                                index_state, step, True, self.i_kv_norm, self.eps, rope_table,
                                index_cache, index=True)
-            q_index = interleaved_rope(self.i_q_b_proj(qr).view(t, self.index_heads, self.index_head_dim),
-                                       cos_sin)
+            q_index = interleaved_rope(
+                self.i_q_b_proj(qr).view(t, self.index_heads, self.index_head_dim), cos_sin)
             weights = self.i_weights_proj(x).float() * self.index_heads ** -0.5
             picks = self.impl.indexer_topk(q_index, weights, index_cache, step)
         out = self.impl.attention(q, window_cache, step, self.sinks,
