@@ -1468,6 +1468,87 @@ def test_kernels_write_states_of_a_step_without_tokens(kernel):
     assert not torch.equal(want[1], state[1].cpu())  # (no initial state: zeros written)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("seed", range(3))
+def test_random_steps_match_the_reference(seed):
+    """Each prefill kernel and token-by-token kernel on a step drawn at random -- requests of
+    0, 1 or many new tokens, with and without initial states, padding rows, head dims and value
+    widths not powers of two, chunks and blocks of several sizes -- against the fp32
+    reference: outputs, and the states at the slots the reference writes."""
+    from attn_ops.backends.ssm import chunked_kernels as ck
+    from attn_ops.backends.ssm import lightning_kernels as lk
+    from attn_ops.backends.ssm import mamba1_kernels as mk
+    from attn_ops.backends.ssm import triton_kernels as tk
+
+    dev = _device()
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    b = rng.randint(1, 4)
+    lens = [rng.choice([0, 1, 2, rng.randint(3, 40)]) for _ in range(b)]
+    ctx = [rng.choice([0, rng.randint(1, 30)]) for _ in range(b)]
+    slots = rng.sample(range(1, b + 3), b)
+    t = sum(lens) + rng.randint(0, 3)
+    chunk = rng.choice([16, 32])
+    meta = build_state_metadata(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])),
+                                np.array(ctx), np.array(slots), chunk, device=dev)
+    step = (meta.query_start_loc, meta.state_indices, meta.has_initial_state)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dev)
+
+    h, dk, dv = rng.randint(1, 3), rng.choice([8, 24, 40]), rng.choice([16, 24, 72])
+    light = (r(t, h, dk, scale=0.5), r(t, h, dk, scale=0.5), r(t, h, dv),
+             torch.rand(h, generator=g).to(dev))
+    d, n = rng.choice([8, 40]), rng.choice([1, 4, 5])
+    mamba1 = (r(t, d), r(t, d, scale=0.5), -torch.rand(d, n, generator=g).to(dev) * 2,
+              r(t, n), r(t, n), r(d), r(t, d), r(d))
+    hk, hv, gd = 1, 2, rng.choice([16, 24])
+    gdn = (r(t, hk, gd, scale=0.3), r(t, hk, gd, scale=0.3), r(t, hv, gd),
+           -torch.rand(t, hv, generator=g).to(dev), torch.rand(t, hv, generator=g).to(dev))
+    mh, mp, mn = 2, rng.choice([8, 24]), rng.choice([8, 24])
+    mamba2 = (r(t, mh, mp), r(t, mh), -torch.rand(mh, generator=g).to(dev),
+              r(t, 1, mn, scale=0.5), r(t, 1, mn, scale=0.5), r(mh), r(t, mh, mp), r(mh))
+    block = rng.choice([16, 32])
+    cases = {  # (op, its arguments, state shape, extra op arguments, kernel)
+        "lightning_split": (lightning_attention, light, (h, dk, dv), (64,),
+                            lambda st: lk.lightning_split_triton(
+                                *light, st, *step, chunk=chunk, state_block_v=block,
+                                output_block_v=rng.choice([16, 64]),
+                                state_block_k=rng.choice([0, 16]))),
+        "lightning_chunked": (lightning_attention, light, (h, dk, dv), (64,),
+                              lambda st: lk.lightning_chunked_triton(*light, st, *step,
+                                                                     chunk=chunk, block_v=block)),
+        "lightning_recurrent": (lightning_attention, light, (h, dk, dv), (64,),
+                                lambda st: tk.lightning_recurrent_triton(*light, st, *step,
+                                                                         block_v=block)),
+        "mamba1_unrolled": (mamba1_scan, mamba1, (d, n), (64, True),
+                            lambda st: mk.mamba1_unrolled_triton(
+                                *mamba1, st, *step, True, block_d=block,
+                                prefetch=rng.choice([0, 2]), y_parts=rng.choice([1, 2]))),
+        "mamba1_segmented": (mamba1_scan, mamba1, (d, n), (64, True),
+                             lambda st: mk.mamba1_segmented_triton(*mamba1, st, *step, True,
+                                                                   segment=chunk)),
+        "mamba1_recurrent": (mamba1_scan, mamba1, (d, n), (64, True),
+                             lambda st: tk.mamba1_recurrent_triton(*mamba1, st, *step, True)),
+        "gdn_chunked": (gated_delta_rule, gdn, (hv, gd, gd), (64, gd ** -0.5, True),
+                        lambda st: ck.gdn_chunked_triton(*gdn, st, *step, gd ** -0.5, True,
+                                                         chunk=chunk)),
+        "mamba2_chunked": (mamba2_ssd, mamba2, (mh, mp, mn), (64, True, 0.0, math.inf),
+                           lambda st: ck.ssd_chunked_triton(*mamba2, st, *step, True, 0.0,
+                                                            math.inf, chunk=chunk)),
+    }
+    m = sum(lens)
+    for name, (op, args, shape, extra, run) in cases.items():
+        state = r(b + 3, *shape, scale=0.1)
+        want = state.clone().cpu()
+        want_y = op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), *extra)
+        got = state.clone()
+        y = run(got)
+        torch.testing.assert_close(y[:m].cpu(), want_y[:m], atol=2e-4, rtol=2e-4, msg=name)
+        torch.testing.assert_close(got.cpu(), want, atol=2e-4, rtol=2e-4, msg=name)
+
+
 def test_mamba1_walk_rows_pair_into_aligned_words():
     """The unrolled walks read an even ``d_state``'s ``B`` / ``C`` two fp32 values a 64-bit
     load, which the GPU faults on unless each row starts 8-byte aligned: the rows they are
