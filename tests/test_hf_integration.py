@@ -70,15 +70,15 @@ def _models(name: str, **overrides):
 
     hf.register()
     cls, extra, peer = _family(name)
-    extra = dict(extra, **overrides)
+    fields = {**BASE, **extra, **overrides}
     torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(
-        cls(**BASE, **extra, attn_implementation=peer)).eval()
+        cls(**fields, attn_implementation=peer)).eval()
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
     ours = transformers.AutoModelForCausalLM.from_config(
-        cls(**BASE, **extra, attn_implementation="attn_ops")).eval()
+        cls(**fields, attn_implementation="attn_ops")).eval()
     ours.load_state_dict(theirs.state_dict())
     return theirs, ours
 
@@ -303,6 +303,45 @@ def test_generate_over_the_attn_ops_cache_gives_hfs_tokens(name):
     page = next(iter(owned.steps.by_page))
     assert owned.steps.tokens(page) == [int(m.sum()) + 5 for m in mask]
     assert len(owned.steps.by_page) == 1
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma2", "gpt_oss"])
+def test_random_configs_and_padding_generate_hfs_tokens(name):
+    """A head layout (GQA groups of 1-3, head dims not powers of two), sliding window and left
+    padding drawn at random (seeded by the family): ``generate`` with HF's cache and with
+    ``attn_ops.hf.cache`` gives HF's tokens and logits. (Eager Gemma 2 gives NaN where a
+    padded row's window holds only padding; the windows drawn here are wider than the pads.)"""
+    import random
+
+    from attn_ops import hf
+
+    rng = random.Random(name)
+    seed = rng.randrange(1 << 16)
+    kv, group, d = rng.choice([1, 2, 3]), rng.choice([1, 2, 3]), rng.choice([8, 24, 40])
+    overrides = dict(num_attention_heads=kv * group, num_key_value_heads=kv, head_dim=d,
+                     hidden_size=12 * kv * group)
+    if name in ("mistral", "gemma2", "gpt_oss"):
+        overrides["sliding_window"] = rng.choice([13, 16])
+    if name == "gemma2":
+        overrides["query_pre_attn_scalar"] = d
+    theirs, ours = _models(name, **overrides)
+    b, width = rng.randint(1, 4), 12
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, width, dtype=torch.long)
+    for r in range(b):
+        n = rng.randint(1, width)
+        ids[r, width - n:] = torch.randint(1, 101, (n,), generator=g)
+        mask[r, width - n:] = 1
+    new = rng.randint(1, 6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        want = theirs.generate(ids, **kwargs)
+        for extra in ({}, _with_cache(ours, hf.cache(ours, batch=b, max_tokens=width + new))):
+            got = ours.generate(ids, **extra, **kwargs)
+            assert torch.equal(got.sequences, want.sequences), (name, overrides, extra)
+            for x, y in zip(got.logits, want.logits):
+                torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
