@@ -344,9 +344,10 @@ def _v4_backends(dtype=torch.float32, kv_cache_dtype="auto"):
 
 
 def _peer_cases():
-    """(kind, fp8, backend): every kind with rows on every backend; the 584-byte entries on
-    the reference for every kind and on the kernels for the compressed-sparse kind (which runs
-    all of their entry paths: window, compressed entries, picks)."""
+    """(kind, fp8, backend, schedule): every kind with rows on every backend; the 584-byte
+    entries on the reference for every kind and on the kernels for the compressed-sparse kind
+    (which runs all of their entry paths: window, compressed entries, picks); at the small
+    width, the fixed steps and steps drawn at random too."""
     kinds = ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
     for b in _v4_backends():
         for fp8 in (False, True):
@@ -354,20 +355,24 @@ def _peer_cases():
                 if fp8 and b.values[0] != "DSV4_REFERENCE" and \
                         kind != "compressed_sparse_attention":
                     continue
-                yield pytest.param(kind, fp8, *b.values, marks=b.marks,
-                                   id=f"{kind}-{'fp8_entries' if fp8 else 'dense'}-"
-                                      f"{b.values[0]}")
+                for schedule in ("fixed",) if fp8 else ("fixed", "drawn"):
+                    yield pytest.param(kind, fp8, *b.values, schedule, marks=b.marks,
+                                       id=f"{kind}-{'fp8_entries' if fp8 else 'dense'}-"
+                                          f"{b.values[0]}-{schedule}")
 
 
-@pytest.mark.parametrize("kind,fp8,backend", list(_peer_cases()))
+@pytest.mark.parametrize("kind,fp8,backend,schedule", list(_peer_cases()))
 def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kind, fp8,
-                                                                               backend):
+                                                                               backend, schedule):
     """Our layer, loaded from HF's ``DeepseekV4Attention`` (random weights, sinks and position
     bias), over paged window and compressed caches with the compressor's state in a slot:
     a prefill, a chunk ending mid-group, decodes -- each step's outputs HF's (fp32; HF given
     the sliding-window causal mask the study prescribes). ``fp8_entries``: V4's width (512 =
     448 + 64) with the window and compressed caches in vLLM's 584-byte entries: HF's outputs
-    within e4m3's error (relative L2 under 5%). Every backend of the family, forced."""
+    within e4m3's error (relative L2 under 5%). Every backend of the family, forced.
+    ``drawn``: step lengths drawn at random (seeded by the case) instead of the fixed ones."""
+    import random
+
     from transformers import DynamicCache
 
     from attn_ops import AttentionConfig, BlockAllocator, build_batch
@@ -387,7 +392,13 @@ def test_the_layer_reproduces_hfs_attention_over_prefills_chunks_and_decodes(kin
     assert ours.backend == backend
     rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
     kind_rope = "main" if kind == "sliding_attention" else "compress"
-    steps, total = (13, 0, 3, 1, 1, 6, 1), 25  # (a step without rows: served, nothing changes)
+    steps = (13, 0, 3, 1, 1, 6, 1)  # (a step without rows: served, nothing changes)
+    if schedule == "drawn":
+        rng = random.Random(f"{kind}-{backend}")
+        steps = [rng.randint(1, 13)]
+        while sum(steps) < 30:
+            steps.append(rng.choice([0, 1, 1, 2, 3, rng.randint(4, 9)]))
+    total = sum(steps)
     x = torch.randn(1, total, cfg.hidden_size)
     cos, sin = rotary(x, torch.arange(total)[None], layer_type=kind_rope)
     table = torch.cat([cos[0], sin[0]], -1)
