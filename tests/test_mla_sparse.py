@@ -166,6 +166,35 @@ def test_sparse_layer_matches_dense_mla_masked_to_the_selection(backend, scenari
     torch.testing.assert_close(got[:t].double().cpu(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("backend", SPARSE_HERE)
+@pytest.mark.parametrize("seed", range(2))
+def test_sparse_layer_matches_dense_mla_on_random_steps(backend, seed):
+    """A step drawn at random (head count, requests with and without context, decodes and
+    speculative or prefill rows, padding, head blocks and splits of the kernel) against dense
+    MLA masked to a random selection."""
+    import random
+
+    from attn_ops.tuning import Tuning
+
+    rng = random.Random(f"{backend}-{seed}")
+    heads = rng.choice([1, 4, 20, 33])
+    reqs = sorted(((rng.choice([0, rng.randint(1, 40)]), rng.choice([1, 2, 4, rng.randint(5, 20)]))
+                   for _ in range(rng.randint(1, 4))), key=lambda r: r[1] > 4)
+    padded = rng.choice([0, 2])
+    spec = SPEC.with_(num_heads=heads)
+    case = _case(spec, reqs, seed=seed, padded=padded)
+    positions = _selection(torch.Generator().manual_seed(seed), reqs, case["total"], padded, TOPK)
+    dtype = SPARSE_HERE[backend]
+    tuning = Tuning().with_(mla={"sparse_heads": rng.choice([16, 32, 64]),
+                                 "sparse_splits": rng.choice([0, 1, 3])})
+    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]), tuning)
+    want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions, None)
+    t = case["total"]
+    assert (got[t:] == 0).all()
+    torch.testing.assert_close(got[:t].double().cpu(), want, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.skipif("TRITON_MLA_SPARSE" not in SPARSE_HERE, reason="needs Triton here")
 @pytest.mark.parametrize("splits,cache", [(3, "auto"), (2, "fp8_e4m3"), (4, "auto")])
 def test_triton_sparse_splits_of_the_slots_combine_to_the_same_attention(splits, cache):

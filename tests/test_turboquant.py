@@ -594,6 +594,45 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
+    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("dtype", PRESETS, ids=lambda d: d.value)
+def test_triton_attention_reads_random_steps_as_the_torch_body_does(dtype):
+    """TRITON_ATTN over the TurboQuant format on a step drawn at random (seeded by the preset):
+    GQA group, request count, contexts and query lengths (decodes first), the split route and
+    the field reads -- against the torch body on the same cache, LSE too."""
+    import random
+
+    from attn_ops.backends.turboquant.backend import TurboQuantBackend
+    from attn_ops.backends.turboquant.ops import triton_turboquant_attention
+    from attn_ops.tuning import default_tuning
+
+    rng = random.Random(dtype.value)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kv, group = rng.randint(1, 3), rng.choice([1, 3, 4])
+    b = rng.randint(1, 5)
+    new = sorted((rng.choice([1, 1, rng.randint(2, 20)]) for _ in range(b)), key=lambda n: n > 1)
+    ctx = [rng.choice([0, rng.randint(1, 40)]) for _ in range(b)]
+    spec = AttentionSpec(num_heads=kv * group, num_kv_heads=kv, head_dim=16,
+                         dtype=torch.float32, kv_cache_dtype=dtype)
+    _, cache, meta, q, k, v = _step(spec, ctx, new, seed=len(dtype.value), device=dev)
+    turboquant_cache_update(k, v, cache, meta.slot_mapping, dtype.value)
+    triton = rng.choice([dict(max_splits=1),
+                         dict(min_keys_per_split=rng.choice([2, 4]), programs_per_sm=64,
+                              fused_combine=rng.random() < 0.5)])
+    triton.update(turboquant_planes=rng.random() < 0.5, turboquant_coalesced=rng.random() < 0.5)
+    impl = TurboQuantBackend(spec, tuning=default_tuning().with_(triton=triton))
+    plan = impl.build_metadata(meta)
+    out = torch.full((q.shape[0], spec.num_heads, 16), float("nan"), device=dev)
+    lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=dev)
+    args = impl.op_arguments(q, cache, plan, out, lse=lse)
+    want = [a.cpu().clone() if torch.is_tensor(a) else a for a in args]
+    turboquant_attention(*want)
+    triton_turboquant_attention(*args)
+    torch.testing.assert_close(out.cpu(), want[6], atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse.cpu(), want[7], atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", [KVCacheDType.TURBOQUANT_4BIT_NC, KVCacheDType.TURBOQUANT_K8V4,
                                    KVCacheDType.TURBOQUANT_3BIT_NC], ids=lambda d: d.value)
