@@ -239,7 +239,7 @@ def _profile_batch(args, models, device, batch: int) -> dict:
             got = step_timeline(model, runs[name])
             if name not in timelines or got["step_ms"] < timelines[name]["step_ms"]:
                 timelines[name] = got
-    for name, model in models.items():
+    for name in models:
         run, timeline = runs[name], timelines[name]
         prof = cProfile.Profile()
         t0 = time.perf_counter()

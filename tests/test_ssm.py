@@ -895,6 +895,10 @@ def triton_interpretable() -> bool:
     return torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"
 
 
+NEEDS_TRITON = pytest.mark.skipif(not triton_interpretable(),
+                                  reason="Triton needs a GPU or its interpreter")
+
+
 def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
                    chunked: bool = False):
     """``kind``'s Triton launch on its op arguments ``args``: the conv kernels, the recurrent
@@ -936,8 +940,7 @@ def _triton_launch(kind: str, args, block: int = 32, streaming: bool = False,
     return tk.ssd_recurrent_triton(*head, soft, lo, hi, block, streaming=streaming)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@NEEDS_TRITON
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill", "speculative"])
 def test_triton_kernels_match_the_reference(kind, scenario):
@@ -1164,8 +1167,7 @@ def test_decode_blocks_halve_for_small_batches_down_to_32_columns():
     assert state_block(1, 100, 128, 1) == 128
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@NEEDS_TRITON
 @pytest.mark.parametrize("num_reqs,chunk,index", [(1, 16, torch.int32), (5, 16, torch.int64),
                                                   (300, 32, torch.int32)])
 def test_chunk_table_in_one_launch_equals_its_torch_definition(num_reqs, chunk, index,
@@ -1188,8 +1190,7 @@ def test_chunk_table_in_one_launch_equals_its_torch_definition(num_reqs, chunk, 
         assert g.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@NEEDS_TRITON
 @pytest.mark.parametrize("heads,chunk,dtype", [((2, 4), 16, torch.float32),
                                                ((3, 3), 16, torch.float32),
                                                ((2, 4), 32, torch.float32),
@@ -1251,8 +1252,7 @@ def test_routing_runs_long_prefills_chunked_and_speculative_steps_recurrent():
     assert ssm_kernel(False, torch.bfloat16, True, 512, True, 64) is Kernel.SSM_TORCH
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@NEEDS_TRITON
 @pytest.mark.parametrize("gated,chunk,block,keys,dtype", [
     (True, 16, 16, 16, torch.float32), (False, 16, 16, 16, torch.float32),
     (True, 32, 16, 16, torch.float32), (True, 32, 16, 16, torch.float16),
@@ -1304,8 +1304,7 @@ def test_ssd_chunked_kernel_matches_the_reference(gated, chunk, block, keys, dty
     assert torch.equal(got_states[untouched], state[untouched])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@NEEDS_TRITON
 @pytest.mark.parametrize("kind,chunk,block,dtype", [
     ("mamba1", 16, 16, torch.float32), ("mamba1", 8, 32, torch.float16),
     ("mamba1_unrolled", 16, 16, torch.float32),
@@ -1397,22 +1396,58 @@ def test_walking_chunked_kernels_match_the_reference(kind, chunk, block, dtype,
     assert torch.equal(got_states[untouched], state[untouched])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("kernel", ["lightning_chunked", "lightning_split", "lightning_recurrent",
-                                    "gdn_chunked", "gdn_recurrent", "mamba2_chunked",
-                                    "mamba2_recurrent", "mamba1_chunked", "mamba1_unrolled",
-                                    "mamba1_segmented", "mamba1_recurrent", "conv"])
-def test_kernels_write_states_of_a_step_without_tokens(kernel):
-    """A step whose requests bring no new tokens (no rows at all; a caller's
-    ``max_query_len`` is only a bound, so any kernel may get it) still writes each request's
-    state as the reference does -- its initial state, or zeros without one -- and leaves the
-    other slots alone: no kernel returns before its state launch."""
+# Every Triton entry point of the recurrent ops, by family: the op its torch body is
+ENTRY_POINTS = {
+    "lightning": ["lightning_chunked", "lightning_split", "lightning_recurrent"],
+    "gdn": ["gdn_chunked", "gdn_recurrent"],
+    "mamba2": ["mamba2_chunked", "mamba2_recurrent"],
+    "mamba1": ["mamba1_chunked", "mamba1_unrolled", "mamba1_segmented", "mamba1_recurrent"],
+    "conv": ["conv"],
+}
+
+
+def _run_entry_point(kernel: str, args, state, step, extra, chunk: int = 16, block: int = 32,
+                     **options):
+    """The Triton entry point ``kernel`` on an op's inputs ``args``, writing ``state`` for the
+    step's ``(query_start_loc, state_indices, has_initial_state)``; ``extra``: the op's own
+    arguments after them (the max query length left out); ``chunk`` / ``block``: the prefill
+    kernels' chunks (segments) and the state or value columns a program where the kernel
+    takes them; ``options``: the kernel's other keywords."""
     from attn_ops.backends.ssm import chunked_kernels as ck
     from attn_ops.backends.ssm import lightning_kernels as lk
     from attn_ops.backends.ssm import mamba1_kernels as mk
     from attn_ops.backends.ssm import triton_kernels as tk
 
+    run = {
+        "lightning_chunked": lambda: lk.lightning_chunked_triton(*args, state, *step, chunk=chunk,
+                                                                 block_v=block),
+        "lightning_split": lambda: lk.lightning_split_triton(*args, state, *step, chunk=chunk,
+                                                             state_block_v=block, **options),
+        "lightning_recurrent": lambda: tk.lightning_recurrent_triton(*args, state, *step,
+                                                                     block_v=block),
+        "gdn_chunked": lambda: ck.gdn_chunked_triton(*args, state, *step, *extra, chunk=chunk),
+        "gdn_recurrent": lambda: tk.gdn_recurrent_triton(*args, state, *step, *extra),
+        "mamba2_chunked": lambda: ck.ssd_chunked_triton(*args, state, *step, *extra,
+                                                        chunk=chunk),
+        "mamba2_recurrent": lambda: tk.ssd_recurrent_triton(*args, state, *step, *extra),
+        "mamba1_chunked": lambda: mk.mamba1_chunked_triton(*args, state, *step, *extra),
+        "mamba1_unrolled": lambda: mk.mamba1_unrolled_triton(*args, state, *step, *extra,
+                                                             block_d=block, **options),
+        "mamba1_segmented": lambda: mk.mamba1_segmented_triton(*args, state, *step, *extra,
+                                                               segment=chunk),
+        "mamba1_recurrent": lambda: tk.mamba1_recurrent_triton(*args, state, *step, *extra),
+        "conv": lambda: tk.conv_triton(*args, state, *step, *extra),
+    }
+    return run[kernel]()
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("kernel", [k for ks in ENTRY_POINTS.values() for k in ks])
+def test_kernels_write_states_of_a_step_without_tokens(kernel):
+    """A step whose requests bring no new tokens (no rows at all; a caller's
+    ``max_query_len`` is only a bound, so any kernel may get it) still writes each request's
+    state as the reference does -- its initial state, or zeros without one -- and leaves the
+    other slots alone: no kernel returns before its state launch."""
     dev = _device()
     g = torch.Generator().manual_seed(21)
     meta = build_state_metadata(torch.zeros(4, dtype=torch.int64), np.array([5, 0, 3]),
@@ -1422,65 +1457,35 @@ def test_kernels_write_states_of_a_step_without_tokens(kernel):
     def r(*shape):
         return torch.randn(*shape, generator=g).to(dev)
 
-    if kernel.startswith("lightning"):
-        args, shape = (r(0, 2, 16), r(0, 2, 16), r(0, 2, 24), r(2).abs()), (2, 16, 24)
-        op, tail = lightning_attention, (64,)
-        run = {"lightning_chunked": lambda st: lk.lightning_chunked_triton(*args, st, *step),
-               "lightning_split": lambda st: lk.lightning_split_triton(*args, st, *step,
-                                                                       chunk=16),
-               "lightning_recurrent": lambda st: tk.lightning_recurrent_triton(*args, st, *step)
-               }[kernel]
-    elif kernel.startswith("gdn"):
-        args, shape = (r(0, 1, 16), r(0, 1, 16), r(0, 2, 16), -r(0, 2).abs(), r(0, 2).abs()), \
-            (2, 16, 16)
-        op, tail = gated_delta_rule, (64, 0.25, True)
-        run = {"gdn_chunked": lambda st: ck.gdn_chunked_triton(*args, st, *step, 0.25, True,
-                                                               chunk=16),
-               "gdn_recurrent": lambda st: tk.gdn_recurrent_triton(*args, st, *step, 0.25, True)
-               }[kernel]
-    elif kernel.startswith("mamba2"):
-        args = (r(0, 2, 16), r(0, 2), -r(2).abs(), r(0, 1, 16), r(0, 1, 16), r(2), r(0, 2, 16),
-                r(2))
-        shape, op, tail = (2, 16, 16), mamba2_ssd, (64, True, 0.0, math.inf)
-        run = {"mamba2_chunked": lambda st: ck.ssd_chunked_triton(*args, st, *step, True, 0.0,
-                                                                  math.inf, chunk=16),
-               "mamba2_recurrent": lambda st: tk.ssd_recurrent_triton(*args, st, *step, True,
-                                                                      0.0, math.inf)}[kernel]
-    elif kernel == "conv":
-        args, shape = (r(0, 16), r(16, 4), r(16)), (3, 16)
-        op, tail = causal_conv1d, ("silu",)
-        run = lambda st: tk.conv_triton(*args, st, *step, "silu")  # noqa: E731
-    else:
-        args = (r(0, 16), r(0, 16), -r(16, 4).abs(), r(0, 4), r(0, 4), r(16), r(0, 16), r(16))
-        shape, op, tail = (16, 4), mamba1_scan, (64, True)
-        run = {"mamba1_chunked": lambda st: mk.mamba1_chunked_triton(*args, st, *step, True),
-               "mamba1_unrolled": lambda st: mk.mamba1_unrolled_triton(*args, st, *step, True),
-               "mamba1_segmented": lambda st: mk.mamba1_segmented_triton(*args, st, *step, True,
-                                                                         segment=16),
-               "mamba1_recurrent": lambda st: tk.mamba1_recurrent_triton(*args, st, *step, True)
-               }[kernel]
+    family = next(f for f, ks in ENTRY_POINTS.items() if kernel in ks)
+    op, args, shape, extra = {  # (the op, its inputs, the state's shape, its own arguments)
+        "lightning": (lightning_attention, (r(0, 2, 16), r(0, 2, 16), r(0, 2, 24), r(2).abs()),
+                      (2, 16, 24), ()),
+        "gdn": (gated_delta_rule, (r(0, 1, 16), r(0, 1, 16), r(0, 2, 16), -r(0, 2).abs(),
+                                   r(0, 2).abs()), (2, 16, 16), (0.25, True)),
+        "mamba2": (mamba2_ssd, (r(0, 2, 16), r(0, 2), -r(2).abs(), r(0, 1, 16), r(0, 1, 16),
+                                r(2), r(0, 2, 16), r(2)), (2, 16, 16), (True, 0.0, math.inf)),
+        "mamba1": (mamba1_scan, (r(0, 16), r(0, 16), -r(16, 4).abs(), r(0, 4), r(0, 4), r(16),
+                                 r(0, 16), r(16)), (16, 4), (True,)),
+        "conv": (causal_conv1d, (r(0, 16), r(16, 4), r(16)), (3, 16), ("silu",)),
+    }[family]
     state = r(6, *shape)
     want = state.clone().cpu()
-    op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), *tail)
+    head = () if family == "conv" else (64,)  # (the op's max query length: a bound)
+    op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), *head, *extra)
     got = state.clone()
-    run(got)
+    _run_entry_point(kernel, args, got, step, extra)
     torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
     assert not torch.equal(want[1], state[1].cpu())  # (no initial state: zeros written)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
-    "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
+@NEEDS_TRITON
 @pytest.mark.parametrize("seed", range(3))
 def test_random_steps_match_the_reference(seed):
     """Each prefill kernel and token-by-token kernel on a step drawn at random -- requests of
     0, 1 or many new tokens, with and without initial states, padding rows, head dims and value
     widths not powers of two, chunks and blocks of several sizes -- against the fp32
     reference: outputs, and the states at the slots the reference writes."""
-    from attn_ops.backends.ssm import chunked_kernels as ck
-    from attn_ops.backends.ssm import lightning_kernels as lk
-    from attn_ops.backends.ssm import mamba1_kernels as mk
-    from attn_ops.backends.ssm import triton_kernels as tk
-
     dev = _device()
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -1498,55 +1503,39 @@ def test_random_steps_match_the_reference(seed):
         return (torch.randn(*shape, generator=g) * scale).to(dev)
 
     h, dk, dv = rng.randint(1, 3), rng.choice([8, 24, 40]), rng.choice([16, 24, 72])
-    light = (r(t, h, dk, scale=0.5), r(t, h, dk, scale=0.5), r(t, h, dv),
-             torch.rand(h, generator=g).to(dev))
     d, n = rng.choice([8, 40]), rng.choice([1, 4, 5])
-    mamba1 = (r(t, d), r(t, d, scale=0.5), -torch.rand(d, n, generator=g).to(dev) * 2,
-              r(t, n), r(t, n), r(d), r(t, d), r(d))
-    hk, hv, gd = 1, 2, rng.choice([16, 24])
-    gdn = (r(t, hk, gd, scale=0.3), r(t, hk, gd, scale=0.3), r(t, hv, gd),
-           -torch.rand(t, hv, generator=g).to(dev), torch.rand(t, hv, generator=g).to(dev))
-    mh, mp, mn = 2, rng.choice([8, 24]), rng.choice([8, 24])
-    mamba2 = (r(t, mh, mp), r(t, mh), -torch.rand(mh, generator=g).to(dev),
-              r(t, 1, mn, scale=0.5), r(t, 1, mn, scale=0.5), r(mh), r(t, mh, mp), r(mh))
+    gd, mp, mn = rng.choice([16, 24]), rng.choice([8, 24]), rng.choice([8, 24])
     block = rng.choice([16, 32])
-    cases = {  # (op, its arguments, state shape, extra op arguments, kernel)
-        "lightning_split": (lightning_attention, light, (h, dk, dv), (64,),
-                            lambda st: lk.lightning_split_triton(
-                                *light, st, *step, chunk=chunk, state_block_v=block,
-                                output_block_v=rng.choice([16, 64]),
-                                state_block_k=rng.choice([0, 16]))),
-        "lightning_chunked": (lightning_attention, light, (h, dk, dv), (64,),
-                              lambda st: lk.lightning_chunked_triton(*light, st, *step,
-                                                                     chunk=chunk, block_v=block)),
-        "lightning_recurrent": (lightning_attention, light, (h, dk, dv), (64,),
-                                lambda st: tk.lightning_recurrent_triton(*light, st, *step,
-                                                                         block_v=block)),
-        "mamba1_unrolled": (mamba1_scan, mamba1, (d, n), (64, True),
-                            lambda st: mk.mamba1_unrolled_triton(
-                                *mamba1, st, *step, True, block_d=block,
-                                prefetch=rng.choice([0, 2]), y_parts=rng.choice([1, 2]))),
-        "mamba1_segmented": (mamba1_scan, mamba1, (d, n), (64, True),
-                             lambda st: mk.mamba1_segmented_triton(*mamba1, st, *step, True,
-                                                                   segment=chunk)),
-        "mamba1_recurrent": (mamba1_scan, mamba1, (d, n), (64, True),
-                             lambda st: tk.mamba1_recurrent_triton(*mamba1, st, *step, True)),
-        "gdn_chunked": (gated_delta_rule, gdn, (hv, gd, gd), (64, gd ** -0.5, True),
-                        lambda st: ck.gdn_chunked_triton(*gdn, st, *step, gd ** -0.5, True,
-                                                         chunk=chunk)),
-        "mamba2_chunked": (mamba2_ssd, mamba2, (mh, mp, mn), (64, True, 0.0, math.inf),
-                           lambda st: ck.ssd_chunked_triton(*mamba2, st, *step, True, 0.0,
-                                                            math.inf, chunk=chunk)),
+    families = {  # (the op, its inputs, the state's shape, its own arguments)
+        "lightning": (lightning_attention, (r(t, h, dk, scale=0.5), r(t, h, dk, scale=0.5),
+                                           r(t, h, dv), torch.rand(h, generator=g).to(dev)),
+                      (h, dk, dv), ()),
+        "mamba1": (mamba1_scan, (r(t, d), r(t, d, scale=0.5),
+                                 -torch.rand(d, n, generator=g).to(dev) * 2, r(t, n), r(t, n),
+                                 r(d), r(t, d), r(d)), (d, n), (True,)),
+        "gdn": (gated_delta_rule, (r(t, 1, gd, scale=0.3), r(t, 1, gd, scale=0.3), r(t, 2, gd),
+                                   -torch.rand(t, 2, generator=g).to(dev),
+                                   torch.rand(t, 2, generator=g).to(dev)),
+                (2, gd, gd), (gd ** -0.5, True)),
+        "mamba2": (mamba2_ssd, (r(t, 2, mp), r(t, 2), -torch.rand(2, generator=g).to(dev),
+                                r(t, 1, mn, scale=0.5), r(t, 1, mn, scale=0.5), r(2),
+                                r(t, 2, mp), r(2)), (2, mp, mn), (True, 0.0, math.inf)),
     }
+    options = {"lightning_split": dict(output_block_v=rng.choice([16, 64]),
+                                       state_block_k=rng.choice([0, 16])),
+               "mamba1_unrolled": dict(prefetch=rng.choice([0, 2]), y_parts=rng.choice([1, 2]))}
     m = sum(lens)
-    for name, (op, args, shape, extra, run) in cases.items():
-        state = r(b + 3, *shape, scale=0.1)
-        want = state.clone().cpu()
-        want_y = op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), *extra)
-        got = state.clone()
-        y = run(got)
-        torch.testing.assert_close(y[:m].cpu(), want_y[:m], atol=2e-4, rtol=2e-4, msg=name)
-        torch.testing.assert_close(got.cpu(), want, atol=2e-4, rtol=2e-4, msg=name)
+    for family, (op, args, shape, extra) in families.items():
+        for kernel in ENTRY_POINTS[family]:
+            state = r(b + 3, *shape, scale=0.1)
+            want = state.clone().cpu()
+            want_y = op(*(a.cpu() for a in args), want, *(x.cpu() for x in step), 64, *extra)
+            got = state.clone()
+            y = _run_entry_point(kernel, args, got, step, extra, chunk, block,
+                                 **options.get(kernel, {}))
+            torch.testing.assert_close(y[:m].cpu(), want_y[:m], atol=2e-4, rtol=2e-4,
+                                       msg=kernel)
+            torch.testing.assert_close(got.cpu(), want, atol=2e-4, rtol=2e-4, msg=kernel)
 
 
 def test_mamba1_walk_rows_pair_into_aligned_words():
