@@ -152,13 +152,20 @@ def test_sparse_layer_matches_dense_mla_masked_to_the_selection(backend, scenari
     """20 heads: two 16-head blocks of TRITON_MLA_SPARSE, the last partial."""
     from attn_ops.tuning import Tuning
 
-    spec = SPEC.with_(num_heads=heads)
-    reqs = SCENARIOS[scenario]
-    case = _case(spec, reqs, seed=heads)
-    positions = _selection(torch.Generator().manual_seed(1), reqs, case["total"], 2, TOPK)
+    _check_against_masked_dense(SPEC.with_(num_heads=heads), SCENARIOS[scenario], backend,
+                                Tuning().with_(mla={"sparse_heads": 16}), case_seed=heads,
+                                selection_seed=1, padded=2)
+
+
+def _check_against_masked_dense(spec, reqs, backend, tuning, *, case_seed, selection_seed,
+                                padded):
+    """``backend``'s sparse layer over a step of ``reqs`` and a random selection (every
+    padding row zero) against dense MLA masked to that selection, at its dtype's tolerance."""
+    case = _case(spec, reqs, seed=case_seed, padded=padded)
+    positions = _selection(torch.Generator().manual_seed(selection_seed), reqs, case["total"],
+                           padded, TOPK)
     dtype = SPARSE_HERE[backend]
-    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]),
-               Tuning().with_(mla={"sparse_heads": 16}))
+    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]), tuning)
     want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions, None)
     t = case["total"]
     assert (got[t:] == 0).all()
@@ -181,18 +188,10 @@ def test_sparse_layer_matches_dense_mla_on_random_steps(backend, seed):
     reqs = sorted(((rng.choice([0, rng.randint(1, 40)]), rng.choice([1, 2, 4, rng.randint(5, 20)]))
                    for _ in range(rng.randint(1, 4))), key=lambda r: r[1] > 4)
     padded = rng.choice([0, 2])
-    spec = SPEC.with_(num_heads=heads)
-    case = _case(spec, reqs, seed=seed, padded=padded)
-    positions = _selection(torch.Generator().manual_seed(seed), reqs, case["total"], padded, TOPK)
-    dtype = SPARSE_HERE[backend]
     tuning = Tuning().with_(mla={"sparse_heads": rng.choice([16, 32, 64]),
                                  "sparse_splits": rng.choice([0, 1, 3])})
-    got = _run(spec, case, backend, dtype, _slots(positions, case["meta"]), tuning)
-    want = _masked_dense(spec, case["w"], case["q"], case["lat"], reqs, positions, None)
-    t = case["total"]
-    assert (got[t:] == 0).all()
-    torch.testing.assert_close(got[:t].double().cpu(), want, atol=TOLERANCE[dtype],
-                               rtol=TOLERANCE[dtype])
+    _check_against_masked_dense(SPEC.with_(num_heads=heads), reqs, backend, tuning,
+                                case_seed=seed, selection_seed=seed, padded=padded)
 
 
 @pytest.mark.skipif("TRITON_MLA_SPARSE" not in SPARSE_HERE, reason="needs Triton here")

@@ -532,6 +532,26 @@ def _write_against_torch(dtype, d, rope, slots, blocks, page, writer=None):
             (block, head, row, byte)
 
 
+def _triton_and_torch_body(spec, cache, meta, q, triton: dict):
+    """TRITON_ATTN's kernels over the TurboQuant ``cache`` (under the ``Tuning.triton`` fields
+    ``triton``) and the torch body on a CPU copy of the same arguments: ``(plan, out, lse,
+    torch body's out, its lse)``, the outputs NaN before the launches."""
+    from attn_ops.backends.turboquant.backend import TurboQuantBackend
+    from attn_ops.backends.turboquant.ops import triton_turboquant_attention
+    from attn_ops.tuning import default_tuning
+
+    impl = TurboQuantBackend(spec, tuning=default_tuning().with_(triton=triton))
+    plan = impl.build_metadata(meta)
+    out = torch.full((q.shape[0], spec.num_heads, spec.head_dim), float("nan"),
+                     dtype=spec.dtype, device=q.device)
+    lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device)
+    args = impl.op_arguments(q, cache, plan, out, lse=lse)
+    want = [a.cpu().clone() if torch.is_tensor(a) else a for a in args]
+    turboquant_attention(*want)  # (the torch body: on the CPU)
+    triton_turboquant_attention(*args)
+    return plan, out, lse, want[6], want[7]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get(
     "TRITON_INTERPRET") != "1", reason="Triton needs a GPU or its interpreter")
 @pytest.mark.parametrize("route,case", [
@@ -554,9 +574,6 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
     codes gathered along a slot's bytes (``Tuning.triton.turboquant_*``; both: the defaults);
     fp32 products are exact."""
     from attn_ops.backends.triton_attn import PLAN
-    from attn_ops.backends.turboquant.backend import TurboQuantBackend
-    from attn_ops.backends.turboquant.ops import triton_turboquant_attention
-    from attn_ops.tuning import default_tuning
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if "bf16" in case and dev == "cpu":
@@ -577,18 +594,10 @@ def test_triton_attention_reads_the_slots_as_the_torch_body_does(dtype, route, c
               "fused_splits": dict(min_keys_per_split=4, programs_per_sm=64,
                                    fused_combine=True)}[route]
     triton.update(turboquant_planes="planes" in case, turboquant_coalesced="coalesced" in case)
-    impl = TurboQuantBackend(spec, tuning=default_tuning().with_(triton=triton))
-    plan = impl.build_metadata(meta)
+    plan, out, lse, want, want_lse = _triton_and_torch_body(spec, cache, meta, q, triton)
     assert PLAN.decode(plan.plan).turboquant_planes == ("planes" in case)
-    out = torch.full((q.shape[0], 6, head_dim), float("nan"), dtype=spec.dtype, device=dev)
-    lse = torch.full((q.shape[0], 6), float("nan"), device=dev)
-    args = impl.op_arguments(q, cache, plan, out, lse=lse)
-    want = [a.cpu().clone() if torch.is_tensor(a) else a for a in args]
-    turboquant_attention(*want)  # (the torch body: on the CPU)
-    triton_turboquant_attention(*args)
     if route != "one_split":
         assert PLAN.decode(plan.plan).splits > 1
-    want, want_lse = want[6], want[7]
     tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype_, 2e-6)
     torch.testing.assert_close(out.cpu(), want.cpu(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu(), want_lse.cpu(), atol=tol, rtol=tol)
@@ -602,10 +611,6 @@ def test_triton_attention_reads_random_steps_as_the_torch_body_does(dtype):
     GQA group, request count, contexts and query lengths (decodes first), the split route and
     the field reads -- against the torch body on the same cache, LSE too."""
     import random
-
-    from attn_ops.backends.turboquant.backend import TurboQuantBackend
-    from attn_ops.backends.turboquant.ops import triton_turboquant_attention
-    from attn_ops.tuning import default_tuning
 
     rng = random.Random(dtype.value)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -621,16 +626,9 @@ def test_triton_attention_reads_random_steps_as_the_torch_body_does(dtype):
                          dict(min_keys_per_split=rng.choice([2, 4]), programs_per_sm=64,
                               fused_combine=rng.random() < 0.5)])
     triton.update(turboquant_planes=rng.random() < 0.5, turboquant_coalesced=rng.random() < 0.5)
-    impl = TurboQuantBackend(spec, tuning=default_tuning().with_(triton=triton))
-    plan = impl.build_metadata(meta)
-    out = torch.full((q.shape[0], spec.num_heads, 16), float("nan"), device=dev)
-    lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=dev)
-    args = impl.op_arguments(q, cache, plan, out, lse=lse)
-    want = [a.cpu().clone() if torch.is_tensor(a) else a for a in args]
-    turboquant_attention(*want)
-    triton_turboquant_attention(*args)
-    torch.testing.assert_close(out.cpu(), want[6], atol=2e-6, rtol=2e-6)
-    torch.testing.assert_close(lse.cpu(), want[7], atol=2e-6, rtol=2e-6)
+    _, out, lse, want, want_lse = _triton_and_torch_body(spec, cache, meta, q, triton)
+    torch.testing.assert_close(out.cpu(), want, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
