@@ -83,15 +83,14 @@ def _models(name: str, **overrides):
     return theirs, ours
 
 
-def _batch():
-    """Three prompts of 9, 5 and 12 tokens, left-padded to 12."""
-    g = torch.Generator().manual_seed(1)
-    lens = (9, 5, 12)
-    ids = torch.zeros(3, 12, dtype=torch.long)
-    mask = torch.zeros(3, 12, dtype=torch.long)
+def _batch(lens=(9, 5, 12), width: int = 12, seed: int = 1):
+    """Prompts of ``lens`` tokens (random ids), left-padded to ``width``: ``(ids, mask)``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lens), width, dtype=torch.long)
+    mask = torch.zeros(len(lens), width, dtype=torch.long)
     for r, n in enumerate(lens):
-        ids[r, 12 - n:] = torch.randint(1, 101, (n,), generator=g)
-        mask[r, 12 - n:] = 1
+        ids[r, width - n:] = torch.randint(1, 101, (n,), generator=g)
+        mask[r, width - n:] = 1
     return ids, mask
 
 
@@ -105,10 +104,12 @@ def _assert_same_logits(theirs, ours):
     torch.testing.assert_close(got[keep], want[keep], atol=2e-4, rtol=2e-4)
 
 
-def _assert_same_greedy(theirs, ours, new: int, device: str = "cpu", **ours_kwargs):
-    """Greedy ``generate`` of ``new`` tokens over the left-padded batch: the same tokens,
-    each step's logits within fp32 tolerance (``ours_kwargs``: to ours only, e.g. a cache)."""
-    ids, mask = (t.to(device) for t in _batch())
+def _assert_same_greedy(theirs, ours, new: int, device: str = "cpu", batch=None,
+                        **ours_kwargs):
+    """Greedy ``generate`` of ``new`` tokens over the left-padded ``batch`` (default
+    :func:`_batch`'s): the same tokens, each step's logits within fp32 tolerance
+    (``ours_kwargs``: to ours only, e.g. a cache)."""
+    ids, mask = (t.to(device) for t in (batch or _batch()))
     kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False,
                   output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
@@ -325,23 +326,11 @@ def test_random_configs_and_padding_generate_hfs_tokens(name):
     if name == "gemma2":
         overrides["query_pre_attn_scalar"] = d
     theirs, ours = _models(name, **overrides)
-    b, width = rng.randint(1, 4), 12
-    g = torch.Generator().manual_seed(seed)
-    ids, mask = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, width, dtype=torch.long)
-    for r in range(b):
-        n = rng.randint(1, width)
-        ids[r, width - n:] = torch.randint(1, 101, (n,), generator=g)
-        mask[r, width - n:] = 1
-    new = rng.randint(1, 6)
-    kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-    with torch.no_grad():
-        want = theirs.generate(ids, **kwargs)
-        for extra in ({}, _with_cache(ours, hf.cache(ours, batch=b, max_tokens=width + new))):
-            got = ours.generate(ids, **extra, **kwargs)
-            assert torch.equal(got.sequences, want.sequences), (name, overrides, extra)
-            for x, y in zip(got.logits, want.logits):
-                torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4)
+    lens = [rng.randint(1, 12) for _ in range(rng.randint(1, 4))]
+    batch, new = _batch(lens, 12, seed), rng.randint(1, 6)
+    _assert_same_greedy(theirs, ours, new, batch=batch)
+    owned = hf.cache(ours, batch=len(lens), max_tokens=12 + new)
+    _assert_same_greedy(theirs, ours, new, batch=batch, **_with_cache(ours, owned))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
