@@ -13,7 +13,8 @@ same keys and values in the same run, and the cache write against the copy bandw
   TB/s. Target: a preset's time <= bf16's x (its slot bytes / 512) x 1.3 (``target_ms``;
   ``meets_target``).
 * ``write`` -- ``--write-tokens`` tokens (default 8192) of K and V written into each preset's
-  cache (``torch.ops.attn.turboquant_cache_update``, one Triton launch) and into a bf16 cache
+  cache (``torch.ops.attn.turboquant_cache_update``, one launch: the CUDA write where it
+  serves, the Triton write elsewhere) and into a bf16 cache
   (``kv_cache_update``); bytes = the K/V read (bf16) + the slots written, against a copy of the
   same bytes.
 

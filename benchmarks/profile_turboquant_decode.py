@@ -1,6 +1,6 @@
 """TurboQuant decode launches alone, to time or profile (Nsight Compute) without the rest of
 ``bench_turboquant.py``: Llama-3-8B's heads (32 query / 8 KV heads of 128, bf16), ``--batch``
-requests (each size given) of ``--ctx`` tokens each, their caches written by the Triton write
+requests (each size given) of ``--ctx`` tokens each, their caches written by the op's write
 (no prefill attention); per preset and batch, ``--iters`` eager calls of the op's GPU read
 (the CUDA decode of ``decode_kernels.cu`` by default; TRITON_ATTN's kernels under ``--tuning
 triton.turboquant_cuda_decode=false``) and their median device time (CUDA events) with the

@@ -137,10 +137,12 @@ class TritonTuning:
     # cell table (format.code_lookup), values divided by a reciprocal and Markstein steps.
     # sm_90, head dim 128, bf16, 4 bits: 62 registers, 1496 SASS instructions a thread
     # (static, slow paths included) for 16 coordinates of a key and of a value -- the Triton
-    # write's 1488 serve 8 of each. H100 (its tests and memcheck pass), 8192 tokens: k8v4
-    # 164.6 us against the Triton write's 69.8, 4bit_nc 109.8 / 76.7, 3bit_nc 76.4 / 92.2 --
-    # faster for 3bit_nc only, so off (the page clear since rewritten, not yet timed).
-    turboquant_cuda_write: bool = False
+    # write's 1488 serve 8 of each. An entered page's tail is cleared by a vector's lanes
+    # together, in 4-byte words across a row. H100, 8192 tokens (graph replays): k8v4 49.7 us
+    # against the Triton write's 68.2, 4bit_nc 31.4 / 75.2, k3v4_nc 29.1 / 83.4, 3bit_nc
+    # 28.0 / 91.3; its byte tests and memcheck pass. The Triton write serves where it does not
+    # (another head dim than 64 / 128 / 256, unaligned rows, int32 slots) or does not build.
+    turboquant_cuda_write: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("turboquant_write_tokens", 16), ("turboquant_write_warps", 1)):
