@@ -22,7 +22,11 @@ error; random weights give nearly flat logits, so bf16 rounding decides some arg
 ratio is printed only where the contender agrees.
 
     python benchmarks/bench_hf.py [--batches 1 8 64] [--ctx 2048] [--new 32] [--requests 64]
-        [--layers 8] [--quick] [--profile [B ...]] [--out PATH]
+        [--layers 8] [--quick] [--profile [B ...]] [--backends BACKEND ...] [--out PATH]
+
+``--backends``: more plain-``generate`` contenders, ``attn_ops:BACKEND`` -- a model of the same
+weights whose every layer is forced to ``BACKEND`` -- in the same rounds and cross-checks, so
+the selector's choice is compared with another backend in one run.
 
 ``--profile [B ...]``: before the rows, each contender's host time at batch sizes ``B`` (none
 given: the first of ``--batches``; a ``generate`` of ``new`` tokens under cProfile: the
@@ -63,6 +67,23 @@ def _model(impl: str, layers: int, quick: bool, device: str, dtype, state=None):
     model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
     if state is not None:
         model.load_state_dict(state)
+    return model
+
+
+def _forced_model(backend: str, layers: int, quick: bool, device: str, dtype, state):
+    """A model running ``"attn_ops"`` whose every layer runs ``backend``: its layers are built
+    at their first call under the config :func:`attn_ops.hf.register` was given, so one
+    forward under ``AttentionConfig(backend=backend)`` builds them (the registration is then
+    restored; layers built keep theirs)."""
+    from attn_ops import AttentionConfig, hf
+
+    model = _model("attn_ops", layers, quick, device, dtype, state)
+    hf.register(AttentionConfig(backend=backend))
+    try:
+        with torch.no_grad():
+            model(torch.ones(1, 2, dtype=torch.long, device=device))
+    finally:
+        hf.register()
     return model
 
 
@@ -467,6 +488,10 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs="*", default=None, metavar="B",
                         help="each contender's host profile and device synchronizations first, "
                         "at batch sizes B (none given: the first of --batches)")
+    parser.add_argument("--backends", nargs="*", default=[], metavar="BACKEND",
+                        help="more plain-generate contenders, attn_ops:BACKEND: the same "
+                        "weights with every layer forced to BACKEND (e.g. TRITON_ATTN), timed "
+                        "in the same rounds as the selector's choice")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                       "bench_hf_h200.json"))
     args = parser.parse_args()
@@ -485,12 +510,20 @@ def main() -> None:
         if device == "cuda":  # (its decode steps without the per-layer graphs)
             models["attn_ops_eager"] = models["attn_ops"]
         models["attn_ops_dynamic"] = models["attn_ops"]
+    for backend in args.backends:
+        models[f"attn_ops:{backend}"] = _forced_model(backend, args.layers, args.quick, device,
+                                                      dtype, state)
     info = run_info("bench_hf")
     info.update(quick=args.quick, device=torch.cuda.get_device_name() if device == "cuda"
                 else "cpu")
     if args.profile is not None:
         info["profile"] = profile_hosts(args, models, device)
     info["plain"] = plain_rows(args, models, device)
+    # (each attn_ops model's first layer: its spec and the backend it runs)
+    info["layers"] = {name: hf.describe(model).splitlines()[0] for name, model in models.items()
+                      if name == "attn_ops" or name.startswith("attn_ops:")}
+    for name, line in info["layers"].items():
+        print(f"{name}: {line[:200]}", flush=True)
     write_json(args.out, info)
     del models, sdpa
     info["generate_batch"] = batch_row(args, state, device, dtype)

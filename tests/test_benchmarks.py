@@ -18,7 +18,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
                                     "bench_model_decode.py --mla", "bench_hybrid_decode.py",
                                     "bench_prefix_cache.py --kind mamba1",
                                     "turboquant_accuracy.py", "bench_turboquant.py",
-                                    "dsv4_memory.py", "bench_dsv4.py", "bench_hf.py --profile"])
+                                    "dsv4_memory.py", "bench_dsv4.py",
+                                    "bench_hf.py --profile --backends FLEX_ATTENTION"])
 def test_benchmark_quick_run_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     name, *flags = script.split()
