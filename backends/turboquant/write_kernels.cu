@@ -18,7 +18,8 @@
 //   - a value code: (v - lo) / s by a reciprocal and two Markstein steps (the round-to-nearest
 //     quotient, as torch's division gives), then floor(q + 0.5);
 //   - the packing: a lane's 16 codes are 8 (4 bits) or 6 (3 bits) whole bytes of the stream,
-//     stored as 16-bit words (slots are 2-byte aligned).
+//     stored as 16-bit words (slots are 2-byte aligned), two to a 4-byte store where the
+//     address allows (4-bit codes and fp8 keys: store_words).
 // The arithmetic is the torch write's (format.quantize_slots): IEEE sqrt, RoPE as two rounded
 // products and a rounded sum, the key rounded to its dtype after it. Summation orders differ
 // (the norm, the rotation), and the key is scaled after the rotation: a key index whose
@@ -126,6 +127,24 @@ __device__ __forceinline__ void store_u16(uint8_t* at, uint32_t bits) {
   *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(bits);
 }
 
+// N 16-bit words (their low halves) at a 2-byte aligned address: two to a 4-byte store where
+// the address is 4-byte aligned, one to a 2-byte store elsewhere. The vectors of a warp are
+// one token's heads, a page of slots apart, so they take the same branch unless the warp
+// spans two tokens; a 4-byte store halves the stores and the partial sectors they write.
+template <int N>
+__device__ __forceinline__ void store_words(uint8_t* at, const uint32_t (&words)[N]) {
+  static_assert(N % 2 == 0, "an even count of 16-bit words");
+  if ((reinterpret_cast<uintptr_t>(at) & 3) == 0) {
+#pragma unroll
+    for (int w = 0; w < N / 2; ++w)
+      *reinterpret_cast<uint32_t*>(at + 4 * w) =
+          (words[2 * w] & 0xffffu) | (words[2 * w + 1] << 16);
+  } else {
+#pragma unroll
+    for (int w = 0; w < N; ++w) store_u16(at + 2 * w, words[w]);
+  }
+}
+
 __device__ __forceinline__ uint32_t fp16_bits(float x) {
   return __half_as_ushort(__float2half_rn(x));
 }
@@ -136,10 +155,12 @@ template <int BITS>
 __device__ __forceinline__ void store_codes(uint8_t* out, const uint32_t (&code)[kC], int j) {
   uint8_t* at = out + j * (kC * BITS / 8);
   if constexpr (BITS == 4) {
+    uint32_t words[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w)
-      store_u16(at + 2 * w, code[4 * w] | (code[4 * w + 1] << 4) | (code[4 * w + 2] << 8) |
-                                (code[4 * w + 3] << 12));
+      words[w] = code[4 * w] | (code[4 * w + 1] << 4) | (code[4 * w + 2] << 8) |
+                (code[4 * w + 3] << 12);
+    store_words(at, words);
   } else {
     static_assert(BITS == 3, "3- or 4-bit codes");
     uint64_t s = 0;
@@ -235,13 +256,13 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
 
   uint8_t* vbase;
   if constexpr (KBITS == 8) {  // fp8 e4m3 keys, saturated, not rotated
+    uint32_t two[kC / 2];
 #pragma unroll
-    for (int c = 0; c < kC; c += 2) {
-      const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+    for (int c = 0; c < kC; c += 2)
+      two[c / 2] = __nv_cvt_float2_to_fp8x2(
           make_float2(fminf(fmaxf(k[c], -448.f), 448.f), fminf(fmaxf(k[c + 1], -448.f), 448.f)),
           __NV_SATFINITE, __NV_E4M3);
-      if (write) store_u16(base + j * kC + c, two);
-    }
+    if (write) store_words(base + j * kC, two);
     vbase = base + D;
   } else {
     float sq = 0.f;
