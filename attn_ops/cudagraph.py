@@ -28,6 +28,7 @@ Example (one size)::
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,6 +76,7 @@ class CUDAGraphBatch:
         # -- so a step writes only what changed (each device call costs host time).
         self._rows, self._cols, self._starts_for = 0, 0, None
         self._table_host = None  # (pad_arrays: the block table its buffer holds, rows [:n])
+        self._last: CommonAttentionMetadata | None = None  # (the batch the buffers hold)
 
     @property
     def required_support(self) -> CUDAGraphSupport:
@@ -161,7 +163,7 @@ class CUDAGraphBatch:
             indptr[:n + 1] = indptr_cpu.numpy()
             indptr[n + 1:] = indptr[n]
             indptr_cpu = torch.from_numpy(indptr)
-        return CommonAttentionMetadata(
+        self._last = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1],
             query_start_loc_cpu=qsl_cpu,
             seq_lens=self.seq_lens[:size],
@@ -175,6 +177,7 @@ class CUDAGraphBatch:
             block_indptr_cpu=indptr_cpu,
             **fields,
         )
+        return self._last
 
     def pad_arrays(self, seq_lens: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
                    num_blocks: int | None = None) -> CommonAttentionMetadata:
@@ -218,6 +221,28 @@ class CUDAGraphBatch:
                             max_seq_len=int(seq_lens.max()),
                             num_decodes=size if q == 1 else 0,
                             num_decode_tokens=n * q if q == 1 else 0, num_blocks=num_blocks)
+
+    def advance(self, padded: CommonAttentionMetadata) -> CommonAttentionMetadata:
+        """``padded`` -- the batch of single-token decodes the buffers hold (the last
+        :meth:`pad`, :meth:`pad_arrays` or ``advance``) -- one step later: each request one
+        token longer, its new token in the page of its last one, so each slot is the last
+        one's plus one and the block table stays. Two in-place adds on the device (no host
+        arrays made, nothing uploaded); the host lengths and ``max_seq_len`` one more. A new
+        token that would enter a page is refused: that step needs :meth:`pad_arrays`."""
+        if padded is not self._last or self.query_len != 1:
+            raise ValueError("advance: the batch is not the one the graph buffers hold, or the "
+                             "graphs take more than one query token a request; use pad_arrays")
+        n = padded.num_actual_tokens
+        seq = padded.seq_lens_cpu.numpy().copy()
+        if (seq[:n] % self.block_size == 0).any():
+            raise ValueError("advance: a request's next token enters a new page (its slot is "
+                             "not the last one's plus one); use pad_arrays")
+        seq[:n] += 1
+        self.seq_lens[:n].add_(1)
+        self.slot_mapping[:n].add_(1)
+        self._last = dataclasses.replace(padded, seq_lens_cpu=torch.from_numpy(seq),
+                                         max_seq_len=padded.max_seq_len + 1)
+        return self._last
 
     @property
     def max_seq_len(self) -> int:

@@ -147,6 +147,62 @@ def test_padding_host_arrays_matches_padding_their_metadata():
             assert (graphs.slot_mapping[n:] == -1).all()
 
 
+def test_advancing_a_decode_step_gives_what_padding_it_gives():
+    """``advance`` (one more token a request, none entering a page: two adds on the device)
+    gives what padding that step's metadata into fresh buffers gives -- the device tensors, the
+    host arrays, the page CSR and the host ints -- step after step, from batches padded either
+    way and of sizes between capture sizes; a step whose token enters a page, a batch the
+    buffers no longer hold and graphs of several query tokens are refused."""
+    rng = random.Random(11)
+    graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)
+    fields = ("query_start_loc", "seq_lens", "block_table", "slot_mapping",
+              "query_start_loc_cpu", "seq_lens_cpu", "block_table_cpu")
+    advanced = refused = 0
+    for n, via_pad in ((16, False), (3, True), (9, False), (1, True), (5, False)):
+        common = _random_batch(n, 400, rng, DEVICE, max_len=WIDTH * BLOCK - 40)
+        seq = common.seq_lens_cpu.numpy().copy()
+        table = common.block_table_cpu.numpy().copy()
+        slots = common.slot_mapping.cpu().numpy()[:n]
+        padded = graphs.pad(common) if via_pad else graphs.pad_arrays(seq, table, slots, 400)
+        for step in range(1, 20):
+            pos = seq.copy()  # (the new token's position: the last length)
+            seq = seq + 1
+            if (pos % BLOCK == 0).any():  # (a request enters a page: padded again)
+                with pytest.raises(ValueError, match="enters a new page"):
+                    graphs.advance(padded)
+                refused += 1
+                grown = np.zeros((n, max(table.shape[1], int((-(-seq // BLOCK)).max()))),
+                                 dtype=np.int32)
+                grown[:, :table.shape[1]] = table
+                for r in np.nonzero(pos % BLOCK == 0)[0]:
+                    grown[r, pos[r] // BLOCK] = 300 + r
+                table = grown
+                slots = table[np.arange(n), pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
+                padded = graphs.pad_arrays(seq, table, slots, 400)
+                continue
+            padded = graphs.advance(padded)
+            advanced += 1
+            want = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE).pad(build_common_metadata(
+                [1] * n, seq.tolist(), table, BLOCK, 400, device=DEVICE))
+            for field in fields:
+                assert torch.equal(getattr(padded, field), getattr(want, field)), (n, step, field)
+            for a, b in zip(padded.block_csr(), want.block_csr()):
+                assert np.array_equal(a, b), (n, step)
+            assert (padded.num_reqs, padded.num_actual_tokens, padded.max_seq_len,
+                    padded.num_decodes) == (want.num_reqs, want.num_actual_tokens,
+                                            want.max_seq_len, want.num_decodes), (n, step)
+            assert (graphs.seq_lens[n:] == 0).all() and (graphs.slot_mapping[n:] == -1).all()
+        stale = padded
+        graphs.pad(_random_batch(2, 400, rng, DEVICE))
+        with pytest.raises(ValueError, match="not the one the graph buffers hold"):
+            graphs.advance(stale)
+    assert advanced > 50 and refused > 3
+    multi = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE, uniform_query_len=2)
+    batch = multi.pad(_random_batch(3, 400, rng, DEVICE, qlen=2))
+    with pytest.raises(ValueError, match="more than one query token"):
+        multi.advance(batch)
+
+
 def test_batches_a_graph_cannot_hold_are_refused_with_the_fix():
     rng = random.Random(2)
     graphs = CUDAGraphBatch(SIZES, WIDTH, BLOCK, DEVICE)

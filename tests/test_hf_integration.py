@@ -374,6 +374,60 @@ def test_attn_ops_cache_replays_decode_steps_from_per_layer_cuda_graphs(name):
     hf.release(ours)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])
+def test_graphed_decode_steps_advance_the_graph_buffers_on_the_device(name, monkeypatch):
+    """The decode graph path of an attn_ops cache, here on the CPU with each layer's graph
+    run eagerly over its graph metadata: a step one token past the last in every row, none
+    entering a page, advances the graph buffers in place (``CUDAGraphBatch.advance``); a step
+    entering a page pads them again -- and greedy ``generate`` gives HF's tokens and logits,
+    and the eager cache's tokens, over rows whose pages fill during the generation."""
+    import attn_ops.backend as backend
+    import attn_ops.layers.attention as attention
+    from attn_ops import hf
+    from attn_ops.capabilities import CUDAGraphSupport
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.hf import owned_cache
+    from attn_ops.hf.common import _rows_of
+
+    monkeypatch.setattr(owned_cache._Steps, "_graphs_on", staticmethod(lambda device: True))
+    monkeypatch.setattr(attention.Attention, "cudagraph_support", property(
+        lambda self: CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE))
+    monkeypatch.setattr(backend.AttentionBackend, "graph_metadata",
+                        lambda self, padded, graphs: padded)
+    made = owned_cache._layer_class
+
+    def eager_graphs():
+        class Layer(made()):
+            def _graphed(self, layer, meta, query, key, value):  # (the graph's step, run)
+                self.replays += 1
+                out = layer(_rows_of(query), _rows_of(key), _rows_of(value), self.kv, meta)
+                return out.to(query.dtype).view(query.shape[0], 1, query.shape[1],
+                                                 value.shape[3])
+        return Layer
+
+    monkeypatch.setattr(owned_cache, "_layer_class", eager_graphs)
+    calls = {"advance": 0, "pad_arrays": 0}
+    for what in calls:
+        def counted(self, *args, _f=getattr(CUDAGraphBatch, what), _what=what):
+            calls[_what] += 1
+            return _f(self, *args)
+        monkeypatch.setattr(CUDAGraphBatch, what, counted)
+    theirs, ours = _models(name)
+    owned = hf.cache(ours, batch=3, max_tokens=64)
+    new = 24
+    got = _assert_same_greedy(theirs, ours, new, **_with_cache(ours, owned))
+    page = next(iter(owned.steps.by_page))
+    lens = [9, 5, 12]  # (_batch's rows: decode step i writes position len + i - 1)
+    # (padded: the first decode step, and each step whose token enters a page in some row)
+    padded = {1} | {i for i in range(1, new) if any((n + i - 1) % page == 0 for n in lens)}
+    assert len(padded) > 2, page
+    assert calls == {"advance": new - 1 - len(padded), "pad_arrays": len(padded)}, (page, calls)
+    assert all(layer.replays == new - 1 for layer in owned.layers)
+    eager = hf.cache(ours, batch=3, max_tokens=64, cuda_graphs=False)
+    again = _assert_same_greedy(theirs, ours, new, **_with_cache(ours, eager))
+    assert torch.equal(again.sequences, got.sequences)
+
+
 def test_attn_ops_cache_scatters_a_decode_steps_tokens_as_the_write_op_does():
     """A decode step of an attn_ops cache whose new tokens enter no page writes them with two
     index copies into the NHD cache: the same bytes as the cache-write op. A step with a token

@@ -76,7 +76,7 @@ class _Steps:
         from attn_ops.kv_cache import BlockAllocator
 
         state.update(alloc=BlockAllocator(state["blocks"], page), written=[0] * self.batch,
-                     plan=None)
+                     plan=None, last_graph=None)
 
     def plan(self, step: int, page: int, mask, sq: int, module, device) -> dict:
         state = self.by_page.get(page)
@@ -116,20 +116,36 @@ class _Steps:
         need = alloc.num_blocks - alloc.num_free_blocks
         if need > state["capacity"]:
             state["capacity"] = min(state["blocks"], max(need, 2 * state["capacity"]))
-        table = alloc.block_table(order)
         rows = None  # (HF's [B * Sq] rows, in order; None: all of them, as in a decode step)
         if len(order) != b or any(n != sq for n in lens) or order != list(range(b)):
             rows = _ranges(np.array([r * sq + new[r][0] for r in order], dtype=np.int64),
                            np.array(lens, dtype=np.int64))
             rows = None if np.array_equal(rows, np.arange(b * sq)) else _upload(rows, device)
-        graphed = (self.cuda_graphs and device.type == "cuda" and sq == 1 and rows is None
+        graphed = (self.cuda_graphs and self._graphs_on(device) and sq == 1 and rows is None
                    and len(order) == b and not torch.is_grad_enabled())
+        if not graphed:  # (the graph buffers are not this step's: no advancing from them)
+            state["last_graph"] = None
+        # (the block table made on first use: a decode step advanced on the device needs none)
         plan = state["plan"] = dict(step=step, new=new, order=order, lens=lens, rows=rows,
-                                    capacity=state["capacity"], built={},
-                                    meta_of=(lens, seq, table, page, state["capacity"], device),
-                                    scatter_of=(table, ctx, lens, page, device),
+                                    capacity=state["capacity"], built={}, table_of=(alloc, order),
+                                    meta_of=(lens, seq, page, state["capacity"], device),
+                                    scatter_of=(ctx, lens, page, device),
                                     graph=dict(padded=None, built={}) if graphed else None)
         return plan
+
+    @staticmethod
+    def _graphs_on(device) -> bool:
+        """Whether decode steps on ``device`` take the graph path (CUDA graphs exist on CUDA
+        devices only)."""
+        return device.type == "cuda"
+
+    @staticmethod
+    def table(plan: dict) -> np.ndarray:
+        """The plan's block table (its rows' pages, in its order), made on first use."""
+        if "table" not in plan:
+            alloc, order = plan.pop("table_of")
+            plan["table"] = alloc.block_table(order)
+        return plan["table"]
 
     @staticmethod
     def meta(plan: dict):
@@ -139,8 +155,8 @@ class _Steps:
         if "meta" not in plan:
             from attn_ops.metadata import build_common_metadata
 
-            lens, seq, table, page, capacity, device = plan["meta_of"]
-            plan["meta"] = build_common_metadata(lens, seq, table, page, capacity,
+            lens, seq, page, capacity, device = plan["meta_of"]
+            plan["meta"] = build_common_metadata(lens, seq, _Steps.table(plan), page, capacity,
                                                  device=device) if lens else None
         return plan["meta"]
 
@@ -149,7 +165,7 @@ class _Steps:
         """The plan's :func:`_scatter_rows`, made on first use (a step whose layers all
         replay graphs uploads none)."""
         if "scatter" not in plan:
-            plan["scatter"] = _scatter_rows(*plan.pop("scatter_of"))
+            plan["scatter"] = _scatter_rows(_Steps.table(plan), *plan.pop("scatter_of"))
         return plan["scatter"]
 
     def graph_metadata(self, plan: dict, layer, page: int) -> dict:
@@ -157,22 +173,33 @@ class _Steps:
         metadata}``): the step padded into the page size's persistent buffers once, each
         backend's metadata built from them once (host planning included) for the layers
         sharing its key. The buffers are as wide as a row of ``max_tokens`` needs, so the
-        graphs stay valid as the rows grow."""
+        graphs stay valid as the rows grow. A step one token past the last graphed step in
+        every row, none entering a page, advances the buffers on the device
+        (:meth:`~attn_ops.cudagraph.CUDAGraphBatch.advance`: no block table, slots or uploads
+        made on the host)."""
         state, step = self.by_page[page], plan["graph"]
         if step["padded"] is None:
             from attn_ops.cudagraph import CUDAGraphBatch
 
-            _, seq, table, _, capacity, device = plan["meta_of"]
+            _, seq, _, capacity, device = plan["meta_of"]
             if state.get("graphs") is None:
                 state["graphs"] = CUDAGraphBatch((self.batch,), -(-self.max_tokens // page), page,
                                                  device)
-            # (a step of one new token a row, in row order: each token's slot from the table)
-            from attn_ops.metadata import host_slots
+            last = state["last_graph"]
+            if (last is not None and last["capacity"] == capacity and len(last["seq"]) == len(seq)
+                    and all(s == t + 1 and t % page for s, t in zip(seq, last["seq"]))):
+                step["padded"] = state["graphs"].advance(last["padded"])
+            else:
+                # (a step of one new token a row, in row order: each token's slot from the
+                # table)
+                from attn_ops.metadata import host_slots
 
-            slots = host_slots(table, np.arange(len(seq)), np.array(seq, dtype=np.int64) - 1,
-                               page)
-            step["padded"] = state["graphs"].pad_arrays(np.array(seq, dtype=np.int32), table,
-                                                        slots, capacity)
+                table = _Steps.table(plan)
+                slots = host_slots(table, np.arange(len(seq)),
+                                   np.array(seq, dtype=np.int64) - 1, page)
+                step["padded"] = state["graphs"].pad_arrays(np.array(seq, dtype=np.int32),
+                                                            table, slots, capacity)
+            state["last_graph"] = dict(seq=seq, capacity=capacity, padded=step["padded"])
         key = layer._metadata_key
         if key not in step["built"]:
             step["built"][key] = layer.impl.graph_metadata(step["padded"], state["graphs"])
