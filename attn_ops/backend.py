@@ -124,6 +124,16 @@ class AttentionBackend:
                 "AttentionConfig(backend=...) that supports it")
         return padded
 
+    def advance_graph_metadata(self, metadata: Any, padded: CommonAttentionMetadata,
+                               graphs: Any) -> Any:
+        """``metadata`` -- this backend's :meth:`graph_metadata` of the step before -- for
+        ``padded``, that step advanced on the device by
+        :meth:`~attn_ops.cudagraph.CUDAGraphBatch.advance` (each request one token longer, in
+        the page of its last token). The default builds it again; a backend whose metadata
+        reads only the buffers advanced in place, or can advance its own tables on the device,
+        returns it without host planning."""
+        return self.graph_metadata(padded, graphs)
+
     def op_arguments(
         self,
         query: torch.Tensor,

@@ -223,6 +223,15 @@ class FlashInferBackend(AttentionBackend):
         return plan_once(padded, self._key, graphs.backend_state, self._key,
                          lambda: GraphPlanner(self.spec, graphs, self.tuning))
 
+    def advance_graph_metadata(self, metadata, padded, graphs):
+        """The step before's graph metadata, its last-page lengths advanced on the device
+        (:meth:`~attn_ops.backends.flashinfer_plan.GraphPlanner.advance`) where its planner's
+        tables still hold it; else planned again."""
+        planner = graphs.backend_state.get(self._key)
+        if planner is not None and planner.advance(metadata, padded.num_actual_tokens):
+            return metadata
+        return self.graph_metadata(padded, graphs)
+
     def metadata_key(self) -> tuple:
         """Everything a plan depends on besides the batch."""
         spec = self.spec

@@ -356,6 +356,7 @@ class GraphPlanner(Planner):
         self.tables = torch.zeros(3 * largest + 2 + largest * graphs.max_blocks_per_req,
                                   dtype=torch.int32, device=self.device)
         self.plans: dict[int, tuple[list, torch.Tensor]] = {}  # size -> (kernel plan, vector)
+        self.held: tuple | None = None  # (the metadata the tables hold, and its size)
 
     def __call__(self, padded: CommonAttentionMetadata) -> FlashInferMetadata:
         size = padded.num_reqs
@@ -393,7 +394,21 @@ class GraphPlanner(Planner):
                                    "grid on the wrong schedule")
             self.plans[size] = (kernel_plan, captured)
         upload_int32([qo, kv_indptr, last, kv_indices], self.tables)
-        return FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
+        meta = FlashInferMetadata(padded.slot_mapping, self.float_workspace, self.tables,
                                   *self.unused(self.tables, padded.block_table.shape[1]),
                                   self.decode_ws.device, captured,
                                   self.prefill_ws.device, self.absent[1], causal=padded.causal)
+        self.held = (meta, size)
+        return meta
+
+    def advance(self, metadata: FlashInferMetadata, rows: int) -> bool:
+        """``metadata`` -- the one the tables hold -- one step later: each of its first
+        ``rows`` requests one token longer, in the page of its last token
+        (:meth:`~attn_ops.cudagraph.CUDAGraphBatch.advance`). Its page offsets, pages and plan
+        stay (FA2's plan reads page counts, not lengths), so only the last-page lengths move:
+        one add on the device. False (nothing done) where the tables hold another batch."""
+        if self.held is None or self.held[0] is not metadata:
+            return False
+        size = self.held[1]
+        self.tables[2 * size + 2:2 * size + 2 + rows].add_(1)
+        return True

@@ -380,6 +380,11 @@ class TritonAttnBackend(AttentionBackend):
         return TritonAttnMetadata(padded.slot_mapping, padded.query_start_loc, padded.seq_lens,
                                   padded.block_table, plan, padded.causal)
 
+    def advance_graph_metadata(self, metadata, padded, graphs):
+        """The step before's graph metadata as it is: it reads the padded buffers, advanced in
+        place, and a plan fixed per capture size."""
+        return metadata
+
     def metadata_key(self) -> tuple:
         spec = self.spec
         return (self.name, spec.kv_heads, spec.head_dim, spec.v_head_dim, spec.dtype,

@@ -480,6 +480,40 @@ def test_graph_batches_against_a_standin_kernel(standin_flashinfer, monkeypatch,
     assert (out[n:] == 0).all() and (lse[n:] == 0).all()
 
 
+def test_graph_metadata_advances_on_the_device_as_planning_the_step_again(standin_flashinfer):
+    """A decode batch advanced by ``CUDAGraphBatch.advance`` (one more token a request, none
+    entering a page): FLASHINFER's graph metadata of the step before, handed to
+    ``advance_graph_metadata``, is kept with its last-page lengths advanced on the device, and
+    its tables then hold what planning that step afresh writes -- step after step, padding rows
+    untouched. Metadata the planner's tables no longer hold is not advanced."""
+    from attn_ops.cudagraph import CUDAGraphBatch
+    from attn_ops.metadata import build_common_metadata
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    backend, size, page = FLASHINFER(spec, tuning=H200), 8, 4
+    graphs = CUDAGraphBatch((size,), 16, page, "cpu")
+    planner = graphs.backend_state[backend._key] = _graph_planner(spec, graphs, sms=8)
+    seq = [5, 9, 21, 33, 13]  # (the next token of each at a page's second row: three steps)
+    tables = [[10 * r + i for i in range(16)] for r in range(len(seq))]
+
+    def step(lens):
+        return build_common_metadata([1] * len(lens), lens, tables, page, 64)
+
+    padded = graphs.pad(step(seq))
+    meta = planner(padded)
+    for _ in range(3):
+        seq = [n + 1 for n in seq]
+        padded = graphs.advance(padded)
+        assert backend.advance_graph_metadata(meta, padded, graphs) is meta
+        fresh = CUDAGraphBatch((size,), 16, page, "cpu")
+        want = _graph_planner(spec, fresh, sms=8)
+        want(fresh.pad(step(seq)))
+        assert torch.equal(planner.tables, want.tables), seq
+    # (the tables now hold another batch, of the same pages: the same plan)
+    other = planner(graphs.pad(step([n - 1 for n in seq])))
+    assert not planner.advance(meta, len(seq)) and planner.advance(other, len(seq))
+
+
 VARIANTS = {"flashinfer": ("FLASHINFER", H200), "composite_generic": ("COMPOSITE_SM90", None),
             "composite_h200": ("COMPOSITE_SM90", H200)}
 

@@ -262,3 +262,34 @@ def test_every_triton_kernel_keeps_to_what_compiled_triton_accepts():
                             if p.default is not inspect.Parameter.empty]
     assert seen > 50, f"found {seen} @triton.jit functions: the scan misses the kernels"
     assert not bad, bad
+
+
+def test_an_advanced_steps_graph_metadata_is_the_step_befores(monkeypatch):
+    """TRITON_ATTN's graph metadata reads the padded buffers and a plan fixed per capture
+    size, so the step before's serves a step advanced in place (``CUDAGraphBatch.advance``)
+    as it is: the same tensors, values and plan a fresh ``graph_metadata`` of that step gives."""
+    from attn_ops import CUDAGraphSupport, build_common_metadata
+    from attn_ops.cudagraph import CUDAGraphBatch
+
+    monkeypatch.setattr(TRITON, "cudagraph_support", classmethod(
+        lambda cls, spec, platform: CUDAGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE))
+    backend = TRITON(BASE)
+    graphs = CUDAGraphBatch((8,), 16, 4, DEVICE)
+    tables = [[10 * r + i for i in range(16)] for r in range(5)]
+    seq = [5, 9, 21, 33, 13]  # (the next token of each at a page's second row: three steps)
+
+    def step(lens):
+        return build_common_metadata([1] * 5, lens, tables, 4, 64, device=DEVICE)
+
+    padded = graphs.pad(step(seq))
+    meta = backend.graph_metadata(padded, graphs)
+    for _ in range(3):
+        seq = [n + 1 for n in seq]
+        padded = graphs.advance(padded)
+        assert backend.advance_graph_metadata(meta, padded, graphs) is meta
+        again = CUDAGraphBatch((8,), 16, 4, DEVICE)
+        fresh = backend.graph_metadata(again.pad(step(seq)), again)
+        for field in dataclasses.fields(fresh):
+            got, want = getattr(meta, field.name), getattr(fresh, field.name)
+            assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), \
+                field.name

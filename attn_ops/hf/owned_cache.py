@@ -176,7 +176,8 @@ class _Steps:
         graphs stay valid as the rows grow. A step one token past the last graphed step in
         every row, none entering a page, advances the buffers on the device
         (:meth:`~attn_ops.cudagraph.CUDAGraphBatch.advance`: no block table, slots or uploads
-        made on the host)."""
+        made on the host) and each backend's metadata from the step before
+        (``advance_graph_metadata``: no host planning where the backend can)."""
         state, step = self.by_page[page], plan["graph"]
         if step["padded"] is None:
             from attn_ops.cudagraph import CUDAGraphBatch
@@ -189,6 +190,7 @@ class _Steps:
             if (last is not None and last["capacity"] == capacity and len(last["seq"]) == len(seq)
                     and all(s == t + 1 and t % page for s, t in zip(seq, last["seq"]))):
                 step["padded"] = state["graphs"].advance(last["padded"])
+                step["before"] = last["built"]  # (each backend's metadata, advanced from)
             else:
                 # (a step of one new token a row, in row order: each token's slot from the
                 # table)
@@ -199,10 +201,14 @@ class _Steps:
                                    np.array(seq, dtype=np.int64) - 1, page)
                 step["padded"] = state["graphs"].pad_arrays(np.array(seq, dtype=np.int32),
                                                             table, slots, capacity)
-            state["last_graph"] = dict(seq=seq, capacity=capacity, padded=step["padded"])
+            state["last_graph"] = dict(seq=seq, capacity=capacity, padded=step["padded"],
+                                       built=step["built"])
         key = layer._metadata_key
         if key not in step["built"]:
-            step["built"][key] = layer.impl.graph_metadata(step["padded"], state["graphs"])
+            before = step.get("before", {}).get(key)
+            step["built"][key] = (
+                layer.impl.graph_metadata(step["padded"], state["graphs"]) if before is None
+                else layer.impl.advance_graph_metadata(before, step["padded"], state["graphs"]))
         return {key: step["built"][key]}
 
     def tokens(self, page: int) -> list[int]:
