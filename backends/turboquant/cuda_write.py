@@ -23,8 +23,8 @@ _PRESETS = ((8, 4), (4, 4), (3, 4), (3, 3))  # (key bits, value bits; 8: fp8 key
 
 def cuda_write_serves(key, value, kv_cache, slot_mapping, preset, cos_sin=None) -> bool:
     """Whether :func:`turboquant_cuda_write` serves the call: CUDA tensors, a head dim it was
-    built for, keys and values of one float dtype in rows of 16-byte aligned 8-element
-    pieces (its 16-byte loads), int64 slots, a cache whose slots are contiguous bytes at even
+    built for, keys and values of one float dtype in rows of 16-byte aligned 16-element
+    pieces (its loads), int64 slots, a cache whose slots are contiguous bytes at even
     addresses (its 16-bit stores; fewer than 2^31 slots), fp32 cos / sin in aligned rows, a
     key codebook the one-read lookup separates."""
     d = key.shape[2]
@@ -42,7 +42,7 @@ def cuda_write_serves(key, value, kv_cache, slot_mapping, preset, cos_sin=None) 
 
 
 def _aligned(x: torch.Tensor) -> bool:
-    """Rows of 16-byte aligned 8-element pieces: a 16-byte aligned start, unit last stride and
+    """Rows of 16-byte aligned 16-element pieces: a 16-byte aligned start, unit last stride and
     every other stride a multiple of 16 bytes (a non-unit last stride is made contiguous)."""
     size = x.element_size()
     return (x.stride(-1) != 1 or (x.data_ptr() % 16 == 0 and all(

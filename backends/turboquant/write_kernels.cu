@@ -3,26 +3,23 @@
 // minimum), head dims 64 / 128 / 256, the keys' RoPE in the launch.
 //
 // The write is a few arithmetic steps a coordinate against 2-2.4 bytes moved, so its speed is
-// its instruction count and the sectors its loads and stores touch. Lane j of a vector's
-// L = D / 16 lanes holds coordinates [8 j, 8 j + 8) of its key and value in registers 0-7 and
-// [D / 2 + 8 j, D / 2 + 8 j + 8) in registers 8-15 (one warp: 32 / L (token, KV head) pairs):
-//   - the inputs arrive in 16-byte loads, a vector's lanes reading contiguous bytes;
-//   - RoPE: coordinate d's partner d +- D / 2 is register c +- 8 of the same lane;
+// its instruction count. Lane j of a vector's L = D / 16 lanes holds coordinates
+// [16 j, 16 j + 16) of its key and value (one warp: 32 / L (token, KV head) pairs):
+//   - the inputs arrive in 16-byte loads;
+//   - RoPE: coordinate d's partner d +- D / 2 is the same register of lane j ^ L / 2;
 //   - the norm, and the values' minimum and maximum: a lane's 16, then log2 L shuffles;
 //   - the Hadamard rotation: a fast Walsh-Hadamard transform of the raw key (it is linear:
-//     1 / (sqrt(D) ||k||) is applied after); its stages commute, so each runs where its index
-//     bit lives -- bits 0-2 and the top bit within a lane (registers c and c ^ b), bits 3 to
-//     log2 D - 2 across the lanes (a shuffle and one FMA a coordinate each);
+//     1 / (sqrt(D) ||k||) is applied after), four stages within a lane, log2 L across lanes
+//     (a shuffle and one FMA a coordinate each);
 //   - a key code: how many midpoints are at or below y, read from a table over a uniform grid
 //     of y in [-1, 1] (format.code_lookup): u = y S + A picks cell round(u) by one add of
 //     1.5 2^23, and a cell holds the count below it and the one midpoint inside it, if any --
 //     one shared-memory read and one compare, not a search;
 //   - a value code: (v - lo) / s by a reciprocal and two Markstein steps (the round-to-nearest
 //     quotient, as torch's division gives), then floor(q + 0.5);
-//   - the packing: a lane's 8 consecutive codes are 4 bytes (4 bits), 8 bytes (fp8 keys) or
-//     3 bytes (3 bits: two lanes' runs make 6 bytes at an even offset, the even lane storing
-//     the first 4 and the odd lane the last 2), so a vector's lanes store contiguous bytes,
-//     in 4-byte stores where the address allows (slots are 2-byte aligned: store_words).
+//   - the packing: a lane's 16 codes are 8 (4 bits) or 6 (3 bits) whole bytes of the stream,
+//     stored as 16-bit words (slots are 2-byte aligned), two to a 4-byte store where the
+//     address allows (4-bit codes and fp8 keys: store_words).
 // The arithmetic is the torch write's (format.quantize_slots): IEEE sqrt, RoPE as two rounded
 // products and a rounded sum, the key rounded to its dtype after it. Summation orders differ
 // (the norm, the rotation), and the key is scaled after the rotation: a key index whose
@@ -71,36 +68,32 @@ __device__ __forceinline__ float2 pair_f32(uint32_t w, const __half*) {
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-// 8 elements from a 16-byte aligned address into x[at, at + 8), as fp32
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[kC], int at) {
+// 16 elements from a 16-byte aligned address, as fp32
+template <typename T> __device__ __forceinline__ void load16(const T* p, float (&x)[kC]) {
   static_assert(sizeof(T) == 2, "16-bit elements (fp32: the overload below)");
-  const uint4 w = *reinterpret_cast<const uint4*>(p);
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 f = pair_f32(ws[k], p);
-    x[at + 2 * k] = f.x;
-    x[at + 2 * k + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void load8(const float* p, float (&x)[kC], int at) {
-  const float4* q = reinterpret_cast<const float4*>(p);
+  const uint4* q = reinterpret_cast<const uint4*>(p);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float4 f = q[i];
-    x[at + 4 * i] = f.x;
-    x[at + 4 * i + 1] = f.y;
-    x[at + 4 * i + 2] = f.z;
-    x[at + 4 * i + 3] = f.w;
+    const uint4 w = q[i];
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = pair_f32(ws[k], p);
+      x[8 * i + 2 * k] = f.x;
+      x[8 * i + 2 * k + 1] = f.y;
+    }
   }
 }
-
-// lane j's 16 elements of a row of D: [8 j, 8 j + 8), then [D / 2 + 8 j, D / 2 + 8 j + 8)
-template <int D, typename T>
-__device__ __forceinline__ void load_lane(const T* row, int j, float (&x)[kC]) {
-  load8(row + 8 * j, x, 0);
-  load8(row + D / 2 + 8 * j, x, 8);
+__device__ __forceinline__ void load16(const float* p, float (&x)[kC]) {
+  const float4* q = reinterpret_cast<const float4*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 f = q[i];
+    x[4 * i] = f.x;
+    x[4 * i + 1] = f.y;
+    x[4 * i + 2] = f.z;
+    x[4 * i + 3] = f.w;
+  }
 }
 
 // x rounded to T and back (the RoPE write leaves the key in its dtype)
@@ -134,26 +127,14 @@ __device__ __forceinline__ void store_u16(uint8_t* at, uint32_t bits) {
   *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(bits);
 }
 
-// N 16-bit words (their low halves) at a 2-byte aligned address: four to an 8-byte store where
-// the address is 8-byte aligned, two to a 4-byte store where it is 4-byte aligned, one to a
-// 2-byte store elsewhere. The vectors of a warp are
+// N 16-bit words (their low halves) at a 2-byte aligned address: two to a 4-byte store where
+// the address is 4-byte aligned, one to a 2-byte store elsewhere. The vectors of a warp are
 // one token's heads, a page of slots apart, so they take the same branch unless the warp
-// spans two tokens.
+// spans two tokens; a 4-byte store halves the stores and the partial sectors they write.
 template <int N>
 __device__ __forceinline__ void store_words(uint8_t* at, const uint32_t (&words)[N]) {
   static_assert(N % 2 == 0, "an even count of 16-bit words");
-  const uintptr_t a = reinterpret_cast<uintptr_t>(at);
-  if constexpr (N % 4 == 0) {
-    if ((a & 7) == 0) {
-#pragma unroll
-      for (int w = 0; w < N / 4; ++w)
-        *reinterpret_cast<uint2*>(at + 8 * w) =
-            make_uint2((words[4 * w] & 0xffffu) | (words[4 * w + 1] << 16),
-                       (words[4 * w + 2] & 0xffffu) | (words[4 * w + 3] << 16));
-      return;
-    }
-  }
-  if ((a & 3) == 0) {
+  if ((reinterpret_cast<uintptr_t>(at) & 3) == 0) {
 #pragma unroll
     for (int w = 0; w < N / 2; ++w)
       *reinterpret_cast<uint32_t*>(at + 4 * w) =
@@ -168,32 +149,25 @@ __device__ __forceinline__ uint32_t fp16_bits(float x) {
   return __half_as_ushort(__float2half_rn(x));
 }
 
-// A vector's BITS-bit codes (lane j's registers as load_lane placed them) into the LSB-first
-// stream at `out`, stored where `write`; every lane of the warp takes part (3 bits: a shuffle).
-template <int D, int BITS>
-__device__ __forceinline__ void store_codes(uint8_t* out, const uint32_t (&code)[kC], int j,
-                                            bool write) {
+// a lane's 16 BITS-bit codes: bytes [16 j BITS / 8, 16 (j + 1) BITS / 8) of the LSB-first
+// stream at `out`, in 16-bit words
+template <int BITS>
+__device__ __forceinline__ void store_codes(uint8_t* out, const uint32_t (&code)[kC], int j) {
+  uint8_t* at = out + j * (kC * BITS / 8);
+  if constexpr (BITS == 4) {
+    uint32_t words[4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {  // run r: coordinates r D / 2 + [8 j, 8 j + 8)
-    uint32_t s = 0;
+    for (int w = 0; w < 4; ++w)
+      words[w] = code[4 * w] | (code[4 * w + 1] << 4) | (code[4 * w + 2] << 8) |
+                (code[4 * w + 3] << 12);
+    store_words(at, words);
+  } else {
+    static_assert(BITS == 3, "3- or 4-bit codes");
+    uint64_t s = 0;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) s |= code[8 * r + c] << (BITS * c);
-    uint8_t* run = out + r * (D * BITS / 16) + j * BITS;
-    if constexpr (BITS == 4) {
-      const uint32_t words[2] = {s, s >> 16};
-      if (write) store_words(run, words);
-    } else {
-      static_assert(BITS == 3, "3- or 4-bit codes");
-      // lanes 2i and 2i + 1: 48 bits at the run's byte 6 i; the even lane stores bits 0-31 (its
-      // 24 and the odd lane's low 8), the odd lane bits 32-47 (its own bits 8-23)
-      const uint32_t next = __shfl_xor_sync(kFull, s, 1);
-      if (write && (j & 1) == 0) {
-        const uint32_t words[2] = {s, (s >> 16) | (next << 8)};
-        store_words(run, words);
-      } else if (write) {
-        store_u16(run + 1, s >> 8);
-      }
-    }
+    for (int c = 0; c < kC; ++c) s |= static_cast<uint64_t>(code[c]) << (3 * c);
+#pragma unroll
+    for (int w = 0; w < 3; ++w) store_u16(at + 2 * w, static_cast<uint32_t>(s >> (16 * w)));
   }
 }
 
@@ -260,45 +234,42 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
 
   float k[kC], v[kC];
   if (write) {
-    load_lane<D>(static_cast<const T*>(p.key) + t * p.stride_kt + h * p.stride_kh, j, k);
-    load_lane<D>(static_cast<const T*>(p.value) + t * p.stride_vt + h * p.stride_vh, j, v);
+    load16(static_cast<const T*>(p.key) + t * p.stride_kt + h * p.stride_kh + j * kC, k);
+    load16(static_cast<const T*>(p.value) + t * p.stride_vt + h * p.stride_vh + j * kC, v);
   } else {
 #pragma unroll
     for (int c = 0; c < kC; ++c) k[c] = v[c] = 0.f;
   }
-  if (p.cos_sin != nullptr) {  // RoPE, d < D/2: k d cos - k (d + D/2) sin, k (d + D/2) cos + k d sin
-    float cs[kC];  // (cos of coordinates 8 j + c in 0-7, their sin in 8-15)
-    const float* row = p.cos_sin + t * p.stride_cst + 8 * j;
-    load8(row, cs, 0);
-    load8(row + kHalf, cs, 8);
+  if (p.cos_sin != nullptr) {  // RoPE: k d cos - k (d + D/2) sin, then k (d - D/2) sin + k d cos
+    float cs[kC], sn[kC];
+    const float* row = p.cos_sin + t * p.stride_cst + (j % (L / 2)) * kC;
+    load16(row, cs);
+    load16(row + kHalf, sn);
+    const bool first = j < L / 2;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const float a = k[c], b = k[c + 8];
-      k[c] = round_to<T>(__fadd_rn(__fmul_rn(a, cs[c]), __fmul_rn(-b, cs[c + 8])));
-      k[c + 8] = round_to<T>(__fadd_rn(__fmul_rn(b, cs[c]), __fmul_rn(a, cs[c + 8])));
+    for (int c = 0; c < kC; ++c) {
+      const float partner = __shfl_xor_sync(kFull, k[c], L / 2);
+      const float rot = __fmul_rn(first ? -partner : partner, sn[c]);
+      k[c] = round_to<T>(__fadd_rn(__fmul_rn(k[c], cs[c]), rot));
     }
   }
 
   uint8_t* vbase;
   if constexpr (KBITS == 8) {  // fp8 e4m3 keys, saturated, not rotated
+    uint32_t two[kC / 2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // run r: bytes r D / 2 + [8 j, 8 j + 8)
-      uint32_t two[4];
-#pragma unroll
-      for (int c = 0; c < 8; c += 2)
-        two[c / 2] = __nv_cvt_float2_to_fp8x2(
-            make_float2(fminf(fmaxf(k[8 * r + c], -448.f), 448.f),
-                        fminf(fmaxf(k[8 * r + c + 1], -448.f), 448.f)),
-            __NV_SATFINITE, __NV_E4M3);
-      if (write) store_words(base + r * kHalf + 8 * j, two);
-    }
+    for (int c = 0; c < kC; c += 2)
+      two[c / 2] = __nv_cvt_float2_to_fp8x2(
+          make_float2(fminf(fmaxf(k[c], -448.f), 448.f), fminf(fmaxf(k[c + 1], -448.f), 448.f)),
+          __NV_SATFINITE, __NV_E4M3);
+    if (write) store_words(base + j * kC, two);
     vbase = base + D;
   } else {
     float sq = 0.f;
 #pragma unroll
     for (int c = 0; c < kC; ++c) sq = __fmaf_rn(k[c], k[c], sq);
     const float norm = __fsqrt_rn(group_sum<L>(sq));
-    // the transform of the raw key: register c holds index bits 0-2 and the top bit
+    // the transform of the raw key: index 16 j + c, its low four bits within the lane
 #pragma unroll
     for (int b = 1; b < kC; b <<= 1) {
 #pragma unroll
@@ -311,7 +282,7 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
       }
     }
 #pragma unroll
-    for (int o = 1; o < L; o <<= 1) {  // bits 3 on, across the lanes: the upper partner
+    for (int o = 1; o < L; o <<= 1) {  // its high bits across the lanes: the upper partner
       const float sign = (j & o) ? -1.f : 1.f;  // takes other - own, the lower own + other
 #pragma unroll
       for (int c = 0; c < kC; ++c) k[c] = __fmaf_rn(k[c], sign, __shfl_xor_sync(kFull, k[c], o));
@@ -329,8 +300,10 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
       const float2 e = cells[cell];
       code[c] = static_cast<uint32_t>(__float_as_int(e.y)) + (u >= e.x ? 1u : 0u);
     }
-    store_codes<D, KBITS>(base, code, j, write);
-    if (write && j == 0) store_u16(base + D * KBITS / 8, fp16_bits(norm));
+    if (write) {
+      store_codes<KBITS>(base, code, j);
+      if (j == 0) store_u16(base + D * KBITS / 8, fp16_bits(norm));
+    }
     vbase = base + D * KBITS / 8 + 2;
   }
 
@@ -358,8 +331,8 @@ __global__ void __launch_bounds__(kWarps * 32) tq_write_kernel(Params p) {
     // (floor as the conversion's rounding; a NaN converts to 0)
     vcode[c] = static_cast<uint32_t>(min(max(__float2int_rd(__fadd_rn(q, 0.5f)), 0), kTop));
   }
-  store_codes<D, VBITS>(vbase, vcode, j, write);
   if (!write) return;
+  store_codes<VBITS>(vbase, vcode, j);
   uint8_t* tail = vbase + D * VBITS / 8;
   if (j == 0) {
     store_u16(tail, fp16_bits(scale));
