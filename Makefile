@@ -20,8 +20,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m attn_ops demo
 
-test: $(STAMP)  # two workers: the suite is compile-bound, one core each
-	$(PY) -m pytest -q -p no:cacheprovider -n 2
+# Two workers (the suite is compile-bound, one core each), a test file to a worker: a file's
+# tests share their compiled kernels and module setup, which per-test dealing repeats on both.
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 	$(MAKE) --no-print-directory test-hf-paged
 
 # The HF tests again over transformers 5.17, the last release that accepts a third-party
